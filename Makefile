@@ -1,0 +1,117 @@
+# kvserve build. `make` builds build/kvserve (+ tools), `make test` runs the CPU suite,
+# `make test-gpu` the GPU suite (on a GPU machine), `make run` serves the demo model.
+#
+# Source layout drives the build, so adding a file needs no Makefile edit:
+#   engine/ engine/kv/ models/ kernels/cpu/ server/ *.c  -> build/libkvserve.a
+#   any *_main.c                                          -> build/<name> (name: file minus _main.c, '_' -> '-')
+#   kernels/cuda/*.cu                                     -> linked in when nvcc is found (CUDA=0 forces off)
+#   tests/unit/test_*.c                                   -> build/tests/test_*   (run by tests/run)
+#   tests/gpu/test_*.c, *.cu                              -> build/tests-gpu/test_* (run by make test-gpu)
+#   tests/fuzz/fuzz_*.c                                   -> build/fuzz/fuzz_* (clang libFuzzer, `make fuzz`)
+
+SHELL := /bin/bash
+CC ?= cc
+NVCC ?= nvcc
+SAN ?= 0
+
+ifeq ($(SAN),1)
+BUILD ?= build/san
+SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+CUDA := 0
+else
+BUILD ?= build
+SANFLAGS :=
+endif
+
+ifeq ($(origin CUDA),undefined)
+CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+endif
+
+CFLAGS ?= -O2 -g
+CFLAGS += -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -pthread -I. -MMD -MP $(SANFLAGS)
+LDLIBS := -lmicrohttpd -lcjson -luv -lpcre2-8 -lutf8proc -lm -lpthread -ldl
+LDFLAGS += $(SANFLAGS) -pthread
+
+CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))
+NVCCFLAGS ?= -O3 -std=c++17 -I. -Xcompiler -Wall,-Wextra,-Werror \
+  -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
+
+LIB_SRCS := $(filter-out %_main.c,$(wildcard engine/*.c engine/kv/*.c models/*.c kernels/cpu/*.c server/*.c))
+MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
+CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu),)
+TEST_SRCS := $(wildcard tests/unit/test_*.c)
+GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
+
+ifeq ($(CUDA),1)
+CFLAGS += -DKVS_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+LDLIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
+else
+CFLAGS += -DKVS_HAVE_CUDA=0
+endif
+
+LIB_OBJS := $(LIB_SRCS:%.c=$(BUILD)/obj/%.o) $(CU_SRCS:%.cu=$(BUILD)/obj/%.o)
+MAIN_BINS := $(foreach f,$(MAIN_SRCS),$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(f)))))
+TEST_BINS := $(TEST_SRCS:tests/unit/%.c=$(BUILD)/tests/%)
+GPU_TEST_BINS := $(patsubst tests/gpu/%.cu,$(BUILD)/tests-gpu/%,$(patsubst tests/gpu/%.c,$(BUILD)/tests-gpu/%,$(GPU_TEST_SRCS)))
+LIB := $(BUILD)/libkvserve.a
+
+.PHONY: all setup test test-gpu run fuzz bench clean format tests-build
+all: setup $(MAIN_BINS)
+
+setup:
+	@scripts/setup
+
+$(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
+# one rule per main: build/<name> from <dir>/<name>_main.c
+define MAIN_RULE
+$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(1)))): $(BUILD)/obj/$(1:.c=.o) $(LIB)
+	$$(CC) $$(LDFLAGS) $$^ -o $$@ $$(LDLIBS)
+endef
+$(foreach f,$(MAIN_SRCS),$(eval $(call MAIN_RULE,$(f))))
+
+$(BUILD)/tests/%: $(BUILD)/obj/tests/unit/%.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS)
+
+$(BUILD)/tests-gpu/%: $(BUILD)/obj/tests/gpu/%.o $(LIB)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS)
+
+tests-build: setup $(MAIN_BINS) $(TEST_BINS)
+
+# The README's test command. SAN=1 runs the same suite under ASan+UBSan.
+test: tests-build
+	@BUILD=$(BUILD) SAN=$(SAN) tests/run
+
+test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
+	@BUILD=$(BUILD) tests/run-gpu
+
+run: all
+	$(BUILD)/kvserve --config config/default.json
+
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz
+
+bench: all
+	@scripts/bench-cpu
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

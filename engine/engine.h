@@ -1,0 +1,138 @@
+/* engine.h: the serving core's interface to its callers (the HTTP server, kvserve generate,
+ * kvserve-bench and the tests): submit a request, receive its events, cancel it.
+ *
+ * Threads: the engine runs its scheduler loop on its own thread (started by kvs_engine_create).
+ * Callers submit from any thread. For each request the engine appends events (tokens with
+ * their text deltas, then exactly one DONE or ERROR) to the request's queue and then calls
+ * the request's notify callback (the server's is a uv_async_send; it must not block). Callers
+ * drain the queue with kvs_request_poll. No lock is held across a forward pass.
+ *
+ * Ownership: a request is reference counted. kvs_request_new returns it with one reference (the
+ * caller's); kvs_engine_submit takes a second one for the engine, which the engine drops after
+ * the final event. Each side calls kvs_request_unref when done with it. Prompt and stop arrays
+ * are copied into the request by kvs_request_new. Event text is owned by the event; free
+ * drained events with kvs_event_clear.
+ *
+ * Errors: kvs_engine_submit returns 0, -EAGAIN (waiting queue full: HTTP 429/503),
+ * -E2BIG (prompt + max_tokens over the context: HTTP 400 context_length_exceeded),
+ * -EINVAL (bad parameters), -ESHUTDOWN (draining).
+ */
+#ifndef KVS_ENGINE_H
+#define KVS_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvs_config;
+struct kvs_model;
+struct kvs_tokenizer;
+struct kvs_engine;
+struct kvs_request;
+
+#define KVS_MAX_TOP_LOGPROBS 20
+
+struct kvs_sampling {
+    float temperature;            /* 0 = greedy */
+    float top_p;                  /* 1 = off */
+    int top_k;                    /* 0 = off */
+    float min_p;                  /* 0 = off */
+    uint64_t seed;
+    int has_seed;                 /* 0: seeded from the request id */
+    float presence_penalty;       /* 0 = off */
+    float frequency_penalty;      /* 0 = off */
+    float repetition_penalty;     /* 1 = off */
+    int n_logit_bias;
+    const int32_t *logit_bias_ids;   /* copied by kvs_request_new */
+    const float *logit_bias_values;
+    int logprobs;                 /* 1: report the sampled token's logprob */
+    int top_logprobs;             /* 0..KVS_MAX_TOP_LOGPROBS alternatives per token */
+};
+
+struct kvs_request_params {
+    const int32_t *prompt;        /* token ids (copied) */
+    int n_prompt;
+    int max_tokens;               /* > 0 */
+    struct kvs_sampling sampling;
+    const int32_t *stop_ids;      /* extra stop token ids (copied); EOS ids are added unless ignore_eos */
+    int n_stop_ids;
+    const char *const *stop_strings; /* copied; matched on the detokenized text, never emitted */
+    int n_stop_strings;
+    int ignore_eos;
+    int skip_special;             /* detokenize without special tokens (default 1) */
+    double timeout_s;             /* 0 = none; past it the request ends with finish "timeout" */
+};
+
+enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3 };
+enum kvs_finish { KVS_FINISH_NONE = 0, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_CANCELLED,
+                  KVS_FINISH_TIMEOUT, KVS_FINISH_ERROR };
+
+struct kvs_event {
+    enum kvs_event_type type;
+    /* TOKEN */
+    int32_t token;
+    char *text;                   /* UTF-8 delta completed by this token (may be ""); owned */
+    float logprob;
+    int n_top;
+    int32_t top_ids[KVS_MAX_TOP_LOGPROBS];
+    float top_logprobs[KVS_MAX_TOP_LOGPROBS];
+    /* DONE / ERROR */
+    enum kvs_finish finish;
+    char *error;                  /* ERROR: message (owned) */
+    int n_prompt_tokens;
+    int n_completion_tokens;
+    int n_cached_tokens;          /* prompt tokens served from a cache (prefix / documents) */
+    double queue_time_s;          /* submit -> first scheduled */
+    double ttft_s;                /* submit -> first token */
+    double e2e_s;                 /* submit -> done */
+};
+
+/* Gauges and counters for /metrics and the benchmarks (a consistent snapshot). */
+struct kvs_engine_stats {
+    int num_running;
+    int num_waiting;
+    int kv_blocks_total;
+    int kv_blocks_used;           /* referenced by running requests */
+    int kv_blocks_cached;         /* free but holding reusable prefix/doc KV */
+    int block_size;
+    uint64_t num_preemptions;
+    uint64_t prompt_tokens;
+    uint64_t generation_tokens;
+    uint64_t prefix_queries;      /* prompt tokens looked up in the prefix cache */
+    uint64_t prefix_hits;         /* of those, served from it */
+    uint64_t requests_finished;
+    uint64_t requests_rejected;   /* -EAGAIN at submit */
+    uint64_t steps;
+    double busy_s;                /* time spent in forward passes */
+};
+
+/* Creates the runner (backend, weights, KV pool) and starts the scheduler thread.
+ * model and tokenizer are borrowed and must outlive the engine. */
+int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *model,
+                      const struct kvs_tokenizer *tok, struct kvs_engine **out, char *err, size_t errlen);
+/* Stops the scheduler thread: in-flight requests get a DONE event with finish CANCELLED. */
+void kvs_engine_free(struct kvs_engine *e);
+
+/* Stops admitting (submit returns -ESHUTDOWN); running requests go on. */
+void kvs_engine_drain(struct kvs_engine *e);
+int kvs_engine_max_context(const struct kvs_engine *e);
+void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out);
+
+/* notify(user) is called from the engine thread after events are appended; may be NULL. */
+struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*notify)(void *user), void *user);
+void kvs_request_ref(struct kvs_request *r);
+void kvs_request_unref(struct kvs_request *r);
+uint64_t kvs_request_id(const struct kvs_request *r);
+
+int kvs_engine_submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen);
+/* Cancels (client gone): takes effect at the next step; the request's blocks return to the
+ * pool and it ends with DONE/CANCELLED. Safe from any thread, any number of times. */
+void kvs_request_cancel(struct kvs_request *r);
+
+/* Moves up to max queued events into out (caller clears each with kvs_event_clear); returns
+ * how many. Non-blocking. */
+int kvs_request_poll(struct kvs_request *r, struct kvs_event *out, int max);
+/* Blocks until at least one event is queued or timeout_s passes (for CLI tools and tests). */
+int kvs_request_wait(struct kvs_request *r, struct kvs_event *out, int max, double timeout_s);
+void kvs_event_clear(struct kvs_event *ev);
+
+#endif

@@ -1,0 +1,65 @@
+/* runner.h: one forward pass of the model over a mixed batch, on a backend (CPU or CUDA).
+ *
+ * The runner owns the backend, the weights in the backend's format, the KV pool storage
+ * (n_blocks blocks of block_size token slots, for every layer, K and V) and its workspaces; all
+ * of it is allocated once in kvs_runner_create, never on the per-step path.
+ * The KV *bookkeeping* (which request owns which block, refcounts, prefix hashes) lives in
+ * engine/kv/; the runner only reads and writes the slots the batch's block tables name.
+ *
+ * Ownership: create/free pair. The batch and its arrays belong to the caller and are only read
+ * during the call. Errors: 0 / negative errno (+ message in err on create).
+ * Thread-safety: one thread (the scheduler's) calls forward.
+ */
+#ifndef KVS_RUNNER_H
+#define KVS_RUNNER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvs_config;
+struct kvs_model;
+struct kvs_runner;
+
+/* One sequence's share of a step: n_tokens new tokens (1 for a decode step, a chunk for prefill)
+ * at positions pos .. pos+n_tokens-1. Their K/V are written into the slots of the block table
+ * (slot of position p = block_table[p / block_size], offset p % block_size) and they attend,
+ * causally, to positions 0 .. their own. */
+struct kvs_batch_seq {
+    const int32_t *tokens;
+    int n_tokens;
+    int pos;                      /* tokens already in the KV cache for this sequence */
+    const int32_t *block_table;   /* physical block ids covering positions [0, pos + n_tokens) */
+    int n_blocks;
+    /* Segment bases (DESIGN: keys are stored rotated relative to their segment's base).
+     * NULL means one segment with base 0 (ordinary prompts). Otherwise, per block, the
+     * rotation offset the attention kernel must add to keys of that block. */
+    const int32_t *block_rot_offset;
+    int want_logits;              /* 1: produce logits for the last of these tokens */
+};
+
+struct kvs_batch {
+    const struct kvs_batch_seq *seqs;
+    int n_seqs;
+};
+
+/* Creates the backend named by cfg->device (auto/cpu/cuda), uploads weights, sizes the KV pool
+ * from cfg (kv_memory_bytes, or kv_memory_fraction of free memory) and logs the pool size. */
+int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *model,
+                      struct kvs_runner **out, char *err, size_t errlen);
+void kvs_runner_free(struct kvs_runner *r);
+
+int kvs_runner_num_blocks(const struct kvs_runner *r);
+int kvs_runner_block_size(const struct kvs_runner *r);
+int kvs_runner_vocab_size(const struct kvs_runner *r);
+const char *kvs_runner_backend_name(const struct kvs_runner *r);
+/* bytes of KV storage per token (all layers, K+V) */
+size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r);
+
+/* Runs the batch. logits (host, fp32) receives [number of seqs with want_logits][vocab] rows
+ * in batch order. Returns 0 or a negative errno (e.g. -EINVAL for a malformed batch). */
+int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
+
+/* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */
+int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst);
+
+#endif
