@@ -11,8 +11,8 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
         bc python3 python3-venv ca-certificates && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-# KVS_SETUP_PY=0: the Python test environment is not needed to build the daemon.
-RUN KVS_SETUP_PY=0 make CUDA=1 all
+# KVS_SETUP=0: the packages above are what scripts/setup would install for building.
+RUN KVS_SETUP=0 make CUDA=1 all
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive
