@@ -142,6 +142,44 @@ static int top_k_ids(const float *v, int n, int k, int32_t *out)
     return m;
 }
 
+/* steps 1-3: bias and penalties, logits -> out */
+static void process(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt, int n_hist,
+                    float *w)
+{
+    const int V = s->vocab;
+    const struct kvs_sampling *p = &s->p;
+    /* 1. logit bias */
+    if (w != logits) memcpy(w, logits, (size_t)V * sizeof(float));
+    for (int i = 0; i < p->n_logit_bias; i++) w[p->logit_bias_ids[i]] += p->logit_bias_values[i];
+
+    /* 2-3. penalties: count[] holds output counts plus a seen flag, and is zeroed again as
+     * each distinct token is processed */
+    int rep = p->repetition_penalty != 1.0f, pf = p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
+    if ((rep || pf) && history && n_hist > 0) {
+        for (int i = 0; i < n_hist; i++) {
+            int32_t t = history[i];
+            if (t < 0 || t >= V) continue;
+            if (i < n_prompt) s->count[t] |= SEEN_IN_PROMPT;
+            else s->count[t] = (s->count[t] + 1) | SEEN_IN_PROMPT;
+        }
+        for (int i = 0; i < n_hist; i++) {
+            int32_t t = history[i];
+            if (t < 0 || t >= V || s->count[t] == 0) continue;
+            int oc = s->count[t] & ~SEEN_IN_PROMPT;
+            if (rep) w[t] = w[t] > 0.0f ? w[t] / p->repetition_penalty : w[t] * p->repetition_penalty;
+            if (oc > 0) w[t] -= p->frequency_penalty * (float)oc + p->presence_penalty;
+            s->count[t] = 0;
+        }
+    }
+}
+
+int kvs_sampler_processed_logits(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt,
+                                 int n_hist, float *out)
+{
+    process(s, logits, history, n_prompt, n_hist, out);
+    return 0;
+}
+
 /* ---- sample ------------------------------------------------------------------------------- */
 
 int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt, int n_hist,
@@ -166,29 +204,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         for (int i = 0; i < out->n_top; i++) out->top_logprobs[i] = (float)((double)logits[out->top_ids[i]] - rlse);
     }
 
-    /* 1. logit bias */
-    memcpy(w, logits, (size_t)V * sizeof(float));
-    for (int i = 0; i < p->n_logit_bias; i++) w[p->logit_bias_ids[i]] += p->logit_bias_values[i];
-
-    /* 2-3. penalties: count[] holds output counts plus a seen flag, and is zeroed again as
-     * each distinct token is processed */
-    int rep = p->repetition_penalty != 1.0f, pf = p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f;
-    if ((rep || pf) && history && n_hist > 0) {
-        for (int i = 0; i < n_hist; i++) {
-            int32_t t = history[i];
-            if (t < 0 || t >= V) continue;
-            if (i < n_prompt) s->count[t] |= SEEN_IN_PROMPT;
-            else s->count[t] = (s->count[t] + 1) | SEEN_IN_PROMPT;
-        }
-        for (int i = 0; i < n_hist; i++) {
-            int32_t t = history[i];
-            if (t < 0 || t >= V || s->count[t] == 0) continue;
-            int oc = s->count[t] & ~SEEN_IN_PROMPT;
-            if (rep) w[t] = w[t] > 0.0f ? w[t] / p->repetition_penalty : w[t] * p->repetition_penalty;
-            if (oc > 0) w[t] -= p->frequency_penalty * (float)oc + p->presence_penalty;
-            s->count[t] = 0;
-        }
-    }
+    process(s, logits, history, n_prompt, n_hist, w);
 
     int32_t tok = -1;
     if (p->temperature < 1e-5f || p->top_k == 1) {

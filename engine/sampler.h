@@ -65,6 +65,11 @@ void kvs_sampler_free(struct kvs_sampler *s);
 int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt, int n_hist,
                        struct kvs_sample_result *out);
 
+/* Steps 1-3 only (logit bias and penalties) of logits[vocab] into out[vocab] (may equal
+ * logits); for tests and for backends that sample elsewhere. Returns 0. */
+int kvs_sampler_processed_logits(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt,
+                                 int n_hist, float *out);
+
 /* Uniform double in [0, 1) from the sampler's RNG (advances it); exposed for tests. */
 double kvs_sampler_uniform(struct kvs_sampler *s);
 
