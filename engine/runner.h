@@ -55,6 +55,12 @@ const char *kvs_runner_backend_name(const struct kvs_runner *r);
 /* bytes of KV storage per token (all layers, K+V) */
 size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r);
 
+/* Capacities fixed at create time (from cfg max_batch_tokens, max_running, max_model_len):
+ * a batch with more tokens or sequences, or a sequence past the context, is refused. */
+int kvs_runner_max_tokens_per_step(const struct kvs_runner *r);
+int kvs_runner_max_seqs_per_step(const struct kvs_runner *r);
+int kvs_runner_max_context(const struct kvs_runner *r);
+
 /* Runs the batch. logits (host, fp32) receives [number of seqs with want_logits][vocab] rows
  * in batch order. Returns 0 or a negative errno (e.g. -EINVAL for a malformed batch). */
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
