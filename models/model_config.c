@@ -314,34 +314,40 @@ int kvs_model_config_load(const char *dir, struct kvs_model_config *c, char *err
     return rc;
 }
 
+/* Mirrors transformers step by step in float32 (torch computes inv_freq in float32 and python
+ * scalars are cast to the tensor's dtype), so the result matches to within pow's last bit; the
+ * llama3 branch is _compute_llama3_parameters: keep high frequencies, divide low ones by factor,
+ * interpolate smoothly in between. */
 void kvs_rope_inv_freq(const struct kvs_model_config *c, float *inv_freq_out)
 {
     const int half = c->head_dim / 2;
+    const float factor = (float)c->rope_factor;
+    const float old_ctx = (float)c->rope_original_max_pos;
+    const float low = (float)c->rope_low_freq_factor;
+    /* python evaluates these on doubles, then torch casts the scalar to float32 */
+    const float low_wavelen = (float)((double)c->rope_original_max_pos / c->rope_low_freq_factor);
+    const float high_wavelen = (float)((double)c->rope_original_max_pos / c->rope_high_freq_factor);
+    const float two_pi = (float)(2.0 * M_PI);
+    const float band = (float)(c->rope_high_freq_factor - c->rope_low_freq_factor);
     for (int i = 0; i < half; i++) {
-        /* transformers: 1 / base ** (arange(0, dim, 2) / dim), in float32; evaluated here in double
-         * and rounded once, which is within an ulp of torch's float32 pow */
-        float base_f = (float)(1.0 / pow(c->rope_theta, (double)(2 * i) / (double)c->head_dim));
-        double f = base_f;
+        /* 1.0 / (base ** (arange(0, dim, 2).float() / dim)) */
+        float e = (float)(2 * i) / (float)c->head_dim;
+        float p = (float)pow((double)(float)c->rope_theta, (double)e);
+        float f = 1.0f / p;
         switch (c->rope_type) {
         case KVS_ROPE_DEFAULT: break;
-        case KVS_ROPE_LINEAR: f = f / c->rope_factor; break;
+        case KVS_ROPE_LINEAR: f = f / factor; break;
         case KVS_ROPE_LLAMA3: {
-            /* transformers' _compute_llama3_parameters: keep high frequencies, divide low ones by
-             * factor, interpolate smoothly in between */
-            const double old_ctx = c->rope_original_max_pos;
-            const double low_wavelen = old_ctx / c->rope_low_freq_factor;
-            const double high_wavelen = old_ctx / c->rope_high_freq_factor;
-            const double wavelen = 2.0 * M_PI / f;
-            if (wavelen > low_wavelen) {
-                f = f / c->rope_factor;
-            } else if (!(wavelen < high_wavelen)) {
-                double smooth = (old_ctx / wavelen - c->rope_low_freq_factor) /
-                                (c->rope_high_freq_factor - c->rope_low_freq_factor);
-                f = (1.0 - smooth) * f / c->rope_factor + smooth * f;
+            float wavelen = two_pi / f;
+            float scaled = wavelen > low_wavelen ? f / factor : f;
+            if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) {
+                float smooth = (old_ctx / wavelen - low) / band;
+                scaled = (1.0f - smooth) * scaled / factor + smooth * scaled;
             }
+            f = scaled;
             break;
         }
         }
-        inv_freq_out[i] = (float)f;
+        inv_freq_out[i] = f;
     }
 }
