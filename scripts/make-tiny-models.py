@@ -113,6 +113,29 @@ def write_generation_config(dirpath, eos):
         f.write("\n")
 
 
+SAMPLED = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+           "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.k_proj.weight",
+           "model.layers.1.self_attn.k_proj.bias", "model.layers.0.self_attn.q_norm.weight",
+           "model.layers.1.self_attn.k_norm.weight", "model.layers.1.mlp.down_proj.weight"]
+
+
+def write_tensor_samples(dirpath, m):
+    """A few values of some tensors, taken from transformers' loaded module (lm_head tied or
+    not), as an independent check of the safetensors reader: {name: {shape, values: [[flat
+    index, value as float32]]}}."""
+    sd = m.state_dict()
+    out = {}
+    for name in SAMPLED:
+        if name not in sd:
+            continue
+        t = sd[name].detach().to(torch.float32).reshape(-1)
+        idx = sorted({0, 1, 2, t.numel() // 3, t.numel() // 2 + 1, t.numel() - 1})
+        out[name] = {"shape": list(sd[name].shape), "values": [[i, float(t[i])] for i in idx]}
+    with open(os.path.join(dirpath, "tensor_samples.json"), "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
 @torch.no_grad()
 def write_reference(dirpath, name, dtype_note):
     """Reloads the saved directory with transformers (so exactly what is on disk is what is
@@ -152,6 +175,7 @@ def write_reference(dirpath, name, dtype_note):
     with open(os.path.join(dirpath, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
         f.write("\n")
+    write_tensor_samples(dirpath, m)
     n_distinct = [len(set(e["greedy"])) for e in entries]
     margin = min(e["greedy_min_margin"] for e in entries)
     print(f"{name}: {len(blob)} logit bytes, distinct greedy tokens per prompt {n_distinct}, "
