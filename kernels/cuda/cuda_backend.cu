@@ -59,12 +59,14 @@ typedef __nv_bfloat16 bf16;
 /* ---- objects ------------------------------------------------------------------------------ */
 
 struct kvs_dbuf {
+    struct kvs_dbuf *prev, *next; /* the backend's list of live buffers (freed by free()) */
     enum kvs_buf_kind kind;
     size_t n;                     /* elements */
     void *d;                      /* device memory: float (ACT, F32), int32 (I32), bf16 (KV) */
 };
 
 struct kvs_dweight {
+    struct kvs_dweight *prev, *next; /* the backend's list of live weights */
     int64_t rows, cols;           /* a vector has rows = 1 */
     int is_vector;                /* 1: fp32 vector in f; 0: bf16 matrix [rows][cols] in h */
     float *f;
@@ -91,7 +93,22 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
+    struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
+    struct kvs_dweight *weights;
 };
+
+template <typename T> static void list_add(T **head, T *x)
+{
+    x->prev = NULL;
+    x->next = *head;
+    if (*head) (*head)->prev = x;
+    *head = x;
+}
+template <typename T> static void list_del(T **head, T *x)
+{
+    if (x->prev) x->prev->next = x->next; else *head = x->next;
+    if (x->next) x->next->prev = x->prev;
+}
 
 static size_t kind_size(enum kvs_buf_kind k)
 {
@@ -530,6 +547,19 @@ static void cu_free(struct kvs_backend *b)
 {
     if (!b) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    while (b->bufs) {
+        struct kvs_dbuf *x = b->bufs;
+        list_del(&b->bufs, x);
+        CUDA_CHECK(cudaFree(x->d));
+        free(x);
+    }
+    while (b->weights) {
+        struct kvs_dweight *w = b->weights;
+        list_del(&b->weights, w);
+        CUDA_CHECK(cudaFree(w->f));
+        CUDA_CHECK(cudaFree(w->h));
+        free(w);
+    }
     CUDA_CHECK(cudaFree(b->xh));
     CUDA_CHECK(cudaFree(b->attn_ws));
     CUDA_CHECK(cudaFree(b->blas_ws));
@@ -591,6 +621,7 @@ static struct kvs_dbuf *cu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, 
     buf->kind = kind;
     buf->n = n;
     buf->d = d;
+    list_add(&b->bufs, buf);
     return buf;
 }
 
@@ -598,6 +629,7 @@ static void cu_free_buf(struct kvs_backend *b, struct kvs_dbuf *buf)
 {
     if (!buf) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    list_del(&b->bufs, buf);
     CUDA_CHECK(cudaFree(buf->d));
     free(buf);
 }
@@ -696,6 +728,7 @@ static struct kvs_dweight *cu_upload_weight(struct kvs_backend *b, const struct 
         }
     }
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    list_add(&b->weights, w);
     return w;
 oom:
     kvs_err(err, errlen, -ENOMEM, "cuda: out of device memory for a %lld x %lld weight (%s)", (long long)w->rows,
@@ -708,6 +741,7 @@ static void cu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
 {
     if (!w) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    list_del(&b->weights, w);
     CUDA_CHECK(cudaFree(w->f));
     CUDA_CHECK(cudaFree(w->h));
     free(w);
@@ -956,6 +990,7 @@ extern "C" struct kvs_dweight *kvs_cuda_random_weight(struct kvs_backend *b, int
         k_bf16_fill_random<<<grid_for(n, 256), 256, 0, b->stream>>>(w->h, n, scale, seed);
     }
     LAUNCH_CHECK();
+    list_add(&b->weights, w);
     return w;
 }
 
