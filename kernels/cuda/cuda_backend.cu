@@ -355,7 +355,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
         for (int i = 0; i < 8; i++) acc[h][i] = 0.0f;
     }
 
-    for (int base = p0 + gid * ATT_TP; base < p1; base += ng * ATT_TP) {
+    /* The loop bound is warp-uniform (every lane runs every shuffle); groups past the end of
+     * the range see only masked positions. */
+    const int gpw = 32 / lg;
+    for (int wbase = p0 + warp * gpw * ATT_TP; wbase < p1; wbase += ng * ATT_TP) {
+        const int base = wbase + (lane / lg) * ATT_TP;
         uint4 ku[ATT_TP], vu[ATT_TP];
         int rofs[ATT_TP];
 #pragma unroll
@@ -416,7 +420,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
             float mt = sc[0][h];
 #pragma unroll
             for (int j = 1; j < ATT_TP; j++) mt = fmaxf(mt, sc[j][h]);
-            float mn = fmaxf(m[h], mt); /* finite: position base is always valid */
+            float mn = fmaxf(m[h], mt);
+            if (mn == -INFINITY) continue; /* nothing visible yet for this group */
             float alpha = __expf(m[h] - mn);
             float pj[ATT_TP], ps = 0.0f;
 #pragma unroll

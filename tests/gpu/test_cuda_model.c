@@ -133,6 +133,7 @@ int main(void)
     const char *root = getenv("KVS_ROOT") ? getenv("KVS_ROOT") : ".";
     static const char *models[] = {"llama", "llama-bf16", "llama31", "qwen2", "qwen3", "qwen3-sharded"};
     int bad = 0;
+    setvbuf(stdout, NULL, _IOLBF, 0);
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) {
         char dir[1024];
         snprintf(dir, sizeof dir, "%s/tests/data/models/%s", root, models[i]);

@@ -424,6 +424,7 @@ int main(void)
     uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
     if (!seed) seed = 1;
     rng = seed;
+    setvbuf(stdout, NULL, _IOLBF, 0);
     printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
     char err[256];
     bc = C->create(2, err, sizeof err);
