@@ -10,7 +10,8 @@
  * device-to-device copy bandwidth (read + write bytes per second, same run), and floor / time.
  *
  * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--iters 20]
- *                         [--layers 32] [--markdown FILE]
+ *                         [--layers 32] [--markdown FILE] [--attn-variants]
+ * --attn-variants also times the attention of all layers alone for each kernel variant.
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
 #include <math.h>
@@ -71,7 +72,7 @@ static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_
 int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
-    int n_layers = 32;
+    int n_layers = 32, attn_variants = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -79,6 +80,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--iters N] [--layers N] "
                             "[--markdown FILE]\n", argv[0]);
@@ -261,6 +263,30 @@ int main(int argc, char **argv)
             if (mf)
                 fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |\n", nb, ctx, ms, nb / (ms * 1e-3),
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms);
+            /* attention alone (all layers), for each kernel variant: where the KV time goes */
+            if (attn_variants) {
+                static const int var[][2] = {{0, 4}, {0, 8}, {1, 8}, {1, 16}};
+                printf("%6s %8s   attention only:", "", "");
+                for (int vi = 0; vi < 4; vi++) {
+                    kvs_cuda_set_attn_variant(b, var[vi][0], var[vi][1]);
+                    kvs_cuda_graph_begin(b);
+                    for (int l = 0; l < n_layers; l++)
+                        O->attention(b, q, L[l].kc, L[l].vc, &m, nb, NH, NKV, HD, BS, scale, att);
+                    struct kvs_cuda_graph *ga = kvs_cuda_graph_end(b);
+                    kvs_cuda_graph_launch(b, ga);
+                    for (int it = 0; it < iters; it++) {
+                        kvs_cuda_timer_start(b);
+                        kvs_cuda_graph_launch(b, ga);
+                        t[it] = kvs_cuda_timer_stop_ms(b);
+                    }
+                    qsort(t, (size_t)iters, sizeof(float), cmp_float);
+                    printf("  pf%d/%2d %.3f ms %4.0f GB/s", var[vi][0], var[vi][1], t[iters / 2],
+                           kv_bytes / (t[iters / 2] * 1e-3) / 1e9);
+                    kvs_cuda_graph_free(ga);
+                }
+                printf("\n");
+                kvs_cuda_set_attn_variant(b, 1, 8);
+            }
             free(lg);
             free(t);
             kvs_cuda_graph_free(gr);

@@ -93,6 +93,8 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
+    int attn_pf;                  /* attention K/V prefetch variant (KVS_CUDA_ATTN_PREFETCH, default 1) */
+    int attn_blocks_per_sm;       /* split target: grid of about this many blocks per SM */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -271,6 +273,72 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
         y[i] += bias[i % out];
 }
 
+/* ---- small-batch matmul ------------------------------------------------------------------- */
+/*
+ * y[r][o] = x[r][:] . W[o][:] for n <= GEMV_MAX_N rows (decode): reads the bf16 weight once and the
+ * fp32 activations as they are (no bf16 rounding of x, unlike the cuBLAS path). A warp owns
+ * GEMV_GO consecutive outputs; lane l covers input columns [8l + 256k, +8) with one 16-byte
+ * weight load per output; partial sums are combined by warp shuffles. The summation order of a
+ * row does not depend on n (batch invariant within this path).
+ */
+#define GEMV_MAX_N 8
+#define GEMV_GO 4
+#define GEMV_WARPS 8
+
+__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b)
+{
+    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&w;
+    float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
+    float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
+    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y + w3.x * b.z + w3.y * b.w;
+}
+
+template <int NR>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const float *x, const float *bias, int n,
+                                                          int in, int out, float *y)
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_GO;
+    if (o0 >= out) return; /* whole warp */
+    float acc[GEMV_GO][NR];
+#pragma unroll
+    for (int g = 0; g < GEMV_GO; g++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) acc[g][r] = 0.0f;
+    const bf16 *wr[GEMV_GO];
+#pragma unroll
+    for (int g = 0; g < GEMV_GO; g++) wr[g] = W + (size_t)min(o0 + g, out - 1) * in;
+#pragma unroll 2
+    for (int i = lane * 8; i < in; i += 256) {
+        uint4 wv[GEMV_GO];
+#pragma unroll
+        for (int g = 0; g < GEMV_GO; g++) wv[g] = __ldg((const uint4 *)(wr[g] + i));
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            if (r < n) {
+                const float4 *xp = (const float4 *)(x + (size_t)r * in + i);
+                float4 a = xp[0], b = xp[1];
+#pragma unroll
+                for (int g = 0; g < GEMV_GO; g++) acc[g][r] += dot8(wv[g], a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < GEMV_GO; g++)
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            float v = acc[g][r];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            acc[g][r] = v;
+        }
+    if (lane == 0)
+#pragma unroll
+        for (int g = 0; g < GEMV_GO; g++)
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                if (r < n && o0 + g < out) y[(size_t)r * out + o0 + g] = acc[g][r] + (bias ? bias[o0 + g] : 0.0f);
+}
+
 /* ---- attention ---------------------------------------------------------------------------- */
 /*
  * Block = ATT_WARPS warps, for (query row t = blockIdx.x, KV head g and query-head chunk =
@@ -305,7 +373,7 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 u, float *f)
     }
 }
 
-template <int GT>
+template <int GT, bool PF>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
 {
     extern __shared__ float sm[];
@@ -356,28 +424,45 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
     }
 
     /* The loop bound is warp-uniform (every lane runs every shuffle); groups past the end of
-     * the range see only masked positions. */
+     * the range see only masked positions. The K/V of the next tile are loaded while the
+     * current one is computed (register double buffering). */
     const int gpw = 32 / lg;
-    for (int wbase = p0 + warp * gpw * ATT_TP; wbase < p1; wbase += ng * ATT_TP) {
-        const int base = wbase + (lane / lg) * ATT_TP;
-        uint4 ku[ATT_TP], vu[ATT_TP];
-        int rofs[ATT_TP];
+    uint4 ku[ATT_TP], vu[ATT_TP], nk[ATT_TP], nv[ATT_TP];
+    int rofs[ATT_TP], nr[ATT_TP];
+    auto load_tile = [&](int wb, uint4 *kk, uint4 *vv, int *ro) {
+        const int bb = wb + (lane / lg) * ATT_TP;
 #pragma unroll
         for (int j = 0; j < ATT_TP; j++) {
-            int p = base + j;
-            ku[j] = make_uint4(0, 0, 0, 0);
-            vu[j] = make_uint4(0, 0, 0, 0);
-            rofs[j] = 0;
+            int p = bb + j;
+            kk[j] = make_uint4(0, 0, 0, 0);
+            vv[j] = make_uint4(0, 0, 0, 0);
+            ro[j] = 0;
             if (p < p1) {
                 int pb = p / a.bs;
                 size_t blk = (size_t)btab[pb];
                 size_t off = ((blk * a.n_kv + g) * a.bs + (size_t)(p % a.bs)) * hd + d0;
                 if (active) {
-                    ku[j] = *(const uint4 *)(a.kc + off);
-                    vu[j] = *(const uint4 *)(a.vc + off);
+                    kk[j] = __ldg((const uint4 *)(a.kc + off));
+                    vv[j] = __ldg((const uint4 *)(a.vc + off));
                 }
-                if (rtab) rofs[j] = rtab[pb];
+                if (rtab) ro[j] = rtab[pb];
             }
+        }
+    };
+    const int wstart = p0 + warp * gpw * ATT_TP;
+    if (PF && wstart < p1) load_tile(wstart, nk, nv, nr);
+    for (int wbase = wstart; wbase < p1; wbase += ng * ATT_TP) {
+        const int base = wbase + (lane / lg) * ATT_TP;
+        if (PF) {
+#pragma unroll
+            for (int j = 0; j < ATT_TP; j++) {
+                ku[j] = nk[j];
+                vu[j] = nv[j];
+                rofs[j] = nr[j];
+            }
+            if (wbase + ng * ATT_TP < p1) load_tile(wbase + ng * ATT_TP, nk, nv, nr);
+        } else {
+            load_tile(wbase, ku, vu, rofs);
         }
         float sc[ATT_TP][GT];
 #pragma unroll
@@ -539,10 +624,20 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
     /* the attention kernels may need more than 48 KB of shared memory for small head dims */
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    {
+        const char *e = getenv("KVS_CUDA_ATTN_PREFETCH");
+        b->attn_pf = e ? atoi(e) != 0 : 1;
+        e = getenv("KVS_CUDA_ATTN_BLOCKS_PER_SM");
+        b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 8;
+    }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
     return b;
@@ -797,6 +892,19 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
 {
     if (n <= 0) return;
     KVS_ASSERT(!w->is_vector && w->rows == out && w->cols == in);
+    if (n <= GEMV_MAX_N && in % 8 == 0) {
+        unsigned grid = (unsigned)((out + GEMV_WARPS * GEMV_GO - 1) / (GEMV_WARPS * GEMV_GO));
+        const float *bp = bias ? bias->f : nullptr;
+        KVS_ASSERT(!bias || (bias->is_vector && bias->cols == out));
+        const float *xp = (const float *)x->d;
+        float *yp = (float *)y->d;
+        if (n == 1) k_gemv<1><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
+        else if (n == 2) k_gemv<2><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
+        else if (n <= 4) k_gemv<4><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
+        else k_gemv<8><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
+        LAUNCH_CHECK();
+        return;
+    }
     size_t nx = (size_t)n * in;
     KVS_ASSERT(nx <= b->xh_cap);
     k_f32_to_bf16<<<grid_for(nx, 256), 256, 0, b->stream>>>((const float *)x->d, b->xh, nx);
@@ -877,11 +985,11 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.out = (float *)out->d;
     a.part = b->attn_ws;
 
-    /* Split the context so that the grid fills the GPU about four times over, with at least
-     * 64 positions per split and the partials fitting the workspace. */
+    /* Split the context so that the grid has about attn_blocks_per_sm blocks per SM, with at
+     * least 64 positions per split and the partials fitting the workspace. */
     long long base_blocks = (long long)n * n_kv_heads * n_hchunks;
     int max_ctx = m->max_ctx > 0 ? m->max_ctx : 1;
-    long long want = (4LL * b->n_sms + base_blocks - 1) / base_blocks;
+    long long want = ((long long)b->attn_blocks_per_sm * b->n_sms + base_blocks - 1) / base_blocks;
     long long by_len = (max_ctx + 63) / 64;
     long long by_ws = (long long)(ATTN_WS_BYTES / 4 / ((size_t)n * n_heads * (head_dim + 2)));
     long long ns = want;
@@ -897,11 +1005,21 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     dim3 grid((unsigned)n, (unsigned)(n_kv_heads * n_hchunks), (unsigned)a.n_splits);
     size_t smem = ((size_t)ng * GT * head_dim + 2 * (size_t)ng * GT) * sizeof(float);
     KVS_ASSERT(smem <= 96 * 1024);
-    switch (GT) {
-    case 1: k_attention<1><<<grid, ATT_WARPS * 32, smem, b->stream>>>(a); break;
-    case 2: k_attention<2><<<grid, ATT_WARPS * 32, smem, b->stream>>>(a); break;
-    case 4: k_attention<4><<<grid, ATT_WARPS * 32, smem, b->stream>>>(a); break;
-    default: k_attention<8><<<grid, ATT_WARPS * 32, smem, b->stream>>>(a); break;
+    dim3 blk(ATT_WARPS * 32);
+    if (b->attn_pf) {
+        switch (GT) {
+        case 1: k_attention<1, true><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: k_attention<2, true><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: k_attention<4, true><<<grid, blk, smem, b->stream>>>(a); break;
+        default: k_attention<8, true><<<grid, blk, smem, b->stream>>>(a); break;
+        }
+    } else {
+        switch (GT) {
+        case 1: k_attention<1, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: k_attention<2, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: k_attention<4, false><<<grid, blk, smem, b->stream>>>(a); break;
+        default: k_attention<8, false><<<grid, blk, smem, b->stream>>>(a); break;
+        }
     }
     LAUNCH_CHECK();
     if (a.n_splits > 1) {
@@ -1088,4 +1206,10 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
     CUDA_CHECK(cudaRuntimeGetVersion(&rt));
     snprintf(out, outlen, "%s, %d SMs, %.1f GiB, driver %d, runtime %d", prop.name, prop.multiProcessorCount,
              (double)prop.totalGlobalMem / (double)(1u << 30), drv, rt);
+}
+
+extern "C" void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm)
+{
+    b->attn_pf = prefetch != 0;
+    if (blocks_per_sm > 0) b->attn_blocks_per_sm = blocks_per_sm;
 }

@@ -46,6 +46,10 @@ float kvs_cuda_timer_stop_ms(struct kvs_backend *b);
  * only, never inside a step). Returns 0 if the memory cannot be had. */
 double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
 
+/* Attention variant (for the benchmark's comparisons): prefetch = register double buffering of
+ * K/V, blocks_per_sm = how many blocks per SM the context split aims at (0 = keep). */
+void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm);
+
 /* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */
 void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen);
 

@@ -224,8 +224,9 @@ static void test_embed_matmul(void)
     char what[160];
     const enum kvs_dtype dts[] = {KVS_DTYPE_F32, KVS_DTYPE_BF16, KVS_DTYPE_F16};
     const char *dtn[] = {"f32", "bf16", "f16"};
-    struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1}};
-    for (int c = 0; c < 4; c++) {
+    struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
+                                                 {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1}};
+    for (int c = 0; c < 8; c++) {
         int n = cases[c].n, in = cases[c].in, out = cases[c].out;
         enum kvs_dtype dt = dts[c % 3];
         float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
