@@ -7,7 +7,8 @@
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
- * GEMMs: cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F.
+ * GEMMs: cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, for every n (a hand-written
+ * small-batch GEMV reading fp32 x was measured slower than cuBLAS on H200 and dropped).
  * Attention: one kernel for prefill and decode rows (flash-decoding): a block per (query row,
  * KV head, split of the context); the block keeps the query heads of one GQA group in
  * registers so that every K/V element read from memory serves all of them; online softmax in
@@ -93,8 +94,9 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
-    int attn_pf;                  /* attention K/V prefetch variant (KVS_CUDA_ATTN_PREFETCH, default 1) */
-    int attn_blocks_per_sm;       /* split target: grid of about this many blocks per SM */
+    int attn_pf;                  /* attention K/V prefetch variant (KVS_CUDA_ATTN_PREFETCH, default 0:
+                                   * measured slower on H200, its registers cost occupancy) */
+    int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto (8 for small grids, else 4) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -271,72 +273,6 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         y[i] += bias[i % out];
-}
-
-/* ---- small-batch matmul ------------------------------------------------------------------- */
-/*
- * y[r][o] = x[r][:] . W[o][:] for n <= GEMV_MAX_N rows (decode): reads the bf16 weight once and the
- * fp32 activations as they are (no bf16 rounding of x, unlike the cuBLAS path). A warp owns
- * GEMV_GO consecutive outputs; lane l covers input columns [8l + 256k, +8) with one 16-byte
- * weight load per output; partial sums are combined by warp shuffles. The summation order of a
- * row does not depend on n (batch invariant within this path).
- */
-#define GEMV_MAX_N 8
-#define GEMV_GO 4
-#define GEMV_WARPS 8
-
-__device__ __forceinline__ float dot8(uint4 w, float4 a, float4 b)
-{
-    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&w;
-    float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
-    float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
-    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y + w3.x * b.z + w3.y * b.w;
-}
-
-template <int NR>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const float *x, const float *bias, int n,
-                                                          int in, int out, float *y)
-{
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o0 = (blockIdx.x * GEMV_WARPS + warp) * GEMV_GO;
-    if (o0 >= out) return; /* whole warp */
-    float acc[GEMV_GO][NR];
-#pragma unroll
-    for (int g = 0; g < GEMV_GO; g++)
-#pragma unroll
-        for (int r = 0; r < NR; r++) acc[g][r] = 0.0f;
-    const bf16 *wr[GEMV_GO];
-#pragma unroll
-    for (int g = 0; g < GEMV_GO; g++) wr[g] = W + (size_t)min(o0 + g, out - 1) * in;
-#pragma unroll 2
-    for (int i = lane * 8; i < in; i += 256) {
-        uint4 wv[GEMV_GO];
-#pragma unroll
-        for (int g = 0; g < GEMV_GO; g++) wv[g] = __ldg((const uint4 *)(wr[g] + i));
-#pragma unroll
-        for (int r = 0; r < NR; r++) {
-            if (r < n) {
-                const float4 *xp = (const float4 *)(x + (size_t)r * in + i);
-                float4 a = xp[0], b = xp[1];
-#pragma unroll
-                for (int g = 0; g < GEMV_GO; g++) acc[g][r] += dot8(wv[g], a, b);
-            }
-        }
-    }
-#pragma unroll
-    for (int g = 0; g < GEMV_GO; g++)
-#pragma unroll
-        for (int r = 0; r < NR; r++) {
-            float v = acc[g][r];
-            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-            acc[g][r] = v;
-        }
-    if (lane == 0)
-#pragma unroll
-        for (int g = 0; g < GEMV_GO; g++)
-#pragma unroll
-            for (int r = 0; r < NR; r++)
-                if (r < n && o0 + g < out) y[(size_t)r * out + o0 + g] = acc[g][r] + (bias ? bias[o0 + g] : 0.0f);
 }
 
 /* ---- attention ---------------------------------------------------------------------------- */
@@ -634,9 +570,9 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
     {
         const char *e = getenv("KVS_CUDA_ATTN_PREFETCH");
-        b->attn_pf = e ? atoi(e) != 0 : 1;
+        b->attn_pf = e ? atoi(e) != 0 : 0;
         e = getenv("KVS_CUDA_ATTN_BLOCKS_PER_SM");
-        b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 8;
+        b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 0;
     }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
@@ -892,19 +828,6 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
 {
     if (n <= 0) return;
     KVS_ASSERT(!w->is_vector && w->rows == out && w->cols == in);
-    if (n <= GEMV_MAX_N && in % 8 == 0) {
-        unsigned grid = (unsigned)((out + GEMV_WARPS * GEMV_GO - 1) / (GEMV_WARPS * GEMV_GO));
-        const float *bp = bias ? bias->f : nullptr;
-        KVS_ASSERT(!bias || (bias->is_vector && bias->cols == out));
-        const float *xp = (const float *)x->d;
-        float *yp = (float *)y->d;
-        if (n == 1) k_gemv<1><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
-        else if (n == 2) k_gemv<2><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
-        else if (n <= 4) k_gemv<4><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
-        else k_gemv<8><<<grid, GEMV_WARPS * 32, 0, b->stream>>>(w->h, xp, bp, n, in, out, yp);
-        LAUNCH_CHECK();
-        return;
-    }
     size_t nx = (size_t)n * in;
     KVS_ASSERT(nx <= b->xh_cap);
     k_f32_to_bf16<<<grid_for(nx, 256), 256, 0, b->stream>>>((const float *)x->d, b->xh, nx);
@@ -989,7 +912,8 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
      * least 64 positions per split and the partials fitting the workspace. */
     long long base_blocks = (long long)n * n_kv_heads * n_hchunks;
     int max_ctx = m->max_ctx > 0 ? m->max_ctx : 1;
-    long long want = ((long long)b->attn_blocks_per_sm * b->n_sms + base_blocks - 1) / base_blocks;
+    int bps = b->attn_blocks_per_sm > 0 ? b->attn_blocks_per_sm : (base_blocks < 2LL * b->n_sms ? 8 : 4);
+    long long want = ((long long)bps * b->n_sms + base_blocks - 1) / base_blocks;
     long long by_len = (max_ctx + 63) / 64;
     long long by_ws = (long long)(ATTN_WS_BYTES / 4 / ((size_t)n * n_heads * (head_dim + 2)));
     long long ns = want;
@@ -1211,5 +1135,5 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
 extern "C" void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm)
 {
     b->attn_pf = prefetch != 0;
-    if (blocks_per_sm > 0) b->attn_blocks_per_sm = blocks_per_sm;
+    b->attn_blocks_per_sm = blocks_per_sm > 0 ? blocks_per_sm : 0;
 }

@@ -47,7 +47,7 @@ float kvs_cuda_timer_stop_ms(struct kvs_backend *b);
 double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
 
 /* Attention variant (for the benchmark's comparisons): prefetch = register double buffering of
- * K/V, blocks_per_sm = how many blocks per SM the context split aims at (0 = keep). */
+ * K/V, blocks_per_sm = how many blocks per SM the context split aims at (0 = automatic). */
 void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm);
 
 /* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */

@@ -4,7 +4,14 @@
  * Two sequences share the batch: A is prefilled (33 tokens) then decodes; B joins at step 3 with
  * a 20-token prompt while A decodes (a mixed prefill + decode step), then both decode. Each
  * step both runners get the same tokens (the CPU's greedy choice), and every logits row is
- * compared: relative L2 error under 1e-2, and the CUDA greedy token must equal the CPU's.
+ * compared: the CUDA greedy token must equal the CPU's, and the relative L2 error of the logits
+ * must stay under LOGITS_TOL.
+ *
+ * LOGITS_TOL is 1e-1, not the 1e-2 each single op meets (test_cuda_ops): the CUDA backend
+ * stores KV in bf16 and rounds GEMM inputs to bf16, and these tiny random models (weights
+ * N(0, 0.3), sharp attention) amplify that rounding; measured on an H200 (2026-11-22): worst
+ * rel-L2 1.8e-2 (qwen3) to 5.8e-2 (llama), 2.7e-2 even for llama-bf16 whose weights are exact,
+ * with every greedy token equal, margins down to 0.007. A broken kernel gives errors of order 1. */
  * Needs a GPU; exits 1 with a message when none.
  */
 #include <math.h>
@@ -20,6 +27,7 @@
 
 #define STEPS 24
 #define BS 16
+#define LOGITS_TOL 1e-1
 
 static int argmax(const float *x, int n, float *margin)
 {
@@ -108,7 +116,7 @@ static int run_model(const char *dir)
             int tc = argmax(c, vocab, &mc), tg = argmax(g, vocab, &mg);
             if (e > worst) worst = e;
             if (mc < min_margin) min_margin = mc;
-            if (nan || e >= 1e-2 || tc != tg) {
+            if (nan || e >= LOGITS_TOL || tc != tg) {
                 fails++;
                 printf("FAIL %s step %d seq %c: rel_l2 %.3e%s, greedy cpu %d (margin %.4f) cuda %d\n", dir, step,
                        q ? 'B' : 'A', e, nan ? " NON-FINITE" : "", tc, mc, tg);
