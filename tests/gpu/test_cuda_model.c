@@ -10,8 +10,12 @@
  * LOGITS_TOL is 1e-1, not the 1e-2 each single op meets (test_cuda_ops): the CUDA backend
  * stores KV in bf16 and rounds GEMM inputs to bf16, and these tiny random models (weights
  * N(0, 0.3), sharp attention) amplify that rounding; measured on an H200 (2026-11-22): worst
- * rel-L2 1.8e-2 (qwen3) to 5.8e-2 (llama), 2.7e-2 even for llama-bf16 whose weights are exact,
- * with every greedy token equal, margins down to 0.007. A broken kernel gives errors of order 1. */
+ * rel-L2 1.8e-2 (qwen3) to 5.8e-2 (llama), 2.7e-2 even for llama-bf16 whose weights are exact.
+ * A broken kernel gives errors of order 1.
+ * Greedy tokens: a CUDA token that differs from the CPU's fails unless the CPU's top-2 margin
+ * on that row is under 4x the rms difference of the two logits rows (a near-tie that bf16
+ * noise can legitimately flip; seen at margins 0.01 to 0.11 on these models); such flips are
+ * counted and printed.
  * Needs a GPU; exits 1 with a message when none.
  */
 #include <math.h>
@@ -83,7 +87,7 @@ static int run_model(const char *dir)
     for (int i = 0; i < 20; i++) { s = s * 1664525u + 1013904223u; tb[i] = (int32_t)(s >> 8) % vocab; }
     int32_t bta[16], btb[16];
     for (int i = 0; i < 16; i++) { bta[i] = 2 * i + 1; btb[i] = 2 * i + 2; } /* interleaved, non-trivial */
-    int na = 33, nb = 20, pa = 0, pb = 0, b_started = 0, fails = 0;
+    int na = 33, nb = 20, pa = 0, pb = 0, b_started = 0, fails = 0, ties = 0;
     float *lc = kvs_xmalloc((size_t)2 * vocab * 4), *lg = kvs_xmalloc((size_t)2 * vocab * 4);
     double worst = 0, min_margin = INFINITY;
     for (int step = 0; step < STEPS; step++) {
@@ -116,7 +120,14 @@ static int run_model(const char *dir)
             int tc = argmax(c, vocab, &mc), tg = argmax(g, vocab, &mg);
             if (e > worst) worst = e;
             if (mc < min_margin) min_margin = mc;
-            if (nan || e >= LOGITS_TOL || tc != tg) {
+            double rms = sqrt(num / vocab);
+            int tie = tc != tg && mc < 4.0 * rms;
+            if (tie) {
+                ties++;
+                printf("near-tie %s step %d seq %c: cpu %d cuda %d, cpu margin %.4f < 4 x rms diff %.4f\n", dir, step,
+                       q ? 'B' : 'A', tc, tg, mc, rms);
+            }
+            if (nan || e >= LOGITS_TOL || (tc != tg && !tie)) {
                 fails++;
                 printf("FAIL %s step %d seq %c: rel_l2 %.3e%s, greedy cpu %d (margin %.4f) cuda %d\n", dir, step,
                        q ? 'B' : 'A', e, nan ? " NON-FINITE" : "", tc, mc, tg);
@@ -126,7 +137,7 @@ static int run_model(const char *dir)
         }
     }
     printf("%s %s: %d steps, 2 sequences (mixed prefill+decode), worst logits rel_l2 %.3e, smallest cpu "
-           "top-2 margin %.4f\n", fails ? "FAIL" : "ok  ", dir, STEPS, worst, min_margin);
+           "top-2 margin %.4f, near-tie flips %d\n", fails ? "FAIL" : "ok  ", dir, STEPS, worst, min_margin, ties);
     (void)b_started;
     free(lc);
     free(lg);
