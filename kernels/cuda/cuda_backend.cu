@@ -96,7 +96,8 @@ struct kvs_backend {
     cudaEvent_t ev0, ev1;
     int attn_pf;                  /* attention K/V prefetch variant (KVS_CUDA_ATTN_PREFETCH, default 0:
                                    * measured slower on H200, its registers cost occupancy) */
-    int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto (8 for small grids, else 4) */
+    int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto: 8 when (rows x KV heads) < SMs,
+                                   * else 4 (the better of the two in 6 of the 8 H200 rows of bench/RESULTS.md) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -912,7 +913,7 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
      * least 64 positions per split and the partials fitting the workspace. */
     long long base_blocks = (long long)n * n_kv_heads * n_hchunks;
     int max_ctx = m->max_ctx > 0 ? m->max_ctx : 1;
-    int bps = b->attn_blocks_per_sm > 0 ? b->attn_blocks_per_sm : (base_blocks < 2LL * b->n_sms ? 8 : 4);
+    int bps = b->attn_blocks_per_sm > 0 ? b->attn_blocks_per_sm : (base_blocks < b->n_sms ? 8 : 4);
     long long want = ((long long)bps * b->n_sms + base_blocks - 1) / base_blocks;
     long long by_len = (max_ctx + 63) / 64;
     long long by_ws = (long long)(ATTN_WS_BYTES / 4 / ((size_t)n * n_heads * (head_dim + 2)));
