@@ -1,5 +1,8 @@
 /* model.c: loads a Hugging Face model directory: config, safetensors shard(s), tensor table,
  * and the shape/dtype validation of every tensor the architecture needs. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
+#endif
 #include "models/model.h"
 
 #include <cjson/cJSON.h>

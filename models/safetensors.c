@@ -1,4 +1,7 @@
 /* safetensors.c: bounds-checked safetensors header parser and mmap loader. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
+#endif
 #include "models/safetensors.h"
 
 #include <cjson/cJSON.h>

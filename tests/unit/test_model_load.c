@@ -693,6 +693,43 @@ static void test_prefixes(void)
     free(s);
 }
 
+/* The fuzz seed corpus doubles as parser cases: valid_* must parse, bad_* and real_* must not. */
+static void test_corpus(void)
+{
+    char dir[4600], p[4900], err[512];
+    snprintf(dir, sizeof dir, "%s/../../fuzz/corpus/safetensors", g_models);
+    DIR *d = opendir(dir);
+    CHECK(d != NULL, "cannot open %s", dir);
+    if (!d) return;
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        size_t len;
+        char *s = kvs_read_file(p, &len, err, sizeof err);
+        CHECK(s != NULL, "%s", err);
+        if (!s) continue;
+        struct kvs_st_header h;
+        err[0] = 0;
+        int rc = kvs_safetensors_parse_header(s, len, e->d_name, &h, err, sizeof err);
+        int want_ok = !strncmp(e->d_name, "valid_", 6);
+        CHECK(want_ok ? rc == 0 : (rc < 0 && strstr(err, e->d_name)), "%s: rc=%d %s", e->d_name, rc, err);
+        if (!rc) {
+            if (!strcmp(e->d_name, "valid_three_dtypes.safetensors")) {
+                CHECK(h.n_tensors == 3 && h.tensors[1].dtype == KVS_DTYPE_BF16 && h.tensors[2].ndim == 4,
+                      "three dtypes parsed wrong");
+            }
+            kvs_safetensors_header_free(&h);
+        }
+        free(s);
+        n++;
+    }
+    closedir(d);
+    CHECK(n >= 10, "only %d corpus files", n);
+    printf("  %d fuzz seed files parsed as their names say\n", n);
+}
+
 int main(void)
 {
     const char *root = getenv("KVS_ROOT");
@@ -711,6 +748,7 @@ int main(void)
     printf("corruption suite:\n");
     test_corruption();
     test_prefixes();
+    test_corpus();
     rm_rf(g_tmp);
     printf("%d checks, %d failed\n", g_checks, g_fail);
     return g_fail ? 1 : 0;
