@@ -66,8 +66,11 @@ enum kvs_chat_format kvs_chat_format_from_name(const char *name);
 const char *kvs_chat_format_name(enum kvs_chat_format f);
 
 /* 1 when the rendered text already starts with the BOS token's text (LLAMA3:
- * "<|begin_of_text|>"), as transformers' template does: the caller must then encode with
- * add_special=0 and parse_special=1 so that BOS is not added twice. 0 for ChatML/Qwen3 (no BOS). */
+ * "<|begin_of_text|>"), as transformers' template does; 0 for CHATML/QWEN3 (Qwen has no BOS).
+ * Either way, encode the rendered text with add_special=0 and parse_special=1, as
+ * apply_chat_template(tokenize=True) does (it passes add_special_tokens=False): adding BOS
+ * again would give Llama-3 two <|begin_of_text|> tokens. Checked: Llama-3 "hi" starts
+ * [128000, 128006, ...] in transformers, one BOS. */
 int kvs_chat_has_bos(enum kvs_chat_format f);
 
 /* Renders messages (with the generation prompt for the assistant appended).
