@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "engine/config.h"
 #include "engine/docstore.h"
 #include "engine/util.h"
 
@@ -121,6 +122,16 @@ static void test_limits(void)
     CHECK(kvs_docstore_delete(s, "b", err, sizeof err) == 0 && add_simple(s, "d", "d", 1, NULL) == 0,
           "delete makes room");
     kvs_docstore_free(s);
+
+    /* the config keys: documents.dir "" = memory, documents.max_tokens applies */
+    struct kvs_config cfg;
+    kvs_config_init(&cfg);
+    CHECK(kvs_config_set(&cfg, "documents.max_tokens=4", err, sizeof err) == 0, "set: %s", err);
+    CHECK(kvs_docstore_open_config(&cfg, &s, err, sizeof err) == 0, "open from config: %s", err);
+    CHECK(add_simple(s, "a", "a", 4, NULL) == 0 && add_simple(s, "b", "b", 5, NULL) == -E2BIG,
+          "documents.max_tokens from the config");
+    kvs_docstore_free(s);
+    kvs_config_free(&cfg);
     printf("limits: -E2BIG, -ENOSPC\n");
 }
 
