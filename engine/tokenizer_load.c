@@ -63,12 +63,55 @@ static char *dupn(const char *s, size_t n)
     return d;
 }
 
+/* The code points of Unicode White_Space, which is what \s means to Oniguruma (the regex
+ * engine behind HF tokenizers). PCRE2's UCP \s differs (it also takes U+180E), so \s and \S
+ * are rewritten into explicit classes. */
+#define WS_CLASS "\\t\\n\\x{0b}\\f\\r \\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
+
+static int rewrite_ws(const char *pat, size_t len, struct tk_buf *out)
+{
+    int in_class = 0, rc = 0;
+    for (size_t i = 0; i < len && rc == 0; i++) {
+        char ch = pat[i];
+        if (ch == '\\' && i + 1 < len) {
+            char nx = pat[++i];
+            if (nx == 's') rc = tk_buf_put(out, in_class ? WS_CLASS : "[" WS_CLASS "]", strlen(in_class ? WS_CLASS : "[" WS_CLASS "]"));
+            else if (nx == 'S' && !in_class) rc = tk_buf_put(out, "[^" WS_CLASS "]", strlen("[^" WS_CLASS "]"));
+            else {
+                char two[2] = {ch, nx};
+                rc = tk_buf_put(out, two, 2);
+            }
+            continue;
+        }
+        if (!in_class && ch == '[') {
+            in_class = 1;
+            rc = tk_buf_put(out, &ch, 1);
+            if (i + 1 < len && pat[i + 1] == '^') rc = rc ? rc : tk_buf_put(out, &pat[++i], 1);
+            if (i + 1 < len && pat[i + 1] == ']') rc = rc ? rc : tk_buf_put(out, &pat[++i], 1);
+            continue;
+        }
+        if (in_class && ch == ']') in_class = 0;
+        rc = tk_buf_put(out, &ch, 1);
+    }
+    return rc;
+}
+
 static int compile_re(struct ctx *c, const char *pat, size_t len, int literal, const char *where, pcre2_code **out)
 {
     int ec;
     PCRE2_SIZE eo;
     uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    struct tk_buf rw = {0};
+    if (!literal) {
+        if (rewrite_ws(pat, len, &rw) != 0) {
+            free(rw.p);
+            return -ENOMEM;
+        }
+        pat = rw.p ? rw.p : "";
+        len = rw.n;
+    }
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &ec, &eo, NULL);
+    free(rw.p);
     if (!re) {
         PCRE2_UCHAR msg[160];
         pcre2_get_error_message(ec, msg, sizeof msg);
