@@ -146,29 +146,29 @@ static int split_piece(struct enc *e, const struct tk_pre *pr, const char *s, si
     if (rc) return rc;
     struct seg *sg = *segs;
     size_t base = out->n;
-    int last_was_match = 0;
+    /* HF's SplitDelimiterBehavior, segment by segment: does segment i start a new piece? */
     for (size_t i = 0; i < ns && rc == 0; i++) {
-        int m = sg[i].m ^ pr->invert;
+        int m = sg[i].m ^ pr->invert, pm = i > 0 ? sg[i - 1].m ^ pr->invert : 0;
         const char *p = s + sg[i].a;
         size_t l = sg[i].b - sg[i].a;
+        int join = 0;
         switch (pr->behavior) {
         case TK_SPLIT_ISOLATED:
-            rc = pieces_add(out, p, l);
             break;
         case TK_SPLIT_REMOVED:
-            if (!m) rc = pieces_add(out, p, l);
+            if (m) continue;
             break;
         case TK_SPLIT_MERGED_PREV:
-            rc = m ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
+            join = i > 0 && m && !pm;
             break;
         case TK_SPLIT_MERGED_NEXT:
-            rc = (m || i == 0 || !last_was_match) ? pieces_add(out, p, l) : pieces_extend(out, base, p, l);
+            join = i > 0 && pm && !m;
             break;
         case TK_SPLIT_CONTIGUOUS:
-            rc = (m && last_was_match) ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
+            join = i > 0 && m == pm;
             break;
         }
-        last_was_match = m;
+        rc = join ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
     }
     return rc;
 }

@@ -100,7 +100,7 @@ static int compile_re(struct ctx *c, const char *pat, size_t len, int literal, c
 {
     int ec;
     PCRE2_SIZE eo;
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     struct tk_buf rw = {0};
     if (!literal) {
         if (rewrite_ws(pat, len, &rw) != 0) {
