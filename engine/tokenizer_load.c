@@ -587,6 +587,7 @@ static int parse_model(struct ctx *c, struct kvs_tokenizer *t, const cJSON *mode
         a->len = (uint32_t)strlen(s);
         a->content = dupn(s, a->len);
         if (!a->content) return -ENOMEM;
+        t->n_added = i + 1; /* owned from here on, freed by kvs_tokenizer_free */
         if (t->tok_str[a->id] && (t->tok_len[a->id] != a->len || memcmp(t->tok_str[a->id], s, a->len)))
             return kvs_err(c->err, c->errlen, -EINVAL, "tokenizer.json: %s: id %d already names another token", w, a->id);
         if ((rc = set_token(t, a->id, s, a->len))) return rc;
