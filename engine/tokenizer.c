@@ -236,8 +236,18 @@ static int pretokenize(struct enc *e, const char *s, size_t n, int at_start)
     }
     free(segs);
     if (rc) return rc;
-    for (size_t i = 0; i < in->n; i++)
-        if ((rc = tk_bpe_word(t, in->buf.p + in->off[i], in->len[i], &e->out, e->bpe))) return rc;
+    for (size_t i = 0; i < in->n; i++) {
+        const char *w = in->buf.p + in->off[i];
+        size_t wl = in->len[i], a = 0;
+        if (t->sp_split) /* cut before each "▁" run that follows another character */
+            for (size_t j = 1; j + 3 <= wl; j++)
+                if (memcmp(w + j, "\xe2\x96\x81", 3) == 0 && !(j >= 3 && memcmp(w + j - 3, "\xe2\x96\x81", 3) == 0)) {
+                    if ((rc = tk_bpe_word(t, w + a, j - a, &e->out, e->bpe))) return rc;
+                    a = j;
+                    j += 2;
+                }
+        if ((rc = tk_bpe_word(t, w + a, wl - a, &e->out, e->bpe))) return rc;
+    }
     return 0;
 }
 

@@ -134,6 +134,8 @@ struct kvs_tokenizer {
     int byte_fallback;
     int ignore_merges;
     int32_t unk_id;             /* -1 if none */
+    int sp_split;               /* no pre-tokenizer, and no token has "▁" after another character:
+                                 * words can be cut before each "▁" without changing the result */
     int fuse_unk;
 
     struct tk_added *added;

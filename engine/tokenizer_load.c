@@ -891,6 +891,24 @@ static int load_all(const char *json, size_t len, const char *tcfg, const char *
         else k = snprintf(s, sizeof s, "<0x%02X>", b);
         t->byte_id[b] = tk_strmap_get(&t->vocab, s, (size_t)k);
     }
+    if (!t->byte_level && t->n_pres == 0) {
+        /* BPE merges are local: if no vocab token contains "▁" after a character other than
+         * "▁", no merge can cross the start of a "▁" run, so each such word can be merged on
+         * its own with identical results (and far faster than one line-long word). */
+        t->sp_split = 1;
+        for (int32_t id = 0; id < t->n_ids && t->sp_split; id++) {
+            const char *s = t->tok_str[id];
+            if (!s) continue;
+            const char *p = s;
+            while ((p = strstr(p, "\xe2\x96\x81")) != NULL) {
+                if (p > s && !(p - s >= 3 && memcmp(p - 3, "\xe2\x96\x81", 3) == 0)) {
+                    t->sp_split = 0;
+                    break;
+                }
+                p += 3;
+            }
+        }
+    }
     if ((rc = build_decode_table(t, &d))) goto fail;
     if ((rc = build_added_matchers(t))) goto fail;
     if ((rc = parse_configs(&c, t, tcfg, gen, cfg))) goto fail;
