@@ -909,6 +909,7 @@ static int load_all(const char *json, size_t len, const char *tcfg, const char *
             }
         }
     }
+    t->cache = tk_cache_new(); /* optional: encode works (slower) without it */
     if ((rc = build_decode_table(t, &d))) goto fail;
     if ((rc = build_added_matchers(t))) goto fail;
     if ((rc = parse_configs(&c, t, tcfg, gen, cfg))) goto fail;
@@ -1002,5 +1003,6 @@ void kvs_tokenizer_free(struct kvs_tokenizer *t)
     free(t->pre_ids);
     free(t->post_ids);
     free(t->eos);
+    tk_cache_free(t->cache);
     free(t);
 }
