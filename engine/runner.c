@@ -64,7 +64,8 @@ struct kvs_runner {
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
     /* host staging (same shapes) */
-    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_lrows;
+    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot;
+    int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
 };
 
 /* ---- weights ---------------------------------------------------------------------------- */
@@ -277,7 +278,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->h_seqpos = kvs_xmalloc((S + 1) * sizeof(int32_t));
     r->h_bt = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_rot = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
-    r->h_lrows = kvs_xmalloc(S * sizeof(int32_t));
+    r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
@@ -350,6 +351,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
+        if (q->want_logits < KVS_LOGITS_NONE || q->want_logits > KVS_LOGITS_ALL) return -EINVAL;
         if (q->n_tokens > r->cap_tokens - n || q->pos > r->max_ctx - q->n_tokens) return -EINVAL;
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
         if (q->n_blocks < need || need > r->max_blocks) return -EINVAL;
@@ -379,7 +381,9 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
             r->h_slots[n + i] = q->block_table[p / r->block_size] * r->block_size + p % r->block_size;
         }
         n += q->n_tokens;
-        if (q->want_logits) r->h_lrows[nl++] = n - 1;
+        if (q->want_logits == KVS_LOGITS_ALL)
+            for (int i = 0; i < q->n_tokens; i++) r->h_lrows[nl++] = n - q->n_tokens + i;
+        else if (q->want_logits) r->h_lrows[nl++] = n - 1;
     }
     r->h_qstart[b->n_seqs] = n;
     *n_logits = nl;
