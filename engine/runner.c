@@ -23,9 +23,13 @@
 #include "kernels/backend.h"
 #include "models/model.h"
 
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-/* weak: the CUDA backend is linked only once kernels/cuda/ implements it */
-extern const struct kvs_backend_ops kvs_cuda_backend __attribute__((weak));
+/* The CUDA backend is used when nvcc built kernels/cuda/ and it provides its header (a strong
+ * reference, so the archive member that defines kvs_cuda_backend gets linked). */
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA && defined(__has_include)
+#if __has_include("kernels/cuda/cuda_backend.h")
+#include "kernels/cuda/cuda_backend.h"
+#define RUNNER_HAS_CUDA 1
+#endif
 #endif
 
 #define LOGIT_CHUNK 16
@@ -147,8 +151,8 @@ static const struct kvs_backend_ops *pick_backend(const char *device, char *err,
     const char *d = device && *device ? device : "auto";
     if (strcmp(d, "cpu") == 0) return &kvs_cpu_backend;
     if (strcmp(d, "cuda") == 0 || strcmp(d, "auto") == 0) {
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-        if (&kvs_cuda_backend != NULL) return &kvs_cuda_backend;
+#ifdef RUNNER_HAS_CUDA
+        return &kvs_cuda_backend;
 #endif
         if (strcmp(d, "auto") == 0) return &kvs_cpu_backend;
         kvs_err(err, errlen, -ENOSYS, "runner: device \"cuda\" requested but this build has no CUDA backend");
@@ -201,6 +205,13 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
 
     int rc;
     r->be = ops->create(cfg->cpu_threads, err, errlen);
+    int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
+    if (!r->be && is_auto && ops != &kvs_cpu_backend) {
+        kvs_log(KVS_LOG_WARN, "runner: %s backend unavailable (%s); device auto falls back to cpu", ops->name,
+                err ? err : "");
+        ops = r->ops = &kvs_cpu_backend;
+        r->be = ops->create(cfg->cpu_threads, err, errlen);
+    }
     if (!r->be) {
         free(r);
         return -ENOMEM;

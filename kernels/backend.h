@@ -178,9 +178,9 @@ struct kvs_backend_ops {
 
 /* The CPU backend (always built). */
 extern const struct kvs_backend_ops kvs_cpu_backend;
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-/* The CUDA backend (kernels/cuda/), when built with nvcc. */
-extern const struct kvs_backend_ops kvs_cuda_backend;
-#endif
+/* The CUDA backend: kernels/cuda/ defines `const struct kvs_backend_ops kvs_cuda_backend` (with C
+ * linkage) and declares it in kernels/cuda/cuda_backend.h; engine/runner.c picks it up when that
+ * header exists and the build has nvcc (KVS_HAVE_CUDA=1). device "auto" prefers it when it
+ * reports a usable GPU (create() returning NULL falls back to the CPU). */
 
 #endif
