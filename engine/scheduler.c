@@ -290,7 +290,14 @@ static int schedule(struct kvs_engine *e, double now)
         }
     }
 
-    /* admission: FCFS, only when nobody had to be preempted this step (the pool is tight) */
+    /* admission: FCFS, only when nobody had to be preempted this step (the pool is tight), and
+     * only when the whole prompt fits next to what running prompts still need plus a small
+     * reserve for decodes; otherwise admitted prompts would preempt each other chunk by chunk */
+    int promised = 0;
+    for (int i = 0; !preempted && i < e->n_running; i++) {
+        struct kvs_request *r = e->running[i];
+        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+    }
     while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
         struct kvs_request *r = e->wait_head;
         int matched = 0;
@@ -302,7 +309,13 @@ static int schedule(struct kvs_engine *e, double now)
         int c = min3(remaining, e->prefill_chunk, budget);
         int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
         int avail = kvs_block_pool_available(&e->pool);
-        int reserve = e->n_running > 0 ? e->watermark_blocks : 0;
+        int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
+        int need_all = kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        if (e->n_running > 0 && need_all + reserve > avail) {
+            kvs_block_table_release(&r->table, &e->pool);
+            r->n_computed = 0;
+            break;
+        }
         if (need + reserve > avail) {
             int fit = (r->table.n + avail - reserve) * bs - r->n_computed;
             if (fit <= 0) {
@@ -331,6 +344,7 @@ static int schedule(struct kvs_engine *e, double now)
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
+        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
     }
     return n_sched;
 }
