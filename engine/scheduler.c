@@ -137,12 +137,15 @@ static int holdback(const struct kvs_request *r, const char *buf, int n)
     return 0;
 }
 
+/* Appends the detokenizer's n bytes to the held text. Event text is a C string, so a NUL byte
+ * in the decoded text (the byte-level token for 0x00) is dropped rather than cutting the
+ * delta short. */
 static int append_text(struct kvs_engine *e, struct kvs_request *r, int n)
 {
     if (n <= 0) return 0;
     if (r->n_text + n > r->text_cap) return -ENOSPC;   /* cannot happen: held < max_stop_len */
-    memcpy(r->text + r->n_text, e->piece, (size_t)n);
-    r->n_text += n;
+    for (int i = 0; i < n; i++)
+        if (e->piece[i]) r->text[r->n_text++] = e->piece[i];
     return 0;
 }
 
