@@ -12,13 +12,13 @@
 #include <string.h>
 
 #include "engine/config.h"
+#include "engine/generate.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
 #include "engine/util.h"
 #include "models/model.h"
 
-int kvs_generate_main(int argc, char **argv);
 
 static void usage(FILE *f)
 {

@@ -7,10 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "engine/generate.h"
 #include "engine/util.h"
 #include "models/model.h"
-
-int kvs_generate_main(int argc, char **argv);
 
 static int g_fail;
 #define CHECK(cond, ...)                                                                    \
