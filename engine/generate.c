@@ -1,9 +1,11 @@
 /* generate.c: `kvserve generate`: one prompt through the runner and the sampler, no server and
  * no scheduler; prints the continuation as it is produced, then timings on stderr.
  *
- *   kvserve generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [-n N] [sampling options]
+ *   kvserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [-n N] [sampling options]
+ *                    [--config FILE] [--set key=value ...]
  *
- * The KV pool is sized to exactly the blocks this one sequence needs. Without a tokenizer in
+ * The config (engine/config.h) supplies model.path, device, cpu_threads and kv.block_size unless
+ * the flags say otherwise. The KV pool is sized to exactly the blocks this one sequence needs. Without a tokenizer in
  * DIR, --prompt-ids still works and the output is token ids. Returns 0, 1 on a runtime error,
  * 2 on bad usage (with a message naming the option).
  */
@@ -23,7 +25,10 @@
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvserve generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
+            "usage: kvserve generate [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
+            "  --model DIR               model directory (default: the config's model.path)\n"
+            "  --config FILE             JSON config file (kvserve --help-config lists the keys)\n"
+            "  --set key=value           config override, repeatable\n"
             "  -n, --max-tokens N        tokens to generate (default 64)\n"
             "  --temperature T           0 = greedy (default 1.0)\n"
             "  --top-p P                 nucleus mass, 1 = off (default 1.0)\n"
@@ -36,8 +41,8 @@ static void usage(FILE *f)
             "  --ignore-eos              do not stop at end-of-sequence tokens\n"
             "  --no-bos                  do not add the tokenizer's BOS token\n"
             "  --print-ids               print token ids instead of text\n"
-            "  --device auto|cpu|cuda    (default auto)\n"
-            "  --threads N               CPU threads, 0 = all cores (default 0)\n"
+            "  --device auto|cpu|cuda    (default: config device, auto)\n"
+            "  --threads N               CPU threads, 0 = all cores (default: config cpu_threads, 0)\n"
             "  --prefill-chunk N         prompt tokens per forward pass (default 512)\n");
 }
 
@@ -97,8 +102,11 @@ static int parse_ids(const char *s, int32_t **out)
 
 int kvs_generate_main(int argc, char **argv)
 {
-    const char *model_dir = NULL, *prompt = NULL, *prompt_ids = NULL, *device = "auto";
-    int n_gen = 64, threads = 0, chunk = 512, ignore_eos = 0, no_bos = 0, print_ids = 0;
+    const char *model_dir = NULL, *prompt = NULL, *prompt_ids = NULL, *device = NULL;
+    int n_gen = 64, threads = -1, chunk = 512, ignore_eos = 0, no_bos = 0, print_ids = 0;
+    struct kvs_config cfg;
+    char err[512];
+    kvs_config_init(&cfg);
     struct kvs_sampling sp;
     memset(&sp, 0, sizeof sp);
     sp.temperature = 1.0f;
@@ -125,12 +133,18 @@ int kvs_generate_main(int argc, char **argv)
         if (takes && !v) {
             fprintf(stderr, "generate: unknown option or missing value: %s\n", a);
             usage(stderr);
+            kvs_config_free(&cfg);
             return 2;
         }
         if (!takes) continue;
         if (!strcmp(a, "--model") || !strcmp(a, "-m")) model_dir = v;
         else if (!strcmp(a, "--prompt") || !strcmp(a, "-p")) prompt = v;
         else if (!strcmp(a, "--prompt-ids")) prompt_ids = v;
+        else if (!strcmp(a, "--config")) {
+            if ((rc = kvs_config_load_file(&cfg, v, err, sizeof err)) != 0) fprintf(stderr, "generate: %s\n", err);
+        } else if (!strcmp(a, "--set")) {
+            if ((rc = kvs_config_set(&cfg, v, err, sizeof err)) != 0) fprintf(stderr, "generate: %s\n", err);
+        }
         else if (!strcmp(a, "-n") || !strcmp(a, "--max-tokens")) rc = parse_int(a, v, 1, 1 << 24, &n_gen);
         else if (!strcmp(a, "--temperature")) rc = parse_float(a, v, &sp.temperature);
         else if (!strcmp(a, "--top-p")) rc = parse_float(a, v, &sp.top_p);
@@ -154,18 +168,21 @@ int kvs_generate_main(int argc, char **argv)
         else {
             fprintf(stderr, "generate: unknown option %s\n", a);
             usage(stderr);
+            rc = -EINVAL;
+        }
+        if (rc) {
+            kvs_config_free(&cfg);
             return 2;
         }
-        if (rc) return 2;
         i++;
     }
-    if (!model_dir || (!prompt == !prompt_ids)) {
-        fprintf(stderr, "generate: need --model and exactly one of --prompt / --prompt-ids\n");
+    if (!model_dir) model_dir = cfg.model_path;
+    if (!model_dir || !*model_dir || (!prompt == !prompt_ids)) {
+        fprintf(stderr, "generate: need a model (--model or model.path) and exactly one of --prompt / --prompt-ids\n");
         usage(stderr);
+        kvs_config_free(&cfg);
         return 2;
     }
-
-    char err[512];
     struct kvs_model *model = NULL;
     struct kvs_tokenizer *tok = NULL;
     struct kvs_runner *runner = NULL;
@@ -176,7 +193,10 @@ int kvs_generate_main(int argc, char **argv)
     int32_t *bt = NULL;
     int ret = 1, n_prompt = 0;
 
-    if (prompt_ids && (n_prompt = parse_ids(prompt_ids, &ids)) < 0) return 2;
+    if (prompt_ids && (n_prompt = parse_ids(prompt_ids, &ids)) < 0) {
+        kvs_config_free(&cfg);
+        return 2;
+    }
     if ((rc = kvs_model_load(model_dir, &model, err, sizeof err)) != 0) {
         fprintf(stderr, "generate: %s\n", err);
         goto out;
@@ -231,12 +251,13 @@ int kvs_generate_main(int argc, char **argv)
     }
 
     /* a pool sized for this one sequence */
-    const int block = 16;
+    const int block = cfg.kv_block_size > 0 ? cfg.kv_block_size : 16;
     int total = n_prompt + n_gen, n_blocks = (total + block - 1) / block;
-    struct kvs_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.device = (char *)device;
-    cfg.cpu_threads = threads;
+    if (device) {
+        free(cfg.device);
+        cfg.device = kvs_xstrdup(device);
+    }
+    if (threads >= 0) cfg.cpu_threads = threads;
     cfg.kv_block_size = block;
     cfg.max_model_len = total;
     cfg.max_batch_tokens = chunk < n_prompt ? chunk : n_prompt;
@@ -343,5 +364,6 @@ out:
     kvs_runner_free(runner);
     kvs_tokenizer_free(tok);
     kvs_model_free(model);
+    kvs_config_free(&cfg);
     return ret;
 }

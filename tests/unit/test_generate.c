@@ -111,8 +111,16 @@ int main(void)
     CHECK(strcmp(o1, o3) != 0, "different seeds, same output: %s", o1);
     printf("ok seeded sampling repeats\n");
 
+    /* the model, device, threads and block size can come from config overrides */
+    char setm[1200];
+    snprintf(setm, sizeof setm, "model.path=%s", dir);
+    char *c1[] = {"generate", "--set", setm, "--set", "kv.block_size=4", "--set", "cpu_threads=3", "--prompt-ids",
+                  "5,6,7", "-n", "24", "--seed", "7", "--top-p", "0.9", "--ignore-eos", NULL};
+    CHECK(run(c1, o3, sizeof o3) == 0 && strcmp(o1, o3) == 0, "config overrides changed the output:\n%s%s", o1, o3);
+    printf("ok model/threads/block size from --set, same tokens\n");
+
     char *bad[][12] = {
-        {"generate", "--prompt-ids", "1", NULL},
+        {"generate", "--model", dir, "--prompt-ids", "1", "--prompt", "hi", NULL},
         {"generate", "--model", dir, NULL},
         {"generate", "--model", dir, "--prompt-ids", "1,x", NULL},
         {"generate", "--model", dir, "--prompt-ids", "1", "-n", "0", NULL},
@@ -120,6 +128,8 @@ int main(void)
         {"generate", "--model", dir, "--prompt-ids", "1024", NULL},
         {"generate", "--model", dir, "--prompt-ids", "1", "--top-p", "0", NULL},
         {"generate", "--model", dir, "--prompt-ids", "1", "-n", NULL},
+        {"generate", "--model", dir, "--prompt-ids", "1", "--set", "no.such.key=1", NULL},
+        {"generate", "--model", dir, "--prompt-ids", "1", "--config", "/nonexistent.json", NULL},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char out[1024];
