@@ -8,7 +8,8 @@
  *      while the others decode, block tables shuffled over the pool) match the references;
  *   4. 32 greedy tokens (argmax through the sampler at temperature 0), all prompts decoded
  *      together in one batch, equal transformers' greedy continuations;
- *   5. malformed batches are refused with -EINVAL, never crash.
+ *   5. malformed batches are refused with -EINVAL, never crash;
+ *   6. 1, 2 and 3 CPU threads give bitwise identical logits.
  */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -316,6 +317,25 @@ static void run_model(const char *root, const char *name, const char *refname)
         CHECK(ok_greedy, "%s: greedy continuation differs from transformers", name);
         for (int p = 0; p < ref.n_prompts; p++) kvs_sampler_free(&smp[p]);
         free(ss);
+    }
+
+    /* 6. thread-count invariance: the longest prompt's prefill with 1 and 3 threads gives the
+     * same bits as with 2 */
+    for (int th = 1; th <= 3; th += 2) {
+        int p = ref.n_prompts - 1, L = ref.n_prompt[p];
+        struct kvs_config c2 = cfg;
+        c2.cpu_threads = th;
+        struct kvs_runner *r2;
+        KVS_ASSERT(kvs_runner_create(&c2, model, &r2, err, sizeof err) == 0);
+        int32_t bt[64];
+        for (int j = 0; j < 64; j++) bt[j] = perm[63 - j];
+        struct kvs_batch_seq q = {.tokens = ref.prompt[p], .n_tokens = L, .pos = 0, .block_table = bt,
+                                  .n_blocks = 64, .want_logits = KVS_LOGITS_ALL};
+        struct kvs_batch b = {&q, 1};
+        KVS_ASSERT(kvs_runner_forward(r, &b, one) == 0);
+        KVS_ASSERT(kvs_runner_forward(r2, &b, out) == 0);
+        CHECK(memcmp(one, out, (size_t)L * V * 4) == 0, "%s: %d threads vs 2 threads: logits differ", name, th);
+        kvs_runner_free(r2);
     }
 
     /* 5. malformed batches */
