@@ -502,8 +502,20 @@ static void test_queue_and_errors(void)
     CHECK(kvs_engine_submit(e, r, err, sizeof err) == -ESHUTDOWN);
     kvs_request_unref(r);
     kvs_engine_free(e);
+
+    /* strategies not built in this version are refused by name, unknown names too */
+    const char *bad_kv[][3] = {{"lean", "none", "full"}, {"auto", "lazy", "full"}, {"auto", "none", "mac"},
+                            {"auto", "none", "paris"}, {"auto", "none", "retro"}, {"f16", "none", "full"}};
+    for (int i = 0; i < 6; i++) {
+        c.kv_storage = (char *)bad_kv[i][0];
+        c.kv_reuse = (char *)bad_kv[i][1];
+        c.kv_decode = (char *)bad_kv[i][2];
+        int rc = kvs_engine_create_exec(&c, &x, &e, err, sizeof err);
+        CHECK(rc == (i == 5 ? -EINVAL : -ENOSYS) && e == NULL);
+        CHECK(strstr(err, "kv."));
+    }
     fake_model_free(&m);
-    printf("queue limit -EAGAIN (immediate), -E2BIG/-EINVAL/-ESHUTDOWN, metrics: ok\n");
+    printf("queue limit -EAGAIN (immediate), -E2BIG/-EINVAL/-ESHUTDOWN, metrics, unbuilt strategies -ENOSYS: ok\n");
 }
 
 static void test_text_stop_logprobs_timeout(void)
