@@ -582,6 +582,24 @@ static void test_text_stop_logprobs_timeout(void)
     for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
     CHECK(strcmp(full, j.text) == 0);
 
+    /* stop strings whose first bytes keep matching but that never complete: every held-back
+     * byte is released, also at the very end (length) */
+    for (int rep = 0; rep < 4; rep++) {
+        random_job(&j, 20, 30);
+        j.ignore_eos = 1;
+        j.stop[0] = "a\x01";
+        j.stop[1] = "e\x02\x03";
+        j.n_stop = 2;
+        job_ref(&j);
+        submit_job(e, &j);
+        collect(&j);
+        check_exact(&j);
+        full[0] = 0;
+        for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
+        CHECK(strcmp(full, j.text) == 0);
+    }
+    j.n_stop = 0;
+
     /* EOS: not part of the text, finish STOP */
     for (int attempt = 0; attempt < 400; attempt++) {
         random_job(&j, 20, 40);
