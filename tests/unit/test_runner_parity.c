@@ -9,7 +9,9 @@
  *   4. 32 greedy tokens (argmax through the sampler at temperature 0), all prompts decoded
  *      together in one batch, equal transformers' greedy continuations;
  *   5. malformed batches are refused with -EINVAL, never crash;
- *   6. 1, 2 and 3 CPU threads give bitwise identical logits.
+ *   6. 1, 2 and 3 CPU threads give bitwise identical logits;
+ *   7. per-block rotation offsets reach attention for their own sequence only (zero offsets =
+ *      no offsets, bitwise). Their exact semantics are checked per op in test_cpu_ops.
  */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -336,6 +338,51 @@ static void run_model(const char *root, const char *name, const char *refname)
         KVS_ASSERT(kvs_runner_forward(r2, &b, out) == 0);
         CHECK(memcmp(one, out, (size_t)L * V * 4) == 0, "%s: %d threads vs 2 threads: logits differ", name, th);
         kvs_runner_free(r2);
+    }
+
+    /* 7. block rotation offsets plumbing: a batch where one sequence passes an all-zero offset
+     * array and another passes NULL gives the plain logits bitwise; non-zero offsets on the
+     * cached blocks of a sequence change its logits (and only its own) */
+    {
+        int p = ref.n_prompts - 1, L = ref.n_prompt[p];   /* longest prompt: several blocks */
+        int32_t bt0[64], bt1[64], zero[64], rot[64];
+        for (int j = 0; j < 64; j++) {
+            bt0[j] = perm[j];
+            bt1[j] = perm[63 - j];
+            zero[j] = 0;
+            rot[j] = 1000 + 7 * j;
+        }
+        int nb = (L + BLOCK - 1) / BLOCK;
+        /* fill the caches with the prompt but the last token, then run the last token */
+        struct kvs_batch_seq q2[2] = {
+            {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt0, .n_blocks = nb},
+            {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt1, .n_blocks = nb},
+        };
+        struct kvs_batch b2 = {q2, 2};
+        KVS_ASSERT(kvs_runner_forward(r, &b2, NULL) == 0);
+        for (int variant = 0; variant < 2; variant++) {
+            for (int i = 0; i < 2; i++) {
+                q2[i].tokens = ref.prompt[p] + L - 1;
+                q2[i].n_tokens = 1;
+                q2[i].pos = L - 1;
+                q2[i].want_logits = KVS_LOGITS_LAST;
+            }
+            q2[0].block_rot_offset = variant ? rot : zero;
+            q2[1].block_rot_offset = NULL;
+            /* offsets only on fully cached blocks, never on the block being written */
+            if (variant)
+                for (int j = (L - 1) / BLOCK; j < 64; j++) rot[j] = 0;
+            KVS_ASSERT(kvs_runner_forward(r, &b2, out) == 0);
+            const float *want = ref.logits[p] + (size_t)(L - 1) * V;
+            double e1 = row_rel_err(out + V, want, 1, V);
+            CHECK(e1 < 1e-4, "%s: rot plumbing: sequence without offsets rel err %g", name, e1);
+            if (!variant) {
+                CHECK(memcmp(out, out + V, (size_t)V * 4) == 0, "%s: zero offsets differ from NULL offsets", name);
+            } else {
+                double e0 = row_rel_err(out, want, 1, V);
+                CHECK(e0 > 1e-3, "%s: non-zero rotation offsets had no effect (rel err %g)", name, e0);
+            }
+        }
     }
 
     /* 5. malformed batches */
