@@ -222,9 +222,11 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
             if (w[i] > mx) mx = w[i];
         }
         if (mx == -INFINITY) return -EINVAL;
+        /* min_p first, as vLLM does: relative to the top token, whose weight here is exp(0) = 1 */
         double z = 0.0;
         for (int i = 0; i < V; i++) {
             w[i] = expf(w[i] - mx);
+            if (w[i] < p->min_p) w[i] = 0.0f;
             z += w[i];
         }
         /* 6. candidates */
@@ -232,6 +234,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         double mass = z;
         if (p->top_k > 0 && p->top_k < V) {
             n = top_k_ids(w, V, p->top_k, idx);
+            while (n > 0 && w[idx[n - 1]] <= 0.0f) n--;   /* sorted: zero weights at the end */
             sorted = 1;
             mass = 0.0;
             for (int i = 0; i < n; i++) mass += w[idx[i]];
@@ -257,16 +260,6 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
                 }
             }
             n = keep;
-        }
-        if (p->min_p > 0.0f && n > 0) {
-            float pmax = 0.0f;   /* max over candidates == global max (filters keep the best) */
-            for (int i = 0; i < n; i++)
-                if (w[idx[i]] > pmax) pmax = w[idx[i]];
-            float thr = p->min_p * pmax;
-            int m = 0;
-            for (int i = 0; i < n; i++)
-                if (w[idx[i]] >= thr) idx[m++] = idx[i];
-            n = m;
         }
         if (n == 0) return -EINVAL;
         /* 7. draw */

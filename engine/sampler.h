@@ -8,8 +8,8 @@
  *                         logit -= frequency * count + presence * (count > 0)
  *   4. temperature == 0:  greedy, argmax of the processed logits (lowest id on ties), stop here
  *   5. temperature:       logit / T, softmax
- *   6. top_k, then top_p (smallest set of the most probable tokens whose mass >= top_p), then
- *      min_p (keep tokens with p >= min_p * p_max); renormalise
+ *   6. min_p (keep tokens with p >= min_p * p_max), then top_k, then top_p (smallest set of the
+ *      most probable remaining tokens whose share of the remaining mass >= top_p); renormalise
  *   7. draw u in [0, 1) from the request's RNG and walk the kept tokens (in decreasing
  *      probability, ties lower id first, when top_k or top_p is set; else in id order) until
  *      the cumulative mass passes u * (kept mass).

@@ -217,6 +217,9 @@ static void test_filters(void)
     p.min_p = 0.2f;   /* keep p >= 0.1: {0, 1, 2} */
     const double mp[V] = {4.0 / 7, 2.0 / 7, 1.0 / 7, 0, 0, 0};
     check_freq("min_p 0.2 keeps p >= 0.1", &p, logits, V, mp);
+    p.top_p = 0.55f;  /* min_p first (vLLM order): 0.5 / 0.875 = 0.571 >= 0.55 -> {0} alone */
+    const double mp_tp[V] = {1, 0, 0, 0, 0, 0};
+    check_freq("min_p 0.2 then top_p 0.55 (renormalised after min_p)", &p, logits, V, mp_tp);
     p = defaults();
     p.top_k = 3;
     check_freq("top_k 3", &p, logits, V, mp);
