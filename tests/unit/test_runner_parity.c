@@ -418,11 +418,57 @@ static void run_model(const char *root, const char *name, const char *refname)
     free_ref(&ref);
 }
 
+/* KV pool sizing: from a byte budget, from a fraction of available memory, and errors */
+static void test_pool_sizing(const char *root)
+{
+    char dir[1024], err[512];
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", root);
+    struct kvs_model *model;
+    KVS_ASSERT(kvs_model_load(dir, &model, err, sizeof err) == 0);
+    const struct kvs_model_config *mc = kvs_model_config(model);
+    size_t per_token = (size_t)mc->n_layers * 2 * mc->n_kv_heads * mc->head_dim * 4;
+    struct kvs_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.device = "cpu";
+    cfg.cpu_threads = 1;
+    cfg.kv_block_size = 8;
+    cfg.kv_memory_bytes = (int64_t)(per_token * 8 * 10 + per_token * 3);   /* 10 blocks and a bit */
+    struct kvs_runner *r;
+    KVS_ASSERT(kvs_runner_create(&cfg, model, &r, err, sizeof err) == 0);
+    CHECK(kvs_runner_num_blocks(r) == 10, "budget for 10.4 blocks gave %d", kvs_runner_num_blocks(r));
+    CHECK(kvs_runner_kv_bytes_per_token(r) == per_token, "kv bytes/token %zu want %zu", kvs_runner_kv_bytes_per_token(r),
+          per_token);
+    CHECK(kvs_runner_block_size(r) == 8 && kvs_runner_max_context(r) == mc->max_position_embeddings,
+          "block size / context");
+    kvs_runner_free(r);
+    cfg.kv_memory_bytes = 0;
+    cfg.kv_memory_fraction = 0.01;
+    KVS_ASSERT(kvs_runner_create(&cfg, model, &r, err, sizeof err) == 0);
+    size_t bytes = (size_t)kvs_runner_num_blocks(r) * 8 * per_token;
+    CHECK(kvs_runner_num_blocks(r) > 0 && bytes <= ((size_t)4 << 30), "fraction sizing gave %d blocks",
+          kvs_runner_num_blocks(r));
+    kvs_runner_free(r);
+    cfg.kv_memory_bytes = 1;
+    err[0] = 0;
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -ENOMEM && strstr(err, "block"),
+          "a budget below one block should fail with a message (%s)", err);
+    cfg.kv_memory_bytes = 1 << 20;
+    cfg.device = "tpu";
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -EINVAL && strstr(err, "tpu"),
+          "unknown device accepted (%s)", err);
+    cfg.device = "cpu";
+    cfg.kv_block_size = 0;
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -EINVAL, "block size 0 accepted");
+    kvs_model_free(model);
+    printf("ok KV pool sizing (bytes, fraction of available memory, errors)\n");
+}
+
 int main(void)
 {
     const char *root = getenv("KVS_ROOT");
     if (!root) root = ".";
     kvs_log_set_level(KVS_LOG_WARN);
+    test_pool_sizing(root);
     const char *models[][2] = {{"llama", "llama"}, {"llama-bf16", "llama-bf16"}, {"llama31", "llama31"},
                                {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"qwen3-sharded", "qwen3"}};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) run_model(root, models[i][0], models[i][1]);
