@@ -13,6 +13,7 @@
  * freed before returning, so one tokenizer serves many threads.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>
@@ -66,6 +67,68 @@ static void pieces_free(struct pieces *p)
     free(p->buf.p);
     free(p->off);
     free(p->len);
+}
+
+/* ---- word cache ---- */
+
+struct tk_cache {
+    pthread_mutex_t mu;
+    struct tk_cache_slot slot[TK_CACHE_SLOTS];
+};
+
+struct tk_cache *tk_cache_new(void)
+{
+    struct tk_cache *c = calloc(1, sizeof *c);
+    if (c && pthread_mutex_init(&c->mu, NULL) != 0) {
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+void tk_cache_free(struct tk_cache *c)
+{
+    if (!c) return;
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+static uint32_t word_hash(const char *s, size_t n)
+{
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)s[i]) * 16777619u;
+    return h ^ (h >> 15);
+}
+
+static int bpe_cached(const struct kvs_tokenizer *t, const char *w, size_t n, struct tk_ids *out, void *scratch)
+{
+    struct tk_cache *c = t->cache;
+    if (!c || n == 0 || n > TK_CACHE_WORD) return tk_bpe_word(t, w, n, out, scratch);
+    struct tk_cache_slot *sl = &c->slot[word_hash(w, n) & (TK_CACHE_SLOTS - 1)];
+    int32_t ids[TK_CACHE_IDS];
+    int hit = 0, nids = 0;
+    pthread_mutex_lock(&c->mu);
+    if (sl->wlen == n && memcmp(sl->word, w, n) == 0) {
+        hit = 1;
+        nids = sl->nids;
+        memcpy(ids, sl->ids, (size_t)nids * sizeof *ids);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (hit) {
+        for (int i = 0; i < nids; i++)
+            if (tk_ids_push(out, ids[i]) != 0) return -ENOMEM;
+        return 0;
+    }
+    size_t before = out->n;
+    int rc = tk_bpe_word(t, w, n, out, scratch);
+    if (rc || out->n - before > TK_CACHE_IDS) return rc;
+    pthread_mutex_lock(&c->mu);
+    sl->wlen = (uint8_t)n;
+    memcpy(sl->word, w, n);
+    sl->nids = (uint8_t)(out->n - before);
+    if (sl->nids) memcpy(sl->ids, out->p + before, (size_t)sl->nids * sizeof *sl->ids);
+    pthread_mutex_unlock(&c->mu);
+    return 0;
 }
 
 struct enc {
@@ -146,29 +209,29 @@ static int split_piece(struct enc *e, const struct tk_pre *pr, const char *s, si
     if (rc) return rc;
     struct seg *sg = *segs;
     size_t base = out->n;
-    int last_was_match = 0;
+    /* HF's SplitDelimiterBehavior, segment by segment: does segment i start a new piece? */
     for (size_t i = 0; i < ns && rc == 0; i++) {
-        int m = sg[i].m ^ pr->invert;
+        int m = sg[i].m ^ pr->invert, pm = i > 0 ? sg[i - 1].m ^ pr->invert : 0;
         const char *p = s + sg[i].a;
         size_t l = sg[i].b - sg[i].a;
+        int join = 0;
         switch (pr->behavior) {
         case TK_SPLIT_ISOLATED:
-            rc = pieces_add(out, p, l);
             break;
         case TK_SPLIT_REMOVED:
-            if (!m) rc = pieces_add(out, p, l);
+            if (m) continue;
             break;
         case TK_SPLIT_MERGED_PREV:
-            rc = m ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
+            join = i > 0 && m && !pm;
             break;
         case TK_SPLIT_MERGED_NEXT:
-            rc = (m || i == 0 || !last_was_match) ? pieces_add(out, p, l) : pieces_extend(out, base, p, l);
+            join = i > 0 && pm && !m;
             break;
         case TK_SPLIT_CONTIGUOUS:
-            rc = (m && last_was_match) ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
+            join = i > 0 && m == pm;
             break;
         }
-        last_was_match = m;
+        rc = join ? pieces_extend(out, base, p, l) : pieces_add(out, p, l);
     }
     return rc;
 }
@@ -236,8 +299,18 @@ static int pretokenize(struct enc *e, const char *s, size_t n, int at_start)
     }
     free(segs);
     if (rc) return rc;
-    for (size_t i = 0; i < in->n; i++)
-        if ((rc = tk_bpe_word(t, in->buf.p + in->off[i], in->len[i], &e->out, e->bpe))) return rc;
+    for (size_t i = 0; i < in->n; i++) {
+        const char *w = in->buf.p + in->off[i];
+        size_t wl = in->len[i], a = 0;
+        if (t->sp_split) /* cut before each "▁" run that follows another character */
+            for (size_t j = 1; j + 3 <= wl; j++)
+                if (memcmp(w + j, "\xe2\x96\x81", 3) == 0 && !(j >= 3 && memcmp(w + j - 3, "\xe2\x96\x81", 3) == 0)) {
+                    if ((rc = bpe_cached(t, w + a, j - a, &e->out, e->bpe))) return rc;
+                    a = j;
+                    j += 2;
+                }
+        if ((rc = bpe_cached(t, w + a, wl - a, &e->out, e->bpe))) return rc;
+    }
     return 0;
 }
 

@@ -117,6 +117,18 @@ struct tk_trie {
     uint8_t first[256];         /* 1 if some entry starts with this byte */
 };
 
+/* Word -> ids cache for short pre-tokenized words (direct-mapped, behind a mutex: the only
+ * mutable state of a loaded tokenizer; the results are the same with or without it). */
+#define TK_CACHE_SLOTS 32768
+#define TK_CACHE_WORD 23
+#define TK_CACHE_IDS 7
+struct tk_cache_slot {
+    uint8_t wlen, nids;           /* wlen 0: empty */
+    char word[TK_CACHE_WORD];
+    int32_t ids[TK_CACHE_IDS];
+};
+struct tk_cache;
+
 struct kvs_tokenizer {
     /* tokens, indexed by id: [n_ids] */
     int32_t n_ids;              /* max id + 1 */
@@ -134,6 +146,8 @@ struct kvs_tokenizer {
     int byte_fallback;
     int ignore_merges;
     int32_t unk_id;             /* -1 if none */
+    int sp_split;               /* no pre-tokenizer, and no token has "▁" after another character:
+                                 * words can be cut before each "▁" without changing the result */
     int fuse_unk;
 
     struct tk_added *added;
@@ -156,6 +170,8 @@ struct kvs_tokenizer {
     int32_t *pre_ids, *post_ids;  /* post-processor ids around the sequence */
     int n_pre_ids, n_post_ids;
 
+    struct tk_cache *cache;     /* NULL: no cache (allocation failed) */
+
     int32_t bos;
     int32_t *eos;
     int n_eos;
@@ -166,6 +182,10 @@ struct kvs_tokenizer {
 int tk_bpe_word(const struct kvs_tokenizer *t, const char *w, size_t n, struct tk_ids *out, void *scratch);
 void *tk_bpe_scratch_new(void);
 void tk_bpe_scratch_free(void *scratch);
+
+/* Word cache (tokenizer.c). */
+struct tk_cache *tk_cache_new(void);
+void tk_cache_free(struct tk_cache *c);
 
 /* Trie helpers (tokenizer_load.c builds, tokenizer.c matches). */
 int tk_trie_build(struct tk_trie *tr, const char *const *strs, const uint32_t *lens, const int32_t *vals, int n);

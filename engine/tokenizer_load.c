@@ -63,12 +63,55 @@ static char *dupn(const char *s, size_t n)
     return d;
 }
 
+/* The code points of Unicode White_Space, which is what \s means to Oniguruma (the regex
+ * engine behind HF tokenizers). PCRE2's UCP \s differs (it also takes U+180E), so \s and \S
+ * are rewritten into explicit classes. */
+#define WS_CLASS "\\t\\n\\x{0b}\\f\\r \\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}\\x{202f}\\x{205f}\\x{3000}"
+
+static int rewrite_ws(const char *pat, size_t len, struct tk_buf *out)
+{
+    int in_class = 0, rc = 0;
+    for (size_t i = 0; i < len && rc == 0; i++) {
+        char ch = pat[i];
+        if (ch == '\\' && i + 1 < len) {
+            char nx = pat[++i];
+            if (nx == 's') rc = tk_buf_put(out, in_class ? WS_CLASS : "[" WS_CLASS "]", strlen(in_class ? WS_CLASS : "[" WS_CLASS "]"));
+            else if (nx == 'S' && !in_class) rc = tk_buf_put(out, "[^" WS_CLASS "]", strlen("[^" WS_CLASS "]"));
+            else {
+                char two[2] = {ch, nx};
+                rc = tk_buf_put(out, two, 2);
+            }
+            continue;
+        }
+        if (!in_class && ch == '[') {
+            in_class = 1;
+            rc = tk_buf_put(out, &ch, 1);
+            if (i + 1 < len && pat[i + 1] == '^') rc = rc ? rc : tk_buf_put(out, &pat[++i], 1);
+            if (i + 1 < len && pat[i + 1] == ']') rc = rc ? rc : tk_buf_put(out, &pat[++i], 1);
+            continue;
+        }
+        if (in_class && ch == ']') in_class = 0;
+        rc = tk_buf_put(out, &ch, 1);
+    }
+    return rc;
+}
+
 static int compile_re(struct ctx *c, const char *pat, size_t len, int literal, const char *where, pcre2_code **out)
 {
     int ec;
     PCRE2_SIZE eo;
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0);
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
+    struct tk_buf rw = {0};
+    if (!literal) {
+        if (rewrite_ws(pat, len, &rw) != 0) {
+            free(rw.p);
+            return -ENOMEM;
+        }
+        pat = rw.p ? rw.p : "";
+        len = rw.n;
+    }
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pat, len, opts, &ec, &eo, NULL);
+    free(rw.p);
     if (!re) {
         PCRE2_UCHAR msg[160];
         pcre2_get_error_message(ec, msg, sizeof msg);
@@ -544,6 +587,7 @@ static int parse_model(struct ctx *c, struct kvs_tokenizer *t, const cJSON *mode
         a->len = (uint32_t)strlen(s);
         a->content = dupn(s, a->len);
         if (!a->content) return -ENOMEM;
+        t->n_added = i + 1; /* owned from here on, freed by kvs_tokenizer_free */
         if (t->tok_str[a->id] && (t->tok_len[a->id] != a->len || memcmp(t->tok_str[a->id], s, a->len)))
             return kvs_err(c->err, c->errlen, -EINVAL, "tokenizer.json: %s: id %d already names another token", w, a->id);
         if ((rc = set_token(t, a->id, s, a->len))) return rc;
@@ -847,6 +891,25 @@ static int load_all(const char *json, size_t len, const char *tcfg, const char *
         else k = snprintf(s, sizeof s, "<0x%02X>", b);
         t->byte_id[b] = tk_strmap_get(&t->vocab, s, (size_t)k);
     }
+    if (!t->byte_level && t->n_pres == 0) {
+        /* BPE merges are local: if no vocab token contains "▁" after a character other than
+         * "▁", no merge can cross the start of a "▁" run, so each such word can be merged on
+         * its own with identical results (and far faster than one line-long word). */
+        t->sp_split = 1;
+        for (int32_t id = 0; id < t->n_ids && t->sp_split; id++) {
+            const char *s = t->tok_str[id];
+            if (!s) continue;
+            const char *p = s;
+            while ((p = strstr(p, "\xe2\x96\x81")) != NULL) {
+                if (p > s && !(p - s >= 3 && memcmp(p - 3, "\xe2\x96\x81", 3) == 0)) {
+                    t->sp_split = 0;
+                    break;
+                }
+                p += 3;
+            }
+        }
+    }
+    t->cache = tk_cache_new(); /* optional: encode works (slower) without it */
     if ((rc = build_decode_table(t, &d))) goto fail;
     if ((rc = build_added_matchers(t))) goto fail;
     if ((rc = parse_configs(&c, t, tcfg, gen, cfg))) goto fail;
@@ -940,5 +1003,6 @@ void kvs_tokenizer_free(struct kvs_tokenizer *t)
     free(t->pre_ids);
     free(t->post_ids);
     free(t->eos);
+    tk_cache_free(t->cache);
     free(t);
 }

@@ -381,6 +381,12 @@ static int unicode_norm(enum tk_norm_kind kind, const char *s, size_t n, struct 
     else if (kind == TK_NORM_NFKC) opts |= UTF8PROC_COMPOSE | UTF8PROC_COMPAT;
     else opts |= UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT;
     if (n == 0) return 0;
+    /* fast path: ASCII is stable under all four forms, and nothing below U+0300 changes under
+     * NFC (the first code point that is not NFC_Quick_Check=Yes is U+0300) */
+    uint8_t limit = kind == TK_NORM_NFC ? 0xCC : 0x80; /* U+0300 is 0xCC 0x80 */
+    size_t i = 0;
+    while (i < n && (uint8_t)s[i] < limit) i++;
+    if (i == n) return tk_buf_put(out, s, n);
     utf8proc_uint8_t *res = NULL;
     utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)s, (utf8proc_ssize_t)n, &res, (utf8proc_option_t)opts);
     if (r < 0) return r == UTF8PROC_ERROR_NOMEM ? -ENOMEM : -EINVAL;
