@@ -47,6 +47,7 @@ static void usage(FILE *f)
             "  --lossy-window N      eval-only lossy candidate: sees only the last N tokens\n"
             "  --no-tf | --no-retrieval   skip a part\n"
             "  --json                machine-readable output on stdout\n"
+            "  --dump-probes FILE    write the retrieval probes as JSON lines and exit\n"
             "  -h, --help\n");
 }
 
@@ -125,6 +126,29 @@ static double per_step(const struct kvs_eval_counters *c, double v)
     return c->decode_steps ? v / (double)c->decode_steps : 0;
 }
 
+/* one JSON object per line: length, ids, answer (text or ids) */
+static int dump_probes(const char *path, const struct kvs_eval_probes *pr)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "kvserve-eval: cannot write %s: %s\n", path, strerror(errno));
+        return -errno;
+    }
+    for (int i = 0; i < pr->n; i++) {
+        const struct kvs_eval_probe *p = &pr->p[i];
+        fprintf(f, "{\"length\": %d, \"ids\": [", p->length);
+        for (int k = 0; k < p->n; k++) fprintf(f, "%s%d", k ? "," : "", p->ids[k]);
+        fprintf(f, "], \"answer_ids\": [");
+        for (int k = 0; k < p->n_answer; k++) fprintf(f, "%s%d", k ? "," : "", p->answer_ids[k]);
+        fprintf(f, "], \"answer_text\": \"%s\"}\n", p->answer_text ? p->answer_text : "");
+    }
+    if (fclose(f) != 0) {
+        fprintf(stderr, "kvserve-eval: cannot write %s\n", path);
+        return -EIO;
+    }
+    return 0;
+}
+
 static void row(const char *name, const char *ref, const char *cand) { printf("  %-34s %16s %16s\n", name, ref, cand); }
 
 int main(int argc, char **argv)
@@ -132,7 +156,7 @@ int main(int argc, char **argv)
     struct cfg_op *ops = kvs_xcalloc((size_t)argc + 1, sizeof *ops);
     int n_ops = 0, seq_len = 256, n_seqs = 4, prefill = 1, probes_per = 10, window = 0, seed = 1;
     int do_tf = 1, do_ret = 1, json = 0, n_lengths = 0, lengths[16];
-    const char *text_path = NULL, *tokens_path = NULL, *filler_path = NULL, *model_arg = NULL;
+    const char *dump_path = NULL, *text_path = NULL, *tokens_path = NULL, *filler_path = NULL, *model_arg = NULL;
     char model_set[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -151,6 +175,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--text")) text_path = v;
         else if (!strcmp(a, "--tokens")) tokens_path = v;
         else if (!strcmp(a, "--filler")) filler_path = v;
+        else if (!strcmp(a, "--dump-probes")) dump_path = v, do_tf = 0;
         else if (!strcmp(a, "--seq-len")) bad = parse_int(v, 2, 1 << 24, &seq_len);
         else if (!strcmp(a, "--n-seqs")) bad = parse_int(v, 1, 1 << 20, &n_seqs);
         else if (!strcmp(a, "--prefill")) bad = parse_int(v, 1, 1 << 24, &prefill);
@@ -302,6 +327,11 @@ int main(int argc, char **argv)
             fprintf(stderr, "kvserve-eval: %s\n", err);
             goto out;
         }
+    }
+
+    if (dump_path) {
+        ret = dump_probes(dump_path, &probes) ? 1 : 0;
+        goto out;
     }
 
     /* KV pools sized to the work unless the config says otherwise (two runners share memory) */

@@ -135,7 +135,34 @@ def main():
         p = run(args, expect_rc=rc)
         check(re.search(pat, p.stderr) is not None, "rejected %s: %s" % (" ".join(args[2:]), p.stderr.strip()[:120]))
 
-    # 6. the demo model: retrieval at 2K with full attention is reported
+    # 6. text probes, built with a real tokenizer (Qwen3's) on the tiny model's weights, decoded
+    #    with Hugging Face tokenizers: the asked fact early, the question at the end, length fits
+    import tarfile
+    from tokenizers import Tokenizer
+    tb = os.path.join(ROOT, "..", "shared", "tokenizers", "qwen3.tar.xz")
+    with tarfile.open(tb) as tf:
+        tf.extractall(tmp, filter="data")
+    mdir = os.path.join(tmp, "qwen3")
+    for fn in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(MODELS, "llama", fn), os.path.join(mdir, fn))
+    dump = os.path.join(tmp, "probes.jsonl")
+    run(["--model", mdir, "--filler", os.path.join(ROOT, "tests", "data", "eval", "filler.txt"), "--lengths",
+         "256,480", "--probes", "4", "--dump-probes", dump])
+    tok = Tokenizer.from_file(os.path.join(mdir, "tokenizer.json"))
+    probes = [json.loads(l) for l in open(dump)]
+    check(len(probes) == 8, "8 text probes dumped")
+    for pr in probes:
+        text = tok.decode(pr["ids"])
+        m = re.search(r"Question: What is the secret code of (\w+)\?\nAnswer:$", text)
+        ok = m is not None and len(pr["ids"]) <= pr["length"] and len(pr["ids"]) >= 0.8 * pr["length"]
+        if ok:
+            fact = "The secret code of %s is %s.\n" % (m.group(1), pr["answer_text"])
+            ok = text.count(fact) == 1 and text.count("The secret code of %s " % m.group(1)) == 1 \
+                and text.index(fact) < 0.4 * len(text) and text.count("The secret code of ") == 3
+        check(ok, "text probe of %d/%d tokens: fact early, question at the end (answer %s)" %
+              (len(pr["ids"]), pr["length"], pr["answer_text"]))
+
+    # 7. the demo model: retrieval at 2K with full attention is reported
     demo = os.path.join(ROOT, "models", "demo")
     filler = os.path.join(ROOT, "tests", "data", "eval", "filler.txt")
     if os.path.exists(os.path.join(demo, "model.safetensors")):
