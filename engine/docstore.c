@@ -617,7 +617,8 @@ int kvs_docstore_add(struct kvs_docstore *s, const char *id, const char *text, s
         rc = kvs_err(err, errlen, -ENOMEM, "out of memory growing the document index");
     if (rc == 0) {
         d->seq = s->next_seq++;
-        d->created = kvs_wall_time();
+        /* millisecond resolution: survives the JSON round trip exactly (cJSON prints 15 digits) */
+        d->created = floor(kvs_wall_time() * 1000.0) / 1000.0;
         index_insert(s, e);
     }
     pthread_mutex_unlock(&s->mu);
