@@ -1073,7 +1073,11 @@ void kvs_call_free(struct kvs_server *s, struct call *c)
     for (int i = 0; i < c->n_choices; i++) {
         struct choice *ch = &c->choices[i];
         if (ch->req) {
-            if (!ch->done) kvs_request_cancel(ch->req);
+            if (!ch->done) {
+                /* the client left first: its engine events will never be read, count it here */
+                kvs_request_cancel(ch->req);
+                s->metrics.success[KVS_REASON_ABORT]++;
+            }
             kvs_request_unref(ch->req);
         }
         kvs_sbuf_free(&ch->text);

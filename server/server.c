@@ -29,6 +29,8 @@
 #include <microhttpd.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <uv.h>
@@ -312,6 +314,17 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     kvs_call_free(s, c);
 }
 
+/* libmicrohttpd's own messages (mostly clients that hung up mid-response) at debug level */
+static void mhd_logger(void *cls, const char *fmt, va_list ap)
+{
+    (void)cls;
+    char line[512];
+    vsnprintf(line, sizeof line, fmt, ap);
+    size_t n = strlen(line);
+    while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
+    kvs_log(KVS_LOG_DEBUG, "mhd: %s", line);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 
 int kvs_server_run(const struct kvs_config *cfg)
@@ -359,7 +372,7 @@ int kvs_server_run(const struct kvs_config *cfg)
     s->mhd = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR, &addr,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_connections,
                               MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
-                              s, MHD_OPTION_END);
+                              s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL, MHD_OPTION_END);
     if (!s->mhd) {
         kvs_log(KVS_LOG_ERROR, "cannot listen on %s:%d (port in use or bad address)", cfg->host, cfg->port);
         kvs_docs_free(s->docs);
