@@ -10,6 +10,7 @@
 #   tests/fuzz/fuzz_*.c                                   -> build/fuzz/fuzz_* (clang libFuzzer, `make fuzz`)
 
 SHELL := /bin/bash
+MAKEFLAGS += -j$(shell nproc) --no-print-directory
 CC ?= cc
 NVCC ?= nvcc
 SAN ?= 0
@@ -44,7 +45,7 @@ GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
 ifeq ($(CUDA),1)
 CFLAGS += -DKVS_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-LDLIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
+LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
 else
 CFLAGS += -DKVS_HAVE_CUDA=0
 endif
@@ -66,11 +67,11 @@ $(LIB): $(LIB_OBJS)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/obj/%.o: %.c
+$(BUILD)/obj/%.o: %.c | setup
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/obj/%.o: %.cu
+$(BUILD)/obj/%.o: %.cu | setup
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
@@ -115,3 +116,4 @@ clean:
 	rm -rf build
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+.SECONDARY:

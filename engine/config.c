@@ -1,0 +1,459 @@
+/* config.c: the declarative config table and everything it drives (parse, validate, --set,
+ * dump, reference). One row per key: dotted JSON path, type, field offset, bounds, default,
+ * allowed values (for enums), and help text. */
+#include "engine/config.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/util.h"
+
+enum key_type { T_BOOL, T_INT, T_INT64, T_DOUBLE, T_STRING, T_ENUM };
+
+struct key_def {
+    const char *name;          /* dotted path in the JSON file */
+    enum key_type type;
+    size_t offset;             /* into struct kvs_config */
+    double min, max;           /* numeric bounds (inclusive) */
+    const char *def;           /* default, as it would be written after --set key= */
+    const char *choices;       /* enums: "a|b|c" */
+    const char *implemented;   /* enums: the subset this build can run (NULL = all) */
+    const char *help;
+};
+
+#define F(field) offsetof(struct kvs_config, field)
+#define I64MAX 9.0e18
+
+static const struct key_def KEYS[] = {
+    {"model.path", T_STRING, F(model_path), 0, 0, "models/demo", NULL, NULL,
+     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"},
+    {"model.name", T_STRING, F(model_name), 0, 0, "", NULL, NULL,
+     "model id served in /v1/models and accepted in requests (empty: directory name)"},
+    {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|qwen3|llama3", NULL,
+     "chat format; auto detects it from the tokenizer_config.json chat_template"},
+    {"model.max_model_len", T_INT, F(max_model_len), 0, 16777216, "0", NULL, NULL,
+     "context length limit in tokens (0: the model's max_position_embeddings)"},
+
+    {"device", T_ENUM, F(device), 0, 0, "auto", "auto|cpu|cuda", NULL,
+     "compute backend; auto picks cuda when a GPU and the CUDA build are present"},
+    {"cpu_threads", T_INT, F(cpu_threads), 0, 1024, "0", NULL, NULL,
+     "CPU backend threads (0: one per core)"},
+
+    {"server.host", T_STRING, F(host), 0, 0, "127.0.0.1", NULL, NULL, "address to listen on"},
+    {"server.port", T_INT, F(port), 0, 65535, "8000", NULL, NULL, "TCP port (0: pick a free one and log it)"},
+    {"server.api_key", T_STRING, F(api_key), 0, 0, "", NULL, NULL,
+     "require 'Authorization: Bearer <key>' on /v1 and document endpoints (empty: no auth)"},
+    {"server.max_body_bytes", T_INT64, F(max_body_bytes), 1024, 1073741824, "4194304", NULL, NULL,
+     "largest accepted request body (413 above)"},
+    {"server.max_connections", T_INT, F(max_connections), 1, 65536, "512", NULL, NULL,
+     "simultaneous client connections"},
+    {"server.request_timeout_s", T_DOUBLE, F(request_timeout_s), 0, 86400, "600", NULL, NULL,
+     "per-request time limit in seconds (0: none)"},
+    {"server.shutdown_grace_s", T_DOUBLE, F(shutdown_grace_s), 0, 3600, "30", NULL, NULL,
+     "on SIGTERM/SIGINT, time to let in-flight requests finish before cancelling them"},
+    {"server.sse_keepalive_s", T_DOUBLE, F(sse_keepalive_s), 0.1, 3600, "15", NULL, NULL,
+     "interval of ': keep-alive' SSE comments while a stream waits (long prefills)"},
+    {"server.access_log", T_BOOL, F(access_log), 0, 1, "true", NULL, NULL, "log one line per request"},
+    {"server.log_level", T_ENUM, F(log_level), 0, 0, "info", "debug|info|warn|error", NULL, "log verbosity"},
+
+    {"scheduler.max_batch_tokens", T_INT, F(max_batch_tokens), 1, 1048576, "512", NULL, NULL,
+     "tokens per engine step (decode tokens + prefill chunks)"},
+    {"scheduler.max_running", T_INT, F(max_running), 1, 4096, "64", NULL, NULL,
+     "requests decoding at once"},
+    {"scheduler.max_waiting", T_INT, F(max_waiting), 0, 1000000, "256", NULL, NULL,
+     "queued requests before new ones get 429"},
+    {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
+     "largest prefill chunk of one request per step (0: max_batch_tokens)"},
+    {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
+     "max_tokens when a request sets none (0: up to the context length)"},
+
+    {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
+    {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,
+     "KV pool size in bytes (0: kv.memory_fraction of free device memory)"},
+    {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
+     "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
+    {"kv.storage", T_ENUM, F(kv_storage), 0, 0, "auto", "auto|f32|bf16|lean", "auto|f32|bf16",
+     "KV storage format (auto: f32 on cpu, bf16 on cuda; lean: LeanKV mixed precision)"},
+    {"kv.reuse", T_ENUM, F(kv_reuse), 0, 0, "prefix", "none|prefix|lazy", "none|prefix",
+     "KV sharing across requests (prefix: hashed full blocks; lazy: LazyAttention doc cache)"},
+    {"kv.decode", T_ENUM, F(kv_decode), 0, 0, "full", "full|mac|paris|retro", "full",
+     "how decode reads the cache (full attention, MAC reuse, ParisKV top-k, Retro/Quest)"},
+
+    {"kv.lazy.budget_bytes", T_INT64, F(lazy_budget_bytes), 0, I64MAX, "0", NULL, NULL,
+     "doc-cache byte budget (0: whatever the KV pool holds)"},
+    {"kv.lazy.eviction", T_ENUM, F(lazy_eviction), 0, 0, "lru", "lru|lfu", NULL, "doc-cache eviction policy"},
+
+    {"kv.mac.ring_size", T_INT, F(mac_ring_size), 1, 65536, "1024", NULL, NULL, "MAC: recent queries kept (K)"},
+    {"kv.mac.band", T_INT, F(mac_band), 1, 65536, "256", NULL, NULL, "MAC: recomputed band r"},
+    {"kv.mac.tau", T_DOUBLE, F(mac_tau), 0, 2, "0.45", NULL, NULL, "MAC: match threshold (>= 1 never matches)"},
+    {"kv.mac.gen_min", T_INT, F(mac_gen_min), 0, 16777216, "2048", NULL, NULL, "MAC: context length before matching starts"},
+
+    {"kv.paris.topk", T_INT, F(paris_topk), 1, 1048576, "100", NULL, NULL, "ParisKV: keys attended after rerank"},
+    {"kv.paris.sink", T_INT, F(paris_sink), 0, 65536, "4", NULL, NULL, "ParisKV: sink tokens always attended"},
+    {"kv.paris.local", T_INT, F(paris_local), 0, 1048576, "64", NULL, NULL, "ParisKV: recent window always attended"},
+    {"kv.paris.update_interval", T_INT, F(paris_update_interval), 1, 1048576, "512", NULL, NULL,
+     "ParisKV: tokens buffered before encoding"},
+    {"kv.paris.dense_threshold", T_INT, F(paris_dense_threshold), 0, 16777216, "2000", NULL, NULL,
+     "ParisKV: below this context, dense attention"},
+    {"kv.paris.offload", T_BOOL, F(paris_offload), 0, 1, "true", NULL, NULL, "ParisKV: keep the retrieval zone in host memory"},
+
+    {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
+    {"kv.retro.budget_frac", T_DOUBLE, F(retro_budget_frac), 0.0001, 1, "0.15", NULL, NULL, "Retro/Quest: token budget fraction"},
+    {"kv.retro.min_budget", T_INT, F(retro_min_budget), 0, 16777216, "256", NULL, NULL, "Retro/Quest: minimum token budget"},
+    {"kv.retro.dense_layers", T_INT, F(retro_dense_layers), 0, 1024, "2", NULL, NULL, "Retro/Quest: first layers kept dense"},
+
+    {"kv.lean.key_bits_high", T_INT, F(lean_key_bits_high), 2, 16, "8", NULL, NULL, "LeanKV: key bits, high tier"},
+    {"kv.lean.value_bits_high", T_INT, F(lean_value_bits_high), 2, 16, "4", NULL, NULL, "LeanKV: value bits, high tier"},
+    {"kv.lean.key_bits_low", T_INT, F(lean_key_bits_low), 2, 16, "4", NULL, NULL, "LeanKV: key bits, low tier"},
+    {"kv.lean.value_bits_low", T_INT, F(lean_value_bits_low), 2, 16, "2", NULL, NULL, "LeanKV: value bits, low tier"},
+    {"kv.lean.recent_window", T_INT, F(lean_recent_window), 0, 1048576, "64", NULL, NULL, "LeanKV: recent tokens kept at full precision"},
+    {"kv.lean.alpha_high", T_DOUBLE, F(lean_alpha_high), 0, 100, "1", NULL, NULL, "LeanKV: importance threshold for the high tier"},
+    {"kv.lean.alpha_low", T_DOUBLE, F(lean_alpha_low), 0, 100, "0.02", NULL, NULL, "LeanKV: importance threshold below which tokens are pruned"},
+
+    {"documents.dir", T_STRING, F(documents_dir), 0, 0, "", NULL, NULL,
+     "directory where posted documents persist across restarts (empty: memory only)"},
+    {"documents.max_count", T_INT, F(documents_max_count), 1, 100000000, "10000", NULL, NULL, "documents stored at most"},
+    {"documents.max_tokens", T_INT, F(documents_max_tokens), 1, 16777216, "32768", NULL, NULL, "tokens per document at most"},
+};
+#define N_KEYS (sizeof KEYS / sizeof KEYS[0])
+
+static const struct key_def *find_key(const char *name)
+{
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (strcmp(KEYS[i].name, name) == 0) return &KEYS[i];
+    return NULL;
+}
+
+/* 1 if word is one of the '|'-separated choices. */
+static int in_choices(const char *choices, const char *word)
+{
+    size_t n = strlen(word);
+    const char *p = choices;
+    while (p && *p) {
+        const char *bar = strchr(p, '|');
+        size_t len = bar ? (size_t)(bar - p) : strlen(p);
+        if (len == n && strncmp(p, word, n) == 0) return 1;
+        p = bar ? bar + 1 : NULL;
+    }
+    return 0;
+}
+
+/* Levenshtein distance, for "did you mean" hints (keys are short). */
+static int edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 127 || lb > 127) return 1000;
+    int row[128];
+    for (size_t j = 0; j <= lb; j++) row[j] = (int)j;
+    for (size_t i = 1; i <= la; i++) {
+        int diag = row[0];
+        row[0] = (int)i;
+        for (size_t j = 1; j <= lb; j++) {
+            int up = row[j];
+            int sub = diag + (a[i - 1] != b[j - 1]);
+            int best = up + 1 < row[j - 1] + 1 ? up + 1 : row[j - 1] + 1;
+            row[j] = sub < best ? sub : best;
+            diag = up;
+        }
+    }
+    return row[lb];
+}
+
+static const char *type_name(enum key_type t)
+{
+    switch (t) {
+    case T_BOOL: return "bool";
+    case T_INT: return "integer";
+    case T_INT64: return "integer";
+    case T_DOUBLE: return "number";
+    case T_STRING: return "string";
+    case T_ENUM: return "string";
+    }
+    return "?";
+}
+
+static void set_string(struct kvs_config *cfg, const struct key_def *k, const char *v)
+{
+    char **slot = (char **)((char *)cfg + k->offset);
+    free(*slot);
+    *slot = kvs_xstrdup(v);
+}
+
+static int check_range(const struct key_def *k, double v, const char *text, char *err, size_t errlen)
+{
+    if (!(v >= k->min && v <= k->max))
+        return kvs_err(err, errlen, -ERANGE, "config key '%s': value %s is out of range (allowed: %g to %g)",
+                       k->name, text, k->min, k->max);
+    return 0;
+}
+
+/* Applies a value given as text (from --set or a default). */
+static int apply_text(struct kvs_config *cfg, const struct key_def *k, const char *v, char *err, size_t errlen)
+{
+    char *slot = (char *)cfg + k->offset;
+    char *end = NULL;
+    switch (k->type) {
+    case T_BOOL:
+        if (!strcmp(v, "true") || !strcmp(v, "1") || !strcmp(v, "yes") || !strcmp(v, "on")) *(int *)slot = 1;
+        else if (!strcmp(v, "false") || !strcmp(v, "0") || !strcmp(v, "no") || !strcmp(v, "off")) *(int *)slot = 0;
+        else return kvs_err(err, errlen, -EINVAL, "config key '%s': '%s' is not a bool (allowed: true, false)", k->name, v);
+        return 0;
+    case T_INT:
+    case T_INT64: {
+        errno = 0;
+        long long x = strtoll(v, &end, 10);
+        if (errno || end == v || *end)
+            return kvs_err(err, errlen, -EINVAL, "config key '%s': '%s' is not an integer", k->name, v);
+        int rc = check_range(k, (double)x, v, err, errlen);
+        if (rc) return rc;
+        if (k->type == T_INT) *(int *)slot = (int)x;
+        else *(int64_t *)slot = (int64_t)x;
+        return 0;
+    }
+    case T_DOUBLE: {
+        errno = 0;
+        double x = strtod(v, &end);
+        if (errno || end == v || *end || !isfinite(x))
+            return kvs_err(err, errlen, -EINVAL, "config key '%s': '%s' is not a number", k->name, v);
+        int rc = check_range(k, x, v, err, errlen);
+        if (rc) return rc;
+        *(double *)slot = x;
+        return 0;
+    }
+    case T_ENUM:
+        if (!in_choices(k->choices, v))
+            return kvs_err(err, errlen, -EINVAL, "config key '%s': '%s' is not a valid choice (allowed: %s)", k->name,
+                           v, k->choices);
+        set_string(cfg, k, v);
+        return 0;
+    case T_STRING:
+        set_string(cfg, k, v);
+        return 0;
+    }
+    return -EINVAL;
+}
+
+/* Applies a JSON value (strict types: a string where a number belongs is an error). */
+static int apply_json(struct kvs_config *cfg, const struct key_def *k, const cJSON *v, char *err, size_t errlen)
+{
+    char text[64];
+    switch (k->type) {
+    case T_BOOL:
+        if (!cJSON_IsBool(v)) break;
+        return apply_text(cfg, k, cJSON_IsTrue(v) ? "true" : "false", err, errlen);
+    case T_INT:
+    case T_INT64:
+        if (!cJSON_IsNumber(v)) break;
+        if (v->valuedouble != floor(v->valuedouble))
+            return kvs_err(err, errlen, -EINVAL, "config key '%s': %g is not an integer", k->name, v->valuedouble);
+        snprintf(text, sizeof text, "%.0f", v->valuedouble);
+        if (fabs(v->valuedouble) > 9.0e18)
+            return kvs_err(err, errlen, -ERANGE, "config key '%s': value %s is out of range (allowed: %g to %g)",
+                           k->name, text, k->min, k->max);
+        return apply_text(cfg, k, text, err, errlen);
+    case T_DOUBLE:
+        if (!cJSON_IsNumber(v)) break;
+        snprintf(text, sizeof text, "%.17g", v->valuedouble);
+        return apply_text(cfg, k, text, err, errlen);
+    case T_STRING:
+    case T_ENUM:
+        if (!cJSON_IsString(v)) break;
+        return apply_text(cfg, k, v->valuestring, err, errlen);
+    }
+    char *got = cJSON_PrintUnformatted(v);
+    int rc = kvs_err(err, errlen, -EINVAL, "config key '%s': expected %s %s%s%s, got %s", k->name, k->type == T_INT || k->type == T_INT64 ? "an" : "a", type_name(k->type),
+                     k->type == T_ENUM ? " (one of " : "", k->type == T_ENUM ? k->choices : "", got ? got : "?");
+    if (k->type == T_ENUM && err && errlen) strncat(err, ")", errlen - strlen(err) - 1);
+    free(got);
+    return rc;
+}
+
+void kvs_config_init(struct kvs_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t i = 0; i < N_KEYS; i++) {
+        char err[256];
+        int rc = apply_text(cfg, &KEYS[i], KEYS[i].def, err, sizeof err);
+        if (rc) kvs_panic(__FILE__, __LINE__, "bad default: %s", err);
+    }
+}
+
+void kvs_config_free(struct kvs_config *cfg)
+{
+    for (size_t i = 0; i < N_KEYS; i++) {
+        if (KEYS[i].type != T_STRING && KEYS[i].type != T_ENUM) continue;
+        char **slot = (char **)((char *)cfg + KEYS[i].offset);
+        free(*slot);
+        *slot = NULL;
+    }
+}
+
+/* Walks a JSON object; prefix is the dotted path so far. Every member must be a known key or
+ * a known section (a prefix of some key followed by '.'). */
+static int walk(struct kvs_config *cfg, const cJSON *obj, const char *prefix, const char *origin, char *err,
+                size_t errlen)
+{
+    for (const cJSON *m = obj->child; m; m = m->next) {
+        char path[256];
+        if (!m->string) return kvs_err(err, errlen, -EINVAL, "%s: malformed object", origin);
+        int n = snprintf(path, sizeof path, "%s%s%s", prefix, *prefix ? "." : "", m->string);
+        if (n < 0 || (size_t)n >= sizeof path) return kvs_err(err, errlen, -EINVAL, "%s: key too long", origin);
+        const struct key_def *k = find_key(path);
+        if (k) {
+            int rc = apply_json(cfg, k, m, err, errlen);
+            if (rc) return rc;
+            continue;
+        }
+        /* a section? */
+        size_t plen = strlen(path);
+        int is_section = 0;
+        for (size_t i = 0; i < N_KEYS && !is_section; i++)
+            if (!strncmp(KEYS[i].name, path, plen) && KEYS[i].name[plen] == '.') is_section = 1;
+        if (is_section) {
+            if (!cJSON_IsObject(m))
+                return kvs_err(err, errlen, -EINVAL, "config key '%s': expected an object (a section of keys)", path);
+            int rc = walk(cfg, m, path, origin, err, errlen);
+            if (rc) return rc;
+            continue;
+        }
+        /* Unknown: suggest the closest known key (edit distance on the full dotted path). */
+        const char *hint = NULL;
+        int best = 4; /* suggest only near misses */
+        for (size_t i = 0; i < N_KEYS; i++) {
+            int d = edit_distance(KEYS[i].name, path);
+            if (d < best) best = d, hint = KEYS[i].name;
+        }
+        return kvs_err(err, errlen, -EINVAL, "%s: unknown config key '%s'%s%s%s (see kvserve --help-config)", origin,
+                       path, hint ? " (did you mean '" : "", hint ? hint : "", hint ? "'?)" : "");
+    }
+    return 0;
+}
+
+int kvs_config_load_json(struct kvs_config *cfg, const char *json, const char *origin, char *err, size_t errlen)
+{
+    cJSON *root = cJSON_Parse(json);
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        int line = 1;
+        for (const char *p = json; at && p < at && *p; p++)
+            if (*p == '\n') line++;
+        return kvs_err(err, errlen, -EINVAL, "%s: invalid JSON near line %d", origin, line);
+    }
+    int rc;
+    if (!cJSON_IsObject(root)) rc = kvs_err(err, errlen, -EINVAL, "%s: the config must be a JSON object", origin);
+    else rc = walk(cfg, root, "", origin, err, errlen);
+    cJSON_Delete(root);
+    return rc;
+}
+
+int kvs_config_load_file(struct kvs_config *cfg, const char *path, char *err, size_t errlen)
+{
+    char ferr[256];
+    char *text = kvs_read_file(path, NULL, ferr, sizeof ferr);
+    if (!text) return kvs_err(err, errlen, -ENOENT, "cannot read config file %s", ferr);
+    int rc = kvs_config_load_json(cfg, text, path, err, errlen);
+    free(text);
+    return rc;
+}
+
+int kvs_config_set(struct kvs_config *cfg, const char *assignment, char *err, size_t errlen)
+{
+    const char *eq = strchr(assignment, '=');
+    if (!eq) return kvs_err(err, errlen, -EINVAL, "--set '%s': expected key=value", assignment);
+    char name[128];
+    size_t n = (size_t)(eq - assignment);
+    if (n == 0 || n >= sizeof name) return kvs_err(err, errlen, -EINVAL, "--set '%s': bad key", assignment);
+    memcpy(name, assignment, n);
+    name[n] = 0;
+    const struct key_def *k = find_key(name);
+    if (!k) return kvs_err(err, errlen, -EINVAL, "--set: unknown config key '%s' (see kvserve --help-config)", name);
+    return apply_text(cfg, k, eq + 1, err, errlen);
+}
+
+int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen)
+{
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const struct key_def *k = &KEYS[i];
+        if (k->type != T_ENUM || !k->implemented) continue;
+        const char *v = *(char *const *)((const char *)cfg + k->offset);
+        if (!in_choices(k->implemented, v))
+            return kvs_err(err, errlen, -ENOSYS,
+                           "config key '%s': strategy '%s' is not implemented in this build yet (available: %s)",
+                           k->name, v, k->implemented);
+    }
+    if (cfg->model_path[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'model.path' must not be empty");
+    if (cfg->host[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'server.host' must not be empty");
+    if (!strcmp(cfg->device, "cpu") && !strcmp(cfg->kv_storage, "bf16"))
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.storage': 'bf16' needs device 'cuda' (the cpu backend stores f32)");
+    if (cfg->prefill_chunk > cfg->max_batch_tokens)
+        return kvs_err(err, errlen, -EINVAL,
+                       "config key 'scheduler.prefill_chunk' (%d) must not exceed scheduler.max_batch_tokens (%d)",
+                       cfg->prefill_chunk, cfg->max_batch_tokens);
+    return 0;
+}
+
+static cJSON *section(cJSON *root, const char *path, const char **leaf)
+{
+    /* creates nested objects for "a.b.c" and returns the parent of the leaf "c" */
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", path);
+    cJSON *cur = root;
+    char *p = buf;
+    for (char *dot; (dot = strchr(p, '.')); p = dot + 1) {
+        *dot = 0;
+        cJSON *next = cJSON_GetObjectItemCaseSensitive(cur, p);
+        if (!next) next = cJSON_AddObjectToObject(cur, p);
+        cur = next;
+    }
+    *leaf = path + (p - buf);
+    return cur;
+}
+
+char *kvs_config_dump_json(const struct kvs_config *cfg)
+{
+    cJSON *root = cJSON_CreateObject();
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const struct key_def *k = &KEYS[i];
+        const char *leaf;
+        cJSON *parent = section(root, k->name, &leaf);
+        const char *slot = (const char *)cfg + k->offset;
+        switch (k->type) {
+        case T_BOOL: cJSON_AddBoolToObject(parent, leaf, *(const int *)slot); break;
+        case T_INT: cJSON_AddNumberToObject(parent, leaf, *(const int *)slot); break;
+        case T_INT64: cJSON_AddNumberToObject(parent, leaf, (double)*(const int64_t *)slot); break;
+        case T_DOUBLE: cJSON_AddNumberToObject(parent, leaf, *(const double *)slot); break;
+        case T_STRING:
+        case T_ENUM: cJSON_AddStringToObject(parent, leaf, *(char *const *)slot); break;
+        }
+    }
+    char *s = cJSON_Print(root);
+    cJSON_Delete(root);
+    return s;
+}
+
+void kvs_config_print_reference(void *file, int markdown)
+{
+    FILE *f = file;
+    if (markdown) {
+        fprintf(f, "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n");
+    }
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const struct key_def *k = &KEYS[i];
+        char allowed[160];
+        if (k->type == T_ENUM) {
+            if (k->implemented && strcmp(k->implemented, k->choices))
+                snprintf(allowed, sizeof allowed, "%s (built: %s)", k->choices, k->implemented);
+            else snprintf(allowed, sizeof allowed, "%s", k->choices);
+        } else if (k->type == T_BOOL) snprintf(allowed, sizeof allowed, "true, false");
+        else if (k->type == T_STRING) snprintf(allowed, sizeof allowed, "any");
+        else snprintf(allowed, sizeof allowed, "%g .. %g", k->min, k->max);
+        if (markdown)
+            fprintf(f, "| `%s` | %s | `%s` | %s | %s |\n", k->name, type_name(k->type), k->def, allowed, k->help);
+        else
+            fprintf(f, "  %-28s %-6s default %-12s [%s]\n      %s\n", k->name, type_name(k->type),
+                    k->def[0] ? k->def : "\"\"", allowed, k->help);
+    }
+}
