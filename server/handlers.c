@@ -5,7 +5,7 @@
 #include "engine/config.h"
 #include "engine/tokenizer.h"
 #include "engine/util.h"
-#include "server/documents.h"
+#include "engine/docstore.h"
 #include "server/request_parse.h"
 
 #include <cjson/cJSON.h>
@@ -503,6 +503,9 @@ static void prompt_set_free(struct prompt_set *p)
     memset(p, 0, sizeof *p);
 }
 
+static int build_prompts_with(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
+                              struct prompt_set *ps, int *mhd_rc, const struct kvs_doc *const *docs, int doc_tokens);
+
 /* Builds the token ids of every prompt (documents first). Returns 0 or queues an error (-1). */
 static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_api_request *r, struct prompt_set *ps,
                          int *mhd_rc)
@@ -510,14 +513,23 @@ static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_
     const struct kvs_doc *docs[KVS_API_MAX_DOCS];
     int doc_tokens = 0;
     for (int i = 0; i < r->n_documents; i++) {
-        docs[i] = kvs_docs_get(s->docs, r->documents[i]);
+        docs[i] = kvs_docstore_get(s->docs, r->documents[i]);
         if (!docs[i]) {
+            for (int k = 0; k < i; k++) kvs_doc_release(docs[k]);
             *mhd_rc = kvs_call_error(c, 404, "invalid_request_error", "document_not_found", "documents",
                                      "document '%s' not found", r->documents[i]);
             return -1;
         }
         doc_tokens += docs[i]->n_tokens;
     }
+    int rc = build_prompts_with(s, c, r, ps, mhd_rc, docs, doc_tokens);
+    for (int i = 0; i < r->n_documents; i++) kvs_doc_release(docs[i]);
+    return rc;
+}
+
+static int build_prompts_with(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
+                              struct prompt_set *ps, int *mhd_rc, const struct kvs_doc *const *docs, int doc_tokens)
+{
     if (c->chat) {
         if (s->chat_format == KVS_CHAT_UNKNOWN) {
             *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages",
@@ -813,7 +825,7 @@ static int h_metrics(struct kvs_server *s, struct call *c)
     struct kvs_engine_stats es;
     if (s->engine) kvs_engine_stats(s->engine, &es);
     struct kvs_sbuf b = {0};
-    kvs_metrics_render(&s->metrics, s->engine ? &es : NULL, s->model_name, kvs_docs_count(s->docs), &b);
+    kvs_metrics_render(&s->metrics, s->engine ? &es : NULL, s->model_name, kvs_docstore_count(s->docs), &b);
     char *body = b.s ? b.s : kvs_xstrdup("");
     return queue_body(c, 200, "text/plain; version=0.0.4; charset=utf-8", body, b.len, NULL);
 }
@@ -903,11 +915,23 @@ static cJSON *doc_json(const struct kvs_doc *d, int with_text)
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "id", d->id);
     cJSON_AddStringToObject(j, "object", "document");
-    cJSON_AddNumberToObject(j, "created", (double)d->created);
+    cJSON_AddNumberToObject(j, "created", (double)(int64_t)d->created);
     cJSON_AddNumberToObject(j, "tokens", d->n_tokens);
-    cJSON_AddNumberToObject(j, "bytes", (double)strlen(d->text));
+    cJSON_AddNumberToObject(j, "bytes", (double)d->text_len);
     if (with_text) cJSON_AddStringToObject(j, "text", d->text);
     return j;
+}
+
+static int doc_error(struct call *c, int rc, const char *err)
+{
+    switch (rc) {
+    case -EEXIST: return kvs_call_error(c, 409, "invalid_request_error", "document_exists", "id", "%s", err);
+    case -ENOENT: return kvs_call_error(c, 404, "invalid_request_error", "document_not_found", "id", "%s", err);
+    case -ENOSPC: return kvs_call_error(c, 400, "invalid_request_error", "document_store_full", NULL, "%s", err);
+    case -E2BIG: return kvs_call_error(c, 400, "invalid_request_error", "document_too_long", "text", "%s", err);
+    case -EINVAL: return kvs_call_error(c, 400, "invalid_request_error", NULL, NULL, "%s", err);
+    default: return kvs_call_error(c, 500, "server_error", NULL, NULL, "%s", err);
+    }
 }
 
 static int h_doc_create(struct kvs_server *s, struct call *c)
@@ -940,37 +964,68 @@ static int h_doc_create(struct kvs_server *s, struct call *c)
     }
     const struct kvs_doc *doc = NULL;
     char err[512] = "";
-    int rc = kvs_docs_add(s->docs, r.doc_id, text, ids, n, &doc, err, sizeof err);
+    int rc = kvs_docstore_add(s->docs, r.doc_id, text, strlen(text), ids, n, &doc, err, sizeof err);
     free(ids);
     free(text);
     kvs_api_request_free(&r);
-    switch (rc) {
-    case 0: return respond_json(c, 200, doc_json(doc, 0));
-    case -EEXIST: return kvs_call_error(c, 409, "invalid_request_error", "document_exists", "id", "%s", err);
-    case -ENOSPC: return kvs_call_error(c, 400, "invalid_request_error", "document_store_full", NULL, "%s", err);
-    case -E2BIG: return kvs_call_error(c, 400, "invalid_request_error", "document_too_long", "text", "%s", err);
-    case -EINVAL: return kvs_call_error(c, 400, "invalid_request_error", NULL, NULL, "%s", err);
-    default: return kvs_call_error(c, 500, "server_error", NULL, NULL, "%s", err);
-    }
+    if (rc) return doc_error(c, rc, err);
+    cJSON *j = doc_json(doc, 0);
+    kvs_doc_release(doc);
+    return respond_json(c, 200, j);
 }
 
+/* GET /v1/documents[?limit=N&after=ID&order=asc|desc]: OpenAI list shape with has_more. */
 static int h_doc_list(struct kvs_server *s, struct call *c)
 {
+    const char *ls = MHD_lookup_connection_value(c->conn, MHD_GET_ARGUMENT_KIND, "limit");
+    const char *after = MHD_lookup_connection_value(c->conn, MHD_GET_ARGUMENT_KIND, "after");
+    const char *order = MHD_lookup_connection_value(c->conn, MHD_GET_ARGUMENT_KIND, "order");
+    int limit = 1000;
+    if (ls) {
+        char *end;
+        long v = strtol(ls, &end, 10);
+        if (*end || v < 1 || v > 1000)
+            return kvs_call_error(c, 400, "invalid_request_error", NULL, "limit", "'limit' must be in [1, 1000]");
+        limit = (int)v;
+    }
+    if (order && strcmp(order, "asc") && strcmp(order, "desc"))
+        return kvs_call_error(c, 400, "invalid_request_error", NULL, "order", "'order' must be asc or desc");
+    const struct kvs_doc **docs = kvs_xcalloc((size_t)limit, sizeof *docs);
+    int has_more = 0;
+    char err[256] = "";
+    int n = kvs_docstore_list(s->docs, after && *after ? after : NULL, order && !strcmp(order, "desc"), docs, limit,
+                              &has_more, err, sizeof err);
+    if (n < 0) {
+        free(docs);
+        return n == -ENOENT ? kvs_call_error(c, 400, "invalid_request_error", NULL, "after", "%s", err)
+                            : kvs_call_error(c, 500, "server_error", NULL, NULL, "%s", err);
+    }
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "object", "list");
     cJSON *data = cJSON_AddArrayToObject(j, "data");
-    for (int i = 0; i < kvs_docs_count(s->docs); i++) cJSON_AddItemToArray(data, doc_json(kvs_docs_at(s->docs, i), 0));
+    for (int i = 0; i < n; i++) {
+        cJSON_AddItemToArray(data, doc_json(docs[i], 0));
+        kvs_doc_release(docs[i]);
+    }
+    free(docs);
+    cJSON_AddBoolToObject(j, "has_more", has_more);
     return respond_json(c, 200, j);
 }
 
 static int h_doc_one(struct kvs_server *s, struct call *c, const char *id)
 {
-    if (!kvs_api_valid_doc_id(id) || !kvs_docs_get(s->docs, id))
+    const struct kvs_doc *d = kvs_doc_id_valid(id) ? kvs_docstore_get(s->docs, id) : NULL;
+    if (!d)
         return kvs_call_error(c, 404, "invalid_request_error", "document_not_found", "id", "document '%.80s' not found", id);
-    if (!strcmp(c->method, "GET")) return respond_json(c, 200, doc_json(kvs_docs_get(s->docs, id), 1));
+    if (!strcmp(c->method, "GET")) {
+        cJSON *j = doc_json(d, 1);
+        kvs_doc_release(d);
+        return respond_json(c, 200, j);
+    }
+    kvs_doc_release(d);
     char err[512] = "";
-    int rc = kvs_docs_delete(s->docs, id, err, sizeof err);
-    if (rc) return kvs_call_error(c, 500, "server_error", NULL, NULL, "%s", err);
+    int rc = kvs_docstore_delete(s->docs, id, err, sizeof err);
+    if (rc) return doc_error(c, rc, err);
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "id", id);
     cJSON_AddStringToObject(j, "object", "document");

@@ -22,7 +22,7 @@ struct MHD_Connection;
 struct kvs_config;
 struct kvs_model;
 struct kvs_tokenizer;
-struct kvs_docs;
+struct kvs_docstore;
 struct cJSON;
 
 enum kvs_srv_state { KVS_SRV_LOADING = 0, KVS_SRV_SERVING = 1, KVS_SRV_DRAINING = 2 };
@@ -32,6 +32,7 @@ struct kvs_server {
     enum kvs_srv_state state;
     char *model_name;
     int64_t created;
+    int port;                    /* bound port (cfg->port, or the one picked for port 0) */
     /* filled by the loader thread, read by the loop after load_async */
     struct kvs_model *model;
     struct kvs_tokenizer *tok;
@@ -55,7 +56,7 @@ struct kvs_server {
     int exit_code;
     struct call *calls;          /* every open HTTP request */
     int n_gen_calls;             /* of those, with engine requests in flight */
-    struct kvs_docs *docs;
+    struct kvs_docstore *docs;
     struct kvs_metrics metrics;
 };
 

@@ -31,7 +31,7 @@ int kvs_api_valid_doc_id(const char *s)
 {
     size_t n = strlen(s);
     if (n == 0 || n > KVS_API_MAX_ID_LEN) return 0;
-    if (!strcmp(s, ".") || !strcmp(s, "..")) return 0;
+    if (s[0] == '.') return 0; /* hidden / temp files in the documents dir */
     for (size_t i = 0; i < n; i++) {
         char c = s[i];
         if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||

@@ -108,7 +108,8 @@ void kvs_api_request_free(struct kvs_api_request *r);
 int kvs_api_error_set(struct kvs_api_error *err, int status, const char *type, const char *code,
                       const char *param, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 
-/* 1 if s is a valid document id: [A-Za-z0-9_.-], 1..KVS_API_MAX_ID_LEN bytes, not "." or "..". */
+/* 1 if s is a valid document id: [A-Za-z0-9_.-], 1..KVS_API_MAX_ID_LEN bytes, not starting with
+ * '.' (the rule of engine/docstore.h, kept here so the parser stays free of other modules). */
 int kvs_api_valid_doc_id(const char *s);
 
 #endif

@@ -21,7 +21,7 @@
 #include "engine/tokenizer.h"
 #include "engine/util.h"
 #include "models/model.h"
-#include "server/documents.h"
+#include "engine/docstore.h"
 #include "server/handlers.h"
 #include "server/metrics.h"
 #include "server/request_parse.h"
@@ -83,7 +83,7 @@ static void on_loaded(uv_async_t *h)
     s->loaded = 1;
     if (s->state == KVS_SRV_LOADING) {
         s->state = KVS_SRV_SERVING;
-        kvs_log(KVS_LOG_INFO, "serving on http://%s:%d", s->cfg->host, s->cfg->port);
+        kvs_log(KVS_LOG_INFO, "serving on http://%s:%d", s->cfg->host, s->port);
         return;
     }
     /* a signal arrived while loading: nothing was admitted, so stop now */
@@ -347,8 +347,7 @@ int kvs_server_run(const struct kvs_config *cfg)
         s->model_name[n - b] = 0;
     }
     char err[512];
-    if (kvs_docs_create(cfg->documents_dir, cfg->documents_max_count, cfg->documents_max_tokens, &s->docs, err,
-                        sizeof err)) {
+    if (kvs_docstore_open_config(cfg, &s->docs, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
         free(s->model_name);
         free(s);
@@ -361,7 +360,7 @@ int kvs_server_run(const struct kvs_config *cfg)
     memset(&addr, 0, sizeof addr);
     if (kvs_server_resolve(cfg->host, cfg->port, &addr, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
-        kvs_docs_free(s->docs);
+        kvs_docstore_free(s->docs);
         free(s->model_name);
         free(s);
         return 1;
@@ -375,17 +374,21 @@ int kvs_server_run(const struct kvs_config *cfg)
                               s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL, MHD_OPTION_END);
     if (!s->mhd) {
         kvs_log(KVS_LOG_ERROR, "cannot listen on %s:%d (port in use or bad address)", cfg->host, cfg->port);
-        kvs_docs_free(s->docs);
+        kvs_docstore_free(s->docs);
         free(s->model_name);
         free(s);
         return 1;
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_EPOLL_FD);
     KVS_ASSERT(di != NULL);
+    int epoll_fd = di->epoll_fd;
+    /* port 0 picks a free port: log the one we got */
+    const union MHD_DaemonInfo *pi = MHD_get_daemon_info(s->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = pi ? (int)pi->port : cfg->port;
 
     s->loop = kvs_xmalloc(sizeof *s->loop);
     KVS_ASSERT(uv_loop_init(s->loop) == 0);
-    uv_poll_init(s->loop, &s->mhd_poll, di->epoll_fd);
+    uv_poll_init(s->loop, &s->mhd_poll, epoll_fd);
     uv_timer_init(s->loop, &s->mhd_timer);
     uv_timer_init(s->loop, &s->tick_timer);
     uv_timer_init(s->loop, &s->grace_timer);
@@ -400,7 +403,7 @@ int kvs_server_run(const struct kvs_config *cfg)
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
     s->notify = engine_notify;
-    kvs_log(KVS_LOG_INFO, "listening on %s:%d; loading %s", cfg->host, cfg->port, cfg->model_path);
+    kvs_log(KVS_LOG_INFO, "listening on %s:%d; loading %s", cfg->host, s->port, cfg->model_path);
 
     if (pthread_create(&s->loader, NULL, loader_main, s) != 0) {
         kvs_log(KVS_LOG_ERROR, "cannot start the loader thread");
@@ -429,7 +432,7 @@ int kvs_server_run(const struct kvs_config *cfg)
     free(s->loop);
     if (s->tok) kvs_tokenizer_free(s->tok);
     if (s->model) kvs_model_free(s->model);
-    kvs_docs_free(s->docs);
+    kvs_docstore_free(s->docs);
     int rc = s->exit_code;
     kvs_log(KVS_LOG_INFO, "stopped (exit %d)", rc);
     free(s->model_name);

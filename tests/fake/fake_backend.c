@@ -5,7 +5,6 @@
  * The behaviour is simple enough for the Python tests to predict independently:
  *   tokenizer: byte-level: ids 0..255 are bytes; 256 "<|endoftext|>" (EOS), 257 "<|im_start|>",
  *              258 "<|im_end|>" (EOS), 259 "<|bos|>" (BOS, prepended when add_special).
- *   chat:      ChatML; documents go first in the system turn, separated by "\n".
  *   engine:    completion token k is prompt[n-1 - (k mod n)] (the prompt read backwards,
  *              cyclically); an EOS id ends with finish "stop" unless ignore_eos; stop strings
  *              end with "stop" and are never emitted; logprob of every sampled token is
@@ -16,7 +15,6 @@
  * per admitted request, KVS_FAKE_LOAD_MS (default 0) in kvs_engine_create,
  * KVS_FAKE_BLOCKS (default 512).
  */
-#include "engine/chat.h"
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/tokenizer.h"
@@ -209,61 +207,6 @@ int kvs_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t cap)
     }
     out[n] = 0;
     return n;
-}
-
-/* ---------------------------------------------------------------- chat */
-
-enum kvs_chat_format kvs_chat_detect(const char *model_dir)
-{
-    (void)model_dir;
-    return KVS_CHAT_CHATML;
-}
-
-enum kvs_chat_format kvs_chat_format_from_name(const char *name)
-{
-    if (name && !strcmp(name, "chatml")) return KVS_CHAT_CHATML;
-    if (name && !strcmp(name, "llama3")) return KVS_CHAT_LLAMA3;
-    return KVS_CHAT_UNKNOWN;
-}
-
-const char *kvs_chat_format_name(enum kvs_chat_format f)
-{
-    return f == KVS_CHAT_CHATML ? "chatml" : f == KVS_CHAT_LLAMA3 ? "llama3" : "unknown";
-}
-
-char *kvs_chat_render(enum kvs_chat_format f, const struct kvs_chat_message *msgs, int n_msgs,
-                      const char *const *documents, int n_docs, char *err, size_t errlen)
-{
-    (void)f;
-    size_t len = 0, cap = 64;
-    char *buf = kvs_xmalloc(cap);
-    buf[0] = 0;
-    int has_system = n_msgs > 0 && (!strcmp(msgs[0].role, "system") || !strcmp(msgs[0].role, "developer"));
-    if (n_docs > 0 || has_system) {
-        append_piece(&buf, &len, &cap, "<|im_start|>system\n", 19);
-        for (int i = 0; i < n_docs; i++) {
-            append_piece(&buf, &len, &cap, documents[i], strlen(documents[i]));
-            append_piece(&buf, &len, &cap, "\n", 1);
-        }
-        if (has_system) append_piece(&buf, &len, &cap, msgs[0].content, strlen(msgs[0].content));
-        append_piece(&buf, &len, &cap, "<|im_end|>\n", 11);
-    }
-    for (int i = has_system; i < n_msgs; i++) {
-        const char *role = msgs[i].role;
-        if (!strcmp(role, "developer")) role = "system";
-        if (strcmp(role, "system") && strcmp(role, "user") && strcmp(role, "assistant")) {
-            free(buf);
-            kvs_err(err, errlen, -EINVAL, "unknown role '%s'", role);
-            return NULL;
-        }
-        append_piece(&buf, &len, &cap, "<|im_start|>", 12);
-        append_piece(&buf, &len, &cap, role, strlen(role));
-        append_piece(&buf, &len, &cap, "\n", 1);
-        append_piece(&buf, &len, &cap, msgs[i].content, strlen(msgs[i].content));
-        append_piece(&buf, &len, &cap, "<|im_end|>\n", 11);
-    }
-    append_piece(&buf, &len, &cap, "<|im_start|>assistant\n", 22);
-    return buf;
 }
 
 /* ---------------------------------------------------------------- engine */

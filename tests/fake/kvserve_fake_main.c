@@ -4,7 +4,9 @@
  *   --timeout S --grace S --keepalive S --max-waiting N --max-running N --max-model-len N
  *   --max-tokens-default N --documents-dir DIR --documents-max N --documents-max-tokens N
  *   --served-name NAME --quiet (no access log)
- * The real daemon is build/kvserve (server/kvserve_main.c + config.c).
+ *   --set key=value (any config key)
+ * Defaults differ from kvserve's where tests need it (fake model dir, chatml, 256-token context).
+ * The real daemon is build/kvserve (server/kvserve_main.c).
  */
 #include "server/server.h"
 
@@ -16,55 +18,64 @@
 
 #include "tests/fake/fake_backend.c"
 
+static const char *const k_flags[][2] = {
+    {"--model", "model.path"},
+    {"--port", "server.port"},
+    {"--host", "server.host"},
+    {"--api-key", "server.api_key"},
+    {"--max-body", "server.max_body_bytes"},
+    {"--max-connections", "server.max_connections"},
+    {"--timeout", "server.request_timeout_s"},
+    {"--grace", "server.shutdown_grace_s"},
+    {"--keepalive", "server.sse_keepalive_s"},
+    {"--max-waiting", "scheduler.max_waiting"},
+    {"--max-running", "scheduler.max_running"},
+    {"--max-model-len", "model.max_model_len"},
+    {"--max-tokens-default", "scheduler.max_tokens_default"},
+    {"--documents-dir", "documents.dir"},
+    {"--documents-max", "documents.max_count"},
+    {"--documents-max-tokens", "documents.max_tokens"},
+    {"--served-name", "model.name"},
+};
+
 int main(int argc, char **argv)
 {
     struct kvs_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.model_path = "tests/fake";
-    cfg.model_name = "";
-    cfg.chat_format = "auto";
-    cfg.host = "127.0.0.1";
-    cfg.port = 8000;
-    cfg.api_key = "";
-    cfg.max_body_bytes = 1 << 20;
-    cfg.max_connections = 256;
-    cfg.request_timeout_s = 0;
-    cfg.shutdown_grace_s = 10;
-    cfg.sse_keepalive_s = 15;
-    cfg.access_log = 1;
-    cfg.max_waiting = 256;
-    cfg.max_running = 64;
-    cfg.max_model_len = 256;
-    cfg.documents_dir = "";
-    cfg.documents_max_count = 64;
-    cfg.documents_max_tokens = 128;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (!strcmp(a, name) && v && ++i)
-        if (OPT("--model")) cfg.model_path = (char *)v;
-        else if (OPT("--port")) cfg.port = atoi(v);
-        else if (OPT("--host")) cfg.host = (char *)v;
-        else if (OPT("--api-key")) cfg.api_key = (char *)v;
-        else if (OPT("--max-body")) cfg.max_body_bytes = atoll(v);
-        else if (OPT("--max-connections")) cfg.max_connections = atoi(v);
-        else if (OPT("--timeout")) cfg.request_timeout_s = atof(v);
-        else if (OPT("--grace")) cfg.shutdown_grace_s = atof(v);
-        else if (OPT("--keepalive")) cfg.sse_keepalive_s = atof(v);
-        else if (OPT("--max-waiting")) cfg.max_waiting = atoi(v);
-        else if (OPT("--max-running")) cfg.max_running = atoi(v);
-        else if (OPT("--max-model-len")) cfg.max_model_len = atoi(v);
-        else if (OPT("--max-tokens-default")) cfg.max_tokens_default = atoi(v);
-        else if (OPT("--documents-dir")) cfg.documents_dir = (char *)v;
-        else if (OPT("--documents-max")) cfg.documents_max_count = atoi(v);
-        else if (OPT("--documents-max-tokens")) cfg.documents_max_tokens = atoi(v);
-        else if (OPT("--served-name")) cfg.model_name = (char *)v;
-        else if (!strcmp(a, "--quiet")) cfg.access_log = 0;
-        else {
-            fprintf(stderr, "kvserve-fake: unknown or incomplete option '%s'\n", a);
+    char err[512], assign[4096];
+    kvs_config_init(&cfg);
+    /* test defaults: the fake model dir, ChatML, a 256-token context, no request timeout */
+    const char *defaults[] = {"model.path=tests/fake", "model.chat_format=chatml", "model.max_model_len=256",
+                              "server.request_timeout_s=0", "server.shutdown_grace_s=10",
+                              "documents.max_tokens=128"};
+    for (size_t i = 0; i < sizeof defaults / sizeof *defaults; i++)
+        if (kvs_config_set(&cfg, defaults[i], err, sizeof err)) {
+            fprintf(stderr, "kvserve-fake: %s\n", err);
             return 2;
         }
-#undef OPT
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *key = NULL;
+        if (!strcmp(a, "--quiet")) {
+            if (kvs_config_set(&cfg, "server.access_log=false", err, sizeof err)) return 2;
+            continue;
+        }
+        for (size_t k = 0; k < sizeof k_flags / sizeof *k_flags; k++)
+            if (!strcmp(a, k_flags[k][0])) key = k_flags[k][1];
+        if (!strcmp(a, "--set") && i + 1 < argc) {
+            snprintf(assign, sizeof assign, "%s", argv[++i]);
+        } else if (key && i + 1 < argc) {
+            snprintf(assign, sizeof assign, "%s=%s", key, argv[++i]);
+        } else {
+            fprintf(stderr, "kvserve-fake: unknown or incomplete option '%s'\n", a);
+            kvs_config_free(&cfg);
+            return 2;
+        }
+        if (kvs_config_set(&cfg, assign, err, sizeof err)) {
+            fprintf(stderr, "kvserve-fake: %s\n", err);
+            kvs_config_free(&cfg);
+            return 2;
+        }
     }
-    return kvs_server_run(&cfg);
+    int rc = kvs_server_run(&cfg);
+    kvs_config_free(&cfg);
+    return rc;
 }

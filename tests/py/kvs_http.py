@@ -124,15 +124,19 @@ def tokenize(text, add_special=True, parse_special=True):
 
 
 def chatml(messages, documents=()):
-    out = ""
-    msgs = list(messages)
-    system = None
-    if msgs and msgs[0]["role"] in ("system", "developer"):
-        system = msgs.pop(0)["content"]
-    if documents or system is not None:
-        out += "<|im_start|>system\n" + "".join(d + "\n" for d in documents) + (system or "") + "<|im_end|>\n"
+    """engine/chat.h's ChatML rendering: documents, then the system content, joined by a blank
+    line, in the system turn (created when there is none)."""
+    msgs = [dict(m) for m in messages]
     for m in msgs:
-        out += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        if m["role"] == "developer":
+            m["role"] = "system"
+    if documents:
+        if msgs and msgs[0]["role"] == "system":
+            parts = list(documents) + ([msgs[0]["content"]] if msgs[0]["content"] else [])
+            msgs[0]["content"] = "\n\n".join(parts)
+        else:
+            msgs.insert(0, {"role": "system", "content": "\n\n".join(documents)})
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
     return out + "<|im_start|>assistant\n"
 
 
