@@ -437,6 +437,22 @@ static int parse_token_field(const cJSON *root, const char *name, int vocab_size
     return parse_ids(t, name, vocab_size, 1, &r->tokens, &r->n_tokens, err);
 }
 
+/* cJSON would silently cut a string at an escaped NUL: find "\u0000" preceded by an even number
+ * of backslashes (an odd count means the backslash itself is escaped). */
+static int has_escaped_nul(const char *body, size_t len)
+{
+    for (size_t i = 0; i + 6 <= len; i++) {
+        if (body[i] != '\\' || body[i + 1] != 'u' || memcmp(body + i + 2, "0000", 4) != 0) continue;
+        size_t k = i, n = 0;
+        while (k > 0 && body[k - 1] == '\\') {
+            k--;
+            n++;
+        }
+        if (n % 2 == 0) return 1;
+    }
+    return 0;
+}
+
 int kvs_api_parse(enum kvs_api_kind kind, const char *body, size_t len, int vocab_size,
                   struct kvs_api_request *out, struct kvs_api_error *err)
 {
@@ -451,8 +467,16 @@ int kvs_api_parse(enum kvs_api_kind kind, const char *body, size_t len, int voca
     out->skip_special_tokens = 1;
     out->add_special_tokens = 1;
     if (!body || len == 0) return BAD(NULL, "request body is empty (expected a JSON object)");
-    cJSON *root = cJSON_ParseWithLength(body, len);
+    if (has_escaped_nul(body, len)) return BAD(NULL, "strings must not contain NUL characters (\\u0000)");
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) return BAD(NULL, "request body is not valid JSON");
+    /* cJSON stops after the first value: anything but whitespace after it is malformed */
+    for (const char *p = end; p && p < body + len; p++)
+        if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
+            cJSON_Delete(root);
+            return BAD(NULL, "request body is not valid JSON (data after the object)");
+        }
     int rc;
     if (!cJSON_IsObject(root)) {
         rc = BAD(NULL, "request body must be a JSON object");
