@@ -325,9 +325,11 @@ int kvs_request_poll(struct kvs_request *r, struct kvs_event *out, int max)
 {
     pthread_mutex_lock(&r->mu);
     int n = r->n_ev < max ? r->n_ev : max;
-    memcpy(out, r->evs, sizeof *out * (size_t)n);
-    memmove(r->evs, r->evs + n, sizeof *r->evs * (size_t)(r->n_ev - n));
-    r->n_ev -= n;
+    if (n > 0) {
+        memcpy(out, r->evs, sizeof *out * (size_t)n);
+        memmove(r->evs, r->evs + n, sizeof *r->evs * (size_t)(r->n_ev - n));
+        r->n_ev -= n;
+    }
     pthread_mutex_unlock(&r->mu);
     return n;
 }
@@ -509,7 +511,7 @@ void *fake_engine_main(void *arg)
             }
         }
         for (struct kvs_request **pp = &e->running; *pp;) {
-            struct kvs_request *r = *pp;
+            struct kvs_request *r = *pp, *next = r->next; /* finish() may free r */
             int ended = 0;
             if (atomic_load(&r->cancelled)) {
                 finish(e, r, KVS_FINISH_CANCELLED, now);
@@ -521,7 +523,7 @@ void *fake_engine_main(void *arg)
                 ended = step_one(e, r, now);
             }
             if (ended) {
-                *pp = r->next;
+                *pp = next;
                 e->n_running--;
             } else {
                 pp = &r->next;
