@@ -1,0 +1,477 @@
+/* runner.c: the model runner (engine/runner.h): weights on a backend, the KV pool, and one
+ * forward pass over a mixed batch of prefill chunks and decode tokens.
+ *
+ * Per step: the batch is validated and flattened on the host into token ids, positions, KV slot
+ * ids, per-sequence query ranges and a padded block-table matrix; these are uploaded once, then
+ * the layer loop runs over the backend's op table:
+ *   x = embed(tokens); xn = rmsnorm(x)
+ *   per layer: q,k,v = xn W^T (+b); [qk-norm]; rope(q,k); kv_write; attention; o-proj
+ *              x += o; xn = rmsnorm(x); mlp = down(silu(gate) * up); x += mlp; xn = rmsnorm(x)
+ *   (each "x += ...; xn = rmsnorm(x)" is one fused add_rmsnorm with the next norm's weight)
+ * and the LM head runs only on the rows that want logits, in chunks of LOGIT_CHUNK rows so the
+ * [rows][vocab] workspace stays small for 150k-token vocabularies.
+ * Capacities (tokens and sequences per step, blocks per sequence) come from the config at
+ * create time; a batch over them is refused with -EINVAL (the scheduler never builds one).
+ */
+#include "engine/runner.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "engine/config.h"
+#include "engine/util.h"
+#include "kernels/backend.h"
+#include "models/model.h"
+
+/* The CUDA backend is used when nvcc built kernels/cuda/ and it provides its header (a strong
+ * reference, so the archive member that defines kvs_cuda_backend gets linked). */
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA && defined(__has_include)
+#if __has_include("kernels/cuda/cuda_backend.h")
+#include "kernels/cuda/cuda_backend.h"
+#define RUNNER_HAS_CUDA 1
+#endif
+#endif
+
+#define LOGIT_CHUNK 16
+#define CPU_KV_CAP_BYTES ((size_t)4 << 30)   /* default CPU pool cap: 4 GiB */
+
+struct layer_w {
+    struct kvs_dweight *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *q_norm, *k_norm;
+    struct kvs_dweight *mlp_norm, *w_gate, *w_up, *w_down;
+};
+
+struct kvs_runner {
+    const struct kvs_backend_ops *ops;
+    struct kvs_backend *be;
+    struct kvs_model_config mc;
+    int dim, ff, nh, nkv, hd, vocab, n_layers;
+
+    /* weights */
+    struct kvs_dweight *embed, *lm_head, *final_norm;   /* lm_head may alias embed (tied) */
+    struct layer_w *layers;                             /* [n_layers] */
+
+    /* KV pool: per layer [n_blocks][nkv][block_size][hd] for K and V */
+    struct kvs_dbuf **kc, **vc;                         /* [n_layers] */
+    int n_blocks, block_size;
+    size_t kv_bytes_per_token;
+
+    /* capacities */
+    int cap_tokens, cap_seqs, max_blocks, max_ctx;
+
+    /* device workspaces */
+    struct kvs_dbuf *x, *xn, *q, *k, *v, *att, *proj, *gate, *up;   /* [cap_tokens][...] */
+    struct kvs_dbuf *lrows, *logits;                    /* [LOGIT_CHUNK][dim], [LOGIT_CHUNK][vocab] */
+    struct kvs_dbuf *d_tokens, *d_pos, *d_slots;        /* I32 [cap_tokens] */
+    struct kvs_dbuf *d_qstart, *d_seqpos;               /* I32 [cap_seqs + 1] */
+    struct kvs_dbuf *d_bt, *d_rot;                      /* I32 [cap_seqs * max_blocks] */
+    struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
+    struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
+
+    /* host staging (same shapes) */
+    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot;
+    int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
+};
+
+/* ---- weights ---------------------------------------------------------------------------- */
+
+static int load_w(struct kvs_runner *r, const struct kvs_model *m, const char *name, int64_t rows, int64_t cols,
+                  int optional, struct kvs_dweight **out, char *err, size_t errlen)
+{
+    struct kvs_tensor_view t;
+    char terr[256];
+    *out = NULL;
+    int rc = kvs_model_tensor(m, name, &t, terr, sizeof terr);
+    if (rc != 0) {
+        if (optional && rc == -ENOENT) return 0;
+        return kvs_err(err, errlen, rc, "runner: %s", terr);
+    }
+    int64_t want_n = rows * cols, n = 1;
+    for (int i = 0; i < t.ndim; i++) n *= t.shape[i];
+    int ok = rows > 1 ? (t.ndim == 2 && t.shape[0] == rows && t.shape[1] == cols) : (n == want_n && t.ndim == 1);
+    if (!ok)
+        return kvs_err(err, errlen, -EINVAL, "runner: tensor %s has an unexpected shape (want [%lld x %lld])", name,
+                       (long long)rows, (long long)cols);
+    *out = r->ops->upload_weight(r->be, &t, err, errlen);
+    return *out ? 0 : -ENOMEM;
+}
+
+static int load_weights(struct kvs_runner *r, const struct kvs_model *m, char *err, size_t errlen)
+{
+    const struct kvs_model_config *c = &r->mc;
+    char name[256];
+    int rc;
+    if ((rc = load_w(r, m, "model.embed_tokens.weight", r->vocab, r->dim, 0, &r->embed, err, errlen))) return rc;
+    if ((rc = load_w(r, m, "model.norm.weight", 1, r->dim, 0, &r->final_norm, err, errlen))) return rc;
+    if (c->tie_word_embeddings) {
+        r->lm_head = r->embed;
+    } else if ((rc = load_w(r, m, "lm_head.weight", r->vocab, r->dim, 0, &r->lm_head, err, errlen))) {
+        return rc;
+    }
+    r->layers = kvs_xcalloc((size_t)r->n_layers, sizeof *r->layers);
+    int qd = r->nh * r->hd, kvd = r->nkv * r->hd;
+    for (int l = 0; l < r->n_layers; l++) {
+        struct layer_w *L = &r->layers[l];
+        struct {
+            const char *suffix;
+            int64_t rows, cols;
+            int optional;
+            struct kvs_dweight **dst;
+        } spec[] = {
+            {"input_layernorm.weight", 1, r->dim, 0, &L->attn_norm},
+            {"self_attn.q_proj.weight", qd, r->dim, 0, &L->wq},
+            {"self_attn.k_proj.weight", kvd, r->dim, 0, &L->wk},
+            {"self_attn.v_proj.weight", kvd, r->dim, 0, &L->wv},
+            {"self_attn.o_proj.weight", r->dim, qd, 0, &L->wo},
+            {"self_attn.q_proj.bias", 1, qd, !c->attention_bias, &L->bq},
+            {"self_attn.k_proj.bias", 1, kvd, !c->attention_bias, &L->bk},
+            {"self_attn.v_proj.bias", 1, kvd, !c->attention_bias, &L->bv},
+            {"self_attn.o_proj.bias", 1, r->dim, 1, &L->bo},
+            {"self_attn.q_norm.weight", 1, r->hd, !c->qk_norm, &L->q_norm},
+            {"self_attn.k_norm.weight", 1, r->hd, !c->qk_norm, &L->k_norm},
+            {"post_attention_layernorm.weight", 1, r->dim, 0, &L->mlp_norm},
+            {"mlp.gate_proj.weight", r->ff, r->dim, 0, &L->w_gate},
+            {"mlp.up_proj.weight", r->ff, r->dim, 0, &L->w_up},
+            {"mlp.down_proj.weight", r->dim, r->ff, 0, &L->w_down},
+        };
+        for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
+            if ((rc = load_w(r, m, name, spec[i].rows, spec[i].cols, spec[i].optional, spec[i].dst, err, errlen)))
+                return rc;
+        }
+        if (c->qk_norm && (!L->q_norm || !L->k_norm))
+            return kvs_err(err, errlen, -ENOENT, "runner: layer %d lacks q_norm/k_norm", l);
+    }
+    return 0;
+}
+
+/* ---- create / free ---------------------------------------------------------------------- */
+
+static const struct kvs_backend_ops *pick_backend(const char *device, char *err, size_t errlen)
+{
+    const char *d = device && *device ? device : "auto";
+    if (strcmp(d, "cpu") == 0) return &kvs_cpu_backend;
+    if (strcmp(d, "cuda") == 0 || strcmp(d, "auto") == 0) {
+#ifdef RUNNER_HAS_CUDA
+        return &kvs_cuda_backend;
+#endif
+        if (strcmp(d, "auto") == 0) return &kvs_cpu_backend;
+        kvs_err(err, errlen, -ENOSYS, "runner: device \"cuda\" requested but this build has no CUDA backend");
+        return NULL;
+    }
+    kvs_err(err, errlen, -EINVAL, "runner: unknown device \"%s\" (auto, cpu, cuda)", d);
+    return NULL;
+}
+
+static struct kvs_dbuf *xalloc(struct kvs_runner *r, enum kvs_buf_kind kind, size_t n, int *failed)
+{
+    struct kvs_dbuf *b = r->ops->alloc(r->be, kind, n ? n : 1);
+    if (!b) *failed = 1;
+    return b;
+}
+
+int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *model, struct kvs_runner **out, char *err,
+                      size_t errlen)
+{
+    *out = NULL;
+    const struct kvs_backend_ops *ops = pick_backend(cfg->device, err, errlen);
+    if (!ops) return strcmp(cfg->device ? cfg->device : "", "cuda") == 0 ? -ENOSYS : -EINVAL;
+
+    const struct kvs_model_config *c = kvs_model_config(model);
+    if (c->hidden_size <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
+        c->n_heads % c->n_kv_heads || c->vocab_size <= 0 || c->n_layers <= 0 || c->intermediate_size <= 0 ||
+        c->head_dim > 1024)
+        return kvs_err(err, errlen, -EINVAL, "runner: unsupported model shape (heads %d/%d, head_dim %d)", c->n_heads,
+                       c->n_kv_heads, c->head_dim);
+    if (cfg->kv_block_size <= 0 || cfg->kv_block_size > 1024)
+        return kvs_err(err, errlen, -EINVAL, "runner: kv.block_size %d out of range [1, 1024]", cfg->kv_block_size);
+
+    struct kvs_runner *r = kvs_xcalloc(1, sizeof *r);
+    r->ops = ops;
+    r->mc = *c;
+    r->dim = c->hidden_size;
+    r->ff = c->intermediate_size;
+    r->nh = c->n_heads;
+    r->nkv = c->n_kv_heads;
+    r->hd = c->head_dim;
+    r->vocab = c->vocab_size;
+    r->n_layers = c->n_layers;
+    r->block_size = cfg->kv_block_size;
+    r->max_ctx = cfg->max_model_len > 0 ? cfg->max_model_len : c->max_position_embeddings;
+    if (r->max_ctx <= 0) r->max_ctx = 4096;
+    r->cap_tokens = cfg->max_batch_tokens > 0 ? cfg->max_batch_tokens : 2048;
+    r->cap_seqs = cfg->max_running > 0 ? cfg->max_running : 256;
+    if (r->cap_seqs > r->cap_tokens) r->cap_seqs = r->cap_tokens;
+    r->max_blocks = (r->max_ctx + r->block_size - 1) / r->block_size;
+
+    int rc;
+    r->be = ops->create(cfg->cpu_threads, err, errlen);
+    int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
+    if (!r->be && is_auto && ops != &kvs_cpu_backend) {
+        kvs_log(KVS_LOG_WARN, "runner: %s backend unavailable (%s); device auto falls back to cpu", ops->name,
+                err ? err : "");
+        ops = r->ops = &kvs_cpu_backend;
+        r->be = ops->create(cfg->cpu_threads, err, errlen);
+    }
+    if (!r->be) {
+        free(r);
+        return -ENOMEM;
+    }
+    if ((rc = load_weights(r, model, err, errlen))) goto fail;
+
+    /* KV pool */
+    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
+    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
+    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
+    r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
+    size_t budget;
+    if (cfg->kv_memory_bytes > 0) {
+        budget = (size_t)cfg->kv_memory_bytes;
+    } else {
+        double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
+        budget = (size_t)((double)ops->mem_available(r->be) * frac);
+        if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
+    }
+    size_t nb = budget / block_bytes;
+    if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
+    if (nb < 1) {
+        rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
+                     budget, block_bytes);
+        goto fail;
+    }
+    r->n_blocks = (int)nb;
+    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
+    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
+    for (int l = 0; l < r->n_layers; l++) {
+        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        if (!r->kc[l] || !r->vc[l]) {
+            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
+                         nb * block_bytes);
+            goto fail;
+        }
+    }
+    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
+            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
+            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
+
+    /* workspaces */
+    int failed = 0;
+    size_t T = (size_t)r->cap_tokens, S = (size_t)r->cap_seqs;
+    size_t qd = (size_t)r->nh * r->hd, kvd = (size_t)r->nkv * r->hd;
+    r->x = xalloc(r, KVS_BUF_ACT, T * r->dim, &failed);
+    r->xn = xalloc(r, KVS_BUF_ACT, T * r->dim, &failed);
+    r->proj = xalloc(r, KVS_BUF_ACT, T * r->dim, &failed);
+    r->q = xalloc(r, KVS_BUF_ACT, T * qd, &failed);
+    r->att = xalloc(r, KVS_BUF_ACT, T * qd, &failed);
+    r->k = xalloc(r, KVS_BUF_ACT, T * kvd, &failed);
+    r->v = xalloc(r, KVS_BUF_ACT, T * kvd, &failed);
+    r->gate = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
+    r->up = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
+    r->lrows = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->dim, &failed);
+    r->logits = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->vocab, &failed);
+    r->d_tokens = xalloc(r, KVS_BUF_I32, T, &failed);
+    r->d_pos = xalloc(r, KVS_BUF_I32, T, &failed);
+    r->d_slots = xalloc(r, KVS_BUF_I32, T, &failed);
+    r->d_qstart = xalloc(r, KVS_BUF_I32, S + 1, &failed);
+    r->d_seqpos = xalloc(r, KVS_BUF_I32, S + 1, &failed);
+    r->d_bt = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
+    r->d_rot = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
+    r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
+    r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
+    if (failed) {
+        rc = kvs_err(err, errlen, -ENOMEM, "runner: out of memory for workspaces (%d tokens per step)", r->cap_tokens);
+        goto fail;
+    }
+    r->h_tokens = kvs_xmalloc(T * sizeof(int32_t));
+    r->h_pos = kvs_xmalloc(T * sizeof(int32_t));
+    r->h_slots = kvs_xmalloc(T * sizeof(int32_t));
+    r->h_qstart = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    r->h_seqpos = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    r->h_bt = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
+    r->h_rot = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
+    r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
+    float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
+    kvs_rope_inv_freq(c, inv);
+    ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
+    free(inv);
+    *out = r;
+    return 0;
+fail:
+    kvs_runner_free(r);
+    return rc;
+}
+
+void kvs_runner_free(struct kvs_runner *r)
+{
+    if (!r) return;
+    const struct kvs_backend_ops *o = r->ops;
+    if (r->be) {
+        if (r->layers) {
+            for (int l = 0; l < r->n_layers; l++) {
+                struct layer_w *L = &r->layers[l];
+                struct kvs_dweight *ws[] = {L->attn_norm, L->wq,     L->wk,     L->wv,   L->wo,
+                                            L->bq,        L->bk,     L->bv,     L->bo,   L->q_norm,
+                                            L->k_norm,    L->mlp_norm, L->w_gate, L->w_up, L->w_down};
+                for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) o->free_weight(r->be, ws[i]);
+            }
+        }
+        if (r->lm_head != r->embed) o->free_weight(r->be, r->lm_head);
+        o->free_weight(r->be, r->embed);
+        o->free_weight(r->be, r->final_norm);
+        for (int l = 0; l < r->n_layers && r->kc; l++) {
+            o->free_buf(r->be, r->kc[l]);
+            o->free_buf(r->be, r->vc[l]);
+        }
+        struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
+                                 r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
+                                 r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot,
+                                 r->d_lrows, r->d_inv_freq};
+        for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
+        o->free(r->be);
+    }
+    free(r->layers);
+    free(r->kc);
+    free(r->vc);
+    free(r->h_tokens);
+    free(r->h_pos);
+    free(r->h_slots);
+    free(r->h_qstart);
+    free(r->h_seqpos);
+    free(r->h_bt);
+    free(r->h_rot);
+    free(r->h_lrows);
+    free(r);
+}
+
+int kvs_runner_num_blocks(const struct kvs_runner *r) { return r->n_blocks; }
+int kvs_runner_block_size(const struct kvs_runner *r) { return r->block_size; }
+int kvs_runner_vocab_size(const struct kvs_runner *r) { return r->vocab; }
+const char *kvs_runner_backend_name(const struct kvs_runner *r) { return r->ops->name; }
+size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r) { return r->kv_bytes_per_token; }
+int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->cap_tokens; }
+int kvs_runner_max_seqs_per_step(const struct kvs_runner *r) { return r->cap_seqs; }
+int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
+
+/* ---- forward ---------------------------------------------------------------------------- */
+
+/* Validates the batch and fills the host staging arrays; returns the token count or -EINVAL. */
+static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_logits, int *row_stride, int *any_rot)
+{
+    if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
+    int n = 0, stride = 1, nl = 0, rot = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
+        if (q->want_logits < KVS_LOGITS_NONE || q->want_logits > KVS_LOGITS_ALL) return -EINVAL;
+        if (q->n_tokens > r->cap_tokens - n || q->pos > r->max_ctx - q->n_tokens) return -EINVAL;
+        int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
+        if (q->n_blocks < need || need > r->max_blocks) return -EINVAL;
+        for (int j = 0; j < need; j++)
+            if (q->block_table[j] < 0 || q->block_table[j] >= r->n_blocks) return -EINVAL;
+        for (int i = 0; i < q->n_tokens; i++)
+            if (q->tokens[i] < 0 || q->tokens[i] >= r->vocab) return -EINVAL;
+        if (need > stride) stride = need;
+        if (q->block_rot_offset) rot = 1;
+        n += q->n_tokens;
+    }
+    n = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
+        r->h_qstart[s] = n;
+        r->h_seqpos[s] = q->pos;
+        int32_t *bt = r->h_bt + (size_t)s * stride, *ro = r->h_rot + (size_t)s * stride;
+        for (int j = 0; j < stride; j++) {
+            bt[j] = j < need ? q->block_table[j] : 0;
+            ro[j] = j < need && q->block_rot_offset ? q->block_rot_offset[j] : 0;
+        }
+        for (int i = 0; i < q->n_tokens; i++) {
+            int p = q->pos + i;
+            r->h_tokens[n + i] = q->tokens[i];
+            r->h_pos[n + i] = p;
+            r->h_slots[n + i] = q->block_table[p / r->block_size] * r->block_size + p % r->block_size;
+        }
+        n += q->n_tokens;
+        if (q->want_logits == KVS_LOGITS_ALL)
+            for (int i = 0; i < q->n_tokens; i++) r->h_lrows[nl++] = n - q->n_tokens + i;
+        else if (q->want_logits) r->h_lrows[nl++] = n - 1;
+    }
+    r->h_qstart[b->n_seqs] = n;
+    *n_logits = nl;
+    *row_stride = stride;
+    *any_rot = rot;
+    return n;
+}
+
+int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+{
+    int n_logits, stride, any_rot;
+    int n = stage_batch(r, b, &n_logits, &stride, &any_rot);
+    if (n < 0) return n;
+    if (n_logits > 0 && !logits) return -EINVAL;
+    const struct kvs_backend_ops *o = r->ops;
+    struct kvs_backend *be = r->be;
+    int S = b->n_seqs;
+    o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
+    o->upload(be, r->d_pos, 0, r->h_pos, (size_t)n);
+    o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
+    o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);
+    o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
+    o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
+    if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
+
+    int max_ctx = 0;
+    for (int s = 0; s < S; s++) {
+        int c = r->h_seqpos[s] + (r->h_qstart[s + 1] - r->h_qstart[s]);
+        if (c > max_ctx) max_ctx = c;
+    }
+    struct kvs_attn_meta meta = {
+        .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
+        .rot_offsets = any_rot ? r->d_rot : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
+        .h_pos = r->h_seqpos, .max_ctx = max_ctx,
+    };
+    int dim = r->dim, nh = r->nh, nkv = r->nkv, hd = r->hd, ff = r->ff;
+    float eps = r->mc.rms_norm_eps;
+    float scale = 1.0f / sqrtf((float)hd);
+
+    o->embed(be, r->embed, r->d_tokens, n, dim, r->x);
+    o->rmsnorm(be, r->x, r->layers[0].attn_norm, eps, n, dim, r->xn);
+    for (int l = 0; l < r->n_layers; l++) {
+        const struct layer_w *L = &r->layers[l];
+        o->matmul(be, r->xn, L->wq, L->bq, n, dim, nh * hd, r->q);
+        o->matmul(be, r->xn, L->wk, L->bk, n, dim, nkv * hd, r->k);
+        o->matmul(be, r->xn, L->wv, L->bv, n, dim, nkv * hd, r->v);
+        if (L->q_norm) {
+            o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
+            o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
+        }
+        o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
+        o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
+        o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+        o->attention(be, r->q, r->kc[l], r->vc[l], &meta, n, nh, nkv, hd, r->block_size, scale, r->att);
+        o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
+        o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
+        o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
+        o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
+        o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+        o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
+        const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
+        o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);
+    }
+    for (int i = 0; i < n_logits; i += LOGIT_CHUNK) {
+        int m = n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK;
+        o->upload(be, r->d_lrows, 0, r->h_lrows + i, (size_t)m);
+        o->gather_rows(be, r->xn, r->d_lrows, m, dim, r->lrows);
+        o->matmul(be, r->lrows, r->lm_head, NULL, m, dim, r->vocab, r->logits);
+        o->logits_to_host(be, r->logits, m, r->vocab, logits + (size_t)i * r->vocab);
+    }
+    return 0;
+}
+
+int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)
+{
+    if (src < 0 || dst < 0 || src >= r->n_blocks || dst >= r->n_blocks) return -EINVAL;
+    for (int l = 0; l < r->n_layers; l++)
+        r->ops->kv_copy_block(r->be, r->kc[l], r->vc[l], src, dst, r->nkv, r->block_size, r->hd);
+    return 0;
+}

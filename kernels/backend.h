@@ -1,0 +1,190 @@
+/* backend.h: the compute backend interface: ONE table of function pointers that the model
+ * runner (engine/runner.c) drives, implemented by kernels/cpu/ (fp32 reference) and
+ * kernels/cuda/ (bf16 activations, cuBLAS GEMMs).
+ *
+ * Buffers. Every tensor the runner touches lives in a backend buffer, an opaque pointer
+ * (struct kvs_dbuf *) returned by alloc(). Its element type is fixed by its kind:
+ *   KVS_BUF_ACT  activations in the backend's compute type (CPU: fp32, CUDA: bf16 or fp32:
+ *                the backend's choice; the runner never reads them directly);
+ *   KVS_BUF_F32  fp32 (RoPE inverse frequencies, anything that must stay fp32);
+ *   KVS_BUF_I32  int32 (token ids, positions, slot mappings, block tables, ...);
+ *   KVS_BUF_KV   KV-cache storage in the backend's KV type (CPU: fp32, CUDA: bf16).
+ * Sizes and offsets are always in ELEMENTS of the buffer's kind. Host data moves only through
+ * upload()/download() (download converts to fp32 / int32 host arrays).
+ * Weights are uploaded once with upload_weight(), which converts the model's tensor (bf16, f16
+ * or f32 in the safetensors mmap) to the backend's weight format and returns an opaque handle.
+ *
+ * Shapes. n = number of token rows in the step (all sequences of the batch concatenated, in
+ * batch order). All 2-D tensors are row-major; "[n][d]" means n rows of d contiguous elements.
+ * Q is [n][n_heads][head_dim], K and V are [n][n_kv_heads][head_dim], i.e. head h of row t
+ * starts at element (t * n_heads + h) * head_dim.
+ *
+ * KV pool layout (per layer, one KVS_BUF_KV buffer for K and one for V, each
+ * [n_blocks][n_kv_heads][block_size][head_dim]): the slot of token position p of a sequence
+ * with block table bt is (bt[p / block_size], p % block_size); "slot id" = block *
+ * block_size + offset. Keys are stored rotated (RoPE) by the position the runner gave them
+ * (segment-relative, see DESIGN "KV-cache subsystem").
+ *
+ * Semantics shared by all ops:
+ *   - Ops are enqueued in order on the backend's single stream; results are visible to later
+ *     ops. download() and sync() wait for completion. Ops never allocate.
+ *   - Results must be deterministic and batch invariant: the value computed for one row must
+ *     not depend on the other rows in the step, on n, or on the thread count (fixed reduction
+ *     order per row). The CPU backend is the fp32 reference for every CUDA op.
+ *   - Ops do not validate their arguments (the runner validated the batch); bad arguments are
+ *     bugs. Errors: ops return void; allocation/upload return NULL / negative errno.
+ *
+ * Testing a backend: tests/unit/test_cpu_ops.c checks each CPU op against a double reference;
+ * another backend's test runs the same op on both backends with the same random inputs and
+ * compares (fp32 backends: ~1e-6 relative; bf16 activations: ~1e-2).
+ *
+ * Ownership: create() returns a backend that free() destroys (with every buffer and weight it
+ * still holds). free_buf()/free_weight() release single objects (NULL is a no-op).
+ */
+#ifndef KVS_BACKEND_H
+#define KVS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct kvs_tensor_view;
+struct kvs_dbuf;                  /* opaque device buffer (defined by each backend) */
+struct kvs_dweight;               /* opaque uploaded weight (defined by each backend) */
+struct kvs_backend;               /* opaque backend instance (defined by each backend) */
+
+enum kvs_buf_kind { KVS_BUF_ACT = 0, KVS_BUF_F32 = 1, KVS_BUF_I32 = 2, KVS_BUF_KV = 3 };
+
+/* Per-step attention metadata, all KVS_BUF_I32 buffers already uploaded by the runner.
+ * Sequence s owns q rows [q_start[s], q_start[s+1]); row q_start[s] + i is the token at
+ * position pos[s] + i and attends causally to positions 0 .. pos[s] + i of sequence s,
+ * whose slots are named by block_tables[s * max_blocks + j] (j < ceil((pos[s]+n_s)/block_size)).
+ * rot_offsets (may be NULL = all zero) has the same shape as block_tables: keys of block j of
+ * sequence s are attended as if rotated by rot_offsets[s * max_blocks + j] more positions than
+ * they were stored with (deferred RoPE for cached segments; implemented by rotating q backward
+ * by that offset for the blocks concerned, with the same inv_freq as rope()). */
+struct kvs_attn_meta {
+    int n_seqs;
+    int max_blocks;               /* row stride of block_tables / rot_offsets */
+    struct kvs_dbuf *q_start;     /* [n_seqs + 1] */
+    struct kvs_dbuf *pos;         /* [n_seqs] */
+    struct kvs_dbuf *block_tables;/* [n_seqs][max_blocks] */
+    struct kvs_dbuf *rot_offsets; /* [n_seqs][max_blocks] or NULL */
+    struct kvs_dbuf *inv_freq;    /* F32 [head_dim / 2], for rot_offsets */
+    /* host copies of the same arrays (always valid during the call): lets a backend plan its
+     * launch (e.g. longest context) without a device round trip */
+    const int32_t *h_q_start;
+    const int32_t *h_pos;
+    int max_ctx;                  /* max over s of pos[s] + n_s */
+};
+
+struct kvs_backend_ops {
+    const char *name;             /* "cpu", "cuda" */
+
+    /* ---- lifetime ---------------------------------------------------------------------- */
+    /* n_threads: CPU worker threads (0 = number of cores); ignored by GPU backends. */
+    struct kvs_backend *(*create)(int n_threads, char *err, size_t errlen);
+    void (*free)(struct kvs_backend *b);
+    /* Bytes of memory available for the KV pool right now (CPU: MemAvailable; CUDA: free device
+     * memory). */
+    size_t (*mem_available)(struct kvs_backend *b);
+    /* Bytes per element of a kind on this backend. */
+    size_t (*elem_size)(struct kvs_backend *b, enum kvs_buf_kind kind);
+    void (*sync)(struct kvs_backend *b);
+
+    /* ---- memory ------------------------------------------------------------------------ */
+    /* n elements of kind, uninitialised. NULL on failure (out of memory). */
+    struct kvs_dbuf *(*alloc)(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n);
+    void (*free_buf)(struct kvs_backend *b, struct kvs_dbuf *buf);
+    /* dst[off .. off+n) = src (host fp32 for ACT/F32/KV, host int32 for I32). */
+    void (*upload)(struct kvs_backend *b, struct kvs_dbuf *dst, size_t off, const void *src, size_t n);
+    /* dst (host fp32 for ACT/F32/KV, host int32 for I32) = src[off .. off+n); waits. */
+    void (*download)(struct kvs_backend *b, void *dst, const struct kvs_dbuf *src, size_t off, size_t n);
+    /* Sets n elements from off to zero. */
+    void (*zero)(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, size_t n);
+
+    /* Converts a model tensor (1-D vector or 2-D [rows][cols] matrix, any kvs_dtype) to the
+     * backend's weight format. NULL + message on failure. */
+    struct kvs_dweight *(*upload_weight)(struct kvs_backend *b, const struct kvs_tensor_view *t,
+                                         char *err, size_t errlen);
+    void (*free_weight)(struct kvs_backend *b, struct kvs_dweight *w);
+
+    /* ---- ops (all shapes in elements; see the header comment) --------------------------- */
+    /* out[t][:] = emb[tokens[t]][:]; emb [vocab][dim], tokens I32 [n], out ACT [n][dim]. */
+    void (*embed)(struct kvs_backend *b, const struct kvs_dweight *emb, const struct kvs_dbuf *tokens,
+                  int n, int dim, struct kvs_dbuf *out);
+
+    /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w; x, out ACT [n][dim]; w [dim]. The sum of
+     * squares is accumulated in fp32 (or wider). out may equal x. */
+    void (*rmsnorm)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                    float eps, int n, int dim, struct kvs_dbuf *out);
+
+    /* Fused residual add + rmsnorm: res[t] += delta[t]; out[t] = rmsnorm(res[t]) * w.
+     * res, delta, out ACT [n][dim] (distinct buffers). */
+    void (*add_rmsnorm)(struct kvs_backend *b, struct kvs_dbuf *res, const struct kvs_dbuf *delta,
+                        const struct kvs_dweight *w, float eps, int n, int dim, struct kvs_dbuf *out);
+
+    /* Per-head rmsnorm in place (Qwen3 q_norm / k_norm): for each row t and head h,
+     * x[t][h][:] = rmsnorm(x[t][h][:]) * w; x ACT [n][n_heads][head_dim], w [head_dim]. */
+    void (*head_rmsnorm)(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dweight *w,
+                         float eps, int n, int n_heads, int head_dim);
+
+    /* y = x @ W^T (+ bias): x ACT [n][in], W [out][in] (the Hugging Face Linear layout),
+     * bias [out] or NULL, y ACT [n][out] (distinct from x). Each y[t][o] is one dot product
+     * with a fixed summation order. */
+    void (*matmul)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                   const struct kvs_dweight *bias, int n, int in, int out, struct kvs_dbuf *y);
+
+    /* RoPE in place, neox half-split: for each row t, head h, i < head_dim/2, with
+     * p = pos[t] + (rot ? rot[t] : 0) and angle = (float)p * inv_freq[i] (one fp32 multiply, as
+     * transformers computes it), cos and sin of that fp32 angle:
+     *   a = x[t][h][i], c = x[t][h][i + head_dim/2]
+     *   x[t][h][i] = a cos - c sin;  x[t][h][i + head_dim/2] = c cos + a sin.
+     * x ACT [n][n_heads][head_dim]; pos, rot I32 [n] (rot may be NULL: the per-token
+     * segment-base hook, may be negative); inv_freq F32 [head_dim/2] (kvs_rope_inv_freq). */
+    void (*rope)(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dbuf *pos,
+                 const struct kvs_dbuf *rot, const struct kvs_dbuf *inv_freq, int n, int n_heads,
+                 int head_dim);
+
+    /* Writes K/V rows into their cache slots: for each row t, slot = slots[t] (block *
+     * block_size + offset), for each kv head h: kc[block][h][offset][:] = k[t][h][:], same for v.
+     * k, v ACT [n][n_kv_heads][head_dim]; slots I32 [n]; kc, vc one layer's KV buffers. */
+    void (*kv_write)(struct kvs_backend *b, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                     const struct kvs_dbuf *slots, int n, int n_kv_heads, int head_dim, int block_size,
+                     struct kvs_dbuf *kc, struct kvs_dbuf *vc);
+
+    /* Paged causal attention over the cache (prefill chunks and decode rows mixed; see
+     * struct kvs_attn_meta). q ACT [n][n_heads][head_dim]; query head h reads kv head
+     * h / (n_heads / n_kv_heads) (GQA); scores scaled by `scale` (1/sqrt(head_dim)), softmax
+     * computed online in fp32 over positions in increasing order; out ACT [n][n_heads][head_dim].
+     * The step's own K/V must already be written (kv_write) before this op. */
+    void (*attention)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                      const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads,
+                      int n_kv_heads, int head_dim, int block_size, float scale, struct kvs_dbuf *out);
+
+    /* out[t][i] = silu(gate[t][i]) * up[t][i], silu(x) = x / (1 + exp(-x)); gate, up, out ACT
+     * [n][ff]; out may equal gate. */
+    void (*swiglu)(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up,
+                   int n, int ff, struct kvs_dbuf *out);
+
+    /* out[i][:] = x[rows[i]][:]; x ACT [n_x][dim], rows I32 [m], out ACT [m][dim]. Picks the
+     * rows that need logits before the LM head. */
+    void (*gather_rows)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dbuf *rows,
+                        int m, int dim, struct kvs_dbuf *out);
+
+    /* Copies KV block src to dst in one layer's K and V buffers (copy-on-write). */
+    void (*kv_copy_block)(struct kvs_backend *b, struct kvs_dbuf *kc, struct kvs_dbuf *vc, int src,
+                          int dst, int n_kv_heads, int block_size, int head_dim);
+
+    /* Logits copy-out: host[m][vocab] (fp32) = logits ACT [m][vocab]; waits. */
+    void (*logits_to_host)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                           float *host);
+};
+
+/* The CPU backend (always built). */
+extern const struct kvs_backend_ops kvs_cpu_backend;
+/* The CUDA backend: kernels/cuda/ defines `const struct kvs_backend_ops kvs_cuda_backend` (with C
+ * linkage) and declares it in kernels/cuda/cuda_backend.h; engine/runner.c picks it up when that
+ * header exists and the build has nvcc (KVS_HAVE_CUDA=1). device "auto" prefers it when it
+ * reports a usable GPU (create() returning NULL falls back to the CPU). */
+
+#endif

@@ -1,0 +1,538 @@
+/* cpu_backend.c: the fp32 reference backend (kernels/backend.h) on host memory.
+ *
+ * Every buffer is plain host memory (fp32 for ACT/F32/KV, int32 for I32); weights are fp32
+ * copies of the model's tensors. Ops are split into independent tasks on a small pthread pool
+ * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
+ * results do not depend on the thread count, on n, or on which other rows share the step
+ * (batch invariance). Dot products use 8 interleaved fp32 partial sums (explicit, so the
+ * compiler may vectorise them without changing the order) combined in a fixed tree.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/util.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_pool.h"
+#include "models/model.h"
+
+#define MAX_HEAD_DIM 1024
+
+struct kvs_dbuf {
+    enum kvs_buf_kind kind;
+    size_t n;
+    void *data;                   /* 64-byte aligned, n elements */
+};
+
+struct kvs_dweight {
+    int64_t rows, cols;           /* vectors: rows = 1 */
+    float *data;                  /* [rows][cols] fp32 */
+};
+
+struct kvs_backend {
+    struct kvs_cpu_pool *pool;
+};
+
+static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
+static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
+
+/* ---- dot products with a fixed order ----------------------------------------------------
+ * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
+ * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
+ * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
+ * happens in ISO C mode. dot4 is four such dot products sharing the loads of w; each of its
+ * results is bitwise equal to dot_f32 of that row. */
+static inline float dot_f32(const float *a, const float *b, int n)
+{
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void dot4(const float *x, size_t stride, const float *w, int n, float out[4])
+{
+    float acc[4][8] = {{0}};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 8; j++) acc[r][j] += x[(size_t)r * stride + i + j] * w[i + j];
+    for (int r = 0; r < 4; r++) {
+        const float *a = acc[r], *xr = x + (size_t)r * stride;
+        float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        for (int k = i; k < n; k++) s += xr[k] * w[k];
+        out[r] = s;
+    }
+}
+
+/* ---- lifetime ------------------------------------------------------------------------- */
+
+static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
+{
+    struct kvs_backend *b = kvs_xcalloc(1, sizeof *b);
+    b->pool = kvs_cpu_pool_create(n_threads, err, errlen);
+    if (!b->pool) {
+        free(b);
+        return NULL;
+    }
+    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads", kvs_cpu_pool_threads(b->pool));
+    return b;
+}
+
+static void cpu_free(struct kvs_backend *b)
+{
+    if (!b) return;
+    kvs_cpu_pool_free(b->pool);
+    free(b);
+}
+
+static size_t cpu_mem_available(struct kvs_backend *b)
+{
+    (void)b;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long kb;
+        while (fgets(line, sizeof line, f)) {
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                fclose(f);
+                return (size_t)kb * 1024;
+            }
+        }
+        fclose(f);
+    }
+    long pages = sysconf(_SC_AVPHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+    return pages > 0 && psize > 0 ? (size_t)pages * (size_t)psize : 0;
+}
+
+static size_t cpu_elem_size(struct kvs_backend *b, enum kvs_buf_kind kind)
+{
+    (void)b;
+    (void)kind;
+    return 4;                     /* fp32 and int32 */
+}
+
+static void cpu_sync(struct kvs_backend *b) { (void)b; }
+
+/* ---- memory --------------------------------------------------------------------------- */
+
+static struct kvs_dbuf *cpu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
+{
+    (void)b;
+    if (n > SIZE_MAX / 4 - 64) return NULL;
+    struct kvs_dbuf *buf = calloc(1, sizeof *buf);
+    if (!buf) return NULL;
+    size_t bytes = (n * 4 + 63) / 64 * 64;
+    if (posix_memalign(&buf->data, 64, bytes ? bytes : 64) != 0) {
+        free(buf);
+        return NULL;
+    }
+    buf->kind = kind;
+    buf->n = n;
+    return buf;
+}
+
+static void cpu_free_buf(struct kvs_backend *b, struct kvs_dbuf *buf)
+{
+    (void)b;
+    if (!buf) return;
+    free(buf->data);
+    free(buf);
+}
+
+static void cpu_upload(struct kvs_backend *b, struct kvs_dbuf *dst, size_t off, const void *src, size_t n)
+{
+    (void)b;
+    KVS_ASSERT(off + n <= dst->n);
+    memcpy((char *)dst->data + off * 4, src, n * 4);
+}
+
+static void cpu_download(struct kvs_backend *b, void *dst, const struct kvs_dbuf *src, size_t off, size_t n)
+{
+    (void)b;
+    KVS_ASSERT(off + n <= src->n);
+    memcpy(dst, (const char *)src->data + off * 4, n * 4);
+}
+
+static void cpu_zero(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, size_t n)
+{
+    (void)b;
+    KVS_ASSERT(off + n <= buf->n);
+    memset((char *)buf->data + off * 4, 0, n * 4);
+}
+
+static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct kvs_tensor_view *t, char *err,
+                                             size_t errlen)
+{
+    (void)b;
+    if (t->ndim != 1 && t->ndim != 2) {
+        kvs_err(err, errlen, -EINVAL, "cpu backend: tensor has %d dimensions (want 1 or 2)", t->ndim);
+        return NULL;
+    }
+    int64_t rows = t->ndim == 2 ? t->shape[0] : 1, cols = t->ndim == 2 ? t->shape[1] : t->shape[0];
+    if (rows <= 0 || cols <= 0) {
+        kvs_err(err, errlen, -EINVAL, "cpu backend: empty tensor");
+        return NULL;
+    }
+    struct kvs_dweight *w = calloc(1, sizeof *w);
+    size_t n = (size_t)rows * (size_t)cols;
+    if (!w || posix_memalign((void **)&w->data, 64, n * sizeof(float)) != 0) {
+        free(w);
+        kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
+                (long long)cols);
+        return NULL;
+    }
+    w->rows = rows;
+    w->cols = cols;
+    kvs_tensor_to_f32(t, w->data, 0, n);
+    return w;
+}
+
+static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
+{
+    (void)b;
+    if (!w) return;
+    free(w->data);
+    free(w);
+}
+
+/* ---- ops ------------------------------------------------------------------------------ */
+
+struct job {
+    const float *x, *w, *bias;
+    const float *x2;
+    float *y, *y2;
+    const int32_t *i0, *i1;
+    int n, d0, d1, d2;
+    float eps;
+    const struct kvs_dweight *weight;
+};
+
+static void embed_task(void *c, int t)
+{
+    struct job *j = c;
+    memcpy(j->y + (size_t)t * j->d0, j->w + (size_t)j->i0[t] * j->d0, (size_t)j->d0 * sizeof(float));
+}
+
+static void cpu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const struct kvs_dbuf *tokens, int n,
+                      int dim, struct kvs_dbuf *out)
+{
+    KVS_ASSERT(emb->cols == dim);
+    struct job j = {.w = emb->data, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
+    for (int t = 0; t < n; t++) KVS_ASSERT(j.i0[t] >= 0 && j.i0[t] < emb->rows);
+    kvs_cpu_pool_run(b->pool, n, embed_task, &j);
+}
+
+static void rmsnorm_row(const float *x, const float *w, float eps, int dim, float *out)
+{
+    double ss = 0.0;
+    for (int i = 0; i < dim; i++) ss += (double)x[i] * (double)x[i];
+    float inv = (float)(1.0 / sqrt(ss / dim + (double)eps));
+    for (int i = 0; i < dim; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static void rmsnorm_task(void *c, int t)
+{
+    struct job *j = c;
+    size_t o = (size_t)t * j->d0;
+    rmsnorm_row(j->x + o, j->w, j->eps, j->d0, j->y + o);
+}
+
+static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
+                        int dim, struct kvs_dbuf *out)
+{
+    struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
+    kvs_cpu_pool_run(b->pool, n, rmsnorm_task, &j);
+}
+
+static void add_rmsnorm_task(void *c, int t)
+{
+    struct job *j = c;
+    size_t o = (size_t)t * j->d0;
+    float *res = j->y2 + o;
+    const float *d = j->x + o;
+    for (int i = 0; i < j->d0; i++) res[i] += d[i];
+    rmsnorm_row(res, j->w, j->eps, j->d0, j->y + o);
+}
+
+static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const struct kvs_dbuf *delta,
+                            const struct kvs_dweight *w, float eps, int n, int dim, struct kvs_dbuf *out)
+{
+    struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
+    kvs_cpu_pool_run(b->pool, n, add_rmsnorm_task, &j);
+}
+
+static void head_rmsnorm_task(void *c, int t)
+{
+    struct job *j = c;
+    float *row = j->y + (size_t)t * j->d0 * j->d1;
+    for (int h = 0; h < j->d0; h++) rmsnorm_row(row + (size_t)h * j->d1, j->w, j->eps, j->d1, row + (size_t)h * j->d1);
+}
+
+static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
+                             int n_heads, int head_dim)
+{
+    struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim};
+    kvs_cpu_pool_run(b->pool, n, head_rmsnorm_task, &j);
+}
+
+/* matmul: tasks are tiles of MM_TILE output features; each task sweeps all rows so the W tile
+ * stays in cache while x rows stream by. Each y[t][o] is dot_f32(x[t], W[o]) (+ bias[o]). */
+#define MM_TILE 16
+
+/* built for AVX2 and baseline x86-64, picked at load time; both give the same bits (above) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void matmul_task(void *c, int task)
+{
+    struct job *j = c;
+    int in = j->d0, out = j->d1;
+    int o0 = task * MM_TILE, o1 = o0 + MM_TILE < out ? o0 + MM_TILE : out;
+    int t = 0;
+    for (; t + 4 <= j->n; t += 4) {
+        const float *xr = j->x + (size_t)t * in;
+        float *yr = j->y + (size_t)t * out;
+        for (int o = o0; o < o1; o++) {
+            float s[4];
+            dot4(xr, (size_t)in, j->w + (size_t)o * in, in, s);
+            for (int k = 0; k < 4; k++) yr[(size_t)k * out + o] = j->bias ? s[k] + j->bias[o] : s[k];
+        }
+    }
+    for (; t < j->n; t++) {
+        const float *xr = j->x + (size_t)t * in;
+        float *yr = j->y + (size_t)t * out;
+        for (int o = o0; o < o1; o++) {
+            float s = dot_f32(xr, j->w + (size_t)o * in, in);
+            yr[o] = j->bias ? s + j->bias[o] : s;
+        }
+    }
+}
+
+static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                       const struct kvs_dweight *bias, int n, int in, int out, struct kvs_dbuf *y)
+{
+    KVS_ASSERT(w->rows == out && w->cols == in);
+    KVS_ASSERT(!bias || bias->rows * bias->cols == out);
+    struct job j = {.x = F(x), .w = w->data, .bias = bias ? bias->data : NULL, .y = F(y), .n = n, .d0 = in, .d1 = out};
+    kvs_cpu_pool_run(b->pool, (out + MM_TILE - 1) / MM_TILE, matmul_task, &j);
+}
+
+struct rope_job {
+    float *x;
+    const int32_t *pos, *rot;
+    const float *inv_freq;
+    int n_heads, head_dim;
+};
+
+static void rope_task(void *c, int t)
+{
+    struct rope_job *j = c;
+    int half = j->head_dim / 2;
+    float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2];
+    float p = (float)(j->pos[t] + (j->rot ? j->rot[t] : 0));
+    for (int i = 0; i < half; i++) {
+        float a = p * j->inv_freq[i];
+        cs[i] = cosf(a);
+        sn[i] = sinf(a);
+    }
+    float *row = j->x + (size_t)t * j->n_heads * j->head_dim;
+    for (int h = 0; h < j->n_heads; h++) {
+        float *v = row + (size_t)h * j->head_dim;
+        for (int i = 0; i < half; i++) {
+            float a = v[i], c2 = v[i + half];
+            v[i] = a * cs[i] - c2 * sn[i];
+            v[i + half] = c2 * cs[i] + a * sn[i];
+        }
+    }
+}
+
+static void cpu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dbuf *pos, const struct kvs_dbuf *rot,
+                     const struct kvs_dbuf *inv_freq, int n, int n_heads, int head_dim)
+{
+    KVS_ASSERT(head_dim % 2 == 0 && head_dim <= MAX_HEAD_DIM);
+    struct rope_job j = {F(x), I(pos), rot ? I(rot) : NULL, F(inv_freq), n_heads, head_dim};
+    kvs_cpu_pool_run(b->pool, n, rope_task, &j);
+}
+
+static void cpu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                         const struct kvs_dbuf *slots, int n, int n_kv_heads, int head_dim, int block_size,
+                         struct kvs_dbuf *kc, struct kvs_dbuf *vc)
+{
+    (void)b;
+    const int32_t *s = I(slots);
+    size_t hd = (size_t)head_dim;
+    for (int t = 0; t < n; t++) {
+        int blk = s[t] / block_size, off = s[t] % block_size;
+        KVS_ASSERT(s[t] >= 0 && ((size_t)blk + 1) * n_kv_heads * block_size * hd <= kc->n);
+        for (int h = 0; h < n_kv_heads; h++) {
+            size_t dst = (((size_t)blk * n_kv_heads + h) * block_size + off) * hd;
+            size_t src = ((size_t)t * n_kv_heads + h) * hd;
+            memcpy(F(kc) + dst, F(k) + src, hd * sizeof(float));
+            memcpy(F(vc) + dst, F(v) + src, hd * sizeof(float));
+        }
+    }
+}
+
+struct attn_job {
+    const float *q, *kc, *vc;
+    float *out;
+    const struct kvs_attn_meta *m;
+    const int32_t *q_start, *pos, *bt, *rot;
+    const float *inv_freq;
+    int n_heads, n_kv_heads, head_dim, block_size;
+    float scale;
+};
+
+/* rotates q backward by off positions (neox half-split): the deferred-RoPE query for keys
+ * stored off positions short of their true rotation */
+static void rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out)
+{
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = (float)off * inv_freq[i];
+        float c = cosf(a), s = sinf(a);
+        out[i] = q[i] * c + q[i + half] * s;
+        out[i + half] = -q[i] * s + q[i + half] * c;
+    }
+}
+
+static void attn_task(void *c, int task)
+{
+    struct attn_job *j = c;
+    int t = task / j->n_heads, h = task % j->n_heads;
+    int hd = j->head_dim, bs = j->block_size;
+    /* sequence of row t: q_start is increasing, n_seqs small */
+    int s = 0;
+    while (j->q_start[s + 1] <= t) s++;
+    int ctx = j->pos[s] + (t - j->q_start[s]) + 1;
+    int g = h / (j->n_heads / j->n_kv_heads);
+    const float *q0 = j->q + ((size_t)t * j->n_heads + h) * hd;
+    const int32_t *bt = j->bt + (size_t)s * j->m->max_blocks;
+    const int32_t *rot = j->rot ? j->rot + (size_t)s * j->m->max_blocks : NULL;
+    float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    const float *q = q0;
+    int cur_rot = 0;
+    for (int i = 0; i < hd; i++) acc[i] = 0.0f;
+    float mx = -INFINITY, l = 0.0f;
+    for (int p = 0; p < ctx; p++) {
+        int bi = p / bs, off = p % bs;
+        if (rot && off == 0 && rot[bi] != cur_rot) {
+            cur_rot = rot[bi];
+            if (cur_rot) {
+                rotate_back(q0, j->inv_freq, cur_rot, hd, qr);
+                q = qr;
+            } else {
+                q = q0;
+            }
+        }
+        size_t base = (((size_t)bt[bi] * j->n_kv_heads + g) * bs + off) * hd;
+        float sc = dot_f32(q, j->kc + base, hd) * j->scale;
+        const float *v = j->vc + base;
+        if (sc > mx) {
+            float corr = expf(mx - sc);   /* exp(-inf) = 0 on the first position */
+            l *= corr;
+            for (int i = 0; i < hd; i++) acc[i] *= corr;
+            mx = sc;
+        }
+        float w = expf(sc - mx);
+        l += w;
+        for (int i = 0; i < hd; i++) acc[i] += w * v[i];
+    }
+    float *o = j->out + ((size_t)t * j->n_heads + h) * hd;
+    float inv = 1.0f / l;
+    for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
+}
+
+static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                          const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads, int n_kv_heads,
+                          int head_dim, int block_size, float scale, struct kvs_dbuf *out)
+{
+    KVS_ASSERT(head_dim <= MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
+    KVS_ASSERT(!m->rot_offsets || m->inv_freq);
+    struct attn_job j = {
+        .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .m = m,
+        .q_start = I(m->q_start), .pos = I(m->pos), .bt = I(m->block_tables),
+        .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
+        .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .block_size = block_size, .scale = scale,
+    };
+    KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);
+    kvs_cpu_pool_run(b->pool, n * n_heads, attn_task, &j);
+}
+
+static void swiglu_task(void *c, int t)
+{
+    struct job *j = c;
+    size_t o = (size_t)t * j->d0;
+    for (int i = 0; i < j->d0; i++) {
+        float g = j->x[o + i];
+        j->y[o + i] = g / (1.0f + expf(-g)) * j->x2[o + i];
+    }
+}
+
+static void cpu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up, int n, int ff,
+                       struct kvs_dbuf *out)
+{
+    struct job j = {.x = F(gate), .x2 = F(up), .y = F(out), .d0 = ff};
+    kvs_cpu_pool_run(b->pool, n, swiglu_task, &j);
+}
+
+static void cpu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dbuf *rows, int m, int dim,
+                            struct kvs_dbuf *out)
+{
+    (void)b;
+    for (int i = 0; i < m; i++) {
+        int r = I(rows)[i];
+        KVS_ASSERT(r >= 0 && ((size_t)r + 1) * dim <= x->n);
+        memmove(F(out) + (size_t)i * dim, F(x) + (size_t)r * dim, (size_t)dim * sizeof(float));
+    }
+}
+
+static void cpu_kv_copy_block(struct kvs_backend *b, struct kvs_dbuf *kc, struct kvs_dbuf *vc, int src, int dst,
+                              int n_kv_heads, int block_size, int head_dim)
+{
+    (void)b;
+    size_t per = (size_t)n_kv_heads * block_size * head_dim;
+    KVS_ASSERT(src >= 0 && dst >= 0 && ((size_t)src + 1) * per <= kc->n && ((size_t)dst + 1) * per <= kc->n);
+    if (src == dst) return;
+    memcpy(F(kc) + (size_t)dst * per, F(kc) + (size_t)src * per, per * sizeof(float));
+    memcpy(F(vc) + (size_t)dst * per, F(vc) + (size_t)src * per, per * sizeof(float));
+}
+
+static void cpu_logits_to_host(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab, float *host)
+{
+    (void)b;
+    memcpy(host, F(logits), (size_t)m * vocab * sizeof(float));
+}
+
+const struct kvs_backend_ops kvs_cpu_backend = {
+    .name = "cpu",
+    .create = cpu_create,
+    .free = cpu_free,
+    .mem_available = cpu_mem_available,
+    .elem_size = cpu_elem_size,
+    .sync = cpu_sync,
+    .alloc = cpu_alloc,
+    .free_buf = cpu_free_buf,
+    .upload = cpu_upload,
+    .download = cpu_download,
+    .zero = cpu_zero,
+    .upload_weight = cpu_upload_weight,
+    .free_weight = cpu_free_weight,
+    .embed = cpu_embed,
+    .rmsnorm = cpu_rmsnorm,
+    .add_rmsnorm = cpu_add_rmsnorm,
+    .head_rmsnorm = cpu_head_rmsnorm,
+    .matmul = cpu_matmul,
+    .rope = cpu_rope,
+    .kv_write = cpu_kv_write,
+    .attention = cpu_attention,
+    .swiglu = cpu_swiglu,
+    .gather_rows = cpu_gather_rows,
+    .kv_copy_block = cpu_kv_copy_block,
+    .logits_to_host = cpu_logits_to_host,
+};

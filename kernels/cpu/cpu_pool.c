@@ -1,0 +1,128 @@
+/* cpu_pool.c: fixed pthread pool (see cpu_pool.h). Workers sleep on a condition variable
+ * between jobs; a job is published with a generation counter so a worker never runs one twice. */
+#include "kernels/cpu/cpu_pool.h"
+
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/util.h"
+
+#define MAX_THREADS 256
+
+struct kvs_cpu_pool {
+    int n_threads;                /* including the caller */
+    pthread_t threads[MAX_THREADS];
+    int n_started;
+    pthread_mutex_t lock;
+    pthread_cond_t work_cv;       /* workers wait for a new generation */
+    pthread_cond_t done_cv;       /* the caller waits for n_busy == 0 */
+    unsigned long generation;
+    int n_busy;
+    int stop;
+    /* current job */
+    int n_tasks;
+    kvs_cpu_task_fn fn;
+    void *ctx;
+};
+
+static void run_range(struct kvs_cpu_pool *p, int index)
+{
+    int per = p->n_tasks / p->n_threads, extra = p->n_tasks % p->n_threads;
+    int begin = index * per + (index < extra ? index : extra);
+    int end = begin + per + (index < extra ? 1 : 0);
+    for (int t = begin; t < end; t++) p->fn(p->ctx, t);
+}
+
+struct worker_start {
+    struct kvs_cpu_pool *pool;
+    int index;                    /* 1 .. n_threads-1; the caller runs range 0 */
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker_start *ws = arg;
+    struct kvs_cpu_pool *p = ws->pool;
+    int index = ws->index;
+    free(ws);
+    unsigned long seen = 0;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        while (!p->stop && p->generation == seen) pthread_cond_wait(&p->work_cv, &p->lock);
+        if (p->stop) break;
+        seen = p->generation;
+        pthread_mutex_unlock(&p->lock);
+        run_range(p, index);
+        pthread_mutex_lock(&p->lock);
+        if (--p->n_busy == 0) pthread_cond_signal(&p->done_cv);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+struct kvs_cpu_pool *kvs_cpu_pool_create(int n_threads, char *err, size_t errlen)
+{
+    if (n_threads <= 0) {
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        n_threads = n > 0 ? (int)n : 1;
+    }
+    if (n_threads > MAX_THREADS) n_threads = MAX_THREADS;
+    struct kvs_cpu_pool *p = kvs_xcalloc(1, sizeof *p);
+    p->n_threads = n_threads;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->work_cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
+    for (int i = 1; i < n_threads; i++) {
+        struct worker_start *ws = kvs_xmalloc(sizeof *ws);
+        ws->pool = p;
+        ws->index = i;
+        int rc = pthread_create(&p->threads[i], NULL, worker_main, ws);
+        if (rc != 0) {
+            free(ws);
+            kvs_err(err, errlen, -rc, "cpu backend: cannot start worker thread %d: %s", i, strerror(rc));
+            p->n_threads = p->n_started + 1;
+            kvs_cpu_pool_free(p);
+            return NULL;
+        }
+        p->n_started++;
+    }
+    return p;
+}
+
+void kvs_cpu_pool_free(struct kvs_cpu_pool *p)
+{
+    if (!p) return;
+    pthread_mutex_lock(&p->lock);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->lock);
+    for (int i = 1; i <= p->n_started; i++) pthread_join(p->threads[i], NULL);
+    pthread_cond_destroy(&p->work_cv);
+    pthread_cond_destroy(&p->done_cv);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+}
+
+int kvs_cpu_pool_threads(const struct kvs_cpu_pool *p) { return p->n_threads; }
+
+void kvs_cpu_pool_run(struct kvs_cpu_pool *p, int n_tasks, kvs_cpu_task_fn fn, void *ctx)
+{
+    if (n_tasks <= 0) return;
+    /* small jobs are not worth a wake-up */
+    if (p->n_threads == 1 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t);
+        return;
+    }
+    pthread_mutex_lock(&p->lock);
+    p->n_tasks = n_tasks;
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n_busy = p->n_threads - 1;
+    p->generation++;
+    pthread_cond_broadcast(&p->work_cv);
+    pthread_mutex_unlock(&p->lock);
+    run_range(p, 0);
+    pthread_mutex_lock(&p->lock);
+    while (p->n_busy > 0) pthread_cond_wait(&p->done_cv, &p->lock);
+    pthread_mutex_unlock(&p->lock);
+}

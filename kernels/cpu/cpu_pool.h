@@ -1,0 +1,26 @@
+/* cpu_pool.h: a small fixed pthread pool for the CPU backend's parallel loops.
+ *
+ * kvs_cpu_pool_run(pool, n_tasks, fn, ctx) calls fn(ctx, task) once for every task in
+ * [0, n_tasks) spread over the workers and the calling thread, and returns when all are done.
+ * Tasks are split into contiguous static ranges, but nothing may depend on that: every op
+ * computes each task's output independently, so results never depend on the thread count.
+ *
+ * Ownership: create/free pair; the pool is used by one caller thread at a time (the runner's).
+ * Errors: create returns NULL + message when a thread cannot be started.
+ */
+#ifndef KVS_CPU_POOL_H
+#define KVS_CPU_POOL_H
+
+#include <stddef.h>
+
+struct kvs_cpu_pool;
+
+typedef void (*kvs_cpu_task_fn)(void *ctx, int task);
+
+/* n_threads total including the caller (0 = number of online cores). */
+struct kvs_cpu_pool *kvs_cpu_pool_create(int n_threads, char *err, size_t errlen);
+void kvs_cpu_pool_free(struct kvs_cpu_pool *p);
+int kvs_cpu_pool_threads(const struct kvs_cpu_pool *p);
+void kvs_cpu_pool_run(struct kvs_cpu_pool *p, int n_tasks, kvs_cpu_task_fn fn, void *ctx);
+
+#endif

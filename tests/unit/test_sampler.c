@@ -1,0 +1,309 @@
+/* test_sampler.c: the sampler against hand-computed expectations: seeded determinism, greedy =
+ * argmax, top_k = 1 = greedy, penalties on exactly the right logits, logit_bias bans, top_k /
+ * top_p / min_p keep the right set with the right (renormalised) frequencies, temperature
+ * reshapes the distribution, raw logprobs. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/sampler.h"
+#include "engine/util.h"
+
+static int g_fail;
+#define CHECK(cond, ...)                                                                    \
+    do {                                                                                    \
+        if (!(cond)) {                                                                      \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                     \
+            printf(__VA_ARGS__);                                                            \
+            printf("\n");                                                                   \
+            g_fail++;                                                                       \
+        }                                                                                   \
+    } while (0)
+
+static struct kvs_sampling defaults(void)
+{
+    struct kvs_sampling p;
+    memset(&p, 0, sizeof p);
+    p.temperature = 1.0f;
+    p.top_p = 1.0f;
+    p.repetition_penalty = 1.0f;
+    return p;
+}
+
+static uint64_t lcg = 12345;
+static float frand(void)
+{
+    lcg = lcg * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((lcg >> 40) & 0xFFFFFF) / (float)0x1000000;
+}
+
+static void sample_n(const struct kvs_sampling *p, uint64_t rid, const float *logits, int V, int n, int *hist,
+                     int32_t *seq)
+{
+    struct kvs_sampler s;
+    char err[256];
+    int rc = kvs_sampler_init(&s, p, rid, V, err, sizeof err);
+    KVS_ASSERT(rc == 0);
+    if (hist) memset(hist, 0, (size_t)V * sizeof(int));
+    for (int i = 0; i < n; i++) {
+        struct kvs_sample_result r;
+        rc = kvs_sampler_sample(&s, logits, NULL, 0, 0, &r);
+        KVS_ASSERT(rc == 0 && r.token >= 0 && r.token < V);
+        if (hist) hist[r.token]++;
+        if (seq) seq[i] = r.token;
+    }
+    kvs_sampler_free(&s);
+}
+
+static void test_determinism(void)
+{
+    enum { V = 300, N = 400 };
+    float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = 3.0f * frand();
+    struct kvs_sampling p = defaults();
+    p.seed = 42;
+    p.has_seed = 1;
+    p.top_p = 0.9f;
+    p.top_k = 50;
+    int32_t a[N], b[N], c[N], d[N];
+    sample_n(&p, 1, logits, V, N, NULL, a);
+    sample_n(&p, 999, logits, V, N, NULL, b);   /* request id ignored when seeded */
+    p.seed = 43;
+    sample_n(&p, 1, logits, V, N, NULL, c);
+    CHECK(memcmp(a, b, sizeof a) == 0, "same seed gave different tokens");
+    CHECK(memcmp(a, c, sizeof a) != 0, "different seeds gave the same %d tokens", N);
+    p.has_seed = 0;
+    sample_n(&p, 7, logits, V, N, NULL, c);
+    sample_n(&p, 7, logits, V, N, NULL, d);
+    CHECK(memcmp(c, d, sizeof c) == 0, "unseeded: same request id gave different tokens");
+    sample_n(&p, 8, logits, V, N, NULL, d);
+    CHECK(memcmp(c, d, sizeof c) != 0, "unseeded: different request ids gave the same tokens");
+    printf("ok determinism (seeded / request-id streams, %d draws)\n", N);
+}
+
+static void test_greedy(void)
+{
+    enum { V = 1000 };
+    float logits[V];
+    for (int trial = 0; trial < 20; trial++) {
+        int best = 0;
+        for (int i = 0; i < V; i++) {
+            logits[i] = 10.0f * frand() - 5.0f;
+            if (logits[i] > logits[best]) best = i;
+        }
+        struct kvs_sampling p = defaults();
+        p.temperature = 0.0f;
+        int32_t t[4];
+        sample_n(&p, (uint64_t)trial, logits, V, 4, NULL, t);
+        for (int i = 0; i < 4; i++) CHECK(t[i] == best, "greedy %d != argmax %d", t[i], best);
+        p = defaults();
+        p.top_k = 1;
+        p.temperature = 1.3f;
+        sample_n(&p, (uint64_t)trial, logits, V, 4, NULL, t);
+        for (int i = 0; i < 4; i++) CHECK(t[i] == best, "top_k=1 gave %d, argmax %d", t[i], best);
+    }
+    /* ties go to the lowest id */
+    float tie[5] = {1, 3, 2, 3, 0};
+    struct kvs_sampling p = defaults();
+    p.temperature = 0.0f;
+    int32_t t;
+    sample_n(&p, 1, tie, 5, 1, NULL, &t);
+    CHECK(t == 1, "greedy tie broke to %d, want 1", t);
+    printf("ok greedy = argmax, top_k=1 = greedy, ties to lowest id\n");
+}
+
+static void test_penalties(void)
+{
+    enum { V = 8 };
+    const float logits[V] = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 1.0f, 0.0f, 4.0f};
+    /* prompt: 0, 1, 1; generated: 2, 3, 3, 3, 1 */
+    const int32_t hist[] = {0, 1, 1, 2, 3, 3, 3, 1};
+    struct kvs_sampling p = defaults();
+    p.repetition_penalty = 2.0f;
+    p.presence_penalty = 0.5f;
+    p.frequency_penalty = 0.25f;
+    struct kvs_sampler s;
+    char err[256];
+    KVS_ASSERT(kvs_sampler_init(&s, &p, 1, V, err, sizeof err) == 0);
+    float out[V];
+    kvs_sampler_processed_logits(&s, logits, hist, 3, 8, out);
+    float want[V];
+    memcpy(want, logits, sizeof want);
+    want[0] = 2.0f / 2;                              /* prompt only: repetition */
+    want[1] = -1.0f * 2 - (0.25f * 1 + 0.5f);        /* prompt + once generated */
+    want[2] = 0.5f / 2 - (0.25f * 1 + 0.5f);
+    want[3] = 3.0f / 2 - (0.25f * 3 + 0.5f);
+    for (int i = 0; i < V; i++) CHECK(fabsf(out[i] - want[i]) < 1e-6f, "token %d: %g, want %g", i, out[i], want[i]);
+    /* count scratch is clean again: a second call gives the same */
+    float again[V];
+    kvs_sampler_processed_logits(&s, logits, hist, 3, 8, again);
+    CHECK(memcmp(out, again, sizeof out) == 0, "second call differs (count scratch not reset)");
+    kvs_sampler_free(&s);
+    /* presence/frequency alone ignore the prompt */
+    p = defaults();
+    p.presence_penalty = 1.0f;
+    KVS_ASSERT(kvs_sampler_init(&s, &p, 1, V, err, sizeof err) == 0);
+    kvs_sampler_processed_logits(&s, logits, hist, 3, 8, out);
+    CHECK(out[0] == logits[0] && out[1] == logits[1] - 1.0f && out[3] == logits[3] - 1.0f && out[7] == logits[7],
+          "presence penalty touched the wrong tokens");
+    kvs_sampler_free(&s);
+    printf("ok penalties (repetition over prompt+output, presence/frequency over output)\n");
+}
+
+static void test_logit_bias(void)
+{
+    enum { V = 50 };
+    float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = frand();
+    logits[17] = 5.0f;
+    int32_t ids[2] = {17, 3};
+    float vals[2] = {-100.0f, 2.5f};
+    struct kvs_sampling p = defaults();
+    p.n_logit_bias = 2;
+    p.logit_bias_ids = ids;
+    p.logit_bias_values = vals;
+    int hist[V];
+    sample_n(&p, 3, logits, V, 5000, hist, NULL);
+    CHECK(hist[17] == 0, "banned token sampled %d times", hist[17]);
+    p.temperature = 0.0f;
+    int32_t t;
+    sample_n(&p, 3, logits, V, 1, NULL, &t);
+    CHECK(t == 3, "greedy with bias picked %d, want 3", t);
+    /* bad ids are refused */
+    ids[0] = V;
+    struct kvs_sampler s;
+    char err[256] = "";
+    CHECK(kvs_sampler_init(&s, &p, 1, V, err, sizeof err) == -EINVAL && strstr(err, "logit_bias"),
+          "out-of-vocab bias id accepted (%s)", err);
+    printf("ok logit_bias (-100 bans; +2.5 wins greedy; bad id refused)\n");
+}
+
+/* frequencies of each token over N draws vs expected probabilities */
+static void check_freq(const char *what, const struct kvs_sampling *p, const float *logits, int V,
+                       const double *expect)
+{
+    enum { N = 40000 };
+    int hist[64];
+    sample_n(p, 11, logits, V, N, hist, NULL);
+    for (int i = 0; i < V; i++) {
+        double f = (double)hist[i] / N, sd = sqrt(expect[i] * (1 - expect[i]) / N);
+        if (expect[i] == 0.0) CHECK(hist[i] == 0, "%s: token %d sampled %d times, want never", what, i, hist[i]);
+        else CHECK(fabs(f - expect[i]) < 5 * sd + 1e-9, "%s: token %d freq %.4f want %.4f", what, i, f, expect[i]);
+    }
+    printf("ok %s\n", what);
+}
+
+static void test_filters(void)
+{
+    /* p = 1/2, 1/4, 1/8, 1/16, 1/32, 1/32 */
+    enum { V = 6 };
+    const double pr[V] = {0.5, 0.25, 0.125, 0.0625, 0.03125, 0.03125};
+    float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = (float)log(pr[i]) + 0.7f;   /* offset must not matter */
+    struct kvs_sampling p = defaults();
+    check_freq("temperature 1 matches softmax", &p, logits, V, pr);
+    p.temperature = 0.5f;   /* p^2 renormalised */
+    double sq[V], z = 0;
+    for (int i = 0; i < V; i++) z += pr[i] * pr[i];
+    for (int i = 0; i < V; i++) sq[i] = pr[i] * pr[i] / z;
+    check_freq("temperature 0.5 squares the distribution", &p, logits, V, sq);
+    p = defaults();
+    p.top_p = 0.7f;   /* 0.5 < 0.7 <= 0.75: keep {0, 1} */
+    const double tp[V] = {2.0 / 3, 1.0 / 3, 0, 0, 0, 0};
+    check_freq("top_p 0.7 keeps the 0.75 nucleus", &p, logits, V, tp);
+    p.top_p = 0.75f;  /* exactly reached by {0, 1} */
+    check_freq("top_p 0.75 boundary", &p, logits, V, tp);
+    p = defaults();
+    p.min_p = 0.2f;   /* keep p >= 0.1: {0, 1, 2} */
+    const double mp[V] = {4.0 / 7, 2.0 / 7, 1.0 / 7, 0, 0, 0};
+    check_freq("min_p 0.2 keeps p >= 0.1", &p, logits, V, mp);
+    p = defaults();
+    p.top_k = 3;
+    check_freq("top_k 3", &p, logits, V, mp);
+    p.top_p = 0.8f;   /* within top-3 (mass 7/8): 0.5/0.875=0.571, +0.286=0.857 >= 0.8 -> {0,1} */
+    check_freq("top_k 3 then top_p 0.8 (renormalised in the top-k)", &p, logits, V, tp);
+}
+
+static void test_logprobs(void)
+{
+    enum { V = 16 };
+    float logits[V];
+    for (int i = 0; i < V; i++) logits[i] = 4.0f * frand() - 2.0f;
+    double mx = -1e30, z = 0;
+    for (int i = 0; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
+    for (int i = 0; i < V; i++) z += exp(logits[i] - mx);
+    struct kvs_sampling p = defaults();
+    p.logprobs = 1;
+    p.top_logprobs = KVS_MAX_TOP_LOGPROBS;
+    p.temperature = 0.3f;          /* raw logprobs ignore temperature and penalties */
+    p.presence_penalty = 1.5f;
+    struct kvs_sampler s;
+    char err[256];
+    KVS_ASSERT(kvs_sampler_init(&s, &p, 5, V, err, sizeof err) == 0);
+    int32_t hist[3] = {1, 2, 3};
+    for (int it = 0; it < 50; it++) {
+        struct kvs_sample_result r;
+        KVS_ASSERT(kvs_sampler_sample(&s, logits, hist, 1, 3, &r) == 0);
+        double want = logits[r.token] - mx - log(z);
+        CHECK(fabs(r.logprob - want) < 1e-5, "logprob %g want %g", r.logprob, want);
+        CHECK(r.n_top == V, "n_top %d want %d (all of a %d-token vocabulary)", r.n_top, V, V);
+        double sum = 0;
+        int found = 0;
+        for (int i = 0; i < r.n_top; i++) {
+            sum += exp(r.top_logprobs[i]);
+            if (i) CHECK(r.top_logprobs[i] <= r.top_logprobs[i - 1], "top_logprobs not sorted");
+            CHECK(fabs(r.top_logprobs[i] - (logits[r.top_ids[i]] - mx - log(z))) < 1e-5, "top logprob mismatch");
+            if (r.top_ids[i] == r.token) {
+                found = 1;
+                CHECK(r.top_logprobs[i] == r.logprob, "sampled token's logprob differs from its top entry");
+            }
+        }
+        CHECK(fabs(sum - 1.0) < 1e-5, "top logprobs over the whole vocab sum to %g", sum);
+        CHECK(found, "sampled token missing from the full top list");
+    }
+    kvs_sampler_free(&s);
+    printf("ok logprobs (raw log-softmax, sorted top list, sums to 1)\n");
+}
+
+static void test_bad_params(void)
+{
+    struct kvs_sampler s;
+    char err[256];
+    struct kvs_sampling p = defaults();
+    p.temperature = -1;
+    CHECK(kvs_sampler_init(&s, &p, 1, 10, err, sizeof err) == -EINVAL, "negative temperature accepted");
+    p = defaults();
+    p.top_p = 0;
+    CHECK(kvs_sampler_init(&s, &p, 1, 10, err, sizeof err) == -EINVAL, "top_p 0 accepted");
+    p = defaults();
+    p.top_logprobs = KVS_MAX_TOP_LOGPROBS + 1;
+    CHECK(kvs_sampler_init(&s, &p, 1, 10, err, sizeof err) == -EINVAL, "top_logprobs 21 accepted");
+    p = defaults();
+    p.repetition_penalty = 0;
+    CHECK(kvs_sampler_init(&s, &p, 1, 10, err, sizeof err) == -EINVAL, "repetition_penalty 0 accepted");
+    /* all -inf logits: an error, not a crash */
+    p = defaults();
+    KVS_ASSERT(kvs_sampler_init(&s, &p, 1, 4, err, sizeof err) == 0);
+    float bad[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    struct kvs_sample_result r;
+    CHECK(kvs_sampler_sample(&s, bad, NULL, 0, 0, &r) == -EINVAL, "all -inf logits sampled");
+    kvs_sampler_free(&s);
+    printf("ok bad parameters refused\n");
+}
+
+int main(void)
+{
+    test_determinism();
+    test_greedy();
+    test_penalties();
+    test_logit_bias();
+    test_filters();
+    test_logprobs();
+    test_bad_params();
+    if (g_fail) {
+        printf("%d checks failed\n", g_fail);
+        return 1;
+    }
+    printf("all sampler checks passed\n");
+    return 0;
+}
