@@ -192,8 +192,13 @@ static enum kvs_metric_reason finish_reason_metric(enum kvs_finish f)
     }
 }
 
-static char *token_str(struct kvs_server *s, int32_t id)
+static char *token_str(struct kvs_server *s, int as_ids, int32_t id)
 {
+    if (as_ids) {
+        char buf[32];
+        snprintf(buf, sizeof buf, "token_id:%d", (int)id);
+        return kvs_xstrdup(buf);
+    }
     char *t = kvs_tokenizer_decode(s->tok, &id, 1, 0);
     return t ? t : kvs_xstrdup("");
 }
@@ -209,10 +214,10 @@ static cJSON *bytes_array(const char *t)
 /* logprobs                                                                                    */
 
 /* Chat: one entry of logprobs.content. */
-static cJSON *chat_lp_entry(struct kvs_server *s, const struct kvs_event *ev)
+static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const struct kvs_event *ev)
 {
     cJSON *e = cJSON_CreateObject();
-    char *t = token_str(s, ev->token);
+    char *t = token_str(s, c->tokens_as_ids, ev->token);
     cJSON_AddStringToObject(e, "token", t);
     cJSON_AddNumberToObject(e, "logprob", ev->logprob);
     cJSON_AddItemToObject(e, "bytes", bytes_array(t));
@@ -220,7 +225,7 @@ static cJSON *chat_lp_entry(struct kvs_server *s, const struct kvs_event *ev)
     cJSON *tops = cJSON_AddArrayToObject(e, "top_logprobs");
     for (int i = 0; i < ev->n_top; i++) {
         cJSON *o = cJSON_CreateObject();
-        char *ts = token_str(s, ev->top_ids[i]);
+        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
         cJSON_AddStringToObject(o, "token", ts);
         cJSON_AddNumberToObject(o, "logprob", ev->top_logprobs[i]);
         cJSON_AddItemToObject(o, "bytes", bytes_array(ts));
@@ -240,15 +245,15 @@ static cJSON *cmpl_lp_new(void)
     return o;
 }
 
-static void cmpl_lp_add(struct kvs_server *s, cJSON *o, const struct kvs_event *ev, int offset)
+static void cmpl_lp_add(struct kvs_server *s, const struct call *c, cJSON *o, const struct kvs_event *ev, int offset)
 {
-    char *t = token_str(s, ev->token);
+    char *t = token_str(s, c->tokens_as_ids, ev->token);
     cJSON_AddItemToArray(cJSON_GetObjectItem(o, "tokens"), cJSON_CreateString(t));
     free(t);
     cJSON_AddItemToArray(cJSON_GetObjectItem(o, "token_logprobs"), cJSON_CreateNumber(ev->logprob));
     cJSON *tops = cJSON_CreateObject();
     for (int i = 0; i < ev->n_top; i++) {
-        char *ts = token_str(s, ev->top_ids[i]);
+        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
         if (!cJSON_GetObjectItemCaseSensitive(tops, ts)) cJSON_AddNumberToObject(tops, ts, ev->top_logprobs[i]);
         free(ts);
     }
@@ -359,10 +364,10 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
             if (c->chat) {
                 lp = cJSON_CreateObject();
                 cJSON *arr = cJSON_AddArrayToObject(lp, "content");
-                cJSON_AddItemToArray(arr, chat_lp_entry(s, ev));
+                cJSON_AddItemToArray(arr, chat_lp_entry(s, c, ev));
             } else {
                 lp = cmpl_lp_new();
-                cmpl_lp_add(s, lp, ev, ch->text_offset);
+                cmpl_lp_add(s, c, lp, ev, ch->text_offset);
             }
         } else if (!*text) {
             return; /* an incomplete UTF-8 sequence: nothing to show yet */
@@ -380,8 +385,8 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 ch->lp = cmpl_lp_new();
             }
         }
-        if (c->chat) cJSON_AddItemToArray(cJSON_GetObjectItem(ch->lp, "content"), chat_lp_entry(s, ev));
-        else cmpl_lp_add(s, ch->lp, ev, ch->text_offset);
+        if (c->chat) cJSON_AddItemToArray(cJSON_GetObjectItem(ch->lp, "content"), chat_lp_entry(s, c, ev));
+        else cmpl_lp_add(s, c, ch->lp, ev, ch->text_offset);
     }
     kvs_sbuf_append(&ch->text, text, strlen(text));
     ch->text_offset += (int)strlen(text);
@@ -668,6 +673,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     c->include_usage = r.include_usage;
     c->logprobs = r.logprobs;
     c->top_logprobs = r.top_logprobs;
+    c->tokens_as_ids = r.tokens_as_ids;
     c->created = (int64_t)kvs_wall_time();
     c->n_per_prompt = r.n;
     new_id(c, c->chat ? "chatcmpl" : "cmpl");

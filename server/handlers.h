@@ -90,7 +90,7 @@ struct call {
     int aborting;                /* shutting down: refuse further work */
     int client_gone;
     /* generation */
-    int chat, stream, include_usage, logprobs, top_logprobs;
+    int chat, stream, include_usage, logprobs, top_logprobs, tokens_as_ids;
     char id[64];
     int64_t created;
     struct choice *choices;

@@ -379,6 +379,7 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     if ((rc = get_bool(root, "ignore_eos", &r->ignore_eos, err))) return rc;
     if ((rc = get_bool(root, "skip_special_tokens", &r->skip_special_tokens, err))) return rc;
     if ((rc = get_bool(root, "add_special_tokens", &r->add_special_tokens, err))) return rc;
+    if ((rc = get_bool(root, "return_tokens_as_token_ids", &r->tokens_as_ids, err))) return rc;
 
     const cJSON *lp = field(root, "logprobs");
     if (r->kind == KVS_API_COMPLETIONS) {

@@ -20,6 +20,7 @@ import requests
 ROOT = os.environ.get("KVS_ROOT", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BUILD = os.environ.get("KVS_BUILD", "build")
 BIN = os.path.join(ROOT, BUILD, "kvserve-fake")
+E2E_BIN = os.path.join(ROOT, BUILD, "kvserve-e2e")
 
 SPECIAL = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258, "<|bos|>": 259}
 EOS = {256, 258}
@@ -35,15 +36,16 @@ def free_port():
 
 
 class Server:
-    def __init__(self, *args, env=None, wait=True):
+    def __init__(self, *args, env=None, wait=True, binary=None, model=None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="kvserve-", suffix=".log", delete=False)
         e = dict(os.environ)
         e.update(env or {})
-        cmd = [BIN, "--port", str(self.port), "--model", os.path.join(ROOT, "tests", "fake")] + list(args)
-        if not os.path.exists(BIN):
-            raise SystemExit(f"missing {BIN}: run make first")
+        binary = binary or BIN
+        cmd = [binary, "--port", str(self.port), "--model", model or os.path.join(ROOT, "tests", "fake")] + list(args)
+        if not os.path.exists(binary):
+            raise SystemExit(f"missing {binary}: run make first")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
         if wait:
             self.wait_healthy()
