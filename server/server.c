@@ -112,12 +112,11 @@ static void run_mhd(struct kvs_server *s)
     if (!s->mhd) return;
     MHD_run(s->mhd);
     if (!s->mhd) return;
+    /* MHD's own timeout, capped: when connections close below the connection limit MHD re-arms
+     * its listening socket only inside MHD_run, and no epoll event announces that moment */
     MHD_UNSIGNED_LONG_LONG ms = 0;
-    if (MHD_get_timeout(s->mhd, &ms) == MHD_YES) {
-        uv_timer_start(&s->mhd_timer, on_mhd_timer, ms, 0);
-    } else {
-        uv_timer_start(&s->mhd_timer, on_mhd_timer, 1000, 0);
-    }
+    if (MHD_get_timeout(s->mhd, &ms) != MHD_YES || ms > 200) ms = 200;
+    uv_timer_start(&s->mhd_timer, on_mhd_timer, ms, 0);
 }
 
 static void engine_notify(void *user)
@@ -332,6 +331,11 @@ int kvs_server_run(const struct kvs_config *cfg)
     struct kvs_server *s = kvs_xcalloc(1, sizeof *s);
     s->cfg = cfg;
     s->state = KVS_SRV_LOADING;
+    if (cfg->log_level) {
+        static const char *const levels[] = {"debug", "info", "warn", "error"};
+        for (int i = 0; i < 4; i++)
+            if (!strcmp(cfg->log_level, levels[i])) kvs_log_set_level((enum kvs_log_level)i);
+    }
     kvs_metrics_init(&s->metrics);
     s->created = (int64_t)kvs_wall_time();
     if (cfg->model_name && cfg->model_name[0]) {

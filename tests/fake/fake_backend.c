@@ -11,6 +11,8 @@
  *              log(0.5), alternative i (i >= 1) is token+i with log(0.5 / 2^i).
  *              KV: pool of FAKE_BLOCKS blocks of 16 tokens, a request reserves
  *              ceil((prompt + max_tokens) / 16) at admission, returns them when it ends.
+ *              A prompt containing the bytes "!fail!" ends with an ERROR event after 2 tokens
+ *              (to test how the server reports engine failures).
  * Environment: KVS_FAKE_STEP_MS (default 2) per decode step, KVS_FAKE_PREFILL_MS (default 0)
  * per admitted request, KVS_FAKE_LOAD_MS (default 0) in kvs_engine_create,
  * KVS_FAKE_BLOCKS (default 512).
@@ -222,6 +224,7 @@ struct kvs_request {
     char **stop;
     int n_stop;
     int ignore_eos, skip_special, logprobs, top_logprobs;
+    int inject_failure;
     double timeout_s;
     void (*notify)(void *);
     void *user;
@@ -267,6 +270,10 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
     r->prompt = kvs_xmalloc(sizeof *r->prompt * (size_t)p->n_prompt);
     memcpy(r->prompt, p->prompt, sizeof *r->prompt * (size_t)p->n_prompt);
     r->n_prompt = p->n_prompt;
+    for (int i = 0; i + 6 <= p->n_prompt && !r->inject_failure; i++) {
+        static const int32_t pat[6] = {'!', 'f', 'a', 'i', 'l', '!'};
+        r->inject_failure = !memcmp(p->prompt + i, pat, sizeof pat);
+    }
     r->max_tokens = p->max_tokens;
     r->n_stop = p->n_stop_strings;
     if (r->n_stop) r->stop = kvs_xcalloc((size_t)r->n_stop, sizeof *r->stop);
@@ -417,6 +424,19 @@ static size_t stop_holdback(const struct kvs_request *r)
 static int step_one(struct kvs_engine *e, struct kvs_request *r, double now)
 {
     int k = r->n_gen;
+    if (k == 2 && r->inject_failure) {
+        struct kvs_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.type = KVS_EV_ERROR;
+        ev.error = kvs_xstrdup("injected failure");
+        ev.n_prompt_tokens = r->n_prompt;
+        ev.n_completion_tokens = r->n_gen;
+        e->blocks_used -= r->blocks;
+        push_event(r, &ev);
+        if (r->notify) r->notify(r->user);
+        kvs_request_unref(r);
+        return 1;
+    }
     int32_t tok = r->prompt[r->n_prompt - 1 - (k % r->n_prompt)];
     if (!r->ignore_eos && (tok == FAKE_EOT || tok == FAKE_IM_END)) {
         finish(e, r, KVS_FINISH_STOP, now);

@@ -149,6 +149,33 @@ def test_main():
         check([d["id"] for d in lst["data"]] == [gen_id], f"persisted docs {lst}")
         check(requests.get(srv.base + f"/v1/documents/{gen_id}").json()["text"] == "BETA", "persisted text")
 
+    # engine failures: 500 before the response started; in-band error + [DONE] after a stream started
+    with Server("--max-connections", "4") as srv:
+        r = requests.post(srv.base + "/v1/completions", json={"prompt": "x!fail!", "max_tokens": 10})
+        check(r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+              and "injected failure" in r.json()["error"]["message"], f"engine error: {r.status_code} {r.text}")
+        with requests.post(srv.base + "/v1/chat/completions", stream=True, json={
+                "messages": [{"role": "user", "content": "abc!fail!"}], "max_tokens": 10, "stream": True}) as resp:
+            data, _ = sse_events(resp)
+        check(resp.status_code == 200 and data[-1] == "[DONE]", f"stream end {data}")
+        err = json.loads(data[-2])
+        check(set(err) == {"error"} and "injected failure" in err["error"]["message"], f"in-band error {data[-2]}")
+        check(len(data) == 5, f"role chunk, 2 tokens, error, [DONE]: {data}")
+        # connection limit: 4 idle sockets hold every slot; a fifth connection is refused
+        import socket
+        socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]
+        time.sleep(0.3)
+        try:
+            requests.get(srv.base + "/health", timeout=2)
+            refused = False
+        except requests.RequestException:
+            refused = True
+        check(refused, "connection over max_connections was served")
+        for s in socks:
+            s.close()
+        time.sleep(0.3)
+        check(requests.get(srv.base + "/health", timeout=2).status_code == 200, "served again below the limit")
+
     # per-request timeout: slow engine, 1 s limit
     with Server("--timeout", "1", env={"KVS_FAKE_STEP_MS": "100"}) as srv:
         t0 = time.time()
