@@ -197,11 +197,21 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
     return 0;
 }
 
+static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen);
+
 int kvs_engine_submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen)
 {
     if (!e || !r) return kvs_err(err, errlen, -EINVAL, "no engine or request");
-    if (r->state != KVS_REQ_NEW) return kvs_err(err, errlen, -EINVAL, "request %llu was already submitted",
-                                                (unsigned long long)r->id);
+    /* claim the request first: the engine thread owns its state once it is queued */
+    if (atomic_exchange(&r->submitted, 1))
+        return kvs_err(err, errlen, -EINVAL, "request %llu was already submitted", (unsigned long long)r->id);
+    int rc = submit(e, r, err, errlen);
+    if (rc < 0) atomic_store(&r->submitted, 0);   /* refused: the caller may submit it again */
+    return rc;
+}
+
+static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen)
+{
     if (r->n_prompt <= 0) return kvs_err(err, errlen, -EINVAL, "the prompt is empty");
     if (r->max_tokens <= 0) return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
     for (int i = 0; i < r->n_prompt; i++)

@@ -23,6 +23,7 @@ struct kvs_request {
     atomic_int refs;
     uint64_t id;
     atomic_int cancelled;
+    atomic_int submitted;         /* 1 once accepted by kvs_engine_submit (or while it runs) */
 
     /* copied parameters */
     int32_t *prompt;              /* [n_prompt] */

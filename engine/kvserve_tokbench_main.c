@@ -109,7 +109,9 @@ int main(int argc, char **argv)
     /* paragraphs: split at blank lines, like separate prompts */
     size_t cap = len / 2 + 1024, total = 0;
     int32_t *ids = malloc(cap * sizeof *ids);
-    if (!ids) return 1;
+    size_t *para_tok = malloc((len / 2 + 2) * sizeof *para_tok), *para_byte = malloc((len / 2 + 2) * sizeof *para_byte);
+    size_t n_para = 0;
+    if (!ids || !para_tok || !para_byte) return 1;
     t0 = kvs_now();
     size_t a = 0;
     while (a < len) {
@@ -120,21 +122,32 @@ int main(int argc, char **argv)
             fprintf(stderr, "kvserve-tokbench: encode failed (%d)\n", k);
             return 1;
         }
+        para_tok[n_para] = total;
+        para_byte[n_para++] = a;
         total += (size_t)k;
         a = b;
     }
     double t_enc = kvs_now() - t0;
+    /* decode paragraph by paragraph, as encoded (SentencePiece adds "▁" to each) */
+    para_tok[n_para] = total;
+    para_byte[n_para] = len;
+    int same = 1;
     t0 = kvs_now();
-    char *dec = kvs_tokenizer_decode(t, ids, (int)total, 0);
+    for (size_t p = 0; p < n_para; p++) {
+        char *dec = kvs_tokenizer_decode(t, ids + para_tok[p], (int)(para_tok[p + 1] - para_tok[p]), 0);
+        size_t bl = para_byte[p + 1] - para_byte[p];
+        same = same && dec && strlen(dec) == bl && memcmp(dec, text + para_byte[p], bl) == 0;
+        free(dec);
+    }
     double t_dec = kvs_now() - t0;
-    int same = dec && strlen(dec) == len && memcmp(dec, text, len) == 0;
     printf("tokenizer %s  text %s (%.2f MB)  load %.2f s\n", dir, file ? file : "generated English", len / 1e6, t_load);
     printf("%-8s %10s %12s %12s %10s\n", "op", "MB/s", "tokens/s", "bytes/token", "seconds");
     printf("%-8s %10.2f %12.0f %12.2f %10.3f\n", "encode", len / 1e6 / t_enc, total / t_enc, (double)len / total, t_enc);
     printf("%-8s %10.2f %12.0f %12.2f %10.3f\n", "decode", len / 1e6 / t_dec, total / t_dec, (double)len / total, t_dec);
     printf("round trip %s\n", same ? "exact" : "DIFFERS");
-    free(dec);
     free(ids);
+    free(para_tok);
+    free(para_byte);
     free(text);
     kvs_tokenizer_free(t);
     return same ? 0 : 1;

@@ -28,6 +28,7 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
     int fail = 0;
     atomic_init(&r->refs, 1);
     atomic_init(&r->cancelled, 0);
+    atomic_init(&r->submitted, 0);
     r->id = atomic_fetch_add(&g_next_id, 1);
     r->n_prompt = p->n_prompt > 0 && p->prompt ? p->n_prompt : 0;
     r->prompt = dup_array(p->prompt, (size_t)r->n_prompt, sizeof(int32_t), &fail);

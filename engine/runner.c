@@ -218,42 +218,6 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
 
-    /* KV pool */
-    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
-    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
-    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
-    r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
-    size_t budget;
-    if (cfg->kv_memory_bytes > 0) {
-        budget = (size_t)cfg->kv_memory_bytes;
-    } else {
-        double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
-        budget = (size_t)((double)ops->mem_available(r->be) * frac);
-        if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
-    }
-    size_t nb = budget / block_bytes;
-    if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
-    if (nb < 1) {
-        rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
-                     budget, block_bytes);
-        goto fail;
-    }
-    r->n_blocks = (int)nb;
-    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
-    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
-    for (int l = 0; l < r->n_layers; l++) {
-        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        if (!r->kc[l] || !r->vc[l]) {
-            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
-                         nb * block_bytes);
-            goto fail;
-        }
-    }
-    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
-            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
-            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
-
     /* workspaces */
     int failed = 0;
     size_t T = (size_t)r->cap_tokens, S = (size_t)r->cap_seqs;
@@ -294,6 +258,42 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
     free(inv);
+    /* KV pool: sized after weights and workspaces so "free memory" means what is left */
+    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
+    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
+    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
+    r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
+    size_t budget;
+    if (cfg->kv_memory_bytes > 0) {
+        budget = (size_t)cfg->kv_memory_bytes;
+    } else {
+        double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
+        budget = (size_t)((double)ops->mem_available(r->be) * frac);
+        if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
+    }
+    size_t nb = budget / block_bytes;
+    if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
+    if (nb < 1) {
+        rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
+                     budget, block_bytes);
+        goto fail;
+    }
+    r->n_blocks = (int)nb;
+    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
+    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
+    for (int l = 0; l < r->n_layers; l++) {
+        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        if (!r->kc[l] || !r->vc[l]) {
+            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
+                         nb * block_bytes);
+            goto fail;
+        }
+    }
+    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
+            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
+            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
+
     *out = r;
     return 0;
 fail:

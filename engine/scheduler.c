@@ -13,6 +13,16 @@
  *   4. runs the forward pass with no lock held;
  *   5. samples, detokenizes, matches stop ids / stop strings, and appends events.
  * Requests that finish (EOS, stop, length, cancel, timeout, error) release their blocks at once.
+ *
+ * Events (what callers see, beyond engine.h):
+ *   - every sampled token gets one TOKEN event, including a stop token (EOS or a stop id),
+ *     which counts as a completion token (as vLLM does) but whose own text is never emitted;
+ *     its event carries whatever text was still held back (usually "");
+ *   - text that could be the start of a stop string is held back until resolved; at a stop
+ *     string the text before it is emitted and the request ends STOP; on cancel / timeout
+ *     held-back text is dropped;
+ *   - NUL bytes are dropped from text (events carry C strings);
+ *   - the stats snapshot already shows a request's blocks free when its final event arrives.
  */
 #include "engine/engine_internal.h"
 

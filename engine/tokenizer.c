@@ -126,7 +126,7 @@ static int bpe_cached(const struct kvs_tokenizer *t, const char *w, size_t n, st
     sl->wlen = (uint8_t)n;
     memcpy(sl->word, w, n);
     sl->nids = (uint8_t)(out->n - before);
-    memcpy(sl->ids, out->p + before, (size_t)sl->nids * sizeof *sl->ids);
+    if (sl->nids) memcpy(sl->ids, out->p + before, (size_t)sl->nids * sizeof *sl->ids);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }

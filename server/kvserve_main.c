@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "engine/config.h"
+#include "engine/generate.h"
 #include "engine/util.h"
 
 #define KVS_VERSION "0.1.0"
@@ -24,6 +25,8 @@ static void usage(FILE *f)
             "usage: kvserve [--config FILE] [--set key=value]... [--model DIR] [--host HOST] [--port N]\n"
             "               [--device auto|cpu|cuda]           serve the OpenAI API\n"
             "       kvserve --check-config FILE [--set ...]    validate and print the effective config\n"
+            "       kvserve generate --model DIR --prompt TEXT -n N [sampling flags]\n"
+            "                                                  one prompt, no server (see kvserve generate --help)\n"
             "       kvserve --help-config [--markdown]         list every config key\n"
             "       kvserve --version\n");
 }
@@ -54,6 +57,7 @@ int main(int argc, char **argv)
     const char *check_file = NULL;
     int rc = 0;
 
+    if (argc > 1 && !strcmp(argv[1], "generate")) return kvs_generate_main(argc - 1, argv + 1);
     if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
         usage(stdout);
         return 0;

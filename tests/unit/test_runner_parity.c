@@ -9,7 +9,9 @@
  *   4. 32 greedy tokens (argmax through the sampler at temperature 0), all prompts decoded
  *      together in one batch, equal transformers' greedy continuations;
  *   5. malformed batches are refused with -EINVAL, never crash;
- *   6. 1, 2 and 3 CPU threads give bitwise identical logits.
+ *   6. 1, 2 and 3 CPU threads give bitwise identical logits;
+ *   7. per-block rotation offsets reach attention for their own sequence only (zero offsets =
+ *      no offsets, bitwise). Their exact semantics are checked per op in test_cpu_ops.
  */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -338,6 +340,51 @@ static void run_model(const char *root, const char *name, const char *refname)
         kvs_runner_free(r2);
     }
 
+    /* 7. block rotation offsets plumbing: a batch where one sequence passes an all-zero offset
+     * array and another passes NULL gives the plain logits bitwise; non-zero offsets on the
+     * cached blocks of a sequence change its logits (and only its own) */
+    {
+        int p = ref.n_prompts - 1, L = ref.n_prompt[p];   /* longest prompt: several blocks */
+        int32_t bt0[64], bt1[64], zero[64], rot[64];
+        for (int j = 0; j < 64; j++) {
+            bt0[j] = perm[j];
+            bt1[j] = perm[63 - j];
+            zero[j] = 0;
+            rot[j] = 1000 + 7 * j;
+        }
+        int nb = (L + BLOCK - 1) / BLOCK;
+        /* fill the caches with the prompt but the last token, then run the last token */
+        struct kvs_batch_seq q2[2] = {
+            {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt0, .n_blocks = nb},
+            {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt1, .n_blocks = nb},
+        };
+        struct kvs_batch b2 = {q2, 2};
+        KVS_ASSERT(kvs_runner_forward(r, &b2, NULL) == 0);
+        for (int variant = 0; variant < 2; variant++) {
+            for (int i = 0; i < 2; i++) {
+                q2[i].tokens = ref.prompt[p] + L - 1;
+                q2[i].n_tokens = 1;
+                q2[i].pos = L - 1;
+                q2[i].want_logits = KVS_LOGITS_LAST;
+            }
+            q2[0].block_rot_offset = variant ? rot : zero;
+            q2[1].block_rot_offset = NULL;
+            /* offsets only on fully cached blocks, never on the block being written */
+            if (variant)
+                for (int j = (L - 1) / BLOCK; j < 64; j++) rot[j] = 0;
+            KVS_ASSERT(kvs_runner_forward(r, &b2, out) == 0);
+            const float *want = ref.logits[p] + (size_t)(L - 1) * V;
+            double e1 = row_rel_err(out + V, want, 1, V);
+            CHECK(e1 < 1e-4, "%s: rot plumbing: sequence without offsets rel err %g", name, e1);
+            if (!variant) {
+                CHECK(memcmp(out, out + V, (size_t)V * 4) == 0, "%s: zero offsets differ from NULL offsets", name);
+            } else {
+                double e0 = row_rel_err(out, want, 1, V);
+                CHECK(e0 > 1e-3, "%s: non-zero rotation offsets had no effect (rel err %g)", name, e0);
+            }
+        }
+    }
+
     /* 5. malformed batches */
     {
         int32_t tok = 5, bad_tok = V, bt = 0, bad_bt = 64;
@@ -371,11 +418,57 @@ static void run_model(const char *root, const char *name, const char *refname)
     free_ref(&ref);
 }
 
+/* KV pool sizing: from a byte budget, from a fraction of available memory, and errors */
+static void test_pool_sizing(const char *root)
+{
+    char dir[1024], err[512];
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", root);
+    struct kvs_model *model;
+    KVS_ASSERT(kvs_model_load(dir, &model, err, sizeof err) == 0);
+    const struct kvs_model_config *mc = kvs_model_config(model);
+    size_t per_token = (size_t)mc->n_layers * 2 * mc->n_kv_heads * mc->head_dim * 4;
+    struct kvs_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.device = "cpu";
+    cfg.cpu_threads = 1;
+    cfg.kv_block_size = 8;
+    cfg.kv_memory_bytes = (int64_t)(per_token * 8 * 10 + per_token * 3);   /* 10 blocks and a bit */
+    struct kvs_runner *r;
+    KVS_ASSERT(kvs_runner_create(&cfg, model, &r, err, sizeof err) == 0);
+    CHECK(kvs_runner_num_blocks(r) == 10, "budget for 10.4 blocks gave %d", kvs_runner_num_blocks(r));
+    CHECK(kvs_runner_kv_bytes_per_token(r) == per_token, "kv bytes/token %zu want %zu", kvs_runner_kv_bytes_per_token(r),
+          per_token);
+    CHECK(kvs_runner_block_size(r) == 8 && kvs_runner_max_context(r) == mc->max_position_embeddings,
+          "block size / context");
+    kvs_runner_free(r);
+    cfg.kv_memory_bytes = 0;
+    cfg.kv_memory_fraction = 0.01;
+    KVS_ASSERT(kvs_runner_create(&cfg, model, &r, err, sizeof err) == 0);
+    size_t bytes = (size_t)kvs_runner_num_blocks(r) * 8 * per_token;
+    CHECK(kvs_runner_num_blocks(r) > 0 && bytes <= ((size_t)4 << 30), "fraction sizing gave %d blocks",
+          kvs_runner_num_blocks(r));
+    kvs_runner_free(r);
+    cfg.kv_memory_bytes = 1;
+    err[0] = 0;
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -ENOMEM && strstr(err, "block"),
+          "a budget below one block should fail with a message (%s)", err);
+    cfg.kv_memory_bytes = 1 << 20;
+    cfg.device = "tpu";
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -EINVAL && strstr(err, "tpu"),
+          "unknown device accepted (%s)", err);
+    cfg.device = "cpu";
+    cfg.kv_block_size = 0;
+    CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -EINVAL, "block size 0 accepted");
+    kvs_model_free(model);
+    printf("ok KV pool sizing (bytes, fraction of available memory, errors)\n");
+}
+
 int main(void)
 {
     const char *root = getenv("KVS_ROOT");
     if (!root) root = ".";
     kvs_log_set_level(KVS_LOG_WARN);
+    test_pool_sizing(root);
     const char *models[][2] = {{"llama", "llama"}, {"llama-bf16", "llama-bf16"}, {"llama31", "llama31"},
                                {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"qwen3-sharded", "qwen3"}};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) run_model(root, models[i][0], models[i][1]);

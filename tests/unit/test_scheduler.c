@@ -502,8 +502,20 @@ static void test_queue_and_errors(void)
     CHECK(kvs_engine_submit(e, r, err, sizeof err) == -ESHUTDOWN);
     kvs_request_unref(r);
     kvs_engine_free(e);
+
+    /* strategies not built in this version are refused by name, unknown names too */
+    const char *bad_kv[][3] = {{"lean", "none", "full"}, {"auto", "lazy", "full"}, {"auto", "none", "mac"},
+                            {"auto", "none", "paris"}, {"auto", "none", "retro"}, {"f16", "none", "full"}};
+    for (int i = 0; i < 6; i++) {
+        c.kv_storage = (char *)bad_kv[i][0];
+        c.kv_reuse = (char *)bad_kv[i][1];
+        c.kv_decode = (char *)bad_kv[i][2];
+        int rc = kvs_engine_create_exec(&c, &x, &e, err, sizeof err);
+        CHECK(rc == (i == 5 ? -EINVAL : -ENOSYS) && e == NULL);
+        CHECK(strstr(err, "kv."));
+    }
     fake_model_free(&m);
-    printf("queue limit -EAGAIN (immediate), -E2BIG/-EINVAL/-ESHUTDOWN, metrics: ok\n");
+    printf("queue limit -EAGAIN (immediate), -E2BIG/-EINVAL/-ESHUTDOWN, metrics, unbuilt strategies -ENOSYS: ok\n");
 }
 
 static void test_text_stop_logprobs_timeout(void)
@@ -569,6 +581,24 @@ static void test_text_stop_logprobs_timeout(void)
     char full[1024] = "";
     for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
     CHECK(strcmp(full, j.text) == 0);
+
+    /* stop strings whose first bytes keep matching but that never complete: every held-back
+     * byte is released, also at the very end (length) */
+    for (int rep = 0; rep < 4; rep++) {
+        random_job(&j, 20, 30);
+        j.ignore_eos = 1;
+        j.stop[0] = "a\x01";
+        j.stop[1] = "e\x02\x03";
+        j.n_stop = 2;
+        job_ref(&j);
+        submit_job(e, &j);
+        collect(&j);
+        check_exact(&j);
+        full[0] = 0;
+        for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
+        CHECK(strcmp(full, j.text) == 0);
+    }
+    j.n_stop = 0;
 
     /* EOS: not part of the text, finish STOP */
     for (int attempt = 0; attempt < 400; attempt++) {
