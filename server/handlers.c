@@ -32,7 +32,8 @@ static int queue_body(struct call *c, int status, const char *ctype, char *body,
         else if (!strcmp(c->url, "/v1/documents")) allow = "GET, POST";
         else if (!strncmp(c->url, "/v1/", 4) || !strcmp(c->url, "/tokenize") || !strcmp(c->url, "/detokenize"))
             allow = "POST";
-        if (!strcmp(c->url, "/v1/models") || !strcmp(c->url, "/health") || !strcmp(c->url, "/metrics")) allow = "GET";
+        if (!strncmp(c->url, "/v1/models", 10) || !strcmp(c->url, "/health") || !strcmp(c->url, "/metrics"))
+            allow = "GET";
         MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
     }
     enum MHD_Result rc = MHD_queue_response(c->conn, (unsigned)status, r);
@@ -836,11 +837,8 @@ static int h_metrics(struct kvs_server *s, struct call *c)
     return queue_body(c, 200, "text/plain; version=0.0.4; charset=utf-8", body, b.len, NULL);
 }
 
-static int h_models(struct kvs_server *s, struct call *c)
+static cJSON *model_card(struct kvs_server *s)
 {
-    cJSON *j = cJSON_CreateObject();
-    cJSON_AddStringToObject(j, "object", "list");
-    cJSON *data = cJSON_AddArrayToObject(j, "data");
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", s->model_name);
     cJSON_AddStringToObject(m, "object", "model");
@@ -849,8 +847,25 @@ static int h_models(struct kvs_server *s, struct call *c)
     cJSON_AddStringToObject(m, "root", s->cfg->model_path ? s->cfg->model_path : "");
     if (s->loaded) cJSON_AddNumberToObject(m, "max_model_len", s->max_context);
     else cJSON_AddNullToObject(m, "max_model_len");
-    cJSON_AddItemToArray(data, m);
+    return m;
+}
+
+static int h_models(struct kvs_server *s, struct call *c)
+{
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "object", "list");
+    cJSON *data = cJSON_AddArrayToObject(j, "data");
+    cJSON_AddItemToArray(data, model_card(s));
     return respond_json(c, 200, j);
+}
+
+/* GET /v1/models/{id} (the OpenAI client's models.retrieve) */
+static int h_model_one(struct kvs_server *s, struct call *c, const char *id)
+{
+    if (strcmp(id, s->model_name) != 0)
+        return kvs_call_error(c, 404, "invalid_request_error", "model_not_found", "model",
+                              "The model `%.200s` does not exist.", id);
+    return respond_json(c, 200, model_card(s));
 }
 
 static int h_tokenize(struct kvs_server *s, struct call *c)
@@ -1042,7 +1057,7 @@ static int h_doc_one(struct kvs_server *s, struct call *c, const char *id)
 /* ------------------------------------------------------------------------------------------ */
 /* routing                                                                                     */
 
-enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
+enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
 
 static enum route route_of(const char *url, const char **allowed)
 {
@@ -1069,6 +1084,10 @@ static enum route route_of(const char *url, const char **allowed)
         *allowed = "GET DELETE";
         return R_DOC;
     }
+    if (!strncmp(url, "/v1/models/", 11) && url[11]) {
+        *allowed = "GET";
+        return R_MODEL;
+    }
     return R_NONE;
 }
 
@@ -1094,6 +1113,7 @@ int kvs_call_dispatch(struct kvs_server *s, struct call *c)
         return kvs_call_error(c, 401, "invalid_request_error", "invalid_api_key", NULL,
                               "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.");
     if (rt == R_MODELS) return h_models(s, c);
+    if (rt == R_MODEL) return h_model_one(s, c, c->url + 11);
     if (rt == R_DOCS && !strcmp(c->method, "GET")) return h_doc_list(s, c);
     if (rt == R_DOC) return h_doc_one(s, c, c->url + 14);
     if (s->state != KVS_SRV_SERVING) {

@@ -109,6 +109,8 @@ CASES = [
     ("documents bad order", "GET", "/v1/documents?order=sideways", None, 400, "order", None),
     ("documents unknown after", "GET", "/v1/documents?after=nothere", None, 400, "after", None),
     ("document id starting with dot", "POST", "/v1/documents", {"text": "a", "id": ".hidden"}, 400, "id", None),
+    ("unknown model card", "GET", "/v1/models/gpt-4", None, 404, "model", "model_not_found"),
+    ("POST on model card", "POST", "/v1/models/fake", {}, 405, None, None),
     ("unknown path", "GET", "/v2/whatever", None, 404, None, None),
     ("unknown v1 path", "POST", "/v1/embeddings", {"input": "x"}, 404, None, None),
     ("GET on completions", "GET", C, None, 405, None, None),

@@ -14,6 +14,8 @@ def main():
         models = client.models.list()
         check(len(models.data) == 1 and models.data[0].id == "fake", f"models: {models}")
         model = models.data[0].id
+        card = client.models.retrieve(model)
+        check(card.id == model and card.object == "model", f"retrieve {card}")
 
         # completions, exact text from the independent model of the fake backend
         prompt = "The quick brown fox"
@@ -135,6 +137,7 @@ def run_errors(srv, client, model):
     check("maximum context length is 256 tokens" in str(e), f"message: {e}")
     expect(openai.BadRequestError, lambda: client.completions.create(model=model, prompt="x", temperature=5))
     expect(openai.NotFoundError, lambda: client.completions.create(model="gpt-9", prompt="x"), "model_not_found")
+    expect(openai.NotFoundError, lambda: client.models.retrieve("gpt-9"), "model_not_found")
     bad = openai.OpenAI(base_url=srv.base + "/v1", api_key="wrong", max_retries=0)
     expect(openai.AuthenticationError, lambda: bad.models.list(), "invalid_api_key")
 
