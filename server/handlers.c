@@ -26,16 +26,7 @@ static int queue_body(struct call *c, int status, const char *ctype, char *body,
     }
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
-    if (status == 405) {
-        const char *allow = "GET, POST";
-        if (!strncmp(c->url, "/v1/documents/", 14)) allow = "GET, DELETE";
-        else if (!strcmp(c->url, "/v1/documents")) allow = "GET, POST";
-        else if (!strncmp(c->url, "/v1/", 4) || !strcmp(c->url, "/tokenize") || !strcmp(c->url, "/detokenize"))
-            allow = "POST";
-        if (!strncmp(c->url, "/v1/models", 10) || !strcmp(c->url, "/health") || !strcmp(c->url, "/metrics"))
-            allow = "GET";
-        MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, allow);
-    }
+    if (status == 405 && c->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, c->allow);
     enum MHD_Result rc = MHD_queue_response(c->conn, (unsigned)status, r);
     MHD_destroy_response(r);
     c->responded = 1;
@@ -1073,7 +1064,7 @@ static enum route route_of(const char *url, const char **allowed)
         {"/v1/chat/completions", R_CHAT, "POST"},
         {"/tokenize", R_TOKENIZE, "POST"},
         {"/detokenize", R_DETOKENIZE, "POST"},
-        {"/v1/documents", R_DOCS, "GET POST"},
+        {"/v1/documents", R_DOCS, "GET, POST"},
     };
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
         if (!strcmp(url, table[i].path)) {
@@ -1081,7 +1072,7 @@ static enum route route_of(const char *url, const char **allowed)
             return table[i].r;
         }
     if (!strncmp(url, "/v1/documents/", 14) && url[14]) {
-        *allowed = "GET DELETE";
+        *allowed = "GET, DELETE";
         return R_DOC;
     }
     if (!strncmp(url, "/v1/models/", 11) && url[11]) {
@@ -1095,7 +1086,7 @@ static int method_allowed(const char *allowed, const char *method)
 {
     size_t n = strlen(method);
     for (const char *p = allowed; (p = strstr(p, method)) != NULL; p += n)
-        if ((p == allowed || p[-1] == ' ') && (p[n] == 0 || p[n] == ' ')) return 1;
+        if ((p == allowed || p[-1] == ' ') && (p[n] == 0 || p[n] == ',')) return 1;
     return 0;
 }
 
@@ -1104,6 +1095,7 @@ int kvs_call_dispatch(struct kvs_server *s, struct call *c)
     const char *allowed = "";
     enum route rt = route_of(c->url, &allowed);
     if (rt == R_NONE) return kvs_call_error(c, 404, "not_found_error", NULL, NULL, "no route for %.200s", c->url);
+    c->allow = allowed;
     if (!method_allowed(allowed, c->method))
         return kvs_call_error(c, 405, "invalid_request_error", NULL, NULL, "method %s not allowed on %.200s",
                               c->method, c->url);

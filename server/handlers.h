@@ -81,6 +81,7 @@ struct call {
     struct call *prev, *next;
     char method[16];
     char *url;
+    const char *allow;           /* methods of the matched route, "GET, POST" (static) */
     double t_start;
     struct kvs_sbuf body;
     int too_large;

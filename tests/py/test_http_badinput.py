@@ -159,7 +159,9 @@ def main():
             check_error(send(srv, method, path, body, H), status, param, code, name)
             if status == 405:
                 r = send(srv, method, path, body, H)
-                check(r.headers.get("Allow"), f"{name}: 405 without Allow")
+                allow = {"/v1/documents": "GET, POST", "/v1/models": "GET", "/health": "GET"}.get(path)
+                allow = allow or ("GET" if path.startswith("/v1/models/") else "POST")
+                check(r.headers.get("Allow") == allow, f"{name}: Allow {r.headers.get('Allow')!r} != {allow!r}")
         for name, headers, status in AUTH_CASES:
             check_error(send(srv, "POST", C, {"prompt": "x"}, headers), status, None, "invalid_api_key", name)
             check_error(send(srv, "GET", "/v1/models", None, headers), status, None, "invalid_api_key", name)
