@@ -110,8 +110,11 @@ class Gen:
         self.v = verses
         self.rng = random.Random(seed)
         self.eval_mode = eval_mode
-        self.names = EVAL_NAMES if eval_mode else NAMES
-        self.keywords = EVAL_KEY_WORDS if eval_mode else KEY_WORDS
+        # every name and key word is seen in training (a token never trained cannot be
+        # copied); evaluation probes differ by their random values, combinations, filler
+        # and positions (a separate seed)
+        self.names = NAMES + EVAL_NAMES
+        self.keywords = KEY_WORDS + EVAL_KEY_WORDS
         self.eot = tok.token_to_id("<|endoftext|>")
         if pools is None:
             pools = encode_pools(tok, verses)
@@ -121,6 +124,7 @@ class Gen:
         for i, v in enumerate(verses):
             self.books.setdefault(v[0], []).append(i)
         self.book_names = list(self.books)
+        self.first_verses = [i for i, v in enumerate(verses) if v[2] == 1]
         self.cache = {}
 
     def enc(self, s):
@@ -136,7 +140,7 @@ class Gen:
         """Consecutive verse lines totalling at most n_tokens (list of id lists)."""
         r = self.rng
         if with_refs is None:
-            with_refs = r.random() < 0.3
+            with_refs = r.random() < 0.4
         pool = self.pool_ref if with_refs else self.pool_txt
         i = r.randrange(len(self.v))
         out, total = [], 0
@@ -198,9 +202,13 @@ class Gen:
                 if style == "mixed" else style
             for _try in range(20):
                 if st == "kv":
-                    subj = "%s-%d" % (r.choice(self.keywords), r.randint(10, 999))
-                    val = str(r.randint(1000, 9999)) if r.random() < 0.5 else \
-                        "%s-%s" % (r.choice(COLORS), r.choice(ANIMALS))
+                    if r.random() < 0.3:
+                        subj = "%s-%d" % (rand_word(r, 3), r.randint(10, 999))
+                    else:
+                        subj = "%s-%d" % (r.choice(self.keywords), r.randint(10, 999))
+                    x = r.random()
+                    val = str(r.randint(1000, 9999)) if x < 0.4 else rand_word(r, 5) \
+                        if x < 0.6 else "%s-%s" % (r.choice(COLORS), r.choice(ANIMALS))
                 elif st == "passkey":
                     subj, val = "", str(r.randint(10000, 99999))
                 else:
@@ -242,8 +250,8 @@ class Gen:
     def doc_retrieval(self, n_tokens):
         """A plain-text retrieval document of at most n_tokens (n_tokens >= 200)."""
         r = self.rng
-        facts = self.make_facts(r.choice([1, 1, 2, 3, 4, 6]))
-        n_q = min(len(facts), r.choice([1, 1, 2, 3]))
+        facts = self.make_facts(r.choice([1, 2, 3, 4, 6, 8]))
+        n_q = min(len(facts), r.choice([1, 2, 3, 4]))
         asked = r.sample(facts, n_q)
         qstyle = r.choice(["qa", "qa", "completion", "answer_line"])
         tail_ids, tail_w = [], []
@@ -281,7 +289,8 @@ class Gen:
         r = self.rng
         k = r.random()
         if k < 0.35:
-            v = self.v[r.randrange(len(self.v))]
+            v = self.v[r.choice(self.first_verses) if r.random() < 0.4
+                       else r.randrange(len(self.v))]
             q = r.choice(["Recite %s.", "Recite %s", "What does %s say?", "Quote %s.",
                           "What is written in %s?", "Please recite %s.",
                           "Can you tell me %s?"]) % ref(v)
@@ -420,6 +429,10 @@ class Gen:
             ids += d + [self.eot]
             w += dw + [1]
         return ids[:T + 1], w[:T + 1]
+
+
+def rand_word(r, n):
+    return "".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
 
 
 def sentence(st, val, line):
