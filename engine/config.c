@@ -32,7 +32,7 @@ static const struct key_def KEYS[] = {
      "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"},
     {"model.name", T_STRING, F(model_name), 0, 0, "", NULL, NULL,
      "model id served in /v1/models and accepted in requests (empty: directory name)"},
-    {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|llama3", NULL,
+    {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|qwen3|llama3", NULL,
      "chat format; auto detects it from the tokenizer_config.json chat_template"},
     {"model.max_model_len", T_INT, F(max_model_len), 0, 16777216, "0", NULL, NULL,
      "context length limit in tokens (0: the model's max_position_embeddings)"},
@@ -381,7 +381,7 @@ int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen)
         const char *v = *(char *const *)((const char *)cfg + k->offset);
         if (!in_choices(k->implemented, v))
             return kvs_err(err, errlen, -ENOSYS,
-                           "config key '%s': strategy '%s' is not implemented in this build yet (available: %s)",
+                           "config key '%s': strategy '%s' is not available in this build yet (built: %s)",
                            k->name, v, k->implemented);
     }
     if (cfg->model_path[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'model.path' must not be empty");

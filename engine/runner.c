@@ -23,9 +23,13 @@
 #include "kernels/backend.h"
 #include "models/model.h"
 
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-/* weak: the CUDA backend is linked only once kernels/cuda/ implements it */
-extern const struct kvs_backend_ops kvs_cuda_backend __attribute__((weak));
+/* The CUDA backend is used when nvcc built kernels/cuda/ and it provides its header (a strong
+ * reference, so the archive member that defines kvs_cuda_backend gets linked). */
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA && defined(__has_include)
+#if __has_include("kernels/cuda/cuda_backend.h")
+#include "kernels/cuda/cuda_backend.h"
+#define RUNNER_HAS_CUDA 1
+#endif
 #endif
 
 #define LOGIT_CHUNK 16
@@ -64,7 +68,8 @@ struct kvs_runner {
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
     /* host staging (same shapes) */
-    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_lrows;
+    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot;
+    int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
 };
 
 /* ---- weights ---------------------------------------------------------------------------- */
@@ -146,8 +151,8 @@ static const struct kvs_backend_ops *pick_backend(const char *device, char *err,
     const char *d = device && *device ? device : "auto";
     if (strcmp(d, "cpu") == 0) return &kvs_cpu_backend;
     if (strcmp(d, "cuda") == 0 || strcmp(d, "auto") == 0) {
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-        if (&kvs_cuda_backend != NULL) return &kvs_cuda_backend;
+#ifdef RUNNER_HAS_CUDA
+        return &kvs_cuda_backend;
 #endif
         if (strcmp(d, "auto") == 0) return &kvs_cpu_backend;
         kvs_err(err, errlen, -ENOSYS, "runner: device \"cuda\" requested but this build has no CUDA backend");
@@ -200,47 +205,18 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
 
     int rc;
     r->be = ops->create(cfg->cpu_threads, err, errlen);
+    int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
+    if (!r->be && is_auto && ops != &kvs_cpu_backend) {
+        kvs_log(KVS_LOG_WARN, "runner: %s backend unavailable (%s); device auto falls back to cpu", ops->name,
+                err ? err : "");
+        ops = r->ops = &kvs_cpu_backend;
+        r->be = ops->create(cfg->cpu_threads, err, errlen);
+    }
     if (!r->be) {
         free(r);
         return -ENOMEM;
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
-
-    /* KV pool */
-    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
-    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
-    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
-    r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
-    size_t budget;
-    if (cfg->kv_memory_bytes > 0) {
-        budget = (size_t)cfg->kv_memory_bytes;
-    } else {
-        double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
-        budget = (size_t)((double)ops->mem_available(r->be) * frac);
-        if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
-    }
-    size_t nb = budget / block_bytes;
-    if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
-    if (nb < 1) {
-        rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
-                     budget, block_bytes);
-        goto fail;
-    }
-    r->n_blocks = (int)nb;
-    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
-    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
-    for (int l = 0; l < r->n_layers; l++) {
-        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        if (!r->kc[l] || !r->vc[l]) {
-            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
-                         nb * block_bytes);
-            goto fail;
-        }
-    }
-    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
-            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
-            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
 
     /* workspaces */
     int failed = 0;
@@ -277,11 +253,47 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->h_seqpos = kvs_xmalloc((S + 1) * sizeof(int32_t));
     r->h_bt = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_rot = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
-    r->h_lrows = kvs_xmalloc(S * sizeof(int32_t));
+    r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
     free(inv);
+    /* KV pool: sized after weights and workspaces so "free memory" means what is left */
+    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
+    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
+    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
+    r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
+    size_t budget;
+    if (cfg->kv_memory_bytes > 0) {
+        budget = (size_t)cfg->kv_memory_bytes;
+    } else {
+        double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
+        budget = (size_t)((double)ops->mem_available(r->be) * frac);
+        if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
+    }
+    size_t nb = budget / block_bytes;
+    if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
+    if (nb < 1) {
+        rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
+                     budget, block_bytes);
+        goto fail;
+    }
+    r->n_blocks = (int)nb;
+    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
+    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
+    for (int l = 0; l < r->n_layers; l++) {
+        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
+        if (!r->kc[l] || !r->vc[l]) {
+            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
+                         nb * block_bytes);
+            goto fail;
+        }
+    }
+    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
+            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
+            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
+
     *out = r;
     return 0;
 fail:
@@ -350,6 +362,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
+        if (q->want_logits < KVS_LOGITS_NONE || q->want_logits > KVS_LOGITS_ALL) return -EINVAL;
         if (q->n_tokens > r->cap_tokens - n || q->pos > r->max_ctx - q->n_tokens) return -EINVAL;
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
         if (q->n_blocks < need || need > r->max_blocks) return -EINVAL;
@@ -379,7 +392,9 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
             r->h_slots[n + i] = q->block_table[p / r->block_size] * r->block_size + p % r->block_size;
         }
         n += q->n_tokens;
-        if (q->want_logits) r->h_lrows[nl++] = n - 1;
+        if (q->want_logits == KVS_LOGITS_ALL)
+            for (int i = 0; i < q->n_tokens; i++) r->h_lrows[nl++] = n - q->n_tokens + i;
+        else if (q->want_logits) r->h_lrows[nl++] = n - 1;
     }
     r->h_qstart[b->n_seqs] = n;
     *n_logits = nl;

@@ -34,8 +34,12 @@ struct kvs_batch_seq {
      * NULL means one segment with base 0 (ordinary prompts). Otherwise, per block, the
      * rotation offset the attention kernel must add to keys of that block. */
     const int32_t *block_rot_offset;
-    int want_logits;              /* 1: produce logits for the last of these tokens */
+    int want_logits;              /* KVS_LOGITS_LAST (1): logits for the last of these tokens;
+                                   * KVS_LOGITS_ALL (2): for every one of them (prompt logprobs,
+                                   * perplexity, tests); 0: none */
 };
+
+enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2 };
 
 struct kvs_batch {
     const struct kvs_batch_seq *seqs;
@@ -61,8 +65,8 @@ int kvs_runner_max_tokens_per_step(const struct kvs_runner *r);
 int kvs_runner_max_seqs_per_step(const struct kvs_runner *r);
 int kvs_runner_max_context(const struct kvs_runner *r);
 
-/* Runs the batch. logits (host, fp32) receives [number of seqs with want_logits][vocab] rows
- * in batch order. Returns 0 or a negative errno (e.g. -EINVAL for a malformed batch). */
+/* Runs the batch. logits (host, fp32) receives one [vocab] row per requested token in batch
+ * order: one per seq with KVS_LOGITS_LAST, n_tokens per seq with KVS_LOGITS_ALL. Returns 0 or a negative errno (e.g. -EINVAL for a malformed batch). */
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
 
 /* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */

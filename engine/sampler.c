@@ -180,6 +180,46 @@ int kvs_sampler_processed_logits(struct kvs_sampler *s, const float *logits, con
     return 0;
 }
 
+/* The nucleus without sorting: reorders idx[0..n) so that its first k entries are the smallest
+ * set of the heaviest tokens whose weight reaches target (every token tied with the lightest
+ * kept one is kept too), and returns k. Three-way quickselect on weights, expected O(n). */
+static int nucleus(const float *w, int32_t *idx, int n, double target)
+{
+    int lo = 0, hi = n;
+    double acc = 0.0;             /* weight of idx[0..lo), all kept */
+    while (lo < hi) {
+        float pv = w[idx[lo + (hi - lo) / 2]];
+        /* partition idx[lo..hi) into > pv | == pv | < pv */
+        int gt = lo, i = lo, lt = hi;
+        while (i < lt) {
+            float v = w[idx[i]];
+            int32_t t = idx[i];
+            if (v > pv) {
+                idx[i++] = idx[gt];
+                idx[gt++] = t;
+            } else if (v < pv) {
+                idx[i] = idx[--lt];
+                idx[lt] = t;
+            } else {
+                i++;
+            }
+        }
+        double m_gt = 0.0, m_eq = 0.0;
+        for (int k = lo; k < gt; k++) m_gt += w[idx[k]];
+        for (int k = gt; k < lt; k++) m_eq += w[idx[k]];
+        if (acc + m_gt >= target) {
+            if (gt == lo) return lo;
+            hi = gt;
+        } else if (acc + m_gt + m_eq >= target) {
+            return lt;
+        } else {
+            acc += m_gt + m_eq;
+            lo = lt;
+        }
+    }
+    return lo > 0 ? lo : n;
+}
+
 /* ---- sample ------------------------------------------------------------------------------- */
 
 int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt, int n_hist,
@@ -197,7 +237,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         if (logits[i] > rmax) rmax = logits[i];
     double rsum = 0.0;
     if (rmax > -INFINITY)
-        for (int i = 0; i < V; i++) rsum += exp((double)logits[i] - (double)rmax);
+        for (int i = 0; i < V; i++) rsum += expf(logits[i] - rmax);
     double rlse = rmax > -INFINITY ? (double)rmax + log(rsum) : 0.0;
     if (p->top_logprobs > 0) {
         out->n_top = top_k_ids(logits, V, p->top_logprobs, out->top_ids);
@@ -222,9 +262,11 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
             if (w[i] > mx) mx = w[i];
         }
         if (mx == -INFINITY) return -EINVAL;
+        /* min_p first, as vLLM does: relative to the top token, whose weight here is exp(0) = 1 */
         double z = 0.0;
         for (int i = 0; i < V; i++) {
             w[i] = expf(w[i] - mx);
+            if (w[i] < p->min_p) w[i] = 0.0f;
             z += w[i];
         }
         /* 6. candidates */
@@ -232,6 +274,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         double mass = z;
         if (p->top_k > 0 && p->top_k < V) {
             n = top_k_ids(w, V, p->top_k, idx);
+            while (n > 0 && w[idx[n - 1]] <= 0.0f) n--;   /* sorted: zero weights at the end */
             sorted = 1;
             mass = 0.0;
             for (int i = 0; i < n; i++) mass += w[idx[i]];
@@ -240,8 +283,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
             double cut = (1.0 - (double)p->top_p) / (V > 1 ? V - 1 : 1) * z;
             for (int32_t i = 0; i < V; i++)
                 if (w[i] > 0.0f && (double)w[i] >= cut) idx[n++] = i;
-            qsort_r(idx, (size_t)n, sizeof *idx, cmp_desc, w);
-            sorted = 1;
+            n = nucleus(w, idx, n, (double)p->top_p * z);
         } else {
             for (int32_t i = 0; i < V; i++)
                 if (w[i] > 0.0f) idx[n++] = i;
@@ -257,16 +299,6 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
                 }
             }
             n = keep;
-        }
-        if (p->min_p > 0.0f && n > 0) {
-            float pmax = 0.0f;   /* max over candidates == global max (filters keep the best) */
-            for (int i = 0; i < n; i++)
-                if (w[idx[i]] > pmax) pmax = w[idx[i]];
-            float thr = p->min_p * pmax;
-            int m = 0;
-            for (int i = 0; i < n; i++)
-                if (w[idx[i]] >= thr) idx[m++] = idx[i];
-            n = m;
         }
         if (n == 0) return -EINVAL;
         /* 7. draw */

@@ -8,11 +8,12 @@
  *                         logit -= frequency * count + presence * (count > 0)
  *   4. temperature == 0:  greedy, argmax of the processed logits (lowest id on ties), stop here
  *   5. temperature:       logit / T, softmax
- *   6. top_k, then top_p (smallest set of the most probable tokens whose mass >= top_p), then
- *      min_p (keep tokens with p >= min_p * p_max); renormalise
- *   7. draw u in [0, 1) from the request's RNG and walk the kept tokens (in decreasing
- *      probability, ties lower id first, when top_k or top_p is set; else in id order) until
- *      the cumulative mass passes u * (kept mass).
+ *   6. min_p (keep tokens with p >= min_p * p_max), then top_k, then top_p (smallest set of the
+ *      most probable remaining tokens whose share of the remaining mass >= top_p); renormalise
+ *   7. draw u in [0, 1) from the request's RNG and walk the kept tokens in a deterministic
+ *      order (decreasing probability, ties lower id first, when top_k is set; otherwise the
+ *      order the filters leave them in) until the cumulative mass passes u * (kept mass).
+ * top_p keeps every token tied with the lightest token of the nucleus.
  * top_k = 1 is greedy. top_k <= 0 (0 or -1) means off.
  * Logprobs are RAW, like vLLM's default (logprobs_mode "raw_logprobs"): log-softmax of the
  * model's logits as given, before bias, penalties, temperature and filtering; top_logprobs are

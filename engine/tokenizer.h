@@ -59,8 +59,11 @@ struct kvs_detok {
     int n_pending;
 };
 void kvs_detok_init(struct kvs_detok *d, const struct kvs_tokenizer *t, int skip_special);
-/* Appends the text completed by this token to out (cap bytes incl. NUL); returns bytes written
- * (>= 0) or -ENOSPC when cap is too small. */
+/* Writes the text completed by this token at out[0..] (cap bytes incl. NUL, NUL-terminated);
+ * returns bytes written (>= 0) or -ENOSPC when cap is too small (state unchanged: retry with a
+ * bigger buffer). Ids out of range are ignored, as HF does. For SentencePiece byte fallback, a
+ * run of <0xXX> tokens that is not valid UTF-8 gives one U+FFFD per invalid byte while HF
+ * replaces every byte of such a run; valid text decodes identically. */
 int kvs_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t cap);
 /* Emits whatever is pending (as U+FFFD replacement for a dangling partial sequence). */
 int kvs_detok_flush(struct kvs_detok *d, char *out, size_t cap);

@@ -1,5 +1,8 @@
 /* model.c: loads a Hugging Face model directory: config, safetensors shard(s), tensor table,
  * and the shape/dtype validation of every tensor the architecture needs. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
+#endif
 #include "models/model.h"
 
 #include <cjson/cJSON.h>
@@ -136,14 +139,25 @@ static int load_sharded(struct kvs_model *m, const char *index_path, char *err, 
     return 0;
 }
 
+static int check_dtype(const struct kvs_model *m, const struct tensor_ref *r, char *err, size_t errlen)
+{
+    const struct kvs_st_file *f = m->files[r->file];
+    const struct kvs_st_tensor *t = &f->h.tensors[r->index];
+    if (t->supported) return 0;
+    return kvs_err(err, errlen, -ENOTSUP, "%s: tensor '%s': unsupported dtype \"%s\" (supported: F32, F16, BF16)",
+                   f->path, t->name, t->dtype_name);
+}
+
 int kvs_model_tensor(const struct kvs_model *m, const char *name, struct kvs_tensor_view *out, char *err,
                      size_t errlen)
 {
+    int rc;
     /* tied embeddings: the LM head is embed_tokens (transformers ties them even when a checkpoint
      * also carries an lm_head.weight) */
     if (m->cfg.tie_word_embeddings && !strcmp(name, "lm_head.weight")) name = "model.embed_tokens.weight";
     const struct tensor_ref *r = find_ref(m, name);
     if (!r) return kvs_err(err, errlen, -ENOENT, "%s: tensor '%s' not found in the model's safetensors", m->dir, name);
+    if ((rc = check_dtype(m, r, err, errlen))) return rc;
     kvs_safetensors_view(m->files[r->file], r->index, out);
     return 0;
 }
@@ -161,6 +175,8 @@ static int expect(const struct kvs_model *m, const char *name, int ndim, int64_t
                            "%s: tensor 'lm_head.weight' is missing and tie_word_embeddings is false", m->dir);
         return kvs_err(err, errlen, -ENOENT, "%s: required tensor '%s' is missing from the safetensors", m->dir, name);
     }
+    int rc = check_dtype(m, r, err, errlen);
+    if (rc) return rc;
     kvs_safetensors_view(m->files[r->file], r->index, &v);
     int64_t want[2] = {d0, d1};
     int ok = v.ndim == ndim;

@@ -6,6 +6,9 @@
  * classic top-level `rope_theta` + `rope_scaling` ({"rope_type" | "type": ...}). Anything the
  * runner cannot compute exactly (yarn/dynamic/longrope rope, partial rotary, sliding window,
  * activations other than SiLU, o_proj/MLP biases) is refused with -ENOTSUP naming the key. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
+#endif
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>

@@ -1,4 +1,7 @@
 /* safetensors.c: bounds-checked safetensors header parser and mmap loader. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
+#endif
 #include "models/safetensors.h"
 
 #include <cjson/cJSON.h>
@@ -78,12 +81,25 @@ static int parse_entry(const cJSON *e, const char *file, struct kvs_st_tensor *t
     const cJSON *offs = cJSON_GetObjectItemCaseSensitive(e, "data_offsets");
     if (!cJSON_IsString(dt))
         return kvs_err(err, errlen, -EINVAL, "%s: tensor '%s': missing or non-string \"dtype\"", file, t->name);
-    if (!strcmp(dt->valuestring, "F32")) t->dtype = KVS_DTYPE_F32;
-    else if (!strcmp(dt->valuestring, "F16")) t->dtype = KVS_DTYPE_F16;
-    else if (!strcmp(dt->valuestring, "BF16")) t->dtype = KVS_DTYPE_BF16;
-    else
-        return kvs_err(err, errlen, -ENOTSUP, "%s: tensor '%s': unsupported dtype \"%.32s\" (supported: F32, F16, BF16)",
-                       file, t->name, dt->valuestring);
+    /* every dtype of the format is parsed and size-checked; only F32/F16/BF16 can be read, the
+     * others are flagged so that a checkpoint with extra integer buffers still loads */
+    static const struct {
+        const char *name;
+        int size, kvs; /* kvs: enum kvs_dtype, or -1 */
+    } dtypes[] = {{"F32", 4, KVS_DTYPE_F32}, {"F16", 2, KVS_DTYPE_F16}, {"BF16", 2, KVS_DTYPE_BF16},
+                  {"F64", 8, -1},  {"I64", 8, -1},  {"U64", 8, -1},  {"I32", 4, -1},     {"U32", 4, -1},
+                  {"I16", 2, -1},  {"U16", 2, -1},  {"I8", 1, -1},   {"U8", 1, -1},      {"BOOL", 1, -1},
+                  {"F8_E4M3", 1, -1}, {"F8_E5M2", 1, -1}};
+    int found = -1;
+    for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0] && found < 0; i++)
+        if (!strcmp(dt->valuestring, dtypes[i].name)) found = (int)i;
+    if (found < 0)
+        return kvs_err(err, errlen, -ENOTSUP, "%s: tensor '%s': unknown dtype \"%.32s\"", file, t->name,
+                       dt->valuestring);
+    snprintf(t->dtype_name, sizeof t->dtype_name, "%s", dtypes[found].name);
+    t->supported = dtypes[found].kvs >= 0;
+    t->dtype = t->supported ? (enum kvs_dtype)dtypes[found].kvs : KVS_DTYPE_F32;
+    const uint64_t elsize = (uint64_t)dtypes[found].size;
     if (!cJSON_IsArray(shape))
         return kvs_err(err, errlen, -EINVAL, "%s: tensor '%s': missing or non-array \"shape\"", file, t->name);
     int nd = cJSON_GetArraySize(shape);
@@ -109,7 +125,7 @@ static int parse_entry(const cJSON *e, const char *file, struct kvs_st_tensor *t
                            file, t->name);
         numel *= v;
     }
-    uint64_t nbytes = numel * kvs_dtype_size(t->dtype); /* numel <= data_len, no overflow */
+    uint64_t nbytes = numel * elsize; /* numel <= data_len, elsize <= 8: no overflow */
     if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2)
         return kvs_err(err, errlen, -EINVAL, "%s: tensor '%s': \"data_offsets\" must be [begin, end]", file, t->name);
     if (json_u64(cJSON_GetArrayItem(offs, 0), &t->begin) || json_u64(cJSON_GetArrayItem(offs, 1), &t->end))
@@ -127,7 +143,7 @@ static int parse_entry(const cJSON *e, const char *file, struct kvs_st_tensor *t
     if (t->end - t->begin != nbytes)
         return kvs_err(err, errlen, -EINVAL,
                        "%s: tensor '%s': data_offsets span %llu bytes but shape x %s needs %llu", file, t->name,
-                       (unsigned long long)(t->end - t->begin), kvs_dtype_name(t->dtype),
+                       (unsigned long long)(t->end - t->begin), t->dtype_name,
                        (unsigned long long)nbytes);
     return 0;
 }
@@ -283,7 +299,7 @@ void kvs_safetensors_close(struct kvs_st_file *f)
 
 void kvs_safetensors_view(const struct kvs_st_file *f, int i, struct kvs_tensor_view *out)
 {
-    KVS_ASSERT(i >= 0 && i < f->h.n_tensors);
+    KVS_ASSERT(i >= 0 && i < f->h.n_tensors && f->h.tensors[i].supported);
     const struct kvs_st_tensor *t = &f->h.tensors[i];
     memset(out, 0, sizeof *out);
     out->dtype = t->dtype;

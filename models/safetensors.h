@@ -4,8 +4,10 @@
  * {"name": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
  * then the data; offsets are relative to the first byte after the header. Every offset is
  * checked against the buffer size, every size against shape * element size, and tensors must not
- * overlap; dtypes other than F32 / F16 / BF16 are rejected (naming the tensor), as are tensors
- * of more than 4 dimensions. __metadata__ is ignored.
+ * overlap. Every safetensors dtype is parsed and size-checked, but only F32 / F16 / BF16 are
+ * `supported` (readable); others (I64, U8, F8_*...) are flagged so that the model loader can
+ * reject them only where a needed tensor has one. Unknown dtype strings and tensors of more than
+ * 4 dimensions are errors. __metadata__ is ignored.
  *
  * Ownership: kvs_safetensors_parse_header fills a kvs_st_header that owns its tensor array and
  * names (free with kvs_safetensors_header_free). kvs_safetensors_open mmaps a file and returns a
@@ -24,7 +26,9 @@
 
 struct kvs_st_tensor {
     char *name;
-    enum kvs_dtype dtype;
+    enum kvs_dtype dtype;    /* meaningful only when supported */
+    int supported;           /* F32 / F16 / BF16 */
+    char dtype_name[12];     /* as in the file: "BF16", "I64", ... */
     int ndim;
     int64_t shape[4];
     uint64_t begin, end;     /* byte offsets relative to the data section, begin <= end */
@@ -61,7 +65,7 @@ struct kvs_st_file {
 int kvs_safetensors_open(const char *path, struct kvs_st_file **out, char *err, size_t errlen);
 void kvs_safetensors_close(struct kvs_st_file *f);
 
-/* Fills a tensor view for tensor index i of f (file = f->path). */
+/* Fills a tensor view for tensor index i of f (file = f->path); the tensor must be supported. */
 void kvs_safetensors_view(const struct kvs_st_file *f, int i, struct kvs_tensor_view *out);
 
 #endif

@@ -14,7 +14,9 @@
 #include <string.h>
 
 #include "engine/config.h"
+#include "engine/generate.h"
 #include "engine/util.h"
+#include "server/server.h"
 
 #define KVS_VERSION "0.1.0"
 
@@ -24,6 +26,8 @@ static void usage(FILE *f)
             "usage: kvserve [--config FILE] [--set key=value]... [--model DIR] [--host HOST] [--port N]\n"
             "               [--device auto|cpu|cuda]           serve the OpenAI API\n"
             "       kvserve --check-config FILE [--set ...]    validate and print the effective config\n"
+            "       kvserve generate --model DIR --prompt TEXT -n N [sampling flags]\n"
+            "                                                  one prompt, no server (see kvserve generate --help)\n"
             "       kvserve --help-config [--markdown]         list every config key\n"
             "       kvserve --version\n");
 }
@@ -40,13 +44,6 @@ static const char *named_flag_key(const char *flag)
     return NULL;
 }
 
-static int serve(const struct kvs_config *cfg)
-{
-    (void)cfg;
-    kvs_log(KVS_LOG_ERROR, "serving is not available in this build: the HTTP server has not landed yet");
-    return 1;
-}
-
 int main(int argc, char **argv)
 {
     struct kvs_config cfg;
@@ -54,6 +51,7 @@ int main(int argc, char **argv)
     const char *check_file = NULL;
     int rc = 0;
 
+    if (argc > 1 && !strcmp(argv[1], "generate")) return kvs_generate_main(argc - 1, argv + 1);
     if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
         usage(stdout);
         return 0;
@@ -111,7 +109,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvserve: %s: config OK\n", check_file);
         goto out;
     }
-    rc = serve(&cfg);
+    rc = kvs_server_run(&cfg) == 0 ? 0 : 1;
 out:
     kvs_config_free(&cfg);
     return rc;

@@ -37,8 +37,12 @@ struct kvs_backend {
 static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
 static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
 
-/* ---- dot product with a fixed order --------------------------------------------------- */
-
+/* ---- dot products with a fixed order ----------------------------------------------------
+ * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
+ * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
+ * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
+ * happens in ISO C mode. dot4 is four such dot products sharing the loads of w; each of its
+ * results is bitwise equal to dot_f32 of that row. */
 static inline float dot_f32(const float *a, const float *b, int n)
 {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -48,6 +52,21 @@ static inline float dot_f32(const float *a, const float *b, int n)
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+static inline void dot4(const float *x, size_t stride, const float *w, int n, float out[4])
+{
+    float acc[4][8] = {{0}};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < 8; j++) acc[r][j] += x[(size_t)r * stride + i + j] * w[i + j];
+    for (int r = 0; r < 4; r++) {
+        const float *a = acc[r], *xr = x + (size_t)r * stride;
+        float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        for (int k = i; k < n; k++) s += xr[k] * w[k];
+        out[r] = s;
+    }
 }
 
 /* ---- lifetime ------------------------------------------------------------------------- */
@@ -265,12 +284,26 @@ static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const st
  * stays in cache while x rows stream by. Each y[t][o] is dot_f32(x[t], W[o]) (+ bias[o]). */
 #define MM_TILE 16
 
+/* built for AVX2 and baseline x86-64, picked at load time; both give the same bits (above) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
 static void matmul_task(void *c, int task)
 {
     struct job *j = c;
     int in = j->d0, out = j->d1;
     int o0 = task * MM_TILE, o1 = o0 + MM_TILE < out ? o0 + MM_TILE : out;
-    for (int t = 0; t < j->n; t++) {
+    int t = 0;
+    for (; t + 4 <= j->n; t += 4) {
+        const float *xr = j->x + (size_t)t * in;
+        float *yr = j->y + (size_t)t * out;
+        for (int o = o0; o < o1; o++) {
+            float s[4];
+            dot4(xr, (size_t)in, j->w + (size_t)o * in, in, s);
+            for (int k = 0; k < 4; k++) yr[(size_t)k * out + o] = j->bias ? s[k] + j->bias[o] : s[k];
+        }
+    }
+    for (; t < j->n; t++) {
         const float *xr = j->x + (size_t)t * in;
         float *yr = j->y + (size_t)t * out;
         for (int o = o0; o < o1; o++) {

@@ -275,6 +275,107 @@ static void test_f16(void)
     CHECK(out[0] == 1.0f && out[1] == -5.0f, "bf16 %g %g", out[0], out[1]);
 }
 
+/* ---- config.json variants as real checkpoints ship them --------------------------------- */
+
+static int load_cfg_text(const char *json, const char *gen_json, struct kvs_model_config *c, char *err, size_t errlen);
+
+static void test_configs(void)
+{
+    struct kvs_model_config c;
+    char err[512];
+    int rc;
+    /* Llama-2-7b: no head_dim, rope_scaling null, default theta */
+    rc = load_cfg_text("{\"architectures\":[\"LlamaForCausalLM\"],\"bos_token_id\":1,\"eos_token_id\":2,"
+                       "\"hidden_act\":\"silu\",\"hidden_size\":4096,\"intermediate_size\":11008,"
+                       "\"max_position_embeddings\":4096,\"model_type\":\"llama\",\"num_attention_heads\":32,"
+                       "\"num_hidden_layers\":32,\"num_key_value_heads\":32,\"pretraining_tp\":1,"
+                       "\"rms_norm_eps\":1e-05,\"rope_scaling\":null,\"tie_word_embeddings\":false,"
+                       "\"torch_dtype\":\"float16\",\"vocab_size\":32000}",
+                       NULL, &c, err, sizeof err);
+    CHECK(rc == 0 && c.head_dim == 128 && c.n_kv_heads == 32 && c.rope_theta == 10000.0 &&
+              c.rope_type == KVS_ROPE_DEFAULT && c.n_eos == 1 && c.eos_token_ids[0] == 2 && c.bos_token_id == 1 &&
+              c.max_position_embeddings == 4096 && c.rms_norm_eps == 1e-5f,
+          "llama-2: rc=%d %s", rc, err);
+    /* Llama-3.2-1B: llama3 scaling, tied, eos list; generation_config overrides eos with an int */
+    rc = load_cfg_text("{\"architectures\":[\"LlamaForCausalLM\"],\"bos_token_id\":128000,"
+                       "\"eos_token_id\":[128001,128008,128009],\"head_dim\":64,\"hidden_size\":2048,"
+                       "\"intermediate_size\":8192,\"max_position_embeddings\":131072,\"num_attention_heads\":32,"
+                       "\"num_hidden_layers\":16,\"num_key_value_heads\":8,\"rms_norm_eps\":1e-05,"
+                       "\"rope_scaling\":{\"factor\":32.0,\"high_freq_factor\":4.0,\"low_freq_factor\":1.0,"
+                       "\"original_max_position_embeddings\":8192,\"rope_type\":\"llama3\"},"
+                       "\"rope_theta\":500000.0,\"tie_word_embeddings\":true,\"vocab_size\":128256}",
+                       "{\"bos_token_id\":128000,\"eos_token_id\":128009}", &c, err, sizeof err);
+    CHECK(rc == 0 && c.rope_type == KVS_ROPE_LLAMA3 && c.rope_factor == 32.0 && c.rope_original_max_pos == 8192 &&
+              c.tie_word_embeddings && c.n_kv_heads == 8 && c.n_eos == 1 && c.eos_token_ids[0] == 128009 &&
+              c.eos_token_ids[1] == -1,
+          "llama-3.2: rc=%d %s", rc, err);
+    /* Qwen2.5-0.5B: head_dim implied (896/14), sliding window present but off, bias implied */
+    rc = load_cfg_text("{\"architectures\":[\"Qwen2ForCausalLM\"],\"bos_token_id\":151643,\"eos_token_id\":151645,"
+                       "\"hidden_act\":\"silu\",\"hidden_size\":896,\"intermediate_size\":4864,"
+                       "\"max_position_embeddings\":32768,\"max_window_layers\":21,\"num_attention_heads\":14,"
+                       "\"num_hidden_layers\":24,\"num_key_value_heads\":2,\"rms_norm_eps\":1e-06,"
+                       "\"rope_theta\":1000000.0,\"sliding_window\":32768,\"tie_word_embeddings\":true,"
+                       "\"use_sliding_window\":false,\"vocab_size\":151936}",
+                       NULL, &c, err, sizeof err);
+    CHECK(rc == 0 && c.arch == KVS_ARCH_QWEN2 && c.head_dim == 64 && c.attention_bias && !c.qk_norm &&
+              c.rope_theta == 1e6 && c.eos_token_ids[0] == 151645,
+          "qwen2.5: rc=%d %s", rc, err);
+    /* Qwen3-8B */
+    rc = load_cfg_text("{\"architectures\":[\"Qwen3ForCausalLM\"],\"attention_bias\":false,\"head_dim\":128,"
+                       "\"hidden_size\":4096,\"intermediate_size\":12288,\"max_position_embeddings\":40960,"
+                       "\"num_attention_heads\":32,\"num_hidden_layers\":36,\"num_key_value_heads\":8,"
+                       "\"rms_norm_eps\":1e-06,\"rope_scaling\":null,\"rope_theta\":1000000,"
+                       "\"tie_word_embeddings\":false,\"vocab_size\":151936,\"eos_token_id\":151645}",
+                       NULL, &c, err, sizeof err);
+    CHECK(rc == 0 && c.arch == KVS_ARCH_QWEN3 && c.qk_norm && c.head_dim == 128 && c.max_position_embeddings == 40960 &&
+              c.bos_token_id == -1,
+          "qwen3-8b: rc=%d %s", rc, err);
+    /* transformers 5: rope_parameters carries theta and llama3 scaling; no architectures key */
+    rc = load_cfg_text("{\"model_type\":\"llama\",\"hidden_size\":64,\"intermediate_size\":128,\"num_attention_heads\":4,"
+                       "\"num_hidden_layers\":1,\"vocab_size\":100,\"eos_token_id\":null,\"rope_parameters\":"
+                       "{\"rope_theta\":500000.0,\"rope_type\":\"llama3\",\"factor\":8.0,\"low_freq_factor\":1.0,"
+                       "\"high_freq_factor\":4.0,\"original_max_position_embeddings\":8192}}",
+                       NULL, &c, err, sizeof err);
+    CHECK(rc == 0 && c.arch == KVS_ARCH_LLAMA && c.rope_theta == 500000.0 && c.rope_type == KVS_ROPE_LLAMA3 &&
+              c.rope_high_freq_factor == 4.0 && c.n_eos == 0 && c.max_position_embeddings == 2048,
+          "rope_parameters: rc=%d %s", rc, err);
+    /* old-style linear scaling with "type" */
+    rc = load_cfg_text("{\"architectures\":[\"LlamaForCausalLM\"],\"hidden_size\":64,\"intermediate_size\":128,"
+                       "\"num_attention_heads\":4,\"num_hidden_layers\":1,\"vocab_size\":100,"
+                       "\"rope_scaling\":{\"type\":\"linear\",\"factor\":2.0}}",
+                       NULL, &c, err, sizeof err);
+    CHECK(rc == 0 && c.rope_type == KVS_ROPE_LINEAR && c.rope_factor == 2.0 && c.rope_theta == 10000.0,
+          "linear: rc=%d %s", rc, err);
+    static const struct {
+        const char *extra, *needle;
+    } bad[] = {
+        {"\"architectures\":[\"Qwen3ForCausalLM\"],\"attention_bias\":true", "attention_bias"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"rope_scaling\":{\"rope_type\":\"dynamic\",\"factor\":2.0}", "dynamic"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"hidden_act\":\"gelu\"", "hidden_act"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"mlp_bias\":true", "mlp_bias"},
+        {"\"architectures\":[\"Qwen2ForCausalLM\"],\"use_sliding_window\":true", "use_sliding_window"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"partial_rotary_factor\":0.5", "partial_rotary_factor"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"head_dim\":15", "head_dim"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"rms_norm_eps\":-1", "rms_norm_eps"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"eos_token_id\":[1,\"x\"]", "eos_token_id"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"rope_theta\":\"big\"", "rope_theta"},
+        {"\"architectures\":[\"LlamaForCausalLM\"],\"rope_scaling\":{\"rope_type\":\"llama3\",\"factor\":8,"
+         "\"low_freq_factor\":4,\"high_freq_factor\":1,\"original_max_position_embeddings\":8192}", "low_freq_factor"},
+        {"\"architectures\":\"LlamaForCausalLM\"", "architectures"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{%s,\"hidden_size\":64,\"intermediate_size\":128,\"num_attention_heads\":4,"
+                 "\"num_hidden_layers\":1,\"vocab_size\":100}",
+                 bad[i].extra);
+        err[0] = 0;
+        rc = load_cfg_text(json, NULL, &c, err, sizeof err);
+        CHECK(rc < 0 && strstr(err, bad[i].needle) && strstr(err, "config.json"), "bad config %zu: rc=%d %s", i, rc, err);
+        printf("  %-32s -> %s\n", bad[i].needle, err);
+    }
+}
+
 /* ---- corruption suite ------------------------------------------------------------------ */
 
 static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
@@ -448,6 +549,20 @@ static void hdr_i64(cJSON *root, void *arg)
     cJSON_ReplaceItemInObject(t, "shape", cJSON_Parse("[32]"));
 }
 
+static void hdr_extra_i64(cJSON *root, void *arg)
+{
+    (void)arg;
+    cJSON_AddItemToObject(root, "model.position_ids",
+                          cJSON_Parse("{\"dtype\": \"I64\", \"shape\": [0], \"data_offsets\": [0, 0]}"));
+}
+
+static void hdr_unknown_dtype(cJSON *root, void *arg)
+{
+    (void)arg;
+    cJSON *t = cJSON_GetObjectItem(root, "model.norm.weight");
+    cJSON_ReplaceItemInObject(t, "dtype", cJSON_CreateString("Q4_K"));
+}
+
 static void hdr_rename(cJSON *root, void *arg)
 {
     const char *name = arg;
@@ -474,6 +589,20 @@ static void hdr_metadata_odd(cJSON *root, void *arg)
     (void)arg;
     cJSON_DeleteItemFromObject(root, "__metadata__");
     cJSON_AddItemToObject(root, "__metadata__", cJSON_Parse("[1, {\"x\": null}]"));
+}
+
+static int load_cfg_text(const char *json, const char *gen_json, struct kvs_model_config *c, char *err, size_t errlen)
+{
+    char dir[4700];
+    snprintf(dir, sizeof dir, "%s/cfg", g_tmp);
+    rm_rf(dir);
+    if (mkdir(dir, 0700)) {
+        perror(dir);
+        exit(2);
+    }
+    write_text(dir, "config.json", json);
+    if (gen_json) write_text(dir, "generation_config.json", gen_json);
+    return kvs_model_config_load(dir, c, err, errlen);
 }
 
 /* Loads dir, expects failure with every needle in the message. */
@@ -622,6 +751,26 @@ static void test_corruption(void)
     expect_fail("unsupported dtype I64", d, "model.layers.0.post_attention_layernorm.weight", "I64");
 
     d = fresh_copy("llama31");
+    edit_header(d, ST, hdr_unknown_dtype, NULL);
+    expect_fail("unknown dtype", d, "model.norm.weight", "Q4_K");
+
+    d = fresh_copy("llama31");
+    edit_header(d, ST, hdr_extra_i64, NULL);
+    { /* an unused integer buffer is fine; reading it is not */
+        char err[512];
+        struct kvs_model *m;
+        struct kvs_tensor_view v;
+        int rc = kvs_model_load(d, &m, err, sizeof err);
+        CHECK(rc == 0, "extra I64 tensor: %s", err);
+        if (!rc) {
+            rc = kvs_model_tensor(m, "model.position_ids", &v, err, sizeof err);
+            CHECK(rc == -ENOTSUP && strstr(err, "I64") && strstr(err, "model.position_ids"), "rc=%d %s", rc, err);
+            printf("  %-32s -> loads; reading it: %s\n", "unused I64 tensor", err);
+            kvs_model_free(m);
+        }
+    }
+
+    d = fresh_copy("llama31");
     edit_header(d, ST, hdr_5d, NULL);
     expect_fail("5-d tensor", d, "model.norm.weight", "dimensions");
 
@@ -693,6 +842,43 @@ static void test_prefixes(void)
     free(s);
 }
 
+/* The fuzz seed corpus doubles as parser cases: valid_* must parse, bad_* and real_* must not. */
+static void test_corpus(void)
+{
+    char dir[4600], p[4900], err[512];
+    snprintf(dir, sizeof dir, "%s/../../fuzz/corpus/safetensors", g_models);
+    DIR *d = opendir(dir);
+    CHECK(d != NULL, "cannot open %s", dir);
+    if (!d) return;
+    struct dirent *e;
+    int n = 0;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        size_t len;
+        char *s = kvs_read_file(p, &len, err, sizeof err);
+        CHECK(s != NULL, "%s", err);
+        if (!s) continue;
+        struct kvs_st_header h;
+        err[0] = 0;
+        int rc = kvs_safetensors_parse_header(s, len, e->d_name, &h, err, sizeof err);
+        int want_ok = !strncmp(e->d_name, "valid_", 6);
+        CHECK(want_ok ? rc == 0 : (rc < 0 && strstr(err, e->d_name)), "%s: rc=%d %s", e->d_name, rc, err);
+        if (!rc) {
+            if (!strcmp(e->d_name, "valid_three_dtypes.safetensors")) {
+                CHECK(h.n_tensors == 3 && h.tensors[1].dtype == KVS_DTYPE_BF16 && h.tensors[2].ndim == 4,
+                      "three dtypes parsed wrong");
+            }
+            kvs_safetensors_header_free(&h);
+        }
+        free(s);
+        n++;
+    }
+    closedir(d);
+    CHECK(n >= 10, "only %d corpus files", n);
+    printf("  %d fuzz seed files parsed as their names say\n", n);
+}
+
 int main(void)
 {
     const char *root = getenv("KVS_ROOT");
@@ -708,9 +894,12 @@ int main(void)
     printf("rope vs transformers (real-size configs):\n");
     test_rope_reference();
     test_f16();
+    printf("config.json variants:\n");
+    test_configs();
     printf("corruption suite:\n");
     test_corruption();
     test_prefixes();
+    test_corpus();
     rm_rf(g_tmp);
     printf("%d checks, %d failed\n", g_checks, g_fail);
     return g_fail ? 1 : 0;

@@ -217,11 +217,54 @@ static void test_filters(void)
     p.min_p = 0.2f;   /* keep p >= 0.1: {0, 1, 2} */
     const double mp[V] = {4.0 / 7, 2.0 / 7, 1.0 / 7, 0, 0, 0};
     check_freq("min_p 0.2 keeps p >= 0.1", &p, logits, V, mp);
+    p.top_p = 0.55f;  /* min_p first (vLLM order): 0.5 / 0.875 = 0.571 >= 0.55 -> {0} alone */
+    const double mp_tp[V] = {1, 0, 0, 0, 0, 0};
+    check_freq("min_p 0.2 then top_p 0.55 (renormalised after min_p)", &p, logits, V, mp_tp);
     p = defaults();
     p.top_k = 3;
     check_freq("top_k 3", &p, logits, V, mp);
     p.top_p = 0.8f;   /* within top-3 (mass 7/8): 0.5/0.875=0.571, +0.286=0.857 >= 0.8 -> {0,1} */
     check_freq("top_k 3 then top_p 0.8 (renormalised in the top-k)", &p, logits, V, tp);
+}
+
+/* top_p on a large shuffled vocabulary: the nucleus is found without sorting, so check the
+ * kept set and the frequencies against the closed form. p(rank r) ~ q^r, q = e^-0.05. */
+static void test_top_p_large(void)
+{
+    enum { V = 2000, N = 12000 };
+    static float logits[V];
+    static int rank_of[V], hist[V];
+    for (int i = 0; i < V; i++) rank_of[i] = i;
+    for (int i = V - 1; i > 0; i--) {
+        int j = (int)(frand() * (float)(i + 1));
+        if (j > i) j = i;
+        int t = rank_of[i];
+        rank_of[i] = rank_of[j];
+        rank_of[j] = t;
+    }
+    for (int i = 0; i < V; i++) logits[i] = -0.05f * (float)rank_of[i];
+    const float tops[] = {0.5f, 0.9f, 0.99f};
+    for (int ti = 0; ti < 3; ti++) {
+        double q = exp(-0.05), z = (1 - pow(q, V)) / (1 - q), cum = 0;
+        int k = 0;
+        while (cum < tops[ti] * z) cum += pow(q, k++);
+        struct kvs_sampling p = defaults();
+        p.top_p = tops[ti];
+        sample_n(&p, 21, logits, V, N, hist, NULL);
+        int outside = 0, bad = 0;
+        for (int i = 0; i < V; i++) {
+            int r = rank_of[i];
+            if (r >= k) {
+                outside += hist[i];
+                continue;
+            }
+            double e = pow(q, r) / cum, f = (double)hist[i] / N, sd = sqrt(e * (1 - e) / N);
+            if (fabs(f - e) > 5 * sd + 1e-9) bad++;
+        }
+        CHECK(outside == 0, "top_p %.2f: %d draws outside the %d-token nucleus", tops[ti], outside, k);
+        CHECK(bad == 0, "top_p %.2f: %d nucleus tokens off their expected frequency", tops[ti], bad);
+        printf("ok top_p %.2f on a shuffled %d-token vocabulary: nucleus of %d tokens\n", tops[ti], V, k);
+    }
 }
 
 static void test_logprobs(void)
@@ -298,6 +341,7 @@ int main(void)
     test_penalties();
     test_logit_bias();
     test_filters();
+    test_top_p_large();
     test_logprobs();
     test_bad_params();
     if (g_fail) {

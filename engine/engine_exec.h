@@ -1,0 +1,66 @@
+/* engine_exec.h: what the engine needs from the model side, as one table of hooks: the forward
+ * pass over a mixed batch, the per-request sampler, the streaming detokenizer and the EOS ids.
+ *
+ * kvs_engine_create (engine.h) builds this table from the real runner, sampler and tokenizer.
+ * Tests and benchmarks may pass their own (a deterministic fake model makes scheduler tests
+ * fast and exact) through kvs_engine_create_exec; the scheduler cannot tell the difference.
+ *
+ * Ownership: the table is copied by kvs_engine_create_exec; ctx stays the caller's unless
+ * destroy is set, in which case kvs_engine_free calls destroy(ctx) after the scheduler thread
+ * has stopped. All hooks are called from the scheduler thread only.
+ * Errors: hooks return 0 or a negative errno; a failing forward ends the requests of that
+ * batch with an ERROR event; a failing sample ends that request with an ERROR event.
+ */
+#ifndef KVS_ENGINE_EXEC_H
+#define KVS_ENGINE_EXEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "engine/runner.h"
+#include "engine/tokenizer.h"
+
+struct kvs_sample_out {
+    int32_t token;
+    float logprob;                /* log-probability of token (filled when want_logprobs) */
+    int n_top;
+    int32_t top_ids[KVS_MAX_TOP_LOGPROBS];
+    float top_logprobs[KVS_MAX_TOP_LOGPROBS];
+};
+
+struct kvs_engine_exec {
+    void *ctx;
+    const char *backend_name;     /* "cpu", "cuda", "fake": picks kv.storage=auto */
+    int n_blocks;                 /* KV pool size (blocks) */
+    int block_size;               /* token slots per block */
+    int vocab_size;
+    int max_context;              /* model context (prompt + generated) */
+
+    int (*forward)(void *ctx, const struct kvs_batch *b, float *logits);
+
+    /* per-request sampler state: sampler_state_size bytes, zeroed, owned by the request */
+    size_t sampler_state_size;
+    int (*sampler_init)(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id);
+    /* Samples from logits [vocab] (may be modified in place). tokens[0..n_tokens) is the
+     * sequence so far, the first n_prompt of them the prompt. want_top: 0..KVS_MAX_TOP_LOGPROBS. */
+    int (*sample)(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
+                  int want_logprobs, int want_top, struct kvs_sample_out *out);
+    void (*sampler_free)(void *ctx, void *state);   /* may be NULL */
+
+    /* streaming detokenizer with kvs_detok's contract (tokenizer.h) */
+    const struct kvs_tokenizer *tok;
+    void (*detok_init)(struct kvs_detok *d, const struct kvs_tokenizer *t, int skip_special);
+    int (*detok_feed)(struct kvs_detok *d, int32_t id, char *out, size_t cap);
+    int (*detok_flush)(struct kvs_detok *d, char *out, size_t cap);
+
+    const int32_t *eos_ids;       /* copied */
+    int n_eos;
+
+    void (*destroy)(void *ctx);   /* may be NULL */
+};
+
+int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine_exec *x, struct kvs_engine **out,
+                           char *err, size_t errlen);
+
+#endif

@@ -1,0 +1,115 @@
+/* engine_internal.h: the engine's and the request's private state, shared by engine.c (create,
+ * submit, stats), request.c (request object, event queue) and scheduler.c (the step loop).
+ *
+ * Locks: each request has its own mutex (event queue); the engine has one mutex (incoming
+ * list, flags, stats snapshot). Neither is held while taking the other, and no lock is held
+ * across a forward pass.
+ */
+#ifndef KVS_ENGINE_INTERNAL_H
+#define KVS_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "engine/engine.h"
+#include "engine/engine_exec.h"
+#include "engine/kv/block_pool.h"
+#include "engine/kv/strategy.h"
+#include "engine/tokenizer.h"
+
+enum kvs_req_state { KVS_REQ_NEW = 0, KVS_REQ_INCOMING, KVS_REQ_WAITING, KVS_REQ_RUNNING, KVS_REQ_FINISHED };
+
+struct kvs_request {
+    atomic_int refs;
+    uint64_t id;
+    atomic_int cancelled;
+    atomic_int submitted;         /* 1 once accepted by kvs_engine_submit (or while it runs) */
+
+    /* copied parameters */
+    int32_t *prompt;              /* [n_prompt] */
+    int n_prompt;
+    int max_tokens;
+    struct kvs_sampling sampling;
+    int32_t *logit_bias_ids;      /* [sampling.n_logit_bias] */
+    float *logit_bias_values;
+    int32_t *stop_ids;            /* [n_stop_ids] (+ EOS ids added at submit) */
+    int n_stop_ids;
+    char **stop_strings;          /* [n_stop_strings] */
+    int n_stop_strings;
+    int max_stop_len;
+    int ignore_eos;
+    int skip_special;
+    double timeout_s;
+    void (*notify)(void *user);
+    void *user;
+
+    /* event queue (guarded by mu) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct kvs_event *ev;         /* ring [ev_cap] */
+    int ev_head, ev_count, ev_cap;
+
+    /* scheduler-thread state (allocated at submit, sized by prompt + max_tokens) */
+    enum kvs_req_state state;
+    int32_t *tokens;              /* [n_prompt + max_tokens] prompt, then generated */
+    int n_tokens;
+    int n_gen;
+    int n_computed;               /* leading tokens whose KV is in the cache */
+    int n_cached_tokens;          /* prompt tokens reused at first admission */
+    int admitted_once;
+    struct kvs_block_table table;
+    struct kvs_kv_seq kvseq;
+    void *sampler;                /* exec->sampler_state_size bytes */
+    struct kvs_detok detok;
+    char *text;                   /* held-back text (possible start of a stop string) */
+    int n_text, text_cap;
+    double t_submit, t_first_sched, t_first_token;
+    int sched_tokens;             /* tokens scheduled in the current step (0 = not scheduled) */
+    struct kvs_request *next, *prev;   /* incoming / waiting lists */
+};
+
+struct kvs_engine {
+    struct kvs_engine_exec x;
+    int32_t *eos_ids;
+    int n_eos;
+    /* scheduler knobs (copied from the config) */
+    int max_batch_tokens, max_running, max_waiting, prefill_chunk, max_context;
+    int watermark_blocks;
+
+    struct kvs_block_pool pool;
+    struct kvs_kv_strategy kv;
+
+    pthread_t thread;
+    int thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int stop, draining;
+    struct kvs_request *in_head, *in_tail;   /* submitted, not yet seen by the scheduler */
+    int n_incoming;
+    struct kvs_engine_stats stats;           /* snapshot, guarded by mu */
+
+    /* scheduler-thread state */
+    struct kvs_request *wait_head, *wait_tail;
+    int n_waiting;
+    struct kvs_request **running;            /* [max_running] in admission order */
+    int n_running;
+    struct kvs_request **sched;              /* [max_running] this step's batch order */
+    struct kvs_batch_seq *seqs;              /* [max_running] */
+    float *logits;                           /* [max_running][vocab] */
+    char *piece;                             /* detokenizer output scratch */
+    size_t piece_cap;
+    struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */
+};
+
+/* request.c */
+int kvs_request_push_event(struct kvs_request *r, struct kvs_event *ev);
+void kvs_request_release_engine_state(struct kvs_request *r, struct kvs_engine *e);
+
+/* scheduler.c */
+void *kvs_scheduler_main(void *arg);
+/* Ends r: takes it off the waiting / running list (an incoming one must already be off its
+ * list), releases its blocks, publishes the stats, emits DONE (or ERROR when msg is set) and
+ * drops the engine's reference. */
+void kvs_scheduler_finish(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg);
+
+#endif

@@ -1,0 +1,497 @@
+/* scheduler.c: the engine thread: iteration-level continuous batching over the paged KV cache.
+ *
+ * Each step:
+ *   1. picks up submitted requests (FCFS waiting queue) and ends cancelled / timed-out ones;
+ *   2. builds one mixed batch under max_batch_tokens and max_running: first one decode token
+ *      for every running request whose prompt is done, then prefill chunks (<= prefill_chunk
+ *      tokens) of partially prefilled running requests, then admits waiting requests in order
+ *      while KV blocks last (no skipping ahead: FCFS);
+ *   3. when a running request needs a block and none is free (or evictable from the prefix
+ *      cache), preempts the newest running request: its blocks return to the pool and it goes
+ *      back to the front of the waiting queue, to be recomputed later from prompt + generated
+ *      tokens (its sampler and detokenizer state carry on, so greedy output is unchanged);
+ *   4. runs the forward pass with no lock held;
+ *   5. samples, detokenizes, matches stop ids / stop strings, and appends events.
+ * Requests that finish (EOS, stop, length, cancel, timeout, error) release their blocks at once.
+ *
+ * Events (what callers see, beyond engine.h):
+ *   - every sampled token gets one TOKEN event, including a stop token (EOS or a stop id),
+ *     which counts as a completion token (as vLLM does) but whose own text is never emitted;
+ *     its event carries whatever text was still held back (usually "");
+ *   - text that could be the start of a stop string is held back until resolved; at a stop
+ *     string the text before it is emitted and the request ends STOP; on cancel / timeout
+ *     held-back text is dropped;
+ *   - NUL bytes are dropped from text (events carry C strings);
+ *   - the stats snapshot already shows a request's blocks free when its final event arrives.
+ */
+#include "engine/engine_internal.h"
+
+#include "engine/util.h"
+
+#include <string.h>
+
+/* ---- lists ------------------------------------------------------------------------------- */
+
+static void wait_remove(struct kvs_engine *e, struct kvs_request *r)
+{
+    if (r->prev) r->prev->next = r->next; else e->wait_head = r->next;
+    if (r->next) r->next->prev = r->prev; else e->wait_tail = r->prev;
+    r->next = r->prev = NULL;
+    e->n_waiting--;
+}
+
+static void wait_push_back(struct kvs_engine *e, struct kvs_request *r)
+{
+    r->next = NULL;
+    r->prev = e->wait_tail;
+    if (e->wait_tail) e->wait_tail->next = r; else e->wait_head = r;
+    e->wait_tail = r;
+    e->n_waiting++;
+}
+
+static void wait_push_front(struct kvs_engine *e, struct kvs_request *r)
+{
+    r->prev = NULL;
+    r->next = e->wait_head;
+    if (e->wait_head) e->wait_head->prev = r; else e->wait_tail = r;
+    e->wait_head = r;
+    e->n_waiting++;
+}
+
+static void running_remove(struct kvs_engine *e, struct kvs_request *r)
+{
+    int i = 0;
+    while (i < e->n_running && e->running[i] != r) i++;
+    KVS_ASSERT(i < e->n_running);
+    memmove(e->running + i, e->running + i + 1, (size_t)(e->n_running - i - 1) * sizeof *e->running);
+    e->n_running--;
+}
+
+/* ---- events ------------------------------------------------------------------------------ */
+
+static void notify(struct kvs_request *r)
+{
+    if (r->notify) r->notify(r->user);
+}
+
+static char *dup_n(const char *s, int n)
+{
+    char *d = malloc((size_t)n + 1);
+    if (!d) return NULL;
+    memcpy(d, s, (size_t)n);
+    d[n] = 0;
+    return d;
+}
+
+static void publish_stats(struct kvs_engine *e);
+
+void kvs_scheduler_finish(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
+{
+    double now = kvs_now();
+    if (r->state == KVS_REQ_RUNNING) running_remove(e, r);
+    else if (r->state == KVS_REQ_WAITING) wait_remove(e, r);
+    if (r->table.n) kvs_block_table_release(&r->table, &e->pool);
+    struct kvs_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = msg ? KVS_EV_ERROR : KVS_EV_DONE;
+    ev.finish = msg ? KVS_FINISH_ERROR : why;
+    if (msg) ev.error = strdup(msg);
+    ev.n_prompt_tokens = r->n_prompt;
+    ev.n_completion_tokens = r->n_gen;
+    ev.n_cached_tokens = r->n_cached_tokens;
+    ev.queue_time_s = (r->t_first_sched > 0 ? r->t_first_sched : now) - r->t_submit;
+    ev.ttft_s = r->t_first_token > 0 ? r->t_first_token - r->t_submit : 0;
+    ev.e2e_s = now - r->t_submit;
+    r->state = KVS_REQ_FINISHED;
+    r->sched_tokens = 0;
+    e->counters.requests_finished++;
+    kvs_request_release_engine_state(r, e);
+    /* the snapshot shows the blocks free and the request gone before its final event is seen */
+    publish_stats(e);
+    if (kvs_request_push_event(r, &ev) < 0) {
+        kvs_log(KVS_LOG_ERROR, "engine: out of memory queueing the final event of request %llu",
+                (unsigned long long)r->id);
+        kvs_event_clear(&ev);
+    }
+    notify(r);
+    kvs_request_unref(r);
+}
+
+static int is_member(const int32_t *ids, int n, int32_t id)
+{
+    for (int i = 0; i < n; i++)
+        if (ids[i] == id) return 1;
+    return 0;
+}
+
+/* Earliest occurrence of any stop string in buf[0..n), or -1. */
+static int find_stop(const struct kvs_request *r, const char *buf, int n)
+{
+    int best = -1;
+    for (int i = 0; i < r->n_stop_strings; i++) {
+        const char *p = memmem(buf, (size_t)n, r->stop_strings[i], strlen(r->stop_strings[i]));
+        if (p && (best < 0 || p - buf < best)) best = (int)(p - buf);
+    }
+    return best;
+}
+
+/* Length of the longest suffix of buf[0..n) that is a proper prefix of some stop string: that
+ * text must be held back until the next tokens show whether the stop string completes. */
+static int holdback(const struct kvs_request *r, const char *buf, int n)
+{
+    int maxk = r->max_stop_len - 1 < n ? r->max_stop_len - 1 : n;
+    for (int k = maxk; k > 0; k--)
+        for (int i = 0; i < r->n_stop_strings; i++)
+            if ((int)strlen(r->stop_strings[i]) > k && memcmp(buf + n - k, r->stop_strings[i], (size_t)k) == 0)
+                return k;
+    return 0;
+}
+
+/* Appends the detokenizer's n bytes to the held text. Event text is a C string, so a NUL byte
+ * in the decoded text (the byte-level token for 0x00) is dropped rather than cutting the
+ * delta short. */
+static int append_text(struct kvs_engine *e, struct kvs_request *r, int n)
+{
+    if (n <= 0) return 0;
+    if (r->n_text + n > r->text_cap) return -ENOSPC;   /* cannot happen: held < max_stop_len */
+    for (int i = 0; i < n; i++)
+        if (e->piece[i]) r->text[r->n_text++] = e->piece[i];
+    return 0;
+}
+
+/* Handles a newly sampled token: stop checks, text delta, TOKEN event. Returns 1 when the
+ * request is finished (and has been ended), 0 otherwise. */
+static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct kvs_sample_out *so, double now)
+{
+    int32_t tok = so->token;
+    KVS_ASSERT(r->n_tokens < r->n_prompt + r->max_tokens);
+    r->tokens[r->n_tokens++] = tok;
+    r->n_gen++;
+    e->counters.generation_tokens++;
+    if (r->t_first_token == 0) r->t_first_token = now;
+
+    int is_stop = is_member(r->stop_ids, r->n_stop_ids, tok);
+    int final = is_stop || r->n_gen >= r->max_tokens || r->n_tokens >= e->max_context;
+    enum kvs_finish why = is_stop ? KVS_FINISH_STOP : KVS_FINISH_LENGTH;
+
+    /* a stop token's own text is never emitted; what the detokenizer still holds is */
+    int n = 0;
+    if (!is_stop) n = e->x.detok_feed(&r->detok, tok, e->piece, e->piece_cap);
+    if (n >= 0 && append_text(e, r, n) < 0) n = -ENOSPC;
+    if (n >= 0 && final) {
+        n = e->x.detok_flush(&r->detok, e->piece, e->piece_cap);
+        if (n >= 0 && append_text(e, r, n) < 0) n = -ENOSPC;
+    }
+    if (n < 0) {
+        kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "detokenizer output does not fit its buffer");
+        return 1;
+    }
+    int emit = r->n_text;
+    int stop_at = r->n_stop_strings ? find_stop(r, r->text, r->n_text) : -1;
+    if (stop_at >= 0) {
+        emit = stop_at;
+        final = 1;
+        why = KVS_FINISH_STOP;
+    } else if (!final && r->n_stop_strings) {
+        emit = r->n_text - holdback(r, r->text, r->n_text);
+    }
+
+    struct kvs_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.type = KVS_EV_TOKEN;
+    ev.token = tok;
+    ev.text = dup_n(r->text, emit);
+    ev.logprob = so->logprob;
+    ev.n_top = so->n_top;
+    if (ev.n_top > 0) {
+        memcpy(ev.top_ids, so->top_ids, (size_t)ev.n_top * sizeof *ev.top_ids);
+        memcpy(ev.top_logprobs, so->top_logprobs, (size_t)ev.n_top * sizeof *ev.top_logprobs);
+    }
+    memmove(r->text, r->text + emit, (size_t)(r->n_text - emit));
+    r->n_text -= emit;
+    if (!ev.text || kvs_request_push_event(r, &ev) < 0) {
+        kvs_event_clear(&ev);
+        kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "out of memory queueing a token event");
+        return 1;
+    }
+    if (final) {
+        kvs_scheduler_finish(e, r, why, NULL);
+        return 1;
+    }
+    notify(r);
+    return 0;
+}
+
+/* ---- scheduling -------------------------------------------------------------------------- */
+
+static void unschedule(struct kvs_engine *e, struct kvs_request *r, int *n_sched, int *budget)
+{
+    if (!r->sched_tokens) return;
+    int i = 0;
+    while (i < *n_sched && e->sched[i] != r) i++;
+    KVS_ASSERT(i < *n_sched);
+    memmove(e->sched + i, e->sched + i + 1, (size_t)(*n_sched - i - 1) * sizeof *e->sched);
+    (*n_sched)--;
+    *budget += r->sched_tokens;
+    r->sched_tokens = 0;
+}
+
+static void preempt(struct kvs_engine *e, struct kvs_request *r, int *n_sched, int *budget)
+{
+    unschedule(e, r, n_sched, budget);
+    running_remove(e, r);
+    kvs_block_table_release(&r->table, &e->pool);
+    r->n_computed = 0;
+    memset(&r->kvseq, 0, sizeof r->kvseq);
+    r->state = KVS_REQ_WAITING;
+    wait_push_front(e, r);
+    e->counters.num_preemptions++;
+    kvs_log(KVS_LOG_DEBUG, "engine: preempted request %llu (%d tokens to recompute)", (unsigned long long)r->id,
+            r->n_tokens);
+}
+
+static int min3(int a, int b, int c)
+{
+    int m = a < b ? a : b;
+    return m < c ? m : c;
+}
+
+/* Chooses this step's batch into e->sched; returns its size. */
+static int schedule(struct kvs_engine *e, double now)
+{
+    int bs = e->pool.block_size;
+    int budget = e->max_batch_tokens;
+    int n_sched = 0;
+    int preempted = 0;
+
+    /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < e->n_running && budget > 0; i++) {
+            struct kvs_request *r = e->running[i];
+            if (r->sched_tokens) continue;
+            int remaining = r->n_tokens - r->n_computed;
+            KVS_ASSERT(remaining >= 1);
+            int is_decode = remaining == 1;
+            if (is_decode != (pass == 0)) continue;
+            int c = is_decode ? 1 : min3(remaining, e->prefill_chunk, budget);
+            int dropped = 0;
+            for (;;) {
+                int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
+                int avail = kvs_block_pool_available(&e->pool);
+                if (need <= avail) break;
+                if (!is_decode) {
+                    int fit = (r->table.n + avail) * bs - r->n_computed;
+                    if (fit > 0) {
+                        c = fit < c ? fit : c;
+                        break;
+                    }
+                }
+                struct kvs_request *victim = e->running[e->n_running - 1];
+                preempt(e, victim, &n_sched, &budget);
+                preempted = 1;
+                if (victim == r) {
+                    dropped = 1;
+                    break;
+                }
+            }
+            if (dropped) break;   /* r was the newest: nothing after it */
+            int rc = kvs_block_table_reserve(&r->table, &e->pool, r->n_computed + c);
+            KVS_ASSERT(rc == 0);
+            r->sched_tokens = c;
+            e->sched[n_sched++] = r;
+            budget -= c;
+        }
+    }
+
+    /* admission: FCFS, only when nobody had to be preempted this step (the pool is tight), and
+     * only when the whole prompt fits next to what running prompts still need plus a small
+     * reserve for decodes; otherwise admitted prompts would preempt each other chunk by chunk */
+    int promised = 0;
+    for (int i = 0; !preempted && i < e->n_running; i++) {
+        struct kvs_request *r = e->running[i];
+        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+    }
+    while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
+        struct kvs_request *r = e->wait_head;
+        int matched = 0;
+        if (r->table.n == 0) {
+            r->n_computed = e->kv.reuse->match(&e->kv, r->tokens, r->n_tokens, &r->table, &r->kvseq);
+            matched = r->n_computed;
+        }
+        int remaining = r->n_tokens - r->n_computed;
+        int c = min3(remaining, e->prefill_chunk, budget);
+        int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
+        int avail = kvs_block_pool_available(&e->pool);
+        int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
+        int need_all = kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        if (e->n_running > 0 && need_all + reserve > avail) {
+            kvs_block_table_release(&r->table, &e->pool);
+            r->n_computed = 0;
+            break;
+        }
+        if (need + reserve > avail) {
+            int fit = (r->table.n + avail - reserve) * bs - r->n_computed;
+            if (fit <= 0) {
+                /* not even one token fits: give the matched blocks back and wait */
+                kvs_block_table_release(&r->table, &e->pool);
+                r->n_computed = 0;
+                break;
+            }
+            c = fit < c ? fit : c;
+        }
+        int rc = kvs_block_table_reserve(&r->table, &e->pool, r->n_computed + c);
+        KVS_ASSERT(rc == 0);
+        wait_remove(e, r);
+        e->running[e->n_running++] = r;
+        r->state = KVS_REQ_RUNNING;
+        if (!r->admitted_once) {
+            r->admitted_once = 1;
+            r->t_first_sched = now;
+            r->n_cached_tokens = matched;
+            e->counters.prompt_tokens += (uint64_t)r->n_prompt;
+            if (e->kv.has_prefix) {
+                e->counters.prefix_queries += (uint64_t)r->n_prompt;
+                e->counters.prefix_hits += (uint64_t)matched;
+            }
+        }
+        r->sched_tokens = c;
+        e->sched[n_sched++] = r;
+        budget -= c;
+        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+    }
+    return n_sched;
+}
+
+/* Ends cancelled and timed-out requests (running and waiting). */
+static void reap(struct kvs_engine *e, double now)
+{
+    for (int i = 0; i < e->n_running;) {
+        struct kvs_request *r = e->running[i];
+        int cancel = atomic_load(&r->cancelled);
+        int timeout = r->timeout_s > 0 && now - r->t_submit > r->timeout_s;
+        if (cancel || timeout) {
+            kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
+        } else {
+            i++;
+        }
+    }
+    for (struct kvs_request *r = e->wait_head, *nx; r; r = nx) {
+        nx = r->next;
+        int cancel = atomic_load(&r->cancelled);
+        int timeout = r->timeout_s > 0 && now - r->t_submit > r->timeout_s;
+        if (cancel || timeout) {
+            kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
+        }
+    }
+}
+
+static void publish_stats(struct kvs_engine *e)
+{
+    pthread_mutex_lock(&e->mu);
+    struct kvs_engine_stats s = e->counters;
+    s.requests_rejected = e->stats.requests_rejected;   /* counted by submit, under the lock */
+    s.num_running = e->n_running;
+    s.num_waiting = e->n_waiting;
+    s.kv_blocks_total = e->pool.n_blocks;
+    s.kv_blocks_used = kvs_block_pool_used(&e->pool);
+    s.kv_blocks_cached = e->pool.n_lru;
+    s.block_size = e->pool.block_size;
+    e->stats = s;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void step(struct kvs_engine *e)
+{
+    double now = kvs_now();
+    reap(e, now);
+    int n = schedule(e, now);
+    if (n == 0) {
+        publish_stats(e);
+        return;
+    }
+    int n_logits = 0;
+    for (int k = 0; k < n; k++) {
+        struct kvs_request *r = e->sched[k];
+        struct kvs_batch_seq *s = &e->seqs[k];
+        s->tokens = r->tokens + r->n_computed;
+        s->n_tokens = r->sched_tokens;
+        s->pos = r->n_computed;
+        s->block_table = r->table.ids;
+        s->n_blocks = r->table.n;
+        s->block_rot_offset = NULL;   /* base-0 segments only until document reuse lands */
+        s->want_logits = r->n_computed + r->sched_tokens == r->n_tokens;
+        n_logits += s->want_logits;
+    }
+    KVS_ASSERT(n_logits <= e->max_running);
+    publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
+    struct kvs_batch batch = {e->seqs, n};
+    int rc = 0;
+    if (e->kv.decode->begin_step) rc = e->kv.decode->begin_step(&e->kv, &batch);
+    double t0 = kvs_now();
+    if (rc == 0) rc = e->x.forward(e->x.ctx, &batch, e->logits);
+    double t1 = kvs_now();
+    e->counters.busy_s += t1 - t0;
+    e->counters.steps++;
+    if (rc < 0) {
+        char msg[128];
+        snprintf(msg, sizeof msg, "forward pass failed (%s)", strerror(-rc));
+        kvs_log(KVS_LOG_ERROR, "engine: %s; ending the %d requests of the batch", msg, n);
+        for (int k = 0; k < n; k++) kvs_scheduler_finish(e, e->sched[k], KVS_FINISH_ERROR, msg);
+        publish_stats(e);
+        return;
+    }
+    int row = 0;
+    for (int k = 0; k < n; k++) {
+        struct kvs_request *r = e->sched[k];
+        int want = e->seqs[k].want_logits;
+        r->n_computed += r->sched_tokens;
+        r->sched_tokens = 0;
+        e->kv.reuse->commit(&e->kv, r->tokens, r->n_computed, &r->table, &r->kvseq);
+        if (!want) continue;
+        float *lg = e->logits + (size_t)row++ * (size_t)e->x.vocab_size;
+        if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
+        struct kvs_sample_out so;
+        memset(&so, 0, sizeof so);
+        int top = r->sampling.top_logprobs;
+        rc = e->x.sample(e->x.ctx, r->sampler, lg, r->tokens, r->n_prompt, r->n_tokens,
+                         r->sampling.logprobs || top > 0, top, &so);
+        if (rc < 0 || so.token < 0 || so.token >= e->x.vocab_size) {
+            kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");
+            continue;
+        }
+        if (so.n_top > top) so.n_top = top;
+        emit_token(e, r, &so, t1);
+    }
+    publish_stats(e);
+}
+
+void *kvs_scheduler_main(void *arg)
+{
+    struct kvs_engine *e = arg;
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && !e->in_head && e->n_running == 0 && !e->wait_head) pthread_cond_wait(&e->cv, &e->mu);
+        if (e->stop) {
+            pthread_mutex_unlock(&e->mu);
+            break;
+        }
+        int moved = 0;
+        while (e->in_head) {
+            struct kvs_request *r = e->in_head;
+            e->in_head = r->next;
+            r->state = KVS_REQ_WAITING;
+            wait_push_back(e, r);
+            moved++;
+        }
+        e->in_tail = NULL;
+        e->n_incoming = 0;
+        e->stats.num_waiting += moved;
+        pthread_mutex_unlock(&e->mu);
+        step(e);
+    }
+    /* shutdown: every request the scheduler knows ends CANCELLED */
+    while (e->n_running) kvs_scheduler_finish(e, e->running[e->n_running - 1], KVS_FINISH_CANCELLED, NULL);
+    while (e->wait_head) kvs_scheduler_finish(e, e->wait_head, KVS_FINISH_CANCELLED, NULL);
+    publish_stats(e);
+    return NULL;
+}

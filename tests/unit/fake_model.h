@@ -1,0 +1,292 @@
+/* fake_model.h: a deterministic fake model behind the engine's executor table, for fast and
+ * exact scheduler tests (included by tests; not part of the library).
+ *
+ * Its "KV cache" stores, per slot, the token and the absolute position written there. A
+ * forward pass writes the new tokens into the slots named by the block table, then computes
+ * each wanted logits row from a hash of what it READS BACK through the block table for
+ * positions 0..last; a stored position that does not match means the scheduler handed out a
+ * wrong or clobbered block, and the pass fails. So the next token is a pure function of the
+ * previous tokens if and only if the paging is right, and fake_reference() gives the expected
+ * greedy continuation without any engine. Detokenization maps token t to a short ASCII piece.
+ */
+#ifndef KVS_FAKE_MODEL_H
+#define KVS_FAKE_MODEL_H
+
+#include "engine/engine_exec.h"
+#include "engine/util.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h>
+
+#define FAKE_EOS 0
+
+struct fake_model {
+    int n_blocks, block_size, vocab;
+    int32_t *slot_tok, *slot_pos;   /* [n_blocks * block_size] */
+    int max_context;
+    /* optional gate: forward waits while gate_closed (for queue tests) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int gate_closed;
+    int in_forward;
+    double sleep_s;                 /* per forward pass */
+    int n_forward;
+    int n_entered;                  /* forward calls begun (counted before the gate) */
+    int max_seqs_seen, max_tokens_seen;
+    int errors;
+};
+
+static uint64_t fake_mix(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t fake_hash_step(uint64_t h, int32_t tok, int pos)
+{
+    return fake_mix(h ^ ((uint64_t)(uint32_t)tok * 0x9e3779b97f4a7c15ULL) ^ ((uint64_t)pos << 40));
+}
+
+static void fake_logits_from_hash(uint64_t h, int vocab, float *out)
+{
+    for (int v = 0; v < vocab; v++) out[v] = (float)(fake_mix(h + (uint64_t)v * 0x632be59bd9b4e019ULL) >> 44) / 65536.0f;
+    /* make EOS rare so that outputs have length, yet it still happens */
+    out[FAKE_EOS] -= 0.5f;
+}
+
+static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
+{
+    struct fake_model *m = ctx;
+    pthread_mutex_lock(&m->mu);
+    m->n_entered++;
+    while (m->gate_closed) pthread_cond_wait(&m->cv, &m->mu);
+    m->in_forward = 1;
+    m->n_forward++;
+    pthread_mutex_unlock(&m->mu);
+    if (m->sleep_s > 0) usleep((useconds_t)(m->sleep_s * 1e6));
+    int row = 0, total = 0, rc = 0;
+    for (int s = 0; s < b->n_seqs && rc == 0; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        total += q->n_tokens;
+        int end = q->pos + q->n_tokens;
+        if (q->n_tokens <= 0 || q->pos < 0 || end > m->max_context || q->n_blocks * m->block_size < end ||
+            q->n_blocks > (end + m->block_size - 1) / m->block_size) {
+            rc = -EINVAL;
+            break;
+        }
+        for (int i = 0; i < q->n_blocks; i++)
+            if (q->block_table[i] < 0 || q->block_table[i] >= m->n_blocks) rc = -EINVAL;
+        if (rc) break;
+        for (int i = 0; i < q->n_tokens; i++) {
+            int p = q->pos + i;
+            size_t slot = (size_t)q->block_table[p / m->block_size] * m->block_size + p % m->block_size;
+            m->slot_tok[slot] = q->tokens[i];
+            m->slot_pos[slot] = p;
+        }
+        if (!q->want_logits) continue;
+        uint64_t h = 0;
+        for (int p = 0; p < end; p++) {
+            size_t slot = (size_t)q->block_table[p / m->block_size] * m->block_size + p % m->block_size;
+            if (m->slot_pos[slot] != p) {
+                rc = -EIO;   /* the block table points at a slot holding another position */
+                break;
+            }
+            h = fake_hash_step(h, m->slot_tok[slot], p);
+        }
+        fake_logits_from_hash(h, m->vocab, logits + (size_t)row++ * m->vocab);
+    }
+    pthread_mutex_lock(&m->mu);
+    if (b->n_seqs > m->max_seqs_seen) m->max_seqs_seen = b->n_seqs;
+    if (total > m->max_tokens_seen) m->max_tokens_seen = total;
+    if (rc) m->errors++;
+    m->in_forward = 0;
+    pthread_mutex_unlock(&m->mu);
+    return rc;
+}
+
+/* Sampler: greedy (temperature 0) or seeded categorical; logprobs from the log-softmax. */
+struct fake_sampler {
+    uint64_t rng;
+    float temperature;
+};
+
+static int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t id)
+{
+    (void)ctx;
+    struct fake_sampler *s = state;
+    s->rng = fake_mix((p->has_seed ? p->seed : id) + 1);
+    s->temperature = p->temperature;
+    return p->temperature < 0 ? -EINVAL : 0;
+}
+
+static void fake_log_softmax(const float *lg, int vocab, float *out)
+{
+    float mx = lg[0];
+    for (int v = 1; v < vocab; v++) mx = lg[v] > mx ? lg[v] : mx;
+    double sum = 0;
+    for (int v = 0; v < vocab; v++) sum += exp((double)lg[v] - mx);
+    for (int v = 0; v < vocab; v++) out[v] = (float)((double)lg[v] - mx - log(sum));
+}
+
+static int fake_argmax(const float *lg, int vocab)
+{
+    int best = 0;
+    for (int v = 1; v < vocab; v++)
+        if (lg[v] > lg[best]) best = v;
+    return best;
+}
+
+static int fake_sample(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
+                       int want_logprobs, int want_top, struct kvs_sample_out *out)
+{
+    struct fake_model *m = ctx;
+    struct fake_sampler *s = state;
+    (void)tokens, (void)n_prompt, (void)n_tokens;
+    float lsm[1024];
+    if (m->vocab > 1024) return -EINVAL;
+    fake_log_softmax(logits, m->vocab, lsm);
+    if (s->temperature == 0) {
+        out->token = fake_argmax(logits, m->vocab);
+    } else {
+        s->rng = fake_mix(s->rng);
+        double u = (double)(s->rng >> 11) / 9007199254740992.0, acc = 0;
+        double w[1024], tot = 0;
+        for (int v = 0; v < m->vocab; v++) tot += (w[v] = exp(lsm[v] / s->temperature));
+        out->token = m->vocab - 1;
+        for (int v = 0; v < m->vocab; v++) {
+            acc += w[v] / tot;
+            if (u < acc) {
+                out->token = v;
+                break;
+            }
+        }
+    }
+    if (want_logprobs) out->logprob = lsm[out->token];
+    out->n_top = 0;
+    for (int k = 0; k < want_top; k++) {   /* selection of the k largest, ties to the lower id */
+        int best = -1;
+        for (int v = 0; v < m->vocab; v++) {
+            int used = 0;
+            for (int j = 0; j < k; j++) used |= out->top_ids[j] == v;
+            if (!used && (best < 0 || lsm[v] > lsm[best])) best = v;
+        }
+        out->top_ids[k] = best;
+        out->top_logprobs[k] = lsm[best];
+        out->n_top++;
+    }
+    return 0;
+}
+
+/* detokenizer: token t -> fake_piece(t); EOS is special (empty when skipping specials) */
+static const char *fake_piece(int32_t t)
+{
+    static const char *pieces[] = {"<eos>", "a", "b", "c", "d", "e", "f", "g", " ", "h", "i", "j", "k",
+                                   "l", "m", "n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "x",
+                                   "y", "z", "ab", "cd", "ef", "gh", " the", " a", ".", ",", "!", "?",
+                                   "\n", "ing", "ed", "er", "st", "on", "an", "in", "re", "at", "ou",
+                                   "it", "is", "or", "ti", "as", "te", "et", "ng", "of", "al", "de",
+                                   "se", "le", "sa", "si"};
+    return (t >= 0 && t < (int32_t)(sizeof pieces / sizeof *pieces)) ? pieces[t] : "?";
+}
+
+static void fake_detok_init(struct kvs_detok *d, const struct kvs_tokenizer *t, int skip_special)
+{
+    memset(d, 0, sizeof *d);
+    d->tok = t;
+    d->skip_special = skip_special;
+}
+
+static int fake_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t cap)
+{
+    const char *p = (id == FAKE_EOS && d->skip_special) ? "" : fake_piece(id);
+    size_t n = strlen(p);
+    if (n + 1 > cap) return -ENOSPC;
+    memcpy(out, p, n + 1);
+    d->n_seen++;
+    return (int)n;
+}
+
+static int fake_detok_flush(struct kvs_detok *d, char *out, size_t cap)
+{
+    (void)d;
+    if (cap < 1) return -ENOSPC;
+    out[0] = 0;
+    return 0;
+}
+
+static const int32_t fake_eos_ids[1] = {FAKE_EOS};
+
+static void fake_model_init(struct fake_model *m, int n_blocks, int block_size, int vocab, int max_context)
+{
+    memset(m, 0, sizeof *m);
+    m->n_blocks = n_blocks;
+    m->block_size = block_size;
+    m->vocab = vocab;
+    m->max_context = max_context;
+    m->slot_tok = kvs_xcalloc((size_t)n_blocks * block_size, sizeof(int32_t));
+    m->slot_pos = kvs_xcalloc((size_t)n_blocks * block_size, sizeof(int32_t));
+    for (size_t i = 0; i < (size_t)n_blocks * block_size; i++) m->slot_pos[i] = -1;
+    pthread_mutex_init(&m->mu, NULL);
+    pthread_cond_init(&m->cv, NULL);
+}
+
+static void fake_model_free(struct fake_model *m)
+{
+    free(m->slot_tok);
+    free(m->slot_pos);
+    pthread_mutex_destroy(&m->mu);
+    pthread_cond_destroy(&m->cv);
+}
+
+static void fake_gate(struct fake_model *m, int closed)
+{
+    pthread_mutex_lock(&m->mu);
+    m->gate_closed = closed;
+    pthread_cond_broadcast(&m->cv);
+    pthread_mutex_unlock(&m->mu);
+}
+
+static struct kvs_engine_exec fake_exec(struct fake_model *m)
+{
+    struct kvs_engine_exec x;
+    memset(&x, 0, sizeof x);
+    x.ctx = m;
+    x.backend_name = "fake";
+    x.n_blocks = m->n_blocks;
+    x.block_size = m->block_size;
+    x.vocab_size = m->vocab;
+    x.max_context = m->max_context;
+    x.forward = fake_forward;
+    x.sampler_state_size = sizeof(struct fake_sampler);
+    x.sampler_init = fake_sampler_init;
+    x.sample = fake_sample;
+    x.detok_init = fake_detok_init;
+    x.detok_feed = fake_detok_feed;
+    x.detok_flush = fake_detok_flush;
+    x.eos_ids = fake_eos_ids;
+    x.n_eos = 1;
+    return x;
+}
+
+/* Expected greedy continuation, computed without the engine. Writes up to max_tokens ids into
+ * out (stopping after EOS unless ignore_eos) and returns the count. */
+static int fake_reference(int vocab, const int32_t *prompt, int n_prompt, int max_tokens, int ignore_eos, int32_t *out)
+{
+    uint64_t h = 0;
+    for (int p = 0; p < n_prompt; p++) h = fake_hash_step(h, prompt[p], p);
+    float lg[1024];
+    int n = 0;
+    while (n < max_tokens) {
+        fake_logits_from_hash(h, vocab, lg);
+        int32_t t = fake_argmax(lg, vocab);
+        out[n++] = t;
+        if (t == FAKE_EOS && !ignore_eos) break;
+        h = fake_hash_step(h, t, n_prompt + n - 1);
+    }
+    return n;
+}
+
+#endif
