@@ -45,8 +45,6 @@ GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
 ifeq ($(CUDA),1)
 CFLAGS += -DKVS_HAVE_CUDA=1 -I$(CUDA_HOME)/include
-# the runner refers to kvs_cuda_backend weakly: force its archive member into every program
-LDLIBS += -Wl,--undefined=kvs_cuda_backend
 LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
 else
 CFLAGS += -DKVS_HAVE_CUDA=0

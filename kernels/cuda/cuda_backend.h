@@ -21,6 +21,10 @@
 extern "C" {
 #endif
 
+/* The op table (kernels/backend.h), defined in cuda_backend.cu; engine/runner.c selects it for
+ * device "cuda" (and "auto" when a GPU is usable). */
+extern const struct kvs_backend_ops kvs_cuda_backend;
+
 struct kvs_cuda_graph;
 
 /* A weight of rows x cols (rows = 1 and is_vector = 1 for a 1-D vector) filled on the device
