@@ -21,6 +21,7 @@
 #include "models/model.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
 
 static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
 static struct kvs_backend *bc, *bg;
