@@ -265,7 +265,7 @@ int main(int argc, char **argv)
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms);
             /* attention alone (all layers), for each kernel variant: where the KV time goes */
             if (attn_variants) {
-                static const int var[][2] = {{0, 0}, {0, 4}, {0, 8}, {1, 8}};
+                static const int var[][2] = {{0, 0}, {0, 4}, {0, 8}, {1, 0}};
                 printf("%6s %8s   attention only:", "", "");
                 for (int vi = 0; vi < 4; vi++) {
                     kvs_cuda_set_attn_variant(b, var[vi][0], var[vi][1]);
@@ -280,7 +280,7 @@ int main(int argc, char **argv)
                         t[it] = kvs_cuda_timer_stop_ms(b);
                     }
                     qsort(t, (size_t)iters, sizeof(float), cmp_float);
-                    printf("  pf%d/%-4s %.3f ms %4.0f GB/s", var[vi][0], var[vi][1] ? (var[vi][1] == 4 ? "4" : "8") : "auto", t[iters / 2],
+                    printf("  occ%d/%-4s %.3f ms %4.0f GB/s", var[vi][0], var[vi][1] ? (var[vi][1] == 4 ? "4" : "8") : "auto", t[iters / 2],
                            kv_bytes / (t[iters / 2] * 1e-3) / 1e9);
                     kvs_cuda_graph_free(ga);
                 }

@@ -94,8 +94,8 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
-    int attn_pf;                  /* attention K/V prefetch variant (KVS_CUDA_ATTN_PREFETCH, default 0:
-                                   * measured slower on H200, its registers cost occupancy) */
+    int attn_occ;                 /* attention variant with __launch_bounds__(128, 3): at most 168
+                                   * registers, 3 resident blocks/SM (KVS_CUDA_ATTN_OCC, default 0) */
     int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto: 8 when (rows x KV heads) < SMs,
                                    * else 4 (the better of the two in 6 of the 8 H200 rows of bench/RESULTS.md) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
@@ -310,8 +310,8 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 u, float *f)
     }
 }
 
-template <int GT, bool PF>
-__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
+template <int GT, int MINB>
+__global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
 {
     extern __shared__ float sm[];
     const int t = blockIdx.x;
@@ -361,11 +361,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
     }
 
     /* The loop bound is warp-uniform (every lane runs every shuffle); groups past the end of
-     * the range see only masked positions. The K/V of the next tile are loaded while the
-     * current one is computed (register double buffering). */
+     * the range see only masked positions. (Register double buffering of the next tile's K/V
+     * was measured slower on H200: its registers cost a resident block per SM.) */
     const int gpw = 32 / lg;
-    uint4 ku[ATT_TP], vu[ATT_TP], nk[ATT_TP], nv[ATT_TP];
-    int rofs[ATT_TP], nr[ATT_TP];
+    uint4 ku[ATT_TP], vu[ATT_TP];
+    int rofs[ATT_TP];
     auto load_tile = [&](int wb, uint4 *kk, uint4 *vv, int *ro) {
         const int bb = wb + (lane / lg) * ATT_TP;
 #pragma unroll
@@ -387,20 +387,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a)
         }
     };
     const int wstart = p0 + warp * gpw * ATT_TP;
-    if (PF && wstart < p1) load_tile(wstart, nk, nv, nr);
     for (int wbase = wstart; wbase < p1; wbase += ng * ATT_TP) {
         const int base = wbase + (lane / lg) * ATT_TP;
-        if (PF) {
-#pragma unroll
-            for (int j = 0; j < ATT_TP; j++) {
-                ku[j] = nk[j];
-                vu[j] = nv[j];
-                rofs[j] = nr[j];
-            }
-            if (wbase + ng * ATT_TP < p1) load_tile(wbase + ng * ATT_TP, nk, nv, nr);
-        } else {
-            load_tile(wbase, ku, vu, rofs);
-        }
+        load_tile(wbase, ku, vu, rofs);
         float sc[ATT_TP][GT];
 #pragma unroll
         for (int j = 0; j < ATT_TP; j++) {
@@ -561,17 +550,17 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
     /* the attention kernels may need more than 48 KB of shared memory for small head dims */
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
     {
-        const char *e = getenv("KVS_CUDA_ATTN_PREFETCH");
-        b->attn_pf = e ? atoi(e) != 0 : 0;
+        const char *e = getenv("KVS_CUDA_ATTN_OCC");
+        b->attn_occ = e ? atoi(e) != 0 : 0;
         e = getenv("KVS_CUDA_ATTN_BLOCKS_PER_SM");
         b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 0;
     }
@@ -931,19 +920,19 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     size_t smem = ((size_t)ng * GT * head_dim + 2 * (size_t)ng * GT) * sizeof(float);
     KVS_ASSERT(smem <= 96 * 1024);
     dim3 blk(ATT_WARPS * 32);
-    if (b->attn_pf) {
+    if (b->attn_occ) {
         switch (GT) {
-        case 1: k_attention<1, true><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: k_attention<2, true><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: k_attention<4, true><<<grid, blk, smem, b->stream>>>(a); break;
-        default: k_attention<8, true><<<grid, blk, smem, b->stream>>>(a); break;
+        case 1: k_attention<1, 3><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: k_attention<2, 3><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: k_attention<4, 3><<<grid, blk, smem, b->stream>>>(a); break;
+        default: k_attention<8, 3><<<grid, blk, smem, b->stream>>>(a); break;
         }
     } else {
         switch (GT) {
-        case 1: k_attention<1, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: k_attention<2, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: k_attention<4, false><<<grid, blk, smem, b->stream>>>(a); break;
-        default: k_attention<8, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 1: k_attention<1, 1><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: k_attention<2, 1><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: k_attention<4, 1><<<grid, blk, smem, b->stream>>>(a); break;
+        default: k_attention<8, 1><<<grid, blk, smem, b->stream>>>(a); break;
         }
     }
     LAUNCH_CHECK();
@@ -1133,8 +1122,8 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
              (double)prop.totalGlobalMem / (double)(1u << 30), drv, rt);
 }
 
-extern "C" void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm)
+extern "C" void kvs_cuda_set_attn_variant(struct kvs_backend *b, int high_occupancy, int blocks_per_sm)
 {
-    b->attn_pf = prefetch != 0;
+    b->attn_occ = high_occupancy != 0;
     b->attn_blocks_per_sm = blocks_per_sm > 0 ? blocks_per_sm : 0;
 }

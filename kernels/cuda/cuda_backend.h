@@ -50,9 +50,10 @@ float kvs_cuda_timer_stop_ms(struct kvs_backend *b);
  * only, never inside a step). Returns 0 if the memory cannot be had. */
 double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
 
-/* Attention variant (for the benchmark's comparisons): prefetch = register double buffering of
- * K/V, blocks_per_sm = how many blocks per SM the context split aims at (0 = automatic). */
-void kvs_cuda_set_attn_variant(struct kvs_backend *b, int prefetch, int blocks_per_sm);
+/* Attention variant (for the benchmark's comparisons): high_occupancy = the kernel built with
+ * __launch_bounds__(128, 3) (at most 168 registers: 3 resident blocks per SM), blocks_per_sm = how many blocks per SM the
+ * context split aims at (0 = automatic). */
+void kvs_cuda_set_attn_variant(struct kvs_backend *b, int high_occupancy, int blocks_per_sm);
 
 /* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */
 void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen);

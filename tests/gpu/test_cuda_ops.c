@@ -417,7 +417,13 @@ static void test_attention(void)
         {16, 1, 128, 16, 2, {700, 10}, {1, 9}, 1},
         {12, 4, 64, 8, 2, {333, 0}, {1, 21}, 0},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
+    for (int occ = 0; occ < 2; occ++) {
+        /* both kernel builds: the default and the register-capped one */
+        kvs_cuda_set_attn_variant(bg, occ, 0);
+        printf("attention variant: high_occupancy=%d\n", occ);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
+    }
+    kvs_cuda_set_attn_variant(bg, 0, 0);
 }
 
 int main(void)
