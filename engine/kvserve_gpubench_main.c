@@ -265,7 +265,7 @@ int main(int argc, char **argv)
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms);
             /* attention alone (all layers), for each kernel variant: where the KV time goes */
             if (attn_variants) {
-                static const int var[][2] = {{0, 0}, {0, 4}, {0, 8}, {1, 0}};
+                static const int var[][2] = {{1, 0}, {1, 4}, {1, 8}, {0, 0}};
                 printf("%6s %8s   attention only:", "", "");
                 for (int vi = 0; vi < 4; vi++) {
                     kvs_cuda_set_attn_variant(b, var[vi][0], var[vi][1]);
@@ -285,7 +285,7 @@ int main(int argc, char **argv)
                     kvs_cuda_graph_free(ga);
                 }
                 printf("\n");
-                kvs_cuda_set_attn_variant(b, 0, 0);
+                kvs_cuda_set_attn_variant(b, 1, 0);
             }
             free(lg);
             free(t);

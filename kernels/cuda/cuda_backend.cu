@@ -94,8 +94,10 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
-    int attn_occ;                 /* attention variant with __launch_bounds__(128, 3): at most 168
-                                   * registers, 3 resident blocks/SM (KVS_CUDA_ATTN_OCC, default 0) */
+    int attn_occ;                 /* 1 (default): attention built with __launch_bounds__(128, 3), at
+                                   * most 168 registers, 3 resident blocks/SM; 0: uncapped (180
+                                   * registers, 2 blocks/SM: up to 1.6x slower on H200).
+                                   * KVS_CUDA_ATTN_OCC overrides. */
     int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto: 8 when (rows x KV heads) < SMs,
                                    * else 4 (the better of the two in 6 of the 8 H200 rows of bench/RESULTS.md) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
@@ -560,7 +562,7 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
     {
         const char *e = getenv("KVS_CUDA_ATTN_OCC");
-        b->attn_occ = e ? atoi(e) != 0 : 0;
+        b->attn_occ = e ? atoi(e) != 0 : 1;
         e = getenv("KVS_CUDA_ATTN_BLOCKS_PER_SM");
         b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 0;
     }

@@ -423,7 +423,7 @@ static void test_attention(void)
         printf("attention variant: high_occupancy=%d\n", occ);
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
     }
-    kvs_cuda_set_attn_variant(bg, 0, 0);
+    kvs_cuda_set_attn_variant(bg, 1, 0);
 }
 
 int main(void)
