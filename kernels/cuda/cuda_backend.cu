@@ -15,6 +15,12 @@
  * fp32; when the context is split, a second kernel reduces the partial (max, sum, acc) triples
  * in split order.
  *
+ * Limits: attention needs head_dim a multiple of 16 and <= 256 (Llama / Qwen use 64 or 128; other
+ * values abort with a message). Results are deterministic but not bitwise batch invariant as
+ * backend.h asks: cuBLAS picks its kernel by n, and the context split of the attention depends
+ * on the number of rows (differences are at bf16 rounding level).
+ * Prefill rows use the same attention kernel (a block per query row): correct, not tiled.
+ *
  * Memory: plain cudaMalloc, only in create, alloc and upload_weight (the matmul's bf16 copy of
  * x and the attention workspace are carved at create / grown in alloc). One stream; ops never
  * synchronise; download/logits_to_host/sync wait. Every CUDA/cuBLAS call is checked:
