@@ -135,6 +135,7 @@ void kvs_engine_free(struct kvs_engine *e)
     free(e->running);
     free(e->sched);
     free(e->seqs);
+    free(e->jobs);
     free(e->logits);
     free(e->piece);
     free(e);
