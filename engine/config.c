@@ -384,7 +384,7 @@ int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen)
         const char *v = *(char *const *)((const char *)cfg + k->offset);
         if (!in_choices(k->implemented, v))
             return kvs_err(err, errlen, -ENOSYS,
-                           "config key '%s': strategy '%s' is not implemented in this build yet (available: %s)",
+                           "config key '%s': strategy '%s' is not available in this build yet (built: %s)",
                            k->name, v, k->implemented);
     }
     if (cfg->model_path[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'model.path' must not be empty");

@@ -38,6 +38,7 @@ struct kvs_docstore {
     int64_t n_tokens, n_bytes; /* of visible documents */
     struct entry *head, *tail; /* creation order */
     uint64_t next_seq;
+    double last_created;       /* created times are strictly increasing (ms steps) */
 };
 
 /* ---------------------------------------------------------------- documents */
@@ -475,6 +476,7 @@ static int load_dir(struct kvs_docstore *s, char *err, size_t errlen)
         }
         e->doc = d;
         d->seq = s->next_seq++;
+        if (d->created > s->last_created) s->last_created = d->created;
         index_insert(s, e);
         make_visible(s, e);
     }
@@ -617,7 +619,12 @@ int kvs_docstore_add(struct kvs_docstore *s, const char *id, const char *text, s
         rc = kvs_err(err, errlen, -ENOMEM, "out of memory growing the document index");
     if (rc == 0) {
         d->seq = s->next_seq++;
-        d->created = kvs_wall_time();
+        /* Millisecond resolution survives the JSON round trip exactly (cJSON prints 15
+         * digits); strictly increasing so creation order survives a reload too. */
+        double now_ms = floor(kvs_wall_time() * 1000.0);
+        double last_ms = floor(s->last_created * 1000.0 + 0.5);
+        d->created = (now_ms > last_ms ? now_ms : last_ms + 1.0) / 1000.0;
+        s->last_created = d->created;
         index_insert(s, e);
     }
     pthread_mutex_unlock(&s->mu);

@@ -16,6 +16,7 @@
 #include "engine/config.h"
 #include "engine/generate.h"
 #include "engine/util.h"
+#include "server/server.h"
 
 #define KVS_VERSION "0.1.0"
 
@@ -41,13 +42,6 @@ static const char *named_flag_key(const char *flag)
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strcmp(flag, map[i][0])) return map[i][1];
     return NULL;
-}
-
-static int serve(const struct kvs_config *cfg)
-{
-    (void)cfg;
-    kvs_log(KVS_LOG_ERROR, "serving is not available in this build: the HTTP server has not landed yet");
-    return 1;
 }
 
 int main(int argc, char **argv)
@@ -115,7 +109,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvserve: %s: config OK\n", check_file);
         goto out;
     }
-    rc = serve(&cfg);
+    rc = kvs_server_run(&cfg) == 0 ? 0 : 1;
 out:
     kvs_config_free(&cfg);
     return rc;

@@ -1,0 +1,166 @@
+"""Helpers for the HTTP tests: start build/kvserve-fake on a free 127.0.0.1 port, wait for
+/health, stop it; and an independent model of the fake backend (tests/fake/fake_backend.c)
+so tests can predict every completion exactly.
+
+The fake backend: byte-level tokenizer (ids 0..255 = bytes, 256 <|endoftext|> EOS,
+257 <|im_start|>, 258 <|im_end|> EOS, 259 <|bos|> BOS); completion token k is
+prompt[n-1 - (k mod n)]; EOS ends with "stop" (unless ignore_eos); stop strings end with "stop"
+and are not emitted.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+ROOT = os.environ.get("KVS_ROOT", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BUILD = os.environ.get("KVS_BUILD", "build")
+BIN = os.path.join(ROOT, BUILD, "kvserve-fake")
+E2E_BIN = os.path.join(ROOT, BUILD, "kvserve-e2e")
+
+SPECIAL = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258, "<|bos|>": 259}
+EOS = {256, 258}
+BOS = 259
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Server:
+    def __init__(self, *args, env=None, wait=True, binary=None, model=None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="kvserve-", suffix=".log", delete=False)
+        e = dict(os.environ)
+        e.update(env or {})
+        binary = binary or BIN
+        cmd = [binary, "--port", str(self.port), "--model", model or os.path.join(ROOT, "tests", "fake")] + list(args)
+        if not os.path.exists(binary):
+            raise SystemExit(f"missing {binary}: run make first")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout=20):
+        end = time.time() + timeout
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.logtext()}")
+            try:
+                if requests.get(self.base + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise AssertionError("daemon did not become healthy\n" + self.logtext())
+
+    def logtext(self):
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout=15):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("daemon did not stop on SIGTERM\n" + self.logtext())
+        rc = self.proc.returncode
+        if rc != 0:
+            raise AssertionError(f"daemon exit code {rc}\n" + self.logtext()[-3000:])
+        for pat in ("AddressSanitizer", "runtime error", "LeakSanitizer"):
+            if pat in self.logtext():
+                raise AssertionError("sanitizer report in the daemon log\n" + self.logtext()[-5000:])
+        os.unlink(self.log.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, et, ev, tb):
+        if et is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            sys.stderr.write(self.logtext()[-4000:])
+            return False
+        self.stop()
+
+    def metrics(self):
+        out = {}
+        for line in requests.get(self.base + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, val = line.rsplit(" ", 1)
+            out[name] = float(val)
+        return out
+
+
+def tokenize(text, add_special=True, parse_special=True):
+    ids = [BOS] if add_special else []
+    b = text.encode("utf-8")
+    i = 0
+    while i < len(b):
+        hit = None
+        if parse_special:
+            for s, tid in SPECIAL.items():
+                if b.startswith(s.encode(), i):
+                    hit = (tid, len(s))
+                    break
+        if hit:
+            ids.append(hit[0])
+            i += hit[1]
+        else:
+            ids.append(b[i])
+            i += 1
+    return ids
+
+
+def chatml(messages, documents=()):
+    """engine/chat.h's ChatML rendering: documents, then the system content, joined by a blank
+    line, in the system turn (created when there is none)."""
+    msgs = [dict(m) for m in messages]
+    for m in msgs:
+        if m["role"] == "developer":
+            m["role"] = "system"
+    if documents:
+        if msgs and msgs[0]["role"] == "system":
+            parts = list(documents) + ([msgs[0]["content"]] if msgs[0]["content"] else [])
+            msgs[0]["content"] = "\n\n".join(parts)
+        else:
+            msgs.insert(0, {"role": "system", "content": "\n\n".join(documents)})
+    out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+    return out + "<|im_start|>assistant\n"
+
+
+def complete(prompt_ids, max_tokens, stop=(), ignore_eos=False):
+    """(text, finish_reason, completion_tokens) the fake engine produces."""
+    n = len(prompt_ids)
+    out = bytearray()
+    count = 0
+    for k in range(max_tokens):
+        tok = prompt_ids[n - 1 - (k % n)]
+        if tok in EOS and not ignore_eos:
+            return out.decode("utf-8", "replace"), "stop", count
+        count += 1
+        if tok < 256:
+            out.append(tok)
+        text = out.decode("utf-8", "ignore")
+        cuts = [text.find(s) for s in stop if s in text]
+        if cuts:
+            return text[: min(cuts)], "stop", count
+    return out.decode("utf-8", "replace"), "length", count
+
+
+def check(cond, msg):
+    if not cond:
+        raise AssertionError(msg)
