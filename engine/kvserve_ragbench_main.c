@@ -231,10 +231,12 @@ int main(int argc, char **argv)
         double z = 0;
         for (int i = 0; i < corpus; i++) z += pow(i + 1, -alphas[ai]), cdf[i] = z;
         double t = 0;
+        int n_redrawn = 0;
         for (int j = 0; j < num; j++) {
             struct rjob *jb = &jobs[j];
             free(jb->question);
             memset(jb, 0, sizeof *jb);
+        redraw:
             jb->n_docs = irange(klo, khi);
             for (int k = 0; k < jb->n_docs; k++) {
                 int d, dup, tries = 0;
@@ -252,12 +254,24 @@ int main(int argc, char **argv)
                 } while (dup);
                 jb->doc[k] = d;
             }
+            {
+                /* the doc cache's 16-bit offset field: the last document must start before slot
+                 * 65535 (doc_cache.h); such requests are redrawn for every mode alike */
+                int bs = cfg.kv_block_size > 0 ? cfg.kv_block_size : 16, start = 0;
+                for (int k = 0; k + 1 < jb->n_docs; k++) start += (dlen[jb->doc[k]] + bs - 1) / bs * bs;
+                if (start + 1 > 65535) {
+                    n_redrawn++;
+                    goto redraw;
+                }
+            }
             jb->n_question = irange(qlo, qhi);
             jb->question = kvs_xmalloc((size_t)jb->n_question * sizeof *jb->question);
             for (int i = 0; i < jb->n_question; i++) jb->question[i] = (int32_t)(rnd64() % (uint64_t)vocab);
             if (rate > 0) t += -log(1.0 - urand()) / rate;
             jb->t_arrival = t;
         }
+        if (n_redrawn)
+            fprintf(stderr, "alpha %g: %d document lists redrawn (offsets past the 16-bit field)\n", alphas[ai], n_redrawn);
         for (int bi = 0; bi < n_budget; bi++)
             for (int mi = 0; mi < n_modes; mi++) {
                 char set[128];
