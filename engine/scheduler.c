@@ -325,7 +325,7 @@ static int schedule(struct kvs_engine *e, double now)
         struct kvs_request *r = e->wait_head;
         int matched = 0;
         if (r->table.n == 0 && r->lazy) {
-            int rc = kvs_lazy_seq_acquire(&e->kv.docs, r->lazy, r->tokens, &r->table, !r->admitted_once, &matched);
+            int rc = kvs_lazy_seq_acquire(&e->kv.docs, r->lazy, r->tokens, &r->table, &matched);
             if (rc < 0) break;   /* the pool cannot hold its documents now: wait (FCFS) */
             r->n_computed = rc;
         } else if (r->table.n == 0) {
@@ -362,6 +362,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->admitted_once = 1;
             r->t_first_sched = now;
             r->n_cached_tokens = matched;
+            if (r->lazy) kvs_lazy_seq_count(&e->kv.docs, r->lazy);
             e->counters.prompt_tokens += (uint64_t)r->n_real_prompt;
             if (e->kv.has_prefix) {
                 e->counters.prefix_queries += (uint64_t)r->n_full_prompt;

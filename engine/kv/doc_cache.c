@@ -375,7 +375,7 @@ void kvs_lazy_seq_release(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s)
 }
 
 int kvs_lazy_seq_acquire(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s, const int32_t *tokens,
-                         struct kvs_block_table *t, int count, int *cached_tokens)
+                         struct kvs_block_table *t, int *cached_tokens)
 {
     KVS_ASSERT(t->n == 0 && s->held == 0);
     int bs = dc->block_size, cached = 0;
@@ -393,16 +393,11 @@ int kvs_lazy_seq_acquire(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s, const
             return idx;
         }
         ld->entry = idx;
-        ld->hit = hit;
-        if (hit) cached += ld->n_tokens;
-        if (count) {
-            if (hit) {
-                dc->hits++;
-                dc->tokens_saved += (uint64_t)ld->n_tokens;
-            } else {
-                dc->misses++;
-            }
-        }
+        /* a document this request created in an earlier attempt (admission failed after the
+         * lookup) is still its miss, not a hit on its own pending entry */
+        if (!hit) ld->created = 1;
+        ld->hit = hit && !ld->created;
+        if (ld->hit) cached += ld->n_tokens;
         int pad = ld->n_blocks * bs - ld->n_tokens;
         for (int k = 0; k < ld->n_blocks; k++) {
             int j = ld->start / bs + k;
@@ -419,6 +414,19 @@ int kvs_lazy_seq_acquire(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s, const
     if (cached_tokens) *cached_tokens = cached;
     s->ready = 0;
     return s->doc_slots;
+}
+
+void kvs_lazy_seq_count(struct kvs_doc_cache *dc, const struct kvs_lazy_seq *s)
+{
+    for (int d = 0; d < s->n_docs; d++) {
+        const struct kvs_lazy_doc *ld = &s->docs[d];
+        if (ld->hit) {
+            dc->hits++;
+            dc->tokens_saved += (uint64_t)ld->n_tokens;
+        } else {
+            dc->misses++;
+        }
+    }
 }
 
 int kvs_lazy_seq_ready(const struct kvs_doc_cache *dc, struct kvs_lazy_seq *s)

@@ -130,7 +130,8 @@ struct kvs_lazy_doc {
     int n_tokens;
     int n_blocks;
     int entry;                    /* -1 when not held */
-    int hit;                      /* last acquire found it cached */
+    int hit;                      /* last acquire found it cached (and not created by us) */
+    int created;                  /* an acquire of this request created the entry */
 };
 
 struct kvs_lazy_seq {
@@ -152,11 +153,13 @@ void kvs_lazy_seq_free(struct kvs_lazy_seq *s);
 
 /* Acquires every document of s (tokens = the request's padded token array) into the start of
  * table t (t->n must be 0). Returns the number of slots covered (s->doc_slots), or -ENOSPC
- * with nothing held. *cached_tokens = tokens of the documents that were hits; count = 1 adds
- * the lookups to the hit/miss counters (a request's first admission, not a re-admission
- * after preemption). */
+ * with nothing held. *cached_tokens = tokens of the documents that were hits (found in the
+ * cache and not created by this request in an earlier, failed admission attempt). */
 int kvs_lazy_seq_acquire(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s, const int32_t *tokens,
-                         struct kvs_block_table *t, int count, int *cached_tokens);
+                         struct kvs_block_table *t, int *cached_tokens);
+/* Adds s's last lookups to the hit/miss counters: once per request, at its first successful
+ * admission (not for attempts that had to wait, nor re-admissions after preemption). */
+void kvs_lazy_seq_count(struct kvs_doc_cache *dc, const struct kvs_lazy_seq *s);
 /* Drops s's users (the block table is released separately by the caller). */
 void kvs_lazy_seq_release(struct kvs_doc_cache *dc, struct kvs_lazy_seq *s);
 /* 1 when every document of s is computed (refreshes s->ready). */
