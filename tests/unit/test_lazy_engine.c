@@ -450,6 +450,22 @@ static void test_model(const char *name)
     CHECK(st.doc_misses == ND, "concurrent: %llu misses", (unsigned long long)st.doc_misses);
     printf("%s: 5 concurrent requests sharing missing documents: each computed once: ok\n", name);
 
+    /* tight KV pools (10..14 blocks of 16): requests wait for blocks, get preempted and
+     * recomputed, documents are evicted under pool pressure while others are in use */
+    for (int nb = 10; nb <= 14; nb += 2) {
+        c.kv_memory_bytes = nb * 8192;
+        e = make_engine(&c, m);
+        for (int i = 0; i < NQ; i++) submit(e, &q[i], 1);
+        for (int i = 0; i < NQ; i++) {
+            collect(&q[i]);
+            expect("tight pool", &q[i], q[i].want);
+        }
+        finish_engine(e, &st);
+        printf("%s: tight pool (%d blocks, %llu preemptions, %llu document evictions): reference output: ok\n", name,
+               nb, (unsigned long long)st.num_preemptions, (unsigned long long)st.doc_evictions);
+    }
+    c.kv_memory_bytes = 4 << 20;
+
     /* a tiny budget: about one document's worth, so documents are evicted between requests */
     c.lazy_budget_bytes = 3 * 8192;   /* three blocks of the tiny models (512 KV bytes a token) */
     e = make_engine(&c, m);
