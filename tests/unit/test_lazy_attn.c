@@ -181,6 +181,7 @@ static double run_case(const struct kvs_backend_ops *o, struct kvs_backend *be, 
     return sqrt(num / den);
 }
 
+#ifndef LAZY_ATTN_NO_MAIN   /* tests/gpu/test_cuda_lazy.c reuses run_case on the CUDA backend */
 int main(void)
 {
     const struct kvs_backend_ops *o = &kvs_cpu_backend;
@@ -214,3 +215,4 @@ int main(void)
            "at random offsets, GQA 1/2/4/7, plain + llama3, prefill 7 rows + decode; worst rel-L2 %.2e: ok\n", worst);
     return 0;
 }
+#endif
