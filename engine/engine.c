@@ -188,9 +188,10 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
             return kvs_err(err, errlen, rc, "invalid sampling parameters");
         }
     }
-    /* documents first (with kv.reuse=lazy each padded to a block boundary, the padding slots
-     * holding token 0: they are never computed or attended, only seen by sampling penalties),
-     * then the request's own prompt */
+    /* documents first (with kv.reuse=lazy each padded to a block boundary; the padding slots
+     * are never computed or attended; they repeat the document's last token, so that the
+     * sampler's prompt-token set (repetition penalty) is exactly the real prompt's), then the
+     * request's own prompt */
     int at = 0, bs = e->x.block_size;
     const int32_t *dt = r->doc_tokens;
     for (int d = 0; d < r->n_docs; d++) {
@@ -198,7 +199,7 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
         at += r->doc_len[d];
         dt += r->doc_len[d];
         if (e->kv.is_lazy)
-            for (; at % bs; at++) r->tokens[at] = 0;
+            for (; at % bs; at++) r->tokens[at] = r->tokens[at - 1];
     }
     memcpy(r->tokens + at, r->prompt, (size_t)r->n_prompt * sizeof *r->tokens);
     KVS_ASSERT(at + r->n_prompt == r->n_full_prompt);
