@@ -15,8 +15,9 @@ import tempfile
 
 import numpy as np
 import requests
+from tokenizers import Tokenizer
 
-from kvs_http import E2E_BIN, ROOT, Server, check
+from kvs_http import E2E_BIN, ROOT, Server, check, chatml
 from tiny_tokenizer import make_model_dir
 
 BS = 16
@@ -156,6 +157,31 @@ def main():
               f"chat cached tokens {r2['usage']}")
         check(r1["usage"]["prompt_tokens"] == r2["usage"]["prompt_tokens"], "chat usage")
 
+        # chat with text documents against the reference: the rendered ChatML (kvs_http.chatml) cut at
+        # the documents, every piece up to the last document a segment, tokenized by HF tokenizers
+        hf = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+        texts = {"t0": "The quick brown fox jumps over the lazy dog. " * 2, "t1": "Paged KV caches share blocks."}
+        for name, text in texts.items():
+            r = requests.post(b + "/v1/documents", json={"id": name, "text": text}, timeout=10)
+            check(r.status_code == 200, f"post text document: {r.text}")
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]
+        rendered = chatml(msgs, [texts["t0"], texts["t1"]])
+        segs, at = [], 0
+        for t in (texts["t0"], texts["t1"]):
+            i = rendered.index(t, at)
+            if i > at:
+                segs.append(hf.encode(rendered[at:i], add_special_tokens=False).ids)
+            segs.append(hf.encode(t, add_special_tokens=False).ids)
+            at = i + len(t)
+        tail = hf.encode(rendered[at:], add_special_tokens=False).ids
+        w = ref.greedy(segs, tail, 6)
+        for rnd in range(2):
+            r = requests.post(b + "/v1/chat/completions", json={
+                "messages": msgs, "documents": ["t0", "t1"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "logprobs": True, "return_tokens_as_token_ids": True}, timeout=60).json()
+            got = [int(c["token"].split(":")[1]) for c in r["choices"][0]["logprobs"]["content"]]
+            check(got == w, f"chat round {rnd}: {got} != reference {w}")
+
     # without lazy the documents are plain prompt text: the ordinary causal reference
     with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", "--set", "kv.reuse=none",
                 binary=E2E_BIN, model=model) as srv:
@@ -174,7 +200,7 @@ def main():
         check(got == causal, f"reuse=none with documents: {got} != plain causal reference {causal}")
         check(plain is None or plain == causal, "one block-aligned document == causal")
     print("lazy over HTTP: completions with documents == numpy Block-Attention reference (cold and warm), "
-          "cached_tokens, doc_cache metrics, chat from cache, reuse=none keeps documents as text: ok")
+          "cached_tokens, doc_cache metrics, chat (template pieces + documents as segments) == reference, reuse=none keeps documents as text: ok")
 
 
 if __name__ == "__main__":
