@@ -90,7 +90,8 @@ $(BUILD)/tests-gpu/%: $(BUILD)/obj/tests/gpu/%.o $(LIB)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) $^ -o $@ $(LDLIBS)
 
-tests-build: setup $(MAIN_BINS) $(TEST_BINS)
+# with nvcc (CI too) the GPU test programs are compiled with the rest, so they never rot
+tests-build: setup $(MAIN_BINS) $(TEST_BINS) $(if $(filter 1,$(CUDA)),$(GPU_TEST_BINS))
 
 # The README's test command. SAN=1 runs the same suite under ASan+UBSan.
 test: tests-build

@@ -13,7 +13,16 @@ Every document is a list of token ids built from pieces that each end in "\n" (o
 special token) and start with a non-space character: with the Qwen2 split regex used by the
 tokenizer such boundaries are pre-token boundaries, so the concatenated ids equal what the
 tokenizer gives for the whole text (prepare-demo-data.py checks this on samples).
-Each token also gets a loss weight: 1 for ordinary text, ANSWER_W for answers.
+Each token also gets a loss weight: 1 for ordinary text, ANSWER_W for answers, and CRIT_W
+for the first answer token that only the key->value lookup can predict (the first digit of a
+code, the first word of a value): that one token is the whole retrieval skill, so it carries the
+most weight. Within one packed row no subject is used twice: documents are not masked from each
+other, and a name stated with two values in one row would make the lookup ambiguous.
+
+Curriculum: Gen.progress (0..1, set by the trainer from the wall clock) grows the longest
+retrieval document from 512 tokens to 4096 over the first half of training; dense documents
+(many facts, several questions, little filler) are most frequent early, where the lookup is
+learnt, and stay in the mix later.
 """
 import random
 import re
@@ -22,7 +31,8 @@ import subprocess
 import numpy as np
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ANSWER_W = 5
+ANSWER_W = 4
+CRIT_W = 24
 
 # Held-out names / keys for evaluation probes never appear in training documents.
 NAMES = """Aaron Abigail Adam Adrian Agnes Albert Alice Amelia Amos Andrew Anna Arthur Audrey
@@ -126,6 +136,10 @@ class Gen:
         self.book_names = list(self.books)
         self.first_verses = [i for i, v in enumerate(verses) if v[2] == 1]
         self.cache = {}
+        self.progress = 1.0
+        self.row_used = set()
+        self.digit_ids = [self.enc(str(d))[0] for d in range(10)]
+        self.space_id = self.enc(" ")
 
     def enc(self, s):
         ids = self.cache.get(s)
@@ -134,6 +148,25 @@ class Gen:
             if len(self.cache) < 20000:
                 self.cache[s] = ids
         return ids
+
+    def enc_val(self, val):
+        """Ids of " " + val (a pre-token boundary precedes it in every template)."""
+        if val.isdigit():
+            return self.space_id + [self.digit_ids[int(c)] for c in val]
+        return self.enc(" " + val)
+
+    def split_fact(self, line, val):
+        """(prefix ids, value ids, suffix ids) of a fact line ending in val (+ "." or "\n");
+        the three encodings concatenated equal the encoding of the line."""
+        cut = line.rfind(" " + val)
+        return (self.enc(line[:cut]), self.enc_val(val), self.enc(line[cut + 1 + len(val):]))
+
+    def enc_fact(self, f):
+        st, subj, val, line = f[:4]
+        if st == "passkey":
+            return self.enc(line)
+        a, b, c = self.split_fact(line, val)
+        return a + b + c
 
     # ---- pieces -------------------------------------------------------------------------
     def filler(self, n_tokens, with_refs=None):
@@ -190,33 +223,39 @@ class Gen:
                     "What is the pass key?", val)
         raise ValueError(style)
 
-    def make_facts(self, n):
+    def make_facts(self, n, style=None):
         r = self.rng
-        style = r.choice(["code", "code", "kv", "kv", "passkey", "city", "color", "animal",
-                          "item", "mixed"])
-        facts, used = [], set()
+        if style is None:
+            style = r.choice(["code", "code", "code", "kv", "kv", "passkey", "city", "color",
+                              "animal", "item", "mixed", "mixed"])
+        facts = []
         if style == "passkey":
             n = 1
         for _ in range(n):
-            st = r.choice(["code", "kv", "city", "color", "animal", "item"]) \
+            st = r.choice(["code", "code", "kv", "city", "color", "animal", "item"]) \
                 if style == "mixed" else style
-            for _try in range(20):
-                if st == "kv":
+            if st == "kv":
+                for _try in range(20):
                     if r.random() < 0.3:
                         subj = "%s-%d" % (rand_word(r, 3), r.randint(10, 999))
                     else:
                         subj = "%s-%d" % (r.choice(self.keywords), r.randint(10, 999))
-                    x = r.random()
-                    val = str(r.randint(1000, 9999)) if x < 0.4 else rand_word(r, 5) \
-                        if x < 0.6 else "%s-%s" % (r.choice(COLORS), r.choice(ANIMALS))
-                elif st == "passkey":
-                    subj, val = "", str(r.randint(10000, 99999))
-                else:
-                    subj = r.choice(self.names)
-                    val = self.value("code" if st == "code" else st)
-                if (st, subj) not in used:
-                    break
-            used.add((st, subj))
+                    if subj not in self.row_used:
+                        break
+                x = r.random()
+                val = str(r.randint(1000, 9999)) if x < 0.4 else rand_word(r, 5) \
+                    if x < 0.6 else "%s-%s" % (r.choice(COLORS), r.choice(ANIMALS))
+            elif st == "passkey":
+                subj, val = "", str(r.randint(10000, 99999))
+            else:
+                free = [x for x in self.names if x not in self.row_used]
+                if not free:
+                    self.row_used = set(subj for f in facts for subj in [f[1]])
+                    free = [x for x in self.names if x not in self.row_used]
+                subj = r.choice(free)
+                val = self.value("code" if st == "code" else st)
+            if subj:
+                self.row_used.add(subj)
             facts.append((st, subj, val) + self.fact(st, subj, val))
         return facts
 
@@ -229,7 +268,7 @@ class Gen:
     def retrieval_body(self, n_tokens, facts, intro=None):
         """Filler of about n_tokens with fact lines spliced in at random line positions."""
         r = self.rng
-        fact_ids = [self.enc(f[3]) for f in facts]
+        fact_ids = [self.enc_fact(f) for f in facts]
         budget = n_tokens - sum(len(f) for f in fact_ids)
         if intro:
             budget -= len(intro)
@@ -247,42 +286,54 @@ class Gen:
                 body += lines[li]
         return body
 
-    def doc_retrieval(self, n_tokens):
+    def doc_retrieval(self, n_tokens, n_facts=None, n_q=None):
         """A plain-text retrieval document of at most n_tokens (n_tokens >= 200)."""
         r = self.rng
-        facts = self.make_facts(r.choice([1, 2, 3, 4, 6, 8]))
-        n_q = min(len(facts), r.choice([1, 2, 3, 4]))
-        asked = r.sample(facts, n_q)
-        qstyle = r.choice(["qa", "qa", "completion", "answer_line"])
+        if n_facts is None:
+            n_facts = r.choice([1, 2, 3, 3, 4, 4, 6, 8])
+        facts = self.make_facts(n_facts)
+        if n_q is None:
+            n_q = r.choice([1, 2, 3, 4])
+        asked = r.sample(facts, min(len(facts), n_q))
+        # the quality harness's format ("Question: ...\nAnswer: value") is the most frequent
+        qstyle = r.choice(["qa", "qa", "qa", "completion", "answer_line", "mixed"])
         tail_ids, tail_w = [], []
         for f in asked:
             st, subj, val, line, q, a = f
-            if qstyle == "completion" or (st == "kv" and r.random() < 0.5):
-                if st == "kv":
-                    pre, ans = "%s:" % subj, " %s\n" % val
-                else:
-                    stmt = line.rstrip("\n")
-                    cut = stmt.rfind(val)
-                    pre, ans = stmt[:cut].rstrip(" "), " " + stmt[cut:] + "\n"
-                # the statement prefix and the answer are encoded together and split after,
-                # so that the ids are exactly the tokenization of the whole line
-                full = self.enc(pre + ans)
-                npre = len(self.enc(pre))
-                tail_ids += full
-                tail_w += [1] * npre + [ANSWER_W] * (len(full) - npre)
-            elif qstyle == "answer_line":
-                qi = self.enc("Q: %s\nA:" % q)
-                ai = self.enc("Q: %s\nA: %s\n" % (q, sentence(st, val, line)))[len(qi):]
-                tail_ids += qi + ai
-                tail_w += [1] * len(qi) + [ANSWER_W] * len(ai)
+            qs = r.choice(["qa", "qa", "completion", "answer_line"]) if qstyle == "mixed" \
+                else qstyle
+            if st == "kv" and qs == "completion":
+                qs = "kv"
+            if qs == "qa":
+                pre, text = "Question: %s\nAnswer:" % q, " " + val + "\n"
+            elif qs == "answer_line":
+                pre, text = "Q: %s\nA:" % q, " " + sentence(st, val, line) + "\n"
+            elif qs == "kv":
+                pre, text = "%s:" % subj, " " + val + "\n"
             else:
-                qi = self.enc("Question: %s\nAnswer:" % q)
-                full = self.enc("Question: %s\nAnswer: %s\n" % (q, a))
-                tail_ids += full
-                tail_w += [1] * len(qi) + [ANSWER_W] * (len(full) - len(qi))
+                stmt = "The pass key is %s." % val if st == "passkey" else line.rstrip("\n")
+                cut = stmt.rfind(" " + val)
+                pre, text = stmt[:cut], stmt[cut:] + "\n"
+            ids, w = self.answer(pre, text, val)
+            tail_ids += ids
+            tail_w += w
         body = self.retrieval_body(n_tokens - len(tail_ids) - 1, facts)
         ids = body + tail_ids
         return ids, [1] * len(body) + tail_w
+
+    def answer(self, pre, text, val):
+        """Ids and weights of a question (weight 1) and its answer text (ANSWER_W), where
+        text = [copied words] + " " + val + [rest]; the first token of val that only the
+        lookup can give gets CRIT_W. Each piece boundary is a pre-token boundary."""
+        cut = text.rfind(" " + val)
+        head, rest = text[:cut], text[cut + 1 + len(val):]
+        p = self.enc(pre)
+        h = self.enc(head) if head else []
+        v = self.enc_val(val)
+        t = self.enc(rest)
+        w = [1] * len(p) + [ANSWER_W] * (len(h) + len(v) + len(t))
+        w[len(p) + len(h) + (1 if val.isdigit() else 0)] = CRIT_W
+        return p + h + v + t, w
 
     def chat_pair(self):
         """(messages without the answer, answer) for a short chat."""
@@ -387,43 +438,50 @@ class Gen:
         facts = self.make_facts(r.choice([1, 2, 3, 4]))
         f = r.choice(facts)
         st, subj, val, line, q, a = f
-        ans = sentence(st, val, line)
         head = self.enc("<|im_start|>system\n" + r.choice(
             ["Read the following text and answer questions about it.\n",
              "You are a helpful assistant. Here is a document.\n",
              "Document:\n"]))
-        q_ids = self.enc("<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n"
-                         % q)
-        a_ids = self.enc("%s<|im_end|>" % ans) + self.enc("\n")
-        body = self.retrieval_body(n_tokens - len(head) - len(q_ids) - len(a_ids) - 1, facts)
-        ids = head + body + q_ids + a_ids
-        w = [1] * (len(head) + len(body) + len(q_ids)) + [ANSWER_W] * (len(a_ids) - 1) + [1]
-        return ids, w
+        qa_ids, qa_w = self.answer(
+            "<|im_end|>\n<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n" % q,
+            sentence(st, val, line) + "<|im_end|>", val)
+        qa_ids, qa_w = qa_ids + self.enc("\n"), qa_w + [1]
+        body = self.retrieval_body(n_tokens - len(head) - len(qa_ids) - 1, facts)
+        return head + body + qa_ids, [1] * (len(head) + len(body)) + qa_w
 
     # ---- packing ------------------------------------------------------------------------
     def doc_length(self):
+        """Length of a long retrieval document; the longest grows with self.progress."""
         r = self.rng
+        top = int(512 + 3584 * min(1.0, 2 * self.progress))
         x = r.random()
         if x < 0.4:
-            return r.randint(2048, 4090)
+            return r.randint(max(200, top // 2), top)
         if x < 0.7:
-            return r.randint(1024, 2048)
-        return r.randint(200, 1024)
+            return r.randint(max(200, top // 4), max(200, top // 2))
+        return r.randint(200, max(200, top // 4))
 
     def row(self, T):
         """One training row: T+1 ids (input/target) and T+1 weights; documents separated by
-        <|endoftext|>."""
+        <|endoftext|>. No retrieval subject repeats within a row."""
         r = self.rng
+        self.row_used = set()
+        dense_p = 0.45 - 0.25 * min(1.0, 2 * self.progress)   # 0.45 early -> 0.2 late
         ids, w = [], []
         while len(ids) < T + 1:
             room = T + 1 - len(ids) - 1
             x = r.random()
-            if x < 0.45 and room >= 200:
+            if x < dense_p and room >= 200:
+                # dense lookup practice: many facts, several questions, little filler
+                n = r.randint(4, 16)
+                d, dw = self.doc_retrieval(min(r.randint(160, 640), room), n_facts=n,
+                                           n_q=r.randint(2, min(n, 8)))
+            elif x < dense_p + 0.25 and room >= 200:
                 d, dw = self.doc_retrieval(min(self.doc_length(), room))
-            elif x < 0.7:
+            elif x < dense_p + 0.5:
                 d, dw = self.doc_chat(min(self.doc_length(), room))
             else:
-                d, dw = self.doc_text(min(r.randint(256, 4096), max(room, 1)))
+                d, dw = self.doc_text(min(r.randint(128, 2048), max(room, 1)))
             if not d:
                 d, dw = self.doc_text(max(room, 1)) if room > 0 else ([], [])
             ids += d + [self.eot]
@@ -477,10 +535,48 @@ def eval_probe(gen, L):
     if st == "kv":
         pre, tail = "%s:" % subj, " %s\n" % val
     else:
-        stmt = line.rstrip("\n")
-        cut = stmt.rfind(val)
-        pre, tail = stmt[:cut].rstrip(" "), " " + stmt[cut:] + "\n"
+        stmt = "The pass key is %s." % val if st == "passkey" else line.rstrip("\n")
+        cut = stmt.rfind(" " + val)
+        pre, tail = stmt[:cut], stmt[cut:] + "\n"
     full = gen.enc(pre + tail)
     npre = len(gen.enc(pre))
     body = gen.retrieval_body(L - len(full), facts)
     return body + full[:npre], full[npre:]
+
+
+def harness_probe(gen, L, lines):
+    """A probe built like the quality harness's (engine/eval_retrieval.c): three facts
+    "The secret code of <Name> is <NNNN>." with held-out names (the asked one in the first
+    quarter of the filler lines, two distractors anywhere), filler lines of `lines` (the
+    harness's filler text) from a random start, then the question. Returns (prompt ids,
+    code): greedy decoding must give " " + code and then no further digit or letter."""
+    r = gen.rng
+    names = r.sample(EVAL_NAMES, 3)
+    codes = [str(r.randint(1000, 9999)) for _ in names]
+    facts = ["The secret code of %s is %s.\n" % (n, c) for n, c in zip(names, codes)]
+    question = "Question: What is the secret code of %s?\nAnswer:" % names[0]
+    fixed = len(gen.enc(question)) + sum(len(gen.enc(f)) for f in facts)
+    start, nl, tot = r.randrange(len(lines)), 0, 0
+    while True:
+        n = len(gen.enc(lines[(start + nl) % len(lines)]))
+        if tot + n > L - fixed:
+            break
+        tot += n
+        nl += 1
+    slots = [r.randint(0, nl // 4)] + [r.randint(0, nl) for _ in facts[1:]]
+    while True:
+        text = []
+        for i in range(nl + 1):
+            text += [f for f, s in zip(facts, slots) if s == i or (i == nl and s > nl)]
+            if i < nl:
+                text.append(lines[(start + i) % len(lines)])
+        ids = gen.tok.encode("".join(text) + question, add_special_tokens=False).ids
+        if len(ids) <= L or nl <= 4:
+            return ids, codes[0]
+        nl -= 1
+
+
+def load_filler_lines(path):
+    with open(path, encoding="utf-8") as f:
+        return [ln if ln.endswith("\n") else ln + "\n" for ln in f.read().split("\n")
+                if ln.strip()]

@@ -44,8 +44,12 @@ def load_pools(data_dir, n_verses):
 
 
 class Rows(torch.utils.data.IterableDataset):
-    def __init__(self, data_dir, seq, seed):
+    """Packed rows from demo_data.Gen. The curriculum's progress is the wall-clock fraction
+    of the training time (t_start .. t_start + duration) when the row is made."""
+
+    def __init__(self, data_dir, seq, seed, t_start, duration):
         self.data_dir, self.seq, self.seed = data_dir, seq, seed
+        self.t_start, self.duration = t_start, duration
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -55,6 +59,7 @@ class Rows(torch.utils.data.IterableDataset):
         gen = dd.Gen(tok, verses, seed=self.seed * 1000 + wid,
                      pools=load_pools(self.data_dir, len(verses)))
         while True:
+            gen.progress = min(1.0, max(0.0, (time.time() - self.t_start) / self.duration))
             ids, w = gen.row(self.seq)
             yield torch.tensor(ids, dtype=torch.int32), torch.tensor(w, dtype=torch.uint8)
 
@@ -196,6 +201,37 @@ def eval_retrieval(model, tok, verses, pools, lengths, n, dev):
 
 
 @torch.no_grad()
+def eval_harness(model, tok, verses, pools, lines, lengths, n, dev):
+    """Accuracy on probes made like build/kvserve-eval's (demo_data.harness_probe): the
+    teacher-forced argmax must give " " + code, then a token that is no digit or letter."""
+    model.eval()
+    res = {}
+    for L in lengths:
+        gen = dd.Gen(tok, verses, seed=77773 + L, pools=pools, eval_mode=True)
+        probes = []
+        for _ in range(n):
+            p, code = dd.harness_probe(gen, L, lines)
+            probes.append((p, gen.enc_val(code)))
+        ok = 0
+        for i in range(0, n, 8):
+            chunk = probes[i:i + 8]
+            T = max(len(p) + len(a) for p, a in chunk)
+            x = torch.zeros(len(chunk), T, dtype=torch.long)
+            for j, (p, a) in enumerate(chunk):
+                s = p + a
+                x[j, :len(s)] = torch.tensor(s)
+            with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
+                pred = model(x.to(dev)).argmax(-1).cpu()
+            for j, (p, a) in enumerate(chunk):
+                got = pred[j, len(p) - 1:len(p) + len(a)].tolist()
+                nxt = tok.decode([got[-1]])
+                ok += int(got[:-1] == a and not (nxt[:1].isalnum()))
+        res[L] = ok / n
+    model.train()
+    return res
+
+
+@torch.no_grad()
 def greedy(model, tok, prompt, dev, max_new=48):
     model.eval()
     ids = tok.encode(prompt, add_special_tokens=False).ids
@@ -233,7 +269,9 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--ffn", type=int, default=640)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--filler", default=os.path.join(HERE, "filler.txt"),
+                    help="the quality harness's filler text (tests/data/eval/filler.txt)")
     ap.add_argument("--eval-n", type=int, default=96)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
@@ -258,7 +296,10 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     print("params %.2fM, config %s" % (n_params / 1e6, json.dumps(cfg)), flush=True)
 
-    dl = torch.utils.data.DataLoader(Rows(a.data, a.seq, a.seed), batch_size=a.batch,
+    lines = dd.load_filler_lines(a.filler)
+    dl = torch.utils.data.DataLoader(Rows(a.data, a.seq, a.seed, t0,
+                                          a.time_budget - a.eval_reserve),
+                                     batch_size=a.batch,
                                      num_workers=a.workers, pin_memory=True,
                                      prefetch_factor=4, persistent_workers=True)
     it = iter(dl)
@@ -275,7 +316,9 @@ def main():
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1),
                              reduction="none")
         wf = w.reshape(-1).float()
-        return (ce * wf).sum() / wf.sum(), (ce.detach() * (wf == 1)).sum() / (wf == 1).sum()
+        crit = (wf == dd.CRIT_W).float()
+        return ((ce * wf).sum() / wf.sum(), (ce.detach() * (wf == 1)).sum() / (wf == 1).sum(),
+                (ce.detach() * crit).sum() / crit.sum().clamp(min=1))
 
     total_steps = None
     step = 0
@@ -299,7 +342,7 @@ def main():
                 lr = a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, lm = loss_fn(x, y, w)
+        loss, lm, crit = loss_fn(x, y, w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -320,8 +363,8 @@ def main():
             lm_ema = lmv if lm_ema is None else 0.9 * lm_ema + 0.1 * lmv
             el = time.time() - t0
             tps = (tok_seen - tok_mark) / (time.time() - t_mark) if t_mark and step > 10 else 0
-            print("step %5d loss %.4f lm %.4f lr %.2e tok/s %.0f elapsed %.0fs" %
-                  (step, lv, lmv, lr, tps, el), flush=True)
+            print("step %5d loss %.4f lm %.4f lookup %.3f lr %.2e tok/s %.0f elapsed %.0fs" %
+                  (step, lv, lmv, crit.item(), lr, tps, el), flush=True)
     sync(dev)
     t_train = time.time() - t0
     tps = (tok_seen - tok_mark) / (time.time() - t_mark)
@@ -342,7 +385,11 @@ def main():
     print("retrieval accuracy (held-out, %d probes each): %s" %
           (a.eval_n, ", ".join("%dK %.1f%%" % (L // 1024, 100 * v) for L, v in res.items())),
           flush=True)
-    for q in ("Recite Genesis 1:1.", "What does the book of Ruth say about Boaz?",
+    res = eval_harness(model, tok, verses, pools, lines, (1024, 2048, 4096), a.eval_n, dev)
+    print("harness-format retrieval (held-out, %d probes each): %s" %
+          (a.eval_n, ", ".join("%dK %.1f%%" % (L // 1024, 100 * v) for L, v in res.items())),
+          flush=True)
+    for q in ("Recite Genesis 1:1.", "What does the book of Ruth say about Naomi?", "What does the book of Ruth say about Boaz?",
               "Who are you?", "Recite John 3:16."):
         ans = greedy(model, tok, dd.chatml([("user", q)], gen_prompt=True), dev)
         print("chat: %r -> %r" % (q, ans), flush=True)

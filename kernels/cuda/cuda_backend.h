@@ -1,0 +1,65 @@
+/* cuda_backend.h: extras of the CUDA backend beyond the op table (kernels/backend.h), for the
+ * GPU tests and the decode benchmark: random device data without host files, CUDA graph
+ * capture of a sequence of ops on the backend's stream, event timing and the device-to-device
+ * copy bandwidth that the benchmark uses as its floor.
+ *
+ * Only declared when the build has CUDA (KVS_HAVE_CUDA=1). Every CUDA failure aborts with
+ * file:line (CUDA_CHECK); functions that allocate return NULL on out-of-memory.
+ * Ownership: weights from kvs_cuda_random_weight are freed by the op table's free_weight (or
+ * by the backend's free); a graph from kvs_cuda_graph_end by kvs_cuda_graph_free.
+ */
+#ifndef KVS_CUDA_BACKEND_H
+#define KVS_CUDA_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The op table (kernels/backend.h), defined in cuda_backend.cu; engine/runner.c selects it for
+ * device "cuda" (and "auto" when a GPU is usable). */
+extern const struct kvs_backend_ops kvs_cuda_backend;
+
+struct kvs_cuda_graph;
+
+/* A weight of rows x cols (rows = 1 and is_vector = 1 for a 1-D vector) filled on the device
+ * with uniform random values in [-scale, scale) from seed. NULL on out-of-memory. */
+struct kvs_dweight *kvs_cuda_random_weight(struct kvs_backend *b, int64_t rows, int64_t cols,
+                                           int is_vector, float scale, uint64_t seed);
+/* Fills n elements of buf from off (ACT/F32/KV kinds) with uniform values in [-scale, scale). */
+void kvs_cuda_fill_random(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, size_t n,
+                          float scale, uint64_t seed);
+
+/* Graph capture of every op enqueued between begin and end (no download/sync in between). */
+void kvs_cuda_graph_begin(struct kvs_backend *b);
+struct kvs_cuda_graph *kvs_cuda_graph_end(struct kvs_backend *b);
+void kvs_cuda_graph_launch(struct kvs_backend *b, struct kvs_cuda_graph *g);
+void kvs_cuda_graph_free(struct kvs_cuda_graph *g);
+
+/* Event timing on the backend's stream: mark, then elapsed ms since the mark (waits). */
+void kvs_cuda_timer_start(struct kvs_backend *b);
+float kvs_cuda_timer_stop_ms(struct kvs_backend *b);
+
+/* Measured device-to-device copy bandwidth in bytes/s (bytes read + bytes written over time),
+ * median of several cudaMemcpyAsync of `bytes` bytes; uses a temporary allocation (setup
+ * only, never inside a step). Returns 0 if the memory cannot be had. */
+double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
+
+/* Attention variant (for the benchmark's comparisons): high_occupancy = the kernel built with
+ * __launch_bounds__(128, 3) (at most 168 registers: 3 resident blocks per SM), blocks_per_sm = how many blocks per SM the
+ * context split aims at (0 = automatic). */
+void kvs_cuda_set_attn_variant(struct kvs_backend *b, int high_occupancy, int blocks_per_sm);
+
+/* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */
+void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
+#endif

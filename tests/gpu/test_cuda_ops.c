@@ -1,0 +1,458 @@
+/* test_cuda_ops.c: every op of the CUDA backend against the fp32 CPU backend (the reference),
+ * on fresh random inputs each run (seed from the clock, printed so a failure can be replayed
+ * with KVS_SEED=<seed>).
+ *
+ * CUDA outputs are poisoned with NaN before each op; a NaN anywhere fails. Tolerances: relative
+ * L2 error (||cuda - cpu|| / ||cpu||) under 1e-2 where bf16 enters (weights, KV, GEMM inputs),
+ * 1e-5 for ops that are fp32 on both sides. Attention runs over random block tables, GQA
+ * ratios 1/2/4/8/16, head dims 16..128, contexts up to a few thousand positions, decode rows
+ * mixed with prefill chunks, block sizes that do and do not divide the kernel's tile, and
+ * non-zero rot_offsets (deferred RoPE). Needs a GPU: exits 1 with a message when none.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/util.h"
+#include "kernels/backend.h"
+#include "models/model.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+
+static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
+static struct kvs_backend *bc, *bg;
+static int n_fail, n_checks;
+static uint64_t rng;
+
+static uint64_t next_u64(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+static float frand(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+static int irand(int n) { return (int)(next_u64() % (uint64_t)n); }
+
+/* round to bf16 (nearest even), so both backends hold the same values where CUDA stores bf16 */
+static float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static float *rand_vec(size_t n, float scale, int round_bf16)
+{
+    float *v = kvs_xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? bf16_round(frand() * scale) : frand() * scale;
+    return v;
+}
+
+/* a buffer on both backends */
+struct pair {
+    struct kvs_dbuf *c, *g;
+    enum kvs_buf_kind kind;
+    size_t n;
+};
+
+static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
+{
+    struct pair p = {C->alloc(bc, kind, n), G->alloc(bg, kind, n), kind, n};
+    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
+    if (host) {
+        C->upload(bc, p.c, 0, host, n);
+        G->upload(bg, p.g, 0, host, n);
+    }
+    return p;
+}
+
+static void poison(struct pair *p)
+{
+    float *nan = kvs_xmalloc(p->n * sizeof(float));
+    memset(nan, 0xff, p->n * sizeof(float)); /* all-ones: a NaN as fp32, and as bf16 after conversion */
+    G->upload(bg, p->g, 0, nan, p->n);
+    free(nan);
+}
+
+static void drop(struct pair *p)
+{
+    C->free_buf(bc, p->c);
+    G->free_buf(bg, p->g);
+}
+
+/* relative L2 error of the CUDA result against the CPU one over [off, off+n) */
+static void check_range(const char *what, struct pair *p, size_t off, size_t n, double tol)
+{
+    float *a = kvs_xmalloc(n * sizeof(float)), *r = kvs_xmalloc(n * sizeof(float));
+    G->download(bg, a, p->g, off, n);
+    C->download(bc, r, p->c, off, n);
+    double num = 0, den = 0;
+    size_t nans = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(a[i]) || isinf(a[i])) { nans++; continue; }
+        double d = (double)a[i] - r[i];
+        num += d * d;
+        den += (double)r[i] * r[i];
+    }
+    double e = den > 0 ? sqrt(num / den) : sqrt(num);
+    n_checks++;
+    int ok = nans == 0 && e < tol;
+    if (!ok) n_fail++;
+    printf("%s %-58s rel_l2 %.3e (tol %.0e)%s\n", ok ? "ok  " : "FAIL", what, e, tol,
+           nans ? "  NON-FINITE OUTPUT" : "");
+    free(a);
+    free(r);
+}
+static void check(const char *what, struct pair *p, double tol) { check_range(what, p, 0, p->n, tol); }
+
+struct wpair {
+    struct kvs_dweight *c, *g;
+};
+
+/* a weight from host fp32 values, presented to both backends as a tensor of dtype dt */
+static struct wpair mkw(const float *v, int64_t rows, int64_t cols, int is_vec, enum kvs_dtype dt)
+{
+    size_t n = (size_t)(rows * cols);
+    size_t es = dt == KVS_DTYPE_F32 ? 4 : 2;
+    void *raw = kvs_xmalloc(n * es);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &v[i], 4);
+        if (dt == KVS_DTYPE_F32) ((float *)raw)[i] = v[i];
+        else if (dt == KVS_DTYPE_BF16) ((uint16_t *)raw)[i] = (uint16_t)(((u + 0x7fffu + ((u >> 16) & 1u))) >> 16);
+        else {
+            /* fp16 through _Float16-free rounding: use the compiler's conversion via float -> half bits */
+            float x = v[i];
+            uint32_t sign = (u >> 16) & 0x8000u;
+            float ax = fabsf(x);
+            uint16_t h;
+            if (ax < 6.1035156e-05f) h = (uint16_t)(sign | (uint32_t)lrintf(ax / 5.9604645e-08f));
+            else {
+                int ex;
+                float m = frexpf(ax, &ex); /* ax = m * 2^ex, m in [0.5, 1) */
+                uint32_t mant = (uint32_t)lrintf((m * 2.0f - 1.0f) * 1024.0f);
+                int e = ex - 1 + 15;
+                if (mant == 1024) { mant = 0; e++; }
+                h = (uint16_t)(sign | ((uint32_t)e << 10) | mant);
+            }
+            ((uint16_t *)raw)[i] = h;
+        }
+    }
+    struct kvs_tensor_view t = {.dtype = dt, .ndim = is_vec ? 1 : 2, .data = raw, .nbytes = n * es, .file = "test"};
+    if (is_vec) t.shape[0] = cols;
+    else { t.shape[0] = rows; t.shape[1] = cols; }
+    char err[256];
+    struct wpair w = {C->upload_weight(bc, &t, err, sizeof err), G->upload_weight(bg, &t, err, sizeof err)};
+    if (!w.c || !w.g) kvs_panic(__FILE__, __LINE__, "upload_weight: %s", err);
+    free(raw);
+    return w;
+}
+static void dropw(struct wpair *w)
+{
+    C->free_weight(bc, w->c);
+    G->free_weight(bg, w->g);
+}
+
+/* ---- element-wise and row ops ------------------------------------------------------------ */
+
+static void test_rows(void)
+{
+    char what[160];
+    int ns[] = {1, 5, 64};
+    for (int k = 0; k < 3; k++) {
+        int n = ns[k], dim = k == 2 ? 4096 : 64 + 8 * k;
+        float *xv = rand_vec((size_t)n * dim, 2.0f, 0), *dv = rand_vec((size_t)n * dim, 1.0f, 0);
+        float *wv = rand_vec(dim, 1.0f, 0);
+        struct wpair w = mkw(wv, 1, dim, 1, KVS_DTYPE_F32);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * dim, xv), d = mk(KVS_BUF_ACT, (size_t)n * dim, dv);
+        struct pair o = mk(KVS_BUF_ACT, (size_t)n * dim, NULL);
+        poison(&o);
+        C->rmsnorm(bc, x.c, w.c, 1e-5f, n, dim, o.c);
+        G->rmsnorm(bg, x.g, w.g, 1e-5f, n, dim, o.g);
+        snprintf(what, sizeof what, "rmsnorm n=%d dim=%d", n, dim);
+        check(what, &o, 1e-5);
+        poison(&o);
+        C->add_rmsnorm(bc, x.c, d.c, w.c, 1e-6f, n, dim, o.c);
+        G->add_rmsnorm(bg, x.g, d.g, w.g, 1e-6f, n, dim, o.g);
+        snprintf(what, sizeof what, "add_rmsnorm out n=%d dim=%d", n, dim);
+        check(what, &o, 1e-5);
+        snprintf(what, sizeof what, "add_rmsnorm residual n=%d dim=%d", n, dim);
+        check(what, &x, 1e-6);
+        /* swiglu, out distinct and out == gate */
+        poison(&o);
+        C->swiglu(bc, x.c, d.c, n, dim, o.c);
+        G->swiglu(bg, x.g, d.g, n, dim, o.g);
+        snprintf(what, sizeof what, "swiglu n=%d ff=%d", n, dim);
+        check(what, &o, 1e-5);
+        C->swiglu(bc, x.c, d.c, n, dim, x.c);
+        G->swiglu(bg, x.g, d.g, n, dim, x.g);
+        snprintf(what, sizeof what, "swiglu in place n=%d ff=%d", n, dim);
+        check(what, &x, 1e-5);
+        /* gather_rows (repeats allowed) */
+        int m = 1 + irand(n + 2);
+        int32_t *rows = kvs_xmalloc((size_t)m * sizeof(int32_t));
+        for (int i = 0; i < m; i++) rows[i] = irand(n);
+        struct pair r = mk(KVS_BUF_I32, (size_t)m, rows);
+        struct pair go = mk(KVS_BUF_ACT, (size_t)m * dim, NULL);
+        poison(&go);
+        C->gather_rows(bc, d.c, r.c, m, dim, go.c);
+        G->gather_rows(bg, d.g, r.g, m, dim, go.g);
+        snprintf(what, sizeof what, "gather_rows m=%d of n=%d dim=%d", m, n, dim);
+        check(what, &go, 1e-7);
+        /* logits_to_host */
+        float *hc = kvs_xmalloc((size_t)n * dim * 4), *hg = kvs_xmalloc((size_t)n * dim * 4);
+        memset(hg, 0xff, (size_t)n * dim * 4);
+        C->logits_to_host(bc, d.c, n, dim, hc);
+        G->logits_to_host(bg, d.g, n, dim, hg);
+        n_checks++;
+        if (memcmp(hc, hg, (size_t)n * dim * 4)) { n_fail++; printf("FAIL logits_to_host n=%d\n", n); }
+        else printf("ok   logits_to_host n=%d vocab=%d (exact)\n", n, dim);
+        free(hc); free(hg); free(rows);
+        drop(&r); drop(&go); drop(&x); drop(&d); drop(&o); dropw(&w);
+        free(xv); free(dv); free(wv);
+    }
+}
+
+static void test_embed_matmul(void)
+{
+    char what[160];
+    const enum kvs_dtype dts[] = {KVS_DTYPE_F32, KVS_DTYPE_BF16, KVS_DTYPE_F16};
+    const char *dtn[] = {"f32", "bf16", "f16"};
+    struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
+                                                 {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1}};
+    for (int c = 0; c < 8; c++) {
+        int n = cases[c].n, in = cases[c].in, out = cases[c].out;
+        enum kvs_dtype dt = dts[c % 3];
+        float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
+        float *bv = rand_vec(out, 0.5f, 0);
+        struct wpair w = mkw(wv, out, in, 0, dt), b = mkw(bv, 1, out, 1, dt);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), y = mk(KVS_BUF_ACT, (size_t)n * out, NULL);
+        poison(&y);
+        C->matmul(bc, x.c, w.c, cases[c].bias ? b.c : NULL, n, in, out, y.c);
+        G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+        snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d", dtn[c % 3], n, in, out, cases[c].bias);
+        check(what, &y, 1e-2);
+        /* embed: the weight as a [vocab=out][dim=in] table */
+        int32_t *tok = kvs_xmalloc((size_t)n * 4);
+        for (int i = 0; i < n; i++) tok[i] = irand(out);
+        struct pair tk = mk(KVS_BUF_I32, (size_t)n, tok), e = mk(KVS_BUF_ACT, (size_t)n * in, NULL);
+        poison(&e);
+        C->embed(bc, w.c, tk.c, n, in, e.c);
+        G->embed(bg, w.g, tk.g, n, in, e.g);
+        snprintf(what, sizeof what, "embed %s n=%d vocab=%d dim=%d", dtn[c % 3], n, out, in);
+        check(what, &e, 1e-2);
+        free(tok); drop(&tk); drop(&e);
+        drop(&x); drop(&y); dropw(&w); dropw(&b);
+        free(wv); free(xv); free(bv);
+    }
+}
+
+static void make_inv_freq(float *f, int hd, double theta)
+{
+    for (int i = 0; i < hd / 2; i++) f[i] = (float)pow(theta, -2.0 * i / hd);
+}
+
+static void test_rope_headnorm(void)
+{
+    char what[160];
+    struct { int n, heads, hd; } cases[] = {{1, 32, 128}, {9, 4, 16}, {40, 8, 64}};
+    for (int c = 0; c < 3; c++) {
+        int n = cases[c].n, nh = cases[c].heads, hd = cases[c].hd;
+        size_t sz = (size_t)n * nh * hd;
+        float *xv = rand_vec(sz, 1.0f, 0), *wv = rand_vec(hd, 1.0f, 0);
+        float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+        make_inv_freq(inv, hd, c == 0 ? 500000.0 : 10000.0);
+        int32_t *pos = kvs_xmalloc((size_t)n * 4), *rot = kvs_xmalloc((size_t)n * 4);
+        for (int i = 0; i < n; i++) { pos[i] = irand(32768); rot[i] = irand(2001) - 1000; }
+        struct pair x = mk(KVS_BUF_ACT, sz, xv), p = mk(KVS_BUF_I32, n, pos), r = mk(KVS_BUF_I32, n, rot);
+        struct pair f = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
+        struct wpair w = mkw(wv, 1, hd, 1, KVS_DTYPE_F32);
+        C->rope(bc, x.c, p.c, NULL, f.c, n, nh, hd);
+        G->rope(bg, x.g, p.g, NULL, f.g, n, nh, hd);
+        snprintf(what, sizeof what, "rope n=%d heads=%d hd=%d", n, nh, hd);
+        check(what, &x, 1e-5);
+        C->rope(bc, x.c, p.c, r.c, f.c, n, nh, hd);
+        G->rope(bg, x.g, p.g, r.g, f.g, n, nh, hd);
+        snprintf(what, sizeof what, "rope with rot n=%d heads=%d hd=%d", n, nh, hd);
+        check(what, &x, 1e-5);
+        C->head_rmsnorm(bc, x.c, w.c, 1e-6f, n, nh, hd);
+        G->head_rmsnorm(bg, x.g, w.g, 1e-6f, n, nh, hd);
+        snprintf(what, sizeof what, "head_rmsnorm n=%d heads=%d hd=%d", n, nh, hd);
+        check(what, &x, 1e-5);
+        drop(&x); drop(&p); drop(&r); drop(&f); dropw(&w);
+        free(xv); free(wv); free(inv); free(pos); free(rot);
+    }
+}
+
+/* ---- KV cache: kv_write, kv_copy_block, attention ------------------------------------------ */
+
+struct attn_case {
+    int n_heads, n_kv, hd, bs;
+    int n_seqs;
+    int pos[6], ntok[6];
+    int use_rot;
+};
+
+static void test_attention_case(const struct attn_case *ac)
+{
+    char what[200];
+    int nh = ac->n_heads, nkv = ac->n_kv, hd = ac->hd, bs = ac->bs, S = ac->n_seqs;
+    int max_blocks = 0, total_blocks = 0, n = 0, max_ctx = 0;
+    int32_t q_start[7], pos[6];
+    for (int s = 0; s < S; s++) {
+        int ctx = ac->pos[s] + ac->ntok[s];
+        int nb = (ctx + bs - 1) / bs;
+        if (nb > max_blocks) max_blocks = nb;
+        total_blocks += nb;
+        if (ctx > max_ctx) max_ctx = ctx;
+        q_start[s] = n;
+        pos[s] = ac->pos[s];
+        n += ac->ntok[s];
+    }
+    q_start[S] = n;
+    int n_blocks = total_blocks + 3; /* spare blocks stay unused */
+    /* random block tables: a random permutation of the pool, dealt to the sequences */
+    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) { int j = irand(i + 1); int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t; }
+    int32_t *bt = kvs_xcalloc((size_t)S * max_blocks, 4), *rot = kvs_xcalloc((size_t)S * max_blocks, 4);
+    int used = 0;
+    for (int s = 0; s < S; s++) {
+        int nb = (ac->pos[s] + ac->ntok[s] + bs - 1) / bs;
+        for (int j = 0; j < nb; j++) {
+            bt[s * max_blocks + j] = perm[used++];
+            /* deferred RoPE: some blocks of some sequences carry an offset (may be negative) */
+            if (ac->use_rot && (s + j) % 3 != 0) rot[s * max_blocks + j] = irand(4001) - 2000;
+        }
+    }
+    size_t cache_n = (size_t)n_blocks * nkv * bs * hd;
+    float *kv0 = rand_vec(cache_n, 1.0f, 1), *vv0 = rand_vec(cache_n, 1.0f, 1);
+    struct pair kc = mk(KVS_BUF_KV, cache_n, kv0), vc = mk(KVS_BUF_KV, cache_n, vv0);
+
+    /* the step's own K/V go through kv_write, as the runner does */
+    size_t kn = (size_t)n * nkv * hd;
+    float *kn_v = rand_vec(kn, 1.0f, 1), *vn_v = rand_vec(kn, 1.0f, 1);
+    int32_t *slots = kvs_xmalloc((size_t)n * 4);
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < ac->ntok[s]; i++) {
+            int p = ac->pos[s] + i;
+            slots[q_start[s] + i] = bt[s * max_blocks + p / bs] * bs + p % bs;
+        }
+    struct pair kk = mk(KVS_BUF_ACT, kn, kn_v), vv = mk(KVS_BUF_ACT, kn, vn_v), sl = mk(KVS_BUF_I32, n, slots);
+    C->kv_write(bc, kk.c, vv.c, sl.c, n, nkv, hd, bs, kc.c, vc.c);
+    G->kv_write(bg, kk.g, vv.g, sl.g, n, nkv, hd, bs, kc.g, vc.g);
+    snprintf(what, sizeof what, "kv_write n=%d kv_heads=%d hd=%d bs=%d (K cache)", n, nkv, hd, bs);
+    check(what, &kc, 1e-2);
+    snprintf(what, sizeof what, "kv_write n=%d kv_heads=%d hd=%d bs=%d (V cache)", n, nkv, hd, bs);
+    check(what, &vc, 1e-2);
+
+    float *qv = rand_vec((size_t)n * nh * hd, 1.0f, 0);
+    float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+    make_inv_freq(inv, hd, 10000.0);
+    struct pair q = mk(KVS_BUF_ACT, (size_t)n * nh * hd, qv), out = mk(KVS_BUF_ACT, (size_t)n * nh * hd, NULL);
+    struct pair qs = mk(KVS_BUF_I32, S + 1, q_start), ps = mk(KVS_BUF_I32, S, pos);
+    struct pair bts = mk(KVS_BUF_I32, (size_t)S * max_blocks, bt), rts = mk(KVS_BUF_I32, (size_t)S * max_blocks, rot);
+    struct pair fq = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
+    struct kvs_attn_meta mc = {.n_seqs = S, .max_blocks = max_blocks, .q_start = qs.c, .pos = ps.c,
+                               .block_tables = bts.c, .rot_offsets = ac->use_rot ? rts.c : NULL, .inv_freq = fq.c,
+                               .h_q_start = q_start, .h_pos = pos, .max_ctx = max_ctx};
+    struct kvs_attn_meta mg = mc;
+    mg.q_start = qs.g; mg.pos = ps.g; mg.block_tables = bts.g; mg.rot_offsets = ac->use_rot ? rts.g : NULL;
+    mg.inv_freq = fq.g;
+    float scale = 1.0f / sqrtf((float)hd);
+    poison(&out);
+    C->attention(bc, q.c, kc.c, vc.c, &mc, n, nh, nkv, hd, bs, scale, out.c);
+    G->attention(bg, q.g, kc.g, vc.g, &mg, n, nh, nkv, hd, bs, scale, out.g);
+    snprintf(what, sizeof what, "attention heads=%d/%d hd=%d bs=%d seqs=%d rows=%d ctx<=%d rot=%d", nh, nkv, hd, bs,
+             S, n, max_ctx, ac->use_rot);
+    check(what, &out, 1e-2);
+    /* each sequence alone (rows of decode sequences are the ones that split) */
+    for (int s = 0; s < S; s++) {
+        snprintf(what, sizeof what, "  seq %d: pos=%d tokens=%d", s, ac->pos[s], ac->ntok[s]);
+        check_range(what, &out, (size_t)q_start[s] * nh * hd, (size_t)ac->ntok[s] * nh * hd, 1e-2);
+    }
+
+    /* kv_copy_block: copy a used block over a spare one, both caches compared whole */
+    int src = bt[0], dst = perm[n_blocks - 1];
+    C->kv_copy_block(bc, kc.c, vc.c, src, dst, nkv, bs, hd);
+    G->kv_copy_block(bg, kc.g, vc.g, src, dst, nkv, bs, hd);
+    snprintf(what, sizeof what, "kv_copy_block %d -> %d (K cache)", src, dst);
+    check(what, &kc, 1e-2);
+    size_t per = (size_t)nkv * bs * hd;
+    float *a = kvs_xmalloc(per * 4), *b2 = kvs_xmalloc(per * 4);
+    G->download(bg, a, vc.g, (size_t)src * per, per);
+    G->download(bg, b2, vc.g, (size_t)dst * per, per);
+    n_checks++;
+    if (memcmp(a, b2, per * 4)) { n_fail++; printf("FAIL kv_copy_block: CUDA V block differs from its source\n"); }
+    else printf("ok   kv_copy_block (CUDA V block %d == block %d)\n", dst, src);
+    free(a); free(b2);
+
+    drop(&kc); drop(&vc); drop(&kk); drop(&vv); drop(&sl); drop(&q); drop(&out); drop(&qs); drop(&ps);
+    drop(&bts); drop(&rts); drop(&fq);
+    free(perm); free(bt); free(rot); free(kv0); free(vv0); free(kn_v); free(vn_v); free(slots); free(qv); free(inv);
+}
+
+static void test_attention(void)
+{
+    const struct attn_case cases[] = {
+        /* tiny-model shape: GQA 2, head_dim 16 and 32 */
+        {4, 2, 16, 16, 3, {0, 5, 40}, {7, 1, 1}, 0},
+        {4, 2, 32, 16, 2, {100, 0}, {1, 33}, 1},
+        /* GQA 1, head_dim 64, mixed prefill + decode, long decode context */
+        {8, 8, 64, 16, 4, {3000, 0, 100, 1}, {1, 40, 17, 1}, 0},
+        /* GQA 4 (Llama-3-8B), head_dim 128, rot offsets, block size not a multiple of the tile */
+        {32, 8, 128, 5, 3, {2047, 0, 999}, {1, 23, 1}, 1},
+        {32, 8, 128, 16, 5, {4000, 1, 2500, 0, 63}, {1, 1, 1, 64, 2}, 0},
+        /* GQA 8, head_dim 128 and 64 */
+        {32, 4, 128, 32, 3, {1500, 0, 3100}, {1, 12, 1}, 1},
+        {16, 2, 64, 16, 2, {0, 2200}, {50, 1}, 0},
+        /* GQA 16 (two head chunks per KV head) and GQA 3 (padded group) */
+        {16, 1, 128, 16, 2, {700, 10}, {1, 9}, 1},
+        {12, 4, 64, 8, 2, {333, 0}, {1, 21}, 0},
+    };
+    for (int occ = 0; occ < 2; occ++) {
+        /* both kernel builds: the default and the register-capped one */
+        kvs_cuda_set_attn_variant(bg, occ, 0);
+        printf("attention variant: high_occupancy=%d\n", occ);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
+    }
+    kvs_cuda_set_attn_variant(bg, 1, 0);
+}
+
+int main(void)
+{
+    const char *es = getenv("KVS_SEED");
+    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
+    if (!seed) seed = 1;
+    rng = seed;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
+    char err[256];
+    bc = C->create(2, err, sizeof err);
+    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
+    bg = G->create(0, err, sizeof err);
+    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+    test_rows();
+    test_embed_matmul();
+    test_rope_headnorm();
+    test_attention();
+    G->free(bg);
+    C->free(bc);
+    printf("%d checks, %d failed\n", n_checks, n_fail);
+    return n_fail ? 1 : 0;
+}
+
+#else
+int main(void)
+{
+    fprintf(stderr, "test_cuda_ops: built without CUDA (nvcc not found)\n");
+    return 1;
+}
+#endif
