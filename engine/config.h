@@ -55,6 +55,7 @@ struct kvs_config {
     /* kv.lazy (LazyAttention doc cache) */
     int64_t lazy_budget_bytes;
     char *lazy_eviction;         /* lru | lfu */
+    int lazy_position_aware;     /* bool: key documents by (content, offset) (benchmark baseline) */
 
     /* kv.mac (MAC-Attention) */
     int mac_ring_size;

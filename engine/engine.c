@@ -44,10 +44,11 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->running = calloc((size_t)e->max_running, sizeof *e->running);
     e->sched = calloc((size_t)e->max_running, sizeof *e->sched);
     e->seqs = calloc((size_t)e->max_running, sizeof *e->seqs);
+    e->jobs = calloc((size_t)e->max_running, sizeof *e->jobs);
     e->logits = malloc((size_t)e->max_running * (size_t)x->vocab_size * sizeof *e->logits);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
-    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->logits || !e->piece) {
+    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->logits || !e->piece) {
         kvs_err(err, errlen, rc, "engine: cannot allocate scheduler buffers (max_running=%d, vocab=%d)",
                 e->max_running, x->vocab_size);
         goto fail;
@@ -60,6 +61,11 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     }
     rc = kvs_kv_strategy_init(&e->kv, cfg, x->backend_name, &e->pool, err, errlen);
     if (rc < 0) goto fail;
+    if (e->kv.is_lazy) {
+        rc = kvs_kv_strategy_init_lazy(&e->kv, cfg->lazy_eviction, cfg->lazy_position_aware, cfg->lazy_budget_bytes,
+                                       x->kv_bytes_per_block, err, errlen);
+        if (rc < 0) goto fail;
+    }
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     e->stats.kv_blocks_total = x->n_blocks;
@@ -88,6 +94,7 @@ fail:
     free(e->running);
     free(e->sched);
     free(e->seqs);
+    free(e->jobs);
     free(e->logits);
     free(e->piece);
     free(e);
@@ -128,6 +135,7 @@ void kvs_engine_free(struct kvs_engine *e)
     free(e->running);
     free(e->sched);
     free(e->seqs);
+    free(e->jobs);
     free(e->logits);
     free(e->piece);
     free(e);
@@ -161,7 +169,7 @@ static int is_member(const int32_t *ids, int n, int32_t id)
  * for admission. */
 static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen)
 {
-    int total = r->n_prompt + r->max_tokens;
+    int total = r->n_full_prompt + r->max_tokens;
     r->tokens = malloc((size_t)total * sizeof *r->tokens);
     r->text_cap = r->max_stop_len + (int)e->piece_cap + 8;
     r->text = malloc((size_t)r->text_cap);
@@ -180,8 +188,32 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
             return kvs_err(err, errlen, rc, "invalid sampling parameters");
         }
     }
-    memcpy(r->tokens, r->prompt, (size_t)r->n_prompt * sizeof *r->tokens);
-    r->n_tokens = r->n_prompt;
+    /* documents first (with kv.reuse=lazy each padded to a block boundary; the padding slots
+     * are never computed or attended; they repeat the document's last token, so that the
+     * sampler's prompt-token set (repetition penalty) is exactly the real prompt's), then the
+     * request's own prompt */
+    int at = 0, bs = e->x.block_size;
+    const int32_t *dt = r->doc_tokens;
+    for (int d = 0; d < r->n_docs; d++) {
+        memcpy(r->tokens + at, dt, (size_t)r->doc_len[d] * sizeof *r->tokens);
+        at += r->doc_len[d];
+        dt += r->doc_len[d];
+        if (e->kv.is_lazy)
+            for (; at % bs; at++) r->tokens[at] = r->tokens[at - 1];
+    }
+    memcpy(r->tokens + at, r->prompt, (size_t)r->n_prompt * sizeof *r->tokens);
+    KVS_ASSERT(at + r->n_prompt == r->n_full_prompt);
+    r->n_tokens = r->n_full_prompt;
+    if (e->kv.is_lazy && r->n_docs) {
+        r->lazy = calloc(1, sizeof *r->lazy);
+        rc = r->lazy ? kvs_lazy_seq_init(r->lazy, r->doc_len, r->n_docs, r->table.cap, bs) : -ENOMEM;
+        if (rc < 0) {
+            kvs_request_release_engine_state(r, NULL);
+            return kvs_err(err, errlen, rc, rc == -E2BIG ? "the documents do not fit the 16-bit offset field of the "
+                                                         "document cache (padded document region over 65535 slots)"
+                                                       : "out of memory for the request");
+        }
+    }
     /* EOS ids join the request's stop ids unless ignore_eos */
     if (!r->ignore_eos && e->n_eos) {
         int32_t *s = realloc(r->stop_ids, (size_t)(r->n_stop_ids + e->n_eos) * sizeof *s);
@@ -213,6 +245,21 @@ int kvs_engine_submit(struct kvs_engine *e, struct kvs_request *r, char *err, si
 static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen)
 {
     if (r->n_prompt <= 0) return kvs_err(err, errlen, -EINVAL, "the prompt is empty");
+    /* documents: checked here, laid out by prepare */
+    int64_t full = r->n_prompt, real = r->n_prompt;
+    const int32_t *dt = r->doc_tokens;
+    for (int d = 0; d < r->n_docs; d++) {
+        if (r->doc_len[d] <= 0) return kvs_err(err, errlen, -EINVAL, "document %d is empty", d);
+        for (int i = 0; i < r->doc_len[d]; i++)
+            if (dt[i] < 0 || dt[i] >= e->x.vocab_size)
+                return kvs_err(err, errlen, -EINVAL, "document %d: token %d at index %d is outside the vocabulary (0..%d)",
+                               d, dt[i], i, e->x.vocab_size - 1);
+        dt += r->doc_len[d];
+        int bs = e->x.block_size;
+        full += e->kv.is_lazy ? ((int64_t)r->doc_len[d] + bs - 1) / bs * bs : r->doc_len[d];
+        real += r->doc_len[d];
+        if (full > INT32_MAX / 2) return kvs_err(err, errlen, -E2BIG, "the documents are too long");
+    }
     if (r->max_tokens <= 0) return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
     for (int i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= e->x.vocab_size)
@@ -227,11 +274,14 @@ static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t
     for (int i = 0; i < s->n_logit_bias; i++)
         if (s->logit_bias_ids[i] < 0 || s->logit_bias_ids[i] >= e->x.vocab_size)
             return kvs_err(err, errlen, -EINVAL, "logit_bias token %d is outside the vocabulary", s->logit_bias_ids[i]);
-    if ((int64_t)r->n_prompt + r->max_tokens > e->max_context)
+    if (full + r->max_tokens > e->max_context)
         return kvs_err(err, errlen, -E2BIG,
                        "This model's maximum context length is %d tokens. However, you requested %lld tokens "
-                       "(%d in the messages, %d in the completion).",
-                       e->max_context, (long long)r->n_prompt + r->max_tokens, r->n_prompt, r->max_tokens);
+                       "(%lld in the messages%s, %d in the completion).",
+                       e->max_context, (long long)full + r->max_tokens, (long long)full,
+                       full != real ? " and documents, padded to KV blocks" : "", r->max_tokens);
+    r->n_full_prompt = (int)full;
+    r->n_real_prompt = (int)real;
     /* cheap checks under the lock first so that a full queue answers at once */
     pthread_mutex_lock(&e->mu);
     int rc = 0;

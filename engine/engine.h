@@ -48,8 +48,17 @@ struct kvs_sampling {
     int top_logprobs;             /* 0..KVS_MAX_TOP_LOGPROBS alternatives per token */
 };
 
+/* A RAG document cited by a request (token ids from the docstore). With kv.reuse=lazy it is a
+ * doc segment: its KV comes from the document cache (computed once, Block-Attention semantics,
+ * reused at any offset); otherwise its tokens are plain prompt text. */
+struct kvs_doc_segment {
+    uint64_t id;                  /* caller's document id (logs only: the cache keys by content) */
+    const int32_t *tokens;        /* copied by kvs_request_new */
+    int n_tokens;                 /* > 0 */
+};
+
 struct kvs_request_params {
-    const int32_t *prompt;        /* token ids (copied) */
+    const int32_t *prompt;        /* token ids (copied): the request's own tokens, after its documents */
     int n_prompt;
     int max_tokens;               /* > 0 */
     struct kvs_sampling sampling;
@@ -60,6 +69,11 @@ struct kvs_request_params {
     int ignore_eos;
     int skip_special;             /* detokenize without special tokens (default 1) */
     double timeout_s;             /* 0 = none; past it the request ends with finish "timeout" */
+    /* documents first, in order, then prompt (NULL / 0: none). With kv.reuse=lazy each starts
+     * on a KV block boundary and the request's positions are padded coordinates
+     * (engine/kv/doc_cache.h); n_prompt_tokens in DONE counts real tokens only. */
+    const struct kvs_doc_segment *docs;
+    int n_docs;
 };
 
 enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3 };
@@ -103,6 +117,16 @@ struct kvs_engine_stats {
     uint64_t requests_rejected;   /* -EAGAIN at submit */
     uint64_t steps;
     double busy_s;                /* time spent in forward passes */
+    /* kv.reuse=lazy document cache (zero otherwise); hits/misses count document lookups at a
+     * request's first admission */
+    uint64_t doc_hits;
+    uint64_t doc_misses;
+    double doc_hit_ratio;         /* hits / (hits + misses), 0 before any lookup */
+    uint64_t doc_bytes_cached;    /* KV bytes of cached documents (in use or not) */
+    int doc_entries;              /* documents in the cache */
+    uint64_t doc_evictions;       /* documents evicted (budget or pool pressure) */
+    uint64_t doc_prefill_tokens_saved;    /* document tokens served from the cache */
+    uint64_t doc_prefill_tokens_computed; /* document tokens prefilled (each missing document once) */
 };
 
 /* Creates the runner (backend, weights, KV pool) and starts the scheduler thread.

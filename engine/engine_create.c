@@ -131,6 +131,7 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.block_size = kvs_runner_block_size(rx->runner);
     x.vocab_size = rx->vocab;
     x.max_context = kvs_runner_max_context(rx->runner);
+    x.kv_bytes_per_block = kvs_runner_kv_bytes_per_token(rx->runner) * (size_t)x.block_size;
     x.forward = real_forward;
     x.sampler_state_size = sizeof(struct kvs_sampler);
     x.sampler_init = real_sampler_init;

@@ -36,6 +36,7 @@ struct kvs_engine_exec {
     int block_size;               /* token slots per block */
     int vocab_size;
     int max_context;              /* model context (prompt + generated) */
+    size_t kv_bytes_per_block;    /* KV bytes of one block, all layers (0 = unknown: no byte budgets) */
 
     int (*forward)(void *ctx, const struct kvs_batch *b, float *logits);
 

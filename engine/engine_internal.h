@@ -40,6 +40,9 @@ struct kvs_request {
     int ignore_eos;
     int skip_special;
     double timeout_s;
+    int32_t *doc_tokens;          /* [sum of doc_len] the documents' ids, concatenated */
+    int *doc_len;                 /* [n_docs] */
+    int n_docs;
     void (*notify)(void *user);
     void *user;
 
@@ -59,6 +62,10 @@ struct kvs_request {
     int admitted_once;
     struct kvs_block_table table;
     struct kvs_kv_seq kvseq;
+    struct kvs_lazy_seq *lazy;    /* kv.reuse=lazy and documents: the doc segments (else NULL) */
+    int n_real_prompt;            /* prompt tokens: documents (unpadded) + own prompt */
+    int n_full_prompt;            /* leading entries of tokens[] before the generated ones
+                                   * (documents with their padding, then the own prompt) */
     void *sampler;                /* exec->sampler_state_size bytes */
     struct kvs_detok detok;
     char *text;                   /* held-back text (possible start of a stop string) */
@@ -94,7 +101,11 @@ struct kvs_engine {
     struct kvs_request **running;            /* [max_running] in admission order */
     int n_running;
     struct kvs_request **sched;              /* [max_running] this step's batch order */
-    struct kvs_batch_seq *seqs;              /* [max_running] */
+    struct kvs_batch_seq *seqs;              /* [max_running] requests, then document prefills */
+    /* this step's document prefills (kv.reuse=lazy): entry, the request whose tokens and table
+     * carry it, which of its documents, tokens scheduled */
+    struct kvs_doc_job { int entry; struct kvs_request *r; int doc; int n; } *jobs;   /* [max_running] */
+    int n_jobs;
     float *logits;                           /* [max_running][vocab] */
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;

@@ -60,6 +60,24 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
             if (len > r->max_stop_len) r->max_stop_len = len;
         }
     }
+    int nd = p->n_docs > 0 && p->docs ? p->n_docs : 0;
+    if (nd) {
+        size_t total = 0;
+        for (int i = 0; i < nd; i++) total += p->docs[i].n_tokens > 0 ? (size_t)p->docs[i].n_tokens : 0;
+        r->doc_len = calloc((size_t)nd, sizeof *r->doc_len);
+        r->doc_tokens = malloc((total ? total : 1) * sizeof *r->doc_tokens);
+        if (!r->doc_len || !r->doc_tokens) fail = 1;
+        size_t at = 0;
+        for (int i = 0; !fail && i < nd; i++) {
+            /* an empty or missing document is kept as length 0 and refused at submit */
+            int n = p->docs[i].n_tokens > 0 && p->docs[i].tokens ? p->docs[i].n_tokens : 0;
+            if (p->docs[i].n_tokens > 0 && !p->docs[i].tokens) n = -1;
+            r->doc_len[i] = n;
+            if (n > 0) memcpy(r->doc_tokens + at, p->docs[i].tokens, (size_t)n * sizeof *r->doc_tokens);
+            if (n > 0) at += (size_t)n;
+        }
+        r->n_docs = nd;
+    }
     r->ignore_eos = p->ignore_eos;
     r->skip_special = p->skip_special;
     r->timeout_s = p->timeout_s;
@@ -98,6 +116,11 @@ void kvs_request_release_engine_state(struct kvs_request *r, struct kvs_engine *
     r->tokens = NULL;
     free(r->text);
     r->text = NULL;
+    if (r->lazy) {
+        kvs_lazy_seq_free(r->lazy);
+        free(r->lazy);
+        r->lazy = NULL;
+    }
     kvs_block_table_free(&r->table);
 }
 
@@ -109,6 +132,8 @@ void kvs_request_unref(struct kvs_request *r)
     free(r->ev);
     kvs_request_release_engine_state(r, NULL);
     free(r->prompt);
+    free(r->doc_tokens);
+    free(r->doc_len);
     free(r->logit_bias_ids);
     free(r->logit_bias_values);
     free(r->stop_ids);

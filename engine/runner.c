@@ -63,12 +63,12 @@ struct kvs_runner {
     struct kvs_dbuf *lrows, *logits;                    /* [LOGIT_CHUNK][dim], [LOGIT_CHUNK][vocab] */
     struct kvs_dbuf *d_tokens, *d_pos, *d_slots;        /* I32 [cap_tokens] */
     struct kvs_dbuf *d_qstart, *d_seqpos;               /* I32 [cap_seqs + 1] */
-    struct kvs_dbuf *d_bt, *d_rot;                      /* I32 [cap_seqs * max_blocks] */
+    struct kvs_dbuf *d_bt, *d_rot, *d_valid;            /* I32 [cap_seqs * max_blocks] */
     struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
     /* host staging (same shapes) */
-    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot;
+    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid;
     int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
 };
 
@@ -240,6 +240,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->d_seqpos = xalloc(r, KVS_BUF_I32, S + 1, &failed);
     r->d_bt = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_rot = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
+    r->d_valid = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
     if (failed) {
@@ -253,6 +254,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->h_seqpos = kvs_xmalloc((S + 1) * sizeof(int32_t));
     r->h_bt = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_rot = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
+    r->h_valid = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
@@ -324,7 +326,7 @@ void kvs_runner_free(struct kvs_runner *r)
         }
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
-                                 r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot,
+                                 r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid,
                                  r->d_lrows, r->d_inv_freq};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
         o->free(r->be);
@@ -339,6 +341,7 @@ void kvs_runner_free(struct kvs_runner *r)
     free(r->h_seqpos);
     free(r->h_bt);
     free(r->h_rot);
+    free(r->h_valid);
     free(r->h_lrows);
     free(r);
 }
@@ -355,10 +358,11 @@ int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
 /* ---- forward ---------------------------------------------------------------------------- */
 
 /* Validates the batch and fills the host staging arrays; returns the token count or -EINVAL. */
-static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_logits, int *row_stride, int *any_rot)
+static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_logits, int *row_stride, int *any_rot,
+                       int *any_valid)
 {
     if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
-    int n = 0, stride = 1, nl = 0, rot = 0;
+    int n = 0, stride = 1, nl = 0, rot = 0, val = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
@@ -372,6 +376,14 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
             if (q->tokens[i] < 0 || q->tokens[i] >= r->vocab) return -EINVAL;
         if (need > stride) stride = need;
         if (q->block_rot_offset) rot = 1;
+        if (q->block_valid) {
+            val = 1;
+            for (int j = 0; j < need; j++)
+                if (q->block_valid[j] < 1 || q->block_valid[j] > r->block_size) return -EINVAL;
+            /* the tokens being computed must land in valid slots */
+            int last = q->pos + q->n_tokens - 1;
+            if (last % r->block_size >= q->block_valid[last / r->block_size]) return -EINVAL;
+        }
         n += q->n_tokens;
     }
     n = 0;
@@ -381,9 +393,11 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
         r->h_qstart[s] = n;
         r->h_seqpos[s] = q->pos;
         int32_t *bt = r->h_bt + (size_t)s * stride, *ro = r->h_rot + (size_t)s * stride;
+        int32_t *va = r->h_valid + (size_t)s * stride;
         for (int j = 0; j < stride; j++) {
             bt[j] = j < need ? q->block_table[j] : 0;
             ro[j] = j < need && q->block_rot_offset ? q->block_rot_offset[j] : 0;
+            va[j] = j < need && q->block_valid ? q->block_valid[j] : r->block_size;
         }
         for (int i = 0; i < q->n_tokens; i++) {
             int p = q->pos + i;
@@ -400,13 +414,14 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
     *n_logits = nl;
     *row_stride = stride;
     *any_rot = rot;
+    *any_valid = val;
     return n;
 }
 
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
-    int n_logits, stride, any_rot;
-    int n = stage_batch(r, b, &n_logits, &stride, &any_rot);
+    int n_logits, stride, any_rot, any_valid;
+    int n = stage_batch(r, b, &n_logits, &stride, &any_rot, &any_valid);
     if (n < 0) return n;
     if (n_logits > 0 && !logits) return -EINVAL;
     const struct kvs_backend_ops *o = r->ops;
@@ -419,6 +434,7 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
     o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
     o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
     if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
+    if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
 
     int max_ctx = 0;
     for (int s = 0; s < S; s++) {
@@ -427,7 +443,8 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
     }
     struct kvs_attn_meta meta = {
         .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
-        .rot_offsets = any_rot ? r->d_rot : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
+        .rot_offsets = any_rot ? r->d_rot : NULL,
+        .block_valid = any_valid ? r->d_valid : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
         .h_pos = r->h_seqpos, .max_ctx = max_ctx,
     };
     int dim = r->dim, nh = r->nh, nkv = r->nkv, hd = r->hd, ff = r->ff;

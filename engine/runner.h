@@ -37,6 +37,9 @@ struct kvs_batch_seq {
     int want_logits;              /* KVS_LOGITS_LAST (1): logits for the last of these tokens;
                                    * KVS_LOGITS_ALL (2): for every one of them (prompt logprobs,
                                    * perplexity, tests); 0: none */
+    /* NULL means every slot of every block holds a key. Otherwise, per block, how many leading
+     * slots do (a cached document's last block is partial; its tail is never attended). */
+    const int32_t *block_valid;
 };
 
 enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2 };

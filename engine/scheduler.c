@@ -85,18 +85,27 @@ static char *dup_n(const char *s, int n)
 
 static void publish_stats(struct kvs_engine *e);
 
+/* Gives back everything r holds in the KV cache: its block references and, with documents,
+ * its users of the document cache entries (after the blocks, so a transient document's blocks
+ * are already free when its entry goes). */
+static void release_kv(struct kvs_engine *e, struct kvs_request *r)
+{
+    if (r->table.n) kvs_block_table_release(&r->table, &e->pool);
+    if (r->lazy && r->lazy->held) kvs_lazy_seq_release(&e->kv.docs, r->lazy);
+}
+
 void kvs_scheduler_finish(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
 {
     double now = kvs_now();
     if (r->state == KVS_REQ_RUNNING) running_remove(e, r);
     else if (r->state == KVS_REQ_WAITING) wait_remove(e, r);
-    if (r->table.n) kvs_block_table_release(&r->table, &e->pool);
+    release_kv(e, r);
     struct kvs_event ev;
     memset(&ev, 0, sizeof ev);
     ev.type = msg ? KVS_EV_ERROR : KVS_EV_DONE;
     ev.finish = msg ? KVS_FINISH_ERROR : why;
     if (msg) ev.error = strdup(msg);
-    ev.n_prompt_tokens = r->n_prompt;
+    ev.n_prompt_tokens = r->n_real_prompt;
     ev.n_completion_tokens = r->n_gen;
     ev.n_cached_tokens = r->n_cached_tokens;
     ev.queue_time_s = (r->t_first_sched > 0 ? r->t_first_sched : now) - r->t_submit;
@@ -164,7 +173,7 @@ static int append_text(struct kvs_engine *e, struct kvs_request *r, int n)
 static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct kvs_sample_out *so, double now)
 {
     int32_t tok = so->token;
-    KVS_ASSERT(r->n_tokens < r->n_prompt + r->max_tokens);
+    KVS_ASSERT(r->n_tokens < r->n_full_prompt + r->max_tokens);
     r->tokens[r->n_tokens++] = tok;
     r->n_gen++;
     e->counters.generation_tokens++;
@@ -240,7 +249,7 @@ static void preempt(struct kvs_engine *e, struct kvs_request *r, int *n_sched, i
 {
     unschedule(e, r, n_sched, budget);
     running_remove(e, r);
-    kvs_block_table_release(&r->table, &e->pool);
+    release_kv(e, r);
     r->n_computed = 0;
     memset(&r->kvseq, 0, sizeof r->kvseq);
     r->state = KVS_REQ_WAITING;
@@ -269,6 +278,7 @@ static int schedule(struct kvs_engine *e, double now)
         for (int i = 0; i < e->n_running && budget > 0; i++) {
             struct kvs_request *r = e->running[i];
             if (r->sched_tokens) continue;
+            if (r->lazy && !kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;   /* documents being computed */
             int remaining = r->n_tokens - r->n_computed;
             KVS_ASSERT(remaining >= 1);
             int is_decode = remaining == 1;
@@ -314,7 +324,11 @@ static int schedule(struct kvs_engine *e, double now)
     while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
         struct kvs_request *r = e->wait_head;
         int matched = 0;
-        if (r->table.n == 0) {
+        if (r->table.n == 0 && r->lazy) {
+            int rc = kvs_lazy_seq_acquire(&e->kv.docs, r->lazy, r->tokens, &r->table, &matched);
+            if (rc < 0) break;   /* the pool cannot hold its documents now: wait (FCFS) */
+            r->n_computed = rc;
+        } else if (r->table.n == 0) {
             r->n_computed = e->kv.reuse->match(&e->kv, r->tokens, r->n_tokens, &r->table, &r->kvseq);
             matched = r->n_computed;
         }
@@ -325,7 +339,7 @@ static int schedule(struct kvs_engine *e, double now)
         int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
         int need_all = kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
         if (e->n_running > 0 && need_all + reserve > avail) {
-            kvs_block_table_release(&r->table, &e->pool);
+            release_kv(e, r);
             r->n_computed = 0;
             break;
         }
@@ -333,7 +347,7 @@ static int schedule(struct kvs_engine *e, double now)
             int fit = (r->table.n + avail - reserve) * bs - r->n_computed;
             if (fit <= 0) {
                 /* not even one token fits: give the matched blocks back and wait */
-                kvs_block_table_release(&r->table, &e->pool);
+                release_kv(e, r);
                 r->n_computed = 0;
                 break;
             }
@@ -348,16 +362,36 @@ static int schedule(struct kvs_engine *e, double now)
             r->admitted_once = 1;
             r->t_first_sched = now;
             r->n_cached_tokens = matched;
-            e->counters.prompt_tokens += (uint64_t)r->n_prompt;
+            if (r->lazy) kvs_lazy_seq_count(&e->kv.docs, r->lazy);
+            e->counters.prompt_tokens += (uint64_t)r->n_real_prompt;
             if (e->kv.has_prefix) {
-                e->counters.prefix_queries += (uint64_t)r->n_prompt;
+                e->counters.prefix_queries += (uint64_t)r->n_full_prompt;
                 e->counters.prefix_hits += (uint64_t)matched;
             }
         }
+        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        if (r->lazy && !kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;   /* runs once its documents are in */
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
-        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+    }
+
+    /* document prefills (kv.reuse=lazy): each missing document of a running request, once
+     * however many requests wait for it, as its own sequence at local positions (it attends
+     * only to itself), through the blocks and token ids of one request that holds it */
+    e->n_jobs = 0;
+    for (int i = 0; e->kv.has_lazy && i < e->n_running && budget > 0; i++) {
+        struct kvs_request *r = e->running[i];
+        if (!r->lazy || !r->lazy->held || kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;
+        for (int d = 0; d < r->lazy->n_docs && budget > 0 && n_sched + e->n_jobs < e->max_running; d++) {
+            int ent = r->lazy->docs[d].entry;
+            struct kvs_doc_entry *de = &e->kv.docs.ent[ent];
+            if (kvs_doc_cache_ready(&e->kv.docs, ent) || de->sched) continue;
+            int c = min3(de->n_tokens - de->n_done, e->prefill_chunk, budget);
+            de->sched = c;
+            e->jobs[e->n_jobs++] = (struct kvs_doc_job){ent, r, d, c};
+            budget -= c;
+        }
     }
     return n_sched;
 }
@@ -396,6 +430,17 @@ static void publish_stats(struct kvs_engine *e)
     s.kv_blocks_used = kvs_block_pool_used(&e->pool);
     s.kv_blocks_cached = e->pool.n_lru;
     s.block_size = e->pool.block_size;
+    if (e->kv.has_lazy) {
+        const struct kvs_doc_cache *dc = &e->kv.docs;
+        s.doc_hits = dc->hits;
+        s.doc_misses = dc->misses;
+        s.doc_hit_ratio = dc->hits + dc->misses ? (double)dc->hits / (double)(dc->hits + dc->misses) : 0.0;
+        s.doc_bytes_cached = (uint64_t)dc->cached_blocks * dc->bytes_per_block;
+        s.doc_entries = dc->n_entries;
+        s.doc_evictions = dc->evictions;
+        s.doc_prefill_tokens_saved = dc->tokens_saved;
+        s.doc_prefill_tokens_computed = dc->tokens_computed;
+    }
     e->stats = s;
     pthread_mutex_unlock(&e->mu);
 }
@@ -405,7 +450,7 @@ static void step(struct kvs_engine *e)
     double now = kvs_now();
     reap(e, now);
     int n = schedule(e, now);
-    if (n == 0) {
+    if (n == 0 && e->n_jobs == 0) {
         publish_stats(e);
         return;
     }
@@ -418,13 +463,28 @@ static void step(struct kvs_engine *e)
         s->pos = r->n_computed;
         s->block_table = r->table.ids;
         s->n_blocks = r->table.n;
-        s->block_rot_offset = NULL;   /* base-0 segments only until document reuse lands */
+        int docs = r->lazy && r->lazy->held;
+        s->block_rot_offset = docs ? r->lazy->rot : NULL;
+        s->block_valid = docs ? r->lazy->valid : NULL;
         s->want_logits = r->n_computed + r->sched_tokens == r->n_tokens;
         n_logits += s->want_logits;
     }
     KVS_ASSERT(n_logits <= e->max_running);
+    for (int j = 0; j < e->n_jobs; j++) {
+        const struct kvs_doc_job *jb = &e->jobs[j];
+        const struct kvs_lazy_doc *ld = &jb->r->lazy->docs[jb->doc];
+        const struct kvs_doc_entry *de = &e->kv.docs.ent[jb->entry];
+        struct kvs_batch_seq *s = &e->seqs[n + j];
+        memset(s, 0, sizeof *s);
+        s->tokens = jb->r->tokens + ld->start + de->n_done;
+        s->n_tokens = jb->n;
+        s->pos = de->n_done;
+        s->block_table = jb->r->table.ids + ld->start / e->pool.block_size;
+        s->n_blocks = ld->n_blocks;
+        s->want_logits = KVS_LOGITS_NONE;
+    }
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
-    struct kvs_batch batch = {e->seqs, n};
+    struct kvs_batch batch = {e->seqs, n + e->n_jobs};
     int rc = 0;
     if (e->kv.decode->begin_step) rc = e->kv.decode->begin_step(&e->kv, &batch);
     double t0 = kvs_now();
@@ -432,6 +492,11 @@ static void step(struct kvs_engine *e)
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
     e->counters.steps++;
+    for (int j = 0; j < e->n_jobs; j++) {
+        e->kv.docs.ent[e->jobs[j].entry].sched = 0;
+        if (rc == 0) kvs_doc_cache_commit(&e->kv.docs, e->jobs[j].entry, e->jobs[j].n);
+    }
+    e->n_jobs = 0;
     if (rc < 0) {
         char msg[128];
         snprintf(msg, sizeof msg, "forward pass failed (%s)", strerror(-rc));
@@ -453,7 +518,7 @@ static void step(struct kvs_engine *e)
         struct kvs_sample_out so;
         memset(&so, 0, sizeof so);
         int top = r->sampling.top_logprobs;
-        rc = e->x.sample(e->x.ctx, r->sampler, lg, r->tokens, r->n_prompt, r->n_tokens,
+        rc = e->x.sample(e->x.ctx, r->sampler, lg, r->tokens, r->n_full_prompt, r->n_tokens,
                          r->sampling.logprobs || top > 0, top, &so);
         if (rc < 0 || so.token < 0 || so.token >= e->x.vocab_size) {
             kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");

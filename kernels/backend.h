@@ -61,7 +61,11 @@ enum kvs_buf_kind { KVS_BUF_ACT = 0, KVS_BUF_F32 = 1, KVS_BUF_I32 = 2, KVS_BUF_K
  * rot_offsets (may be NULL = all zero) has the same shape as block_tables: keys of block j of
  * sequence s are attended as if rotated by rot_offsets[s * max_blocks + j] more positions than
  * they were stored with (deferred RoPE for cached segments; implemented by rotating q backward
- * by that offset for the blocks concerned, with the same inv_freq as rope()). */
+ * by that offset for the blocks concerned, with the same inv_freq as rope()).
+ * block_valid (may be NULL = every slot valid) has the same shape too: only the first
+ * block_valid[s * max_blocks + j] slots of block j are keys; the rest (the unused tail of a cached
+ * document's last block, whose contents are undefined) are skipped entirely, never multiplied
+ * by zero. */
 struct kvs_attn_meta {
     int n_seqs;
     int max_blocks;               /* row stride of block_tables / rot_offsets */
@@ -69,6 +73,7 @@ struct kvs_attn_meta {
     struct kvs_dbuf *pos;         /* [n_seqs] */
     struct kvs_dbuf *block_tables;/* [n_seqs][max_blocks] */
     struct kvs_dbuf *rot_offsets; /* [n_seqs][max_blocks] or NULL */
+    struct kvs_dbuf *block_valid; /* [n_seqs][max_blocks] or NULL: valid leading slots per block */
     struct kvs_dbuf *inv_freq;    /* F32 [head_dim / 2], for rot_offsets */
     /* host copies of the same arrays (always valid during the call): lets a backend plan its
      * launch (e.g. longest context) without a device round trip */

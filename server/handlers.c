@@ -490,6 +490,10 @@ struct prompt_set {
     int n;
     int32_t **ids;
     int *len;
+    /* kv.reuse=lazy: the document segments every prompt starts with (owned token copies) */
+    int n_segs;
+    struct kvs_doc_segment *segs;
+    int seg_tokens;
 };
 
 static void prompt_set_free(struct prompt_set *p)
@@ -497,6 +501,8 @@ static void prompt_set_free(struct prompt_set *p)
     for (int i = 0; i < p->n; i++) free(p->ids[i]);
     free(p->ids);
     free(p->len);
+    for (int i = 0; i < p->n_segs; i++) free((void *)p->segs[i].tokens);
+    free(p->segs);
     memset(p, 0, sizeof *p);
 }
 
@@ -524,9 +530,112 @@ static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_
     return rc;
 }
 
+/* Appends a document segment (takes ids). */
+static void add_seg(struct prompt_set *ps, uint64_t id, int32_t *ids, int n)
+{
+    if (n <= 0) {
+        free(ids);
+        return;
+    }
+    ps->segs = kvs_xrealloc(ps->segs, (size_t)(ps->n_segs + 1) * sizeof *ps->segs);
+    ps->segs[ps->n_segs++] = (struct kvs_doc_segment){id, ids, n};
+    ps->seg_tokens += n;
+}
+
+static int32_t *dup_ids(const int32_t *ids, int n)
+{
+    int32_t *d = kvs_xmalloc(sizeof *d * (size_t)(n > 0 ? n : 1));
+    if (n > 0) memcpy(d, ids, sizeof *d * (size_t)n);
+    return d;
+}
+
+/* kv.reuse=lazy chat: Block-Attention layout. The rendered conversation is cut at the
+ * documents' spans: every piece up to the end of the last document (template text before and
+ * between documents, and the documents themselves) becomes a document segment, cached by
+ * content like the documents (a fixed system header is computed once for everyone); what
+ * follows the last document (the question, later turns, the generation prompt) is the
+ * request's own prompt and attends to everything. A document whose span is its whole text uses
+ * the docstore's token ids; one the template trimmed is tokenized from its span. */
+static int build_lazy_chat(struct kvs_server *s, struct call *c, const struct kvs_api_request *r, struct prompt_set *ps,
+                           int *mhd_rc, const struct kvs_doc *const *docs)
+{
+    struct kvs_chat_message *msgs = kvs_xcalloc((size_t)r->n_messages, sizeof *msgs);
+    const char **texts = kvs_xcalloc((size_t)(r->n_documents + 1), sizeof *texts);
+    struct kvs_chat_span *spans = kvs_xcalloc((size_t)(r->n_documents + 1), sizeof *spans);
+    for (int i = 0; i < r->n_messages; i++) msgs[i] = (struct kvs_chat_message){r->messages[i].role, r->messages[i].content};
+    for (int i = 0; i < r->n_documents; i++) texts[i] = docs[i]->text;
+    char err[256] = "";
+    char *text = kvs_chat_render_spans(s->chat_format, msgs, r->n_messages, texts, r->n_documents, spans, err, sizeof err);
+    free(msgs);
+    free(texts);
+    if (!text) {
+        free(spans);
+        *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
+        return -1;
+    }
+    size_t at = 0, tlen = strlen(text);
+    int rc = 0;
+    for (int d = 0; d <= r->n_documents && !rc; d++) {
+        size_t end = d < r->n_documents ? spans[d].offset : tlen;
+        if (end < at || end > tlen) {
+            rc = -1;
+            break;
+        }
+        /* template text before document d (or the tail after the last one) */
+        char *piece = kvs_xmalloc(end - at + 1);
+        memcpy(piece, text + at, end - at);
+        piece[end - at] = 0;
+        int32_t *ids = NULL;
+        int n = end > at ? encode_alloc(s->tok, piece, 0, 1, &ids) : 0;
+        free(piece);
+        if (n < 0) {
+            rc = -1;
+            break;
+        }
+        if (d == r->n_documents) {
+            ps->ids[0] = ids ? ids : kvs_xmalloc(sizeof *ids);
+            ps->len[0] = n;
+            break;
+        }
+        add_seg(ps, 0, ids, n);
+        const struct kvs_doc *doc = docs[d];
+        if (spans[d].len == doc->text_len) {
+            add_seg(ps, 0, dup_ids(doc->tokens, doc->n_tokens), doc->n_tokens);
+        } else {
+            char *dt = kvs_xmalloc(spans[d].len + 1);
+            memcpy(dt, text + spans[d].offset, spans[d].len);
+            dt[spans[d].len] = 0;
+            int32_t *dids = NULL;
+            int dn = spans[d].len ? encode_alloc(s->tok, dt, 0, 0, &dids) : 0;
+            free(dt);
+            if (dn < 0) {
+                rc = -1;
+                break;
+            }
+            add_seg(ps, 0, dids, dn);
+        }
+        at = spans[d].offset + spans[d].len;
+    }
+    free(text);
+    free(spans);
+    if (rc || ps->len[0] == 0) {
+        *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages",
+                                 rc ? "cannot tokenize the messages" : "nothing follows the documents");
+        return -1;
+    }
+    return 0;
+}
+
 static int build_prompts_with(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
                               struct prompt_set *ps, int *mhd_rc, const struct kvs_doc *const *docs, int doc_tokens)
 {
+    int lazy = doc_tokens > 0 && s->cfg && s->cfg->kv_reuse && !strcmp(s->cfg->kv_reuse, "lazy");
+    if (c->chat && lazy && s->chat_format != KVS_CHAT_UNKNOWN) {
+        ps->n = 1;
+        ps->ids = kvs_xcalloc(1, sizeof *ps->ids);
+        ps->len = kvs_xcalloc(1, sizeof *ps->len);
+        return build_lazy_chat(s, c, r, ps, mhd_rc, docs);
+    }
     if (c->chat) {
         if (s->chat_format == KVS_CHAT_UNKNOWN) {
             *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages",
@@ -575,7 +684,18 @@ static int build_prompts_with(struct kvs_server *s, struct call *c, const struct
             ids = kvs_xmalloc(sizeof *ids * (size_t)n);
             memcpy(ids, r->prompts[p].ids, sizeof *ids * (size_t)n);
         }
-        if (doc_tokens) {
+        if (doc_tokens && lazy) {
+            /* kv.reuse=lazy: the documents become doc segments (cached by content, reused at
+             * any offset); a leading BOS is a one-token segment of its own so that it stays
+             * first (and is itself computed once) */
+            int lead = (n > 0 && bos >= 0 && ids[0] == bos) ? 1 : 0;
+            if (p == 0) {
+                if (lead) add_seg(ps, 0, dup_ids(ids, 1), 1);
+                for (int d = 0; d < r->n_documents; d++) add_seg(ps, 0, dup_ids(docs[d]->tokens, docs[d]->n_tokens), docs[d]->n_tokens);
+            }
+            memmove(ids, ids + lead, sizeof *ids * (size_t)(n - lead));
+            n -= lead;
+        } else if (doc_tokens) {
             /* documents go after a leading BOS, in the order given, before the prompt */
             int lead = (n > 0 && bos >= 0 && ids[0] == bos) ? 1 : 0;
             int32_t *all = kvs_xmalloc(sizeof *all * (size_t)(n + doc_tokens));
@@ -645,14 +765,17 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     int ctx = s->max_context;
     int *max_tokens = kvs_xcalloc((size_t)ps.n, sizeof *max_tokens);
     for (int p = 0; p < ps.n; p++) {
+        /* documents as segments count too, each padded to a KV block (doc_cache.h) */
+        int plen = ps.len[p], bsz = s->cfg->kv_block_size > 0 ? s->cfg->kv_block_size : 1;
+        for (int d = 0; d < ps.n_segs; d++) plen += (ps.segs[d].n_tokens + bsz - 1) / bsz * bsz;
         int mt = r.max_tokens;
         if (mt < 0) {
-            mt = ctx - ps.len[p];
+            mt = ctx - plen;
             if (s->cfg->max_tokens_default > 0 && s->cfg->max_tokens_default < mt) mt = s->cfg->max_tokens_default;
             if (mt < 1) mt = 1;
         }
-        if ((int64_t)ps.len[p] + mt > ctx) {
-            int rc = context_error(c, ctx, ps.len[p], mt);
+        if ((int64_t)plen + mt > ctx) {
+            int rc = context_error(c, ctx, plen, mt);
             free(max_tokens);
             prompt_set_free(&ps);
             kvs_api_request_free(&r);
@@ -679,6 +802,8 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             memset(&params, 0, sizeof params);
             params.prompt = ps.ids[p];
             params.n_prompt = ps.len[p];
+            params.docs = ps.segs;
+            params.n_docs = ps.n_segs;
             params.max_tokens = max_tokens[p];
             struct kvs_sampling *sp = &params.sampling;
             sp->temperature = r.temperature;

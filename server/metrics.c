@@ -151,6 +151,20 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
     gauge(o, "kvserve:kv_blocks_cached", "Free KV-cache blocks holding reusable prefix or document KV.", model,
           es->kv_blocks_cached);
     gauge(o, "kvserve:documents", "Documents in the document store.", model, n_documents);
+    /* kv.reuse=lazy document cache (all zero otherwise) */
+    counter(o, "kvserve:doc_cache_hits_total", "Document lookups served from the LazyAttention doc cache.", model,
+            (double)es->doc_hits);
+    counter(o, "kvserve:doc_cache_misses_total", "Document lookups that had to prefill the document.", model,
+            (double)es->doc_misses);
+    gauge(o, "kvserve:doc_cache_hit_ratio", "Doc cache hits / lookups.", model, es->doc_hit_ratio);
+    gauge(o, "kvserve:doc_cache_bytes", "KV bytes held by cached documents.", model, (double)es->doc_bytes_cached);
+    gauge(o, "kvserve:doc_cache_documents", "Documents in the doc cache.", model, es->doc_entries);
+    counter(o, "kvserve:doc_cache_evictions_total", "Documents evicted from the doc cache.", model,
+            (double)es->doc_evictions);
+    counter(o, "kvserve:doc_cache_prefill_tokens_saved_total", "Document tokens served from the doc cache.", model,
+            (double)es->doc_prefill_tokens_saved);
+    counter(o, "kvserve:doc_cache_prefill_tokens_total", "Document tokens prefilled into the doc cache.", model,
+            (double)es->doc_prefill_tokens_computed);
     counter(o, "kvserve:requests_rejected_total", "Requests refused at admission (queue full, draining).", model,
             (double)(m->rejected + es->requests_rejected));
     counter(o, "kvserve:http_requests_total", "HTTP requests answered.", model, (double)m->http_requests);

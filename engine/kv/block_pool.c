@@ -47,6 +47,12 @@ void kvs_block_pool_set_evict(struct kvs_block_pool *p, kvs_block_evict_fn fn, v
     p->evict_ctx = ctx;
 }
 
+void kvs_block_pool_set_victim(struct kvs_block_pool *p, kvs_block_victim_fn fn, void *ctx)
+{
+    p->pick_victim = fn;
+    p->victim_ctx = ctx;
+}
+
 static void lru_remove(struct kvs_block_pool *p, int32_t b)
 {
     int32_t pr = p->lru_prev[b], nx = p->lru_next[b];
@@ -71,7 +77,9 @@ int32_t kvs_block_pool_alloc(struct kvs_block_pool *p)
     if (p->n_free > 0) {
         b = p->free_stack[--p->n_free];
     } else if (p->lru_head >= 0) {
-        b = p->lru_head;
+        b = p->pick_victim ? p->pick_victim(p->victim_ctx) : -1;
+        if (b < 0) b = p->lru_head;
+        KVS_ASSERT(b >= 0 && b < p->n_blocks && p->refcount[b] == 0 && p->cached[b]);
         lru_remove(p, b);
         p->cached[b] = 0;
         p->n_evictions++;

@@ -27,6 +27,10 @@
 /* Called when a cached block is taken from the LRU list for reuse (it is about to be
  * overwritten): the owner of the cache must forget it. */
 typedef void (*kvs_block_evict_fn)(void *ctx, int32_t block);
+/* Optional eviction policy: returns the cached block (refcount 0, on the LRU list) to evict
+ * next, or -1 to take the LRU head. Lets a cache evict by its own policy (the doc cache: whole
+ * documents, LRU or LFU) instead of by block release order. */
+typedef int32_t (*kvs_block_victim_fn)(void *ctx);
 
 struct kvs_block_pool {
     int n_blocks;
@@ -42,12 +46,15 @@ struct kvs_block_pool {
     int n_lru;
     kvs_block_evict_fn on_evict;
     void *evict_ctx;
+    kvs_block_victim_fn pick_victim;   /* NULL = LRU head */
+    void *victim_ctx;
     uint64_t n_evictions;
 };
 
 int kvs_block_pool_init(struct kvs_block_pool *p, int n_blocks, int block_size);
 void kvs_block_pool_free(struct kvs_block_pool *p);
 void kvs_block_pool_set_evict(struct kvs_block_pool *p, kvs_block_evict_fn fn, void *ctx);
+void kvs_block_pool_set_victim(struct kvs_block_pool *p, kvs_block_victim_fn fn, void *ctx);
 
 /* Blocks that an allocation can still get (free + evictable cached). */
 static inline int kvs_block_pool_available(const struct kvs_block_pool *p) { return p->n_free + p->n_lru; }

@@ -26,6 +26,8 @@ static void none_commit(struct kvs_kv_strategy *s, const int32_t *tokens, int n_
 }
 
 static const struct kvs_kv_reuse_ops reuse_none = {"none", none_match, none_commit};
+/* lazy: documents go through the doc cache (scheduler); the request's own tokens are private */
+static const struct kvs_kv_reuse_ops reuse_lazy = {"lazy", none_match, none_commit};
 
 /* ---- reuse: prefix ---------------------------------------------------------------------- */
 static int prefix_match(struct kvs_kv_strategy *s, const int32_t *tokens, int n, struct kvs_block_table *t,
@@ -73,8 +75,7 @@ int kvs_kv_strategy_init_names(struct kvs_kv_strategy *s, const char *storage, c
 
     if (!reuse || !strcmp(reuse, "none")) s->reuse = &reuse_none;
     else if (!strcmp(reuse, "prefix")) s->reuse = &reuse_prefix;
-    else if (!strcmp(reuse, "lazy"))
-        return kvs_err(err, errlen, -ENOSYS, "kv.reuse \"lazy\" is not built in this version (use none or prefix)");
+    else if (!strcmp(reuse, "lazy")) s->reuse = &reuse_lazy, s->is_lazy = 1;
     else return kvs_err(err, errlen, -EINVAL, "kv.reuse \"%s\" is unknown (none, prefix, lazy)", reuse);
 
     if (!decode || !strcmp(decode, "full")) s->decode = &decode_full;
@@ -97,8 +98,24 @@ int kvs_kv_strategy_init(struct kvs_kv_strategy *s, const struct kvs_config *cfg
                                       errlen);
 }
 
+int kvs_kv_strategy_init_lazy(struct kvs_kv_strategy *s, const char *eviction, int position_aware,
+                              int64_t budget_bytes, size_t bytes_per_block, char *err, size_t errlen)
+{
+    enum kvs_doc_policy pol;
+    if (!eviction || !strcmp(eviction, "lru")) pol = KVS_DOC_LRU;
+    else if (!strcmp(eviction, "lfu")) pol = KVS_DOC_LFU;
+    else return kvs_err(err, errlen, -EINVAL, "kv.lazy.eviction \"%s\" is unknown (lru, lfu)", eviction);
+    if (budget_bytes > 0 && bytes_per_block == 0)
+        return kvs_err(err, errlen, -EINVAL, "kv.lazy.budget_bytes needs the executor's KV bytes per block");
+    int rc = kvs_doc_cache_init(&s->docs, s->pool, pol, position_aware, budget_bytes, bytes_per_block);
+    if (rc < 0) return kvs_err(err, errlen, rc, "kv.reuse=lazy: cannot set up the document cache");
+    s->has_lazy = 1;
+    return 0;
+}
+
 void kvs_kv_strategy_free(struct kvs_kv_strategy *s)
 {
+    if (s->has_lazy) kvs_doc_cache_free(&s->docs);
     if (s->has_prefix) kvs_prefix_cache_free(&s->prefix);
     memset(s, 0, sizeof *s);
 }

@@ -6,7 +6,9 @@
  *   kv.storage  how a block stores K and V: f32 (CPU reference), bf16 (CUDA); auto picks by
  *               backend. The runner owns the bytes; this slot only names the format and its
  *               element size (pool sizing, bandwidth accounting).
- *   kv.reuse    KV shared across requests: none, prefix (prefix_cache.h). Hooks: match at
+ *   kv.reuse    KV shared across requests: none, prefix (prefix_cache.h), lazy (doc_cache.h: the
+ *               scheduler acquires a request's documents itself; its match/commit are none's
+ *               for the request's own tokens). Hooks: match at
  *               admission (fills the start of the block table with shared blocks), commit after
  *               each step (registers newly completed blocks).
  *   kv.decode   how a decode step reads the cache: full (exact attention over every block).
@@ -24,6 +26,7 @@
 #include <stdint.h>
 
 #include "engine/kv/block_pool.h"
+#include "engine/kv/doc_cache.h"
 #include "engine/kv/prefix_cache.h"
 
 struct kvs_config;
@@ -71,6 +74,9 @@ struct kvs_kv_strategy {
     struct kvs_block_pool *pool;
     struct kvs_prefix_cache prefix;   /* used when reuse = prefix */
     int has_prefix;
+    struct kvs_doc_cache docs;        /* used when reuse = lazy (kvs_kv_strategy_init_lazy) */
+    int has_lazy;
+    int is_lazy;                      /* reuse = lazy: requests' documents become doc segments */
 };
 
 /* Resolves cfg->kv_storage / kv_reuse / kv_decode ("auto" storage: f32 on the cpu backend,
@@ -78,6 +84,12 @@ struct kvs_kv_strategy {
 int kvs_kv_strategy_init(struct kvs_kv_strategy *s, const struct kvs_config *cfg, const char *backend_name,
                          struct kvs_block_pool *pool, char *err, size_t errlen);
 void kvs_kv_strategy_free(struct kvs_kv_strategy *s);
+
+/* reuse = lazy: sets up the document cache (doc_cache.h); the caller knows the KV bytes per
+ * block (the runner's), which sizing the byte budget needs. Requests without documents use
+ * no reuse. 0 or a negative errno with a message. */
+int kvs_kv_strategy_init_lazy(struct kvs_kv_strategy *s, const char *eviction, int position_aware,
+                              int64_t budget_bytes, size_t bytes_per_block, char *err, size_t errlen);
 
 /* Same resolution from explicit names (for tools and tests that have no kvs_config). */
 int kvs_kv_strategy_init_names(struct kvs_kv_strategy *s, const char *storage, const char *reuse,

@@ -382,7 +382,7 @@ struct attn_job {
     const float *q, *kc, *vc;
     float *out;
     const struct kvs_attn_meta *m;
-    const int32_t *q_start, *pos, *bt, *rot;
+    const int32_t *q_start, *pos, *bt, *rot, *valid;
     const float *inv_freq;
     int n_heads, n_kv_heads, head_dim, block_size;
     float scale;
@@ -414,6 +414,7 @@ static void attn_task(void *c, int task)
     const float *q0 = j->q + ((size_t)t * j->n_heads + h) * hd;
     const int32_t *bt = j->bt + (size_t)s * j->m->max_blocks;
     const int32_t *rot = j->rot ? j->rot + (size_t)s * j->m->max_blocks : NULL;
+    const int32_t *valid = j->valid ? j->valid + (size_t)s * j->m->max_blocks : NULL;
     float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
     const float *q = q0;
     int cur_rot = 0;
@@ -429,6 +430,10 @@ static void attn_task(void *c, int task)
             } else {
                 q = q0;
             }
+        }
+        if (valid && off >= valid[bi]) {
+            p += bs - off - 1;   /* the rest of this block is padding: skip it */
+            continue;
         }
         size_t base = (((size_t)bt[bi] * j->n_kv_heads + g) * bs + off) * hd;
         float sc = dot_f32(q, j->kc + base, hd) * j->scale;
@@ -457,7 +462,8 @@ static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const
     struct attn_job j = {
         .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .m = m,
         .q_start = I(m->q_start), .pos = I(m->pos), .bt = I(m->block_tables),
-        .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
+        .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .valid = m->block_valid ? I(m->block_valid) : NULL,
+        .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
         .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .block_size = block_size, .scale = scale,
     };
     KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);

@@ -26,6 +26,7 @@
  * synchronise; download/logits_to_host/sync wait. Every CUDA/cuBLAS call is checked:
  * failures log file:line and abort (bugs, not client errors).
  */
+#include <climits>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -295,11 +296,13 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
  */
 #define ATT_WARPS 4
 #define ATT_TP 4
+#define PAD_SLOT INT_MIN          /* rotation-offset sentinel of a masked (padding) key slot */
 
 struct attn_args {
     const float *q;
     const bf16 *kc, *vc;
     const int32_t *q_start, *pos, *bt, *rot;
+    const int32_t *valid;         /* [n_seqs][max_blocks] leading valid slots per block, or null */
     const float *inv_freq;
     int n_seqs, max_blocks, n_heads, n_kv, hd, bs, lg, n_hchunks;
     float scale;
@@ -348,6 +351,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
     const bool active = d0 < hd;
     const int32_t *btab = a.bt + (size_t)s * a.max_blocks;
     const int32_t *rtab = a.rot ? a.rot + (size_t)s * a.max_blocks : nullptr;
+    const int32_t *vtab = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int half = hd / 2;
     /* RoPE partner lane (dims d0 +- half) for rotated keys */
     const int partner = (lane - gl) + (d0 < half ? gl + half / 8 : gl - half / 8);
@@ -382,7 +386,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
             kk[j] = make_uint4(0, 0, 0, 0);
             vv[j] = make_uint4(0, 0, 0, 0);
             ro[j] = 0;
-            if (p < p1) {
+            if (p < p1 && vtab && p % a.bs >= vtab[p / a.bs]) {
+                ro[j] = PAD_SLOT;   /* the unused tail of a cached document's last block: never read */
+            } else if (p < p1) {
                 int pb = p / a.bs;
                 size_t blk = (size_t)btab[pb];
                 size_t off = ((blk * a.n_kv + g) * a.bs + (size_t)(p % a.bs)) * hd + d0;
@@ -407,7 +413,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
                 float pk[8];
 #pragma unroll
                 for (int i = 0; i < 8; i++) pk[i] = __shfl_sync(0xffffffffu, kf[i], partner);
-                if (rofs[j] != 0 && active) {
+                if (rofs[j] != 0 && rofs[j] != PAD_SLOT && active) {
 #pragma unroll
                     for (int i = 0; i < 8; i++) {
                         int d = d0 + i, fi = d < half ? d : d - half;
@@ -432,7 +438,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
             for (int h = 0; h < GT; h++) {
                 float d = sc[j][h];
                 for (int o = lg >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                sc[j][h] = (base + j < p1) ? d : -INFINITY;
+                sc[j][h] = (base + j < p1 && rofs[j] != PAD_SLOT) ? d : -INFINITY;
             }
 #pragma unroll
         for (int h = 0; h < GT; h++) {
@@ -892,6 +898,7 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.pos = (const int32_t *)m->pos->d;
     a.bt = (const int32_t *)m->block_tables->d;
     a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : nullptr;
+    a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : nullptr;
     a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : nullptr;
     KVS_ASSERT(!a.rot || a.inv_freq);
     a.n_seqs = m->n_seqs;

@@ -504,7 +504,7 @@ static void test_queue_and_errors(void)
     kvs_engine_free(e);
 
     /* strategies not built in this version are refused by name, unknown names too */
-    const char *bad_kv[][3] = {{"lean", "none", "full"}, {"auto", "lazy", "full"}, {"auto", "none", "mac"},
+    const char *bad_kv[][3] = {{"lean", "none", "full"}, {"lean", "lazy", "full"}, {"auto", "none", "mac"},
                             {"auto", "none", "paris"}, {"auto", "none", "retro"}, {"f16", "none", "full"}};
     for (int i = 0; i < 6; i++) {
         c.kv_storage = (char *)bad_kv[i][0];
