@@ -321,7 +321,12 @@ __device__ __forceinline__ void bf16x8_to_f32(uint4 u, float *f)
     }
 }
 
-template <int GT, int MINB>
+/* ROT: the batch has rotation offsets (LazyAttention's cached documents). Then the *query* is
+ * rotated backward by a block's offset instead of rotating every key forward:
+ * <q, R(o) k> = <R(-o) q, k>. The rotated copy qx is recomputed only when the offset changes
+ * (at document boundaries), so the cost is a compare per key plus a few sincos per document,
+ * and the ordinary instantiation (ROT = false) carries no extra registers. */
+template <int GT, int MINB, bool ROT>
 __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
 {
     extern __shared__ float sm[];
@@ -362,6 +367,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
 #pragma unroll
         for (int i = 0; i < 8; i++)
             qr[h][i] = (h < nh && active) ? a.q[((size_t)t * a.n_heads + h0 + h) * hd + d0 + i] * a.scale : 0.0f;
+
+    /* ROT: qr rotated backward by cur_rot (see above); starts equal to qr (offset 0) */
+    float qx[GT][8];
+    int cur_rot = 0;
+    if constexpr (ROT)
+#pragma unroll
+        for (int h = 0; h < GT; h++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) qx[h][i] = qr[h][i];
 
     float m[GT], l[GT], acc[GT][8];
 #pragma unroll
@@ -409,17 +423,27 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
         for (int j = 0; j < ATT_TP; j++) {
             float kf[8];
             bf16x8_to_f32(ku[j], kf);
-            if (rtab) { /* keys of this block attended as if rotated by rofs more positions */
-                float pk[8];
+            if constexpr (ROT) {
+                const int want = rofs[j] == PAD_SLOT ? cur_rot : rofs[j];
+                const bool chg = want != cur_rot;
+                if (__any_sync(0xffffffffu, chg)) { /* warp-uniform: every lane shuffles */
+                    float pq[GT][8];
 #pragma unroll
-                for (int i = 0; i < 8; i++) pk[i] = __shfl_sync(0xffffffffu, kf[i], partner);
-                if (rofs[j] != 0 && rofs[j] != PAD_SLOT && active) {
+                    for (int h = 0; h < GT; h++)
 #pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        int d = d0 + i, fi = d < half ? d : d - half;
-                        float ang = (float)((double)rofs[j] * (double)a.inv_freq[fi]);
-                        float c = cosf(ang), sn = sinf(ang);
-                        kf[i] = d < half ? kf[i] * c - pk[i] * sn : kf[i] * c + pk[i] * sn;
+                        for (int i = 0; i < 8; i++) pq[h][i] = __shfl_sync(0xffffffffu, qr[h][i], partner);
+                    if (chg) {
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            int d = d0 + i, fi = d < half ? d : d - half;
+                            float ang = active ? (float)((double)want * (double)a.inv_freq[fi]) : 0.0f;
+                            float c, sn;
+                            sincosf(ang, &sn, &c);
+#pragma unroll
+                            for (int h = 0; h < GT; h++)
+                                qx[h][i] = d < half ? qr[h][i] * c + pq[h][i] * sn : qr[h][i] * c - pq[h][i] * sn;
+                        }
+                        cur_rot = want;
                     }
                 }
             }
@@ -427,7 +451,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
             for (int h = 0; h < GT; h++) {
                 float d = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; i++) d += qr[h][i] * kf[i];
+                for (int i = 0; i < 8; i++) {
+                    if constexpr (ROT) d += qx[h][i] * kf[i];
+                    else d += qr[h][i] * kf[i];
+                }
                 sc[j][h] = d;
             }
         }
@@ -564,14 +591,22 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
     /* the attention kernels may need more than 48 KB of shared memory for small head dims */
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
+    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
     {
         const char *e = getenv("KVS_CUDA_ATTN_OCC");
         b->attn_occ = e ? atoi(e) != 0 : 1;
@@ -937,17 +972,17 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     dim3 blk(ATT_WARPS * 32);
     if (b->attn_occ) {
         switch (GT) {
-        case 1: k_attention<1, 3><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: k_attention<2, 3><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: k_attention<4, 3><<<grid, blk, smem, b->stream>>>(a); break;
-        default: k_attention<8, 3><<<grid, blk, smem, b->stream>>>(a); break;
+        case 1: if (a.rot) k_attention<1, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<1, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: if (a.rot) k_attention<2, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<2, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: if (a.rot) k_attention<4, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<4, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
+        default: if (a.rot) k_attention<8, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<8, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
         }
     } else {
         switch (GT) {
-        case 1: k_attention<1, 1><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: k_attention<2, 1><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: k_attention<4, 1><<<grid, blk, smem, b->stream>>>(a); break;
-        default: k_attention<8, 1><<<grid, blk, smem, b->stream>>>(a); break;
+        case 1: if (a.rot) k_attention<1, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<1, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 2: if (a.rot) k_attention<2, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<2, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
+        case 4: if (a.rot) k_attention<4, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<4, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
+        default: if (a.rot) k_attention<8, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<8, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
         }
     }
     LAUNCH_CHECK();
