@@ -468,7 +468,10 @@ char *kvs_chat_render_spans(enum kvs_chat_format f, const struct kvs_chat_messag
         size_t kept = sys.len - lskip - py_rspace(sys.p, lskip, sys.len);
         for (int d = 0; d < n_docs; d++) {
             size_t s = doc_off[d], e = s + strlen(documents[d]);
+            /* a document stripped away entirely (whitespace at either end of the system turn)
+             * gets an empty span at the edge of the visible content */
             if (s < lskip) s = lskip;
+            if (s > lskip + kept) s = lskip + kept;
             if (e > lskip + kept) e = lskip + kept;
             if (e < s) e = s;
             doc_spans[d].offset = base + s - lskip;
