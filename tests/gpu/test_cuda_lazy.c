@@ -14,7 +14,7 @@ int main(void)
     const struct kvs_backend_ops *o = &kvs_cuda_backend;
     char err[256];
     struct kvs_backend *be = o->create(0, err, sizeof err);
-    CHECK(be, "no CUDA backend: %s", err);
+    REQUIRE(be, "no CUDA backend: %s", err);
     struct kvs_model_config mc;
     memset(&mc, 0, sizeof mc);
     mc.head_dim = HD;
@@ -33,7 +33,7 @@ int main(void)
             for (int nq = 1; nq <= 7; nq += 6)
                 for (int trial = 0; trial < 3; trial++) {
                     double e = run_case(o, be, inv, groups[gi], nq);
-                    CHECK(e <= 1e-2, "rope %s G=%d rows=%d: rel-L2 %.3g > 1e-2", rope ? "llama3" : "plain",
+                    REQUIRE(e <= 1e-2, "rope %s G=%d rows=%d: rel-L2 %.3g > 1e-2", rope ? "llama3" : "plain",
                           groups[gi], nq, e);
                     if (e > worst) worst = e;
                 }

@@ -10,25 +10,8 @@
 
 #include "engine/chat.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail = 0, g_checks = 0;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        g_checks++;                                                       \
-        if (!(cond)) {                                                    \
-            g_fail++;                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-        }                                                                 \
-    } while (0)
-
-static const char *root_dir(void)
-{
-    const char *r = getenv("KVS_ROOT");
-    return r && *r ? r : ".";
-}
 
 /* Prints where two strings first differ, for a readable failure. */
 static void show_diff(const char *name, const char *fmt, const char *got, const char *want)
@@ -43,7 +26,7 @@ static void show_diff(const char *name, const char *fmt, const char *got, const 
 static void test_references(void)
 {
     char path[4096], err[512];
-    snprintf(path, sizeof path, "%s/tests/data/chat_references.json", root_dir());
+    snprintf(path, sizeof path, "%s/tests/data/chat_references.json", kvs_test_root());
     char *json = kvs_read_file(path, NULL, err, sizeof err);
     if (!json) {
         CHECK(0, "cannot read references: %s", err);
@@ -193,7 +176,7 @@ static void test_detect(void)
     enum kvs_chat_format want[] = {KVS_CHAT_QWEN3, KVS_CHAT_LLAMA3, KVS_CHAT_UNKNOWN};
     for (int i = 0; i < 3; i++) {
         snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s/tokenizer_config.json",
-                 root_dir(), names[i], tmp, names[i]);
+                 kvs_test_root(), names[i], tmp, names[i]);
         int rc = system(cmd);
         CHECK(rc == 0, "cannot unpack %s tokenizer (shared/tokenizers missing?)", names[i]);
         snprintf(dir, sizeof dir, "%s/%s", tmp, names[i]);
@@ -202,7 +185,7 @@ static void test_detect(void)
     }
     /* the demo model's plain ChatML template */
     char path[4096], err[256];
-    snprintf(path, sizeof path, "%s/tests/data/chatml_template.jinja", root_dir());
+    snprintf(path, sizeof path, "%s/tests/data/chatml_template.jinja", kvs_test_root());
     char *chatml = kvs_read_file(path, NULL, err, sizeof err);
     CHECK(chatml != NULL, "%s", err);
 
@@ -248,10 +231,5 @@ int main(void)
     test_document_format();
     test_errors();
     test_detect();
-    if (g_fail) {
-        fprintf(stderr, "test_chat: %d of %d checks failed\n", g_fail, g_checks);
-        return 1;
-    }
-    printf("test_chat: all %d checks passed\n", g_checks);
-    return 0;
+    return kvs_test_summary("test_chat");
 }

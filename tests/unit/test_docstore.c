@@ -12,19 +12,8 @@
 #include "engine/config.h"
 #include "engine/docstore.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail = 0, g_checks = 0;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        g_checks++;                                                       \
-        if (!(cond)) {                                                    \
-            g_fail++;                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-        }                                                                 \
-    } while (0)
 
 static int add_simple(struct kvs_docstore *s, const char *id, const char *text, int n_tokens, const struct kvs_doc **out)
 {
@@ -436,10 +425,5 @@ int main(void)
     test_refcount();
     test_persistence();
     test_concurrent();
-    if (g_fail) {
-        fprintf(stderr, "test_docstore: %d of %d checks failed\n", g_fail, g_checks);
-        return 1;
-    }
-    printf("test_docstore: all %d checks passed\n", g_checks);
-    return 0;
+    return kvs_test_summary("test_docstore");
 }

@@ -16,20 +16,9 @@
 #include "engine/util.h"
 #include "models/model.h"
 #include "models/safetensors.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail, g_checks;
 static char g_models[4096], g_tmp[4096];
-
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        g_checks++;                                                               \
-        if (!(cond)) {                                                            \
-            g_fail++;                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);       \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fprintf(stderr, "\n");                                                \
-        }                                                                         \
-    } while (0)
 
 static cJSON *read_json(const char *path)
 {
@@ -881,8 +870,7 @@ static void test_corpus(void)
 
 int main(void)
 {
-    const char *root = getenv("KVS_ROOT");
-    snprintf(g_models, sizeof g_models, "%s/tests/data/models", root ? root : ".");
+    snprintf(g_models, sizeof g_models, "%s/tests/data/models", kvs_test_root());
     const char *tmpdir = getenv("TMPDIR");
     snprintf(g_tmp, sizeof g_tmp, "%s/kvs_model_load_XXXXXX", tmpdir ? tmpdir : "/tmp");
     if (!mkdtemp(g_tmp)) {
@@ -901,6 +889,5 @@ int main(void)
     test_prefixes();
     test_corpus();
     rm_rf(g_tmp);
-    printf("%d checks, %d failed\n", g_checks, g_fail);
-    return g_fail ? 1 : 0;
+    return kvs_test_summary("test_model_load");
 }

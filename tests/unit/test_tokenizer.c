@@ -16,17 +16,8 @@
 #include <unistd.h>
 
 #include "engine/tokenizer.h"
+#include "tests/unit/test_util.h"
 
-static int failures;
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        if (!(cond)) {                                                                   \
-            failures++;                                                                  \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-        }                                                                                \
-    } while (0)
 
 static int utf8_complete(const char *s, size_t n)
 {
@@ -295,9 +286,8 @@ struct ref {
 
 static void test_real(void)
 {
-    const char *root = getenv("KVS_ROOT");
     char tokdir[1024], tmp[] = "/tmp/kvs_tok_XXXXXX";
-    snprintf(tokdir, sizeof tokdir, "%s/../shared/tokenizers", root ? root : ".");
+    snprintf(tokdir, sizeof tokdir, "%s/../shared/tokenizers", kvs_test_root());
     if (!mkdtemp(tmp)) {
         CHECK(0, "mkdtemp");
         return;
@@ -359,10 +349,5 @@ int main(void)
     test_sentencepiece_tiny();
     test_malformed();
     test_real();
-    if (failures) {
-        fprintf(stderr, "%d checks failed\n", failures);
-        return 1;
-    }
-    printf("tokenizer: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_tokenizer");
 }
