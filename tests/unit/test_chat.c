@@ -169,15 +169,14 @@ static int write_file(const char *dir, const char *name, const char *text)
 
 static void test_detect(void)
 {
-    char tmp[] = "/tmp/kvs-test-chat-XXXXXX";
-    KVS_ASSERT(mkdtemp(tmp) != NULL);
-    char cmd[8192], dir[4200];
+    char tmp[512];
+    KVS_ASSERT(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-test-chat") == 0);
+    char member[64], dir[4200];
     const char *names[] = {"qwen3", "llama3", "llama2"};
     enum kvs_chat_format want[] = {KVS_CHAT_QWEN3, KVS_CHAT_LLAMA3, KVS_CHAT_UNKNOWN};
     for (int i = 0; i < 3; i++) {
-        snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s/tokenizer_config.json",
-                 kvs_test_root(), names[i], tmp, names[i]);
-        int rc = system(cmd);
+        snprintf(member, sizeof member, "%s/tokenizer_config.json", names[i]);
+        int rc = kvs_test_unpack_tokenizer(names[i], tmp, member);
         CHECK(rc == 0, "cannot unpack %s tokenizer (shared/tokenizers missing?)", names[i]);
         snprintf(dir, sizeof dir, "%s/%s", tmp, names[i]);
         enum kvs_chat_format f = kvs_chat_detect(dir);
@@ -220,8 +219,7 @@ static void test_detect(void)
     CHECK(kvs_chat_detect_template("Cutting Knowledge Date <|start_header_id|>") == KVS_CHAT_LLAMA3, "llama3.1 markers");
     CHECK(kvs_chat_detect_template(NULL) == KVS_CHAT_UNKNOWN, "NULL template");
     free(chatml);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    CHECK(system(cmd) == 0, "cleanup");
+    CHECK(kvs_test_rmtree(tmp) == 0, "cleanup");
     printf("detection: qwen3, llama3, llama2 (none), synthetic configs checked\n");
 }
 

@@ -77,16 +77,14 @@ int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
     const char *root = kvs_test_root();
-    char tmp[] = "/tmp/kvs-engine-text-XXXXXX";
-    REQUIRE(mkdtemp(tmp), "mkdtemp");
-    char cmd[2048], dir[1100], err[256];
-    snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/qwen3.tar.xz' -C '%s'", root, tmp);
-    REQUIRE(system(cmd) == 0, "cannot unpack %s/../shared/tokenizers/qwen3.tar.xz", root);
+    char tmp[512];
+    REQUIRE(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-engine-text") == 0, "mkdtemp");
+    char dir[1100], err[256];
+    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack %s/../shared/tokenizers/qwen3.tar.xz", root);
     snprintf(dir, sizeof dir, "%s/qwen3", tmp);
     struct kvs_tokenizer *tok;
     REQUIRE(kvs_tokenizer_load(dir, &tok, err, sizeof err) == 0, "%s", err);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    REQUIRE(system(cmd) == 0, "cleanup");
+    REQUIRE(kvs_test_rmtree(tmp) == 0, "cleanup");
 
     snprintf(dir, sizeof dir, "%s/tests/data/models/qwen3", root);
     struct kvs_model *m;

@@ -5,7 +5,6 @@
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -367,13 +366,8 @@ static void test_configs(void)
 
 /* ---- corruption suite ------------------------------------------------------------------ */
 
-static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb, (void)flag, (void)ftw;
-    return remove(p);
-}
-
-static void rm_rf(const char *dir) { nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+/* removes what an earlier case left there; a missing directory is fine */
+static void rm_rf(const char *dir) { (void)kvs_test_rmtree(dir); }
 
 static void copy_file(const char *from, const char *to)
 {
@@ -871,12 +865,7 @@ static void test_corpus(void)
 int main(void)
 {
     snprintf(g_models, sizeof g_models, "%s/tests/data/models", kvs_test_root());
-    const char *tmpdir = getenv("TMPDIR");
-    snprintf(g_tmp, sizeof g_tmp, "%s/kvs_model_load_XXXXXX", tmpdir ? tmpdir : "/tmp");
-    if (!mkdtemp(g_tmp)) {
-        perror("mkdtemp");
-        return 2;
-    }
+    if (kvs_test_mkdtemp(g_tmp, sizeof g_tmp, "kvs_model_load") != 0) return 2;
     printf("tiny models:\n");
     test_tiny_models();
     printf("rope vs transformers (real-size configs):\n");

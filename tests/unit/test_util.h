@@ -9,6 +9,7 @@
  *   kvs_test_xorshift(&s)    the xorshift64 generator the tests draw reproducible inputs from.
  *   kvs_test_mkdtemp(buf, cap, tag)  makes a fresh directory /tmp/<tag>-XXXXXX (under $TMPDIR
  *                            when set) into buf; kvs_test_rmtree(dir) removes it again.
+ *   kvs_test_unpack_tokenizer(name, dst, member)  unpacks one of ../shared/tokenizers/ into dst.
  * Nothing here allocates; the counters are per program (static). */
 #ifndef KVS_TEST_UTIL_H
 #define KVS_TEST_UTIL_H
@@ -18,6 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ftw.h>
+#include <sys/stat.h>
 
 static int kvs_test_checks, kvs_test_fails;
 
@@ -94,13 +97,28 @@ static inline int kvs_test_mkdtemp(char *buf, size_t cap, const char *tag)
     return 0;
 }
 
-/* Removes a directory tree made by kvs_test_mkdtemp; 0 on success. */
+static inline int kvs_test_rm_cb_(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+/* Removes a directory tree (depth first, links not followed); 0, or -1 when any part of it
+ * could not be removed or it did not exist. */
 static inline int kvs_test_rmtree(const char *dir)
 {
-    char cmd[4200];
-    int n = snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    if (n < 0 || (size_t)n >= sizeof cmd || strchr(dir, '\'')) return -1;
-    return system(cmd) == 0 ? 0 : -1;
+    return nftw(dir, kvs_test_rm_cb_, 16, FTW_DEPTH | FTW_PHYS) == 0 ? 0 : -1;
+}
+
+/* Unpacks $KVS_ROOT/../shared/tokenizers/<name>.tar.xz into dst (only `member` when not NULL);
+ * the exit status of tar, 0 on success. */
+static inline int kvs_test_unpack_tokenizer(const char *name, const char *dst, const char *member)
+{
+    char cmd[4096];
+    int n = snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s", kvs_test_root(),
+                     name, dst, member ? member : "");
+    if (n < 0 || (size_t)n >= sizeof cmd) return -1;
+    return system(cmd);
 }
 
 #endif
