@@ -8,6 +8,20 @@
 
 #include <string.h>
 
+/* The engine's own arrays and the engine itself: the last step of both a failed create and
+ * kvs_engine_free (free(NULL) is fine for arrays a failed create never reached). */
+static void free_engine_memory(struct kvs_engine *e)
+{
+    free(e->eos_ids);
+    free(e->running);
+    free(e->sched);
+    free(e->seqs);
+    free(e->jobs);
+    free(e->logits);
+    free(e->piece);
+    free(e);
+}
+
 int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine_exec *x, struct kvs_engine **out,
                            char *err, size_t errlen)
 {
@@ -90,14 +104,7 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
 fail:
     if (e->kv.reuse) kvs_kv_strategy_free(&e->kv);
     if (e->pool.refcount) kvs_block_pool_free(&e->pool);
-    free(e->eos_ids);
-    free(e->running);
-    free(e->sched);
-    free(e->seqs);
-    free(e->jobs);
-    free(e->logits);
-    free(e->piece);
-    free(e);
+    free_engine_memory(e);
     return rc;
 }
 
@@ -131,14 +138,7 @@ void kvs_engine_free(struct kvs_engine *e)
     if (e->x.destroy) e->x.destroy(e->x.ctx);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
-    free(e->eos_ids);
-    free(e->running);
-    free(e->sched);
-    free(e->seqs);
-    free(e->jobs);
-    free(e->logits);
-    free(e->piece);
-    free(e);
+    free_engine_memory(e);
 }
 
 void kvs_engine_drain(struct kvs_engine *e)

@@ -86,6 +86,32 @@ static int api_error(struct call *c, const struct kvs_api_error *e)
     return kvs_call_error(c, e->status, e->type, e->code, e->param, "%s", e->message);
 }
 
+static int model_not_found(struct call *c, const char *model)
+{
+    return kvs_call_error(c, 404, "invalid_request_error", "model_not_found", "model",
+                          "The model `%.200s` does not exist.", model);
+}
+
+/* Parses the call's body as `kind` into *r. 0: parsed, the caller frees r. -1: the error
+ * response is queued, r is freed, and *mhd_rc is what the handler returns. With check_model, a
+ * "model" other than the one served is that error (404). */
+static int parse_body(struct kvs_server *s, struct call *c, enum kvs_api_kind kind, int check_model,
+                      struct kvs_api_request *r, int *mhd_rc)
+{
+    struct kvs_api_error e;
+    if (kvs_api_parse(kind, c->body.s, c->body.len, s->vocab_size, r, &e)) {
+        kvs_api_request_free(r);
+        *mhd_rc = api_error(c, &e);
+        return -1;
+    }
+    if (check_model && r->model && strcmp(r->model, s->model_name) != 0) {
+        *mhd_rc = model_not_found(c, r->model);
+        kvs_api_request_free(r);
+        return -1;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* helpers                                                                                     */
 
@@ -744,17 +770,8 @@ static int submit_error(struct call *c, int rc, const char *msg)
 static int gen_dispatch(struct kvs_server *s, struct call *c)
 {
     struct kvs_api_request r;
-    struct kvs_api_error e;
-    if (kvs_api_parse(c->chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, c->body.s, c->body.len, s->vocab_size, &r, &e)) {
-        kvs_api_request_free(&r);
-        return api_error(c, &e);
-    }
-    if (r.model && strcmp(r.model, s->model_name) != 0) {
-        int rc = kvs_call_error(c, 404, "invalid_request_error", "model_not_found", "model",
-                                "The model `%.200s` does not exist.", r.model);
-        kvs_api_request_free(&r);
-        return rc;
-    }
+    int parse_rc;
+    if (parse_body(s, c, c->chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, 1, &r, &parse_rc)) return parse_rc;
     struct prompt_set ps = {0};
     int mhd_rc = MHD_NO;
     if (build_prompts(s, c, &r, &ps, &mhd_rc)) {
@@ -979,25 +996,15 @@ static int h_models(struct kvs_server *s, struct call *c)
 static int h_model_one(struct kvs_server *s, struct call *c, const char *id)
 {
     if (strcmp(id, s->model_name) != 0)
-        return kvs_call_error(c, 404, "invalid_request_error", "model_not_found", "model",
-                              "The model `%.200s` does not exist.", id);
+        return model_not_found(c, id);
     return respond_json(c, 200, model_card(s));
 }
 
 static int h_tokenize(struct kvs_server *s, struct call *c)
 {
     struct kvs_api_request r;
-    struct kvs_api_error e;
-    if (kvs_api_parse(KVS_API_TOKENIZE, c->body.s, c->body.len, s->vocab_size, &r, &e)) {
-        kvs_api_request_free(&r);
-        return api_error(c, &e);
-    }
-    if (r.model && strcmp(r.model, s->model_name) != 0) {
-        int rc = kvs_call_error(c, 404, "invalid_request_error", "model_not_found", "model",
-                                "The model `%.200s` does not exist.", r.model);
-        kvs_api_request_free(&r);
-        return rc;
-    }
+    int parse_rc;
+    if (parse_body(s, c, KVS_API_TOKENIZE, 1, &r, &parse_rc)) return parse_rc;
     int32_t *ids = NULL;
     int n;
     if (r.n_messages) {
@@ -1033,11 +1040,8 @@ static int h_tokenize(struct kvs_server *s, struct call *c)
 static int h_detokenize(struct kvs_server *s, struct call *c)
 {
     struct kvs_api_request r;
-    struct kvs_api_error e;
-    if (kvs_api_parse(KVS_API_DETOKENIZE, c->body.s, c->body.len, s->vocab_size, &r, &e)) {
-        kvs_api_request_free(&r);
-        return api_error(c, &e);
-    }
+    int parse_rc;
+    if (parse_body(s, c, KVS_API_DETOKENIZE, 0, &r, &parse_rc)) return parse_rc;
     char *text = kvs_tokenizer_decode(s->tok, r.tokens, r.n_tokens, 0);
     kvs_api_request_free(&r);
     if (!text) return kvs_call_error(c, 500, "server_error", NULL, NULL, "out of memory");
@@ -1074,11 +1078,8 @@ static int doc_error(struct call *c, int rc, const char *err)
 static int h_doc_create(struct kvs_server *s, struct call *c)
 {
     struct kvs_api_request r;
-    struct kvs_api_error e;
-    if (kvs_api_parse(KVS_API_DOC_CREATE, c->body.s, c->body.len, s->vocab_size, &r, &e)) {
-        kvs_api_request_free(&r);
-        return api_error(c, &e);
-    }
+    int parse_rc;
+    if (parse_body(s, c, KVS_API_DOC_CREATE, 0, &r, &parse_rc)) return parse_rc;
     int32_t *ids = NULL;
     int n;
     char *text;

@@ -14,30 +14,8 @@ int main(void)
     const struct kvs_backend_ops *o = &kvs_cuda_backend;
     char err[256];
     struct kvs_backend *be = o->create(0, err, sizeof err);
-    CHECK(be, "no CUDA backend: %s", err);
-    struct kvs_model_config mc;
-    memset(&mc, 0, sizeof mc);
-    mc.head_dim = HD;
-    double worst = 0;
-    static const int groups[] = {1, 2, 4, 7};
-    for (int rope = 0; rope < 2; rope++) {
-        mc.rope_theta = 500000.0;
-        mc.rope_type = rope ? KVS_ROPE_LLAMA3 : KVS_ROPE_DEFAULT;
-        mc.rope_factor = 8;
-        mc.rope_low_freq_factor = 1;
-        mc.rope_high_freq_factor = 4;
-        mc.rope_original_max_pos = 64;
-        float inv[HD / 2];
-        kvs_rope_inv_freq(&mc, inv);
-        for (int gi = 0; gi < 4; gi++)
-            for (int nq = 1; nq <= 7; nq += 6)
-                for (int trial = 0; trial < 3; trial++) {
-                    double e = run_case(o, be, inv, groups[gi], nq);
-                    CHECK(e <= 1e-2, "rope %s G=%d rows=%d: rel-L2 %.3g > 1e-2", rope ? "llama3" : "plain",
-                          groups[gi], nq, e);
-                    if (e > worst) worst = e;
-                }
-    }
+    REQUIRE(be, "no CUDA backend: %s", err);
+    double worst = run_all_cases(o, be, 1e-2);
     o->free(be);
     printf("cuda: deferred RoPE + masked padding == eager RoPE attention (bf16 KV), GQA 1/2/4/7, plain + llama3, "
            "prefill + decode; worst rel-L2 %.2e: ok\n", worst);

@@ -28,6 +28,7 @@
 #include "engine/runner.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #define STEPS 24
 #define BS 16
@@ -149,7 +150,7 @@ static int run_model(const char *dir)
 
 int main(void)
 {
-    const char *root = getenv("KVS_ROOT") ? getenv("KVS_ROOT") : ".";
+    const char *root = kvs_test_root();
     static const char *models[] = {"llama", "llama-bf16", "llama31", "qwen2", "qwen3", "qwen3-sharded"};
     int bad = 0;
     setvbuf(stdout, NULL, _IOLBF, 0);

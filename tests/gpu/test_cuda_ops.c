@@ -19,13 +19,13 @@
 #include "engine/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
 
 static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
 static struct kvs_backend *bc, *bg;
-static int n_fail, n_checks;
 static uint64_t rng;
 
 static uint64_t next_u64(void)
@@ -102,9 +102,9 @@ static void check_range(const char *what, struct pair *p, size_t off, size_t n, 
         den += (double)r[i] * r[i];
     }
     double e = den > 0 ? sqrt(num / den) : sqrt(num);
-    n_checks++;
+    kvs_test_checks++;
     int ok = nans == 0 && e < tol;
-    if (!ok) n_fail++;
+    if (!ok) kvs_test_fails++;
     printf("%s %-58s rel_l2 %.3e (tol %.0e)%s\n", ok ? "ok  " : "FAIL", what, e, tol,
            nans ? "  NON-FINITE OUTPUT" : "");
     free(a);
@@ -211,8 +211,8 @@ static void test_rows(void)
         memset(hg, 0xff, (size_t)n * dim * 4);
         C->logits_to_host(bc, d.c, n, dim, hc);
         G->logits_to_host(bg, d.g, n, dim, hg);
-        n_checks++;
-        if (memcmp(hc, hg, (size_t)n * dim * 4)) { n_fail++; printf("FAIL logits_to_host n=%d\n", n); }
+        kvs_test_checks++;
+        if (memcmp(hc, hg, (size_t)n * dim * 4)) { kvs_test_fails++; printf("FAIL logits_to_host n=%d\n", n); }
         else printf("ok   logits_to_host n=%d vocab=%d (exact)\n", n, dim);
         free(hc); free(hg); free(rows);
         drop(&r); drop(&go); drop(&x); drop(&d); drop(&o); dropw(&w);
@@ -389,8 +389,8 @@ static void test_attention_case(const struct attn_case *ac)
     float *a = kvs_xmalloc(per * 4), *b2 = kvs_xmalloc(per * 4);
     G->download(bg, a, vc.g, (size_t)src * per, per);
     G->download(bg, b2, vc.g, (size_t)dst * per, per);
-    n_checks++;
-    if (memcmp(a, b2, per * 4)) { n_fail++; printf("FAIL kv_copy_block: CUDA V block differs from its source\n"); }
+    kvs_test_checks++;
+    if (memcmp(a, b2, per * 4)) { kvs_test_fails++; printf("FAIL kv_copy_block: CUDA V block differs from its source\n"); }
     else printf("ok   kv_copy_block (CUDA V block %d == block %d)\n", dst, src);
     free(a); free(b2);
 
@@ -445,8 +445,7 @@ int main(void)
     test_attention();
     G->free(bg);
     C->free(bc);
-    printf("%d checks, %d failed\n", n_checks, n_fail);
-    return n_fail ? 1 : 0;
+    return kvs_test_summary("test_cuda_ops");
 }
 
 #else

@@ -10,25 +10,8 @@
 
 #include "engine/chat.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail = 0, g_checks = 0;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        g_checks++;                                                       \
-        if (!(cond)) {                                                    \
-            g_fail++;                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-        }                                                                 \
-    } while (0)
-
-static const char *root_dir(void)
-{
-    const char *r = getenv("KVS_ROOT");
-    return r && *r ? r : ".";
-}
 
 /* Prints where two strings first differ, for a readable failure. */
 static void show_diff(const char *name, const char *fmt, const char *got, const char *want)
@@ -43,7 +26,7 @@ static void show_diff(const char *name, const char *fmt, const char *got, const 
 static void test_references(void)
 {
     char path[4096], err[512];
-    snprintf(path, sizeof path, "%s/tests/data/chat_references.json", root_dir());
+    snprintf(path, sizeof path, "%s/tests/data/chat_references.json", kvs_test_root());
     char *json = kvs_read_file(path, NULL, err, sizeof err);
     if (!json) {
         CHECK(0, "cannot read references: %s", err);
@@ -186,15 +169,14 @@ static int write_file(const char *dir, const char *name, const char *text)
 
 static void test_detect(void)
 {
-    char tmp[] = "/tmp/kvs-test-chat-XXXXXX";
-    KVS_ASSERT(mkdtemp(tmp) != NULL);
-    char cmd[8192], dir[4200];
+    char tmp[512];
+    KVS_ASSERT(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-test-chat") == 0);
+    char member[64], dir[4200];
     const char *names[] = {"qwen3", "llama3", "llama2"};
     enum kvs_chat_format want[] = {KVS_CHAT_QWEN3, KVS_CHAT_LLAMA3, KVS_CHAT_UNKNOWN};
     for (int i = 0; i < 3; i++) {
-        snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s/tokenizer_config.json",
-                 root_dir(), names[i], tmp, names[i]);
-        int rc = system(cmd);
+        snprintf(member, sizeof member, "%s/tokenizer_config.json", names[i]);
+        int rc = kvs_test_unpack_tokenizer(names[i], tmp, member);
         CHECK(rc == 0, "cannot unpack %s tokenizer (shared/tokenizers missing?)", names[i]);
         snprintf(dir, sizeof dir, "%s/%s", tmp, names[i]);
         enum kvs_chat_format f = kvs_chat_detect(dir);
@@ -202,7 +184,7 @@ static void test_detect(void)
     }
     /* the demo model's plain ChatML template */
     char path[4096], err[256];
-    snprintf(path, sizeof path, "%s/tests/data/chatml_template.jinja", root_dir());
+    snprintf(path, sizeof path, "%s/tests/data/chatml_template.jinja", kvs_test_root());
     char *chatml = kvs_read_file(path, NULL, err, sizeof err);
     CHECK(chatml != NULL, "%s", err);
 
@@ -237,8 +219,7 @@ static void test_detect(void)
     CHECK(kvs_chat_detect_template("Cutting Knowledge Date <|start_header_id|>") == KVS_CHAT_LLAMA3, "llama3.1 markers");
     CHECK(kvs_chat_detect_template(NULL) == KVS_CHAT_UNKNOWN, "NULL template");
     free(chatml);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    CHECK(system(cmd) == 0, "cleanup");
+    CHECK(kvs_test_rmtree(tmp) == 0, "cleanup");
     printf("detection: qwen3, llama3, llama2 (none), synthetic configs checked\n");
 }
 
@@ -248,10 +229,5 @@ int main(void)
     test_document_format();
     test_errors();
     test_detect();
-    if (g_fail) {
-        fprintf(stderr, "test_chat: %d of %d checks failed\n", g_fail, g_checks);
-        return 1;
-    }
-    printf("test_chat: all %d checks passed\n", g_checks);
-    return 0;
+    return kvs_test_summary("test_chat");
 }

@@ -4,17 +4,8 @@
 #include <string.h>
 
 #include "engine/config.h"
+#include "tests/unit/test_util.h"
 
-static int failures;
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            failures++;                                                                            \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                            \
-            printf(__VA_ARGS__);                                                                   \
-            printf("\n");                                                                          \
-        }                                                                                          \
-    } while (0)
 
 /* Loads json on top of defaults; returns rc and leaves the message in err. */
 static int load(const char *json, char *err, size_t errlen)
@@ -90,10 +81,5 @@ int main(void)
     expect_error("{\"kv\":{\"mac\":{\"tau\":-1}}}", "kv.mac.tau");
     expect_error("{\"device\":\"cpu\",\"kv\":{\"storage\":\"bf16\"}}", "kv.storage");
 
-    if (failures) {
-        printf("%d checks failed\n", failures);
-        return 1;
-    }
-    printf("config: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_config");
 }

@@ -12,19 +12,9 @@
 #include "engine/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 static const struct kvs_backend_ops *O = &kvs_cpu_backend;
-static int g_fail;
-
-#define CHECK(cond, ...)                                                                    \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                     \
-            printf(__VA_ARGS__);                                                            \
-            printf("\n");                                                                   \
-            g_fail++;                                                                       \
-        }                                                                                   \
-    } while (0)
 
 static uint64_t g_rng = 0x1234567;
 static float frand(void)   /* uniform in [-1, 1) */
@@ -501,10 +491,5 @@ int main(void)
     test_attention(b);
     O->free(b);
     O->free(b1);
-    if (g_fail) {
-        printf("%d checks failed\n", g_fail);
-        return 1;
-    }
-    printf("all cpu op checks passed\n");
-    return 0;
+    return kvs_test_summary("test_cpu_ops");
 }

@@ -12,19 +12,8 @@
 #include "engine/config.h"
 #include "engine/docstore.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail = 0, g_checks = 0;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        g_checks++;                                                       \
-        if (!(cond)) {                                                    \
-            g_fail++;                                                     \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);          \
-            fprintf(stderr, __VA_ARGS__);                                 \
-            fprintf(stderr, "\n");                                        \
-        }                                                                 \
-    } while (0)
 
 static int add_simple(struct kvs_docstore *s, const char *id, const char *text, int n_tokens, const struct kvs_doc **out)
 {
@@ -249,8 +238,8 @@ static int open_capturing(const char *dir, struct kvs_docstore **s, char *buf, s
 
 static void test_persistence(void)
 {
-    char root[] = "/tmp/kvs-test-docstore-XXXXXX";
-    KVS_ASSERT(mkdtemp(root) != NULL);
+    char root[512];
+    KVS_ASSERT(kvs_test_mkdtemp(root, sizeof root, "kvs-test-docstore") == 0);
     char dir[4200], err[256];
     snprintf(dir, sizeof dir, "%s/docs", root);
 
@@ -332,9 +321,7 @@ static void test_persistence(void)
     snprintf(file, sizeof file, "%s/missing/parent", root);
     CHECK(kvs_docstore_open(file, 0, 0, &s, err, sizeof err) < 0 && s == NULL, "missing parent: %s", err);
 
-    char cmd[4300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
-    CHECK(system(cmd) == 0, "cleanup");
+    CHECK(kvs_test_rmtree(root) == 0, "cleanup");
     printf("persistence: reopen keeps documents, order, deletes; corrupt files skipped with warnings\n");
 }
 
@@ -419,12 +406,10 @@ static void run_concurrent(const char *dir, const char *what)
 static void test_concurrent(void)
 {
     run_concurrent(NULL, "memory");
-    char root[] = "/tmp/kvs-test-docstore-conc-XXXXXX";
-    KVS_ASSERT(mkdtemp(root) != NULL);
+    char root[512];
+    KVS_ASSERT(kvs_test_mkdtemp(root, sizeof root, "kvs-test-docstore-conc") == 0);
     run_concurrent(root, "persistent");
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
-    CHECK(system(cmd) == 0, "cleanup");
+    CHECK(kvs_test_rmtree(root) == 0, "cleanup");
     printf("concurrency: %d threads x %d adds + %d contested ids, with readers\n", N_THREADS, N_PER_THREAD, N_SHARED);
 }
 
@@ -436,10 +421,5 @@ int main(void)
     test_refcount();
     test_persistence();
     test_concurrent();
-    if (g_fail) {
-        fprintf(stderr, "test_docstore: %d of %d checks failed\n", g_fail, g_checks);
-        return 1;
-    }
-    printf("test_docstore: all %d checks passed\n", g_checks);
-    return 0;
+    return kvs_test_summary("test_docstore");
 }

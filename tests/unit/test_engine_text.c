@@ -10,20 +10,11 @@
 #include "engine/tokenizer.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
-
-#define CHECK(c, ...)                                                            \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c);         \
-            fprintf(stderr, __VA_ARGS__);                                        \
-            fprintf(stderr, "\n");                                               \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define N 6
 #define GEN 48
@@ -55,24 +46,24 @@ static void run(struct kvs_engine *e, int32_t prompts[N][24], const char *const 
             p.n_stop_strings = 1;
         }
         r[i] = kvs_request_new(&p, NULL, NULL);
-        CHECK(r[i], "request_new");
-        CHECK(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "%s", err);
+        REQUIRE(r[i], "request_new");
+        REQUIRE(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "%s", err);
         memset(&o[i], 0, sizeof o[i]);
     }
     for (int i = 0; i < N; i++) {
         struct kvs_event ev[16];
         while (o[i].finish == KVS_FINISH_NONE) {
             int k = kvs_request_wait(r[i], ev, 16, 60.0);
-            CHECK(k > 0, "no event for 60 s");
+            REQUIRE(k > 0, "no event for 60 s");
             for (int q = 0; q < k; q++) {
                 if (ev[q].type == KVS_EV_TOKEN) {
                     o[i].ids[o[i].n++] = ev[q].token;
                     size_t l = strlen(ev[q].text);
-                    CHECK(o[i].len + l < sizeof o[i].text, "text too long");
+                    REQUIRE(o[i].len + l < sizeof o[i].text, "text too long");
                     memcpy(o[i].text + o[i].len, ev[q].text, l + 1);
                     o[i].len += l;
                 } else {
-                    CHECK(ev[q].type == KVS_EV_DONE, "error event: %s", ev[q].error ? ev[q].error : "");
+                    REQUIRE(ev[q].type == KVS_EV_DONE, "error event: %s", ev[q].error ? ev[q].error : "");
                     o[i].finish = ev[q].finish;
                 }
                 kvs_event_clear(&ev[q]);
@@ -85,22 +76,19 @@ static void run(struct kvs_engine *e, int32_t prompts[N][24], const char *const 
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
-    const char *root = getenv("KVS_ROOT");
-    if (!root || !*root) root = ".";
-    char tmp[] = "/tmp/kvs-engine-text-XXXXXX";
-    CHECK(mkdtemp(tmp), "mkdtemp");
-    char cmd[2048], dir[1100], err[256];
-    snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/qwen3.tar.xz' -C '%s'", root, tmp);
-    CHECK(system(cmd) == 0, "cannot unpack %s/../shared/tokenizers/qwen3.tar.xz", root);
+    const char *root = kvs_test_root();
+    char tmp[512];
+    REQUIRE(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-engine-text") == 0, "mkdtemp");
+    char dir[1100], err[256];
+    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack %s/../shared/tokenizers/qwen3.tar.xz", root);
     snprintf(dir, sizeof dir, "%s/qwen3", tmp);
     struct kvs_tokenizer *tok;
-    CHECK(kvs_tokenizer_load(dir, &tok, err, sizeof err) == 0, "%s", err);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    CHECK(system(cmd) == 0, "cleanup");
+    REQUIRE(kvs_tokenizer_load(dir, &tok, err, sizeof err) == 0, "%s", err);
+    REQUIRE(kvs_test_rmtree(tmp) == 0, "cleanup");
 
     snprintf(dir, sizeof dir, "%s/tests/data/models/qwen3", root);
     struct kvs_model *m;
-    CHECK(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
+    REQUIRE(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
     struct kvs_config c;
     kvs_config_init(&c);
     free(c.device);
@@ -110,7 +98,7 @@ int main(void)
     c.max_model_len = 256;
     c.prefill_chunk = 8;
     struct kvs_engine *e;
-    CHECK(kvs_engine_create(&c, m, tok, &e, err, sizeof err) == 0, "%s", err);
+    REQUIRE(kvs_engine_create(&c, m, tok, &e, err, sizeof err) == 0, "%s", err);
 
     /* prompts of ids whose pieces include non-ASCII bytes (ids 128..255 are byte tokens) */
     int32_t prompts[N][24];
@@ -124,18 +112,18 @@ int main(void)
     run(e, prompts, NULL, full);
     int partial_utf8 = 0;
     for (int i = 0; i < N; i++) {
-        CHECK(full[i].n == GEN && full[i].finish == KVS_FINISH_LENGTH, "request %d: %d tokens", i, full[i].n);
+        REQUIRE(full[i].n == GEN && full[i].finish == KVS_FINISH_LENGTH, "request %d: %d tokens", i, full[i].n);
         /* the engine drops NUL bytes (C-string deltas): decode around the byte-0 token */
         char ref[8192] = "";
         int32_t nul = kvs_tokenizer_token_id(tok, "\xc4\x80");   /* byte-level "Ā" = byte 0x00 */
         for (int a = 0, b; a < full[i].n; a = b + 1) {
             for (b = a; b < full[i].n && full[i].ids[b] != nul; b++) {}
             char *seg = kvs_tokenizer_decode(tok, full[i].ids + a, b - a, 1);
-            CHECK(seg && strlen(ref) + strlen(seg) < sizeof ref, "decode");
+            REQUIRE(seg && strlen(ref) + strlen(seg) < sizeof ref, "decode");
             strcat(ref, seg);
             free(seg);
         }
-        CHECK(strcmp(ref, full[i].text) == 0, "request %d: deltas \"%s\" != decode \"%s\"", i, full[i].text, ref);
+        REQUIRE(strcmp(ref, full[i].text) == 0, "request %d: deltas \"%s\" != decode \"%s\"", i, full[i].text, ref);
         for (size_t k = 0; ref[k]; k++) partial_utf8 |= (unsigned char)ref[k] >= 0x80;
     }
     printf("text deltas == kvs_tokenizer_decode for %d requests (non-ASCII output: %s)\n", N,
@@ -158,22 +146,22 @@ int main(void)
             }
         }
     }
-    CHECK(n_stops >= 3, "too few ASCII stop candidates (%d)", n_stops);
+    REQUIRE(n_stops >= 3, "too few ASCII stop candidates (%d)", n_stops);
     run(e, prompts, stops, stopped);
     for (int i = 0; i < N; i++) {
         if (!stops[i]) continue;
         const char *at = strstr(full[i].text, stops[i]);
         size_t pos = (size_t)(at - full[i].text);
-        CHECK(stopped[i].finish == KVS_FINISH_STOP, "request %d: finish %d", i, stopped[i].finish);
-        CHECK(stopped[i].len == pos && memcmp(stopped[i].text, full[i].text, pos) == 0,
+        REQUIRE(stopped[i].finish == KVS_FINISH_STOP, "request %d: finish %d", i, stopped[i].finish);
+        REQUIRE(stopped[i].len == pos && memcmp(stopped[i].text, full[i].text, pos) == 0,
               "request %d: got \"%s\", want the first %zu bytes of \"%s\" (stop \"%s\")", i, stopped[i].text, pos,
               full[i].text, stops[i]);
-        CHECK(!strstr(stopped[i].text, stops[i]), "stop string emitted");
+        REQUIRE(!strstr(stopped[i].text, stops[i]), "stop string emitted");
         /* it stopped at the first token whose text completes the stop string */
-        CHECK(stopped[i].n <= full[i].n && memcmp(stopped[i].ids, full[i].ids, (size_t)stopped[i].n * 4) == 0, "ids");
+        REQUIRE(stopped[i].n <= full[i].n && memcmp(stopped[i].ids, full[i].ids, (size_t)stopped[i].n * 4) == 0, "ids");
         char *upto = kvs_tokenizer_decode(tok, full[i].ids, stopped[i].n, 1);
         char *before = kvs_tokenizer_decode(tok, full[i].ids, stopped[i].n - 1, 1);
-        CHECK(strstr(upto, stops[i]) && !strstr(before, stops[i]), "request %d stopped at the wrong token", i);
+        REQUIRE(strstr(upto, stops[i]) && !strstr(before, stops[i]), "request %d stopped at the wrong token", i);
         free(upto);
         free(before);
     }
@@ -182,6 +170,5 @@ int main(void)
     kvs_config_free(&c);
     kvs_model_free(m);
     kvs_tokenizer_free(tok);
-    printf("test_engine_text: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_engine_text");
 }

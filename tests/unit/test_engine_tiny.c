@@ -11,20 +11,11 @@
 #include "engine/runner.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <string.h>
-
-#define CHECK(c, ...)                                                            \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c);         \
-            fprintf(stderr, __VA_ARGS__);                                        \
-            fprintf(stderr, "\n");                                               \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define MAXJ 16
 #define MAXP 128
@@ -42,36 +33,24 @@ struct job {
 };
 
 static uint64_t rng = 0x2545F4914F6CDD1DULL;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-
-static const char *root(void)
-{
-    const char *r = getenv("KVS_ROOT");
-    return r && *r ? r : ".";
-}
+static uint32_t rnd(void) { return kvs_test_xorshift(&rng); }
 
 static int load_reference(const char *model_dir, struct job *jobs)
 {
     char path[1100], err[256];
     snprintf(path, sizeof path, "%s/reference.json", model_dir);
     char *txt = kvs_read_file(path, NULL, err, sizeof err);
-    CHECK(txt, "%s", err);
+    REQUIRE(txt, "%s", err);
     cJSON *j = cJSON_Parse(txt);
     free(txt);
-    CHECK(j, "bad JSON in %s", path);
+    REQUIRE(j, "bad JSON in %s", path);
     cJSON *ps = cJSON_GetObjectItem(j, "prompts");
     int n = 0;
     cJSON *p;
     cJSON_ArrayForEach(p, ps)
     {
         cJSON *pr = cJSON_GetObjectItem(p, "prompt"), *g = cJSON_GetObjectItem(p, "greedy");
-        CHECK(cJSON_GetArraySize(pr) <= MAXP && cJSON_GetArraySize(g) == GEN, "reference shape");
+        REQUIRE(cJSON_GetArraySize(pr) <= MAXP && cJSON_GetArraySize(g) == GEN, "reference shape");
         struct job *jb = &jobs[n++];
         memset(jb, 0, sizeof *jb);
         jb->n_prompt = cJSON_GetArraySize(pr);
@@ -96,11 +75,11 @@ static void runner_alone(const struct kvs_config *cfg, const struct kvs_model *m
     struct kvs_runner *r;
     char err[256];
     int rc = kvs_runner_create(cfg, m, &r, err, sizeof err);
-    CHECK(rc == 0, "%s", err);
+    REQUIRE(rc == 0, "%s", err);
     int bs = kvs_runner_block_size(r), V = kvs_runner_vocab_size(r);
     int32_t bt[64];
     int nb = (j->n_prompt + GEN + bs - 1) / bs;
-    CHECK(nb <= 64 && nb <= kvs_runner_num_blocks(r), "pool too small for the reference");
+    REQUIRE(nb <= 64 && nb <= kvs_runner_num_blocks(r), "pool too small for the reference");
     for (int i = 0; i < nb; i++) bt[i] = nb - 1 - i;   /* any order */
     float *lg = kvs_xmalloc((size_t)V * sizeof *lg);
     int32_t toks[MAXP + GEN];
@@ -110,7 +89,7 @@ static void runner_alone(const struct kvs_config *cfg, const struct kvs_model *m
         struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL};
         struct kvs_batch b = {&s, 1};
         rc = kvs_runner_forward(r, &b, lg);
-        CHECK(rc == 0, "forward %d", rc);
+        REQUIRE(rc == 0, "forward %d", rc);
         pos = n;
         toks[n++] = argmax(lg, V);
         j->want[g] = toks[n - 1];
@@ -125,7 +104,7 @@ static void run_engine(const struct kvs_config *cfg, const struct kvs_model *m, 
     struct kvs_engine *e;
     char err[256];
     int rc = kvs_engine_create(cfg, m, NULL, &e, err, sizeof err);
-    CHECK(rc == 0, "%s", err);
+    REQUIRE(rc == 0, "%s", err);
     for (int i = 0; i < n; i++) {
         struct kvs_request_params p;
         memset(&p, 0, sizeof p);
@@ -137,9 +116,9 @@ static void run_engine(const struct kvs_config *cfg, const struct kvs_model *m, 
         p.ignore_eos = 1;
         p.skip_special = 1;
         jobs[i].r = kvs_request_new(&p, NULL, NULL);
-        CHECK(jobs[i].r, "request_new");
+        REQUIRE(jobs[i].r, "request_new");
         rc = kvs_engine_submit(e, jobs[i].r, err, sizeof err);
-        CHECK(rc == 0, "submit: %s", err);
+        REQUIRE(rc == 0, "submit: %s", err);
         jobs[i].n_got = 0;
         jobs[i].finish = KVS_FINISH_NONE;
     }
@@ -147,10 +126,10 @@ static void run_engine(const struct kvs_config *cfg, const struct kvs_model *m, 
         struct kvs_event ev[16];
         while (jobs[i].finish == KVS_FINISH_NONE) {
             int k = kvs_request_wait(jobs[i].r, ev, 16, 60.0);
-            CHECK(k > 0, "no event for 60 s");
+            REQUIRE(k > 0, "no event for 60 s");
             for (int q = 0; q < k; q++) {
                 if (ev[q].type == KVS_EV_TOKEN) {
-                    CHECK(jobs[i].n_got < GEN, "too many tokens");
+                    REQUIRE(jobs[i].n_got < GEN, "too many tokens");
                     jobs[i].got[jobs[i].n_got++] = ev[q].token;
                 } else {
                     if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
@@ -163,7 +142,7 @@ static void run_engine(const struct kvs_config *cfg, const struct kvs_model *m, 
         kvs_request_unref(jobs[i].r);
     }
     kvs_engine_stats(e, st_out);
-    CHECK(st_out->kv_blocks_used == 0, "blocks still used: %d", st_out->kv_blocks_used);
+    REQUIRE(st_out->kv_blocks_used == 0, "blocks still used: %d", st_out->kv_blocks_used);
     kvs_engine_free(e);
 }
 
@@ -204,14 +183,14 @@ static void set_str(char **f, const char *v)
 static void test_model(const char *name)
 {
     char dir[1024], err[256];
-    snprintf(dir, sizeof dir, "%s/tests/data/models/%s", root(), name);
+    snprintf(dir, sizeof dir, "%s/tests/data/models/%s", kvs_test_root(), name);
     struct kvs_model *m;
     int rc = kvs_model_load(dir, &m, err, sizeof err);
-    CHECK(rc == 0, "%s", err);
+    REQUIRE(rc == 0, "%s", err);
 
     static struct job ref[MAXJ], rnd_jobs[MAXJ];
     int n_ref = load_reference(dir, ref);
-    CHECK(n_ref == 4, "4 reference prompts");
+    REQUIRE(n_ref == 4, "4 reference prompts");
 
     struct kvs_config c;
     base_cfg(&c);
@@ -233,7 +212,7 @@ static void test_model(const char *name)
     run_engine(&c, m, rnd_jobs, n_rnd, &st);
     check_jobs("runner alone vs engine alone", rnd_jobs, n_rnd);
     /* one at a time with kv.reuse=prefix (the default): later prompts sharing 40 tokens hit */
-    CHECK(!strcmp(c.kv_reuse, "prefix") && st.prefix_hits >= 32, "prefix hits %llu", (unsigned long long)st.prefix_hits);
+    REQUIRE(!strcmp(c.kv_reuse, "prefix") && st.prefix_hits >= 32, "prefix hits %llu", (unsigned long long)st.prefix_hits);
     c.max_running = 16;
 
     /* batched, chunked, prefix on/off */
@@ -258,7 +237,7 @@ static void test_model(const char *name)
     {
         struct kvs_runner *r;
         rc = kvs_runner_create(&c, m, &r, err, sizeof err);
-        CHECK(rc == 0, "%s", err);
+        REQUIRE(rc == 0, "%s", err);
         per_block = kvs_runner_kv_bytes_per_token(r) * 16;
         kvs_runner_free(r);
     }
@@ -270,7 +249,7 @@ static void test_model(const char *name)
         set_str(&c.kv_reuse, reuse ? "prefix" : "none");
         run_engine(&c, m, all, n_all, &st);
         check_jobs("small pool (preemption)", all, n_all);
-        CHECK(st.num_preemptions > 0, "expected preemptions");
+        REQUIRE(st.num_preemptions > 0, "expected preemptions");
         printf("%s: small pool, reuse %s: %llu preemptions, all match\n", name, reuse ? "prefix" : "none",
                (unsigned long long)st.num_preemptions);
     }
@@ -285,6 +264,5 @@ int main(void)
     kvs_log_set_level(KVS_LOG_WARN);
     test_model("llama");
     test_model("qwen3");
-    printf("test_engine_tiny: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_engine_tiny");
 }

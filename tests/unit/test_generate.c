@@ -10,17 +10,8 @@
 #include "engine/generate.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail;
-#define CHECK(cond, ...)                                                                    \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                     \
-            printf(__VA_ARGS__);                                                            \
-            printf("\n");                                                                   \
-            g_fail++;                                                                       \
-        }                                                                                   \
-    } while (0)
 
 /* runs generate with argv, returns its exit code and its stdout in out */
 static int run(char **argv, char *out, size_t cap)
@@ -46,8 +37,7 @@ static int run(char **argv, char *out, size_t cap)
 
 int main(void)
 {
-    const char *root = getenv("KVS_ROOT");
-    if (!root) root = ".";
+    const char *root = kvs_test_root();
     kvs_log_set_level(KVS_LOG_WARN);
     char dir[1024], refp[1100], err[256];
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", root);
@@ -140,10 +130,5 @@ int main(void)
     CHECK(run(nodir, o1, sizeof o1) == 1, "missing model dir should exit 1");
     printf("ok bad usage exits 2, runtime errors 1\n");
     cJSON_Delete(ref);
-    if (g_fail) {
-        printf("%d checks failed\n", g_fail);
-        return 1;
-    }
-    printf("all generate checks passed\n");
-    return 0;
+    return kvs_test_summary("test_generate");
 }

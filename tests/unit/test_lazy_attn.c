@@ -12,33 +12,18 @@
 #include "engine/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-
-#define CHECK(c, ...)                                                            \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c);         \
-            fprintf(stderr, __VA_ARGS__);                                        \
-            fprintf(stderr, "\n");                                               \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define HD 64
 #define BS 16
 #define NKV 2
 
 static uint64_t rng = 0x9E3779B97F4A7C15ULL;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
+static uint32_t rnd(void) { return kvs_test_xorshift(&rng); }
 static float frand(void) { return (float)((rnd() % 2000001) / 1000000.0 - 1.0); }
 
 /* RoPE with the backend contract's angle: one fp32 multiply (as transformers computes it),
@@ -124,7 +109,7 @@ static double run_case(const struct kvs_backend_ops *o, struct kvs_backend *be, 
     struct kvs_dbuf *dqs = o->alloc(be, KVS_BUF_I32, 2), *dpos = o->alloc(be, KVS_BUF_I32, 1);
     struct kvs_dbuf *dbt = o->alloc(be, KVS_BUF_I32, (size_t)nblk), *drot = o->alloc(be, KVS_BUF_I32, (size_t)nblk);
     struct kvs_dbuf *dval = o->alloc(be, KVS_BUF_I32, (size_t)nblk), *dinv = o->alloc(be, KVS_BUF_F32, HD / 2);
-    CHECK(dq && dout && dk && dv && dqs && dpos && dbt && drot && dval && dinv, "alloc");
+    REQUIRE(dq && dout && dk && dv && dqs && dpos && dbt && drot && dval && dinv, "alloc");
     o->upload(be, dq, 0, q, (size_t)n_q * nh * HD);
     o->upload(be, dk, 0, kc, nblk * per_block);
     o->upload(be, dv, 0, vc, nblk * per_block);
@@ -169,7 +154,7 @@ static double run_case(const struct kvs_backend_ops *o, struct kvs_backend *be, 
             }
             for (int i = 0; i < HD; i++) {
                 double ref = acc[i] / l, got = out[((size_t)t * nh + h) * HD + i];
-                CHECK(isfinite(got), "non-finite output: a padding slot was read");
+                REQUIRE(isfinite(got), "non-finite output: a padding slot was read");
                 num += (got - ref) * (got - ref);
                 den += ref * ref;
             }
@@ -181,13 +166,11 @@ static double run_case(const struct kvs_backend_ops *o, struct kvs_backend *be, 
     return sqrt(num / den);
 }
 
-#ifndef LAZY_ATTN_NO_MAIN   /* tests/gpu/test_cuda_lazy.c reuses run_case on the CUDA backend */
-int main(void)
+/* Every case of this test on one backend: plain and llama3 RoPE, GQA 1/2/4/7, a 7-row prefill and
+ * a decode row, 3 random layouts each; each rel-L2 must be <= tol. Returns the worst. Shared with
+ * tests/gpu/test_cuda_lazy.c, which runs it on the CUDA backend with the bf16 tolerance. */
+static double run_all_cases(const struct kvs_backend_ops *o, struct kvs_backend *be, double tol)
 {
-    const struct kvs_backend_ops *o = &kvs_cpu_backend;
-    char err[256];
-    struct kvs_backend *be = o->create(2, err, sizeof err);
-    CHECK(be, "%s", err);
     struct kvs_model_config mc;
     memset(&mc, 0, sizeof mc);
     mc.head_dim = HD;
@@ -206,10 +189,22 @@ int main(void)
             for (int nq = 1, G = groups[gi]; nq <= 7; nq += 6)
                 for (int trial = 0; trial < 3; trial++) {
                     double e = run_case(o, be, inv, G, nq);
-                    CHECK(e <= 1e-5, "rope %s G=%d rows=%d: rel-L2 %.3g > 1e-5", rope ? "llama3" : "plain", G, nq, e);
+                    REQUIRE(e <= tol, "rope %s G=%d rows=%d: rel-L2 %.3g > %g", rope ? "llama3" : "plain", G, nq, e,
+                            tol);
                     if (e > worst) worst = e;
                 }
     }
+    return worst;
+}
+
+#ifndef LAZY_ATTN_NO_MAIN   /* tests/gpu/test_cuda_lazy.c reuses run_all_cases on the CUDA backend */
+int main(void)
+{
+    const struct kvs_backend_ops *o = &kvs_cpu_backend;
+    char err[256];
+    struct kvs_backend *be = o->create(2, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    double worst = run_all_cases(o, be, 1e-5);
     o->free(be);
     printf("deferred RoPE (per-block q back-rotation, masked pads) == eager RoPE attention: docs {1,15,16,17,300} "
            "at random offsets, GQA 1/2/4/7, plain + llama3, prefill 7 rows + decode; worst rel-L2 %.2e: ok\n", worst);

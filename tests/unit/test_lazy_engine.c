@@ -22,39 +22,18 @@
 #include "engine/engine.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
-
-#define CHECK(c, ...)                                                            \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #c);         \
-            fprintf(stderr, __VA_ARGS__);                                        \
-            fprintf(stderr, "\n");                                               \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define GEN 8
 #define BS 16
 #define MAXT 512
 
 static uint64_t rng = 0x1234567887654321ULL;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-
-static const char *root(void)
-{
-    const char *r = getenv("KVS_ROOT");
-    return r && *r ? r : ".";
-}
+static uint32_t rnd(void) { return kvs_test_xorshift(&rng); }
 
 /* ---- the reference model ---------------------------------------------------------------- */
 struct ref_layer {
@@ -72,7 +51,7 @@ static float *get(const struct kvs_model *m, const char *name, int optional)
     struct kvs_tensor_view t;
     char err[256];
     if (kvs_model_tensor(m, name, &t, err, sizeof err) != 0) {
-        CHECK(optional, "%s", err);
+        REQUIRE(optional, "%s", err);
         return NULL;
     }
     size_t n = 1;
@@ -267,7 +246,7 @@ static void reference(const struct ref_model *m, struct rag *q)
     }
     for (int i = 0; i < q->n_prompt; i++) tok[T] = q->prompt[i], pos[T] = slot++, seg[T++] = -1;
     for (int g = 0; g < GEN; g++) {
-        CHECK(T < MAXT, "reference too long");
+        REQUIRE(T < MAXT, "reference too long");
         int nx = ref_forward(m, tok, pos, seg, T);
         q->want[g] = nx;
         tok[T] = nx, pos[T] = slot++, seg[T++] = -1;
@@ -300,10 +279,10 @@ static void submit(struct kvs_engine *e, struct rag *q, int as_docs)
     p.ignore_eos = 1;
     p.skip_special = 1;
     q->r = kvs_request_new(&p, NULL, NULL);
-    CHECK(q->r, "request_new");
+    REQUIRE(q->r, "request_new");
     char err[256];
     int rc = kvs_engine_submit(e, q->r, err, sizeof err);
-    CHECK(rc == 0, "submit: %s", err);
+    REQUIRE(rc == 0, "submit: %s", err);
     q->n_got = 0;
     q->finish = KVS_FINISH_NONE;
 }
@@ -313,10 +292,10 @@ static void collect(struct rag *q)
     struct kvs_event ev[16];
     while (q->finish == KVS_FINISH_NONE) {
         int k = kvs_request_wait(q->r, ev, 16, 60.0);
-        CHECK(k > 0, "no event for 60 s");
+        REQUIRE(k > 0, "no event for 60 s");
         for (int i = 0; i < k; i++) {
             if (ev[i].type == KVS_EV_TOKEN) {
-                CHECK(q->n_got < GEN, "too many tokens");
+                REQUIRE(q->n_got < GEN, "too many tokens");
                 q->got[q->n_got++] = ev[i].token;
             } else {
                 if (ev[i].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[i].error);
@@ -362,23 +341,23 @@ static struct kvs_engine *make_engine(const struct kvs_config *c, const struct k
     struct kvs_engine *e;
     char err[256];
     int rc = kvs_engine_create(c, m, NULL, &e, err, sizeof err);
-    CHECK(rc == 0, "%s", err);
+    REQUIRE(rc == 0, "%s", err);
     return e;
 }
 
 static void finish_engine(struct kvs_engine *e, struct kvs_engine_stats *st)
 {
     kvs_engine_stats(e, st);
-    CHECK(st->kv_blocks_used == 0, "blocks still used: %d", st->kv_blocks_used);
+    REQUIRE(st->kv_blocks_used == 0, "blocks still used: %d", st->kv_blocks_used);
     kvs_engine_free(e);
 }
 
 static void test_model(const char *name)
 {
     char dir[1024], err[256];
-    snprintf(dir, sizeof dir, "%s/tests/data/models/%s", root(), name);
+    snprintf(dir, sizeof dir, "%s/tests/data/models/%s", kvs_test_root(), name);
     struct kvs_model *m;
-    CHECK(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
+    REQUIRE(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
     struct ref_model ref;
     ref_load(&ref, m);
 
@@ -418,21 +397,21 @@ static void test_model(const char *name)
             expect(what, &q[i], q[i].want);
             int real = q[i].n_prompt;
             for (int d = 0; d < q[i].n_docs; d++) real += q[i].len[d];
-            CHECK(q[i].n_prompt_tokens == real, "usage counts real tokens: %d vs %d", q[i].n_prompt_tokens, real);
-            if (round == 1) CHECK(q[i].n_cached == real - q[i].n_prompt, "warm: every document cached");
+            REQUIRE(q[i].n_prompt_tokens == real, "usage counts real tokens: %d vs %d", q[i].n_prompt_tokens, real);
+            if (round == 1) REQUIRE(q[i].n_cached == real - q[i].n_prompt, "warm: every document cached");
             if (round == 0) doc_tokens_total += real - q[i].n_prompt;
         }
     finish_engine(e, &st);
     int uniq = 0;
     for (int d = 0; d < ND; d++) uniq += clen[d];
-    CHECK(st.doc_prefill_tokens_computed == (uint64_t)uniq, "each document computed once: %llu vs %d",
+    REQUIRE(st.doc_prefill_tokens_computed == (uint64_t)uniq, "each document computed once: %llu vs %d",
           (unsigned long long)st.doc_prefill_tokens_computed, uniq);
     int lookups = 0;
     for (int i = 0; i < NQ; i++) lookups += q[i].n_docs;
-    CHECK(st.doc_misses == ND && st.doc_hits == (uint64_t)(2 * lookups - ND), "hits %llu misses %llu", (unsigned long long)st.doc_hits,
+    REQUIRE(st.doc_misses == ND && st.doc_hits == (uint64_t)(2 * lookups - ND), "hits %llu misses %llu", (unsigned long long)st.doc_hits,
           (unsigned long long)st.doc_misses);
-    CHECK(st.doc_prefill_tokens_saved == (uint64_t)(2 * doc_tokens_total - uniq), "tokens saved");
-    CHECK(st.doc_entries == ND && st.doc_bytes_cached > 0 && st.doc_hit_ratio > 0.6, "gauges");
+    REQUIRE(st.doc_prefill_tokens_saved == (uint64_t)(2 * doc_tokens_total - uniq), "tokens saved");
+    REQUIRE(st.doc_entries == ND && st.doc_bytes_cached > 0 && st.doc_hit_ratio > 0.6, "gauges");
     printf("%s: cold + warm cache, documents at other offsets/orders == Block-Attention reference; "
            "each document computed once (%d tokens), hit ratio %.2f: ok\n",
            name, uniq, st.doc_hit_ratio);
@@ -445,9 +424,9 @@ static void test_model(const char *name)
         expect("concurrent", &q[i], q[i].want);
     }
     finish_engine(e, &st);
-    CHECK(st.doc_prefill_tokens_computed == (uint64_t)uniq, "concurrent: computed once: %llu vs %d",
+    REQUIRE(st.doc_prefill_tokens_computed == (uint64_t)uniq, "concurrent: computed once: %llu vs %d",
           (unsigned long long)st.doc_prefill_tokens_computed, uniq);
-    CHECK(st.doc_misses == ND, "concurrent: %llu misses", (unsigned long long)st.doc_misses);
+    REQUIRE(st.doc_misses == ND, "concurrent: %llu misses", (unsigned long long)st.doc_misses);
     printf("%s: 5 concurrent requests sharing missing documents: each computed once: ok\n", name);
 
     /* tight KV pools (10..14 blocks of 16): requests wait for blocks, get preempted and
@@ -476,7 +455,7 @@ static void test_model(const char *name)
             expect("tiny budget", &q[i], q[i].want);
         }
     finish_engine(e, &st);
-    CHECK(st.doc_evictions > 0 && st.doc_prefill_tokens_computed > (uint64_t)uniq, "evictions under the budget");
+    REQUIRE(st.doc_evictions > 0 && st.doc_prefill_tokens_computed > (uint64_t)uniq, "evictions under the budget");
     printf("%s: tiny budget (%llu evictions): reference output: ok\n", name, (unsigned long long)st.doc_evictions);
     c.lazy_budget_bytes = 0;
 
@@ -501,10 +480,10 @@ static void test_model(const char *name)
             off += (q[i].len[d] + BS - 1) / BS * BS;
         }
     }
-    CHECK(st.doc_misses == (uint64_t)pairs && st.doc_hits == (uint64_t)(2 * lookups - pairs),
+    REQUIRE(st.doc_misses == (uint64_t)pairs && st.doc_hits == (uint64_t)(2 * lookups - pairs),
           "position-aware: %llu hits / %llu misses, want %d misses", (unsigned long long)st.doc_hits,
           (unsigned long long)st.doc_misses, pairs);
-    CHECK(pairs > ND, "the workload reuses documents at new offsets");
+    REQUIRE(pairs > ND, "the workload reuses documents at new offsets");
     c.lazy_position_aware = 0;
     printf("%s: position-aware baseline: same output, %llu hits / %llu misses: ok\n", name,
            (unsigned long long)st.doc_hits, (unsigned long long)st.doc_misses);
@@ -526,7 +505,7 @@ static void test_model(const char *name)
     collect(&one);
     int32_t plain[GEN];
     memcpy(plain, one.got, sizeof plain);
-    CHECK(one.finish == KVS_FINISH_LENGTH && one.n_prompt_tokens == 37 && one.n_cached == 0, "ordinary path");
+    REQUIRE(one.finish == KVS_FINISH_LENGTH && one.n_prompt_tokens == 37 && one.n_cached == 0, "ordinary path");
     finish_engine(e, &st);
     e = make_engine(&c, m);
     submit(e, &one, 1);
@@ -547,11 +526,11 @@ static void test_model(const char *name)
     p.docs = &s1;
     p.n_docs = 1;
     struct kvs_request *r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL && strstr(err, "vocabulary"), "bad token: %s", err);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL && strstr(err, "vocabulary"), "bad token: %s", err);
     kvs_request_unref(r);
     p.docs = &s0;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL && strstr(err, "empty"), "empty doc: %s", err);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL && strstr(err, "empty"), "empty doc: %s", err);
     kvs_request_unref(r);
     finish_engine(e, &st);
     printf("%s: bad documents refused with -EINVAL: ok\n", name);

@@ -5,7 +5,6 @@
 #include <cjson/cJSON.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,20 +15,9 @@
 #include "engine/util.h"
 #include "models/model.h"
 #include "models/safetensors.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail, g_checks;
 static char g_models[4096], g_tmp[4096];
-
-#define CHECK(cond, ...)                                                          \
-    do {                                                                          \
-        g_checks++;                                                               \
-        if (!(cond)) {                                                            \
-            g_fail++;                                                             \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);       \
-            fprintf(stderr, __VA_ARGS__);                                         \
-            fprintf(stderr, "\n");                                                \
-        }                                                                         \
-    } while (0)
 
 static cJSON *read_json(const char *path)
 {
@@ -378,13 +366,8 @@ static void test_configs(void)
 
 /* ---- corruption suite ------------------------------------------------------------------ */
 
-static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb, (void)flag, (void)ftw;
-    return remove(p);
-}
-
-static void rm_rf(const char *dir) { nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+/* removes what an earlier case left there; a missing directory is fine */
+static void rm_rf(const char *dir) { (void)kvs_test_rmtree(dir); }
 
 static void copy_file(const char *from, const char *to)
 {
@@ -881,14 +864,8 @@ static void test_corpus(void)
 
 int main(void)
 {
-    const char *root = getenv("KVS_ROOT");
-    snprintf(g_models, sizeof g_models, "%s/tests/data/models", root ? root : ".");
-    const char *tmpdir = getenv("TMPDIR");
-    snprintf(g_tmp, sizeof g_tmp, "%s/kvs_model_load_XXXXXX", tmpdir ? tmpdir : "/tmp");
-    if (!mkdtemp(g_tmp)) {
-        perror("mkdtemp");
-        return 2;
-    }
+    snprintf(g_models, sizeof g_models, "%s/tests/data/models", kvs_test_root());
+    if (kvs_test_mkdtemp(g_tmp, sizeof g_tmp, "kvs_model_load") != 0) return 2;
     printf("tiny models:\n");
     test_tiny_models();
     printf("rope vs transformers (real-size configs):\n");
@@ -901,6 +878,5 @@ int main(void)
     test_prefixes();
     test_corpus();
     rm_rf(g_tmp);
-    printf("%d checks, %d failed\n", g_checks, g_fail);
-    return g_fail ? 1 : 0;
+    return kvs_test_summary("test_model_load");
 }

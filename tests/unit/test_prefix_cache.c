@@ -5,17 +5,10 @@
 #include "engine/kv/block_pool.h"
 #include "engine/kv/prefix_cache.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
 #include <stdio.h>
 #include <string.h>
-
-#define CHECK(c)                                                                 \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #c);         \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define BS 4
 
@@ -34,52 +27,46 @@ static int run_request(struct kvs_prefix_cache *pc, struct kvs_block_pool *p, st
 }
 
 static uint64_t rng = 0x1234567ULL;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
+static uint32_t rnd(void) { return kvs_test_xorshift(&rng); }
 
 int main(void)
 {
     /* hash: chained, order- and parent-sensitive */
     int32_t a[4] = {1, 2, 3, 4}, b[4] = {1, 2, 4, 3};
-    CHECK(kvs_prefix_hash(KVS_PREFIX_ROOT_HASH, a, 4) != kvs_prefix_hash(KVS_PREFIX_ROOT_HASH, b, 4));
-    CHECK(kvs_prefix_hash(1, a, 4) != kvs_prefix_hash(2, a, 4));
-    CHECK(kvs_prefix_hash(7, a, 4) == kvs_prefix_hash(7, a, 4));
+    REQUIRE(kvs_prefix_hash(KVS_PREFIX_ROOT_HASH, a, 4) != kvs_prefix_hash(KVS_PREFIX_ROOT_HASH, b, 4));
+    REQUIRE(kvs_prefix_hash(1, a, 4) != kvs_prefix_hash(2, a, 4));
+    REQUIRE(kvs_prefix_hash(7, a, 4) == kvs_prefix_hash(7, a, 4));
 
     struct kvs_block_pool p;
     struct kvs_prefix_cache pc;
-    CHECK(kvs_block_pool_init(&p, 8, BS) == 0);
-    CHECK(kvs_prefix_cache_init(&pc, &p) == 0);
+    REQUIRE(kvs_block_pool_init(&p, 8, BS) == 0);
+    REQUIRE(kvs_prefix_cache_init(&pc, &p) == 0);
     struct kvs_block_table t1, t2, t3;
-    CHECK(kvs_block_table_init(&t1, 32, BS) == 0);
-    CHECK(kvs_block_table_init(&t2, 32, BS) == 0);
-    CHECK(kvs_block_table_init(&t3, 32, BS) == 0);
+    REQUIRE(kvs_block_table_init(&t1, 32, BS) == 0);
+    REQUIRE(kvs_block_table_init(&t2, 32, BS) == 0);
+    REQUIRE(kvs_block_table_init(&t3, 32, BS) == 0);
 
     int32_t p1[10] = {10, 11, 12, 13, 20, 21, 22, 23, 30, 31};
-    CHECK(run_request(&pc, &p, &t1, p1, 10) == 0);
-    CHECK(t1.n == 3 && pc.n_entries == 2);
+    REQUIRE(run_request(&pc, &p, &t1, p1, 10) == 0);
+    REQUIRE(t1.n == 3 && pc.n_entries == 2);
     /* same prompt again: 2 full blocks shared copy-free */
-    CHECK(run_request(&pc, &p, &t2, p1, 10) == 2);
-    CHECK(t2.ids[0] == t1.ids[0] && t2.ids[1] == t1.ids[1] && t2.ids[2] != t1.ids[2]);
-    CHECK(kvs_block_pool_refcount(&p, t1.ids[0]) == 2);
+    REQUIRE(run_request(&pc, &p, &t2, p1, 10) == 2);
+    REQUIRE(t2.ids[0] == t1.ids[0] && t2.ids[1] == t1.ids[1] && t2.ids[2] != t1.ids[2]);
+    REQUIRE(kvs_block_pool_refcount(&p, t1.ids[0]) == 2);
     /* a prompt of exactly 8 tokens may only reuse 1 block: the last token must be computed */
-    CHECK(run_request(&pc, &p, &t3, p1, 8) == 1);
+    REQUIRE(run_request(&pc, &p, &t3, p1, 8) == 1);
     kvs_block_table_release(&t3, &p);
     /* divergent second block: only the first matches */
     int32_t p2[10] = {10, 11, 12, 13, 20, 21, 22, 99, 30, 31};
-    CHECK(run_request(&pc, &p, &t3, p2, 10) == 1);
-    CHECK(pc.n_entries == 3);
+    REQUIRE(run_request(&pc, &p, &t3, p2, 10) == 1);
+    REQUIRE(pc.n_entries == 3);
     kvs_block_pool_check(&p);
     kvs_block_table_release(&t1, &p);
     kvs_block_table_release(&t2, &p);
     kvs_block_table_release(&t3, &p);
-    CHECK(kvs_block_pool_used(&p) == 0);
-    CHECK(p.n_lru == 3 && pc.n_entries == 3);   /* cached, still matchable */
-    CHECK(run_request(&pc, &p, &t1, p1, 10) == 2);
+    REQUIRE(kvs_block_pool_used(&p) == 0);
+    REQUIRE(p.n_lru == 3 && pc.n_entries == 3);   /* cached, still matchable */
+    REQUIRE(run_request(&pc, &p, &t1, p1, 10) == 2);
     kvs_block_table_release(&t1, &p);
     printf("match / share / divergence / release keeps cache: ok\n");
 
@@ -88,25 +75,25 @@ int main(void)
     int32_t big[32];
     for (int i = 0; i < 32; i++) big[i] = 1000 + i;
     int before = pc.n_entries;
-    CHECK(before == 3);
-    CHECK(run_request(&pc, &p, &t1, big, 32) == 0);   /* 8 blocks: all free+cached used */
-    CHECK(t1.n == 8 && p.n_evictions == 3 && pc.n_entries == 8);
-    CHECK(run_request(&pc, &p, &t2, p1, 10) == -1);   /* no space */
+    REQUIRE(before == 3);
+    REQUIRE(run_request(&pc, &p, &t1, big, 32) == 0);   /* 8 blocks: all free+cached used */
+    REQUIRE(t1.n == 8 && p.n_evictions == 3 && pc.n_entries == 8);
+    REQUIRE(run_request(&pc, &p, &t2, p1, 10) == -1);   /* no space */
     kvs_block_table_release(&t2, &p);
     kvs_block_table_release(&t1, &p);
     t2.n = 0;
-    CHECK(run_request(&pc, &p, &t2, p1, 10) == 0);    /* p1's blocks were evicted */
+    REQUIRE(run_request(&pc, &p, &t2, p1, 10) == 0);    /* p1's blocks were evicted */
     kvs_block_table_release(&t2, &p);
     kvs_block_pool_check(&p);
     kvs_prefix_cache_clear(&pc);
-    CHECK(pc.n_entries == 0 && p.n_lru == 0 && p.n_free == 8);
+    REQUIRE(pc.n_entries == 0 && p.n_lru == 0 && p.n_free == 8);
     printf("LRU eviction forgets blocks, clear: ok\n");
 
     /* collisions in the table slot: many prompts sharing nothing, all retrievable */
     kvs_prefix_cache_free(&pc);
     kvs_block_pool_free(&p);
-    CHECK(kvs_block_pool_init(&p, 64, BS) == 0);
-    CHECK(kvs_prefix_cache_init(&pc, &p) == 0);
+    REQUIRE(kvs_block_pool_init(&p, 64, BS) == 0);
+    REQUIRE(kvs_prefix_cache_init(&pc, &p) == 0);
     /* insert blocks directly, then verify lookups and deletions keep probe chains valid */
     int32_t toks[64][BS];
     int32_t ids[64];
@@ -115,16 +102,16 @@ int main(void)
         ids[i] = kvs_block_pool_alloc(&p);
         int ins = 0;
         kvs_prefix_cache_insert(&pc, KVS_PREFIX_ROOT_HASH, toks[i], ids[i], &ins);
-        CHECK(ins == 1);
+        REQUIRE(ins == 1);
     }
     /* a second block with identical content stays private */
     int32_t dup = -1;
     for (int i = 0; i < 64; i++) kvs_block_pool_unref(&p, ids[i]);
     dup = kvs_block_pool_alloc(&p);   /* evicts ids[0] */
-    CHECK(dup == ids[0] && pc.n_entries == 63);
+    REQUIRE(dup == ids[0] && pc.n_entries == 63);
     int ins = 1;
     kvs_prefix_cache_insert(&pc, KVS_PREFIX_ROOT_HASH, toks[1], dup, &ins);
-    CHECK(ins == 0);
+    REQUIRE(ins == 0);
     kvs_block_pool_unref(&p, dup);
     for (int i = 1; i < 64; i += 2) {   /* evict every other one via clear of a subset */
         kvs_block_pool_ref(&p, ids[i]);
@@ -134,9 +121,9 @@ int main(void)
         int32_t out;
         uint64_t h;
         int m = kvs_prefix_cache_match(&pc, toks[i], 1, &out, &h);
-        CHECK(m == (i % 2));
+        REQUIRE(m == (i % 2));
         if (m) {
-            CHECK(out == ids[i]);
+            REQUIRE(out == ids[i]);
             kvs_block_pool_unref(&p, out);
         }
     }
@@ -150,12 +137,12 @@ int main(void)
      * = longest full-block prefix equal to some registered block chain whose blocks are all
      * still registered. We check: every matched block holds exactly the prompt's tokens, and
      * the match length is at least what the reference says when nothing was evicted. */
-    CHECK(kvs_block_pool_init(&p, 48, BS) == 0);
-    CHECK(kvs_prefix_cache_init(&pc, &p) == 0);
+    REQUIRE(kvs_block_pool_init(&p, 48, BS) == 0);
+    REQUIRE(kvs_prefix_cache_init(&pc, &p) == 0);
     struct kvs_block_table live[6];
     int32_t live_tok[6][40];
     for (int i = 0; i < 6; i++) {
-        CHECK(kvs_block_table_init(&live[i], 40, BS) == 0);
+        REQUIRE(kvs_block_table_init(&live[i], 40, BS) == 0);
     }
     int hits = 0;
     int32_t *content = calloc((size_t)p.n_blocks * BS, sizeof *content); /* what each block holds */
@@ -173,7 +160,7 @@ int main(void)
         live[s].n = m;
         hits += m;
         for (int i = 0; i < m; i++)
-            CHECK(memcmp(content + (size_t)live[s].ids[i] * BS, live_tok[s] + i * BS, BS * sizeof(int32_t)) == 0);
+            REQUIRE(memcmp(content + (size_t)live[s].ids[i] * BS, live_tok[s] + i * BS, BS * sizeof(int32_t)) == 0);
         if (kvs_block_table_reserve(&live[s], &p, n) != 0) {
             kvs_block_table_release(&live[s], &p);
             continue;
@@ -181,7 +168,7 @@ int main(void)
         for (int i = m; i < live[s].n; i++) {
             /* "compute" the block: write its content (only positions < n are meaningful) */
             int32_t bid = live[s].ids[i];
-            CHECK(kvs_block_pool_refcount(&p, bid) == 1);
+            REQUIRE(kvs_block_pool_refcount(&p, bid) == 1);
             for (int j = 0; j < BS; j++)
                 content[(size_t)bid * BS + j] = (i * BS + j < n) ? live_tok[s][i * BS + j] : -1;
         }
@@ -192,9 +179,9 @@ int main(void)
         kvs_block_table_release(&live[i], &p);
         kvs_block_table_free(&live[i]);
     }
-    CHECK(kvs_block_pool_used(&p) == 0);
+    REQUIRE(kvs_block_pool_used(&p) == 0);
     kvs_block_pool_check(&p);
-    CHECK(hits > 1000);
+    REQUIRE(hits > 1000);
     printf("randomised sharing: ok (%d block hits, %llu evictions, %llu collisions)\n", hits,
            (unsigned long long)p.n_evictions, (unsigned long long)pc.n_collisions);
     free(content);
@@ -203,6 +190,5 @@ int main(void)
     kvs_block_table_free(&t1);
     kvs_block_table_free(&t2);
     kvs_block_table_free(&t3);
-    printf("test_prefix_cache: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_prefix_cache");
 }

@@ -4,18 +4,8 @@
 #include <string.h>
 
 #include "server/request_parse.h"
+#include "tests/unit/test_util.h"
 
-static int failures;
-
-#define CHECK(cond, ...)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                  \
-            fprintf(stderr, __VA_ARGS__);                                                         \
-            fprintf(stderr, "\n");                                                                \
-            failures++;                                                                           \
-        }                                                                                         \
-    } while (0)
 
 static int parse(enum kvs_api_kind k, const char *body, struct kvs_api_request *r, struct kvs_api_error *e)
 {
@@ -107,10 +97,6 @@ int main(void)
     CHECK(kvs_api_parse(KVS_API_COMPLETIONS, "{\"prompt\":\"a\"}\0junk", 19, 1000, &r, &e) != 0, "trailing NUL");
     kvs_api_request_free(&r);
 
-    if (failures) {
-        fprintf(stderr, "%d failures\n", failures);
-        return 1;
-    }
-    printf("request_parse: defaults, every field, chat parts, tokenize/detokenize/documents, 13 rejections: ok\n");
-    return 0;
+    if (!kvs_test_fails) printf("request_parse: defaults, every field, chat parts, tokenize/detokenize/documents, 13 rejections: ok\n");
+    return kvs_test_summary("test_request_parse");
 }

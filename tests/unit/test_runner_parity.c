@@ -23,21 +23,12 @@
 #include "engine/sampler.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #define MAX_PROMPTS 8
 #define N_GREEDY 32
 #define BLOCK 16
 
-static int g_fail;
-#define CHECK(cond, ...)                                                                    \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                     \
-            printf(__VA_ARGS__);                                                            \
-            printf("\n");                                                                   \
-            g_fail++;                                                                       \
-        }                                                                                   \
-    } while (0)
 
 struct ref {
     int vocab, n_prompts;
@@ -144,14 +135,14 @@ static void run_model(const char *root, const char *name, const char *refname)
     snprintf(refdir, sizeof refdir, "%s/tests/data/models/%s", root, refname);
     struct ref ref;
     if (load_ref(refdir, &ref) != 0) {
-        g_fail++;
+        kvs_test_fails++;
         return;
     }
     struct kvs_model *model;
     int rc = kvs_model_load(dir, &model, err, sizeof err);
     if (rc != 0) {
         printf("FAIL %s: model load: %s\n", name, err);
-        g_fail++;
+        kvs_test_fails++;
         free_ref(&ref);
         return;
     }
@@ -172,7 +163,7 @@ static void run_model(const char *root, const char *name, const char *refname)
     rc = kvs_runner_create(&cfg, model, &r, err, sizeof err);
     if (rc != 0) {
         printf("FAIL %s: runner create: %s\n", name, err);
-        g_fail++;
+        kvs_test_fails++;
         kvs_model_free(model);
         free_ref(&ref);
         return;
@@ -465,17 +456,11 @@ static void test_pool_sizing(const char *root)
 
 int main(void)
 {
-    const char *root = getenv("KVS_ROOT");
-    if (!root) root = ".";
+    const char *root = kvs_test_root();
     kvs_log_set_level(KVS_LOG_WARN);
     test_pool_sizing(root);
     const char *models[][2] = {{"llama", "llama"}, {"llama-bf16", "llama-bf16"}, {"llama31", "llama31"},
                                {"qwen2", "qwen2"}, {"qwen3", "qwen3"}, {"qwen3-sharded", "qwen3"}};
     for (size_t i = 0; i < sizeof models / sizeof models[0]; i++) run_model(root, models[i][0], models[i][1]);
-    if (g_fail) {
-        printf("%d checks failed\n", g_fail);
-        return 1;
-    }
-    printf("all runner parity checks passed\n");
-    return 0;
+    return kvs_test_summary("test_runner_parity");
 }

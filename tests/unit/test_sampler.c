@@ -8,17 +8,8 @@
 
 #include "engine/sampler.h"
 #include "engine/util.h"
+#include "tests/unit/test_util.h"
 
-static int g_fail;
-#define CHECK(cond, ...)                                                                    \
-    do {                                                                                    \
-        if (!(cond)) {                                                                      \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                     \
-            printf(__VA_ARGS__);                                                            \
-            printf("\n");                                                                   \
-            g_fail++;                                                                       \
-        }                                                                                   \
-    } while (0)
 
 static struct kvs_sampling defaults(void)
 {
@@ -344,10 +335,5 @@ int main(void)
     test_top_p_large();
     test_logprobs();
     test_bad_params();
-    if (g_fail) {
-        printf("%d checks failed\n", g_fail);
-        return 1;
-    }
-    printf("all sampler checks passed\n");
-    return 0;
+    return kvs_test_summary("test_sampler");
 }

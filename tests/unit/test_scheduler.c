@@ -12,17 +12,10 @@
 #include "engine/engine.h"
 #include "engine/engine_exec.h"
 #include "tests/unit/fake_model.h"
+#include "tests/unit/test_util.h"
 
 #include <stdio.h>
 #include <string.h>
-
-#define CHECK(c)                                                                 \
-    do {                                                                         \
-        if (!(c)) {                                                              \
-            fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #c);         \
-            exit(1);                                                             \
-        }                                                                        \
-    } while (0)
 
 #define VOCAB 64
 #define BS 4
@@ -30,13 +23,7 @@
 #define MAXG 48
 
 static uint64_t rng = 0x9e3779b97f4a7c15ULL;
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
+static uint32_t rnd(void) { return kvs_test_xorshift(&rng); }
 
 struct job {
     int32_t prompt[MAXP];
@@ -111,11 +98,11 @@ static void submit_job(struct kvs_engine *e, struct job *j)
     p.n_stop_strings = j->n_stop;
     p.timeout_s = j->timeout_s;
     j->r = kvs_request_new(&p, NULL, NULL);
-    CHECK(j->r);
+    REQUIRE(j->r);
     char err[256];
     int rc = kvs_engine_submit(e, j->r, err, sizeof err);
     if (rc != 0) fprintf(stderr, "submit: %d %s\n", rc, err);
-    CHECK(rc == 0);
+    REQUIRE(rc == 0);
     j->n_out = 0;
     j->n_text = 0;
     j->finish = KVS_FINISH_NONE;
@@ -133,16 +120,16 @@ static void collect(struct job *j)
         }
         for (int i = 0; i < n; i++) {
             if (ev[i].type == KVS_EV_TOKEN) {
-                CHECK(j->n_out < MAXG);
+                REQUIRE(j->n_out < MAXG);
                 j->out[j->n_out++] = ev[i].token;
                 int l = (int)strlen(ev[i].text);
-                CHECK(j->n_text + l < (int)sizeof j->text);
+                REQUIRE(j->n_text + l < (int)sizeof j->text);
                 memcpy(j->text + j->n_text, ev[i].text, (size_t)l + 1);
                 j->n_text += l;
                 if (j->top_logprobs) {
-                    CHECK(ev[i].n_top == j->top_logprobs);
-                    CHECK(ev[i].logprob <= 0);
-                    for (int k = 1; k < ev[i].n_top; k++) CHECK(ev[i].top_logprobs[k] <= ev[i].top_logprobs[k - 1]);
+                    REQUIRE(ev[i].n_top == j->top_logprobs);
+                    REQUIRE(ev[i].logprob <= 0);
+                    for (int k = 1; k < ev[i].n_top; k++) REQUIRE(ev[i].top_logprobs[k] <= ev[i].top_logprobs[k - 1]);
                 }
                 if (j->cancel_after >= 0 && j->n_out >= j->cancel_after && !j->cancelled) {
                     kvs_request_cancel(j->r);
@@ -150,7 +137,7 @@ static void collect(struct job *j)
                 }
                 kvs_event_clear(&ev[i]);
             } else {
-                CHECK(i == n - 1);   /* nothing after the final event */
+                REQUIRE(i == n - 1);   /* nothing after the final event */
                 j->finish = ev[i].finish;
                 if (ev[i].type == KVS_EV_ERROR) fprintf(stderr, "request error: %s\n", ev[i].error);
                 j->done = ev[i];
@@ -177,8 +164,8 @@ static void check_exact(const struct job *j)
             fprintf(stderr, "  %d: got %d want %d\n", i, i < j->n_out ? j->out[i] : -1, i < j->n_ref ? j->ref[i] : -1);
         exit(1);
     }
-    CHECK(j->done.n_prompt_tokens == j->n_prompt);
-    CHECK(j->done.n_completion_tokens == j->n_ref);
+    REQUIRE(j->done.n_prompt_tokens == j->n_prompt);
+    REQUIRE(j->done.n_completion_tokens == j->n_ref);
 }
 
 struct run_result {
@@ -196,13 +183,13 @@ static struct run_result run_jobs(struct kvs_config *cfg, int n_blocks, struct j
     char err[256];
     int rc = kvs_engine_create_exec(cfg, &x, &e, err, sizeof err);
     if (rc) fprintf(stderr, "create: %s\n", err);
-    CHECK(rc == 0);
+    REQUIRE(rc == 0);
     for (int i = 0; i < n; i++) submit_job(e, &jobs[i]);
     for (int i = 0; i < n; i++) collect(&jobs[i]);
     struct run_result res;
     kvs_engine_stats(e, &res.st);
-    CHECK(res.st.kv_blocks_used == 0 && res.st.num_running == 0 && res.st.num_waiting == 0);
-    CHECK(m.errors == 0);
+    REQUIRE(res.st.kv_blocks_used == 0 && res.st.num_running == 0 && res.st.num_waiting == 0);
+    REQUIRE(m.errors == 0);
     res.max_seqs = m.max_seqs_seen;
     res.max_tokens = m.max_tokens_seen;
     kvs_engine_free(e);
@@ -229,10 +216,10 @@ static void test_invariance(void)
             c = make_cfg(mbt, 64, 1000, chunks[ci], "none");
             struct run_result rr = run_jobs(&c, 2048, jobs, sizes[si]);
             for (int i = 0; i < sizes[si]; i++) check_exact(&jobs[i]);
-            CHECK(rr.max_tokens <= mbt);
-            CHECK(rr.max_seqs <= 64);
-            CHECK(rr.st.num_preemptions == 0);
-            if (sizes[si] > 2 && chunks[ci] != 1) CHECK(rr.max_seqs > 1);   /* really batched */
+            REQUIRE(rr.max_tokens <= mbt);
+            REQUIRE(rr.max_seqs <= 64);
+            REQUIRE(rr.st.num_preemptions == 0);
+            if (sizes[si] > 2 && chunks[ci] != 1) REQUIRE(rr.max_seqs > 1);   /* really batched */
         }
     }
     printf("batched with 1..64 others x chunk 1/7/64/unchunked: all match\n");
@@ -242,7 +229,7 @@ static void test_invariance(void)
         c = make_cfg(chunks[ci] == 0 ? 4096 : 64, 32, 1000, chunks[ci], "none");
         struct run_result rr = run_jobs(&c, 30, jobs, N);
         for (int i = 0; i < N; i++) check_exact(&jobs[i]);
-        CHECK(rr.st.num_preemptions > 0);
+        REQUIRE(rr.st.num_preemptions > 0);
         printf("small pool, chunk %d: all match, %llu preemptions\n", chunks[ci], (unsigned long long)rr.st.num_preemptions);
     }
 
@@ -262,15 +249,15 @@ static void test_invariance(void)
     for (int i = 0; i < NS; i++) {
         n_first[i] = sj[i].n_out;
         memcpy(first[i], sj[i].out, sizeof first[i]);
-        CHECK(sj[i].n_out == sj[i].max_tokens);
+        REQUIRE(sj[i].n_out == sj[i].max_tokens);
         differs_from_greedy |= memcmp(sj[i].out, sj[i].ref, (size_t)sj[i].n_out * sizeof(int32_t)) != 0;
     }
-    CHECK(differs_from_greedy);
+    REQUIRE(differs_from_greedy);
     c = make_cfg(64, 24, 1000, 7, "none");
     struct run_result rr = run_jobs(&c, 24, sj, NS);
-    CHECK(rr.st.num_preemptions > 0);
+    REQUIRE(rr.st.num_preemptions > 0);
     for (int i = 0; i < NS; i++)
-        CHECK(sj[i].n_out == n_first[i] && memcmp(sj[i].out, first[i], (size_t)n_first[i] * sizeof(int32_t)) == 0);
+        REQUIRE(sj[i].n_out == n_first[i] && memcmp(sj[i].out, first[i], (size_t)n_first[i] * sizeof(int32_t)) == 0);
     printf("seeded sampling: identical alone and under preemption (%llu preemptions)\n",
            (unsigned long long)rr.st.num_preemptions);
 }
@@ -296,23 +283,23 @@ static void test_prefix(void)
     struct kvs_config c = make_cfg(64, 8, 100, 16, "prefix");
     struct kvs_engine *e;
     char err[256];
-    CHECK(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
+    REQUIRE(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
     submit_job(e, &a);
     collect(&a);
     check_exact(&a);
-    CHECK(a.done.n_cached_tokens == 0);
+    REQUIRE(a.done.n_cached_tokens == 0);
     submit_job(e, &b);
     collect(&b);
     check_exact(&b);
-    CHECK(b.done.n_cached_tokens == 32);
+    REQUIRE(b.done.n_cached_tokens == 32);
     submit_job(e, &a2);
     collect(&a2);
     check_exact(&a2);
-    CHECK(a2.done.n_cached_tokens == 36);   /* (40-1)/4 full blocks: the last token is recomputed */
+    REQUIRE(a2.done.n_cached_tokens == 36);   /* (40-1)/4 full blocks: the last token is recomputed */
     struct kvs_engine_stats st;
     kvs_engine_stats(e, &st);
-    CHECK(st.prefix_queries == 120 && st.prefix_hits == 68);
-    CHECK(st.kv_blocks_used == 0 && st.kv_blocks_cached > 0);
+    REQUIRE(st.prefix_queries == 120 && st.prefix_hits == 68);
+    REQUIRE(st.kv_blocks_used == 0 && st.kv_blocks_cached > 0);
     /* A's generated tokens were cached too: a prompt = A's prompt + its first 8 outputs */
     static struct job a3;
     a3 = a;
@@ -322,7 +309,7 @@ static void test_prefix(void)
     submit_job(e, &a3);
     collect(&a3);
     check_exact(&a3);
-    CHECK(a3.done.n_cached_tokens == 44);
+    REQUIRE(a3.done.n_cached_tokens == 44);
     kvs_engine_free(e);
     fake_model_free(&m);
     printf("prefix reuse: hits 0/32/36/44 tokens as expected, outputs match\n");
@@ -346,7 +333,7 @@ static void test_prefix(void)
     c = make_cfg(48, 16, 1000, 16, "prefix");
     struct run_result r1 = run_jobs(&c, 40, jobs, N);
     for (int i = 0; i < N; i++) check_exact(&jobs[i]);
-    CHECK(r0.st.prefix_hits == 0 && r1.st.prefix_hits > 0);
+    REQUIRE(r0.st.prefix_hits == 0 && r1.st.prefix_hits > 0);
     printf("with/without prefix reuse: identical (%llu of %llu prompt tokens hit, %llu preemptions)\n",
            (unsigned long long)r1.st.prefix_hits, (unsigned long long)r1.st.prefix_queries,
            (unsigned long long)r1.st.num_preemptions);
@@ -378,7 +365,7 @@ static void test_stress(void)
     struct kvs_config c = make_cfg(64, 24, 1000, 16, "prefix");
     struct kvs_engine *e;
     char err[256];
-    CHECK(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
+    REQUIRE(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
     for (int i = 0; i < N; i++) {
         submit_job(e, &jobs[i]);
         if (jobs[i].cancel_after == 0) {   /* cancelled before it could start */
@@ -393,9 +380,9 @@ static void test_stress(void)
         struct job *j = &jobs[i];
         gen += (uint64_t)j->n_out;
         if (j->finish == KVS_FINISH_CANCELLED) {
-            CHECK(j->cancelled);
-            CHECK(j->n_out <= j->n_ref && memcmp(j->out, j->ref, (size_t)j->n_out * sizeof(int32_t)) == 0);
-            CHECK(j->done.n_completion_tokens >= j->n_out);
+            REQUIRE(j->cancelled);
+            REQUIRE(j->n_out <= j->n_ref && memcmp(j->out, j->ref, (size_t)j->n_out * sizeof(int32_t)) == 0);
+            REQUIRE(j->done.n_completion_tokens >= j->n_out);
             n_cancelled++;
         } else {
             check_exact(j);
@@ -404,11 +391,11 @@ static void test_stress(void)
     }
     struct kvs_engine_stats st;
     kvs_engine_stats(e, &st);
-    CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && st.num_waiting == 0);
-    CHECK(st.requests_finished == N);
-    CHECK(st.num_preemptions > 0);
-    CHECK(st.generation_tokens >= gen);
-    CHECK(m.errors == 0);
+    REQUIRE(st.kv_blocks_used == 0 && st.num_running == 0 && st.num_waiting == 0);
+    REQUIRE(st.requests_finished == N);
+    REQUIRE(st.num_preemptions > 0);
+    REQUIRE(st.generation_tokens >= gen);
+    REQUIRE(m.errors == 0);
     kvs_engine_free(e);
     fake_model_free(&m);
     printf("stress: %d requests (%d finished correctly, %d cancelled), %llu preemptions, %llu steps, all blocks free\n",
@@ -423,8 +410,8 @@ static void test_queue_and_errors(void)
     struct kvs_config c = make_cfg(64, 1, 3, 0, "none");
     struct kvs_engine *e;
     char err[256];
-    CHECK(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
-    CHECK(kvs_engine_max_context(e) == 200);
+    REQUIRE(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
+    REQUIRE(kvs_engine_max_context(e) == 200);
     fake_gate(&m, 1);
     static struct job jobs[6];
     for (int i = 0; i < 6; i++) {
@@ -450,56 +437,56 @@ static void test_queue_and_errors(void)
     p.max_tokens = 4;
     struct kvs_request *r = kvs_request_new(&p, NULL, NULL);
     double t0 = kvs_now();
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EAGAIN);
-    CHECK(kvs_now() - t0 < 0.1);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EAGAIN);
+    REQUIRE(kvs_now() - t0 < 0.1);
     struct kvs_engine_stats st;
     kvs_engine_stats(e, &st);
-    CHECK(st.requests_rejected == 1 && st.num_waiting == 3 && st.num_running == 1);
+    REQUIRE(st.requests_rejected == 1 && st.num_waiting == 3 && st.num_running == 1);
     kvs_request_unref(r);
 
     /* errors: context, vocabulary, empty prompt, max_tokens, resubmission */
     p.max_tokens = 200;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -E2BIG);
-    CHECK(strstr(err, "maximum context length is 200 tokens"));
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -E2BIG);
+    REQUIRE(strstr(err, "maximum context length is 200 tokens"));
     kvs_request_unref(r);
     int32_t bad[2] = {1, VOCAB};
     p.prompt = bad;
     p.n_prompt = 2;
     p.max_tokens = 4;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
     kvs_request_unref(r);
     p.n_prompt = 0;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
     kvs_request_unref(r);
     p.n_prompt = 1;
     p.max_tokens = 0;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -EINVAL);
     kvs_request_unref(r);
-    CHECK(kvs_engine_submit(e, jobs[1].r, err, sizeof err) == -EINVAL);
+    REQUIRE(kvs_engine_submit(e, jobs[1].r, err, sizeof err) == -EINVAL);
 
     fake_gate(&m, 0);
     for (int i = 0; i <= 3; i++) {
         collect(&jobs[i]);
         check_exact(&jobs[i]);
-        CHECK(jobs[i].done.e2e_s >= jobs[i].done.ttft_s && jobs[i].done.ttft_s >= jobs[i].done.queue_time_s);
-        CHECK(jobs[i].done.ttft_s > 0);
+        REQUIRE(jobs[i].done.e2e_s >= jobs[i].done.ttft_s && jobs[i].done.ttft_s >= jobs[i].done.queue_time_s);
+        REQUIRE(jobs[i].done.ttft_s > 0);
     }
     kvs_engine_stats(e, &st);
     uint64_t gen = 0, prompt = 0;
     for (int i = 0; i <= 3; i++) gen += (uint64_t)jobs[i].n_out, prompt += (uint64_t)jobs[i].n_prompt;
-    CHECK(st.requests_finished == 4 && st.generation_tokens == gen && st.prompt_tokens == prompt);
-    CHECK(st.steps >= gen && st.busy_s > 0 && st.kv_blocks_total == 64 && st.block_size == BS);
-    CHECK(st.prefix_queries == 0 && st.num_preemptions == 0);
+    REQUIRE(st.requests_finished == 4 && st.generation_tokens == gen && st.prompt_tokens == prompt);
+    REQUIRE(st.steps >= gen && st.busy_s > 0 && st.kv_blocks_total == 64 && st.block_size == BS);
+    REQUIRE(st.prefix_queries == 0 && st.num_preemptions == 0);
 
     /* drain: no more admissions */
     kvs_engine_drain(e);
     p.max_tokens = 2;
     r = kvs_request_new(&p, NULL, NULL);
-    CHECK(kvs_engine_submit(e, r, err, sizeof err) == -ESHUTDOWN);
+    REQUIRE(kvs_engine_submit(e, r, err, sizeof err) == -ESHUTDOWN);
     kvs_request_unref(r);
     kvs_engine_free(e);
 
@@ -511,8 +498,8 @@ static void test_queue_and_errors(void)
         c.kv_reuse = (char *)bad_kv[i][1];
         c.kv_decode = (char *)bad_kv[i][2];
         int rc = kvs_engine_create_exec(&c, &x, &e, err, sizeof err);
-        CHECK(rc == (i == 5 ? -EINVAL : -ENOSYS) && e == NULL);
-        CHECK(strstr(err, "kv."));
+        REQUIRE(rc == (i == 5 ? -EINVAL : -ENOSYS) && e == NULL);
+        REQUIRE(strstr(err, "kv."));
     }
     fake_model_free(&m);
     printf("queue limit -EAGAIN (immediate), -E2BIG/-EINVAL/-ESHUTDOWN, metrics, unbuilt strategies -ENOSYS: ok\n");
@@ -526,7 +513,7 @@ static void test_text_stop_logprobs_timeout(void)
     struct kvs_config c = make_cfg(64, 16, 100, 8, "none");
     struct kvs_engine *e;
     char err[256];
-    CHECK(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
+    REQUIRE(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
 
     /* find requests whose reference text contains a 3-character stop string starting late
      * enough that hold-back matters */
@@ -561,13 +548,13 @@ static void test_text_stop_logprobs_timeout(void)
         j.top_logprobs = (attempt % 2) ? 3 : 0;
         submit_job(e, &j);
         collect(&j);
-        CHECK(j.finish == KVS_FINISH_STOP);
-        CHECK(j.n_out == k && memcmp(j.out, j.ref, (size_t)k * sizeof(int32_t)) == 0);
-        CHECK(j.n_text == pos && memcmp(j.text, full, (size_t)pos) == 0);
-        CHECK(!strstr(j.text, stop));
+        REQUIRE(j.finish == KVS_FINISH_STOP);
+        REQUIRE(j.n_out == k && memcmp(j.out, j.ref, (size_t)k * sizeof(int32_t)) == 0);
+        REQUIRE(j.n_text == pos && memcmp(j.text, full, (size_t)pos) == 0);
+        REQUIRE(!strstr(j.text, stop));
         found++;
     }
-    CHECK(found == 8);
+    REQUIRE(found == 8);
 
     /* plain text and logprobs against the reference log-softmax */
     static struct job j;
@@ -580,7 +567,7 @@ static void test_text_stop_logprobs_timeout(void)
     check_exact(&j);
     char full[1024] = "";
     for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
-    CHECK(strcmp(full, j.text) == 0);
+    REQUIRE(strcmp(full, j.text) == 0);
 
     /* stop strings whose first bytes keep matching but that never complete: every held-back
      * byte is released, also at the very end (length) */
@@ -596,7 +583,7 @@ static void test_text_stop_logprobs_timeout(void)
         check_exact(&j);
         full[0] = 0;
         for (int i = 0; i < j.n_ref; i++) strcat(full, fake_piece(j.ref[i]));
-        CHECK(strcmp(full, j.text) == 0);
+        REQUIRE(strcmp(full, j.text) == 0);
     }
     j.n_stop = 0;
 
@@ -610,7 +597,7 @@ static void test_text_stop_logprobs_timeout(void)
         submit_job(e, &j);
         collect(&j);
         check_exact(&j);
-        CHECK(!strstr(j.text, "<eos>"));
+        REQUIRE(!strstr(j.text, "<eos>"));
         break;
     }
 
@@ -622,7 +609,7 @@ static void test_text_stop_logprobs_timeout(void)
     j.timeout_s = 0.05;
     submit_job(e, &j);
     collect(&j);
-    CHECK(j.finish == KVS_FINISH_TIMEOUT && j.n_out < 40);
+    REQUIRE(j.finish == KVS_FINISH_TIMEOUT && j.n_out < 40);
 
     /* shutdown with requests in flight: they end CANCELLED */
     static struct job fl[4];
@@ -636,7 +623,7 @@ static void test_text_stop_logprobs_timeout(void)
     kvs_engine_free(e);
     for (int i = 0; i < 4; i++) {
         collect(&fl[i]);
-        CHECK(fl[i].finish == KVS_FINISH_CANCELLED);
+        REQUIRE(fl[i].finish == KVS_FINISH_CANCELLED);
     }
     fake_model_free(&m);
     printf("stop strings (held back, never emitted), text, logprobs, EOS, timeout, shutdown: ok\n");
@@ -650,6 +637,5 @@ int main(void)
     test_invariance();
     test_prefix();
     test_stress();
-    printf("test_scheduler: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_scheduler");
 }

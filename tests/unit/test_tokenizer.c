@@ -16,17 +16,8 @@
 #include <unistd.h>
 
 #include "engine/tokenizer.h"
+#include "tests/unit/test_util.h"
 
-static int failures;
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        if (!(cond)) {                                                                   \
-            failures++;                                                                  \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);               \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-        }                                                                                \
-    } while (0)
 
 static int utf8_complete(const char *s, size_t n)
 {
@@ -279,13 +270,6 @@ static const char *MULTI =
     "emoji: 😀 👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇫🇷 1️⃣ 🧑🏻‍🤝‍🧑🏾 — ok?\n\tcode: if (x != 0) { y = x*2; }\r\n"
     "numbers 1234567 3.14159 and ſ's, I'LL, we're.  Ω≈ç√∫ ☕ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \xef\xbf\xbd done";
 
-static int unpack(const char *tokdir, const char *tmp, const char *name)
-{
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "tar xJf '%s/%s.tar.xz' -C '%s'", tokdir, name, tmp);
-    return system(cmd);
-}
-
 struct ref {
     const char *name, *text;
     int add;
@@ -295,10 +279,9 @@ struct ref {
 
 static void test_real(void)
 {
-    const char *root = getenv("KVS_ROOT");
-    char tokdir[1024], tmp[] = "/tmp/kvs_tok_XXXXXX";
-    snprintf(tokdir, sizeof tokdir, "%s/../shared/tokenizers", root ? root : ".");
-    if (!mkdtemp(tmp)) {
+    char tokdir[1024], tmp[512];
+    snprintf(tokdir, sizeof tokdir, "%s/../shared/tokenizers", kvs_test_root());
+    if (kvs_test_mkdtemp(tmp, sizeof tmp, "kvs_tok") != 0) {
         CHECK(0, "mkdtemp");
         return;
     }
@@ -313,7 +296,7 @@ static void test_real(void)
     };
     const char *names[3] = {"qwen3", "llama3", "llama2"};
     for (int k = 0; k < 3; k++) {
-        if (unpack(tokdir, tmp, names[k]) != 0) {
+        if (kvs_test_unpack_tokenizer(names[k], tmp, NULL) != 0) {
             CHECK(0, "cannot unpack %s/%s.tar.xz (the real tokenizers are required)", tokdir, names[k]);
             continue;
         }
@@ -348,9 +331,7 @@ static void test_real(void)
                                                "llama2 bos/eos");
         kvs_tokenizer_free(t);
     }
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-    if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmp);
+    if (kvs_test_rmtree(tmp) != 0) fprintf(stderr, "warning: could not remove %s\n", tmp);
 }
 
 int main(void)
@@ -359,10 +340,5 @@ int main(void)
     test_sentencepiece_tiny();
     test_malformed();
     test_real();
-    if (failures) {
-        fprintf(stderr, "%d checks failed\n", failures);
-        return 1;
-    }
-    printf("tokenizer: all checks passed\n");
-    return 0;
+    return kvs_test_summary("test_tokenizer");
 }

@@ -1,0 +1,124 @@
+/* test_util.h: the pieces every C test program (tests/unit/test_*.c, tests/gpu/test_*.c) repeated.
+ * Header-only (static functions) so each test stays one self-contained program; include it
+ * once, from the test's .c file.
+ *   CHECK(cond, fmt, ...)    counts a check; on failure prints "FAIL file:line: cond: message"
+ *                            to stderr, counts the failure and goes on. The message is optional.
+ *   REQUIRE(cond, fmt, ...)  the same, then exits 1: for checks later steps depend on.
+ *   kvs_test_summary(name)   prints the tally, returns the process exit code (0 = all passed).
+ *   kvs_test_root()          the repo root ($KVS_ROOT, default "."); not owned by the caller.
+ *   kvs_test_xorshift(&s)    the xorshift64 generator the tests draw reproducible inputs from.
+ *   kvs_test_mkdtemp(buf, cap, tag)  makes a fresh directory /tmp/<tag>-XXXXXX (under $TMPDIR
+ *                            when set) into buf; kvs_test_rmtree(dir) removes it again.
+ *   kvs_test_unpack_tokenizer(name, dst, member)  unpacks one of ../shared/tokenizers/ into dst.
+ * Nothing here allocates; the counters are per program (static). */
+#ifndef KVS_TEST_UTIL_H
+#define KVS_TEST_UTIL_H
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ftw.h>
+#include <sys/stat.h>
+
+static int kvs_test_checks, kvs_test_fails;
+
+__attribute__((format(printf, 4, 5))) static inline void kvs_test_fail_(const char *file, int line, const char *expr,
+                                                                  const char *fmt, ...)
+{
+    fflush(stdout); /* keep progress lines and failures in order when both go to one file */
+    kvs_test_fails++;
+    fprintf(stderr, "FAIL %s:%d: %s", file, line, expr);
+    if (fmt[2]) { /* fmt is ": " followed by the caller's message, when there is one */
+        va_list ap;
+        va_start(ap, fmt);
+        vfprintf(stderr, fmt, ap);
+        va_end(ap);
+    }
+    fputc('\n', stderr);
+}
+
+/* The message is pasted after ": " so that CHECK(cond) with no message still has a format. */
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        kvs_test_checks++;                                                                         \
+        if (!(cond)) kvs_test_fail_(__FILE__, __LINE__, #cond, ": " __VA_ARGS__);                    \
+    } while (0)
+
+#define REQUIRE(cond, ...)                                                                         \
+    do {                                                                                           \
+        kvs_test_checks++;                                                                         \
+        if (!(cond)) {                                                                             \
+            kvs_test_fail_(__FILE__, __LINE__, #cond, ": " __VA_ARGS__);                             \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+/* Prints "<name>: all N checks passed" or "<name>: F of N checks failed"; returns the exit code. */
+static inline int kvs_test_summary(const char *name)
+{
+    if (kvs_test_fails) {
+        fflush(stdout);
+        fprintf(stderr, "%s: %d of %d checks failed\n", name, kvs_test_fails, kvs_test_checks);
+        return 1;
+    }
+    printf("%s: all %d checks passed\n", name, kvs_test_checks);
+    return 0;
+}
+
+static inline const char *kvs_test_root(void)
+{
+    const char *r = getenv("KVS_ROOT");
+    return r && *r ? r : ".";
+}
+
+static inline uint32_t kvs_test_xorshift(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return (uint32_t)(*s >> 11);
+}
+
+/* 0, or -1 with a message on stderr (the path did not fit, or mkdtemp failed). */
+static inline int kvs_test_mkdtemp(char *buf, size_t cap, const char *tag)
+{
+    const char *t = getenv("TMPDIR");
+    int n = snprintf(buf, cap, "%s/%s-XXXXXX", t && *t ? t : "/tmp", tag);
+    if (n < 0 || (size_t)n >= cap) {
+        fprintf(stderr, "temp dir path for %s too long\n", tag);
+        return -1;
+    }
+    if (!mkdtemp(buf)) {
+        perror("mkdtemp");
+        return -1;
+    }
+    return 0;
+}
+
+static inline int kvs_test_rm_cb_(const char *p, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb, (void)flag, (void)ftw;
+    return remove(p);
+}
+
+/* Removes a directory tree (depth first, links not followed); 0, or -1 when any part of it
+ * could not be removed or it did not exist. */
+static inline int kvs_test_rmtree(const char *dir)
+{
+    return nftw(dir, kvs_test_rm_cb_, 16, FTW_DEPTH | FTW_PHYS) == 0 ? 0 : -1;
+}
+
+/* Unpacks $KVS_ROOT/../shared/tokenizers/<name>.tar.xz into dst (only `member` when not NULL);
+ * the exit status of tar, 0 on success. */
+static inline int kvs_test_unpack_tokenizer(const char *name, const char *dst, const char *member)
+{
+    char cmd[4096];
+    int n = snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s", kvs_test_root(),
+                     name, dst, member ? member : "");
+    if (n < 0 || (size_t)n >= sizeof cmd) return -1;
+    return system(cmd);
+}
+
+#endif
