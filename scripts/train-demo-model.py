@@ -175,6 +175,22 @@ def make_config(a):
 
 
 # ---- evaluation ---------------------------------------------------------------------------
+def teacher_forced(model, probes, dev, extra=0):
+    """For each (prompt ids, answer ids) probe, yields (answer, argmax predictions at the answer
+    positions plus `extra` positions after it), in batches of 8, teacher-forced."""
+    for i in range(0, len(probes), 8):
+        chunk = probes[i:i + 8]
+        T = max(len(p) + len(a) for p, a in chunk)
+        x = torch.zeros(len(chunk), T, dtype=torch.long)
+        for j, (p, a) in enumerate(chunk):
+            s = p + a
+            x[j, :len(s)] = torch.tensor(s)
+        with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
+            pred = model(x.to(dev)).argmax(-1).cpu()
+        for j, (p, a) in enumerate(chunk):
+            yield a, pred[j, len(p) - 1:len(p) - 1 + len(a) + extra].tolist()
+
+
 @torch.no_grad()
 def eval_retrieval(model, tok, verses, pools, lengths, n, dev):
     model.eval()
@@ -182,20 +198,7 @@ def eval_retrieval(model, tok, verses, pools, lengths, n, dev):
     for L in lengths:
         gen = dd.Gen(tok, verses, seed=99991 + L, pools=pools, eval_mode=True)
         probes = [dd.eval_probe(gen, L) for _ in range(n)]
-        ok = 0
-        for i in range(0, n, 8):
-            chunk = probes[i:i + 8]
-            T = max(len(p) + len(a) for p, a in chunk)
-            x = torch.zeros(len(chunk), T, dtype=torch.long)
-            for j, (p, a) in enumerate(chunk):
-                s = p + a
-                x[j, :len(s)] = torch.tensor(s)
-            with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
-                pred = model(x.to(dev)).argmax(-1).cpu()
-            for j, (p, a) in enumerate(chunk):
-                got = pred[j, len(p) - 1:len(p) - 1 + len(a)].tolist()
-                ok += int(got == a)
-        res[L] = ok / n
+        res[L] = sum(int(got == a) for a, got in teacher_forced(model, probes, dev)) / n
     model.train()
     return res
 
@@ -213,19 +216,8 @@ def eval_harness(model, tok, verses, pools, lines, lengths, n, dev):
             p, code = dd.harness_probe(gen, L, lines)
             probes.append((p, gen.enc_val(code)))
         ok = 0
-        for i in range(0, n, 8):
-            chunk = probes[i:i + 8]
-            T = max(len(p) + len(a) for p, a in chunk)
-            x = torch.zeros(len(chunk), T, dtype=torch.long)
-            for j, (p, a) in enumerate(chunk):
-                s = p + a
-                x[j, :len(s)] = torch.tensor(s)
-            with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
-                pred = model(x.to(dev)).argmax(-1).cpu()
-            for j, (p, a) in enumerate(chunk):
-                got = pred[j, len(p) - 1:len(p) + len(a)].tolist()
-                nxt = tok.decode([got[-1]])
-                ok += int(got[:-1] == a and not (nxt[:1].isalnum()))
+        for a, got in teacher_forced(model, probes, dev, extra=1):
+            ok += int(got[:-1] == a and not tok.decode([got[-1]])[:1].isalnum())
         res[L] = ok / n
     model.train()
     return res
