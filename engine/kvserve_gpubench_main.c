@@ -9,9 +9,13 @@
  * to; the embedding table contributes only its B rows), the floor = bytes / measured
  * device-to-device copy bandwidth (read + write bytes per second, same run), and floor / time.
  *
- * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--iters 20]
- *                         [--layers 32] [--markdown FILE] [--attn-variants]
- * --attn-variants also times the attention of all layers alone for each kernel variant.
+ * Prefill: one sequence of P prompt tokens in one step (the prefill attention launch), logits
+ * for its last row; prints ms, tokens/s and TFLOP/s.
+ *
+ * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
+ *                         [--iters 20] [--layers 32] [--breakdown] [--attn-variants] [--markdown FILE]
+ * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
+ * --attn-variants also times the attention of all layers alone at forced context-split counts.
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
 #include <math.h>
@@ -69,47 +73,195 @@ static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_
     return d;
 }
 
+/* the model and the step's buffers */
+struct bench {
+    struct kvs_backend *b;
+    int n_layers;
+    struct layer *L;
+    struct kvs_dweight *emb, *head, *fnorm;
+    struct kvs_dbuf *x, *h, *q, *k, *v, *att, *o, *g, *u, *logits, *last, *tok, *pos, *slots, *invf, *lastrow;
+};
+
+/* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
+enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
+
+/* Enqueues one forward step of nb rows (the runner's layer loop written with the backend's ops);
+ * logits for every row (decode) or only the last (prefill). */
+static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m, int which, int last_only)
+{
+    struct kvs_backend *b = B->b;
+    const int gemm = which == OPS_ALL || which == OPS_GEMM, attn = which == OPS_ALL || which == OPS_ATTN;
+    const int other = which == OPS_ALL || which == OPS_OTHER;
+    const float scale = 1.0f / sqrtf((float)HD);
+    if (other) O->embed(b, B->emb, B->tok, nb, DIM, B->x);
+    if (other) O->rmsnorm(b, B->x, B->L[0].n1, 1e-5f, nb, DIM, B->h);
+    for (int l = 0; l < B->n_layers; l++) {
+        struct layer *L = &B->L[l];
+        if (gemm) O->matmul(b, B->h, L->wq, NULL, nb, DIM, DIM, B->q);
+        if (gemm) O->matmul(b, B->h, L->wk, NULL, nb, DIM, NKV * HD, B->k);
+        if (gemm) O->matmul(b, B->h, L->wv, NULL, nb, DIM, NKV * HD, B->v);
+        if (other) O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
+        if (other) O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
+        if (other) O->kv_write(b, B->k, B->v, B->slots, nb, NKV, HD, BS, L->kc, L->vc);
+        if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
+        if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
+        if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
+        if (gemm) O->matmul(b, B->h, L->wg, NULL, nb, DIM, FF, B->g);
+        if (gemm) O->matmul(b, B->h, L->wu, NULL, nb, DIM, FF, B->u);
+        if (other) O->swiglu(b, B->g, B->u, nb, FF, B->g);
+        if (gemm) O->matmul(b, B->g, L->wd, NULL, nb, FF, DIM, B->o);
+        if (other) O->add_rmsnorm(b, B->x, B->o, l + 1 < B->n_layers ? B->L[l + 1].n1 : B->fnorm, 1e-5f, nb, DIM, B->h);
+    }
+    if (last_only) {
+        if (other) O->gather_rows(b, B->h, B->lastrow, 1, DIM, B->last);
+        if (gemm) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
+    } else if (gemm) {
+        O->matmul(b, B->h, B->head, NULL, nb, DIM, VOCAB, B->logits);
+    }
+}
+
+/* median ms of iters replays of a graph of the ops selected by `which` */
+static float time_graph(struct bench *B, int nb, const struct kvs_attn_meta *m, int which, int iters)
+{
+    kvs_cuda_graph_begin(B->b);
+    enqueue_step(B, nb, m, which, 0);
+    struct kvs_cuda_graph *gr = kvs_cuda_graph_end(B->b);
+    for (int w = 0; w < 3; w++) kvs_cuda_graph_launch(B->b, gr);
+    float *t = kvs_xmalloc((size_t)iters * sizeof(float));
+    for (int it = 0; it < iters; it++) {
+        kvs_cuda_timer_start(B->b);
+        kvs_cuda_graph_launch(B->b, gr);
+        t[it] = kvs_cuda_timer_stop_ms(B->b);
+    }
+    qsort(t, (size_t)iters, sizeof(float), cmp_float);
+    float ms = t[iters / 2];
+    free(t);
+    kvs_cuda_graph_free(gr);
+    return ms;
+}
+
+/* the logits must be finite: a broken kernel fails the benchmark rather than timing garbage */
+static void check_logits(struct bench *B, int rows, const char *what)
+{
+    float *lg = kvs_xmalloc((size_t)rows * VOCAB * 4);
+    O->logits_to_host(B->b, B->logits, rows, VOCAB, lg);
+    for (size_t i = 0; i < (size_t)rows * VOCAB; i++)
+        if (!(lg[i] == lg[i]) || lg[i] > 1e30f || lg[i] < -1e30f)
+            kvs_panic(__FILE__, __LINE__, "non-finite logit (%s)", what);
+    free(lg);
+}
+
+static uint64_t rs = 88172645463325252ull;
+
+/* nb sequences whose block tables are dealt at random from the pool; row s decodes (or
+ * prefills) n_rows[s] tokens from position pos0[s]. Uploads everything; fills m. */
+struct shape {
+    int32_t *bt, *hq, *hp, *hs, *ht;
+    struct kvs_dbuf *btd, *qs, *ps;
+};
+static void make_shape(struct bench *B, int n_blocks, int nb, int bps, int rows_each, int pos0, struct shape *S,
+                       struct kvs_attn_meta *m)
+{
+    struct kvs_backend *b = B->b;
+    int n = nb * rows_each;
+    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
+    S->bt = kvs_xmalloc((size_t)nb * bps * 4);
+    S->hq = kvs_xmalloc((size_t)(nb + 1) * 4);
+    S->hp = kvs_xmalloc((size_t)nb * 4);
+    S->hs = kvs_xmalloc((size_t)n * 4);
+    S->ht = kvs_xmalloc((size_t)n * 4);
+    int32_t *rowpos = kvs_xmalloc((size_t)n * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+        int j = (int)(rs % (uint64_t)(i + 1));
+        int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
+    }
+    for (int s = 0; s < nb; s++) {
+        for (int j = 0; j < bps; j++) S->bt[s * bps + j] = perm[s * bps + j];
+        S->hq[s] = s * rows_each;
+        S->hp[s] = pos0;
+        for (int i = 0; i < rows_each; i++) {
+            int p = pos0 + i, r = s * rows_each + i;
+            rowpos[r] = p;
+            S->hs[r] = S->bt[s * bps + p / BS] * BS + p % BS;
+            S->ht[r] = (r * 7919) % VOCAB;
+        }
+    }
+    S->hq[nb] = n;
+    S->btd = xalloc(b, KVS_BUF_I32, (size_t)nb * bps);
+    S->qs = xalloc(b, KVS_BUF_I32, (size_t)nb + 1);
+    S->ps = xalloc(b, KVS_BUF_I32, (size_t)nb);
+    O->upload(b, S->btd, 0, S->bt, (size_t)nb * bps);
+    O->upload(b, S->qs, 0, S->hq, (size_t)nb + 1);
+    O->upload(b, S->ps, 0, S->hp, (size_t)nb);
+    O->upload(b, B->pos, 0, rowpos, (size_t)n);
+    O->upload(b, B->slots, 0, S->hs, (size_t)n);
+    O->upload(b, B->tok, 0, S->ht, (size_t)n);
+    int32_t last = n - 1;
+    O->upload(b, B->lastrow, 0, &last, 1);
+    *m = (struct kvs_attn_meta){.n_seqs = nb, .max_blocks = bps, .q_start = S->qs, .pos = S->ps, .block_tables = S->btd,
+                                .rot_offsets = NULL, .inv_freq = B->invf, .h_q_start = S->hq, .h_pos = S->hp,
+                                .max_ctx = pos0 + rows_each};
+    O->sync(b);
+    free(perm);
+    free(rowpos);
+}
+static void free_shape(struct bench *B, struct shape *S)
+{
+    O->free_buf(B->b, S->btd);
+    O->free_buf(B->b, S->qs);
+    O->free_buf(B->b, S->ps);
+    free(S->bt); free(S->hq); free(S->hp); free(S->hs); free(S->ht);
+}
+
 int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
-    int n_layers = 32, attn_variants = 0;
+    int prefills[8] = {1024, 8192}, npre = 2;
+    int n_layers = 32, attn_variants = 0, breakdown = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
         else if (!strcmp(argv[i], "--contexts") && i + 1 < argc) nctx = parse_list(argv[++i], ctxs, 16);
+        else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) npre = !strcmp(argv[i + 1], "none") ? (i++, 0) : parse_list(argv[++i], prefills, 8);
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
+        else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else {
-            fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--iters N] [--layers N] "
-                            "[--markdown FILE]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
+                            "[--layers N] [--breakdown] [--attn-variants] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
-    if (nbatch <= 0 || nctx <= 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
+    if (nbatch <= 0 || nctx <= 0 || npre < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
     char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
+    struct bench Bn = {0}, *B = &Bn;
+    struct kvs_backend *b = B->b = O->create(0, err, sizeof err);
     if (!b) {
         fprintf(stderr, "cuda backend: %s\n", err);
         return 1;
     }
+    B->n_layers = n_layers;
     kvs_cuda_device_desc(b, desc, sizeof desc);
     double bw = kvs_cuda_copy_bandwidth(b, (size_t)2 << 30);
     printf("device: %s\ncopy bandwidth (read+write, 2 GiB cudaMemcpy D2D, median of 15): %.0f GB/s\n", desc, bw / 1e9);
 
-    int max_b = 0;
-    for (int i = 0; i < nbatch; i++) if (batches[i] > max_b) max_b = batches[i];
+    int max_rows = 0;
+    for (int i = 0; i < nbatch; i++) if (batches[i] > max_rows) max_rows = batches[i];
+    for (int i = 0; i < npre; i++) if (prefills[i] > max_rows) max_rows = prefills[i];
 
     /* weights, random on the device (uniform, small scale so activations stay finite) */
     uint64_t seed = 1;
-    struct kvs_dweight *emb = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
-    struct kvs_dweight *head = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
-    struct kvs_dweight *fnorm = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-    struct layer *L = kvs_xcalloc((size_t)n_layers, sizeof *L);
+    B->emb = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
+    B->head = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
+    B->fnorm = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
+    struct layer *L = B->L = kvs_xcalloc((size_t)n_layers, sizeof *L);
     for (int l = 0; l < n_layers; l++) {
         L[l].wq = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
         L[l].wk = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
@@ -123,20 +275,26 @@ int main(int argc, char **argv)
         if (!L[l].wq || !L[l].wk || !L[l].wv || !L[l].wo || !L[l].wg || !L[l].wu || !L[l].wd || !L[l].n1 || !L[l].n2)
             kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     }
-    if (!emb || !head || !fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+    if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     double w_bytes = (double)n_layers * 2.0 * ((double)DIM * DIM * 2 + 2.0 * NKV * HD * DIM + 3.0 * FF * DIM) +
                      2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
+    double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */
+    double params = gemm_bytes / 2.0;
 
-    /* activations for the largest batch */
-    size_t B = (size_t)max_b;
-    struct kvs_dbuf *x = xalloc(b, KVS_BUF_ACT, B * DIM), *h = xalloc(b, KVS_BUF_ACT, B * DIM);
-    struct kvs_dbuf *q = xalloc(b, KVS_BUF_ACT, B * DIM), *k = xalloc(b, KVS_BUF_ACT, B * NKV * HD);
-    struct kvs_dbuf *v = xalloc(b, KVS_BUF_ACT, B * NKV * HD), *att = xalloc(b, KVS_BUF_ACT, B * DIM);
-    struct kvs_dbuf *o = xalloc(b, KVS_BUF_ACT, B * DIM), *g = xalloc(b, KVS_BUF_ACT, B * FF);
-    struct kvs_dbuf *u = xalloc(b, KVS_BUF_ACT, B * FF), *logits = xalloc(b, KVS_BUF_ACT, B * VOCAB);
-    struct kvs_dbuf *tok = xalloc(b, KVS_BUF_I32, B), *pos = xalloc(b, KVS_BUF_I32, B);
-    struct kvs_dbuf *slots = xalloc(b, KVS_BUF_I32, B), *qs = xalloc(b, KVS_BUF_I32, B + 1);
-    struct kvs_dbuf *psq = xalloc(b, KVS_BUF_I32, B), *invf = xalloc(b, KVS_BUF_F32, HD / 2);
+    /* activations for the largest step */
+    size_t R = (size_t)max_rows;
+    B->x = xalloc(b, KVS_BUF_ACT, R * DIM); B->h = xalloc(b, KVS_BUF_ACT, R * DIM);
+    B->q = xalloc(b, KVS_BUF_ACT, R * DIM); B->k = xalloc(b, KVS_BUF_ACT, R * NKV * HD);
+    B->v = xalloc(b, KVS_BUF_ACT, R * NKV * HD); B->att = xalloc(b, KVS_BUF_ACT, R * DIM);
+    B->o = xalloc(b, KVS_BUF_ACT, R * DIM); B->g = xalloc(b, KVS_BUF_ACT, R * FF);
+    B->u = xalloc(b, KVS_BUF_ACT, R * FF);
+    size_t max_b = 0;
+    for (int i = 0; i < nbatch; i++) if ((size_t)batches[i] > max_b) max_b = (size_t)batches[i];
+    B->logits = xalloc(b, KVS_BUF_ACT, (max_b ? max_b : 1) * VOCAB);
+    B->last = xalloc(b, KVS_BUF_ACT, DIM);
+    B->tok = xalloc(b, KVS_BUF_I32, R); B->pos = xalloc(b, KVS_BUF_I32, R);
+    B->slots = xalloc(b, KVS_BUF_I32, R); B->invf = xalloc(b, KVS_BUF_F32, HD / 2);
+    B->lastrow = xalloc(b, KVS_BUF_I32, 1);
 
     /* KV pool: what free memory allows (keeping 1 GiB), at most what the largest shape needs */
     size_t need_tokens = 0;
@@ -145,6 +303,8 @@ int main(int argc, char **argv)
             size_t t = (size_t)batches[i] * (size_t)((ctxs[j] + BS - 1) / BS * BS);
             if (t > need_tokens) need_tokens = t;
         }
+    for (int i = 0; i < npre; i++)
+        if ((size_t)prefills[i] + BS > need_tokens) need_tokens = (size_t)prefills[i] + BS;
     size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
     size_t avail = O->mem_available(b);
     size_t cap_tokens = avail > ((size_t)1 << 30) ? (avail - ((size_t)1 << 30)) / per_token : 0;
@@ -160,7 +320,7 @@ int main(int argc, char **argv)
     }
     float inv[HD / 2];
     for (int i = 0; i < HD / 2; i++) inv[i] = (float)(1.0 / pow(500000.0, 2.0 * i / HD));
-    O->upload(b, invf, 0, inv, HD / 2);
+    O->upload(b, B->invf, 0, inv, HD / 2);
 
     FILE *mf = md ? fopen(md, "w") : NULL;
     if (md && !mf) {
@@ -168,14 +328,14 @@ int main(int argc, char **argv)
         return 1;
     }
     if (mf) {
-        fprintf(mf, "| batch | context | ms/step | tokens/s | weights GB | KV read GB | floor ms | achieved |\n");
-        fprintf(mf, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+        fprintf(mf, "| batch | context | ms/step | tokens/s | weights GB | KV read GB | floor ms | achieved |%s\n",
+                breakdown ? " GEMMs ms (GB/s) | attention ms (GB/s) | other ms |" : "");
+        fprintf(mf, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |%s\n", breakdown ? " ---: | ---: | ---: |" : "");
     }
-    printf("%6s %8s %9s %10s %10s %10s %9s %9s\n", "batch", "context", "ms/step", "tokens/s", "weights GB",
-           "KV GB", "floor ms", "achieved");
+    printf("%6s %8s %9s %10s %10s %10s %9s %9s%s\n", "batch", "context", "ms/step", "tokens/s", "weights GB", "KV GB",
+           "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
 
-    float scale = 1.0f / sqrtf((float)HD);
-    uint64_t rs = 88172645463325252ull;
+    float *t = kvs_xmalloc((size_t)iters * sizeof(float));
     for (int bi = 0; bi < nbatch; bi++)
         for (int ci = 0; ci < nctx; ci++) {
             int nb = batches[bi], ctx = ctxs[ci];
@@ -183,120 +343,91 @@ int main(int argc, char **argv)
             if ((size_t)nb * bps > (size_t)n_blocks) {
                 printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
                        (double)nb * bps * BS * per_token / 1e9);
-                if (mf) fprintf(mf, "| %d | %d | skipped (KV does not fit) | | | | | |\n", nb, ctx);
+                if (mf) fprintf(mf, "| %d | %d | skipped (KV does not fit) | | | | | |%s\n", nb, ctx, breakdown ? " | | |" : "");
                 continue;
             }
             /* each sequence decodes its token at position ctx-1 over blocks dealt at random */
-            int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4), *bt = kvs_xmalloc((size_t)nb * bps * 4);
-            int32_t *hq = kvs_xmalloc((size_t)(nb + 1) * 4), *hp = kvs_xmalloc((size_t)nb * 4);
-            int32_t *hs = kvs_xmalloc((size_t)nb * 4), *ht = kvs_xmalloc((size_t)nb * 4);
-            for (int i = 0; i < n_blocks; i++) perm[i] = i;
-            for (int i = n_blocks - 1; i > 0; i--) {
-                rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
-                int j = (int)(rs % (uint64_t)(i + 1));
-                int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
-            }
-            for (int s = 0; s < nb; s++) {
-                for (int j = 0; j < bps; j++) bt[s * bps + j] = perm[s * bps + j];
-                hq[s] = s;
-                hp[s] = ctx - 1;
-                hs[s] = bt[s * bps + (ctx - 1) / BS] * BS + (ctx - 1) % BS;
-                ht[s] = (s * 7919) % VOCAB;
-            }
-            hq[nb] = nb;
-            struct kvs_dbuf *btd = xalloc(b, KVS_BUF_I32, (size_t)nb * bps);
-            O->upload(b, btd, 0, bt, (size_t)nb * bps);
-            O->upload(b, qs, 0, hq, (size_t)nb + 1);
-            O->upload(b, psq, 0, hp, (size_t)nb);
-            O->upload(b, pos, 0, hp, (size_t)nb);
-            O->upload(b, slots, 0, hs, (size_t)nb);
-            O->upload(b, tok, 0, ht, (size_t)nb);
-            struct kvs_attn_meta m = {.n_seqs = nb, .max_blocks = bps, .q_start = qs, .pos = psq, .block_tables = btd,
-                                      .rot_offsets = NULL, .inv_freq = invf, .h_q_start = hq, .h_pos = hp,
-                                      .max_ctx = ctx};
-            O->sync(b);
-
-            kvs_cuda_graph_begin(b);
-            O->embed(b, emb, tok, nb, DIM, x);
-            O->rmsnorm(b, x, L[0].n1, 1e-5f, nb, DIM, h);
-            for (int l = 0; l < n_layers; l++) {
-                O->matmul(b, h, L[l].wq, NULL, nb, DIM, DIM, q);
-                O->matmul(b, h, L[l].wk, NULL, nb, DIM, NKV * HD, k);
-                O->matmul(b, h, L[l].wv, NULL, nb, DIM, NKV * HD, v);
-                O->rope(b, q, pos, NULL, invf, nb, NH, HD);
-                O->rope(b, k, pos, NULL, invf, nb, NKV, HD);
-                O->kv_write(b, k, v, slots, nb, NKV, HD, BS, L[l].kc, L[l].vc);
-                O->attention(b, q, L[l].kc, L[l].vc, &m, nb, NH, NKV, HD, BS, scale, att);
-                O->matmul(b, att, L[l].wo, NULL, nb, DIM, DIM, o);
-                O->add_rmsnorm(b, x, o, L[l].n2, 1e-5f, nb, DIM, h);
-                O->matmul(b, h, L[l].wg, NULL, nb, DIM, FF, g);
-                O->matmul(b, h, L[l].wu, NULL, nb, DIM, FF, u);
-                O->swiglu(b, g, u, nb, FF, g);
-                O->matmul(b, g, L[l].wd, NULL, nb, FF, DIM, o);
-                O->add_rmsnorm(b, x, o, l + 1 < n_layers ? L[l + 1].n1 : fnorm, 1e-5f, nb, DIM, h);
-            }
-            O->matmul(b, h, head, NULL, nb, DIM, VOCAB, logits);
-            struct kvs_cuda_graph *gr = kvs_cuda_graph_end(b);
-
-            for (int w = 0; w < 3; w++) kvs_cuda_graph_launch(b, gr);
-            O->sync(b);
-            float *t = kvs_xmalloc((size_t)iters * sizeof(float));
-            for (int it = 0; it < iters; it++) {
-                kvs_cuda_timer_start(b);
-                kvs_cuda_graph_launch(b, gr);
-                t[it] = kvs_cuda_timer_stop_ms(b);
-            }
-            qsort(t, (size_t)iters, sizeof(float), cmp_float);
-            float ms = t[iters / 2];
-            /* the logits must be finite: a broken kernel fails the benchmark rather than timing garbage */
-            float *lg = kvs_xmalloc((size_t)nb * VOCAB * 4);
-            O->logits_to_host(b, logits, nb, VOCAB, lg);
-            for (size_t i = 0; i < (size_t)nb * VOCAB; i++)
-                if (!(lg[i] == lg[i]) || lg[i] > 1e30f || lg[i] < -1e30f)
-                    kvs_panic(__FILE__, __LINE__, "non-finite logit at batch %d ctx %d", nb, ctx);
+            struct shape S;
+            struct kvs_attn_meta m;
+            make_shape(B, n_blocks, nb, bps, 1, ctx - 1, &S, &m);
+            float ms = time_graph(B, nb, &m, OPS_ALL, iters);
+            check_logits(B, nb, "decode");
             double kv_bytes = (double)nb * ctx * per_token; /* every layer's K and V of every position */
             double bytes = w_bytes + kv_bytes;
             double floor_ms = bytes / bw * 1e3;
-            printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
-                   kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms);
+            char extra[160] = "", mextra[160] = "";
+            if (breakdown) {
+                float tg = time_graph(B, nb, &m, OPS_GEMM, iters), ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                float to = time_graph(B, nb, &m, OPS_OTHER, iters);
+                snprintf(extra, sizeof extra, "  %7.3f (%4.0f)  %7.3f (%4.0f)  %7.3f", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+                snprintf(mextra, sizeof mextra, " %.3f (%.0f) | %.3f (%.0f) | %.3f |", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+            }
+            printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
+                   kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
             fflush(stdout);
             if (mf)
-                fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |\n", nb, ctx, ms, nb / (ms * 1e-3),
-                        w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms);
-            /* attention alone (all layers), for each kernel variant: where the KV time goes */
+                fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),
+                        w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
+            /* attention alone (all layers) at forced split counts vs the automatic choice */
             if (attn_variants) {
-                static const int var[][2] = {{1, 0}, {1, 4}, {1, 8}, {0, 0}};
-                printf("%6s %8s   attention only:", "", "");
-                for (int vi = 0; vi < 4; vi++) {
-                    kvs_cuda_set_attn_variant(b, var[vi][0], var[vi][1]);
-                    kvs_cuda_graph_begin(b);
-                    for (int l = 0; l < n_layers; l++)
-                        O->attention(b, q, L[l].kc, L[l].vc, &m, nb, NH, NKV, HD, BS, scale, att);
-                    struct kvs_cuda_graph *ga = kvs_cuda_graph_end(b);
-                    kvs_cuda_graph_launch(b, ga);
-                    for (int it = 0; it < iters; it++) {
-                        kvs_cuda_timer_start(b);
-                        kvs_cuda_graph_launch(b, ga);
-                        t[it] = kvs_cuda_timer_stop_ms(b);
-                    }
-                    qsort(t, (size_t)iters, sizeof(float), cmp_float);
-                    printf("  occ%d/%-4s %.3f ms %4.0f GB/s", var[vi][0], var[vi][1] ? (var[vi][1] == 4 ? "4" : "8") : "auto", t[iters / 2],
-                           kv_bytes / (t[iters / 2] * 1e-3) / 1e9);
-                    kvs_cuda_graph_free(ga);
+                static const int var[] = {0, 1, 2, 4, 8, 16};
+                printf("%6s %8s   attention only, splits:", "", "");
+                for (int vi = 0; vi < 6; vi++) {
+                    kvs_cuda_set_attn_splits(b, var[vi]);
+                    float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
+                    else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
                 }
                 printf("\n");
-                kvs_cuda_set_attn_variant(b, 1, 0);
+                kvs_cuda_set_attn_splits(b, 0);
             }
-            free(lg);
-            free(t);
-            kvs_cuda_graph_free(gr);
-            O->free_buf(b, btd);
-            free(perm); free(bt); free(hq); free(hp); free(hs); free(ht);
+            free_shape(B, &S);
         }
+    /* prefill: one sequence, the whole prompt in one step, logits for its last row */
+    if (npre > 0) {
+        printf("\n%8s %9s %10s %9s %12s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms");
+        if (mf) {
+            fprintf(mf, "\nPrefill (one sequence, the whole prompt in one step; FLOPs = 2 x parameters x tokens + "
+                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2):\n\n");
+            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms |\n| ---: | ---: | ---: | ---: | ---: |\n");
+        }
+    }
+    for (int pi = 0; pi < npre; pi++) {
+        int P = prefills[pi], bps = (P + BS - 1) / BS;
+        if ((size_t)bps > (size_t)n_blocks) {
+            printf("%8d   skipped: does not fit the pool\n", P);
+            continue;
+        }
+        struct shape S;
+        struct kvs_attn_meta m;
+        make_shape(B, n_blocks, 1, bps, P, 0, &S, &m);
+        int pit = iters < 5 ? iters : 5;
+        for (int it = 0; it <= pit; it++) {
+            kvs_cuda_timer_start(b);
+            enqueue_step(B, P, &m, OPS_ALL, 1);
+            float ms = kvs_cuda_timer_stop_ms(b);
+            if (it) t[it - 1] = ms; /* the first is a warm-up */
+        }
+        qsort(t, (size_t)pit, sizeof(float), cmp_float);
+        float ms = t[pit / 2];
+        check_logits(B, 1, "prefill");
+        kvs_cuda_timer_start(b);
+        enqueue_step(B, P, &m, OPS_ATTN, 1);
+        float ta = kvs_cuda_timer_stop_ms(b);
+        double flops = 2.0 * params * P + 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
+        printf("%8d %9.2f %10.0f %9.1f %12.2f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f |\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        free_shape(B, &S);
+    }
+    free(t);
     if (mf) {
         fprintf(mf, "\nDevice: %s. Copy bandwidth %.0f GB/s (read+write). Floor = (weights + KV read) / copy "
-                    "bandwidth; achieved = floor / measured. Each step is a CUDA graph replay (median of %d).\n",
-                desc, bw / 1e9, iters);
+                    "bandwidth; achieved = floor / measured. Each decode step is a CUDA graph replay (median of %d)%s.\n",
+                desc, bw / 1e9, iters,
+                breakdown ? "; the breakdown times graphs of the GEMMs alone (weight bytes / time), the attention "
+                            "alone (KV bytes / time) and every other op alone" : "");
         fclose(mf);
     }
     O->free(b);

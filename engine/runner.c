@@ -182,6 +182,13 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         c->head_dim > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: unsupported model shape (heads %d/%d, head_dim %d)", c->n_heads,
                        c->n_kv_heads, c->head_dim);
+#ifdef RUNNER_HAS_CUDA
+    if (ops == &kvs_cuda_backend && !kvs_cuda_supports_attention(c->n_heads, c->n_kv_heads, c->head_dim))
+        return kvs_err(err, errlen, -ENOTSUP,
+                       "runner: the CUDA attention kernels do not support heads %d/%d, head_dim %d (head_dim 16, 32, "
+                       "64, 128 or 256 and at most 32 query heads per KV head); use device \"cpu\"",
+                       c->n_heads, c->n_kv_heads, c->head_dim);
+#endif
     if (cfg->kv_block_size <= 0 || cfg->kv_block_size > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: kv.block_size %d out of range [1, 1024]", cfg->kv_block_size);
 

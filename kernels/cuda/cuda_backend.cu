@@ -3,23 +3,17 @@
  * Formats (the choices backend.h leaves to each backend):
  *   KVS_BUF_ACT  fp32. The residual stream, norms, RoPE, softmax state and every activation stay
  *                in fp32, so the CUDA backend tracks the fp32 CPU reference closely; only GEMM
- *                inputs are rounded to bf16 (one small conversion pass of x before cuBLAS).
+ *                inputs are rounded to bf16. The norms and SwiGLU write that bf16 copy as they
+ *                produce their output (xh_src), so only the attention output needs a separate
+ *                conversion pass before its GEMM.
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
- * GEMMs: cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, for every n (a hand-written
- * small-batch GEMV reading fp32 x was measured slower than cuBLAS on H200 and dropped).
- * Attention: one kernel for prefill and decode rows (flash-decoding): a block per (query row,
- * KV head, split of the context); the block keeps the query heads of one GQA group in
- * registers so that every K/V element read from memory serves all of them; online softmax in
- * fp32; when the context is split, a second kernel reduces the partial (max, sum, acc) triples
- * in split order.
- *
- * Limits: attention needs head_dim a multiple of 16 and <= 256 (Llama / Qwen use 64 or 128; other
- * values abort with a message). Results are deterministic but not bitwise batch invariant as
- * backend.h asks: cuBLAS picks its kernel by n, and the context split of the attention depends
- * on the number of rows (differences are at bf16 rounding level).
- * Prefill rows use the same attention kernel (a block per query row): correct, not tiled.
+ * GEMMs: cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, for every n.
+ * Attention: kernels/cuda/cuda_attention.cu (paged, flash-decoding with cp.async K/V tiles, a
+ * tiled prefill launch, deferred RoPE). Results are deterministic but not bitwise batch
+ * invariant as backend.h asks: cuBLAS picks its kernel by n, and the context split of the
+ * attention depends on the batch (differences are at bf16 rounding level).
  *
  * Memory: plain cudaMalloc, only in create, alloc and upload_weight (the matmul's bf16 copy of
  * x and the attention workspace are carved at create / grown in alloc). One stream; ops never
@@ -43,6 +37,7 @@ extern "C" {
 #include "kernels/backend.h"
 #include "models/model.h"
 }
+#include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_backend.h"
 
 #define CUDA_CHECK(call)                                                                     \
@@ -98,15 +93,18 @@ struct kvs_backend {
     void *blas_ws;
     bf16 *xh;                     /* bf16 copy of a matmul input [xh_cap] */
     size_t xh_cap;
+    const void *xh_src;           /* the fp32 buffer xh currently mirrors (NULL: none), xh_n elements of it.
+                                   * The norms and SwiGLU write the bf16 copy of their output as they go, so
+                                   * the GEMMs that read it (q/k/v, gate/up, down) skip the conversion pass;
+                                   * every op that writes a buffer calls xh_forget() on it. */
+    size_t xh_n;
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
-    int attn_occ;                 /* 1 (default): attention built with __launch_bounds__(128, 3), at
-                                   * most 168 registers, 3 resident blocks/SM; 0: uncapped (180
-                                   * registers, 2 blocks/SM: up to 1.6x slower on H200).
-                                   * KVS_CUDA_ATTN_OCC overrides. */
-    int attn_blocks_per_sm;       /* split target, blocks per SM; 0 = auto: 8 when (rows x KV heads) < SMs,
-                                   * else 4 (the better of the two in 6 of the 8 H200 rows of bench/RESULTS.md) */
+    int gemv;                     /* 1: matmuls of n <= GEMV_MAX_N rows use k_gemv instead of cuBLAS
+                                   * (KVS_CUDA_GEMV=0 turns it off) */
+    int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
+                                   * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -122,6 +120,25 @@ template <typename T> static void list_del(T **head, T *x)
 {
     if (x->prev) x->prev->next = x->next; else *head = x->next;
     if (x->next) x->next->prev = x->prev;
+}
+
+/* the bf16 mirror of a matmul input (see xh_src): forget it when its buffer is written */
+static void xh_forget(struct kvs_backend *b, const void *d)
+{
+    if (b->xh_src == d) b->xh_src = NULL;
+}
+
+/* an op about to write n elements of fp32 output to d: returns where to put their bf16 copy
+ * (NULL when it does not fit) and records it as the mirror of d */
+static bf16 *xh_claim(struct kvs_backend *b, const void *d, size_t n)
+{
+    if (n > b->xh_cap) {
+        xh_forget(b, d);
+        return NULL;
+    }
+    b->xh_src = d;
+    b->xh_n = n;
+    return b->xh;
 }
 
 static size_t kind_size(enum kvs_buf_kind k)
@@ -189,7 +206,8 @@ __device__ float block_sum(float v, float *red)
 
 #define NORM_THREADS 256
 
-__global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out)
+/* outh (may be null): the bf16 copy of out, for the next GEMM */
+__global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out, bf16 *outh)
 {
     __shared__ float red[32];
     size_t t = blockIdx.x;
@@ -198,10 +216,15 @@ __global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, fl
     for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss, red);
     float r = rsqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = xr[i] * r * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float y = xr[i] * r * w[i];
+        out[t * dim + i] = y;
+        if (outh) outh[t * dim + i] = __float2bfloat16(y);
+    }
 }
 
-__global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, float eps, int dim, float *out)
+__global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, float eps, int dim, float *out,
+                              bf16 *outh)
 {
     __shared__ float red[32];
     size_t t = blockIdx.x;
@@ -215,7 +238,11 @@ __global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, fl
     }
     ss = block_sum(ss, red);
     float r = rsqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = xr[i] * r * w[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float y = xr[i] * r * w[i];
+        out[t * dim + i] = y;
+        if (outh) outh[t * dim + i] = __float2bfloat16(y);
+    }
 }
 
 /* one warp per (row, head) */
@@ -264,11 +291,13 @@ __global__ void k_kv_write(const float *k, const float *v, const int32_t *slots,
     }
 }
 
-__global__ void k_swiglu(const float *g, const float *u, size_t n, float *out)
+__global__ void k_swiglu(const float *g, const float *u, size_t n, float *out, bf16 *outh)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = g[i];
-        out[i] = x / (1.0f + expf(-x)) * u[i];
+        float y = x / (1.0f + expf(-x)) * u[i];
+        out[i] = y;
+        if (outh) outh[i] = __float2bfloat16(y);
     }
 }
 
@@ -279,282 +308,73 @@ __global__ void k_gather_rows(const float *x, const int32_t *rows, int dim, floa
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
 }
 
+/* Single-row GEMV, y[t][o] = <x[t], W[o]> for n <= GEMV_MAX_N rows (batch-1 decode): a warp per output row
+ * streams that row of W with 16-byte loads (four in flight per lane, not cached in L1, where the
+ * x rows stay), multiplies them by the bf16 copy of x (at most 8 rows: L1-resident), accumulates
+ * in fp32 and reduces over the warp. Memory-bound: each weight byte is read once. */
+#define GEMV_MAX_N 1         /* H100: 5.80 vs 6.10 ms of GEMMs per step for cuBLAS at n = 1, but 12.0 vs
+                              * 6.2 ms at n = 8 (x re-read from L1 per weight load): cuBLAS from n = 2 */
+#define GEMV_WARPS 4
+
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p)
+{
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b)
+{
+    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&a, *q = (const __nv_bfloat162 *)&b;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 x = __bfloat1622float2(p[i]), y = __bfloat1622float2(q[i]);
+        s += x.x * y.x + x.y * y.y;
+    }
+    return s;
+}
+
+template <int NB>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const bf16 *x, float *y, int in, int out)
+{
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= out) return;
+    const uint4 *w4 = (const uint4 *)(W + (size_t)row * in);
+    const uint4 *x4 = (const uint4 *)x;
+    const int nc = in / 8, xs = in / 8;
+    float acc[NB];
+#pragma unroll
+    for (int t = 0; t < NB; t++) acc[t] = 0.0f;
+    int c = lane;
+    for (; c + 96 < nc; c += 128) {
+        uint4 w0 = ld_stream(w4 + c), w1 = ld_stream(w4 + c + 32), w2 = ld_stream(w4 + c + 64), w3 = ld_stream(w4 + c + 96);
+#pragma unroll
+        for (int t = 0; t < NB; t++) {
+            const uint4 *xt = x4 + (size_t)t * xs + c;
+            acc[t] += dot8_bf16(w0, __ldg(xt)) + dot8_bf16(w1, __ldg(xt + 32)) + dot8_bf16(w2, __ldg(xt + 64)) +
+                      dot8_bf16(w3, __ldg(xt + 96));
+        }
+    }
+    for (; c < nc; c += 32) {
+        uint4 w0 = ld_stream(w4 + c);
+#pragma unroll
+        for (int t = 0; t < NB; t++) acc[t] += dot8_bf16(w0, __ldg(x4 + (size_t)t * xs + c));
+    }
+#pragma unroll
+    for (int t = 0; t < NB; t++) {
+        float v = acc[t];
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == t) y[(size_t)t * out + row] = v;
+    }
+}
+
 __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         y[i] += bias[i % out];
-}
-
-/* ---- attention ---------------------------------------------------------------------------- */
-/*
- * Block = ATT_WARPS warps, for (query row t = blockIdx.x, KV head g and query-head chunk =
- * blockIdx.y, context split = blockIdx.z). Lanes form groups of LG = pow2 >= head_dim / 8;
- * each lane owns 8 consecutive dims (one 16-byte bf16 load of K or V) and every group streams
- * its own positions (TP at a time: all their K and V loads are issued before the first use)
- * with a private online-softmax state for the GT query heads, held in registers. At the end the
- * groups are merged through shared memory in group order (deterministic).
- */
-#define ATT_WARPS 4
-#define ATT_TP 4
-#define PAD_SLOT INT_MIN          /* rotation-offset sentinel of a masked (padding) key slot */
-
-struct attn_args {
-    const float *q;
-    const bf16 *kc, *vc;
-    const int32_t *q_start, *pos, *bt, *rot;
-    const int32_t *valid;         /* [n_seqs][max_blocks] leading valid slots per block, or null */
-    const float *inv_freq;
-    int n_seqs, max_blocks, n_heads, n_kv, hd, bs, lg, n_hchunks;
-    float scale;
-    int chunk, n_splits;
-    float *out, *part;            /* part: [n][n_heads][n_splits][hd + 2] (acc..., m, l) */
-};
-
-__device__ __forceinline__ void bf16x8_to_f32(uint4 u, float *f)
-{
-    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&u;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 x = __bfloat1622float2(p[i]);
-        f[2 * i] = x.x;
-        f[2 * i + 1] = x.y;
-    }
-}
-
-/* ROT: the batch has rotation offsets (LazyAttention's cached documents). Then the *query* is
- * rotated backward by a block's offset instead of rotating every key forward:
- * <q, R(o) k> = <R(-o) q, k>. The rotated copy qx is recomputed only when the offset changes
- * (at document boundaries), so the cost is a compare per key plus a few sincos per document,
- * and the ordinary instantiation (ROT = false) carries no extra registers. */
-template <int GT, int MINB, bool ROT>
-__global__ void __launch_bounds__(ATT_WARPS * 32, MINB) k_attention(attn_args a)
-{
-    extern __shared__ float sm[];
-    const int t = blockIdx.x;
-    const int g = blockIdx.y / a.n_hchunks, hc = blockIdx.y % a.n_hchunks;
-    const int split = blockIdx.z;
-    const int G = a.n_heads / a.n_kv;
-    const int h0 = g * G + hc * GT;
-    const int nh = min(GT, G - hc * GT);
-    const int hd = a.hd, lg = a.lg;
-
-    /* sequence of row t: the last s with q_start[s] <= t */
-    int lo = 0, hi = a.n_seqs - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (a.q_start[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    const int s = lo;
-    const int L = a.pos[s] + (t - a.q_start[s]) + 1; /* positions 0 .. L-1 are visible */
-    const int p0 = split * a.chunk, p1 = min(L, p0 + a.chunk);
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gl = lane & (lg - 1);                  /* lane in group */
-    const int gid = warp * (32 / lg) + lane / lg;    /* group index in block */
-    const int ng = ATT_WARPS * (32 / lg);
-    const int d0 = gl * 8;
-    const bool active = d0 < hd;
-    const int32_t *btab = a.bt + (size_t)s * a.max_blocks;
-    const int32_t *rtab = a.rot ? a.rot + (size_t)s * a.max_blocks : nullptr;
-    const int32_t *vtab = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
-    const int half = hd / 2;
-    /* RoPE partner lane (dims d0 +- half) for rotated keys */
-    const int partner = (lane - gl) + (d0 < half ? gl + half / 8 : gl - half / 8);
-
-    float qr[GT][8];
-#pragma unroll
-    for (int h = 0; h < GT; h++)
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            qr[h][i] = (h < nh && active) ? a.q[((size_t)t * a.n_heads + h0 + h) * hd + d0 + i] * a.scale : 0.0f;
-
-    /* ROT: qr rotated backward by cur_rot (see above); starts equal to qr (offset 0) */
-    float qx[GT][8];
-    int cur_rot = 0;
-    if constexpr (ROT)
-#pragma unroll
-        for (int h = 0; h < GT; h++)
-#pragma unroll
-            for (int i = 0; i < 8; i++) qx[h][i] = qr[h][i];
-
-    float m[GT], l[GT], acc[GT][8];
-#pragma unroll
-    for (int h = 0; h < GT; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) acc[h][i] = 0.0f;
-    }
-
-    /* The loop bound is warp-uniform (every lane runs every shuffle); groups past the end of
-     * the range see only masked positions. (Register double buffering of the next tile's K/V
-     * was measured slower on H200: its registers cost a resident block per SM.) */
-    const int gpw = 32 / lg;
-    uint4 ku[ATT_TP], vu[ATT_TP];
-    int rofs[ATT_TP];
-    auto load_tile = [&](int wb, uint4 *kk, uint4 *vv, int *ro) {
-        const int bb = wb + (lane / lg) * ATT_TP;
-#pragma unroll
-        for (int j = 0; j < ATT_TP; j++) {
-            int p = bb + j;
-            kk[j] = make_uint4(0, 0, 0, 0);
-            vv[j] = make_uint4(0, 0, 0, 0);
-            ro[j] = 0;
-            if (p < p1 && vtab && p % a.bs >= vtab[p / a.bs]) {
-                ro[j] = PAD_SLOT;   /* the unused tail of a cached document's last block: never read */
-            } else if (p < p1) {
-                int pb = p / a.bs;
-                size_t blk = (size_t)btab[pb];
-                size_t off = ((blk * a.n_kv + g) * a.bs + (size_t)(p % a.bs)) * hd + d0;
-                if (active) {
-                    kk[j] = __ldg((const uint4 *)(a.kc + off));
-                    vv[j] = __ldg((const uint4 *)(a.vc + off));
-                }
-                if (rtab) ro[j] = rtab[pb];
-            }
-        }
-    };
-    const int wstart = p0 + warp * gpw * ATT_TP;
-    for (int wbase = wstart; wbase < p1; wbase += ng * ATT_TP) {
-        const int base = wbase + (lane / lg) * ATT_TP;
-        load_tile(wbase, ku, vu, rofs);
-        float sc[ATT_TP][GT];
-#pragma unroll
-        for (int j = 0; j < ATT_TP; j++) {
-            float kf[8];
-            bf16x8_to_f32(ku[j], kf);
-            if constexpr (ROT) {
-                const int want = rofs[j] == PAD_SLOT ? cur_rot : rofs[j];
-                const bool chg = want != cur_rot;
-                if (__any_sync(0xffffffffu, chg)) { /* warp-uniform: every lane shuffles */
-                    float pq[GT][8];
-#pragma unroll
-                    for (int h = 0; h < GT; h++)
-#pragma unroll
-                        for (int i = 0; i < 8; i++) pq[h][i] = __shfl_sync(0xffffffffu, qr[h][i], partner);
-                    if (chg) {
-#pragma unroll
-                        for (int i = 0; i < 8; i++) {
-                            int d = d0 + i, fi = d < half ? d : d - half;
-                            float ang = active ? (float)((double)want * (double)a.inv_freq[fi]) : 0.0f;
-                            float c, sn;
-                            sincosf(ang, &sn, &c);
-#pragma unroll
-                            for (int h = 0; h < GT; h++)
-                                qx[h][i] = d < half ? qr[h][i] * c + pq[h][i] * sn : qr[h][i] * c - pq[h][i] * sn;
-                        }
-                        cur_rot = want;
-                    }
-                }
-            }
-#pragma unroll
-            for (int h = 0; h < GT; h++) {
-                float d = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    if constexpr (ROT) d += qx[h][i] * kf[i];
-                    else d += qr[h][i] * kf[i];
-                }
-                sc[j][h] = d;
-            }
-        }
-        /* reduce the dot products over the lanes of the group */
-#pragma unroll
-        for (int j = 0; j < ATT_TP; j++)
-#pragma unroll
-            for (int h = 0; h < GT; h++) {
-                float d = sc[j][h];
-                for (int o = lg >> 1; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                sc[j][h] = (base + j < p1 && rofs[j] != PAD_SLOT) ? d : -INFINITY;
-            }
-#pragma unroll
-        for (int h = 0; h < GT; h++) {
-            float mt = sc[0][h];
-#pragma unroll
-            for (int j = 1; j < ATT_TP; j++) mt = fmaxf(mt, sc[j][h]);
-            float mn = fmaxf(m[h], mt);
-            if (mn == -INFINITY) continue; /* nothing visible yet for this group */
-            float alpha = __expf(m[h] - mn);
-            float pj[ATT_TP], ps = 0.0f;
-#pragma unroll
-            for (int j = 0; j < ATT_TP; j++) {
-                pj[j] = __expf(sc[j][h] - mn);
-                ps += pj[j];
-            }
-            l[h] = l[h] * alpha + ps;
-            m[h] = mn;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[h][i] *= alpha;
-#pragma unroll
-            for (int j = 0; j < ATT_TP; j++) {
-                float vf[8];
-                bf16x8_to_f32(vu[j], vf);
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[h][i] += pj[j] * vf[i];
-            }
-        }
-    }
-
-    /* merge the groups: shared layout [ng][GT][hd] acc, then [ng][GT] m and l */
-    float *s_acc = sm;
-    float *s_m = sm + (size_t)ng * GT * hd;
-    float *s_l = s_m + ng * GT;
-#pragma unroll
-    for (int h = 0; h < GT; h++) {
-        if (active)
-#pragma unroll
-            for (int i = 0; i < 8; i++) s_acc[((size_t)gid * GT + h) * hd + d0 + i] = acc[h][i];
-        if (gl == 0) {
-            s_m[gid * GT + h] = m[h];
-            s_l[gid * GT + h] = l[h];
-        }
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < nh * hd; j += blockDim.x) {
-        int h = j / hd, d = j % hd;
-        float M = -INFINITY;
-        for (int q = 0; q < ng; q++) M = fmaxf(M, s_m[q * GT + h]);
-        float Ls = 0.0f, A = 0.0f;
-        if (M != -INFINITY)
-            for (int q = 0; q < ng; q++) {
-                float mq = s_m[q * GT + h];
-                if (mq == -INFINITY) continue;
-                float e = __expf(mq - M);
-                Ls += s_l[q * GT + h] * e;
-                A += s_acc[((size_t)q * GT + h) * hd + d] * e;
-            }
-        size_t row = (size_t)t * a.n_heads + h0 + h;
-        if (a.n_splits == 1) {
-            a.out[row * hd + d] = A / Ls;
-        } else {
-            float *pp = a.part + (row * a.n_splits + split) * (size_t)(hd + 2);
-            pp[d] = A;
-            if (d == 0) {
-                pp[hd] = M;
-                pp[hd + 1] = Ls;
-            }
-        }
-    }
-}
-
-/* block per (row, head); threads over dims; splits merged in order */
-__global__ void k_attn_reduce(const float *part, int n_splits, int hd, float *out)
-{
-    size_t row = blockIdx.x;
-    const float *pp = part + row * n_splits * (size_t)(hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float Ls = 0.0f, A = 0.0f;
-        for (int s = 0; s < n_splits; s++) {
-            const float *q = pp + (size_t)s * (hd + 2);
-            if (q[hd] == -INFINITY) continue;
-            float e = __expf(q[hd] - M);
-            Ls += q[hd + 1] * e;
-            A += q[d] * e;
-        }
-        out[row * hd + d] = A / Ls;
-    }
 }
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
@@ -590,28 +410,11 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
-    /* the attention kernels may need more than 48 KB of shared memory for small head dims */
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<1, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<2, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<4, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
-    CUDA_CHECK(cudaFuncSetAttribute(k_attention<8, 3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024));
     {
-        const char *e = getenv("KVS_CUDA_ATTN_OCC");
-        b->attn_occ = e ? atoi(e) != 0 : 1;
-        e = getenv("KVS_CUDA_ATTN_BLOCKS_PER_SM");
-        b->attn_blocks_per_sm = e && atoi(e) > 0 ? atoi(e) : 0;
+        const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
+        b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
+        e = getenv("KVS_CUDA_GEMV");
+        b->gemv = e ? atoi(e) != 0 : 1;
     }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
@@ -689,6 +492,7 @@ static struct kvs_dbuf *cu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, 
         CUDA_CHECK(cudaFree(b->xh));
         b->xh = nx;
         b->xh_cap = n;
+        b->xh_src = NULL;
     }
     void *d = dev_alloc(n * kind_size(kind));
     if (!d) return NULL;
@@ -705,6 +509,7 @@ static void cu_free_buf(struct kvs_backend *b, struct kvs_dbuf *buf)
     if (!buf) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
     list_del(&b->bufs, buf);
+    xh_forget(b, buf->d); /* a later allocation may get the same address */
     CUDA_CHECK(cudaFree(buf->d));
     free(buf);
 }
@@ -712,6 +517,7 @@ static void cu_free_buf(struct kvs_backend *b, struct kvs_dbuf *buf)
 static void cu_upload(struct kvs_backend *b, struct kvs_dbuf *dst, size_t off, const void *src, size_t n)
 {
     KVS_ASSERT(off + n <= dst->n);
+    xh_forget(b, dst->d);
     if (dst->kind != KVS_BUF_KV) {
         /* pageable source: the call returns once src is staged, so the caller may reuse it */
         CUDA_CHECK(cudaMemcpyAsync((char *)dst->d + off * 4, src, n * 4, cudaMemcpyHostToDevice, b->stream));
@@ -750,6 +556,7 @@ static void cu_zero(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, siz
 {
     KVS_ASSERT(off + n <= buf->n);
     size_t es = kind_size(buf->kind);
+    xh_forget(b, buf->d);
     CUDA_CHECK(cudaMemsetAsync((char *)buf->d + off * es, 0, n * es, b->stream));
 }
 
@@ -829,6 +636,7 @@ static void cu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const
 {
     if (n <= 0) return;
     KVS_ASSERT(!emb->is_vector && emb->cols == dim);
+    xh_forget(b, out->d);
     k_embed<<<n, 256, 0, b->stream>>>(emb->h, (const int32_t *)tokens->d, dim, (float *)out->d);
     LAUNCH_CHECK();
 }
@@ -838,7 +646,8 @@ static void cu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     if (n <= 0) return;
     KVS_ASSERT(w->is_vector && w->cols == dim);
-    k_rmsnorm<<<n, NORM_THREADS, 0, b->stream>>>((const float *)x->d, w->f, eps, dim, (float *)out->d);
+    bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
+    k_rmsnorm<<<n, NORM_THREADS, 0, b->stream>>>((const float *)x->d, w->f, eps, dim, (float *)out->d, outh);
     LAUNCH_CHECK();
 }
 
@@ -847,8 +656,10 @@ static void cu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const st
 {
     if (n <= 0) return;
     KVS_ASSERT(w->is_vector && w->cols == dim);
+    xh_forget(b, res->d);
+    bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
     k_add_rmsnorm<<<n, NORM_THREADS, 0, b->stream>>>((float *)res->d, (const float *)delta->d, w->f, eps, dim,
-                                                     (float *)out->d);
+                                                     (float *)out->d, outh);
     LAUNCH_CHECK();
 }
 
@@ -858,6 +669,7 @@ static void cu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const str
     if (n <= 0) return;
     KVS_ASSERT(w->is_vector && w->cols == head_dim);
     size_t rh = (size_t)n * n_heads;
+    xh_forget(b, x->d);
     k_head_rmsnorm<<<(unsigned)((rh + 7) / 8), 256, 0, b->stream>>>((float *)x->d, w->f, eps, rh, head_dim);
     LAUNCH_CHECK();
 }
@@ -869,13 +681,24 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
     KVS_ASSERT(!w->is_vector && w->rows == out && w->cols == in);
     size_t nx = (size_t)n * in;
     KVS_ASSERT(nx <= b->xh_cap);
-    k_f32_to_bf16<<<grid_for(nx, 256), 256, 0, b->stream>>>((const float *)x->d, b->xh, nx);
-    LAUNCH_CHECK();
-    const float one = 1.0f, zero = 0.0f;
-    /* column-major view: y^T[out][n] = W[out][in] (stored as col-major in x out, so op T) * x^T[in][n] */
-    CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w->h, CUDA_R_16BF, in, b->xh,
-                              CUDA_R_16BF, in, &zero, y->d, CUDA_R_32F, out, CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT));
+    if (b->xh_src != x->d || b->xh_n != nx) {
+        k_f32_to_bf16<<<grid_for(nx, 256), 256, 0, b->stream>>>((const float *)x->d, b->xh, nx);
+        LAUNCH_CHECK();
+        b->xh_src = x->d;
+        b->xh_n = nx;
+    }
+    xh_forget(b, y->d);
+    if (b->gemv && n == GEMV_MAX_N && in % 8 == 0) {
+        dim3 grid((unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS)), blk(GEMV_WARPS * 32);
+        k_gemv<GEMV_MAX_N><<<grid, blk, 0, b->stream>>>(w->h, b->xh, (float *)y->d, in, out);
+        LAUNCH_CHECK();
+    } else {
+        const float one = 1.0f, zero = 0.0f;
+        /* column-major view: y^T[out][n] = W[out][in] (stored as col-major in x out, so op T) * x^T[in][n] */
+        CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w->h, CUDA_R_16BF, in, b->xh,
+                                  CUDA_R_16BF, in, &zero, y->d, CUDA_R_32F, out, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+    }
     if (bias) {
         KVS_ASSERT(bias->is_vector && bias->cols == out);
         size_t ny = (size_t)n * out;
@@ -888,6 +711,7 @@ static void cu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_
                     const struct kvs_dbuf *inv_freq, int n, int n_heads, int head_dim)
 {
     if (n <= 0) return;
+    xh_forget(b, x->d);
     k_rope<<<n, 256, 0, b->stream>>>((float *)x->d, (const int32_t *)pos->d, rot ? (const int32_t *)rot->d : nullptr,
                                      (const float *)inv_freq->d, n_heads, head_dim);
     LAUNCH_CHECK();
@@ -903,29 +727,12 @@ static void cu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const s
     LAUNCH_CHECK();
 }
 
-static int pow2_at_least(int x)
-{
-    int p = 1;
-    while (p < x) p <<= 1;
-    return p;
-}
-
 static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                          const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads, int n_kv_heads,
                          int head_dim, int block_size, float scale, struct kvs_dbuf *out)
 {
     if (n <= 0) return;
-    /* 16-byte K/V loads of 8 dims per lane; the RoPE partner of a lane is a whole lane away */
-    if (head_dim % 16 != 0 || head_dim > 256 || n_heads % n_kv_heads != 0)
-        kvs_panic(__FILE__, __LINE__, "cuda attention: head_dim %d (need a multiple of 16, <= 256), heads %d/%d",
-                  head_dim, n_heads, n_kv_heads);
-    int G = n_heads / n_kv_heads;
-    int GT = G >= 8 ? 8 : pow2_at_least(G);
-    int n_hchunks = (G + GT - 1) / GT;
-    int lg = pow2_at_least(head_dim / 8);
-    int ng = ATT_WARPS * (32 / lg);
-
-    attn_args a;
+    struct kvs_cu_attn a;
     a.q = (const float *)q->d;
     a.kc = (const bf16 *)kc->d;
     a.vc = (const bf16 *)vc->d;
@@ -935,62 +742,19 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : nullptr;
     a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : nullptr;
     a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : nullptr;
-    KVS_ASSERT(!a.rot || a.inv_freq);
+    a.h_q_start = m->h_q_start;
+    a.h_pos = m->h_pos;
     a.n_seqs = m->n_seqs;
     a.max_blocks = m->max_blocks;
+    a.n = n;
     a.n_heads = n_heads;
     a.n_kv = n_kv_heads;
     a.hd = head_dim;
     a.bs = block_size;
-    a.lg = lg;
-    a.n_hchunks = n_hchunks;
     a.scale = scale;
     a.out = (float *)out->d;
-    a.part = b->attn_ws;
-
-    /* Split the context so that the grid has about attn_blocks_per_sm blocks per SM, with at
-     * least 64 positions per split and the partials fitting the workspace. */
-    long long base_blocks = (long long)n * n_kv_heads * n_hchunks;
-    int max_ctx = m->max_ctx > 0 ? m->max_ctx : 1;
-    int bps = b->attn_blocks_per_sm > 0 ? b->attn_blocks_per_sm : (base_blocks < b->n_sms ? 8 : 4);
-    long long want = ((long long)bps * b->n_sms + base_blocks - 1) / base_blocks;
-    long long by_len = (max_ctx + 63) / 64;
-    long long by_ws = (long long)(ATTN_WS_BYTES / 4 / ((size_t)n * n_heads * (head_dim + 2)));
-    long long ns = want;
-    if (ns > by_len) ns = by_len;
-    if (ns > by_ws) ns = by_ws;
-    if (ns > 256) ns = 256;
-    if (ns < 1) ns = 1;
-    int chunk = (int)((max_ctx + ns - 1) / ns);
-    chunk = (chunk + ATT_TP - 1) / ATT_TP * ATT_TP;
-    a.chunk = chunk;
-    a.n_splits = (max_ctx + chunk - 1) / chunk;
-
-    dim3 grid((unsigned)n, (unsigned)(n_kv_heads * n_hchunks), (unsigned)a.n_splits);
-    size_t smem = ((size_t)ng * GT * head_dim + 2 * (size_t)ng * GT) * sizeof(float);
-    KVS_ASSERT(smem <= 96 * 1024);
-    dim3 blk(ATT_WARPS * 32);
-    if (b->attn_occ) {
-        switch (GT) {
-        case 1: if (a.rot) k_attention<1, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<1, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: if (a.rot) k_attention<2, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<2, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: if (a.rot) k_attention<4, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<4, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
-        default: if (a.rot) k_attention<8, 3, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<8, 3, false><<<grid, blk, smem, b->stream>>>(a); break;
-        }
-    } else {
-        switch (GT) {
-        case 1: if (a.rot) k_attention<1, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<1, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 2: if (a.rot) k_attention<2, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<2, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
-        case 4: if (a.rot) k_attention<4, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<4, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
-        default: if (a.rot) k_attention<8, 1, true><<<grid, blk, smem, b->stream>>>(a); else k_attention<8, 1, false><<<grid, blk, smem, b->stream>>>(a); break;
-        }
-    }
-    LAUNCH_CHECK();
-    if (a.n_splits > 1) {
-        k_attn_reduce<<<(unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0, b->stream>>>(
-            a.part, a.n_splits, head_dim, a.out);
-        LAUNCH_CHECK();
-    }
+    xh_forget(b, out->d);
+    kvs_cu_attention(&a, b->stream, b->n_sms, b->attn_ws, ATTN_WS_BYTES, b->attn_splits);
 }
 
 static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up, int n, int ff,
@@ -998,8 +762,9 @@ static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const 
 {
     if (n <= 0) return;
     size_t nn = (size_t)n * ff;
+    bf16 *outh = xh_claim(b, out->d, nn);
     k_swiglu<<<grid_for(nn, 256), 256, 0, b->stream>>>((const float *)gate->d, (const float *)up->d, nn,
-                                                        (float *)out->d);
+                                                        (float *)out->d, outh);
     LAUNCH_CHECK();
 }
 
@@ -1007,6 +772,7 @@ static void cu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, cons
                            int dim, struct kvs_dbuf *out)
 {
     if (m <= 0) return;
+    xh_forget(b, out->d);
     k_gather_rows<<<m, 256, 0, b->stream>>>((const float *)x->d, (const int32_t *)rows->d, dim, (float *)out->d);
     LAUNCH_CHECK();
 }
@@ -1085,6 +851,7 @@ extern "C" void kvs_cuda_fill_random(struct kvs_backend *b, struct kvs_dbuf *buf
                                      uint64_t seed)
 {
     KVS_ASSERT(off + n <= buf->n && buf->kind != KVS_BUF_I32);
+    xh_forget(b, buf->d);
     if (buf->kind == KVS_BUF_KV)
         k_bf16_fill_random<<<grid_for(n, 256), 256, 0, b->stream>>>((bf16 *)buf->d + off, n, scale, seed);
     else
@@ -1172,8 +939,17 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
              (double)prop.totalGlobalMem / (double)(1u << 30), drv, rt);
 }
 
-extern "C" void kvs_cuda_set_attn_variant(struct kvs_backend *b, int high_occupancy, int blocks_per_sm)
+extern "C" void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits)
 {
-    b->attn_occ = high_occupancy != 0;
-    b->attn_blocks_per_sm = blocks_per_sm > 0 ? blocks_per_sm : 0;
+    b->attn_splits = n_splits > 0 ? n_splits : 0;
+}
+
+extern "C" int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head_dim)
+{
+    return kvs_cu_attention_supported(n_heads, n_kv_heads, head_dim);
+}
+
+extern "C" void kvs_cuda_set_gemv(struct kvs_backend *b, int on)
+{
+    b->gemv = on != 0;
 }

@@ -50,10 +50,17 @@ float kvs_cuda_timer_stop_ms(struct kvs_backend *b);
  * only, never inside a step). Returns 0 if the memory cannot be had. */
 double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
 
-/* Attention variant (for the benchmark's comparisons): high_occupancy = the kernel built with
- * __launch_bounds__(128, 3) (at most 168 registers: 3 resident blocks per SM), blocks_per_sm = how many blocks per SM the
- * context split aims at (0 = automatic). */
-void kvs_cuda_set_attn_variant(struct kvs_backend *b, int high_occupancy, int blocks_per_sm);
+/* Forces n_splits context splits on every attention launch (benchmark comparisons); 0 restores
+ * the automatic choice. */
+void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
+
+/* 1 (the default; KVS_CUDA_GEMV=0 sets 0): single-row matmuls use the backend's own GEMV kernel
+ * (faster than cuBLAS at n = 1 on H100); 0: cuBLAS for every n (tests and benchmark comparisons). */
+void kvs_cuda_set_gemv(struct kvs_backend *b, int on);
+
+/* 1 when the CUDA attention supports this model shape (head_dim 16/32/64/128/256, at most 32
+ * query heads per KV head); the runner refuses other shapes on this backend with a message. */
+int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head_dim);
 
 /* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */
 void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen);

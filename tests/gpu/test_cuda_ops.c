@@ -226,19 +226,26 @@ static void test_embed_matmul(void)
     const enum kvs_dtype dts[] = {KVS_DTYPE_F32, KVS_DTYPE_BF16, KVS_DTYPE_F16};
     const char *dtn[] = {"f32", "bf16", "f16"};
     struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
-                                                 {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1}};
-    for (int c = 0; c < 8; c++) {
+                                                 {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1},
+                                                 {5, 14336, 200, 0}, {1, 14336, 300, 1}, {1, 4104, 33, 0}};
+    for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
         int n = cases[c].n, in = cases[c].in, out = cases[c].out;
         enum kvs_dtype dt = dts[c % 3];
         float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
         float *bv = rand_vec(out, 0.5f, 0);
         struct wpair w = mkw(wv, out, in, 0, dt), b = mkw(bv, 1, out, 1, dt);
         struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), y = mk(KVS_BUF_ACT, (size_t)n * out, NULL);
-        poison(&y);
         C->matmul(bc, x.c, w.c, cases[c].bias ? b.c : NULL, n, in, out, y.c);
-        G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
-        snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d", dtn[c % 3], n, in, out, cases[c].bias);
-        check(what, &y, 1e-2);
+        /* both CUDA paths: the single-row GEMV (n = 1, in % 8 == 0) and cuBLAS */
+        for (int gemv = 0; gemv < 2; gemv++) {
+            kvs_cuda_set_gemv(bg, gemv);
+            poison(&y);
+            G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+            snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d gemv=%d", dtn[c % 3], n, in, out,
+                     cases[c].bias, gemv);
+            check(what, &y, 1e-2);
+        }
+        kvs_cuda_set_gemv(bg, 1);
         /* embed: the weight as a [vocab=out][dim=in] table */
         int32_t *tok = kvs_xmalloc((size_t)n * 4);
         for (int i = 0; i < n; i++) tok[i] = irand(out);
@@ -416,14 +423,20 @@ static void test_attention(void)
         /* GQA 16 (two head chunks per KV head) and GQA 3 (padded group) */
         {16, 1, 128, 16, 2, {700, 10}, {1, 9}, 1},
         {12, 4, 64, 8, 2, {333, 0}, {1, 21}, 0},
+        /* GQA 7 (Qwen2.5-7B) with rot offsets, prefill tiles of 4 tokens after a cached prefix */
+        {28, 4, 128, 16, 3, {0, 500, 37}, {70, 1, 33}, 1},
+        /* GQA 32 (the widest group supported), head_dim 256 */
+        {32, 1, 64, 16, 2, {10, 0}, {1, 40}, 0},
+        {8, 2, 256, 16, 2, {300, 5}, {1, 20}, 1},
     };
-    for (int occ = 0; occ < 2; occ++) {
-        /* both kernel builds: the default and the register-capped one */
-        kvs_cuda_set_attn_variant(bg, occ, 0);
-        printf("attention variant: high_occupancy=%d\n", occ);
+    /* the automatic context split, and forced 1 and 3 splits (the merge of partials) */
+    static const int splits[] = {0, 1, 3};
+    for (int si = 0; si < 3; si++) {
+        kvs_cuda_set_attn_splits(bg, splits[si]);
+        printf("attention, context splits: %s\n", splits[si] ? (splits[si] == 1 ? "1" : "3") : "auto");
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
     }
-    kvs_cuda_set_attn_variant(bg, 1, 0);
+    kvs_cuda_set_attn_splits(bg, 0);
 }
 
 int main(void)

@@ -1,0 +1,933 @@
+/* cuda_attention.cu: paged causal attention (cuda_attention.h), built around memory bandwidth.
+ *
+ * Two launches per step, each over "tiles" of query rows x KV heads x context splits:
+ *   - decode (sequences with one query row): k_attn, CUDA cores. A block (4 warps) owns one
+ *     sequence, one KV head g and one split; its rows are the G query heads of the group (GQA:
+ *     every K/V byte read serves all of them). QK runs one lane per key (each lane reads its key
+ *     row from shared memory, the query rows are broadcast reads), an online softmax per row
+ *     held by its warp, then PV with each lane owning head_dim / 32 output dims.
+ *   - prefill (sequences with more rows): k_attn_tc, tensor cores (mma.sync, FlashAttention-2
+ *     style). A block owns up to 64 / G consecutive tokens of one sequence: 64 (token, head)
+ *     rows that share every staged K/V tile.
+ * Measured on H100 (bench/RESULTS.md): the tensor-core kernel is 7x faster for an 8K prefill;
+ * for decode rows (16 live rows of 64 at most) the CUDA-core kernel kept more blocks per SM
+ * and read the KV faster (batch 32 x 8K: 14.9 vs 16.1 ms for all layers), so each launch uses
+ * the faster kernel.
+ *
+ * Both kernels stream K/V in tiles of 32 keys from the paged cache into shared memory with
+ * cp.async, two tiles in flight. Slots past the visible range or in the unused tail of a cached
+ * document's block (block_valid) are zero-filled by the copy and never read from memory; the
+ * loader also records each key's rotation offset (or KEY_PAD) in shared memory, so masks and
+ * rotation runs never wait on a global load in the compute loop.
+ * Deferred RoPE (LazyAttention, ROT): keys of a cached block are attended as if rotated by the
+ * block's offset o; the block's copy of q is rotated backward instead, <q, R(o)k> = <R(-o)q, k>.
+ * The rotated copy lives in shared memory and is recomputed only when a tile holds keys of
+ * another offset, i.e. at document boundaries (hd/2 sincos per boundary, shared by all rows).
+ * Long contexts are split over blocks (grid z); a second kernel merges the per-split partials
+ * (acc, max, sum) in split order. Everything is deterministic for a given launch shape.
+ */
+#include <climits>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define _Noreturn [[noreturn]]
+extern "C" {
+#include "engine/util.h"
+}
+#include "kernels/cuda/cuda_attention.h"
+
+#define CUDA_CHECK(call)                                                                     \
+    do {                                                                                     \
+        cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess)                                                               \
+            kvs_panic(__FILE__, __LINE__, "CUDA error %s (%s) in %s", cudaGetErrorName(e_),   \
+                      cudaGetErrorString(e_), #call);                                        \
+    } while (0)
+
+typedef __nv_bfloat16 bf16;
+
+#define AT_WARPS 4
+#define AT_THREADS (AT_WARPS * 32)
+#define AT_TILE 32                /* keys per shared-memory tile: one per lane in QK */
+#define AT_STAGES 2               /* CUDA-core kernel: tiles in flight (H100, batch 32 x 8K: 2 stages 14.95 ms,
+                                   * 3 stages 16.2, 4 stages 17.0: fewer stages, more resident blocks) */
+#define KEY_PAD INT_MIN           /* per-key info of a key that is not attended (past the range, padding) */
+#define AT_WIDE_RPW 8             /* rows per warp of the decode kernel for groups of more than 4 heads */
+#define FULL 0xffffffffu
+
+struct at_args {
+    const float *q;
+    const bf16 *kc, *vc;
+    const int32_t *q_start, *pos, *bt, *rot, *valid;
+    const float *inv_freq;
+    int n_seqs, max_blocks, n_heads, n_kv, bs;
+    int G;                        /* query heads per KV head */
+    int qt;                       /* query tokens per tile */
+    int prefill;                  /* 0: tiles are the sequences with one row; 1: those with more */
+    int chunk, n_splits;          /* keys per split (a multiple of AT_TILE), splits */
+    float scale;
+    float *out, *part;            /* part: [n][n_heads][n_splits][hd + 2] (acc..., max, sum) */
+};
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src_bytes)
+{
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    /* src_bytes 0: nothing is read, the 16 bytes are zero-filled */
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ float warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+
+/* Tiles enumerate, in sequence order, the sequences of this launch's kind, ceil(rows / qt) tiles
+ * each. Finds tile `tile`: its sequence and first row within the sequence. Every warp computes
+ * the same answer (warp scans over 32 sequences at a time), so no block barrier is needed. */
+__device__ bool find_tile(const at_args &a, int tile, int *s_out, int *r0_out)
+{
+    const int lane = threadIdx.x & 31;
+    int base = 0;
+    for (int c = 0; c < a.n_seqs; c += 32) {
+        int s = c + lane, cnt = 0;
+        if (s < a.n_seqs) {
+            int ns = a.q_start[s + 1] - a.q_start[s];
+            bool mine = a.prefill ? ns > 1 : ns == 1;
+            cnt = mine ? (ns + a.qt - 1) / a.qt : 0;
+        }
+        int inc = cnt;
+        for (int o = 1; o < 32; o <<= 1) {
+            int v = __shfl_up_sync(FULL, inc, o);
+            if (lane >= o) inc += v;
+        }
+        int total = __shfl_sync(FULL, inc, 31);
+        if (tile < base + total) {
+            unsigned m = __ballot_sync(FULL, cnt > 0 && tile >= base + inc - cnt && tile < base + inc);
+            int src = __ffs((int)m) - 1;
+            int excl = __shfl_sync(FULL, inc - cnt, src);
+            *s_out = c + src;
+            *r0_out = (tile - base - excl) * a.qt;
+            return true;
+        }
+        base += total;
+    }
+    return false;
+}
+
+template <int HD> struct at_smem {
+    static constexpr int KST = HD + 8;   /* K/V row stride in bf16: +16 bytes keeps lane-per-row reads conflict-free */
+    static constexpr size_t kv_elems = (size_t)AT_STAGES * AT_TILE * KST;
+    static constexpr size_t bytes(int rows, bool rot)
+    {
+        return 2 * kv_elems * sizeof(bf16) +
+               ((size_t)rows * HD * (rot ? 2 : 1) + (rot ? HD : 0) + (size_t)rows * AT_TILE) * sizeof(float) +
+               (size_t)AT_STAGES * AT_TILE * sizeof(int);
+    }
+};
+
+/* s[r] = <q row r of this warp, key row `key` of the tile> for the warp's RPW rows */
+template <int HD, int RPW>
+__device__ __forceinline__ void qk_rows(const bf16 *tk, const float *qw, int key, float *s)
+{
+    constexpr int KST = at_smem<HD>::KST;
+#pragma unroll
+    for (int r = 0; r < RPW; r++) s[r] = 0.0f;
+    const bf16 *kr = tk + key * KST;
+#pragma unroll 4
+    for (int c = 0; c < HD / 8; c++) {
+        uint4 u = *(const uint4 *)(kr + c * 8);
+        const __nv_bfloat162 *p2 = (const __nv_bfloat162 *)&u;
+        float kf[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float2 f = __bfloat1622float2(p2[i]);
+            kf[2 * i] = f.x;
+            kf[2 * i + 1] = f.y;
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; r++) {
+            const float4 *qq = (const float4 *)(qw + r * HD + c * 8);
+            float4 a = qq[0], b = qq[1];
+            s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
+                    b.w * kf[7];
+        }
+    }
+}
+
+/* sqr = sq rotated backward by offset o (the first n_rows rows), between block barriers. The
+ * angles depend only on the frequency, so the hd/2 sincos are computed once into cs_sn (shared,
+ * hd floats) and applied to every row. Kept out of line: sincosf's range reduction needs local
+ * memory and registers that the main loop should not pay for. */
+__device__ __noinline__ void rotate_q(const float *sq, float *sqr, float *cs_sn, int n_rows, int hd, int o,
+                                      const float *inv_freq)
+{
+    const int half = hd / 2;
+    __syncthreads(); /* every warp is done with the previous rotation and its table */
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float sn, cs;
+        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
+        cs_sn[i] = cs;
+        cs_sn[half + i] = sn;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n_rows * half; idx += blockDim.x) {
+        int r = idx / half, i = idx % half;
+        float cs = cs_sn[i], sn = cs_sn[half + i];
+        float x0 = sq[r * hd + i], x1 = sq[r * hd + i + half];
+        sqr[r * hd + i] = x0 * cs + x1 * sn;
+        sqr[r * hd + i + half] = x1 * cs - x0 * sn;
+    }
+    __syncthreads();
+}
+
+template <int HD, int RPW, bool ROT>
+__global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
+{
+    constexpr int R = AT_WARPS * RPW;
+    constexpr int KST = at_smem<HD>::KST;
+    constexpr int CH = HD / 8;                    /* 16-byte chunks per K/V row */
+    constexpr int DPL = HD >= 32 ? HD / 32 : 1;   /* output dims per lane in PV */
+    extern __shared__ __align__(16) unsigned char smraw[];
+    bf16 *sk = (bf16 *)smraw;
+    bf16 *sv = sk + at_smem<HD>::kv_elems;
+    float *sq = (float *)(sv + at_smem<HD>::kv_elems); /* [R][HD] q * scale */
+    float *sp = sq + R * HD;                           /* [R][AT_TILE] probabilities of the tile */
+    float *sqr = sp + R * AT_TILE;                     /* ROT: [R][HD] q rotated backward by cur_rot */
+    float *rtab = sqr + (ROT ? R * HD : 0);            /* ROT: [HD] cos, sin of the current rotation */
+    int *soff = (int *)(rtab + (ROT ? HD : 0));        /* [AT_STAGES][AT_TILE] per key: rotation offset or KEY_PAD */
+
+    int s, r0;
+    if (!find_tile(a, blockIdx.x, &s, &r0)) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = blockIdx.y, split = blockIdx.z;
+    const int qs = a.q_start[s], ntok = min(a.qt, a.q_start[s + 1] - qs - r0);
+    const int pos0 = a.pos[s] + r0;               /* position of the tile's first token */
+    const int nr = ntok * a.G;                    /* live rows: row = token * G + head */
+    const int k0 = split * a.chunk;
+    const int k1 = min(pos0 + ntok, k0 + a.chunk); /* keys [k0, k1) are visible to some row */
+    const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
+    const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
+    const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
+
+    for (int idx = threadIdx.x; idx < R * HD; idx += AT_THREADS) {
+        int r = idx / HD, d = idx % HD;
+        float v = 0.0f;
+        if (r < nr) {
+            size_t t = (size_t)qs + r0 + r / a.G;
+            v = a.q[(t * a.n_heads + (size_t)g * a.G + r % a.G) * HD + d] * a.scale;
+        }
+        sq[idx] = v;
+        if (ROT) sqr[idx] = 0.0f; /* rotate_q writes only the live rows */
+    }
+
+    /* stages K/V of tile `it` (cp.async, zero-filled where not attended) and its per-key info */
+    auto load = [=](int it) {
+        const int kb = k0 + it * AT_TILE;
+        bf16 *dk = sk + (size_t)(it % AT_STAGES) * AT_TILE * KST, *dv = sv + (size_t)(it % AT_STAGES) * AT_TILE * KST;
+        int *ko = soff + (it % AT_STAGES) * AT_TILE;
+        for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += AT_THREADS) {
+            int j = idx / CH, c = idx % CH, p = kb + j, bytes = 0, info = KEY_PAD;
+            const bf16 *srck = a.kc, *srcv = a.vc;
+            if (p < k1) {
+                int pb = p / a.bs, sl = p - pb * a.bs;
+                if (!vt || sl < vt[pb]) {
+                    size_t off = (((size_t)bt[pb] * a.n_kv + g) * a.bs + sl) * HD + c * 8;
+                    srck = a.kc + off;
+                    srcv = a.vc + off;
+                    bytes = 16;
+                    info = ROT ? rt[pb] : 0;
+                }
+            }
+            cp_async16(dk + j * KST + c * 8, srck, bytes);
+            cp_async16(dv + j * KST + c * 8, srcv, bytes);
+            if (c == 0) ko[j] = info;
+        }
+    };
+
+    const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
+#pragma unroll
+    for (int st = 0; st < AT_STAGES - 1; st++) {
+        if (st < ntiles) load(st);
+        cp_async_commit();
+    }
+
+    float m[RPW], l[RPW], acc[RPW][DPL];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
+    }
+    int cur_rot = KEY_PAD;                        /* ROT: the offset sqr holds (none yet) */
+    const float *qw = sq + warp * RPW * HD;       /* this warp's rows */
+    const float *qwr = sqr + warp * RPW * HD;
+
+    for (int it = 0; it < ntiles; it++) {
+        if (it + AT_STAGES - 1 < ntiles) load(it + AT_STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<AT_STAGES - 1>();
+        __syncthreads();
+        const bf16 *tk = sk + (size_t)(it % AT_STAGES) * AT_TILE * KST;
+        const bf16 *tv = sv + (size_t)(it % AT_STAGES) * AT_TILE * KST;
+        const int kb = k0 + it * AT_TILE, p = kb + lane;
+        const int myoff = soff[(it % AT_STAGES) * AT_TILE + lane]; /* this lane's key */
+        const bool key_ok = myoff != KEY_PAD;
+        float sc[RPW];
+        if constexpr (!ROT) {
+            qk_rows<HD, RPW>(tk, qw, lane, sc);
+        } else {
+            /* the common case, inside a document: every key has the offset sqr already holds. The
+             * per-key offsets come from shared memory, so every warp takes the same branches
+             * (rotate_q's barriers are block-uniform). */
+            if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
+                qk_rows<HD, RPW>(tk, qwr, lane, sc);
+            } else {
+#pragma unroll
+                for (int r = 0; r < RPW; r++) sc[r] = 0.0f;
+                unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+                while (todo) {
+                    const int o = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
+                    if (o != cur_rot) {
+                        rotate_q(sq, sqr, rtab, nr, HD, o, a.inv_freq);
+                        cur_rot = o;
+                    }
+                    if (myoff == o) qk_rows<HD, RPW>(tk, qwr, lane, sc);
+                    todo &= __ballot_sync(FULL, myoff != o);
+                }
+            }
+        }
+        /* masks: past the range or a padding slot (key_ok), beyond the row's own position (causal) */
+        float alpha[RPW];
+#pragma unroll
+        for (int r = 0; r < RPW; r++) {
+            const int row = warp * RPW + r;
+            const bool ok = key_ok && row < nr && p <= pos0 + row / a.G;
+            const float x = ok ? sc[r] : -INFINITY;
+            const float mn = fmaxf(m[r], warp_max(x));
+            alpha[r] = m[r] == -INFINITY ? 0.0f : __expf(m[r] - mn);
+            const float pr = x == -INFINITY ? 0.0f : __expf(x - mn);
+            m[r] = mn;
+            l[r] = l[r] * alpha[r] + pr;
+            sp[row * AT_TILE + lane] = pr;
+        }
+        __syncwarp();
+        /* PV over the tile's keys (masked ones carry probability 0 and zero-filled V) */
+        const int nk = min(AT_TILE, k1 - kb);
+        const int d0 = lane * DPL;
+#pragma unroll
+        for (int r = 0; r < RPW; r++)
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[r][i] *= alpha[r];
+        if (d0 < HD) {
+#pragma unroll 4
+            for (int j = 0; j < nk; j++) {
+                float vf[DPL];
+                const bf16 *vr = tv + j * KST + d0;
+                if constexpr (DPL == 1) {
+                    vf[0] = __bfloat162float(vr[0]);
+                } else {
+                    /* one 4-, 8- or 16-byte shared load (rows and lane offsets are aligned to it) */
+                    __align__(16) __nv_bfloat162 h2[DPL / 2];
+                    if constexpr (DPL == 2) *(uint32_t *)h2 = *(const uint32_t *)vr;
+                    else if constexpr (DPL == 4) *(uint2 *)h2 = *(const uint2 *)vr;
+                    else *(uint4 *)h2 = *(const uint4 *)vr;
+#pragma unroll
+                    for (int i = 0; i < DPL / 2; i++) {
+                        float2 f = __bfloat1622float2(h2[i]);
+                        vf[2 * i] = f.x;
+                        vf[2 * i + 1] = f.y;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < RPW; r++) {
+                    const float pj = sp[(warp * RPW + r) * AT_TILE + j];
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) acc[r][i] += pj * vf[i];
+                }
+            }
+        }
+        __syncthreads(); /* the stage buffer and sp are rewritten next iteration */
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        const float lsum = warp_sum(l[r]);
+        const int row = warp * RPW + r;
+        if (row >= nr) continue;
+        const size_t t = (size_t)qs + r0 + row / a.G;
+        const size_t orow = t * a.n_heads + (size_t)g * a.G + row % a.G;
+        const int d0 = lane * DPL;
+        if (d0 >= HD) continue;
+        if (a.n_splits == 1) {
+#pragma unroll
+            for (int i = 0; i < DPL; i++) a.out[orow * HD + d0 + i] = acc[r][i] / lsum;
+        } else {
+            float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+            for (int i = 0; i < DPL; i++) pp[d0 + i] = acc[r][i];
+            if (lane == 0) {
+                pp[HD] = m[r];
+                pp[HD + 1] = lsum;
+            }
+        }
+    }
+}
+
+/* ---- tensor-core kernel (mma.sync m16n8k16, bf16 in, fp32 accumulate) ------------------------
+ *
+ * The prefill kernel: the work split of k_attn, with the products on tensor cores:
+ *   S^T[rows x keys] = Q[rows x hd] . K^T   (A = Q fragments held in registers for the whole
+ *                                            block, B = K read from the shared tile),
+ *   O[rows x hd]   += P[rows x keys] . V    (A = P built in registers straight from the S
+ *                                            accumulators, B = V through ldmatrix.trans).
+ * Rows are (token, head) pairs as in k_attn; each of the NW warps owns MT m-tiles of 16 rows
+ * (prefill: 4 warps x 1 m-tile = 64 rows sharing each K/V tile). Q and P are rounded to bf16
+ * for the products (K and V are bf16 already); the softmax statistics and every accumulation
+ * stay fp32.
+ */
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&h;
+}
+
+__device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t *r, const void *smem)
+{
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(sa));
+}
+
+/* A fragments of the warp's MT m-tiles of q (fp32 rows in shared memory, already scaled) */
+template <int HD, int MT>
+__device__ __forceinline__ void load_q_frags(const float *qw, uint32_t (*qa)[HD / 16][4], int lane)
+{
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const float *r0 = qw + (mt * 16 + g) * HD + ks * 16 + 2 * t, *r1 = r0 + 8 * HD;
+            qa[mt][ks][0] = pack_bf16(r0[0], r0[1]);
+            qa[mt][ks][1] = pack_bf16(r1[0], r1[1]);
+            qa[mt][ks][2] = pack_bf16(r0[8], r0[9]);
+            qa[mt][ks][3] = pack_bf16(r1[8], r1[9]);
+        }
+}
+
+/* S^T for the warp's rows against the 32 keys of a tile: s[mt][n-tile of 8 keys][4] */
+template <int HD, int MT>
+__device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane)
+{
+    constexpr int KST = HD + 8;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[mt][j][e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const bf16 *kr = tk + (j * 8 + g) * KST + 2 * t; /* B[k = dim][n = key]: key j*8+g, dims 2t, 2t+1 */
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            uint32_t b0 = *(const uint32_t *)(kr + ks * 16), b1 = *(const uint32_t *)(kr + ks * 16 + 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mma_bf16(s[mt][j], qa[mt][ks], b0, b1);
+        }
+    }
+}
+
+template <int HD, int NW, int MT, int ST, bool ROT>
+struct tc_cfg {
+    static constexpr int ROWS = NW * 16 * MT;
+    static constexpr int KST = HD + 8;
+    static constexpr size_t kv_elems = (size_t)ST * AT_TILE * KST;
+    static constexpr size_t smem =
+        2 * kv_elems * sizeof(bf16) + ((size_t)ROWS * HD * (ROT ? 2 : 1) + (ROT ? HD : 0)) * sizeof(float) +
+        (size_t)ST * AT_TILE * sizeof(int);
+};
+
+template <int HD, int NW, int MT, int ST, bool ROT>
+__global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
+{
+    typedef tc_cfg<HD, NW, MT, ST, ROT> C;
+    constexpr int ROWS = C::ROWS, KST = C::KST, CH = HD / 8, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char smraw[];
+    bf16 *sk = (bf16 *)smraw;
+    bf16 *sv = sk + C::kv_elems;
+    float *sq = (float *)(sv + C::kv_elems);   /* [ROWS][HD] q * scale */
+    float *sqr = sq + ROWS * HD;               /* ROT: q rotated backward by cur_rot */
+    float *rtab = sqr + (ROT ? ROWS * HD : 0); /* ROT: [HD] cos, sin of the current rotation */
+    int *soff = (int *)(rtab + (ROT ? HD : 0)); /* [ST][AT_TILE] per key: rotation offset or KEY_PAD */
+
+    int s, r0;
+    if (!find_tile(a, blockIdx.x, &s, &r0)) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int qs = a.q_start[s], ntok = min(a.qt, a.q_start[s + 1] - qs - r0);
+    const int pos0 = a.pos[s] + r0;
+    const int nr = ntok * a.G;
+    const int k0 = split * a.chunk;
+    const int k1 = min(pos0 + ntok, k0 + a.chunk);
+    const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
+    const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
+    const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
+
+    /* q rows (scaled) as float4; padding rows zero (so are the rotated copy's) */
+    for (int idx = threadIdx.x; idx < ROWS * HD / 4; idx += NT) {
+        int r = idx / (HD / 4), d4 = idx % (HD / 4);
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < nr) {
+            size_t tq = (size_t)qs + r0 + r / a.G;
+            v = ((const float4 *)(a.q + (tq * a.n_heads + (size_t)kvh * a.G + r % a.G) * HD))[d4];
+            v.x *= a.scale;
+            v.y *= a.scale;
+            v.z *= a.scale;
+            v.w *= a.scale;
+        }
+        ((float4 *)sq)[idx] = v;
+        if (ROT) ((float4 *)sqr)[idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+
+    /* stages K/V of tile `it` (cp.async, zero-filled where not attended) and its per-key info */
+    auto load = [=](int it) {
+        const int kb = k0 + it * AT_TILE;
+        bf16 *dk = sk + (size_t)(it % ST) * AT_TILE * KST, *dv = sv + (size_t)(it % ST) * AT_TILE * KST;
+        int *ko = soff + (it % ST) * AT_TILE;
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += NT) {
+            int j = idx / CH, c = idx % CH, p = kb + j, bytes = 0, info = KEY_PAD;
+            const bf16 *srck = a.kc, *srcv = a.vc;
+            if (p < k1) {
+                int pb = p / a.bs, sl = p - pb * a.bs;
+                if (!vt || sl < vt[pb]) {
+                    size_t off = (((size_t)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD + c * 8;
+                    srck = a.kc + off;
+                    srcv = a.vc + off;
+                    bytes = 16;
+                    info = ROT ? rt[pb] : 0;
+                }
+            }
+            cp_async16(dk + j * KST + c * 8, srck, bytes);
+            cp_async16(dv + j * KST + c * 8, srcv, bytes);
+            if (c == 0) ko[j] = info;
+        }
+    };
+
+    const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
+#pragma unroll
+    for (int st = 0; st < ST - 1; st++) {
+        if (st < ntiles) load(st);
+        cp_async_commit();
+    }
+    __syncthreads(); /* sq written */
+
+    const int wrow = warp * 16 * MT; /* the warp's first row */
+    uint32_t qa[MT][HD / 16][4];
+    load_q_frags<HD, MT>(sq + wrow * HD, qa, lane);
+    int cur_rot = 0;                 /* the offset qa is rotated by */
+
+    float m[MT][2], l[MT][2], o[MT][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            m[mt][h] = -INFINITY;
+            l[mt][h] = 0.0f;
+        }
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[mt][nd][e] = 0.0f;
+    }
+    /* the token index (within the tile) of this thread's two rows per m-tile, for the causal mask */
+    int rtok[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int r = wrow + mt * 16 + g + 8 * h;
+            rtok[mt][h] = r < nr ? r / a.G : -1 - pos0; /* padding rows see nothing */
+        }
+
+    for (int it = 0; it < ntiles; it++) {
+        if (it + ST - 1 < ntiles) load(it + ST - 1);
+        cp_async_commit();
+        cp_async_wait<ST - 1>();
+        __syncthreads();
+        const bf16 *tk = sk + (size_t)(it % ST) * AT_TILE * KST;
+        const bf16 *tv = sv + (size_t)(it % ST) * AT_TILE * KST;
+        const int kb = k0 + it * AT_TILE;
+        const int *ko = soff + (it % ST) * AT_TILE;
+        float sc[MT][4][4];
+        if constexpr (!ROT) {
+            qk_tc<HD, MT>(tk, qa, sc, lane);
+        } else {
+            /* inside a document every key has the offset qa is rotated by; lane l tests key l (the
+             * offsets come from shared memory: every warp takes the same branches) */
+            const int myoff = ko[lane];
+            if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
+                qk_tc<HD, MT>(tk, qa, sc, lane);
+            } else {
+                /* one pass per distinct offset in the tile: S for the whole tile, kept for its keys */
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) sc[mt][j][e] = 0.0f;
+                unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+                while (todo) {
+                    const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
+                    if (ofs != cur_rot) {
+                        rotate_q(sq, sqr, rtab, nr, HD, ofs, a.inv_freq);
+                        load_q_frags<HD, MT>(sqr + wrow * HD, qa, lane);
+                        cur_rot = ofs;
+                    }
+                    float sr[MT][4][4];
+                    qk_tc<HD, MT>(tk, qa, sr, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int j = 0; j < 4; j++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[mt][j][e] = sr[mt][j][e];
+                    todo &= __ballot_sync(FULL, myoff != ofs);
+                }
+            }
+        }
+        /* masks and the online softmax; row statistics are shared by the 4 lanes of a quad */
+        bool kok[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) kok[j][e] = ko[j * 8 + 2 * t + e] != KEY_PAD;
+        uint32_t pa[MT][2][4]; /* P as A fragments: [m-tile][k-step of 16 keys][4] */
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int lim = pos0 + rtok[mt][h]; /* last visible key of this row */
+                float mx = -INFINITY;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int key = kb + j * 8 + 2 * t + e;
+                        float v = (kok[j][e] && key <= lim) ? sc[mt][j][2 * h + e] : -INFINITY;
+                        sc[mt][j][2 * h + e] = v;
+                        mx = fmaxf(mx, v);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+                const float mn = fmaxf(m[mt][h], mx);
+                const float alpha = m[mt][h] == -INFINITY ? 0.0f : __expf(m[mt][h] - mn);
+                m[mt][h] = mn;
+                float ps = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float v = sc[mt][j][2 * h + e];
+                        float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
+                        sc[mt][j][2 * h + e] = pr;
+                        ps += pr;
+                    }
+                l[mt][h] = l[mt][h] * alpha + ps;
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    o[mt][nd][2 * h] *= alpha;
+                    o[mt][nd][2 * h + 1] *= alpha;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++) {
+                pa[mt][kk][0] = pack_bf16(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
+                pa[mt][kk][1] = pack_bf16(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
+                pa[mt][kk][2] = pack_bf16(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = pack_bf16(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
+            }
+        }
+        /* O += P . V: V fragments through ldmatrix.trans, two 8-dim n-tiles per load; masked keys
+         * carry probability 0 and zero-filled V */
+        {
+            const int mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd += 2) {
+                    uint32_t b[4];
+                    const bf16 *vp = tv + (kk * 16 + ri + (mi & 1) * 8) * KST + (nd + (mi >> 1)) * 8;
+                    ldsm_x4_trans(b, vp);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_bf16(o[mt][nd], pa[mt][kk], b[0], b[1]);
+                        mma_bf16(o[mt][nd + 1], pa[mt][kk], b[2], b[3]);
+                    }
+                }
+        }
+        __syncthreads(); /* the stage buffer is reloaded next iteration */
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ls = l[mt][h];
+            ls += __shfl_xor_sync(FULL, ls, 1);
+            ls += __shfl_xor_sync(FULL, ls, 2);
+            const int row = wrow + mt * 16 + g + 8 * h;
+            if (row >= nr) continue;
+            const size_t tq = (size_t)qs + r0 + row / a.G;
+            const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
+            if (a.n_splits == 1) {
+                float *op = a.out + orow * HD + 2 * t;
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    op[nd * 8] = o[mt][nd][2 * h] / ls;
+                    op[nd * 8 + 1] = o[mt][nd][2 * h + 1] / ls;
+                }
+            } else {
+                float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    pp[nd * 8 + 2 * t] = o[mt][nd][2 * h];
+                    pp[nd * 8 + 2 * t + 1] = o[mt][nd][2 * h + 1];
+                }
+                if (t == 0) {
+                    pp[HD] = m[mt][h];
+                    pp[HD + 1] = ls;
+                }
+            }
+        }
+}
+
+/* block per (row, head) of this launch's kind; threads over dims; splits merged in order */
+__global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_seqs, int prefill, int n_heads,
+                             int n_splits, int hd, float *out)
+{
+    const int t = blockIdx.x / n_heads;
+    int lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (q_start[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    const int ns = q_start[lo + 1] - q_start[lo];
+    if ((prefill ? ns > 1 : ns == 1) == false) return;
+    const size_t row = blockIdx.x;
+    const float *pp = part + row * n_splits * (size_t)(hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float Ls = 0.0f, A = 0.0f;
+        for (int s = 0; s < n_splits; s++) {
+            const float *q = pp + (size_t)s * (hd + 2);
+            if (q[hd] == -INFINITY) continue;
+            float e = __expf(q[hd] - M);
+            Ls += q[hd + 1] * e;
+            A += q[d] * e;
+        }
+        out[row * hd + d] = A / Ls;
+    }
+}
+
+/* ---- host side ------------------------------------------------------------------------------ */
+
+int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim)
+{
+    if (n_kv <= 0 || n_heads % n_kv != 0 || n_heads / n_kv > AT_WARPS * AT_WIDE_RPW) return 0;
+    return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+/* Number of context splits: enough blocks to fill the GPU, whole waves where possible (blocks of
+ * one launch do equal work, so a half-empty last wave costs as much as a full one), at least
+ * two tiles per split, and the partials within the workspace. */
+static int choose_splits(long long base_blocks, int resident, int n_sms, int max_ctx, long long by_ws)
+{
+    long long cap = (long long)resident * n_sms;
+    long long by_len = (max_ctx + 2 * AT_TILE - 1) / (2 * AT_TILE);
+    long long lim = by_len < by_ws ? by_len : by_ws;
+    if (lim > 256) lim = 256;
+    if (lim < 1) lim = 1;
+    int best = 1;
+    double best_fill = 0.0;
+    for (long long ns = 1; ns <= lim; ns++) {
+        long long blocks = base_blocks * ns;
+        long long waves = (blocks + cap - 1) / cap;
+        double fill = (double)blocks / (double)(waves * cap);
+        if (fill > best_fill + 0.05) {
+            best_fill = fill;
+            best = (int)ns;
+        }
+        if (blocks >= cap && fill >= 0.85) return (int)ns;
+    }
+    return best;
+}
+
+/* One launch of kernel `kern` (threads per block, dynamic shared memory smem) over n_tiles tiles
+ * x KV heads x context splits, then the merge of the splits. *resident caches the kernel's
+ * resident blocks per SM (0 = not yet known; the first call also raises its shared-memory
+ * limit). */
+static void launch_kernel(void (*kern)(at_args), int threads, size_t smem, int *resident, at_args &x, int n_tiles,
+                          int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n, int hd, int force)
+{
+    if (!*resident) {
+        int nb = 0;
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, smem));
+        if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda attention: kernel does not fit an SM (%zu bytes)", smem);
+        *resident = nb;
+    }
+    const long long base = (long long)n_tiles * x.n_kv;
+    const long long by_ws = (long long)(ws_floats / ((size_t)n * x.n_heads * (hd + 2)));
+    int ns = force > 0 ? force : choose_splits(base, *resident, n_sms, max_ctx, by_ws);
+    if (ns > by_ws) ns = (int)(by_ws > 0 ? by_ws : 1);
+    int chunk = (max_ctx + ns - 1) / ns;
+    chunk = (chunk + AT_TILE - 1) / AT_TILE * AT_TILE;
+    x.chunk = chunk;
+    x.n_splits = (max_ctx + chunk - 1) / chunk;
+    dim3 grid((unsigned)n_tiles, (unsigned)x.n_kv, (unsigned)x.n_splits);
+    kern<<<grid, threads, smem, st>>>(x);
+    CUDA_CHECK(cudaGetLastError());
+    if (x.n_splits > 1) {
+        k_attn_merge<<<(unsigned)((size_t)n * x.n_heads), hd < 128 ? hd : 128, 0, st>>>(
+            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out);
+        CUDA_CHECK(cudaGetLastError());
+    }
+}
+
+/* the tensor-core kernel (prefill tiles): 4 warps, 64 rows, 2 K/V tiles in flight */
+template <int HD, int NW, int MT, int ST, bool ROT>
+static void launch_tc(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                      int force)
+{
+    static int resident = 0;
+    launch_kernel(k_attn_tc<HD, NW, MT, ST, ROT>, NW * 32, tc_cfg<HD, NW, MT, ST, ROT>::smem, &resident, x, n_tiles,
+                  max_ctx, st, n_sms, ws_floats, n, HD, force);
+}
+
+template <int HD>
+static void launch_tc_hd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                         int force)
+{
+    if (x.rot) launch_tc<HD, 4, 1, 2, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    else launch_tc<HD, 4, 1, 2, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+}
+
+/* the CUDA-core kernel (decode rows) */
+template <int HD, int RPW, bool ROT>
+static void launch_simt(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                        int force)
+{
+    static int resident = 0;
+    launch_kernel(k_attn<HD, RPW, ROT>, AT_THREADS, at_smem<HD>::bytes(AT_WARPS * RPW, ROT), &resident, x, n_tiles,
+                  max_ctx, st, n_sms, ws_floats, n, HD, force);
+}
+
+template <int HD>
+static void launch_simt_hd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                           int force)
+{
+    const bool rot = x.rot != nullptr;
+    if (x.G <= AT_WARPS) {
+        if (rot) launch_simt<HD, 1, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_simt<HD, 1, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    } else {
+        if (rot) launch_simt<HD, AT_WIDE_RPW, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_simt<HD, AT_WIDE_RPW, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    }
+}
+
+template <int HD>
+static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
+                      size_t ws_floats, int n, int force)
+{
+    if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    else launch_simt_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+}
+
+void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,
+                      int n_splits_force)
+{
+    if (a->n <= 0) return;
+    if (!kvs_cu_attention_supported(a->n_heads, a->n_kv, a->hd))
+        kvs_panic(__FILE__, __LINE__, "cuda attention: unsupported shape: %d query heads, %d KV heads, head_dim %d",
+                  a->n_heads, a->n_kv, a->hd);
+    if (a->rot && !a->inv_freq) kvs_panic(__FILE__, __LINE__, "cuda attention: rotation offsets without inv_freq");
+    const int G = a->n_heads / a->n_kv;
+    /* plan both launches from the host copies: decode sequences (one row) and prefill tiles */
+    int n_dec = 0, n_pre_tiles = 0, ctx_dec = 1, ctx_pre = 1;
+    const int qt_pre = 64 / G; /* prefill tokens per tile: 64 rows of the tensor-core kernel */
+    for (int s = 0; s < a->n_seqs; s++) {
+        int ns = a->h_q_start[s + 1] - a->h_q_start[s], ctx = a->h_pos[s] + ns;
+        if (ns == 1) {
+            n_dec++;
+            if (ctx > ctx_dec) ctx_dec = ctx;
+        } else if (ns > 1) {
+            n_pre_tiles += (ns + qt_pre - 1) / qt_pre;
+            if (ctx > ctx_pre) ctx_pre = ctx;
+        }
+    }
+    at_args x;
+    x.q = a->q;
+    x.kc = a->kc;
+    x.vc = a->vc;
+    x.q_start = a->q_start;
+    x.pos = a->pos;
+    x.bt = a->bt;
+    x.rot = a->rot;
+    x.valid = a->valid;
+    x.inv_freq = a->inv_freq;
+    x.n_seqs = a->n_seqs;
+    x.max_blocks = a->max_blocks;
+    x.n_heads = a->n_heads;
+    x.n_kv = a->n_kv;
+    x.bs = a->bs;
+    x.G = G;
+    x.scale = a->scale;
+    x.out = a->out;
+    x.part = ws;
+    const size_t ws_floats = ws_bytes / sizeof(float);
+    for (int pass = 0; pass < 2; pass++) {
+        const int tiles = pass == 0 ? n_dec : n_pre_tiles;
+        if (tiles == 0) continue;
+        x.prefill = pass;
+        x.qt = pass == 0 ? 1 : qt_pre;
+        const int max_ctx = pass == 0 ? ctx_dec : ctx_pre;
+        const bool pre = pass == 1;
+        switch (a->hd) {
+        case 16: launch_hd<16>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        case 32: launch_hd<32>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        case 64: launch_hd<64>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        case 128: launch_hd<128>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        default: launch_hd<256>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        }
+    }
+}
