@@ -132,7 +132,7 @@ template <int HD> struct at_smem {
     static constexpr size_t bytes(int rows, bool rot)
     {
         return 2 * kv_elems * sizeof(bf16) +
-               ((size_t)rows * HD * (rot ? 2 : 1) + (rot ? HD : 0) + (size_t)rows * AT_TILE) * sizeof(float) +
+               ((size_t)rows * HD * (rot ? 3 : 1) + (rot ? HD : 0) + (size_t)rows * AT_TILE) * sizeof(float) +
                (size_t)AT_STAGES * AT_TILE * sizeof(int);
     }
 };
@@ -163,6 +163,39 @@ __device__ __forceinline__ void qk_rows(const bf16 *tk, const float *qw, int key
             s[r] += a.x * kf[0] + a.y * kf[1] + a.z * kf[2] + a.w * kf[3] + b.x * kf[4] + b.y * kf[5] + b.z * kf[6] +
                     b.w * kf[7];
         }
+    }
+}
+
+/* Stages the K/V rows of the tile of 32 keys starting at kb into shared memory (dk, dv: rows
+ * of kst elements) with cp.async, and each key's info into ko (warp 0 writes it): its block's
+ * rotation offset (0 without rot), or KEY_PAD for a key past k1 or in a padding slot, whose
+ * rows are zero-filled without reading memory. Lane l of every warp looks up key kb + l once
+ * (block table, valid count, offset); the 16-byte copies get their key's row from that lane by
+ * shuffle, so a tile costs one lookup per lane however the copies are spread. */
+template <int HD, int NT>
+__device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int kvh, const int32_t *bt,
+                                           const int32_t *vt, const int32_t *rt, bf16 *dk, bf16 *dv, int kst, int *ko)
+{
+    constexpr int CH = HD / 8;
+    const int lane = threadIdx.x & 31;
+    const int p = kb + lane;
+    long long row = -1;
+    int info = KEY_PAD;
+    if (p < k1) {
+        const int pb = p / a.bs, sl = p - pb * a.bs;
+        if (!vt || sl < vt[pb]) {
+            row = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
+            info = rt ? rt[pb] : 0;
+        }
+    }
+    if (threadIdx.x < 32) ko[lane] = info;
+#pragma unroll
+    for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += NT) {
+        const int j = idx / CH, c = idx % CH;
+        const long long r = __shfl_sync(FULL, row, j);
+        const bool ok = r >= 0;
+        cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
+        cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
     }
 }
 
@@ -197,15 +230,14 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
 {
     constexpr int R = AT_WARPS * RPW;
     constexpr int KST = at_smem<HD>::KST;
-    constexpr int CH = HD / 8;                    /* 16-byte chunks per K/V row */
     constexpr int DPL = HD >= 32 ? HD / 32 : 1;   /* output dims per lane in PV */
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
     bf16 *sv = sk + at_smem<HD>::kv_elems;
     float *sq = (float *)(sv + at_smem<HD>::kv_elems); /* [R][HD] q * scale */
     float *sp = sq + R * HD;                           /* [R][AT_TILE] probabilities of the tile */
-    float *sqr = sp + R * AT_TILE;                     /* ROT: [R][HD] q rotated backward by cur_rot */
-    float *rtab = sqr + (ROT ? R * HD : 0);            /* ROT: [HD] cos, sin of the current rotation */
+    float *sqr = sp + R * AT_TILE;                     /* ROT: [2][R][HD] q rotated backward by rot_of[0], [1] */
+    float *rtab = sqr + (ROT ? 2 * R * HD : 0);        /* ROT: [HD] cos, sin of the last rotation */
     int *soff = (int *)(rtab + (ROT ? HD : 0));        /* [AT_STAGES][AT_TILE] per key: rotation offset or KEY_PAD */
 
     int s, r0;
@@ -229,31 +261,12 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
             v = a.q[(t * a.n_heads + (size_t)g * a.G + r % a.G) * HD + d] * a.scale;
         }
         sq[idx] = v;
-        if (ROT) sqr[idx] = 0.0f; /* rotate_q writes only the live rows */
+        if (ROT) sqr[idx] = sqr[R * HD + idx] = 0.0f; /* rotate_q writes only the live rows */
     }
 
-    /* stages K/V of tile `it` (cp.async, zero-filled where not attended) and its per-key info */
     auto load = [=](int it) {
-        const int kb = k0 + it * AT_TILE;
-        bf16 *dk = sk + (size_t)(it % AT_STAGES) * AT_TILE * KST, *dv = sv + (size_t)(it % AT_STAGES) * AT_TILE * KST;
-        int *ko = soff + (it % AT_STAGES) * AT_TILE;
-        for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += AT_THREADS) {
-            int j = idx / CH, c = idx % CH, p = kb + j, bytes = 0, info = KEY_PAD;
-            const bf16 *srck = a.kc, *srcv = a.vc;
-            if (p < k1) {
-                int pb = p / a.bs, sl = p - pb * a.bs;
-                if (!vt || sl < vt[pb]) {
-                    size_t off = (((size_t)bt[pb] * a.n_kv + g) * a.bs + sl) * HD + c * 8;
-                    srck = a.kc + off;
-                    srcv = a.vc + off;
-                    bytes = 16;
-                    info = ROT ? rt[pb] : 0;
-                }
-            }
-            cp_async16(dk + j * KST + c * 8, srck, bytes);
-            cp_async16(dv + j * KST + c * 8, srcv, bytes);
-            if (c == 0) ko[j] = info;
-        }
+        const size_t so = (size_t)(it % AT_STAGES) * AT_TILE;
+        stage_tile<HD, AT_THREADS>(a, k0 + it * AT_TILE, k1, g, bt, vt, rt, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 
     const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
@@ -271,9 +284,9 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
 #pragma unroll
         for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
     }
-    int cur_rot = KEY_PAD;                        /* ROT: the offset sqr holds (none yet) */
+    int rot_of0 = KEY_PAD, rot_of1 = KEY_PAD;     /* ROT: the offsets the two rotated copies hold */
     const float *qw = sq + warp * RPW * HD;       /* this warp's rows */
-    const float *qwr = sqr + warp * RPW * HD;
+    const float *qwr0 = sqr + warp * RPW * HD, *qwr1 = qwr0 + R * HD;
 
     for (int it = 0; it < ntiles; it++) {
         if (it + AT_STAGES - 1 < ntiles) load(it + AT_STAGES - 1);
@@ -289,22 +302,53 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
         if constexpr (!ROT) {
             qk_rows<HD, RPW>(tk, qw, lane, sc);
         } else {
-            /* the common case, inside a document: every key has the offset sqr already holds. The
-             * per-key offsets come from shared memory, so every warp takes the same branches
-             * (rotate_q's barriers are block-uniform). */
-            if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-                qk_rows<HD, RPW>(tk, qwr, lane, sc);
+            /* Two rotated copies of q: inside a document every key has the offset of one of them;
+             * at a document boundary the tile holds the old document's keys and the new one's,
+             * so only the new offset is rotated (into the copy the tile does not use) and QK
+             * still runs once, each lane reading the copy of its key's offset. The per-key
+             * offsets come from shared memory, so every warp takes the same branches (rotate_q's
+             * barriers are block-uniform). */
+            const bool live = myoff != KEY_PAD;
+            /* inside a document: one vote finds the copy every key uses */
+            int uniform_copy = -1;
+            if (__all_sync(FULL, myoff == rot_of0 || !live)) uniform_copy = 0;
+            else if (__all_sync(FULL, myoff == rot_of1 || !live)) uniform_copy = 1;
+            bool one_pass = true;
+            const unsigned fresh = uniform_copy >= 0 ? 0u : __ballot_sync(FULL, live && myoff != rot_of0 && myoff != rot_of1);
+            if (fresh) {
+                const int o = __shfl_sync(FULL, myoff, __ffs((int)fresh) - 1);
+                const bool more = __any_sync(FULL, live && myoff != rot_of0 && myoff != rot_of1 && myoff != o);
+                const bool used0 = __any_sync(FULL, live && myoff == rot_of0);
+                const bool used1 = __any_sync(FULL, live && myoff == rot_of1);
+                if (!more && !(used0 && used1)) {
+                    if (used0) {
+                        rotate_q(sq, sqr + R * HD, rtab, nr, HD, o, a.inv_freq);
+                        rot_of1 = o;
+                    } else {
+                        rotate_q(sq, sqr, rtab, nr, HD, o, a.inv_freq);
+                        rot_of0 = o;
+                    }
+                } else {
+                    one_pass = false;
+                }
+            }
+            if (uniform_copy >= 0) {
+                qk_rows<HD, RPW>(tk, uniform_copy ? qwr1 : qwr0, lane, sc); /* as in the ordinary kernel */
+            } else if (one_pass) {
+                qk_rows<HD, RPW>(tk, myoff == rot_of1 ? qwr1 : qwr0, lane, sc); /* per lane at a boundary */
             } else {
+                /* more than two offsets in one tile (blocks shorter than the tile): one pass per
+                 * offset through copy 0 */
 #pragma unroll
                 for (int r = 0; r < RPW; r++) sc[r] = 0.0f;
-                unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+                unsigned todo = __ballot_sync(FULL, live);
                 while (todo) {
                     const int o = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
-                    if (o != cur_rot) {
+                    if (o != rot_of0) {
                         rotate_q(sq, sqr, rtab, nr, HD, o, a.inv_freq);
-                        cur_rot = o;
+                        rot_of0 = o;
                     }
-                    if (myoff == o) qk_rows<HD, RPW>(tk, qwr, lane, sc);
+                    if (myoff == o) qk_rows<HD, RPW>(tk, qwr0, lane, sc);
                     todo &= __ballot_sync(FULL, myoff != o);
                 }
             }
@@ -476,7 +520,7 @@ template <int HD, int NW, int MT, int ST, bool ROT>
 __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 {
     typedef tc_cfg<HD, NW, MT, ST, ROT> C;
-    constexpr int ROWS = C::ROWS, KST = C::KST, CH = HD / 8, NT = NW * 32;
+    constexpr int ROWS = C::ROWS, KST = C::KST, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
     bf16 *sv = sk + C::kv_elems;
@@ -514,29 +558,9 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
         if (ROT) ((float4 *)sqr)[idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 
-    /* stages K/V of tile `it` (cp.async, zero-filled where not attended) and its per-key info */
     auto load = [=](int it) {
-        const int kb = k0 + it * AT_TILE;
-        bf16 *dk = sk + (size_t)(it % ST) * AT_TILE * KST, *dv = sv + (size_t)(it % ST) * AT_TILE * KST;
-        int *ko = soff + (it % ST) * AT_TILE;
-#pragma unroll 4
-        for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += NT) {
-            int j = idx / CH, c = idx % CH, p = kb + j, bytes = 0, info = KEY_PAD;
-            const bf16 *srck = a.kc, *srcv = a.vc;
-            if (p < k1) {
-                int pb = p / a.bs, sl = p - pb * a.bs;
-                if (!vt || sl < vt[pb]) {
-                    size_t off = (((size_t)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD + c * 8;
-                    srck = a.kc + off;
-                    srcv = a.vc + off;
-                    bytes = 16;
-                    info = ROT ? rt[pb] : 0;
-                }
-            }
-            cp_async16(dk + j * KST + c * 8, srck, bytes);
-            cp_async16(dv + j * KST + c * 8, srcv, bytes);
-            if (c == 0) ko[j] = info;
-        }
+        const size_t so = (size_t)(it % ST) * AT_TILE;
+        stage_tile<HD, NT>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 
     const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
