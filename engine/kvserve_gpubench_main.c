@@ -123,20 +123,22 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
 /* median ms of iters replays of a graph of the ops selected by `which` */
 static float time_graph(struct bench *B, int nb, const struct kvs_attn_meta *m, int which, int iters)
 {
-    kvs_cuda_graph_begin(B->b);
+    char err[160];
+    O->graph_begin(B->b);
     enqueue_step(B, nb, m, which, 0);
-    struct kvs_cuda_graph *gr = kvs_cuda_graph_end(B->b);
-    for (int w = 0; w < 3; w++) kvs_cuda_graph_launch(B->b, gr);
+    struct kvs_graph *gr = O->graph_end(B->b, err, sizeof err);
+    if (!gr) kvs_panic(__FILE__, __LINE__, "%s", err);
+    for (int w = 0; w < 3; w++) O->graph_launch(B->b, gr);
     float *t = kvs_xmalloc((size_t)iters * sizeof(float));
     for (int it = 0; it < iters; it++) {
         kvs_cuda_timer_start(B->b);
-        kvs_cuda_graph_launch(B->b, gr);
+        O->graph_launch(B->b, gr);
         t[it] = kvs_cuda_timer_stop_ms(B->b);
     }
     qsort(t, (size_t)iters, sizeof(float), cmp_float);
     float ms = t[iters / 2];
     free(t);
-    kvs_cuda_graph_free(gr);
+    O->graph_free(B->b, gr);
     return ms;
 }
 

@@ -12,10 +12,19 @@
  * [rows][vocab] workspace stays small for 150k-token vocabularies.
  * Capacities (tokens and sequences per step, blocks per sequence) come from the config at
  * create time; a batch over them is refused with -EINVAL (the scheduler never builds one).
+ *
+ * Step graphs (backends with graph_* ops: CUDA). A step in which every sequence decodes one
+ * token runs its layer loop as a recorded graph: one per (sequences, context capacity, rot,
+ * valid), kept in a small LRU cache. The block-table stride and the attention plan are sized for
+ * the capacity (the longest context rounded up to GRAPH_CTX_STEP), so a recording stays valid
+ * while the contexts grow; the sequences are padded with dummy ones up to a size bucket; a
+ * replay only needs the step's inputs uploaded first (the graph reads its fixed buffers).
+ * KVS_GRAPHS=0 turns them off. The LM head runs eagerly after it.
  */
 #include "engine/runner.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine/config.h"
@@ -33,6 +42,8 @@
 #endif
 
 #define LOGIT_CHUNK 16
+#define GRAPH_CTX_STEP 1024                  /* context capacities of recorded decode steps */
+#define GRAPH_CACHE 8                        /* recorded decode steps kept (LRU) */
 #define CPU_KV_CAP_BYTES ((size_t)4 << 30)   /* default CPU pool cap: 4 GiB */
 
 struct layer_w {
@@ -66,6 +77,15 @@ struct kvs_runner {
     struct kvs_dbuf *d_bt, *d_rot, *d_valid;            /* I32 [cap_seqs * max_blocks] */
     struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
+
+    /* recorded decode steps (graph_* ops; empty when the backend has none) */
+    int use_graphs;
+    struct step_graph {
+        int n_seqs, cap, rot, valid;
+        struct kvs_graph *g;
+        uint64_t used;                                  /* LRU clock; 0 = empty slot */
+    } graphs[GRAPH_CACHE];
+    uint64_t graph_clock;
 
     /* host staging (same shapes) */
     int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid;
@@ -182,13 +202,6 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         c->head_dim > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: unsupported model shape (heads %d/%d, head_dim %d)", c->n_heads,
                        c->n_kv_heads, c->head_dim);
-#ifdef RUNNER_HAS_CUDA
-    if (ops == &kvs_cuda_backend && !kvs_cuda_supports_attention(c->n_heads, c->n_kv_heads, c->head_dim))
-        return kvs_err(err, errlen, -ENOTSUP,
-                       "runner: the CUDA attention kernels do not support heads %d/%d, head_dim %d (head_dim 16, 32, "
-                       "64, 128 or 256 and at most 32 query heads per KV head); use device \"cpu\"",
-                       c->n_heads, c->n_kv_heads, c->head_dim);
-#endif
     if (cfg->kv_block_size <= 0 || cfg->kv_block_size > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: kv.block_size %d out of range [1, 1024]", cfg->kv_block_size);
 
@@ -222,6 +235,20 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     if (!r->be) {
         free(r);
         return -ENOMEM;
+    }
+#ifdef RUNNER_HAS_CUDA
+    if (ops == &kvs_cuda_backend && !kvs_cuda_supports_attention(c->n_heads, c->n_kv_heads, c->head_dim)) {
+        rc = kvs_err(err, errlen, -ENOTSUP,
+                     "runner: the CUDA attention kernels do not support heads %d/%d, head_dim %d (head_dim 16, 32, "
+                     "64, 128 or 256 and at most 32 query heads per KV head); use device \"cpu\"",
+                     c->n_heads, c->n_kv_heads, c->head_dim);
+        goto fail;
+    }
+#endif
+    {
+        const char *e = getenv("KVS_GRAPHS");
+        r->use_graphs = ops->graph_begin && ops->graph_end && ops->graph_launch && ops->graph_free &&
+                        !(e && strcmp(e, "0") == 0);
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
 
@@ -331,6 +358,8 @@ void kvs_runner_free(struct kvs_runner *r)
             o->free_buf(r->be, r->kc[l]);
             o->free_buf(r->be, r->vc[l]);
         }
+        for (int i = 0; i < GRAPH_CACHE; i++)
+            if (r->graphs[i].g) o->graph_free(r->be, r->graphs[i].g);
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
                                  r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid,
@@ -364,12 +393,14 @@ int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
 
 /* ---- forward ---------------------------------------------------------------------------- */
 
-/* Validates the batch and fills the host staging arrays; returns the token count or -EINVAL. */
-static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_logits, int *row_stride, int *any_rot,
-                       int *any_valid)
+/* Validates the batch and fills the host staging arrays (block-table rows of at least
+ * min_stride entries; padded with one-token dummy sequences up to pad_seqs sequences: token 0
+ * at position 0 of block 0, no KV slot, no logits); returns the token count or -EINVAL. */
+static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_stride, int pad_seqs, int *n_logits,
+                       int *row_stride, int *any_rot, int *any_valid)
 {
     if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
-    int n = 0, stride = 1, nl = 0, rot = 0, val = 0;
+    int n = 0, stride = min_stride > 1 ? min_stride : 1, nl = 0, rot = 0, val = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
@@ -417,7 +448,20 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
             for (int i = 0; i < q->n_tokens; i++) r->h_lrows[nl++] = n - q->n_tokens + i;
         else if (q->want_logits) r->h_lrows[nl++] = n - 1;
     }
-    r->h_qstart[b->n_seqs] = n;
+    for (int s = b->n_seqs; s < pad_seqs; s++) {
+        r->h_qstart[s] = n;
+        r->h_seqpos[s] = 0;
+        for (int j = 0; j < stride; j++) {
+            r->h_bt[(size_t)s * stride + j] = 0;
+            r->h_rot[(size_t)s * stride + j] = 0;
+            r->h_valid[(size_t)s * stride + j] = r->block_size;
+        }
+        r->h_tokens[n] = 0;
+        r->h_pos[n] = 0;
+        r->h_slots[n] = -1; /* kv_write skips it */
+        n++;
+    }
+    r->h_qstart[pad_seqs > b->n_seqs ? pad_seqs : b->n_seqs] = n;
     *n_logits = nl;
     *row_stride = stride;
     *any_rot = rot;
@@ -425,35 +469,11 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int *n_l
     return n;
 }
 
-int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+/* the embedding and the layer loop (leaves the final-normed rows in r->xn) */
+static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *m)
 {
-    int n_logits, stride, any_rot, any_valid;
-    int n = stage_batch(r, b, &n_logits, &stride, &any_rot, &any_valid);
-    if (n < 0) return n;
-    if (n_logits > 0 && !logits) return -EINVAL;
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
-    int S = b->n_seqs;
-    o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
-    o->upload(be, r->d_pos, 0, r->h_pos, (size_t)n);
-    o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
-    o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);
-    o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
-    o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
-    if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
-    if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
-
-    int max_ctx = 0;
-    for (int s = 0; s < S; s++) {
-        int c = r->h_seqpos[s] + (r->h_qstart[s + 1] - r->h_qstart[s]);
-        if (c > max_ctx) max_ctx = c;
-    }
-    struct kvs_attn_meta meta = {
-        .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
-        .rot_offsets = any_rot ? r->d_rot : NULL,
-        .block_valid = any_valid ? r->d_valid : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
-        .h_pos = r->h_seqpos, .max_ctx = max_ctx,
-    };
     int dim = r->dim, nh = r->nh, nkv = r->nkv, hd = r->hd, ff = r->ff;
     float eps = r->mc.rms_norm_eps;
     float scale = 1.0f / sqrtf((float)hd);
@@ -472,7 +492,7 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
         o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
         o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
         o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
-        o->attention(be, r->q, r->kc[l], r->vc[l], &meta, n, nh, nkv, hd, r->block_size, scale, r->att);
+        o->attention(be, r->q, r->kc[l], r->vc[l], m, n, nh, nkv, hd, r->block_size, scale, r->att);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
         o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
         o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
@@ -482,6 +502,99 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
         const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
         o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);
     }
+}
+
+/* Sequences of a recorded decode step: the batch's, rounded up to a bucket (dummy sequences
+ * fill the rest), so that a batch shrinking one sequence at a time replays a few recordings
+ * instead of recording one per size. */
+static int graph_seqs(const struct kvs_runner *r, int n_seqs)
+{
+    static const int buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
+    for (size_t i = 0; i < sizeof buckets / sizeof buckets[0]; i++)
+        if (buckets[i] >= n_seqs) return buckets[i] <= r->cap_seqs && buckets[i] <= r->cap_tokens ? buckets[i] : n_seqs;
+    return n_seqs;
+}
+
+/* Capacity of a recorded step for this batch: 0 unless graphs are on and every sequence decodes
+ * one token; else the longest context rounded up to GRAPH_CTX_STEP (at most the model's). */
+static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
+{
+    if (!r->use_graphs || !b || b->n_seqs <= 0 || !b->seqs) return 0;
+    int maxc = 0;
+    for (int s = 0; s < b->n_seqs; s++) {
+        if (b->seqs[s].n_tokens != 1) return 0;
+        int c = b->seqs[s].pos + 1;
+        if (c > maxc) maxc = c;
+    }
+    int cap = (maxc + GRAPH_CTX_STEP - 1) / GRAPH_CTX_STEP * GRAPH_CTX_STEP;
+    return cap < r->max_ctx ? cap : r->max_ctx;
+}
+
+/* Runs the layer loop of a decode step through its recording (made on first use). Returns 0, or
+ * -1 when the backend could not record it (graphs are then turned off; the caller runs the
+ * step eagerly). */
+static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_attn_meta *m, int cap, int rot, int valid)
+{
+    struct step_graph *hit = NULL, *victim = &r->graphs[0];
+    for (int i = 0; i < GRAPH_CACHE; i++) {
+        struct step_graph *e = &r->graphs[i];
+        if (e->g && e->n_seqs == m->n_seqs && e->cap == cap && e->rot == rot && e->valid == valid) hit = e;
+        if (e->used < victim->used) victim = e;
+    }
+    if (!hit) {
+        char err[200];
+        if (victim->g) r->ops->graph_free(r->be, victim->g);
+        victim->g = NULL;
+        r->ops->graph_begin(r->be);
+        run_layers(r, n, m);
+        victim->g = r->ops->graph_end(r->be, err, sizeof err);
+        if (!victim->g) {
+            kvs_log(KVS_LOG_WARN, "runner: step graphs off: %s", err);
+            r->use_graphs = 0;
+            victim->used = 0;
+            return -1;
+        }
+        *victim = (struct step_graph){m->n_seqs, cap, rot, valid, victim->g, 0};
+        hit = victim;
+    }
+    hit->used = ++r->graph_clock;
+    r->ops->graph_launch(r->be, hit->g);
+    return 0;
+}
+
+int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+{
+    int n_logits, stride, any_rot, any_valid;
+    const int cap = graph_capacity(r, b);
+    const int S = cap ? graph_seqs(r, b->n_seqs) : b->n_seqs;
+    int n = stage_batch(r, b, cap ? (cap + r->block_size - 1) / r->block_size : 0, S, &n_logits, &stride, &any_rot,
+                        &any_valid);
+    if (n < 0) return n;
+    if (n_logits > 0 && !logits) return -EINVAL;
+    const struct kvs_backend_ops *o = r->ops;
+    struct kvs_backend *be = r->be;
+    o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
+    o->upload(be, r->d_pos, 0, r->h_pos, (size_t)n);
+    o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
+    o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);
+    o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
+    o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
+    if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
+    if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
+
+    int max_ctx = 0;
+    for (int s = 0; s < S; s++) {
+        int c = r->h_seqpos[s] + (r->h_qstart[s + 1] - r->h_qstart[s]);
+        if (c > max_ctx) max_ctx = c;
+    }
+    struct kvs_attn_meta meta = {
+        .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
+        .rot_offsets = any_rot ? r->d_rot : NULL,
+        .block_valid = any_valid ? r->d_valid : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
+        .h_pos = r->h_seqpos, .max_ctx = max_ctx, .plan_ctx = cap,
+    };
+    if (!cap || run_layers_graph(r, n, &meta, cap, any_rot, any_valid) != 0) run_layers(r, n, &meta);
+    const int dim = r->dim;
     for (int i = 0; i < n_logits; i += LOGIT_CHUNK) {
         int m = n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK;
         o->upload(be, r->d_lrows, 0, r->h_lrows + i, (size_t)m);

@@ -51,6 +51,7 @@ struct kvs_tensor_view;
 struct kvs_dbuf;                  /* opaque device buffer (defined by each backend) */
 struct kvs_dweight;               /* opaque uploaded weight (defined by each backend) */
 struct kvs_backend;               /* opaque backend instance (defined by each backend) */
+struct kvs_graph;                 /* opaque recorded step (graph_* ops, optional) */
 
 enum kvs_buf_kind { KVS_BUF_ACT = 0, KVS_BUF_F32 = 1, KVS_BUF_I32 = 2, KVS_BUF_KV = 3 };
 
@@ -80,6 +81,9 @@ struct kvs_attn_meta {
     const int32_t *h_q_start;
     const int32_t *h_pos;
     int max_ctx;                  /* max over s of pos[s] + n_s */
+    int plan_ctx;                 /* 0, or a bound >= every decode row's context that the backend
+                                   * plans its decode launch for (a recorded step graph is replayed
+                                   * while contexts grow up to it) */
 };
 
 struct kvs_backend_ops {
@@ -183,6 +187,17 @@ struct kvs_backend_ops {
     /* Logits copy-out: host[m][vocab] (fp32) = logits ACT [m][vocab]; waits. */
     void (*logits_to_host)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                            float *host);
+
+    /* ---- optional: step graphs (NULL where the backend has none: CPU) --------------------
+     * graph_begin records, instead of running, the ops enqueued until graph_end (no upload,
+     * download, zero, alloc or sync in between); graph_end returns the recording (NULL + message
+     * on failure); graph_launch replays it: the same ops with the same arguments on the same
+     * buffers, whose contents are read at replay time (upload new inputs first). Ownership:
+     * graph_free releases a recording (NULL is a no-op); free() does not. */
+    void (*graph_begin)(struct kvs_backend *b);
+    struct kvs_graph *(*graph_end)(struct kvs_backend *b, char *err, size_t errlen);
+    void (*graph_launch)(struct kvs_backend *b, struct kvs_graph *g);
+    void (*graph_free)(struct kvs_backend *b, struct kvs_graph *g);
 };
 
 /* The CPU backend (always built). */

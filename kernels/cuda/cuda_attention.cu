@@ -39,6 +39,7 @@ extern "C" {
 #include "engine/util.h"
 }
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_launch.h"
 
 #define CUDA_CHECK(call)                                                                     \
     do {                                                                                     \
@@ -228,6 +229,7 @@ __device__ __noinline__ void rotate_q(const float *sq, float *sqr, float *cs_sn,
 template <int HD, int RPW, bool ROT>
 __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
 {
+    grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
     constexpr int R = AT_WARPS * RPW;
     constexpr int KST = at_smem<HD>::KST;
     constexpr int DPL = HD >= 32 ? HD / 32 : 1;   /* output dims per lane in PV */
@@ -519,6 +521,7 @@ struct tc_cfg {
 template <int HD, int NW, int MT, int ST, bool ROT>
 __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 {
+    grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
     typedef tc_cfg<HD, NW, MT, ST, ROT> C;
     constexpr int ROWS = C::ROWS, KST = C::KST, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char smraw[];
@@ -757,6 +760,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_seqs, int prefill, int n_heads,
                              int n_splits, int hd, float *out)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     const int t = blockIdx.x / n_heads;
     int lo = 0, hi = n_seqs - 1;
     while (lo < hi) {
@@ -838,11 +842,11 @@ static void launch_kernel(void (*kern)(at_args), int threads, size_t smem, int *
     x.chunk = chunk;
     x.n_splits = (max_ctx + chunk - 1) / chunk;
     dim3 grid((unsigned)n_tiles, (unsigned)x.n_kv, (unsigned)x.n_splits);
-    kern<<<grid, threads, smem, st>>>(x);
+    CUDA_CHECK(kvs_cu_launch(kern, grid, threads, smem, st, x));
     CUDA_CHECK(cudaGetLastError());
     if (x.n_splits > 1) {
-        k_attn_merge<<<(unsigned)((size_t)n * x.n_heads), hd < 128 ? hd : 128, 0, st>>>(
-            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out);
+        CUDA_CHECK(kvs_cu_launch(k_attn_merge, (unsigned)((size_t)n * x.n_heads), hd < 128 ? hd : 128, 0, st, 
+            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out));
         CUDA_CHECK(cudaGetLastError());
     }
 }
@@ -920,6 +924,7 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         }
     }
     at_args x;
+    if (a->plan_ctx > ctx_dec) ctx_dec = a->plan_ctx;
     x.q = a->q;
     x.kc = a->kc;
     x.vc = a->vc;

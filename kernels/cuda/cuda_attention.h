@@ -22,6 +22,7 @@ struct kvs_cu_attn {
     const float *inv_freq;        /* [hd / 2], needed when rot != NULL */
     const int32_t *h_q_start, *h_pos; /* host copies of q_start [n_seqs + 1] and pos [n_seqs] */
     int n_seqs, max_blocks, n, n_heads, n_kv, hd, bs;
+    int plan_ctx;                 /* 0, or plan the decode launch for contexts up to this (graphs) */
     float scale;
     float *out;                   /* [n][n_heads][hd] fp32 */
 };

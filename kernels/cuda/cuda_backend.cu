@@ -38,6 +38,7 @@ extern "C" {
 #include "models/model.h"
 }
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_launch.h"
 #include "kernels/cuda/cuda_backend.h"
 
 #define CUDA_CHECK(call)                                                                     \
@@ -76,9 +77,11 @@ struct kvs_dweight {
     bf16 *h;
 };
 
-struct kvs_cuda_graph {
+struct kvs_graph {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
+    const void *xh_src;           /* the bf16 mirror's state after the recorded ops (restored at replay) */
+    size_t xh_n;
 };
 
 #define ATTN_WS_BYTES ((size_t)64 << 20)   /* split-attention partials */
@@ -156,6 +159,7 @@ static int grid_for(size_t n, int threads)
 
 __global__ void k_f32_to_bf16(const float *x, bf16 *y, size_t n)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         y[i] = __float2bfloat16(x[i]);
 }
@@ -186,6 +190,7 @@ __global__ void k_f32_fill_random(float *y, size_t n, float scale, uint64_t seed
 
 __global__ void k_embed(const bf16 *emb, const int32_t *tok, int dim, float *out)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     size_t t = blockIdx.x;
     const bf16 *row = emb + (size_t)tok[t] * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) out[t * dim + i] = __bfloat162float(row[i]);
@@ -209,6 +214,7 @@ __device__ float block_sum(float v, float *red)
 /* outh (may be null): the bf16 copy of out, for the next GEMM */
 __global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out, bf16 *outh)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     __shared__ float red[32];
     size_t t = blockIdx.x;
     const float *xr = x + t * dim;
@@ -226,6 +232,7 @@ __global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, fl
 __global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, float eps, int dim, float *out,
                               bf16 *outh)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     __shared__ float red[32];
     size_t t = blockIdx.x;
     float *xr = res + t * dim;
@@ -248,6 +255,7 @@ __global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, fl
 /* one warp per (row, head) */
 __global__ void k_head_rmsnorm(float *x, const float *w, float eps, size_t n_rows_heads, int hd)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     size_t rh = blockIdx.x * (size_t)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (rh >= n_rows_heads) return;
     int l = threadIdx.x & 31;
@@ -262,6 +270,7 @@ __global__ void k_head_rmsnorm(float *x, const float *w, float eps, size_t n_row
 /* block per row; threads over (head, i < half) */
 __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const float *inv_freq, int n_heads, int hd)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     size_t t = blockIdx.x;
     int half = hd / 2;
     long long p = (long long)pos[t] + (rot ? rot[t] : 0);
@@ -279,6 +288,7 @@ __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const f
 /* block per row; threads over (kv head, d) */
 __global__ void k_kv_write(const float *k, const float *v, const int32_t *slots, int nkv, int hd, int bs, bf16 *kc, bf16 *vc)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     size_t t = blockIdx.x;
     int slot = slots[t];
     if (slot < 0) return; /* padding rows own no slot */
@@ -293,6 +303,7 @@ __global__ void k_kv_write(const float *k, const float *v, const int32_t *slots,
 
 __global__ void k_swiglu(const float *g, const float *u, size_t n, float *out, bf16 *outh)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = g[i];
         float y = x / (1.0f + expf(-x)) * u[i];
@@ -303,6 +314,7 @@ __global__ void k_swiglu(const float *g, const float *u, size_t n, float *out, b
 
 __global__ void k_gather_rows(const float *x, const int32_t *rows, int dim, float *out)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     size_t i = blockIdx.x;
     const float *src = x + (size_t)rows[i] * dim;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
@@ -341,16 +353,33 @@ template <int NB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const bf16 *x, float *y, int in, int out)
 {
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= out) return;
+    if (row >= out) {
+        grid_dep_wait();
+        return;
+    }
     const uint4 *w4 = (const uint4 *)(W + (size_t)row * in);
     const uint4 *x4 = (const uint4 *)x;
     const int nc = in / 8, xs = in / 8;
     float acc[NB];
 #pragma unroll
     for (int t = 0; t < NB; t++) acc[t] = 0.0f;
+    /* the weights do not depend on the previous kernel: the first ones stream before the wait */
+    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, w2 = w0, w3 = w0;
+    if (lane + 96 < nc) {
+        w0 = ld_stream(w4 + lane);
+        w1 = ld_stream(w4 + lane + 32);
+        w2 = ld_stream(w4 + lane + 64);
+        w3 = ld_stream(w4 + lane + 96);
+    }
+    grid_dep_wait(); /* cuda_launch.h: x is ready */
     int c = lane;
     for (; c + 96 < nc; c += 128) {
-        uint4 w0 = ld_stream(w4 + c), w1 = ld_stream(w4 + c + 32), w2 = ld_stream(w4 + c + 64), w3 = ld_stream(w4 + c + 96);
+        if (c != lane) {
+            w0 = ld_stream(w4 + c);
+            w1 = ld_stream(w4 + c + 32);
+            w2 = ld_stream(w4 + c + 64);
+            w3 = ld_stream(w4 + c + 96);
+        }
 #pragma unroll
         for (int t = 0; t < NB; t++) {
             const uint4 *xt = x4 + (size_t)t * xs + c;
@@ -373,6 +402,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const b
 
 __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 {
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         y[i] += bias[i % out];
 }
@@ -637,7 +667,7 @@ static void cu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const
     if (n <= 0) return;
     KVS_ASSERT(!emb->is_vector && emb->cols == dim);
     xh_forget(b, out->d);
-    k_embed<<<n, 256, 0, b->stream>>>(emb->h, (const int32_t *)tokens->d, dim, (float *)out->d);
+    CUDA_CHECK(kvs_cu_launch(k_embed, n, 256, 0, b->stream, emb->h, (const int32_t *)tokens->d, dim, (float *)out->d));
     LAUNCH_CHECK();
 }
 
@@ -647,7 +677,7 @@ static void cu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const st
     if (n <= 0) return;
     KVS_ASSERT(w->is_vector && w->cols == dim);
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
-    k_rmsnorm<<<n, NORM_THREADS, 0, b->stream>>>((const float *)x->d, w->f, eps, dim, (float *)out->d, outh);
+    CUDA_CHECK(kvs_cu_launch(k_rmsnorm, n, NORM_THREADS, 0, b->stream, (const float *)x->d, w->f, eps, dim, (float *)out->d, outh));
     LAUNCH_CHECK();
 }
 
@@ -658,8 +688,8 @@ static void cu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const st
     KVS_ASSERT(w->is_vector && w->cols == dim);
     xh_forget(b, res->d);
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
-    k_add_rmsnorm<<<n, NORM_THREADS, 0, b->stream>>>((float *)res->d, (const float *)delta->d, w->f, eps, dim,
-                                                     (float *)out->d, outh);
+    CUDA_CHECK(kvs_cu_launch(k_add_rmsnorm, n, NORM_THREADS, 0, b->stream, (float *)res->d, (const float *)delta->d, w->f, eps, dim,
+                                                     (float *)out->d, outh));
     LAUNCH_CHECK();
 }
 
@@ -670,7 +700,7 @@ static void cu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const str
     KVS_ASSERT(w->is_vector && w->cols == head_dim);
     size_t rh = (size_t)n * n_heads;
     xh_forget(b, x->d);
-    k_head_rmsnorm<<<(unsigned)((rh + 7) / 8), 256, 0, b->stream>>>((float *)x->d, w->f, eps, rh, head_dim);
+    CUDA_CHECK(kvs_cu_launch(k_head_rmsnorm, (unsigned)((rh + 7) / 8), 256, 0, b->stream, (float *)x->d, w->f, eps, rh, head_dim));
     LAUNCH_CHECK();
 }
 
@@ -682,7 +712,7 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
     size_t nx = (size_t)n * in;
     KVS_ASSERT(nx <= b->xh_cap);
     if (b->xh_src != x->d || b->xh_n != nx) {
-        k_f32_to_bf16<<<grid_for(nx, 256), 256, 0, b->stream>>>((const float *)x->d, b->xh, nx);
+        CUDA_CHECK(kvs_cu_launch(k_f32_to_bf16, grid_for(nx, 256), 256, 0, b->stream, (const float *)x->d, b->xh, nx));
         LAUNCH_CHECK();
         b->xh_src = x->d;
         b->xh_n = nx;
@@ -690,7 +720,7 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
     xh_forget(b, y->d);
     if (b->gemv && n == GEMV_MAX_N && in % 8 == 0) {
         dim3 grid((unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS)), blk(GEMV_WARPS * 32);
-        k_gemv<GEMV_MAX_N><<<grid, blk, 0, b->stream>>>(w->h, b->xh, (float *)y->d, in, out);
+        CUDA_CHECK(kvs_cu_launch(k_gemv<GEMV_MAX_N>, grid, blk, 0, b->stream, w->h, b->xh, (float *)y->d, in, out));
         LAUNCH_CHECK();
     } else {
         const float one = 1.0f, zero = 0.0f;
@@ -702,7 +732,7 @@ static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const str
     if (bias) {
         KVS_ASSERT(bias->is_vector && bias->cols == out);
         size_t ny = (size_t)n * out;
-        k_add_bias<<<grid_for(ny, 256), 256, 0, b->stream>>>((float *)y->d, bias->f, ny, out);
+        CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, (float *)y->d, bias->f, ny, out));
         LAUNCH_CHECK();
     }
 }
@@ -712,8 +742,8 @@ static void cu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_
 {
     if (n <= 0) return;
     xh_forget(b, x->d);
-    k_rope<<<n, 256, 0, b->stream>>>((float *)x->d, (const int32_t *)pos->d, rot ? (const int32_t *)rot->d : nullptr,
-                                     (const float *)inv_freq->d, n_heads, head_dim);
+    CUDA_CHECK(kvs_cu_launch(k_rope, n, 256, 0, b->stream, (float *)x->d, (const int32_t *)pos->d, rot ? (const int32_t *)rot->d : nullptr,
+                                     (const float *)inv_freq->d, n_heads, head_dim));
     LAUNCH_CHECK();
 }
 
@@ -722,8 +752,8 @@ static void cu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const s
                         struct kvs_dbuf *kc, struct kvs_dbuf *vc)
 {
     if (n <= 0) return;
-    k_kv_write<<<n, 256, 0, b->stream>>>((const float *)k->d, (const float *)v->d, (const int32_t *)slots->d,
-                                         n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d);
+    CUDA_CHECK(kvs_cu_launch(k_kv_write, n, 256, 0, b->stream, (const float *)k->d, (const float *)v->d, (const int32_t *)slots->d,
+                                         n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d));
     LAUNCH_CHECK();
 }
 
@@ -751,6 +781,7 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.n_kv = n_kv_heads;
     a.hd = head_dim;
     a.bs = block_size;
+    a.plan_ctx = m->plan_ctx;
     a.scale = scale;
     a.out = (float *)out->d;
     xh_forget(b, out->d);
@@ -763,8 +794,8 @@ static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const 
     if (n <= 0) return;
     size_t nn = (size_t)n * ff;
     bf16 *outh = xh_claim(b, out->d, nn);
-    k_swiglu<<<grid_for(nn, 256), 256, 0, b->stream>>>((const float *)gate->d, (const float *)up->d, nn,
-                                                        (float *)out->d, outh);
+    CUDA_CHECK(kvs_cu_launch(k_swiglu, grid_for(nn, 256), 256, 0, b->stream, (const float *)gate->d, (const float *)up->d, nn,
+                                                        (float *)out->d, outh));
     LAUNCH_CHECK();
 }
 
@@ -773,7 +804,7 @@ static void cu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, cons
 {
     if (m <= 0) return;
     xh_forget(b, out->d);
-    k_gather_rows<<<m, 256, 0, b->stream>>>((const float *)x->d, (const int32_t *)rows->d, dim, (float *)out->d);
+    CUDA_CHECK(kvs_cu_launch(k_gather_rows, m, 256, 0, b->stream, (const float *)x->d, (const int32_t *)rows->d, dim, (float *)out->d));
     LAUNCH_CHECK();
 }
 
@@ -793,6 +824,47 @@ static void cu_logits_to_host(struct kvs_backend *b, const struct kvs_dbuf *logi
 {
     if (m <= 0) return;
     cu_download(b, host, logits, 0, (size_t)m * vocab);
+}
+
+/* ---- step graphs ---------------------------------------------------------------------------- */
+
+static void cu_graph_begin(struct kvs_backend *b)
+{
+    CUDA_CHECK(cudaStreamBeginCapture(b->stream, cudaStreamCaptureModeThreadLocal));
+}
+
+static struct kvs_graph *cu_graph_end(struct kvs_backend *b, char *err, size_t errlen)
+{
+    struct kvs_graph *g = (struct kvs_graph *)kvs_xcalloc(1, sizeof *g);
+    CUDA_CHECK(cudaStreamEndCapture(b->stream, &g->graph));
+    cudaError_t e = cudaGraphInstantiate(&g->exec, g->graph, 0);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        kvs_err(err, errlen, -ENOMEM, "cuda: graph instantiation failed (%s)", cudaGetErrorString(e));
+        CUDA_CHECK(cudaGraphDestroy(g->graph));
+        free(g);
+        return NULL;
+    }
+    g->xh_src = b->xh_src;
+    g->xh_n = b->xh_n;
+    return g;
+}
+
+static void cu_graph_launch(struct kvs_backend *b, struct kvs_graph *g)
+{
+    CUDA_CHECK(cudaGraphLaunch(g->exec, b->stream));
+    /* the replay rewrote the bf16 mirror exactly as the recorded ops did */
+    b->xh_src = g->xh_src;
+    b->xh_n = g->xh_n;
+}
+
+static void cu_graph_free(struct kvs_backend *b, struct kvs_graph *g)
+{
+    if (!g) return;
+    CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    CUDA_CHECK(cudaGraphExecDestroy(g->exec));
+    CUDA_CHECK(cudaGraphDestroy(g->graph));
+    free(g);
 }
 
 extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
@@ -821,6 +893,10 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_gather_rows,
     cu_kv_copy_block,
     cu_logits_to_host,
+    cu_graph_begin,
+    cu_graph_end,
+    cu_graph_launch,
+    cu_graph_free,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */
@@ -857,32 +933,6 @@ extern "C" void kvs_cuda_fill_random(struct kvs_backend *b, struct kvs_dbuf *buf
     else
         k_f32_fill_random<<<grid_for(n, 256), 256, 0, b->stream>>>((float *)buf->d + off, n, scale, seed);
     LAUNCH_CHECK();
-}
-
-extern "C" void kvs_cuda_graph_begin(struct kvs_backend *b)
-{
-    CUDA_CHECK(cudaStreamBeginCapture(b->stream, cudaStreamCaptureModeThreadLocal));
-}
-
-extern "C" struct kvs_cuda_graph *kvs_cuda_graph_end(struct kvs_backend *b)
-{
-    struct kvs_cuda_graph *g = (struct kvs_cuda_graph *)kvs_xcalloc(1, sizeof *g);
-    CUDA_CHECK(cudaStreamEndCapture(b->stream, &g->graph));
-    CUDA_CHECK(cudaGraphInstantiate(&g->exec, g->graph, 0));
-    return g;
-}
-
-extern "C" void kvs_cuda_graph_launch(struct kvs_backend *b, struct kvs_cuda_graph *g)
-{
-    CUDA_CHECK(cudaGraphLaunch(g->exec, b->stream));
-}
-
-extern "C" void kvs_cuda_graph_free(struct kvs_cuda_graph *g)
-{
-    if (!g) return;
-    CUDA_CHECK(cudaGraphExecDestroy(g->exec));
-    CUDA_CHECK(cudaGraphDestroy(g->graph));
-    free(g);
 }
 
 extern "C" void kvs_cuda_timer_start(struct kvs_backend *b)

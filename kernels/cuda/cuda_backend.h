@@ -1,12 +1,12 @@
 /* cuda_backend.h: extras of the CUDA backend beyond the op table (kernels/backend.h), for the
- * GPU tests and the decode benchmark: random device data without host files, CUDA graph
- * capture of a sequence of ops on the backend's stream, event timing and the device-to-device
- * copy bandwidth that the benchmark uses as its floor.
+ * GPU tests and the decode benchmark: random device data without host files, event timing
+ * and the device-to-device copy bandwidth that the benchmark uses as its floor (step graphs are
+ * in the op table: graph_begin / graph_end / graph_launch / graph_free).
  *
  * Only declared when the build has CUDA (KVS_HAVE_CUDA=1). Every CUDA failure aborts with
  * file:line (CUDA_CHECK); functions that allocate return NULL on out-of-memory.
  * Ownership: weights from kvs_cuda_random_weight are freed by the op table's free_weight (or
- * by the backend's free); a graph from kvs_cuda_graph_end by kvs_cuda_graph_free.
+ * by the backend's free).
  */
 #ifndef KVS_CUDA_BACKEND_H
 #define KVS_CUDA_BACKEND_H
@@ -25,8 +25,6 @@ extern "C" {
  * device "cuda" (and "auto" when a GPU is usable). */
 extern const struct kvs_backend_ops kvs_cuda_backend;
 
-struct kvs_cuda_graph;
-
 /* A weight of rows x cols (rows = 1 and is_vector = 1 for a 1-D vector) filled on the device
  * with uniform random values in [-scale, scale) from seed. NULL on out-of-memory. */
 struct kvs_dweight *kvs_cuda_random_weight(struct kvs_backend *b, int64_t rows, int64_t cols,
@@ -34,12 +32,6 @@ struct kvs_dweight *kvs_cuda_random_weight(struct kvs_backend *b, int64_t rows, 
 /* Fills n elements of buf from off (ACT/F32/KV kinds) with uniform values in [-scale, scale). */
 void kvs_cuda_fill_random(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, size_t n,
                           float scale, uint64_t seed);
-
-/* Graph capture of every op enqueued between begin and end (no download/sync in between). */
-void kvs_cuda_graph_begin(struct kvs_backend *b);
-struct kvs_cuda_graph *kvs_cuda_graph_end(struct kvs_backend *b);
-void kvs_cuda_graph_launch(struct kvs_backend *b, struct kvs_cuda_graph *g);
-void kvs_cuda_graph_free(struct kvs_cuda_graph *g);
 
 /* Event timing on the backend's stream: mark, then elapsed ms since the mark (waits). */
 void kvs_cuda_timer_start(struct kvs_backend *b);

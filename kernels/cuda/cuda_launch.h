@@ -1,0 +1,57 @@
+/* cuda_launch.h: kernel launches with programmatic dependent launch (PDL, Hopper), internal to
+ * kernels/cuda/.
+ *
+ * A decode step is a chain of ~15 small kernels a layer; between two of them the GPU normally
+ * drains the first grid before it starts the second. Launched with programmatic stream
+ * serialization, the next kernel's blocks may start while the previous grid's last blocks still
+ * run; every kernel launched this way calls grid_dep_wait() before it touches memory that the
+ * previous kernel writes or reads (the wait returns once the previous grid has completed and
+ * its writes are visible), and may do independent work before it: the GEMV streams its first
+ * weights there. Kernels launched by cuBLAS keep ordinary stream order.
+ *
+ * KVS_CUDA_PDL=0 turns it off (plain launches; grid_dep_wait() is then a no-op).
+ * Errors: launch failures abort through CUDA_CHECK with file:line (bugs, not client errors).
+ */
+#ifndef KVS_CUDA_LAUNCH_H
+#define KVS_CUDA_LAUNCH_H
+
+#include <cuda_runtime.h>
+#include <stdlib.h>
+#include <utility>
+
+__device__ __forceinline__ void grid_dep_wait()
+{
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/* 1 unless KVS_CUDA_PDL=0 (read once) */
+inline int kvs_cu_pdl_enabled()
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("KVS_CUDA_PDL");
+        on = e ? atoi(e) != 0 : 1;
+    }
+    return on;
+}
+
+/* kern<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization; returns
+ * the launch status (the caller checks it) */
+template <typename... KArgs, typename... Args>
+inline cudaError_t kvs_cu_launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                 Args &&...args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = kvs_cu_pdl_enabled() ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+}
+
+#endif
