@@ -44,6 +44,10 @@ class Server:
         e.update(env or {})
         binary = binary or BIN
         cmd = [binary, "--port", str(self.port), "--model", model or os.path.join(ROOT, "tests", "fake")] + list(args)
+        # KVS_TEST_DEVICE=cuda runs the real-stack daemons on the GPU (their startup fails if it
+        # cannot be used): the HTTP suite end to end on that backend
+        if binary != BIN and os.environ.get("KVS_TEST_DEVICE"):
+            cmd += ["--set", "device=" + os.environ["KVS_TEST_DEVICE"]]
         if not os.path.exists(binary):
             raise SystemExit(f"missing {binary}: run make first")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)
