@@ -75,6 +75,7 @@ struct kvs_runner {
     struct kvs_dbuf *d_tokens, *d_pos, *d_slots;        /* I32 [cap_tokens] */
     struct kvs_dbuf *d_qstart, *d_seqpos;               /* I32 [cap_seqs + 1] */
     struct kvs_dbuf *d_bt, *d_rot, *d_valid;            /* I32 [cap_seqs * max_blocks] */
+    struct kvs_dbuf *d_words;                           /* I32 [cap_seqs * max_blocks * 2] (backend.h) */
     struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
@@ -88,7 +89,7 @@ struct kvs_runner {
     uint64_t graph_clock;
 
     /* host staging (same shapes) */
-    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid;
+    int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid, *h_words;
     int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
 };
 
@@ -275,6 +276,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->d_bt = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_rot = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_valid = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
+    r->d_words = xalloc(r, KVS_BUF_I32, 2 * S * r->max_blocks, &failed);
     r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
     if (failed) {
@@ -289,6 +291,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->h_bt = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_rot = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_valid = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
+    r->h_words = kvs_xmalloc(2 * S * r->max_blocks * sizeof(int32_t));
     r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
@@ -362,7 +365,7 @@ void kvs_runner_free(struct kvs_runner *r)
             if (r->graphs[i].g) o->graph_free(r->be, r->graphs[i].g);
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
-                                 r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid,
+                                 r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid, r->d_words,
                                  r->d_lrows, r->d_inv_freq};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
         o->free(r->be);
@@ -378,6 +381,7 @@ void kvs_runner_free(struct kvs_runner *r)
     free(r->h_bt);
     free(r->h_rot);
     free(r->h_valid);
+    free(r->h_words);
     free(r->h_lrows);
     free(r);
 }
@@ -581,6 +585,10 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
     o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
     if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
     if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
+    /* cached documents: the same tables packed one word per block as well (backend.h) */
+    int words = (any_rot || any_valid) && kvs_pack_block_words(r->h_bt, r->h_rot, r->h_valid, (size_t)S * stride,
+                                                               r->block_size, r->h_words) == 0;
+    if (words) o->upload(be, r->d_words, 0, r->h_words, (size_t)S * stride * 2);
 
     int max_ctx = 0;
     for (int s = 0; s < S; s++) {
@@ -590,10 +598,10 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
     struct kvs_attn_meta meta = {
         .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
         .rot_offsets = any_rot ? r->d_rot : NULL,
-        .block_valid = any_valid ? r->d_valid : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
+        .block_valid = any_valid ? r->d_valid : NULL, .block_words = words ? r->d_words : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
         .h_pos = r->h_seqpos, .max_ctx = max_ctx, .plan_ctx = cap,
     };
-    if (!cap || run_layers_graph(r, n, &meta, cap, any_rot, any_valid) != 0) run_layers(r, n, &meta);
+    if (!cap || run_layers_graph(r, n, &meta, cap, any_rot, any_valid | words << 1) != 0) run_layers(r, n, &meta);
     const int dim = r->dim;
     for (int i = 0; i < n_logits; i += LOGIT_CHUNK) {
         int m = n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK;

@@ -81,10 +81,31 @@ struct kvs_attn_meta {
     const int32_t *h_q_start;
     const int32_t *h_pos;
     int max_ctx;                  /* max over s of pos[s] + n_s */
+    struct kvs_dbuf *block_words; /* NULL, or the compact per-block words (the LazyAttention paper
+                                   * packs block id, offset and mask together): I32 pairs
+                                   * [n_seqs][max_blocks][2] from kvs_pack_block_words; the three
+                                   * arrays above stay set (a backend may use either) */
     int plan_ctx;                 /* 0, or a bound >= every decode row's context that the backend
                                    * plans its decode launch for (a recorded step graph is replayed
                                    * while contexts grow up to it) */
 };
+
+/* Packs n blocks' (block id, rotation offset, valid slots) into words[2 i], words[2 i + 1] =
+ * block, offset * 2048 + valid (rot / valid may be NULL: offset 0, block_size slots). Returns 0,
+ * or -ERANGE when an offset is outside [-2^20, 2^20) or a valid count outside [0, 2047] (the
+ * caller then passes the separate arrays only). Decoding: offset = hi >> 11 (arithmetic),
+ * valid = hi & 2047. */
+static inline int kvs_pack_block_words(const int32_t *bt, const int32_t *rot, const int32_t *valid, size_t n,
+                                       int block_size, int32_t *words)
+{
+    for (size_t i = 0; i < n; i++) {
+        int32_t o = rot ? rot[i] : 0, v = valid ? valid[i] : block_size;
+        if (o < -(1 << 20) || o >= (1 << 20) || v < 0 || v > 2047) return -34; /* ERANGE */
+        words[2 * i] = bt[i];
+        words[2 * i + 1] = (int32_t)(((uint32_t)o << 11) | (uint32_t)v);
+    }
+    return 0;
+}
 
 struct kvs_backend_ops {
     const char *name;             /* "cpu", "cuda" */

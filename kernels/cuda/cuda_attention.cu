@@ -64,6 +64,7 @@ struct at_args {
     const float *q;
     const bf16 *kc, *vc;
     const int32_t *q_start, *pos, *bt, *rot, *valid;
+    const int2 *words;            /* NULL, or packed per-block (block, offset << 11 | valid) */
     const float *inv_freq;
     int n_seqs, max_blocks, n_heads, n_kv, bs;
     int G;                        /* query heads per KV head */
@@ -175,7 +176,8 @@ __device__ __forceinline__ void qk_rows(const bf16 *tk, const float *qw, int key
  * shuffle, so a tile costs one lookup per lane however the copies are spread. */
 template <int HD, int NT>
 __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int kvh, const int32_t *bt,
-                                           const int32_t *vt, const int32_t *rt, bf16 *dk, bf16 *dv, int kst, int *ko)
+                                           const int32_t *vt, const int32_t *rt, const int2 *wt, bf16 *dk, bf16 *dv,
+                                           int kst, int *ko)
 {
     constexpr int CH = HD / 8;
     const int lane = threadIdx.x & 31;
@@ -184,7 +186,14 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
     int info = KEY_PAD;
     if (p < k1) {
         const int pb = p / a.bs, sl = p - pb * a.bs;
-        if (!vt || sl < vt[pb]) {
+        if (wt) {
+            /* one 8-byte load: block, offset and valid count (backend.h kvs_pack_block_words) */
+            const int2 w = wt[pb];
+            if (sl < (w.y & 2047)) {
+                row = (((long long)w.x * a.n_kv + kvh) * a.bs + sl) * HD;
+                info = rt ? (w.y >> 11) : 0;
+            }
+        } else if (!vt || sl < vt[pb]) {
             row = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
             info = rt ? rt[pb] : 0;
         }
@@ -254,6 +263,7 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
+    const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
 
     for (int idx = threadIdx.x; idx < R * HD; idx += AT_THREADS) {
         int r = idx / HD, d = idx % HD;
@@ -268,7 +278,7 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
 
     auto load = [=](int it) {
         const size_t so = (size_t)(it % AT_STAGES) * AT_TILE;
-        stage_tile<HD, AT_THREADS>(a, k0 + it * AT_TILE, k1, g, bt, vt, rt, sk + so * KST, sv + so * KST, KST, soff + so);
+        stage_tile<HD, AT_THREADS>(a, k0 + it * AT_TILE, k1, g, bt, vt, rt, wt, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 
     const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
@@ -544,6 +554,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
+    const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
 
     /* q rows (scaled) as float4; padding rows zero (so are the rotated copy's) */
     for (int idx = threadIdx.x; idx < ROWS * HD / 4; idx += NT) {
@@ -563,7 +574,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 
     auto load = [=](int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
-        stage_tile<HD, NT>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, sk + so * KST, sv + so * KST, KST, soff + so);
+        stage_tile<HD, NT>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, wt, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 
     const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
@@ -934,6 +945,7 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     x.rot = a->rot;
     x.valid = a->valid;
     x.inv_freq = a->inv_freq;
+    x.words = (const int2 *)a->words;
     x.n_seqs = a->n_seqs;
     x.max_blocks = a->max_blocks;
     x.n_heads = a->n_heads;

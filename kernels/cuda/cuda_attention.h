@@ -20,6 +20,7 @@ struct kvs_cu_attn {
     const __nv_bfloat16 *kc, *vc; /* one layer's cache [n_blocks][n_kv][bs][hd] */
     const int32_t *q_start, *pos, *bt, *rot, *valid; /* device metadata (rot, valid may be NULL) */
     const float *inv_freq;        /* [hd / 2], needed when rot != NULL */
+    const int32_t *words;         /* NULL, or packed (block, offset << 11 | valid) pairs (backend.h) */
     const int32_t *h_q_start, *h_pos; /* host copies of q_start [n_seqs + 1] and pos [n_seqs] */
     int n_seqs, max_blocks, n, n_heads, n_kv, hd, bs;
     int plan_ctx;                 /* 0, or plan the decode launch for contexts up to this (graphs) */

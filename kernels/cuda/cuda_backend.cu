@@ -772,6 +772,7 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : nullptr;
     a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : nullptr;
     a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : nullptr;
+    a.words = m->block_words ? (const int32_t *)m->block_words->d : nullptr;
     a.h_q_start = m->h_q_start;
     a.h_pos = m->h_pos;
     a.n_seqs = m->n_seqs;

@@ -119,13 +119,23 @@ static double run_case(const struct kvs_backend_ops *o, struct kvs_backend *be, 
     o->upload(be, drot, 0, rot, (size_t)nblk);
     o->upload(be, dval, 0, valid, (size_t)nblk);
     o->upload(be, dinv, 0, inv, HD / 2);
+    /* every other case also passes the packed per-block words (kvs_pack_block_words): a backend
+     * may read either form, and both must give the same attention */
+    int32_t *words = malloc((size_t)nblk * 2 * sizeof(int32_t));
+    struct kvs_dbuf *dwords = o->alloc(be, KVS_BUF_I32, (size_t)nblk * 2);
+    REQUIRE(words && dwords && kvs_pack_block_words(bt, rot, valid, (size_t)nblk, BS, words) == 0, "pack words");
+    o->upload(be, dwords, 0, words, (size_t)nblk * 2);
+    static int use_words = 0;
+    use_words ^= 1;
     struct kvs_attn_meta m = {.n_seqs = 1, .max_blocks = nblk, .q_start = dqs, .pos = dpos, .block_tables = dbt,
-                              .rot_offsets = drot, .block_valid = dval, .inv_freq = dinv, .h_q_start = qs,
-                              .h_pos = &pos0, .max_ctx = ctx};
+                              .rot_offsets = drot, .block_valid = dval, .block_words = use_words ? dwords : NULL,
+                              .inv_freq = dinv, .h_q_start = qs, .h_pos = &pos0, .max_ctx = ctx};
     float scale = 1.0f / sqrtf((float)HD);
     o->attention(be, dq, dk, dv, &m, n_q, nh, NKV, HD, BS, scale, dout);
     float *out = malloc((size_t)n_q * nh * HD * sizeof(float));
     o->download(be, out, dout, 0, (size_t)n_q * nh * HD);
+    o->free_buf(be, dwords);
+    free(words);
 
     /* eager reference: every key rotated at its absolute slot, pads dropped */
     double num = 0, den = 0;
