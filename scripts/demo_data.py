@@ -123,7 +123,10 @@ class Gen:
         # every name and key word is seen in training (a token never trained cannot be
         # copied); evaluation probes differ by their random values, combinations, filler
         # and positions (a separate seed)
-        self.names = NAMES + EVAL_NAMES
+        # training facts never use EVAL_NAMES (the quality harness's names): the lookup must
+        # work for names never seen as fact subjects (their tokens are trained through the
+        # drill's mention lines); evaluation probes use both lists
+        self.names = NAMES + EVAL_NAMES if eval_mode else NAMES
         self.keywords = KEY_WORDS + EVAL_KEY_WORDS
         self.eot = tok.token_to_id("<|endoftext|>")
         if pools is None:
@@ -137,6 +140,7 @@ class Gen:
         self.first_verses = [i for i, v in enumerate(verses) if v[2] == 1]
         self.cache = {}
         self.progress = 1.0
+        self.drill, self.drill_p = None, 0.0
         self.row_used = set()
         self.digit_ids = [self.enc(str(d))[0] for d in range(10)]
         self.space_id = self.enc(" ")
@@ -471,7 +475,10 @@ class Gen:
         while len(ids) < T + 1:
             room = T + 1 - len(ids) - 1
             x = r.random()
-            if x < dense_p and room >= 200:
+            if self.drill is not None and r.random() < self.drill_p and room >= 64:
+                # keeps the lookup drill (phase 1) in the mix
+                d, dw = self.drill.example(room)
+            elif x < dense_p and room >= 200:
                 # dense lookup practice: many facts, several questions, little filler
                 n = r.randint(4, 16)
                 d, dw = self.doc_retrieval(min(r.randint(160, 640), room), n_facts=n,
@@ -580,3 +587,105 @@ def load_filler_lines(path):
     with open(path, encoding="utf-8") as f:
         return [ln if ln.endswith("\n") else ln + "\n" for ln in f.read().split("\n")
                 if ln.strip()]
+
+
+# ---- phase 1: the lookup drill ------------------------------------------------------------
+# Short rows made only of facts and questions (no filler), so that nearly every step carries
+# many tokens that only the key->value lookup can predict. Subjects are drawn from a large pool
+# (every single-token capitalised word of the vocabulary, NAMES, two-word and made-up names),
+# so the model learns to match arbitrary tokens rather than memorise a few names; EVAL_NAMES
+# are never fact subjects here (they only appear in "mention" lines, so their embeddings are
+# trained as names). Formats run from the easy (the value right after the key: "Name: 4821",
+# where an induction head suffices) to the harness's ("The secret code of Name is 4821." then
+# "Question: What is the secret code of Name?\nAnswer: 4821"); the number of facts per
+# example (DRILL_FACTS) grows with progress or, when the trainer sets max_facts, only once the
+# lookup is learnt at the current number (1 fact is plain copying; 2 and more need the lookup).
+DRILL_FACTS = (1, 16)
+SYLL = """ka ra lo mi tu ve sa no bri dor el an is ur qu om za fen gar hol ith jo ly mar nek
+os pra ren sil tor ul vin wyn xa yel zor""".split()
+MENTIONS = ["%s walked along the river.\n", "%s wrote a letter.\n", "And %s said, Let us go.\n",
+            "%s came to the city.\n", "The house of %s was small.\n"]
+
+
+class Drill:
+    """Rows for the lookup drill. Weights: 0 for context (no loss), ANSWER_W for answer
+    tokens, CRIT_W for the token only the lookup can predict."""
+
+    def __init__(self, gen):
+        self.g = gen
+        self.r = gen.rng
+        held = set(EVAL_NAMES)
+        v = gen.tok.get_vocab()
+        pool = set(k[1:] for k in v if k.startswith("\u0120") and len(k) >= 4 and
+                   k[1].isupper() and k[2:].isalpha() and k[2:].islower())
+        self.pool = sorted((pool | set(NAMES)) - held)
+        self.progress = 0.0
+        self.max_facts = None      # set: facts per example are 1..max_facts (the trainer's
+        #                            adaptive curriculum); None: grown with progress
+
+    def name(self):
+        r = self.r
+        x = r.random()
+        if x < 0.75:
+            return r.choice(self.pool)
+        if x < 0.9:
+            return "%s %s" % (r.choice(self.pool), r.choice(self.pool))
+        return "".join(r.choice(SYLL) for _ in range(r.randint(2, 3))).capitalize()
+
+    def example(self, room):
+        """One example (ids, weights) of at most about `room` tokens."""
+        r, g = self.r, self.g
+        lo, hi = DRILL_FACTS
+        top = lo + int((hi - lo) * min(1.0, 1.5 * self.progress))
+        if self.max_facts is not None:
+            top = min(hi, self.max_facts)
+        k = r.randint(lo, max(lo, top))
+        fmt = r.choice(["kv", "is", "qa", "qa", "qa", "comp", "qa_other", "qa_other"])
+        subj = set()
+        while len(subj) < k:
+            subj.add(self.name())
+        subj = list(subj)
+        facts = []
+        for s in subj:
+            st = "code"
+            if fmt == "qa_other":
+                st = r.choice(["city", "color", "animal", "item", "code"])
+            val = g.value(st)
+            line, q, _ = g.fact(st, s, val)
+            if fmt == "kv":
+                line = "%s: %s\n" % (s, val)
+            elif fmt == "is":
+                line = "%s is %s.\n" % (s, val)
+            facts.append((st, s, val, line, q))
+        ids = []
+        lines = [self.g.enc_fact(("x", s, val, line)) for st, s, val, line, q in facts]
+        if r.random() < 0.5:
+            lines.append(g.enc(r.choice(MENTIONS) % r.choice(EVAL_NAMES + NAMES)))
+            r.shuffle(lines)
+        for li in lines:
+            ids += li
+        w = [0] * len(ids)
+        n_q = r.randint((k + 1) // 2, k)
+        for st, s, val, line, q in r.sample(facts, n_q):
+            if fmt == "kv":
+                pre = "%s:" % s
+            elif fmt == "is":
+                pre = "%s is" % s
+            elif fmt == "comp":
+                pre = line[:line.rfind(" " + val)]
+            else:
+                pre = "Question: %s\nAnswer:" % q
+            a_ids, a_w = g.answer(pre, " " + val + "\n", val)
+            if len(ids) + len(a_ids) > room:
+                break
+            ids += a_ids
+            w += [0 if x == 1 else x for x in a_w]
+        return ids, w
+
+    def row(self, T):
+        ids, w = [], []
+        while len(ids) < T + 1:
+            d, dw = self.example(T + 1 - len(ids))
+            ids += d + [self.g.eot]
+            w += dw + [0]
+        return ids[:T + 1], w[:T + 1]

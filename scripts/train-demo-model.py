@@ -3,19 +3,24 @@
 Face model directory (config.json, model.safetensors in bf16, tokenizer files).
 
 Run in a folder prepared by scripts/prepare-demo-data.py (kjv.txt, verses.bin/.idx,
-demo_data.py, tokenizer files):
-  python3 train-demo-model.py --out OUT_DIR --time-budget 420
+demo_data.py, tokenizer files) plus filler.txt (tests/data/eval/filler.txt):
+  python3 train-demo-model.py --out OUT_DIR --time-budget 430 --eval-reserve 55
 
-Training documents are generated on the fly by DataLoader workers (demo_data.Gen): Bible text,
-long-context retrieval documents and ChatML chats, packed into rows of --seq tokens.
-The schedule is set by time: after the first steps the step time is measured and the number of
-steps chosen so that training ends within --time-budget seconds of the start.
+Two phases, both set by the wall clock (--drill-frac of the training time for phase 1):
+  1. lookup drill: short rows (--drill-seq) made only of facts and questions
+     (demo_data.Drill), loss on the answer tokens alone, constant lr. The key->value lookup
+     has a long plateau before it is learnt; this phase gives it thousands of steps of dense
+     signal. At its end the weights go to OUT_DIR-phase1 and retrieval is evaluated.
+  2. the long-context mix: Bible text, retrieval documents (256..4096 tokens), ChatML chats
+     and some drill examples, generated on the fly by DataLoader workers (demo_data.Gen),
+     packed into rows of --seq tokens; cosine lr decay.
+OUT_DIR gets model.safetensors (bf16) and config.json; copy the tokenizer files beside them.
 """
 import argparse
 import json
 import math
+import multiprocessing as mp
 import os
-import shutil
 import sys
 import time
 
@@ -47,9 +52,9 @@ class Rows(torch.utils.data.IterableDataset):
     """Packed rows from demo_data.Gen. The curriculum's progress is the wall-clock fraction
     of the training time (t_start .. t_start + duration) when the row is made."""
 
-    def __init__(self, data_dir, seq, seed, t_start, duration):
+    def __init__(self, data_dir, seq, seed, t_start, duration, drill_p=0.0):
         self.data_dir, self.seq, self.seed = data_dir, seq, seed
-        self.t_start, self.duration = t_start, duration
+        self.t_start, self.duration, self.drill_p = t_start, duration, drill_p
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -58,9 +63,36 @@ class Rows(torch.utils.data.IterableDataset):
         verses = dd.load_kjv(os.path.join(self.data_dir, "kjv.txt"))
         gen = dd.Gen(tok, verses, seed=self.seed * 1000 + wid,
                      pools=load_pools(self.data_dir, len(verses)))
+        if self.drill_p > 0:
+            gen.drill, gen.drill_p = dd.Drill(gen), self.drill_p
+            gen.drill.progress = 1.0
         while True:
             gen.progress = min(1.0, max(0.0, (time.time() - self.t_start) / self.duration))
             ids, w = gen.row(self.seq)
+            yield torch.tensor(ids, dtype=torch.int32), torch.tensor(w, dtype=torch.uint8)
+
+
+class DrillRows(torch.utils.data.IterableDataset):
+    """Rows of the phase-1 lookup drill (demo_data.Drill); its curriculum (the number of
+    facts per example) follows the wall-clock fraction of phase 1."""
+
+    def __init__(self, data_dir, seq, seed, t_start, duration, level=None):
+        self.data_dir, self.seq, self.seed = data_dir, seq, seed
+        self.t_start, self.duration, self.level = t_start, duration, level
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid = info.id if info else 0
+        tok = Tokenizer.from_file(os.path.join(self.data_dir, "tokenizer.json"))
+        verses = dd.load_kjv(os.path.join(self.data_dir, "kjv.txt"))
+        gen = dd.Gen(tok, verses, seed=self.seed * 1000 + 500 + wid,
+                     pools=load_pools(self.data_dir, len(verses)))
+        drill = dd.Drill(gen)
+        while True:
+            drill.progress = min(1.0, max(0.0, (time.time() - self.t_start) / self.duration))
+            if self.level is not None:
+                drill.max_facts = self.level.value
+            ids, w = drill.row(self.seq)
             yield torch.tensor(ids, dtype=torch.int32), torch.tensor(w, dtype=torch.uint8)
 
 
@@ -139,14 +171,16 @@ class Llama(nn.Module):
                     if n.endswith(("o_proj.weight", "down_proj.weight")) else std
                 nn.init.normal_(p, 0.0, s)
 
-    def forward(self, ids):
+    def hidden(self, ids):
         T = ids.shape[1]
         cos, sin = rope_cos_sin(T, self.c["head_dim"], self.c["rope_theta"], ids.device)
         x = self.embed_tokens(ids)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        x = self.norm(x)
-        return F.linear(x, self.embed_tokens.weight)  # tied lm_head
+        return self.norm(x)
+
+    def forward(self, ids):
+        return F.linear(self.hidden(ids), self.embed_tokens.weight)  # tied lm_head
 
     def hf_state_dict(self):
         out = {}
@@ -265,6 +299,18 @@ def main():
     ap.add_argument("--filler", default=os.path.join(HERE, "filler.txt"),
                     help="the quality harness's filler text (tests/data/eval/filler.txt)")
     ap.add_argument("--eval-n", type=int, default=96)
+    ap.add_argument("--eval-n-phase1", type=int, default=48)
+    ap.add_argument("--drill-frac", type=float, default=0.5,
+                    help="share of the training time given to phase 1 (the lookup drill)")
+    ap.add_argument("--drill-seq", type=int, default=384)
+    ap.add_argument("--drill-start", type=int, default=2,
+                    help="most facts per drill example at the start")
+    ap.add_argument("--level-up", type=float, default=0.9,
+                    help="drill lookup accuracy that raises the most facts per example by 2")
+    ap.add_argument("--drill-lr", type=float, default=3e-3, help="phase 1's constant lr")
+    ap.add_argument("--drill-batch", type=int, default=128)
+    ap.add_argument("--drill-p", type=float, default=0.1,
+                    help="share of phase-2 documents that are drill examples")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cuda")
@@ -289,21 +335,39 @@ def main():
     print("params %.2fM, config %s" % (n_params / 1e6, json.dumps(cfg)), flush=True)
 
     lines = dd.load_filler_lines(a.filler)
-    dl = torch.utils.data.DataLoader(Rows(a.data, a.seq, a.seed, t0,
-                                          a.time_budget - a.eval_reserve),
-                                     batch_size=a.batch,
-                                     num_workers=a.workers, pin_memory=True,
-                                     prefetch_factor=4, persistent_workers=True)
-    it = iter(dl)
+    train_time = a.time_budget - a.eval_reserve
+    t1_end = t0 + a.drill_frac * train_time          # phase 1 (lookup drill) ends here
+    # adaptive curriculum: the most facts per drill example, raised by 2 each time the
+    # lookup accuracy over the last 200 steps passes --level-up (shared with the workers)
+    level = mp.Value("i", a.drill_start)
+    dl1 = torch.utils.data.DataLoader(DrillRows(a.data, a.drill_seq, a.seed, t0,
+                                                t1_end - t0, level),
+                                      batch_size=a.drill_batch, num_workers=a.workers,
+                                      pin_memory=True, prefetch_factor=4,
+                                      persistent_workers=True)
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.startswith("cuda"))
-    fwd = model if a.no_compile else torch.compile(model)
+    hid = model.hidden if a.no_compile else torch.compile(model.hidden, dynamic=False)
+    fwd = model if a.no_compile else torch.compile(model, dynamic=False)
+    amp = dict(device_type=dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu")
 
-    def loss_fn(x, y, w):
-        with torch.autocast(dev.split(":")[0], dtype=torch.bfloat16, enabled=dev != "cpu"):
+    def drill_loss(x, y, w):
+        """Loss on the answer tokens only (logits are computed there alone)."""
+        with torch.autocast(**amp):
+            h = hid(x)
+        sel = w > 0
+        logits = F.linear(h[sel].float(), model.embed_tokens.weight.float())
+        yy, wf = y[sel], w[sel].float()
+        ce = F.cross_entropy(logits, yy, reduction="none")
+        crit = wf == dd.CRIT_W
+        acc = (logits[crit].argmax(-1) == yy[crit]).float().mean()
+        return (ce * wf).sum() / wf.sum(), ce.detach()[crit].mean(), acc.detach()
+
+    def lm_loss(x, y, w):
+        with torch.autocast(**amp):
             logits = fwd(x)
         ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1),
                              reduction="none")
@@ -312,81 +376,109 @@ def main():
         return ((ce * wf).sum() / wf.sum(), (ce.detach() * (wf == 1)).sum() / (wf == 1).sum(),
                 (ce.detach() * crit).sum() / crit.sum().clamp(min=1))
 
-    total_steps = None
-    step = 0
-    tok_seen = 0
-    t_mark, tok_mark = None, 0
-    lm_ema = None
-    while True:
-        if total_steps is not None and step >= total_steps:
-            break
-        xb, wb = next(it)
-        xb = xb.to(dev, non_blocking=True).long()
-        wb = wb.to(dev, non_blocking=True)
-        x, y, w = xb[:, :-1], xb[:, 1:], wb[:, 1:]
-        if total_steps is None:
-            lr = a.lr * min(1.0, (step + 1) / a.warmup)
-        else:
-            if step < a.warmup:
-                lr = a.lr * (step + 1) / a.warmup
-            else:
-                p = (step - a.warmup) / max(1, total_steps - a.warmup)
-                lr = a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+    def train_step(loss, lr):
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, lm, crit = loss_fn(x, y, w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+    # ---- phase 1: lookup drill (short fact/question rows, loss on answers), constant lr ----
+    it = iter(dl1)
+    step, tok_seen, sums = 0, 0, [0.0, 0.0, 0.0, 0]
+    t_p1 = time.time()
+    while time.time() < t1_end:
+        xb, wb = next(it)
+        xb = xb.to(dev, non_blocking=True).long()
+        wb = wb.to(dev, non_blocking=True)
+        lr = a.drill_lr * min(1.0, (step + 1) / a.warmup)
+        loss, crit, acc = drill_loss(xb[:, :-1], xb[:, 1:], wb[:, 1:])
+        train_step(loss, lr)
         step += 1
-        tok_seen += x.numel()
-        if step == 10:
+        tok_seen += xb.shape[0] * (xb.shape[1] - 1)
+        if step % 25 == 0:
+            sums[0] += loss.item()
+            sums[1] += crit.item()
+            sums[2] += acc.item()
+            sums[3] += 1
+        if step % 200 == 0:
+            n = max(1, sums[3])
+            print("drill %5d facts<=%d loss %.4f lookup %.3f lookup-acc %.3f lr %.2e "
+                  "elapsed %.0fs" % (step, level.value, sums[0] / n, sums[1] / n, sums[2] / n,
+                                     lr, time.time() - t0), flush=True)
+            if sums[2] / n > a.level_up and level.value < dd.DRILL_FACTS[1]:
+                level.value = min(dd.DRILL_FACTS[1], level.value + 2)
+            sums = [0.0, 0.0, 0.0, 0]
+    sync(dev)
+    del it, dl1
+    print("phase 1: %d drill steps, %.1fM tokens in %.0fs" %
+          (step, tok_seen / 1e6, time.time() - t_p1), flush=True)
+    save_model(model, cfg, a.out + "-phase1")
+    report(model, tok, verses, pools, lines, a.eval_n_phase1, dev, chat=False)
+
+    # ---- phase 2: the long-context mix (text, retrieval, chat, some drill), cosine lr ----
+    t2 = time.time()
+    dur2 = max(10.0, t0 + train_time - t2)
+    dl2 = torch.utils.data.DataLoader(Rows(a.data, a.seq, a.seed, t2, dur2, a.drill_p),
+                                      batch_size=a.batch, num_workers=a.workers,
+                                      pin_memory=True, prefetch_factor=4,
+                                      persistent_workers=True)
+    it = iter(dl2)
+    step2, tok_seen, t_mark, tok_mark = 0, 0, None, 0
+    while time.time() < t2 + dur2:
+        xb, wb = next(it)
+        xb = xb.to(dev, non_blocking=True).long()
+        wb = wb.to(dev, non_blocking=True)
+        p = min(1.0, (time.time() - t2) / dur2)
+        lr = a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+        loss, lm, crit = lm_loss(xb[:, :-1], xb[:, 1:], wb[:, 1:])
+        train_step(loss, lr)
+        step2 += 1
+        tok_seen += xb.shape[0] * (xb.shape[1] - 1)
+        if step2 == 10:
             sync(dev)
             t_mark, tok_mark = time.time(), tok_seen
-        if step == 40 and total_steps is None:
-            sync(dev)
-            dt = (time.time() - t_mark) / 30
-            left = a.time_budget - a.eval_reserve - (time.time() - t0)
-            total_steps = max(step + 10, step + int(left / dt))
-            print("step time %.3fs -> %d steps in all" % (dt, total_steps), flush=True)
-        if step % 50 == 0 or step == 1:
-            lv, lmv = loss.item(), lm.item()
-            lm_ema = lmv if lm_ema is None else 0.9 * lm_ema + 0.1 * lmv
-            el = time.time() - t0
-            tps = (tok_seen - tok_mark) / (time.time() - t_mark) if t_mark and step > 10 else 0
+        if step2 % 50 == 0 or step2 == 1:
+            tps = (tok_seen - tok_mark) / (time.time() - t_mark) if t_mark and step2 > 10 else 0
             print("step %5d loss %.4f lm %.4f lookup %.3f lr %.2e tok/s %.0f elapsed %.0fs" %
-                  (step, lv, lmv, crit.item(), lr, tps, el), flush=True)
+                  (step2, loss.item(), lm.item(), crit.item(), lr, tps, time.time() - t0),
+                  flush=True)
     sync(dev)
-    t_train = time.time() - t0
-    tps = (tok_seen - tok_mark) / (time.time() - t_mark)
-    print("trained %d steps, %.1fM tokens, %.0fs, %.0f tok/s, final loss %.4f lm %.4f" %
-          (step, tok_seen / 1e6, t_train, tps, loss.item(), lm.item()), flush=True)
+    print("phase 2: %d steps, %.1fM tokens in %.0fs, final loss %.4f lm %.4f" %
+          (step2, tok_seen / 1e6, time.time() - t2, loss.item(), lm.item()), flush=True)
+    save_model(model, cfg, a.out)
+    report(model, tok, verses, pools, lines, a.eval_n, dev, chat=True)
+    print("done in %.0fs" % (time.time() - t0), flush=True)
 
-    os.makedirs(a.out, exist_ok=True)
-    save_file(model.hf_state_dict(), os.path.join(a.out, "model.safetensors"),
+
+def save_model(model, cfg, out):
+    """model.safetensors (bf16) and config.json; the tokenizer files are the data folder's."""
+    os.makedirs(out, exist_ok=True)
+    save_file(model.hf_state_dict(), os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
-    with open(os.path.join(a.out, "config.json"), "w") as f:
+    with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(a.data, name), a.out)
-    print("saved to", a.out, flush=True)
+    print("saved to", out, flush=True)
 
-    res = eval_retrieval(model, tok, verses, pools, (1024, 2048, 4096), a.eval_n, dev)
+
+def report(model, tok, verses, pools, lines, n, dev, chat):
+    L = (1024, 2048, 4096)
+    res = eval_retrieval(model, tok, verses, pools, L, n, dev)
     print("retrieval accuracy (held-out, %d probes each): %s" %
-          (a.eval_n, ", ".join("%dK %.1f%%" % (L // 1024, 100 * v) for L, v in res.items())),
+          (n, ", ".join("%dK %.1f%%" % (k // 1024, 100 * v) for k, v in res.items())),
           flush=True)
-    res = eval_harness(model, tok, verses, pools, lines, (1024, 2048, 4096), a.eval_n, dev)
+    res = eval_harness(model, tok, verses, pools, lines, L, n, dev)
     print("harness-format retrieval (held-out, %d probes each): %s" %
-          (a.eval_n, ", ".join("%dK %.1f%%" % (L // 1024, 100 * v) for L, v in res.items())),
+          (n, ", ".join("%dK %.1f%%" % (k // 1024, 100 * v) for k, v in res.items())),
           flush=True)
-    for q in ("Recite Genesis 1:1.", "What does the book of Ruth say about Naomi?", "What does the book of Ruth say about Boaz?",
+    if not chat:
+        return
+    for q in ("Recite Genesis 1:1.", "What does the book of Ruth say about Naomi?",
               "Who are you?", "Recite John 3:16."):
         ans = greedy(model, tok, dd.chatml([("user", q)], gen_prompt=True), dev)
         print("chat: %r -> %r" % (q, ans), flush=True)
-    print("done in %.0fs" % (time.time() - t0), flush=True)
-
 
 if __name__ == "__main__":
     main()
