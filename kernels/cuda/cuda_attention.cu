@@ -41,13 +41,6 @@ extern "C" {
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_launch.h"
 
-#define CUDA_CHECK(call)                                                                     \
-    do {                                                                                     \
-        cudaError_t e_ = (call);                                                             \
-        if (e_ != cudaSuccess)                                                               \
-            kvs_panic(__FILE__, __LINE__, "CUDA error %s (%s) in %s", cudaGetErrorName(e_),   \
-                      cudaGetErrorString(e_), #call);                                        \
-    } while (0)
 
 typedef __nv_bfloat16 bf16;
 

@@ -10,7 +10,8 @@
  * weights there. Kernels launched by cuBLAS keep ordinary stream order.
  *
  * KVS_CUDA_PDL=0 turns it off (plain launches; grid_dep_wait() is then a no-op).
- * Errors: launch failures abort through CUDA_CHECK with file:line (bugs, not client errors).
+ * Errors: CUDA_CHECK (below) aborts with file:line on any failed CUDA call (bugs, not client
+ * errors); it needs engine/util.h (kvs_panic) included first.
  */
 #ifndef KVS_CUDA_LAUNCH_H
 #define KVS_CUDA_LAUNCH_H
@@ -18,6 +19,14 @@
 #include <cuda_runtime.h>
 #include <stdlib.h>
 #include <utility>
+
+#define CUDA_CHECK(call)                                                                     \
+    do {                                                                                     \
+        cudaError_t e_ = (call);                                                             \
+        if (e_ != cudaSuccess)                                                               \
+            kvs_panic(__FILE__, __LINE__, "CUDA error %s (%s) in %s", cudaGetErrorName(e_),   \
+                      cudaGetErrorString(e_), #call);                                        \
+    } while (0)
 
 __device__ __forceinline__ void grid_dep_wait()
 {
