@@ -231,29 +231,42 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
     int32_t *idx = s->idx;
     memset(out, 0, sizeof *out);
 
-    /* raw log-softmax normaliser, for the reported logprobs */
+    /* raw log-softmax normaliser, for the reported logprobs: a pass of V exps, so only when the
+     * request asked for logprobs (for a 128K vocabulary it was most of a greedy step's cost) */
+    const int want_lp = p->logprobs || p->top_logprobs > 0;
     float rmax = -INFINITY;
-    for (int i = 0; i < V; i++)
-        if (logits[i] > rmax) rmax = logits[i];
+    if (want_lp)
+        for (int i = 0; i < V; i++)
+            if (logits[i] > rmax) rmax = logits[i];
     double rsum = 0.0;
-    if (rmax > -INFINITY)
+    if (want_lp && rmax > -INFINITY)
         for (int i = 0; i < V; i++) rsum += expf(logits[i] - rmax);
-    double rlse = rmax > -INFINITY ? (double)rmax + log(rsum) : 0.0;
+    double rlse = want_lp && rmax > -INFINITY ? (double)rmax + log(rsum) : 0.0;
     if (p->top_logprobs > 0) {
         out->n_top = top_k_ids(logits, V, p->top_logprobs, out->top_ids);
         for (int i = 0; i < out->n_top; i++) out->top_logprobs[i] = (float)((double)logits[out->top_ids[i]] - rlse);
     }
 
-    process(s, logits, history, n_prompt, n_hist, w);
+    const int greedy = p->temperature < 1e-5f || p->top_k == 1;
+    const int plain = p->n_logit_bias == 0 && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f &&
+                      p->frequency_penalty == 0.0f;
+    /* greedy without bias or penalties reads the logits as they are (no copy) */
+    if (!(greedy && plain)) process(s, logits, history, n_prompt, n_hist, w);
+    const float *wv = greedy && plain ? logits : w;
 
     int32_t tok = -1;
-    if (p->temperature < 1e-5f || p->top_k == 1) {
-        /* 4. greedy (top_k = 1 is the same thing) */
+    if (greedy) {
+        /* 4. greedy (top_k = 1 is the same thing): the first maximum, NaN skipped */
+        float best = 0.0f;
         for (int32_t i = 0; i < V; i++) {
-            if (isnan(w[i])) continue;
-            if (tok < 0 || w[i] > w[tok]) tok = i;
+            float v = wv[i];
+            if (v != v) continue;
+            if (tok < 0 || v > best) {
+                tok = i;
+                best = v;
+            }
         }
-        if (tok < 0 || w[tok] == -INFINITY) return -EINVAL;
+        if (tok < 0 || wv[tok] == -INFINITY) return -EINVAL;
     } else {
         /* 5. temperature + softmax (unnormalised exp, mass in double) */
         float inv_t = 1.0f / p->temperature, mx = -INFINITY;
@@ -315,6 +328,6 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         }
     }
     out->token = tok;
-    out->logprob = rmax > -INFINITY ? (float)((double)logits[tok] - rlse) : -INFINITY;
+    out->logprob = !want_lp ? 0.0f : rmax > -INFINITY ? (float)((double)logits[tok] - rlse) : -INFINITY;
     return 0;
 }

@@ -49,7 +49,7 @@ struct kvs_sampler {
 
 struct kvs_sample_result {
     int32_t token;
-    float logprob;                /* raw logprob of token (always filled) */
+    float logprob;                /* raw logprob of token (when sampling.logprobs or top_logprobs; else 0) */
     int n_top;                    /* = sampling.top_logprobs */
     int32_t top_ids[KVS_MAX_TOP_LOGPROBS];
     float top_logprobs[KVS_MAX_TOP_LOGPROBS];
