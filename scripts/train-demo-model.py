@@ -48,6 +48,15 @@ def load_pools(data_dir, n_verses):
     return seqs[:n_verses], seqs[n_verses:]
 
 
+def worker_gen(data_dir, seed):
+    """demo_data.Gen for the calling DataLoader worker, seeded seed + worker id."""
+    info = torch.utils.data.get_worker_info()
+    wid = info.id if info else 0
+    tok = Tokenizer.from_file(os.path.join(data_dir, "tokenizer.json"))
+    verses = dd.load_kjv(os.path.join(data_dir, "kjv.txt"))
+    return dd.Gen(tok, verses, seed=seed + wid, pools=load_pools(data_dir, len(verses)))
+
+
 class Rows(torch.utils.data.IterableDataset):
     """Packed rows from demo_data.Gen. The curriculum's progress is the wall-clock fraction
     of the training time (t_start .. t_start + duration) when the row is made."""
@@ -57,12 +66,7 @@ class Rows(torch.utils.data.IterableDataset):
         self.t_start, self.duration, self.drill_p = t_start, duration, drill_p
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        wid = info.id if info else 0
-        tok = Tokenizer.from_file(os.path.join(self.data_dir, "tokenizer.json"))
-        verses = dd.load_kjv(os.path.join(self.data_dir, "kjv.txt"))
-        gen = dd.Gen(tok, verses, seed=self.seed * 1000 + wid,
-                     pools=load_pools(self.data_dir, len(verses)))
+        gen = worker_gen(self.data_dir, self.seed * 1000)
         if self.drill_p > 0:
             gen.drill, gen.drill_p = dd.Drill(gen), self.drill_p
             gen.drill.progress = 1.0
@@ -81,12 +85,7 @@ class DrillRows(torch.utils.data.IterableDataset):
         self.t_start, self.duration, self.level = t_start, duration, level
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        wid = info.id if info else 0
-        tok = Tokenizer.from_file(os.path.join(self.data_dir, "tokenizer.json"))
-        verses = dd.load_kjv(os.path.join(self.data_dir, "kjv.txt"))
-        gen = dd.Gen(tok, verses, seed=self.seed * 1000 + 500 + wid,
-                     pools=load_pools(self.data_dir, len(verses)))
+        gen = worker_gen(self.data_dir, self.seed * 1000 + 500)
         drill = dd.Drill(gen)
         while True:
             drill.progress = min(1.0, max(0.0, (time.time() - self.t_start) / self.duration))
