@@ -2,8 +2,8 @@
  * with random bf16 weights generated on the device (no files), -> build/kvserve-gpubench.
  *
  * One decode step is the runner's layer loop written with the backend's ops (embed; per layer
- * rmsnorm, q/k/v matmuls, RoPE, kv_write, paged attention, o matmul, add+rmsnorm, gate/up
- * matmuls, SwiGLU, down matmul; final norm and LM head), captured once per shape in a CUDA
+ * rmsnorm, the q/k/v matmuls in one op, RoPE + kv_write in one op, paged attention, o matmul, add+rmsnorm,
+ * gate/up matmuls with SwiGLU in one op, down matmul; final norm and LM head), captured once per shape in a CUDA
  * graph and replayed. For each (batch, context) it prints ms/step (median of the replays),
  * tokens/s, the bytes the step must move (every weight matrix once + the K and V it attends
  * to; the embedding table contributes only its B rows), the floor = bytes / measured
@@ -97,18 +97,17 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
     if (other) O->rmsnorm(b, B->x, B->L[0].n1, 1e-5f, nb, DIM, B->h);
     for (int l = 0; l < B->n_layers; l++) {
         struct layer *L = &B->L[l];
-        if (gemm) O->matmul(b, B->h, L->wq, NULL, nb, DIM, DIM, B->q);
-        if (gemm) O->matmul(b, B->h, L->wk, NULL, nb, DIM, NKV * HD, B->k);
-        if (gemm) O->matmul(b, B->h, L->wv, NULL, nb, DIM, NKV * HD, B->v);
-        if (other) O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
-        if (other) O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
-        if (other) O->kv_write(b, B->k, B->v, B->slots, nb, NKV, HD, BS, L->kc, L->vc);
+        if (gemm) {
+            const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv};
+            const int outs[3] = {DIM, NKV * HD, NKV * HD};
+            struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
+            O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+        }
+        if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
         if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
-        if (gemm) O->matmul(b, B->h, L->wg, NULL, nb, DIM, FF, B->g);
-        if (gemm) O->matmul(b, B->h, L->wu, NULL, nb, DIM, FF, B->u);
-        if (other) O->swiglu(b, B->g, B->u, nb, FF, B->g);
+        if (gemm) O->matmul_swiglu(b, B->h, L->wg, L->wu, nb, DIM, FF, B->g, B->u);
         if (gemm) O->matmul(b, B->g, L->wd, NULL, nb, FF, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, l + 1 < B->n_layers ? B->L[l + 1].n1 : B->fnorm, 1e-5f, nb, DIM, B->h);
     }
@@ -220,7 +219,7 @@ static void free_shape(struct bench *B, struct shape *S)
 int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
-    int prefills[8] = {1024, 8192}, npre = 2;
+    int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
     int n_layers = 32, attn_variants = 0, breakdown = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
@@ -232,13 +231,16 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
+        else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--breakdown] [--attn-variants] [--markdown FILE]\n", argv[0]);
+                            "[--layers N] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
-    if (nbatch <= 0 || nctx <= 0 || npre < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
+    for (int i = 0; i < nsweep; i++)
+        if (sweep[i] > 32) nsweep = -1;
+    if (nbatch <= 0 || nctx <= 0 || npre < 0 || nsweep < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
@@ -257,6 +259,7 @@ int main(int argc, char **argv)
     int max_rows = 0;
     for (int i = 0; i < nbatch; i++) if (batches[i] > max_rows) max_rows = batches[i];
     for (int i = 0; i < npre; i++) if (prefills[i] > max_rows) max_rows = prefills[i];
+    for (int i = 0; i < nsweep; i++) if (sweep[i] > max_rows) max_rows = sweep[i];
 
     /* weights, random on the device (uniform, small scale so activations stay finite) */
     uint64_t seed = 1;
@@ -292,6 +295,7 @@ int main(int argc, char **argv)
     B->u = xalloc(b, KVS_BUF_ACT, R * FF);
     size_t max_b = 0;
     for (int i = 0; i < nbatch; i++) if ((size_t)batches[i] > max_b) max_b = (size_t)batches[i];
+    for (int i = 0; i < nsweep; i++) if ((size_t)sweep[i] > max_b) max_b = (size_t)sweep[i];
     B->logits = xalloc(b, KVS_BUF_ACT, (max_b ? max_b : 1) * VOCAB);
     B->last = xalloc(b, KVS_BUF_ACT, DIM);
     B->tok = xalloc(b, KVS_BUF_I32, R); B->pos = xalloc(b, KVS_BUF_I32, R);
@@ -336,6 +340,30 @@ int main(int argc, char **argv)
     }
     printf("%6s %8s %9s %10s %10s %10s %9s %9s%s\n", "batch", "context", "ms/step", "tokens/s", "weights GB", "KV GB",
            "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
+
+    /* the GEMMs of a decode step alone, cuBLAS vs the decode GEMM (cuda_skinny.h) */
+    if (nsweep > 0) {
+        printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %22s %8s\n", "rows", "cuBLAS ms (GB/s)",
+               "decode GEMM ms (GB/s)", "ratio");
+        if (mf) fprintf(mf, "| rows | cuBLAS ms (GB/s) | decode GEMM ms (GB/s) | cuBLAS / decode GEMM |\n| ---: | ---: | ---: | ---: |\n");
+        for (int i = 0; i < nsweep; i++) {
+            struct shape S;
+            struct kvs_attn_meta m;
+            make_shape(B, n_blocks, sweep[i], 1, 1, 0, &S, &m);
+            kvs_cuda_set_skinny_max(b, 0);
+            float tb = time_graph(B, sweep[i], &m, OPS_GEMM, iters);
+            kvs_cuda_set_skinny_max(b, 32);
+            float ts = time_graph(B, sweep[i], &m, OPS_GEMM, iters);
+            printf("%6d %9.3f (%5.0f) %13.3f (%5.0f) %8.2f\n", sweep[i], tb, gemm_bytes / (tb * 1e-3) / 1e9, ts,
+                   gemm_bytes / (ts * 1e-3) / 1e9, tb / ts);
+            if (mf) fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.2f |\n", sweep[i], tb, gemm_bytes / (tb * 1e-3) / 1e9, ts,
+                            gemm_bytes / (ts * 1e-3) / 1e9, tb / ts);
+            free_shape(B, &S);
+        }
+        kvs_cuda_set_skinny_max(b, -1);
+        printf("\n");
+        if (mf) fprintf(mf, "\n");
+    }
 
     float *t = kvs_xmalloc((size_t)iters * sizeof(float));
     for (int bi = 0; bi < nbatch; bi++)

@@ -486,22 +486,38 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
     o->rmsnorm(be, r->x, r->layers[0].attn_norm, eps, n, dim, r->xn);
     for (int l = 0; l < r->n_layers; l++) {
         const struct layer_w *L = &r->layers[l];
-        o->matmul(be, r->xn, L->wq, L->bq, n, dim, nh * hd, r->q);
-        o->matmul(be, r->xn, L->wk, L->bk, n, dim, nkv * hd, r->k);
-        o->matmul(be, r->xn, L->wv, L->bv, n, dim, nkv * hd, r->v);
+        if (o->matmul_multi) {
+            const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
+            const int outs[3] = {nh * hd, nkv * hd, nkv * hd};
+            struct kvs_dbuf *y[3] = {r->q, r->k, r->v};
+            o->matmul_multi(be, r->xn, 3, w, bias, n, dim, outs, y);
+        } else {
+            o->matmul(be, r->xn, L->wq, L->bq, n, dim, nh * hd, r->q);
+            o->matmul(be, r->xn, L->wk, L->bk, n, dim, nkv * hd, r->k);
+            o->matmul(be, r->xn, L->wv, L->bv, n, dim, nkv * hd, r->v);
+        }
         if (L->q_norm) {
             o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
             o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
         }
-        o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
-        o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
-        o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+        if (o->rope_kv_write) {
+            o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size,
+                             r->kc[l], r->vc[l]);
+        } else {
+            o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
+            o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
+            o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+        }
         o->attention(be, r->q, r->kc[l], r->vc[l], m, n, nh, nkv, hd, r->block_size, scale, r->att);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
         o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
-        o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
-        o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
-        o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+        if (o->matmul_swiglu) {
+            o->matmul_swiglu(be, r->xn, L->w_gate, L->w_up, n, dim, ff, r->gate, r->up);
+        } else {
+            o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
+            o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
+            o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+        }
         o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
         const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
         o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);

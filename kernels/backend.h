@@ -219,6 +219,29 @@ struct kvs_backend_ops {
     struct kvs_graph *(*graph_end)(struct kvs_backend *b, char *err, size_t errlen);
     void (*graph_launch)(struct kvs_backend *b, struct kvs_graph *g);
     void (*graph_free)(struct kvs_backend *b, struct kvs_graph *g);
+
+    /* ---- optional: fused ops (NULL: the runner composes them from the ops above) -----------
+     * Each gives the results of its composition, within the backend's own rounding (the CUDA
+     * backend's are bitwise equal to its separate ops'); they exist so a decode step reads x
+     * once and launches once where the layer has several projections of the same input, and
+     * so the smallest kernels of a step do not each pay a launch. */
+    /* For p < n_parts (1 .. 3): y[p] = x @ W[p]^T (+ bias[p]), as matmul(x, w[p], bias[p], n,
+     * in, out[p], y[p]) computes it; bias may be NULL (no biases) or hold NULL entries. */
+    void (*matmul_multi)(struct kvs_backend *b, const struct kvs_dbuf *x, int n_parts,
+                         const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n,
+                         int in, const int *out, struct kvs_dbuf *const *y);
+    /* gate = silu(x @ Wg^T) * (x @ Wu^T), as matmul, matmul, swiglu: x ACT [n][in], w_gate and
+     * w_up [ff][in], gate ACT [n][ff] (the result); up ACT [n][ff] is scratch (undefined after). */
+    void (*matmul_swiglu)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w_gate,
+                          const struct kvs_dweight *w_up, int n, int in, int ff, struct kvs_dbuf *gate,
+                          struct kvs_dbuf *up);
+    /* rope(q, pos, NULL), rope(k, pos, NULL), kv_write(k, v, slots, ...) in one op (same results):
+     * q ACT [n][n_heads][head_dim], k and v ACT [n][n_kv_heads][head_dim]; q and k are rotated in
+     * place as rope() does, then k and v are written to their slots as kv_write() does. */
+    void (*rope_kv_write)(struct kvs_backend *b, struct kvs_dbuf *q, struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                          const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq, const struct kvs_dbuf *slots,
+                          int n, int n_heads, int n_kv_heads, int head_dim, int block_size, struct kvs_dbuf *kc,
+                          struct kvs_dbuf *vc);
 };
 
 /* The CPU backend (always built). */

@@ -1,18 +1,20 @@
 /* cuda_attention.cu: paged causal attention (cuda_attention.h), built around memory bandwidth.
  *
  * Two launches per step, each over "tiles" of query rows x KV heads x context splits:
- *   - decode (sequences with one query row): k_attn, CUDA cores. A block (4 warps) owns one
- *     sequence, one KV head g and one split; its rows are the G query heads of the group (GQA:
- *     every K/V byte read serves all of them). QK runs one lane per key (each lane reads its key
- *     row from shared memory, the query rows are broadcast reads), an online softmax per row
- *     held by its warp, then PV with each lane owning head_dim / 32 output dims.
  *   - prefill (sequences with more rows): k_attn_tc, tensor cores (mma.sync, FlashAttention-2
- *     style). A block owns up to 64 / G consecutive tokens of one sequence: 64 (token, head)
- *     rows that share every staged K/V tile.
+ *     style). A block (4 warps) owns up to 64 / G consecutive tokens of one sequence: 64
+ *     (token, head) rows that share every staged K/V tile.
+ *   - decode (sequences with one query row): the same tensor-core kernel with one warp a block,
+ *     which owns one sequence, one KV head and one split; its 16 rows hold the G query heads of
+ *     the group (GQA: every K/V byte read serves all of them; the other rows are padding that
+ *     costs tensor-core slots, not memory). Tiny launches (a few sequences of short context)
+ *     use k_attn, on CUDA cores: 4 warps a block, one lane per key in QK, an online softmax per
+ *     row held by its warp, then PV with each lane owning head_dim / 32 output dims.
  * Measured on H100 (bench/RESULTS.md): the tensor-core kernel is 7x faster for an 8K prefill;
- * for decode rows (16 live rows of 64 at most) the CUDA-core kernel kept more blocks per SM
- * and read the KV faster (batch 32 x 8K: 14.9 vs 16.1 ms for all layers), so each launch uses
- * the faster kernel.
+ * for decode it reads the KV at 2733 GB/s at batch 32 x 8K (the CUDA-core kernel: 2552), where
+ * the CUDA-core kernel was bound by its shared-memory reads (each warp re-reads the whole tile).
+ * KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / tensor cores with 2 or 3
+ * tiles in flight), for comparisons.
  *
  * Both kernels stream K/V in tiles of 32 keys from the paged cache into shared memory with
  * cp.async, two tiles in flight. Slots past the visible range or in the unused tail of a cached
@@ -897,12 +899,50 @@ static void launch_simt_hd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st
     }
 }
 
+/* the tensor-core kernel for decode rows: one warp a block, 16 (G <= 16) or 32 rows of which G are
+ * live, ST K/V tiles in flight */
+template <int HD, int ST>
+static void launch_tc_dec(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                          int force)
+{
+    if (x.G <= 16) {
+        if (x.rot) launch_tc<HD, 1, 1, ST, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_tc<HD, 1, 1, ST, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    } else {
+        if (x.rot) launch_tc<HD, 1, 2, ST, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_tc<HD, 1, 2, ST, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    }
+}
+
+/* which kernel takes decode rows: KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one
+ * warp a block, that many tiles in flight); unset: automatic */
+static int dec_kind(int n_tiles, int n_kv, int n_sms, int max_ctx)
+{
+    static int k = -2;
+    if (k == -2) {
+        const char *e = getenv("KVS_CUDA_DEC_ATTN");
+        k = e ? atoi(e) : -1;
+        if (k != 0 && k != 2 && k != 3) k = -1;
+    }
+    if (k >= 0) return k;
+    /* H100, Llama-3.1-8B shape: tensor cores beat the CUDA-core kernel everywhere but at tiny
+     * launches (batch 1 x 1K: 0.45 vs 0.39 ms for all layers); three tiles in flight pay from
+     * 8K contexts (batch 32 x 8K: 12.57 vs 12.78 ms), two below (batch 8 x 1K: 0.67 vs 0.86) */
+    if ((long long)n_tiles * n_kv < n_sms / 4 && max_ctx <= 2048) return 0;
+    return max_ctx >= 4096 ? 3 : 2;
+}
+
 template <int HD>
 static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                       size_t ws_floats, int n, int force)
 {
     if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
-    else launch_simt_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    else {
+        const int k = dec_kind(n_tiles, x.n_kv, n_sms, max_ctx);
+        if (k == 2) launch_tc_dec<HD, 2>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else if (k == 3) launch_tc_dec<HD, 3>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_simt_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    }
 }
 
 void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,

@@ -9,7 +9,9 @@
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
- * GEMMs: cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, for every n.
+ * GEMMs: decode-sized batches (n <= skinny_max) use the decode GEMM of cuda_skinny.cu (tensor
+ * cores, weights streamed once; q/k/v in one launch, gate/up with SwiGLU in its epilogue);
+ * larger ones cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F.
  * Attention: kernels/cuda/cuda_attention.cu (paged, flash-decoding with cp.async K/V tiles, a
  * tiled prefill launch, deferred RoPE). Results are deterministic but not bitwise batch
  * invariant as backend.h asks: cuBLAS picks its kernel by n, and the context split of the
@@ -39,6 +41,10 @@ extern "C" {
 }
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_launch.h"
+#include "kernels/cuda/cuda_skinny.h"
+
+/* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS */
+#define SKINNY_MAX_DEFAULT 16
 #include "kernels/cuda/cuda_backend.h"
 
 #define CUBLAS_CHECK(call)                                                                   \
@@ -73,7 +79,8 @@ struct kvs_dweight {
 struct kvs_graph {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    const void *xh_src;           /* the bf16 mirror's state after the recorded ops (restored at replay) */
+    bf16 *xh;                     /* the bf16 mirror's state after the recorded ops (restored at replay) */
+    const void *xh_src;
     size_t xh_n;
 };
 
@@ -87,7 +94,9 @@ struct kvs_backend {
     cudaStream_t stream;
     cublasHandle_t blas;
     void *blas_ws;
-    bf16 *xh;                     /* bf16 copy of a matmul input [xh_cap] */
+    bf16 *xh_buf[2];              /* two bf16 mirror buffers [xh_cap]: an op that reads one mirror (the fused
+                                   * gate/up GEMM) writes its output's into the other */
+    bf16 *xh;                     /* the current mirror: xh_buf[0] or [1] */
     size_t xh_cap;
     const void *xh_src;           /* the fp32 buffer xh currently mirrors (NULL: none), xh_n elements of it.
                                    * The norms and SwiGLU write the bf16 copy of their output as they go, so
@@ -97,8 +106,9 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
-    int gemv;                     /* 1: matmuls of n <= GEMV_MAX_N rows use k_gemv instead of cuBLAS
-                                   * (KVS_CUDA_GEMV=0 turns it off) */
+    int skinny_max;               /* matmuls of n <= skinny_max rows use the decode GEMM (cuda_skinny.h),
+                                   * larger ones cuBLAS; KVS_CUDA_SKINNY_MAX (0: cuBLAS always) */
+    int skinny_default;           /* skinny_max at create */
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
@@ -125,13 +135,15 @@ static void xh_forget(struct kvs_backend *b, const void *d)
 }
 
 /* an op about to write n elements of fp32 output to d: returns where to put their bf16 copy
- * (NULL when it does not fit) and records it as the mirror of d */
+ * (NULL when it does not fit) and records it as the mirror of d. The two buffers alternate, so
+ * the mirror an op reads (claimed before) is never the one it writes. */
 static bf16 *xh_claim(struct kvs_backend *b, const void *d, size_t n)
 {
     if (n > b->xh_cap) {
         xh_forget(b, d);
         return NULL;
     }
+    b->xh = b->xh == b->xh_buf[0] ? b->xh_buf[1] : b->xh_buf[0];
     b->xh_src = d;
     b->xh_n = n;
     return b->xh;
@@ -278,6 +290,38 @@ __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const f
     }
 }
 
+/* k_rope on q and k, then k_kv_write, in one launch (block per row): the decode step's three
+ * smallest kernels, with the same arithmetic (bitwise the same results) */
+__global__ void k_rope_kv_write(float *q, float *k, const float *v, const int32_t *pos, const float *inv_freq,
+                                const int32_t *slots, int nh, int nkv, int hd, int bs, bf16 *kc, bf16 *vc)
+{
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    const size_t t = blockIdx.x;
+    const int half = hd / 2, slot = slots[t];
+    const long long p = pos[t];
+    const size_t blk = slot >= 0 ? (size_t)(slot / bs) : 0, off = slot >= 0 ? (size_t)(slot % bs) : 0;
+    for (int j = threadIdx.x; j < (nh + nkv) * half; j += blockDim.x) {
+        const int h = j / half, i = j % half;
+        const float ang = (float)((double)p * (double)inv_freq[i]);
+        const float c = cosf(ang), s = sinf(ang);
+        float *xh = h < nh ? q + (t * nh + h) * hd : k + (t * nkv + (h - nh)) * hd;
+        const float a = xh[i], b = xh[i + half];
+        const float ra = a * c - b * s, rb = b * c + a * s;
+        xh[i] = ra;
+        xh[i + half] = rb;
+        if (h >= nh && slot >= 0) {
+            bf16 *dst = kc + ((blk * nkv + (h - nh)) * bs + off) * hd;
+            dst[i] = __float2bfloat16(ra);
+            dst[i + half] = __float2bfloat16(rb);
+        }
+    }
+    if (slot < 0) return; /* padding rows own no slot */
+    for (int j = threadIdx.x; j < nkv * hd; j += blockDim.x) {
+        const int h = j / hd, d = j % hd;
+        vc[((blk * nkv + h) * bs + off) * hd + d] = __float2bfloat16(v[t * nkv * hd + j]);
+    }
+}
+
 /* block per row; threads over (kv head, d) */
 __global__ void k_kv_write(const float *k, const float *v, const int32_t *slots, int nkv, int hd, int bs, bf16 *kc, bf16 *vc)
 {
@@ -311,86 +355,6 @@ __global__ void k_gather_rows(const float *x, const int32_t *rows, int dim, floa
     size_t i = blockIdx.x;
     const float *src = x + (size_t)rows[i] * dim;
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
-}
-
-/* Single-row GEMV, y[t][o] = <x[t], W[o]> for n <= GEMV_MAX_N rows (batch-1 decode): a warp per output row
- * streams that row of W with 16-byte loads (four in flight per lane, not cached in L1, where the
- * x rows stay), multiplies them by the bf16 copy of x (at most 8 rows: L1-resident), accumulates
- * in fp32 and reduces over the warp. Memory-bound: each weight byte is read once. */
-#define GEMV_MAX_N 1         /* H100: 5.80 vs 6.10 ms of GEMMs per step for cuBLAS at n = 1, but 12.0 vs
-                              * 6.2 ms at n = 8 (x re-read from L1 per weight load): cuBLAS from n = 2 */
-#define GEMV_WARPS 4
-
-__device__ __forceinline__ uint4 ld_stream(const uint4 *p)
-{
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b)
-{
-    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&a, *q = (const __nv_bfloat162 *)&b;
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        float2 x = __bfloat1622float2(p[i]), y = __bfloat1622float2(q[i]);
-        s += x.x * y.x + x.y * y.y;
-    }
-    return s;
-}
-
-template <int NB>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) k_gemv(const bf16 *W, const bf16 *x, float *y, int in, int out)
-{
-    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= out) {
-        grid_dep_wait();
-        return;
-    }
-    const uint4 *w4 = (const uint4 *)(W + (size_t)row * in);
-    const uint4 *x4 = (const uint4 *)x;
-    const int nc = in / 8, xs = in / 8;
-    float acc[NB];
-#pragma unroll
-    for (int t = 0; t < NB; t++) acc[t] = 0.0f;
-    /* the weights do not depend on the previous kernel: the first ones stream before the wait */
-    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, w2 = w0, w3 = w0;
-    if (lane + 96 < nc) {
-        w0 = ld_stream(w4 + lane);
-        w1 = ld_stream(w4 + lane + 32);
-        w2 = ld_stream(w4 + lane + 64);
-        w3 = ld_stream(w4 + lane + 96);
-    }
-    grid_dep_wait(); /* cuda_launch.h: x is ready */
-    int c = lane;
-    for (; c + 96 < nc; c += 128) {
-        if (c != lane) {
-            w0 = ld_stream(w4 + c);
-            w1 = ld_stream(w4 + c + 32);
-            w2 = ld_stream(w4 + c + 64);
-            w3 = ld_stream(w4 + c + 96);
-        }
-#pragma unroll
-        for (int t = 0; t < NB; t++) {
-            const uint4 *xt = x4 + (size_t)t * xs + c;
-            acc[t] += dot8_bf16(w0, __ldg(xt)) + dot8_bf16(w1, __ldg(xt + 32)) + dot8_bf16(w2, __ldg(xt + 64)) +
-                      dot8_bf16(w3, __ldg(xt + 96));
-        }
-    }
-    for (; c < nc; c += 32) {
-        uint4 w0 = ld_stream(w4 + c);
-#pragma unroll
-        for (int t = 0; t < NB; t++) acc[t] += dot8_bf16(w0, __ldg(x4 + (size_t)t * xs + c));
-    }
-#pragma unroll
-    for (int t = 0; t < NB; t++) {
-        float v = acc[t];
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == t) y[(size_t)t * out + row] = v;
-    }
 }
 
 __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
@@ -436,8 +400,8 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
-        e = getenv("KVS_CUDA_GEMV");
-        b->gemv = e ? atoi(e) != 0 : 1;
+        e = getenv("KVS_CUDA_SKINNY_MAX");
+        b->skinny_max = b->skinny_default = e ? atoi(e) : SKINNY_MAX_DEFAULT;
     }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
@@ -461,7 +425,8 @@ static void cu_free(struct kvs_backend *b)
         CUDA_CHECK(cudaFree(w->h));
         free(w);
     }
-    CUDA_CHECK(cudaFree(b->xh));
+    CUDA_CHECK(cudaFree(b->xh_buf[0]));
+    CUDA_CHECK(cudaFree(b->xh_buf[1]));
     CUDA_CHECK(cudaFree(b->attn_ws));
     CUDA_CHECK(cudaFree(b->blas_ws));
     CUBLAS_CHECK(cublasDestroy(b->blas));
@@ -509,11 +474,16 @@ static struct kvs_dbuf *cu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, 
 {
     /* the matmul's bf16 copy of x is as large as the largest activation buffer */
     if (kind == KVS_BUF_ACT && n > b->xh_cap) {
-        bf16 *nx = (bf16 *)dev_alloc(n * sizeof(bf16));
-        if (!nx) return NULL;
+        bf16 *nx = (bf16 *)dev_alloc(n * sizeof(bf16)), *ny = nx ? (bf16 *)dev_alloc(n * sizeof(bf16)) : NULL;
+        if (!ny) {
+            if (nx) CUDA_CHECK(cudaFree(nx));
+            return NULL;
+        }
         CUDA_CHECK(cudaStreamSynchronize(b->stream));
-        CUDA_CHECK(cudaFree(b->xh));
-        b->xh = nx;
+        CUDA_CHECK(cudaFree(b->xh_buf[0]));
+        CUDA_CHECK(cudaFree(b->xh_buf[1]));
+        b->xh_buf[0] = b->xh = nx;
+        b->xh_buf[1] = ny;
         b->xh_cap = n;
         b->xh_src = NULL;
     }
@@ -697,37 +667,107 @@ static void cu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const str
     LAUNCH_CHECK();
 }
 
-static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
-                      const struct kvs_dweight *bias, int n, int in, int out, struct kvs_dbuf *y)
+/* The bf16 copy of x [n][in] that a GEMM reads: the mirror when it is x's, else converted now. */
+static const bf16 *gemm_input(struct kvs_backend *b, const struct kvs_dbuf *x, size_t nx)
 {
-    if (n <= 0) return;
-    KVS_ASSERT(!w->is_vector && w->rows == out && w->cols == in);
-    size_t nx = (size_t)n * in;
-    KVS_ASSERT(nx <= b->xh_cap);
     if (b->xh_src != x->d || b->xh_n != nx) {
-        CUDA_CHECK(kvs_cu_launch(k_f32_to_bf16, grid_for(nx, 256), 256, 0, b->stream, (const float *)x->d, b->xh, nx));
+        bf16 *h = xh_claim(b, x->d, nx);
+        KVS_ASSERT(h);
+        CUDA_CHECK(kvs_cu_launch(k_f32_to_bf16, grid_for(nx, 256), 256, 0, b->stream, (const float *)x->d, h, nx));
         LAUNCH_CHECK();
-        b->xh_src = x->d;
-        b->xh_n = nx;
     }
-    xh_forget(b, y->d);
-    if (b->gemv && n == GEMV_MAX_N && in % 8 == 0) {
-        dim3 grid((unsigned)((out + GEMV_WARPS - 1) / GEMV_WARPS)), blk(GEMV_WARPS * 32);
-        CUDA_CHECK(kvs_cu_launch(k_gemv<GEMV_MAX_N>, grid, blk, 0, b->stream, w->h, b->xh, (float *)y->d, in, out));
-        LAUNCH_CHECK();
-    } else {
-        const float one = 1.0f, zero = 0.0f;
-        /* column-major view: y^T[out][n] = W[out][in] (stored as col-major in x out, so op T) * x^T[in][n] */
-        CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w->h, CUDA_R_16BF, in, b->xh,
-                                  CUDA_R_16BF, in, &zero, y->d, CUDA_R_32F, out, CUBLAS_COMPUTE_32F,
-                                  CUBLAS_GEMM_DEFAULT));
-    }
+    return b->xh;
+}
+
+/* y = xh W^T (+ bias) through cuBLAS */
+static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dweight *w,
+                      const struct kvs_dweight *bias, int n, int in, int out, float *y)
+{
+    const float one = 1.0f, zero = 0.0f;
+    /* column-major view: y^T[out][n] = W[out][in] (stored as col-major in x out, so op T) * x^T[in][n] */
+    CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w->h, CUDA_R_16BF, in, xh,
+                              CUDA_R_16BF, in, &zero, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     if (bias) {
         KVS_ASSERT(bias->is_vector && bias->cols == out);
         size_t ny = (size_t)n * out;
-        CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, (float *)y->d, bias->f, ny, out));
+        CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, y, (const float *)bias->f, ny, out));
         LAUNCH_CHECK();
     }
+}
+
+/* Decode-sized batches (n <= skinny_max) go to the decode GEMM, which covers every part in one
+ * launch; larger ones to cuBLAS, one call per part. Either way each part's result is what
+ * matmul() alone gives. */
+static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int n_parts,
+                            const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n, int in,
+                            const int *out, struct kvs_dbuf *const *y)
+{
+    if (n <= 0) return;
+    KVS_ASSERT(n_parts >= 1 && n_parts <= KVS_SKINNY_MAX_PARTS);
+    KVS_ASSERT((size_t)n * in <= b->xh_cap);
+    const bf16 *xh = gemm_input(b, x, (size_t)n * in);
+    for (int p = 0; p < n_parts; p++) {
+        KVS_ASSERT(!w[p]->is_vector && w[p]->rows == out[p] && w[p]->cols == in);
+        xh_forget(b, y[p]->d);
+    }
+    if (n <= b->skinny_max && kvs_cu_skinny_supported(n, in, out, n_parts, 0)) {
+        struct kvs_cu_skinny a = {};
+        a.x = xh;
+        a.n = n;
+        a.in = in;
+        a.n_parts = n_parts;
+        for (int p = 0; p < n_parts; p++) {
+            if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == out[p]);
+            a.w[p] = w[p]->h;
+            a.bias[p] = bias && bias[p] ? bias[p]->f : NULL;
+            a.out[p] = out[p];
+            a.y[p] = (float *)y[p]->d;
+        }
+        CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
+        return;
+    }
+    for (int p = 0; p < n_parts; p++) gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], (float *)y[p]->d);
+}
+
+static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                      const struct kvs_dweight *bias, int n, int in, int out, struct kvs_dbuf *y)
+{
+    cu_matmul_multi(b, x, 1, &w, &bias, n, in, &out, &y);
+}
+
+static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up, int n, int ff,
+                      struct kvs_dbuf *out);
+
+/* gate = silu(x Wg^T) * (x Wu^T): one decode-GEMM launch with SwiGLU in its epilogue (which also
+ * writes the bf16 copy for the down projection), or two cuBLAS GEMMs and the SwiGLU kernel. */
+static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
+                             const struct kvs_dweight *wu, int n, int in, int ff, struct kvs_dbuf *gate,
+                             struct kvs_dbuf *up)
+{
+    if (n <= 0) return;
+    const int outs[2] = {ff, ff};
+    KVS_ASSERT(!wg->is_vector && wg->rows == ff && wg->cols == in && !wu->is_vector && wu->rows == ff && wu->cols == in);
+    if (n <= b->skinny_max && kvs_cu_skinny_supported(n, in, outs, 2, 1)) {
+        KVS_ASSERT((size_t)n * in <= b->xh_cap);
+        const bf16 *xh = gemm_input(b, x, (size_t)n * in);
+        xh_forget(b, up->d);
+        struct kvs_cu_skinny a = {};
+        a.x = xh;
+        a.n = n;
+        a.in = in;
+        a.swiglu = 1;
+        a.n_parts = 2;
+        a.w[0] = wg->h;
+        a.w[1] = wu->h;
+        a.out[0] = a.out[1] = ff;
+        a.y[0] = (float *)gate->d;
+        a.yh = xh_claim(b, gate->d, (size_t)n * ff); /* the other mirror buffer than xh */
+        CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
+        return;
+    }
+    cu_matmul(b, x, wg, NULL, n, in, ff, gate);
+    cu_matmul(b, x, wu, NULL, n, in, ff, up);
+    cu_swiglu(b, gate, up, n, ff, gate);
 }
 
 static void cu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dbuf *pos, const struct kvs_dbuf *rot,
@@ -747,6 +787,20 @@ static void cu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const s
     if (n <= 0) return;
     CUDA_CHECK(kvs_cu_launch(k_kv_write, n, 256, 0, b->stream, (const float *)k->d, (const float *)v->d, (const int32_t *)slots->d,
                                          n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d));
+    LAUNCH_CHECK();
+}
+
+static void cu_rope_kv_write(struct kvs_backend *b, struct kvs_dbuf *q, struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                             const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq, const struct kvs_dbuf *slots,
+                             int n, int n_heads, int n_kv_heads, int head_dim, int block_size, struct kvs_dbuf *kc,
+                             struct kvs_dbuf *vc)
+{
+    if (n <= 0) return;
+    xh_forget(b, q->d);
+    xh_forget(b, k->d);
+    CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, n, 256, 0, b->stream, (float *)q->d, (float *)k->d, (const float *)v->d,
+                             (const int32_t *)pos->d, (const float *)inv_freq->d, (const int32_t *)slots->d, n_heads,
+                             n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d));
     LAUNCH_CHECK();
 }
 
@@ -839,6 +893,7 @@ static struct kvs_graph *cu_graph_end(struct kvs_backend *b, char *err, size_t e
         free(g);
         return NULL;
     }
+    g->xh = b->xh;
     g->xh_src = b->xh_src;
     g->xh_n = b->xh_n;
     return g;
@@ -848,6 +903,7 @@ static void cu_graph_launch(struct kvs_backend *b, struct kvs_graph *g)
 {
     CUDA_CHECK(cudaGraphLaunch(g->exec, b->stream));
     /* the replay rewrote the bf16 mirror exactly as the recorded ops did */
+    b->xh = g->xh;
     b->xh_src = g->xh_src;
     b->xh_n = g->xh_n;
 }
@@ -891,6 +947,9 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_graph_end,
     cu_graph_launch,
     cu_graph_free,
+    cu_matmul_multi,
+    cu_matmul_swiglu,
+    cu_rope_kv_write,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */
@@ -993,7 +1052,7 @@ extern "C" int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head
     return kvs_cu_attention_supported(n_heads, n_kv_heads, head_dim);
 }
 
-extern "C" void kvs_cuda_set_gemv(struct kvs_backend *b, int on)
+extern "C" void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n)
 {
-    b->gemv = on != 0;
+    b->skinny_max = max_n >= 0 ? max_n : b->skinny_default;
 }

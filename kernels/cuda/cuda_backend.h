@@ -46,9 +46,10 @@ double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
  * the automatic choice. */
 void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
-/* 1 (the default; KVS_CUDA_GEMV=0 sets 0): single-row matmuls use the backend's own GEMV kernel
- * (faster than cuBLAS at n = 1 on H100); 0: cuBLAS for every n (tests and benchmark comparisons). */
-void kvs_cuda_set_gemv(struct kvs_backend *b, int on);
+/* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
+ * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (16, or KVS_CUDA_SKINNY_MAX at
+ * create). */
+void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
 
 /* 1 when the CUDA attention supports this model shape (head_dim 16/32/64/128/256, at most 32
  * query heads per KV head); the runner refuses other shapes on this backend with a message. */

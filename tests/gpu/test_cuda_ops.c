@@ -225,9 +225,12 @@ static void test_embed_matmul(void)
     char what[160];
     const enum kvs_dtype dts[] = {KVS_DTYPE_F32, KVS_DTYPE_BF16, KVS_DTYPE_F16};
     const char *dtn[] = {"f32", "bf16", "f16"};
+    /* n = 1 .. 32: the decode GEMM (in % 32 == 0, out % 16 == 0) or its fallback; n > 32: cuBLAS */
     struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
                                                  {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1},
-                                                 {5, 14336, 200, 0}, {1, 14336, 300, 1}, {1, 4104, 33, 0}};
+                                                 {5, 14336, 200, 0}, {1, 14336, 304, 1}, {1, 4104, 33, 0},
+                                                 {16, 4096, 1024, 0}, {17, 1024, 512, 1}, {32, 2048, 256, 0},
+                                                 {31, 96, 48, 1}, {12, 32, 16, 0}};
     for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
         int n = cases[c].n, in = cases[c].in, out = cases[c].out;
         enum kvs_dtype dt = dts[c % 3];
@@ -236,16 +239,16 @@ static void test_embed_matmul(void)
         struct wpair w = mkw(wv, out, in, 0, dt), b = mkw(bv, 1, out, 1, dt);
         struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), y = mk(KVS_BUF_ACT, (size_t)n * out, NULL);
         C->matmul(bc, x.c, w.c, cases[c].bias ? b.c : NULL, n, in, out, y.c);
-        /* both CUDA paths: the single-row GEMV (n = 1, in % 8 == 0) and cuBLAS */
-        for (int gemv = 0; gemv < 2; gemv++) {
-            kvs_cuda_set_gemv(bg, gemv);
+        /* both CUDA paths: cuBLAS (skinny_max 0) and the decode GEMM where it takes the shape */
+        for (int sk = 0; sk < 2; sk++) {
+            kvs_cuda_set_skinny_max(bg, sk ? 32 : 0);
             poison(&y);
             G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
-            snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d gemv=%d", dtn[c % 3], n, in, out,
-                     cases[c].bias, gemv);
+            snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d %s", dtn[c % 3], n, in, out,
+                     cases[c].bias, sk ? "skinny_max=32" : "cublas");
             check(what, &y, 1e-2);
         }
-        kvs_cuda_set_gemv(bg, 1);
+        kvs_cuda_set_skinny_max(bg, 32);
         /* embed: the weight as a [vocab=out][dim=in] table */
         int32_t *tok = kvs_xmalloc((size_t)n * 4);
         for (int i = 0; i < n; i++) tok[i] = irand(out);
@@ -258,6 +261,135 @@ static void test_embed_matmul(void)
         free(tok); drop(&tk); drop(&e);
         drop(&x); drop(&y); dropw(&w); dropw(&b);
         free(wv); free(xv); free(bv);
+    }
+}
+
+/* rows [0, n) of y downloaded from the CUDA side */
+static float *dl(struct pair *y, size_t n)
+{
+    float *h = kvs_xmalloc(n * sizeof(float));
+    G->download(bg, h, y->g, 0, n);
+    return h;
+}
+
+static void expect_same(const char *what, const float *a, const float *b, size_t n)
+{
+    kvs_test_checks++;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += memcmp(&a[i], &b[i], 4) != 0;
+    if (bad) {
+        kvs_test_fails++;
+        printf("FAIL %s: %zu of %zu values differ\n", what, bad, n);
+    } else {
+        printf("ok   %s (bitwise)\n", what);
+    }
+}
+
+/* The fused GEMMs (matmul_multi: q/k/v in one launch; matmul_swiglu: gate/up + SwiGLU) against
+ * the CPU composition, and bitwise against the CUDA backend's own matmul / swiglu; and the
+ * decode GEMM's batch invariance: a row's result does not depend on how many rows share it. */
+static void test_fused_gemm(void)
+{
+    char what[200];
+    kvs_cuda_set_skinny_max(bg, 32);
+    struct { int n, in, q, kv, ff, bias; } cases[] = {{1, 4096, 4096, 1024, 14336, 0}, {8, 512, 512, 128, 1376, 1},
+                                                       {13, 256, 256, 64, 688, 1}, {32, 1024, 2048, 256, 2816, 0},
+                                                       {40, 256, 256, 64, 512, 1}, {3, 96, 96, 48, 200, 0}};
+    for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
+        const int n = cases[c].n, in = cases[c].in, ff = cases[c].ff;
+        const int outs[3] = {cases[c].q, cases[c].kv, cases[c].kv};
+        float *xv = rand_vec((size_t)n * in, 1.0f, 0);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv);
+        struct wpair w[3], bs[3];
+        struct pair y[3], y1[3];
+        float *wv[3], *bv[3];
+        for (int p = 0; p < 3; p++) {
+            wv[p] = rand_vec((size_t)outs[p] * in, 0.05f, 0);
+            bv[p] = rand_vec((size_t)outs[p], 0.5f, 0);
+            w[p] = mkw(wv[p], outs[p], in, 0, KVS_DTYPE_BF16);
+            bs[p] = mkw(bv[p], 1, outs[p], 1, KVS_DTYPE_F32);
+            y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+            y1[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+            C->matmul(bc, x.c, w[p].c, cases[c].bias ? bs[p].c : NULL, n, in, outs[p], y[p].c);
+            poison(&y[p]);
+        }
+        const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, w[2].g}, *bg3[3] = {bs[0].g, bs[1].g, bs[2].g};
+        struct kvs_dbuf *yg[3] = {y[0].g, y[1].g, y[2].g};
+        G->matmul_multi(bg, x.g, 3, wg, cases[c].bias ? bg3 : NULL, n, in, outs, yg);
+        for (int p = 0; p < 3; p++) {
+            snprintf(what, sizeof what, "matmul_multi part %d n=%d in=%d out=%d bias=%d", p, n, in, outs[p], cases[c].bias);
+            check(what, &y[p], 1e-2);
+            G->matmul(bg, x.g, w[p].g, cases[c].bias ? bs[p].g : NULL, n, in, outs[p], y1[p].g);
+            float *a = dl(&y[p], (size_t)n * outs[p]), *b = dl(&y1[p], (size_t)n * outs[p]);
+            snprintf(what, sizeof what, "matmul_multi part %d n=%d equals matmul", p, n);
+            expect_same(what, a, b, (size_t)n * outs[p]);
+            free(a);
+            free(b);
+        }
+        /* batch invariance of the decode GEMM: each row in a batch of two (with its neighbour) gives
+         * the same bits as in the whole batch (n = 1 takes the single-row kernel, another order) */
+        if (n > 2 && n <= 32) {
+            float *all = dl(&y[0], (size_t)n * outs[0]);
+            struct pair x1 = mk(KVS_BUF_ACT, (size_t)2 * in, NULL), o1 = mk(KVS_BUF_ACT, (size_t)2 * outs[0], NULL);
+            int bad = 0;
+            for (int t = 0; t < n; t++) {
+                G->upload(bg, x1.g, 0, xv + (size_t)t * in, (size_t)in);
+                G->upload(bg, x1.g, (size_t)in, xv + (size_t)((t + 1) % n) * in, (size_t)in);
+                G->matmul(bg, x1.g, w[0].g, cases[c].bias ? bs[0].g : NULL, 2, in, outs[0], o1.g);
+                float *one = dl(&o1, (size_t)outs[0]);
+                bad += memcmp(one, all + (size_t)t * outs[0], (size_t)outs[0] * 4) != 0;
+                free(one);
+            }
+            kvs_test_checks++;
+            if (bad) { kvs_test_fails++; printf("FAIL decode GEMM batch invariance n=%d: %d rows differ\n", n, bad); }
+            else printf("ok   decode GEMM batch invariance n=%d in=%d (each row in a batch of 2, bitwise)\n", n, in);
+            free(all);
+            drop(&x1);
+            drop(&o1);
+        }
+        /* gate/up + SwiGLU */
+        float *gv = rand_vec((size_t)ff * in, 0.05f, 0), *uv = rand_vec((size_t)ff * in, 0.05f, 0);
+        struct wpair gw = mkw(gv, ff, in, 0, KVS_DTYPE_BF16), uw = mkw(uv, ff, in, 0, KVS_DTYPE_BF16);
+        struct pair gt = mk(KVS_BUF_ACT, (size_t)n * ff, NULL), up = mk(KVS_BUF_ACT, (size_t)n * ff, NULL);
+        struct pair g2 = mk(KVS_BUF_ACT, (size_t)n * ff, NULL), u2 = mk(KVS_BUF_ACT, (size_t)n * ff, NULL);
+        struct pair dw = mk(KVS_BUF_ACT, (size_t)n * in, NULL);
+        C->matmul(bc, x.c, gw.c, NULL, n, in, ff, gt.c);
+        C->matmul(bc, x.c, uw.c, NULL, n, in, ff, up.c);
+        C->swiglu(bc, gt.c, up.c, n, ff, gt.c);
+        poison(&gt);
+        G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
+        snprintf(what, sizeof what, "matmul_swiglu n=%d in=%d ff=%d", n, in, ff);
+        check(what, &gt, 1e-2);
+        /* the next GEMM reads the bf16 copy that the fused epilogue wrote: the down projection of
+         * the fused result must equal the one of the composed result (bitwise on CUDA) */
+        float *dv = rand_vec((size_t)in * ff, 0.05f, 0);
+        struct wpair dwt = mkw(dv, in, ff, 0, KVS_DTYPE_BF16);
+        G->matmul(bg, gt.g, dwt.g, NULL, n, ff, in, dw.g);
+        float *down_fused = dl(&dw, (size_t)n * in);
+        G->matmul(bg, x.g, gw.g, NULL, n, in, ff, g2.g);
+        G->matmul(bg, x.g, uw.g, NULL, n, in, ff, u2.g);
+        G->swiglu(bg, g2.g, u2.g, n, ff, g2.g);
+        float *a = dl(&gt, (size_t)n * ff), *b = dl(&g2, (size_t)n * ff);
+        /* bitwise where matmul takes the decode GEMM too (ff % 16 == 0); else matmul is cuBLAS */
+        if (ff % 16 == 0 || n > 32) {
+            snprintf(what, sizeof what, "matmul_swiglu n=%d equals matmul + matmul + swiglu", n);
+            expect_same(what, a, b, (size_t)n * ff);
+        }
+        G->matmul(bg, g2.g, dwt.g, NULL, n, ff, in, dw.g);
+        float *down_comp = dl(&dw, (size_t)n * in);
+        if (ff % 16 == 0 || n > 32) {
+            snprintf(what, sizeof what, "down projection after matmul_swiglu n=%d (its bf16 copy)", n);
+            expect_same(what, down_fused, down_comp, (size_t)n * in);
+        }
+        free(a); free(b); free(down_fused); free(down_comp); free(gv); free(uv); free(dv);
+        dropw(&gw); dropw(&uw); dropw(&dwt);
+        drop(&gt); drop(&up); drop(&g2); drop(&u2); drop(&dw);
+        for (int p = 0; p < 3; p++) {
+            dropw(&w[p]); dropw(&bs[p]); drop(&y[p]); drop(&y1[p]);
+            free(wv[p]); free(bv[p]);
+        }
+        drop(&x);
+        free(xv);
     }
 }
 
@@ -295,6 +427,75 @@ static void test_rope_headnorm(void)
         check(what, &x, 1e-5);
         drop(&x); drop(&p); drop(&r); drop(&f); dropw(&w);
         free(xv); free(wv); free(inv); free(pos); free(rot);
+    }
+}
+
+/* rope_kv_write (RoPE of q and k + the cache write in one op) against the CPU composition, and
+ * bitwise against the CUDA backend's own rope, rope, kv_write; a padding row (slot -1) writes
+ * nothing */
+static void test_rope_kv_write(void)
+{
+    char what[200];
+    struct { int n, nh, nkv, hd, bs; } cases[] = {{1, 32, 8, 128, 16}, {7, 8, 2, 64, 16}, {20, 4, 4, 32, 5}};
+    for (int c = 0; c < 3; c++) {
+        const int n = cases[c].n, nh = cases[c].nh, nkv = cases[c].nkv, hd = cases[c].hd, bs = cases[c].bs;
+        const int n_blocks = n + 2;
+        const size_t qn = (size_t)n * nh * hd, kn = (size_t)n * nkv * hd, cn = (size_t)n_blocks * nkv * bs * hd;
+        float *qv = rand_vec(qn, 1.0f, 0), *kv = rand_vec(kn, 1.0f, 0), *vv = rand_vec(kn, 1.0f, 0);
+        float *c0 = rand_vec(cn, 1.0f, 1), *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+        make_inv_freq(inv, hd, 500000.0);
+        int32_t *pos = kvs_xmalloc((size_t)n * 4), *slots = kvs_xmalloc((size_t)n * 4);
+        for (int i = 0; i < n; i++) {
+            pos[i] = irand(100000);
+            slots[i] = irand(n_blocks * bs);
+        }
+        /* distinct slots (a step never writes one slot twice) */
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < i; j++)
+                if (slots[i] >= 0 && slots[i] == slots[j]) { slots[i] = (slots[i] + 1) % (n_blocks * bs); j = -1; }
+        struct pair q = mk(KVS_BUF_ACT, qn, qv), k = mk(KVS_BUF_ACT, kn, kv), v = mk(KVS_BUF_ACT, kn, vv);
+        struct pair q2 = mk(KVS_BUF_ACT, qn, qv), k2 = mk(KVS_BUF_ACT, kn, kv);
+        struct pair kc = mk(KVS_BUF_KV, cn, c0), vc = mk(KVS_BUF_KV, cn, c0), kc2 = mk(KVS_BUF_KV, cn, c0),
+                    vc2 = mk(KVS_BUF_KV, cn, c0);
+        struct pair ps = mk(KVS_BUF_I32, (size_t)n, pos), sl = mk(KVS_BUF_I32, (size_t)n, slots);
+        struct pair f = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
+        C->rope(bc, q.c, ps.c, NULL, f.c, n, nh, hd);
+        C->rope(bc, k.c, ps.c, NULL, f.c, n, nkv, hd);
+        C->kv_write(bc, k.c, v.c, sl.c, n, nkv, hd, bs, kc.c, vc.c);
+        G->rope_kv_write(bg, q.g, k.g, v.g, ps.g, f.g, sl.g, n, nh, nkv, hd, bs, kc.g, vc.g);
+        snprintf(what, sizeof what, "rope_kv_write n=%d heads=%d/%d hd=%d bs=%d: q", n, nh, nkv, hd, bs);
+        check(what, &q, 1e-5);
+        snprintf(what, sizeof what, "rope_kv_write n=%d: k", n);
+        check(what, &k, 1e-5);
+        snprintf(what, sizeof what, "rope_kv_write n=%d: K cache", n);
+        check(what, &kc, 1e-2);
+        snprintf(what, sizeof what, "rope_kv_write n=%d: V cache", n);
+        check(what, &vc, 1e-2);
+        /* bitwise against the CUDA composition, with a padding row (slot -1: the runner's dummy
+         * sequences; the CPU backend never sees one) in both */
+        if (n > 1) slots[n / 2] = -1;
+        struct pair sl2 = mk(KVS_BUF_I32, (size_t)n, slots);
+        G->upload(bg, q.g, 0, qv, qn);
+        G->upload(bg, k.g, 0, kv, kn);
+        G->upload(bg, kc.g, 0, c0, cn);
+        G->upload(bg, vc.g, 0, c0, cn);
+        G->rope_kv_write(bg, q.g, k.g, v.g, ps.g, f.g, sl2.g, n, nh, nkv, hd, bs, kc.g, vc.g);
+        G->rope(bg, q2.g, ps.g, NULL, f.g, n, nh, hd);
+        G->rope(bg, k2.g, ps.g, NULL, f.g, n, nkv, hd);
+        G->kv_write(bg, k2.g, v.g, sl2.g, n, nkv, hd, bs, kc2.g, vc2.g);
+        drop(&sl2);
+        struct pair *fused[4] = {&q, &k, &kc, &vc}, *sep[4] = {&q2, &k2, &kc2, &vc2};
+        const char *nm[4] = {"q", "k", "K cache", "V cache"};
+        for (int i = 0; i < 4; i++) {
+            float *a = dl(fused[i], fused[i]->n), *b = dl(sep[i], sep[i]->n);
+            snprintf(what, sizeof what, "rope_kv_write n=%d equals rope + rope + kv_write: %s", n, nm[i]);
+            expect_same(what, a, b, fused[i]->n);
+            free(a);
+            free(b);
+        }
+        drop(&q); drop(&k); drop(&v); drop(&q2); drop(&k2); drop(&kc); drop(&vc); drop(&kc2); drop(&vc2);
+        drop(&ps); drop(&sl); drop(&f);
+        free(qv); free(kv); free(vv); free(c0); free(inv); free(pos); free(slots);
     }
 }
 
@@ -454,7 +655,9 @@ int main(void)
     if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
     test_rows();
     test_embed_matmul();
+    test_fused_gemm();
     test_rope_headnorm();
+    test_rope_kv_write();
     test_attention();
     G->free(bg);
     C->free(bc);

@@ -1,0 +1,285 @@
+/* cuda_skinny.cu: the decode GEMM (cuda_skinny.h), y = x W^T for a few token rows.
+ *
+ * A block owns one tile of 16 weight rows (plain) or 8 gate rows + the same 8 up rows (SwiGLU)
+ * and all n tokens; its 16 warps split the K dimension (groups of 1 or 2 chunks of 32 columns,
+ * dealt round robin) and each streams its groups of the 16 rows. In a chunk, lane (g = lane / 4, q = lane % 4)
+ * loads 16 bytes of row g and of row g + 8 (columns 8q .. 8q + 7) and 16 bytes of x for token g
+ * of each 8-token group: exactly the registers of two m16n8k16 MMAs if the 32 columns are taken
+ * in a permuted order. A dot product does not care about the order of its terms, so W and x
+ * just have to use the same one: MMA 0 sees columns (8q, 8q+1 | 8q+2, 8q+3) as its k pairs
+ * (2q, 2q+1 | 2q+8, 2q+9), MMA 1 sees 8q+4 .. 8q+7. No shuffles, no shared memory in the loop.
+ *
+ * Memory: every weight byte is read once (ld.global.nc, L1::no_allocate, two groups in flight
+ * per lane); x (at most 32 x in bf16) stays in L1/L2. The first group is loaded before the grid
+ * dependency wait (cuda_launch.h): weights never depend on the previous kernel.
+ * A single row (batch-1 decode) takes k_gemv1 instead: a warp per output row, which streamed the
+ * weights faster (2892 vs 2661 GB/s on H100) than any tiling of the MMA kernel that was tried.
+ */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_launch.h"
+#include "kernels/cuda/cuda_skinny.h"
+
+typedef __nv_bfloat16 bf16;
+
+#define GV_WARPS 4   /* single-row kernel: warps (rows) per block */
+
+struct sk_params {
+    const bf16 *x;
+    int n, in, swiglu, n_parts;
+    int tiles[KVS_SKINNY_MAX_PARTS];       /* 16-row tiles of each part (plain) */
+    const bf16 *w[KVS_SKINNY_MAX_PARTS];
+    const float *bias[KVS_SKINNY_MAX_PARTS];
+    int out[KVS_SKINNY_MAX_PARTS];
+    float *y[KVS_SKINNY_MAX_PARTS];
+    bf16 *yh;
+};
+
+__device__ __forceinline__ uint4 sk_ld_stream(const uint4 *p)
+{
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                         unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* loads chunks c .. c + SK_U - 1 (those below c1) of the lane's two rows */
+template <int SK_U>
+__device__ __forceinline__ void sk_load(const uint4 *lo, const uint4 *hi, int c, int c1, uint4 *wa, uint4 *wb)
+{
+#pragma unroll
+    for (int u = 0; u < SK_U; u++)
+        if (c + u < c1) {
+            wa[u] = sk_ld_stream(lo + (size_t)(c + u) * 4);
+            wb[u] = sk_ld_stream(hi + (size_t)(c + u) * 4);
+        }
+}
+
+/* multiplies the loaded chunks by the lane's x columns of each 8-token group */
+template <int NT, int SK_U>
+__device__ __forceinline__ void sk_mma(const uint4 *xg, int xs, int valid_t, int c, int c1, const uint4 *wa,
+                                       const uint4 *wb, float (*acc)[4])
+{
+#pragma unroll
+    for (int u = 0; u < SK_U; u++) {
+        if (c + u >= c1) break;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            uint4 xv = make_uint4(0, 0, 0, 0);
+            if (t < valid_t) xv = __ldg(xg + (size_t)t * 8 * xs + (size_t)(c + u) * 4);
+            mma16816(acc[t], wa[u].x, wb[u].x, wa[u].y, wb[u].y, xv.x, xv.y);
+            mma16816(acc[t], wa[u].z, wb[u].z, wa[u].w, wb[u].w, xv.z, xv.w);
+        }
+    }
+}
+
+template <int NT, int SK_WARPS, int SK_U>
+__global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
+{
+    __shared__ float red[SK_WARPS > 1 ? SK_WARPS - 1 : 1][NT * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const int in = p.in;
+
+    /* this block's tile: rows (lo, hi) = (r0 + g, r0 + g + 8) of part `part`, or gate / up row f0 + g */
+    int tile = blockIdx.x, part = 0;
+    const bf16 *wlo, *whi;
+    if (p.swiglu) {
+        wlo = p.w[0] + ((size_t)tile * 8 + g) * in;
+        whi = p.w[1] + ((size_t)tile * 8 + g) * in;
+    } else {
+        while (part + 1 < p.n_parts && tile >= p.tiles[part]) tile -= p.tiles[part++];
+        wlo = p.w[part] + ((size_t)tile * 16 + g) * in;
+        whi = wlo + (size_t)8 * in;
+    }
+    const uint4 *lo = (const uint4 *)(wlo + 8 * q), *hi = (const uint4 *)(whi + 8 * q);
+    /* K is dealt to the warps in groups of SK_U chunks, round robin: at any moment the block's
+     * warps read neighbouring 256-byte pieces of each row, so DRAM sees long runs (contiguous K
+     * ranges per warp read at 8 places per row and were ~7% slower) */
+    const int nc = in / 32, step = SK_WARPS * SK_U, c0 = warp * SK_U, c1 = nc;
+
+    /* x: token g of each group of 8, columns 8q .. of each chunk; groups past n read nothing */
+    const uint4 *xg = (const uint4 *)(p.x + (size_t)g * in + 8 * q);
+    const int xs = in / 8;                       /* uint4 per x row */
+    int valid_t = 0;                             /* groups t with token t * 8 + g < n */
+#pragma unroll
+    for (int t = 0; t < NT; t++) valid_t += t * 8 + g < p.n;
+
+    float acc[NT][4];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+
+    uint4 wa0[SK_U], wb0[SK_U], wa1[SK_U], wb1[SK_U];
+    sk_load<SK_U>(lo, hi, c0, c1, wa0, wb0);     /* before the wait: weights are constant */
+    grid_dep_wait();                             /* cuda_launch.h: x is ready */
+    for (int c = c0; c < c1; c += 2 * step) {
+        sk_load<SK_U>(lo, hi, c + step, c1, wa1, wb1);
+        sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
+        sk_load<SK_U>(lo, hi, c + 2 * step, c1, wa0, wb0);
+        sk_mma<NT, SK_U>(xg, xs, valid_t, c + step, c1, wa1, wb1, acc);
+    }
+
+    /* add the warps' partial sums in warp order */
+    if (warp > 0)
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) red[warp - 1][t * 4 + i][lane] = acc[t][i];
+    __syncthreads();
+    if (warp > 0) return;
+    for (int w = 0; w < SK_WARPS - 1; w++)
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[t][i] += red[w][t * 4 + i][lane];
+
+    /* acc[t]: (row g, tokens 2q, 2q+1 of group t), (row g + 8, the same tokens) */
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int tok = t * 8 + 2 * q + j;
+            if (tok >= p.n) continue;
+            const float a = acc[t][j], b = acc[t][2 + j];
+            if (p.swiglu) {
+                const size_t f = (size_t)tok * p.out[0] + (size_t)tile * 8 + g;
+                const float v = a / (1.0f + expf(-a)) * b;   /* as k_swiglu */
+                p.y[0][f] = v;
+                if (p.yh) p.yh[f] = __float2bfloat16(v);
+            } else {
+                const int r = tile * 16 + g;
+                const float *bias = p.bias[part];
+                float *y = p.y[part] + (size_t)tok * p.out[part];
+                y[r] = bias ? a + bias[r] : a;
+                y[r + 8] = bias ? b + bias[r + 8] : b;
+            }
+        }
+}
+
+__device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b)
+{
+    const __nv_bfloat162 *p = (const __nv_bfloat162 *)&a, *q = (const __nv_bfloat162 *)&b;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float2 x = __bfloat1622float2(p[i]), y = __bfloat1622float2(q[i]);
+        s += x.x * y.x + x.y * y.y;
+    }
+    return s;
+}
+
+/* <W row, x> by one warp: 16-byte loads, four in flight per lane, the first four issued before the
+ * grid dependency wait (weights do not depend on the previous kernel) */
+__device__ __forceinline__ float gv_row(const bf16 *W, const bf16 *x, int in, bool waited)
+{
+    const int lane = threadIdx.x & 31;
+    const uint4 *w4 = (const uint4 *)W, *x4 = (const uint4 *)x;
+    const int nc = in / 8;
+    float acc = 0.0f;
+    uint4 w0 = make_uint4(0, 0, 0, 0), w1 = w0, w2 = w0, w3 = w0;
+    if (lane + 96 < nc) {
+        w0 = sk_ld_stream(w4 + lane);
+        w1 = sk_ld_stream(w4 + lane + 32);
+        w2 = sk_ld_stream(w4 + lane + 64);
+        w3 = sk_ld_stream(w4 + lane + 96);
+    }
+    if (!waited) grid_dep_wait(); /* cuda_launch.h: x is ready */
+    int c = lane;
+    for (; c + 96 < nc; c += 128) {
+        if (c != lane) {
+            w0 = sk_ld_stream(w4 + c);
+            w1 = sk_ld_stream(w4 + c + 32);
+            w2 = sk_ld_stream(w4 + c + 64);
+            w3 = sk_ld_stream(w4 + c + 96);
+        }
+        acc += dot8_bf16(w0, __ldg(x4 + c)) + dot8_bf16(w1, __ldg(x4 + c + 32)) + dot8_bf16(w2, __ldg(x4 + c + 64)) +
+               dot8_bf16(w3, __ldg(x4 + c + 96));
+    }
+    for (; c < nc; c += 32) acc += dot8_bf16(sk_ld_stream(w4 + c), __ldg(x4 + c));
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    return acc;
+}
+
+/* n = 1: a warp per output row (plain: the rows of all parts in order; SwiGLU: gate row f and up
+ * row f). Summation order differs from k_skinny's; a decode step always has n fixed per launch. */
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
+{
+    int row = blockIdx.x * GV_WARPS + (threadIdx.x >> 5), part = 0;
+    const int lane = threadIdx.x & 31;
+    if (p.swiglu) {
+        if (row >= p.out[0]) {
+            grid_dep_wait();
+            return;
+        }
+        const float a = gv_row(p.w[0] + (size_t)row * p.in, p.x, p.in, false);
+        const float b = gv_row(p.w[1] + (size_t)row * p.in, p.x, p.in, true);
+        if (lane == 0) {
+            const float v = a / (1.0f + expf(-a)) * b; /* as k_swiglu */
+            p.y[0][row] = v;
+            if (p.yh) p.yh[row] = __float2bfloat16(v);
+        }
+        return;
+    }
+    while (part < p.n_parts && row >= p.out[part]) row -= p.out[part++];
+    if (part >= p.n_parts) {
+        grid_dep_wait();
+        return;
+    }
+    const float a = gv_row(p.w[part] + (size_t)row * p.in, p.x, p.in, false);
+    if (lane == 0) p.y[part][row] = p.bias[part] ? a + p.bias[part][row] : a;
+}
+
+int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swiglu)
+{
+    if (n < 1 || n > KVS_SKINNY_MAX_N || in <= 0 || in % 32 != 0) return 0;
+    if (swiglu) return n_parts == 2 && out[0] > 0 && out[0] % 8 == 0 && out[1] == out[0];
+    if (n_parts < 1 || n_parts > KVS_SKINNY_MAX_PARTS) return 0;
+    for (int i = 0; i < n_parts; i++)
+        if (out[i] <= 0 || out[i] % 16 != 0) return 0;
+    return 1;
+}
+
+cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
+{
+    sk_params p = {};
+    p.x = a->x;
+    p.n = a->n;
+    p.in = a->in;
+    p.swiglu = a->swiglu;
+    p.n_parts = a->n_parts;
+    p.yh = a->yh;
+    unsigned blocks = 0;
+    for (int i = 0; i < a->n_parts; i++) {
+        p.w[i] = a->w[i];
+        p.bias[i] = a->bias[i];
+        p.out[i] = a->out[i];
+        p.y[i] = a->y[i];
+        p.tiles[i] = a->out[i] / 16;
+        blocks += (unsigned)p.tiles[i];
+    }
+    if (a->swiglu) blocks = (unsigned)(a->out[0] / 8);
+    if (a->n == 1) {
+        unsigned rows = 0;
+        for (int i = 0; i < a->n_parts; i++) rows += (unsigned)a->out[i];
+        if (a->swiglu) rows = (unsigned)a->out[0];
+        return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
+    }
+    /* H100, Llama-3.1-8B GEMMs of a step (bench/RESULTS.md): 16 warps a block hide the load latency
+     * best; two chunks a group up to 8 rows (2661 GB/s at n = 2 vs 2455 for cuBLAS), one chunk for
+     * 9 .. 16 rows (2482 vs 2393 at n = 16), where the x fragments take more registers */
+    const dim3 grid(blocks), blk(16 * 32);
+    if (a->n <= 8) return kvs_cu_launch(k_skinny<1, 16, 2>, grid, blk, 0, stream, p);
+    if (a->n <= 16) return kvs_cu_launch(k_skinny<2, 16, 1>, grid, blk, 0, stream, p);
+    return kvs_cu_launch(k_skinny<4, 16, 1>, grid, blk, 0, stream, p);
+}
