@@ -484,7 +484,7 @@ static void step(struct kvs_engine *e)
         s->want_logits = KVS_LOGITS_NONE;
     }
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
-    struct kvs_batch batch = {e->seqs, n + e->n_jobs};
+    struct kvs_batch batch = {e->seqs, n + e->n_jobs, NULL};
     int rc = 0;
     if (e->kv.decode->begin_step) rc = e->kv.decode->begin_step(&e->kv, &batch);
     double t0 = kvs_now();

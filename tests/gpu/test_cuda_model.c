@@ -101,7 +101,7 @@ static int run_model(const char *dir)
                                                 .n_blocks = (nb + BS - 1) / BS, .want_logits = 1};
             b_started = 1;
         }
-        struct kvs_batch batch = {seqs, ns};
+        struct kvs_batch batch = {seqs, ns, NULL};
         int e1 = kvs_runner_forward(rc, &batch, lc), e2 = kvs_runner_forward(rg, &batch, lg);
         if (e1 || e2) {
             fprintf(stderr, "%s step %d: forward failed (cpu %d, cuda %d)\n", dir, step, e1, e2);
