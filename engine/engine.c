@@ -18,6 +18,7 @@ static void free_engine_memory(struct kvs_engine *e)
     free(e->seqs);
     free(e->jobs);
     free(e->logits);
+    free(e->argmax);
     free(e->piece);
     free(e);
 }
@@ -60,9 +61,10 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->seqs = calloc((size_t)e->max_running, sizeof *e->seqs);
     e->jobs = calloc((size_t)e->max_running, sizeof *e->jobs);
     e->logits = malloc((size_t)e->max_running * (size_t)x->vocab_size * sizeof *e->logits);
+    e->argmax = malloc((size_t)e->max_running * sizeof *e->argmax);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
-    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->logits || !e->piece) {
+    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->logits || !e->argmax || !e->piece) {
         kvs_err(err, errlen, rc, "engine: cannot allocate scheduler buffers (max_running=%d, vocab=%d)",
                 e->max_running, x->vocab_size);
         goto fail;

@@ -116,6 +116,8 @@ struct kvs_engine_stats {
     uint64_t requests_finished;
     uint64_t requests_rejected;   /* -EAGAIN at submit */
     uint64_t steps;
+    uint64_t argmax_tokens;       /* of generation_tokens, those picked on the backend (greedy
+                                   * fast path: KVS_LOGITS_ARGMAX rows, no host logits, no sampler) */
     double busy_s;                /* time spent in forward passes */
     /* kv.reuse=lazy document cache (zero otherwise); hits/misses count document lookups at a
      * request's first admission */

@@ -55,6 +55,13 @@ static int real_sample(void *ctx, void *state, float *logits, const int32_t *tok
     return 0;
 }
 
+/* the real sampler's greedy pick is argmax_rows' (sampler.h kvs_sampler_is_argmax) */
+static int real_sample_is_argmax(void *ctx, const void *state)
+{
+    (void)ctx;
+    return kvs_sampler_is_argmax(state);
+}
+
 static void real_sampler_free(void *ctx, void *state)
 {
     (void)ctx;
@@ -137,6 +144,7 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.sampler_init = real_sampler_init;
     x.sample = real_sample;
     x.sampler_free = real_sampler_free;
+    x.sample_is_argmax = real_sample_is_argmax;
     x.tok = tok;
     x.detok_init = tok ? kvs_detok_init : null_detok_init;
     x.detok_feed = tok ? kvs_detok_feed : null_detok_feed;

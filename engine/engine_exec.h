@@ -38,6 +38,8 @@ struct kvs_engine_exec {
     int max_context;              /* model context (prompt + generated) */
     size_t kv_bytes_per_block;    /* KV bytes of one block, all layers (0 = unknown: no byte budgets) */
 
+    /* runner.h's kvs_runner_forward contract, KVS_LOGITS_ARGMAX rows and batch.argmax included
+     * when sample_is_argmax is set (logits then holds only the non-ARGMAX rows, in batch order) */
     int (*forward)(void *ctx, const struct kvs_batch *b, float *logits);
 
     /* per-request sampler state: sampler_state_size bytes, zeroed, owned by the request */
@@ -48,6 +50,12 @@ struct kvs_engine_exec {
     int (*sample)(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
                   int want_logprobs, int want_top, struct kvs_sample_out *out);
     void (*sampler_free)(void *ctx, void *state);   /* may be NULL */
+    /* The greedy fast path (may be NULL: never taken). Returns 1 when sample() on this state
+     * would pick the argmax of the row exactly as forward's batch.argmax reports it (-1 where
+     * sample() would fail), ask for no logprobs and leave the state as it was (no RNG draw):
+     * the scheduler then runs that request's row as KVS_LOGITS_ARGMAX and emits the id without
+     * calling sample(). Depends only on the parameters given to sampler_init. */
+    int (*sample_is_argmax)(void *ctx, const void *state);
 
     /* streaming detokenizer with kvs_detok's contract (tokenizer.h) */
     const struct kvs_tokenizer *tok;

@@ -106,7 +106,8 @@ struct kvs_engine {
      * carry it, which of its documents, tokens scheduled */
     struct kvs_doc_job { int entry; struct kvs_request *r; int doc; int n; } *jobs;   /* [max_running] */
     int n_jobs;
-    float *logits;                           /* [max_running][vocab] */
+    float *logits;                           /* [max_running][vocab] host rows (non-ARGMAX), in batch order */
+    int32_t *argmax;                         /* [max_running] ids of every logits row (batch.argmax) */
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

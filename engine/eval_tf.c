@@ -97,7 +97,7 @@ static int side_init(struct side *s, const struct kvs_config *cfg, const struct 
 
 static int side_forward(struct side *s, int n_seqs, int is_decode, float *logits)
 {
-    struct kvs_batch b = {s->seqs, n_seqs};
+    struct kvs_batch b = {s->seqs, n_seqs, NULL};
     if (s->kv.decode && s->kv.decode->begin_step) {
         int rc = s->kv.decode->begin_step(&s->kv, &b);
         if (rc) return rc;

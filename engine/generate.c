@@ -302,7 +302,7 @@ int kvs_generate_main(int argc, char **argv)
         int c = n_prompt - pos < cfg.max_batch_tokens ? n_prompt - pos : cfg.max_batch_tokens;
         struct kvs_batch_seq q = {.tokens = ids + pos, .n_tokens = c, .pos = pos, .block_table = bt,
                                   .n_blocks = n_blocks, .want_logits = pos + c == n_prompt};
-        struct kvs_batch b = {&q, 1};
+        struct kvs_batch b = {&q, 1, NULL};
         if ((rc = kvs_runner_forward(runner, &b, logits)) != 0) {
             fprintf(stderr, "generate: forward failed: %s\n", strerror(-rc));
             goto out;
@@ -337,7 +337,7 @@ int kvs_generate_main(int argc, char **argv)
         int pos = n_prompt + n_done - 1;
         struct kvs_batch_seq q = {.tokens = ids + pos, .n_tokens = 1, .pos = pos, .block_table = bt,
                                   .n_blocks = n_blocks, .want_logits = 1};
-        struct kvs_batch b = {&q, 1};
+        struct kvs_batch b = {&q, 1, NULL};
         if ((rc = kvs_runner_forward(runner, &b, logits)) != 0) {
             fprintf(stderr, "\ngenerate: forward failed: %s\n", strerror(-rc));
             goto out;

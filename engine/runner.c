@@ -9,7 +9,10 @@
  *              x += o; xn = rmsnorm(x); mlp = down(silu(gate) * up); x += mlp; xn = rmsnorm(x)
  *   (each "x += ...; xn = rmsnorm(x)" is one fused add_rmsnorm with the next norm's weight)
  * and the LM head runs only on the rows that want logits, in chunks of LOGIT_CHUNK rows so the
- * [rows][vocab] workspace stays small for 150k-token vocabularies.
+ * [rows][vocab] workspace stays small for 150k-token vocabularies. Rows whose logits go to the
+ * host come first (so they land in the caller's array in order, chunk by chunk); greedy rows
+ * (KVS_LOGITS_ARGMAX) follow and keep their logits on the backend: argmax_rows picks each one's
+ * token there, and only the step's [rows] int32 ids are downloaded, once, at the end.
  * Capacities (tokens and sequences per step, blocks per sequence) come from the config at
  * create time; a batch over them is refused with -EINVAL (the scheduler never builds one).
  *
@@ -77,6 +80,7 @@ struct kvs_runner {
     struct kvs_dbuf *d_bt, *d_rot, *d_valid;            /* I32 [cap_seqs * max_blocks] */
     struct kvs_dbuf *d_words;                           /* I32 [cap_seqs * max_blocks * 2] (backend.h) */
     struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
+    struct kvs_dbuf *d_ids;                             /* I32 [cap_tokens] argmax ids of the step's logits rows */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
     /* recorded decode steps (graph_* ops; empty when the backend has none) */
@@ -90,7 +94,9 @@ struct kvs_runner {
 
     /* host staging (same shapes) */
     int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid, *h_words;
-    int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits */
+    int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits: host rows first */
+    int32_t *h_lout;                                    /* [cap_tokens] each one's logits row in batch order */
+    int32_t *h_ids;                                     /* [cap_tokens] downloaded argmax ids */
 };
 
 /* ---- weights ---------------------------------------------------------------------------- */
@@ -278,6 +284,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->d_valid = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_words = xalloc(r, KVS_BUF_I32, 2 * S * r->max_blocks, &failed);
     r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
+    r->d_ids = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
     if (failed) {
         rc = kvs_err(err, errlen, -ENOMEM, "runner: out of memory for workspaces (%d tokens per step)", r->cap_tokens);
@@ -293,6 +300,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->h_valid = kvs_xmalloc(S * r->max_blocks * sizeof(int32_t));
     r->h_words = kvs_xmalloc(2 * S * r->max_blocks * sizeof(int32_t));
     r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
+    r->h_lout = kvs_xmalloc(T * sizeof(int32_t));
+    r->h_ids = kvs_xmalloc(T * sizeof(int32_t));
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
@@ -366,7 +375,7 @@ void kvs_runner_free(struct kvs_runner *r)
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
                                  r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid, r->d_words,
-                                 r->d_lrows, r->d_inv_freq};
+                                 r->d_lrows, r->d_ids, r->d_inv_freq};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
         o->free(r->be);
     }
@@ -383,6 +392,8 @@ void kvs_runner_free(struct kvs_runner *r)
     free(r->h_valid);
     free(r->h_words);
     free(r->h_lrows);
+    free(r->h_lout);
+    free(r->h_ids);
     free(r);
 }
 
@@ -397,18 +408,28 @@ int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
 
 /* ---- forward ---------------------------------------------------------------------------- */
 
+/* Logits rows a sequence asks for: all its tokens (ALL), its last one (LAST, ARGMAX) or none. */
+static int seq_logit_rows(const struct kvs_batch_seq *q)
+{
+    return q->want_logits == KVS_LOGITS_ALL ? q->n_tokens : q->want_logits != KVS_LOGITS_NONE;
+}
+
 /* Validates the batch and fills the host staging arrays (block-table rows of at least
  * min_stride entries; padded with one-token dummy sequences up to pad_seqs sequences: token 0
- * at position 0 of block 0, no KV slot, no logits); returns the token count or -EINVAL. */
+ * at position 0 of block 0, no KV slot, no logits); returns the token count or -EINVAL.
+ * The logits rows go to h_lrows (token row) and h_lout (logits row in batch order): the
+ * *n_host rows whose logits go to the host first, then the ARGMAX rows, each part in batch
+ * order; *n_logits counts both. */
 static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_stride, int pad_seqs, int *n_logits,
-                       int *row_stride, int *any_rot, int *any_valid)
+                       int *n_host, int *row_stride, int *any_rot, int *any_valid)
 {
     if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
-    int n = 0, stride = min_stride > 1 ? min_stride : 1, nl = 0, rot = 0, val = 0;
+    int n = 0, stride = min_stride > 1 ? min_stride : 1, nl = 0, nh = 0, rot = 0, val = 0;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         if (q->n_tokens <= 0 || !q->tokens || q->pos < 0 || !q->block_table) return -EINVAL;
-        if (q->want_logits < KVS_LOGITS_NONE || q->want_logits > KVS_LOGITS_ALL) return -EINVAL;
+        if (q->want_logits < KVS_LOGITS_NONE || q->want_logits > KVS_LOGITS_ARGMAX) return -EINVAL;
+        if (q->want_logits == KVS_LOGITS_ARGMAX && !b->argmax) return -EINVAL;
         if (q->n_tokens > r->cap_tokens - n || q->pos > r->max_ctx - q->n_tokens) return -EINVAL;
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
         if (q->n_blocks < need || need > r->max_blocks) return -EINVAL;
@@ -427,8 +448,10 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
             if (last % r->block_size >= q->block_valid[last / r->block_size]) return -EINVAL;
         }
         n += q->n_tokens;
+        if (q->want_logits != KVS_LOGITS_ARGMAX) nh += seq_logit_rows(q);
     }
     n = 0;
+    int next_host = 0, next_argmax = nh;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
@@ -448,9 +471,12 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
             r->h_slots[n + i] = q->block_table[p / r->block_size] * r->block_size + p % r->block_size;
         }
         n += q->n_tokens;
-        if (q->want_logits == KVS_LOGITS_ALL)
-            for (int i = 0; i < q->n_tokens; i++) r->h_lrows[nl++] = n - q->n_tokens + i;
-        else if (q->want_logits) r->h_lrows[nl++] = n - 1;
+        int rows = seq_logit_rows(q);
+        for (int i = 0; i < rows; i++) {
+            int k = q->want_logits == KVS_LOGITS_ARGMAX ? next_argmax++ : next_host++;
+            r->h_lrows[k] = n - rows + i;
+            r->h_lout[k] = nl++;
+        }
     }
     for (int s = b->n_seqs; s < pad_seqs; s++) {
         r->h_qstart[s] = n;
@@ -467,6 +493,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
     }
     r->h_qstart[pad_seqs > b->n_seqs ? pad_seqs : b->n_seqs] = n;
     *n_logits = nl;
+    *n_host = nh;
     *row_stride = stride;
     *any_rot = rot;
     *any_valid = val;
@@ -582,15 +609,44 @@ static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_attn_m
     return 0;
 }
 
+/* The LM head over staged logits rows [first, first + m) (m <= LOGIT_CHUNK) into r->logits;
+ * with ids, also their argmax ids into d_ids[first ..). */
+static void lm_head_chunk(struct kvs_runner *r, int first, int m, int ids)
+{
+    const struct kvs_backend_ops *o = r->ops;
+    o->upload(r->be, r->d_lrows, 0, r->h_lrows + first, (size_t)m);
+    o->gather_rows(r->be, r->xn, r->d_lrows, m, r->dim, r->lrows);
+    o->matmul(r->be, r->lrows, r->lm_head, NULL, m, r->dim, r->vocab, r->logits);
+    if (ids) o->argmax_rows(r->be, r->logits, m, r->vocab, r->d_ids, (size_t)first);
+}
+
+/* The LM head of the step: host rows [0, n_host) to logits (in order, chunk by chunk), then the
+ * ARGMAX rows, which stay on the backend; with b->argmax, the ids of every row come back in one
+ * download at the end and are put back in batch order. */
+static void lm_head(struct kvs_runner *r, const struct kvs_batch *b, int n_logits, int n_host, float *logits)
+{
+    const int ids = b->argmax != NULL;
+    for (int i = 0; i < n_host; i += LOGIT_CHUNK) {
+        int m = n_host - i < LOGIT_CHUNK ? n_host - i : LOGIT_CHUNK;
+        lm_head_chunk(r, i, m, ids);
+        r->ops->logits_to_host(r->be, r->logits, m, r->vocab, logits + (size_t)i * r->vocab);
+    }
+    for (int i = n_host; i < n_logits; i += LOGIT_CHUNK)
+        lm_head_chunk(r, i, n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK, 1);
+    if (!ids || n_logits == 0) return;
+    r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)n_logits);
+    for (int k = 0; k < n_logits; k++) b->argmax[r->h_lout[k]] = r->h_ids[k];
+}
+
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
-    int n_logits, stride, any_rot, any_valid;
+    int n_logits, n_host, stride, any_rot, any_valid;
     const int cap = graph_capacity(r, b);
     const int S = cap ? graph_seqs(r, b->n_seqs) : b->n_seqs;
-    int n = stage_batch(r, b, cap ? (cap + r->block_size - 1) / r->block_size : 0, S, &n_logits, &stride, &any_rot,
-                        &any_valid);
+    int n = stage_batch(r, b, cap ? (cap + r->block_size - 1) / r->block_size : 0, S, &n_logits, &n_host, &stride,
+                        &any_rot, &any_valid);
     if (n < 0) return n;
-    if (n_logits > 0 && !logits) return -EINVAL;
+    if (n_host > 0 && !logits) return -EINVAL;
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
     o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
@@ -618,14 +674,7 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
         .h_pos = r->h_seqpos, .max_ctx = max_ctx, .plan_ctx = cap,
     };
     if (!cap || run_layers_graph(r, n, &meta, cap, any_rot, any_valid | words << 1) != 0) run_layers(r, n, &meta);
-    const int dim = r->dim;
-    for (int i = 0; i < n_logits; i += LOGIT_CHUNK) {
-        int m = n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK;
-        o->upload(be, r->d_lrows, 0, r->h_lrows + i, (size_t)m);
-        o->gather_rows(be, r->xn, r->d_lrows, m, dim, r->lrows);
-        o->matmul(be, r->lrows, r->lm_head, NULL, m, dim, r->vocab, r->logits);
-        o->logits_to_host(be, r->logits, m, r->vocab, logits + (size_t)i * r->vocab);
-    }
+    lm_head(r, b, n_logits, n_host, logits);
     return 0;
 }
 

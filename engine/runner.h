@@ -36,17 +36,25 @@ struct kvs_batch_seq {
     const int32_t *block_rot_offset;
     int want_logits;              /* KVS_LOGITS_LAST (1): logits for the last of these tokens;
                                    * KVS_LOGITS_ALL (2): for every one of them (prompt logprobs,
-                                   * perplexity, tests); 0: none */
+                                   * perplexity, tests); KVS_LOGITS_ARGMAX (3): only the argmax
+                                   * id of the last token's logits (greedy decoding: picked on
+                                   * the backend, the row never leaves it; needs batch.argmax);
+                                   * 0: none */
     /* NULL means every slot of every block holds a key. Otherwise, per block, how many leading
      * slots do (a cached document's last block is partial; its tail is never attended). */
     const int32_t *block_valid;
 };
 
-enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2 };
+enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2, KVS_LOGITS_ARGMAX = 3 };
 
 struct kvs_batch {
     const struct kvs_batch_seq *seqs;
     int n_seqs;
+    /* NULL, or [logits rows] filled by kvs_runner_forward: the argmax id of every logits row of
+     * the step (LAST, ALL and ARGMAX rows alike, in batch order), with backend.h argmax_rows'
+     * rule: lowest id among equal maxima, NaN never, -1 when no entry is above -inf (the
+     * sampler's greedy pick, which fails on such a row). Required when a seq wants ARGMAX. */
+    int32_t *argmax;
 };
 
 /* Creates the backend named by cfg->device (auto/cpu/cuda), uploads weights, sizes the KV pool
@@ -68,8 +76,11 @@ int kvs_runner_max_tokens_per_step(const struct kvs_runner *r);
 int kvs_runner_max_seqs_per_step(const struct kvs_runner *r);
 int kvs_runner_max_context(const struct kvs_runner *r);
 
-/* Runs the batch. logits (host, fp32) receives one [vocab] row per requested token in batch
- * order: one per seq with KVS_LOGITS_LAST, n_tokens per seq with KVS_LOGITS_ALL. Returns 0 or a negative errno (e.g. -EINVAL for a malformed batch). */
+/* Runs the batch. logits (host, fp32; may be NULL when no row needs it) receives one [vocab]
+ * row per requested token in batch order: one per seq with KVS_LOGITS_LAST, n_tokens per seq
+ * with KVS_LOGITS_ALL, none for KVS_LOGITS_ARGMAX (those rows stay on the backend; only their
+ * ids come back, in b->argmax). Returns 0 or a negative errno (e.g. -EINVAL for a malformed
+ * batch, or for ARGMAX rows without b->argmax). */
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
 
 /* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */

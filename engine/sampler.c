@@ -97,6 +97,23 @@ void kvs_sampler_free(struct kvs_sampler *s)
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
+/* step 4 applies: temperature 0 or top_k 1 */
+static int is_greedy(const struct kvs_sampling *p) { return p->temperature < 1e-5f || p->top_k == 1; }
+
+/* steps 1-3 are all off: the logits are used as given */
+static int is_plain(const struct kvs_sampling *p)
+{
+    return p->n_logit_bias == 0 && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f &&
+           p->frequency_penalty == 0.0f;
+}
+
+static int wants_logprobs(const struct kvs_sampling *p) { return p->logprobs || p->top_logprobs > 0; }
+
+int kvs_sampler_is_argmax(const struct kvs_sampler *s)
+{
+    return is_greedy(&s->p) && is_plain(&s->p) && !wants_logprobs(&s->p);
+}
+
 /* "a ranks before b": higher value, then lower id */
 static inline int before(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
 
@@ -233,7 +250,7 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
 
     /* raw log-softmax normaliser, for the reported logprobs: a pass of V exps, so only when the
      * request asked for logprobs (for a 128K vocabulary it was most of a greedy step's cost) */
-    const int want_lp = p->logprobs || p->top_logprobs > 0;
+    const int want_lp = wants_logprobs(p);
     float rmax = -INFINITY;
     if (want_lp)
         for (int i = 0; i < V; i++)
@@ -247,16 +264,15 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
         for (int i = 0; i < out->n_top; i++) out->top_logprobs[i] = (float)((double)logits[out->top_ids[i]] - rlse);
     }
 
-    const int greedy = p->temperature < 1e-5f || p->top_k == 1;
-    const int plain = p->n_logit_bias == 0 && p->repetition_penalty == 1.0f && p->presence_penalty == 0.0f &&
-                      p->frequency_penalty == 0.0f;
+    const int greedy = is_greedy(p), plain = is_plain(p);
     /* greedy without bias or penalties reads the logits as they are (no copy) */
     if (!(greedy && plain)) process(s, logits, history, n_prompt, n_hist, w);
     const float *wv = greedy && plain ? logits : w;
 
     int32_t tok = -1;
     if (greedy) {
-        /* 4. greedy (top_k = 1 is the same thing): the first maximum, NaN skipped */
+        /* 4. greedy (top_k = 1 is the same thing): the first maximum, NaN skipped; backend.h
+         * argmax_rows follows the same rule (kvs_sampler_is_argmax) */
         float best = 0.0f;
         for (int32_t i = 0; i < V; i++) {
             float v = wv[i];

@@ -66,6 +66,14 @@ void kvs_sampler_free(struct kvs_sampler *s);
 int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt, int n_hist,
                        struct kvs_sample_result *out);
 
+/* 1 when kvs_sampler_sample would return the plain argmax of the logits as given and nothing
+ * else: greedy (temperature 0 or top_k 1) with no logit bias and no penalties, so no history is
+ * read, no RNG draw is made (the state does not change) and no logprobs are asked for. Its pick
+ * is then the first maximum, NaN skipped, and it fails when that maximum is -inf or the row is
+ * all NaN: exactly backend.h's argmax_rows (-1 for the failing rows), so a caller may pick the
+ * token on the backend and skip the host logits and this sampler (runner.h KVS_LOGITS_ARGMAX). */
+int kvs_sampler_is_argmax(const struct kvs_sampler *s);
+
 /* Steps 1-3 only (logit bias and penalties) of logits[vocab] into out[vocab] (may equal
  * logits); for tests and for backends that sample elsewhere. Returns 0. */
 int kvs_sampler_processed_logits(struct kvs_sampler *s, const float *logits, const int32_t *history, int n_prompt,

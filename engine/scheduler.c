@@ -12,6 +12,10 @@
  *      tokens (its sampler and detokenizer state carry on, so greedy output is unchanged);
  *   4. runs the forward pass with no lock held;
  *   5. samples, detokenizes, matches stop ids / stop strings, and appends events.
+ * Plain greedy requests (engine_exec.h sample_is_argmax) take a fast path: their row is a
+ * KVS_LOGITS_ARGMAX row, whose token is picked on the backend and comes back as an id (the
+ * [vocab] logits never reach the host), and it is emitted without calling the sampler; the
+ * pick is the one the sampler would make, so the output is the same either way.
  * Requests that finish (EOS, stop, length, cancel, timeout, error) release their blocks at once.
  *
  * Events (what callers see, beyond engine.h):
@@ -445,6 +449,30 @@ static void publish_stats(struct kvs_engine *e)
     pthread_mutex_unlock(&e->mu);
 }
 
+/* The greedy fast path for r (engine_exec.h sample_is_argmax). */
+static int takes_argmax(const struct kvs_engine *e, const struct kvs_request *r)
+{
+    return e->x.sample_is_argmax && e->x.sample_is_argmax(e->x.ctx, r->sampler);
+}
+
+/* r's next token into so: the backend's argmax id for an ARGMAX row (lg NULL), otherwise the
+ * sampler's pick from the host row lg. 0, or negative when no valid token came out. */
+static int pick_token(struct kvs_engine *e, struct kvs_request *r, int32_t argmax_id, float *lg,
+                      struct kvs_sample_out *so)
+{
+    memset(so, 0, sizeof *so);
+    int rc = 0, top = r->sampling.top_logprobs;
+    if (lg)
+        rc = e->x.sample(e->x.ctx, r->sampler, lg, r->tokens, r->n_full_prompt, r->n_tokens,
+                         r->sampling.logprobs || top > 0, top, so);
+    else
+        so->token = argmax_id;   /* -1 where the sampler would have failed (runner.h) */
+    if (rc < 0 || so->token < 0 || so->token >= e->x.vocab_size) return rc < 0 ? rc : -EINVAL;
+    if (so->n_top > top) so->n_top = top;
+    if (!lg) e->counters.argmax_tokens++;
+    return 0;
+}
+
 static void step(struct kvs_engine *e)
 {
     double now = kvs_now();
@@ -454,7 +482,7 @@ static void step(struct kvs_engine *e)
         publish_stats(e);
         return;
     }
-    int n_logits = 0;
+    int n_logits = 0, any_argmax = 0;
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
         struct kvs_batch_seq *s = &e->seqs[k];
@@ -466,8 +494,10 @@ static void step(struct kvs_engine *e)
         int docs = r->lazy && r->lazy->held;
         s->block_rot_offset = docs ? r->lazy->rot : NULL;
         s->block_valid = docs ? r->lazy->valid : NULL;
-        s->want_logits = r->n_computed + r->sched_tokens == r->n_tokens;
-        n_logits += s->want_logits;
+        int last = r->n_computed + r->sched_tokens == r->n_tokens;
+        s->want_logits = !last ? KVS_LOGITS_NONE : takes_argmax(e, r) ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+        any_argmax |= s->want_logits == KVS_LOGITS_ARGMAX;
+        n_logits += last;
     }
     KVS_ASSERT(n_logits <= e->max_running);
     for (int j = 0; j < e->n_jobs; j++) {
@@ -484,7 +514,7 @@ static void step(struct kvs_engine *e)
         s->want_logits = KVS_LOGITS_NONE;
     }
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
-    struct kvs_batch batch = {e->seqs, n + e->n_jobs};
+    struct kvs_batch batch = {e->seqs, n + e->n_jobs, any_argmax ? e->argmax : NULL};
     int rc = 0;
     if (e->kv.decode->begin_step) rc = e->kv.decode->begin_step(&e->kv, &batch);
     double t0 = kvs_now();
@@ -505,7 +535,9 @@ static void step(struct kvs_engine *e)
         publish_stats(e);
         return;
     }
-    int row = 0;
+    /* logits rows in batch order: row counts all of them (batch.argmax), host_row those whose
+     * logits came back (every kind but ARGMAX) */
+    int row = 0, host_row = 0;
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
         int want = e->seqs[k].want_logits;
@@ -513,18 +545,15 @@ static void step(struct kvs_engine *e)
         r->sched_tokens = 0;
         e->kv.reuse->commit(&e->kv, r->tokens, r->n_computed, &r->table, &r->kvseq);
         if (!want) continue;
-        float *lg = e->logits + (size_t)row++ * (size_t)e->x.vocab_size;
+        int32_t id = want == KVS_LOGITS_ARGMAX ? e->argmax[row] : -1;   /* written for ARGMAX rows */
+        row++;
+        float *lg = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row++ * (size_t)e->x.vocab_size;
         if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
         struct kvs_sample_out so;
-        memset(&so, 0, sizeof so);
-        int top = r->sampling.top_logprobs;
-        rc = e->x.sample(e->x.ctx, r->sampler, lg, r->tokens, r->n_full_prompt, r->n_tokens,
-                         r->sampling.logprobs || top > 0, top, &so);
-        if (rc < 0 || so.token < 0 || so.token >= e->x.vocab_size) {
+        if (pick_token(e, r, id, lg, &so) < 0) {
             kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");
             continue;
         }
-        if (so.n_top > top) so.n_top = top;
         emit_token(e, r, &so, t1);
     }
     publish_stats(e);

@@ -242,6 +242,18 @@ struct kvs_backend_ops {
                           const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq, const struct kvs_dbuf *slots,
                           int n, int n_heads, int n_kv_heads, int head_dim, int block_size, struct kvs_dbuf *kc,
                           struct kvs_dbuf *vc);
+
+    /* ---- ops added later (appended so that positional tables stay valid) ----------------- */
+    /* Greedy pick on the device, so a greedy step downloads m token ids instead of m x vocab
+     * logits: out[out_off + i] = the index of the maximum of logits[i][0 .. vocab) for i < m,
+     * where the lowest index wins among equal maxima (-0.0 == +0.0), NaN entries never win, and
+     * -1 means the row has no entry above -inf (all NaN / -inf: nothing can be picked; the
+     * sampler's greedy path fails on such a row too, engine/sampler.c). The values compared are
+     * those logits_to_host() would return, so the pick equals the sampler's greedy pick on the
+     * downloaded row. logits ACT [m][vocab]; out I32, out_off in elements. The result is exact,
+     * hence independent of the reduction order. */
+    void (*argmax_rows)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                        struct kvs_dbuf *out, size_t out_off);
 };
 
 /* The CPU backend (always built). */

@@ -151,6 +151,9 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
     gauge(o, "kvserve:kv_blocks_cached", "Free KV-cache blocks holding reusable prefix or document KV.", model,
           es->kv_blocks_cached);
     gauge(o, "kvserve:documents", "Documents in the document store.", model, n_documents);
+    counter(o, "kvserve:argmax_tokens_total",
+            "Generation tokens of plain greedy requests picked on the device (no logits download, no sampler).", model,
+            (double)es->argmax_tokens);
     /* kv.reuse=lazy document cache (all zero otherwise) */
     counter(o, "kvserve:doc_cache_hits_total", "Document lookups served from the LazyAttention doc cache.", model,
             (double)es->doc_hits);

@@ -515,6 +515,43 @@ static void cpu_logits_to_host(struct kvs_backend *b, const struct kvs_dbuf *log
     memcpy(host, F(logits), (size_t)m * vocab * sizeof(float));
 }
 
+/* the first maximum of one row, NaN skipped; -1 when nothing is above -inf (backend.h) */
+static int32_t argmax_row(const float *x, int n)
+{
+    int32_t best = -1;
+    float bv = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        float v = x[i];
+        if (v != v) continue;
+        if (best < 0 || v > bv) {
+            best = i;
+            bv = v;
+        }
+    }
+    return best >= 0 && bv == -INFINITY ? -1 : best;
+}
+
+struct argmax_job {
+    const float *x;
+    int vocab;
+    int32_t *out;
+};
+
+static void argmax_task(void *c, int t)
+{
+    struct argmax_job *j = c;
+    j->out[t] = argmax_row(j->x + (size_t)t * j->vocab, j->vocab);
+}
+
+static void cpu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                            struct kvs_dbuf *out, size_t out_off)
+{
+    if (m <= 0) return;
+    KVS_ASSERT((size_t)m * vocab <= logits->n && out_off + (size_t)m <= out->n);
+    struct argmax_job j = {.x = F(logits), .vocab = vocab, .out = I(out) + out_off};
+    kvs_cpu_pool_run(b->pool, m, argmax_task, &j);
+}
+
 const struct kvs_backend_ops kvs_cpu_backend = {
     .name = "cpu",
     .create = cpu_create,
@@ -541,4 +578,5 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .gather_rows = cpu_gather_rows,
     .kv_copy_block = cpu_kv_copy_block,
     .logits_to_host = cpu_logits_to_host,
+    .argmax_rows = cpu_argmax_rows,
 };

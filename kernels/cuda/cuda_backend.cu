@@ -357,6 +357,79 @@ __global__ void k_gather_rows(const float *x, const int32_t *rows, int dim, floa
     for (int j = threadIdx.x; j < dim; j += blockDim.x) out[i * dim + j] = src[j];
 }
 
+/* Greedy pick per row (backend.h argmax_rows), one block per row: each thread scans its share
+ * of the row in increasing index order keeping the first maximum (NaN skipped), then the block
+ * reduces the (value, index) pairs with argmax_beats. That order is total over the candidates, so
+ * the winner is exact and the same whatever the reduction order (deterministic by construction).
+ * Rows whose length is a multiple of 4 are read as float4 (16-byte aligned: cudaMalloc'd rows of
+ * 4k floats); each thread's four values are still taken in increasing index order. */
+#define ARGMAX_THREADS 512
+
+/* (av, ai) ranks before (bv, bi): a is a candidate (ai >= 0) and b is none, or a is larger, or
+ * equal with the lower index */
+__device__ __forceinline__ bool argmax_beats(float av, int ai, float bv, int bi)
+{
+    return ai >= 0 && (bi < 0 || av > bv || (av == bv && ai < bi));
+}
+
+/* one element, indices increasing: a later equal value never replaces the first */
+__device__ __forceinline__ void argmax_take(float v, int i, float &bv, int &bi)
+{
+    if (!isnan(v) && (bi < 0 || v > bv)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+/* reduces (bv, bi) over the warp; every lane ends with the warp's winner */
+__device__ __forceinline__ void argmax_warp(float &bv, int &bi)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (argmax_beats(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
+/* blockDim.x == ARGMAX_THREADS (whole warps); out[row] for row = blockIdx.x */
+__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *logits, int vocab, int vec4, int32_t *out)
+{
+    __shared__ float wv[ARGMAX_THREADS / 32];
+    __shared__ int wi[ARGMAX_THREADS / 32];
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    const float *x = logits + (size_t)blockIdx.x * vocab;
+    float bv = 0.0f;
+    int bi = -1;
+    if (vec4) {
+        const float4 *x4 = (const float4 *)x;
+        for (int j = threadIdx.x; j < vocab / 4; j += blockDim.x) {
+            float4 v = x4[j];
+            argmax_take(v.x, 4 * j, bv, bi);
+            argmax_take(v.y, 4 * j + 1, bv, bi);
+            argmax_take(v.z, 4 * j + 2, bv, bi);
+            argmax_take(v.w, 4 * j + 3, bv, bi);
+        }
+    } else {
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) argmax_take(x[i], i, bv, bi);
+    }
+    argmax_warp(bv, bi);
+    int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    if (l == 0) {
+        wv[w] = bv;
+        wi[w] = bi;
+    }
+    __syncthreads();
+    if (w != 0) return;
+    bv = l < ARGMAX_THREADS / 32 ? wv[l] : 0.0f;
+    bi = l < ARGMAX_THREADS / 32 ? wi[l] : -1;
+    argmax_warp(bv, bi);
+    /* nothing above -inf: nothing to pick (the sampler's greedy path fails too) */
+    if (l == 0) out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
+}
+
 __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
@@ -874,6 +947,19 @@ static void cu_logits_to_host(struct kvs_backend *b, const struct kvs_dbuf *logi
     cu_download(b, host, logits, 0, (size_t)m * vocab);
 }
 
+static void cu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                           struct kvs_dbuf *out, size_t out_off)
+{
+    if (m <= 0) return;
+    KVS_ASSERT(logits->kind != KVS_BUF_KV && out->kind == KVS_BUF_I32);
+    KVS_ASSERT((size_t)m * vocab <= logits->n && out_off + (size_t)m <= out->n);
+    int vec4 = vocab % 4 == 0 && ((uintptr_t)logits->d & 15) == 0;
+    xh_forget(b, out->d);
+    CUDA_CHECK(kvs_cu_launch(k_argmax_rows, m, ARGMAX_THREADS, 0, b->stream, (const float *)logits->d, vocab, vec4,
+                             (int32_t *)out->d + out_off));
+    LAUNCH_CHECK();
+}
+
 /* ---- step graphs ---------------------------------------------------------------------------- */
 
 static void cu_graph_begin(struct kvs_backend *b)
@@ -950,6 +1036,7 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_matmul_multi,
     cu_matmul_swiglu,
     cu_rope_kv_write,
+    cu_argmax_rows,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

@@ -16,6 +16,11 @@
  * on that row is under 4x the rms difference of the two logits rows (a near-tie that bf16
  * noise can legitimately flip; seen at margins 0.01 to 0.11 on these models); such flips are
  * counted and printed.
+ * Device argmax (runner.h batch.argmax, KVS_LOGITS_ARGMAX): the CUDA forward also returns each
+ * row's argmax id, which must equal the host argmax of the logits it downloaded (same values:
+ * exact); then the same step runs again on the CUDA runner with ARGMAX rows only and no logits
+ * array (the KV writes repeat identically; decode steps replay their graph) and must give the
+ * same ids.
  * Needs a GPU; exits 1 with a message when none.
  */
 #include <math.h>
@@ -101,10 +106,21 @@ static int run_model(const char *dir)
                                                 .n_blocks = (nb + BS - 1) / BS, .want_logits = 1};
             b_started = 1;
         }
-        struct kvs_batch batch = {seqs, ns};
-        int e1 = kvs_runner_forward(rc, &batch, lc), e2 = kvs_runner_forward(rg, &batch, lg);
-        if (e1 || e2) {
-            fprintf(stderr, "%s step %d: forward failed (cpu %d, cuda %d)\n", dir, step, e1, e2);
+        struct kvs_batch batch = {seqs, ns, NULL};
+        int32_t ids[2] = {-5, -5}, ids_only[2] = {-5, -5};
+        struct kvs_batch gbatch = {seqs, ns, ids};
+        int e1 = kvs_runner_forward(rc, &batch, lc), e2 = kvs_runner_forward(rg, &gbatch, lg);
+        /* the same step again, ids only (ARGMAX rows, nothing downloaded but the ids) */
+        struct kvs_batch_seq aseqs[2];
+        for (int q = 0; q < ns; q++) {
+            aseqs[q] = seqs[q];
+            aseqs[q].want_logits = KVS_LOGITS_ARGMAX;
+        }
+        struct kvs_batch abatch = {aseqs, ns, ids_only};
+        int e3 = e2 ? 0 : kvs_runner_forward(rg, &abatch, NULL);
+        if (e1 || e2 || e3) {
+            fprintf(stderr, "%s step %d: forward failed (cpu %d, cuda %d, cuda argmax-only %d)\n", dir, step, e1, e2,
+                    e3);
             return 1;
         }
         for (int q = 0; q < ns; q++) {
@@ -119,6 +135,11 @@ static int run_model(const char *dir)
             double e = sqrt(num / den);
             float mc, mg;
             int tc = argmax(c, vocab, &mc), tg = argmax(g, vocab, &mg);
+            if (ids[q] != tg || ids_only[q] != tg) {
+                fails++;
+                printf("FAIL %s step %d seq %c: device argmax %d (ARGMAX rows only: %d), host argmax of the cuda "
+                       "logits %d\n", dir, step, q ? 'B' : 'A', ids[q], ids_only[q], tg);
+            }
             if (e > worst) worst = e;
             if (mc < min_margin) min_margin = mc;
             double rms = sqrt(num / vocab);

@@ -7,7 +7,9 @@
  * 1e-5 for ops that are fp32 on both sides. Attention runs over random block tables, GQA
  * ratios 1/2/4/8/16, head dims 16..128, contexts up to a few thousand positions, decode rows
  * mixed with prefill chunks, block sizes that do and do not divide the kernel's tile, and
- * non-zero rot_offsets (deferred RoPE). Needs a GPU: exits 1 with a message when none.
+ * non-zero rot_offsets (deferred RoPE). argmax_rows must give exactly the CPU op's ids on rows
+ * with planted ties, NaN, infinities and signed zeros (both its float4 and scalar paths).
+ * Needs a GPU: exits 1 with a message when none.
  */
 #include <math.h>
 #include <stdint.h>
@@ -217,6 +219,74 @@ static void test_rows(void)
         free(hc); free(hg); free(rows);
         drop(&r); drop(&go); drop(&x); drop(&d); drop(&o); dropw(&w);
         free(xv); free(dv); free(wv);
+    }
+}
+
+/* ---- argmax_rows ------------------------------------------------------------------------- */
+
+/* row r of a greedy-pick test: random values with a planted case (kind), positions drawn fresh */
+static void argmax_row_case(float *x, int n, int kind)
+{
+    for (int i = 0; i < n; i++) x[i] = frand() * 8.0f;
+    int a = irand(n), c = irand(n), lo = a < c ? a : c;
+    switch (kind % 10) {
+    case 0: break;                                                   /* plain random */
+    case 1: x[a] = x[c] = 20.0f; break;                              /* a two-way tie anywhere */
+    case 2: x[n - 1] = x[lo % 33] = 20.0f; break;                    /* a tie: low index vs the last one */
+    case 3: for (int i = 0; i < n; i++) x[i] = 0.5f; break;          /* all equal: 0 */
+    case 4:                                                          /* NaNs, one where the max may be */
+        for (int i = 0; i < n; i++)
+            if (irand(3) == 0) x[i] = NAN;
+        x[a] = NAN;
+        break;
+    case 5: for (int i = 0; i < n; i++) x[i] = NAN; break;           /* all NaN: -1 */
+    case 6: for (int i = 0; i < n; i++) x[i] = irand(2) ? NAN : -INFINITY; break;   /* nothing above -inf: -1 */
+    case 7: for (int i = 0; i < n; i++) x[i] = irand(2) ? -1.0f : (irand(2) ? 0.0f : -0.0f); break;   /* +0 == -0 */
+    case 8: x[a] = INFINITY; x[c] = INFINITY; x[irand(n)] = NAN; break;   /* +inf ties */
+    case 9: for (int i = 0; i < n; i++) x[i] = (float)irand(4); break;    /* many-way ties */
+    }
+}
+
+static void test_argmax(void)
+{
+    /* vocabularies: odd (scalar path), multiples of 4 (float4 path), Llama-3 and Qwen sizes */
+    const int vocabs[] = {1, 7, 1000, 1001, 4099, 32000, 128256, 151936};
+    const int ms[] = {1, 16, 5, 64};
+    char what[160];
+    for (size_t vi = 0; vi < sizeof vocabs / sizeof vocabs[0]; vi++) {
+        int V = vocabs[vi], m = ms[vi % 4], off = irand(4);
+        float *x = kvs_xmalloc((size_t)m * V * sizeof(float));
+        for (int r = 0; r < m; r++) argmax_row_case(x + (size_t)r * V, V, r + irand(10));
+        /* the logits buffer holds more rows than the op reads */
+        struct pair L = mk(KVS_BUF_ACT, (size_t)(m + 1) * V, NULL);
+        C->upload(bc, L.c, 0, x, (size_t)m * V);
+        G->upload(bg, L.g, 0, x, (size_t)m * V);
+        size_t n_out = (size_t)m + off + 2;
+        int32_t *sent = kvs_xmalloc(n_out * sizeof(int32_t)), *hc = kvs_xmalloc(n_out * 4), *hg = kvs_xmalloc(n_out * 4);
+        for (size_t i = 0; i < n_out; i++) sent[i] = -7;
+        struct pair o = mk(KVS_BUF_I32, n_out, sent);
+        C->argmax_rows(bc, L.c, m, V, o.c, (size_t)off);
+        G->argmax_rows(bg, L.g, m, V, o.g, (size_t)off);
+        C->download(bc, hc, o.c, 0, n_out);
+        G->download(bg, hg, o.g, 0, n_out);
+        int bad = 0, n_none = 0;
+        for (size_t i = 0; i < n_out; i++) {
+            if (hc[i] != hg[i]) {
+                if (bad < 4) printf("     row %d: cuda %d cpu %d\n", (int)i - off, hg[i], hc[i]);
+                bad++;
+            }
+            n_none += (int)i >= off && (int)i < off + m && hc[i] == -1;
+        }
+        kvs_test_checks++;
+        if (bad) kvs_test_fails++;
+        snprintf(what, sizeof what, "argmax_rows m=%d vocab=%d off=%d (%d rows with no pick)", m, V, off, n_none);
+        printf("%s %-58s %s\n", bad ? "FAIL" : "ok  ", what, bad ? "ids differ from the CPU op" : "(exact)");
+        drop(&L);
+        drop(&o);
+        free(x);
+        free(sent);
+        free(hc);
+        free(hg);
     }
 }
 
@@ -654,6 +724,7 @@ int main(void)
     bg = G->create(0, err, sizeof err);
     if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
     test_rows();
+    test_argmax();
     test_embed_matmul();
     test_fused_gemm();
     test_rope_headnorm();

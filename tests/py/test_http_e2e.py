@@ -41,6 +41,15 @@ def main():
             want = hf.decode(p["greedy"], skip_special_tokens=True)
             if "\ufffd" not in want:
                 check(r["choices"][0]["text"] == want, f"text {r['choices'][0]['text']!r} != {want!r}")
+            # without logprobs the same request takes the device-argmax fast path: same text
+            fast = requests.post(b + "/v1/completions", json={
+                "prompt": p["prompt"], "max_tokens": len(p["greedy"]), "temperature": 0, "ignore_eos": True},
+                timeout=60).json()
+            check(fast["choices"][0]["text"] == r["choices"][0]["text"], f"greedy fast path text differs: {fast}")
+        m = srv.metrics()
+        n_fast = m['kvserve:argmax_tokens_total{model_name="tiny-llama"}']
+        check(n_fast == sum(len(p["greedy"]) for p in ref["prompts"]),
+              f"greedy without logprobs: every token picked on the device ({n_fast})")
 
         # /tokenize and /detokenize equal HF tokenizers on the same file
         for text in ["hello world.", "the quick brown fox <|im_end|> ok", "naïve café 😀", ""]:
@@ -105,8 +114,8 @@ def main():
             time.sleep(0.1)
         check(m['kvserve:kv_blocks_used{model_name="tiny-llama"}'] == 0, f"KV blocks still used: {m}")
         check(m['kvserve:kv_blocks_total{model_name="tiny-llama"}'] == 512, "pool size")
-    print("real stack: greedy = transformers for 4 prompts, tokenize = HF, chat, documents, streams with "
-          "disconnects, KV pool full again")
+    print("real stack: greedy = transformers for 4 prompts (with logprobs, and without through the device-argmax "
+          "fast path), tokenize = HF, chat, documents, streams with disconnects, KV pool full again")
 
 
 if __name__ == "__main__":

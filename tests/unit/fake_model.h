@@ -8,6 +8,9 @@
  * wrong or clobbered block, and the pass fails. So the next token is a pure function of the
  * previous tokens if and only if the paging is right, and fake_reference() gives the expected
  * greedy continuation without any engine. Detokenization maps token t to a short ASCII piece.
+ * Greedy requests without logprobs take the engine's fast path (sample_is_argmax): their rows
+ * come as KVS_LOGITS_ARGMAX and the fake answers with fake_argmax of the row in batch.argmax,
+ * which is what its sampler would pick; n_argmax_rows counts them.
  */
 #ifndef KVS_FAKE_MODEL_H
 #define KVS_FAKE_MODEL_H
@@ -35,6 +38,7 @@ struct fake_model {
     int n_forward;
     int n_entered;                  /* forward calls begun (counted before the gate) */
     int max_seqs_seen, max_tokens_seen;
+    int n_argmax_rows;              /* KVS_LOGITS_ARGMAX rows answered */
     int errors;
 };
 
@@ -57,6 +61,16 @@ static void fake_logits_from_hash(uint64_t h, int vocab, float *out)
     out[FAKE_EOS] -= 0.5f;
 }
 
+static int fake_argmax(const float *lg, int vocab)
+{
+    int best = 0;
+    for (int v = 1; v < vocab; v++)
+        if (lg[v] > lg[best]) best = v;
+    return best;
+}
+
+/* One logits row per sequence that wants any (the scheduler never asks for ALL): LAST rows go
+ * to logits (in order), ARGMAX rows only to b->argmax, which gets every row's id when set. */
 static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
 {
     struct fake_model *m = ctx;
@@ -67,7 +81,8 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
     m->n_forward++;
     pthread_mutex_unlock(&m->mu);
     if (m->sleep_s > 0) usleep((useconds_t)(m->sleep_s * 1e6));
-    int row = 0, total = 0, rc = 0;
+    int row = 0, host_row = 0, total = 0, rc = 0, n_argmax = 0;
+    float scratch[1024];
     for (int s = 0; s < b->n_seqs && rc == 0; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         total += q->n_tokens;
@@ -96,12 +111,23 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
             }
             h = fake_hash_step(h, m->slot_tok[slot], p);
         }
-        fake_logits_from_hash(h, m->vocab, logits + (size_t)row++ * m->vocab);
+        if (rc) break;
+        int argmax_row = q->want_logits == KVS_LOGITS_ARGMAX;
+        if ((argmax_row && (!b->argmax || m->vocab > 1024)) || (!argmax_row && !logits)) {
+            rc = -EINVAL;
+            break;
+        }
+        float *lg = argmax_row ? scratch : logits + (size_t)host_row++ * m->vocab;
+        fake_logits_from_hash(h, m->vocab, lg);
+        if (b->argmax) b->argmax[row] = fake_argmax(lg, m->vocab);
+        row++;
+        n_argmax += argmax_row;
     }
     pthread_mutex_lock(&m->mu);
     if (b->n_seqs > m->max_seqs_seen) m->max_seqs_seen = b->n_seqs;
     if (total > m->max_tokens_seen) m->max_tokens_seen = total;
     if (rc) m->errors++;
+    m->n_argmax_rows += n_argmax;
     m->in_forward = 0;
     pthread_mutex_unlock(&m->mu);
     return rc;
@@ -111,6 +137,7 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
 struct fake_sampler {
     uint64_t rng;
     float temperature;
+    int want_lp;                    /* logprobs or top_logprobs asked for */
 };
 
 static int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t id)
@@ -119,7 +146,16 @@ static int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *
     struct fake_sampler *s = state;
     s->rng = fake_mix((p->has_seed ? p->seed : id) + 1);
     s->temperature = p->temperature;
+    s->want_lp = p->logprobs || p->top_logprobs > 0;
     return p->temperature < 0 ? -EINVAL : 0;
+}
+
+/* fake_sample at temperature 0 is fake_argmax, what fake_forward puts in batch.argmax */
+static int fake_sample_is_argmax(void *ctx, const void *state)
+{
+    (void)ctx;
+    const struct fake_sampler *s = state;
+    return s->temperature == 0 && !s->want_lp;
 }
 
 static void fake_log_softmax(const float *lg, int vocab, float *out)
@@ -129,14 +165,6 @@ static void fake_log_softmax(const float *lg, int vocab, float *out)
     double sum = 0;
     for (int v = 0; v < vocab; v++) sum += exp((double)lg[v] - mx);
     for (int v = 0; v < vocab; v++) out[v] = (float)((double)lg[v] - mx - log(sum));
-}
-
-static int fake_argmax(const float *lg, int vocab)
-{
-    int best = 0;
-    for (int v = 1; v < vocab; v++)
-        if (lg[v] > lg[best]) best = v;
-    return best;
 }
 
 static int fake_sample(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
@@ -263,6 +291,7 @@ static struct kvs_engine_exec fake_exec(struct fake_model *m)
     x.sampler_state_size = sizeof(struct fake_sampler);
     x.sampler_init = fake_sampler_init;
     x.sample = fake_sample;
+    x.sample_is_argmax = fake_sample_is_argmax;
     x.detok_init = fake_detok_init;
     x.detok_feed = fake_detok_feed;
     x.detok_flush = fake_detok_flush;

@@ -5,7 +5,10 @@
  *   2. the runner run alone (one prefill of the whole prompt, then one token per forward,
  *      argmax) for a handful of random prompts.
  * Each set runs alone (max_running 1), batched with chunk sizes 1/7/64/unchunked, with
- * prefix reuse on and off, and with a KV pool small enough to force preemption. */
+ * prefix reuse on and off, and with a KV pool small enough to force preemption.
+ * Plain greedy requests take the device-argmax fast path (stats.argmax_tokens counts every one
+ * of their tokens); a batch mixing them with greedy requests that need the host logits
+ * (logprobs, top_logprobs) or are greedy through top_k = 1 gives the same tokens for all. */
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/runner.h"
@@ -29,6 +32,8 @@ struct job {
     int n_got;
     enum kvs_finish finish;
     int n_cached;
+    int variant;                  /* sampling: 0 temperature 0; 1 + logprobs; 2 temperature 0.8, top_k 1;
+                                   * 3 + top_logprobs 2 (all greedy: same tokens; 0 and 2 take the fast path) */
     struct kvs_request *r;
 };
 
@@ -87,7 +92,7 @@ static void runner_alone(const struct kvs_config *cfg, const struct kvs_model *m
     int n = j->n_prompt, pos = 0;
     for (int g = 0; g < GEN; g++) {
         struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL};
-        struct kvs_batch b = {&s, 1};
+        struct kvs_batch b = {&s, 1, NULL};
         rc = kvs_runner_forward(r, &b, lg);
         REQUIRE(rc == 0, "forward %d", rc);
         pos = n;
@@ -113,6 +118,10 @@ static void run_engine(const struct kvs_config *cfg, const struct kvs_model *m, 
         p.max_tokens = GEN;
         p.sampling.top_p = 1;
         p.sampling.repetition_penalty = 1;
+        p.sampling.logprobs = jobs[i].variant == 1;
+        p.sampling.temperature = jobs[i].variant == 2 ? 0.8f : 0.0f;
+        p.sampling.top_k = jobs[i].variant == 2 ? 1 : 0;
+        p.sampling.top_logprobs = jobs[i].variant == 3 ? 2 : 0;
         p.ignore_eos = 1;
         p.skip_special = 1;
         jobs[i].r = kvs_request_new(&p, NULL, NULL);
@@ -209,6 +218,9 @@ static void test_model(const char *name)
     c.max_running = 1;
     run_engine(&c, m, ref, n_ref, &st);
     check_jobs("transformers greedy, alone", ref, n_ref);
+    REQUIRE(st.argmax_tokens == st.generation_tokens && st.generation_tokens == (uint64_t)n_ref * GEN,
+            "greedy tokens picked on the backend: %llu of %llu", (unsigned long long)st.argmax_tokens,
+            (unsigned long long)st.generation_tokens);
     run_engine(&c, m, rnd_jobs, n_rnd, &st);
     check_jobs("runner alone vs engine alone", rnd_jobs, n_rnd);
     /* one at a time with kv.reuse=prefix (the default): later prompts sharing 40 tokens hit */
@@ -232,6 +244,22 @@ static void test_model(const char *name)
             check_jobs(what, all, n_all);
         }
     }
+    /* greedy with and without the fast path in one batch: the same tokens */
+    uint64_t fast = 0;
+    for (int i = 0; i < n_all; i++) {
+        all[i].variant = i % 4;
+        fast += all[i].variant % 2 == 0 ? GEN : 0;
+    }
+    c.prefill_chunk = 7;
+    c.max_batch_tokens = 64;
+    run_engine(&c, m, all, n_all, &st);
+    check_jobs("greedy fast path mixed with logprobs / top_k 1 / top_logprobs", all, n_all);
+    REQUIRE(st.argmax_tokens == fast, "fast-path tokens %llu, want %llu", (unsigned long long)st.argmax_tokens,
+            (unsigned long long)fast);
+    for (int i = 0; i < n_all; i++) all[i].variant = 0;
+    printf("%s: greedy fast path (%llu of %llu tokens picked on the backend) mixed with host-sampled greedy: same "
+           "tokens\n", name, (unsigned long long)st.argmax_tokens, (unsigned long long)st.generation_tokens);
+
     /* a small pool: 12 blocks of 16 tokens for 12 requests of up to 132 tokens */
     size_t per_block = 0;
     {

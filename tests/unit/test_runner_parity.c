@@ -11,7 +11,12 @@
  *   5. malformed batches are refused with -EINVAL, never crash;
  *   6. 1, 2 and 3 CPU threads give bitwise identical logits;
  *   7. per-block rotation offsets reach attention for their own sequence only (zero offsets =
- *      no offsets, bitwise). Their exact semantics are checked per op in test_cpu_ops.
+ *      no offsets, bitwise). Their exact semantics are checked per op in test_cpu_ops;
+ *   8. KVS_LOGITS_ARGMAX: a prefill batch mixing ARGMAX, LAST and ALL rows (more rows than one
+ *      LM-head chunk) gives the full rows' logits bitwise as a batch without ARGMAX, and ids
+ *      equal to the sampler's greedy pick on every row; then greedy decoding with ARGMAX rows only
+ *      (no host logits at all) picks, every step, what LAST logits + the sampler pick, which is
+ *      transformers' greedy continuation.
  */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -128,6 +133,103 @@ static struct kvs_batch_seq bseq(struct seqst *s, int n_new, int want)
     return q;
 }
 
+/* the sampler's greedy pick (temperature 0, nothing else) on one logits row */
+static int32_t greedy_pick(const float *row, int V)
+{
+    struct kvs_sampler smp;
+    struct kvs_sampling sp;
+    char err[256];
+    memset(&sp, 0, sizeof sp);
+    sp.top_p = 1.0f;
+    sp.repetition_penalty = 1.0f;
+    KVS_ASSERT(kvs_sampler_init(&smp, &sp, 1, V, err, sizeof err) == 0);
+    struct kvs_sample_result res;
+    int rc = kvs_sampler_sample(&smp, row, NULL, 0, 0, &res);
+    kvs_sampler_free(&smp);
+    return rc == 0 ? res.token : -1;
+}
+
+/* 8. ARGMAX rows (see the header). out / one: [256][V] scratch. */
+static void test_argmax_mode(struct kvs_runner *r, const struct ref *ref, const int32_t *perm, const char *name,
+                             float *out, float *one)
+{
+    const int V = ref->vocab, P = ref->n_prompts;
+    struct seqst *ss = kvs_xcalloc((size_t)P, sizeof *ss);
+    int next = 0;
+    for (int p = 0; p < P; p++) {
+        memcpy(ss[p].toks, ref->prompt[p], (size_t)ref->n_prompt[p] * 4);
+        ss[p].n = ref->n_prompt[p];
+        give_blocks(&ss[p], perm, &next, (ss[p].n + N_GREEDY + BLOCK - 1) / BLOCK);
+    }
+    /* 8a. whole prompts in one batch: the last prompt (the longest) ALL, even ones ARGMAX, odd LAST */
+    struct kvs_batch_seq qs[MAX_PROMPTS], qr[MAX_PROMPTS];
+    int32_t ids[256];
+    int rows = 0;
+    for (int p = 0; p < P; p++) {
+        int want = p == P - 1 ? KVS_LOGITS_ALL : p % 2 == 0 ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+        qs[p] = bseq(&ss[p], ss[p].n, want);
+        qr[p] = bseq(&ss[p], ss[p].n, want == KVS_LOGITS_ARGMAX ? KVS_LOGITS_LAST : want);
+        rows += want == KVS_LOGITS_ALL ? ss[p].n : 1;
+    }
+    KVS_ASSERT(rows <= 256);
+    struct kvs_batch bref = {qr, P, NULL}, bmix = {qs, P, ids};
+    CHECK(kvs_runner_forward(r, &bref, one) == 0, "%s: reference forward", name);
+    for (int i = 0; i < rows; i++) ids[i] = -5;
+    CHECK(kvs_runner_forward(r, &bmix, out) == 0, "%s: mixed ARGMAX forward", name);
+    int row = 0, host = 0, ok_logits = 1, ok_ids = 1;
+    for (int p = 0; p < P; p++) {
+        int nr = qs[p].want_logits == KVS_LOGITS_ALL ? ss[p].n : 1;
+        for (int i = 0; i < nr; i++, row++) {
+            const float *want_row = one + (size_t)row * V;
+            if (qs[p].want_logits != KVS_LOGITS_ARGMAX)
+                ok_logits &= memcmp(out + (size_t)host++ * V, want_row, (size_t)V * 4) == 0;
+            int32_t g = greedy_pick(want_row, V);
+            if (ids[row] != g) {
+                if (ok_ids) printf("%s: mixed batch row %d (prompt %d): argmax %d, sampler %d\n", name, row, p, ids[row], g);
+                ok_ids = 0;
+            }
+        }
+        /* the first generated token, for 8b */
+        ss[p].toks[ss[p].n++] = greedy_pick(one + (size_t)(row - 1) * V, V);
+        ss[p].pos = ss[p].n - 1;
+    }
+    CHECK(ok_logits, "%s: mixed batch: host rows' logits differ from a batch without ARGMAX rows", name);
+    CHECK(ok_ids, "%s: mixed batch: argmax ids differ from the sampler's greedy pick", name);
+    CHECK(rows > 16 && host == rows - P / 2, "%s: the mixed batch should span several LM-head chunks", name);
+
+    /* 8b. greedy decoding, all prompts together: LAST + sampler, then the same step again with
+     * ARGMAX rows only and no logits array (the KV writes repeat identically) */
+    int ok_step = 1, ok_ref = 1;
+    for (int p = 0; p < P; p++) ok_ref &= ss[p].toks[ss[p].n - 1] == ref->greedy[p][0];
+    for (int step = 1; step < N_GREEDY; step++) {
+        for (int p = 0; p < P; p++) {
+            qr[p] = bseq(&ss[p], 1, KVS_LOGITS_LAST);
+            qs[p] = bseq(&ss[p], 1, KVS_LOGITS_ARGMAX);
+        }
+        CHECK(kvs_runner_forward(r, &bref, one) == 0, "%s: greedy LAST forward", name);
+        for (int p = 0; p < P; p++) ids[p] = -5;
+        CHECK(kvs_runner_forward(r, &bmix, NULL) == 0, "%s: greedy ARGMAX forward", name);
+        for (int p = 0; p < P; p++) {
+            int32_t g = greedy_pick(one + (size_t)p * V, V);
+            if (ids[p] != g) {
+                if (ok_step) printf("%s: greedy step %d prompt %d: argmax %d, sampler %d\n", name, step, p, ids[p], g);
+                ok_step = 0;
+            }
+            ok_ref &= ids[p] == ref->greedy[p][step];
+            ss[p].toks[ss[p].n++] = ids[p];
+            ss[p].pos++;
+        }
+    }
+    CHECK(ok_step, "%s: ARGMAX decode ids differ from LAST logits + sampler", name);
+    CHECK(ok_ref, "%s: ARGMAX greedy continuation differs from transformers", name);
+    /* an ARGMAX row needs somewhere to put its id */
+    bmix.argmax = NULL;
+    CHECK(kvs_runner_forward(r, &bmix, out) == -EINVAL, "%s: ARGMAX rows without batch.argmax accepted", name);
+    printf("%s: ARGMAX rows: mixed with LAST/ALL rows (%d logits rows) and %d greedy steps x %d prompts match the "
+           "sampler's pick on full logits\n", name, rows, N_GREEDY, P);
+    free(ss);
+}
+
 static void run_model(const char *root, const char *name, const char *refname)
 {
     char dir[1024], refdir[1024], err[512];
@@ -187,7 +289,7 @@ static void run_model(const char *root, const char *name, const char *refname)
         give_blocks(&s, perm, &next, (L + BLOCK - 1) / BLOCK);
         /* 1. one prefill, all positions */
         struct kvs_batch_seq q = bseq(&s, L, KVS_LOGITS_ALL);
-        struct kvs_batch b = {&q, 1};
+        struct kvs_batch b = {&q, 1, NULL};
         rc = kvs_runner_forward(r, &b, one);
         CHECK(rc == 0, "%s: forward rc %d", name, rc);
         double e = row_rel_err(one, ref.logits[p], L, V);
@@ -246,7 +348,7 @@ static void run_model(const char *root, const char *name, const char *refname)
             }
             remaining = nq > 0;
             if (!nq) break;
-            struct kvs_batch b = {qs, nq};
+            struct kvs_batch b = {qs, nq, NULL};
             rc = kvs_runner_forward(r, &b, out);
             CHECK(rc == 0, "%s: mixed forward rc %d", name, rc);
             size_t row = 0;
@@ -290,7 +392,7 @@ static void run_model(const char *root, const char *name, const char *refname)
                 }
                 qs[p] = bseq(&ss[p], 1, KVS_LOGITS_LAST);
             }
-            struct kvs_batch b = {qs, ref.n_prompts};
+            struct kvs_batch b = {qs, ref.n_prompts, NULL};
             rc = kvs_runner_forward(r, &b, out);
             CHECK(rc == 0, "%s: greedy forward rc %d", name, rc);
             for (int p = 0; p < ref.n_prompts; p++) {
@@ -312,6 +414,8 @@ static void run_model(const char *root, const char *name, const char *refname)
         free(ss);
     }
 
+    test_argmax_mode(r, &ref, perm, name, out, one);
+
     /* 6. thread-count invariance: the longest prompt's prefill with 1 and 3 threads gives the
      * same bits as with 2 */
     for (int th = 1; th <= 3; th += 2) {
@@ -324,7 +428,7 @@ static void run_model(const char *root, const char *name, const char *refname)
         for (int j = 0; j < 64; j++) bt[j] = perm[63 - j];
         struct kvs_batch_seq q = {.tokens = ref.prompt[p], .n_tokens = L, .pos = 0, .block_table = bt,
                                   .n_blocks = 64, .want_logits = KVS_LOGITS_ALL};
-        struct kvs_batch b = {&q, 1};
+        struct kvs_batch b = {&q, 1, NULL};
         KVS_ASSERT(kvs_runner_forward(r, &b, one) == 0);
         KVS_ASSERT(kvs_runner_forward(r2, &b, out) == 0);
         CHECK(memcmp(one, out, (size_t)L * V * 4) == 0, "%s: %d threads vs 2 threads: logits differ", name, th);
@@ -349,7 +453,7 @@ static void run_model(const char *root, const char *name, const char *refname)
             {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt0, .n_blocks = nb},
             {.tokens = ref.prompt[p], .n_tokens = L - 1, .pos = 0, .block_table = bt1, .n_blocks = nb},
         };
-        struct kvs_batch b2 = {q2, 2};
+        struct kvs_batch b2 = {q2, 2, NULL};
         KVS_ASSERT(kvs_runner_forward(r, &b2, NULL) == 0);
         for (int variant = 0; variant < 2; variant++) {
             for (int i = 0; i < 2; i++) {
@@ -381,7 +485,7 @@ static void run_model(const char *root, const char *name, const char *refname)
         int32_t tok = 5, bad_tok = V, bt = 0, bad_bt = 64;
         struct kvs_batch_seq q = {.tokens = &tok, .n_tokens = 1, .pos = 0, .block_table = &bt, .n_blocks = 1,
                                   .want_logits = 1};
-        struct kvs_batch b = {&q, 1};
+        struct kvs_batch b = {&q, 1, NULL};
         q.tokens = &bad_tok;
         CHECK(kvs_runner_forward(r, &b, out) == -EINVAL, "token id = vocab accepted");
         q.tokens = &tok;

@@ -1,13 +1,16 @@
 /* test_sampler.c: the sampler against hand-computed expectations: seeded determinism, greedy =
  * argmax, top_k = 1 = greedy, penalties on exactly the right logits, logit_bias bans, top_k /
  * top_p / min_p keep the right set with the right (renormalised) frequencies, temperature
- * reshapes the distribution, raw logprobs. */
+ * reshapes the distribution, raw logprobs; kvs_sampler_is_argmax holds for exactly the plain
+ * greedy settings, and for those the sampler's pick is the CPU backend's argmax_rows id on rows
+ * with ties, NaN and infinities (failing exactly where that op reports -1). */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "engine/sampler.h"
 #include "engine/util.h"
+#include "kernels/backend.h"
 #include "tests/unit/test_util.h"
 
 
@@ -325,6 +328,102 @@ static void test_bad_params(void)
     printf("ok bad parameters refused\n");
 }
 
+static int is_argmax(const struct kvs_sampling *p)
+{
+    struct kvs_sampler s;
+    char err[256];
+    int32_t id = 3;
+    float bias = 1.0f;
+    struct kvs_sampling q = *p;
+    if (q.n_logit_bias) {
+        q.logit_bias_ids = &id;
+        q.logit_bias_values = &bias;
+    }
+    KVS_ASSERT(kvs_sampler_init(&s, &q, 1, 10, err, sizeof err) == 0);
+    int r = kvs_sampler_is_argmax(&s);
+    kvs_sampler_free(&s);
+    return r;
+}
+
+static void test_argmax_fast_path(void)
+{
+    /* the predicate: plain greedy only */
+    struct kvs_sampling p = defaults();
+    p.temperature = 0.0f;
+    CHECK(is_argmax(&p), "temperature 0");
+    p.temperature = 0.7f;
+    CHECK(!is_argmax(&p), "temperature 0.7");
+    p.top_k = 1;
+    CHECK(is_argmax(&p), "top_k 1 is greedy at any temperature");
+    p.top_p = 0.5f;
+    p.min_p = 0.2f;
+    CHECK(is_argmax(&p), "top_p / min_p do not matter to greedy");
+    struct kvs_sampling base = p;
+    p.logprobs = 1;
+    CHECK(!is_argmax(&p), "logprobs need the host row");
+    p = base;
+    p.top_logprobs = 2;
+    CHECK(!is_argmax(&p), "top_logprobs need the host row");
+    p = base;
+    p.n_logit_bias = 1;
+    CHECK(!is_argmax(&p), "logit_bias");
+    p = base;
+    p.repetition_penalty = 1.1f;
+    CHECK(!is_argmax(&p), "repetition_penalty");
+    p = base;
+    p.presence_penalty = 0.5f;
+    CHECK(!is_argmax(&p), "presence_penalty");
+    p = base;
+    p.frequency_penalty = -0.5f;
+    CHECK(!is_argmax(&p), "frequency_penalty");
+
+    /* the pick: the CPU backend's argmax_rows on the same rows */
+    enum { V = 97, M = 64 };
+    static float rows[M * V];
+    for (int r = 0; r < M; r++) {
+        float *x = rows + (size_t)r * V;
+        for (int i = 0; i < V; i++) x[i] = (float)(int)(frand() * 6.0f);   /* many ties */
+        int a = (int)(frand() * V), kind = r % 6;
+        for (int i = 0; i < V; i++) {
+            if (kind == 1 && i % 2 == 0) x[i] = NAN;                          /* NaN among ties */
+            if (kind == 3) x[i] = NAN;                                        /* all NaN: no pick */
+            if (kind == 4) x[i] = i % 3 ? -INFINITY : NAN;                    /* nothing above -inf: no pick */
+            if (kind == 5) x[i] = frand() < 0.5f ? 0.0f : -0.0f;              /* +0 == -0 */
+        }
+        if (kind == 2) x[a] = INFINITY;
+    }
+    char err[256];
+    struct kvs_backend *be = kvs_cpu_backend.create(1, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    struct kvs_dbuf *L = kvs_cpu_backend.alloc(be, KVS_BUF_ACT, (size_t)M * V), *O = kvs_cpu_backend.alloc(be, KVS_BUF_I32, M);
+    kvs_cpu_backend.upload(be, L, 0, rows, (size_t)M * V);
+    kvs_cpu_backend.argmax_rows(be, L, M, V, O, 0);
+    int32_t ids[M];
+    kvs_cpu_backend.download(be, ids, O, 0, M);
+    struct kvs_sampler s;
+    p = defaults();
+    p.temperature = 0.0f;
+    KVS_ASSERT(kvs_sampler_init(&s, &p, 1, V, err, sizeof err) == 0 && kvs_sampler_is_argmax(&s));
+    int agree = 1, n_fail = 0;
+    for (int r = 0; r < M; r++) {
+        struct kvs_sample_result res;
+        int rc = kvs_sampler_sample(&s, rows + (size_t)r * V, NULL, 0, 0, &res);
+        n_fail += rc < 0;
+        if (rc < 0 ? ids[r] != -1 : ids[r] != res.token) {
+            printf("row %d (kind %d): sampler rc %d token %d, argmax_rows %d\n", r, r % 6, rc, res.token, ids[r]);
+            agree = 0;
+        }
+    }
+    CHECK(agree, "the greedy sampler and argmax_rows disagree");
+    CHECK(n_fail > 0, "no row exercised the failing case");
+    kvs_sampler_free(&s);
+    kvs_cpu_backend.free_buf(be, L);
+    kvs_cpu_backend.free_buf(be, O);
+    kvs_cpu_backend.free(be);
+    printf("ok greedy fast path: predicate, and sampler pick == argmax_rows on %d rows (%d without a pick)\n", M,
+           n_fail);
+}
+
 int main(void)
 {
     test_determinism();
@@ -335,5 +434,6 @@ int main(void)
     test_top_p_large();
     test_logprobs();
     test_bad_params();
+    test_argmax_fast_path();
     return kvs_test_summary("test_sampler");
 }

@@ -1,7 +1,8 @@
 /* test_scheduler.c: the engine + scheduler over a deterministic fake model (fake_model.h),
  * checked against fake_reference() (greedy continuation computed without the engine):
  *   - batch invariance: alone, batched with 1..64 others, prefill chunks 1/7/64/unchunked,
- *     a pool small enough to force preemption (greedy and seeded sampling);
+ *     a pool small enough to force preemption (greedy and seeded sampling); greedy requests
+ *     take the argmax fast path (every token, KVS_LOGITS_ARGMAX rows), sampled ones never;
  *   - prefix reuse: identical outputs with and without, expected hit counts;
  *   - stress: 500 requests, random lengths, random cancellations, preemption, shared prefixes:
  *     every non-cancelled request correct, no deadlock, every block free at the end;
@@ -171,6 +172,7 @@ static void check_exact(const struct job *j)
 struct run_result {
     struct kvs_engine_stats st;
     int max_seqs, max_tokens;
+    int argmax_rows;              /* KVS_LOGITS_ARGMAX rows the fake answered */
 };
 
 /* Runs jobs through a fresh engine (all submitted at once) and returns its stats. */
@@ -192,6 +194,7 @@ static struct run_result run_jobs(struct kvs_config *cfg, int n_blocks, struct j
     REQUIRE(m.errors == 0);
     res.max_seqs = m.max_seqs_seen;
     res.max_tokens = m.max_tokens_seen;
+    res.argmax_rows = m.n_argmax_rows;
     kvs_engine_free(e);
     fake_model_free(&m);
     return res;
@@ -204,8 +207,10 @@ static void test_invariance(void)
     for (int i = 0; i < N; i++) random_job(&jobs[i], 60, 30);
     /* alone: one running request at a time */
     struct kvs_config c = make_cfg(64, 1, 1000, 0, "none");
-    run_jobs(&c, 1024, jobs, N);
+    struct run_result r0 = run_jobs(&c, 1024, jobs, N);
     for (int i = 0; i < N; i++) check_exact(&jobs[i]);
+    REQUIRE(r0.st.argmax_tokens == r0.st.generation_tokens && r0.st.generation_tokens > 0 &&
+            r0.argmax_rows == (int)r0.st.argmax_tokens);   /* greedy: every token through the fast path */
     printf("alone (max_running=1): %d requests match the reference\n", N);
 
     int sizes[] = {2, 16, 65};
@@ -244,7 +249,8 @@ static void test_invariance(void)
         sj[i].ignore_eos = 1;
     }
     c = make_cfg(64, 1, 1000, 0, "none");
-    run_jobs(&c, 1024, sj, NS);
+    r0 = run_jobs(&c, 1024, sj, NS);
+    REQUIRE(r0.st.argmax_tokens == 0 && r0.argmax_rows == 0);   /* sampled: never the fast path */
     int differs_from_greedy = 0;
     for (int i = 0; i < NS; i++) {
         n_first[i] = sj[i].n_out;
