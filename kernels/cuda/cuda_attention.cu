@@ -68,6 +68,7 @@ struct at_args {
     int chunk, n_splits;          /* keys per split (a multiple of AT_TILE), splits */
     float scale;
     float *out, *part;            /* part: [n][n_heads][n_splits][hd + 2] (acc..., max, sum) */
+    bf16 *outh;                   /* NULL, or the bf16 copy of out (the o projection's input) */
 };
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src_bytes)
@@ -425,7 +426,11 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
         if (d0 >= HD) continue;
         if (a.n_splits == 1) {
 #pragma unroll
-            for (int i = 0; i < DPL; i++) a.out[orow * HD + d0 + i] = acc[r][i] / lsum;
+            for (int i = 0; i < DPL; i++) {
+                const float v = acc[r][i] / lsum;
+                a.out[orow * HD + d0 + i] = v;
+                if (a.outh) a.outh[orow * HD + d0 + i] = __float2bfloat16(v);
+            }
         } else {
             float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
 #pragma unroll
@@ -742,10 +747,13 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
             const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
             if (a.n_splits == 1) {
                 float *op = a.out + orow * HD + 2 * t;
+                bf16 *oh = a.outh ? a.outh + orow * HD + 2 * t : nullptr;
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; nd++) {
-                    op[nd * 8] = o[mt][nd][2 * h] / ls;
-                    op[nd * 8 + 1] = o[mt][nd][2 * h + 1] / ls;
+                    const float v0 = o[mt][nd][2 * h] / ls, v1 = o[mt][nd][2 * h + 1] / ls;
+                    op[nd * 8] = v0;
+                    op[nd * 8 + 1] = v1;
+                    if (oh) *(__nv_bfloat162 *)(oh + nd * 8) = __floats2bfloat162_rn(v0, v1);
                 }
             } else {
                 float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
@@ -764,7 +772,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 
 /* block per (row, head) of this launch's kind; threads over dims; splits merged in order */
 __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_seqs, int prefill, int n_heads,
-                             int n_splits, int hd, float *out)
+                             int n_splits, int hd, float *out, bf16 *outh)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     const int t = blockIdx.x / n_heads;
@@ -789,6 +797,7 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
             A += q[d] * e;
         }
         out[row * hd + d] = A / Ls;
+        if (outh) outh[row * hd + d] = __float2bfloat16(A / Ls);
     }
 }
 
@@ -852,7 +861,7 @@ static void launch_kernel(void (*kern)(at_args), int threads, size_t smem, int *
     CUDA_CHECK(cudaGetLastError());
     if (x.n_splits > 1) {
         CUDA_CHECK(kvs_cu_launch(k_attn_merge, (unsigned)((size_t)n * x.n_heads), hd < 128 ? hd : 128, 0, st, 
-            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out));
+            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out, x.outh));
         CUDA_CHECK(cudaGetLastError());
     }
 }
@@ -987,6 +996,7 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     x.G = G;
     x.scale = a->scale;
     x.out = a->out;
+    x.outh = a->outh;
     x.part = ws;
     const size_t ws_floats = ws_bytes / sizeof(float);
     for (int pass = 0; pass < 2; pass++) {

@@ -26,6 +26,7 @@ struct kvs_cu_attn {
     int plan_ctx;                 /* 0, or plan the decode launch for contexts up to this (graphs) */
     float scale;
     float *out;                   /* [n][n_heads][hd] fp32 */
+    __nv_bfloat16 *outh;          /* NULL, or [n][n_heads][hd]: the bf16 copy of out, written alongside */
 };
 
 /* 1 when the kernels support this shape (see the header comment). */

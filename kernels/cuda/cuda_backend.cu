@@ -905,7 +905,8 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.plan_ctx = m->plan_ctx;
     a.scale = scale;
     a.out = (float *)out->d;
-    xh_forget(b, out->d);
+    /* the o projection reads the bf16 copy, which the attention writes as it goes */
+    a.outh = xh_claim(b, out->d, (size_t)n * n_heads * head_dim);
     kvs_cu_attention(&a, b->stream, b->n_sms, b->attn_ws, ATTN_WS_BYTES, b->attn_splits);
 }
 

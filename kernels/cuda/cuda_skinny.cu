@@ -85,7 +85,7 @@ __device__ __forceinline__ void sk_mma(const uint4 *xg, int xs, int valid_t, int
     }
 }
 
-template <int NT, int SK_WARPS, int SK_U>
+template <int NT, int SK_WARPS, int SK_U, bool DB>
 __global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
 {
     __shared__ float red[SK_WARPS > 1 ? SK_WARPS - 1 : 1][NT * 4][32];
@@ -120,14 +120,24 @@ __global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
 
-    uint4 wa0[SK_U], wb0[SK_U], wa1[SK_U], wb1[SK_U];
+    uint4 wa0[SK_U], wb0[SK_U];
     sk_load<SK_U>(lo, hi, c0, c1, wa0, wb0);     /* before the wait: weights are constant */
     grid_dep_wait();                             /* cuda_launch.h: x is ready */
-    for (int c = c0; c < c1; c += 2 * step) {
-        sk_load<SK_U>(lo, hi, c + step, c1, wa1, wb1);
-        sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
-        sk_load<SK_U>(lo, hi, c + 2 * step, c1, wa0, wb0);
-        sk_mma<NT, SK_U>(xg, xs, valid_t, c + step, c1, wa1, wb1, acc);
+    if (DB) {
+        /* two groups in flight: the next group loads while this one multiplies */
+        uint4 wa1[SK_U], wb1[SK_U];
+        for (int c = c0; c < c1; c += 2 * step) {
+            sk_load<SK_U>(lo, hi, c + step, c1, wa1, wb1);
+            sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
+            sk_load<SK_U>(lo, hi, c + 2 * step, c1, wa0, wb0);
+            sk_mma<NT, SK_U>(xg, xs, valid_t, c + step, c1, wa1, wb1, acc);
+        }
+    } else {
+        /* one group (more x fragments leave fewer registers); the same chunks in the same order */
+        for (int c = c0; c < c1; c += step) {
+            if (c != c0) sk_load<SK_U>(lo, hi, c, c1, wa0, wb0);
+            sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
+        }
     }
 
     /* add the warps' partial sums in warp order */
@@ -276,10 +286,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
     /* H100, Llama-3.1-8B GEMMs of a step (bench/RESULTS.md): 16 warps a block hide the load latency
-     * best; two chunks a group up to 8 rows (2661 GB/s at n = 2 vs 2455 for cuBLAS), one chunk for
-     * 9 .. 16 rows (2482 vs 2393 at n = 16), where the x fragments take more registers */
+     * best, with groups of two chunks (2661 GB/s at n = 2 vs 2455 for cuBLAS). Every n deals K
+     * the same way, so a row's sum is the same whatever the batch (batch invariance); above 8 rows
+     * one group is in flight instead of two, where the x fragments take the registers. */
     const dim3 grid(blocks), blk(16 * 32);
-    if (a->n <= 8) return kvs_cu_launch(k_skinny<1, 16, 2>, grid, blk, 0, stream, p);
-    if (a->n <= 16) return kvs_cu_launch(k_skinny<2, 16, 1>, grid, blk, 0, stream, p);
-    return kvs_cu_launch(k_skinny<4, 16, 1>, grid, blk, 0, stream, p);
+    if (a->n <= 8) return kvs_cu_launch(k_skinny<1, 16, 2, true>, grid, blk, 0, stream, p);
+    if (a->n <= 16) return kvs_cu_launch(k_skinny<2, 16, 2, false>, grid, blk, 0, stream, p);
+    return kvs_cu_launch(k_skinny<4, 16, 2, false>, grid, blk, 0, stream, p);
 }

@@ -656,6 +656,26 @@ static void test_attention_case(const struct attn_case *ac)
         snprintf(what, sizeof what, "  seq %d: pos=%d tokens=%d", s, ac->pos[s], ac->ntok[s]);
         check_range(what, &out, (size_t)q_start[s] * nh * hd, (size_t)ac->ntok[s] * nh * hd, 1e-2);
     }
+    /* the attention writes the bf16 copy of its output for the o projection: a matmul of out (which
+     * reads that copy) equals one of the same values uploaded afresh (converted by the matmul) */
+    {
+        const int od = 48;
+        const size_t on = (size_t)n * nh * hd;
+        float *ov = rand_vec((size_t)od * nh * hd, 0.05f, 0), *host = kvs_xmalloc(on * 4);
+        struct wpair ow = mkw(ov, od, nh * hd, 0, KVS_DTYPE_BF16);
+        struct pair y1 = mk(KVS_BUF_ACT, (size_t)n * od, NULL), y2 = mk(KVS_BUF_ACT, (size_t)n * od, NULL);
+        struct pair out2 = mk(KVS_BUF_ACT, on, NULL);
+        G->attention(bg, q.g, kc.g, vc.g, &mg, n, nh, nkv, hd, bs, scale, out.g);
+        G->matmul(bg, out.g, ow.g, NULL, n, nh * hd, od, y1.g);
+        G->download(bg, host, out.g, 0, on);
+        G->upload(bg, out2.g, 0, host, on);
+        G->matmul(bg, out2.g, ow.g, NULL, n, nh * hd, od, y2.g);
+        float *a1 = dl(&y1, (size_t)n * od), *a2 = dl(&y2, (size_t)n * od);
+        snprintf(what, sizeof what, "o projection of the attention output (its bf16 copy) rows=%d", n);
+        expect_same(what, a1, a2, (size_t)n * od);
+        free(a1); free(a2); free(ov); free(host);
+        dropw(&ow); drop(&y1); drop(&y2); drop(&out2);
+    }
 
     /* kv_copy_block: copy a used block over a spare one, both caches compared whole */
     int src = bt[0], dst = perm[n_blocks - 1];
