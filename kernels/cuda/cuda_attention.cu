@@ -23,8 +23,10 @@
  * rotation runs never wait on a global load in the compute loop.
  * Deferred RoPE (LazyAttention, ROT): keys of a cached block are attended as if rotated by the
  * block's offset o; the block's copy of q is rotated backward instead, <q, R(o)k> = <R(-o)q, k>.
- * The rotated copy lives in shared memory and is recomputed only when a tile holds keys of
- * another offset, i.e. at document boundaries (hd/2 sincos per boundary, shared by all rows).
+ * The rotated copy is recomputed only when a tile holds keys of another offset, i.e. at document
+ * boundaries (hd/2 sincos per boundary, shared by all rows): in shared memory for the CUDA-core
+ * kernel, straight into the q fragments (registers, from q in global memory) for the tensor-core
+ * one, whose shared memory then holds only the K/V stages (more resident blocks for decode).
  * Long contexts are split over blocks (grid z); a second kernel merges the per-split partials
  * (acc, max, sum) in split order. Everything is deterministic for a given launch shape.
  */
@@ -477,21 +479,64 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t *r, const void *smem)
                  : "r"(sa));
 }
 
-/* A fragments of the warp's MT m-tiles of q (fp32 rows in shared memory, already scaled) */
+/* dim d of a q row, scaled, and with cs_sn ([hd/2] cos, then [hd/2] sin) rotated backward as
+ * rotate_q() does: x0 cos + x1 sin for the first half, x1 cos - x0 sin for the second */
+template <int HD>
+__device__ __forceinline__ float q_dim(const float *qr, int d, float scale, const float *cs_sn)
+{
+    constexpr int HALF = HD / 2;
+    const float x = __ldg(qr + d) * scale;
+    if (!cs_sn) return x;
+    const int i = d < HALF ? d : d - HALF;
+    const float other = __ldg(qr + (d < HALF ? d + HALF : i)) * scale, cs = cs_sn[i], sn = cs_sn[HALF + i];
+    return d < HALF ? x * cs + other * sn : x * cs - other * sn;
+}
+
+/* A fragments of the warp's MT m-tiles of q, straight from global memory (the rows are a few KB,
+ * read once per block and per document boundary): rows past nr are zero; cs_sn (or nullptr)
+ * rotates them backward. No shared memory: a decode block's footprint is its K/V stages only. */
 template <int HD, int MT>
-__device__ __forceinline__ void load_q_frags(const float *qw, uint32_t (*qa)[HD / 16][4], int lane)
+__device__ __forceinline__ void q_frags(const at_args &a, int qs, int r0, int kvh, int nr, int wrow, int lane,
+                                        const float *cs_sn, uint32_t (*qa)[HD / 16][4])
 {
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++) {
-            const float *r0 = qw + (mt * 16 + g) * HD + ks * 16 + 2 * t, *r1 = r0 + 8 * HD;
-            qa[mt][ks][0] = pack_bf16(r0[0], r0[1]);
-            qa[mt][ks][1] = pack_bf16(r1[0], r1[1]);
-            qa[mt][ks][2] = pack_bf16(r0[8], r0[9]);
-            qa[mt][ks][3] = pack_bf16(r1[8], r1[9]);
+        for (int h = 0; h < 2; h++) {
+            const int r = wrow + mt * 16 + g + 8 * h;
+            const float *qr = nullptr;
+            if (r < nr) {
+                const size_t tq = (size_t)qs + r0 + r / a.G;
+                qr = a.q + (tq * a.n_heads + (size_t)kvh * a.G + r % a.G) * HD;
+            }
+#pragma unroll
+            for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int d = ks * 16 + 2 * t + 8 * e;
+                    float v0 = 0.0f, v1 = 0.0f;
+                    if (qr) {
+                        v0 = q_dim<HD>(qr, d, a.scale, cs_sn);
+                        v1 = q_dim<HD>(qr, d + 1, a.scale, cs_sn);
+                    }
+                    qa[mt][ks][h + 2 * e] = pack_bf16(v0, v1);
+                }
         }
+}
+
+/* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
+__device__ __noinline__ void rot_table(float *cs_sn, int hd, int o, const float *inv_freq)
+{
+    const int half = hd / 2;
+    __syncthreads(); /* every warp is done with the previous table */
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float sn, cs;
+        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
+        cs_sn[i] = cs;
+        cs_sn[half + i] = sn;
+    }
+    __syncthreads();
 }
 
 /* S^T for the warp's rows against the 32 keys of a tile: s[mt][n-tile of 8 keys][4] */
@@ -524,8 +569,7 @@ struct tc_cfg {
     static constexpr int KST = HD + 8;
     static constexpr size_t kv_elems = (size_t)ST * AT_TILE * KST;
     static constexpr size_t smem =
-        2 * kv_elems * sizeof(bf16) + ((size_t)ROWS * HD * (ROT ? 2 : 1) + (ROT ? HD : 0)) * sizeof(float) +
-        (size_t)ST * AT_TILE * sizeof(int);
+        2 * kv_elems * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) + (size_t)ST * AT_TILE * sizeof(int);
 };
 
 template <int HD, int NW, int MT, int ST, bool ROT>
@@ -533,13 +577,11 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
 {
     grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
     typedef tc_cfg<HD, NW, MT, ST, ROT> C;
-    constexpr int ROWS = C::ROWS, KST = C::KST, NT = NW * 32;
+    constexpr int KST = C::KST, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
     bf16 *sv = sk + C::kv_elems;
-    float *sq = (float *)(sv + C::kv_elems);   /* [ROWS][HD] q * scale */
-    float *sqr = sq + ROWS * HD;               /* ROT: q rotated backward by cur_rot */
-    float *rtab = sqr + (ROT ? ROWS * HD : 0); /* ROT: [HD] cos, sin of the current rotation */
+    float *rtab = (float *)(sv + C::kv_elems); /* ROT: [HD] cos, sin of the current rotation */
     int *soff = (int *)(rtab + (ROT ? HD : 0)); /* [ST][AT_TILE] per key: rotation offset or KEY_PAD */
 
     int s, r0;
@@ -556,22 +598,6 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
     const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
 
-    /* q rows (scaled) as float4; padding rows zero (so are the rotated copy's) */
-    for (int idx = threadIdx.x; idx < ROWS * HD / 4; idx += NT) {
-        int r = idx / (HD / 4), d4 = idx % (HD / 4);
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < nr) {
-            size_t tq = (size_t)qs + r0 + r / a.G;
-            v = ((const float4 *)(a.q + (tq * a.n_heads + (size_t)kvh * a.G + r % a.G) * HD))[d4];
-            v.x *= a.scale;
-            v.y *= a.scale;
-            v.z *= a.scale;
-            v.w *= a.scale;
-        }
-        ((float4 *)sq)[idx] = v;
-        if (ROT) ((float4 *)sqr)[idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-
     auto load = [=](int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
         stage_tile<HD, NT>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, wt, sk + so * KST, sv + so * KST, KST, soff + so);
@@ -583,11 +609,10 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
         if (st < ntiles) load(st);
         cp_async_commit();
     }
-    __syncthreads(); /* sq written */
 
     const int wrow = warp * 16 * MT; /* the warp's first row */
     uint32_t qa[MT][HD / 16][4];
-    load_q_frags<HD, MT>(sq + wrow * HD, qa, lane);
+    q_frags<HD, MT>(a, qs, r0, kvh, nr, wrow, lane, nullptr, qa);
     int cur_rot = 0;                 /* the offset qa is rotated by */
 
     float m[MT][2], l[MT][2], o[MT][HD / 8][4];
@@ -643,8 +668,8 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                 while (todo) {
                     const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
                     if (ofs != cur_rot) {
-                        rotate_q(sq, sqr, rtab, nr, HD, ofs, a.inv_freq);
-                        load_q_frags<HD, MT>(sqr + wrow * HD, qa, lane);
+                        rot_table(rtab, HD, ofs, a.inv_freq);
+                        q_frags<HD, MT>(a, qs, r0, kvh, nr, wrow, lane, rtab, qa);
                         cur_rot = ofs;
                     }
                     float sr[MT][4][4];
@@ -935,10 +960,11 @@ static int dec_kind(int n_tiles, int n_kv, int n_sms, int max_ctx)
     }
     if (k >= 0) return k;
     /* H100, Llama-3.1-8B shape: tensor cores beat the CUDA-core kernel everywhere but at tiny
-     * launches (batch 1 x 1K: 0.45 vs 0.39 ms for all layers); three tiles in flight pay from
-     * 8K contexts (batch 32 x 8K: 12.57 vs 12.78 ms), two below (batch 8 x 1K: 0.67 vs 0.86) */
-    if ((long long)n_tiles * n_kv < n_sms / 4 && max_ctx <= 2048) return 0;
-    return max_ctx >= 4096 ? 3 : 2;
+     * launches (batch 1 x 1K: 0.45 vs 0.39 ms for all layers); three tiles in flight pay for
+     * large launches of long contexts (batch 32 x 8K: 12.57 vs 12.78 ms), two elsewhere */
+    const long long pairs = (long long)n_tiles * n_kv;
+    if (pairs < n_sms / 4 && max_ctx <= 2048) return 0;
+    return pairs >= 32 && max_ctx >= 4096 ? 3 : 2; /* batch 1 x 8K: 0.89 (2) vs 1.11 ms (3) */
 }
 
 template <int HD>

@@ -43,8 +43,10 @@ extern "C" {
 #include "kernels/cuda/cuda_launch.h"
 #include "kernels/cuda/cuda_skinny.h"
 
-/* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS */
-#define SKINNY_MAX_DEFAULT 16
+/* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS: on
+ * H100 the decode GEMM reads the step's weights at 2538 GB/s for 8 rows (cuBLAS 2437) but only
+ * 2364 for 12 (cuBLAS 2406), bench/RESULTS.md */
+#define SKINNY_MAX_DEFAULT 8
 #include "kernels/cuda/cuda_backend.h"
 
 #define CUBLAS_CHECK(call)                                                                   \

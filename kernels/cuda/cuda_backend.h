@@ -47,7 +47,7 @@ double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
 void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
 /* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
- * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (16, or KVS_CUDA_SKINNY_MAX at
+ * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
 
