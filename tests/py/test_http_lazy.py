@@ -1,16 +1,14 @@
 """kv.reuse=lazy over HTTP (build/kvserve-e2e: real stack, tiny Llama, byte-level tokenizer).
 
 Documents posted once (POST /v1/documents with token ids) and cited by id in completions and chat
-become doc segments. Checked against an independent reference written here in numpy: the tiny
-Llama's forward pass straight from model.safetensors with Block-Attention semantics (each
+become doc segments. Checked against an independent reference in numpy (tests/py/np_llama.py): the
+tiny Llama's forward pass straight from model.safetensors with Block-Attention semantics (each
 document attends only to itself, at padded positions: document d starts at the sum of the
 previous documents' lengths rounded up to the 16-token block; the prompt follows the last
 document's padded end and attends to everything). Also: usage.prompt_tokens_details.cached_tokens
 on a warm cache, the kvserve:doc_cache_* metrics, chat with documents (same output twice, the
 second from the cache), and that without kv.reuse=lazy documents stay plain prompt text."""
-import json
 import os
-import struct
 import tempfile
 
 import numpy as np
@@ -18,92 +16,8 @@ import requests
 from tokenizers import Tokenizer
 
 from kvs_http import E2E_BIN, ROOT, Server, check, chatml
+from np_llama import BS, Ref
 from tiny_tokenizer import make_model_dir
-
-BS = 16
-
-
-def load_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        hdr = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in hdr.items():
-        if name == "__metadata__":
-            continue
-        check(t["dtype"] == "F32", f"{name}: {t['dtype']}")
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(t["shape"]).astype(np.float64)
-    return out
-
-
-class Ref:
-    def __init__(self, model_dir):
-        self.c = json.load(open(os.path.join(model_dir, "config.json")))
-        self.w = load_safetensors(os.path.join(model_dir, "model.safetensors"))
-        c = self.c
-        self.hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        theta = (c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta")
-        self.inv = (1.0 / (theta ** (np.arange(0, self.hd, 2, dtype=np.float64) / self.hd))).astype(np.float32)
-
-    def rope(self, x, pos):  # x [T][H][hd]
-        ang = (np.float32(1) * pos.astype(np.float32)[:, None] * self.inv[None, :]).astype(np.float64)
-        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        h = self.hd // 2
-        x1, x2 = x[..., :h], x[..., h:]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-    def norm(self, x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.c["rms_norm_eps"]) * w
-
-    def next_token(self, tok, pos, seg):
-        c, w = self.c, self.w
-        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], self.hd
-        T = len(tok)
-        seg = np.array(seg)
-        allowed = np.tril(np.ones((T, T), dtype=bool)) & ((seg[:, None] < 0) | (seg[:, None] == seg[None, :]))
-        x = w["model.embed_tokens.weight"][tok]
-        pos = np.array(pos)
-        for l in range(c["num_hidden_layers"]):
-            p = f"model.layers.{l}."
-            xn = self.norm(x, w[p + "input_layernorm.weight"])
-            q = self.rope((xn @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
-            k = self.rope((xn @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), pos)
-            v = (xn @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
-            g = nh // nkv
-            out = np.zeros((T, nh, hd))
-            for h in range(nh):
-                sc = q[:, h, :] @ k[:, h // g, :].T / np.sqrt(hd)
-                sc = np.where(allowed, sc, -np.inf)
-                sc = np.exp(sc - sc.max(-1, keepdims=True))
-                out[:, h, :] = (sc / sc.sum(-1, keepdims=True)) @ v[:, h // g, :]
-            x = x + out.reshape(T, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
-            xn = self.norm(x, w[p + "post_attention_layernorm.weight"])
-            gt = xn @ w[p + "mlp.gate_proj.weight"].T
-            up = xn @ w[p + "mlp.up_proj.weight"].T
-            x = x + (gt / (1 + np.exp(-gt)) * up) @ w[p + "mlp.down_proj.weight"].T
-        xn = self.norm(x[-1], w["model.norm.weight"])
-        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        return int(np.argmax(head @ xn))
-
-    def greedy(self, docs, prompt, n):
-        tok, pos, seg, slot = [], [], [], 0
-        for d, ids in enumerate(docs):
-            tok += ids
-            pos += [slot + j for j in range(len(ids))]
-            seg += [d] * len(ids)
-            slot += (len(ids) + BS - 1) // BS * BS
-        for t in prompt:
-            tok.append(t), pos.append(slot), seg.append(-1)
-            slot += 1
-        out = []
-        for _ in range(n):
-            t = self.next_token(tok, pos, seg)
-            out.append(t)
-            tok.append(t), pos.append(slot), seg.append(-1)
-            slot += 1
-        return out
 
 
 def complete(base, body):
