@@ -7,7 +7,19 @@ document attends only to itself, at padded positions: document d starts at the s
 previous documents' lengths rounded up to the 16-token block; the prompt follows the last
 document's padded end and attends to everything). Also: usage.prompt_tokens_details.cached_tokens
 on a warm cache, the kvserve:doc_cache_* metrics, chat with documents (same output twice, the
-second from the cache), and that without kv.reuse=lazy documents stay plain prompt text."""
+second from the cache), and that without kv.reuse=lazy documents stay plain prompt text.
+
+Greedy token comparisons go through greedy_check.check_greedy: exact on the CPU; with
+KVS_TEST_DEVICE=cuda (bf16) a divergence is accepted only at a near-tie of the reference, and the
+output after it is checked teacher-forced against the numpy reference. Per assertion:
+  - completions with documents (cold and warm), chat with text documents, reuse=none: model vs
+    the numpy reference (its margins and teacher-forced gaps, same segments);
+  - chat with token documents twice: self-consistency (cold vs warm cache): exact text on the
+    CPU (requests as they are); tolerant (GPU), the requests ask for token ids (logprobs, the
+    host-sampling path) compared with the first answer's own top_logprobs margins, and the texts
+    must be equal wherever the ids are;
+  - prompt/cached token counts, doc_cache metrics, plain == causal (two references): exact
+    everywhere."""
 import os
 import tempfile
 
@@ -15,6 +27,7 @@ import numpy as np
 import requests
 from tokenizers import Tokenizer
 
+from greedy_check import TOLERANT, check_greedy, describe, top_margins
 from kvs_http import E2E_BIN, ROOT, Server, check, chatml
 from np_llama import BS, Ref
 from tiny_tokenizer import make_model_dir
@@ -36,7 +49,9 @@ def main():
     docs = {f"doc{i}": [int(t) for t in rng.integers(0, 256, n)] for i, n in enumerate([23, 16, 1, 40])}
     cases = [(["doc0", "doc1"], 9), (["doc3", "doc0", "doc2"], 5), (["doc1", "doc3"], 12)]
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for _, n in cases]
-    want = [ref.greedy([docs[d] for d in ids], pr, 6) for (ids, _), pr in zip(cases, prompts)]
+    margins = [[] for _ in cases]
+    want = [ref.greedy([docs[d] for d in ids], pr, 6, margins=m) for (ids, _), pr, m in zip(cases, prompts, margins)]
+    print(describe())
 
     with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", "--set", "kv.reuse=lazy",
                 binary=E2E_BIN, model=model) as srv:
@@ -45,9 +60,10 @@ def main():
             r = requests.post(b + "/v1/documents", json={"id": name, "tokens": ids}, timeout=10)
             check(r.status_code == 200, f"post document: {r.status_code} {r.text}")
         for rnd in range(2):
-            for (ids, _), pr, w in zip(cases, prompts, want):
+            for (ids, _), pr, w, wm in zip(cases, prompts, want, margins):
                 got, usage = complete(b, {"prompt": pr, "documents": ids, "max_tokens": 6})
-                check(got == w, f"round {rnd} docs {ids}: {got} != reference {w}")
+                check_greedy(got, w, f"round {rnd} docs {ids} vs reference", margins=wm,
+                             gaps=lambda g, ids=ids, pr=pr: ref.gaps([docs[d] for d in ids], pr, g))
                 n_doc = sum(len(docs[d]) for d in ids)
                 check(usage["prompt_tokens"] == n_doc + len(pr), f"prompt tokens {usage}")
                 if rnd == 1:
@@ -62,11 +78,21 @@ def main():
 
         # chat with documents: template text around the documents is cached too; the second
         # identical request is served from the cache and answers the same
+        # (tolerant, GPU: with token ids, i.e. logprobs: the host-sampling path; on the CPU as is)
         body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}],
-                "documents": ["doc0", "doc3"], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                "documents": ["doc0", "doc3"], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                **({"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True} if TOLERANT else {})}
         r1 = requests.post(b + "/v1/chat/completions", json=body, timeout=60).json()
         r2 = requests.post(b + "/v1/chat/completions", json=body, timeout=60).json()
-        check(r1["choices"][0]["message"]["content"] == r2["choices"][0]["message"]["content"], "chat repeatable")
+        same = True
+        if TOLERANT:
+            lp1, lp2 = r1["choices"][0]["logprobs"]["content"], r2["choices"][0]["logprobs"]["content"]
+            ids1, ids2 = ([int(c["token"].split(":")[1]) for c in lp] for lp in (lp1, lp2))
+            check_greedy(ids2, ids1, "chat with token documents: warm vs cold",
+                         margins=top_margins([[t["logprob"] for t in c["top_logprobs"]] for c in lp1]))
+            same = ids1 == ids2
+        if same:
+            check(r1["choices"][0]["message"]["content"] == r2["choices"][0]["message"]["content"], "chat repeatable")
         check(r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(docs["doc0"]) + len(docs["doc3"]),
               f"chat cached tokens {r2['usage']}")
         check(r1["usage"]["prompt_tokens"] == r2["usage"]["prompt_tokens"], "chat usage")
@@ -88,13 +114,15 @@ def main():
             segs.append(hf.encode(t, add_special_tokens=False).ids)
             at = i + len(t)
         tail = hf.encode(rendered[at:], add_special_tokens=False).ids
-        w = ref.greedy(segs, tail, 6)
+        wm = []
+        w = ref.greedy(segs, tail, 6, margins=wm)
         for rnd in range(2):
             r = requests.post(b + "/v1/chat/completions", json={
                 "messages": msgs, "documents": ["t0", "t1"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                 "logprobs": True, "return_tokens_as_token_ids": True}, timeout=60).json()
             got = [int(c["token"].split(":")[1]) for c in r["choices"][0]["logprobs"]["content"]]
-            check(got == w, f"chat round {rnd}: {got} != reference {w}")
+            check_greedy(got, w, f"chat round {rnd} with text documents vs reference", margins=wm,
+                         gaps=lambda g: ref.gaps(segs, tail, g))
 
     # without lazy the documents are plain prompt text: the ordinary causal reference
     with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", "--set", "kv.reuse=none",
@@ -105,13 +133,10 @@ def main():
         flat = docs[ids[0]] + docs[ids[1]]
         got, usage = complete(srv.base, {"prompt": prompts[0], "documents": ids, "max_tokens": 6})
         plain = ref.greedy([flat], prompts[0], 6) if len(flat) % BS == 0 else None
-        seq = flat + prompts[0]
-        causal = []
-        for _ in range(6):
-            t = ref.next_token(seq, list(range(len(seq))), [-1] * len(seq))
-            causal.append(t)
-            seq = seq + [t]
-        check(got == causal, f"reuse=none with documents: {got} != plain causal reference {causal}")
+        cm = []
+        causal = ref.greedy([], flat + prompts[0], 6, margins=cm)  # no documents: positions 0.., causal
+        check_greedy(got, causal, "reuse=none with documents vs plain causal reference", margins=cm,
+                     gaps=lambda g: ref.gaps([], flat + prompts[0], g))
         check(plain is None or plain == causal, "one block-aligned document == causal")
     print("lazy over HTTP: completions with documents == numpy Block-Attention reference (cold and warm), "
           "cached_tokens, doc_cache metrics, chat (template pieces + documents as segments) == reference, reuse=none keeps documents as text: ok")
