@@ -163,7 +163,7 @@ def write_reference(dirpath, name, dtype_note):
             greedy.append(tok)
             seq.append(tok)
         entries.append({"prompt": p, "logits_offset": offset, "n_positions": len(p),
-                        "greedy": greedy, "greedy_min_margin": min(margins)})
+                        "greedy": greedy, "greedy_min_margin": min(margins), "greedy_margins": margins})
         offset += len(p) * m.config.vocab_size
     with open(os.path.join(dirpath, "reference_logits.bin"), "wb") as f:
         f.write(bytes(blob))

@@ -2,6 +2,19 @@
 /health, stop it; and an independent model of the fake backend (tests/fake/fake_backend.c)
 so tests can predict every completion exactly.
 
+The HTTP suite against a CUDA daemon (on a GPU machine; `make` builds with CUDA when it finds
+nvcc; the Python venv .venv as for `make test`):
+    make -j16 && KVS_TEST_DEVICE=cuda TESTS='http|demo' tests/run
+KVS_TEST_DEVICE=cuda starts the real-stack daemons (build/kvserve-e2e: test_http_e2e,
+test_http_lazy) with `--set device=cuda`, test_demo_parity's `kvserve generate` with
+`--device cuda` and test_demo_serve's daemon with `--set device=cuda`; each fails if the GPU
+cannot be used. Greedy token comparisons then accept bf16 near-tie flips only
+(tests/py/greedy_check.py says exactly what is accepted and why). The other test_http_* tests
+run build/kvserve-fake (no model, no device: the HTTP layer itself, whose behaviour does not
+depend on the backend); they run unchanged and print a note saying so. test_http_tolerance
+proves the tolerant comparisons on the CPU (KVS_TEST_TOLERANT=1 forces them there, with
+planted divergences) and runs its daemons on the CPU whatever KVS_TEST_DEVICE says.
+
 The fake backend: byte-level tokenizer (ids 0..255 = bytes, 256 <|endoftext|> EOS,
 257 <|im_start|>, 258 <|im_end|> EOS, 259 <|bos|> BOS); completion token k is
 prompt[n-1 - (k mod n)]; EOS ends with "stop" (unless ignore_eos); stop strings end with "stop"
@@ -36,6 +49,8 @@ def free_port():
 
 
 class Server:
+    _fake_noted = False
+
     def __init__(self, *args, env=None, wait=True, binary=None, model=None):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -48,6 +63,10 @@ class Server:
         # cannot be used): the HTTP suite end to end on that backend
         if binary != BIN and os.environ.get("KVS_TEST_DEVICE"):
             cmd += ["--set", "device=" + os.environ["KVS_TEST_DEVICE"]]
+        elif binary == BIN and os.environ.get("KVS_TEST_DEVICE") and not Server._fake_noted:
+            Server._fake_noted = True
+            print(f"note: KVS_TEST_DEVICE={os.environ['KVS_TEST_DEVICE']} does not apply here: build/kvserve-fake "
+                  "has no model and no device (these checks are of the HTTP layer); they run unchanged")
         if not os.path.exists(binary):
             raise SystemExit(f"missing {binary}: run make first")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=e)

@@ -12,8 +12,10 @@ from kvs_http import Server, check, complete, tokenize
 N = 64
 
 
-def stream_request(port, body, disconnect_after=None):
-    """Raw HTTP/1.1 streaming POST. Returns (text, finish, done) or None when it hung up early."""
+def stream_request(port, body, disconnect_after=None, ids=False):
+    """Raw HTTP/1.1 streaming POST. Returns (text, finish, done) or None when it hung up early;
+    ids=True adds the token ids of the chunks' logprobs (a request with logprobs and
+    return_tokens_as_token_ids) as a fourth element."""
     payload = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -38,7 +40,7 @@ def stream_request(port, body, disconnect_after=None):
     s.close()
     head, _, body_bytes = buf.partition(b"\r\n\r\n")
     check(head.startswith(b"HTTP/1.1 200"), f"status line {head[:40]!r}")
-    text, finish = "", None
+    text, finish, tokens = "", None, []
     for ln in events:
         p = ln[6:].strip()
         if p == b"[DONE]":
@@ -46,6 +48,9 @@ def stream_request(port, body, disconnect_after=None):
         c = json.loads(p)
         text += c["choices"][0]["text"]
         finish = c["choices"][0]["finish_reason"] or finish
+        tokens += [int(t.split(":")[1]) for t in (c["choices"][0].get("logprobs") or {}).get("tokens", [])]
+    if ids:
+        return text, finish, b"data: [DONE]" in buf, tokens
     return text, finish, b"data: [DONE]" in buf
 
 

@@ -1,109 +1,36 @@
 """kv.reuse=lazy over HTTP (build/kvserve-e2e: real stack, tiny Llama, byte-level tokenizer).
 
 Documents posted once (POST /v1/documents with token ids) and cited by id in completions and chat
-become doc segments. Checked against an independent reference written here in numpy: the tiny
-Llama's forward pass straight from model.safetensors with Block-Attention semantics (each
+become doc segments. Checked against an independent reference in numpy (tests/py/np_llama.py): the
+tiny Llama's forward pass straight from model.safetensors with Block-Attention semantics (each
 document attends only to itself, at padded positions: document d starts at the sum of the
 previous documents' lengths rounded up to the 16-token block; the prompt follows the last
 document's padded end and attends to everything). Also: usage.prompt_tokens_details.cached_tokens
 on a warm cache, the kvserve:doc_cache_* metrics, chat with documents (same output twice, the
-second from the cache), and that without kv.reuse=lazy documents stay plain prompt text."""
-import json
+second from the cache), and that without kv.reuse=lazy documents stay plain prompt text.
+
+Greedy token comparisons go through greedy_check.check_greedy: exact on the CPU; with
+KVS_TEST_DEVICE=cuda (bf16) a divergence is accepted only at a near-tie of the reference, and the
+output after it is checked teacher-forced against the numpy reference. Per assertion:
+  - completions with documents (cold and warm), chat with text documents, reuse=none: model vs
+    the numpy reference (its margins and teacher-forced gaps, same segments);
+  - chat with token documents twice: self-consistency (cold vs warm cache): exact text on the
+    CPU (requests as they are); tolerant (GPU), the requests ask for token ids (logprobs, the
+    host-sampling path) compared with the first answer's own top_logprobs margins, and the texts
+    must be equal wherever the ids are;
+  - prompt/cached token counts, doc_cache metrics, plain == causal (two references): exact
+    everywhere."""
 import os
-import struct
 import tempfile
 
 import numpy as np
 import requests
 from tokenizers import Tokenizer
 
+from greedy_check import TOLERANT, check_greedy, describe, top_margins
 from kvs_http import E2E_BIN, ROOT, Server, check, chatml
+from np_llama import BS, Ref
 from tiny_tokenizer import make_model_dir
-
-BS = 16
-
-
-def load_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        hdr = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in hdr.items():
-        if name == "__metadata__":
-            continue
-        check(t["dtype"] == "F32", f"{name}: {t['dtype']}")
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(t["shape"]).astype(np.float64)
-    return out
-
-
-class Ref:
-    def __init__(self, model_dir):
-        self.c = json.load(open(os.path.join(model_dir, "config.json")))
-        self.w = load_safetensors(os.path.join(model_dir, "model.safetensors"))
-        c = self.c
-        self.hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        theta = (c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta")
-        self.inv = (1.0 / (theta ** (np.arange(0, self.hd, 2, dtype=np.float64) / self.hd))).astype(np.float32)
-
-    def rope(self, x, pos):  # x [T][H][hd]
-        ang = (np.float32(1) * pos.astype(np.float32)[:, None] * self.inv[None, :]).astype(np.float64)
-        c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-        h = self.hd // 2
-        x1, x2 = x[..., :h], x[..., h:]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-    def norm(self, x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.c["rms_norm_eps"]) * w
-
-    def next_token(self, tok, pos, seg):
-        c, w = self.c, self.w
-        nh, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], self.hd
-        T = len(tok)
-        seg = np.array(seg)
-        allowed = np.tril(np.ones((T, T), dtype=bool)) & ((seg[:, None] < 0) | (seg[:, None] == seg[None, :]))
-        x = w["model.embed_tokens.weight"][tok]
-        pos = np.array(pos)
-        for l in range(c["num_hidden_layers"]):
-            p = f"model.layers.{l}."
-            xn = self.norm(x, w[p + "input_layernorm.weight"])
-            q = self.rope((xn @ w[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), pos)
-            k = self.rope((xn @ w[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), pos)
-            v = (xn @ w[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
-            g = nh // nkv
-            out = np.zeros((T, nh, hd))
-            for h in range(nh):
-                sc = q[:, h, :] @ k[:, h // g, :].T / np.sqrt(hd)
-                sc = np.where(allowed, sc, -np.inf)
-                sc = np.exp(sc - sc.max(-1, keepdims=True))
-                out[:, h, :] = (sc / sc.sum(-1, keepdims=True)) @ v[:, h // g, :]
-            x = x + out.reshape(T, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
-            xn = self.norm(x, w[p + "post_attention_layernorm.weight"])
-            gt = xn @ w[p + "mlp.gate_proj.weight"].T
-            up = xn @ w[p + "mlp.up_proj.weight"].T
-            x = x + (gt / (1 + np.exp(-gt)) * up) @ w[p + "mlp.down_proj.weight"].T
-        xn = self.norm(x[-1], w["model.norm.weight"])
-        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        return int(np.argmax(head @ xn))
-
-    def greedy(self, docs, prompt, n):
-        tok, pos, seg, slot = [], [], [], 0
-        for d, ids in enumerate(docs):
-            tok += ids
-            pos += [slot + j for j in range(len(ids))]
-            seg += [d] * len(ids)
-            slot += (len(ids) + BS - 1) // BS * BS
-        for t in prompt:
-            tok.append(t), pos.append(slot), seg.append(-1)
-            slot += 1
-        out = []
-        for _ in range(n):
-            t = self.next_token(tok, pos, seg)
-            out.append(t)
-            tok.append(t), pos.append(slot), seg.append(-1)
-            slot += 1
-        return out
 
 
 def complete(base, body):
@@ -122,7 +49,9 @@ def main():
     docs = {f"doc{i}": [int(t) for t in rng.integers(0, 256, n)] for i, n in enumerate([23, 16, 1, 40])}
     cases = [(["doc0", "doc1"], 9), (["doc3", "doc0", "doc2"], 5), (["doc1", "doc3"], 12)]
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for _, n in cases]
-    want = [ref.greedy([docs[d] for d in ids], pr, 6) for (ids, _), pr in zip(cases, prompts)]
+    margins = [[] for _ in cases]
+    want = [ref.greedy([docs[d] for d in ids], pr, 6, margins=m) for (ids, _), pr, m in zip(cases, prompts, margins)]
+    print(describe())
 
     with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", "--set", "kv.reuse=lazy",
                 binary=E2E_BIN, model=model) as srv:
@@ -131,9 +60,10 @@ def main():
             r = requests.post(b + "/v1/documents", json={"id": name, "tokens": ids}, timeout=10)
             check(r.status_code == 200, f"post document: {r.status_code} {r.text}")
         for rnd in range(2):
-            for (ids, _), pr, w in zip(cases, prompts, want):
+            for (ids, _), pr, w, wm in zip(cases, prompts, want, margins):
                 got, usage = complete(b, {"prompt": pr, "documents": ids, "max_tokens": 6})
-                check(got == w, f"round {rnd} docs {ids}: {got} != reference {w}")
+                check_greedy(got, w, f"round {rnd} docs {ids} vs reference", margins=wm,
+                             gaps=lambda g, ids=ids, pr=pr: ref.gaps([docs[d] for d in ids], pr, g))
                 n_doc = sum(len(docs[d]) for d in ids)
                 check(usage["prompt_tokens"] == n_doc + len(pr), f"prompt tokens {usage}")
                 if rnd == 1:
@@ -148,11 +78,21 @@ def main():
 
         # chat with documents: template text around the documents is cached too; the second
         # identical request is served from the cache and answers the same
+        # (tolerant, GPU: with token ids, i.e. logprobs: the host-sampling path; on the CPU as is)
         body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}],
-                "documents": ["doc0", "doc3"], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                "documents": ["doc0", "doc3"], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                **({"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True} if TOLERANT else {})}
         r1 = requests.post(b + "/v1/chat/completions", json=body, timeout=60).json()
         r2 = requests.post(b + "/v1/chat/completions", json=body, timeout=60).json()
-        check(r1["choices"][0]["message"]["content"] == r2["choices"][0]["message"]["content"], "chat repeatable")
+        same = True
+        if TOLERANT:
+            lp1, lp2 = r1["choices"][0]["logprobs"]["content"], r2["choices"][0]["logprobs"]["content"]
+            ids1, ids2 = ([int(c["token"].split(":")[1]) for c in lp] for lp in (lp1, lp2))
+            check_greedy(ids2, ids1, "chat with token documents: warm vs cold",
+                         margins=top_margins([[t["logprob"] for t in c["top_logprobs"]] for c in lp1]))
+            same = ids1 == ids2
+        if same:
+            check(r1["choices"][0]["message"]["content"] == r2["choices"][0]["message"]["content"], "chat repeatable")
         check(r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(docs["doc0"]) + len(docs["doc3"]),
               f"chat cached tokens {r2['usage']}")
         check(r1["usage"]["prompt_tokens"] == r2["usage"]["prompt_tokens"], "chat usage")
@@ -174,13 +114,15 @@ def main():
             segs.append(hf.encode(t, add_special_tokens=False).ids)
             at = i + len(t)
         tail = hf.encode(rendered[at:], add_special_tokens=False).ids
-        w = ref.greedy(segs, tail, 6)
+        wm = []
+        w = ref.greedy(segs, tail, 6, margins=wm)
         for rnd in range(2):
             r = requests.post(b + "/v1/chat/completions", json={
                 "messages": msgs, "documents": ["t0", "t1"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
                 "logprobs": True, "return_tokens_as_token_ids": True}, timeout=60).json()
             got = [int(c["token"].split(":")[1]) for c in r["choices"][0]["logprobs"]["content"]]
-            check(got == w, f"chat round {rnd}: {got} != reference {w}")
+            check_greedy(got, w, f"chat round {rnd} with text documents vs reference", margins=wm,
+                         gaps=lambda g: ref.gaps(segs, tail, g))
 
     # without lazy the documents are plain prompt text: the ordinary causal reference
     with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", "--set", "kv.reuse=none",
@@ -191,13 +133,10 @@ def main():
         flat = docs[ids[0]] + docs[ids[1]]
         got, usage = complete(srv.base, {"prompt": prompts[0], "documents": ids, "max_tokens": 6})
         plain = ref.greedy([flat], prompts[0], 6) if len(flat) % BS == 0 else None
-        seq = flat + prompts[0]
-        causal = []
-        for _ in range(6):
-            t = ref.next_token(seq, list(range(len(seq))), [-1] * len(seq))
-            causal.append(t)
-            seq = seq + [t]
-        check(got == causal, f"reuse=none with documents: {got} != plain causal reference {causal}")
+        cm = []
+        causal = ref.greedy([], flat + prompts[0], 6, margins=cm)  # no documents: positions 0.., causal
+        check_greedy(got, causal, "reuse=none with documents vs plain causal reference", margins=cm,
+                     gaps=lambda g: ref.gaps([], flat + prompts[0], g))
         check(plain is None or plain == causal, "one block-aligned document == causal")
     print("lazy over HTTP: completions with documents == numpy Block-Attention reference (cold and warm), "
           "cached_tokens, doc_cache metrics, chat (template pieces + documents as segments) == reference, reuse=none keeps documents as text: ok")

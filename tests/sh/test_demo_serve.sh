@@ -4,12 +4,16 @@
 set -u
 KVS=${KVS_BUILD:-build}/kvserve
 log=$(mktemp); trap 'kill $pid 2>/dev/null; rm -f "$log"' EXIT
-"$KVS" --config config/default.json --port 0 >"$log" 2>&1 &
+# KVS_TEST_DEVICE=cuda (tests/py/kvs_http.py): on the GPU explicitly (startup fails if it cannot be
+# used); otherwise the config's device (auto). The checks are not token-exact: the same on any backend.
+dev=(); [ -n "${KVS_TEST_DEVICE:-}" ] && dev=(--set "device=$KVS_TEST_DEVICE")
+"$KVS" --config config/default.json "${dev[@]}" --port 0 >"$log" 2>&1 &
 pid=$!
 port=""
 for _ in $(seq 100); do
   port=$(sed -n 's|.*serving on http://127.0.0.1:\([0-9]*\).*|\1|p' "$log" | head -1)
   [ -n "$port" ] && curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  kill -0 $pid 2>/dev/null || { port=""; break; }  # exited (e.g. the device cannot be used)
   sleep 0.2
 done
 [ -n "$port" ] || { echo "FAIL: daemon did not come up"; cat "$log"; exit 1; }
