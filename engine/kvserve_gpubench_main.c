@@ -13,8 +13,10 @@
  * for its last row; prints ms, tokens/s and TFLOP/s.
  *
  * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
- *                         [--iters 20] [--layers 32] [--breakdown] [--attn-variants] [--markdown FILE]
+ *                         [--iters 20] [--layers 32] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16]
+ *                         [--markdown FILE]
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
+ * --gemm-sweep times the GEMMs of a step alone at each row count, cuBLAS vs the decode GEMM.
  * --attn-variants also times the attention of all layers alone at forced context-split counts.
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
@@ -333,14 +335,6 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot write %s\n", md);
         return 1;
     }
-    if (mf) {
-        fprintf(mf, "| batch | context | ms/step | tokens/s | weights GB | KV read GB | floor ms | achieved |%s\n",
-                breakdown ? " GEMMs ms (GB/s) | attention ms (GB/s) | other ms |" : "");
-        fprintf(mf, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |%s\n", breakdown ? " ---: | ---: | ---: |" : "");
-    }
-    printf("%6s %8s %9s %10s %10s %10s %9s %9s%s\n", "batch", "context", "ms/step", "tokens/s", "weights GB", "KV GB",
-           "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
-
     /* the GEMMs of a decode step alone, cuBLAS vs the decode GEMM (cuda_skinny.h) */
     if (nsweep > 0) {
         printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %22s %8s\n", "rows", "cuBLAS ms (GB/s)",
@@ -364,6 +358,14 @@ int main(int argc, char **argv)
         printf("\n");
         if (mf) fprintf(mf, "\n");
     }
+
+    if (mf) {
+        fprintf(mf, "| batch | context | ms/step | tokens/s | weights GB | KV read GB | floor ms | achieved |%s\n",
+                breakdown ? " GEMMs ms (GB/s) | attention ms (GB/s) | other ms |" : "");
+        fprintf(mf, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |%s\n", breakdown ? " ---: | ---: | ---: |" : "");
+    }
+    printf("%6s %8s %9s %10s %10s %10s %9s %9s%s\n", "batch", "context", "ms/step", "tokens/s", "weights GB", "KV GB",
+           "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
 
     float *t = kvs_xmalloc((size_t)iters * sizeof(float));
     for (int bi = 0; bi < nbatch; bi++)
