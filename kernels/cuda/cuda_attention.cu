@@ -528,6 +528,38 @@ __device__ __forceinline__ void q_frags(const at_args &a, int qs, int r0, int kv
         }
 }
 
+/* The q fragments rotated backward by the table cs_sn, from the unrotated fragments q0 (scaled,
+ * bf16) in registers: the partner of dim d (d +- hd/2) sits in the same lane, in k-step
+ * ks +- hd/32 (or, for hd = 16, in the other column group of the same k-step), so a document
+ * boundary costs hd/2 sincos and register arithmetic, no memory traffic. The rotation works on
+ * the bf16-rounded q (one more bf16 rounding than rotating fp32 q: the deferred-RoPE tests'
+ * error stays at bf16 level). */
+template <int HD, int MT>
+__device__ __forceinline__ void rotate_frags(const uint32_t (*q0)[HD / 16][4], const float *cs_sn, int lane,
+                                             uint32_t (*qa)[HD / 16][4])
+{
+    constexpr int HALF = HD / 2;
+    const int t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int base = ks * 16 + 8 * (j >> 1); /* dims base + 2t, base + 2t + 1 */
+                const bool lo = base < HALF;
+                const int pbase = lo ? base + HALF : base - HALF;
+                const int pks = pbase / 16, pj = (j & 1) | ((pbase % 16) >= 8 ? 2 : 0);
+                const float2 x = __bfloat1622float2(*(const __nv_bfloat162 *)&q0[mt][ks][j]);
+                const float2 p = __bfloat1622float2(*(const __nv_bfloat162 *)&q0[mt][pks][pj]);
+                const int i = (lo ? base : base - HALF) + 2 * t;
+                const float c0 = cs_sn[i], c1 = cs_sn[i + 1], s0 = cs_sn[HALF + i], s1 = cs_sn[HALF + i + 1];
+                const float r0 = lo ? x.x * c0 + p.x * s0 : x.x * c0 - p.x * s0;
+                const float r1 = lo ? x.y * c1 + p.y * s1 : x.y * c1 - p.y * s1;
+                qa[mt][ks][j] = pack_bf16(r0, r1);
+            }
+}
+
 /* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
 __device__ __noinline__ void rot_table(float *cs_sn, int hd, int o, const float *inv_freq)
 {
@@ -617,6 +649,15 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
     uint32_t qa[MT][HD / 16][4];
     q_frags<HD, MT>(a, qs, r0, kvh, nr, wrow, lane, nullptr, qa);
     int cur_rot = 0;                 /* the offset qa is rotated by */
+    uint32_t q0[ROT ? MT : 1][HD / 16][4]; /* ROT: the unrotated fragments */
+    if (ROT) {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) q0[mt][ks][j] = qa[mt][ks][j];
+    }
 
     float m[MT][2], l[MT][2], o[MT][HD / 8][4];
 #pragma unroll
@@ -672,7 +713,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                     const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
                     if (ofs != cur_rot) {
                         rot_table(rtab, HD, ofs, a.inv_freq);
-                        q_frags<HD, MT>(a, qs, r0, kvh, nr, wrow, lane, rtab, qa);
+                        rotate_frags<HD, MT>(q0, rtab, lane, qa);
                         cur_rot = ofs;
                     }
                     float sr[MT][4][4];
