@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "engine/util.h"
+#include "kernels/backend.h"
 
 #define SEEN_IN_PROMPT (1 << 30)   /* flag in count[]: token occurs in prompt or output */
 
@@ -271,18 +272,10 @@ int kvs_sampler_sample(struct kvs_sampler *s, const float *logits, const int32_t
 
     int32_t tok = -1;
     if (greedy) {
-        /* 4. greedy (top_k = 1 is the same thing): the first maximum, NaN skipped; backend.h
-         * argmax_rows follows the same rule (kvs_sampler_is_argmax) */
-        float best = 0.0f;
-        for (int32_t i = 0; i < V; i++) {
-            float v = wv[i];
-            if (v != v) continue;
-            if (tok < 0 || v > best) {
-                tok = i;
-                best = v;
-            }
-        }
-        if (tok < 0 || wv[tok] == -INFINITY) return -EINVAL;
+        /* 4. greedy (top_k = 1 is the same thing): the first maximum, NaN skipped; the rule of
+         * backend.h argmax_rows, which serves these requests on a device (kvs_sampler_is_argmax) */
+        tok = kvs_argmax_row(wv, V);
+        if (tok < 0) return -EINVAL;
     } else {
         /* 5. temperature + softmax (unnormalised exp, mass in double) */
         float inv_t = 1.0f / p->temperature, mx = -INFINITY;

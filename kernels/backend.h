@@ -44,6 +44,7 @@
 #ifndef KVS_BACKEND_H
 #define KVS_BACKEND_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -255,6 +256,24 @@ struct kvs_backend_ops {
     void (*argmax_rows)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                         struct kvs_dbuf *out, size_t out_off);
 };
+
+/* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index
+ * among equal maxima), NaN skipped; -1 when nothing is above -inf. The CPU backend's op and
+ * the sampler's greedy path (engine/sampler.c) both use it, so they cannot drift apart. */
+static inline int32_t kvs_argmax_row(const float *x, int n)
+{
+    int32_t best = -1;
+    float bv = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        const float v = x[i];
+        if (v != v) continue;
+        if (best < 0 || v > bv) {
+            best = i;
+            bv = v;
+        }
+    }
+    return best >= 0 && bv == -INFINITY ? -1 : best;
+}
 
 /* The CPU backend (always built). */
 extern const struct kvs_backend_ops kvs_cpu_backend;

@@ -515,22 +515,6 @@ static void cpu_logits_to_host(struct kvs_backend *b, const struct kvs_dbuf *log
     memcpy(host, F(logits), (size_t)m * vocab * sizeof(float));
 }
 
-/* the first maximum of one row, NaN skipped; -1 when nothing is above -inf (backend.h) */
-static int32_t argmax_row(const float *x, int n)
-{
-    int32_t best = -1;
-    float bv = 0.0f;
-    for (int32_t i = 0; i < n; i++) {
-        float v = x[i];
-        if (v != v) continue;
-        if (best < 0 || v > bv) {
-            best = i;
-            bv = v;
-        }
-    }
-    return best >= 0 && bv == -INFINITY ? -1 : best;
-}
-
 struct argmax_job {
     const float *x;
     int vocab;
@@ -540,7 +524,7 @@ struct argmax_job {
 static void argmax_task(void *c, int t)
 {
     struct argmax_job *j = c;
-    j->out[t] = argmax_row(j->x + (size_t)t * j->vocab, j->vocab);
+    j->out[t] = kvs_argmax_row(j->x + (size_t)t * j->vocab, j->vocab);
 }
 
 static void cpu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,

@@ -210,6 +210,20 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
     }
 }
 
+/* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
+__device__ __noinline__ void rot_table(float *cs_sn, int hd, int o, const float *inv_freq)
+{
+    const int half = hd / 2;
+    __syncthreads(); /* every warp is done with the previous table */
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float sn, cs;
+        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
+        cs_sn[i] = cs;
+        cs_sn[half + i] = sn;
+    }
+    __syncthreads();
+}
+
 /* sqr = sq rotated backward by offset o (the first n_rows rows), between block barriers. The
  * angles depend only on the frequency, so the hd/2 sincos are computed once into cs_sn (shared,
  * hd floats) and applied to every row. Kept out of line: sincosf's range reduction needs local
@@ -218,14 +232,7 @@ __device__ __noinline__ void rotate_q(const float *sq, float *sqr, float *cs_sn,
                                       const float *inv_freq)
 {
     const int half = hd / 2;
-    __syncthreads(); /* every warp is done with the previous rotation and its table */
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float sn, cs;
-        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
-        cs_sn[i] = cs;
-        cs_sn[half + i] = sn;
-    }
-    __syncthreads();
+    rot_table(cs_sn, hd, o, inv_freq);
     for (int idx = threadIdx.x; idx < n_rows * half; idx += blockDim.x) {
         int r = idx / half, i = idx % half;
         float cs = cs_sn[i], sn = cs_sn[half + i];
@@ -558,20 +565,6 @@ __device__ __forceinline__ void rotate_frags(const uint32_t (*q0)[HD / 16][4], c
                 const float r1 = lo ? x.y * c1 + p.y * s1 : x.y * c1 - p.y * s1;
                 qa[mt][ks][j] = pack_bf16(r0, r1);
             }
-}
-
-/* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
-__device__ __noinline__ void rot_table(float *cs_sn, int hd, int o, const float *inv_freq)
-{
-    const int half = hd / 2;
-    __syncthreads(); /* every warp is done with the previous table */
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        float sn, cs;
-        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
-        cs_sn[i] = cs;
-        cs_sn[half + i] = sn;
-    }
-    __syncthreads();
 }
 
 /* S^T for the warp's rows against the 32 keys of a tile: s[mt][n-tile of 8 keys][4] */

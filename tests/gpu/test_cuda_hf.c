@@ -30,6 +30,7 @@
 #include "engine/runner.h"
 #include "engine/util.h"
 #include "models/model.h"
+#include "tests/unit/test_util.h"
 
 #define TOL 3e-2
 #define BS 16
@@ -61,18 +62,6 @@ static int read_ref(const char *path, struct ref *r)
     return ok ? 0 : -2;
 }
 
-static int argmax(const float *x, int n, float *margin)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    float second = -INFINITY;
-    for (int i = 0; i < n; i++)
-        if (i != best && x[i] > second) second = x[i];
-    *margin = x[best] - second;
-    return best;
-}
-
 /* compares one row; returns 1 on failure */
 static int compare_row(const char *name, int pos, const float *ref, const float *got, int vocab, double *worst,
                        int *ties)
@@ -86,7 +75,7 @@ static int compare_row(const char *name, int pos, const float *ref, const float 
     }
     const double e = sqrt(num / den), rms = sqrt(num / vocab);
     float mr, mg;
-    const int tr = argmax(ref, vocab, &mr), tg = argmax(got, vocab, &mg);
+    const int tr = kvs_test_argmax(ref, vocab, &mr), tg = kvs_test_argmax(got, vocab, &mg);
     const int tie = tr != tg && mr < 4.0 * rms;
     if (e > *worst) *worst = e;
     if (tie) {

@@ -39,18 +39,6 @@
 #define BS 16
 #define LOGITS_TOL 1e-1
 
-static int argmax(const float *x, int n, float *margin)
-{
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    float second = -INFINITY;
-    for (int i = 0; i < n; i++)
-        if (i != best && x[i] > second) second = x[i];
-    *margin = x[best] - second;
-    return best;
-}
-
 static struct kvs_runner *make_runner(const struct kvs_model *m, const char *device)
 {
     struct kvs_config cfg;
@@ -134,7 +122,7 @@ static int run_model(const char *dir)
             }
             double e = sqrt(num / den);
             float mc, mg;
-            int tc = argmax(c, vocab, &mc), tg = argmax(g, vocab, &mg);
+            int tc = kvs_test_argmax(c, vocab, &mc), tg = kvs_test_argmax(g, vocab, &mg);
             if (ids[q] != tg || ids_only[q] != tg) {
                 fails++;
                 printf("FAIL %s step %d seq %c: device argmax %d (ARGMAX rows only: %d), host argmax of the cuda "

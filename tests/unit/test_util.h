@@ -14,6 +14,7 @@
 #ifndef KVS_TEST_UTIL_H
 #define KVS_TEST_UTIL_H
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -65,6 +66,19 @@ static inline int kvs_test_summary(const char *name)
     }
     printf("%s: all %d checks passed\n", name, kvs_test_checks);
     return 0;
+}
+
+/* index of the maximum of x[0 .. n) (first on ties) and its margin over the runner-up */
+static inline int kvs_test_argmax(const float *x, int n, float *margin)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    float second = -INFINITY;
+    for (int i = 0; i < n; i++)
+        if (i != best && x[i] > second) second = x[i];
+    *margin = x[best] - second;
+    return best;
 }
 
 static inline const char *kvs_test_root(void)
