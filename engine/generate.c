@@ -297,12 +297,16 @@ int kvs_generate_main(int argc, char **argv)
     if (tok && !print_ids) kvs_detok_init(&dt, tok, 1);
     char piece[1024];
 
+    /* plain greedy: the backend picks the token (argmax_rows) and only its id comes back */
+    const int dev_greedy = kvs_sampler_is_argmax(&smp);
+    const int want = dev_greedy ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+    int32_t picked = -1;
     double t0 = kvs_now();
     for (int pos = 0; pos < n_prompt;) {
         int c = n_prompt - pos < cfg.max_batch_tokens ? n_prompt - pos : cfg.max_batch_tokens;
         struct kvs_batch_seq q = {.tokens = ids + pos, .n_tokens = c, .pos = pos, .block_table = bt,
-                                  .n_blocks = n_blocks, .want_logits = pos + c == n_prompt};
-        struct kvs_batch b = {&q, 1, NULL};
+                                  .n_blocks = n_blocks, .want_logits = pos + c == n_prompt ? want : KVS_LOGITS_NONE};
+        struct kvs_batch b = {&q, 1, &picked};
         if ((rc = kvs_runner_forward(runner, &b, logits)) != 0) {
             fprintf(stderr, "generate: forward failed: %s\n", strerror(-rc));
             goto out;
@@ -313,9 +317,10 @@ int kvs_generate_main(int argc, char **argv)
     int n_done = 0;
     const char *finish = "length";
     while (n_done < n_gen) {
-        struct kvs_sample_result res;
-        if ((rc = kvs_sampler_sample(&smp, logits, ids, n_prompt, n_prompt + n_done, &res)) != 0) {
+        struct kvs_sample_result res = {.token = picked};
+        if (dev_greedy ? picked < 0 : (rc = kvs_sampler_sample(&smp, logits, ids, n_prompt, n_prompt + n_done, &res)) != 0) {
             fprintf(stderr, "generate: sampling failed (no token has a finite logit)\n");
+            rc = -EINVAL;
             goto out;
         }
         int is_stop = 0;
@@ -336,8 +341,8 @@ int kvs_generate_main(int argc, char **argv)
         if (n_done == n_gen) break;
         int pos = n_prompt + n_done - 1;
         struct kvs_batch_seq q = {.tokens = ids + pos, .n_tokens = 1, .pos = pos, .block_table = bt,
-                                  .n_blocks = n_blocks, .want_logits = 1};
-        struct kvs_batch b = {&q, 1, NULL};
+                                  .n_blocks = n_blocks, .want_logits = want};
+        struct kvs_batch b = {&q, 1, &picked};
         if ((rc = kvs_runner_forward(runner, &b, logits)) != 0) {
             fprintf(stderr, "\ngenerate: forward failed: %s\n", strerror(-rc));
             goto out;
