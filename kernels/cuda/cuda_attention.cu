@@ -7,9 +7,9 @@
  *   - decode (sequences with one query row): the same tensor-core kernel with one warp a block,
  *     which owns one sequence, one KV head and one split; its 16 rows hold the G query heads of
  *     the group (GQA: every K/V byte read serves all of them; the other rows are padding that
- *     costs tensor-core slots, not memory). Tiny launches (a few sequences of short context)
- *     use k_attn, on CUDA cores: 4 warps a block, one lane per key in QK, an online softmax per
- *     row held by its warp, then PV with each lane owning head_dim / 32 output dims.
+ *     costs tensor-core slots, not memory). k_attn, on CUDA cores (4 warps a block, one lane per
+ *     key in QK, an online softmax per row held by its warp, then PV with each lane owning
+ *     head_dim / 32 output dims), is kept for comparisons (KVS_CUDA_DEC_ATTN=0).
  * Measured on H100 (bench/RESULTS.md): the tensor-core kernel is 7x faster for an 8K prefill;
  * for decode it reads the KV at 2733 GB/s at batch 32 x 8K (the CUDA-core kernel: 2552), where
  * the CUDA-core kernel was bound by its shared-memory reads (each warp re-reads the whole tile).
@@ -987,7 +987,7 @@ static void launch_tc_dec(at_args &x, int n_tiles, int max_ctx, cudaStream_t st,
 
 /* which kernel takes decode rows: KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one
  * warp a block, that many tiles in flight); unset: automatic */
-static int dec_kind(int n_tiles, int n_kv, int n_sms, int max_ctx)
+static int dec_kind(int n_tiles, int n_kv, int max_ctx)
 {
     static int k = -2;
     if (k == -2) {
@@ -996,12 +996,13 @@ static int dec_kind(int n_tiles, int n_kv, int n_sms, int max_ctx)
         if (k != 0 && k != 2 && k != 3) k = -1;
     }
     if (k >= 0) return k;
-    /* H100, Llama-3.1-8B shape: tensor cores beat the CUDA-core kernel everywhere but at tiny
-     * launches (batch 1 x 1K: 0.45 vs 0.39 ms for all layers); three tiles in flight pay for
-     * large launches of long contexts (batch 32 x 8K: 12.57 vs 12.78 ms), two elsewhere */
+    /* H100, Llama-3.1-8B shape, attention of all layers (bench/RESULTS.md, 10:48Z): three tiles in
+     * flight win for small launches (batch 1 x 1K / 8K / 32K: 0.33 / 0.83 / 2.07 ms; two tiles
+     * 0.41 / 0.97 / 2.29; the CUDA-core kernel 0.40 / 1.16 / 2.54) and for long contexts (batch
+     * 8 x 32K: 12.81 vs 13.10; batch 32 x 8K: 12.57 vs 12.78); two for short contexts at larger
+     * batches (batch 8 x 1K: 0.69 vs 0.79) */
     const long long pairs = (long long)n_tiles * n_kv;
-    if (pairs < n_sms / 4 && max_ctx <= 2048) return 0;
-    return pairs >= 32 && max_ctx >= 4096 ? 3 : 2; /* batch 1 x 8K: 0.89 (2) vs 1.11 ms (3) */
+    return pairs < 32 || max_ctx >= 4096 ? 3 : 2;
 }
 
 template <int HD>
@@ -1010,7 +1011,7 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
 {
     if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else {
-        const int k = dec_kind(n_tiles, x.n_kv, n_sms, max_ctx);
+        const int k = dec_kind(n_tiles, x.n_kv, max_ctx);
         if (k == 2) launch_tc_dec<HD, 2>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         else if (k == 3) launch_tc_dec<HD, 3>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         else launch_simt_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
