@@ -99,6 +99,28 @@ def copy_bandwidth():
     return 2 * (2 << 30) / (ts[len(ts) // 2] * 1e-3)
 
 
+def profile_replays(g, B, ctx, reps=5):
+    """Per-kernel GPU time of one decode step (mean over reps graph replays), largest first: shows
+    where the peer's step goes (GEMMs, attention, the fused elementwise kernels)."""
+    from torch.profiler import profile, ProfilerActivity
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        r = rows.setdefault(e.name, [0.0, 0])
+        r[0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        r[1] += 1
+    total = sum(v[0] for v in rows.values()) / reps
+    print(f"  profile batch {B} context {ctx}: {total / 1e3:.3f} ms of kernels a step", flush=True)
+    for name, (us, cnt) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"    {us / reps / 1e3:8.3f} ms {cnt // reps:5d}x  {name[:110]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,32,128")
@@ -108,6 +130,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--markdown")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each decode shape, print its GPU kernels (torch.profiler, 5 replays)")
     a = ap.parse_args()
     torch.manual_seed(0)
     fn = torch.compile(layer, fullgraph=True) if a.compile else layer
@@ -149,6 +173,8 @@ def main():
                     e1.synchronize()
                     ts.append(e0.elapsed_time(e1))
                 assert torch.isfinite(out).all()
+            if a.profile:
+                profile_replays(g, B, ctx)
             ts.sort()
             ms = ts[len(ts) // 2]
             floor = (M.weight_bytes + B * ctx * kv_tok) / bw * 1e3
