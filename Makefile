@@ -73,7 +73,7 @@ $(BUILD)/obj/%.o: %.c | setup
 
 $(BUILD)/obj/%.o: %.cu | setup
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 # one rule per main: build/<name> from <dir>/<name>_main.c
 define MAIN_RULE

@@ -200,6 +200,38 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
         }
     }
     if (threadIdx.x < 32) ko[lane] = info;
+    /* Fast path, for blocks of a multiple of 16 slots (the tile starts on a 16-key boundary: split
+     * chunks are multiples of AT_TILE): keys 16h .. 16h + 15 of the tile are consecutive slots of
+     * one block, so a thread's rows are two base pointers plus compile-time offsets. The general
+     * loop below spends ~45 instructions of 64-bit address arithmetic and shuffles per pair of
+     * copies, about half of a decode tile's instructions (SASS, H100 build). */
+    constexpr int S = NT / CH; /* keys covered by one pass of the block's threads */
+    if constexpr (NT % CH == 0 && S <= 16) {
+        if (a.bs % 16 == 0) {
+            const unsigned vmask = __ballot_sync(FULL, row >= 0); /* bit j: key kb + j is read */
+            const int j0 = threadIdx.x / CH, c = threadIdx.x % CH;
+            long long base[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int q = kb + 16 * h;
+                base[h] = 0; /* past k1: never read (vmask), any address will do */
+                if (q < k1) {
+                    const int pb = q / a.bs, sl = q - pb * a.bs;
+                    const long long blk = wt ? wt[pb].x : bt[pb];
+                    base[h] = ((blk * a.n_kv + kvh) * a.bs + sl + j0) * HD + c * 8;
+                }
+            }
+            bf16 *sk = dk + j0 * kst + c * 8, *sv = dv + j0 * kst + c * 8;
+#pragma unroll
+            for (int i = 0; i < AT_TILE / S; i++) {
+                const int h = i * S / 16, off = (i * S) % 16; /* compile-time */
+                const int bytes = (vmask >> (j0 + i * S)) & 1u ? 16 : 0;
+                cp_async16(sk + i * S * kst, a.kc + base[h] + off * HD, bytes);
+                cp_async16(sv + i * S * kst, a.vc + base[h] + off * HD, bytes);
+            }
+            return;
+        }
+    }
 #pragma unroll
     for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += NT) {
         const int j = idx / CH, c = idx % CH;
@@ -748,6 +780,10 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                 mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
                 const float mn = fmaxf(m[mt][h], mx);
                 const float alpha = m[mt][h] == -INFINITY ? 0.0f : __expf(m[mt][h] - mn);
+                /* o needs rescaling only when a row's running max moved after it had keys (before, o
+                 * is zero); past the first tiles it rarely moves, so the warp mostly skips the
+                 * HD / 4 multiplies (padding rows never have keys) */
+                const bool moved = m[mt][h] != -INFINITY && mn != m[mt][h];
                 m[mt][h] = mn;
                 float ps = 0.0f;
 #pragma unroll
@@ -760,10 +796,12 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                         ps += pr;
                     }
                 l[mt][h] = l[mt][h] * alpha + ps;
+                if (__any_sync(FULL, moved)) {
 #pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    o[mt][nd][2 * h] *= alpha;
-                    o[mt][nd][2 * h + 1] *= alpha;
+                    for (int nd = 0; nd < HD / 8; nd++) {
+                        o[mt][nd][2 * h] *= alpha;
+                        o[mt][nd][2 * h + 1] *= alpha;
+                    }
                 }
             }
 #pragma unroll

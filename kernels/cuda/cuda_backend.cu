@@ -218,7 +218,60 @@ __device__ float block_sum(float v, float *red)
 
 #define NORM_THREADS 256
 
-/* outh (may be null): the bf16 copy of out, for the next GEMM */
+/* RMSNorm of one row per block, optionally after the residual add (ADD: res += delta first);
+ * outh (may be null): the bf16 copy of out, for the next GEMM. Decode steps run these with one
+ * or a few rows, so they are latency-bound: each thread loads its V float4 of every input
+ * before it uses any (restrict pointers: no aliasing forces the loads to wait for the stores),
+ * and a block holds the whole row (dim / 4 / V threads, at most 1024). dim % 4 == 0. */
+template <int V, bool ADD>
+__global__ void k_rmsnorm_vec(float *__restrict__ res, const float *__restrict__ delta, const float *__restrict__ w,
+                              float eps, int dim, float *__restrict__ out, bf16 *__restrict__ outh)
+{
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    __shared__ float red[32];
+    const size_t t = blockIdx.x;
+    const int n4 = dim / 4;
+    float4 *xr = (float4 *)(res + t * dim);
+    float4 v[V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j >= n4) continue;
+        v[k] = xr[j];
+        if (ADD) {
+            const float4 d = ((const float4 *)(delta + t * dim))[j];
+            v[k].x += d.x;
+            v[k].y += d.y;
+            v[k].z += d.z;
+            v[k].w += d.w;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j >= n4) continue;
+        if (ADD) xr[j] = v[k];
+        ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+    }
+    ss = block_sum(ss, red);
+    const float r = rsqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int k = 0; k < V; k++) {
+        const int j = threadIdx.x + k * blockDim.x;
+        if (j >= n4) continue;
+        const float4 g = ((const float4 *)w)[j];
+        const float4 y = make_float4(v[k].x * r * g.x, v[k].y * r * g.y, v[k].z * r * g.z, v[k].w * r * g.w);
+        ((float4 *)(out + t * dim))[j] = y;
+        if (outh) {
+            __nv_bfloat162 *oh = (__nv_bfloat162 *)(outh + t * dim) + 2 * j;
+            oh[0] = __floats2bfloat162_rn(y.x, y.y);
+            oh[1] = __floats2bfloat162_rn(y.z, y.w);
+        }
+    }
+}
+
+/* the general form (any dim): one block of NORM_THREADS per row */
 __global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out, bf16 *outh)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
@@ -259,6 +312,28 @@ __global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, fl
     }
 }
 
+/* Launches the vectorised norm when the row fits it (dim % 4 == 0, at most 4 float4 a thread);
+ * returns 0 when it does not (the caller launches the general kernel). */
+static int launch_rmsnorm_vec(cudaStream_t st, int n, float *res, const float *delta, const float *w, float eps,
+                              int dim, float *out, bf16 *outh)
+{
+    if (dim % 4 != 0 || dim / 4 > 4 * 1024) return 0;
+    const int n4 = dim / 4, v = (n4 + 1023) / 1024;
+    const int threads = ((n4 + v - 1) / v + 31) / 32 * 32;
+    cudaError_t e;
+    if (delta) {
+        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        else e = kvs_cu_launch(k_rmsnorm_vec<4, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+    } else {
+        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        else e = kvs_cu_launch(k_rmsnorm_vec<4, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+    }
+    CUDA_CHECK(e);
+    return 1;
+}
+
 /* one warp per (row, head) */
 __global__ void k_head_rmsnorm(float *x, const float *w, float eps, size_t n_rows_heads, int hd)
 {
@@ -294,8 +369,9 @@ __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const f
 
 /* k_rope on q and k, then k_kv_write, in one launch (block per row): the decode step's three
  * smallest kernels, with the same arithmetic (bitwise the same results) */
-__global__ void k_rope_kv_write(float *q, float *k, const float *v, const int32_t *pos, const float *inv_freq,
-                                const int32_t *slots, int nh, int nkv, int hd, int bs, bf16 *kc, bf16 *vc)
+__global__ void k_rope_kv_write(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
+                                const int32_t *pos, const float *inv_freq, const int32_t *slots, int nh, int nkv,
+                                int hd, int bs, bf16 *__restrict__ kc, bf16 *__restrict__ vc)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     const size_t t = blockIdx.x;
@@ -715,7 +791,9 @@ static void cu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const st
     if (n <= 0) return;
     KVS_ASSERT(w->is_vector && w->cols == dim);
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
-    CUDA_CHECK(kvs_cu_launch(k_rmsnorm, n, NORM_THREADS, 0, b->stream, (const float *)x->d, w->f, eps, dim, (float *)out->d, outh));
+    /* the vectorised kernel reads x through its first (res) argument without writing it (no ADD) */
+    if (!launch_rmsnorm_vec(b->stream, n, (float *)x->d, NULL, w->f, eps, dim, (float *)out->d, outh))
+        CUDA_CHECK(kvs_cu_launch(k_rmsnorm, n, NORM_THREADS, 0, b->stream, (const float *)x->d, w->f, eps, dim, (float *)out->d, outh));
     LAUNCH_CHECK();
 }
 
@@ -726,8 +804,9 @@ static void cu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const st
     KVS_ASSERT(w->is_vector && w->cols == dim);
     xh_forget(b, res->d);
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
-    CUDA_CHECK(kvs_cu_launch(k_add_rmsnorm, n, NORM_THREADS, 0, b->stream, (float *)res->d, (const float *)delta->d, w->f, eps, dim,
-                                                     (float *)out->d, outh));
+    if (!launch_rmsnorm_vec(b->stream, n, (float *)res->d, (const float *)delta->d, w->f, eps, dim, (float *)out->d, outh))
+        CUDA_CHECK(kvs_cu_launch(k_add_rmsnorm, n, NORM_THREADS, 0, b->stream, (float *)res->d, (const float *)delta->d, w->f,
+                                 eps, dim, (float *)out->d, outh));
     LAUNCH_CHECK();
 }
 
@@ -873,7 +952,8 @@ static void cu_rope_kv_write(struct kvs_backend *b, struct kvs_dbuf *q, struct k
     if (n <= 0) return;
     xh_forget(b, q->d);
     xh_forget(b, k->d);
-    CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, n, 256, 0, b->stream, (float *)q->d, (float *)k->d, (const float *)v->d,
+    /* a block per row: decode steps have a few rows, so the block is wide (latency) */
+    CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, n, n <= 16 ? 1024 : 256, 0, b->stream, (float *)q->d, (float *)k->d, (const float *)v->d,
                              (const int32_t *)pos->d, (const float *)inv_freq->d, (const int32_t *)slots->d, n_heads,
                              n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d));
     LAUNCH_CHECK();
