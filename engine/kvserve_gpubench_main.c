@@ -16,7 +16,11 @@
  *                         [--iters 20] [--layers 32] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16]
  *                         [--markdown FILE]
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
- * --gemm-sweep times the GEMMs of a step alone at each row count, cuBLAS vs the decode GEMM.
+ * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
+ * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
+ * default), and the decode GEMM (at most 32 rows).
+ * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
+ * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts.
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
@@ -241,7 +245,7 @@ int main(int argc, char **argv)
         }
     }
     for (int i = 0; i < nsweep; i++)
-        if (sweep[i] > 32) nsweep = -1;
+        if (sweep[i] > 512) nsweep = -1;
     if (nbatch <= 0 || nctx <= 0 || npre < 0 || nsweep < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
         fprintf(stderr, "bad arguments\n");
         return 2;
@@ -283,6 +287,10 @@ int main(int argc, char **argv)
             kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     }
     if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+    /* what upload_weight does for a model's weights: time the GEMMs of each new shape at the
+     * decode graphs' row counts (every layer has layer 0's shapes) */
+    const struct kvs_dweight *shapes[] = {L[0].wq, L[0].wk, L[0].wo, L[0].wg, L[0].wd, B->head};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) kvs_cuda_pretune(b, shapes[i]);
     double w_bytes = (double)n_layers * 2.0 * ((double)DIM * DIM * 2 + 2.0 * NKV * HD * DIM + 3.0 * FF * DIM) +
                      2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
     double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */
@@ -313,6 +321,8 @@ int main(int argc, char **argv)
         }
     for (int i = 0; i < npre; i++)
         if ((size_t)prefills[i] + BS > need_tokens) need_tokens = (size_t)prefills[i] + BS;
+    for (int i = 0; i < nsweep; i++) /* a sweep's step: one block per sequence */
+        if ((size_t)sweep[i] * BS > need_tokens) need_tokens = (size_t)sweep[i] * BS;
     size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
     size_t avail = O->mem_available(b);
     size_t cap_tokens = avail > ((size_t)1 << 30) ? (avail - ((size_t)1 << 30)) / per_token : 0;
@@ -335,26 +345,59 @@ int main(int argc, char **argv)
         fprintf(stderr, "cannot write %s\n", md);
         return 1;
     }
-    /* the GEMMs of a decode step alone, cuBLAS vs the decode GEMM (cuda_skinny.h) */
+    /* the GEMMs of a decode step alone: cublasGemmEx, cuBLASLt's first pick, cuBLASLt's timed pick,
+     * the decode GEMM (cuda_skinny.h; it takes at most 32 rows) */
     if (nsweep > 0) {
-        printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %22s %8s\n", "rows", "cuBLAS ms (GB/s)",
-               "decode GEMM ms (GB/s)", "ratio");
-        if (mf) fprintf(mf, "| rows | cuBLAS ms (GB/s) | decode GEMM ms (GB/s) | cuBLAS / decode GEMM |\n| ---: | ---: | ---: | ---: |\n");
+        printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %18s %18s %18s %8s %9s %9s\n", "rows",
+               "GemmEx ms (GB/s)", "Lt first ms (GB/s)", "Lt tuned ms (GB/s)", "decode ms (GB/s)", "Ex/tuned",
+               "1st/tuned", "tuned/dec");
+        if (mf)
+            fprintf(mf, "| rows | cublasGemmEx ms (GB/s) | cuBLASLt first pick ms (GB/s) | cuBLASLt tuned ms (GB/s) | "
+                        "decode GEMM ms (GB/s) | GemmEx / tuned | first pick / tuned | tuned / decode GEMM |\n"
+                        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
         for (int i = 0; i < nsweep; i++) {
+            const int rows = sweep[i];
             struct shape S;
             struct kvs_attn_meta m;
-            make_shape(B, n_blocks, sweep[i], 1, 1, 0, &S, &m);
+            if (rows > n_blocks) {
+                printf("%6d   skipped: the KV pool has %d blocks\n", rows, n_blocks);
+                continue;
+            }
+            make_shape(B, n_blocks, rows, 1, 1, 0, &S, &m);
             kvs_cuda_set_skinny_max(b, 0);
-            float tb = time_graph(B, sweep[i], &m, OPS_GEMM, iters);
-            kvs_cuda_set_skinny_max(b, 32);
-            float ts = time_graph(B, sweep[i], &m, OPS_GEMM, iters);
-            printf("%6d %9.3f (%5.0f) %13.3f (%5.0f) %8.2f\n", sweep[i], tb, gemm_bytes / (tb * 1e-3) / 1e9, ts,
-                   gemm_bytes / (ts * 1e-3) / 1e9, tb / ts);
-            if (mf) fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.2f |\n", sweep[i], tb, gemm_bytes / (tb * 1e-3) / 1e9, ts,
-                            gemm_bytes / (ts * 1e-3) / 1e9, tb / ts);
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_EX);
+            float te = time_graph(B, rows, &m, OPS_GEMM, iters);
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_HEURISTIC);
+            float th = time_graph(B, rows, &m, OPS_GEMM, iters);
+            /* a graph capture cannot time a GEMM shape: row counts that were not timed up front (not
+             * a decode graph size) get timed by one step outside a graph first, as the runner's
+             * eager steps would */
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_TUNED);
+            enqueue_step(B, rows, &m, OPS_GEMM, 0);
+            O->sync(b);
+            float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
+            float ts = 0.0f;
+            if (rows <= 32) {
+                kvs_cuda_set_skinny_max(b, 32);
+                ts = time_graph(B, rows, &m, OPS_GEMM, iters);
+            }
+            char dec[48] = "-", ratio[24] = "-";
+            if (ts > 0.0f) {
+                snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
+                snprintf(ratio, sizeof ratio, "%.3f", tt / ts);
+            }
+            printf("%6d %9.3f (%6.0f) %9.3f (%6.0f) %9.3f (%6.0f) %18s %8.3f %9.3f %9s\n", rows, te,
+                   gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
+                   gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
+            fflush(stdout);
+            if (mf)
+                fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %s | %.3f | %.3f | %s |\n", rows, te,
+                        gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
+                        gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
             free_shape(B, &S);
         }
         kvs_cuda_set_skinny_max(b, -1);
+        kvs_cuda_set_gemm(b, -1);
         printf("\n");
         if (mf) fprintf(mf, "\n");
     }

@@ -11,18 +11,31 @@
  *                weights, biases) fp32, exact.
  * GEMMs: decode-sized batches (n <= skinny_max) use the decode GEMM of cuda_skinny.cu (tensor
  * cores, weights streamed once; q/k/v in one launch, gate/up with SwiGLU in its epilogue);
- * larger ones cublasGemmEx, bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F.
+ * larger ones cuBLASLt (cublasLtMatmul), bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, with
+ * the algorithm picked per shape by timing cuBLASLt's heuristic candidates (up to 256 rows;
+ * timed when a new weight shape is uploaded, at the decode graphs' row counts, else on the
+ * shape's first call outside a graph capture; KVS_CUDA_GEMM_TUNE=0: the heuristic's first pick
+ * always). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for comparisons.
  * Attention: kernels/cuda/cuda_attention.cu (paged, flash-decoding with cp.async K/V tiles, a
  * tiled prefill launch, deferred RoPE). Results are deterministic but not bitwise batch
  * invariant as backend.h asks: cuBLAS picks its kernel by n, and the context split of the
- * attention depends on the batch (differences are at bf16 rounding level).
+ * attention depends on the batch (differences are at bf16 rounding level). A timed pick may
+ * also differ between two runs of the server (timing noise), so GEMM results are reproducible
+ * within one backend's life (but a graph recorded before its shape was timed keeps the first
+ * pick), and across runs only with KVS_CUDA_GEMM_TUNE=0.
  *
  * Memory: plain cudaMalloc, only in create, alloc and upload_weight (the matmul's bf16 copy of
- * x and the attention workspace are carved at create / grown in alloc). One stream; ops never
- * synchronise; download/logits_to_host/sync wait. Every CUDA/cuBLAS call is checked:
- * failures log file:line and abort (bugs, not client errors).
+ * x and the attention workspace are carved at create / grown in alloc; upload_weight also takes
+ * a scratch for timing the GEMMs of a new weight shape and frees it), plus a scratch for timing
+ * a new shape of the accumulate GEMM (once per shape, never inside a graph). One stream; ops
+ * never synchronise, except a GEMM whose shape is timed on its first call (outside graph
+ * captures, once per shape); download/logits_to_host/sync wait. Every CUDA/cuBLAS/cuBLASLt call
+ * is checked: failures log file:line and abort (bugs, not client errors); the exceptions are
+ * handled: a timed candidate that cuBLASLt rejects is skipped, a shape with no cuBLASLt
+ * algorithm goes to cublasGemmEx.
  */
 #include <climits>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,8 +60,13 @@ extern "C" {
  * H100 the decode GEMM reads the step's weights at 2538 GB/s for 8 rows (cuBLAS 2437) but only
  * 2364 for 12 (cuBLAS 2406), bench/RESULTS.md */
 #define SKINNY_MAX_DEFAULT 8
+/* nvcc builds only this side: see cuda_backend.h's declarations (the C files get the flag from the Makefile) */
+#ifndef KVS_HAVE_CUDA
+#define KVS_HAVE_CUDA 1
+#endif
 #include "kernels/cuda/cuda_backend.h"
 
+/* for cuBLAS and cuBLASLt calls alike (both return cublasStatus_t) */
 #define CUBLAS_CHECK(call)                                                                   \
     do {                                                                                     \
         cublasStatus_t s_ = (call);                                                          \
@@ -87,8 +105,47 @@ struct kvs_graph {
 };
 
 #define ATTN_WS_BYTES ((size_t)64 << 20)   /* split-attention partials */
-#define BLAS_WS_BYTES ((size_t)32 << 20)   /* cuBLAS workspace (fixed, so graphs can capture) */
+#define BLAS_WS_BYTES ((size_t)32 << 20)   /* cuBLAS / cuBLASLt workspace (fixed, so graphs can capture) */
 #define BOUNCE_ELEMS ((size_t)1 << 20)     /* host conversion chunk */
+
+/* cuBLASLt algorithm choice. cublasLtMatmulAlgoGetHeuristic ranks its candidates by an estimate;
+ * on H100 the fastest at 32-128 rows is often not its first (a [128] x [4096 x 14336]^T GEMM:
+ * first pick 53.3 us, best of 8 45.9 us), so the first time a shape runs outside a graph capture
+ * its candidates are timed on the call's operands and the pick is kept for the backend's life.
+ * Decode steps are graph-captured on first use, where nothing can be timed: upload_weight times
+ * each new weight shape at the graphs' row counts up front (gemm_pretune). */
+#define GEMM_PLAN_SLOTS 2048                 /* hash table of timed picks (open addressing) */
+#define GEMM_PLAN_MAX 1536                   /* picks kept at most, so probe chains stay short */
+#define GEMM_TUNE_MAX_N 256                  /* rows up to which a shape is timed: the decode graphs'
+                                              * sizes; prefill chunks and mixed steps vary their row
+                                              * count every step, are compute bound (the first pick
+                                              * does well there), and timing each would stall them */
+#define GEMM_CANDIDATES 16                   /* heuristic results timed */
+#define GEMM_WARMUP 2
+#define GEMM_TIMED 5
+#define GEMM_SPIN_NS 100000                  /* the stream waits while the timed runs are queued */
+#define GEMM_MIN_GAIN 0.98f                  /* another pick must take <= 98% of the first's time */
+#define GEMM_PRETUNE_SHAPES 256              /* weight shapes remembered as pre-tuned */
+#define GEMM_PRETUNE_SCRATCH ((size_t)256 << 20) /* x + y scratch of one pre-tuned row count, at most */
+
+/* one timed pick: y[n][out] (+)= x[n][in] W[out][in]^T with pointers aligned to `align` bytes */
+struct gemm_plan {
+    int n, in, out, accumulate, align; /* the key; n == 0: a free slot */
+    int differs;                       /* 1: the pick is not the heuristic's first */
+    cublasLtMatmulAlgo_t algo;
+};
+
+struct gemm_tuning {
+    struct gemm_plan plans[GEMM_PLAN_SLOTS];
+    int n_plans;
+    int full_warned;                   /* the table-full warning was logged */
+    cudaEvent_t ev[2];                 /* the timing's own events (kvs_cuda_timer_* may be running) */
+    int64_t pretuned[GEMM_PRETUNE_SHAPES][2]; /* weight shapes (rows, cols) done by gemm_pretune */
+    int n_pretuned;
+    /* pre-tuning since the last summary line (logged when the model load is over: gemm_tune_report) */
+    int log_mats, log_gemms, log_differ;
+    double log_s;
+};
 
 struct kvs_backend {
     int device;
@@ -108,6 +165,10 @@ struct kvs_backend {
     float *attn_ws;               /* ATTN_WS_BYTES */
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
+    cublasLtHandle_t lt;
+    int gemm_mode;                /* enum kvs_cuda_gemm: how matmuls that skip the decode GEMM run */
+    int gemm_default;             /* gemm_mode at create (KVS_CUDA_GEMM, KVS_CUDA_GEMM_TUNE) */
+    struct gemm_tuning *tune;     /* the timed cuBLASLt picks (see the GEMM section) */
     int skinny_max;               /* matmuls of n <= skinny_max rows use the decode GEMM (cuda_skinny.h),
                                    * larger ones cuBLAS; KVS_CUDA_SKINNY_MAX (0: cuBLAS always) */
     int skinny_default;           /* skinny_max at create */
@@ -508,6 +569,18 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *log
     if (l == 0) out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
 }
 
+/* holds the stream for ns nanoseconds (one thread): the GEMM timing queues its runs behind it, so
+ * the events time the GPU's back-to-back runs, not the host's launch rate (a k/v projection
+ * takes about as long on the GPU as cublasLtMatmul takes to enqueue it) */
+__global__ void k_spin(uint64_t ns)
+{
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
@@ -516,6 +589,10 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 }
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
+
+/* defined with the GEMMs below */
+static void gemm_tune_report(struct kvs_backend *b);
+static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w);
 
 static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
 {
@@ -544,15 +621,28 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaMalloc(&b->blas_ws, BLAS_WS_BYTES));
     CUBLAS_CHECK(cublasSetWorkspace(b->blas, b->blas_ws, BLAS_WS_BYTES));
     CUBLAS_CHECK(cublasSetMathMode(b->blas, CUBLAS_DEFAULT_MATH));
+    /* cuBLASLt shares blas_ws: both run on the one stream, so their uses never overlap */
+    CUBLAS_CHECK(cublasLtCreate(&b->lt));
     CUDA_CHECK(cudaMalloc((void **)&b->attn_ws, ATTN_WS_BYTES));
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));
+    b->tune = (struct gemm_tuning *)kvs_xcalloc(1, sizeof *b->tune);
+    CUDA_CHECK(cudaEventCreate(&b->tune->ev[0]));
+    CUDA_CHECK(cudaEventCreate(&b->tune->ev[1]));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
         e = getenv("KVS_CUDA_SKINNY_MAX");
         b->skinny_max = b->skinny_default = e ? atoi(e) : SKINNY_MAX_DEFAULT;
+        b->gemm_default = KVS_CUDA_GEMM_TUNED;
+        e = getenv("KVS_CUDA_GEMM_TUNE");
+        if (e && strcmp(e, "0") == 0) b->gemm_default = KVS_CUDA_GEMM_HEURISTIC;
+        e = getenv("KVS_CUDA_GEMM");
+        if (e && strcmp(e, "ex") == 0) b->gemm_default = KVS_CUDA_GEMM_EX;
+        else if (e && *e && strcmp(e, "lt") != 0)
+            kvs_log(KVS_LOG_WARN, "cuda: KVS_CUDA_GEMM=%s is neither \"ex\" nor \"lt\"; using cuBLASLt", e);
+        b->gemm_mode = b->gemm_default;
     }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
@@ -563,6 +653,7 @@ static void cu_free(struct kvs_backend *b)
 {
     if (!b) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    gemm_tune_report(b);
     while (b->bufs) {
         struct kvs_dbuf *x = b->bufs;
         list_del(&b->bufs, x);
@@ -581,8 +672,12 @@ static void cu_free(struct kvs_backend *b)
     CUDA_CHECK(cudaFree(b->attn_ws));
     CUDA_CHECK(cudaFree(b->blas_ws));
     CUBLAS_CHECK(cublasDestroy(b->blas));
+    CUBLAS_CHECK(cublasLtDestroy(b->lt));
     CUDA_CHECK(cudaEventDestroy(b->ev0));
     CUDA_CHECK(cudaEventDestroy(b->ev1));
+    CUDA_CHECK(cudaEventDestroy(b->tune->ev[0]));
+    CUDA_CHECK(cudaEventDestroy(b->tune->ev[1]));
+    free(b->tune);
     CUDA_CHECK(cudaStreamDestroy(b->stream));
     free(b->bounce);
     free(b);
@@ -623,6 +718,8 @@ static void *dev_alloc(size_t bytes)
 
 static struct kvs_dbuf *cu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
 {
+    /* the runner allocates its workspaces once the weights are in: the pre-tuning is over */
+    gemm_tune_report(b);
     /* the matmul's bf16 copy of x is as large as the largest activation buffer */
     if (kind == KVS_BUF_ACT && n > b->xh_cap) {
         bf16 *nx = (bf16 *)dev_alloc(n * sizeof(bf16)), *ny = nx ? (bf16 *)dev_alloc(n * sizeof(bf16)) : NULL;
@@ -755,6 +852,8 @@ static struct kvs_dweight *cu_upload_weight(struct kvs_backend *b, const struct 
     }
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
     list_add(&b->weights, w);
+    /* decode graphs are captured on first use, where no GEMM can be timed: time them now */
+    if (!w->is_vector) gemm_pretune(b, w);
     return w;
 oom:
     kvs_err(err, errlen, -ENOMEM, "cuda: out of device memory for a %lld x %lld weight (%s)", (long long)w->rows,
@@ -833,20 +932,290 @@ static const bf16 *gemm_input(struct kvs_backend *b, const struct kvs_dbuf *x, s
     return b->xh;
 }
 
-/* y = xh W^T (+ bias) through cuBLAS */
-static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dweight *w,
-                      const struct kvs_dweight *bias, int n, int in, int out, float *y)
+/* ---- cuBLAS / cuBLASLt GEMMs ---------------------------------------------------------------- */
+
+/* The former path (KVS_CUDA_GEMM=ex), kept for A/B comparisons: y = xh W^T (+ y). Column-major
+ * view: y^T[out][n] = W[out][in] (stored column-major as in x out, so op T) * x^T[in][n]. */
+static void gemm_ex(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, float *y,
+                    int accumulate)
 {
-    const float one = 1.0f, zero = 0.0f;
-    /* column-major view: y^T[out][n] = W[out][in] (stored as col-major in x out, so op T) * x^T[in][n] */
-    CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w->h, CUDA_R_16BF, in, xh,
-                              CUDA_R_16BF, in, &zero, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, CUDA_R_16BF, in, xh,
+                              CUDA_R_16BF, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* The cuBLASLt description of the same product (the column-major view of gemm_ex): A = W with op
+ * T, B = x, C = D = y, fp32 accumulation and scale. Initialised in place (no allocation), so it
+ * can be rebuilt on every call. */
+struct gemm_lt_desc {
+    cublasLtMatmulDescOpaque_t op;
+    cublasLtMatrixLayoutOpaque_t a, b, c;
+};
+
+static void gemm_lt_describe(struct gemm_lt_desc *d, int n, int in, int out)
+{
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescInit(&d->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+    CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->a, CUDA_R_16BF, (uint64_t)in, (uint64_t)out, in));
+    CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->b, CUDA_R_16BF, (uint64_t)in, (uint64_t)n, in));
+    CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->c, CUDA_R_32F, (uint64_t)out, (uint64_t)n, out));
+}
+
+/* the largest power of two up to 256 dividing every pointer: cuBLASLt's heuristic assumes
+ * 256-byte aligned operands unless told otherwise, and a pick is only valid for the alignment it
+ * was chosen for (so the alignment is part of a pick's key) */
+static int gemm_align(const void *p0, const void *p1, const void *p2)
+{
+    uintptr_t bits = (uintptr_t)p0 | (uintptr_t)p1 | (uintptr_t)p2;
+    int align = 256;
+    while (align > 1 && bits % (uintptr_t)align) align /= 2;
+    return align;
+}
+
+/* Up to max heuristic candidates for d (best estimate first) that fit the fixed workspace;
+ * returns how many (0: cuBLASLt has no algorithm for this shape and alignment). */
+static int gemm_lt_candidates(struct kvs_backend *b, struct gemm_lt_desc *d, int align,
+                              cublasLtMatmulHeuristicResult_t *res, int max)
+{
+    cublasLtMatmulPreferenceOpaque_t pref;
+    const uint64_t ws = BLAS_WS_BYTES;
+    const uint32_t al = (uint32_t)align;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceInit(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al, sizeof al));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al, sizeof al));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al, sizeof al));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al, sizeof al));
+    int count = 0;
+    cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(b->lt, &d->op, &d->a, &d->b, &d->c, &d->c, &pref, max, res, &count);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED) return 0; /* no algorithm at all: the caller falls back */
+    CUBLAS_CHECK(s);
+    /* keep the usable ones, in order */
+    int k = 0;
+    for (int i = 0; i < count; i++)
+        if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= BLAS_WS_BYTES) res[k++] = res[i];
+    return k;
+}
+
+/* one cuBLASLt GEMM: y = xh W^T (+ y when accumulate); returns cuBLASLt's status */
+static cublasStatus_t gemm_lt_run(struct kvs_backend *b, struct gemm_lt_desc *d, const cublasLtMatmulAlgo_t *algo,
+                                  const bf16 *xh, const bf16 *w, float *y, int accumulate)
+{
+    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    return cublasLtMatmul(b->lt, &d->op, &one, w, &d->a, xh, &d->b, &beta, y, &d->c, y, &d->c, algo, b->blas_ws,
+                          BLAS_WS_BYTES, b->stream);
+}
+
+static int gemm_capturing(struct kvs_backend *b)
+{
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(b->stream, &cs));
+    return cs != cudaStreamCaptureStatusNone;
+}
+
+static unsigned gemm_hash(int n, int in, int out, int accumulate, int align)
+{
+    uint64_t h = (uint64_t)(uint32_t)n * 0x9E3779B97F4A7C15ull;
+    h ^= ((uint64_t)(uint32_t)in << 32 | (uint32_t)out) * 0xBF58476D1CE4E5B9ull;
+    h ^= (uint64_t)(accumulate * 512 + align) * 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    return (unsigned)(h % GEMM_PLAN_SLOTS);
+}
+
+/* The slot of the pick for this key: the one holding it (n != 0), else the free slot where it
+ * would go (n == 0); NULL when it is not there and the table is full. */
+static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, int out, int accumulate, int align)
+{
+    struct gemm_tuning *t = b->tune;
+    for (unsigned i = gemm_hash(n, in, out, accumulate, align);; i = (i + 1) % GEMM_PLAN_SLOTS) {
+        struct gemm_plan *p = &t->plans[i];
+        if (p->n == 0) break;
+        if (p->n == n && p->in == in && p->out == out && p->accumulate == accumulate && p->align == align) return p;
+    }
+    if (t->n_plans >= GEMM_PLAN_MAX) {
+        if (!t->full_warned)
+            kvs_log(KVS_LOG_WARN, "cuda: %d GEMM shapes timed; further ones take cuBLASLt's first pick", t->n_plans);
+        t->full_warned = 1;
+        return NULL;
+    }
+    unsigned i = gemm_hash(n, in, out, accumulate, align);
+    while (t->plans[i].n != 0) i = (i + 1) % GEMM_PLAN_SLOTS;
+    return &t->plans[i];
+}
+
+/* Times the candidates of d on the given operands, writing y (which the caller may overwrite:
+ * its own output, or a scratch), and stores the pick in the free slot p under the key. Keeps the
+ * heuristic's first pick unless another takes at most GEMM_MIN_GAIN of its time. Synchronises the
+ * stream: never while it is being captured. Returns 0, or -ENOENT when cuBLASLt has no
+ * algorithm for the shape (p stays free). */
+static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_plan *p, int n, int in, int out,
+                     int accumulate, int align, const bf16 *xh, const bf16 *w, float *y)
+{
+    cublasLtMatmulHeuristicResult_t res[GEMM_CANDIDATES];
+    int count = gemm_lt_candidates(b, d, align, res, GEMM_CANDIDATES);
+    if (count == 0) return -ENOENT;
+    float ms[GEMM_CANDIDATES];
+    int best = -1;
+    for (int i = 0; i < count; i++) {
+        ms[i] = -1.0f; /* a candidate the launch rejects (heuristics may list some) is skipped */
+        cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
+        for (int r = 0; r < GEMM_WARMUP && s == CUBLAS_STATUS_SUCCESS; r++)
+            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, accumulate);
+        k_spin<<<1, 1, 0, b->stream>>>(GEMM_SPIN_NS);
+        LAUNCH_CHECK();
+        CUDA_CHECK(cudaEventRecord(b->tune->ev[0], b->stream));
+        for (int r = 0; r < GEMM_TIMED && s == CUBLAS_STATUS_SUCCESS; r++)
+            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, accumulate);
+        CUDA_CHECK(cudaEventRecord(b->tune->ev[1], b->stream));
+        CUDA_CHECK(cudaEventSynchronize(b->tune->ev[1]));
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d: candidate %d failed (%s), skipped", n, in, out, i,
+                    cublasGetStatusString(s));
+            continue;
+        }
+        CUDA_CHECK(cudaEventElapsedTime(&ms[i], b->tune->ev[0], b->tune->ev[1]));
+        ms[i] /= GEMM_TIMED;
+        if (best < 0 || ms[i] < ms[best]) best = i;
+    }
+    /* the first pick stays unless another is clearly faster (timing noise is about 1%) */
+    int pick = 0;
+    if (best > 0 && (ms[0] < 0.0f || ms[best] <= GEMM_MIN_GAIN * ms[0])) pick = best;
+    p->n = n;
+    p->in = in;
+    p->out = out;
+    p->accumulate = accumulate;
+    p->align = align;
+    p->differs = pick != 0;
+    p->algo = res[pick].algo;
+    b->tune->n_plans++;
+    kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d%s: %d candidates, first %.1f us, pick #%d %.1f us", n, in, out,
+            accumulate ? " (accumulate)" : "", count, ms[0] * 1e3f, pick, ms[pick] * 1e3f);
+    return 0;
+}
+
+/* y = xh W^T (+ y) through cuBLASLt with the timed pick for the shape (timing it now when it is
+ * new and the stream is not being captured), or the heuristic's first pick */
+static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, float *y,
+                    int accumulate)
+{
+    struct gemm_lt_desc d;
+    gemm_lt_describe(&d, n, in, out);
+    const int align = gemm_align(xh, w, y);
+    const cublasLtMatmulAlgo_t *algo = NULL;
+    if (b->gemm_mode == KVS_CUDA_GEMM_TUNED && n <= GEMM_TUNE_MAX_N) {
+        struct gemm_plan *p = gemm_plan_slot(b, n, in, out, accumulate, align);
+        if (p && p->n) {
+            algo = &p->algo;
+        } else if (p && !gemm_capturing(b)) {
+            /* the timing overwrites its output: y itself, unless y must be added to */
+            float *yt = accumulate ? (float *)dev_alloc((size_t)n * out * sizeof(float)) : y;
+            if (yt) {
+                if (accumulate) CUDA_CHECK(cudaMemsetAsync(yt, 0, (size_t)n * out * sizeof(float), b->stream));
+                if (gemm_tune(b, &d, p, n, in, out, accumulate, align, xh, w, yt) == 0) algo = &p->algo;
+                if (accumulate) {
+                    CUDA_CHECK(cudaStreamSynchronize(b->stream));
+                    CUDA_CHECK(cudaFree(yt));
+                }
+            }
+        }
+        /* while capturing, nothing can be timed: the first pick, not kept, so a later call
+         * outside a capture times the shape */
+    }
+    cublasLtMatmulHeuristicResult_t first;
+    if (!algo) {
+        if (gemm_lt_candidates(b, &d, align, &first, 1) == 0) {
+            /* no cuBLASLt algorithm for this shape and alignment: cublasGemmEx has its own fallbacks */
+            gemm_ex(b, xh, w, n, in, out, y, accumulate);
+            return;
+        }
+        algo = &first.algo;
+    }
+    CUBLAS_CHECK(gemm_lt_run(b, &d, algo, xh, w, y, accumulate));
+}
+
+/* y = xh W^T (+ y when accumulate) (+ bias) through cuBLAS(Lt) */
+static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dweight *w,
+                      const struct kvs_dweight *bias, int n, int in, int out, float *y, int accumulate)
+{
+    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w->h, n, in, out, y, accumulate);
+    else gemm_lt(b, xh, w->h, n, in, out, y, accumulate);
     if (bias) {
         KVS_ASSERT(bias->is_vector && bias->cols == out);
         size_t ny = (size_t)n * out;
         CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, y, (const float *)bias->f, ny, out));
         LAUNCH_CHECK();
     }
+}
+
+/* the decode graphs' row counts (engine/runner.c) that cuBLAS(Lt) may run, at most GEMM_TUNE_MAX_N */
+static const int pretune_rows[] = {12, 16, 24, 32, 48, 64, 96, 128, 192, 256};
+
+/* Times the picks of a new weight shape at pretune_rows on the weight itself and a random x (the
+ * real x is not known yet), outside any graph. Row counts the decode GEMM takes at the default
+ * skinny_max are skipped, and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
+ * head of a large vocabulary). Load time: allocates, synchronises. */
+static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
+{
+    struct gemm_tuning *t = b->tune;
+    if (b->gemm_mode != KVS_CUDA_GEMM_TUNED || w->is_vector || gemm_capturing(b)) return;
+    for (int i = 0; i < t->n_pretuned; i++)
+        if (t->pretuned[i][0] == w->rows && t->pretuned[i][1] == w->cols) return;
+    if (t->n_pretuned == GEMM_PRETUNE_SHAPES || w->rows > INT_MAX || w->cols > INT_MAX) return;
+    t->pretuned[t->n_pretuned][0] = w->rows;
+    t->pretuned[t->n_pretuned][1] = w->cols;
+    t->n_pretuned++;
+    const int in = (int)w->cols, out = (int)w->rows;
+    const size_t row_bytes = (size_t)in * sizeof(bf16) + (size_t)out * sizeof(float);
+    int max_n = 0;
+    for (size_t i = 0; i < sizeof pretune_rows / sizeof pretune_rows[0]; i++)
+        if ((size_t)pretune_rows[i] * row_bytes <= GEMM_PRETUNE_SCRATCH) max_n = pretune_rows[i];
+    if (max_n <= b->skinny_default) return;
+    double t0 = kvs_now();
+    bf16 *x = (bf16 *)dev_alloc((size_t)max_n * in * sizeof(bf16));
+    float *y = x ? (float *)dev_alloc((size_t)max_n * out * sizeof(float)) : NULL;
+    if (!y) {
+        kvs_log(KVS_LOG_WARN, "cuda: no device memory to time the GEMMs of a %d x %d weight; they take cuBLASLt's "
+                              "first pick", out, in);
+        if (x) CUDA_CHECK(cudaFree(x));
+        return;
+    }
+    /* non-zero values: some kernels may take shortcuts on zeros */
+    k_bf16_fill_random<<<grid_for((size_t)max_n * in, 256), 256, 0, b->stream>>>(x, (size_t)max_n * in, 1.0f, 12345);
+    LAUNCH_CHECK();
+    int tuned = 0;
+    for (size_t i = 0; i < sizeof pretune_rows / sizeof pretune_rows[0]; i++) {
+        const int n = pretune_rows[i];
+        if (n <= b->skinny_default || n > max_n) continue;
+        const int align = gemm_align(x, w->h, y);
+        struct gemm_plan *p = gemm_plan_slot(b, n, in, out, 0, align);
+        if (!p || p->n) continue;
+        struct gemm_lt_desc d;
+        gemm_lt_describe(&d, n, in, out);
+        if (gemm_tune(b, &d, p, n, in, out, 0, align, x, w->h, y) != 0) continue;
+        tuned++;
+        t->log_differ += p->differs;
+    }
+    CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(y));
+    t->log_mats++;
+    t->log_gemms += tuned;
+    t->log_s += kvs_now() - t0;
+}
+
+/* one line for the pre-tuning of a model load: called when something other than weight uploads
+ * follows them (the runner's workspace allocation), and at free */
+static void gemm_tune_report(struct kvs_backend *b)
+{
+    struct gemm_tuning *t = b->tune;
+    if (t->log_mats == 0) return;
+    kvs_log(KVS_LOG_INFO, "cuda: timed the cuBLASLt algorithms of %d GEMM shapes (%d weight shapes x up to %d row "
+                          "counts) in %.2f s; %d picks differ from the heuristic's first", t->log_gemms, t->log_mats,
+            (int)(sizeof pretune_rows / sizeof pretune_rows[0]), t->log_s, t->log_differ);
+    t->log_mats = t->log_gemms = t->log_differ = 0;
+    t->log_s = 0.0;
 }
 
 /* Decode-sized batches (n <= skinny_max) go to the decode GEMM, which covers every part in one
@@ -880,7 +1249,8 @@ static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int
         CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
         return;
     }
-    for (int p = 0; p < n_parts; p++) gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], (float *)y[p]->d);
+    for (int p = 0; p < n_parts; p++)
+        gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], (float *)y[p]->d, 0);
 }
 
 static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
@@ -1225,4 +1595,26 @@ extern "C" int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head
 extern "C" void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n)
 {
     b->skinny_max = max_n >= 0 ? max_n : b->skinny_default;
+}
+
+extern "C" void kvs_cuda_set_gemm(struct kvs_backend *b, int mode)
+{
+    KVS_ASSERT(mode >= -1 && mode <= KVS_CUDA_GEMM_EX);
+    b->gemm_mode = mode >= 0 ? mode : b->gemm_default;
+}
+
+extern "C" void kvs_cuda_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
+{
+    gemm_pretune(b, w);
+}
+
+extern "C" void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                                           int n, int in, int out, struct kvs_dbuf *y)
+{
+    if (n <= 0) return;
+    KVS_ASSERT(!w->is_vector && w->rows == out && w->cols == in);
+    KVS_ASSERT((size_t)n * in <= b->xh_cap && (size_t)n * out <= y->n && x->d != y->d);
+    const bf16 *xh = gemm_input(b, x, (size_t)n * in);
+    xh_forget(b, y->d);
+    gemm_blas(b, xh, w, NULL, n, in, out, (float *)y->d, 1);
 }

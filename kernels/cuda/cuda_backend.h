@@ -1,7 +1,8 @@
 /* cuda_backend.h: extras of the CUDA backend beyond the op table (kernels/backend.h), for the
  * GPU tests and the decode benchmark: random device data without host files, event timing
  * and the device-to-device copy bandwidth that the benchmark uses as its floor (step graphs are
- * in the op table: graph_begin / graph_end / graph_launch / graph_free).
+ * in the op table: graph_begin / graph_end / graph_launch / graph_free), and switches between
+ * the GEMM paths (decode GEMM, cuBLASLt tuned or heuristic, cublasGemmEx).
  *
  * Only declared when the build has CUDA (KVS_HAVE_CUDA=1). Every CUDA failure aborts with
  * file:line (CUDA_CHECK); functions that allocate return NULL on out-of-memory.
@@ -50,6 +51,27 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
+
+/* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */
+enum kvs_cuda_gemm {
+    KVS_CUDA_GEMM_TUNED = 0,     /* cuBLASLt, the algorithm picked by timing per shape (default) */
+    KVS_CUDA_GEMM_HEURISTIC = 1, /* cuBLASLt, always its heuristic's first pick (KVS_CUDA_GEMM_TUNE=0) */
+    KVS_CUDA_GEMM_EX = 2,        /* the former path: cublasGemmEx, CUBLAS_GEMM_DEFAULT (KVS_CUDA_GEMM=ex) */
+};
+/* Selects one of enum kvs_cuda_gemm; -1: back to the default (from the environment at create).
+ * Picks already timed stay cached, so switching back to TUNED does not time them again. */
+void kvs_cuda_set_gemm(struct kvs_backend *b, int mode);
+
+/* Times the cuBLASLt algorithms for w (a 2-D weight of rows = out x cols = in) at the decode
+ * graphs' row counts, as upload_weight does for every matrix of a new shape (once per shape):
+ * for weights that bypass upload_weight (kvs_cuda_random_weight). Load time only (allocates a
+ * scratch, synchronises); a no-op when timing is off or the shape was done. */
+void kvs_cuda_pretune(struct kvs_backend *b, const struct kvs_dweight *w);
+
+/* y += x W^T through the cuBLAS path whatever n (the accumulate form of the GEMM, which no op of
+ * the table uses yet: for tests). x [n][in] ACT, w [out][in], y [n][out] ACT. */
+void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
+                                int n, int in, int out, struct kvs_dbuf *y);
 
 /* 1 when the CUDA attention supports this model shape (head_dim 16/32/64/128/256, at most 32
  * query heads per KV head); the runner refuses other shapes on this backend with a message. */

@@ -9,6 +9,8 @@
  * mixed with prefill chunks, block sizes that do and do not divide the kernel's tile, and
  * non-zero rot_offsets (deferred RoPE). argmax_rows must give exactly the CPU op's ids on rows
  * with planted ties, NaN, infinities and signed zeros (both its float4 and scalar paths).
+ * Matmuls above the decode GEMM's rows run on each cuBLAS path (cuBLASLt timed / first pick,
+ * cublasGemmEx), in and out of a graph capture, and in the accumulate form.
  * Needs a GPU: exits 1 with a message when none.
  */
 #include <math.h>
@@ -463,6 +465,144 @@ static void test_fused_gemm(void)
     }
 }
 
+/* relative L2 difference of two host vectors */
+static double rel_l2(const float *a, const float *r, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - r[i];
+        num += d * d;
+        den += (double)r[i] * r[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void expect_close(const char *what, const float *a, const float *r, size_t n, double tol)
+{
+    double e = rel_l2(a, r, n);
+    kvs_test_checks++;
+    int ok = e < tol; /* false for NaN too */
+    if (!ok) kvs_test_fails++;
+    printf("%s %-58s rel_l2 %.3e (tol %.0e)\n", ok ? "ok  " : "FAIL", what, e, tol);
+}
+
+/* Matmuls of more rows than the decode GEMM takes (skinny_max at its default, 8) through each
+ * cuBLAS path: cuBLASLt with the timed pick (the default), cuBLASLt with its heuristic's first
+ * pick (KVS_CUDA_GEMM_TUNE=0) and cublasGemmEx (KVS_CUDA_GEMM=ex), each against the CPU. Row
+ * counts that upload_weight timed up front (12, 16, 64) and ones timed on their first call (9,
+ * 33, 100), odd leading dimensions, and rows past the timed range (300). The timed and first
+ * picks differ only in the order of fp32 sums, far below bf16 rounding: they must agree to 1e-3.
+ * A timed pick is kept: a second call gives the same bits. */
+static void test_gemm_paths(void)
+{
+    char what[200];
+    static const char *mode_name[] = {"cuBLASLt timed", "cuBLASLt first pick", "cublasGemmEx"};
+    kvs_cuda_set_skinny_max(bg, -1);
+    struct { int n, in, out, bias; } cases[] = {{9, 4096, 1024, 1},  {12, 4096, 1024, 0}, {16, 1024, 2816, 1},
+                                                 {33, 1024, 4096, 1}, {64, 2048, 512, 0},  {100, 1024, 2816, 1},
+                                                 {12, 264, 200, 1},   {17, 260, 72, 0},    {300, 512, 384, 1}};
+    for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
+        const int n = cases[c].n, in = cases[c].in, out = cases[c].out;
+        const size_t ny = (size_t)n * out;
+        float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
+        float *bv = rand_vec(out, 0.5f, 0);
+        struct wpair w = mkw(wv, out, in, 0, KVS_DTYPE_BF16), b = mkw(bv, 1, out, 1, KVS_DTYPE_F32);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), y = mk(KVS_BUF_ACT, ny, NULL);
+        C->matmul(bc, x.c, w.c, cases[c].bias ? b.c : NULL, n, in, out, y.c);
+        float *res[3];
+        for (int mode = 0; mode < 3; mode++) {
+            kvs_cuda_set_gemm(bg, mode);
+            poison(&y);
+            G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+            snprintf(what, sizeof what, "matmul n=%d in=%d out=%d bias=%d %s", n, in, out, cases[c].bias,
+                     mode_name[mode]);
+            check(what, &y, 1e-2);
+            res[mode] = dl(&y, ny);
+        }
+        snprintf(what, sizeof what, "matmul n=%d in=%d out=%d: timed pick vs first pick", n, in, out);
+        expect_close(what, res[0], res[1], ny, 1e-3);
+        kvs_cuda_set_gemm(bg, KVS_CUDA_GEMM_TUNED);
+        poison(&y);
+        G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+        float *again = dl(&y, ny);
+        snprintf(what, sizeof what, "matmul n=%d in=%d out=%d: the timed pick is kept", n, in, out);
+        expect_same(what, res[0], again, ny);
+        free(again);
+        for (int mode = 0; mode < 3; mode++) free(res[mode]);
+        drop(&x); drop(&y); dropw(&w); dropw(&b);
+        free(wv); free(xv); free(bv);
+    }
+    kvs_cuda_set_gemm(bg, -1);
+}
+
+/* A matmul recorded in a step graph at a shape nobody timed (nothing can be timed while the
+ * stream is captured: it takes the heuristic's first pick), replayed, against the CPU; then the
+ * same matmul outside the graph, which times the shape. */
+static void test_gemm_graph(void)
+{
+    char what[200];
+    kvs_cuda_set_skinny_max(bg, -1);
+    kvs_cuda_set_gemm(bg, KVS_CUDA_GEMM_TUNED);
+    const int n = 37, in = 1536, out = 640; /* 37 rows: no decode graph size, so not timed at upload */
+    float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
+    float *bv = rand_vec(out, 0.5f, 0);
+    struct wpair w = mkw(wv, out, in, 0, KVS_DTYPE_BF16), b = mkw(bv, 1, out, 1, KVS_DTYPE_F32);
+    struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), y = mk(KVS_BUF_ACT, (size_t)n * out, NULL);
+    C->matmul(bc, x.c, w.c, b.c, n, in, out, y.c);
+    poison(&y);
+    G->graph_begin(bg);
+    G->matmul(bg, x.g, w.g, b.g, n, in, out, y.g);
+    char err[256];
+    struct kvs_graph *gr = G->graph_end(bg, err, sizeof err);
+    if (!gr) kvs_panic(__FILE__, __LINE__, "graph_end: %s", err);
+    G->graph_launch(bg, gr);
+    snprintf(what, sizeof what, "matmul n=%d in=%d out=%d in a graph (first pick)", n, in, out);
+    check(what, &y, 1e-2);
+    G->graph_free(bg, gr);
+    poison(&y);
+    G->matmul(bg, x.g, w.g, b.g, n, in, out, y.g);
+    snprintf(what, sizeof what, "matmul n=%d in=%d out=%d after the graph (timed now)", n, in, out);
+    check(what, &y, 1e-2);
+    drop(&x); drop(&y); dropw(&w); dropw(&b);
+    free(wv); free(xv); free(bv);
+    kvs_cuda_set_gemm(bg, -1);
+}
+
+/* The accumulate form y += x W^T (no op uses it yet; kvs_cuda_matmul_accumulate reaches it) on
+ * each cuBLAS path, at row counts the decode GEMM would otherwise take too: the timing of a new
+ * accumulate shape must leave y alone (it times into a scratch). */
+static void test_gemm_accumulate(void)
+{
+    char what[200];
+    static const char *mode_name[] = {"cuBLASLt timed", "cuBLASLt first pick", "cublasGemmEx"};
+    struct { int n, in, out; } cases[] = {{5, 1024, 512}, {40, 2048, 1024}, {128, 512, 2816}};
+    for (int c = 0; c < 3; c++) {
+        const int n = cases[c].n, in = cases[c].in, out = cases[c].out;
+        const size_t ny = (size_t)n * out;
+        float *wv = rand_vec((size_t)out * in, 0.05f, 0), *xv = rand_vec((size_t)n * in, 1.0f, 0);
+        float *y0 = rand_vec(ny, 2.0f, 0), *prod = kvs_xmalloc(ny * sizeof(float));
+        struct wpair w = mkw(wv, out, in, 0, KVS_DTYPE_BF16);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv), t = mk(KVS_BUF_ACT, ny, NULL);
+        C->matmul(bc, x.c, w.c, NULL, n, in, out, t.c);
+        C->download(bc, prod, t.c, 0, ny);
+        for (size_t i = 0; i < ny; i++) prod[i] += y0[i];
+        struct pair y = mk(KVS_BUF_ACT, ny, prod); /* the CPU side holds the expected sum */
+        for (int mode = 0; mode < 3; mode++) {
+            kvs_cuda_set_gemm(bg, mode);
+            for (int rep = 0; rep < 2; rep++) { /* the first timed call times the shape, the second reuses it */
+                G->upload(bg, y.g, 0, y0, ny);
+                kvs_cuda_matmul_accumulate(bg, x.g, w.g, n, in, out, y.g);
+                snprintf(what, sizeof what, "matmul accumulate n=%d in=%d out=%d %s%s", n, in, out, mode_name[mode],
+                         rep ? " (again)" : "");
+                check(what, &y, 1e-2);
+            }
+        }
+        kvs_cuda_set_gemm(bg, -1);
+        drop(&x); drop(&y); drop(&t); dropw(&w);
+        free(wv); free(xv); free(y0); free(prod);
+    }
+}
+
 static void make_inv_freq(float *f, int hd, double theta)
 {
     for (int i = 0; i < hd / 2; i++) f[i] = (float)pow(theta, -2.0 * i / hd);
@@ -747,6 +887,9 @@ int main(void)
     test_argmax();
     test_embed_matmul();
     test_fused_gemm();
+    test_gemm_paths();
+    test_gemm_graph();
+    test_gemm_accumulate();
     test_rope_headnorm();
     test_rope_kv_write();
     test_attention();
