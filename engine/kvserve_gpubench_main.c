@@ -179,7 +179,10 @@ static void make_shape(struct bench *B, int n_blocks, int nb, int bps, int rows_
     S->ht = kvs_xmalloc((size_t)n * 4);
     int32_t *rowpos = kvs_xmalloc((size_t)n * 4);
     for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
+    /* blocks in random order, as a long-running pool hands them out; KVS_BENCH_CONTIGUOUS=1 keeps
+     * each sequence's blocks consecutive (to measure what the scattering costs the attention) */
+    const char *contig = getenv("KVS_BENCH_CONTIGUOUS");
+    for (int i = n_blocks - 1; i > 0 && !(contig && atoi(contig)); i--) {
         rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
         int j = (int)(rs % (uint64_t)(i + 1));
         int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;

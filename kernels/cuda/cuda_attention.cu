@@ -80,7 +80,12 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src
 {
     unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
     /* src_bytes 0: nothing is read, the 16 bytes are zero-filled */
+#ifdef KVS_ATTN_NO_L2_HINT
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(src_bytes));
+#else
+    /* L2::256B: the L2 fetches the whole 256-byte segment (a K/V row of head_dim 128) at once */
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(gmem), "r"(src_bytes));
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
