@@ -450,9 +450,9 @@ int main(int argc, char **argv)
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
             /* attention alone (all layers) at forced split counts vs the automatic choice */
             if (attn_variants) {
-                static const int var[] = {0, 1, 2, 4, 8, 16};
+                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16};
                 printf("%6s %8s   attention only, splits:", "", "");
-                for (int vi = 0; vi < 6; vi++) {
+                for (int vi = 0; vi < 8; vi++) {
                     kvs_cuda_set_attn_splits(b, var[vi]);
                     float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
                     if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);

@@ -211,7 +211,7 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
      * loop below spends ~45 instructions of 64-bit address arithmetic and shuffles per pair of
      * copies, about half of a decode tile's instructions (SASS, H100 build). */
     constexpr int S = NT / CH; /* keys covered by one pass of the block's threads */
-    if constexpr (NT % CH == 0 && S <= 16) {
+    if constexpr (NT == 32 && S <= 16) { /* decode blocks (prefill's 4-warp blocks measured slower with it) */
         if (a.bs % 16 == 0) {
             const unsigned vmask = __ballot_sync(FULL, row >= 0); /* bit j: key kb + j is read */
             const int j0 = threadIdx.x / CH, c = threadIdx.x % CH;
@@ -801,7 +801,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                         ps += pr;
                     }
                 l[mt][h] = l[mt][h] * alpha + ps;
-                if (__any_sync(FULL, moved)) {
+                if (NW > 1 || __any_sync(FULL, moved)) { /* decode only: prefill blocks measured slower */
 #pragma unroll
                     for (int nd = 0; nd < HD / 8; nd++) {
                         o[mt][nd][2 * h] *= alpha;
