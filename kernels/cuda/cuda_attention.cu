@@ -174,37 +174,59 @@ __device__ __forceinline__ void qk_rows(const bf16 *tk, const float *qw, int key
     }
 }
 
-/* Stages the K/V rows of the tile of 32 keys starting at kb into shared memory (dk, dv: rows
- * of kst elements) with cp.async, and each key's info into ko (warp 0 writes it): its block's
- * rotation offset (0 without rot), or KEY_PAD for a key past k1 or in a padding slot, whose
- * rows are zero-filled without reading memory. Lane l of every warp looks up key kb + l once
- * (block table, valid count, offset); the 16-byte copies get their key's row from that lane by
- * shuffle, so a tile costs one lookup per lane however the copies are spread. */
-template <int HD, int NT>
-__device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int kvh, const int32_t *bt,
-                                           const int32_t *vt, const int32_t *rt, const int2 *wt, bf16 *dk, bf16 *dv,
-                                           int kst, int *ko)
+/* What the copies of the tile of 32 keys starting at kb need, from the block table (global
+ * loads): lane l's key kb + l (its row, or -1 when it is not read: past k1 or in a padding slot;
+ * its info for ko: the block's rotation offset, 0 without rot, or KEY_PAD), and the rows of keys
+ * kb and kb + 16 (each tile half's first slot, read or not) for the two-pointer copies. Kept
+ * apart from the copies so that a decode block looks up the tile after next while it computes:
+ * done just before the copies, the block-table load stalled the warp once a tile (ncu, H100:
+ * a third of the decode kernel's stall cycles waited on such loads). */
+struct tile_meta {
+    long long row, base0, base1;
+    int info;
+};
+
+template <int HD>
+__device__ __forceinline__ tile_meta tile_lookup(const at_args &a, int kb, int k1, int kvh, const int32_t *bt,
+                                                 const int32_t *vt, const int32_t *rt, const int2 *wt)
 {
-    constexpr int CH = HD / 8;
-    const int lane = threadIdx.x & 31;
-    const int p = kb + lane;
-    long long row = -1;
-    int info = KEY_PAD;
+    const int p = kb + (threadIdx.x & 31);
+    tile_meta m;
+    m.row = -1;
+    m.info = KEY_PAD;
+    long long brow = 0; /* the slot's row whether or not it is read (0 past k1: never read) */
     if (p < k1) {
         const int pb = p / a.bs, sl = p - pb * a.bs;
         if (wt) {
             /* one 8-byte load: block, offset and valid count (backend.h kvs_pack_block_words) */
             const int2 w = wt[pb];
+            brow = (((long long)w.x * a.n_kv + kvh) * a.bs + sl) * HD;
             if (sl < (w.y & 2047)) {
-                row = (((long long)w.x * a.n_kv + kvh) * a.bs + sl) * HD;
-                info = rt ? (w.y >> 11) : 0;
+                m.row = brow;
+                m.info = rt ? (w.y >> 11) : 0;
             }
-        } else if (!vt || sl < vt[pb]) {
-            row = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
-            info = rt ? rt[pb] : 0;
+        } else {
+            brow = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
+            if (!vt || sl < vt[pb]) {
+                m.row = brow;
+                m.info = rt ? rt[pb] : 0;
+            }
         }
     }
-    if (threadIdx.x < 32) ko[lane] = info;
+    m.base0 = __shfl_sync(FULL, brow, 0);
+    m.base1 = __shfl_sync(FULL, brow, 16);
+    return m;
+}
+
+/* Stages the tile that m describes into shared memory (dk, dv: rows of kst elements) with
+ * cp.async, and each key's info into ko (warp 0 writes it); keys that are not read get
+ * zero-filled rows without touching memory. The general loop gets each copy's row from the lane
+ * that looked its key up, by shuffle. */
+template <int HD, int NT>
+__device__ __forceinline__ void tile_issue(const at_args &a, const tile_meta &m, bf16 *dk, bf16 *dv, int kst, int *ko)
+{
+    constexpr int CH = HD / 8;
+    if (threadIdx.x < 32) ko[threadIdx.x] = m.info;
     /* Fast path, for blocks of a multiple of 16 slots (the tile starts on a 16-key boundary: split
      * chunks are multiples of AT_TILE): keys 16h .. 16h + 15 of the tile are consecutive slots of
      * one block, so a thread's rows are two base pointers plus compile-time offsets. The general
@@ -213,19 +235,9 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
     constexpr int S = NT / CH; /* keys covered by one pass of the block's threads */
     if constexpr (NT == 32 && S <= 16) { /* decode blocks (prefill's 4-warp blocks measured slower with it) */
         if (a.bs % 16 == 0) {
-            const unsigned vmask = __ballot_sync(FULL, row >= 0); /* bit j: key kb + j is read */
+            const unsigned vmask = __ballot_sync(FULL, m.row >= 0); /* bit j: key kb + j is read */
             const int j0 = threadIdx.x / CH, c = threadIdx.x % CH;
-            long long base[2];
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int q = kb + 16 * h;
-                base[h] = 0; /* past k1: never read (vmask), any address will do */
-                if (q < k1) {
-                    const int pb = q / a.bs, sl = q - pb * a.bs;
-                    const long long blk = wt ? wt[pb].x : bt[pb];
-                    base[h] = ((blk * a.n_kv + kvh) * a.bs + sl + j0) * HD + c * 8;
-                }
-            }
+            const long long base[2] = {m.base0 + j0 * HD + c * 8, m.base1 + j0 * HD + c * 8};
             bf16 *sk = dk + j0 * kst + c * 8, *sv = dv + j0 * kst + c * 8;
 #pragma unroll
             for (int i = 0; i < AT_TILE / S; i++) {
@@ -240,11 +252,20 @@ __device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int
 #pragma unroll
     for (int idx = threadIdx.x; idx < AT_TILE * CH; idx += NT) {
         const int j = idx / CH, c = idx % CH;
-        const long long r = __shfl_sync(FULL, row, j);
+        const long long r = __shfl_sync(FULL, m.row, j);
         const bool ok = r >= 0;
         cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
         cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
     }
+}
+
+/* Looks the tile up and stages it (the CUDA-core kernel and prefill blocks) */
+template <int HD, int NT>
+__device__ __forceinline__ void stage_tile(const at_args &a, int kb, int k1, int kvh, const int32_t *bt,
+                                           const int32_t *vt, const int32_t *rt, const int2 *wt, bf16 *dk, bf16 *dv,
+                                           int kst, int *ko)
+{
+    tile_issue<HD, NT>(a, tile_lookup<HD>(a, kb, k1, kvh, bt, vt, rt, wt), dk, dv, kst, ko);
 }
 
 /* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
@@ -663,17 +684,21 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
     const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
 
-    auto load = [=](int it) {
+    auto lookup = [=](int it) { return tile_lookup<HD>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, wt); };
+    auto issue = [=](const tile_meta &tm, int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
-        stage_tile<HD, NT>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, wt, sk + so * KST, sv + so * KST, KST, soff + so);
+        tile_issue<HD, NT>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 
     const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
-        if (st < ntiles) load(st);
+        if (st < ntiles) issue(lookup(st), st);
         cp_async_commit();
     }
+    /* decode blocks: the metadata of the next tile to stage, looked up one iteration early */
+    tile_meta next = {};
+    if (NW == 1) next = lookup(ST - 1);
 
     const int wrow = warp * 16 * MT; /* the warp's first row */
     uint32_t qa[MT][HD / 16][4];
@@ -713,8 +738,14 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
         }
 
     for (int it = 0; it < ntiles; it++) {
-        if (it + ST - 1 < ntiles) load(it + ST - 1);
-        cp_async_commit();
+        if (NW == 1) {
+            if (it + ST - 1 < ntiles) issue(next, it + ST - 1);
+            cp_async_commit();
+            next = lookup(it + ST); /* its loads overlap this tile's wait and compute; past k1 none */
+        } else {
+            if (it + ST - 1 < ntiles) issue(lookup(it + ST - 1), it + ST - 1);
+            cp_async_commit();
+        }
         cp_async_wait<ST - 1>();
         __syncthreads();
         const bf16 *tk = sk + (size_t)(it % ST) * AT_TILE * KST;
