@@ -21,7 +21,8 @@
  * default), and the decode GEMM (at most 32 rows).
  * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
  * upload_weight would (kvs_cuda_pretune).
- * --attn-variants also times the attention of all layers alone at forced context-split counts.
+ * --attn-variants also times the attention of all layers alone at forced context-split counts, with
+ * the automatic decode kernel and with kinds 3 and 4 forced (kvs_cuda_set_dec_attn).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
 #include <math.h>
@@ -448,18 +449,26 @@ int main(int argc, char **argv)
             if (mf)
                 fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
-            /* attention alone (all layers) at forced split counts vs the automatic choice */
+            /* attention alone (all layers) at forced split counts vs the automatic choice: with the
+             * automatic decode kernel, then with kinds 3 (one-warp tensor-core blocks, 3 tiles in
+             * flight) and 4 (the FlashAttention-2-style 4-warp blocks) forced */
             if (attn_variants) {
-                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16};
-                printf("%6s %8s   attention only, splits:", "", "");
-                for (int vi = 0; vi < 8; vi++) {
-                    kvs_cuda_set_attn_splits(b, var[vi]);
-                    float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
-                    if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
-                    else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
+                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4};
+                for (int ki = 0; ki < 3; ki++) {
+                    kvs_cuda_set_dec_attn(b, kinds[ki]);
+                    if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");
+                    else printf("%6s %8s   attention only, kernel %d,    splits:", "", "", kinds[ki]);
+                    for (int vi = 0; vi < 8; vi++) {
+                        kvs_cuda_set_attn_splits(b, var[vi]);
+                        float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                        if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
+                        else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
+                    }
+                    printf("\n");
+                    fflush(stdout);
                 }
-                printf("\n");
                 kvs_cuda_set_attn_splits(b, 0);
+                kvs_cuda_set_dec_attn(b, -1);
             }
             free_shape(B, &S);
         }

@@ -14,7 +14,9 @@
  * for decode it reads the KV at 2733 GB/s at batch 32 x 8K (the CUDA-core kernel: 2552), where
  * the CUDA-core kernel was bound by its shared-memory reads (each warp re-reads the whole tile).
  * KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / tensor cores with 2 or 3
- * tiles in flight), for comparisons.
+ * tiles in flight), for comparisons; 4 the FlashAttention-2-style decode kernel k_attn_fd (4 warps
+ * a block split along the keys, K and V staged separately; its own section below; decode launches
+ * without rotation offsets only). kvs_cuda_set_dec_attn() forces the same per backend.
  *
  * Both kernels stream K/V in tiles of 32 keys from the paged cache into shared memory with
  * cp.async, two tiles in flight. Slots past the visible range or in the unused tail of a cached
@@ -937,6 +939,284 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
     }
 }
 
+/* ---- FlashAttention-2-style decode kernel (KVS_CUDA_DEC_ATTN=4) ----------------------------
+ *
+ * k_attn_fd: decode rows only (one query token per sequence), no deferred RoPE. The work split of
+ * cuDNN's SDPA decode kernel: a block of FD_WARPS warps owns (sequence, KV head, context split);
+ * the block walks its keys in tiles of FD_TILE = 128 keys, and warp w computes the 32-key
+ * sub-tile w of every tile with its own online-softmax state (m, l, o) over the same 16 rows
+ * (the G query heads of the group, the rest padding, as in k_attn_tc's decode blocks). At the
+ * end the warps' states are merged through shared memory in warp order (deterministic).
+ *
+ * Why: the one-warp decode blocks of k_attn_tc are limited to 4 a SM by their shared memory
+ * (3 stages of K and V), i.e. one warp per SM sub-partition, so every stall of that warp
+ * (a cp.async wait, the MMA and ldmatrix latencies of a tile) leaves its scheduler idle. Here K and
+ * V are staged separately, FlashAttention-2 style, each warp holding one K and one V buffer of 32
+ * keys:
+ *     issue V_i; wait K_i; S = Q K_i^T, softmax; issue K_{i+1} (into the buffer S just freed);
+ *     wait V_i; O += P V_i
+ * so a warp always has about one 32-key half (K or V) in flight while it computes on the other,
+ * and a block needs 2 x 4 x 32 keys of shared memory (HD 128: 68 KB, vs 52 KB for one warp of
+ * k_attn_tc with 3 stages): two or three blocks (8 to 12 warps) per SM.
+ * Each warp stages the sub-tile it computes itself (tile_lookup's lane-per-key lookup and
+ * tile_issue's copies, per pool), so a warp's buffers are private until the final merge: the
+ * pipeline needs only warp barriers (__syncwarp orders the cp.async results and the shared
+ * loads among the warp's lanes), no block barrier that would make all four warps wait for the
+ * slowest copy. Consecutive warps read consecutive 32-key sub-tiles, so the block streams
+ * 128-key ranges as cuDNN's kernel does.
+ * Splits are planned by launch_kernel; a chunk is a multiple of 32 keys, the last tile of a
+ * split may be partial (warps whose sub-tile starts past the range do nothing for it).
+ */
+#define FD_WARPS 4
+#define FD_TILE (FD_WARPS * AT_TILE) /* keys per block tile: warp w computes keys 32w .. 32w + 31 */
+
+template <int HD> struct fd_cfg {
+    static constexpr int KST = HD + 8;                        /* K/V row stride (bf16), as k_attn_tc */
+    static constexpr int OST = HD + 8;                        /* merge rows (floats): +8 banks a row keeps
+                                                               * the float2 stores conflict-free */
+    static constexpr size_t sub_elems = (size_t)AT_TILE * KST; /* one warp's K (or V) buffer */
+    static constexpr size_t stage_bytes = 2 * FD_WARPS * sub_elems * sizeof(bf16);
+    static constexpr size_t merge_bytes = (size_t)FD_WARPS * 16 * (OST + 2) * sizeof(float);
+    static constexpr size_t ko_off = stage_bytes > merge_bytes ? stage_bytes : merge_bytes;
+    static constexpr size_t smem = ko_off + (size_t)FD_WARPS * AT_TILE * sizeof(int);
+};
+
+/* One pool's rows (K or V) of the 32-key sub-tile that m describes, staged into dst (rows of
+ * HD + 8 elements) by one warp with cp.async: tile_issue's copies (the same fast path for blocks
+ * of a multiple of 16 slots, the same zero fill for keys that are not read), for a single pool
+ * and indexed by lane, so that any warp of the block can stage its own sub-tile. */
+template <int HD>
+__device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, const tile_meta &m, bf16 *dst)
+{
+    constexpr int CH = HD / 8, KST = HD + 8;
+    constexpr int S = 32 / CH; /* keys covered by one pass of the warp */
+    static_assert(S >= 1 && S <= 16, "fd_issue: head_dim 16 .. 256");
+    const int lane = threadIdx.x & 31;
+    if (a.bs % 16 == 0) {
+        /* the sub-tile starts on a 16-key boundary (chunks and sub-tiles are multiples of 32 keys):
+         * keys 16h .. 16h + 15 are consecutive slots of one block */
+        const unsigned vmask = __ballot_sync(FULL, m.row >= 0); /* bit j: key j of the sub-tile is read */
+        const int j0 = lane / CH, c = lane % CH;
+        const long long base[2] = {m.base0 + j0 * HD + c * 8, m.base1 + j0 * HD + c * 8};
+        bf16 *d = dst + j0 * KST + c * 8;
+#pragma unroll
+        for (int i = 0; i < AT_TILE / S; i++) {
+            const int h = i * S / 16, off = (i * S) % 16; /* compile-time */
+            const int bytes = (vmask >> (j0 + i * S)) & 1u ? 16 : 0;
+            cp_async16(d + i * S * KST, pool + base[h] + off * HD, bytes);
+        }
+        return;
+    }
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {
+        const int j = idx / CH, c = idx % CH;
+        const long long r = __shfl_sync(FULL, m.row, j);
+        const bool ok = r >= 0;
+        cp_async16(dst + j * KST + c * 8, ok ? pool + r + c * 8 : pool, ok ? 16 : 0);
+    }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
+{
+    grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
+    typedef fd_cfg<HD> C;
+    constexpr int KST = C::KST, OST = C::OST;
+    extern __shared__ __align__(16) unsigned char smraw[];
+
+    int s, r0;
+    if (!find_tile(a, blockIdx.x, &s, &r0)) return; /* decode tiles: one row each, r0 = 0 */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    bf16 *wk = (bf16 *)smraw + (size_t)warp * C::sub_elems;              /* this warp's K buffer */
+    bf16 *wv = (bf16 *)smraw + (size_t)(FD_WARPS + warp) * C::sub_elems; /* and its V buffer */
+    int *ko = (int *)(smraw + C::ko_off) + warp * AT_TILE; /* per key of the staged K: 0 or KEY_PAD */
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int qs = a.q_start[s];
+    const int pos0 = a.pos[s];  /* the row's position: keys 0 .. pos0 are visible */
+    const int nr = a.G;         /* live rows: the group's heads */
+    const int k0 = split * a.chunk;
+    const int k1 = min(pos0 + 1, k0 + a.chunk);
+    const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
+    const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
+    const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
+
+    /* this warp's sub-tiles: keys kw + i * FD_TILE .. + 31, i < nsub */
+    const int kw = k0 + warp * AT_TILE;
+    const int nsub = k1 > kw ? (k1 - kw + FD_TILE - 1) / FD_TILE : 0;
+    auto lookup = [=](int i) { return tile_lookup<HD>(a, kw + i * FD_TILE, k1, kvh, bt, vt, nullptr, wt); };
+
+    /* K_0 in flight first; the metadata of sub-tile i + 1 is looked up an iteration before its K is
+     * issued (past k1 a lookup does no load), so the copies never wait on a block-table load */
+    tile_meta cur = lookup(0); /* the sub-tile whose K is staged and whose V is issued next */
+    if (nsub > 0) {
+        ko[lane] = cur.info;
+        fd_issue<HD>(a, a.kc, cur, wk);
+    }
+    cp_async_commit();
+    tile_meta nxt = lookup(1);
+
+    uint32_t qa[1][HD / 16][4]; /* the same 16 rows in every warp */
+    q_frags<HD, 1>(a, qs, 0, kvh, nr, 0, lane, nullptr, qa);
+
+    float m[2], l[2], o[HD / 8][4];
+    int lim[2]; /* last visible key of this thread's rows g, g + 8: padding rows see nothing */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        lim[h] = g + 8 * h < nr ? pos0 : -1;
+    }
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[nd][e] = 0.0f;
+
+    for (int i = 0; i < nsub; i++) {
+        const int kb = kw + i * FD_TILE;
+        fd_issue<HD>(a, a.vc, cur, wv); /* V_i: its buffer was freed by the end of iteration i - 1 */
+        cp_async_commit();
+        cp_async_wait<1>(); /* K_i has landed (V_i may still be in flight) */
+        __syncwarp();
+        float sc[1][4][4];
+        qk_tc<HD, 1>(wk, qa, sc, lane);
+        /* masks and the online softmax exactly as k_attn_tc; row statistics are shared by the 4
+         * lanes of a quad */
+        bool kok[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) kok[j][e] = ko[j * 8 + 2 * t + e] != KEY_PAD;
+        uint32_t pa[2][4]; /* P as A fragments: [k-step of 16 keys][4] */
+        bool moved_any = false;
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = kb + j * 8 + 2 * t + e;
+                    const float v = (kok[j][e] && key <= lim[h]) ? sc[0][j][2 * h + e] : -INFINITY;
+                    sc[0][j][2 * h + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+            const float mn = fmaxf(m[h], mx);
+            alpha[h] = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mn);
+            /* o needs rescaling only when a row's running max moved after it had keys (before, o is
+             * zero), which past the first tiles is rare: the warp mostly skips the HD / 4 multiplies */
+            moved_any |= m[h] != -INFINITY && mn != m[h];
+            m[h] = mn;
+            float ps = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float v = sc[0][j][2 * h + e];
+                    const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
+                    sc[0][j][2 * h + e] = pr;
+                    ps += pr;
+                }
+            l[h] = l[h] * alpha[h] + ps;
+        }
+        if (__any_sync(FULL, moved_any)) {
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                o[nd][0] *= alpha[0];
+                o[nd][1] *= alpha[0];
+                o[nd][2] *= alpha[1];
+                o[nd][3] *= alpha[1];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            pa[kk][0] = pack_bf16(sc[0][2 * kk][0], sc[0][2 * kk][1]);
+            pa[kk][1] = pack_bf16(sc[0][2 * kk][2], sc[0][2 * kk][3]);
+            pa[kk][2] = pack_bf16(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
+            pa[kk][3] = pack_bf16(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
+        }
+        __syncwarp(); /* every lane is done with K_i and its key info */
+        if (i + 1 < nsub) {
+            ko[lane] = nxt.info;
+            fd_issue<HD>(a, a.kc, nxt, wk); /* K_{i+1} flies while this warp waits for V_i and does PV */
+        }
+        cp_async_commit();
+        cur = nxt;
+        nxt = lookup(i + 2);
+        cp_async_wait<1>(); /* V_i has landed (K_{i+1} may still be in flight) */
+        __syncwarp();
+        /* O += P . V_i: V fragments through ldmatrix.trans, two 8-dim n-tiles per load; masked keys
+         * carry probability 0 and zero-filled V */
+        {
+            const int mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+            for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd += 2) {
+                    uint32_t b[4];
+                    ldsm_x4_trans(b, wv + (kk * 16 + ri + (mi & 1) * 8) * KST + (nd + (mi >> 1)) * 8);
+                    mma_bf16(o[nd], pa[kk], b[0], b[1]);
+                    mma_bf16(o[nd + 1], pa[kk], b[2], b[3]);
+                }
+        }
+        __syncwarp(); /* every lane is done with V_i before V_{i+1} is issued into its buffer */
+    }
+    cp_async_wait<0>(); /* only empty groups are left; none may write into the merge area */
+
+    /* merge of the warps' states through shared memory (the stage buffers: every warp must be
+     * done with its own first), then the same outputs as k_attn_tc: out (+ outh) for one split,
+     * else the partial (acc..., max, sum) that k_attn_merge combines */
+    __syncthreads();
+    float *so = (float *)smraw;              /* [FD_WARPS][16][OST] each warp's o */
+    float *sml = so + FD_WARPS * 16 * OST;   /* [FD_WARPS][16][2] each warp's m, l */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float ls = l[h];
+        ls += __shfl_xor_sync(FULL, ls, 1);
+        ls += __shfl_xor_sync(FULL, ls, 2);
+        const int row = g + 8 * h;
+        if (row >= nr) continue;
+        float *orow = so + (size_t)(warp * 16 + row) * OST + 2 * t;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) *(float2 *)(orow + nd * 8) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        if (t == 0) {
+            sml[(warp * 16 + row) * 2] = m[h];
+            sml[(warp * 16 + row) * 2 + 1] = ls;
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < nr * HD; idx += FD_WARPS * 32) {
+        const int row = idx / HD, d = idx % HD;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < FD_WARPS; w++) M = fmaxf(M, sml[(w * 16 + row) * 2]);
+        float L = 0.0f, A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < FD_WARPS; w++) {
+            const float mw = sml[(w * 16 + row) * 2];
+            if (mw == -INFINITY) continue; /* a warp that saw no key: l = 0, o = 0 */
+            const float e = __expf(mw - M);
+            L += sml[(w * 16 + row) * 2 + 1] * e;
+            A += so[(size_t)(w * 16 + row) * OST + d] * e;
+        }
+        const size_t orow = (size_t)qs * a.n_heads + (size_t)kvh * a.G + row;
+        if (a.n_splits == 1) {
+            const float v = A / L;
+            a.out[orow * HD + d] = v;
+            if (a.outh) a.outh[orow * HD + d] = __float2bfloat16(v);
+        } else {
+            float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+            pp[d] = A;
+            if (d == 0) {
+                pp[HD] = M;
+                pp[HD + 1] = L;
+            }
+        }
+    }
+}
+
 /* ---- host side ------------------------------------------------------------------------------ */
 
 int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim)
@@ -947,11 +1227,12 @@ int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim)
 
 /* Number of context splits: enough blocks to fill the GPU, whole waves where possible (blocks of
  * one launch do equal work, so a half-empty last wave costs as much as a full one), at least
- * two tiles per split, and the partials within the workspace. */
-static int choose_splits(long long base_blocks, int resident, int n_sms, int max_ctx, long long by_ws)
+ * min_keys keys per split (two tiles; k_attn_fd: one 128-key tile, a sub-tile per warp), and the
+ * partials within the workspace. */
+static int choose_splits(long long base_blocks, int resident, int n_sms, int max_ctx, long long by_ws, int min_keys)
 {
     long long cap = (long long)resident * n_sms;
-    long long by_len = (max_ctx + 2 * AT_TILE - 1) / (2 * AT_TILE);
+    long long by_len = (max_ctx + min_keys - 1) / min_keys;
     long long lim = by_len < by_ws ? by_len : by_ws;
     if (lim > 256) lim = 256;
     if (lim < 1) lim = 1;
@@ -973,9 +1254,10 @@ static int choose_splits(long long base_blocks, int resident, int n_sms, int max
 /* One launch of kernel `kern` (threads per block, dynamic shared memory smem) over n_tiles tiles
  * x KV heads x context splits, then the merge of the splits. *resident caches the kernel's
  * resident blocks per SM (0 = not yet known; the first call also raises its shared-memory
- * limit). */
+ * limit). min_keys: the fewest keys a split is planned with (chunks stay multiples of AT_TILE). */
 static void launch_kernel(void (*kern)(at_args), int threads, size_t smem, int *resident, at_args &x, int n_tiles,
-                          int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n, int hd, int force)
+                          int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n, int hd, int force,
+                          int min_keys = 2 * AT_TILE)
 {
     if (!*resident) {
         int nb = 0;
@@ -993,7 +1275,7 @@ static void launch_kernel(void (*kern)(at_args), int threads, size_t smem, int *
      * than in the 1 this would give (7.24). */
     const int res_plan = base >= 32 && base <= 256 && *resident > 2 ? 2 : *resident;
     const long long by_ws = (long long)(ws_floats / ((size_t)n * x.n_heads * (hd + 2)));
-    int ns = force > 0 ? force : choose_splits(base, res_plan, n_sms, max_ctx, by_ws);
+    int ns = force > 0 ? force : choose_splits(base, res_plan, n_sms, max_ctx, by_ws, min_keys);
     if (ns > by_ws) ns = (int)(by_ws > 0 ? by_ws : 1);
     int chunk = (max_ctx + ns - 1) / ns;
     chunk = (chunk + AT_TILE - 1) / AT_TILE * AT_TILE;
@@ -1066,17 +1348,20 @@ static void launch_tc_dec(at_args &x, int n_tiles, int max_ctx, cudaStream_t st,
     }
 }
 
-/* which kernel takes decode rows: KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one
- * warp a block, that many tiles in flight); unset: automatic */
-static int dec_kind(int n_tiles, int n_kv, int max_ctx)
+/* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately */
+template <int HD>
+static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                      int force)
 {
-    static int k = -2;
-    if (k == -2) {
-        const char *e = getenv("KVS_CUDA_DEC_ATTN");
-        k = e ? atoi(e) : -1;
-        if (k != 0 && k != 2 && k != 3) k = -1;
-    }
-    if (k >= 0) return k;
+    static int resident = 0;
+    launch_kernel(k_attn_fd<HD>, FD_WARPS * 32, fd_cfg<HD>::smem, &resident, x, n_tiles, max_ctx, st, n_sms,
+                  ws_floats, n, HD, force, FD_TILE);
+}
+
+static int valid_dec_kind(int k) { return k == 0 || k == 2 || k == 3 || k == 4; }
+
+static int dec_kind_auto(int n_tiles, int n_kv, int max_ctx)
+{
     /* H100, Llama-3.1-8B shape, attention of all layers (bench/RESULTS.md, 10:48Z): three tiles in
      * flight win for small launches (batch 1 x 1K / 8K / 32K: 0.33 / 0.83 / 2.07 ms; two tiles
      * 0.41 / 0.97 / 2.29; the CUDA-core kernel 0.40 / 1.16 / 2.54) and for long contexts (batch
@@ -1086,13 +1371,39 @@ static int dec_kind(int n_tiles, int n_kv, int max_ctx)
     return pairs < 32 || max_ctx >= 4096 ? 3 : 2;
 }
 
+/* which kernel takes decode rows: `forced` (kvs_cuda_set_dec_attn) if it is a kind, else
+ * KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one warp a block, that many tiles in
+ * flight), 4 (k_attn_fd); unset: automatic. Kind 4 is only a request: launch_hd falls back to the
+ * automatic choice for launches k_attn_fd does not take. */
+static int dec_kind(int forced, int n_tiles, int n_kv, int max_ctx)
+{
+    static int k = -2;
+    if (k == -2) {
+        const char *e = getenv("KVS_CUDA_DEC_ATTN");
+        k = e ? atoi(e) : -1;
+        if (!valid_dec_kind(k)) k = -1;
+    }
+    if (valid_dec_kind(forced)) return forced;
+    if (k >= 0) return k;
+    return dec_kind_auto(n_tiles, n_kv, max_ctx);
+}
+
 template <int HD>
 static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
-                      size_t ws_floats, int n, int force)
+                      size_t ws_floats, int n, int force, int kind_forced)
 {
     if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else {
-        const int k = dec_kind(n_tiles, x.n_kv, max_ctx);
+        int k = dec_kind(kind_forced, n_tiles, x.n_kv, max_ctx);
+        /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256, no deferred RoPE */
+        constexpr bool fd_hd = HD == 64 || HD == 128 || HD == 256;
+        if (k == 4 && (!fd_hd || x.rot || x.G > 16)) k = dec_kind_auto(n_tiles, x.n_kv, max_ctx);
+        if constexpr (fd_hd) {
+            if (k == 4) {
+                launch_fd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                return;
+            }
+        }
         if (k == 2) launch_tc_dec<HD, 2>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         else if (k == 3) launch_tc_dec<HD, 3>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         else launch_simt_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
@@ -1100,7 +1411,7 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
 }
 
 void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,
-                      int n_splits_force)
+                      int n_splits_force, int dec_kind_force)
 {
     if (a->n <= 0) return;
     if (!kvs_cu_attention_supported(a->n_heads, a->n_kv, a->hd))
@@ -1152,11 +1463,11 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         const int max_ctx = pass == 0 ? ctx_dec : ctx_pre;
         const bool pre = pass == 1;
         switch (a->hd) {
-        case 16: launch_hd<16>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
-        case 32: launch_hd<32>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
-        case 64: launch_hd<64>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
-        case 128: launch_hd<128>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
-        default: launch_hd<256>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force); break;
+        case 16: launch_hd<16>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force); break;
+        case 32: launch_hd<32>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force); break;
+        case 64: launch_hd<64>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force); break;
+        case 128: launch_hd<128>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force); break;
+        default: launch_hd<256>(x, pre, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force); break;
         }
     }
 }

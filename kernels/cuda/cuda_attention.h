@@ -33,8 +33,10 @@ struct kvs_cu_attn {
 int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim);
 
 /* Enqueues the attention on `stream`. ws (ws_bytes) holds split partials. n_splits_force > 0
- * forces that many context splits per launch (benchmark comparisons); 0 = automatic. */
+ * forces that many context splits per launch (benchmark comparisons); 0 = automatic.
+ * dec_kind_force 0 / 2 / 3 / 4 forces the decode kernel as KVS_CUDA_DEC_ATTN does (4 only where
+ * that kernel takes the launch); -1 = KVS_CUDA_DEC_ATTN, else automatic. */
 void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,
-                      int n_splits_force);
+                      int n_splits_force, int dec_kind_force);
 
 #endif

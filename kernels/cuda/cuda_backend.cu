@@ -174,6 +174,8 @@ struct kvs_backend {
     int skinny_default;           /* skinny_max at create */
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
+    int dec_attn;                 /* decode attention kernel forced (kvs_cuda_set_dec_attn); -1 =
+                                   * KVS_CUDA_DEC_ATTN or automatic (cuda_attention.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -633,6 +635,7 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
+        b->dec_attn = -1; /* KVS_CUDA_DEC_ATTN is read by cuda_attention.cu itself */
         e = getenv("KVS_CUDA_SKINNY_MAX");
         b->skinny_max = b->skinny_default = e ? atoi(e) : SKINNY_MAX_DEFAULT;
         b->gemm_default = KVS_CUDA_GEMM_TUNED;
@@ -1359,7 +1362,7 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.out = (float *)out->d;
     /* the o projection reads the bf16 copy, which the attention writes as it goes */
     a.outh = xh_claim(b, out->d, (size_t)n * n_heads * head_dim);
-    kvs_cu_attention(&a, b->stream, b->n_sms, b->attn_ws, ATTN_WS_BYTES, b->attn_splits);
+    kvs_cu_attention(&a, b->stream, b->n_sms, b->attn_ws, ATTN_WS_BYTES, b->attn_splits, b->dec_attn);
 }
 
 static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up, int n, int ff,
@@ -1585,6 +1588,11 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
 extern "C" void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits)
 {
     b->attn_splits = n_splits > 0 ? n_splits : 0;
+}
+
+extern "C" void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind)
+{
+    b->dec_attn = kind == 0 || kind == 2 || kind == 3 || kind == 4 ? kind : -1;
 }
 
 extern "C" int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head_dim)

@@ -47,6 +47,13 @@ double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
  * the automatic choice. */
 void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
+/* Forces the decode attention kernel (tests, benchmark comparisons): 0 CUDA cores, 2 / 3 tensor
+ * cores with one warp a block and 2 / 3 K/V tiles in flight, 4 the FlashAttention-2-style 4-warp
+ * kernel (decode launches without rotation offsets, at most 16 query heads per KV head, head_dim
+ * 64 / 128 / 256; others keep the automatic choice); -1 (or any other value) restores the default:
+ * KVS_CUDA_DEC_ATTN if set, else automatic. */
+void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
+
 /* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */

@@ -859,15 +859,27 @@ static void test_attention(void)
         /* GQA 32 (the widest group supported), head_dim 256 */
         {32, 1, 64, 16, 2, {10, 0}, {1, 40}, 0},
         {8, 2, 256, 16, 2, {300, 5}, {1, 20}, 1},
+        /* without rot offsets (the decode kernel of kind 4 takes these): GQA 16, head_dim 256, and
+         * head_dim 128 with blocks of 8 slots (the copies' general path) */
+        {16, 1, 128, 16, 2, {700, 10}, {1, 9}, 0},
+        {8, 2, 256, 16, 2, {300, 5}, {1, 20}, 0},
+        {32, 8, 128, 8, 3, {1029, 0, 77}, {1, 7, 1}, 0},
     };
-    /* the automatic context split, and forced 1 and 3 splits (the merge of partials) */
-    static const int splits[] = {0, 1, 3};
-    for (int si = 0; si < 3; si++) {
-        kvs_cuda_set_attn_splits(bg, splits[si]);
-        printf("attention, context splits: %s\n", splits[si] ? (splits[si] == 1 ? "1" : "3") : "auto");
-        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
+    /* the automatic context split, and forced 1 and 3 splits (the merge of partials); first with the
+     * automatic decode kernel, then with the FlashAttention-2-style one forced (kind 4: the decode
+     * rows of cases without rot offsets, G <= 16 and head_dim 64 / 128 / 256; the others fall back) */
+    static const int splits[] = {0, 1, 3}, kinds[] = {-1, 4};
+    for (int ki = 0; ki < 2; ki++) {
+        kvs_cuda_set_dec_attn(bg, kinds[ki]);
+        for (int si = 0; si < 3; si++) {
+            kvs_cuda_set_attn_splits(bg, splits[si]);
+            printf("attention, decode kernel: %s, context splits: %s\n", kinds[ki] < 0 ? "auto" : "4 (forced)",
+                   splits[si] ? (splits[si] == 1 ? "1" : "3") : "auto");
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
+        }
     }
     kvs_cuda_set_attn_splits(bg, 0);
+    kvs_cuda_set_dec_attn(bg, -1);
 }
 
 int main(void)
