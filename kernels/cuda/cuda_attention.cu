@@ -4,19 +4,22 @@
  *   - prefill (sequences with more rows): k_attn_tc, tensor cores (mma.sync, FlashAttention-2
  *     style). A block (4 warps) owns up to 64 / G consecutive tokens of one sequence: 64
  *     (token, head) rows that share every staged K/V tile.
- *   - decode (sequences with one query row): the same tensor-core kernel with one warp a block,
- *     which owns one sequence, one KV head and one split; its 16 rows hold the G query heads of
- *     the group (GQA: every K/V byte read serves all of them; the other rows are padding that
- *     costs tensor-core slots, not memory). k_attn, on CUDA cores (4 warps a block, one lane per
+ *   - decode (sequences with one query row): k_attn_fd (its own section below), 4 warps a block
+ *     that owns one sequence, one KV head and one split, 128-key tiles (a 32-key sub-tile per
+ *     warp), K and V staged separately; its 16 rows hold the G query heads of the group (GQA:
+ *     every K/V byte read serves all of them; the other rows are padding that costs tensor-core
+ *     slots, not memory). Launches with rotation offsets (cached documents) or groups of more
+ *     than 16 heads take the same tensor-core kernel as prefill with one warp a block instead.
+ *     k_attn, on CUDA cores (4 warps a block, one lane per
  *     key in QK, an online softmax per row held by its warp, then PV with each lane owning
  *     head_dim / 32 output dims), is kept for comparisons (KVS_CUDA_DEC_ATTN=0).
  * Measured on H100 (bench/RESULTS.md): the tensor-core kernel is 7x faster for an 8K prefill;
  * for decode it reads the KV at 2733 GB/s at batch 32 x 8K (the CUDA-core kernel: 2552), where
  * the CUDA-core kernel was bound by its shared-memory reads (each warp re-reads the whole tile).
- * KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / tensor cores with 2 or 3
- * tiles in flight), for comparisons; 4 the FlashAttention-2-style decode kernel k_attn_fd (4 warps
- * a block split along the keys, K and V staged separately; its own section below; decode launches
- * without rotation offsets only). kvs_cuda_set_dec_attn() forces the same per backend.
+ * k_attn_fd reads the KV at 2.89 TB/s at batch 32 x 8K (the one-warp kernel: 2.82).
+ * KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / one-warp tensor-core blocks
+ * with 2 or 3 tiles in flight), for comparisons; 4 (the default where it applies) k_attn_fd.
+ * kvs_cuda_set_dec_attn() forces the same per backend.
  *
  * Both kernels stream K/V in tiles of 32 keys from the paged cache into shared memory with
  * cp.async, two tiles in flight. Slots past the visible range or in the unused tail of a cached
@@ -1354,21 +1357,37 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
                       int force)
 {
     static int resident = 0;
+    /* Splits: about two blocks per SM in all, at least one 128-key tile each. H100, Llama-3.1-8B
+     * shape, attention of all layers at forced split counts (--attn-variants, 02:45Z; at most 16): batch 1 x
+     * 1K best at 8 splits (0.278 ms), 1 x 8K at 16 (0.678), 8 x 1K at 4 (0.633), 8 x 8K at 2
+     * (3.260), 32 x 1K / 32 x 8K / 128 x 1K at 1 (1.709 / 11.903 / 6.315); the occupancy-filling
+     * plan of the one-warp kernel (choose_splits) gave 2 splits at 32 x 8K (12.84 ms). */
+    if (force <= 0) {
+        const long long pairs = (long long)n_tiles * x.n_kv;
+        long long ns = 2LL * n_sms / pairs;
+        const long long by_len = max_ctx / FD_TILE;
+        if (ns > by_len) ns = by_len;
+        if (ns > 16) ns = 16; /* batch 1 x 8K / 32K: 16 splits 0.68 / 1.79 ms, 32: 0.73 / 1.85 */
+        force = ns < 1 ? 1 : (int)ns;
+    }
     launch_kernel(k_attn_fd<HD>, FD_WARPS * 32, fd_cfg<HD>::smem, &resident, x, n_tiles, max_ctx, st, n_sms,
                   ws_floats, n, HD, force, FD_TILE);
 }
 
 static int valid_dec_kind(int k) { return k == 0 || k == 2 || k == 3 || k == 4; }
 
+/* The automatic choice: k_attn_fd wherever it applies (launch_hd checks: groups of up to 16 heads,
+ * head_dim 64 / 128 / 256, no deferred RoPE): on H100 at its own split plan it beat the one-warp
+ * kernel at every measured shape (attention of all layers, --attn-variants, 02:45Z: batch 1 x 8K
+ * 0.68 vs 0.83 ms, 32 x 8K 11.90 vs 12.18, 128 x 1K 6.32 vs 6.37). Elsewhere the one-warp
+ * tensor-core kernel with three tiles in flight (as fast or faster than two at every shape since
+ * its staging was trimmed: 128 x 1K 6.37 vs 6.68 ms, 8 x 1K 0.61 vs 0.63). */
 static int dec_kind_auto(int n_tiles, int n_kv, int max_ctx)
 {
-    /* H100, Llama-3.1-8B shape, attention of all layers (bench/RESULTS.md, 10:48Z): three tiles in
-     * flight win for small launches (batch 1 x 1K / 8K / 32K: 0.33 / 0.83 / 2.07 ms; two tiles
-     * 0.41 / 0.97 / 2.29; the CUDA-core kernel 0.40 / 1.16 / 2.54) and for long contexts (batch
-     * 8 x 32K: 12.81 vs 13.10; batch 32 x 8K: 12.57 vs 12.78); two for short contexts at larger
-     * batches (batch 8 x 1K: 0.69 vs 0.79) */
-    const long long pairs = (long long)n_tiles * n_kv;
-    return pairs < 32 || max_ctx >= 4096 ? 3 : 2;
+    (void)n_tiles;
+    (void)n_kv;
+    (void)max_ctx;
+    return 4;
 }
 
 /* which kernel takes decode rows: `forced` (kvs_cuda_set_dec_attn) if it is a kind, else
@@ -1397,7 +1416,7 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
         int k = dec_kind(kind_forced, n_tiles, x.n_kv, max_ctx);
         /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256, no deferred RoPE */
         constexpr bool fd_hd = HD == 64 || HD == 128 || HD == 256;
-        if (k == 4 && (!fd_hd || x.rot || x.G > 16)) k = dec_kind_auto(n_tiles, x.n_kv, max_ctx);
+        if (k == 4 && (!fd_hd || x.rot || x.G > 16)) k = 3;
         if constexpr (fd_hd) {
             if (k == 4) {
                 launch_fd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
