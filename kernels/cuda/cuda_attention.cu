@@ -8,8 +8,9 @@
  *     that owns one sequence, one KV head and one split, 128-key tiles (a 32-key sub-tile per
  *     warp), K and V staged separately; its 16 rows hold the G query heads of the group (GQA:
  *     every K/V byte read serves all of them; the other rows are padding that costs tensor-core
- *     slots, not memory). Launches with rotation offsets (cached documents) or groups of more
- *     than 16 heads take the same tensor-core kernel as prefill with one warp a block instead.
+ *     slots, not memory), with or without rotation offsets (cached documents). Groups of more
+ *     than 16 heads (or head_dim 16 / 32) take the same tensor-core kernel as prefill with one
+ *     warp a block instead.
  *     k_attn, on CUDA cores (4 warps a block, one lane per
  *     key in QK, an online softmax per row held by its warp, then PV with each lane owning
  *     head_dim / 32 output dims), is kept for comparisons (KVS_CUDA_DEC_ATTN=0).
@@ -31,7 +32,9 @@
  * The rotated copy is recomputed only when a tile holds keys of another offset, i.e. at document
  * boundaries (hd/2 sincos per boundary, shared by all rows): in shared memory for the CUDA-core
  * kernel, straight into the q fragments (registers, from q in global memory) for the tensor-core
- * one, whose shared memory then holds only the K/V stages (more resident blocks for decode).
+ * one, whose shared memory then holds only the K/V stages (more resident blocks for decode);
+ * k_attn_fd does it per warp (a cos / sin table per warp, the unrotated fragments in shared
+ * memory).
  * Long contexts are split over blocks (grid z); a second kernel merges the per-split partials
  * (acc, max, sum) in split order. Everything is deterministic for a given launch shape.
  */
@@ -944,7 +947,7 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
 
 /* ---- FlashAttention-2-style decode kernel (KVS_CUDA_DEC_ATTN=4) ----------------------------
  *
- * k_attn_fd: decode rows only (one query token per sequence), no deferred RoPE. The work split of
+ * k_attn_fd: decode rows only (one query token per sequence). The work split of
  * cuDNN's SDPA decode kernel: a block of FD_WARPS warps owns (sequence, KV head, context split);
  * the block walks its keys in tiles of FD_TILE = 128 keys, and warp w computes the 32-key
  * sub-tile w of every tile with its own online-softmax state (m, l, o) over the same 16 rows
@@ -969,11 +972,18 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
  * 128-key ranges as cuDNN's kernel does.
  * Splits are planned by launch_kernel; a chunk is a multiple of 32 keys, the last tile of a
  * split may be partial (warps whose sub-tile starts past the range do nothing for it).
+ * Deferred RoPE (ROT) as in k_attn_tc, per warp: each warp holds the q fragments rotated backward
+ * by cur_rot and, at the first sub-tile with keys of another offset (the vote reads the key
+ * offsets that the warp's lookup left in registers), rotates them afresh from the unrotated
+ * fragments (in shared memory, one copy for the block: no registers to spare) with its own
+ * cos / sin table (shared memory, HD floats a warp, warp barriers only); a sub-tile that holds a
+ * document boundary takes one QK pass per offset. Each warp meets a document's first keys itself,
+ * so a block computes a rotation per warp and document (k_attn_tc's one-warp blocks: one).
  */
 #define FD_WARPS 4
 #define FD_TILE (FD_WARPS * AT_TILE) /* keys per block tile: warp w computes keys 32w .. 32w + 31 */
 
-template <int HD> struct fd_cfg {
+template <int HD, bool ROT> struct fd_cfg {
     static constexpr int KST = HD + 8;                        /* K/V row stride (bf16), as k_attn_tc */
     static constexpr int OST = HD + 8;                        /* merge rows (floats): +8 banks a row keeps
                                                                * the float2 stores conflict-free */
@@ -981,8 +991,56 @@ template <int HD> struct fd_cfg {
     static constexpr size_t stage_bytes = 2 * FD_WARPS * sub_elems * sizeof(bf16);
     static constexpr size_t merge_bytes = (size_t)FD_WARPS * 16 * (OST + 2) * sizeof(float);
     static constexpr size_t ko_off = stage_bytes > merge_bytes ? stage_bytes : merge_bytes;
-    static constexpr size_t smem = ko_off + (size_t)FD_WARPS * AT_TILE * sizeof(int);
+    /* ROT: each warp's own table of cos, sin (HD floats) of its current rotation, then the block's
+     * unrotated q fragments (the same in every warp: HD / 16 x 4 words a lane) */
+    static constexpr size_t rt_off = ko_off + (size_t)FD_WARPS * AT_TILE * sizeof(int);
+    static constexpr size_t q0_off = rt_off + (ROT ? (size_t)FD_WARPS * HD * sizeof(float) : 0);
+    static constexpr size_t smem = q0_off + (ROT ? (size_t)HD / 16 * 4 * 32 * sizeof(uint32_t) : 0);
 };
+
+/* cos and sin of the backward rotation by o into cs_sn (hd floats: [hd/2] cos, then [hd/2] sin),
+ * rot_table's arithmetic, but computed and read by one warp alone (k_attn_fd's warps run
+ * independently, so its tables are per warp, between warp barriers). Inline: out of line (as
+ * rot_table), the registers live across the call spilled in k_attn_fd<128, true>. */
+__device__ __forceinline__ void rot_table_warp(float *cs_sn, int hd, int o, const float *inv_freq)
+{
+    const int half = hd / 2;
+    __syncwarp(); /* every lane is done with the previous table */
+    for (int i = threadIdx.x & 31; i < half; i += 32) {
+        float sn, cs;
+        sincosf((float)((double)o * (double)inv_freq[i]), &sn, &cs);
+        cs_sn[i] = cs;
+        cs_sn[half + i] = sn;
+    }
+    __syncwarp();
+}
+
+/* rotate_frags with the unrotated fragments in shared memory (sq0: word j of k-step ks of lane l
+ * at [(ks * 4 + j) * 32 + l], conflict-free): k_attn_fd has no registers to spare for them (q0
+ * in registers took k_attn_fd<128> from 168 registers to 251, i.e. from 3 blocks a SM to 2, and
+ * spilled at head_dim 256). The same arithmetic as rotate_frags, a pair of partner words at a time
+ * (head_dim >= 32: the partner of k-step ks < hd/32 is k-step ks + hd/32, same word), so each
+ * word and table entry is loaded once and few registers are live besides the fragments. */
+template <int HD>
+__device__ __forceinline__ void rotate_frags_sm(const uint32_t *sq0, const float *cs_sn, int lane,
+                                                uint32_t (*qa)[HD / 16][4])
+{
+    static_assert(HD >= 32, "rotate_frags_sm: partners in other k-steps");
+    constexpr int HALF = HD / 2, PKS = HD / 32;
+    const int t = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < PKS; ks++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t xw = sq0[(ks * 4 + j) * 32 + lane], pw = sq0[((ks + PKS) * 4 + j) * 32 + lane];
+            const float2 x = __bfloat1622float2(*(const __nv_bfloat162 *)&xw); /* dims i, i + 1 */
+            const float2 p = __bfloat1622float2(*(const __nv_bfloat162 *)&pw); /* dims HALF + i, + 1 */
+            const int i = ks * 16 + 8 * (j >> 1) + 2 * t;
+            const float c0 = cs_sn[i], c1 = cs_sn[i + 1], s0 = cs_sn[HALF + i], s1 = cs_sn[HALF + i + 1];
+            qa[0][ks][j] = pack_bf16(x.x * c0 + p.x * s0, x.y * c1 + p.y * s1);
+            qa[0][ks + PKS][j] = pack_bf16(p.x * c0 - x.x * s0, p.y * c1 - x.y * s1);
+        }
+}
 
 /* One pool's rows (K or V) of the 32-key sub-tile that m describes, staged into dst (rows of
  * HD + 8 elements) by one warp with cp.async: tile_issue's copies (the same fast path for blocks
@@ -1019,11 +1077,21 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
     }
 }
 
-template <int HD>
-__global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
+/* k_attn_fd<128, true>'s resident blocks the compiler must plan registers for (0: none, its own
+ * choice). ptxas -v, sm_90a: k_attn_fd<128, false> 168 registers (3 blocks a SM, as its shared
+ * memory allows); <128, true> on its own 174 registers, no spills (2 blocks a SM), or at 3: 168
+ * registers and 20 bytes of spills (3 blocks a SM; its shared memory, 76 KB, allows 3).
+ * <64, true>: 127 registers, no spills. <256, true>: 255 registers, 88 bytes of spills (<256, false>
+ * needs 254 already; the one-warp kernel it replaces, k_attn_tc<256, 1, 1, 3, true>, spills 2 KB). */
+#ifndef FD_ROT_MIN_BLOCKS
+#define FD_ROT_MIN_BLOCKS 0
+#endif
+
+template <int HD, bool ROT>
+__global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_BLOCKS : 0) k_attn_fd(at_args a)
 {
     grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
-    typedef fd_cfg<HD> C;
+    typedef fd_cfg<HD, ROT> C;
     constexpr int KST = C::KST, OST = C::OST;
     extern __shared__ __align__(16) unsigned char smraw[];
 
@@ -1032,7 +1100,10 @@ __global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bf16 *wk = (bf16 *)smraw + (size_t)warp * C::sub_elems;              /* this warp's K buffer */
     bf16 *wv = (bf16 *)smraw + (size_t)(FD_WARPS + warp) * C::sub_elems; /* and its V buffer */
-    int *ko = (int *)(smraw + C::ko_off) + warp * AT_TILE; /* per key of the staged K: 0 or KEY_PAD */
+    int *ko = (int *)(smraw + C::ko_off) + warp * AT_TILE; /* per key of the staged K: offset (0 without
+                                                            * ROT) or KEY_PAD */
+    float *rtab = (float *)(smraw + C::rt_off) + warp * HD; /* ROT: this warp's cos, sin table */
+    uint32_t *sq0 = (uint32_t *)(smraw + C::q0_off);        /* ROT: the unrotated q fragments */
     const int kvh = blockIdx.y, split = blockIdx.z;
     const int qs = a.q_start[s];
     const int pos0 = a.pos[s];  /* the row's position: keys 0 .. pos0 are visible */
@@ -1042,11 +1113,12 @@ __global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
+    const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
 
     /* this warp's sub-tiles: keys kw + i * FD_TILE .. + 31, i < nsub */
     const int kw = k0 + warp * AT_TILE;
     const int nsub = k1 > kw ? (k1 - kw + FD_TILE - 1) / FD_TILE : 0;
-    auto lookup = [=](int i) { return tile_lookup<HD>(a, kw + i * FD_TILE, k1, kvh, bt, vt, nullptr, wt); };
+    auto lookup = [=](int i) { return tile_lookup<HD>(a, kw + i * FD_TILE, k1, kvh, bt, vt, rt, wt); };
 
     /* K_0 in flight first; the metadata of sub-tile i + 1 is looked up an iteration before its K is
      * issued (past k1 a lookup does no load), so the copies never wait on a block-table load */
@@ -1060,6 +1132,17 @@ __global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
 
     uint32_t qa[1][HD / 16][4]; /* the same 16 rows in every warp */
     q_frags<HD, 1>(a, qs, 0, kvh, nr, 0, lane, nullptr, qa);
+    int cur_rot = 0; /* ROT: the offset qa is rotated by */
+    if constexpr (ROT) {
+        /* the unrotated fragments into shared memory, a quarter by each warp (they are the same in
+         * every warp); the one block barrier before the tile loop */
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if ((ks * 4 + j) % FD_WARPS == warp) sq0[(ks * 4 + j) * 32 + lane] = qa[0][ks][j];
+        __syncthreads();
+    }
 
     float m[2], l[2], o[HD / 8][4];
     int lim[2]; /* last visible key of this thread's rows g, g + 8: padding rows see nothing */
@@ -1081,7 +1164,51 @@ __global__ void __launch_bounds__(FD_WARPS * 32) k_attn_fd(at_args a)
         cp_async_wait<1>(); /* K_i has landed (V_i may still be in flight) */
         __syncwarp();
         float sc[1][4][4];
-        qk_tc<HD, 1>(wk, qa, sc, lane);
+        if constexpr (!ROT) {
+            qk_tc<HD, 1>(wk, qa, sc, lane);
+        } else {
+            /* k_attn_tc's design, per warp: inside a document every read key of the sub-tile has
+             * the offset qa is rotated by. Lane l's key info is still in cur (the lookup of this
+             * sub-tile), so the check is one vote on a register. */
+            const int myoff = cur.info;
+            if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
+                qk_tc<HD, 1>(wk, qa, sc, lane);
+            } else {
+                const int first = __shfl_sync(FULL, myoff, __ffs((int)__ballot_sync(FULL, myoff != KEY_PAD)) - 1);
+                if (__all_sync(FULL, myoff == first || myoff == KEY_PAD)) {
+                    /* a new document from this sub-tile on: rotate once, QK as usual */
+                    rot_table_warp(rtab, HD, first, a.inv_freq);
+                    rotate_frags_sm<HD>(sq0, rtab, lane, qa);
+                    cur_rot = first;
+                    qk_tc<HD, 1>(wk, qa, sc, lane);
+                } else {
+                    /* a document boundary inside the sub-tile (blocks or documents not a multiple
+                     * of 32 keys): one pass per distinct offset, each key's scores from the pass of
+                     * its own offset */
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) sc[0][j][e] = 0.0f;
+                    unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+                    while (todo) {
+                        const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
+                        if (ofs != cur_rot) {
+                            rot_table_warp(rtab, HD, ofs, a.inv_freq);
+                            rotate_frags_sm<HD>(sq0, rtab, lane, qa);
+                            cur_rot = ofs;
+                        }
+                        float sr[1][4][4];
+                        qk_tc<HD, 1>(wk, qa, sr, lane);
+#pragma unroll
+                        for (int j = 0; j < 4; j++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++)
+                                if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[0][j][e] = sr[0][j][e];
+                        todo &= __ballot_sync(FULL, myoff != ofs);
+                    }
+                }
+            }
+        }
         /* masks and the online softmax exactly as k_attn_tc; row statistics are shared by the 4
          * lanes of a quad */
         bool kok[4][2];
@@ -1352,7 +1479,7 @@ static void launch_tc_dec(at_args &x, int n_tiles, int max_ctx, cudaStream_t st,
 }
 
 /* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately */
-template <int HD>
+template <int HD, bool ROT>
 static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
@@ -1370,15 +1497,15 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
         if (ns > 16) ns = 16; /* batch 1 x 8K / 32K: 16 splits 0.68 / 1.79 ms, 32: 0.73 / 1.85 */
         force = ns < 1 ? 1 : (int)ns;
     }
-    launch_kernel(k_attn_fd<HD>, FD_WARPS * 32, fd_cfg<HD>::smem, &resident, x, n_tiles, max_ctx, st, n_sms,
+    launch_kernel(k_attn_fd<HD, ROT>, FD_WARPS * 32, fd_cfg<HD, ROT>::smem, &resident, x, n_tiles, max_ctx, st, n_sms,
                   ws_floats, n, HD, force, FD_TILE);
 }
 
 static int valid_dec_kind(int k) { return k == 0 || k == 2 || k == 3 || k == 4; }
 
 /* The automatic choice: k_attn_fd wherever it applies (launch_hd checks: groups of up to 16 heads,
- * head_dim 64 / 128 / 256, no deferred RoPE): on H100 at its own split plan it beat the one-warp
- * kernel at every measured shape (attention of all layers, --attn-variants, 02:45Z: batch 1 x 8K
+ * head_dim 64 / 128 / 256; with or without rotation offsets): on H100 at its own split plan it
+ * beat the one-warp kernel at every measured shape (attention of all layers, --attn-variants, 02:45Z: batch 1 x 8K
  * 0.68 vs 0.83 ms, 32 x 8K 11.90 vs 12.18, 128 x 1K 6.32 vs 6.37). Elsewhere the one-warp
  * tensor-core kernel with three tiles in flight (as fast or faster than two at every shape since
  * its staging was trimmed: 128 x 1K 6.37 vs 6.68 ms, 8 x 1K 0.61 vs 0.63). */
@@ -1414,12 +1541,13 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
     if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else {
         int k = dec_kind(kind_forced, n_tiles, x.n_kv, max_ctx);
-        /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256, no deferred RoPE */
+        /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256 */
         constexpr bool fd_hd = HD == 64 || HD == 128 || HD == 256;
-        if (k == 4 && (!fd_hd || x.rot || x.G > 16)) k = 3;
+        if (k == 4 && (!fd_hd || x.G > 16)) k = 3;
         if constexpr (fd_hd) {
             if (k == 4) {
-                launch_fd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                if (x.rot) launch_fd<HD, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                else launch_fd<HD, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
                 return;
             }
         }

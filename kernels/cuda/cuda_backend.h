@@ -49,8 +49,8 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
 /* Forces the decode attention kernel (tests, benchmark comparisons): 0 CUDA cores, 2 / 3 tensor
  * cores with one warp a block and 2 / 3 K/V tiles in flight, 4 the FlashAttention-2-style 4-warp
- * kernel (decode launches without rotation offsets, at most 16 query heads per KV head, head_dim
- * 64 / 128 / 256; others keep the automatic choice); -1 (or any other value) restores the default:
+ * kernel (decode launches of at most 16 query heads per KV head, head_dim 64 / 128 / 256, with or
+ * without rotation offsets; others keep the automatic choice); -1 (or any other value) restores the default:
  * KVS_CUDA_DEC_ATTN if set, else automatic. */
 void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
 

@@ -4,8 +4,11 @@
  * leading document, NaN in every padding slot, GQA 1/2/4/7, plain and llama3 RoPE, a 7-row
  * suffix prefill and a decode row). K/V are stored in bf16 on the GPU, so the tolerance is the
  * bf16 one of STRATEGIES.md: rel-L2 <= 1e-2. Run twice: with the automatic decode kernel, then
- * with the FlashAttention-2-style one forced (kvs_cuda_set_dec_attn 4: it takes the decode rows of
- * the eager-key cases, valid masks without rotation offsets; the rest fall back). */
+ * with the FlashAttention-2-style one forced (kvs_cuda_set_dec_attn 4; it is also the automatic
+ * choice): it takes the decode rows, k_attn_fd<64, true> those with rotation offsets (documents of
+ * 1, 15, 16, 17 and 300 keys in blocks of 16: offsets that change inside its 32-key sub-tiles and
+ * 128-key tiles, valid masks) and k_attn_fd<64, false> the eager-key ones; prefill rows take the
+ * prefill kernel. */
 #define LAZY_ATTN_NO_MAIN
 #include "tests/unit/test_lazy_attn.c"
 

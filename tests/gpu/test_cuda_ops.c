@@ -859,15 +859,22 @@ static void test_attention(void)
         /* GQA 32 (the widest group supported), head_dim 256 */
         {32, 1, 64, 16, 2, {10, 0}, {1, 40}, 0},
         {8, 2, 256, 16, 2, {300, 5}, {1, 20}, 1},
-        /* without rot offsets (the decode kernel of kind 4 takes these): GQA 16, head_dim 256, and
+        /* without rot offsets (k_attn_fd<HD, false> takes their decode rows): GQA 16, head_dim 256, and
          * head_dim 128 with blocks of 8 slots (the copies' general path) */
         {16, 1, 128, 16, 2, {700, 10}, {1, 9}, 0},
         {8, 2, 256, 16, 2, {300, 5}, {1, 20}, 0},
         {32, 8, 128, 8, 3, {1029, 0, 77}, {1, 7, 1}, 0},
+        /* rot offsets on the decode kernel of kind 4 (k_attn_fd<HD, true>): every block has its own
+         * offset, so with blocks of 8 or 24 slots the offset changes inside a warp's 32-key sub-tile
+         * (one QK pass per offset) and inside a 128-key tile; blocks of 24 take the copies' general
+         * path at head_dim 64 */
+        {32, 8, 128, 8, 3, {1029, 0, 77}, {1, 7, 1}, 1},
+        {16, 2, 64, 24, 3, {2200, 0, 130}, {1, 50, 1}, 1},
     };
     /* the automatic context split, and forced 1 and 3 splits (the merge of partials); first with the
-     * automatic decode kernel, then with the FlashAttention-2-style one forced (kind 4: the decode
-     * rows of cases without rot offsets, G <= 16 and head_dim 64 / 128 / 256; the others fall back) */
+     * automatic decode kernel, then with the FlashAttention-2-style one forced (kind 4, also the
+     * automatic choice where it applies: the decode rows of cases with G <= 16 and head_dim 64 / 128
+     * / 256, with rot offsets on k_attn_fd<HD, true>; the others fall back) */
     static const int splits[] = {0, 1, 3}, kinds[] = {-1, 4};
     for (int ki = 0; ki < 2; ki++) {
         kvs_cuda_set_dec_attn(bg, kinds[ki]);
