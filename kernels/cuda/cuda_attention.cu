@@ -657,6 +657,127 @@ __device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 
     }
 }
 
+/* S for a tile whose read keys carry several rotation offsets (a document boundary inside it): one
+ * QK pass per distinct offset, each key keeping the scores of its own offset's pass. myoff: lane
+ * l's key offset (KEY_PAD: not read), ko: every key's; rotate(o) rotates qa backward by o (the
+ * kernels keep the unrotated fragments in different places). Shared by k_attn_tc and k_attn_fd. */
+template <int HD, int MT, typename Rotate>
+__device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int myoff, int &cur_rot, Rotate rotate,
+                                             uint32_t (*qa)[HD / 16][4], float (*sc)[4][4], int lane)
+{
+    const int t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sc[mt][j][e] = 0.0f;
+    unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+    while (todo) {
+        const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
+        if (ofs != cur_rot) {
+            rotate(ofs);
+            cur_rot = ofs;
+        }
+        float sr[MT][4][4];
+        qk_tc<HD, MT>(tk, qa, sr, lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[mt][j][e] = sr[mt][j][e];
+        todo &= __ballot_sync(FULL, myoff != ofs);
+    }
+}
+
+/* One online-softmax step for one m-tile of 16 rows against a 32-key tile starting at key kb:
+ * masks keys that are not read (ko[key] == KEY_PAD) or past the row's last visible key (lim[h]
+ * for the thread's rows g and g + 8; -1: a padding row, which sees nothing), updates the running
+ * max m and sum l (row statistics shared by the 4 lanes of a quad), rescales o, and returns the
+ * probabilities as A fragments pa[k-step of 16 keys][4]. VOTE: o is rescaled only when a row's
+ * max moved after it had keys (before, o is zero), which past the first tiles is rare, so the
+ * warp mostly skips the HD / 4 multiplies (decode; prefill blocks measured slower with the vote).
+ * Shared by k_attn_tc and k_attn_fd. */
+template <int HD, bool VOTE>
+__device__ __forceinline__ void softmax_tile(float (*sc)[4], const int *ko, int kb, const int *lim, float *m, float *l,
+                                             float (*o)[4], uint32_t (*pa)[4], int lane)
+{
+    const int t = lane & 3;
+    float alpha[2];
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = kb + j * 8 + 2 * t + e;
+                const bool ok = ko[j * 8 + 2 * t + e] != KEY_PAD && key <= lim[h];
+                const float v = ok ? sc[j][2 * h + e] : -INFINITY;
+                sc[j][2 * h + e] = v;
+                mx = fmaxf(mx, v);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+        const float mn = fmaxf(m[h], mx);
+        alpha[h] = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mn);
+        moved |= m[h] != -INFINITY && mn != m[h];
+        m[h] = mn;
+        float ps = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float v = sc[j][2 * h + e];
+                const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
+                sc[j][2 * h + e] = pr;
+                ps += pr;
+            }
+        l[h] = l[h] * alpha[h] + ps;
+    }
+    if (!VOTE || __any_sync(FULL, moved)) {
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            o[nd][0] *= alpha[0];
+            o[nd][1] *= alpha[0];
+            o[nd][2] *= alpha[1];
+            o[nd][3] *= alpha[1];
+        }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);
+        pa[kk][1] = pack_bf16(sc[2 * kk][2], sc[2 * kk][3]);
+        pa[kk][2] = pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    }
+}
+
+/* O += P . V for MT m-tiles against the 32 staged V rows of tv (row stride kst): V fragments
+ * through ldmatrix.trans, two 8-dim n-tiles per load; masked keys carry probability 0 and
+ * zero-filled V. Shared by k_attn_tc and k_attn_fd. */
+template <int HD, int MT>
+__device__ __forceinline__ void pv_tile(const bf16 *tv, int kst, const uint32_t (*pa)[2][4], float (*o)[HD / 8][4],
+                                        int lane)
+{
+    const int mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd += 2) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, tv + (kk * 16 + ri + (mi & 1) * 8) * kst + (nd + (mi >> 1)) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16(o[mt][nd], pa[mt][kk], b[0], b[1]);
+                mma_bf16(o[mt][nd + 1], pa[mt][kk], b[2], b[3]);
+            }
+        }
+}
+
 template <int HD, int NW, int MT, int ST, bool ROT>
 struct tc_cfg {
     static constexpr int ROWS = NW * 16 * MT;
@@ -771,109 +892,20 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                 qk_tc<HD, MT>(tk, qa, sc, lane);
             } else {
                 /* one pass per distinct offset in the tile: S for the whole tile, kept for its keys */
-#pragma unroll
-                for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) sc[mt][j][e] = 0.0f;
-                unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
-                while (todo) {
-                    const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
-                    if (ofs != cur_rot) {
-                        rot_table(rtab, HD, ofs, a.inv_freq);
-                        rotate_frags<HD, MT>(q0, rtab, lane, qa);
-                        cur_rot = ofs;
-                    }
-                    float sr[MT][4][4];
-                    qk_tc<HD, MT>(tk, qa, sr, lane);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                        for (int j = 0; j < 4; j++)
-#pragma unroll
-                            for (int e = 0; e < 4; e++)
-                                if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[mt][j][e] = sr[mt][j][e];
-                    todo &= __ballot_sync(FULL, myoff != ofs);
-                }
+                qk_by_offset<HD, MT>(tk, ko, myoff, cur_rot, [&](int ofs) {
+                    rot_table(rtab, HD, ofs, a.inv_freq);
+                    rotate_frags<HD, MT>(q0, rtab, lane, qa);
+                }, qa, sc, lane);
             }
         }
-        /* masks and the online softmax; row statistics are shared by the 4 lanes of a quad */
-        bool kok[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) kok[j][e] = ko[j * 8 + 2 * t + e] != KEY_PAD;
+        /* masks and the online softmax, then O += P . V */
         uint32_t pa[MT][2][4]; /* P as A fragments: [m-tile][k-step of 16 keys][4] */
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int lim = pos0 + rtok[mt][h]; /* last visible key of this row */
-                float mx = -INFINITY;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        int key = kb + j * 8 + 2 * t + e;
-                        float v = (kok[j][e] && key <= lim) ? sc[mt][j][2 * h + e] : -INFINITY;
-                        sc[mt][j][2 * h + e] = v;
-                        mx = fmaxf(mx, v);
-                    }
-                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-                const float mn = fmaxf(m[mt][h], mx);
-                const float alpha = m[mt][h] == -INFINITY ? 0.0f : __expf(m[mt][h] - mn);
-                /* o needs rescaling only when a row's running max moved after it had keys (before, o
-                 * is zero); past the first tiles it rarely moves, so the warp mostly skips the
-                 * HD / 4 multiplies (padding rows never have keys) */
-                const bool moved = m[mt][h] != -INFINITY && mn != m[mt][h];
-                m[mt][h] = mn;
-                float ps = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        float v = sc[mt][j][2 * h + e];
-                        float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
-                        sc[mt][j][2 * h + e] = pr;
-                        ps += pr;
-                    }
-                l[mt][h] = l[mt][h] * alpha + ps;
-                if (NW > 1 || __any_sync(FULL, moved)) { /* decode only: prefill blocks measured slower */
-#pragma unroll
-                    for (int nd = 0; nd < HD / 8; nd++) {
-                        o[mt][nd][2 * h] *= alpha;
-                        o[mt][nd][2 * h + 1] *= alpha;
-                    }
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++) {
-                pa[mt][kk][0] = pack_bf16(sc[mt][2 * kk][0], sc[mt][2 * kk][1]);
-                pa[mt][kk][1] = pack_bf16(sc[mt][2 * kk][2], sc[mt][2 * kk][3]);
-                pa[mt][kk][2] = pack_bf16(sc[mt][2 * kk + 1][0], sc[mt][2 * kk + 1][1]);
-                pa[mt][kk][3] = pack_bf16(sc[mt][2 * kk + 1][2], sc[mt][2 * kk + 1][3]);
-            }
+            const int lim[2] = {pos0 + rtok[mt][0], pos0 + rtok[mt][1]}; /* last visible key of each row */
+            softmax_tile<HD, NW == 1>(sc[mt], ko, kb, lim, m[mt], l[mt], o[mt], pa[mt], lane);
         }
-        /* O += P . V: V fragments through ldmatrix.trans, two 8-dim n-tiles per load; masked keys
-         * carry probability 0 and zero-filled V */
-        {
-            const int mi = lane >> 3, ri = lane & 7;
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++)
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd += 2) {
-                    uint32_t b[4];
-                    const bf16 *vp = tv + (kk * 16 + ri + (mi & 1) * 8) * KST + (nd + (mi >> 1)) * 8;
-                    ldsm_x4_trans(b, vp);
-#pragma unroll
-                    for (int mt = 0; mt < MT; mt++) {
-                        mma_bf16(o[mt][nd], pa[mt][kk], b[0], b[1]);
-                        mma_bf16(o[mt][nd + 1], pa[mt][kk], b[2], b[3]);
-                    }
-                }
-        }
+        pv_tile<HD, MT>(tv, KST, pa, o, lane);
         __syncthreads(); /* the stage buffer is reloaded next iteration */
     }
     cp_async_wait<0>();
@@ -1144,7 +1176,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
         __syncthreads();
     }
 
-    float m[2], l[2], o[HD / 8][4];
+    float m[2], l[2], o[1][HD / 8][4]; /* one m-tile: the 16 rows */
     int lim[2]; /* last visible key of this thread's rows g, g + 8: padding rows see nothing */
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -1155,7 +1187,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) o[nd][e] = 0.0f;
+        for (int e = 0; e < 4; e++) o[0][nd][e] = 0.0f;
 
     for (int i = 0; i < nsub; i++) {
         const int kb = kw + i * FD_TILE;
@@ -1183,90 +1215,17 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
                     qk_tc<HD, 1>(wk, qa, sc, lane);
                 } else {
                     /* a document boundary inside the sub-tile (blocks or documents not a multiple
-                     * of 32 keys): one pass per distinct offset, each key's scores from the pass of
-                     * its own offset */
-#pragma unroll
-                    for (int j = 0; j < 4; j++)
-#pragma unroll
-                        for (int e = 0; e < 4; e++) sc[0][j][e] = 0.0f;
-                    unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
-                    while (todo) {
-                        const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
-                        if (ofs != cur_rot) {
-                            rot_table_warp(rtab, HD, ofs, a.inv_freq);
-                            rotate_frags_sm<HD>(sq0, rtab, lane, qa);
-                            cur_rot = ofs;
-                        }
-                        float sr[1][4][4];
-                        qk_tc<HD, 1>(wk, qa, sr, lane);
-#pragma unroll
-                        for (int j = 0; j < 4; j++)
-#pragma unroll
-                            for (int e = 0; e < 4; e++)
-                                if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[0][j][e] = sr[0][j][e];
-                        todo &= __ballot_sync(FULL, myoff != ofs);
-                    }
+                     * of 32 keys): one pass per distinct offset */
+                    qk_by_offset<HD, 1>(wk, ko, myoff, cur_rot, [&](int ofs) {
+                        rot_table_warp(rtab, HD, ofs, a.inv_freq);
+                        rotate_frags_sm<HD>(sq0, rtab, lane, qa);
+                    }, qa, sc, lane);
                 }
             }
         }
-        /* masks and the online softmax exactly as k_attn_tc; row statistics are shared by the 4
-         * lanes of a quad */
-        bool kok[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) kok[j][e] = ko[j * 8 + 2 * t + e] != KEY_PAD;
-        uint32_t pa[2][4]; /* P as A fragments: [k-step of 16 keys][4] */
-        bool moved_any = false;
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = kb + j * 8 + 2 * t + e;
-                    const float v = (kok[j][e] && key <= lim[h]) ? sc[0][j][2 * h + e] : -INFINITY;
-                    sc[0][j][2 * h + e] = v;
-                    mx = fmaxf(mx, v);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-            const float mn = fmaxf(m[h], mx);
-            alpha[h] = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mn);
-            /* o needs rescaling only when a row's running max moved after it had keys (before, o is
-             * zero), which past the first tiles is rare: the warp mostly skips the HD / 4 multiplies */
-            moved_any |= m[h] != -INFINITY && mn != m[h];
-            m[h] = mn;
-            float ps = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float v = sc[0][j][2 * h + e];
-                    const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
-                    sc[0][j][2 * h + e] = pr;
-                    ps += pr;
-                }
-            l[h] = l[h] * alpha[h] + ps;
-        }
-        if (__any_sync(FULL, moved_any)) {
-#pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                o[nd][0] *= alpha[0];
-                o[nd][1] *= alpha[0];
-                o[nd][2] *= alpha[1];
-                o[nd][3] *= alpha[1];
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < 2; kk++) {
-            pa[kk][0] = pack_bf16(sc[0][2 * kk][0], sc[0][2 * kk][1]);
-            pa[kk][1] = pack_bf16(sc[0][2 * kk][2], sc[0][2 * kk][3]);
-            pa[kk][2] = pack_bf16(sc[0][2 * kk + 1][0], sc[0][2 * kk + 1][1]);
-            pa[kk][3] = pack_bf16(sc[0][2 * kk + 1][2], sc[0][2 * kk + 1][3]);
-        }
+        /* masks and the online softmax, as k_attn_tc's decode blocks */
+        uint32_t pa[1][2][4]; /* P as A fragments: [m-tile][k-step of 16 keys][4] */
+        softmax_tile<HD, true>(sc[0], ko, kb, lim, m, l, o[0], pa[0], lane);
         __syncwarp(); /* every lane is done with K_i and its key info */
         if (i + 1 < nsub) {
             ko[lane] = nxt.info;
@@ -1277,20 +1236,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
         nxt = lookup(i + 2);
         cp_async_wait<1>(); /* V_i has landed (K_{i+1} may still be in flight) */
         __syncwarp();
-        /* O += P . V_i: V fragments through ldmatrix.trans, two 8-dim n-tiles per load; masked keys
-         * carry probability 0 and zero-filled V */
-        {
-            const int mi = lane >> 3, ri = lane & 7;
-#pragma unroll
-            for (int kk = 0; kk < 2; kk++)
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd += 2) {
-                    uint32_t b[4];
-                    ldsm_x4_trans(b, wv + (kk * 16 + ri + (mi & 1) * 8) * KST + (nd + (mi >> 1)) * 8);
-                    mma_bf16(o[nd], pa[kk], b[0], b[1]);
-                    mma_bf16(o[nd + 1], pa[kk], b[2], b[3]);
-                }
-        }
+        pv_tile<HD, 1>(wv, KST, pa, o, lane); /* O += P . V_i */
         __syncwarp(); /* every lane is done with V_i before V_{i+1} is issued into its buffer */
     }
     cp_async_wait<0>(); /* only empty groups are left; none may write into the merge area */
@@ -1310,7 +1256,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
         if (row >= nr) continue;
         float *orow = so + (size_t)(warp * 16 + row) * OST + 2 * t;
 #pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) *(float2 *)(orow + nd * 8) = make_float2(o[nd][2 * h], o[nd][2 * h + 1]);
+        for (int nd = 0; nd < HD / 8; nd++) *(float2 *)(orow + nd * 8) = make_float2(o[0][nd][2 * h], o[0][nd][2 * h + 1]);
         if (t == 0) {
             sml[(warp * 16 + row) * 2] = m[h];
             sml[(warp * 16 + row) * 2 + 1] = ls;
@@ -1503,25 +1449,15 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
 
 static int valid_dec_kind(int k) { return k == 0 || k == 2 || k == 3 || k == 4; }
 
-/* The automatic choice: k_attn_fd wherever it applies (launch_hd checks: groups of up to 16 heads,
- * head_dim 64 / 128 / 256; with or without rotation offsets): on H100 at its own split plan it
- * beat the one-warp kernel at every measured shape (attention of all layers, --attn-variants, 02:45Z: batch 1 x 8K
- * 0.68 vs 0.83 ms, 32 x 8K 11.90 vs 12.18, 128 x 1K 6.32 vs 6.37). Elsewhere the one-warp
- * tensor-core kernel with three tiles in flight (as fast or faster than two at every shape since
- * its staging was trimmed: 128 x 1K 6.37 vs 6.68 ms, 8 x 1K 0.61 vs 0.63). */
-static int dec_kind_auto(int n_tiles, int n_kv, int max_ctx)
-{
-    (void)n_tiles;
-    (void)n_kv;
-    (void)max_ctx;
-    return 4;
-}
-
 /* which kernel takes decode rows: `forced` (kvs_cuda_set_dec_attn) if it is a kind, else
  * KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one warp a block, that many tiles in
- * flight), 4 (k_attn_fd); unset: automatic. Kind 4 is only a request: launch_hd falls back to the
- * automatic choice for launches k_attn_fd does not take. */
-static int dec_kind(int forced, int n_tiles, int n_kv, int max_ctx)
+ * flight), 4 (k_attn_fd). Unset: 4, k_attn_fd, which on H100 at its own split plan beat the
+ * one-warp kernel at every measured shape (attention of all layers, --attn-variants, 02:45Z:
+ * batch 1 x 8K 0.68 vs 0.83 ms, 32 x 8K 11.90 vs 12.18, 128 x 1K 6.32 vs 6.37). Kind 4 is only a
+ * request: launch_hd takes the one-warp kernel with three tiles in flight (as fast or faster than
+ * two at every shape since its staging was trimmed: 128 x 1K 6.37 vs 6.68 ms, 8 x 1K 0.61 vs
+ * 0.63) for launches k_attn_fd does not take. */
+static int dec_kind(int forced)
 {
     static int k = -2;
     if (k == -2) {
@@ -1530,8 +1466,7 @@ static int dec_kind(int forced, int n_tiles, int n_kv, int max_ctx)
         if (!valid_dec_kind(k)) k = -1;
     }
     if (valid_dec_kind(forced)) return forced;
-    if (k >= 0) return k;
-    return dec_kind_auto(n_tiles, n_kv, max_ctx);
+    return k >= 0 ? k : 4;
 }
 
 template <int HD>
@@ -1540,7 +1475,7 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
 {
     if (prefill) launch_tc_hd<HD>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else {
-        int k = dec_kind(kind_forced, n_tiles, x.n_kv, max_ctx);
+        int k = dec_kind(kind_forced);
         /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256 */
         constexpr bool fd_hd = HD == 64 || HD == 128 || HD == 256;
         if (k == 4 && (!fd_hd || x.G > 16)) k = 3;
