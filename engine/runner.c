@@ -556,9 +556,10 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
  * instead of recording one per size. */
 static int graph_seqs(const struct kvs_runner *r, int n_seqs)
 {
-    static const int buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
-    for (size_t i = 0; i < sizeof buckets / sizeof buckets[0]; i++)
-        if (buckets[i] >= n_seqs) return buckets[i] <= r->cap_seqs && buckets[i] <= r->cap_tokens ? buckets[i] : n_seqs;
+    for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
+        const int bk = kvs_graph_buckets[i];
+        if (bk >= n_seqs) return bk <= r->cap_seqs && bk <= r->cap_tokens ? bk : n_seqs;
+    }
     return n_seqs;
 }
 

@@ -56,6 +56,12 @@ struct kvs_graph;                 /* opaque recorded step (graph_* ops, optional
 
 enum kvs_buf_kind { KVS_BUF_ACT = 0, KVS_BUF_F32 = 1, KVS_BUF_I32 = 2, KVS_BUF_KV = 3 };
 
+/* Sequences of a recorded decode step (engine/runner.c): a batch is rounded up to the next of
+ * these, so a backend that prepares per row count (the CUDA backend times its cuBLASLt GEMMs
+ * when a weight is uploaded) knows the counts decode steps will use. */
+static const int kvs_graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
+#define KVS_N_GRAPH_BUCKETS ((int)(sizeof kvs_graph_buckets / sizeof kvs_graph_buckets[0]))
+
 /* Per-step attention metadata, all KVS_BUF_I32 buffers already uploaded by the runner.
  * Sequence s owns q rows [q_start[s], q_start[s+1]); row q_start[s] + i is the token at
  * position pos[s] + i and attends causally to positions 0 .. pos[s] + i of sequence s,

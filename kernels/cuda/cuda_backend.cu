@@ -1152,10 +1152,8 @@ static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dw
     }
 }
 
-/* the decode graphs' row counts (engine/runner.c) that cuBLAS(Lt) may run, at most GEMM_TUNE_MAX_N */
-static const int pretune_rows[] = {12, 16, 24, 32, 48, 64, 96, 128, 192, 256};
-
-/* Times the picks of a new weight shape at pretune_rows on the weight itself and a random x (the
+/* Times the picks of a new weight shape at the decode graphs' row counts (kvs_graph_buckets) up to
+ * GEMM_TUNE_MAX_N on the weight itself and a random x (the
  * real x is not known yet), outside any graph. Row counts the decode GEMM takes at the default
  * skinny_max are skipped, and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
  * head of a large vocabulary). Load time: allocates, synchronises. */
@@ -1172,8 +1170,10 @@ static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
     const int in = (int)w->cols, out = (int)w->rows;
     const size_t row_bytes = (size_t)in * sizeof(bf16) + (size_t)out * sizeof(float);
     int max_n = 0;
-    for (size_t i = 0; i < sizeof pretune_rows / sizeof pretune_rows[0]; i++)
-        if ((size_t)pretune_rows[i] * row_bytes <= GEMM_PRETUNE_SCRATCH) max_n = pretune_rows[i];
+    for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
+        const int n = kvs_graph_buckets[i];
+        if (n <= GEMM_TUNE_MAX_N && (size_t)n * row_bytes <= GEMM_PRETUNE_SCRATCH) max_n = n;
+    }
     if (max_n <= b->skinny_default) return;
     double t0 = kvs_now();
     bf16 *x = (bf16 *)dev_alloc((size_t)max_n * in * sizeof(bf16));
@@ -1188,8 +1188,8 @@ static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
     k_bf16_fill_random<<<grid_for((size_t)max_n * in, 256), 256, 0, b->stream>>>(x, (size_t)max_n * in, 1.0f, 12345);
     LAUNCH_CHECK();
     int tuned = 0;
-    for (size_t i = 0; i < sizeof pretune_rows / sizeof pretune_rows[0]; i++) {
-        const int n = pretune_rows[i];
+    for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
+        const int n = kvs_graph_buckets[i];
         if (n <= b->skinny_default || n > max_n) continue;
         const int align = gemm_align(x, w->h, y);
         struct gemm_plan *p = gemm_plan_slot(b, n, in, out, 0, align);
@@ -1214,9 +1214,9 @@ static void gemm_tune_report(struct kvs_backend *b)
 {
     struct gemm_tuning *t = b->tune;
     if (t->log_mats == 0) return;
-    kvs_log(KVS_LOG_INFO, "cuda: timed the cuBLASLt algorithms of %d GEMM shapes (%d weight shapes x up to %d row "
-                          "counts) in %.2f s; %d picks differ from the heuristic's first", t->log_gemms, t->log_mats,
-            (int)(sizeof pretune_rows / sizeof pretune_rows[0]), t->log_s, t->log_differ);
+    kvs_log(KVS_LOG_INFO, "cuda: timed the cuBLASLt algorithms of %d GEMM shapes (%d weight shapes, the decode "
+                          "graphs' row counts up to %d) in %.2f s; %d picks differ from the heuristic's first",
+            t->log_gemms, t->log_mats, GEMM_TUNE_MAX_N, t->log_s, t->log_differ);
     t->log_mats = t->log_gemms = t->log_differ = 0;
     t->log_s = 0.0;
 }
