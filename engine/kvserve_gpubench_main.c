@@ -13,8 +13,9 @@
  * for its last row; prints ms, tokens/s and TFLOP/s.
  *
  * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
- *                         [--iters 20] [--layers 32] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16]
- *                         [--markdown FILE]
+ *                         [--iters 20] [--layers 32] [--block-size 16] [--breakdown] [--attn-variants]
+ *                         [--gemm-sweep 1,8,16] [--markdown FILE]
+ * --block-size sets the KV block size in tokens (kv.block_size; 16 by default).
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
@@ -45,7 +46,8 @@
 #define HD 128
 #define FF 14336
 #define VOCAB 128256
-#define BS 16
+/* KV block size (tokens): --block-size, 16 by default (config/default.json's kv.block_size) */
+static int BS = 16;
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 
@@ -241,16 +243,19 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
+        else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] [--markdown FILE]\n", argv[0]);
+                            "[--layers N] [--block-size 16] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
     for (int i = 0; i < nsweep; i++)
         if (sweep[i] > 512) nsweep = -1;
-    if (nbatch <= 0 || nctx <= 0 || npre < 0 || nsweep < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256) {
+    if (nbatch <= 0 || nctx <= 0 || npre < 0 || nsweep < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256 ||
+        BS < 1 || BS > 2048) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
@@ -454,7 +459,7 @@ int main(int argc, char **argv)
              * flight) and 4 (the FlashAttention-2-style 4-warp blocks) forced */
             if (attn_variants) {
                 static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4};
-                for (int ki = 0; ki < 3; ki++) {
+                for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
                     kvs_cuda_set_dec_attn(b, kinds[ki]);
                     if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");
                     else printf("%6s %8s   attention only, kernel %d,    splits:", "", "", kinds[ki]);

@@ -62,7 +62,9 @@ enum kvs_buf_kind { KVS_BUF_ACT = 0, KVS_BUF_F32 = 1, KVS_BUF_I32 = 2, KVS_BUF_K
 static const int kvs_graph_buckets[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512};
 #define KVS_N_GRAPH_BUCKETS ((int)(sizeof kvs_graph_buckets / sizeof kvs_graph_buckets[0]))
 
-/* Per-step attention metadata, all KVS_BUF_I32 buffers already uploaded by the runner.
+/* Per-step attention metadata, all KVS_BUF_I32 buffers already uploaded by the runner (uploads,
+ * never written by an op of the step: a backend may read them before the previous op's outputs
+ * are ready, as the CUDA decode attention does to overlap its set-up with the previous kernel).
  * Sequence s owns q rows [q_start[s], q_start[s+1]); row q_start[s] + i is the token at
  * position pos[s] + i and attends causally to positions 0 .. pos[s] + i of sequence s,
  * whose slots are named by block_tables[s * max_blocks + j] (j < ceil((pos[s]+n_s)/block_size)).
