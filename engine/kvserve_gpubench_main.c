@@ -15,7 +15,8 @@
  * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
  *                         [--iters 20] [--layers 32] [--block-size 16] [--breakdown] [--attn-variants]
  *                         [--gemm-sweep 1,8,16] [--markdown FILE]
- * --block-size sets the KV block size in tokens (kv.block_size; 16 by default).
+ * --block-size sets the KV block size in tokens (kv.block_size; 16 by default); --verbose logs at
+ * debug level (the CUDA backend's timing of each GEMM shape's cuBLASLt candidates).
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
@@ -244,10 +245,11 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--layers N] [--block-size 16] [--verbose] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
                             "[--markdown FILE]\n", argv[0]);
             return 2;
         }

@@ -231,7 +231,10 @@ struct kvs_backend_ops {
 
     /* ---- optional: fused ops (NULL: the runner composes them from the ops above) -----------
      * Each gives the results of its composition, within the backend's own rounding (the CUDA
-     * backend's are bitwise equal to its separate ops'); they exist so a decode step reads x
+     * backend's are bitwise equal to its separate ops', except matmul_swiglu above the decode
+     * GEMM's rows with ff a multiple of 8: there gate and up are rounded to bf16 before SwiGLU,
+     * as a bf16 PyTorch model has them, which halves the bytes between the GEMMs and SwiGLU);
+     * they exist so a decode step reads x
      * once and launches once where the layer has several projections of the same input, and
      * so the smallest kernels of a step do not each pay a launch. */
     /* For p < n_parts (1 .. 3): y[p] = x @ W[p]^T (+ bias[p]), as matmul(x, w[p], bias[p], n,

@@ -128,9 +128,14 @@ struct kvs_graph {
 #define GEMM_PRETUNE_SHAPES 256              /* weight shapes remembered as pre-tuned */
 #define GEMM_PRETUNE_SCRATCH ((size_t)256 << 20) /* x + y scratch of one pre-tuned row count, at most */
 
+/* What a cuBLAS(Lt) GEMM writes: y = x W^T in fp32 (ACT), y += x W^T in fp32 (the accumulate
+ * GEMM), or y = x W^T rounded to bf16 (matmul_swiglu's gate and up, which SwiGLU reads back:
+ * half the bytes written and read, as PyTorch's bf16 Linear layers have it) */
+enum gemm_out { GEMM_F32 = 0, GEMM_F32_ACC = 1, GEMM_BF16 = 2 };
+
 /* one timed pick: y[n][out] (+)= x[n][in] W[out][in]^T with pointers aligned to `align` bytes */
 struct gemm_plan {
-    int n, in, out, accumulate, align; /* the key; n == 0: a free slot */
+    int n, in, out, kind, align; /* the key (kind: enum gemm_out); n == 0: a free slot */
     int differs;                       /* 1: the pick is not the heuristic's first */
     cublasLtMatmulAlgo_t algo;
 };
@@ -487,6 +492,32 @@ __global__ void k_swiglu(const float *g, const float *u, size_t n, float *out, b
         float y = x / (1.0f + expf(-x)) * u[i];
         out[i] = y;
         if (outh) outh[i] = __float2bfloat16(y);
+    }
+}
+
+/* SwiGLU of bf16 gate and up (matmul_swiglu's cuBLAS path), 8 elements a thread: out (fp32) and
+ * outh (the bf16 copy the down projection reads). n8 = elements / 8; g, u, out, outh 16-byte
+ * aligned. */
+__global__ void k_swiglu_h(const uint4 *g, const uint4 *u, size_t n8, float4 *out, uint4 *outh)
+{
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 gw = g[i], uw = u[i];
+        const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w}, uv[4] = {uw.x, uw.y, uw.z, uw.w};
+        float y[8];
+        uint32_t h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 a = __bfloat1622float2(*(const __nv_bfloat162 *)&gv[j]);
+            const float2 c = __bfloat1622float2(*(const __nv_bfloat162 *)&uv[j]);
+            y[2 * j] = a.x / (1.0f + expf(-a.x)) * c.x;
+            y[2 * j + 1] = a.y / (1.0f + expf(-a.y)) * c.y;
+            const __nv_bfloat162 p = __floats2bfloat162_rn(y[2 * j], y[2 * j + 1]);
+            h[j] = *(const uint32_t *)&p;
+        }
+        out[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
+        out[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+        outh[i] = make_uint4(h[0], h[1], h[2], h[3]);
     }
 }
 
@@ -939,23 +970,24 @@ static const bf16 *gemm_input(struct kvs_backend *b, const struct kvs_dbuf *x, s
 
 /* The former path (KVS_CUDA_GEMM=ex), kept for A/B comparisons: y = xh W^T (+ y). Column-major
  * view: y^T[out][n] = W[out][in] (stored column-major as in x out, so op T) * x^T[in][n]. */
-static void gemm_ex(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, float *y,
-                    int accumulate)
+static void gemm_ex(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, void *y,
+                    enum gemm_out kind)
 {
-    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    const float one = 1.0f, beta = kind == GEMM_F32_ACC ? 1.0f : 0.0f;
     CUBLAS_CHECK(cublasGemmEx(b->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, w, CUDA_R_16BF, in, xh,
-                              CUDA_R_16BF, in, &beta, y, CUDA_R_32F, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                              CUDA_R_16BF, in, &beta, y, kind == GEMM_BF16 ? CUDA_R_16BF : CUDA_R_32F, out,
+                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 /* The cuBLASLt description of the same product (the column-major view of gemm_ex): A = W with op
- * T, B = x, C = D = y, fp32 accumulation and scale. Initialised in place (no allocation), so it
+ * T, B = x, C = D = y (fp32, or bf16 for GEMM_BF16), fp32 accumulation and scale. Initialised in place (no allocation), so it
  * can be rebuilt on every call. */
 struct gemm_lt_desc {
     cublasLtMatmulDescOpaque_t op;
     cublasLtMatrixLayoutOpaque_t a, b, c;
 };
 
-static void gemm_lt_describe(struct gemm_lt_desc *d, int n, int in, int out)
+static void gemm_lt_describe(struct gemm_lt_desc *d, int n, int in, int out, enum gemm_out kind)
 {
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     CUBLAS_CHECK(cublasLtMatmulDescInit(&d->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -963,7 +995,8 @@ static void gemm_lt_describe(struct gemm_lt_desc *d, int n, int in, int out)
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(&d->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->a, CUDA_R_16BF, (uint64_t)in, (uint64_t)out, in));
     CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->b, CUDA_R_16BF, (uint64_t)in, (uint64_t)n, in));
-    CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->c, CUDA_R_32F, (uint64_t)out, (uint64_t)n, out));
+    CUBLAS_CHECK(cublasLtMatrixLayoutInit(&d->c, kind == GEMM_BF16 ? CUDA_R_16BF : CUDA_R_32F, (uint64_t)out,
+                                          (uint64_t)n, out));
 }
 
 /* the largest power of two up to 256 dividing every pointer: cuBLASLt's heuristic assumes
@@ -1002,11 +1035,11 @@ static int gemm_lt_candidates(struct kvs_backend *b, struct gemm_lt_desc *d, int
     return k;
 }
 
-/* one cuBLASLt GEMM: y = xh W^T (+ y when accumulate); returns cuBLASLt's status */
+/* one cuBLASLt GEMM: y = xh W^T (+ y for GEMM_F32_ACC); returns cuBLASLt's status */
 static cublasStatus_t gemm_lt_run(struct kvs_backend *b, struct gemm_lt_desc *d, const cublasLtMatmulAlgo_t *algo,
-                                  const bf16 *xh, const bf16 *w, float *y, int accumulate)
+                                  const bf16 *xh, const bf16 *w, void *y, enum gemm_out kind)
 {
-    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    const float one = 1.0f, beta = kind == GEMM_F32_ACC ? 1.0f : 0.0f;
     return cublasLtMatmul(b->lt, &d->op, &one, w, &d->a, xh, &d->b, &beta, y, &d->c, y, &d->c, algo, b->blas_ws,
                           BLAS_WS_BYTES, b->stream);
 }
@@ -1018,24 +1051,24 @@ static int gemm_capturing(struct kvs_backend *b)
     return cs != cudaStreamCaptureStatusNone;
 }
 
-static unsigned gemm_hash(int n, int in, int out, int accumulate, int align)
+static unsigned gemm_hash(int n, int in, int out, int kind, int align)
 {
     uint64_t h = (uint64_t)(uint32_t)n * 0x9E3779B97F4A7C15ull;
     h ^= ((uint64_t)(uint32_t)in << 32 | (uint32_t)out) * 0xBF58476D1CE4E5B9ull;
-    h ^= (uint64_t)(accumulate * 512 + align) * 0x94D049BB133111EBull;
+    h ^= (uint64_t)(kind * 512 + align) * 0x94D049BB133111EBull;
     h ^= h >> 29;
     return (unsigned)(h % GEMM_PLAN_SLOTS);
 }
 
 /* The slot of the pick for this key: the one holding it (n != 0), else the free slot where it
  * would go (n == 0); NULL when it is not there and the table is full. */
-static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, int out, int accumulate, int align)
+static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, int out, int kind, int align)
 {
     struct gemm_tuning *t = b->tune;
-    for (unsigned i = gemm_hash(n, in, out, accumulate, align);; i = (i + 1) % GEMM_PLAN_SLOTS) {
+    for (unsigned i = gemm_hash(n, in, out, kind, align);; i = (i + 1) % GEMM_PLAN_SLOTS) {
         struct gemm_plan *p = &t->plans[i];
         if (p->n == 0) break;
-        if (p->n == n && p->in == in && p->out == out && p->accumulate == accumulate && p->align == align) return p;
+        if (p->n == n && p->in == in && p->out == out && p->kind == kind && p->align == align) return p;
     }
     if (t->n_plans >= GEMM_PLAN_MAX) {
         if (!t->full_warned)
@@ -1043,7 +1076,7 @@ static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, in
         t->full_warned = 1;
         return NULL;
     }
-    unsigned i = gemm_hash(n, in, out, accumulate, align);
+    unsigned i = gemm_hash(n, in, out, kind, align);
     while (t->plans[i].n != 0) i = (i + 1) % GEMM_PLAN_SLOTS;
     return &t->plans[i];
 }
@@ -1054,7 +1087,7 @@ static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, in
  * stream: never while it is being captured. Returns 0, or -ENOENT when cuBLASLt has no
  * algorithm for the shape (p stays free). */
 static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_plan *p, int n, int in, int out,
-                     int accumulate, int align, const bf16 *xh, const bf16 *w, float *y)
+                     enum gemm_out kind, int align, const bf16 *xh, const bf16 *w, void *y)
 {
     cublasLtMatmulHeuristicResult_t res[GEMM_CANDIDATES];
     int count = gemm_lt_candidates(b, d, align, res, GEMM_CANDIDATES);
@@ -1065,12 +1098,12 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
         ms[i] = -1.0f; /* a candidate the launch rejects (heuristics may list some) is skipped */
         cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
         for (int r = 0; r < GEMM_WARMUP && s == CUBLAS_STATUS_SUCCESS; r++)
-            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, accumulate);
+            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, kind);
         k_spin<<<1, 1, 0, b->stream>>>(GEMM_SPIN_NS);
         LAUNCH_CHECK();
         CUDA_CHECK(cudaEventRecord(b->tune->ev[0], b->stream));
         for (int r = 0; r < GEMM_TIMED && s == CUBLAS_STATUS_SUCCESS; r++)
-            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, accumulate);
+            s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, kind);
         CUDA_CHECK(cudaEventRecord(b->tune->ev[1], b->stream));
         CUDA_CHECK(cudaEventSynchronize(b->tune->ev[1]));
         if (s != CUBLAS_STATUS_SUCCESS) {
@@ -1088,36 +1121,37 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
     p->n = n;
     p->in = in;
     p->out = out;
-    p->accumulate = accumulate;
+    p->kind = kind;
     p->align = align;
     p->differs = pick != 0;
     p->algo = res[pick].algo;
     b->tune->n_plans++;
     kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d%s: %d candidates, first %.1f us, pick #%d %.1f us", n, in, out,
-            accumulate ? " (accumulate)" : "", count, ms[0] * 1e3f, pick, ms[pick] * 1e3f);
+            kind == GEMM_F32_ACC ? " (accumulate)" : kind == GEMM_BF16 ? " (bf16 out)" : "", count, ms[0] * 1e3f, pick, ms[pick] * 1e3f);
     return 0;
 }
 
 /* y = xh W^T (+ y) through cuBLASLt with the timed pick for the shape (timing it now when it is
  * new and the stream is not being captured), or the heuristic's first pick */
-static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, float *y,
-                    int accumulate)
+static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, void *y,
+                    enum gemm_out kind)
 {
     struct gemm_lt_desc d;
-    gemm_lt_describe(&d, n, in, out);
+    gemm_lt_describe(&d, n, in, out, kind);
     const int align = gemm_align(xh, w, y);
     const cublasLtMatmulAlgo_t *algo = NULL;
     if (b->gemm_mode == KVS_CUDA_GEMM_TUNED && n <= GEMM_TUNE_MAX_N) {
-        struct gemm_plan *p = gemm_plan_slot(b, n, in, out, accumulate, align);
+        struct gemm_plan *p = gemm_plan_slot(b, n, in, out, kind, align);
         if (p && p->n) {
             algo = &p->algo;
         } else if (p && !gemm_capturing(b)) {
             /* the timing overwrites its output: y itself, unless y must be added to */
-            float *yt = accumulate ? (float *)dev_alloc((size_t)n * out * sizeof(float)) : y;
+            const int acc = kind == GEMM_F32_ACC;
+            float *yt = acc ? (float *)dev_alloc((size_t)n * out * sizeof(float)) : (float *)y;
             if (yt) {
-                if (accumulate) CUDA_CHECK(cudaMemsetAsync(yt, 0, (size_t)n * out * sizeof(float), b->stream));
-                if (gemm_tune(b, &d, p, n, in, out, accumulate, align, xh, w, yt) == 0) algo = &p->algo;
-                if (accumulate) {
+                if (acc) CUDA_CHECK(cudaMemsetAsync(yt, 0, (size_t)n * out * sizeof(float), b->stream));
+                if (gemm_tune(b, &d, p, n, in, out, kind, align, xh, w, yt) == 0) algo = &p->algo;
+                if (acc) {
                     CUDA_CHECK(cudaStreamSynchronize(b->stream));
                     CUDA_CHECK(cudaFree(yt));
                 }
@@ -1130,24 +1164,24 @@ static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n,
     if (!algo) {
         if (gemm_lt_candidates(b, &d, align, &first, 1) == 0) {
             /* no cuBLASLt algorithm for this shape and alignment: cublasGemmEx has its own fallbacks */
-            gemm_ex(b, xh, w, n, in, out, y, accumulate);
+            gemm_ex(b, xh, w, n, in, out, y, kind);
             return;
         }
         algo = &first.algo;
     }
-    CUBLAS_CHECK(gemm_lt_run(b, &d, algo, xh, w, y, accumulate));
+    CUBLAS_CHECK(gemm_lt_run(b, &d, algo, xh, w, y, kind));
 }
 
-/* y = xh W^T (+ y when accumulate) (+ bias) through cuBLAS(Lt) */
+/* y = xh W^T (+ y for GEMM_F32_ACC) (+ bias: fp32 outputs only) through cuBLAS(Lt) */
 static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dweight *w,
-                      const struct kvs_dweight *bias, int n, int in, int out, float *y, int accumulate)
+                      const struct kvs_dweight *bias, int n, int in, int out, void *y, enum gemm_out kind)
 {
-    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w->h, n, in, out, y, accumulate);
-    else gemm_lt(b, xh, w->h, n, in, out, y, accumulate);
+    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w->h, n, in, out, y, kind);
+    else gemm_lt(b, xh, w->h, n, in, out, y, kind);
     if (bias) {
-        KVS_ASSERT(bias->is_vector && bias->cols == out);
+        KVS_ASSERT(bias->is_vector && bias->cols == out && kind != GEMM_BF16);
         size_t ny = (size_t)n * out;
-        CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, y, (const float *)bias->f, ny, out));
+        CUDA_CHECK(kvs_cu_launch(k_add_bias, grid_for(ny, 256), 256, 0, b->stream, (float *)y, (const float *)bias->f, ny, out));
         LAUNCH_CHECK();
     }
 }
@@ -1156,7 +1190,9 @@ static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dw
  * GEMM_TUNE_MAX_N on the weight itself and a random x (the
  * real x is not known yet), outside any graph. Row counts the decode GEMM takes at the default
  * skinny_max are skipped, and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
- * head of a large vocabulary). Load time: allocates, synchronises. */
+ * head of a large vocabulary). Weights with more rows than columns (the [ff][dim] gate and up
+ * projections; also some models' q projection) are timed with bf16 outputs too, which is how
+ * matmul_swiglu runs them. Load time: allocates, synchronises. */
 static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
 {
     struct gemm_tuning *t = b->tune;
@@ -1188,17 +1224,22 @@ static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
     k_bf16_fill_random<<<grid_for((size_t)max_n * in, 256), 256, 0, b->stream>>>(x, (size_t)max_n * in, 1.0f, 12345);
     LAUNCH_CHECK();
     int tuned = 0;
-    for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
-        const int n = kvs_graph_buckets[i];
-        if (n <= b->skinny_default || n > max_n) continue;
-        const int align = gemm_align(x, w->h, y);
-        struct gemm_plan *p = gemm_plan_slot(b, n, in, out, 0, align);
-        if (!p || p->n) continue;
-        struct gemm_lt_desc d;
-        gemm_lt_describe(&d, n, in, out);
-        if (gemm_tune(b, &d, p, n, in, out, 0, align, x, w->h, y) != 0) continue;
-        tuned++;
-        t->log_differ += p->differs;
+    static const enum gemm_out kinds[2] = {GEMM_F32, GEMM_BF16};
+    for (int ki = 0; ki < 2; ki++) {
+        const enum gemm_out kind = kinds[ki];
+        if (kind == GEMM_BF16 && out <= in) break;
+        for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
+            const int n = kvs_graph_buckets[i];
+            if (n <= b->skinny_default || n > max_n) continue;
+            const int align = gemm_align(x, w->h, y);
+            struct gemm_plan *p = gemm_plan_slot(b, n, in, out, kind, align);
+            if (!p || p->n) continue;
+            struct gemm_lt_desc d;
+            gemm_lt_describe(&d, n, in, out, kind);
+            if (gemm_tune(b, &d, p, n, in, out, kind, align, x, w->h, y) != 0) continue;
+            tuned++;
+            t->log_differ += p->differs;
+        }
     }
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
     CUDA_CHECK(cudaFree(x));
@@ -1253,7 +1294,7 @@ static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int
         return;
     }
     for (int p = 0; p < n_parts; p++)
-        gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], (float *)y[p]->d, 0);
+        gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], y[p]->d, GEMM_F32);
 }
 
 static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
@@ -1266,7 +1307,10 @@ static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const 
                       struct kvs_dbuf *out);
 
 /* gate = silu(x Wg^T) * (x Wu^T): one decode-GEMM launch with SwiGLU in its epilogue (which also
- * writes the bf16 copy for the down projection), or two cuBLAS GEMMs and the SwiGLU kernel. */
+ * writes the bf16 copy for the down projection), or two cuBLAS GEMMs and the SwiGLU kernel. The
+ * cuBLAS GEMMs write bf16 (into up's storage, which holds both: up is scratch), so SwiGLU reads
+ * half the bytes that fp32 outputs would take (H100, Llama-3.1-8B shape, the step's GEMMs at
+ * batch 128: see bench/RESULTS.md); where ff is not a multiple of 8 they write fp32 as matmul. */
 static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
                              const struct kvs_dweight *wu, int n, int in, int ff, struct kvs_dbuf *gate,
                              struct kvs_dbuf *up)
@@ -1292,9 +1336,24 @@ static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, co
         CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
         return;
     }
-    cu_matmul(b, x, wg, NULL, n, in, ff, gate);
-    cu_matmul(b, x, wu, NULL, n, in, ff, up);
-    cu_swiglu(b, gate, up, n, ff, gate);
+    if (ff % 8 != 0) {
+        cu_matmul(b, x, wg, NULL, n, in, ff, gate);
+        cu_matmul(b, x, wu, NULL, n, in, ff, up);
+        cu_swiglu(b, gate, up, n, ff, gate);
+        return;
+    }
+    const size_t nn = (size_t)n * ff;
+    KVS_ASSERT((size_t)n * in <= b->xh_cap && up->n >= nn && gate->n >= nn);
+    const bf16 *xh = gemm_input(b, x, (size_t)n * in);
+    xh_forget(b, up->d);
+    bf16 *gh = (bf16 *)up->d, *uh = gh + nn; /* 16-byte aligned: nn is a multiple of 8 */
+    gemm_blas(b, xh, wg, NULL, n, in, ff, gh, GEMM_BF16);
+    gemm_blas(b, xh, wu, NULL, n, in, ff, uh, GEMM_BF16);
+    bf16 *outh = xh_claim(b, gate->d, nn);
+    KVS_ASSERT(outh); /* the mirrors are as large as the largest ACT buffer (alloc), gate included */
+    CUDA_CHECK(kvs_cu_launch(k_swiglu_h, grid_for(nn / 8, 256), 256, 0, b->stream, (const uint4 *)gh, (const uint4 *)uh,
+                             nn / 8, (float4 *)gate->d, (uint4 *)outh));
+    LAUNCH_CHECK();
 }
 
 static void cu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dbuf *pos, const struct kvs_dbuf *rot,
@@ -1624,5 +1683,5 @@ extern "C" void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct k
     KVS_ASSERT((size_t)n * in <= b->xh_cap && (size_t)n * out <= y->n && x->d != y->d);
     const bf16 *xh = gemm_input(b, x, (size_t)n * in);
     xh_forget(b, y->d);
-    gemm_blas(b, xh, w, NULL, n, in, out, (float *)y->d, 1);
+    gemm_blas(b, xh, w, NULL, n, in, out, y->d, GEMM_F32_ACC);
 }

@@ -357,6 +357,8 @@ static void expect_same(const char *what, const float *a, const float *b, size_t
     }
 }
 
+static void expect_close(const char *what, const float *a, const float *r, size_t n, double tol);
+
 /* The fused GEMMs (matmul_multi: q/k/v in one launch; matmul_swiglu: gate/up + SwiGLU) against
  * the CPU composition, and bitwise against the CUDA backend's own matmul / swiglu; and the
  * decode GEMM's batch invariance: a row's result does not depend on how many rows share it. */
@@ -366,7 +368,8 @@ static void test_fused_gemm(void)
     kvs_cuda_set_skinny_max(bg, 32);
     struct { int n, in, q, kv, ff, bias; } cases[] = {{1, 4096, 4096, 1024, 14336, 0}, {8, 512, 512, 128, 1376, 1},
                                                        {13, 256, 256, 64, 688, 1}, {32, 1024, 2048, 256, 2816, 0},
-                                                       {40, 256, 256, 64, 512, 1}, {3, 96, 96, 48, 200, 0}};
+                                                       {40, 256, 256, 64, 512, 1}, {3, 96, 96, 48, 200, 0},
+                                                       {128, 512, 512, 128, 1408, 0}, {35, 128, 128, 32, 300, 0}};
     for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
         const int n = cases[c].n, in = cases[c].in, ff = cases[c].ff;
         const int outs[3] = {cases[c].q, cases[c].kv, cases[c].kv};
@@ -442,14 +445,20 @@ static void test_fused_gemm(void)
         G->matmul(bg, x.g, uw.g, NULL, n, in, ff, u2.g);
         G->swiglu(bg, g2.g, u2.g, n, ff, g2.g);
         float *a = dl(&gt, (size_t)n * ff), *b = dl(&g2, (size_t)n * ff);
-        /* bitwise where matmul takes the decode GEMM too (ff % 16 == 0); else matmul is cuBLAS */
-        if (ff % 16 == 0 || n > 32) {
-            snprintf(what, sizeof what, "matmul_swiglu n=%d equals matmul + matmul + swiglu", n);
-            expect_same(what, a, b, (size_t)n * ff);
-        }
+        /* bitwise where matmul takes the decode GEMM too (ff % 16 == 0) or where both run the
+         * fp32-output cuBLAS GEMMs (more rows than the decode GEMM takes, ff not a multiple of 8);
+         * with more rows and ff a multiple of 8, the fused op's cuBLAS GEMMs write gate and up in
+         * bf16 (backend.h): close to the composition, not equal */
         G->matmul(bg, g2.g, dwt.g, NULL, n, ff, in, dw.g);
         float *down_comp = dl(&dw, (size_t)n * in);
-        if (ff % 16 == 0 || n > 32) {
+        if (n > 32 && ff % 8 == 0) {
+            snprintf(what, sizeof what, "matmul_swiglu n=%d (bf16 gate / up) ~ composed", n);
+            expect_close(what, a, b, (size_t)n * ff, 1e-2);
+            snprintf(what, sizeof what, "down proj. after matmul_swiglu n=%d (bf16 gate / up) ~ composed", n);
+            expect_close(what, down_fused, down_comp, (size_t)n * in, 1e-2);
+        } else if (ff % 16 == 0 || n > 32) {
+            snprintf(what, sizeof what, "matmul_swiglu n=%d equals matmul + matmul + swiglu", n);
+            expect_same(what, a, b, (size_t)n * ff);
             snprintf(what, sizeof what, "down projection after matmul_swiglu n=%d (its bf16 copy)", n);
             expect_same(what, down_fused, down_comp, (size_t)n * in);
         }
