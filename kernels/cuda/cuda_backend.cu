@@ -27,7 +27,8 @@
  * Memory: plain cudaMalloc, only in create, alloc and upload_weight (the matmul's bf16 copy of
  * x and the attention workspace are carved at create / grown in alloc; upload_weight also takes
  * a scratch for timing the GEMMs of a new weight shape and frees it), plus a scratch for timing
- * a new shape of the accumulate GEMM (once per shape, never inside a graph). One stream; ops
+ * a new shape of the accumulate GEMM (once per shape, never inside a graph) and the L2-flush
+ * buffer of each timing (twice the L2, freed when the shape is timed). One stream; ops
  * never synchronise, except a GEMM whose shape is timed on its first call (outside graph
  * captures, once per shape); download/logits_to_host/sync wait. Every CUDA/cuBLAS/cuBLASLt call
  * is checked: failures log file:line and abort (bugs, not client errors); the exceptions are
@@ -144,7 +145,8 @@ struct gemm_tuning {
     struct gemm_plan plans[GEMM_PLAN_SLOTS];
     int n_plans;
     int full_warned;                   /* the table-full warning was logged */
-    cudaEvent_t ev[2];                 /* the timing's own events (kvs_cuda_timer_* may be running) */
+    cudaEvent_t ev[2 * GEMM_TIMED];    /* the timing's own events, a pair per timed run
+                                        * (kvs_cuda_timer_* may be running) */
     int64_t pretuned[GEMM_PRETUNE_SHAPES][2]; /* weight shapes (rows, cols) done by gemm_pretune */
     int n_pretuned;
     /* pre-tuning since the last summary line (logged when the model load is over: gemm_tune_report) */
@@ -602,6 +604,17 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *log
     if (l == 0) out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
 }
 
+/* reads n16 x 16 bytes (nothing is written: the L2 is left holding clean lines of p) */
+__global__ void k_l2_flush(const uint4 *p, size_t n16, unsigned *sink)
+{
+    unsigned acc = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+        const uint4 v = __ldcg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) *sink = acc; /* keeps the loads; practically never taken */
+}
+
 /* holds the stream for ns nanoseconds (one thread): the GEMM timing queues its runs behind it, so
  * the events time the GPU's back-to-back runs, not the host's launch rate (a k/v projection
  * takes about as long on the GPU as cublasLtMatmul takes to enqueue it) */
@@ -660,8 +673,7 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->tune = (struct gemm_tuning *)kvs_xcalloc(1, sizeof *b->tune);
-    CUDA_CHECK(cudaEventCreate(&b->tune->ev[0]));
-    CUDA_CHECK(cudaEventCreate(&b->tune->ev[1]));
+    for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventCreate(&b->tune->ev[i]));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
@@ -709,8 +721,7 @@ static void cu_free(struct kvs_backend *b)
     CUBLAS_CHECK(cublasLtDestroy(b->lt));
     CUDA_CHECK(cudaEventDestroy(b->ev0));
     CUDA_CHECK(cudaEventDestroy(b->ev1));
-    CUDA_CHECK(cudaEventDestroy(b->tune->ev[0]));
-    CUDA_CHECK(cudaEventDestroy(b->tune->ev[1]));
+    for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventDestroy(b->tune->ev[i]));
     free(b->tune);
     CUDA_CHECK(cudaStreamDestroy(b->stream));
     free(b->bounce);
@@ -1083,16 +1094,26 @@ static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, in
 
 /* Times the candidates of d on the given operands, writing y (which the caller may overwrite:
  * its own output, or a scratch), and stores the pick in the free slot p under the key. Keeps the
- * heuristic's first pick unless another takes at most GEMM_MIN_GAIN of its time. Synchronises the
- * stream: never while it is being captured. Returns 0, or -ENOENT when cuBLASLt has no
- * algorithm for the shape (p stays free). */
+ * heuristic's first pick unless another takes at most GEMM_MIN_GAIN of its time. Each timed run
+ * starts with the weight out of the L2 (a read of twice the L2's size before it), as in a decode
+ * step, which streams every weight from memory once: timed back to back, a weight that fits the
+ * L2 (k/v projections, 8 MB in the 8B models) would be read from there, and the pick would suit
+ * a GEMM that never happens; a candidate's time is its median run. Without the scratch for that
+ * (no device memory), runs are timed back to back (their mean). Synchronises the stream: never while it is being captured. Returns 0, or
+ * -ENOENT when cuBLASLt has no algorithm for the shape (p stays free). */
 static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_plan *p, int n, int in, int out,
                      enum gemm_out kind, int align, const bf16 *xh, const bf16 *w, void *y)
 {
     cublasLtMatmulHeuristicResult_t res[GEMM_CANDIDATES];
     int count = gemm_lt_candidates(b, d, align, res, GEMM_CANDIDATES);
     if (count == 0) return -ENOENT;
-    float ms[GEMM_CANDIDATES];
+    int l2 = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, b->device));
+    const size_t flush_bytes = (size_t)2 * (size_t)l2 / 16 * 16;
+    uint4 *flush = flush_bytes ? (uint4 *)dev_alloc(flush_bytes + 16) : NULL;
+    if (flush) CUDA_CHECK(cudaMemsetAsync(flush, 0, flush_bytes + 16, b->stream));
+    cudaEvent_t *ev = b->tune->ev;
+    float ms[GEMM_CANDIDATES] = {0};
     int best = -1;
     for (int i = 0; i < count; i++) {
         ms[i] = -1.0f; /* a candidate the launch rejects (heuristics may list some) is skipped */
@@ -1101,19 +1122,45 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
             s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, kind);
         k_spin<<<1, 1, 0, b->stream>>>(GEMM_SPIN_NS);
         LAUNCH_CHECK();
-        CUDA_CHECK(cudaEventRecord(b->tune->ev[0], b->stream));
-        for (int r = 0; r < GEMM_TIMED && s == CUBLAS_STATUS_SUCCESS; r++)
+        int runs = 0;
+        if (!flush) CUDA_CHECK(cudaEventRecord(ev[0], b->stream));
+        for (int r = 0; r < GEMM_TIMED && s == CUBLAS_STATUS_SUCCESS; r++) {
+            if (flush) {
+                k_l2_flush<<<b->n_sms * 4, 512, 0, b->stream>>>(flush, flush_bytes / 16, (unsigned *)(flush + flush_bytes / 16));
+                LAUNCH_CHECK();
+                CUDA_CHECK(cudaEventRecord(ev[2 * r], b->stream));
+            }
             s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, kind);
-        CUDA_CHECK(cudaEventRecord(b->tune->ev[1], b->stream));
-        CUDA_CHECK(cudaEventSynchronize(b->tune->ev[1]));
+            if (flush) CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], b->stream));
+            runs++;
+        }
+        if (!flush) CUDA_CHECK(cudaEventRecord(ev[1], b->stream));
+        CUDA_CHECK(cudaEventSynchronize(flush ? ev[2 * runs - 1] : ev[1]));
         if (s != CUBLAS_STATUS_SUCCESS) {
             kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d: candidate %d failed (%s), skipped", n, in, out, i,
                     cublasGetStatusString(s));
             continue;
         }
-        CUDA_CHECK(cudaEventElapsedTime(&ms[i], b->tune->ev[0], b->tune->ev[1]));
-        ms[i] /= GEMM_TIMED;
+        if (flush) {
+            /* the median run: a run now and then takes 2-3x as long (H100), which would decide a mean */
+            float e[GEMM_TIMED];
+            for (int r = 0; r < runs; r++) CUDA_CHECK(cudaEventElapsedTime(&e[r], ev[2 * r], ev[2 * r + 1]));
+            for (int r = 1; r < runs; r++)
+                for (int q = r; q > 0 && e[q] < e[q - 1]; q--) {
+                    const float tmp = e[q];
+                    e[q] = e[q - 1];
+                    e[q - 1] = tmp;
+                }
+            ms[i] = e[runs / 2];
+        } else {
+            CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[0], ev[1]));
+            ms[i] /= (float)runs;
+        }
         if (best < 0 || ms[i] < ms[best]) best = i;
+    }
+    if (flush) {
+        CUDA_CHECK(cudaStreamSynchronize(b->stream));
+        CUDA_CHECK(cudaFree(flush));
     }
     /* the first pick stays unless another is clearly faster (timing noise is about 1%) */
     int pick = 0;
