@@ -24,7 +24,7 @@
  * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
- * the automatic decode kernel and with kinds 3 and 4 forced (kvs_cuda_set_dec_attn).
+ * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  */
 #include <math.h>
@@ -458,9 +458,10 @@ int main(int argc, char **argv)
                         w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
             /* attention alone (all layers) at forced split counts vs the automatic choice: with the
              * automatic decode kernel, then with kinds 3 (one-warp tensor-core blocks, 3 tiles in
-             * flight) and 4 (the FlashAttention-2-style 4-warp blocks) forced */
+             * flight), 4 (the FlashAttention-2-style 4-warp blocks, the copy engine staging the KV)
+             * and 5 (the same with cp.async staging) forced */
             if (attn_variants) {
-                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4};
+                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4, 5};
                 for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
                     kvs_cuda_set_dec_attn(b, kinds[ki]);
                     if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");

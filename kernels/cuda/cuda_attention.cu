@@ -39,6 +39,8 @@
  * (acc, max, sum) in split order. Everything is deterministic for a given launch shape.
  */
 #include <climits>
+#include <cuda.h> /* CUtensorMap (types only: the encoder is reached through the runtime) */
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -82,6 +84,10 @@ struct at_args {
     float scale;
     float *out, *part;            /* part: [n][n_heads][n_splits][hd + 2] (acc..., max, sum) */
     bf16 *outh;                   /* NULL, or the bf16 copy of out (the o projection's input) */
+    /* k_attn_fd<HD, false, true> only: the K and V pools as 2D tensors [rows][hd] for the TMA
+     * (16 rows x 64 columns a box, 128-byte swizzle); a __grid_constant__ parameter there */
+    CUtensorMap tm_k, tm_v;
+    long long kv_rows;            /* host side: rows of hd elements in each of kc, vc (the maps' extent) */
 };
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src_bytes)
@@ -1015,8 +1021,9 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
 #define FD_WARPS 4
 #define FD_TILE (FD_WARPS * AT_TILE) /* keys per block tile: warp w computes keys 32w .. 32w + 31 */
 
-template <int HD, bool ROT> struct fd_cfg {
-    static constexpr int KST = HD + 8;                        /* K/V row stride (bf16), as k_attn_tc */
+template <int HD, bool ROT, bool TMA = false> struct fd_cfg {
+    static constexpr int KST = TMA ? HD : HD + 8;             /* K/V row stride (bf16): k_attn_tc's padded
+                                                               * rows, or the TMA's dense swizzled boxes */
     static constexpr int OST = HD + 8;                        /* merge rows (floats): +8 banks a row keeps
                                                                * the float2 stores conflict-free */
     static constexpr size_t sub_elems = (size_t)AT_TILE * KST; /* one warp's K (or V) buffer */
@@ -1027,7 +1034,10 @@ template <int HD, bool ROT> struct fd_cfg {
      * unrotated q fragments (the same in every warp: HD / 16 x 4 words a lane) */
     static constexpr size_t rt_off = ko_off + (size_t)FD_WARPS * AT_TILE * sizeof(int);
     static constexpr size_t q0_off = rt_off + (ROT ? (size_t)FD_WARPS * HD * sizeof(float) : 0);
-    static constexpr size_t smem = q0_off + (ROT ? (size_t)HD / 16 * 4 * 32 * sizeof(uint32_t) : 0);
+    /* TMA: a K and a V mbarrier per warp */
+    static constexpr size_t mb_off = q0_off + (ROT ? (size_t)HD / 16 * 4 * 32 * sizeof(uint32_t) : 0);
+    /* TMA: + 1 KB so that the buffers can start on a 1 KB boundary (the 128-byte swizzle's period) */
+    static constexpr size_t smem = mb_off + (TMA ? (size_t)FD_WARPS * 2 * sizeof(uint64_t) + 1024 : 0);
 };
 
 /* cos and sin of the backward rotation by o into cs_sn (hd floats: [hd/2] cos, then [hd/2] sin),
@@ -1109,6 +1119,114 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
     }
 }
 
+/* ---- k_attn_fd's TMA staging (head_dim 64 / 128 / 256, blocks of a multiple of 16 slots) ----
+ * The copy engine moves each 16-slot half of a warp's 32-key sub-tile as HD / 64 boxes of 16 rows x
+ * 64 columns (2 KB), completing on the buffer's mbarrier: 4 requests of 2 KB for a K sub-tile at
+ * head_dim 128 instead of 512 16-byte cp.async. Dense rows of 256 bytes would put the 8 rows of an
+ * ldmatrix phase in the same banks, so the boxes are written with the 128-byte swizzle: 16-byte
+ * chunk c of row r sits at chunk c ^ (r & 7) of its 128-byte row, and qk_tc_sw / pv_tile_sw read
+ * through the same permutation (conflict-free). The buffers start on a 1 KB boundary, so the
+ * hardware's swizzle (address bits 4-6 ^ 7-9) is that of the row index. Keys that are not read
+ * are still copied (whole boxes): their scores are masked, and their V rows zeroed after the copy
+ * lands (0 x garbage could be NaN).
+ * Measured (H100, attention of all layers, same call, 2026-11-23T05:35Z and 05:50Z): this build of
+ * k_attn_fd reads the KV at 2.99 TB/s at batch 32 x 8K (11.49 ms; the previous commit's 11.88, A/B
+ * in one call), 128 x 1K 6.00 ms (6.28), 8 x 32K 11.56 (11.98), with the TMA staging (kind 4)
+ * and with cp.async (kind 5) alike: the gain is this build's, not the copy engine's. What in it
+ * makes the cp.async path faster is not isolated: not __grid_constant__ alone, not the larger
+ * parameter block alone, not the order of the commit and the next lookup (each measured as slow as
+ * before), and the PTX of k_attn_fd<128, false, false> is that of the previous commit but for two
+ * parameter loads. Loads alone (no QK / PV), 16-byte cp.async read 2.93 TB/s, 4 KB bulk copies
+ * 3.03. The deferred-RoPE kernel (k_attn_fd<HD, true, false>) did not get faster (0.74 ms at the
+ * attnbench shape). */
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t *mb)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_u32(mb)) : "memory");
+}
+
+/* waits for the phase of parity `parity` of mb to complete */
+__device__ __forceinline__ void mbar_wait(uint64_t *mb, unsigned parity)
+{
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(mb)), "r"(parity)
+                     : "memory");
+}
+
+/* element offset of (row r < 32, column d) in a swizzled sub-tile buffer */
+template <int HD>
+__device__ __forceinline__ int sw_off(int r, int d)
+{
+    return (((r >> 4) * (HD / 64) + (d >> 6)) * 16 + (r & 15)) * 64 + ((((d & 63) >> 3) ^ (r & 7)) << 3) + (d & 7);
+}
+
+/* The sub-tile that m describes (both 16-slot halves, rows base0 / HD and base1 / HD of the pool
+ * tensor), one warp: lane 0 arms mb with the bytes and issues the boxes. Every lane first orders its
+ * earlier accesses to dst (ldmatrix reads, zero fills) before the copy engine's writes. */
+template <int HD>
+__device__ __forceinline__ void fd_issue_tma(const CUtensorMap *map, const tile_meta &m, bf16 *dst, uint64_t *mb)
+{
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(mb)),
+                     "r"((unsigned)(AT_TILE * HD * sizeof(bf16)))
+                     : "memory");
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = (int)((h ? m.base1 : m.base0) / HD);
+#pragma unroll
+            for (int b = 0; b < HD / 64; b++)
+                asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+                                 smem_u32(dst + (h * (HD / 64) + b) * 16 * 64)),
+                             "l"(map), "r"(b * 64), "r"(row), "r"(smem_u32(mb))
+                             : "memory");
+        }
+    }
+}
+
+/* qk_tc on a swizzled K sub-tile (one m-tile) */
+template <int HD>
+__device__ __forceinline__ void qk_tc_sw(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane)
+{
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[0][j][e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int r = j * 8 + g; /* B[k = dim][n = key]: key r, dims 2t, 2t + 1 of each 8-dim chunk */
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const uint32_t b0 = *(const uint32_t *)(tk + sw_off<HD>(r, ks * 16 + 2 * t));
+            const uint32_t b1 = *(const uint32_t *)(tk + sw_off<HD>(r, ks * 16 + 8 + 2 * t));
+            mma_bf16(s[0][j], qa[0][ks], b0, b1);
+        }
+    }
+}
+
+/* pv_tile on a swizzled V sub-tile (one m-tile) */
+template <int HD>
+__device__ __forceinline__ void pv_tile_sw(const bf16 *tv, const uint32_t (*pa)[2][4], float (*o)[HD / 8][4], int lane)
+{
+    const int mi = lane >> 3, ri = lane & 7;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd += 2) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, tv + sw_off<HD>(kk * 16 + ri + (mi & 1) * 8, (nd + (mi >> 1)) * 8));
+            mma_bf16(o[0][nd], pa[0][kk], b[0], b[1]);
+            mma_bf16(o[0][nd + 1], pa[0][kk], b[2], b[3]);
+        }
+}
+
 /* k_attn_fd<128, true>'s resident blocks the compiler must plan registers for (0: none, its own
  * choice). ptxas -v, sm_90a: k_attn_fd<128, false> 168 registers (3 blocks a SM, as its shared
  * memory allows); <128, true> on its own 174 registers, no spills (2 blocks a SM), or at 3: 168
@@ -1119,12 +1237,16 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
 #define FD_ROT_MIN_BLOCKS 0
 #endif
 
-template <int HD, bool ROT>
-__global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_BLOCKS : 0) k_attn_fd(at_args a)
+template <int HD, bool ROT, bool TMA>
+__global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_BLOCKS : 0)
+    k_attn_fd(const __grid_constant__ at_args a)
 {
-    typedef fd_cfg<HD, ROT> C;
+    static_assert(!(TMA && ROT), "k_attn_fd: the TMA staging is for keys without rotation offsets");
+    typedef fd_cfg<HD, ROT, TMA> C;
     constexpr int KST = C::KST, OST = C::OST;
-    extern __shared__ __align__(16) unsigned char smraw[];
+    extern __shared__ __align__(16) unsigned char smdyn[];
+    /* TMA: everything from a 1 KB boundary (the swizzle's period; C::smem has the slack) */
+    unsigned char *smraw = TMA ? smdyn + ((1024u - (smem_u32(smdyn) & 1023u)) & 1023u) : smdyn;
 
     /* Blocks in launch order (x fastest, then y) take the KV heads of one sequence, then the next
      * sequence: the grid is (tiles, KV heads, splits) as for every attention launch, renumbered so
@@ -1142,6 +1264,15 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
                                                             * ROT) or KEY_PAD */
     float *rtab = (float *)(smraw + C::rt_off) + warp * HD; /* ROT: this warp's cos, sin table */
     uint32_t *sq0 = (uint32_t *)(smraw + C::q0_off);        /* ROT: the unrotated q fragments */
+    uint64_t *mbk = (uint64_t *)(smraw + C::mb_off) + warp * 2, *mbv = mbk + 1; /* TMA: K and V copies */
+    if constexpr (TMA) {
+        if (lane == 0) {
+            mbar_init(mbk);
+            mbar_init(mbv);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncwarp();
+    }
     const int split = blockIdx.z;
     const int qs = a.q_start[s];
     const int pos0 = a.pos[s];  /* the row's position: keys 0 .. pos0 are visible */
@@ -1169,7 +1300,8 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
     grid_dep_wait();
     if (nsub > 0) {
         ko[lane] = cur.info;
-        fd_issue<HD>(a, a.kc, cur, wk);
+        if constexpr (TMA) fd_issue_tma<HD>(&a.tm_k, cur, wk, mbk);
+        else fd_issue<HD>(a, a.kc, cur, wk);
     }
     cp_async_commit();
 
@@ -1202,12 +1334,20 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
 
     for (int i = 0; i < nsub; i++) {
         const int kb = kw + i * FD_TILE;
-        fd_issue<HD>(a, a.vc, cur, wv); /* V_i: its buffer was freed by the end of iteration i - 1 */
-        cp_async_commit();
-        cp_async_wait<1>(); /* K_i has landed (V_i may still be in flight) */
+        const bool vzero = TMA && cur.info == KEY_PAD; /* TMA: lane's V row of this sub-tile is zeroed */
+        if constexpr (TMA) {
+            fd_issue_tma<HD>(&a.tm_v, cur, wv, mbv); /* V_i */
+            mbar_wait(mbk, i & 1);                  /* K_i has landed */
+        } else {
+            fd_issue<HD>(a, a.vc, cur, wv); /* V_i: its buffer was freed by the end of iteration i - 1 */
+            cp_async_commit();
+            cp_async_wait<1>(); /* K_i has landed (V_i may still be in flight) */
+        }
         __syncwarp();
         float sc[1][4][4];
-        if constexpr (!ROT) {
+        if constexpr (TMA) {
+            qk_tc_sw<HD>(wk, qa, sc, lane);
+        } else if constexpr (!ROT) {
             qk_tc<HD, 1>(wk, qa, sc, lane);
         } else {
             /* k_attn_tc's design, per warp: inside a document every read key of the sub-tile has
@@ -1240,14 +1380,31 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
         __syncwarp(); /* every lane is done with K_i and its key info */
         if (i + 1 < nsub) {
             ko[lane] = nxt.info;
-            fd_issue<HD>(a, a.kc, nxt, wk); /* K_{i+1} flies while this warp waits for V_i and does PV */
+            /* K_{i+1} flies while this warp waits for V_i and does PV */
+            if constexpr (TMA) fd_issue_tma<HD>(&a.tm_k, nxt, wk, mbk);
+            else fd_issue<HD>(a, a.kc, nxt, wk);
         }
-        cp_async_commit();
         cur = nxt;
         nxt = lookup(i + 2);
-        cp_async_wait<1>(); /* V_i has landed (K_{i+1} may still be in flight) */
-        __syncwarp();
-        pv_tile<HD, 1>(wv, KST, pa, o, lane); /* O += P . V_i */
+        if constexpr (TMA) {
+            mbar_wait(mbv, i & 1); /* V_i has landed */
+            if (vzero) {
+                /* a key that is not read: its V row (whatever the pool holds there) becomes zeros */
+#pragma unroll
+                for (int b = 0; b < HD / 64; b++) {
+                    uint4 *row = (uint4 *)(wv + (((lane >> 4) * (HD / 64) + b) * 16 + (lane & 15)) * 64);
+#pragma unroll
+                    for (int c = 0; c < 8; c++) row[c] = make_uint4(0, 0, 0, 0);
+                }
+            }
+            __syncwarp();
+            pv_tile_sw<HD>(wv, pa, o, lane); /* O += P . V_i */
+        } else {
+            cp_async_commit();
+            cp_async_wait<1>(); /* V_i has landed (K_{i+1} may still be in flight) */
+            __syncwarp();
+            pv_tile<HD, 1>(wv, KST, pa, o, lane); /* O += P . V_i */
+        }
         __syncwarp(); /* every lane is done with V_i before V_{i+1} is issued into its buffer */
     }
     cp_async_wait<0>(); /* only empty groups are left; none may write into the merge area */
@@ -1435,8 +1592,49 @@ static void launch_tc_dec(at_args &x, int n_tiles, int max_ctx, cudaStream_t st,
     }
 }
 
-/* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately */
-template <int HD, bool ROT>
+/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library);
+ * NULL where the driver has none */
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void)
+{
+    static int done = 0;
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    if (!done) {
+        done = 1;
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            (void)cudaGetLastError();
+        if (!fn) kvs_log(KVS_LOG_WARN, "cuda attention: no cuTensorMapEncodeTiled in the driver; decode KV staged with cp.async");
+    }
+    return fn;
+}
+
+/* the K and V pools of x as TMA tensors [kv_rows][hd] (boxes of 16 rows x 64 columns, 128-byte
+ * swizzle); false when the driver cannot encode them (the caller stages with cp.async) */
+static bool fd_tma_maps(at_args &x, int hd)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 enc = tma_encoder();
+    if (!enc || x.kv_rows <= 0 || x.kv_rows > 0xffffffffLL) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)hd, (cuuint64_t)x.kv_rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)hd * sizeof(bf16)};
+    const cuuint32_t box[2] = {64, 16}, es[2] = {1, 1};
+    const bf16 *pools[2] = {x.kc, x.vc};
+    CUtensorMap *maps[2] = {&x.tm_k, &x.tm_v};
+    for (int i = 0; i < 2; i++)
+        if (enc(maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)pools[i], dims, strides, box, es,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+            return false;
+    return true;
+}
+
+/* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately; TMA:
+ * staged by the copy engine (k_attn_fd's TMA section), which the caller asks for only without
+ * rotation offsets, head_dim >= 64 and blocks of a multiple of 16 slots */
+template <int HD, bool ROT, bool TMA>
 static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
@@ -1454,11 +1652,11 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
         if (ns > 16) ns = 16; /* batch 1 x 8K / 32K: 16 splits 0.68 / 1.79 ms, 32: 0.73 / 1.85 */
         force = ns < 1 ? 1 : (int)ns;
     }
-    launch_kernel(k_attn_fd<HD, ROT>, FD_WARPS * 32, fd_cfg<HD, ROT>::smem, &resident, x, n_tiles, max_ctx, st, n_sms,
-                  ws_floats, n, HD, force, FD_TILE);
+    launch_kernel(k_attn_fd<HD, ROT, TMA>, FD_WARPS * 32, fd_cfg<HD, ROT, TMA>::smem, &resident, x, n_tiles, max_ctx,
+                  st, n_sms, ws_floats, n, HD, force, FD_TILE);
 }
 
-static int valid_dec_kind(int k) { return k == 0 || k == 2 || k == 3 || k == 4; }
+static int valid_dec_kind(int k) { return k == 0 || (k >= 2 && k <= 5); }
 
 /* which kernel takes decode rows: `forced` (kvs_cuda_set_dec_attn) if it is a kind, else
  * KVS_CUDA_DEC_ATTN = 0 (CUDA cores), 2 or 3 (tensor cores, one warp a block, that many tiles in
@@ -1489,11 +1687,15 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
         int k = dec_kind(kind_forced);
         /* k_attn_fd: groups of up to 16 heads (one m-tile), head_dim 64 / 128 / 256 */
         constexpr bool fd_hd = HD == 64 || HD == 128 || HD == 256;
-        if (k == 4 && (!fd_hd || x.G > 16)) k = 3;
+        if ((k == 4 || k == 5) && (!fd_hd || x.G > 16)) k = 3;
         if constexpr (fd_hd) {
-            if (k == 4) {
-                if (x.rot) launch_fd<HD, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
-                else launch_fd<HD, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+            if (k == 4 || k == 5) {
+                /* kind 4: the copy engine stages the KV where it can (no rotation offsets, blocks of
+                 * a multiple of 16 slots); kind 5: cp.async always (comparisons, tests) */
+                if (x.rot) launch_fd<HD, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                else if (k == 4 && x.bs % 16 == 0 && fd_tma_maps(x, HD))
+                    launch_fd<HD, false, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                else launch_fd<HD, false, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
                 return;
             }
         }
@@ -1546,6 +1748,7 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     x.scale = a->scale;
     x.out = a->out;
     x.outh = a->outh;
+    x.kv_rows = (long long)(a->kv_elems / (size_t)a->hd);
     x.part = ws;
     const size_t ws_floats = ws_bytes / sizeof(float);
     for (int pass = 0; pass < 2; pass++) {

@@ -18,6 +18,7 @@
 struct kvs_cu_attn {
     const float *q;               /* [n][n_heads][hd] fp32 */
     const __nv_bfloat16 *kc, *vc; /* one layer's cache [n_blocks][n_kv][bs][hd] */
+    size_t kv_elems;              /* elements in each of kc, vc (n_blocks x n_kv x bs x hd) */
     const int32_t *q_start, *pos, *bt, *rot, *valid; /* device metadata (rot, valid may be NULL) */
     const float *inv_freq;        /* [hd / 2], needed when rot != NULL */
     const int32_t *words;         /* NULL, or packed (block, offset << 11 | valid) pairs (backend.h) */
@@ -34,8 +35,8 @@ int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim);
 
 /* Enqueues the attention on `stream`. ws (ws_bytes) holds split partials. n_splits_force > 0
  * forces that many context splits per launch (benchmark comparisons); 0 = automatic.
- * dec_kind_force 0 / 2 / 3 / 4 forces the decode kernel as KVS_CUDA_DEC_ATTN does (4 only where
- * that kernel takes the launch); -1 = KVS_CUDA_DEC_ATTN, else automatic. */
+ * dec_kind_force 0 / 2 / 3 / 4 / 5 forces the decode kernel as KVS_CUDA_DEC_ATTN does (4 and 5
+ * only where k_attn_fd takes the launch); -1 = KVS_CUDA_DEC_ATTN, else automatic. */
 void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,
                       int n_splits_force, int dec_kind_force);
 

@@ -1447,6 +1447,8 @@ static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.q = (const float *)q->d;
     a.kc = (const bf16 *)kc->d;
     a.vc = (const bf16 *)vc->d;
+    KVS_ASSERT(kc->n == vc->n);
+    a.kv_elems = kc->n;
     a.q_start = (const int32_t *)m->q_start->d;
     a.pos = (const int32_t *)m->pos->d;
     a.bt = (const int32_t *)m->block_tables->d;

@@ -779,6 +779,28 @@ static void test_attention_case(const struct attn_case *ac)
     check(what, &kc, 1e-2);
     snprintf(what, sizeof what, "kv_write n=%d kv_heads=%d hd=%d bs=%d (V cache)", n, nkv, hd, bs);
     check(what, &vc, 1e-2);
+    /* Slots no query may read hold NaN on the GPU while the attention runs: the tails of the
+     * sequences' last blocks and the spare blocks (a kernel that read one, or multiplied its V by a
+     * zero probability, would give NaN); restored after (kv_copy_block checks the whole cache). */
+    {
+        float *nanv = kvs_xmalloc((size_t)nkv * bs * hd * sizeof(float));
+        for (size_t i = 0; i < (size_t)nkv * bs * hd; i++) nanv[i] = NAN;
+        for (int s = 0; s < S; s++) {
+            const int ctx = ac->pos[s] + ac->ntok[s], nb = (ctx + bs - 1) / bs, tail = ctx % bs;
+            if (tail == 0) continue;
+            const int blk = bt[s * max_blocks + nb - 1];
+            for (int h = 0; h < nkv; h++) {
+                const size_t off = (((size_t)blk * nkv + h) * bs + tail) * hd, cnt = (size_t)(bs - tail) * hd;
+                G->upload(bg, kc.g, off, nanv, cnt);
+                G->upload(bg, vc.g, off, nanv, cnt);
+            }
+        }
+        for (int i = used; i < n_blocks; i++) {
+            G->upload(bg, kc.g, (size_t)perm[i] * nkv * bs * hd, nanv, (size_t)nkv * bs * hd);
+            G->upload(bg, vc.g, (size_t)perm[i] * nkv * bs * hd, nanv, (size_t)nkv * bs * hd);
+        }
+        free(nanv);
+    }
 
     float *qv = rand_vec((size_t)n * nh * hd, 1.0f, 0);
     float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
@@ -824,6 +846,23 @@ static void test_attention_case(const struct attn_case *ac)
         expect_same(what, a1, a2, (size_t)n * od);
         free(a1); free(a2); free(ov); free(host);
         dropw(&ow); drop(&y1); drop(&y2); drop(&out2);
+    }
+
+    /* the poisoned slots back to their values (never written since: no step token lands there) */
+    for (int s = 0; s < S; s++) {
+        const int ctx = ac->pos[s] + ac->ntok[s], nb = (ctx + bs - 1) / bs, tail = ctx % bs;
+        if (tail == 0) continue;
+        const int blk = bt[s * max_blocks + nb - 1];
+        for (int h = 0; h < nkv; h++) {
+            const size_t off = (((size_t)blk * nkv + h) * bs + tail) * hd, cnt = (size_t)(bs - tail) * hd;
+            G->upload(bg, kc.g, off, kv0 + off, cnt);
+            G->upload(bg, vc.g, off, vv0 + off, cnt);
+        }
+    }
+    for (int i = used; i < n_blocks; i++) {
+        const size_t off = (size_t)perm[i] * nkv * bs * hd, cnt = (size_t)nkv * bs * hd;
+        G->upload(bg, kc.g, off, kv0 + off, cnt);
+        G->upload(bg, vc.g, off, vv0 + off, cnt);
     }
 
     /* kv_copy_block: copy a used block over a spare one, both caches compared whole */
@@ -883,13 +922,16 @@ static void test_attention(void)
     /* the automatic context split, and forced 1 and 3 splits (the merge of partials); first with the
      * automatic decode kernel, then with the FlashAttention-2-style one forced (kind 4, also the
      * automatic choice where it applies: the decode rows of cases with G <= 16 and head_dim 64 / 128
-     * / 256, with rot offsets on k_attn_fd<HD, true>; the others fall back) */
-    static const int splits[] = {0, 1, 3}, kinds[] = {-1, 4};
-    for (int ki = 0; ki < 2; ki++) {
+     * / 256, staged by the copy engine without rot offsets and with blocks of 16 slots, with rot
+     * offsets on k_attn_fd<HD, true, false>; the others fall back), then with its cp.async staging
+     * forced (kind 5) */
+    static const int splits[] = {0, 1, 3}, kinds[] = {-1, 4, 5};
+    for (int ki = 0; ki < 3; ki++) {
         kvs_cuda_set_dec_attn(bg, kinds[ki]);
         for (int si = 0; si < 3; si++) {
             kvs_cuda_set_attn_splits(bg, splits[si]);
-            printf("attention, decode kernel: %s, context splits: %s\n", kinds[ki] < 0 ? "auto" : "4 (forced)",
+            printf("attention, decode kernel: %s, context splits: %s\n",
+                   kinds[ki] < 0 ? "auto" : kinds[ki] == 4 ? "4 (forced; TMA staging where it applies)" : "5 (forced; cp.async)",
                    splits[si] ? (splits[si] == 1 ? "1" : "3") : "auto");
             for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_attention_case(&cases[i]);
         }
