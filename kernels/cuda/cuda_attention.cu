@@ -17,13 +17,15 @@
  * Measured on H100 (bench/RESULTS.md): the tensor-core kernel is 7x faster for an 8K prefill;
  * for decode it reads the KV at 2733 GB/s at batch 32 x 8K (the CUDA-core kernel: 2552), where
  * the CUDA-core kernel was bound by its shared-memory reads (each warp re-reads the whole tile).
- * k_attn_fd reads the KV at 2.89 TB/s at batch 32 x 8K (the one-warp kernel: 2.82).
- * KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / one-warp tensor-core blocks
- * with 2 or 3 tiles in flight), for comparisons; 4 (the default where it applies) k_attn_fd.
+ * k_attn_fd reads the KV at 2.99 TB/s at batch 32 x 8K (2026-11-23T05:59Z; the one-warp kernel:
+ * 2.82). KVS_CUDA_DEC_ATTN=0 / 2 / 3 forces the decode kernel (CUDA cores / one-warp tensor-core
+ * blocks with 2 or 3 tiles in flight), for comparisons; 4 (the default where it applies)
+ * k_attn_fd, its KV staged by the copy engine (TMA) without rotation offsets; 5 k_attn_fd with
+ * cp.async staging always.
  * kvs_cuda_set_dec_attn() forces the same per backend.
  *
  * Both kernels stream K/V in tiles of 32 keys from the paged cache into shared memory with
- * cp.async, two tiles in flight. Slots past the visible range or in the unused tail of a cached
+ * cp.async (k_attn_fd: or the TMA, its own section), two tiles in flight. Slots past the visible range or in the unused tail of a cached
  * document's block (block_valid) are zero-filled by the copy and never read from memory; the
  * loader also records each key's rotation offset (or KEY_PAD) in shared memory, so masks and
  * rotation runs never wait on a global load in the compute loop.
