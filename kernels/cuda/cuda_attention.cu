@@ -669,10 +669,15 @@ __device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 
  * QK pass per distinct offset, each key keeping the scores of its own offset's pass. myoff: lane
  * l's key offset (KEY_PAD: not read), ko: every key's; rotate(o) rotates qa backward by o (the
  * kernels keep the unrotated fragments in different places). Shared by k_attn_tc and k_attn_fd. */
-template <int HD, int MT, typename Rotate>
+template <int HD>
+__device__ __forceinline__ void qk_tc_sw(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane);
+
+/* SW: tk is a swizzled sub-tile of k_attn_fd's TMA staging (one m-tile), read by qk_tc_sw */
+template <int HD, int MT, bool SW = false, typename Rotate>
 __device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int myoff, int &cur_rot, Rotate rotate,
                                              uint32_t (*qa)[HD / 16][4], float (*sc)[4][4], int lane)
 {
+    static_assert(!SW || MT == 1, "qk_by_offset: swizzled tiles have one m-tile");
     const int t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -688,7 +693,8 @@ __device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int 
             cur_rot = ofs;
         }
         float sr[MT][4][4];
-        qk_tc<HD, MT>(tk, qa, sr, lane);
+        if constexpr (SW) qk_tc_sw<HD>(tk, qa, sr, lane);
+        else qk_tc<HD, MT>(tk, qa, sr, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -1121,7 +1127,8 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
     }
 }
 
-/* ---- k_attn_fd's TMA staging (head_dim 64 / 128 / 256, blocks of a multiple of 16 slots) ----
+/* ---- k_attn_fd's TMA staging (head_dim 64 / 128 / 256, blocks of a multiple of 16 slots, with or
+ * without rotation offsets) ----
  * The copy engine moves each 16-slot half of a warp's 32-key sub-tile as HD / 64 boxes of 16 rows x
  * 64 columns (2 KB), completing on the buffer's mbarrier: 4 requests of 2 KB for a K sub-tile at
  * head_dim 128 instead of 512 16-byte cp.async. Dense rows of 256 bytes would put the 8 rows of an
@@ -1139,8 +1146,10 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
  * parameter block alone, not the order of the commit and the next lookup (each measured as slow as
  * before), and the PTX of k_attn_fd<128, false, false> is that of the previous commit but for two
  * parameter loads. Loads alone (no QK / PV), 16-byte cp.async read 2.93 TB/s, 4 KB bulk copies
- * 3.03. The deferred-RoPE kernel (k_attn_fd<HD, true, false>) did not get faster (0.74 ms at the
- * attnbench shape). */
+ * 3.03. Launches with rotation offsets (cached documents) take the TMA staging too (their QK passes
+ * read the swizzled tile: qk_by_offset<..., SW>): with cp.async they had not become faster (0.74 ms
+ * at `kvserve-attnbench --device cuda --ctx 32768 --batch 16 --rows 128 --reps 50`, +3.7..+4.6%
+ * over the ordinary kernel); with it 0.713-0.722 ms, -0.07..+0.44% (06:16Z). */
 __device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void mbar_init(uint64_t *mb)
@@ -1243,7 +1252,6 @@ template <int HD, bool ROT, bool TMA>
 __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_BLOCKS : 0)
     k_attn_fd(const __grid_constant__ at_args a)
 {
-    static_assert(!(TMA && ROT), "k_attn_fd: the TMA staging is for keys without rotation offsets");
     typedef fd_cfg<HD, ROT, TMA> C;
     constexpr int KST = C::KST, OST = C::OST;
     extern __shared__ __align__(16) unsigned char smdyn[];
@@ -1347,17 +1355,20 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
         }
         __syncwarp();
         float sc[1][4][4];
-        if constexpr (TMA) {
-            qk_tc_sw<HD>(wk, qa, sc, lane);
-        } else if constexpr (!ROT) {
-            qk_tc<HD, 1>(wk, qa, sc, lane);
+        /* QK on the staged K: swizzled boxes (TMA) or padded rows (cp.async) */
+        auto qk_fd = [&]() {
+            if constexpr (TMA) qk_tc_sw<HD>(wk, qa, sc, lane);
+            else qk_tc<HD, 1>(wk, qa, sc, lane);
+        };
+        if constexpr (!ROT) {
+            qk_fd();
         } else {
             /* k_attn_tc's design, per warp: inside a document every read key of the sub-tile has
              * the offset qa is rotated by. Lane l's key info is still in cur (the lookup of this
              * sub-tile), so the check is one vote on a register. */
             const int myoff = cur.info;
             if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-                qk_tc<HD, 1>(wk, qa, sc, lane);
+                qk_fd();
             } else {
                 const int first = __shfl_sync(FULL, myoff, __ffs((int)__ballot_sync(FULL, myoff != KEY_PAD)) - 1);
                 if (__all_sync(FULL, myoff == first || myoff == KEY_PAD)) {
@@ -1365,11 +1376,11 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
                     rot_table_warp(rtab, HD, first, a.inv_freq);
                     rotate_frags_sm<HD>(sq0, rtab, lane, qa);
                     cur_rot = first;
-                    qk_tc<HD, 1>(wk, qa, sc, lane);
+                    qk_fd();
                 } else {
                     /* a document boundary inside the sub-tile (blocks or documents not a multiple
                      * of 32 keys): one pass per distinct offset */
-                    qk_by_offset<HD, 1>(wk, ko, myoff, cur_rot, [&](int ofs) {
+                    qk_by_offset<HD, 1, TMA>(wk, ko, myoff, cur_rot, [&](int ofs) {
                         rot_table_warp(rtab, HD, ofs, a.inv_freq);
                         rotate_frags_sm<HD>(sq0, rtab, lane, qa);
                     }, qa, sc, lane);
@@ -1634,8 +1645,8 @@ static bool fd_tma_maps(at_args &x, int hd)
 }
 
 /* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately; TMA:
- * staged by the copy engine (k_attn_fd's TMA section), which the caller asks for only without
- * rotation offsets, head_dim >= 64 and blocks of a multiple of 16 slots */
+ * staged by the copy engine (k_attn_fd's TMA section), which the caller asks for only with
+ * blocks of a multiple of 16 slots */
 template <int HD, bool ROT, bool TMA>
 static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
@@ -1692,11 +1703,12 @@ static void launch_hd(at_args &x, bool prefill, int n_tiles, int max_ctx, cudaSt
         if ((k == 4 || k == 5) && (!fd_hd || x.G > 16)) k = 3;
         if constexpr (fd_hd) {
             if (k == 4 || k == 5) {
-                /* kind 4: the copy engine stages the KV where it can (no rotation offsets, blocks of
-                 * a multiple of 16 slots); kind 5: cp.async always (comparisons, tests) */
-                if (x.rot) launch_fd<HD, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
-                else if (k == 4 && x.bs % 16 == 0 && fd_tma_maps(x, HD))
-                    launch_fd<HD, false, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                /* kind 4: the copy engine stages the KV where it can (blocks of a multiple of 16
+                 * slots); kind 5: cp.async always (comparisons, tests) */
+                const bool tma = k == 4 && x.bs % 16 == 0 && fd_tma_maps(x, HD);
+                if (x.rot && tma) launch_fd<HD, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                else if (x.rot) launch_fd<HD, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+                else if (tma) launch_fd<HD, false, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
                 else launch_fd<HD, false, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
                 return;
             }

@@ -49,8 +49,8 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
 /* Forces the decode attention kernel (tests, benchmark comparisons): 0 CUDA cores, 2 / 3 tensor
  * cores with one warp a block and 2 / 3 K/V tiles in flight, 4 the FlashAttention-2-style 4-warp
- * kernel, its KV staged by the copy engine (TMA) where it can (no rotation offsets, blocks of a
- * multiple of 16 slots), 5 the same kernel staged with cp.async always (4 and 5: decode launches of
+ * kernel, its KV staged by the copy engine (TMA) where it can (blocks of a multiple of 16
+ * slots), 5 the same kernel staged with cp.async always (4 and 5: decode launches of
  * at most 16 query heads per KV head, head_dim 64 / 128 / 256, with or without rotation offsets;
  * others keep the automatic choice); -1 (or any other value) restores the default:
  * KVS_CUDA_DEC_ATTN if set, else automatic. */

@@ -7,8 +7,8 @@
  * with the FlashAttention-2-style one forced (kvs_cuda_set_dec_attn 4; it is also the automatic
  * choice): it takes the decode rows, k_attn_fd<64, true> those with rotation offsets (documents of
  * 1, 15, 16, 17 and 300 keys in blocks of 16: offsets that change inside its 32-key sub-tiles and
- * 128-key tiles, valid masks) and k_attn_fd<64, false, TMA> the eager-key ones (with the copy
- * engine's staging, then, kind 5, with cp.async); prefill rows take the prefill kernel. */
+ * 128-key tiles, valid masks) and k_attn_fd<64, false, TMA> the eager-key ones (both with the
+ * copy engine's staging, then, kind 5, with cp.async); prefill rows take the prefill kernel. */
 #define LAZY_ATTN_NO_MAIN
 #include "tests/unit/test_lazy_attn.c"
 
@@ -25,7 +25,7 @@ int main(void)
            "prefill + decode; worst rel-L2 %.2e: ok\n", worst);
     kvs_cuda_set_dec_attn(be, 4);
     worst = run_all_cases(o, be, 1e-2);
-    printf("cuda, decode kernel 4 forced (eager-key rows staged by the copy engine): the same cases; worst rel-L2 "
+    printf("cuda, decode kernel 4 forced (decode rows staged by the copy engine): the same cases; worst rel-L2 "
            "%.2e: ok\n", worst);
     kvs_cuda_set_dec_attn(be, 5);
     worst = run_all_cases(o, be, 1e-2);

@@ -922,9 +922,8 @@ static void test_attention(void)
     /* the automatic context split, and forced 1 and 3 splits (the merge of partials); first with the
      * automatic decode kernel, then with the FlashAttention-2-style one forced (kind 4, also the
      * automatic choice where it applies: the decode rows of cases with G <= 16 and head_dim 64 / 128
-     * / 256, staged by the copy engine without rot offsets and with blocks of 16 slots, with rot
-     * offsets on k_attn_fd<HD, true, false>; the others fall back), then with its cp.async staging
-     * forced (kind 5) */
+     * / 256, staged by the copy engine with blocks of 16 slots, with or without rot offsets; the
+     * others fall back), then with its cp.async staging forced (kind 5) */
     static const int splits[] = {0, 1, 3}, kinds[] = {-1, 4, 5};
     for (int ki = 0; ki < 3; ki++) {
         kvs_cuda_set_dec_attn(bg, kinds[ki]);
