@@ -5,7 +5,7 @@
  * suffix prefill and a decode row). K/V are stored in bf16 on the GPU, so the tolerance is the
  * bf16 one of STRATEGIES.md: rel-L2 <= 1e-2. Run twice: with the automatic decode kernel, then
  * with the FlashAttention-2-style one forced (kvs_cuda_set_dec_attn 4; it is also the automatic
- * choice): it takes the decode rows, k_attn_fd<64, true> those with rotation offsets (documents of
+ * choice): it takes the decode rows, k_attn_fd<64, true, TMA> those with rotation offsets (documents of
  * 1, 15, 16, 17 and 300 keys in blocks of 16: offsets that change inside its 32-key sub-tiles and
  * 128-key tiles, valid masks) and k_attn_fd<64, false, TMA> the eager-key ones (both with the
  * copy engine's staging, then, kind 5, with cp.async); prefill rows take the prefill kernel. */
