@@ -641,24 +641,48 @@ __device__ __forceinline__ void rotate_frags(const uint32_t (*q0)[HD / 16][4], c
             }
 }
 
-/* S^T for the warp's rows against the 32 keys of a tile: s[mt][n-tile of 8 keys][4] */
-template <int HD, int MT>
-__device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane)
+template <int MT>
+__device__ __forceinline__ void zero_scores(float (*s)[4][4])
 {
-    constexpr int KST = HD + 8;
-    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[mt][j][e] = 0.0f;
+}
+
+/* element offset of (row r < 32, column d) in a swizzled sub-tile buffer of k_attn_fd's TMA
+ * staging (its section below): 16-row x 64-column boxes, 16-byte chunk c of row r at c ^ (r & 7) */
+template <int HD>
+__device__ __forceinline__ int sw_off(int r, int d)
+{
+    return (((r >> 4) * (HD / 64) + (d >> 6)) * 16 + (r & 15)) * 64 + ((((d & 63) >> 3) ^ (r & 7)) << 3) + (d & 7);
+}
+
+/* element (row r, column d) of a staged 32-row K or V tile: padded rows of kst elements, or (SW)
+ * the TMA's swizzled boxes */
+template <int HD, bool SW>
+__device__ __forceinline__ const bf16 *tile_at(const bf16 *tile, int kst, int r, int d)
+{
+    return SW ? tile + sw_off<HD>(r, d) : tile + r * kst + d;
+}
+
+/* S^T for the warp's rows against the 32 keys of a tile: s[mt][n-tile of 8 keys][4]; SW: the tile
+ * is swizzled (tile_at) */
+template <int HD, int MT, bool SW = false>
+__device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane)
+{
+    constexpr int KST = HD + 8;
+    const int g = lane >> 2, t = lane & 3;
+    zero_scores<MT>(s);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        const bf16 *kr = tk + (j * 8 + g) * KST + 2 * t; /* B[k = dim][n = key]: key j*8+g, dims 2t, 2t+1 */
+        const int r = j * 8 + g; /* B[k = dim][n = key]: key r, dims 2t, 2t + 1 of each 8-dim chunk */
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ks++) {
-            uint32_t b0 = *(const uint32_t *)(kr + ks * 16), b1 = *(const uint32_t *)(kr + ks * 16 + 8);
+            const uint32_t b0 = *(const uint32_t *)tile_at<HD, SW>(tk, KST, r, ks * 16 + 2 * t);
+            const uint32_t b1 = *(const uint32_t *)tile_at<HD, SW>(tk, KST, r, ks * 16 + 8 + 2 * t);
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) mma_bf16(s[mt][j], qa[mt][ks], b0, b1);
         }
@@ -668,23 +692,14 @@ __device__ __forceinline__ void qk_tc(const bf16 *tk, const uint32_t (*qa)[HD / 
 /* S for a tile whose read keys carry several rotation offsets (a document boundary inside it): one
  * QK pass per distinct offset, each key keeping the scores of its own offset's pass. myoff: lane
  * l's key offset (KEY_PAD: not read), ko: every key's; rotate(o) rotates qa backward by o (the
- * kernels keep the unrotated fragments in different places). Shared by k_attn_tc and k_attn_fd. */
-template <int HD>
-__device__ __forceinline__ void qk_tc_sw(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane);
-
-/* SW: tk is a swizzled sub-tile of k_attn_fd's TMA staging (one m-tile), read by qk_tc_sw */
+ * kernels keep the unrotated fragments in different places); SW: a swizzled tile (tile_at). Shared
+ * by k_attn_tc and k_attn_fd. */
 template <int HD, int MT, bool SW = false, typename Rotate>
 __device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int myoff, int &cur_rot, Rotate rotate,
                                              uint32_t (*qa)[HD / 16][4], float (*sc)[4][4], int lane)
 {
-    static_assert(!SW || MT == 1, "qk_by_offset: swizzled tiles have one m-tile");
     const int t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) sc[mt][j][e] = 0.0f;
+    zero_scores<MT>(sc);
     unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
     while (todo) {
         const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
@@ -693,8 +708,7 @@ __device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int 
             cur_rot = ofs;
         }
         float sr[MT][4][4];
-        if constexpr (SW) qk_tc_sw<HD>(tk, qa, sr, lane);
-        else qk_tc<HD, MT>(tk, qa, sr, lane);
+        qk_tc<HD, MT, SW>(tk, qa, sr, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
@@ -770,10 +784,10 @@ __device__ __forceinline__ void softmax_tile(float (*sc)[4], const int *ko, int 
     }
 }
 
-/* O += P . V for MT m-tiles against the 32 staged V rows of tv (row stride kst): V fragments
- * through ldmatrix.trans, two 8-dim n-tiles per load; masked keys carry probability 0 and
- * zero-filled V. Shared by k_attn_tc and k_attn_fd. */
-template <int HD, int MT>
+/* O += P . V for MT m-tiles against the 32 staged V rows of tv (row stride kst, or SW: swizzled,
+ * tile_at): V fragments through ldmatrix.trans, two 8-dim n-tiles per load; masked keys carry
+ * probability 0 and zero-filled V. Shared by k_attn_tc and k_attn_fd. */
+template <int HD, int MT, bool SW = false>
 __device__ __forceinline__ void pv_tile(const bf16 *tv, int kst, const uint32_t (*pa)[2][4], float (*o)[HD / 8][4],
                                         int lane)
 {
@@ -783,7 +797,7 @@ __device__ __forceinline__ void pv_tile(const bf16 *tv, int kst, const uint32_t 
 #pragma unroll
         for (int nd = 0; nd < HD / 8; nd += 2) {
             uint32_t b[4];
-            ldsm_x4_trans(b, tv + (kk * 16 + ri + (mi & 1) * 8) * kst + (nd + (mi >> 1)) * 8);
+            ldsm_x4_trans(b, tile_at<HD, SW>(tv, kst, kk * 16 + ri + (mi & 1) * 8, (nd + (mi >> 1)) * 8));
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 mma_bf16(o[mt][nd], pa[mt][kk], b[0], b[1]);
@@ -1133,8 +1147,8 @@ __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, con
  * 64 columns (2 KB), completing on the buffer's mbarrier: 4 requests of 2 KB for a K sub-tile at
  * head_dim 128 instead of 512 16-byte cp.async. Dense rows of 256 bytes would put the 8 rows of an
  * ldmatrix phase in the same banks, so the boxes are written with the 128-byte swizzle: 16-byte
- * chunk c of row r sits at chunk c ^ (r & 7) of its 128-byte row, and qk_tc_sw / pv_tile_sw read
- * through the same permutation (conflict-free). The buffers start on a 1 KB boundary, so the
+ * chunk c of row r sits at chunk c ^ (r & 7) of its 128-byte row, and qk_tc / pv_tile read
+ * through the same permutation (tile_at, SW) (conflict-free). The buffers start on a 1 KB boundary, so the
  * hardware's swizzle (address bits 4-6 ^ 7-9) is that of the row index. Keys that are not read
  * are still copied (whole boxes): their scores are masked, and their V rows zeroed after the copy
  * lands (0 x garbage could be NaN).
@@ -1169,13 +1183,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t *mb, unsigned parity)
                      : "memory");
 }
 
-/* element offset of (row r < 32, column d) in a swizzled sub-tile buffer */
-template <int HD>
-__device__ __forceinline__ int sw_off(int r, int d)
-{
-    return (((r >> 4) * (HD / 64) + (d >> 6)) * 16 + (r & 15)) * 64 + ((((d & 63) >> 3) ^ (r & 7)) << 3) + (d & 7);
-}
-
 /* The sub-tile that m describes (both 16-slot halves, rows base0 / HD and base1 / HD of the pool
  * tensor), one warp: lane 0 arms mb with the bytes and issues the boxes. Every lane first orders its
  * earlier accesses to dst (ldmatrix reads, zero fills) before the copy engine's writes. */
@@ -1199,43 +1206,6 @@ __device__ __forceinline__ void fd_issue_tma(const CUtensorMap *map, const tile_
                              : "memory");
         }
     }
-}
-
-/* qk_tc on a swizzled K sub-tile (one m-tile) */
-template <int HD>
-__device__ __forceinline__ void qk_tc_sw(const bf16 *tk, const uint32_t (*qa)[HD / 16][4], float (*s)[4][4], int lane)
-{
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[0][j][e] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const int r = j * 8 + g; /* B[k = dim][n = key]: key r, dims 2t, 2t + 1 of each 8-dim chunk */
-#pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++) {
-            const uint32_t b0 = *(const uint32_t *)(tk + sw_off<HD>(r, ks * 16 + 2 * t));
-            const uint32_t b1 = *(const uint32_t *)(tk + sw_off<HD>(r, ks * 16 + 8 + 2 * t));
-            mma_bf16(s[0][j], qa[0][ks], b0, b1);
-        }
-    }
-}
-
-/* pv_tile on a swizzled V sub-tile (one m-tile) */
-template <int HD>
-__device__ __forceinline__ void pv_tile_sw(const bf16 *tv, const uint32_t (*pa)[2][4], float (*o)[HD / 8][4], int lane)
-{
-    const int mi = lane >> 3, ri = lane & 7;
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++)
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; nd += 2) {
-            uint32_t b[4];
-            ldsm_x4_trans(b, tv + sw_off<HD>(kk * 16 + ri + (mi & 1) * 8, (nd + (mi >> 1)) * 8));
-            mma_bf16(o[0][nd], pa[0][kk], b[0], b[1]);
-            mma_bf16(o[0][nd + 1], pa[0][kk], b[2], b[3]);
-        }
 }
 
 /* k_attn_fd<128, true>'s resident blocks the compiler must plan registers for (0: none, its own
@@ -1354,21 +1324,16 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
             cp_async_wait<1>(); /* K_i has landed (V_i may still be in flight) */
         }
         __syncwarp();
-        float sc[1][4][4];
-        /* QK on the staged K: swizzled boxes (TMA) or padded rows (cp.async) */
-        auto qk_fd = [&]() {
-            if constexpr (TMA) qk_tc_sw<HD>(wk, qa, sc, lane);
-            else qk_tc<HD, 1>(wk, qa, sc, lane);
-        };
+        float sc[1][4][4]; /* QK on the staged K: swizzled boxes (TMA) or padded rows (cp.async) */
         if constexpr (!ROT) {
-            qk_fd();
+            qk_tc<HD, 1, TMA>(wk, qa, sc, lane);
         } else {
             /* k_attn_tc's design, per warp: inside a document every read key of the sub-tile has
              * the offset qa is rotated by. Lane l's key info is still in cur (the lookup of this
              * sub-tile), so the check is one vote on a register. */
             const int myoff = cur.info;
             if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-                qk_fd();
+                qk_tc<HD, 1, TMA>(wk, qa, sc, lane);
             } else {
                 const int first = __shfl_sync(FULL, myoff, __ffs((int)__ballot_sync(FULL, myoff != KEY_PAD)) - 1);
                 if (__all_sync(FULL, myoff == first || myoff == KEY_PAD)) {
@@ -1376,7 +1341,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
                     rot_table_warp(rtab, HD, first, a.inv_freq);
                     rotate_frags_sm<HD>(sq0, rtab, lane, qa);
                     cur_rot = first;
-                    qk_fd();
+                    qk_tc<HD, 1, TMA>(wk, qa, sc, lane);
                 } else {
                     /* a document boundary inside the sub-tile (blocks or documents not a multiple
                      * of 32 keys): one pass per distinct offset */
@@ -1410,14 +1375,12 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
                     for (int c = 0; c < 8; c++) row[c] = make_uint4(0, 0, 0, 0);
                 }
             }
-            __syncwarp();
-            pv_tile_sw<HD>(wv, pa, o, lane); /* O += P . V_i */
         } else {
             cp_async_commit();
             cp_async_wait<1>(); /* V_i has landed (K_{i+1} may still be in flight) */
-            __syncwarp();
-            pv_tile<HD, 1>(wv, KST, pa, o, lane); /* O += P . V_i */
         }
+        __syncwarp();
+        pv_tile<HD, 1, TMA>(wv, KST, pa, o, lane); /* O += P . V_i */
         __syncwarp(); /* every lane is done with V_i before V_{i+1} is issued into its buffer */
     }
     cp_async_wait<0>(); /* only empty groups are left; none may write into the merge area */

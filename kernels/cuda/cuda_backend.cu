@@ -991,8 +991,8 @@ static void gemm_ex(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n,
 }
 
 /* The cuBLASLt description of the same product (the column-major view of gemm_ex): A = W with op
- * T, B = x, C = D = y (fp32, or bf16 for GEMM_BF16), fp32 accumulation and scale. Initialised in place (no allocation), so it
- * can be rebuilt on every call. */
+ * T, B = x, C = D = y (fp32, or bf16 for GEMM_BF16), fp32 accumulation and scale. Initialised in
+ * place (no allocation), so it can be rebuilt on every call. */
 struct gemm_lt_desc {
     cublasLtMatmulDescOpaque_t op;
     cublasLtMatrixLayoutOpaque_t a, b, c;
@@ -1094,13 +1094,13 @@ static struct gemm_plan *gemm_plan_slot(struct kvs_backend *b, int n, int in, in
 
 /* Times the candidates of d on the given operands, writing y (which the caller may overwrite:
  * its own output, or a scratch), and stores the pick in the free slot p under the key. Keeps the
- * heuristic's first pick unless another takes at most GEMM_MIN_GAIN of its time. Each timed run
- * starts with the weight out of the L2 (a read of twice the L2's size before it), as in a decode
- * step, which streams every weight from memory once: timed back to back, a weight that fits the
- * L2 (k/v projections, 8 MB in the 8B models) would be read from there, and the pick would suit
- * a GEMM that never happens; a candidate's time is its median run. Without the scratch for that
- * (no device memory), runs are timed back to back (their mean). Synchronises the stream: never while it is being captured. Returns 0, or
- * -ENOENT when cuBLASLt has no algorithm for the shape (p stays free). */
+ * heuristic's first pick unless another takes at most GEMM_MIN_GAIN of its time; a candidate's
+ * time is its median run. Each timed run starts with the weight out of the L2 (a read of twice
+ * the L2's size before it), as in a decode step, which streams every weight from memory once:
+ * timed back to back, a weight that fits the L2 (k/v projections, 8 MB in the 8B models) would be
+ * read from there, and the pick would suit a GEMM that never happens (without device memory for
+ * the flush, the runs follow each other). Synchronises the stream: never while it is being
+ * captured. Returns 0, or -ENOENT when cuBLASLt has no algorithm for the shape (p stays free). */
 static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_plan *p, int n, int in, int out,
                      enum gemm_out kind, int align, const bf16 *xh, const bf16 *w, void *y)
 {
@@ -1123,39 +1123,32 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
         k_spin<<<1, 1, 0, b->stream>>>(GEMM_SPIN_NS);
         LAUNCH_CHECK();
         int runs = 0;
-        if (!flush) CUDA_CHECK(cudaEventRecord(ev[0], b->stream));
         for (int r = 0; r < GEMM_TIMED && s == CUBLAS_STATUS_SUCCESS; r++) {
             if (flush) {
                 k_l2_flush<<<b->n_sms * 4, 512, 0, b->stream>>>(flush, flush_bytes / 16, (unsigned *)(flush + flush_bytes / 16));
                 LAUNCH_CHECK();
-                CUDA_CHECK(cudaEventRecord(ev[2 * r], b->stream));
             }
+            CUDA_CHECK(cudaEventRecord(ev[2 * r], b->stream));
             s = gemm_lt_run(b, d, &res[i].algo, xh, w, y, kind);
-            if (flush) CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], b->stream));
+            CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], b->stream));
             runs++;
         }
-        if (!flush) CUDA_CHECK(cudaEventRecord(ev[1], b->stream));
-        CUDA_CHECK(cudaEventSynchronize(flush ? ev[2 * runs - 1] : ev[1]));
+        if (runs > 0) CUDA_CHECK(cudaEventSynchronize(ev[2 * runs - 1]));
         if (s != CUBLAS_STATUS_SUCCESS) {
             kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d: candidate %d failed (%s), skipped", n, in, out, i,
                     cublasGetStatusString(s));
             continue;
         }
-        if (flush) {
-            /* the median run: a run now and then takes 2-3x as long (H100), which would decide a mean */
-            float e[GEMM_TIMED];
-            for (int r = 0; r < runs; r++) CUDA_CHECK(cudaEventElapsedTime(&e[r], ev[2 * r], ev[2 * r + 1]));
-            for (int r = 1; r < runs; r++)
-                for (int q = r; q > 0 && e[q] < e[q - 1]; q--) {
-                    const float tmp = e[q];
-                    e[q] = e[q - 1];
-                    e[q - 1] = tmp;
-                }
-            ms[i] = e[runs / 2];
-        } else {
-            CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[0], ev[1]));
-            ms[i] /= (float)runs;
-        }
+        /* the median run: a run now and then takes 2-3x as long (H100), which would decide a mean */
+        float e[GEMM_TIMED];
+        for (int r = 0; r < runs; r++) CUDA_CHECK(cudaEventElapsedTime(&e[r], ev[2 * r], ev[2 * r + 1]));
+        for (int r = 1; r < runs; r++)
+            for (int q = r; q > 0 && e[q] < e[q - 1]; q--) {
+                const float tmp = e[q];
+                e[q] = e[q - 1];
+                e[q - 1] = tmp;
+            }
+        ms[i] = e[runs / 2];
         if (best < 0 || ms[i] < ms[best]) best = i;
     }
     if (flush) {
@@ -1194,7 +1187,7 @@ static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n,
         } else if (p && !gemm_capturing(b)) {
             /* the timing overwrites its output: y itself, unless y must be added to */
             const int acc = kind == GEMM_F32_ACC;
-            float *yt = acc ? (float *)dev_alloc((size_t)n * out * sizeof(float)) : (float *)y;
+            void *yt = acc ? dev_alloc((size_t)n * out * sizeof(float)) : y;
             if (yt) {
                 if (acc) CUDA_CHECK(cudaMemsetAsync(yt, 0, (size_t)n * out * sizeof(float), b->stream));
                 if (gemm_tune(b, &d, p, n, in, out, kind, align, xh, w, yt) == 0) algo = &p->algo;

@@ -727,6 +727,32 @@ struct attn_case {
     int use_rot;
 };
 
+/* Uploads into the GPU caches kc, vc the slots no query of case ac reads: the tails of each
+ * sequence's last block (block table bt, row stride max_blocks) and the n_spare blocks spare[].
+ * The values come from k, v: at the slot's own offset (indexed 1: whole caches), or from their
+ * start (indexed 0: one block's worth, e.g. all NaN). */
+static void upload_unread_slots(const struct attn_case *ac, const int32_t *bt, int max_blocks, const int32_t *spare,
+                                int n_spare, struct pair *kc, struct pair *vc, const float *k, const float *v,
+                                int indexed)
+{
+    const int nkv = ac->n_kv, bs = ac->bs, hd = ac->hd;
+    for (int s = 0; s < ac->n_seqs; s++) {
+        const int ctx = ac->pos[s] + ac->ntok[s], nb = (ctx + bs - 1) / bs, tail = ctx % bs;
+        if (tail == 0) continue;
+        const int blk = bt[s * max_blocks + nb - 1];
+        for (int h = 0; h < nkv; h++) {
+            const size_t off = (((size_t)blk * nkv + h) * bs + tail) * hd, cnt = (size_t)(bs - tail) * hd;
+            G->upload(bg, kc->g, off, indexed ? k + off : k, cnt);
+            G->upload(bg, vc->g, off, indexed ? v + off : v, cnt);
+        }
+    }
+    for (int i = 0; i < n_spare; i++) {
+        const size_t off = (size_t)spare[i] * nkv * bs * hd, cnt = (size_t)nkv * bs * hd;
+        G->upload(bg, kc->g, off, indexed ? k + off : k, cnt);
+        G->upload(bg, vc->g, off, indexed ? v + off : v, cnt);
+    }
+}
+
 static void test_attention_case(const struct attn_case *ac)
 {
     char what[200];
@@ -782,25 +808,9 @@ static void test_attention_case(const struct attn_case *ac)
     /* Slots no query may read hold NaN on the GPU while the attention runs: the tails of the
      * sequences' last blocks and the spare blocks (a kernel that read one, or multiplied its V by a
      * zero probability, would give NaN); restored after (kv_copy_block checks the whole cache). */
-    {
-        float *nanv = kvs_xmalloc((size_t)nkv * bs * hd * sizeof(float));
-        for (size_t i = 0; i < (size_t)nkv * bs * hd; i++) nanv[i] = NAN;
-        for (int s = 0; s < S; s++) {
-            const int ctx = ac->pos[s] + ac->ntok[s], nb = (ctx + bs - 1) / bs, tail = ctx % bs;
-            if (tail == 0) continue;
-            const int blk = bt[s * max_blocks + nb - 1];
-            for (int h = 0; h < nkv; h++) {
-                const size_t off = (((size_t)blk * nkv + h) * bs + tail) * hd, cnt = (size_t)(bs - tail) * hd;
-                G->upload(bg, kc.g, off, nanv, cnt);
-                G->upload(bg, vc.g, off, nanv, cnt);
-            }
-        }
-        for (int i = used; i < n_blocks; i++) {
-            G->upload(bg, kc.g, (size_t)perm[i] * nkv * bs * hd, nanv, (size_t)nkv * bs * hd);
-            G->upload(bg, vc.g, (size_t)perm[i] * nkv * bs * hd, nanv, (size_t)nkv * bs * hd);
-        }
-        free(nanv);
-    }
+    float *nanv = kvs_xmalloc((size_t)nkv * bs * hd * sizeof(float));
+    for (size_t i = 0; i < (size_t)nkv * bs * hd; i++) nanv[i] = NAN;
+    upload_unread_slots(ac, bt, max_blocks, perm + used, n_blocks - used, &kc, &vc, nanv, nanv, 0);
 
     float *qv = rand_vec((size_t)n * nh * hd, 1.0f, 0);
     float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
@@ -849,21 +859,8 @@ static void test_attention_case(const struct attn_case *ac)
     }
 
     /* the poisoned slots back to their values (never written since: no step token lands there) */
-    for (int s = 0; s < S; s++) {
-        const int ctx = ac->pos[s] + ac->ntok[s], nb = (ctx + bs - 1) / bs, tail = ctx % bs;
-        if (tail == 0) continue;
-        const int blk = bt[s * max_blocks + nb - 1];
-        for (int h = 0; h < nkv; h++) {
-            const size_t off = (((size_t)blk * nkv + h) * bs + tail) * hd, cnt = (size_t)(bs - tail) * hd;
-            G->upload(bg, kc.g, off, kv0 + off, cnt);
-            G->upload(bg, vc.g, off, vv0 + off, cnt);
-        }
-    }
-    for (int i = used; i < n_blocks; i++) {
-        const size_t off = (size_t)perm[i] * nkv * bs * hd, cnt = (size_t)nkv * bs * hd;
-        G->upload(bg, kc.g, off, kv0 + off, cnt);
-        G->upload(bg, vc.g, off, vv0 + off, cnt);
-    }
+    upload_unread_slots(ac, bt, max_blocks, perm + used, n_blocks - used, &kc, &vc, kv0, vv0, 1);
+    free(nanv);
 
     /* kv_copy_block: copy a used block over a spare one, both caches compared whole */
     int src = bt[0], dst = perm[n_blocks - 1];
