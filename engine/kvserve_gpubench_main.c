@@ -13,10 +13,12 @@
  * for its last row; prints ms, tokens/s and TFLOP/s.
  *
  * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
- *                         [--iters 20] [--layers 32] [--block-size 16] [--breakdown] [--attn-variants]
+ *                         [--iters 20] [--layers 32] [--block-size 16] [--no-fuse] [--breakdown] [--attn-variants]
  *                         [--gemm-sweep 1,8,16] [--markdown FILE]
  * --block-size sets the KV block size in tokens (kv.block_size; 16 by default); --verbose logs at
- * debug level (the CUDA backend's timing of each GEMM shape's cuBLASLt candidates).
+ * debug level (the CUDA backend's timing of each GEMM shape's cuBLASLt candidates). The runner
+ * lays each layer's q/k/v and gate/up side by side (fuse_weights), and so does the benchmark;
+ * --no-fuse keeps them apart (one GEMM per projection above the decode GEMM's rows).
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
@@ -233,7 +235,7 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -246,10 +248,11 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
+        else if (!strcmp(argv[i], "--no-fuse")) fuse = 0;
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--verbose] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
                             "[--markdown FILE]\n", argv[0]);
             return 2;
         }
@@ -302,6 +305,12 @@ int main(int argc, char **argv)
      * decode graphs' row counts (every layer has layer 0's shapes) */
     const struct kvs_dweight *shapes[] = {L[0].wq, L[0].wk, L[0].wo, L[0].wg, L[0].wd, B->head};
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) kvs_cuda_pretune(b, shapes[i]);
+    /* and what the runner does after a layer's uploads: q/k/v and gate/up side by side */
+    for (int l = 0; l < n_layers && fuse; l++) {
+        struct kvs_dweight *qkv[3] = {L[l].wq, L[l].wk, L[l].wv}, *gu[2] = {L[l].wg, L[l].wu};
+        if (O->fuse_weights(b, qkv, 3) || O->fuse_weights(b, gu, 2))
+            kvs_panic(__FILE__, __LINE__, "fuse_weights failed (out of device memory?)");
+    }
     double w_bytes = (double)n_layers * 2.0 * ((double)DIM * DIM * 2 + 2.0 * NKV * HD * DIM + 3.0 * FF * DIM) +
                      2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
     double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */

@@ -167,6 +167,15 @@ static int load_weights(struct kvs_runner *r, const struct kvs_model *m, char *e
         }
         if (c->qk_norm && (!L->q_norm || !L->k_norm))
             return kvs_err(err, errlen, -ENOENT, "runner: layer %d lacks q_norm/k_norm", l);
+        /* q/k/v and gate/up side by side in memory, so a batch runs one GEMM for each group
+         * (backend.h); an optimisation only: a backend that cannot keeps them apart */
+        if (r->ops->fuse_weights) {
+            struct kvs_dweight *qkv[3] = {L->wq, L->wk, L->wv}, *gu[2] = {L->w_gate, L->w_up};
+            const int a = r->ops->fuse_weights(r->be, qkv, 3), g = r->ops->fuse_weights(r->be, gu, 2);
+            if ((a || g) && l == 0)
+                kvs_log(KVS_LOG_WARN, "runner: q/k/v %s, gate/up %s: their GEMMs run separately", a ? strerror(-a) : "fused",
+                        g ? strerror(-g) : "fused");
+        }
     }
     return 0;
 }

@@ -266,6 +266,16 @@ struct kvs_backend_ops {
      * hence independent of the reduction order. */
     void (*argmax_rows)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                         struct kvs_dbuf *out, size_t out_off);
+    /* Optional (NULL: nothing to gain). Lays the n (2 .. 3) matrices w[0..n), all with the same
+     * number of columns, out back to back in one allocation, in that order, so that matmul_multi
+     * (q, k, v) and matmul_swiglu (gate, up) over them can run one GEMM instead of n: at 16-256
+     * rows a projection with few output columns (k and v) leaves most of a GPU idle on its own.
+     * Each w[i] keeps its values and stays a weight like any other for every op; free_weight
+     * frees each as before (the storage goes with the last). Results of the fused ops may then
+     * differ from the separate matmuls' at fp32 rounding level (another GEMM kernel); nothing
+     * else changes. Load time (allocates, copies, synchronises). Returns 0, or a negative errno
+     * (-ENOMEM: no memory for the joint copy; -EINVAL: not fusable) with the weights unchanged. */
+    int (*fuse_weights)(struct kvs_backend *b, struct kvs_dweight *const *w, int n);
 };
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index

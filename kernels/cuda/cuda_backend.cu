@@ -89,12 +89,20 @@ struct kvs_dbuf {
     void *d;                      /* device memory: float (ACT, F32), int32 (I32), bf16 (KV) */
 };
 
+/* The device storage of matrices laid out back to back by fuse_weights: each of them points into
+ * it, and the last one freed frees it. */
+struct wstore {
+    bf16 *base;
+    int refs;
+};
+
 struct kvs_dweight {
     struct kvs_dweight *prev, *next; /* the backend's list of live weights */
     int64_t rows, cols;           /* a vector has rows = 1 */
     int is_vector;                /* 1: fp32 vector in f; 0: bf16 matrix [rows][cols] in h */
     float *f;
-    bf16 *h;
+    bf16 *h;                      /* its own cudaMalloc, or (store != NULL) a slice of store->base */
+    struct wstore *store;         /* fused storage shared with its neighbours (fuse_weights), or NULL */
 };
 
 struct kvs_graph {
@@ -121,13 +129,20 @@ struct kvs_graph {
                                               * sizes; prefill chunks and mixed steps vary their row
                                               * count every step, are compute bound (the first pick
                                               * does well there), and timing each would stall them */
-#define GEMM_CANDIDATES 16                   /* heuristic results timed */
+#define GEMM_HEURISTIC 16                    /* heuristic results asked for */
+#define GEMM_SPLITK_BASES 4                  /* unsplit candidates given split-K variants (the first
+                                              * ones in the heuristic's order that support it) */
+#define GEMM_CANDIDATES 64                   /* candidates timed at most: the heuristic's and the
+                                              * split-K variants (gemm_splitk_variants) */
 #define GEMM_WARMUP 2
 #define GEMM_TIMED 5
 #define GEMM_SPIN_NS 100000                  /* the stream waits while the timed runs are queued */
 #define GEMM_MIN_GAIN 0.98f                  /* another pick must take <= 98% of the first's time */
 #define GEMM_PRETUNE_SHAPES 256              /* weight shapes remembered as pre-tuned */
 #define GEMM_PRETUNE_SCRATCH ((size_t)256 << 20) /* x + y scratch of one pre-tuned row count, at most */
+#define FUSE_WS_MAX ((size_t)16 << 20)       /* matmul_multi's fp32 output scratch for weights fused by
+                                              * fuse_weights: groups of which GEMM_TUNE_MAX_N rows fit
+                                              * run as one GEMM (q/k/v of the 8B models: 6 MB) */
 
 /* What a cuBLAS(Lt) GEMM writes: y = x W^T in fp32 (ACT), y += x W^T in fp32 (the accumulate
  * GEMM), or y = x W^T rounded to bf16 (matmul_swiglu's gate and up, which SwiGLU reads back:
@@ -170,11 +185,15 @@ struct kvs_backend {
                                    * every op that writes a buffer calls xh_forget() on it. */
     size_t xh_n;
     float *attn_ws;               /* ATTN_WS_BYTES */
+    float *fuse_ws;               /* matmul_multi's joint output of fused weights, fuse_cap floats
+                                   * (FUSE_WS_MAX bytes, allocated by the first fuse_weights) */
+    size_t fuse_cap;
     void *bounce;                 /* host: BOUNCE_ELEMS fp32, then BOUNCE_ELEMS bf16 */
     cudaEvent_t ev0, ev1;
     cublasLtHandle_t lt;
     int gemm_mode;                /* enum kvs_cuda_gemm: how matmuls that skip the decode GEMM run */
     int gemm_default;             /* gemm_mode at create (KVS_CUDA_GEMM, KVS_CUDA_GEMM_TUNE) */
+    int gemm_splitk;              /* 1: the timing also tries split-K variants (KVS_CUDA_GEMM_SPLITK=0: no) */
     struct gemm_tuning *tune;     /* the timed cuBLASLt picks (see the GEMM section) */
     int skinny_max;               /* matmuls of n <= skinny_max rows use the decode GEMM (cuda_skinny.h),
                                    * larger ones cuBLAS; KVS_CUDA_SKINNY_MAX (0: cuBLAS always) */
@@ -500,11 +519,12 @@ __global__ void k_swiglu(const float *g, const float *u, size_t n, float *out, b
 /* SwiGLU of bf16 gate and up (matmul_swiglu's cuBLAS path), 8 elements a thread: out (fp32) and
  * outh (the bf16 copy the down projection reads). n8 = elements / 8; g, u, out, outh 16-byte
  * aligned. */
-__global__ void k_swiglu_h(const uint4 *g, const uint4 *u, size_t n8, float4 *out, uint4 *outh)
+__global__ void k_swiglu_h(const uint4 *g, const uint4 *u, size_t n8, int ff8, int ld8, float4 *out, uint4 *outh)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
-        const uint4 gw = g[i], uw = u[i];
+        const size_t at = i / (size_t)ff8 * (size_t)ld8 + i % (size_t)ff8; /* row i / ff8 of g and u */
+        const uint4 gw = g[at], uw = u[at];
         const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w}, uv[4] = {uw.x, uw.y, uw.z, uw.w};
         float y[8];
         uint32_t h[4];
@@ -520,6 +540,41 @@ __global__ void k_swiglu_h(const uint4 *g, const uint4 *u, size_t n8, float4 *ou
         out[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
         out[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
         outh[i] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+}
+
+/* matmul_multi over fused weights: the parts of a joint GEMM output src [n][total] (part p: the
+ * columns after those of parts < p) into their own buffers y[p] [n][out[p]], + bias[p] where
+ * given. One block a row; every out[p] is a multiple of 4 (float4 copies). */
+struct split_args {
+    const float *src;
+    int total, n_parts;
+    int out[KVS_SKINNY_MAX_PARTS];
+    float *y[KVS_SKINNY_MAX_PARTS];
+    const float *bias[KVS_SKINNY_MAX_PARTS];
+};
+
+__global__ void k_split_cols(struct split_args a)
+{
+    grid_dep_wait(); /* cuda_launch.h: the GEMM's output is ready */
+    const size_t t = blockIdx.x;
+    const float4 *src = (const float4 *)(a.src + t * (size_t)a.total);
+    for (int p = 0; p < a.n_parts; p++) {
+        const int o4 = a.out[p] / 4;
+        float4 *y = (float4 *)(a.y[p] + t * (size_t)a.out[p]);
+        const float4 *bias = (const float4 *)a.bias[p];
+        for (int i = threadIdx.x; i < o4; i += blockDim.x) {
+            float4 v = src[i];
+            if (bias) {
+                const float4 c = bias[i];
+                v.x += c.x;
+                v.y += c.y;
+                v.z += c.z;
+                v.w += c.w;
+            }
+            y[i] = v;
+        }
+        src += o4;
     }
 }
 
@@ -638,7 +693,7 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 
 /* defined with the GEMMs below */
 static void gemm_tune_report(struct kvs_backend *b);
-static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w);
+static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int64_t cols, unsigned kinds);
 
 static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
 {
@@ -689,10 +744,27 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
         else if (e && *e && strcmp(e, "lt") != 0)
             kvs_log(KVS_LOG_WARN, "cuda: KVS_CUDA_GEMM=%s is neither \"ex\" nor \"lt\"; using cuBLASLt", e);
         b->gemm_mode = b->gemm_default;
+        e = getenv("KVS_CUDA_GEMM_SPLITK");
+        b->gemm_splitk = !(e && strcmp(e, "0") == 0);
     }
     kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
     return b;
+}
+
+/* unlinks and frees one weight: its own memory, or its share of a fused storage (the storage
+ * goes with its last weight) */
+static void weight_release(struct kvs_backend *b, struct kvs_dweight *w)
+{
+    list_del(&b->weights, w);
+    CUDA_CHECK(cudaFree(w->f));
+    if (!w->store) {
+        CUDA_CHECK(cudaFree(w->h));
+    } else if (--w->store->refs == 0) {
+        CUDA_CHECK(cudaFree(w->store->base));
+        free(w->store);
+    }
+    free(w);
 }
 
 static void cu_free(struct kvs_backend *b)
@@ -706,13 +778,8 @@ static void cu_free(struct kvs_backend *b)
         CUDA_CHECK(cudaFree(x->d));
         free(x);
     }
-    while (b->weights) {
-        struct kvs_dweight *w = b->weights;
-        list_del(&b->weights, w);
-        CUDA_CHECK(cudaFree(w->f));
-        CUDA_CHECK(cudaFree(w->h));
-        free(w);
-    }
+    while (b->weights) weight_release(b, b->weights);
+    CUDA_CHECK(cudaFree(b->fuse_ws));
     CUDA_CHECK(cudaFree(b->xh_buf[0]));
     CUDA_CHECK(cudaFree(b->xh_buf[1]));
     CUDA_CHECK(cudaFree(b->attn_ws));
@@ -898,7 +965,8 @@ static struct kvs_dweight *cu_upload_weight(struct kvs_backend *b, const struct 
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
     list_add(&b->weights, w);
     /* decode graphs are captured on first use, where no GEMM can be timed: time them now */
-    if (!w->is_vector) gemm_pretune(b, w);
+    if (!w->is_vector)
+        gemm_pretune(b, w->h, w->rows, w->cols, 1u << GEMM_F32 | (w->rows > w->cols ? 1u << GEMM_BF16 : 0u));
     return w;
 oom:
     kvs_err(err, errlen, -ENOMEM, "cuda: out of device memory for a %lld x %lld weight (%s)", (long long)w->rows,
@@ -911,10 +979,7 @@ static void cu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
 {
     if (!w) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
-    list_del(&b->weights, w);
-    CUDA_CHECK(cudaFree(w->f));
-    CUDA_CHECK(cudaFree(w->h));
-    free(w);
+    weight_release(b, w);
 }
 
 /* ---- ops ---------------------------------------------------------------------------------- */
@@ -1046,6 +1111,71 @@ static int gemm_lt_candidates(struct kvs_backend *b, struct gemm_lt_desc *d, int
     return k;
 }
 
+/* Split-K variants of the first GEMM_SPLITK_BASES candidates in res[0..count) that run unsplit
+ * and support it, appended to res up to max; returns the new count. At 16-256 rows a projection
+ * with few output columns covers few tiles (k/v of the 8B models: 1024 columns, 8-16 tiles of an
+ * H100's 132 SMs), so one weight read is spread over few SMs; splitting the inner dimension
+ * gives each SM a share (PyTorch's cuBLAS runs the k/v GEMM at 128 rows in 7 us with split-K,
+ * our unsplit pick took 11). The heuristic rarely proposes splits itself, so they are timed as
+ * extra candidates. fp32 outputs are reduced in place (the parts added in a fixed order:
+ * deterministic, no extra pass) or through an fp32 workspace; bf16 outputs only through the
+ * fp32 workspace, so the sum is rounded once. */
+static int gemm_splitk_variants(struct kvs_backend *b, struct gemm_lt_desc *d, enum gemm_out kind,
+                                cublasLtMatmulHeuristicResult_t *res, int count, int max)
+{
+    static const uint32_t splits[] = {2, 4, 8, 16};
+    const uint32_t schemes[2] = {CUBLASLT_REDUCTION_SCHEME_INPLACE, CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE};
+    const int base = count;
+    int bases = 0;
+    for (int i = 0; i < base && bases < GEMM_SPLITK_BASES; i++) {
+        size_t sz = 0;
+        int32_t support = 0;
+        uint32_t cur = 1, mask = 0;
+        if (cublasLtMatmulAlgoCapGetAttribute(&res[i].algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support, sizeof support,
+                                              &sz) != CUBLAS_STATUS_SUCCESS || !support)
+            continue;
+        if (cublasLtMatmulAlgoConfigGetAttribute(&res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &cur, sizeof cur,
+                                                 &sz) != CUBLAS_STATUS_SUCCESS || cur > 1)
+            continue;
+        if (cublasLtMatmulAlgoCapGetAttribute(&res[i].algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &mask,
+                                              sizeof mask, &sz) != CUBLAS_STATUS_SUCCESS)
+            continue;
+        bases++;
+        for (int si = 0; si < 2; si++) {
+            const uint32_t scheme = schemes[si];
+            if (!(mask & scheme) || (scheme == CUBLASLT_REDUCTION_SCHEME_INPLACE && kind == GEMM_BF16)) continue;
+            for (size_t k = 0; k < sizeof splits / sizeof splits[0]; k++) {
+                if (count == max) return count;
+                cublasLtMatmulHeuristicResult_t v = res[i];
+                if (cublasLtMatmulAlgoConfigSetAttribute(&v.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits[k],
+                                                         sizeof splits[k]) != CUBLAS_STATUS_SUCCESS ||
+                    cublasLtMatmulAlgoConfigSetAttribute(&v.algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                                         sizeof scheme) != CUBLAS_STATUS_SUCCESS)
+                    continue;
+                /* the check fills in the workspace the variant needs (and leaves v.algo alone) */
+                if (cublasLtMatmulAlgoCheck(b->lt, &d->op, &d->a, &d->b, &d->c, &d->c, &v.algo, &v) !=
+                        CUBLAS_STATUS_SUCCESS ||
+                    v.workspaceSize > BLAS_WS_BYTES)
+                    continue;
+                v.state = CUBLAS_STATUS_SUCCESS;
+                res[count++] = v;
+            }
+        }
+    }
+    return count;
+}
+
+/* the split count of an algorithm (1: unsplit), for the log */
+static unsigned gemm_algo_splits(const cublasLtMatmulAlgo_t *algo)
+{
+    uint32_t k = 1;
+    size_t sz = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &k, sizeof k, &sz) !=
+        CUBLAS_STATUS_SUCCESS)
+        return 1;
+    return k ? k : 1;
+}
+
 /* one cuBLASLt GEMM: y = xh W^T (+ y for GEMM_F32_ACC); returns cuBLASLt's status */
 static cublasStatus_t gemm_lt_run(struct kvs_backend *b, struct gemm_lt_desc *d, const cublasLtMatmulAlgo_t *algo,
                                   const bf16 *xh, const bf16 *w, void *y, enum gemm_out kind)
@@ -1105,8 +1235,10 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
                      enum gemm_out kind, int align, const bf16 *xh, const bf16 *w, void *y)
 {
     cublasLtMatmulHeuristicResult_t res[GEMM_CANDIDATES];
-    int count = gemm_lt_candidates(b, d, align, res, GEMM_CANDIDATES);
+    int count = gemm_lt_candidates(b, d, align, res, GEMM_HEURISTIC);
     if (count == 0) return -ENOENT;
+    const int heuristic = count;
+    if (b->gemm_splitk) count = gemm_splitk_variants(b, d, kind, res, count, GEMM_CANDIDATES);
     int l2 = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, b->device));
     const size_t flush_bytes = (size_t)2 * (size_t)l2 / 16 * 16;
@@ -1166,8 +1298,9 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
     p->differs = pick != 0;
     p->algo = res[pick].algo;
     b->tune->n_plans++;
-    kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d%s: %d candidates, first %.1f us, pick #%d %.1f us", n, in, out,
-            kind == GEMM_F32_ACC ? " (accumulate)" : kind == GEMM_BF16 ? " (bf16 out)" : "", count, ms[0] * 1e3f, pick, ms[pick] * 1e3f);
+    kvs_log(KVS_LOG_DEBUG, "cuda: GEMM %d x %d x %d%s: %d candidates (%d split-K), first %.1f us, pick #%d %.1f us (split %u)",
+            n, in, out, kind == GEMM_F32_ACC ? " (accumulate)" : kind == GEMM_BF16 ? " (bf16 out)" : "", count,
+            count - heuristic, ms[0] * 1e3f, pick, ms[pick] * 1e3f, gemm_algo_splits(&res[pick].algo));
     return 0;
 }
 
@@ -1230,20 +1363,21 @@ static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dw
  * GEMM_TUNE_MAX_N on the weight itself and a random x (the
  * real x is not known yet), outside any graph. Row counts the decode GEMM takes at the default
  * skinny_max are skipped, and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
- * head of a large vocabulary). Weights with more rows than columns (the [ff][dim] gate and up
- * projections; also some models' q projection) are timed with bf16 outputs too, which is how
- * matmul_swiglu runs them. Load time: allocates, synchronises. */
-static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
+ * head of a large vocabulary). kinds: a bit (1 << enum gemm_out) per output kind to time: fp32
+ * for every weight, bf16 too for weights with more rows than columns (the [ff][dim] gate and up
+ * projections, which matmul_swiglu runs with bf16 outputs; also some models' q projection).
+ * w [rows][cols] bf16. Load time: allocates, synchronises. */
+static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int64_t cols, unsigned kinds)
 {
     struct gemm_tuning *t = b->tune;
-    if (b->gemm_mode != KVS_CUDA_GEMM_TUNED || w->is_vector || gemm_capturing(b)) return;
+    if (b->gemm_mode != KVS_CUDA_GEMM_TUNED || gemm_capturing(b)) return;
     for (int i = 0; i < t->n_pretuned; i++)
-        if (t->pretuned[i][0] == w->rows && t->pretuned[i][1] == w->cols) return;
-    if (t->n_pretuned == GEMM_PRETUNE_SHAPES || w->rows > INT_MAX || w->cols > INT_MAX) return;
-    t->pretuned[t->n_pretuned][0] = w->rows;
-    t->pretuned[t->n_pretuned][1] = w->cols;
+        if (t->pretuned[i][0] == rows && t->pretuned[i][1] == cols) return;
+    if (t->n_pretuned == GEMM_PRETUNE_SHAPES || rows > INT_MAX || cols > INT_MAX) return;
+    t->pretuned[t->n_pretuned][0] = rows;
+    t->pretuned[t->n_pretuned][1] = cols;
     t->n_pretuned++;
-    const int in = (int)w->cols, out = (int)w->rows;
+    const int in = (int)cols, out = (int)rows;
     const size_t row_bytes = (size_t)in * sizeof(bf16) + (size_t)out * sizeof(float);
     int max_n = 0;
     for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
@@ -1264,19 +1398,19 @@ static void gemm_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
     k_bf16_fill_random<<<grid_for((size_t)max_n * in, 256), 256, 0, b->stream>>>(x, (size_t)max_n * in, 1.0f, 12345);
     LAUNCH_CHECK();
     int tuned = 0;
-    static const enum gemm_out kinds[2] = {GEMM_F32, GEMM_BF16};
+    static const enum gemm_out order[2] = {GEMM_F32, GEMM_BF16};
     for (int ki = 0; ki < 2; ki++) {
-        const enum gemm_out kind = kinds[ki];
-        if (kind == GEMM_BF16 && out <= in) break;
+        const enum gemm_out kind = order[ki];
+        if (!(kinds & (1u << kind))) continue;
         for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
             const int n = kvs_graph_buckets[i];
             if (n <= b->skinny_default || n > max_n) continue;
-            const int align = gemm_align(x, w->h, y);
+            const int align = gemm_align(x, w, y);
             struct gemm_plan *p = gemm_plan_slot(b, n, in, out, kind, align);
             if (!p || p->n) continue;
             struct gemm_lt_desc d;
             gemm_lt_describe(&d, n, in, out, kind);
-            if (gemm_tune(b, &d, p, n, in, out, kind, align, x, w->h, y) != 0) continue;
+            if (gemm_tune(b, &d, p, n, in, out, kind, align, x, w, y) != 0) continue;
             tuned++;
             t->log_differ += p->differs;
         }
@@ -1300,6 +1434,59 @@ static void gemm_tune_report(struct kvs_backend *b)
             t->log_gemms, t->log_mats, GEMM_TUNE_MAX_N, t->log_s, t->log_differ);
     t->log_mats = t->log_gemms = t->log_differ = 0;
     t->log_s = 0.0;
+}
+
+/* 1 when w[0..n) lie back to back, in order, in one storage of fuse_weights */
+static int weights_adjacent(const struct kvs_dweight *const *w, int n)
+{
+    if (n < 2 || !w[0]->store) return 0;
+    for (int p = 1; p < n; p++)
+        if (w[p]->store != w[0]->store || w[p]->h != w[p - 1]->h + (size_t)(w[p - 1]->rows * w[p - 1]->cols))
+            return 0;
+    return 1;
+}
+
+/* backend.h. The joint copy is made before the parts' own memory is freed (a load-time peak of
+ * one group's size). The joint shape is timed as the ops will run it: fp32 output when
+ * matmul_multi's scratch can hold GEMM_TUNE_MAX_N rows of it (q/k/v), bf16 when it has more
+ * rows than columns (gate/up in matmul_swiglu). */
+static int cu_fuse_weights(struct kvs_backend *b, struct kvs_dweight *const *w, int n)
+{
+    if (n < 2 || n > KVS_SKINNY_MAX_PARTS || gemm_capturing(b)) return -EINVAL;
+    int64_t rows = 0;
+    for (int p = 0; p < n; p++) {
+        if (!w[p] || w[p]->is_vector || w[p]->store || w[p]->cols != w[0]->cols) return -EINVAL;
+        for (int q = 0; q < p; q++)
+            if (w[q] == w[p]) return -EINVAL;
+        rows += w[p]->rows;
+    }
+    const int64_t cols = w[0]->cols;
+    if (rows > INT_MAX || cols > INT_MAX) return -EINVAL;
+    /* the scratch is allocated once, at its full size: a recorded graph may hold its address */
+    const int for_multi = (size_t)GEMM_TUNE_MAX_N * (size_t)rows * sizeof(float) <= FUSE_WS_MAX;
+    if (for_multi && !b->fuse_ws) {
+        b->fuse_ws = (float *)dev_alloc(FUSE_WS_MAX);
+        if (!b->fuse_ws) return -ENOMEM;
+        b->fuse_cap = FUSE_WS_MAX / sizeof(float);
+    }
+    bf16 *base = (bf16 *)dev_alloc((size_t)rows * (size_t)cols * sizeof(bf16));
+    if (!base) return -ENOMEM;
+    struct wstore *st = (struct wstore *)kvs_xcalloc(1, sizeof *st);
+    st->base = base;
+    st->refs = n;
+    CUDA_CHECK(cudaStreamSynchronize(b->stream)); /* the parts are not in use */
+    bf16 *at = base;
+    for (int p = 0; p < n; p++) {
+        const size_t elems = (size_t)(w[p]->rows * cols);
+        CUDA_CHECK(cudaMemcpyAsync(at, w[p]->h, elems * sizeof(bf16), cudaMemcpyDeviceToDevice, b->stream));
+        CUDA_CHECK(cudaStreamSynchronize(b->stream));
+        CUDA_CHECK(cudaFree(w[p]->h));
+        w[p]->h = at;
+        w[p]->store = st;
+        at += elems;
+    }
+    gemm_pretune(b, base, rows, cols, (for_multi ? 1u << GEMM_F32 : 0u) | (rows > cols ? 1u << GEMM_BF16 : 0u));
+    return 0;
 }
 
 /* Decode-sized batches (n <= skinny_max) go to the decode GEMM, which covers every part in one
@@ -1331,6 +1518,31 @@ static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int
             a.y[p] = (float *)y[p]->d;
         }
         CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
+        return;
+    }
+    /* parts laid out back to back (fuse_weights): one GEMM into the scratch, then each part's
+     * columns to its buffer. Decode-sized batches only (the scratch holds GEMM_TUNE_MAX_N rows):
+     * larger ones are compute bound, where separate GEMMs lose nothing. */
+    int total = 0, quads = 1;
+    for (int p = 0; p < n_parts; p++) {
+        total += out[p];
+        quads &= out[p] % 4 == 0;
+    }
+    if (n_parts > 1 && quads && weights_adjacent(w, n_parts) && (size_t)n * total <= b->fuse_cap) {
+        if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+        else gemm_lt(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+        struct split_args a = {};
+        a.src = b->fuse_ws;
+        a.total = total;
+        a.n_parts = n_parts;
+        for (int p = 0; p < n_parts; p++) {
+            if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == out[p]);
+            a.out[p] = out[p];
+            a.y[p] = (float *)y[p]->d;
+            a.bias[p] = bias && bias[p] ? bias[p]->f : NULL;
+        }
+        CUDA_CHECK(kvs_cu_launch(k_split_cols, (unsigned)n, 256, 0, b->stream, a));
+        LAUNCH_CHECK();
         return;
     }
     for (int p = 0; p < n_parts; p++)
@@ -1386,13 +1598,22 @@ static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, co
     KVS_ASSERT((size_t)n * in <= b->xh_cap && up->n >= nn && gate->n >= nn);
     const bf16 *xh = gemm_input(b, x, (size_t)n * in);
     xh_forget(b, up->d);
-    bf16 *gh = (bf16 *)up->d, *uh = gh + nn; /* 16-byte aligned: nn is a multiple of 8 */
-    gemm_blas(b, xh, wg, NULL, n, in, ff, gh, GEMM_BF16);
-    gemm_blas(b, xh, wu, NULL, n, in, ff, uh, GEMM_BF16);
+    /* gate and up in bf16 in the scratch `up` (2 n ff bf16 fit its n ff floats): [n][ff] each, or
+     * with the weights laid out back to back (fuse_weights) one GEMM writes [n][gate ff | up ff] */
+    const struct kvs_dweight *wgu[2] = {wg, wu};
+    const int fused = weights_adjacent(wgu, 2);
+    bf16 *gh = (bf16 *)up->d, *uh = fused ? gh + ff : gh + nn; /* 16-byte aligned: ff is a multiple of 8 */
+    if (fused) {
+        if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, wg->h, n, in, 2 * ff, gh, GEMM_BF16);
+        else gemm_lt(b, xh, wg->h, n, in, 2 * ff, gh, GEMM_BF16);
+    } else {
+        gemm_blas(b, xh, wg, NULL, n, in, ff, gh, GEMM_BF16);
+        gemm_blas(b, xh, wu, NULL, n, in, ff, uh, GEMM_BF16);
+    }
     bf16 *outh = xh_claim(b, gate->d, nn);
     KVS_ASSERT(outh); /* the mirrors are as large as the largest ACT buffer (alloc), gate included */
     CUDA_CHECK(kvs_cu_launch(k_swiglu_h, grid_for(nn / 8, 256), 256, 0, b->stream, (const uint4 *)gh, (const uint4 *)uh,
-                             nn / 8, (float4 *)gate->d, (uint4 *)outh));
+                             nn / 8, ff / 8, fused ? ff / 4 : ff / 8, (float4 *)gate->d, (uint4 *)outh));
     LAUNCH_CHECK();
 }
 
@@ -1594,6 +1815,7 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_matmul_swiglu,
     cu_rope_kv_write,
     cu_argmax_rows,
+    cu_fuse_weights,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */
@@ -1714,7 +1936,8 @@ extern "C" void kvs_cuda_set_gemm(struct kvs_backend *b, int mode)
 
 extern "C" void kvs_cuda_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
 {
-    gemm_pretune(b, w);
+    if (!w->is_vector)
+        gemm_pretune(b, w->h, w->rows, w->cols, 1u << GEMM_F32 | (w->rows > w->cols ? 1u << GEMM_BF16 : 0u));
 }
 
 extern "C" void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,

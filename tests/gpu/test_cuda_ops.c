@@ -13,6 +13,7 @@
  * cublasGemmEx), in and out of a graph capture, and in the accumulate form.
  * Needs a GPU: exits 1 with a message when none.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -495,6 +496,110 @@ static void expect_close(const char *what, const float *a, const float *r, size_
     printf("%s %-58s rel_l2 %.3e (tol %.0e)\n", ok ? "ok  " : "FAIL", what, e, tol);
 }
 
+/* Weights laid out back to back (fuse_weights): matmul_multi over q/k/v and matmul_swiglu over
+ * gate/up run one GEMM for the group from 9 to 256 rows (the separate GEMMs above 256, the decode
+ * GEMM at most 8). Against the CPU composition, and close to the same ops before the fusion (the
+ * joint GEMM may take another cuBLAS kernel); each part alone is still a weight for matmul; the
+ * op refuses what it cannot lay out; freeing the parts one by one releases the storage. */
+static void test_fuse_weights(void)
+{
+    char what[200];
+    kvs_cuda_set_skinny_max(bg, -1); /* the default: 8 */
+    struct { int n, in, q, kv, ff, bias; } cases[] = {{40, 512, 512, 128, 1408, 1}, {128, 1024, 1024, 256, 2816, 0},
+                                                       {256, 256, 256, 64, 688, 0}, {300, 256, 256, 64, 512, 1},
+                                                       {4, 256, 256, 64, 512, 0}, {64, 128, 128, 32, 300, 0}};
+    for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
+        const int n = cases[c].n, in = cases[c].in, ff = cases[c].ff, bias = cases[c].bias;
+        const int outs[3] = {cases[c].q, cases[c].kv, cases[c].kv};
+        float *xv = rand_vec((size_t)n * in, 1.0f, 0);
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv);
+        struct wpair w[3], bs[3];
+        struct pair y[3];
+        float *sep[3];
+        for (int p = 0; p < 3; p++) {
+            float *wv = rand_vec((size_t)outs[p] * in, 0.05f, 0), *bv = rand_vec((size_t)outs[p], 0.5f, 0);
+            w[p] = mkw(wv, outs[p], in, 0, KVS_DTYPE_BF16);
+            bs[p] = mkw(bv, 1, outs[p], 1, KVS_DTYPE_F32);
+            free(wv);
+            free(bv);
+            y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+            C->matmul(bc, x.c, w[p].c, bias ? bs[p].c : NULL, n, in, outs[p], y[p].c);
+        }
+        const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, w[2].g}, *bg3[3] = {bs[0].g, bs[1].g, bs[2].g};
+        struct kvs_dbuf *yg[3] = {y[0].g, y[1].g, y[2].g};
+        G->matmul_multi(bg, x.g, 3, wg, bias ? bg3 : NULL, n, in, outs, yg);
+        for (int p = 0; p < 3; p++) sep[p] = dl(&y[p], (size_t)n * outs[p]);
+        struct kvs_dweight *qkv[3] = {w[0].g, w[1].g, w[2].g};
+        int rc = G->fuse_weights(bg, qkv, 3);
+        kvs_test_checks++;
+        if (rc != 0) { kvs_test_fails++; printf("FAIL fuse_weights q/k/v n=%d: %d\n", n, rc); }
+        rc = G->fuse_weights(bg, qkv, 3); /* already fused: refused, nothing changes */
+        kvs_test_checks++;
+        if (rc != -EINVAL) { kvs_test_fails++; printf("FAIL fuse_weights twice: %d (want -EINVAL)\n", rc); }
+        for (int p = 0; p < 3; p++) poison(&y[p]);
+        G->matmul_multi(bg, x.g, 3, wg, bias ? bg3 : NULL, n, in, outs, yg);
+        for (int p = 0; p < 3; p++) {
+            snprintf(what, sizeof what, "fused matmul_multi part %d n=%d in=%d out=%d bias=%d", p, n, in, outs[p], bias);
+            check(what, &y[p], 1e-2);
+            float *a = dl(&y[p], (size_t)n * outs[p]);
+            snprintf(what, sizeof what, "fused matmul_multi part %d n=%d ~ before fusing", p, n);
+            expect_close(what, a, sep[p], (size_t)n * outs[p], 1e-5);
+            free(a);
+            free(sep[p]);
+        }
+        /* a part alone (k) after the fusion */
+        poison(&y[1]);
+        G->matmul(bg, x.g, w[1].g, bias ? bs[1].g : NULL, n, in, outs[1], y[1].g);
+        snprintf(what, sizeof what, "matmul of a fused part n=%d out=%d", n, outs[1]);
+        check(what, &y[1], 1e-2);
+
+        /* gate/up */
+        float *gv = rand_vec((size_t)ff * in, 0.05f, 0), *uv = rand_vec((size_t)ff * in, 0.05f, 0);
+        struct wpair gw = mkw(gv, ff, in, 0, KVS_DTYPE_BF16), uw = mkw(uv, ff, in, 0, KVS_DTYPE_BF16);
+        free(gv);
+        free(uv);
+        struct pair gt = mk(KVS_BUF_ACT, (size_t)n * ff, NULL), up = mk(KVS_BUF_ACT, (size_t)n * ff, NULL);
+        C->matmul(bc, x.c, gw.c, NULL, n, in, ff, gt.c);
+        C->matmul(bc, x.c, uw.c, NULL, n, in, ff, up.c);
+        C->swiglu(bc, gt.c, up.c, n, ff, gt.c);
+        G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
+        float *before = dl(&gt, (size_t)n * ff);
+        float *ov = rand_vec((size_t)16 * (in + 8), 0.05f, 0);
+        struct wpair ow = mkw(ov, 16, in + 8, 0, KVS_DTYPE_BF16);
+        free(ov);
+        struct kvs_dweight *gu[2] = {gw.g, uw.g}, *odd[2] = {gw.g, ow.g};
+        rc = G->fuse_weights(bg, odd, 2); /* columns differ: refused */
+        kvs_test_checks++;
+        if (rc != -EINVAL) { kvs_test_fails++; printf("FAIL fuse_weights of unequal widths: %d (want -EINVAL)\n", rc); }
+        dropw(&ow);
+        rc = G->fuse_weights(bg, gu, 2);
+        kvs_test_checks++;
+        if (rc != 0) { kvs_test_fails++; printf("FAIL fuse_weights gate/up n=%d: %d\n", n, rc); }
+        poison(&gt);
+        G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
+        snprintf(what, sizeof what, "fused matmul_swiglu n=%d in=%d ff=%d", n, in, ff);
+        check(what, &gt, 1e-2);
+        float *after = dl(&gt, (size_t)n * ff);
+        snprintf(what, sizeof what, "fused matmul_swiglu n=%d ~ before fusing", n);
+        expect_close(what, after, before, (size_t)n * ff, 5e-3);
+        free(before);
+        free(after);
+        /* the parts freed one by one, the storage with the last */
+        dropw(&gw);
+        dropw(&uw);
+        drop(&gt);
+        drop(&up);
+        for (int p = 0; p < 3; p++) {
+            dropw(&w[p]);
+            dropw(&bs[p]);
+            drop(&y[p]);
+        }
+        drop(&x);
+        free(xv);
+    }
+    kvs_cuda_set_skinny_max(bg, -1);
+}
+
 /* Matmuls of more rows than the decode GEMM takes (skinny_max at its default, 8) through each
  * cuBLAS path: cuBLASLt with the timed pick (the default), cuBLASLt with its heuristic's first
  * pick (KVS_CUDA_GEMM_TUNE=0) and cublasGemmEx (KVS_CUDA_GEMM=ex), each against the CPU. Row
@@ -953,6 +1058,7 @@ int main(void)
     test_argmax();
     test_embed_matmul();
     test_fused_gemm();
+    test_fuse_weights();
     test_gemm_paths();
     test_gemm_graph();
     test_gemm_accumulate();
