@@ -7,7 +7,9 @@
  *   x = embed(tokens); xn = rmsnorm(x)
  *   per layer: q,k,v = xn W^T (+b); [qk-norm]; rope(q,k); kv_write; attention; o-proj
  *              x += o; xn = rmsnorm(x); mlp = down(silu(gate) * up); x += mlp; xn = rmsnorm(x)
- *   (each "x += ...; xn = rmsnorm(x)" is one fused add_rmsnorm with the next norm's weight)
+ *   (each "x += ...; xn = rmsnorm(x)" is one fused add_rmsnorm with the next norm's weight;
+ *   backends with the optional fused ops run q/k/v + rope + kv_write as one, and gate/up +
+ *   SwiGLU + down as one, over weights laid out side by side at load: fuse_weights)
  * and the LM head runs only on the rows that want logits, in chunks of LOGIT_CHUNK rows so the
  * [rows][vocab] workspace stays small for 150k-token vocabularies. Rows whose logits go to the
  * host come first (so they land in the caller's array in order, chunk by chunk); greedy rows
@@ -522,7 +524,13 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
     o->rmsnorm(be, r->x, r->layers[0].attn_norm, eps, n, dim, r->xn);
     for (int l = 0; l < r->n_layers; l++) {
         const struct layer_w *L = &r->layers[l];
-        if (o->matmul_multi) {
+        if (o->matmul_rope_kv_write && !L->q_norm) {
+            /* q/k/v projections, RoPE and the cache write in one op (Qwen3's q/k norms come
+             * between the projections and the RoPE: the ops below) */
+            const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
+            o->matmul_rope_kv_write(be, r->xn, w, bias, n, dim, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots,
+                                    nh, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+        } else if (o->matmul_multi) {
             const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
             const int outs[3] = {nh * hd, nkv * hd, nkv * hd};
             struct kvs_dbuf *y[3] = {r->q, r->k, r->v};
@@ -536,7 +544,9 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
             o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
             o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
         }
-        if (o->rope_kv_write) {
+        if (o->matmul_rope_kv_write && !L->q_norm) {
+            /* done above */
+        } else if (o->rope_kv_write) {
             o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size,
                              r->kc[l], r->vc[l]);
         } else {
@@ -547,14 +557,18 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
         o->attention(be, r->q, r->kc[l], r->vc[l], m, n, nh, nkv, hd, r->block_size, scale, r->att);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
         o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
-        if (o->matmul_swiglu) {
-            o->matmul_swiglu(be, r->xn, L->w_gate, L->w_up, n, dim, ff, r->gate, r->up);
+        if (o->matmul_swiglu_down) {
+            o->matmul_swiglu_down(be, r->xn, L->w_gate, L->w_up, L->w_down, n, dim, ff, r->gate, r->up, r->proj);
         } else {
-            o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
-            o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
-            o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+            if (o->matmul_swiglu) {
+                o->matmul_swiglu(be, r->xn, L->w_gate, L->w_up, n, dim, ff, r->gate, r->up);
+            } else {
+                o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
+                o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
+                o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+            }
+            o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
         }
-        o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
         const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
         o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);
     }

@@ -276,6 +276,24 @@ struct kvs_backend_ops {
      * else changes. Load time (allocates, copies, synchronises). Returns 0, or a negative errno
      * (-ENOMEM: no memory for the joint copy; -EINVAL: not fusable) with the weights unchanged. */
     int (*fuse_weights)(struct kvs_backend *b, struct kvs_dweight *const *w, int n);
+    /* Optional (NULL: the runner calls the two ops). matmul_multi(x, 3, w, bias, n, in,
+     * {n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim}, {q, k, v}) then
+     * rope_kv_write(q, k, v, pos, inv_freq, slots, n, n_heads, n_kv_heads, head_dim, block_size,
+     * kc, vc) in one op, with their results (q, k rotated, v, the cache slots): with q/k/v fused
+     * (fuse_weights) a backend takes the joint GEMM's output to the RoPE and the cache write
+     * without first splitting it into q, k and v. w = {wq, wk, wv}; bias as matmul_multi's. */
+    void (*matmul_rope_kv_write)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *const *w,
+                                 const struct kvs_dweight *const *bias, int n, int in, struct kvs_dbuf *q,
+                                 struct kvs_dbuf *k, struct kvs_dbuf *v, const struct kvs_dbuf *pos,
+                                 const struct kvs_dbuf *inv_freq, const struct kvs_dbuf *slots, int n_heads,
+                                 int n_kv_heads, int head_dim, int block_size, struct kvs_dbuf *kc, struct kvs_dbuf *vc);
+    /* Optional (NULL: the runner calls the two ops). matmul_swiglu(x, w_gate, w_up, n, in, ff,
+     * gate, up) then matmul(gate, w_down, NULL, n, ff, in, y), with the latter's result in y;
+     * gate and up are scratch (undefined after): a backend that rounds the SwiGLU output for the
+     * down projection anyway need not write it at full precision. w_down [in][ff], y ACT [n][in]. */
+    void (*matmul_swiglu_down)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w_gate,
+                               const struct kvs_dweight *w_up, const struct kvs_dweight *w_down, int n, int in, int ff,
+                               struct kvs_dbuf *gate, struct kvs_dbuf *up, struct kvs_dbuf *y);
 };
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index

@@ -439,6 +439,15 @@ __global__ void k_head_rmsnorm(float *x, const float *w, float eps, size_t n_row
 }
 
 /* block per row; threads over (head, i < half) */
+/* the rotation of one pair by (c, s), with the roundings spelled out: every kernel that rotates
+ * (rope, rope_kv_write, matmul_rope_kv_write) gives the same bits, whatever the compiler would
+ * contract into FMAs in each */
+__device__ __forceinline__ void rope_pair(float a, float b, float c, float s, float *ra, float *rb)
+{
+    *ra = __fmaf_rn(a, c, -__fmul_rn(b, s));
+    *rb = __fmaf_rn(b, c, __fmul_rn(a, s));
+}
+
 __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const float *inv_freq, int n_heads, int hd)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
@@ -450,42 +459,88 @@ __global__ void k_rope(float *x, const int32_t *pos, const int32_t *rot, const f
         float ang = (float)((double)p * (double)inv_freq[i]);
         float c = cosf(ang), s = sinf(ang);
         float *xh = x + (t * n_heads + h) * hd;
-        float a = xh[i], b = xh[i + half];
-        xh[i] = a * c - b * s;
-        xh[i + half] = b * c + a * s;
+        rope_pair(xh[i], xh[i + half], c, s, &xh[i], &xh[i + half]);
     }
 }
 
 /* k_rope on q and k, then k_kv_write, in one launch (block per row): the decode step's three
  * smallest kernels, with the same arithmetic (bitwise the same results) */
-__global__ void k_rope_kv_write(float *__restrict__ q, float *__restrict__ k, const float *__restrict__ v,
-                                const int32_t *pos, const float *inv_freq, const int32_t *slots, int nh, int nkv,
-                                int hd, int bs, bf16 *__restrict__ kc, bf16 *__restrict__ vc)
+/* RoPE of q and k and the K/V cache write of each row, reading q, k and v from their own
+ * buffers (rope_kv_write: in place) or from the joint output of a fused q/k/v GEMM
+ * (matmul_rope_kv_write: + bias, and v copied to its buffer too). One block a row and RKV_HEADS
+ * heads of the row's q, k, v heads in that order (grid.y); the row's cos / sin table is computed
+ * once a block into shared memory instead of once a head, with rope()'s arithmetic. */
+#define RKV_HEADS 8
+struct rkv_args {
+    const float *qs, *ks, *vs;    /* sources of row t: qs + t * ldq etc. (qs == q: in place) */
+    int ldq, ldk, ldv;
+    const float *bq, *bk, *bv;    /* biases added before the rotation, or NULL */
+    float *q, *k, *v;             /* rotated q, k; v (NULL: left alone) */
+    const int32_t *pos, *slots;
+    const float *inv_freq;
+    int nh, nkv, hd, bs;
+    bf16 *kc, *vc;
+};
+
+__global__ void k_rope_kv_write(struct rkv_args a)
 {
-    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    extern __shared__ float cs_sn[]; /* [hd / 2] cos, then [hd / 2] sin */
     const size_t t = blockIdx.x;
-    const int half = hd / 2, slot = slots[t];
-    const long long p = pos[t];
-    const size_t blk = slot >= 0 ? (size_t)(slot / bs) : 0, off = slot >= 0 ? (size_t)(slot % bs) : 0;
-    for (int j = threadIdx.x; j < (nh + nkv) * half; j += blockDim.x) {
-        const int h = j / half, i = j % half;
-        const float ang = (float)((double)p * (double)inv_freq[i]);
-        const float c = cosf(ang), s = sinf(ang);
-        float *xh = h < nh ? q + (t * nh + h) * hd : k + (t * nkv + (h - nh)) * hd;
-        const float a = xh[i], b = xh[i + half];
-        const float ra = a * c - b * s, rb = b * c + a * s;
-        xh[i] = ra;
-        xh[i + half] = rb;
-        if (h >= nh && slot >= 0) {
-            bf16 *dst = kc + ((blk * nkv + (h - nh)) * bs + off) * hd;
-            dst[i] = __float2bfloat16(ra);
-            dst[i + half] = __float2bfloat16(rb);
-        }
+    const int half = a.hd / 2;
+    const long long p = a.pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const float ang = (float)((double)p * (double)a.inv_freq[i]);
+        cs_sn[i] = cosf(ang);
+        cs_sn[half + i] = sinf(ang);
     }
-    if (slot < 0) return; /* padding rows own no slot */
-    for (int j = threadIdx.x; j < nkv * hd; j += blockDim.x) {
-        const int h = j / hd, d = j % hd;
-        vc[((blk * nkv + h) * bs + off) * hd + d] = __float2bfloat16(v[t * nkv * hd + j]);
+    __syncthreads();
+    grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready (the table did not need it) */
+    const int slot = a.slots[t];
+    const size_t blk = slot >= 0 ? (size_t)(slot / a.bs) : 0, off = slot >= 0 ? (size_t)(slot % a.bs) : 0;
+    const int h0 = blockIdx.y * RKV_HEADS, units = a.nh + 2 * a.nkv;
+    const int h1 = min(h0 + RKV_HEADS, units);
+    for (int j = threadIdx.x; j < (h1 - h0) * half; j += blockDim.x) {
+        const int h = h0 + j / half, i = j % half;
+        if (h < a.nh + a.nkv) { /* a q or k head: rotate the pair (i, i + half) */
+            const int kh = h - a.nh;
+            const float *src = h < a.nh ? a.qs + t * a.ldq + (size_t)h * a.hd : a.ks + t * a.ldk + (size_t)kh * a.hd;
+            const float *bias = h < a.nh ? (a.bq ? a.bq + (size_t)h * a.hd : nullptr)
+                                         : (a.bk ? a.bk + (size_t)kh * a.hd : nullptr);
+            float *dst = h < a.nh ? a.q + (t * a.nh + h) * a.hd : a.k + (t * a.nkv + kh) * a.hd;
+            float x0 = src[i], x1 = src[i + half];
+            if (bias) {
+                x0 += bias[i];
+                x1 += bias[i + half];
+            }
+            float ra, rb;
+            rope_pair(x0, x1, cs_sn[i], cs_sn[half + i], &ra, &rb);
+            dst[i] = ra;
+            dst[i + half] = rb;
+            if (h >= a.nh && slot >= 0) {
+                bf16 *kd = a.kc + ((blk * a.nkv + kh) * a.bs + off) * a.hd;
+                kd[i] = __float2bfloat16(ra);
+                kd[i + half] = __float2bfloat16(rb);
+            }
+        } else { /* a v head: elements i and i + half */
+            const int vh = h - a.nh - a.nkv;
+            const float *src = a.vs + t * a.ldv + (size_t)vh * a.hd;
+            const float *bias = a.bv ? a.bv + (size_t)vh * a.hd : nullptr;
+            float x0 = src[i], x1 = src[i + half];
+            if (bias) {
+                x0 += bias[i];
+                x1 += bias[i + half];
+            }
+            if (a.v) {
+                float *dst = a.v + (t * a.nkv + vh) * a.hd;
+                dst[i] = x0;
+                dst[i + half] = x1;
+            }
+            if (slot >= 0) {
+                bf16 *vd = a.vc + ((blk * a.nkv + vh) * a.bs + off) * a.hd;
+                vd[i] = __float2bfloat16(x0);
+                vd[i + half] = __float2bfloat16(x1);
+            }
+        }
     }
 }
 
@@ -537,15 +592,17 @@ __global__ void k_swiglu_h(const uint4 *g, const uint4 *u, size_t n8, int ff8, i
             const __nv_bfloat162 p = __floats2bfloat162_rn(y[2 * j], y[2 * j + 1]);
             h[j] = *(const uint32_t *)&p;
         }
-        out[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
-        out[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+        if (out) { /* NULL: only the bf16 copy is wanted (matmul_swiglu_down) */
+            out[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
+            out[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+        }
         outh[i] = make_uint4(h[0], h[1], h[2], h[3]);
     }
 }
 
 /* matmul_multi over fused weights: the parts of a joint GEMM output src [n][total] (part p: the
  * columns after those of parts < p) into their own buffers y[p] [n][out[p]], + bias[p] where
- * given. One block a row; every out[p] is a multiple of 4 (float4 copies). */
+ * given. One block a row and part; every out[p] is a multiple of 4 (float4 copies). */
 struct split_args {
     const float *src;
     int total, n_parts;
@@ -558,23 +615,23 @@ __global__ void k_split_cols(struct split_args a)
 {
     grid_dep_wait(); /* cuda_launch.h: the GEMM's output is ready */
     const size_t t = blockIdx.x;
-    const float4 *src = (const float4 *)(a.src + t * (size_t)a.total);
-    for (int p = 0; p < a.n_parts; p++) {
-        const int o4 = a.out[p] / 4;
-        float4 *y = (float4 *)(a.y[p] + t * (size_t)a.out[p]);
-        const float4 *bias = (const float4 *)a.bias[p];
-        for (int i = threadIdx.x; i < o4; i += blockDim.x) {
-            float4 v = src[i];
-            if (bias) {
-                const float4 c = bias[i];
-                v.x += c.x;
-                v.y += c.y;
-                v.z += c.z;
-                v.w += c.w;
-            }
-            y[i] = v;
+    const int p = blockIdx.y;
+    int c0 = 0;
+    for (int i = 0; i < p; i++) c0 += a.out[i];
+    const float4 *src = (const float4 *)(a.src + t * (size_t)a.total + c0);
+    const int o4 = a.out[p] / 4;
+    float4 *y = (float4 *)(a.y[p] + t * (size_t)a.out[p]);
+    const float4 *bias = (const float4 *)a.bias[p];
+    for (int i = threadIdx.x; i < o4; i += blockDim.x) {
+        float4 v = src[i];
+        if (bias) {
+            const float4 c = bias[i];
+            v.x += c.x;
+            v.y += c.y;
+            v.z += c.z;
+            v.w += c.w;
         }
-        src += o4;
+        y[i] = v;
     }
 }
 
@@ -1541,7 +1598,7 @@ static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int
             a.y[p] = (float *)y[p]->d;
             a.bias[p] = bias && bias[p] ? bias[p]->f : NULL;
         }
-        CUDA_CHECK(kvs_cu_launch(k_split_cols, (unsigned)n, 256, 0, b->stream, a));
+        CUDA_CHECK(kvs_cu_launch(k_split_cols, dim3((unsigned)n, (unsigned)n_parts), 256, 0, b->stream, a));
         LAUNCH_CHECK();
         return;
     }
@@ -1563,9 +1620,11 @@ static void cu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const 
  * cuBLAS GEMMs write bf16 (into up's storage, which holds both: up is scratch), so SwiGLU reads
  * half the bytes that fp32 outputs would take (H100, Llama-3.1-8B shape, the step's GEMMs at
  * batch 128: see bench/RESULTS.md); where ff is not a multiple of 8 they write fp32 as matmul. */
-static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
-                             const struct kvs_dweight *wu, int n, int in, int ff, struct kvs_dbuf *gate,
-                             struct kvs_dbuf *up)
+/* matmul_swiglu; f32 = 0: the fp32 result may be left unwritten where only its bf16 copy (the
+ * mirror, for the down projection) is needed (matmul_swiglu_down) */
+static void swiglu_gemms(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
+                         const struct kvs_dweight *wu, int n, int in, int ff, struct kvs_dbuf *gate,
+                         struct kvs_dbuf *up, int f32)
 {
     if (n <= 0) return;
     const int outs[2] = {ff, ff};
@@ -1613,8 +1672,29 @@ static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, co
     bf16 *outh = xh_claim(b, gate->d, nn);
     KVS_ASSERT(outh); /* the mirrors are as large as the largest ACT buffer (alloc), gate included */
     CUDA_CHECK(kvs_cu_launch(k_swiglu_h, grid_for(nn / 8, 256), 256, 0, b->stream, (const uint4 *)gh, (const uint4 *)uh,
-                             nn / 8, ff / 8, fused ? ff / 4 : ff / 8, (float4 *)gate->d, (uint4 *)outh));
+                             nn / 8, ff / 8, fused ? ff / 4 : ff / 8, f32 ? (float4 *)gate->d : nullptr, (uint4 *)outh));
     LAUNCH_CHECK();
+}
+
+static void cu_matmul_swiglu(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
+                             const struct kvs_dweight *wu, int n, int in, int ff, struct kvs_dbuf *gate,
+                             struct kvs_dbuf *up)
+{
+    swiglu_gemms(b, x, wg, wu, n, in, ff, gate, up, 1);
+}
+
+/* backend.h: matmul_swiglu, then the down projection from the bf16 copy of its result; above the
+ * decode GEMM's rows the fp32 result is not written (half the bytes of the SwiGLU pass) */
+static void cu_matmul_swiglu_down(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *wg,
+                                  const struct kvs_dweight *wu, const struct kvs_dweight *wd, int n, int in, int ff,
+                                  struct kvs_dbuf *gate, struct kvs_dbuf *up, struct kvs_dbuf *y)
+{
+    if (n <= 0) return;
+    /* every path that skips the fp32 result writes the bf16 copy (the mirror), which the down
+     * projection reads; the others write both or the fp32 alone (converted for the GEMM) */
+    swiglu_gemms(b, x, wg, wu, n, in, ff, gate, up, 0);
+    cu_matmul(b, gate, wd, NULL, n, ff, in, y);
+    xh_forget(b, gate->d); /* gate's fp32 may be stale: scratch from here on */
 }
 
 static void cu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dbuf *pos, const struct kvs_dbuf *rot,
@@ -1637,6 +1717,29 @@ static void cu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const s
     LAUNCH_CHECK();
 }
 
+static void launch_rope_kv_write(struct kvs_backend *b, struct rkv_args *a, int n)
+{
+    const int units = a->nh + 2 * a->nkv;
+    const dim3 grid((unsigned)n, (unsigned)((units + RKV_HEADS - 1) / RKV_HEADS));
+    CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, grid, 256, (size_t)a->hd * sizeof(float), b->stream, *a));
+    LAUNCH_CHECK();
+}
+
+static void rkv_common(struct rkv_args *a, const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq,
+                       const struct kvs_dbuf *slots, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                       struct kvs_dbuf *kc, struct kvs_dbuf *vc)
+{
+    a->pos = (const int32_t *)pos->d;
+    a->slots = (const int32_t *)slots->d;
+    a->inv_freq = (const float *)inv_freq->d;
+    a->nh = n_heads;
+    a->nkv = n_kv_heads;
+    a->hd = head_dim;
+    a->bs = block_size;
+    a->kc = (bf16 *)kc->d;
+    a->vc = (bf16 *)vc->d;
+}
+
 static void cu_rope_kv_write(struct kvs_backend *b, struct kvs_dbuf *q, struct kvs_dbuf *k, const struct kvs_dbuf *v,
                              const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq, const struct kvs_dbuf *slots,
                              int n, int n_heads, int n_kv_heads, int head_dim, int block_size, struct kvs_dbuf *kc,
@@ -1645,11 +1748,57 @@ static void cu_rope_kv_write(struct kvs_backend *b, struct kvs_dbuf *q, struct k
     if (n <= 0) return;
     xh_forget(b, q->d);
     xh_forget(b, k->d);
-    /* a block per row: decode steps have a few rows, so the block is wide (latency) */
-    CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, n, n <= 16 ? 1024 : 256, 0, b->stream, (float *)q->d, (float *)k->d, (const float *)v->d,
-                             (const int32_t *)pos->d, (const float *)inv_freq->d, (const int32_t *)slots->d, n_heads,
-                             n_kv_heads, head_dim, block_size, (bf16 *)kc->d, (bf16 *)vc->d));
-    LAUNCH_CHECK();
+    struct rkv_args a = {};
+    a.qs = a.q = (float *)q->d;
+    a.ks = a.k = (float *)k->d;
+    a.vs = (const float *)v->d;
+    a.ldq = n_heads * head_dim;
+    a.ldk = a.ldv = n_kv_heads * head_dim;
+    rkv_common(&a, pos, inv_freq, slots, n_heads, n_kv_heads, head_dim, block_size, kc, vc);
+    launch_rope_kv_write(b, &a, n);
+}
+
+/* backend.h: matmul_multi + rope_kv_write. With q/k/v laid out back to back (fuse_weights) and
+ * 9-256 rows, the joint GEMM's output goes straight to the RoPE and cache write (no pass that
+ * splits it into q, k, v first); else the two ops. */
+static void cu_matmul_rope_kv_write(struct kvs_backend *b, const struct kvs_dbuf *x,
+                                    const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n,
+                                    int in, struct kvs_dbuf *q, struct kvs_dbuf *k, struct kvs_dbuf *v,
+                                    const struct kvs_dbuf *pos, const struct kvs_dbuf *inv_freq,
+                                    const struct kvs_dbuf *slots, int n_heads, int n_kv_heads, int head_dim,
+                                    int block_size, struct kvs_dbuf *kc, struct kvs_dbuf *vc)
+{
+    if (n <= 0) return;
+    const int outs[3] = {n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim};
+    const int total = outs[0] + 2 * outs[1];
+    struct kvs_dbuf *y[3] = {q, k, v};
+    if (!(n > b->skinny_max && weights_adjacent(w, 3) && (size_t)n * total <= b->fuse_cap)) {
+        cu_matmul_multi(b, x, 3, w, bias, n, in, outs, y);
+        cu_rope_kv_write(b, q, k, v, pos, inv_freq, slots, n, n_heads, n_kv_heads, head_dim, block_size, kc, vc);
+        return;
+    }
+    KVS_ASSERT((size_t)n * in <= b->xh_cap);
+    const bf16 *xh = gemm_input(b, x, (size_t)n * in);
+    for (int p = 0; p < 3; p++) {
+        KVS_ASSERT(!w[p]->is_vector && w[p]->rows == outs[p] && w[p]->cols == in);
+        if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == outs[p]);
+        xh_forget(b, y[p]->d);
+    }
+    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+    else gemm_lt(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+    struct rkv_args a = {};
+    a.qs = b->fuse_ws;
+    a.ks = b->fuse_ws + outs[0];
+    a.vs = b->fuse_ws + outs[0] + outs[1];
+    a.ldq = a.ldk = a.ldv = total;
+    a.bq = bias && bias[0] ? bias[0]->f : NULL;
+    a.bk = bias && bias[1] ? bias[1]->f : NULL;
+    a.bv = bias && bias[2] ? bias[2]->f : NULL;
+    a.q = (float *)q->d;
+    a.k = (float *)k->d;
+    a.v = (float *)v->d;
+    rkv_common(&a, pos, inv_freq, slots, n_heads, n_kv_heads, head_dim, block_size, kc, vc);
+    launch_rope_kv_write(b, &a, n);
 }
 
 static void cu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
@@ -1816,6 +1965,8 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_rope_kv_write,
     cu_argmax_rows,
     cu_fuse_weights,
+    cu_matmul_rope_kv_write,
+    cu_matmul_swiglu_down,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

@@ -584,6 +584,26 @@ static void test_fuse_weights(void)
         expect_close(what, after, before, (size_t)n * ff, 5e-3);
         free(before);
         free(after);
+        /* matmul_swiglu_down: the down projection of the same SwiGLU (gate now scratch), against
+         * the CPU and bitwise against matmul_swiglu + matmul on the GPU */
+        float *dv = rand_vec((size_t)in * ff, 0.05f, 0);
+        struct wpair dw = mkw(dv, in, ff, 0, KVS_DTYPE_BF16);
+        free(dv);
+        struct pair yd = mk(KVS_BUF_ACT, (size_t)n * in, NULL), yd2 = mk(KVS_BUF_ACT, (size_t)n * in, NULL);
+        C->matmul(bc, gt.c, dw.c, NULL, n, ff, in, yd.c);
+        G->matmul(bg, gt.g, dw.g, NULL, n, ff, in, yd2.g);
+        poison(&yd);
+        G->matmul_swiglu_down(bg, x.g, gw.g, uw.g, dw.g, n, in, ff, gt.g, up.g, yd.g);
+        snprintf(what, sizeof what, "matmul_swiglu_down n=%d in=%d ff=%d", n, in, ff);
+        check(what, &yd, 1e-2);
+        float *da = dl(&yd, (size_t)n * in), *db = dl(&yd2, (size_t)n * in);
+        snprintf(what, sizeof what, "matmul_swiglu_down n=%d equals matmul_swiglu + matmul", n);
+        expect_same(what, da, db, (size_t)n * in);
+        free(da);
+        free(db);
+        dropw(&dw);
+        drop(&yd);
+        drop(&yd2);
         /* the parts freed one by one, the storage with the last */
         dropw(&gw);
         dropw(&uw);
@@ -820,6 +840,98 @@ static void test_rope_kv_write(void)
         drop(&q); drop(&k); drop(&v); drop(&q2); drop(&k2); drop(&kc); drop(&vc); drop(&kc2); drop(&vc2);
         drop(&ps); drop(&sl); drop(&f);
         free(qv); free(kv); free(vv); free(c0); free(inv); free(pos); free(slots);
+    }
+}
+
+/* matmul_rope_kv_write (q/k/v GEMMs + RoPE + cache write in one op): against the CPU
+ * composition, with q/k/v apart (the op composes) and fused (the joint GEMM feeds the RoPE:
+ * 9-256 rows), and bitwise against the CUDA composition matmul_multi + rope_kv_write, a padding
+ * row (slot -1) included */
+static void test_matmul_rope_kv_write(void)
+{
+    char what[200];
+    const int nh = 8, nkv = 2, hd = 64, in = 256, bs = 16;
+    const int outs[3] = {nh * hd, nkv * hd, nkv * hd};
+    struct { int n, bias; } cases[] = {{4, 0}, {40, 1}, {128, 0}, {300, 1}};
+    for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
+        const int n = cases[c].n, bias = cases[c].bias, n_blocks = n / bs + 3;
+        const size_t cn = (size_t)n_blocks * nkv * bs * hd;
+        float *xv = rand_vec((size_t)n * in, 1.0f, 0), *c0 = rand_vec(cn, 1.0f, 1), *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+        make_inv_freq(inv, hd, 500000.0);
+        int32_t *pos = kvs_xmalloc((size_t)n * 4), *slots = kvs_xmalloc((size_t)n * 4);
+        for (int i = 0; i < n; i++) {
+            pos[i] = irand(100000);
+            slots[i] = i + bs; /* distinct, past the first block */
+        }
+        struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv);
+        struct wpair w[3], bw[3];
+        struct pair y[3], y2[3];
+        for (int p = 0; p < 3; p++) {
+            float *wv = rand_vec((size_t)outs[p] * in, 0.05f, 0), *bv = rand_vec((size_t)outs[p], 0.5f, 0);
+            w[p] = mkw(wv, outs[p], in, 0, KVS_DTYPE_BF16);
+            bw[p] = mkw(bv, 1, outs[p], 1, KVS_DTYPE_F32);
+            free(wv);
+            free(bv);
+            y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+            y2[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+            C->matmul(bc, x.c, w[p].c, bias ? bw[p].c : NULL, n, in, outs[p], y[p].c);
+        }
+        struct pair kc = mk(KVS_BUF_KV, cn, c0), vc = mk(KVS_BUF_KV, cn, c0), kc2 = mk(KVS_BUF_KV, cn, c0),
+                    vc2 = mk(KVS_BUF_KV, cn, c0);
+        struct pair ps = mk(KVS_BUF_I32, (size_t)n, pos), sl = mk(KVS_BUF_I32, (size_t)n, slots);
+        struct pair f = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
+        C->rope(bc, y[0].c, ps.c, NULL, f.c, n, nh, hd);
+        C->rope(bc, y[1].c, ps.c, NULL, f.c, n, nkv, hd);
+        C->kv_write(bc, y[1].c, y[2].c, sl.c, n, nkv, hd, bs, kc.c, vc.c);
+        const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, w[2].g}, *bg3[3] = {bw[0].g, bw[1].g, bw[2].g};
+        struct kvs_dweight *qkv[3] = {w[0].g, w[1].g, w[2].g};
+        const char *nm[5] = {"q", "k", "v", "K cache", "V cache"};
+        for (int fused = 0; fused < 2; fused++) {
+            if (fused && G->fuse_weights(bg, qkv, 3) != 0) {
+                kvs_test_checks++;
+                kvs_test_fails++;
+                printf("FAIL fuse_weights q/k/v (n=%d)\n", n);
+            }
+            for (int p = 0; p < 3; p++) poison(&y[p]);
+            G->upload(bg, kc.g, 0, c0, cn);
+            G->upload(bg, vc.g, 0, c0, cn);
+            G->matmul_rope_kv_write(bg, x.g, wg, bias ? bg3 : NULL, n, in, y[0].g, y[1].g, y[2].g, ps.g, f.g, sl.g, nh,
+                                    nkv, hd, bs, kc.g, vc.g);
+            struct pair *out[5] = {&y[0], &y[1], &y[2], &kc, &vc};
+            for (int i = 0; i < 5; i++) {
+                snprintf(what, sizeof what, "matmul_rope_kv_write n=%d bias=%d %s: %s", n, bias, fused ? "fused" : "apart", nm[i]);
+                check(what, out[i], 1e-2);
+            }
+        }
+        /* bitwise against the composition on the GPU, with a padding row */
+        slots[n / 2] = -1;
+        struct pair sl2 = mk(KVS_BUF_I32, (size_t)n, slots);
+        for (int i = 0; i < 2; i++) {
+            G->upload(bg, i ? kc2.g : kc.g, 0, c0, cn);
+            G->upload(bg, i ? vc2.g : vc.g, 0, c0, cn);
+        }
+        G->matmul_rope_kv_write(bg, x.g, wg, bias ? bg3 : NULL, n, in, y[0].g, y[1].g, y[2].g, ps.g, f.g, sl2.g, nh, nkv,
+                                hd, bs, kc.g, vc.g);
+        struct kvs_dbuf *yg2[3] = {y2[0].g, y2[1].g, y2[2].g};
+        G->matmul_multi(bg, x.g, 3, wg, bias ? bg3 : NULL, n, in, outs, yg2);
+        G->rope_kv_write(bg, y2[0].g, y2[1].g, y2[2].g, ps.g, f.g, sl2.g, n, nh, nkv, hd, bs, kc2.g, vc2.g);
+        struct pair *one[5] = {&y[0], &y[1], &y[2], &kc, &vc}, *two[5] = {&y2[0], &y2[1], &y2[2], &kc2, &vc2};
+        for (int i = 0; i < 5; i++) {
+            float *a = dl(one[i], one[i]->n), *b = dl(two[i], two[i]->n);
+            snprintf(what, sizeof what, "matmul_rope_kv_write n=%d equals matmul_multi + rope_kv_write: %s", n, nm[i]);
+            expect_same(what, a, b, one[i]->n);
+            free(a);
+            free(b);
+        }
+        drop(&sl2);
+        for (int p = 0; p < 3; p++) {
+            dropw(&w[p]);
+            dropw(&bw[p]);
+            drop(&y[p]);
+            drop(&y2[p]);
+        }
+        drop(&x); drop(&kc); drop(&vc); drop(&kc2); drop(&vc2); drop(&ps); drop(&sl); drop(&f);
+        free(xv); free(c0); free(inv); free(pos); free(slots);
     }
 }
 
@@ -1064,6 +1176,7 @@ int main(void)
     test_gemm_accumulate();
     test_rope_headnorm();
     test_rope_kv_write();
+    test_matmul_rope_kv_write();
     test_attention();
     G->free(bg);
     C->free(bc);
