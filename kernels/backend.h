@@ -233,8 +233,9 @@ struct kvs_backend_ops {
      * Each gives the results of its composition, within the backend's own rounding (the CUDA
      * backend's are bitwise equal to its separate ops', except matmul_swiglu above the decode
      * GEMM's rows with ff a multiple of 8: there gate and up are rounded to bf16 before SwiGLU,
-     * as a bf16 PyTorch model has them, which halves the bytes between the GEMMs and SwiGLU);
-     * they exist so a decode step reads x
+     * as a bf16 PyTorch model has them, which halves the bytes between the GEMMs and SwiGLU;
+     * and over weights laid out by fuse_weights, whose joint GEMM may take another cuBLAS kernel
+     * than the separate ones: fp32 rounding level); they exist so a decode step reads x
      * once and launches once where the layer has several projections of the same input, and
      * so the smallest kernels of a step do not each pay a launch. */
     /* For p < n_parts (1 .. 3): y[p] = x @ W[p]^T (+ bias[p]), as matmul(x, w[p], bias[p], n,

@@ -4,8 +4,8 @@
  *   KVS_BUF_ACT  fp32. The residual stream, norms, RoPE, softmax state and every activation stay
  *                in fp32, so the CUDA backend tracks the fp32 CPU reference closely; only GEMM
  *                inputs are rounded to bf16. The norms and SwiGLU write that bf16 copy as they
- *                produce their output (xh_src), so only the attention output needs a separate
- *                conversion pass before its GEMM.
+ *                produce their output (xh_src), and so does the attention: a GEMM input needs
+ *                a conversion pass only when nothing mirrored it.
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
@@ -15,7 +15,13 @@
  * the algorithm picked per shape by timing cuBLASLt's heuristic candidates (up to 256 rows;
  * timed when a new weight shape is uploaded, at the decode graphs' row counts, else on the
  * shape's first call outside a graph capture; KVS_CUDA_GEMM_TUNE=0: the heuristic's first pick
- * always). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for comparisons.
+ * always; the timing also tries split-K variants of the first candidates, KVS_CUDA_GEMM_SPLITK=0:
+ * not). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for comparisons.
+ * Fused weights (fuse_weights; the runner lays out each layer's q/k/v and gate/up so at load):
+ * above the decode GEMM's rows, q/k/v run as one GEMM (up to GEMM_TUNE_MAX_N rows, into the
+ * fuse_ws scratch, whose rows go straight to the RoPE and cache write in matmul_rope_kv_write
+ * or are split into q, k, v in matmul_multi) and gate/up as one bf16-output GEMM; alone, a
+ * k or v projection at 32-128 rows covers 8-16 tiles of an H100's 132 SMs.
  * Attention: kernels/cuda/cuda_attention.cu (paged, flash-decoding with cp.async K/V tiles, a
  * tiled prefill launch, deferred RoPE). Results are deterministic but not bitwise batch
  * invariant as backend.h asks: cuBLAS picks its kernel by n, and the context split of the
@@ -24,8 +30,10 @@
  * within one backend's life (but a graph recorded before its shape was timed keeps the first
  * pick), and across runs only with KVS_CUDA_GEMM_TUNE=0.
  *
- * Memory: plain cudaMalloc, only in create, alloc and upload_weight (the matmul's bf16 copy of
- * x and the attention workspace are carved at create / grown in alloc; upload_weight also takes
+ * Memory: plain cudaMalloc, only in create, alloc, upload_weight and fuse_weights (the matmul's
+ * bf16 copy of x and the attention workspace are carved at create / grown in alloc; fuse_weights
+ * moves a group into one allocation shared by its weights (struct wstore, freed with the last)
+ * and allocates the fuse_ws scratch once; upload_weight also takes
  * a scratch for timing the GEMMs of a new weight shape and frees it), plus a scratch for timing
  * a new shape of the accumulate GEMM (once per shape, never inside a graph) and the L2-flush
  * buffer of each timing (twice the L2, freed when the shape is timed). One stream; ops
