@@ -1590,21 +1590,49 @@ static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder(void)
 
 /* the K and V pools of x as TMA tensors [kv_rows][hd] (boxes of 16 rows x 64 columns, 128-byte
  * swizzle); false when the driver cannot encode them (the caller stages with cp.async) */
-static bool fd_tma_maps(at_args &x, int hd)
+/* Encoded maps, remembered per thread by (pool, rows, hd): a map holds nothing else, so an entry
+ * stays right even after its pool is freed and another takes the address (then it is that
+ * pool's map). Encoding costs about 1 us of host time, twice a layer: eager steps (prefill,
+ * mixed batches) would pay it 64 times a step on an 8B model; recorded graphs only at capture. */
+#define TMA_MAP_CACHE 512 /* two pools x layers of the models in use */
+struct tma_map_entry {
+    const void *pool;
+    long long rows;
+    int hd;
+    CUtensorMap map;
+};
+
+static bool tma_map(const bf16 *pool, long long rows, int hd, CUtensorMap *out)
 {
+    static thread_local tma_map_entry cache[TMA_MAP_CACHE];
+    static thread_local int n_cached, next;
+    for (int i = 0; i < n_cached; i++)
+        if (cache[i].pool == pool && cache[i].rows == rows && cache[i].hd == hd) {
+            *out = cache[i].map;
+            return true;
+        }
     PFN_cuTensorMapEncodeTiled_v12000 enc = tma_encoder();
-    if (!enc || x.kv_rows <= 0 || x.kv_rows > 0xffffffffLL) return false;
-    const cuuint64_t dims[2] = {(cuuint64_t)hd, (cuuint64_t)x.kv_rows};
+    if (!enc || rows <= 0 || rows > 0xffffffffLL) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)hd, (cuuint64_t)rows};
     const cuuint64_t strides[1] = {(cuuint64_t)hd * sizeof(bf16)};
     const cuuint32_t box[2] = {64, 16}, es[2] = {1, 1};
-    const bf16 *pools[2] = {x.kc, x.vc};
-    CUtensorMap *maps[2] = {&x.tm_k, &x.tm_v};
-    for (int i = 0; i < 2; i++)
-        if (enc(maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)pools[i], dims, strides, box, es,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-            return false;
+    if (enc(out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)pool, dims, strides, box, es,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return false;
+    tma_map_entry *e = &cache[next]; /* full: the oldest entry goes */
+    next = (next + 1) % TMA_MAP_CACHE;
+    if (n_cached < TMA_MAP_CACHE) n_cached++;
+    e->pool = pool;
+    e->rows = rows;
+    e->hd = hd;
+    e->map = *out;
     return true;
+}
+
+static bool fd_tma_maps(at_args &x, int hd)
+{
+    return tma_map(x.kc, x.kv_rows, hd, &x.tm_k) && tma_map(x.vc, x.kv_rows, hd, &x.tm_v);
 }
 
 /* the FlashAttention-2-style decode kernel: 4 warps a block, K and V pipelined separately; TMA:
