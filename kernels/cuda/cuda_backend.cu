@@ -14,7 +14,9 @@
  * larger ones cuBLASLt (cublasLtMatmul), bf16 x bf16 -> fp32 output, CUBLAS_COMPUTE_32F, with
  * the algorithm picked per shape by timing cuBLASLt's heuristic candidates (up to 256 rows;
  * timed when a new weight shape is uploaded, at the decode graphs' row counts, else on the
- * shape's first call outside a graph capture; KVS_CUDA_GEMM_TUNE=0: the heuristic's first pick
+ * shape's first call outside a graph capture; row counts that are no graph's take the pick of
+ * the next larger one, untimed, so mixed steps never stall; KVS_CUDA_GEMM_TUNE=0: the
+ * heuristic's first pick
  * always; the timing also tries split-K variants of the first candidates, KVS_CUDA_GEMM_SPLITK=0:
  * not). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for comparisons.
  * Fused weights (fuse_weights; the runner lays out each layer's q/k/v and gate/up so at load):
@@ -1369,8 +1371,50 @@ static int gemm_tune(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_
     return 0;
 }
 
+static int gemm_is_bucket(int n)
+{
+    for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++)
+        if (kvs_graph_buckets[i] == n) return 1;
+    return 0;
+}
+
+/* Fills the free slot p (key n, in, out, kind, align) with the timed pick of the next larger
+ * graph row count of the same shape, when there is one and cuBLASLt accepts it for n rows, else
+ * with the heuristic's first pick; returns 1, or 0 when cuBLASLt has no algorithm at all. */
+static int gemm_borrow(struct kvs_backend *b, struct gemm_lt_desc *d, struct gemm_plan *p, int n, int in, int out,
+                       enum gemm_out kind, int align)
+{
+    const struct gemm_plan *from = NULL;
+    for (int i = 0; i < KVS_N_GRAPH_BUCKETS && !from; i++) {
+        const int nb = kvs_graph_buckets[i];
+        if (nb <= n || nb > GEMM_TUNE_MAX_N) continue;
+        const struct gemm_plan *q = gemm_plan_slot(b, nb, in, out, kind, align);
+        if (q && q->n) from = q;
+    }
+    cublasLtMatmulHeuristicResult_t r;
+    if (from && cublasLtMatmulAlgoCheck(b->lt, &d->op, &d->a, &d->b, &d->c, &d->c, &from->algo, &r) ==
+                    CUBLAS_STATUS_SUCCESS &&
+        r.workspaceSize <= BLAS_WS_BYTES) {
+        p->algo = from->algo;
+        p->differs = from->differs;
+    } else if (gemm_lt_candidates(b, d, align, &r, 1) == 1) {
+        p->algo = r.algo;
+        p->differs = 0;
+    } else {
+        return 0;
+    }
+    p->n = n;
+    p->in = in;
+    p->out = out;
+    p->kind = kind;
+    p->align = align;
+    b->tune->n_plans++;
+    return 1;
+}
+
 /* y = xh W^T (+ y) through cuBLASLt with the timed pick for the shape (timing it now when it is
- * new and the stream is not being captured), or the heuristic's first pick */
+ * new, its row count is a decode graph's, and the stream is not being captured; other row counts
+ * borrow the next larger one's pick: gemm_borrow), or the heuristic's first pick */
 static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, void *y,
                     enum gemm_out kind)
 {
@@ -1382,6 +1426,10 @@ static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n,
         struct gemm_plan *p = gemm_plan_slot(b, n, in, out, kind, align);
         if (p && p->n) {
             algo = &p->algo;
+        } else if (p && !gemm_is_bucket(n)) {
+            /* a row count no decode graph has (mixed steps: a few decodes and a short prompt):
+             * never timed, so such a step does not stall */
+            if (gemm_borrow(b, &d, p, n, in, out, kind, align)) algo = &p->algo;
         } else if (p && !gemm_capturing(b)) {
             /* the timing overwrites its output: y itself, unless y must be added to */
             const int acc = kind == GEMM_F32_ACC;

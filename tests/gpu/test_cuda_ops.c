@@ -623,8 +623,9 @@ static void test_fuse_weights(void)
 /* Matmuls of more rows than the decode GEMM takes (skinny_max at its default, 8) through each
  * cuBLAS path: cuBLASLt with the timed pick (the default), cuBLASLt with its heuristic's first
  * pick (KVS_CUDA_GEMM_TUNE=0) and cublasGemmEx (KVS_CUDA_GEMM=ex), each against the CPU. Row
- * counts that upload_weight timed up front (12, 16, 64) and ones timed on their first call (9,
- * 33, 100), odd leading dimensions, and rows past the timed range (300). The timed and first
+ * counts that upload_weight timed up front (12, 16, 64) and ones that no decode graph has, which
+ * take the next larger count's pick untimed (9, 17, 33, 100), odd leading dimensions, and rows
+ * past the timed range (300). The timed and first
  * picks differ only in the order of fp32 sums, far below bf16 rounding: they must agree to 1e-3.
  * A timed pick is kept: a second call gives the same bits. */
 static void test_gemm_paths(void)
