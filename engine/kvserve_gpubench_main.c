@@ -306,16 +306,17 @@ int main(int argc, char **argv)
             kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     }
     if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
-    /* what upload_weight does for a model's weights: time the GEMMs of each new shape at the
-     * decode graphs' row counts (every layer has layer 0's shapes) */
-    const struct kvs_dweight *shapes[] = {L[0].wq, L[0].wk, L[0].wo, L[0].wg, L[0].wd, B->head};
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) kvs_cuda_pretune(b, shapes[i]);
-    /* and what the runner does after a layer's uploads: q/k/v and gate/up side by side */
+    /* what the runner does after a layer's uploads: q/k/v and gate/up side by side (which times
+     * the joint shapes) */
     for (int l = 0; l < n_layers && fuse; l++) {
         struct kvs_dweight *qkv[3] = {L[l].wq, L[l].wk, L[l].wv}, *gu[2] = {L[l].wg, L[l].wu};
         if (O->fuse_weights(b, qkv, 3) || O->fuse_weights(b, gu, 2))
             kvs_panic(__FILE__, __LINE__, "fuse_weights failed (out of device memory?)");
     }
+    /* and what upload_weight does for the shapes left: time their GEMMs at the decode graphs'
+     * row counts (every layer has layer 0's shapes; the o projection has q's) */
+    const struct kvs_dweight *shapes[] = {L[0].wo, L[0].wd, B->head, L[0].wk, L[0].wg};
+    for (size_t i = 0; i < (fuse ? 3 : 5); i++) kvs_cuda_pretune(b, shapes[i]);
     double w_bytes = (double)n_layers * 2.0 * ((double)DIM * DIM * 2 + 2.0 * NKV * HD * DIM + 3.0 * FF * DIM) +
                      2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
     double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */

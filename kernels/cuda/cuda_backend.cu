@@ -35,8 +35,8 @@
  * Memory: plain cudaMalloc, only in create, alloc, upload_weight and fuse_weights (the matmul's
  * bf16 copy of x and the attention workspace are carved at create / grown in alloc; fuse_weights
  * moves a group into one allocation shared by its weights (struct wstore, freed with the last)
- * and allocates the fuse_ws scratch once; upload_weight also takes
- * a scratch for timing the GEMMs of a new weight shape and frees it), plus a scratch for timing
+ * and allocates the fuse_ws scratch once; alloc and fuse_weights also take a scratch for
+ * timing the GEMMs of new weight shapes and free it), plus a scratch for timing
  * a new shape of the accumulate GEMM (once per shape, never inside a graph) and the L2-flush
  * buffer of each timing (twice the L2, freed when the shape is timed). One stream; ops
  * never synchronise, except a GEMM whose shape is timed on its first call (outside graph
@@ -131,8 +131,9 @@ struct kvs_graph {
  * on H100 the fastest at 32-128 rows is often not its first (a [128] x [4096 x 14336]^T GEMM:
  * first pick 53.3 us, best of 8 45.9 us), so the first time a shape runs outside a graph capture
  * its candidates are timed on the call's operands and the pick is kept for the backend's life.
- * Decode steps are graph-captured on first use, where nothing can be timed: upload_weight times
- * each new weight shape at the graphs' row counts up front (gemm_pretune). */
+ * Decode steps are graph-captured on first use, where nothing can be timed: each new weight shape
+ * is timed at the graphs' row counts up front (gemm_pretune), at the first alloc after its
+ * upload, by when the runner has fused q/k/v and gate/up (fuse_weights times the joint shapes). */
 #define GEMM_PLAN_SLOTS 2048                 /* hash table of timed picks (open addressing) */
 #define GEMM_PLAN_MAX 1536                   /* picks kept at most, so probe chains stay short */
 #define GEMM_TUNE_MAX_N 256                  /* rows up to which a shape is timed: the decode graphs'
@@ -174,6 +175,9 @@ struct gemm_tuning {
                                         * (kvs_cuda_timer_* may be running) */
     int64_t pretuned[GEMM_PRETUNE_SHAPES][2]; /* weight shapes (rows, cols) done by gemm_pretune */
     int n_pretuned;
+    int64_t pending[GEMM_PRETUNE_SHAPES][2]; /* shapes uploaded since, timed at the next alloc
+                                              * (gemm_pretune_pending) */
+    int n_pending;
     /* pre-tuning since the last summary line (logged when the model load is over: gemm_tune_report) */
     int log_mats, log_gemms, log_differ;
     double log_s;
@@ -761,6 +765,7 @@ __global__ void k_add_bias(float *y, const float *bias, size_t n, int out)
 /* defined with the GEMMs below */
 static void gemm_tune_report(struct kvs_backend *b);
 static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int64_t cols, unsigned kinds);
+static void gemm_pretune_pending(struct kvs_backend *b);
 
 static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
 {
@@ -897,7 +902,9 @@ static void *dev_alloc(size_t bytes)
 
 static struct kvs_dbuf *cu_alloc(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
 {
-    /* the runner allocates its workspaces once the weights are in: the pre-tuning is over */
+    /* the runner allocates its workspaces once the weights are in (and fused): time the GEMM
+     * shapes they left, then the pre-tuning is over */
+    gemm_pretune_pending(b);
     gemm_tune_report(b);
     /* the matmul's bf16 copy of x is as large as the largest activation buffer */
     if (kind == KVS_BUF_ACT && n > b->xh_cap) {
@@ -1031,9 +1038,20 @@ static struct kvs_dweight *cu_upload_weight(struct kvs_backend *b, const struct 
     }
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
     list_add(&b->weights, w);
-    /* decode graphs are captured on first use, where no GEMM can be timed: time them now */
-    if (!w->is_vector)
-        gemm_pretune(b, w->h, w->rows, w->cols, 1u << GEMM_F32 | (w->rows > w->cols ? 1u << GEMM_BF16 : 0u));
+    /* decode graphs are captured on first use, where no GEMM can be timed: the shape is timed
+     * before anything runs, at the next alloc (the runner fuses q/k/v and gate/up first, and
+     * the shapes of weights that all went into fused groups need no timing of their own) */
+    if (!w->is_vector) {
+        struct gemm_tuning *t = b->tune;
+        int known = 0;
+        for (int i = 0; i < t->n_pretuned && !known; i++) known = t->pretuned[i][0] == w->rows && t->pretuned[i][1] == w->cols;
+        for (int i = 0; i < t->n_pending && !known; i++) known = t->pending[i][0] == w->rows && t->pending[i][1] == w->cols;
+        if (!known && t->n_pending < GEMM_PRETUNE_SHAPES) {
+            t->pending[t->n_pending][0] = w->rows;
+            t->pending[t->n_pending][1] = w->cols;
+            t->n_pending++;
+        }
+    }
     return w;
 oom:
     kvs_err(err, errlen, -ENOMEM, "cuda: out of device memory for a %lld x %lld weight (%s)", (long long)w->rows,
@@ -1534,6 +1552,22 @@ static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int
     t->log_mats++;
     t->log_gemms += tuned;
     t->log_s += kvs_now() - t0;
+}
+
+/* gemm_pretune for each shape uploaded since the last alloc that some live unfused weight still
+ * has (timed on that weight) */
+static void gemm_pretune_pending(struct kvs_backend *b)
+{
+    struct gemm_tuning *t = b->tune;
+    for (int i = 0; i < t->n_pending; i++) {
+        const int64_t rows = t->pending[i][0], cols = t->pending[i][1];
+        for (const struct kvs_dweight *w = b->weights; w; w = w->next)
+            if (!w->is_vector && !w->store && w->rows == rows && w->cols == cols) {
+                gemm_pretune(b, w->h, rows, cols, 1u << GEMM_F32 | (rows > cols ? 1u << GEMM_BF16 : 0u));
+                break;
+            }
+    }
+    t->n_pending = 0;
 }
 
 /* one line for the pre-tuning of a model load: called when something other than weight uploads
