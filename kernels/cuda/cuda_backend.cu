@@ -15,10 +15,10 @@
  * the algorithm picked per shape by timing cuBLASLt's heuristic candidates (up to 256 rows;
  * timed when a new weight shape is uploaded, at the decode graphs' row counts, else on the
  * shape's first call outside a graph capture; row counts that are no graph's take the pick of
- * the next larger one, untimed, so mixed steps never stall; KVS_CUDA_GEMM_TUNE=0: the
- * heuristic's first pick
- * always; the timing also tries split-K variants of the first candidates, KVS_CUDA_GEMM_SPLITK=0:
- * not). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for comparisons.
+ * the next larger one, untimed, so mixed steps never stall; the timing also tries split-K
+ * variants of the first candidates, KVS_CUDA_GEMM_SPLITK=0: not; KVS_CUDA_GEMM_TUNE=0: the
+ * heuristic's first pick always). KVS_CUDA_GEMM=ex keeps the former cublasGemmEx path for
+ * comparisons.
  * Fused weights (fuse_weights; the runner lays out each layer's q/k/v and gate/up so at load):
  * above the decode GEMM's rows, q/k/v run as one GEMM (up to GEMM_TUNE_MAX_N rows, into the
  * fuse_ws scratch, whose rows go straight to the RoPE and cache write in matmul_rope_kv_write
