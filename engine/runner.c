@@ -511,6 +511,54 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
     return n;
 }
 
+/* q/k/v projections of r->xn, the q/k norms (Qwen3), RoPE and the cache write of layer L from
+ * the backend's separate ops */
+static void qkv_rope_kv_write(struct kvs_runner *r, const struct layer_w *L, int n)
+{
+    const struct kvs_backend_ops *o = r->ops;
+    struct kvs_backend *be = r->be;
+    const int dim = r->dim, nh = r->nh, nkv = r->nkv, hd = r->hd, l = (int)(L - r->layers);
+    const float eps = r->mc.rms_norm_eps;
+    if (o->matmul_multi) {
+        const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
+        const int outs[3] = {nh * hd, nkv * hd, nkv * hd};
+        struct kvs_dbuf *y[3] = {r->q, r->k, r->v};
+        o->matmul_multi(be, r->xn, 3, w, bias, n, dim, outs, y);
+    } else {
+        o->matmul(be, r->xn, L->wq, L->bq, n, dim, nh * hd, r->q);
+        o->matmul(be, r->xn, L->wk, L->bk, n, dim, nkv * hd, r->k);
+        o->matmul(be, r->xn, L->wv, L->bv, n, dim, nkv * hd, r->v);
+    }
+    if (L->q_norm) {
+        o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
+        o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
+    }
+    if (o->rope_kv_write) {
+        o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size,
+                         r->kc[l], r->vc[l]);
+    } else {
+        o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
+        o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
+        o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+    }
+}
+
+/* r->proj = down(silu(gate) * up) of r->xn for layer L from the backend's separate ops */
+static void mlp(struct kvs_runner *r, const struct layer_w *L, int n)
+{
+    const struct kvs_backend_ops *o = r->ops;
+    struct kvs_backend *be = r->be;
+    const int dim = r->dim, ff = r->ff;
+    if (o->matmul_swiglu) {
+        o->matmul_swiglu(be, r->xn, L->w_gate, L->w_up, n, dim, ff, r->gate, r->up);
+    } else {
+        o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
+        o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
+        o->swiglu(be, r->gate, r->up, n, ff, r->gate);
+    }
+    o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
+}
+
 /* the embedding and the layer loop (leaves the final-normed rows in r->xn) */
 static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *m)
 {
@@ -526,33 +574,12 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
         const struct layer_w *L = &r->layers[l];
         if (o->matmul_rope_kv_write && !L->q_norm) {
             /* q/k/v projections, RoPE and the cache write in one op (Qwen3's q/k norms come
-             * between the projections and the RoPE: the ops below) */
+             * between the projections and the RoPE: qkv_rope_kv_write composes them) */
             const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
             o->matmul_rope_kv_write(be, r->xn, w, bias, n, dim, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots,
                                     nh, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
-        } else if (o->matmul_multi) {
-            const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
-            const int outs[3] = {nh * hd, nkv * hd, nkv * hd};
-            struct kvs_dbuf *y[3] = {r->q, r->k, r->v};
-            o->matmul_multi(be, r->xn, 3, w, bias, n, dim, outs, y);
         } else {
-            o->matmul(be, r->xn, L->wq, L->bq, n, dim, nh * hd, r->q);
-            o->matmul(be, r->xn, L->wk, L->bk, n, dim, nkv * hd, r->k);
-            o->matmul(be, r->xn, L->wv, L->bv, n, dim, nkv * hd, r->v);
-        }
-        if (L->q_norm) {
-            o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
-            o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
-        }
-        if (o->matmul_rope_kv_write && !L->q_norm) {
-            /* done above */
-        } else if (o->rope_kv_write) {
-            o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size,
-                             r->kc[l], r->vc[l]);
-        } else {
-            o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
-            o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
-            o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+            qkv_rope_kv_write(r, L, n);
         }
         o->attention(be, r->q, r->kc[l], r->vc[l], m, n, nh, nkv, hd, r->block_size, scale, r->att);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
@@ -560,14 +587,7 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
         if (o->matmul_swiglu_down) {
             o->matmul_swiglu_down(be, r->xn, L->w_gate, L->w_up, L->w_down, n, dim, ff, r->gate, r->up, r->proj);
         } else {
-            if (o->matmul_swiglu) {
-                o->matmul_swiglu(be, r->xn, L->w_gate, L->w_up, n, dim, ff, r->gate, r->up);
-            } else {
-                o->matmul(be, r->xn, L->w_gate, NULL, n, dim, ff, r->gate);
-                o->matmul(be, r->xn, L->w_up, NULL, n, dim, ff, r->up);
-                o->swiglu(be, r->gate, r->up, n, ff, r->gate);
-            }
-            o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
+            mlp(r, L, n);
         }
         const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
         o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);

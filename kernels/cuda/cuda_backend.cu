@@ -767,6 +767,21 @@ static void gemm_tune_report(struct kvs_backend *b);
 static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int64_t cols, unsigned kinds);
 static void gemm_pretune_pending(struct kvs_backend *b);
 
+/* the output kinds a weight's GEMMs run with (bits 1 << enum gemm_out): fp32, and bf16 too for
+ * more rows than columns (the gate and up projections in matmul_swiglu) */
+static unsigned weight_kinds(int64_t rows, int64_t cols)
+{
+    return 1u << GEMM_F32 | (rows > cols ? 1u << GEMM_BF16 : 0u);
+}
+
+/* 1 when (rows, cols) is among the count shapes of list */
+static int shape_listed(const int64_t (*list)[2], int count, int64_t rows, int64_t cols)
+{
+    for (int i = 0; i < count; i++)
+        if (list[i][0] == rows && list[i][1] == cols) return 1;
+    return 0;
+}
+
 static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
 {
     (void)n_threads;
@@ -1041,16 +1056,12 @@ static struct kvs_dweight *cu_upload_weight(struct kvs_backend *b, const struct 
     /* decode graphs are captured on first use, where no GEMM can be timed: the shape is timed
      * before anything runs, at the next alloc (the runner fuses q/k/v and gate/up first, and
      * the shapes of weights that all went into fused groups need no timing of their own) */
-    if (!w->is_vector) {
-        struct gemm_tuning *t = b->tune;
-        int known = 0;
-        for (int i = 0; i < t->n_pretuned && !known; i++) known = t->pretuned[i][0] == w->rows && t->pretuned[i][1] == w->cols;
-        for (int i = 0; i < t->n_pending && !known; i++) known = t->pending[i][0] == w->rows && t->pending[i][1] == w->cols;
-        if (!known && t->n_pending < GEMM_PRETUNE_SHAPES) {
-            t->pending[t->n_pending][0] = w->rows;
-            t->pending[t->n_pending][1] = w->cols;
-            t->n_pending++;
-        }
+    if (!w->is_vector && !shape_listed(b->tune->pretuned, b->tune->n_pretuned, w->rows, w->cols) &&
+        !shape_listed(b->tune->pending, b->tune->n_pending, w->rows, w->cols) &&
+        b->tune->n_pending < GEMM_PRETUNE_SHAPES) {
+        b->tune->pending[b->tune->n_pending][0] = w->rows;
+        b->tune->pending[b->tune->n_pending][1] = w->cols;
+        b->tune->n_pending++;
     }
     return w;
 oom:
@@ -1477,11 +1488,18 @@ static void gemm_lt(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n,
 }
 
 /* y = xh W^T (+ y for GEMM_F32_ACC) (+ bias: fp32 outputs only) through cuBLAS(Lt) */
+/* y = xh W^T (+ y for GEMM_F32_ACC) on the backend's cuBLAS path (gemm_mode), W [out][in] bf16 */
+static void gemm_run(struct kvs_backend *b, const bf16 *xh, const bf16 *w, int n, int in, int out, void *y,
+                     enum gemm_out kind)
+{
+    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w, n, in, out, y, kind);
+    else gemm_lt(b, xh, w, n, in, out, y, kind);
+}
+
 static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dweight *w,
                       const struct kvs_dweight *bias, int n, int in, int out, void *y, enum gemm_out kind)
 {
-    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w->h, n, in, out, y, kind);
-    else gemm_lt(b, xh, w->h, n, in, out, y, kind);
+    gemm_run(b, xh, w->h, n, in, out, y, kind);
     if (bias) {
         KVS_ASSERT(bias->is_vector && bias->cols == out && kind != GEMM_BF16);
         size_t ny = (size_t)n * out;
@@ -1502,8 +1520,7 @@ static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int
 {
     struct gemm_tuning *t = b->tune;
     if (b->gemm_mode != KVS_CUDA_GEMM_TUNED || gemm_capturing(b)) return;
-    for (int i = 0; i < t->n_pretuned; i++)
-        if (t->pretuned[i][0] == rows && t->pretuned[i][1] == cols) return;
+    if (shape_listed(t->pretuned, t->n_pretuned, rows, cols)) return;
     if (t->n_pretuned == GEMM_PRETUNE_SHAPES || rows > INT_MAX || cols > INT_MAX) return;
     t->pretuned[t->n_pretuned][0] = rows;
     t->pretuned[t->n_pretuned][1] = cols;
@@ -1563,7 +1580,7 @@ static void gemm_pretune_pending(struct kvs_backend *b)
         const int64_t rows = t->pending[i][0], cols = t->pending[i][1];
         for (const struct kvs_dweight *w = b->weights; w; w = w->next)
             if (!w->is_vector && !w->store && w->rows == rows && w->cols == cols) {
-                gemm_pretune(b, w->h, rows, cols, 1u << GEMM_F32 | (rows > cols ? 1u << GEMM_BF16 : 0u));
+                gemm_pretune(b, w->h, rows, cols, weight_kinds(rows, cols));
                 break;
             }
     }
@@ -1639,61 +1656,82 @@ static int cu_fuse_weights(struct kvs_backend *b, struct kvs_dweight *const *w, 
 /* Decode-sized batches (n <= skinny_max) go to the decode GEMM, which covers every part in one
  * launch; larger ones to cuBLAS, one call per part. Either way each part's result is what
  * matmul() alone gives. */
-static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int n_parts,
-                            const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n, int in,
-                            const int *out, struct kvs_dbuf *const *y)
+/* matmul_multi's set-up, shared with matmul_rope_kv_write: checks the shapes, forgets the
+ * outputs' mirrors and returns the bf16 x that the GEMMs read */
+static const bf16 *multi_begin(struct kvs_backend *b, const struct kvs_dbuf *x, int n_parts,
+                               const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n,
+                               int in, const int *out, struct kvs_dbuf *const *y)
 {
-    if (n <= 0) return;
     KVS_ASSERT(n_parts >= 1 && n_parts <= KVS_SKINNY_MAX_PARTS);
     KVS_ASSERT((size_t)n * in <= b->xh_cap);
     const bf16 *xh = gemm_input(b, x, (size_t)n * in);
     for (int p = 0; p < n_parts; p++) {
         KVS_ASSERT(!w[p]->is_vector && w[p]->rows == out[p] && w[p]->cols == in);
+        if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == out[p]);
         xh_forget(b, y[p]->d);
     }
-    if (n <= b->skinny_max && kvs_cu_skinny_supported(n, in, out, n_parts, 0)) {
+    return xh;
+}
+
+/* 1 when the decode GEMM takes these parts (decode-sized batches) */
+static int multi_skinny(struct kvs_backend *b, int n_parts, int n, int in, const int *out)
+{
+    return n <= b->skinny_max && kvs_cu_skinny_supported(n, in, out, n_parts, 0);
+}
+
+/* 1 when parts laid out back to back (fuse_weights) run as one GEMM into the fuse_ws scratch,
+ * [n][*total], every part's columns a multiple of 4: decode-sized batches only (the scratch holds
+ * GEMM_TUNE_MAX_N rows); larger ones are compute bound, where separate GEMMs lose nothing */
+static int multi_joint(struct kvs_backend *b, const struct kvs_dweight *const *w, int n_parts, int n,
+                       const int *out, int *total)
+{
+    int quads = 1;
+    *total = 0;
+    for (int p = 0; p < n_parts; p++) {
+        *total += out[p];
+        quads &= out[p] % 4 == 0;
+    }
+    return n_parts > 1 && quads && weights_adjacent(w, n_parts) && (size_t)n * *total <= b->fuse_cap;
+}
+
+static void cu_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int n_parts,
+                            const struct kvs_dweight *const *w, const struct kvs_dweight *const *bias, int n, int in,
+                            const int *out, struct kvs_dbuf *const *y)
+{
+    if (n <= 0) return;
+    const bf16 *xh = multi_begin(b, x, n_parts, w, bias, n, in, out, y);
+    int total = 0;
+    if (multi_skinny(b, n_parts, n, in, out)) {
         struct kvs_cu_skinny a = {};
         a.x = xh;
         a.n = n;
         a.in = in;
         a.n_parts = n_parts;
         for (int p = 0; p < n_parts; p++) {
-            if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == out[p]);
             a.w[p] = w[p]->h;
             a.bias[p] = bias && bias[p] ? bias[p]->f : NULL;
             a.out[p] = out[p];
             a.y[p] = (float *)y[p]->d;
         }
         CUDA_CHECK(kvs_cu_skinny(&a, b->stream));
-        return;
-    }
-    /* parts laid out back to back (fuse_weights): one GEMM into the scratch, then each part's
-     * columns to its buffer. Decode-sized batches only (the scratch holds GEMM_TUNE_MAX_N rows):
-     * larger ones are compute bound, where separate GEMMs lose nothing. */
-    int total = 0, quads = 1;
-    for (int p = 0; p < n_parts; p++) {
-        total += out[p];
-        quads &= out[p] % 4 == 0;
-    }
-    if (n_parts > 1 && quads && weights_adjacent(w, n_parts) && (size_t)n * total <= b->fuse_cap) {
-        if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
-        else gemm_lt(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+    } else if (multi_joint(b, w, n_parts, n, out, &total)) {
+        /* one GEMM into the scratch, then each part's columns to its buffer */
+        gemm_run(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
         struct split_args a = {};
         a.src = b->fuse_ws;
         a.total = total;
         a.n_parts = n_parts;
         for (int p = 0; p < n_parts; p++) {
-            if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == out[p]);
             a.out[p] = out[p];
             a.y[p] = (float *)y[p]->d;
             a.bias[p] = bias && bias[p] ? bias[p]->f : NULL;
         }
         CUDA_CHECK(kvs_cu_launch(k_split_cols, dim3((unsigned)n, (unsigned)n_parts), 256, 0, b->stream, a));
         LAUNCH_CHECK();
-        return;
+    } else {
+        for (int p = 0; p < n_parts; p++)
+            gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], y[p]->d, GEMM_F32);
     }
-    for (int p = 0; p < n_parts; p++)
-        gemm_blas(b, xh, w[p], bias ? bias[p] : NULL, n, in, out[p], y[p]->d, GEMM_F32);
 }
 
 static void cu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
@@ -1753,8 +1791,7 @@ static void swiglu_gemms(struct kvs_backend *b, const struct kvs_dbuf *x, const 
     const int fused = weights_adjacent(wgu, 2);
     bf16 *gh = (bf16 *)up->d, *uh = fused ? gh + ff : gh + nn; /* 16-byte aligned: ff is a multiple of 8 */
     if (fused) {
-        if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, wg->h, n, in, 2 * ff, gh, GEMM_BF16);
-        else gemm_lt(b, xh, wg->h, n, in, 2 * ff, gh, GEMM_BF16);
+        gemm_run(b, xh, wg->h, n, in, 2 * ff, gh, GEMM_BF16);
     } else {
         gemm_blas(b, xh, wg, NULL, n, in, ff, gh, GEMM_BF16);
         gemm_blas(b, xh, wu, NULL, n, in, ff, uh, GEMM_BF16);
@@ -1860,22 +1897,15 @@ static void cu_matmul_rope_kv_write(struct kvs_backend *b, const struct kvs_dbuf
 {
     if (n <= 0) return;
     const int outs[3] = {n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim};
-    const int total = outs[0] + 2 * outs[1];
     struct kvs_dbuf *y[3] = {q, k, v};
-    if (!(n > b->skinny_max && weights_adjacent(w, 3) && (size_t)n * total <= b->fuse_cap)) {
+    int total = 0;
+    if (multi_skinny(b, 3, n, in, outs) || !multi_joint(b, w, 3, n, outs, &total)) {
         cu_matmul_multi(b, x, 3, w, bias, n, in, outs, y);
         cu_rope_kv_write(b, q, k, v, pos, inv_freq, slots, n, n_heads, n_kv_heads, head_dim, block_size, kc, vc);
         return;
     }
-    KVS_ASSERT((size_t)n * in <= b->xh_cap);
-    const bf16 *xh = gemm_input(b, x, (size_t)n * in);
-    for (int p = 0; p < 3; p++) {
-        KVS_ASSERT(!w[p]->is_vector && w[p]->rows == outs[p] && w[p]->cols == in);
-        if (bias && bias[p]) KVS_ASSERT(bias[p]->is_vector && bias[p]->cols == outs[p]);
-        xh_forget(b, y[p]->d);
-    }
-    if (b->gemm_mode == KVS_CUDA_GEMM_EX) gemm_ex(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
-    else gemm_lt(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
+    const bf16 *xh = multi_begin(b, x, 3, w, bias, n, in, outs, y);
+    gemm_run(b, xh, w[0]->h, n, in, total, b->fuse_ws, GEMM_F32);
     struct rkv_args a = {};
     a.qs = b->fuse_ws;
     a.ks = b->fuse_ws + outs[0];
@@ -2177,8 +2207,7 @@ extern "C" void kvs_cuda_set_gemm(struct kvs_backend *b, int mode)
 
 extern "C" void kvs_cuda_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
 {
-    if (!w->is_vector)
-        gemm_pretune(b, w->h, w->rows, w->cols, 1u << GEMM_F32 | (w->rows > w->cols ? 1u << GEMM_BF16 : 0u));
+    if (!w->is_vector) gemm_pretune(b, w->h, w->rows, w->cols, weight_kinds(w->rows, w->cols));
 }
 
 extern "C" void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,

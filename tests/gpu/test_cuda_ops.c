@@ -496,6 +496,22 @@ static void expect_close(const char *what, const float *a, const float *r, size_
     printf("%s %-58s rel_l2 %.3e (tol %.0e)\n", ok ? "ok  " : "FAIL", what, e, tol);
 }
 
+/* Random q/k/v projections [outs[p]][in] (bf16) and biases [outs[p]] on both backends, their
+ * outputs y[p] [n][outs[p]], and the CPU's reference in y[p].c: x W^T (+ bias when `bias`) */
+static void mk_qkv(struct pair *x, int n, int in, const int *outs, int bias, struct wpair *w, struct wpair *bs,
+                   struct pair *y)
+{
+    for (int p = 0; p < 3; p++) {
+        float *wv = rand_vec((size_t)outs[p] * in, 0.05f, 0), *bv = rand_vec((size_t)outs[p], 0.5f, 0);
+        w[p] = mkw(wv, outs[p], in, 0, KVS_DTYPE_BF16);
+        bs[p] = mkw(bv, 1, outs[p], 1, KVS_DTYPE_F32);
+        free(wv);
+        free(bv);
+        y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
+        C->matmul(bc, x->c, w[p].c, bias ? bs[p].c : NULL, n, in, outs[p], y[p].c);
+    }
+}
+
 /* Weights laid out back to back (fuse_weights): matmul_multi over q/k/v and matmul_swiglu over
  * gate/up run one GEMM for the group from 9 to 256 rows (the separate GEMMs above 256, the decode
  * GEMM at most 8). Against the CPU composition, and close to the same ops before the fusion (the
@@ -516,15 +532,7 @@ static void test_fuse_weights(void)
         struct wpair w[3], bs[3];
         struct pair y[3];
         float *sep[3];
-        for (int p = 0; p < 3; p++) {
-            float *wv = rand_vec((size_t)outs[p] * in, 0.05f, 0), *bv = rand_vec((size_t)outs[p], 0.5f, 0);
-            w[p] = mkw(wv, outs[p], in, 0, KVS_DTYPE_BF16);
-            bs[p] = mkw(bv, 1, outs[p], 1, KVS_DTYPE_F32);
-            free(wv);
-            free(bv);
-            y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
-            C->matmul(bc, x.c, w[p].c, bias ? bs[p].c : NULL, n, in, outs[p], y[p].c);
-        }
+        mk_qkv(&x, n, in, outs, bias, w, bs, y);
         const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, w[2].g}, *bg3[3] = {bs[0].g, bs[1].g, bs[2].g};
         struct kvs_dbuf *yg[3] = {y[0].g, y[1].g, y[2].g};
         G->matmul_multi(bg, x.g, 3, wg, bias ? bg3 : NULL, n, in, outs, yg);
@@ -867,16 +875,8 @@ static void test_matmul_rope_kv_write(void)
         struct pair x = mk(KVS_BUF_ACT, (size_t)n * in, xv);
         struct wpair w[3], bw[3];
         struct pair y[3], y2[3];
-        for (int p = 0; p < 3; p++) {
-            float *wv = rand_vec((size_t)outs[p] * in, 0.05f, 0), *bv = rand_vec((size_t)outs[p], 0.5f, 0);
-            w[p] = mkw(wv, outs[p], in, 0, KVS_DTYPE_BF16);
-            bw[p] = mkw(bv, 1, outs[p], 1, KVS_DTYPE_F32);
-            free(wv);
-            free(bv);
-            y[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
-            y2[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
-            C->matmul(bc, x.c, w[p].c, bias ? bw[p].c : NULL, n, in, outs[p], y[p].c);
-        }
+        mk_qkv(&x, n, in, outs, bias, w, bw, y);
+        for (int p = 0; p < 3; p++) y2[p] = mk(KVS_BUF_ACT, (size_t)n * outs[p], NULL);
         struct pair kc = mk(KVS_BUF_KV, cn, c0), vc = mk(KVS_BUF_KV, cn, c0), kc2 = mk(KVS_BUF_KV, cn, c0),
                     vc2 = mk(KVS_BUF_KV, cn, c0);
         struct pair ps = mk(KVS_BUF_I32, (size_t)n, pos), sl = mk(KVS_BUF_I32, (size_t)n, slots);
