@@ -558,7 +558,7 @@ extern "C" void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits)
 
 extern "C" void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind)
 {
-    b->dec_attn = kind == 0 || kind == 2 || kind == 3 || kind == 4 ? kind : -1;
+    b->dec_attn = kind == 0 || (kind >= 2 && kind <= 5) ? kind : -1;
 }
 
 extern "C" int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head_dim)
