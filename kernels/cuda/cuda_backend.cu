@@ -1,7 +1,7 @@
 /* cuda_backend.cu: the CUDA backend's core: the op table of kernels/backend.h (kvs_cuda_backend),
  * create / free, device memory, uploads and downloads, step graphs, and cuda_backend.h's extras
  * (random data, timers, switches). The ops themselves live by job: cuda_gemm.cu (matmuls),
- * cuda_ops.cu (the small ops and attention's entry);
+ * cuda_ops.cu (the small ops and attention's entry), kv_span.cu (attention over spans, merges);
  * the attention kernels in cuda_attention.cu and its cuda_attn_*.cu; the shared objects in
  * cuda_internal.cuh.
  *
@@ -457,8 +457,8 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_fuse_weights,
     kvs_cu_op_matmul_rope_kv_write,
     kvs_cu_op_matmul_swiglu_down,
-    nullptr, /* attention_spans, attn_merge: not implemented on this backend yet */
-    nullptr,
+    kvs_cu_op_attention_spans,
+    kvs_cu_op_attn_merge,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

@@ -5,7 +5,8 @@
  * cuda_backend.cu from the kvs_cu_op_* functions of:
  *   cuda_backend.cu  create/free, memory, uploads, step graphs, the table and cuda_backend.h's extras;
  *   cuda_gemm.cu     the matmuls: decode GEMM / cuBLASLt picks, fused weights, SwiGLU fusions;
- *   cuda_ops.cu      the small ops: embedding, norms, RoPE, KV writes, attention's entry, argmax....
+ *   cuda_ops.cu      the small ops: embedding, norms, RoPE, KV writes, attention's entry, argmax...;
+ *   kv_span.cu       the KV-strategy primitives attention_spans and attn_merge.
  * Ownership: everything allocated is owned by the struct kvs_backend (freed by its free op).
  * Errors: CUDA / cuBLAS failures abort with file:line (CUDA_CHECK, CUBLAS_CHECK: bugs, not client
  * errors); allocation functions return NULL on out-of-memory.
@@ -319,5 +320,13 @@ void kvs_cu_op_kv_copy_block(struct kvs_backend *b, struct kvs_dbuf *kc, struct 
                              int n_kv_heads, int block_size, int head_dim);
 void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                            struct kvs_dbuf *out, size_t out_off);
+
+/* ---- kv_span.cu (backend.h's KV-strategy primitives) ---- */
+void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                               const struct kvs_dbuf *vc, const struct kvs_attn_meta *m,
+                               const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim,
+                               int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse);
+void kvs_cu_op_attn_merge(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a,
+                          const struct kvs_dbuf *o_b, const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
 
 #endif
