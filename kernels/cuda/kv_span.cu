@@ -7,15 +7,15 @@
  * heads of the group (GQA: every K/V byte read serves all of them; 16 rows a tensor-core m-tile,
  * two m-tiles for groups of up to 32), q rounded to bf16 for the products, softmax and every
  * accumulation in fp32 (the tensor-core pieces of the paged attention, cuda_attn_device.cuh).
- * The keys are walked in 32-position windows aligned to 32: a span [lo, hi) (clipped to the row's
- * own position, causal) covers windows lo / 32 .. (hi - 1) / 32, and each window's slots outside
- * the span, past a block's valid count (block_valid) or past the row are not read (the cp.async
- * copies zero-fill them). Windows are enumerated span by span; long span sets (up to 128K tokens)
- * are cut into splits of equal window counts over the grid's y dimension, so a single row still
- * fills the GPU, and a second kernel merges the splits' partials (acc, max, sum) in split order,
- * writing out and lse (deterministic for a given launch shape). Two spans that share a window
- * stage it twice, each with its own keys: correct, and rare for the page-sized spans of the
- * sparse policies. Deferred RoPE (rot_offsets) as the paged attention does it: q rotated backward
+ * The selected keys (each span clipped to the row's own position: causal) are taken in span
+ * order and gathered 32 at a time into one staged K/V tile, so page-sized spans fill whole tiles
+ * (a tile of 32 consecutive positions from a multiple of 16 takes the paged attention's
+ * two-pointer copies, any other tile one copy source per key); slots past a block's valid count
+ * (block_valid) are not read (the cp.async copies zero-fill them). Long span sets (up to 128K
+ * tokens) are cut into splits of equal tile counts over the grid's y dimension, so a single row
+ * still fills the GPU, and a second kernel merges the splits' partials (acc, max, sum) in split
+ * order, writing out and lse (deterministic for a given launch shape). Deferred RoPE
+ * (rot_offsets) as the paged attention does it: q rotated backward
  * by a block's offset at document boundaries (rot_table + rotate_frags).
  *
  * attn_merge: elementwise, one block per (row, head).
@@ -28,9 +28,8 @@
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
 
-#define SPAN_WIN AT_TILE   /* positions per window: one staged K/V tile */
 #define SPAN_ST 2          /* tiles in flight */
-#define SPAN_MIN_WINDOWS 4 /* windows a split is planned with at least (128 keys) */
+#define SPAN_MIN_TILES 4   /* tiles a split is planned with at least (128 keys) */
 #define SPAN_MAX_SPLITS 256
 
 struct span_args {
@@ -39,109 +38,145 @@ struct span_args {
     const int32_t *n_spans;       /* [n][n_kv] */
     const int32_t *spans;         /* [n][n_kv][max_spans][2] */
     int max_spans;
-    int chunk;                    /* windows per split */
+    int chunk;                    /* tiles per split */
     int n_splits;
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
 
-/* the windows of span [lo, hi) clipped to positions 0 .. last: first window and count */
-__device__ __forceinline__ int span_windows(const int32_t *sp, int last, int *w_first)
+/* The selected keys of a (row, KV head): span j clipped to the row, [lo, hi) with hi <= last + 1
+ * (causal), concatenated in span order. A cursor names a key of that list: span j, offset o. */
+struct span_cursor {
+    int j, o;
+};
+
+/* span j's clipped start and length (0: empty) */
+__device__ __forceinline__ int span_len(const int32_t *sp, int j, int last, int *lo)
 {
-    const int lo = max(sp[0], 0), hi = min(sp[1], last + 1);
-    if (hi <= lo) return 0;
-    *w_first = lo / SPAN_WIN;
-    return (hi - 1) / SPAN_WIN - lo / SPAN_WIN + 1;
+    const int a = max(sp[2 * j], 0), b = min(sp[2 * j + 1], last + 1);
+    *lo = a;
+    return b > a ? b - a : 0;
 }
 
-/* What the copies of window kb .. kb + 31 need (tile_lookup's contract, cuda_attn_device.cuh):
- * lane l's key kb + l is read when it lies in [lo, hi) (hi already clipped to the row) and in its
- * block's valid slots; the rows of keys kb and kb + 16 (read or not, when they are at most the
- * row's position, whose blocks the table holds) for the two-pointer copies. */
-template <int HD>
-__device__ __forceinline__ tile_meta span_lookup(const at_args &a, int kb, int lo, int hi, int last, int kvh,
-                                                 const int32_t *bt, const int32_t *vt, const int32_t *rt)
+/* the position of the key k keys after c (k >= 0), or -1 past the last span */
+__device__ __forceinline__ int key_after(const int32_t *sp, int ns, int last, span_cursor c, int k)
 {
-    const int p = kb + (threadIdx.x & 31);
+    int j = c.j, o = c.o + k;
+    while (j < ns) {
+        int lo;
+        const int len = span_len(sp, j, last, &lo);
+        if (o < len) return lo + o;
+        o -= len;
+        j++;
+    }
+    return -1;
+}
+
+/* c moved k keys on (past the end: j = ns) */
+__device__ __forceinline__ void cursor_advance(const int32_t *sp, int ns, int last, span_cursor &c, int k)
+{
+    int j = c.j, o = c.o + k;
+    while (j < ns) {
+        int lo;
+        const int len = span_len(sp, j, last, &lo);
+        if (o < len) break;
+        o -= len;
+        j++;
+    }
+    c.j = j;
+    c.o = o;
+}
+
+/* the cursor of key k (k < the total): a warp scan over the span lengths, 32 spans at a time
+ * (every lane ends with the same cursor) */
+__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
+{
+    const int lane = threadIdx.x & 31;
+    long long base = 0;
+    for (int c0 = 0; c0 < ns; c0 += 32) {
+        int lo;
+        const int len = c0 + lane < ns ? span_len(sp, c0 + lane, last, &lo) : 0;
+        long long inc = len;
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long v = __shfl_up_sync(FULL, inc, o);
+            if (lane >= o) inc += v;
+        }
+        const long long total = __shfl_sync(FULL, inc, 31);
+        if (k < base + total) {
+            const unsigned m = __ballot_sync(FULL, len > 0 && k >= base + inc - len && k < base + inc);
+            const int src = __ffs((int)m) - 1;
+            span_cursor c;
+            c.j = c0 + src;
+            c.o = (int)(k - base - __shfl_sync(FULL, inc - len, src));
+            return c;
+        }
+        base += total;
+    }
+    span_cursor c;
+    c.j = ns;
+    c.o = 0;
+    return c;
+}
+
+/* selected keys of a (row, KV head) */
+__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
+{
+    const int lane = threadIdx.x & 31;
+    long long sum = 0;
+    for (int j = lane; j < ns; j += 32) {
+        int lo;
+        sum += span_len(sp, j, last, &lo);
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    return sum;
+}
+
+/* What the copies of the tile of the 32 selected keys from cursor c need (tile_lookup's contract,
+ * cuda_attn_device.cuh): lane l's key (its row, or -1 past the list or in a block's invalid tail;
+ * its rotation offset, or KEY_PAD). contig: the 32 keys are consecutive positions from a multiple
+ * of 16 in blocks of a multiple of 16 slots, where tile_issue's two-pointer copies apply (base0,
+ * base1: the rows of the tile's first and 17th key); else the copies take each key's own row. */
+template <int HD>
+__device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t *sp, int ns, int last,
+                                                 span_cursor c, int kvh, const int32_t *bt, const int32_t *vt,
+                                                 const int32_t *rt, bool *contig)
+{
+    const int lane = threadIdx.x & 31;
+    const int p = key_after(sp, ns, last, c, lane);
     tile_meta m;
     m.row = -1;
     m.info = KEY_PAD;
     long long brow = 0;
-    if (p <= last) {
+    if (p >= 0) {
         const int pb = p / a.bs, sl = p - pb * a.bs;
         brow = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
-        if (p >= lo && p < hi && (!vt || sl < vt[pb])) {
+        if (!vt || sl < vt[pb]) {
             m.row = brow;
             m.info = rt ? rt[pb] : 0;
         }
     }
+    const int p0 = __shfl_sync(FULL, p, 0);
+    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == p0 + lane || p < 0) &&
+              __shfl_sync(FULL, p, 16) >= 0;
     m.base0 = __shfl_sync(FULL, brow, 0);
     m.base1 = __shfl_sync(FULL, brow, 16);
     return m;
 }
 
-/* The walk over a (row, KV head)'s windows in span order: span j, window k of it. */
-struct span_cursor {
-    int j, k, n_win, w_first, lo, hi;
-};
-
-/* moves c to the first window of span j or a later non-empty span (n_win = 0: past the end) */
-__device__ __forceinline__ void cursor_span(span_cursor &c, const int32_t *sp, int ns, int last, int j)
+/* tile_issue's general copies (each key's row from the lane that looked it up): gathered keys */
+template <int HD>
+__device__ __forceinline__ void gather_issue(const at_args &a, const tile_meta &m, bf16 *dk, bf16 *dv, int kst, int *ko)
 {
-    for (c.j = j, c.k = 0, c.n_win = 0; c.j < ns; c.j++) {
-        c.n_win = span_windows(sp + 2 * c.j, last, &c.w_first);
-        if (c.n_win > 0) {
-            c.lo = max(sp[2 * c.j], 0);
-            c.hi = min(sp[2 * c.j + 1], last + 1);
-            return;
-        }
+    constexpr int CH = HD / 8;
+    ko[threadIdx.x & 31] = m.info;
+#pragma unroll
+    for (int idx = threadIdx.x & 31; idx < AT_TILE * CH; idx += 32) {
+        const int j = idx / CH, c = idx % CH;
+        const long long r = __shfl_sync(FULL, m.row, j);
+        const bool ok = r >= 0;
+        cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
+        cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
     }
-    c.n_win = 0;
-}
-
-__device__ __forceinline__ void cursor_next(span_cursor &c, const int32_t *sp, int ns, int last)
-{
-    if (++c.k >= c.n_win) cursor_span(c, sp, ns, last, c.j + 1);
-}
-
-/* places c on window w of the walk (w < the total): a warp scan over the spans' window counts,
- * 32 spans at a time (every lane ends with the same cursor) */
-__device__ __forceinline__ void cursor_seek(span_cursor &c, const int32_t *sp, int ns, int last, int w)
-{
-    const int lane = threadIdx.x & 31;
-    int base = 0;
-    for (int c0 = 0; c0 < ns; c0 += 32) {
-        int wf = 0, cnt = c0 + lane < ns ? span_windows(sp + 2 * (c0 + lane), last, &wf) : 0;
-        int inc = cnt;
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(FULL, inc, o);
-            if (lane >= o) inc += v;
-        }
-        const int total = __shfl_sync(FULL, inc, 31);
-        if (w < base + total) {
-            const unsigned m = __ballot_sync(FULL, cnt > 0 && w >= base + inc - cnt && w < base + inc);
-            const int src = __ffs((int)m) - 1;
-            cursor_span(c, sp, ns, last, c0 + src);
-            c.k = w - base - __shfl_sync(FULL, inc - cnt, src);
-            return;
-        }
-        base += total;
-    }
-    c.j = ns;
-    c.n_win = 0;
-}
-
-/* windows of span set sp (ns spans) for a row at position last */
-__device__ __forceinline__ int total_windows(const int32_t *sp, int ns, int last)
-{
-    const int lane = threadIdx.x & 31;
-    int sum = 0;
-    for (int j = lane; j < ns; j += 32) {
-        int wf;
-        sum += span_windows(sp + 2 * j, last, &wf);
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-    return sum;
 }
 
 template <int HD, int MT, bool ROT>
@@ -154,7 +189,6 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     bf16 *sv = sk + (size_t)ST * AT_TILE * KST;
     float *rtab = (float *)(sv + (size_t)ST * AT_TILE * KST); /* ROT: [HD] cos, sin of the current rotation */
     int *soff = (int *)(rtab + (ROT ? HD : 0));              /* [ST][AT_TILE] per key: offset or KEY_PAD */
-    int *skb = soff + ST * AT_TILE;                          /* [ST] each stage's window start */
 
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row = blockIdx.x / a.n_kv, kvh = blockIdx.x % a.n_kv, split = blockIdx.y;
@@ -169,29 +203,40 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
+    /* cuda_launch.h: from here on q, the K/V just written and the spans (which a policy's own
+     * kernel may have written) are read */
+    grid_dep_wait();
     const size_t pair = (size_t)row * a.n_kv + kvh;
     const int ns = sa.n_spans[pair];
     const int32_t *sp = sa.spans + pair * (size_t)sa.max_spans * 2;
-    const int n_total = total_windows(sp, ns, last);
-    const int w0 = split * sa.chunk, w1 = min(n_total, w0 + sa.chunk);
-    const int ntiles = w1 > w0 ? w1 - w0 : 0;
+    const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
+    const long long w0 = (long long)split * sa.chunk, w1 = min(n_tiles_all, w0 + sa.chunk);
+    const int ntiles = w1 > w0 ? (int)(w1 - w0) : 0;
 
-    span_cursor cur; /* the next window to stage */
-    if (ntiles > 0) cursor_seek(cur, sp, ns, last, w0);
-    auto issue = [&](int it) {
-        const int kb = (cur.w_first + cur.k) * SPAN_WIN;
-        const tile_meta tm = span_lookup<HD>(a, kb, cur.lo, cur.hi, last, kvh, bt, vt, rt);
+    span_cursor cur; /* the first key of the next tile to look up */
+    cur.j = ns;
+    cur.o = 0;
+    if (ntiles > 0) cur = cursor_seek(sp, ns, last, w0 * AT_TILE);
+    bool nxt_contig = false;
+    auto lookup = [&]() {
+        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig);
+        cursor_advance(sp, ns, last, cur, AT_TILE);
+        return tm;
+    };
+    auto issue = [&](const tile_meta &tm, bool contig, int it) {
         const int st = it % ST;
-        if (lane == 0) skb[st] = kb;
-        tile_issue<HD, 32>(a, tm, sk + (size_t)st * AT_TILE * KST, sv + (size_t)st * AT_TILE * KST, KST,
-                           soff + st * AT_TILE);
-        cursor_next(cur, sp, ns, last);
+        bf16 *dk = sk + (size_t)st * AT_TILE * KST, *dv = sv + (size_t)st * AT_TILE * KST;
+        if (contig) tile_issue<HD, 32>(a, tm, dk, dv, KST, soff + st * AT_TILE);
+        else gather_issue<HD>(a, tm, dk, dv, KST, soff + st * AT_TILE);
     };
 
-    grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
+    tile_meta nxt = lookup();
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
-        if (st < ntiles) issue(st);
+        if (st < ntiles) {
+            issue(nxt, nxt_contig, st);
+            nxt = lookup();
+        }
         cp_async_commit();
     }
 
@@ -210,14 +255,14 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     }
 
     float m[MT][2], l[MT][2], o[MT][HD / 8][4];
-    int lim[MT][2]; /* last visible key of the thread's rows: the row's position, or -1 (padding rows) */
+    int lim[MT][2]; /* every selected key is visible to live rows (0 .. 31 <= INT_MAX); padding rows: -1 */
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             m[mt][h] = -INFINITY;
             l[mt][h] = 0.0f;
-            lim[mt][h] = mt * 16 + g + 8 * h < nr ? last : -1;
+            lim[mt][h] = mt * 16 + g + 8 * h < nr ? INT_MAX : -1;
         }
 #pragma unroll
         for (int nd = 0; nd < HD / 8; nd++)
@@ -226,7 +271,10 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     }
 
     for (int it = 0; it < ntiles; it++) {
-        if (it + ST - 1 < ntiles) issue(it + ST - 1);
+        if (it + ST - 1 < ntiles) {
+            issue(nxt, nxt_contig, it + ST - 1);
+            nxt = lookup(); /* its loads overlap this tile's wait and compute */
+        }
         cp_async_commit();
         cp_async_wait<ST - 1>();
         __syncwarp();
@@ -234,7 +282,6 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
         const bf16 *tk = sk + (size_t)st * AT_TILE * KST;
         const bf16 *tv = sv + (size_t)st * AT_TILE * KST;
         const int *ko = soff + st * AT_TILE;
-        const int kb = skb[st];
         float sc[MT][4][4];
         if constexpr (!ROT) {
             qk_tc<HD, MT>(tk, qa, sc, lane);
@@ -251,7 +298,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
         }
         uint32_t pa[MT][2][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) softmax_tile<HD, true>(sc[mt], ko, kb, lim[mt], m[mt], l[mt], o[mt], pa[mt], lane);
+        for (int mt = 0; mt < MT; mt++) softmax_tile<HD, true>(sc[mt], ko, 0, lim[mt], m[mt], l[mt], o[mt], pa[mt], lane);
         pv_tile<HD, MT>(tv, KST, pa, o, lane);
         __syncwarp(); /* the stage is reloaded next iteration */
     }
@@ -344,13 +391,13 @@ __global__ void k_attn_merge2(float *oa, float *la, const float *ob, const float
 
 /* ---- host side -------------------------------------------------------------------------------- */
 
-/* Splits: the longest (row, KV head) walk (w_max windows) cut so that the grid fills every SM
- * with as many blocks as fit (one warp each: a single row must still keep every SM busy), at
- * least SPAN_MIN_WINDOWS windows a split, the partials within the workspace (by_ws splits). */
+/* Splits: the longest (row, KV head) walk (w_max tiles of 32 selected keys) cut so that the grid
+ * fills every SM with as many blocks as fit (one warp each: a single row must still keep every
+ * SM busy), at least SPAN_MIN_TILES tiles a split, the partials within the workspace (by_ws). */
 static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, long long w_max, long long by_ws)
 {
     long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
-    const long long by_len = (w_max + SPAN_MIN_WINDOWS - 1) / SPAN_MIN_WINDOWS;
+    const long long by_len = (w_max + SPAN_MIN_TILES - 1) / SPAN_MIN_TILES;
     if (ns > by_len) ns = by_len;
     if (ns > by_ws) ns = by_ws;
     if (ns > SPAN_MAX_SPLITS) ns = SPAN_MAX_SPLITS;
@@ -393,15 +440,15 @@ static void launch_spans_hd(span_args &x, int n, cudaStream_t st, int n_sms, lon
     }
 }
 
-/* windows of the host copy of a (row, KV head)'s spans for a row at position last */
-static long long host_windows(const int32_t *sp, int ns, int last)
+/* tiles of 32 selected keys of the host copy of a (row, KV head)'s spans for a row at position last */
+static long long host_tiles(const int32_t *sp, int ns, int last)
 {
-    long long w = 0;
+    long long k = 0;
     for (int j = 0; j < ns; j++) {
         const int lo = sp[2 * j] > 0 ? sp[2 * j] : 0, hi = sp[2 * j + 1] < last + 1 ? sp[2 * j + 1] : last + 1;
-        if (hi > lo) w += (hi - 1) / SPAN_WIN - lo / SPAN_WIN + 1;
+        if (hi > lo) k += hi - lo;
     }
-    return w;
+    return (k + AT_TILE - 1) / AT_TILE;
 }
 
 void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
@@ -452,7 +499,7 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
             const int last = m->h_pos[s] + t - m->h_q_start[s];
             for (int g = 0; g < n_kv_heads; g++) {
                 const size_t pair = (size_t)t * n_kv_heads + g;
-                const long long w = host_windows(sp->h_spans + pair * (size_t)sp->max_spans * 2, sp->h_n_spans[pair], last);
+                const long long w = host_tiles(sp->h_spans + pair * (size_t)sp->max_spans * 2, sp->h_n_spans[pair], last);
                 if (w > w_max) w_max = w;
             }
         }
