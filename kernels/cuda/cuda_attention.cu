@@ -40,7 +40,6 @@
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_attn_device.cuh"
 
-
 int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim)
 {
     if (n_kv <= 0 || n_heads % n_kv != 0 || n_heads / n_kv > AT_WARPS * AT_WIDE_RPW) return 0;
@@ -72,7 +71,6 @@ static int choose_splits(long long base_blocks, int resident, int n_sms, int max
     }
     return best;
 }
-
 
 /* block per (row, head) of this launch's kind; threads over dims; splits merged in order */
 __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_seqs, int prefill, int n_heads,

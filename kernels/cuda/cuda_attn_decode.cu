@@ -523,7 +523,6 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
                        max_ctx, st, n_sms, ws_floats, n, HD, force, FD_TILE);
 }
 
-
 static int valid_dec_kind(int k) { return k == 0 || (k >= 2 && k <= 5); }
 
 /* which kernel takes decode rows: `forced` (kvs_cuda_set_dec_attn) if it is a kind, else

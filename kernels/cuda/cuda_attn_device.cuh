@@ -193,7 +193,6 @@ __device__ __forceinline__ void tile_issue(const at_args &a, const tile_meta &m,
     }
 }
 
-
 /* cos and sin of the backward rotation by o into cs_sn (shared by the block) */
 static __device__ __noinline__ void rot_table(float *cs_sn, int hd, int o, const float *inv_freq)
 {
@@ -484,7 +483,6 @@ __device__ __forceinline__ void pv_tile(const bf16 *tv, int kst, const uint32_t 
             }
         }
 }
-
 
 /* ---- host side: the launchers of each kernel file (planned and called by cuda_attention.cu) ---- */
 

@@ -112,7 +112,7 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
-        b->dec_attn = -1; /* KVS_CUDA_DEC_ATTN is read by cuda_attention.cu itself */
+        b->dec_attn = -1; /* KVS_CUDA_DEC_ATTN is read by cuda_attn_decode.cu itself */
         e = getenv("KVS_CUDA_SKINNY_MAX");
         b->skinny_max = b->skinny_default = e ? atoi(e) : SKINNY_MAX_DEFAULT;
         b->gemm_default = KVS_CUDA_GEMM_TUNED;

@@ -830,7 +830,6 @@ void kvs_cu_op_matmul_swiglu_down(struct kvs_backend *b, const struct kvs_dbuf *
     xh_forget(b, gate->d); /* gate's fp32 may be stale: scratch from here on */
 }
 
-
 /* backend.h: matmul_multi + rope_kv_write. With q/k/v laid out back to back (fuse_weights) and
  * 9-256 rows, the joint GEMM's output goes straight to the RoPE and cache write (no pass that
  * splits it into q, k, v first); else the two ops. */
@@ -866,7 +865,6 @@ void kvs_cu_op_matmul_rope_kv_write(struct kvs_backend *b, const struct kvs_dbuf
     kvs_cu_rkv_common(&a, pos, inv_freq, slots, n_heads, n_kv_heads, head_dim, block_size, kc, vc);
     kvs_cu_launch_rope_kv_write(b, &a, n);
 }
-
 
 extern "C" void kvs_cuda_pretune(struct kvs_backend *b, const struct kvs_dweight *w)
 {

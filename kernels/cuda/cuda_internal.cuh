@@ -181,7 +181,7 @@ struct kvs_backend {
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
     int dec_attn;                 /* decode attention kernel forced (kvs_cuda_set_dec_attn); -1 =
-                                   * KVS_CUDA_DEC_ATTN or automatic (cuda_attention.cu) */
+                                   * KVS_CUDA_DEC_ATTN or automatic (cuda_attn_decode.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
 };
@@ -223,7 +223,6 @@ static inline size_t kind_size(enum kvs_buf_kind k)
 {
     return k == KVS_BUF_KV ? sizeof(bf16) : 4;
 }
-
 
 /* blocks for a grid-stride loop over n elements */
 static inline int grid_for(size_t n, int threads)
