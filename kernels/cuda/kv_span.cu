@@ -210,7 +210,10 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     const int ns = sa.n_spans[pair];
     const int32_t *sp = sa.spans + pair * (size_t)sa.max_spans * 2;
     const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
-    const long long w0 = (long long)split * sa.chunk, w1 = min(n_tiles_all, w0 + sa.chunk);
+    /* the last split takes every tile past the others' chunks: the plan comes from the host copies,
+     * and a recorded graph may replay the launch with longer span sets */
+    const long long w0 = (long long)split * sa.chunk;
+    const long long w1 = split == sa.n_splits - 1 ? n_tiles_all : min(n_tiles_all, w0 + sa.chunk);
     const int ntiles = w1 > w0 ? (int)(w1 - w0) : 0;
 
     span_cursor cur; /* the first key of the next tile to look up */
