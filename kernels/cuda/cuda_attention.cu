@@ -52,7 +52,7 @@
 
 #define _Noreturn [[noreturn]]
 extern "C" {
-#include "engine/util.h"
+#include "base/util.h"
 }
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_launch.h"

@@ -59,7 +59,7 @@
 
 #define _Noreturn [[noreturn]]
 extern "C" {
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 }
@@ -2087,6 +2087,10 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     cu_fuse_weights,
     cu_matmul_rope_kv_write,
     cu_matmul_swiglu_down,
+    /* attention_spans, attn_merge: not on this backend yet (strategies that need them refuse
+     * device cuda at startup, kv.h) */
+    nullptr,
+    nullptr,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

@@ -14,9 +14,9 @@
  *   build/kvserve-eval --model tests/data/models/llama --tokens ids.txt --lossy-window 16 --json
  */
 #include "engine/config.h"
-#include "engine/eval.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "tools/eval.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #include <cjson/cJSON.h>

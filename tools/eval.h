@@ -1,4 +1,4 @@
-/* eval.h: the quality harness behind kvserve-eval (engine/kvserve_eval_main.c): a candidate
+/* eval.h: the quality harness behind kvserve-eval (tools/kvserve_eval_main.c): a candidate
  * configuration compared with the reference setting (kv.decode=full, kv.storage=auto, i.e. the
  * backend's full precision: f32 on cpu, kv.reuse=none) on the same model and the same inputs.
  *
@@ -27,7 +27,7 @@
 struct kvs_config;
 struct kvs_model;
 struct kvs_tokenizer;
-struct kvs_kv_strategy;
+struct kvs_kv;
 struct kvs_batch;
 struct kvs_engine_stats;
 
@@ -55,10 +55,10 @@ void kvs_eval_counters_init(struct kvs_eval_counters *c, size_t kv_bytes_per_tok
 /* Accounts one forward pass of batch b (decode tokens only count; prefill chunks do not).
  * window > 0: the eval-only lossy window (each sequence reads at most window tokens). s may be
  * NULL (no strategy: full attention). */
-void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv_strategy *s, const struct kvs_batch *b,
+void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv *s, const struct kvs_batch *b,
                             int window, int is_decode);
 /* Pulls what the strategy keeps about itself (after the run). */
-void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv_strategy *s);
+void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s);
 /* Reuse counters of an engine run (prefix hits over prefix lookups). */
 void kvs_eval_counters_from_engine(struct kvs_eval_counters *c, const struct kvs_engine_stats *st);
 

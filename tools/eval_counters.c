@@ -8,12 +8,12 @@
  * (recall@k, summary hit rate) go into kvs_eval_counters_finish as name/value extras. A
  * strategy not listed here that is not exact is reported as "not reported", never as full.
  */
-#include "engine/eval.h"
+#include "tools/eval.h"
 
 #include <string.h>
 
 #include "engine/engine.h"
-#include "engine/kv/strategy.h"
+#include "engine/kv/kv.h"
 #include "engine/runner.h"
 
 void kvs_eval_counters_init(struct kvs_eval_counters *c, size_t kv_bytes_per_token)
@@ -24,13 +24,13 @@ void kvs_eval_counters_init(struct kvs_eval_counters *c, size_t kv_bytes_per_tok
 }
 
 /* Bytes the strategy read for one decode sequence with ctx tokens of context; < 0: unknown. */
-static double decode_bytes_read(const struct kvs_kv_strategy *s, int ctx, size_t bpt)
+static double decode_bytes_read(const struct kvs_kv *s, int ctx, size_t bpt)
 {
     if (!s || !s->decode || s->decode->exact) return (double)ctx * (double)bpt;
     return -1.0;
 }
 
-void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv_strategy *s, const struct kvs_batch *b,
+void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv *s, const struct kvs_batch *b,
                             int window, int is_decode)
 {
     if (!is_decode) return;
@@ -47,7 +47,7 @@ void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv_str
     }
 }
 
-void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv_strategy *s)
+void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s)
 {
     (void)c;
     (void)s;   /* no built-in strategy keeps extra counters yet; see the comment at the top */
@@ -55,6 +55,6 @@ void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv_s
 
 void kvs_eval_counters_from_engine(struct kvs_eval_counters *c, const struct kvs_engine_stats *st)
 {
-    c->hit_queries = st->prefix_queries;
-    c->hits = st->prefix_hits;
+    c->hit_queries = st->cache_queries;
+    c->hits = st->cache_hits;
 }
