@@ -2,7 +2,8 @@
 # `make test-gpu` the GPU suite (on a GPU machine), `make run` serves the demo model.
 #
 # Source layout drives the build, so adding a file needs no Makefile edit:
-#   engine/ engine/kv/ models/ kernels/cpu/ server/ *.c  -> build/libkvserve.a
+#   base/ engine/ engine/kv/ engine/text/ models/ kernels/ kernels/cpu/ server/ *.c -> build/libkvserve.a
+#   tools/ bench/ *.c (not mains)                         -> build/libkvstools.a (eval harness, bench helpers)
 #   any *_main.c                                          -> build/<name> (name: file minus _main.c, '_' -> '-')
 #   kernels/cuda/*.cu, kernels/cuda/dev/*.cu              -> linked in when nvcc is found (CUDA=0 forces off)
 #   tests/unit/test_*.c                                   -> build/tests/test_*   (run by tests/run)
@@ -37,7 +38,9 @@ CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))
 NVCCFLAGS ?= -O3 -std=c++17 -I. -Xcompiler -Wall,-Wextra,-Werror \
   -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
 
-LIB_SRCS := $(filter-out %_main.c,$(wildcard engine/*.c engine/kv/*.c models/*.c kernels/cpu/*.c server/*.c))
+LIB_SRCS := $(filter-out %_main.c,$(wildcard base/*.c engine/*.c engine/kv/*.c engine/text/*.c models/*.c kernels/*.c \
+  kernels/cpu/*.c server/*.c))
+TOOL_SRCS := $(filter-out %_main.c,$(wildcard tools/*.c bench/*.c))
 MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
 CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu),)
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
@@ -55,6 +58,8 @@ MAIN_BINS := $(foreach f,$(MAIN_SRCS),$(BUILD)/$(subst _,-,$(patsubst %_main.c,%
 TEST_BINS := $(TEST_SRCS:tests/unit/%.c=$(BUILD)/tests/%)
 GPU_TEST_BINS := $(patsubst tests/gpu/%.cu,$(BUILD)/tests-gpu/%,$(patsubst tests/gpu/%.c,$(BUILD)/tests-gpu/%,$(GPU_TEST_SRCS)))
 LIB := $(BUILD)/libkvserve.a
+TOOL_OBJS := $(TOOL_SRCS:%.c=$(BUILD)/obj/%.o)
+TOOL_LIB := $(BUILD)/libkvstools.a
 
 .PHONY: all setup test test-gpu run fuzz bench clean format tests-build
 all: setup $(MAIN_BINS)
@@ -63,6 +68,11 @@ setup:
 	@scripts/setup
 
 $(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(TOOL_LIB): $(TOOL_OBJS)
 	@mkdir -p $(dir $@)
 	@rm -f $@
 	ar rcs $@ $^
@@ -77,7 +87,7 @@ $(BUILD)/obj/%.o: %.cu | setup
 
 # one rule per main: build/<name> from <dir>/<name>_main.c
 define MAIN_RULE
-$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(1)))): $(BUILD)/obj/$(1:.c=.o) $(LIB)
+$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(1)))): $(BUILD)/obj/$(1:.c=.o) $(TOOL_LIB) $(LIB)
 	$$(CC) $$(LDFLAGS) $$^ -o $$@ $$(LDLIBS)
 endef
 $(foreach f,$(MAIN_SRCS),$(eval $(call MAIN_RULE,$(f))))

@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA

@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
+#include "engine/kv/kv.h"
 
 enum key_type { T_BOOL, T_INT, T_INT64, T_DOUBLE, T_STRING, T_ENUM };
 
@@ -75,12 +76,18 @@ static const struct key_def KEYS[] = {
      "KV pool size in bytes (0: kv.memory_fraction of free device memory)"},
     {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
      "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
-    {"kv.storage", T_ENUM, F(kv_storage), 0, 0, "auto", "auto|f32|bf16|lean", "auto|f32|bf16",
-     "KV storage format (auto: f32 on cpu, bf16 on cuda; lean: LeanKV mixed precision)"},
-    {"kv.reuse", T_ENUM, F(kv_reuse), 0, 0, "prefix", "none|prefix|lazy", "none|prefix|lazy",
-     "KV sharing across requests (prefix: hashed full blocks; lazy: LazyAttention doc cache)"},
-    {"kv.decode", T_ENUM, F(kv_decode), 0, 0, "full", "full|mac|paris|retro", "full",
-     "how decode reads the cache (full attention, MAC reuse, ParisKV top-k, Retro/Quest)"},
+    /* kv.storage / kv.reuse / kv.decode: which names exist, which are built and which pairs
+     * compose is the KV registry's call (engine/kv/kv.c), checked in kvs_config_validate */
+    {"kv.storage", T_ENUM, F(kv_storage), 0, 0, "auto", "auto|f32|bf16|lean", NULL,
+     "KV storage format: auto (f32 on cpu, bf16 on cuda), f32, bf16, lean (LeanKV mixed precision)"},
+    {"kv.reuse", T_ENUM, F(kv_reuse), 0, 0, "prefix", "none|prefix|lazy", NULL,
+     "KV sharing across requests: none, prefix (hashed full blocks), lazy (LazyAttention doc cache)"},
+    {"kv.decode", T_ENUM, F(kv_decode), 0, 0, "full", "full|quest|retro|mac|paris", NULL,
+     "how decode reads the cache: full, quest, retro (Quest + retrospective updates), mac, paris"},
+    {"kv.decode_state_bytes", T_INT64, F(kv_decode_state_bytes), 0, I64MAX, "1073741824", NULL, NULL,
+     "budget for the decode policy's per-request states, all requests (0: no limit)"},
+    {"kv.fidelity.sample_every", T_INT, F(kv_fidelity_sample_every), 0, 1000000, "0", NULL, NULL,
+     "live fidelity meter: every N-th decode step one layer also runs exact attention (0: off)"},
 
     {"kv.lazy.budget_bytes", T_INT64, F(lazy_budget_bytes), 0, I64MAX, "0", NULL, NULL,
      "doc-cache byte budget (0: whatever the KV pool holds)"},
@@ -386,6 +393,13 @@ int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen)
             return kvs_err(err, errlen, -ENOSYS,
                            "config key '%s': strategy '%s' is not available in this build yet (built: %s)",
                            k->name, v, k->implemented);
+    }
+    {
+        const struct kvs_kv_storage_ops *st;
+        const struct kvs_kv_reuse_ops *ru;
+        const struct kvs_kv_decode_ops *dc;
+        int rc = kvs_kv_resolve(cfg->kv_storage, cfg->kv_reuse, cfg->kv_decode, &st, &ru, &dc, err, errlen);
+        if (rc < 0) return rc;
     }
     if (cfg->model_path[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'model.path' must not be empty");
     if (cfg->host[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'server.host' must not be empty");

@@ -50,7 +50,9 @@ struct kvs_config {
     double kv_memory_fraction;
     char *kv_storage;            /* auto | f32 | bf16 | lean */
     char *kv_reuse;              /* none | prefix | lazy */
-    char *kv_decode;             /* full | mac | paris | retro */
+    char *kv_decode;             /* full | quest | retro | mac | paris (kv.h registry) */
+    int64_t kv_decode_state_bytes; /* budget of the decode policy's per-request states */
+    int kv_fidelity_sample_every;  /* live fidelity meter: every N-th decode step (0 = off) */
 
     /* kv.lazy (LazyAttention doc cache) */
     int64_t lazy_budget_bytes;

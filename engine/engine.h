@@ -100,6 +100,18 @@ struct kvs_event {
     double e2e_s;                 /* submit -> done */
 };
 
+/* A KV strategy's own counter or gauge (engine/kv/kv.h), exported by /metrics under its name. */
+struct kvs_kv_counter {
+    const char *name;             /* full metric name, e.g. "kvserve:doc_cache_hits_total" (static) */
+    const char *help;             /* static */
+    int is_counter;               /* 1: monotonic counter, 0: gauge */
+    double value;
+    /* histogram series: family is the histogram's name (name its _bucket / _sum / _count
+     * series) and le the bucket's bound ("+Inf" last; NULL for _sum and _count); else NULL */
+    const char *family, *le;
+};
+#define KVS_KV_MAX_COUNTERS 32
+
 /* Gauges and counters for /metrics and the benchmarks (a consistent snapshot). */
 struct kvs_engine_stats {
     int num_running;
@@ -111,24 +123,17 @@ struct kvs_engine_stats {
     uint64_t num_preemptions;
     uint64_t prompt_tokens;
     uint64_t generation_tokens;
-    uint64_t prefix_queries;      /* prompt tokens looked up in the prefix cache */
-    uint64_t prefix_hits;         /* of those, served from it */
+    uint64_t cache_queries;       /* prompt tokens looked up in the reuse strategy's cache */
+    uint64_t cache_hits;          /* of those, served from it (vllm:prefix_cache_*) */
     uint64_t requests_finished;
     uint64_t requests_rejected;   /* -EAGAIN at submit */
     uint64_t steps;
     uint64_t argmax_tokens;       /* of generation_tokens, those picked on the backend (greedy
                                    * fast path: KVS_LOGITS_ARGMAX rows, no host logits, no sampler) */
     double busy_s;                /* time spent in forward passes */
-    /* kv.reuse=lazy document cache (zero otherwise); hits/misses count document lookups at a
-     * request's first admission */
-    uint64_t doc_hits;
-    uint64_t doc_misses;
-    double doc_hit_ratio;         /* hits / (hits + misses), 0 before any lookup */
-    uint64_t doc_bytes_cached;    /* KV bytes of cached documents (in use or not) */
-    int doc_entries;              /* documents in the cache */
-    uint64_t doc_evictions;       /* documents evicted (budget or pool pressure) */
-    uint64_t doc_prefill_tokens_saved;    /* document tokens served from the cache */
-    uint64_t doc_prefill_tokens_computed; /* document tokens prefilled (each missing document once) */
+    /* the KV strategies' own counters (kv.h: reuse, then decode policy, then fidelity meter) */
+    int n_kv_counters;
+    struct kvs_kv_counter kv_counters[KVS_KV_MAX_COUNTERS];
 };
 
 /* Creates the runner (backend, weights, KV pool) and starts the scheduler thread.
@@ -142,6 +147,11 @@ void kvs_engine_free(struct kvs_engine *e);
 void kvs_engine_drain(struct kvs_engine *e);
 int kvs_engine_max_context(const struct kvs_engine *e);
 void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out);
+/* How the KV reuse strategy wants a request's documents (engine/prompt_layout.h): 1 as segments
+ * of their own, each padded to *align slots (the block size), 0 inline (*align = 1). */
+int kvs_engine_doc_layout(const struct kvs_engine *e, int *align);
+/* The value of a KV strategy's counter in a snapshot, by metric name (0 when it has none). */
+double kvs_engine_kv_counter(const struct kvs_engine_stats *st, const char *name);
 
 /* notify(user) is called from the engine thread after events are appended; may be NULL. */
 struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*notify)(void *user), void *user);

@@ -1,7 +1,7 @@
 /* request.c: the request object: copied parameters, reference counting, the event queue that
  * the engine fills and callers drain, cancellation. */
 #include "engine/engine_internal.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 #include <time.h>
@@ -116,11 +116,8 @@ void kvs_request_release_engine_state(struct kvs_request *r, struct kvs_engine *
     r->tokens = NULL;
     free(r->text);
     r->text = NULL;
-    if (r->lazy) {
-        kvs_lazy_seq_free(r->lazy);
-        free(r->lazy);
-        r->lazy = NULL;
-    }
+    if (r->kv_reuse && r->kv_reuse->seq_free) r->kv_reuse->seq_free(&r->kvrq);
+    r->kv_reuse = NULL;
     kvs_block_table_free(&r->table);
 }
 

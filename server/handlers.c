@@ -3,9 +3,10 @@
 #include "server/handlers.h"
 
 #include "engine/config.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "engine/docstore.h"
+#include "engine/prompt_layout.h"
 #include "server/request_parse.h"
 
 #include <cjson/cJSON.h>
@@ -150,33 +151,6 @@ static int check_auth(struct kvs_server *s, struct call *c)
 }
 
 /* Encodes text into a malloc'ed id array. Returns count or negative errno. */
-static int encode_alloc(const struct kvs_tokenizer *t, const char *text, int add_special, int parse_special,
-                        int32_t **out)
-{
-    size_t len = strlen(text);
-    if (len > (size_t)INT32_MAX / 2) return -E2BIG;
-    int cap = (int)len + 8;
-    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
-    if (!ids) return -ENOMEM;
-    int n = kvs_tokenizer_encode(t, text, len, add_special, parse_special, ids, cap);
-    if (n > cap) {
-        int32_t *bigger = realloc(ids, sizeof *ids * (size_t)n);
-        if (!bigger) {
-            free(ids);
-            return -ENOMEM;
-        }
-        ids = bigger;
-        cap = n;
-        n = kvs_tokenizer_encode(t, text, len, add_special, parse_special, ids, cap);
-    }
-    if (n < 0 || n > cap) {
-        free(ids);
-        return n < 0 ? n : -EIO;
-    }
-    *out = ids;
-    return n;
-}
-
 static void new_id(struct call *c, const char *prefix)
 {
     static uint64_t counter;
@@ -512,35 +486,13 @@ static int context_error(struct call *c, int ctx, int n_prompt, int max_tokens)
                           ctx, n_prompt + max_tokens, n_prompt, max_tokens);
 }
 
-struct prompt_set {
-    int n;
-    int32_t **ids;
-    int *len;
-    /* kv.reuse=lazy: the document segments every prompt starts with (owned token copies) */
-    int n_segs;
-    struct kvs_doc_segment *segs;
-    int seg_tokens;
-};
-
-static void prompt_set_free(struct prompt_set *p)
-{
-    for (int i = 0; i < p->n; i++) free(p->ids[i]);
-    free(p->ids);
-    free(p->len);
-    for (int i = 0; i < p->n_segs; i++) free((void *)p->segs[i].tokens);
-    free(p->segs);
-    memset(p, 0, sizeof *p);
-}
-
-static int build_prompts_with(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
-                              struct prompt_set *ps, int *mhd_rc, const struct kvs_doc *const *docs, int doc_tokens);
-
-/* Builds the token ids of every prompt (documents first). Returns 0 or queues an error (-1). */
-static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_api_request *r, struct prompt_set *ps,
-                         int *mhd_rc)
+/* Builds the token ids of every prompt, laid out for the engine's KV reuse strategy
+ * (engine/prompt_layout.h). Returns 0 or queues an error (-1). */
+static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
+                         struct kvs_prompt_set *ps, int *mhd_rc)
 {
     const struct kvs_doc *docs[KVS_API_MAX_DOCS];
-    int doc_tokens = 0;
+    struct kvs_prompt_doc pd[KVS_API_MAX_DOCS];
     for (int i = 0; i < r->n_documents; i++) {
         docs[i] = kvs_docstore_get(s->docs, r->documents[i]);
         if (!docs[i]) {
@@ -549,199 +501,35 @@ static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_
                                      "document '%s' not found", r->documents[i]);
             return -1;
         }
-        doc_tokens += docs[i]->n_tokens;
+        pd[i] = (struct kvs_prompt_doc){docs[i]->text, docs[i]->text_len, docs[i]->tokens, docs[i]->n_tokens};
     }
-    int rc = build_prompts_with(s, c, r, ps, mhd_rc, docs, doc_tokens);
-    for (int i = 0; i < r->n_documents; i++) kvs_doc_release(docs[i]);
-    return rc;
-}
-
-/* Appends a document segment (takes ids). */
-static void add_seg(struct prompt_set *ps, uint64_t id, int32_t *ids, int n)
-{
-    if (n <= 0) {
-        free(ids);
-        return;
-    }
-    ps->segs = kvs_xrealloc(ps->segs, (size_t)(ps->n_segs + 1) * sizeof *ps->segs);
-    ps->segs[ps->n_segs++] = (struct kvs_doc_segment){id, ids, n};
-    ps->seg_tokens += n;
-}
-
-static int32_t *dup_ids(const int32_t *ids, int n)
-{
-    int32_t *d = kvs_xmalloc(sizeof *d * (size_t)(n > 0 ? n : 1));
-    if (n > 0) memcpy(d, ids, sizeof *d * (size_t)n);
-    return d;
-}
-
-/* kv.reuse=lazy chat: Block-Attention layout. The rendered conversation is cut at the
- * documents' spans: every piece up to the end of the last document (template text before and
- * between documents, and the documents themselves) becomes a document segment, cached by
- * content like the documents (a fixed system header is computed once for everyone); what
- * follows the last document (the question, later turns, the generation prompt) is the
- * request's own prompt and attends to everything. A document whose span is its whole text uses
- * the docstore's token ids; one the template trimmed is tokenized from its span. */
-static int build_lazy_chat(struct kvs_server *s, struct call *c, const struct kvs_api_request *r, struct prompt_set *ps,
-                           int *mhd_rc, const struct kvs_doc *const *docs)
-{
-    struct kvs_chat_message *msgs = kvs_xcalloc((size_t)r->n_messages, sizeof *msgs);
-    const char **texts = kvs_xcalloc((size_t)(r->n_documents + 1), sizeof *texts);
-    struct kvs_chat_span *spans = kvs_xcalloc((size_t)(r->n_documents + 1), sizeof *spans);
+    struct kvs_chat_message *msgs = kvs_xcalloc((size_t)r->n_messages + 1, sizeof *msgs);
     for (int i = 0; i < r->n_messages; i++) msgs[i] = (struct kvs_chat_message){r->messages[i].role, r->messages[i].content};
-    for (int i = 0; i < r->n_documents; i++) texts[i] = docs[i]->text;
-    char err[256] = "";
-    char *text = kvs_chat_render_spans(s->chat_format, msgs, r->n_messages, texts, r->n_documents, spans, err, sizeof err);
-    free(msgs);
-    free(texts);
-    if (!text) {
-        free(spans);
-        *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
-        return -1;
-    }
-    size_t at = 0, tlen = strlen(text);
-    int rc = 0;
-    for (int d = 0; d <= r->n_documents && !rc; d++) {
-        size_t end = d < r->n_documents ? spans[d].offset : tlen;
-        if (end < at || end > tlen) {
-            rc = -1;
-            break;
-        }
-        /* template text before document d (or the tail after the last one) */
-        char *piece = kvs_xmalloc(end - at + 1);
-        memcpy(piece, text + at, end - at);
-        piece[end - at] = 0;
-        int32_t *ids = NULL;
-        int n = end > at ? encode_alloc(s->tok, piece, 0, 1, &ids) : 0;
-        free(piece);
-        if (n < 0) {
-            rc = -1;
-            break;
-        }
-        if (d == r->n_documents) {
-            ps->ids[0] = ids ? ids : kvs_xmalloc(sizeof *ids);
-            ps->len[0] = n;
-            break;
-        }
-        add_seg(ps, 0, ids, n);
-        const struct kvs_doc *doc = docs[d];
-        if (spans[d].len == doc->text_len) {
-            add_seg(ps, 0, dup_ids(doc->tokens, doc->n_tokens), doc->n_tokens);
-        } else {
-            char *dt = kvs_xmalloc(spans[d].len + 1);
-            memcpy(dt, text + spans[d].offset, spans[d].len);
-            dt[spans[d].len] = 0;
-            int32_t *dids = NULL;
-            int dn = spans[d].len ? encode_alloc(s->tok, dt, 0, 0, &dids) : 0;
-            free(dt);
-            if (dn < 0) {
-                rc = -1;
-                break;
-            }
-            add_seg(ps, 0, dids, dn);
-        }
-        at = spans[d].offset + spans[d].len;
-    }
-    free(text);
-    free(spans);
-    if (rc || ps->len[0] == 0) {
-        *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages",
-                                 rc ? "cannot tokenize the messages" : "nothing follows the documents");
-        return -1;
-    }
-    return 0;
-}
-
-static int build_prompts_with(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
-                              struct prompt_set *ps, int *mhd_rc, const struct kvs_doc *const *docs, int doc_tokens)
-{
-    int lazy = doc_tokens > 0 && s->cfg && s->cfg->kv_reuse && !strcmp(s->cfg->kv_reuse, "lazy");
-    if (c->chat && lazy && s->chat_format != KVS_CHAT_UNKNOWN) {
-        ps->n = 1;
-        ps->ids = kvs_xcalloc(1, sizeof *ps->ids);
-        ps->len = kvs_xcalloc(1, sizeof *ps->len);
-        return build_lazy_chat(s, c, r, ps, mhd_rc, docs);
-    }
-    if (c->chat) {
-        if (s->chat_format == KVS_CHAT_UNKNOWN) {
-            *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages",
-                                     "this model has no chat format configured (set model.chat_format)");
-            return -1;
-        }
-        struct kvs_chat_message *msgs = kvs_xcalloc((size_t)r->n_messages, sizeof *msgs);
-        const char **texts = kvs_xcalloc((size_t)(r->n_documents + 1), sizeof *texts);
-        for (int i = 0; i < r->n_messages; i++) msgs[i] = (struct kvs_chat_message){r->messages[i].role, r->messages[i].content};
-        for (int i = 0; i < r->n_documents; i++) texts[i] = docs[i]->text;
-        char err[256] = "";
-        char *text = kvs_chat_render(s->chat_format, msgs, r->n_messages, texts, r->n_documents, err, sizeof err);
-        free(msgs);
-        free(texts);
-        if (!text) {
-            *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
-            return -1;
-        }
-        ps->n = 1;
-        ps->ids = kvs_xcalloc(1, sizeof *ps->ids);
-        ps->len = kvs_xcalloc(1, sizeof *ps->len);
-        int n = encode_alloc(s->tok, text, 0, 1, &ps->ids[0]);
-        free(text);
-        if (n < 0) {
-            *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "cannot tokenize the messages");
-            return -1;
-        }
-        ps->len[0] = n;
-        return 0;
-    }
-    ps->n = r->n_prompts;
-    ps->ids = kvs_xcalloc((size_t)ps->n, sizeof *ps->ids);
-    ps->len = kvs_xcalloc((size_t)ps->n, sizeof *ps->len);
-    int bos = kvs_tokenizer_bos(s->tok);
+    const char **ptext = kvs_xcalloc((size_t)r->n_prompts + 1, sizeof *ptext);
+    const int32_t **pids = kvs_xcalloc((size_t)r->n_prompts + 1, sizeof *pids);
+    int *pn = kvs_xcalloc((size_t)r->n_prompts + 1, sizeof *pn);
     for (int p = 0; p < r->n_prompts; p++) {
-        int32_t *ids = NULL;
-        int n;
-        if (r->prompts[p].text) {
-            n = encode_alloc(s->tok, r->prompts[p].text, r->add_special_tokens, 1, &ids);
-            if (n < 0) {
-                *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "prompt", "cannot tokenize the prompt");
-                return -1;
-            }
-        } else {
-            n = r->prompts[p].n_ids;
-            ids = kvs_xmalloc(sizeof *ids * (size_t)n);
-            memcpy(ids, r->prompts[p].ids, sizeof *ids * (size_t)n);
-        }
-        if (doc_tokens && lazy) {
-            /* kv.reuse=lazy: the documents become doc segments (cached by content, reused at
-             * any offset); a leading BOS is a one-token segment of its own so that it stays
-             * first (and is itself computed once) */
-            int lead = (n > 0 && bos >= 0 && ids[0] == bos) ? 1 : 0;
-            if (p == 0) {
-                if (lead) add_seg(ps, 0, dup_ids(ids, 1), 1);
-                for (int d = 0; d < r->n_documents; d++) add_seg(ps, 0, dup_ids(docs[d]->tokens, docs[d]->n_tokens), docs[d]->n_tokens);
-            }
-            memmove(ids, ids + lead, sizeof *ids * (size_t)(n - lead));
-            n -= lead;
-        } else if (doc_tokens) {
-            /* documents go after a leading BOS, in the order given, before the prompt */
-            int lead = (n > 0 && bos >= 0 && ids[0] == bos) ? 1 : 0;
-            int32_t *all = kvs_xmalloc(sizeof *all * (size_t)(n + doc_tokens));
-            int k = 0;
-            if (lead) all[k++] = ids[0];
-            for (int d = 0; d < r->n_documents; d++) {
-                memcpy(all + k, docs[d]->tokens, sizeof *all * (size_t)docs[d]->n_tokens);
-                k += docs[d]->n_tokens;
-            }
-            memcpy(all + k, ids + lead, sizeof *all * (size_t)(n - lead));
-            free(ids);
-            ids = all;
-            n += doc_tokens;
-        }
-        ps->ids[p] = ids;
-        ps->len[p] = n;
-        if (n == 0) {
-            *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, "prompt", "the prompt is empty");
-            return -1;
-        }
+        ptext[p] = r->prompts[p].text;
+        pids[p] = r->prompts[p].ids;
+        pn[p] = r->prompts[p].n_ids;
+    }
+    struct kvs_prompt_in in = {
+        .tok = s->tok, .chat_format = s->chat_format, .chat = c->chat, .messages = msgs, .n_messages = r->n_messages,
+        .n_prompts = r->n_prompts, .prompt_text = ptext, .prompt_ids = pids, .prompt_n_ids = pn,
+        .add_special_tokens = r->add_special_tokens, .docs = pd, .n_docs = r->n_documents,
+    };
+    in.doc_segments = s->engine ? kvs_engine_doc_layout(s->engine, &in.segment_align) : 0;
+    char err[256] = "";
+    const char *param = NULL;
+    int rc = kvs_prompt_build(&in, ps, &param, err, sizeof err);
+    for (int i = 0; i < r->n_documents; i++) kvs_doc_release(docs[i]);
+    free(msgs);
+    free(ptext);
+    free(pids);
+    free(pn);
+    if (rc < 0) {
+        *mhd_rc = kvs_call_error(c, 400, "invalid_request_error", NULL, param, "%s", err);
+        return -1;
     }
     return 0;
 }
@@ -772,19 +560,19 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     struct kvs_api_request r;
     int parse_rc;
     if (parse_body(s, c, c->chat ? KVS_API_CHAT : KVS_API_COMPLETIONS, 1, &r, &parse_rc)) return parse_rc;
-    struct prompt_set ps = {0};
+    struct kvs_prompt_set ps = {0};
     int mhd_rc = MHD_NO;
     if (build_prompts(s, c, &r, &ps, &mhd_rc)) {
-        prompt_set_free(&ps);
+        kvs_prompt_set_free(&ps);
         kvs_api_request_free(&r);
         return mhd_rc;
     }
     int ctx = s->max_context;
     int *max_tokens = kvs_xcalloc((size_t)ps.n, sizeof *max_tokens);
     for (int p = 0; p < ps.n; p++) {
-        /* documents as segments count too, each padded to a KV block (doc_cache.h) */
-        int plen = ps.len[p], bsz = s->cfg->kv_block_size > 0 ? s->cfg->kv_block_size : 1;
-        for (int d = 0; d < ps.n_segs; d++) plen += (ps.segs[d].n_tokens + bsz - 1) / bsz * bsz;
+        /* documents as segments count too, each padded (engine/prompt_layout.h) */
+        int64_t slots = kvs_prompt_slots(&ps, p);
+        int plen = slots > INT32_MAX / 2 ? INT32_MAX / 2 : (int)slots;
         int mt = r.max_tokens;
         if (mt < 0) {
             mt = ctx - plen;
@@ -794,7 +582,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         if ((int64_t)plen + mt > ctx) {
             int rc = context_error(c, ctx, plen, mt);
             free(max_tokens);
-            prompt_set_free(&ps);
+            kvs_prompt_set_free(&ps);
             kvs_api_request_free(&r);
             return rc;
         }
@@ -860,7 +648,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         }
     }
     free(max_tokens);
-    prompt_set_free(&ps);
+    kvs_prompt_set_free(&ps);
     kvs_api_request_free(&r);
     if (rc) {
         for (int i = 0; i < submitted; i++) {
@@ -1021,10 +809,10 @@ static int h_tokenize(struct kvs_server *s, struct call *c)
             kvs_api_request_free(&r);
             return kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
         }
-        n = encode_alloc(s->tok, text, r.add_special_tokens, 1, &ids);
+        n = kvs_tokenizer_encode_alloc(s->tok, text, r.add_special_tokens, 1, &ids);
         free(text);
     } else {
-        n = encode_alloc(s->tok, r.prompts[0].text, r.add_special_tokens, 1, &ids);
+        n = kvs_tokenizer_encode_alloc(s->tok, r.prompts[0].text, r.add_special_tokens, 1, &ids);
     }
     kvs_api_request_free(&r);
     if (n < 0) return kvs_call_error(c, 400, "invalid_request_error", NULL, "prompt", "cannot tokenize the input");
@@ -1085,7 +873,7 @@ static int h_doc_create(struct kvs_server *s, struct call *c)
     char *text;
     if (r.text) {
         /* document text is content, never instructions: special tokens stay plain text */
-        n = encode_alloc(s->tok, r.text, 0, 0, &ids);
+        n = kvs_tokenizer_encode_alloc(s->tok, r.text, 0, 0, &ids);
         text = kvs_xstrdup(r.text);
         if (n <= 0) {
             free(ids);

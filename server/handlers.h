@@ -13,7 +13,7 @@
 #include <sys/socket.h>
 #include <uv.h>
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/engine.h"
 #include "server/metrics.h"
 

@@ -15,7 +15,7 @@
 
 #include "engine/config.h"
 #include "engine/generate.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "server/server.h"
 
 #define KVS_VERSION "0.1.0"

@@ -15,11 +15,11 @@
  */
 #include "server/server.h"
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "engine/docstore.h"
 #include "server/handlers.h"

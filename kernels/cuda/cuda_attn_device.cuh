@@ -26,7 +26,7 @@
 #define _Noreturn [[noreturn]]
 #endif
 extern "C" {
-#include "engine/util.h"
+#include "base/util.h"
 }
 #include "kernels/cuda/cuda_launch.h"
 

@@ -29,7 +29,7 @@
 #define _Noreturn [[noreturn]]
 #endif
 extern "C" {
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 }

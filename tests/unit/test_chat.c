@@ -8,8 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/chat.h"
-#include "engine/util.h"
+#include "engine/text/chat.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 

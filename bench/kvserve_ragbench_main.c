@@ -23,9 +23,10 @@
  *       --doc-len 16:64 --docs 3:6 --question-len 8:16 --output-len 8 --num 48 --rate 20 \
  *       --alpha 1.1,2.1 --budgets 1,4
  */
+#include "base/rng.h"
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #include <math.h>
@@ -55,10 +56,7 @@ struct rjob {
 static uint64_t g_rng;
 static uint64_t rnd64(void)
 {
-    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
+    return kvs_splitmix64(&g_rng);
 }
 static double urand(void) { return (double)(rnd64() >> 11) / 9007199254740992.0; }
 static int irange(int lo, int hi) { return lo + (int)(rnd64() % (uint64_t)(hi - lo + 1)); }
@@ -354,7 +352,7 @@ int main(int argc, char **argv)
                 kvs_config_free(&run);
                 qsort(ttft, (size_t)n_ok, sizeof *ttft, cmp_double);
                 char hit[32] = "-";
-                if (!strcmp(reuse, "lazy")) snprintf(hit, sizeof hit, "%.1f", 100.0 * st.doc_hit_ratio);
+                if (!strcmp(reuse, "lazy")) snprintf(hit, sizeof hit, "%.1f", 100.0 * kvs_engine_kv_counter(&st, "kvserve:doc_cache_hit_ratio"));
                 printf("| %.2g | %g | %s | %s | %.1f | %.1f | %.1f | %.1f | %d | %d |\n", alphas[ai], budgets[bi],
                        modes[mi], hit, prompt ? 100.0 * (double)cached / (double)prompt : 0.0,
                        1e3 * pct(ttft, n_ok, 50), 1e3 * pct(ttft, n_ok, 99),

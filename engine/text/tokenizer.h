@@ -43,6 +43,10 @@ int kvs_tokenizer_is_special(const struct kvs_tokenizer *t, int32_t id);
  * (may exceed cap: call again with a bigger buffer) or a negative errno. */
 int kvs_tokenizer_encode(const struct kvs_tokenizer *t, const char *text, size_t len, int add_special,
                          int parse_special, int32_t *ids, int cap);
+/* kvs_tokenizer_encode into an array it allocates (*out, freed by the caller): the token count,
+ * or a negative errno (-E2BIG text too long, -ENOMEM, or the encoder's error). */
+int kvs_tokenizer_encode_alloc(const struct kvs_tokenizer *t, const char *text, int add_special, int parse_special,
+                               int32_t **out);
 
 /* Decodes ids to text (malloc'ed, NUL-terminated, caller frees). skip_special drops special
  * added tokens. Returns NULL only on OOM. */

@@ -1,11 +1,11 @@
 /* chat.c: ChatML / Qwen3 / Llama-3 prompt rendering and chat-template detection (see chat.h). */
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 
 #include <cjson/cJSON.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 
 /* ---------------------------------------------------------------- growable output buffer */
 

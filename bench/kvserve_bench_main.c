@@ -12,7 +12,7 @@
  */
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #include <math.h>
@@ -311,15 +311,15 @@ int main(int argc, char **argv)
     printf("| e2e latency p50 / p99 (ms) | %.2f / %.2f |\n", 1e3 * pct(e2e, n_ok, 50), 1e3 * pct(e2e, n_ok, 99));
     printf("| queue time p50 (ms) | %.2f |\n", 1e3 * q50);
     printf("| preemptions | %llu |\n", (unsigned long long)st.num_preemptions);
-    if (st.prefix_queries)
+    if (st.cache_queries)
         printf("| prefix hit rate | %.1f%% (%llu / %llu prompt tokens) |\n",
-               100.0 * (double)st.prefix_hits / (double)st.prefix_queries, (unsigned long long)st.prefix_hits,
-               (unsigned long long)st.prefix_queries);
+               100.0 * (double)st.cache_hits / (double)st.cache_queries, (unsigned long long)st.cache_hits,
+               (unsigned long long)st.cache_queries);
     else
         printf("| prefix hit rate | n/a (kv.reuse=%s) |\n", cfg.kv_reuse);
     printf("| engine steps / busy (s) | %llu / %.3f |\n", (unsigned long long)st.steps, st.busy_s);
     printf("| new tokens per step (mean, excl. recompute) | %.1f |\n",
-           st.steps ? (double)(st.generation_tokens + st.prompt_tokens - st.prefix_hits) / (double)st.steps : 0.0);
+           st.steps ? (double)(st.generation_tokens + st.prompt_tokens - st.cache_hits) / (double)st.steps : 0.0);
 
     kvs_engine_free(e);
     kvs_model_free(model);

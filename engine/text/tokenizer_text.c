@@ -7,7 +7,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
-#include "engine/tokenizer_internal.h"
+#include "engine/text/tokenizer_internal.h"
 
 /* ---- buffers ---- */
 

@@ -18,7 +18,7 @@
  * backend is deterministic), so full vs full gives KL exactly 0; that is the harness's first
  * test.
  */
-#include "engine/eval.h"
+#include "tools/eval.h"
 
 #include <errno.h>
 #include <math.h>
@@ -27,16 +27,16 @@
 
 #include "engine/config.h"
 #include "engine/kv/block_pool.h"
-#include "engine/kv/strategy.h"
+#include "engine/kv/kv.h"
 #include "engine/runner.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 
 struct side {
     struct kvs_runner *r;
     struct kvs_block_pool pool;
     int pool_ready;
-    struct kvs_kv_strategy kv;
+    struct kvs_kv kv;
     int kv_ready;
     struct kvs_block_table *bt;   /* [group] */
     int n_bt;
@@ -55,7 +55,7 @@ static void side_free(struct side *s)
         }
         free(s->bt);
     }
-    if (s->kv_ready) kvs_kv_strategy_free(&s->kv);
+    if (s->kv_ready) kvs_kv_free(&s->kv);
     if (s->pool_ready) kvs_block_pool_free(&s->pool);
     kvs_runner_free(s->r);
     free(s->seqs);
@@ -74,7 +74,7 @@ static int side_init(struct side *s, const struct kvs_config *cfg, const struct 
     if ((rc = kvs_block_pool_init(&s->pool, kvs_runner_num_blocks(s->r), kvs_runner_block_size(s->r))))
         return kvs_err(err, errlen, rc, "eval: cannot set up the block pool");
     s->pool_ready = 1;
-    if ((rc = kvs_kv_strategy_init(&s->kv, cfg, kvs_runner_backend_name(s->r), &s->pool, err, errlen))) return rc;
+    if ((rc = kvs_kv_init(&s->kv, cfg, &s->pool, 0, err, errlen))) return rc;
     s->kv_ready = 1;
     int vocab = kvs_runner_vocab_size(s->r);
     s->bt = kvs_xcalloc((size_t)group, sizeof *s->bt);
@@ -98,10 +98,6 @@ static int side_init(struct side *s, const struct kvs_config *cfg, const struct 
 static int side_forward(struct side *s, int n_seqs, int is_decode, float *logits)
 {
     struct kvs_batch b = {s->seqs, n_seqs, NULL};
-    if (s->kv.decode && s->kv.decode->begin_step) {
-        int rc = s->kv.decode->begin_step(&s->kv, &b);
-        if (rc) return rc;
-    }
     int rc = kvs_runner_forward(s->r, &b, logits);
     if (rc) return rc;
     kvs_eval_counters_step(s->cnt, &s->kv, &b, s->window, is_decode);
@@ -116,8 +112,9 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
     if (s->window > 0) {
         for (int i = 0; i < g; i++) {
             int w = p + 1 < s->window ? p + 1 : s->window;
+            /* each window is a fresh sequence: a fresh slot for the decode policy */
             s->seqs[i] = (struct kvs_batch_seq){x[i] + p + 1 - w, w, 0, s->bt[i].ids, s->bt[i].n, NULL,
-                                                KVS_LOGITS_LAST, NULL};
+                                                KVS_LOGITS_LAST, NULL, i, 1};
         }
         return side_forward(s, g, p >= prefill, s->logits);
     }
@@ -128,7 +125,7 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
                 int n = prefill - c < cap ? prefill - c : cap;
                 int last = c + n == prefill;
                 s->seqs[0] = (struct kvs_batch_seq){x[i] + c, n, c, s->bt[i].ids, s->bt[i].n, NULL,
-                                                    last ? KVS_LOGITS_LAST : KVS_LOGITS_NONE, NULL};
+                                                    last ? KVS_LOGITS_LAST : KVS_LOGITS_NONE, NULL, i, c == 0};
                 int rc = side_forward(s, 1, 0, s->logits + (size_t)i * kvs_runner_vocab_size(s->r));
                 if (rc) return rc;
             }
@@ -136,7 +133,7 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
         return 0;
     }
     for (int i = 0; i < g; i++)
-        s->seqs[i] = (struct kvs_batch_seq){x[i] + p, 1, p, s->bt[i].ids, s->bt[i].n, NULL, KVS_LOGITS_LAST, NULL};
+        s->seqs[i] = (struct kvs_batch_seq){x[i] + p, 1, p, s->bt[i].ids, s->bt[i].n, NULL, KVS_LOGITS_LAST, NULL, i, 0};
     return side_forward(s, g, 1, s->logits);
 }
 
@@ -244,8 +241,8 @@ int kvs_eval_teacher_forced(const struct kvs_config *ref_cfg, const struct kvs_c
         }
     }
     KVS_ASSERT(k == npos);
-    kvs_eval_counters_finish(&res->ref, &ref.kv);
-    kvs_eval_counters_finish(&res->cfg, &cand.kv);
+    kvs_eval_counters_finish(&res->ref, &ref.kv, ref.r);
+    kvs_eval_counters_finish(&res->cfg, &cand.kv, cand.r);
     res->n_positions = npos;
     res->nll_ref = nll_r / npos;
     res->nll_cfg = nll_c / npos;

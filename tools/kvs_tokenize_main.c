@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 static int hexval(int c)
 {

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer_internal.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer_internal.h"
+#include "base/util.h"
 
 #define KVS_TOK_MAX_ID (1 << 23)
 

@@ -12,7 +12,7 @@
  *   build/kvserve-attnbench --device cpu --ctx 2048 --batch 4
  *   build/kvserve-attnbench --device cuda --ctx 32768 --batch 16
  */
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 
 #include <math.h>

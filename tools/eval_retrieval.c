@@ -13,7 +13,8 @@
  * Every probe goes through the engine (kvs_engine_submit, greedy), so whatever the config
  * selects (reuse, decode strategy, storage) is what answers.
  */
-#include "engine/eval.h"
+#include "base/rng.h"
+#include "tools/eval.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -22,8 +23,8 @@
 
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 
 static const char *const NAMES[] = {"Alfred", "Bianca",  "Cyrus",   "Delia",  "Enzo",     "Freya", "Gideon",
                                     "Hilda",  "Ingrid",  "Jonah",   "Keira",  "Lionel",   "Mirabel", "Nestor",
@@ -34,11 +35,7 @@ static const char *const NAMES[] = {"Alfred", "Bianca",  "Cyrus",   "Delia",  "E
 
 static uint64_t rng_next(uint64_t *s)
 {
-    /* splitmix64: small, seedable, the same sequence everywhere */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
+    return kvs_splitmix64(s);
 }
 
 static int rng_int(uint64_t *s, int n) { return n <= 0 ? 0 : (int)(rng_next(s) % (uint64_t)n); }

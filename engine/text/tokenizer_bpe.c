@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer_internal.h"
+#include "engine/text/tokenizer_internal.h"
 
 struct heap_ent {
     int32_t rank, pos, id;

@@ -1,5 +1,5 @@
 /* util.c: logging, error strings, checked allocation, clocks, file reading. */
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <pthread.h>
 #include <stdarg.h>

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <utf8proc.h>
 
-#include "engine/tokenizer_internal.h"
+#include "engine/text/tokenizer_internal.h"
 
 /* ---- pieces produced by pre-tokenizers ---- */
 

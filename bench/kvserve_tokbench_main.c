@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 
 static const char *WORDS[] = {
     "the", "of", "and", "to", "in", "is", "was", "that", "for", "it", "with", "as", "on", "be", "at", "by", "this",

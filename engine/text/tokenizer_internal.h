@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 /* ---- growable byte / id buffers (per call scratch) ---- */
 struct tk_buf {
