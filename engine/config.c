@@ -52,6 +52,13 @@ static const struct key_def KEYS[] = {
      "simultaneous client connections"},
     {"server.request_timeout_s", T_DOUBLE, F(request_timeout_s), 0, 86400, "600", NULL, NULL,
      "per-request time limit in seconds (0: none)"},
+    {"server.idle_timeout_s", T_DOUBLE, F(idle_timeout_s), 1, 86400, "15", NULL, NULL,
+     "close a connection that sends or reads nothing for this long (headers, body, keep-alive; "
+     "never one waiting on the engine)"},
+    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "64", NULL, NULL,
+     "simultaneous connections from one client address (0: no cap); more are closed at accept"},
+    {"server.reserved_connections", T_INT, F(reserved_connections), 0, 1024, "16", NULL, NULL,
+     "connections kept above server.max_connections for /health, /metrics, /ping and /version only"},
     {"server.shutdown_grace_s", T_DOUBLE, F(shutdown_grace_s), 0, 3600, "30", NULL, NULL,
      "on SIGTERM/SIGINT, time to let in-flight requests finish before cancelling them"},
     {"server.sse_keepalive_s", T_DOUBLE, F(sse_keepalive_s), 0.1, 3600, "15", NULL, NULL,

@@ -27,6 +27,7 @@ static int queue_body(struct call *c, int status, const char *ctype, char *body,
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
     if (status == 405 && c->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, c->allow);
+    if (c->close_conn) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result rc = MHD_queue_response(c->conn, (unsigned)status, r);
     MHD_destroy_response(r);
     c->responded = 1;

@@ -17,6 +17,11 @@
 #include "engine/engine.h"
 #include "server/metrics.h"
 
+/* A body over server.max_body_bytes is read and dropped up to this many bytes, so that a client
+ * that sends it without waiting for 100 Continue still reads its 413; past it the connection
+ * is closed. */
+#define KVS_DISCARD_MAX_BYTES (16ll << 20)
+
 struct MHD_Daemon;
 struct MHD_Connection;
 struct kvs_config;
@@ -85,6 +90,8 @@ struct call {
     double t_start;
     struct kvs_sbuf body;
     int too_large;
+    int64_t discarded;           /* body bytes read and dropped after too_large */
+    int close_conn;              /* the response carries Connection: close */
     int suspended;
     int responded;               /* a response is queued */
     int status;                  /* HTTP status for the access log */

@@ -22,6 +22,7 @@
 #include "engine/util.h"
 #include "models/model.h"
 #include "engine/docstore.h"
+#include "server/conn_limits.h"
 #include "server/handlers.h"
 #include "server/metrics.h"
 #include "server/request_parse.h"
@@ -32,6 +33,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <uv.h>
 
@@ -246,6 +248,20 @@ static void finish_shutdown(struct kvs_server *s)
 /* ------------------------------------------------------------------------------------------ */
 /* MHD callbacks                                                                               */
 
+static struct MHD_Daemon *conn_daemon(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_DAEMON);
+    return ci ? ci->daemon : NULL;
+}
+
+/* 413, and the connection closes after it (the rest of the body is not read). */
+static enum MHD_Result too_large(struct kvs_server *s, struct call *c)
+{
+    c->close_conn = 1;
+    return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
+                          "request body is larger than the limit of %lld bytes", (long long)s->cfg->max_body_bytes);
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                  const char *version, const char *upload_data, size_t *upload_data_size,
                                  void **con_cls)
@@ -265,32 +281,41 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         if (s->calls) s->calls->prev = c;
         s->calls = c;
         *con_cls = c;
+        if (!kvs_conn_is_probe(url) && kvs_conn_over_limit(conn_daemon(conn), s->cfg)) {
+            c->close_conn = 1;   /* the slot goes back at once */
+            return kvs_call_error(c, 503, "unavailable_error", "too_many_connections", NULL,
+                                  "too many open connections (server.max_connections = %d); retry later",
+                                  s->cfg->max_connections);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoll(cl, NULL, 10) > s->cfg->max_body_bytes) {
             c->too_large = 1;
-            return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
-                                  "request body is larger than the limit of %lld bytes",
-                                  (long long)s->cfg->max_body_bytes);
+            /* a client waiting for 100 Continue gets the 413 instead; one that sends the body
+             * at once would see its connection reset under the 413, so that body is read and
+             * discarded (bounded below) and the 413 follows it */
+            const char *ex = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+            if (ex && !strcasecmp(ex, "100-continue")) return too_large(s, c);
         }
         return MHD_YES;
     }
     if (c->aborting) return MHD_NO;
     if (*upload_data_size) {
-        if (!c->too_large) {
-            if ((int64_t)(c->body.len + *upload_data_size) > s->cfg->max_body_bytes) {
-                c->too_large = 1;
-                kvs_sbuf_free(&c->body);
-            } else {
-                kvs_sbuf_append(&c->body, upload_data, *upload_data_size);
-            }
+        if (!c->too_large && (int64_t)(c->body.len + *upload_data_size) > s->cfg->max_body_bytes) {
+            c->too_large = 1;
+            kvs_sbuf_free(&c->body);
         }
+        if (c->too_large) {
+            c->discarded += *upload_data_size;
+            *upload_data_size = 0;
+            if (!c->responded && c->discarded > KVS_DISCARD_MAX_BYTES) return too_large(s, c);
+            return MHD_YES;
+        }
+        kvs_sbuf_append(&c->body, upload_data, *upload_data_size);
         *upload_data_size = 0;
         return MHD_YES;
     }
     if (c->responded) return MHD_YES;
-    if (c->too_large)
-        return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
-                              "request body is larger than the limit of %lld bytes", (long long)s->cfg->max_body_bytes);
+    if (c->too_large) return too_large(s, c);
     if (c->n_choices) return kvs_call_resumed(s, c);
     return kvs_call_dispatch(s, c);
 }
@@ -371,10 +396,10 @@ int kvs_server_run(const struct kvs_config *cfg)
     }
     unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (addr.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
-    unsigned conn_timeout = cfg->request_timeout_s > 0 ? (unsigned)(cfg->request_timeout_s + 1) : 300;
+    struct MHD_OptionItem limits[5];
+    kvs_conn_options(cfg, limits);
     s->mhd = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR, &addr,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_connections,
-                              MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
+                              MHD_OPTION_ARRAY, limits, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
                               s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL, MHD_OPTION_END);
     if (!s->mhd) {
         kvs_log(KVS_LOG_ERROR, "cannot listen on %s:%d (port in use or bad address)", cfg->host, cfg->port);
