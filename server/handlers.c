@@ -6,6 +6,7 @@
 #include "engine/tokenizer.h"
 #include "engine/util.h"
 #include "engine/docstore.h"
+#include "server/cmpl_logprobs.h"
 #include "server/request_parse.h"
 
 #include <cjson/cJSON.h>
@@ -211,17 +212,6 @@ static enum kvs_metric_reason finish_reason_metric(enum kvs_finish f)
     }
 }
 
-static char *token_str(struct kvs_server *s, int as_ids, int32_t id)
-{
-    if (as_ids) {
-        char buf[32];
-        snprintf(buf, sizeof buf, "token_id:%d", (int)id);
-        return kvs_xstrdup(buf);
-    }
-    char *t = kvs_tokenizer_decode(s->tok, &id, 1, 0);
-    return t ? t : kvs_xstrdup("");
-}
-
 static cJSON *bytes_array(const char *t)
 {
     cJSON *a = cJSON_CreateArray();
@@ -236,7 +226,7 @@ static cJSON *bytes_array(const char *t)
 static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const struct kvs_event *ev)
 {
     cJSON *e = cJSON_CreateObject();
-    char *t = token_str(s, c->tokens_as_ids, ev->token);
+    char *t = kvs_token_str(s, c->tokens_as_ids, ev->token);
     cJSON_AddStringToObject(e, "token", t);
     cJSON_AddNumberToObject(e, "logprob", ev->logprob);
     cJSON_AddItemToObject(e, "bytes", bytes_array(t));
@@ -244,7 +234,7 @@ static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const st
     cJSON *tops = cJSON_AddArrayToObject(e, "top_logprobs");
     for (int i = 0; i < ev->n_top; i++) {
         cJSON *o = cJSON_CreateObject();
-        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
+        char *ts = kvs_token_str(s, c->tokens_as_ids, ev->top_ids[i]);
         cJSON_AddStringToObject(o, "token", ts);
         cJSON_AddNumberToObject(o, "logprob", ev->top_logprobs[i]);
         cJSON_AddItemToObject(o, "bytes", bytes_array(ts));
@@ -252,32 +242,6 @@ static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const st
         cJSON_AddItemToArray(tops, o);
     }
     return e;
-}
-
-static cJSON *cmpl_lp_new(void)
-{
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddArrayToObject(o, "tokens");
-    cJSON_AddArrayToObject(o, "token_logprobs");
-    cJSON_AddArrayToObject(o, "top_logprobs");
-    cJSON_AddArrayToObject(o, "text_offset");
-    return o;
-}
-
-static void cmpl_lp_add(struct kvs_server *s, const struct call *c, cJSON *o, const struct kvs_event *ev, int offset)
-{
-    char *t = token_str(s, c->tokens_as_ids, ev->token);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "tokens"), cJSON_CreateString(t));
-    free(t);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "token_logprobs"), cJSON_CreateNumber(ev->logprob));
-    cJSON *tops = cJSON_CreateObject();
-    for (int i = 0; i < ev->n_top; i++) {
-        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
-        if (!cJSON_GetObjectItemCaseSensitive(tops, ts)) cJSON_AddNumberToObject(tops, ts, ev->top_logprobs[i]);
-        free(ts);
-    }
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "top_logprobs"), tops);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "text_offset"), cJSON_CreateNumber(offset));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -385,8 +349,8 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 cJSON *arr = cJSON_AddArrayToObject(lp, "content");
                 cJSON_AddItemToArray(arr, chat_lp_entry(s, c, ev));
             } else {
-                lp = cmpl_lp_new();
-                cmpl_lp_add(s, c, lp, ev, ch->text_offset);
+                lp = kvs_cmpl_lp_new();
+                kvs_cmpl_lp_add(s, c, lp, ev, ch->text_offset);
             }
         } else if (!*text) {
             return; /* an incomplete UTF-8 sequence: nothing to show yet */
@@ -401,11 +365,11 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 ch->lp = cJSON_CreateObject();
                 cJSON_AddArrayToObject(ch->lp, "content");
             } else {
-                ch->lp = cmpl_lp_new();
+                ch->lp = kvs_cmpl_lp_new();
             }
         }
         if (c->chat) cJSON_AddItemToArray(cJSON_GetObjectItem(ch->lp, "content"), chat_lp_entry(s, c, ev));
-        else cmpl_lp_add(s, c, ch->lp, ev, ch->text_offset);
+        else kvs_cmpl_lp_add(s, c, ch->lp, ev, ch->text_offset);
     }
     kvs_sbuf_append(&ch->text, text, strlen(text));
     ch->text_offset += (int)strlen(text);
@@ -460,6 +424,7 @@ void kvs_call_pump(struct kvs_server *s, struct call *c)
             for (int k = 0; k < n; k++) {
                 if (!ch->done) {
                     if (ev[k].type == KVS_EV_TOKEN) on_token(s, c, ch, &ev[k]);
+                    else if (ev[k].type == KVS_EV_PROMPT) kvs_echo_prompt_token(s, c, ch, &ev[k]);
                     else on_final(s, c, ch, &ev[k]);
                 }
                 kvs_event_clear(&ev[k]);
@@ -843,8 +808,11 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             params.ignore_eos = r.ignore_eos;
             params.skip_special = r.skip_special_tokens;
             params.timeout_s = s->cfg->request_timeout_s;
+            /* echo: max_tokens 0 needs the engine's scoring mode even without logprobs */
+            params.prompt_logprobs = r.echo && (r.logprobs || max_tokens[p] == 0);
             struct choice *ch = &c->choices[submitted];
             ch->index = submitted;
+            if (r.echo) kvs_echo_begin(s, c, ch, r.prompts[p].text, ps.ids[p], ps.len[p]);
             ch->req = kvs_request_new(&params, s->notify, s);
             if (!ch->req) {
                 rc = -ENOMEM;
@@ -934,7 +902,7 @@ int kvs_call_resumed(struct kvs_server *s, struct call *c)
             ch->lp = NULL;
         } else if (c->logprobs) {
             /* asked for but no tokens generated: an empty list, not null */
-            cJSON *lp = c->chat ? cJSON_CreateObject() : cmpl_lp_new();
+            cJSON *lp = c->chat ? cJSON_CreateObject() : kvs_cmpl_lp_new();
             if (c->chat) cJSON_AddArrayToObject(lp, "content");
             cJSON_AddItemToObject(o, "logprobs", lp);
         } else {

@@ -344,7 +344,7 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     int rc;
     if ((rc = get_string(root, "model", &r->model, err))) return rc;
     int mt = -1, mct = -1;
-    if ((rc = get_int(root, "max_tokens", 1, INT32_MAX, &mt, err))) return rc;
+    if ((rc = get_int(root, "max_tokens", 0, INT32_MAX, &mt, err))) return rc;
     if ((rc = get_int(root, "max_completion_tokens", 1, INT32_MAX, &mct, err))) return rc;
     r->max_tokens = mct > 0 ? mct : mt;
     if ((rc = get_int(root, "n", 1, KVS_API_MAX_N, &r->n, err))) return rc;
@@ -391,7 +391,9 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
             r->top_logprobs = (int)v;
         }
         if ((rc = get_bool(root, "echo", &r->echo, err))) return rc;
-        if (r->echo) return BAD("echo", "'echo' is not supported");
+        if (r->echo && r->stream) return BAD("echo", "'echo' cannot be combined with 'stream' on this server");
+        if (r->echo && r->n_documents)
+            return BAD("echo", "'echo' cannot be combined with 'documents' (the echoed prompt would leave them out)");
         if ((rc = parse_prompt(root, vocab_size, r, err))) return rc;
     } else {
         if ((rc = get_bool(root, "logprobs", &r->logprobs, err))) return rc;
@@ -401,6 +403,8 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     }
     if (r->n_prompts * r->n > KVS_API_MAX_CHOICES)
         return BAD("n", "prompts x n is limited to %d choices", KVS_API_MAX_CHOICES);
+    if (r->max_tokens == 0 && !r->echo)
+        return BAD("max_tokens", "'max_tokens' must be at least 1 (0 only with 'echo': true: score the prompt)");
     if (!r->stream && field(root, "stream_options")) return BAD("stream_options", "'stream_options' requires 'stream': true");
     return 0;
 }
