@@ -3,6 +3,8 @@
  * an out-of-range value are a 400 naming the field in "param". */
 #include "server/request_parse.h"
 
+#include "server/json_strict.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -472,10 +474,13 @@ int kvs_api_parse(enum kvs_api_kind kind, const char *body, size_t len, int voca
     out->skip_special_tokens = 1;
     out->add_special_tokens = 1;
     if (!body || len == 0) return BAD(NULL, "request body is empty (expected a JSON object)");
+    char why[200];
+    if (kvs_json_check_bytes(body, len, why, sizeof why)) return BAD(NULL, "%s", why);
     if (has_escaped_nul(body, len)) return BAD(NULL, "strings must not contain NUL characters (\\u0000)");
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) return BAD(NULL, "request body is not valid JSON");
+    kvs_json_dedupe_keys(root);   /* the last of duplicate keys wins, as in JavaScript and Python */
     /* cJSON stops after the first value: anything but whitespace after it is malformed */
     for (const char *p = end; p && p < body + len; p++)
         if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {
