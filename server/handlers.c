@@ -337,6 +337,7 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
 {
     double now = kvs_now();
     if (ch->last_token_at > 0) kvs_hist_observe(&s->metrics.itl, now - ch->last_token_at);
+    else ch->first_token_at = now;
     ch->last_token_at = now;
     ch->n_completion++;
     const char *text = ev->text ? ev->text : "";
@@ -409,6 +410,23 @@ void kvs_call_cancel(struct call *c)
 {
     for (int i = 0; i < c->n_choices; i++)
         if (c->choices[i].req && !c->choices[i].done) kvs_request_cancel(c->choices[i].req);
+}
+
+void kvs_call_cut(struct kvs_server *s, struct call *c, const char *msg)
+{
+    if (!c->n_choices || c->finished) return;
+    kvs_call_cancel(c);
+    c->cut = 1;
+    if (c->stream && c->headers_sent && !c->client_gone) {
+        if (!c->stream_error) emit_error_chunk(c, msg);
+        kvs_sbuf_append(&c->out, "data: [DONE]\n\n", 14);
+    }
+    c->finished = 1;
+    if (c->counted) {
+        c->counted = 0;
+        s->n_gen_calls--;
+    }
+    kvs_server_resume(s, c);
 }
 
 void kvs_call_pump(struct kvs_server *s, struct call *c)
@@ -812,6 +830,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             params.prompt_logprobs = r.echo && (r.logprobs || max_tokens[p] == 0);
             struct choice *ch = &c->choices[submitted];
             ch->index = submitted;
+            ch->n_prompt = ps.len[p] + ps.seg_tokens;   /* the engine's count replaces it when it ends */
             if (r.echo) kvs_echo_begin(s, c, ch, r.prompts[p].text, ps.ids[p], ps.len[p]);
             ch->req = kvs_request_new(&params, s->notify, s);
             if (!ch->req) {
@@ -875,6 +894,9 @@ int kvs_call_resumed(struct kvs_server *s, struct call *c)
         c->suspended = 1;
         return MHD_YES;
     }
+    if (c->cut)
+        return kvs_call_error(c, 503, "unavailable_error", NULL, NULL,
+                              "the server is shutting down: the request was cancelled at the end of the grace period");
     for (int i = 0; i < c->n_choices; i++)
         if (c->choices[i].finish == KVS_FINISH_ERROR)
             return kvs_call_error(c, 500, "server_error", NULL, NULL, "generation failed: %s",
@@ -1226,14 +1248,25 @@ void kvs_call_log(struct kvs_server *s, struct call *c, int toe)
     int prompt = 0, completion = 0;
     double queue = 0, ttft = 0;
     for (int i = 0; i < c->n_choices; i++) {
-        completion += c->choices[i].n_completion;
-        if (i % c->n_per_prompt == 0) prompt += c->choices[i].n_prompt;
-        if (c->choices[i].queue_s > queue) queue = c->choices[i].queue_s;
-        if (c->choices[i].ttft_s > ttft) ttft = c->choices[i].ttft_s;
+        const struct choice *ch = &c->choices[i];
+        completion += ch->n_completion;
+        if (i % c->n_per_prompt == 0) prompt += ch->n_prompt;
+        if (ch->queue_s > queue) queue = ch->queue_s;
+        /* a choice that never finished has no engine TTFT: the server saw its first token */
+        double t = ch->done ? ch->ttft_s : ch->first_token_at > 0 ? ch->first_token_at - c->t_start : 0;
+        if (t > ttft) ttft = t;
     }
+    /* who ended a request that did not complete normally */
+    const char *ended = c->cut                                               ? " ended_by=server reason=shutdown_grace"
+                        : toe == MHD_REQUEST_TERMINATED_COMPLETED_OK         ? ""
+                        : c->aborting                                        ? " ended_by=server reason=shutdown"
+                        : toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED      ? " ended_by=server reason=idle_timeout"
+                        : toe == MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN      ? " ended_by=server reason=shutdown"
+                        : c->client_gone || toe == MHD_REQUEST_TERMINATED_CLIENT_ABORT ? " ended_by=client"
+                                                                             : " ended_by=server reason=error";
     kvs_log(KVS_LOG_INFO, "access %s %s %d prompt_tokens=%d completion_tokens=%d queue=%.3fs ttft=%.3fs total=%.3fs%s",
             c->method, c->url, c->status ? c->status : 499, prompt, completion, queue, ttft, kvs_now() - c->t_start,
-            toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : (c->client_gone ? " client_gone" : " aborted"));
+            ended);
 }
 
 void kvs_call_free(struct kvs_server *s, struct call *c)

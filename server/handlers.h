@@ -58,6 +58,8 @@ struct kvs_server {
     void (*notify)(void *user);
     int need_run;
     int stopping;
+    int stop_now;                /* second signal: no flushing of finished streams */
+    double flush_until;          /* shutdown: streams' last bytes may flush until then */
     int exit_code;
     struct call *calls;          /* every open HTTP request */
     int n_gen_calls;             /* of those, with engine requests in flight */
@@ -78,6 +80,7 @@ struct choice {
     int n_prompt, n_completion, n_cached;
     double queue_s, ttft_s, e2e_s;
     double last_token_at;
+    double first_token_at;       /* for the access log of requests that never finished */
 };
 
 struct call {
@@ -97,6 +100,7 @@ struct call {
     int status;                  /* HTTP status for the access log */
     int aborting;                /* shutting down: refuse further work */
     int client_gone;
+    int cut;                     /* the server ended it (end of the shutdown grace) */
     /* generation */
     int chat, stream, include_usage, logprobs, top_logprobs, tokens_as_ids;
     char id[64];
@@ -123,6 +127,10 @@ void kvs_call_pump(struct kvs_server *s, struct call *c);
 /* Cancels the call's unfinished engine requests (idempotent). */
 void kvs_call_cancel(struct call *c);
 void kvs_call_log(struct kvs_server *s, struct call *c, int toe);
+/* The server gives up on c (end of the shutdown grace): its engine requests are cancelled; a
+ * stream gets an in-band error chunk and `data: [DONE]`, a waiting non-streaming request a
+ * 503. The call no longer counts in srv->n_gen_calls. */
+void kvs_call_cut(struct kvs_server *s, struct call *c, const char *msg);
 void kvs_call_free(struct kvs_server *s, struct call *c);
 void kvs_server_resume(struct kvs_server *s, struct call *c);
 int kvs_server_resolve(const char *host, int port, struct sockaddr_storage *out, char *err, size_t errlen);

@@ -194,6 +194,7 @@ static void on_signal(uv_signal_t *h, int signum)
     struct kvs_server *s = h->data;
     if (s->state == KVS_SRV_DRAINING) {
         kvs_log(KVS_LOG_WARN, "second signal %d: stopping now", signum);
+        s->stop_now = 1;
         finish_shutdown(s);
         return;
     }
@@ -205,7 +206,31 @@ static void on_grace(uv_timer_t *t)
 {
     struct kvs_server *s = t->data;
     if (s->n_gen_calls > 0) kvs_log(KVS_LOG_WARN, "grace period over: cancelling %d requests", s->n_gen_calls);
+    /* cut streams still end like streams (error chunk, [DONE]); finish_shutdown lets them flush */
+    for (struct call *c = s->calls; c; c = c->next)
+        kvs_call_cut(s, c, "the server is shutting down: the stream was cut at the end of the grace period");
+    pump_all(s);
     finish_shutdown(s);
+}
+
+static void on_flush_wait(uv_timer_t *t)
+{
+    run_mhd(t->data);
+    finish_shutdown(t->data);
+}
+
+/* 1 while a finished or cut stream still has bytes for its client, for at most
+ * KVS_SHUTDOWN_FLUSH_S: the last chunks and data: [DONE] must reach the client before the
+ * daemon closes the sockets. */
+#define KVS_SHUTDOWN_FLUSH_S 2.0
+static int streams_flushing(struct kvs_server *s)
+{
+    double now = kvs_now();
+    if (s->flush_until == 0) s->flush_until = now + KVS_SHUTDOWN_FLUSH_S;
+    if (now >= s->flush_until) return 0;
+    for (struct call *c = s->calls; c; c = c->next)
+        if (((c->stream && c->headers_sent) || c->cut) && !c->client_gone && !c->aborting) return 1;
+    return 0;
 }
 
 static void begin_shutdown(struct kvs_server *s)
@@ -227,6 +252,10 @@ static void finish_shutdown(struct kvs_server *s)
     if (s->stopping) return;
     /* while the loader runs the engine may still appear: on_loaded calls us again */
     if (s->loader_started && !s->load_finished) return;
+    if (!s->stop_now && streams_flushing(s)) {
+        uv_timer_start(&s->grace_timer, on_flush_wait, 20, 0);
+        return;
+    }
     s->stopping = 1;
     /* cancel and release every suspended connection so MHD can close them */
     for (struct call *c = s->calls; c; c = c->next) {
