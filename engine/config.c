@@ -75,7 +75,7 @@ static const struct key_def KEYS[] = {
     {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
-     "max_tokens when a request sets none (0: up to the context length)"},
+     "max_tokens when a request sets none (0: 16 on /v1/completions as in OpenAI and vLLM, chat up to the context length)"},
 
     {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
     {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,

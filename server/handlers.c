@@ -7,6 +7,7 @@
 #include "engine/util.h"
 #include "engine/docstore.h"
 #include "server/cmpl_logprobs.h"
+#include "server/server.h"
 #include "server/request_parse.h"
 
 #include <cjson/cJSON.h>
@@ -356,7 +357,9 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
         } else if (!*text) {
             return; /* an incomplete UTF-8 sequence: nothing to show yet */
         }
-        emit_choice_chunk(c, ch, text, 0, NULL, lp);
+        /* chat: the role goes with the first token, as in vLLM (clients time the first chunk) */
+        emit_choice_chunk(c, ch, text, c->chat && !ch->sent_role, NULL, lp);
+        ch->sent_role = 1;
         ch->text_offset += (int)strlen(text);
         return;
     }
@@ -403,7 +406,8 @@ static void on_final(struct kvs_server *s, struct call *c, struct choice *ch, co
         kvs_call_cancel(c); /* the other choices cannot be reported any more */
         return;
     }
-    emit_choice_chunk(c, ch, c->chat ? NULL : "", 0, finish_name(ch->finish), NULL);
+    emit_choice_chunk(c, ch, c->chat ? NULL : "", c->chat && !ch->sent_role, finish_name(ch->finish), NULL);
+    ch->sent_role = 1;
 }
 
 void kvs_call_cancel(struct call *c)
@@ -771,8 +775,11 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         for (int d = 0; d < ps.n_segs; d++) plen += (ps.segs[d].n_tokens + bsz - 1) / bsz * bsz;
         int mt = r.max_tokens;
         if (mt < 0) {
+            /* none given: scheduler.max_tokens_default; else completions 16 (the OpenAI and vLLM
+             * default), chat up to the context */
+            int dflt = s->cfg->max_tokens_default > 0 ? s->cfg->max_tokens_default : c->chat ? 0 : 16;
             mt = ctx - plen;
-            if (s->cfg->max_tokens_default > 0 && s->cfg->max_tokens_default < mt) mt = s->cfg->max_tokens_default;
+            if (dflt > 0 && dflt < mt) mt = dflt;
             if (mt < 1) mt = 1;
         }
         if ((int64_t)plen + mt > ctx) {
@@ -785,6 +792,17 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         max_tokens[p] = mt;
     }
 
+    /* more choices than the waiting queue holds would get 429 forever: never retryable */
+    if ((int64_t)ps.n * r.n > s->cfg->max_waiting) {
+        int n_total = ps.n * r.n;
+        free(max_tokens);
+        prompt_set_free(&ps);
+        kvs_api_request_free(&r);
+        return kvs_call_error(c, 400, "invalid_request_error", "too_many_choices", "n",
+                              "this request asks for %d choices (prompts x n) but scheduler.max_waiting is %d: it "
+                              "could never be queued",
+                              n_total, s->cfg->max_waiting);
+    }
     c->stream = r.stream;
     c->include_usage = r.include_usage;
     c->logprobs = r.logprobs;
@@ -868,8 +886,6 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(resp, "X-Request-Id", c->id);
-        if (c->chat)
-            for (int i = 0; i < c->n_choices; i++) emit_choice_chunk(c, &c->choices[i], "", 1, NULL, NULL);
         enum MHD_Result q = MHD_queue_response(c->conn, MHD_HTTP_OK, resp);
         MHD_destroy_response(resp);
         c->responded = 1;
@@ -1091,6 +1107,16 @@ static int h_doc_create(struct kvs_server *s, struct call *c)
         text = kvs_tokenizer_decode(s->tok, ids, n, 0);
         if (!text) text = kvs_xstrdup("");
     }
+    if (n >= s->max_context) {   /* it could never be cited: nothing would be left for the question */
+        const char *param = r.text ? "text" : "tokens";
+        free(ids);
+        free(text);
+        kvs_api_request_free(&r);
+        return kvs_call_error(c, 400, "invalid_request_error", "document_too_long", param,
+                              "the document has %d tokens but the model's context is %d tokens: it could never be "
+                              "cited",
+                              n, s->max_context);
+    }
     const struct kvs_doc *doc = NULL;
     char err[512] = "";
     int rc = kvs_docstore_add(s->docs, r.doc_id, text, strlen(text), ids, n, &doc, err, sizeof err);
@@ -1165,7 +1191,7 @@ static int h_doc_one(struct kvs_server *s, struct call *c, const char *id)
 /* ------------------------------------------------------------------------------------------ */
 /* routing                                                                                     */
 
-enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
+enum route { R_NONE, R_HEALTH, R_VERSION, R_METRICS, R_MODELS, R_MODEL, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
 
 static enum route route_of(const char *url, const char **allowed)
 {
@@ -1174,7 +1200,9 @@ static enum route route_of(const char *url, const char **allowed)
         enum route r;
         const char *methods;
     } table[] = {
-        {"/health", R_HEALTH, "GET"},
+        {"/health", R_HEALTH, "GET, HEAD"},   /* load balancers probe with HEAD */
+        {"/ping", R_HEALTH, "GET, POST, HEAD"},   /* vLLM's liveness route */
+        {"/version", R_VERSION, "GET, HEAD"},
         {"/metrics", R_METRICS, "GET"},
         {"/v1/models", R_MODELS, "GET"},
         {"/v1/completions", R_CMPL, "POST"},
@@ -1217,6 +1245,11 @@ int kvs_call_dispatch(struct kvs_server *s, struct call *c)
         return kvs_call_error(c, 405, "invalid_request_error", NULL, NULL, "method %s not allowed on %.200s",
                               c->method, c->url);
     if (rt == R_HEALTH) return h_health(s, c);
+    if (rt == R_VERSION) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "version", KVS_VERSION);
+        return respond_json(c, 200, j);
+    }
     if (rt == R_METRICS) return h_metrics(s, c);
     if (!check_auth(s, c))
         return kvs_call_error(c, 401, "invalid_request_error", "invalid_api_key", NULL,

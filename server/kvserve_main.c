@@ -18,7 +18,6 @@
 #include "engine/util.h"
 #include "server/server.h"
 
-#define KVS_VERSION "0.1.0"
 
 static void usage(FILE *f)
 {

@@ -341,9 +341,32 @@ static int parse_documents(const cJSON *root, struct kvs_api_request *r, struct 
     return 0;
 }
 
+/* Fields of the OpenAI API this server does not implement: refused by name rather than ignored,
+ * so a client never believes a JSON mode or a tool call was honoured. Their neutral values
+ * (no tools, tool_choice "none", response_format text, an empty suffix) are accepted. */
+static int refuse_unsupported(const cJSON *root, struct kvs_api_error *err)
+{
+    static const char *const names[] = {"tools", "tool_choice", "response_format", "suffix", "functions",
+                                        "function_call"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const cJSON *it = field(root, names[i]);
+        if (!it) continue;
+        if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 0) continue;
+        if (cJSON_IsString(it) && (!strcmp(it->valuestring, "") || !strcmp(it->valuestring, "none"))) continue;
+        const cJSON *type = cJSON_IsObject(it) ? cJSON_GetObjectItemCaseSensitive(it, "type") : NULL;
+        if (!strcmp(names[i], "response_format") && cJSON_IsString(type) && !strcmp(type->valuestring, "text") &&
+            cJSON_GetArraySize(it) == 1)
+            continue;
+        return kvs_api_error_set(err, 400, "invalid_request_error", "unsupported_parameter", names[i],
+                                 "'%s' is not supported by this server", names[i]);
+    }
+    return 0;
+}
+
 static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_request *r, struct kvs_api_error *err)
 {
     int rc;
+    if ((rc = refuse_unsupported(root, err))) return rc;
     if ((rc = get_string(root, "model", &r->model, err))) return rc;
     int mt = -1, mct = -1;
     if ((rc = get_int(root, "max_tokens", 0, INT32_MAX, &mt, err))) return rc;
@@ -370,7 +393,12 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     const cJSON *seed = field(root, "seed");
     if (seed) {
         int64_t v;
-        if (json_int(seed, -((int64_t)1 << 53), (int64_t)1 << 53, &v)) return BAD("seed", "'seed' must be an integer");
+        if (!cJSON_IsNumber(seed) || seed->valuedouble != floor(seed->valuedouble))
+            return BAD("seed", "'seed' must be an integer");
+        /* JSON numbers arrive as doubles: integers beyond 2^53 cannot be told apart */
+        if (json_int(seed, -((int64_t)1 << 53), (int64_t)1 << 53, &v))
+            return BAD("seed", "'seed' must be between -2^53 and 2^53 (-9007199254740992 .. 9007199254740992), "
+                               "the integers a JSON number holds exactly");
         r->has_seed = 1;
         r->seed = (uint64_t)v;
     }

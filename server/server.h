@@ -14,6 +14,8 @@
 
 struct kvs_config;
 
+#define KVS_VERSION "0.1.0"   /* kvserve --version, GET /version */
+
 int kvs_server_run(const struct kvs_config *cfg);
 
 #endif

@@ -163,7 +163,7 @@ def main():
             check_error(send(srv, method, path, body, H), status, param, code, name)
             if status == 405:
                 r = send(srv, method, path, body, H)
-                allow = {"/v1/documents": "GET, POST", "/v1/models": "GET", "/health": "GET"}.get(path)
+                allow = {"/v1/documents": "GET, POST", "/v1/models": "GET", "/health": "GET, HEAD"}.get(path)
                 allow = allow or ("GET" if path.startswith("/v1/models/") else "POST")
                 check(r.headers.get("Allow") == allow, f"{name}: Allow {r.headers.get('Allow')!r} != {allow!r}")
         for name, headers, status in AUTH_CASES:

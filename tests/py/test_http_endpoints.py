@@ -160,7 +160,8 @@ def test_main():
         check(resp.status_code == 200 and data[-1] == "[DONE]", f"stream end {data}")
         err = json.loads(data[-2])
         check(set(err) == {"error"} and "injected failure" in err["error"]["message"], f"in-band error {data[-2]}")
-        check(len(data) == 5, f"role chunk, 2 tokens, error, [DONE]: {data}")
+        check(len(data) == 4 and json.loads(data[0])["choices"][0]["delta"]["role"] == "assistant",
+              f"2 tokens (the role with the first), error, [DONE]: {data}")
         # connection limit: 4 idle sockets hold every ordinary slot; /health is served from the
         # reserve (server.reserved_connections), anything else gets 503 too_many_connections
         import socket
