@@ -42,21 +42,29 @@ static void run_mhd(struct kvs_server *s);
 /* ------------------------------------------------------------------------------------------ */
 /* loading                                                                                     */
 
+int kvs_server_load_model(const struct kvs_config *cfg, struct kvs_model **model, struct kvs_tokenizer **tok,
+                           char *err, size_t errlen)
+{
+    char why[480];
+    int rc = kvs_model_load(cfg->model_path, model, why, sizeof why);
+    if (rc) return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
+    rc = kvs_tokenizer_load(cfg->model_path, tok, why, sizeof why);
+    if (rc) {
+        kvs_model_free(*model);
+        *model = NULL;
+        return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
+    }
+    return 0;
+}
+
+/* The engine (weights to the device, KV pool): the slow part, after the port is open. The
+ * model's files were already checked (kvs_server_load_model) before listening. */
 static void *loader_main(void *arg)
 {
     struct kvs_server *s = arg;
     const struct kvs_config *cfg = s->cfg;
     double t0 = kvs_now();
-    int rc = kvs_model_load(cfg->model_path, &s->model, s->load_err, sizeof s->load_err);
-    if (!rc) rc = kvs_tokenizer_load(cfg->model_path, &s->tok, s->load_err, sizeof s->load_err);
-    if (!rc) {
-        s->chat_format = kvs_chat_format_from_name(cfg->chat_format ? cfg->chat_format : "auto");
-        if (s->chat_format == KVS_CHAT_UNKNOWN) s->chat_format = kvs_chat_detect(cfg->model_path);
-        if (s->chat_format == KVS_CHAT_UNKNOWN)
-            kvs_log(KVS_LOG_WARN, "chat format of %s not recognised; set model.chat_format to serve "
-                                  "/v1/chat/completions", cfg->model_path);
-    }
-    if (!rc) rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
+    int rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
     if (!rc) {
         s->vocab_size = kvs_tokenizer_vocab_size(s->tok);
         s->max_context = kvs_engine_max_context(s->engine);
@@ -405,8 +413,23 @@ int kvs_server_run(const struct kvs_config *cfg)
         s->model_name[n - b] = 0;
     }
     char err[512];
+    /* config, tensor table and tokenizer are checked before the port opens: a bad model.path
+     * fails here, not after clients were told to connect */
+    if (kvs_server_load_model(cfg, &s->model, &s->tok, err, sizeof err)) {
+        kvs_log(KVS_LOG_ERROR, "%s", err);
+        free(s->model_name);
+        free(s);
+        return 1;
+    }
+    s->chat_format = kvs_chat_format_from_name(cfg->chat_format ? cfg->chat_format : "auto");
+    if (s->chat_format == KVS_CHAT_UNKNOWN) s->chat_format = kvs_chat_detect(cfg->model_path);
+    if (s->chat_format == KVS_CHAT_UNKNOWN)
+        kvs_log(KVS_LOG_WARN, "chat format of %s not recognised; set model.chat_format to serve "
+                              "/v1/chat/completions", cfg->model_path);
     if (kvs_docstore_open_config(cfg, &s->docs, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;
@@ -419,6 +442,8 @@ int kvs_server_run(const struct kvs_config *cfg)
     if (kvs_server_resolve(cfg->host, cfg->port, &addr, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
         kvs_docstore_free(s->docs);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;
@@ -433,6 +458,8 @@ int kvs_server_run(const struct kvs_config *cfg)
     if (!s->mhd) {
         kvs_log(KVS_LOG_ERROR, "cannot listen on %s:%d (port in use or bad address)", cfg->host, cfg->port);
         kvs_docstore_free(s->docs);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;
