@@ -1028,6 +1028,8 @@ static int h_tokenize(struct kvs_server *s, struct call *c)
             kvs_api_request_free(&r);
             return kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
         }
+        size_t gl = strlen(kvs_chat_generation_prompt(s->chat_format)), tl = strlen(text);
+        if (!r.add_generation_prompt && tl >= gl) text[tl - gl] = 0;
         n = encode_alloc(s->tok, text, r.add_special_tokens, 1, &ids);
         free(text);
     } else {

@@ -460,6 +460,9 @@ static int parse_tokenize(const cJSON *root, int vocab_size, struct kvs_api_requ
         if (!r->prompts[0].text) return kvs_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
     }
     (void)vocab_size;
+    if ((rc = get_bool(root, "add_generation_prompt", &r->add_generation_prompt, err))) return rc;
+    if (!has_msgs && field(root, "add_generation_prompt"))
+        return BAD("add_generation_prompt", "'add_generation_prompt' applies to 'messages' only");
     return get_bool(root, "add_special_tokens", &r->add_special_tokens, err);
 }
 
@@ -501,6 +504,7 @@ int kvs_api_parse(enum kvs_api_kind kind, const char *body, size_t len, int voca
     out->max_tokens = -1;
     out->skip_special_tokens = 1;
     out->add_special_tokens = 1;
+    out->add_generation_prompt = 1;
     if (!body || len == 0) return BAD(NULL, "request body is empty (expected a JSON object)");
     char why[200];
     if (kvs_json_check_bytes(body, len, why, sizeof why)) return BAD(NULL, "%s", why);

@@ -87,6 +87,7 @@ struct kvs_api_request {
     int ignore_eos;
     int skip_special_tokens;      /* default 1 */
     int add_special_tokens;       /* tokenize / completions: default 1; chat tokenize: 0 */
+    int add_generation_prompt;    /* tokenize with messages: default 1 */
     int echo;                     /* not supported: rejected when true */
     int tokens_as_ids;            /* return_tokens_as_token_ids (vLLM): logprob tokens as "token_id:N" */
     char *user;

@@ -9,13 +9,14 @@
   - a request with more choices than scheduler.max_waiting: 400 naming the limit, not a 429 that
     a client honouring Retry-After would retry forever;
   - a seed beyond what a JSON number holds exactly: the message says the range;
-  - a document longer than the model's context: refused at upload (400 document_too_long)."""
+  - a document longer than the model's context: refused at upload (400 document_too_long);
+  - /tokenize with messages and add_generation_prompt false leaves the generation prompt out."""
 import json
 import time
 
 import requests
 
-from kvs_http import Server, check, complete, tokenize
+from kvs_http import Server, chatml, check, complete, tokenize
 
 
 def main():
@@ -88,8 +89,16 @@ def main():
               and "256" in r.json()["error"]["message"], f"document over the context: {r.status_code} {r.text}")
         r = requests.post(b + "/v1/documents", json={"text": "y" * 100}, timeout=5)
         check(r.status_code == 200, f"document within the context: {r.status_code} {r.text}")
+        # /tokenize with messages honours add_generation_prompt
+        msgs = [{"role": "user", "content": "hi"}]
+        full = chatml(msgs)
+        r = requests.post(b + "/tokenize", json={"messages": msgs}, timeout=5).json()
+        check(r["tokens"] == tokenize(full, add_special=False), f"tokenize messages: {r}")
+        r = requests.post(b + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}, timeout=5).json()
+        check(r["tokens"] == tokenize(full[:-len("<|im_start|>assistant\n")], add_special=False),
+              f"tokenize without the generation prompt: {r}")
     print("compat: HEAD /health, /ping, /version, completions default 16, role with the first token, "
-          "unsupported parameters refused, never-admittable 400, seed range, long document refused: ok")
+          "unsupported parameters refused, never-admittable 400, seed range, long document refused, tokenize add_generation_prompt: ok")
 
 
 if __name__ == "__main__":
