@@ -300,6 +300,17 @@ static void emit_error_chunk(struct call *c, const char *msg)
     c->stream_error = 1;
 }
 
+/* Streaming echo: the prompt (text and, with logprobs, its scored tokens) is the choice's first
+ * chunk, sent once the prompt is scored, before its first token or its end. */
+static void echo_flush(struct call *c, struct choice *ch)
+{
+    if (!ch->echo_pending) return;
+    ch->echo_pending = 0;
+    emit_choice_chunk(c, ch, ch->text.s ? ch->text.s : "", 0, NULL, ch->lp);
+    ch->lp = NULL;
+    kvs_sbuf_free(&ch->text);
+}
+
 /* usage: the prompt counts once per prompt (not per choice), completions add up. */
 static cJSON *usage_object(struct call *c)
 {
@@ -344,6 +355,7 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
     const char *text = ev->text ? ev->text : "";
     if (c->stream) {
         if (c->stream_error || c->client_gone) return;
+        echo_flush(c, ch);
         cJSON *lp = NULL;
         if (c->logprobs) {
             if (c->chat) {
@@ -406,6 +418,7 @@ static void on_final(struct kvs_server *s, struct call *c, struct choice *ch, co
         kvs_call_cancel(c); /* the other choices cannot be reported any more */
         return;
     }
+    echo_flush(c, ch);
     emit_choice_chunk(c, ch, c->chat ? NULL : "", c->chat && !ch->sent_role, finish_name(ch->finish), NULL);
     ch->sent_role = 1;
 }
@@ -850,6 +863,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             ch->index = submitted;
             ch->n_prompt = ps.len[p] + ps.seg_tokens;   /* the engine's count replaces it when it ends */
             if (r.echo) kvs_echo_begin(s, c, ch, r.prompts[p].text, ps.ids[p], ps.len[p]);
+            ch->echo_pending = r.echo && r.stream;
             ch->req = kvs_request_new(&params, s->notify, s);
             if (!ch->req) {
                 rc = -ENOMEM;

@@ -77,6 +77,7 @@ struct choice {
     struct cJSON *lp;            /* logprobs object being built (non-streaming) */
     int text_offset;             /* completions logprobs: bytes of text before this token */
     int sent_role;               /* chat streaming: first delta sent */
+    int echo_pending;            /* streaming echo: the prompt chunk is still to be sent */
     int n_prompt, n_completion, n_cached;
     double queue_s, ttft_s, e2e_s;
     double last_token_at;

@@ -421,7 +421,6 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
             r->top_logprobs = (int)v;
         }
         if ((rc = get_bool(root, "echo", &r->echo, err))) return rc;
-        if (r->echo && r->stream) return BAD("echo", "'echo' cannot be combined with 'stream' on this server");
         if (r->echo && r->n_documents)
             return BAD("echo", "'echo' cannot be combined with 'documents' (the echoed prompt would leave them out)");
         if ((rc = parse_prompt(root, vocab_size, r, err))) return rc;

@@ -67,7 +67,6 @@ CASES = [
     ("logit_bias value range", "POST", C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias", None),
     ("logprobs too many", "POST", C, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     ("logprobs bool on completions", "POST", C, {"prompt": "x", "logprobs": True}, 400, "logprobs", None),
-    ("echo with stream", "POST", C, {"prompt": "x", "echo": True, "stream": True}, 400, "echo", None),
     ("echo with documents", "POST", C, {"prompt": "x", "echo": True, "documents": ["d"]}, 400, "echo", None),
     ("max_tokens 0 without echo", "POST", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
     ("chat max_tokens 0", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

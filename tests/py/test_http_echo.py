@@ -14,9 +14,10 @@ That code is mirrored here (lm-eval itself pulls in torch: too heavy for the tes
    greedy and not-greedy continuations; max_tokens 0 with a text prompt (the prompt's tokens,
    first logprob null, finish "length", no completion tokens); echo without logprobs;
    logprobs 0 holds the sampled token; the sampled token is in top_logprobs even when not in
-   the top N.
+   the top N; streaming: the prompt and its logprobs are the first chunk.
 2) real stack (build/kvserve-e2e, tiny Llama): a greedy continuation's own logprobs equal the
    echoed prompt logprobs of prompt + that continuation, and lm-eval calls it greedy."""
+import json
 import math
 import os
 import tempfile
@@ -106,6 +107,19 @@ def fake_checks():
               f"echo + 3 tokens: {r}")
         r = requests.post(C, json={"prompt": "abcd", "max_tokens": 0, "echo": True}, timeout=10).json()
         check(r["choices"][0]["text"] == "abcd" and r["usage"]["completion_tokens"] == 0, f"echo only: {r}")
+        # streaming: the prompt (with its logprobs) is the first chunk, then the tokens
+        for mt in (2, 0):
+            with requests.post(C, stream=True, timeout=10, json={"prompt": "abcd", "max_tokens": mt, "echo": True,
+                                                                 "logprobs": 1, "stream": True}) as resp:
+                chunks = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith(b"data: {")]
+            first = chunks[0]["choices"][0]
+            ids = tokenize("abcd")
+            check(first["text"] == "abcd" and first["logprobs"]["tokens"] == [tokstr(t) for t in ids]
+                  and first["logprobs"]["token_logprobs"][0] is None, f"stream echo, first chunk: {first}")
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            check(text == "abcd" + complete(ids, mt)[0] if mt else text == "abcd", f"stream echo text {text!r}")
+            check(chunks[-1]["choices"][0]["finish_reason"] == "length", f"stream echo end {chunks[-1]}")
+            check(len(chunks) == 1 + mt + 1, f"prompt chunk, {mt} tokens, finish: {len(chunks)} chunks")
         # logprobs 0 (no echo) holds the sampled token, as in vLLM
         r = requests.post(C, json={"prompt": "abcd", "max_tokens": 2, "logprobs": 0}, timeout=10).json()
         tops = r["choices"][0]["logprobs"]["top_logprobs"]
