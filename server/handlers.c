@@ -316,7 +316,7 @@ static cJSON *usage_object(struct call *c)
 {
     int prompt = 0, completion = 0, cached = 0;
     for (int i = 0; i < c->n_choices; i++) {
-        completion += c->choices[i].n_completion;
+        if (!c->choices[i].dropped) completion += c->choices[i].n_completion;   /* as vLLM: returned ones */
         if (i % c->n_per_prompt == 0) {
             prompt += c->choices[i].n_prompt;
             cached += c->choices[i].n_cached;
@@ -352,6 +352,7 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
     else ch->first_token_at = now;
     ch->last_token_at = now;
     ch->n_completion++;
+    ch->cum_logprob += ev->logprob;
     const char *text = ev->text ? ev->text : "";
     if (c->stream) {
         if (c->stream_error || c->client_gone) return;
@@ -806,8 +807,8 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     }
 
     /* more choices than the waiting queue holds would get 429 forever: never retryable */
-    if ((int64_t)ps.n * r.n > s->cfg->max_waiting) {
-        int n_total = ps.n * r.n;
+    if ((int64_t)ps.n * r.best_of > s->cfg->max_waiting) {
+        int n_total = ps.n * r.best_of;
         free(max_tokens);
         prompt_set_free(&ps);
         kvs_api_request_free(&r);
@@ -822,14 +823,15 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     c->top_logprobs = r.top_logprobs;
     c->tokens_as_ids = r.tokens_as_ids;
     c->created = (int64_t)kvs_wall_time();
-    c->n_per_prompt = r.n;
+    c->n_per_prompt = r.best_of;
+    c->n_return = r.n;
     new_id(c, c->chat ? "chatcmpl" : "cmpl");
-    int total = ps.n * r.n;
+    int total = ps.n * r.best_of;
     c->choices = kvs_xcalloc((size_t)total, sizeof *c->choices);
     int submitted = 0, rc = 0;
     char err[256] = "";
     for (int p = 0; p < ps.n && !rc; p++) {
-        for (int j = 0; j < r.n && !rc; j++) {
+        for (int j = 0; j < r.best_of && !rc; j++) {
             struct kvs_request_params params;
             memset(&params, 0, sizeof params);
             params.prompt = ps.ids[p];
@@ -850,7 +852,7 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             sp->n_logit_bias = r.n_bias;
             sp->logit_bias_ids = r.bias_ids;
             sp->logit_bias_values = r.bias_values;
-            sp->logprobs = r.logprobs;
+            sp->logprobs = r.logprobs || r.best_of > r.n;   /* best_of ranks by cumulative logprob */
             sp->top_logprobs = r.top_logprobs;
             params.stop_strings = (const char *const *)r.stop;
             params.n_stop_strings = r.n_stop;
@@ -914,6 +916,24 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     return MHD_YES;
 }
 
+/* best_of > n: of each prompt's best_of candidates the n with the highest cumulative logprob
+ * are returned, best first, indexed prompt * n + rank (vLLM); the others are marked dropped. */
+static void best_of_select(struct call *c)
+{
+    int per = c->n_per_prompt, keep = c->n_return;
+    for (int p = 0; p < c->n_choices / per; p++) {
+        struct choice *g = c->choices + (size_t)p * (size_t)per;
+        for (int k = 0; k < per; k++) g[k].dropped = 1;
+        for (int rank = 0; rank < keep; rank++) {
+            int best = -1;
+            for (int k = 0; k < per; k++)
+                if (g[k].dropped && (best < 0 || g[k].cum_logprob > g[best].cum_logprob)) best = k;
+            g[best].dropped = 0;
+            g[best].index = p * keep + rank;
+        }
+    }
+}
+
 /* Non-streaming generation resumed: answer once every choice is done. */
 int kvs_call_resumed(struct kvs_server *s, struct call *c)
 {
@@ -931,14 +951,19 @@ int kvs_call_resumed(struct kvs_server *s, struct call *c)
         if (c->choices[i].finish == KVS_FINISH_ERROR)
             return kvs_call_error(c, 500, "server_error", NULL, NULL, "generation failed: %s",
                                   c->choices[i].error ? c->choices[i].error : "internal error");
+    if (c->n_return < c->n_per_prompt) best_of_select(c);
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "id", c->id);
     cJSON_AddStringToObject(j, "object", c->chat ? "chat.completion" : "text_completion");
     cJSON_AddNumberToObject(j, "created", (double)c->created);
     cJSON_AddStringToObject(j, "model", s->model_name);
     cJSON *arr = cJSON_AddArrayToObject(j, "choices");
-    for (int i = 0; i < c->n_choices; i++) {
-        struct choice *ch = &c->choices[i];
+    for (int out = 0; out < c->n_choices; out++) {
+        /* in index order (best_of reorders); without best_of choice i has index i */
+        struct choice *ch = NULL;
+        for (int i = 0; i < c->n_choices && !ch; i++)
+            if (!c->choices[i].dropped && c->choices[i].index == out) ch = &c->choices[i];
+        if (!ch) break;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddNumberToObject(o, "index", ch->index);
         const char *text = ch->text.s ? ch->text.s : "";

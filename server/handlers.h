@@ -78,6 +78,8 @@ struct choice {
     int text_offset;             /* completions logprobs: bytes of text before this token */
     int sent_role;               /* chat streaming: first delta sent */
     int echo_pending;            /* streaming echo: the prompt chunk is still to be sent */
+    double cum_logprob;          /* best_of: sum of the sampled tokens' logprobs */
+    int dropped;                 /* best_of: not among the n returned */
     int n_prompt, n_completion, n_cached;
     double queue_s, ttft_s, e2e_s;
     double last_token_at;
@@ -108,7 +110,8 @@ struct call {
     int64_t created;
     struct choice *choices;
     int n_choices, n_done;
-    int n_per_prompt;            /* choices i*n .. i*n+n-1 share prompt i */
+    int n_per_prompt;            /* choices i*n .. i*n+n-1 share prompt i (n = best_of) */
+    int n_return;                /* choices returned per prompt (n; < n_per_prompt with best_of) */
     int finished;                /* every choice done (and, streaming, [DONE] queued) */
     int counted;                 /* counted in srv->n_gen_calls */
     int stream_error;            /* an error chunk was sent */

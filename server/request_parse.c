@@ -373,7 +373,8 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     if ((rc = get_int(root, "max_completion_tokens", 1, INT32_MAX, &mct, err))) return rc;
     r->max_tokens = mct > 0 ? mct : mt;
     if ((rc = get_int(root, "n", 1, KVS_API_MAX_N, &r->n, err))) return rc;
-    if ((rc = get_int(root, "best_of", 1, 1, &(int){0}, err))) return rc;
+    r->best_of = 0;
+    if ((rc = get_int(root, "best_of", 1, KVS_API_MAX_N, &r->best_of, err))) return rc;
     if ((rc = get_bool(root, "stream", &r->stream, err))) return rc;
     const cJSON *so = field(root, "stream_options");
     if (so) {
@@ -430,8 +431,13 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
         if (r->top_logprobs > 0 && !r->logprobs) return BAD("top_logprobs", "'top_logprobs' requires 'logprobs': true");
         if ((rc = parse_messages(root, r, err))) return rc;
     }
-    if (r->n_prompts * r->n > KVS_API_MAX_CHOICES)
-        return BAD("n", "prompts x n is limited to %d choices", KVS_API_MAX_CHOICES);
+    if (r->best_of == 0) r->best_of = r->n;
+    if (r->best_of < r->n) return BAD("best_of", "'best_of' must be at least 'n' (%d)", r->n);
+    if (r->best_of > r->n && r->stream) return BAD("best_of", "'best_of' > 'n' cannot be streamed");
+    if (r->best_of > r->n && r->kind == KVS_API_CHAT) return BAD("best_of", "'best_of' applies to completions only");
+    if (r->n_prompts * r->best_of > KVS_API_MAX_CHOICES)
+        return BAD(r->best_of > r->n ? "best_of" : "n", "prompts x %s is limited to %d choices",
+                   r->best_of > r->n ? "best_of" : "n", KVS_API_MAX_CHOICES);
     if (r->max_tokens == 0 && !r->echo)
         return BAD("max_tokens", "'max_tokens' must be at least 1 (0 only with 'echo': true: score the prompt)");
     if (!r->stream && field(root, "stream_options")) return BAD("stream_options", "'stream_options' requires 'stream': true");

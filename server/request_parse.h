@@ -68,6 +68,8 @@ struct kvs_api_request {
 
     int max_tokens;               /* -1 = not given */
     int n;
+    int best_of;                  /* candidates per prompt, >= n (default n); the n with the highest
+                                   * cumulative logprob are returned (vLLM's best_of) */
     int stream;
     int include_usage;            /* stream_options.include_usage */
     int logprobs;                 /* chat: bool; completions: 1 when "logprobs" is an int */

@@ -10,13 +10,20 @@
     a client honouring Retry-After would retry forever;
   - a seed beyond what a JSON number holds exactly: the message says the range;
   - a document longer than the model's context: refused at upload (400 document_too_long);
-  - /tokenize with messages and add_generation_prompt false leaves the generation prompt out."""
+  - /tokenize with messages and add_generation_prompt false leaves the generation prompt out;
+  - best_of (real stack, tiny Llama): of best_of sampled candidates the n with the highest
+    cumulative logprob come back, best first; the candidates are those of the same request with
+    n = best_of (choice j samples with seed + j)."""
 import json
 import time
 
 import requests
 
-from kvs_http import Server, chatml, check, complete, tokenize
+import os
+import tempfile
+
+from kvs_http import E2E_BIN, ROOT, Server, chatml, check, complete, tokenize
+from tiny_tokenizer import make_model_dir
 
 
 def main():
@@ -97,6 +104,20 @@ def main():
         r = requests.post(b + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}, timeout=5).json()
         check(r["tokens"] == tokenize(full[:-len("<|im_start|>assistant\n")], add_special=False),
               f"tokenize without the generation prompt: {r}")
+    tmp = tempfile.mkdtemp(prefix="kvs-compat-")
+    model = make_model_dir(os.path.join(ROOT, "tests", "data", "models", "llama"), os.path.join(tmp, "tiny-llama"))
+    with Server("--quiet", "--set", "kv.memory_bytes=4194304", "--set", "cpu_threads=1", binary=E2E_BIN,
+                model=model) as srv:
+        C = srv.base + "/v1/completions"
+        body = {"prompt": [5, 17, 300, 42], "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True,
+                "logprobs": 1, "return_tokens_as_token_ids": True}
+        cands = requests.post(C, json=dict(body, n=4), timeout=30).json()["choices"]
+        score = sorted(((sum(c["logprobs"]["token_logprobs"]), c["text"]) for c in cands), reverse=True)
+        check(len({t for _, t in score}) > 1, f"candidates differ: {score}")
+        r = requests.post(C, json=dict(body, n=2, best_of=4), timeout=30).json()
+        got = [(c["index"], c["text"]) for c in r["choices"]]
+        check(got == [(0, score[0][1]), (1, score[1][1])], f"best_of 4, n 2: {got} vs ranked {score}")
+        check(r["usage"]["completion_tokens"] == 16, f"usage counts the returned choices: {r['usage']}")
     print("compat: HEAD /health, /ping, /version, completions default 16, role with the first token, "
           "unsupported parameters refused, never-admittable 400, seed range, long document refused, tokenize add_generation_prompt: ok")
 
