@@ -13,8 +13,8 @@ for f in config/*.json; do
 done
 grep -q '"port":[[:space:]]*8000' < <("$KVS" --check-config config/default.json 2>/dev/null) && ok "effective config printed" || bad "no effective config"
 # `make run` (config/default.json) keeps posted documents across restarts, where the README says
-grep -q '"dir":[[:space:]]*"data/documents"' < <("$KVS" --check-config config/default.json 2>/dev/null) \
-  && grep -q 'data/documents' README.md && ok "default config persists documents in data/documents" \
+grep -q '"dir":[[:space:]]*"data"' < <("$KVS" --check-config config/default.json 2>/dev/null) \
+  && grep -q 'persist in data/' README.md && ok "default config persists documents in data/" \
   || bad "config/default.json does not persist documents where the README says"
 
 echo '{"server": {"prot": 8000}}' >"$tmp/typo.json"
