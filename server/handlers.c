@@ -7,6 +7,8 @@
 #include "base/util.h"
 #include "engine/docstore.h"
 #include "engine/prompt_layout.h"
+#include "server/cmpl_logprobs.h"
+#include "server/server.h"
 #include "server/request_parse.h"
 
 #include <cjson/cJSON.h>
@@ -28,6 +30,7 @@ static int queue_body(struct call *c, int status, const char *ctype, char *body,
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
     if (status == 405 && c->allow) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, c->allow);
+    if (c->close_conn) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
     enum MHD_Result rc = MHD_queue_response(c->conn, (unsigned)status, r);
     MHD_destroy_response(r);
     c->responded = 1;
@@ -184,17 +187,6 @@ static enum kvs_metric_reason finish_reason_metric(enum kvs_finish f)
     }
 }
 
-static char *token_str(struct kvs_server *s, int as_ids, int32_t id)
-{
-    if (as_ids) {
-        char buf[32];
-        snprintf(buf, sizeof buf, "token_id:%d", (int)id);
-        return kvs_xstrdup(buf);
-    }
-    char *t = kvs_tokenizer_decode(s->tok, &id, 1, 0);
-    return t ? t : kvs_xstrdup("");
-}
-
 static cJSON *bytes_array(const char *t)
 {
     cJSON *a = cJSON_CreateArray();
@@ -209,7 +201,7 @@ static cJSON *bytes_array(const char *t)
 static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const struct kvs_event *ev)
 {
     cJSON *e = cJSON_CreateObject();
-    char *t = token_str(s, c->tokens_as_ids, ev->token);
+    char *t = kvs_token_str(s, c->tokens_as_ids, ev->token);
     cJSON_AddStringToObject(e, "token", t);
     cJSON_AddNumberToObject(e, "logprob", ev->logprob);
     cJSON_AddItemToObject(e, "bytes", bytes_array(t));
@@ -217,7 +209,7 @@ static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const st
     cJSON *tops = cJSON_AddArrayToObject(e, "top_logprobs");
     for (int i = 0; i < ev->n_top; i++) {
         cJSON *o = cJSON_CreateObject();
-        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
+        char *ts = kvs_token_str(s, c->tokens_as_ids, ev->top_ids[i]);
         cJSON_AddStringToObject(o, "token", ts);
         cJSON_AddNumberToObject(o, "logprob", ev->top_logprobs[i]);
         cJSON_AddItemToObject(o, "bytes", bytes_array(ts));
@@ -225,32 +217,6 @@ static cJSON *chat_lp_entry(struct kvs_server *s, const struct call *c, const st
         cJSON_AddItemToArray(tops, o);
     }
     return e;
-}
-
-static cJSON *cmpl_lp_new(void)
-{
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddArrayToObject(o, "tokens");
-    cJSON_AddArrayToObject(o, "token_logprobs");
-    cJSON_AddArrayToObject(o, "top_logprobs");
-    cJSON_AddArrayToObject(o, "text_offset");
-    return o;
-}
-
-static void cmpl_lp_add(struct kvs_server *s, const struct call *c, cJSON *o, const struct kvs_event *ev, int offset)
-{
-    char *t = token_str(s, c->tokens_as_ids, ev->token);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "tokens"), cJSON_CreateString(t));
-    free(t);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "token_logprobs"), cJSON_CreateNumber(ev->logprob));
-    cJSON *tops = cJSON_CreateObject();
-    for (int i = 0; i < ev->n_top; i++) {
-        char *ts = token_str(s, c->tokens_as_ids, ev->top_ids[i]);
-        if (!cJSON_GetObjectItemCaseSensitive(tops, ts)) cJSON_AddNumberToObject(tops, ts, ev->top_logprobs[i]);
-        free(ts);
-    }
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "top_logprobs"), tops);
-    cJSON_AddItemToArray(cJSON_GetObjectItem(o, "text_offset"), cJSON_CreateNumber(offset));
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -308,12 +274,23 @@ static void emit_error_chunk(struct call *c, const char *msg)
     c->stream_error = 1;
 }
 
+/* Streaming echo: the prompt (text and, with logprobs, its scored tokens) is the choice's first
+ * chunk, sent once the prompt is scored, before its first token or its end. */
+static void echo_flush(struct call *c, struct choice *ch)
+{
+    if (!ch->echo_pending) return;
+    ch->echo_pending = 0;
+    emit_choice_chunk(c, ch, ch->text.s ? ch->text.s : "", 0, NULL, ch->lp);
+    ch->lp = NULL;
+    kvs_sbuf_free(&ch->text);
+}
+
 /* usage: the prompt counts once per prompt (not per choice), completions add up. */
 static cJSON *usage_object(struct call *c)
 {
     int prompt = 0, completion = 0, cached = 0;
     for (int i = 0; i < c->n_choices; i++) {
-        completion += c->choices[i].n_completion;
+        if (!c->choices[i].dropped) completion += c->choices[i].n_completion;   /* as vLLM: returned ones */
         if (i % c->n_per_prompt == 0) {
             prompt += c->choices[i].n_prompt;
             cached += c->choices[i].n_cached;
@@ -346,11 +323,14 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
 {
     double now = kvs_now();
     if (ch->last_token_at > 0) kvs_hist_observe(&s->metrics.itl, now - ch->last_token_at);
+    else ch->first_token_at = now;
     ch->last_token_at = now;
     ch->n_completion++;
+    ch->cum_logprob += ev->logprob;
     const char *text = ev->text ? ev->text : "";
     if (c->stream) {
         if (c->stream_error || c->client_gone) return;
+        echo_flush(c, ch);
         cJSON *lp = NULL;
         if (c->logprobs) {
             if (c->chat) {
@@ -358,13 +338,15 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 cJSON *arr = cJSON_AddArrayToObject(lp, "content");
                 cJSON_AddItemToArray(arr, chat_lp_entry(s, c, ev));
             } else {
-                lp = cmpl_lp_new();
-                cmpl_lp_add(s, c, lp, ev, ch->text_offset);
+                lp = kvs_cmpl_lp_new();
+                kvs_cmpl_lp_add(s, c, lp, ev, ch->text_offset);
             }
         } else if (!*text) {
             return; /* an incomplete UTF-8 sequence: nothing to show yet */
         }
-        emit_choice_chunk(c, ch, text, 0, NULL, lp);
+        /* chat: the role goes with the first token, as in vLLM (clients time the first chunk) */
+        emit_choice_chunk(c, ch, text, c->chat && !ch->sent_role, NULL, lp);
+        ch->sent_role = 1;
         ch->text_offset += (int)strlen(text);
         return;
     }
@@ -374,11 +356,11 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 ch->lp = cJSON_CreateObject();
                 cJSON_AddArrayToObject(ch->lp, "content");
             } else {
-                ch->lp = cmpl_lp_new();
+                ch->lp = kvs_cmpl_lp_new();
             }
         }
         if (c->chat) cJSON_AddItemToArray(cJSON_GetObjectItem(ch->lp, "content"), chat_lp_entry(s, c, ev));
-        else cmpl_lp_add(s, c, ch->lp, ev, ch->text_offset);
+        else kvs_cmpl_lp_add(s, c, ch->lp, ev, ch->text_offset);
     }
     kvs_sbuf_append(&ch->text, text, strlen(text));
     ch->text_offset += (int)strlen(text);
@@ -411,13 +393,32 @@ static void on_final(struct kvs_server *s, struct call *c, struct choice *ch, co
         kvs_call_cancel(c); /* the other choices cannot be reported any more */
         return;
     }
-    emit_choice_chunk(c, ch, c->chat ? NULL : "", 0, finish_name(ch->finish), NULL);
+    echo_flush(c, ch);
+    emit_choice_chunk(c, ch, c->chat ? NULL : "", c->chat && !ch->sent_role, finish_name(ch->finish), NULL);
+    ch->sent_role = 1;
 }
 
 void kvs_call_cancel(struct call *c)
 {
     for (int i = 0; i < c->n_choices; i++)
         if (c->choices[i].req && !c->choices[i].done) kvs_request_cancel(c->choices[i].req);
+}
+
+void kvs_call_cut(struct kvs_server *s, struct call *c, const char *msg)
+{
+    if (!c->n_choices || c->finished) return;
+    kvs_call_cancel(c);
+    c->cut = 1;
+    if (c->stream && c->headers_sent && !c->client_gone) {
+        if (!c->stream_error) emit_error_chunk(c, msg);
+        kvs_sbuf_append(&c->out, "data: [DONE]\n\n", 14);
+    }
+    c->finished = 1;
+    if (c->counted) {
+        c->counted = 0;
+        s->n_gen_calls--;
+    }
+    kvs_server_resume(s, c);
 }
 
 void kvs_call_pump(struct kvs_server *s, struct call *c)
@@ -433,6 +434,7 @@ void kvs_call_pump(struct kvs_server *s, struct call *c)
             for (int k = 0; k < n; k++) {
                 if (!ch->done) {
                     if (ev[k].type == KVS_EV_TOKEN) on_token(s, c, ch, &ev[k]);
+                    else if (ev[k].type == KVS_EV_PROMPT) kvs_echo_prompt_token(s, c, ch, &ev[k]);
                     else on_final(s, c, ch, &ev[k]);
                 }
                 kvs_event_clear(&ev[k]);
@@ -575,8 +577,11 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         int plen = slots > INT32_MAX / 2 ? INT32_MAX / 2 : (int)slots;
         int mt = r.max_tokens;
         if (mt < 0) {
+            /* none given: scheduler.max_tokens_default; else completions 16 (the OpenAI and vLLM
+             * default), chat up to the context */
+            int dflt = s->cfg->max_tokens_default > 0 ? s->cfg->max_tokens_default : c->chat ? 0 : 16;
             mt = ctx - plen;
-            if (s->cfg->max_tokens_default > 0 && s->cfg->max_tokens_default < mt) mt = s->cfg->max_tokens_default;
+            if (dflt > 0 && dflt < mt) mt = dflt;
             if (mt < 1) mt = 1;
         }
         if ((int64_t)plen + mt > ctx) {
@@ -589,20 +594,32 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         max_tokens[p] = mt;
     }
 
+    /* more choices than the waiting queue holds would get 429 forever: never retryable */
+    if ((int64_t)ps.n * r.best_of > s->cfg->max_waiting) {
+        int n_total = ps.n * r.best_of;
+        free(max_tokens);
+        kvs_prompt_set_free(&ps);
+        kvs_api_request_free(&r);
+        return kvs_call_error(c, 400, "invalid_request_error", "too_many_choices", "n",
+                              "this request asks for %d choices (prompts x n) but scheduler.max_waiting is %d: it "
+                              "could never be queued",
+                              n_total, s->cfg->max_waiting);
+    }
     c->stream = r.stream;
     c->include_usage = r.include_usage;
     c->logprobs = r.logprobs;
     c->top_logprobs = r.top_logprobs;
     c->tokens_as_ids = r.tokens_as_ids;
     c->created = (int64_t)kvs_wall_time();
-    c->n_per_prompt = r.n;
+    c->n_per_prompt = r.best_of;
+    c->n_return = r.n;
     new_id(c, c->chat ? "chatcmpl" : "cmpl");
-    int total = ps.n * r.n;
+    int total = ps.n * r.best_of;
     c->choices = kvs_xcalloc((size_t)total, sizeof *c->choices);
     int submitted = 0, rc = 0;
     char err[256] = "";
     for (int p = 0; p < ps.n && !rc; p++) {
-        for (int j = 0; j < r.n && !rc; j++) {
+        for (int j = 0; j < r.best_of && !rc; j++) {
             struct kvs_request_params params;
             memset(&params, 0, sizeof params);
             params.prompt = ps.ids[p];
@@ -623,15 +640,20 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
             sp->n_logit_bias = r.n_bias;
             sp->logit_bias_ids = r.bias_ids;
             sp->logit_bias_values = r.bias_values;
-            sp->logprobs = r.logprobs;
+            sp->logprobs = r.logprobs || r.best_of > r.n;   /* best_of ranks by cumulative logprob */
             sp->top_logprobs = r.top_logprobs;
             params.stop_strings = (const char *const *)r.stop;
             params.n_stop_strings = r.n_stop;
             params.ignore_eos = r.ignore_eos;
             params.skip_special = r.skip_special_tokens;
             params.timeout_s = s->cfg->request_timeout_s;
+            /* echo: max_tokens 0 needs the engine's scoring mode even without logprobs */
+            params.prompt_logprobs = r.echo && (r.logprobs || max_tokens[p] == 0);
             struct choice *ch = &c->choices[submitted];
             ch->index = submitted;
+            ch->n_prompt = ps.len[p] + ps.seg_tokens;   /* the engine's count replaces it when it ends */
+            if (r.echo) kvs_echo_begin(s, c, ch, r.prompts[p].text, ps.ids[p], ps.len[p]);
+            ch->echo_pending = r.echo && r.stream;
             ch->req = kvs_request_new(&params, s->notify, s);
             if (!ch->req) {
                 rc = -ENOMEM;
@@ -668,8 +690,6 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
         MHD_add_response_header(resp, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
         MHD_add_response_header(resp, "X-Request-Id", c->id);
-        if (c->chat)
-            for (int i = 0; i < c->n_choices; i++) emit_choice_chunk(c, &c->choices[i], "", 1, NULL, NULL);
         enum MHD_Result q = MHD_queue_response(c->conn, MHD_HTTP_OK, resp);
         MHD_destroy_response(resp);
         c->responded = 1;
@@ -684,6 +704,24 @@ static int gen_dispatch(struct kvs_server *s, struct call *c)
     return MHD_YES;
 }
 
+/* best_of > n: of each prompt's best_of candidates the n with the highest cumulative logprob
+ * are returned, best first, indexed prompt * n + rank (vLLM); the others are marked dropped. */
+static void best_of_select(struct call *c)
+{
+    int per = c->n_per_prompt, keep = c->n_return;
+    for (int p = 0; p < c->n_choices / per; p++) {
+        struct choice *g = c->choices + (size_t)p * (size_t)per;
+        for (int k = 0; k < per; k++) g[k].dropped = 1;
+        for (int rank = 0; rank < keep; rank++) {
+            int best = -1;
+            for (int k = 0; k < per; k++)
+                if (g[k].dropped && (best < 0 || g[k].cum_logprob > g[best].cum_logprob)) best = k;
+            g[best].dropped = 0;
+            g[best].index = p * keep + rank;
+        }
+    }
+}
+
 /* Non-streaming generation resumed: answer once every choice is done. */
 int kvs_call_resumed(struct kvs_server *s, struct call *c)
 {
@@ -694,18 +732,26 @@ int kvs_call_resumed(struct kvs_server *s, struct call *c)
         c->suspended = 1;
         return MHD_YES;
     }
+    if (c->cut)
+        return kvs_call_error(c, 503, "unavailable_error", NULL, NULL,
+                              "the server is shutting down: the request was cancelled at the end of the grace period");
     for (int i = 0; i < c->n_choices; i++)
         if (c->choices[i].finish == KVS_FINISH_ERROR)
             return kvs_call_error(c, 500, "server_error", NULL, NULL, "generation failed: %s",
                                   c->choices[i].error ? c->choices[i].error : "internal error");
+    if (c->n_return < c->n_per_prompt) best_of_select(c);
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "id", c->id);
     cJSON_AddStringToObject(j, "object", c->chat ? "chat.completion" : "text_completion");
     cJSON_AddNumberToObject(j, "created", (double)c->created);
     cJSON_AddStringToObject(j, "model", s->model_name);
     cJSON *arr = cJSON_AddArrayToObject(j, "choices");
-    for (int i = 0; i < c->n_choices; i++) {
-        struct choice *ch = &c->choices[i];
+    for (int out = 0; out < c->n_choices; out++) {
+        /* in index order (best_of reorders); without best_of choice i has index i */
+        struct choice *ch = NULL;
+        for (int i = 0; i < c->n_choices && !ch; i++)
+            if (!c->choices[i].dropped && c->choices[i].index == out) ch = &c->choices[i];
+        if (!ch) break;
         cJSON *o = cJSON_CreateObject();
         cJSON_AddNumberToObject(o, "index", ch->index);
         const char *text = ch->text.s ? ch->text.s : "";
@@ -721,7 +767,7 @@ int kvs_call_resumed(struct kvs_server *s, struct call *c)
             ch->lp = NULL;
         } else if (c->logprobs) {
             /* asked for but no tokens generated: an empty list, not null */
-            cJSON *lp = c->chat ? cJSON_CreateObject() : cmpl_lp_new();
+            cJSON *lp = c->chat ? cJSON_CreateObject() : kvs_cmpl_lp_new();
             if (c->chat) cJSON_AddArrayToObject(lp, "content");
             cJSON_AddItemToObject(o, "logprobs", lp);
         } else {
@@ -809,6 +855,8 @@ static int h_tokenize(struct kvs_server *s, struct call *c)
             kvs_api_request_free(&r);
             return kvs_call_error(c, 400, "invalid_request_error", NULL, "messages", "%s", err);
         }
+        size_t gl = strlen(kvs_chat_generation_prompt(s->chat_format)), tl = strlen(text);
+        if (!r.add_generation_prompt && tl >= gl) text[tl - gl] = 0;
         n = kvs_tokenizer_encode_alloc(s->tok, text, r.add_special_tokens, 1, &ids);
         free(text);
     } else {
@@ -888,6 +936,16 @@ static int h_doc_create(struct kvs_server *s, struct call *c)
         text = kvs_tokenizer_decode(s->tok, ids, n, 0);
         if (!text) text = kvs_xstrdup("");
     }
+    if (n >= s->max_context) {   /* it could never be cited: nothing would be left for the question */
+        const char *param = r.text ? "text" : "tokens";
+        free(ids);
+        free(text);
+        kvs_api_request_free(&r);
+        return kvs_call_error(c, 400, "invalid_request_error", "document_too_long", param,
+                              "the document has %d tokens but the model's context is %d tokens: it could never be "
+                              "cited",
+                              n, s->max_context);
+    }
     const struct kvs_doc *doc = NULL;
     char err[512] = "";
     int rc = kvs_docstore_add(s->docs, r.doc_id, text, strlen(text), ids, n, &doc, err, sizeof err);
@@ -962,7 +1020,7 @@ static int h_doc_one(struct kvs_server *s, struct call *c, const char *id)
 /* ------------------------------------------------------------------------------------------ */
 /* routing                                                                                     */
 
-enum route { R_NONE, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
+enum route { R_NONE, R_HEALTH, R_VERSION, R_METRICS, R_MODELS, R_MODEL, R_CMPL, R_CHAT, R_TOKENIZE, R_DETOKENIZE, R_DOCS, R_DOC };
 
 static enum route route_of(const char *url, const char **allowed)
 {
@@ -971,7 +1029,9 @@ static enum route route_of(const char *url, const char **allowed)
         enum route r;
         const char *methods;
     } table[] = {
-        {"/health", R_HEALTH, "GET"},
+        {"/health", R_HEALTH, "GET, HEAD"},   /* load balancers probe with HEAD */
+        {"/ping", R_HEALTH, "GET, POST, HEAD"},   /* vLLM's liveness route */
+        {"/version", R_VERSION, "GET, HEAD"},
         {"/metrics", R_METRICS, "GET"},
         {"/v1/models", R_MODELS, "GET"},
         {"/v1/completions", R_CMPL, "POST"},
@@ -1014,6 +1074,11 @@ int kvs_call_dispatch(struct kvs_server *s, struct call *c)
         return kvs_call_error(c, 405, "invalid_request_error", NULL, NULL, "method %s not allowed on %.200s",
                               c->method, c->url);
     if (rt == R_HEALTH) return h_health(s, c);
+    if (rt == R_VERSION) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "version", KVS_VERSION);
+        return respond_json(c, 200, j);
+    }
     if (rt == R_METRICS) return h_metrics(s, c);
     if (!check_auth(s, c))
         return kvs_call_error(c, 401, "invalid_request_error", "invalid_api_key", NULL,
@@ -1045,14 +1110,25 @@ void kvs_call_log(struct kvs_server *s, struct call *c, int toe)
     int prompt = 0, completion = 0;
     double queue = 0, ttft = 0;
     for (int i = 0; i < c->n_choices; i++) {
-        completion += c->choices[i].n_completion;
-        if (i % c->n_per_prompt == 0) prompt += c->choices[i].n_prompt;
-        if (c->choices[i].queue_s > queue) queue = c->choices[i].queue_s;
-        if (c->choices[i].ttft_s > ttft) ttft = c->choices[i].ttft_s;
+        const struct choice *ch = &c->choices[i];
+        completion += ch->n_completion;
+        if (i % c->n_per_prompt == 0) prompt += ch->n_prompt;
+        if (ch->queue_s > queue) queue = ch->queue_s;
+        /* a choice that never finished has no engine TTFT: the server saw its first token */
+        double t = ch->done ? ch->ttft_s : ch->first_token_at > 0 ? ch->first_token_at - c->t_start : 0;
+        if (t > ttft) ttft = t;
     }
+    /* who ended a request that did not complete normally */
+    const char *ended = c->cut                                               ? " ended_by=server reason=shutdown_grace"
+                        : toe == MHD_REQUEST_TERMINATED_COMPLETED_OK         ? ""
+                        : c->aborting                                        ? " ended_by=server reason=shutdown"
+                        : toe == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED      ? " ended_by=server reason=idle_timeout"
+                        : toe == MHD_REQUEST_TERMINATED_DAEMON_SHUTDOWN      ? " ended_by=server reason=shutdown"
+                        : c->client_gone || toe == MHD_REQUEST_TERMINATED_CLIENT_ABORT ? " ended_by=client"
+                                                                             : " ended_by=server reason=error";
     kvs_log(KVS_LOG_INFO, "access %s %s %d prompt_tokens=%d completion_tokens=%d queue=%.3fs ttft=%.3fs total=%.3fs%s",
             c->method, c->url, c->status ? c->status : 499, prompt, completion, queue, ttft, kvs_now() - c->t_start,
-            toe == MHD_REQUEST_TERMINATED_COMPLETED_OK ? "" : (c->client_gone ? " client_gone" : " aborted"));
+            ended);
 }
 
 void kvs_call_free(struct kvs_server *s, struct call *c)
