@@ -110,8 +110,16 @@ test: tests-build
 test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
 	@BUILD=$(BUILD) tests/run-gpu
 
-run: all
-	$(BUILD)/kvserve --config config/default.json
+# `make run`: the daemon only (no test venv, no tools); when nvcc was found but no GPU driver
+# is present the CUDA kernels are skipped (minutes of nvcc for a build that could not use them)
+HAVE_GPU_DRIVER := $(shell { [ -e /dev/nvidiactl ] || nvidia-smi -L; } >/dev/null 2>&1 && echo 1)
+run:
+	@cuda=$(CUDA); \
+	if [ "$$cuda" = 1 ] && [ "$(origin CUDA)" = file ] && [ -z "$(HAVE_GPU_DRIVER)" ]; then \
+	  echo "make run: nvcc found but no GPU driver: building the CPU-only daemon (make run CUDA=1 builds the CUDA kernels anyway)"; \
+	  cuda=0; \
+	fi; \
+	KVS_SETUP_PY=0 $(MAKE) CUDA=$$cuda $(BUILD)/kvserve && $(BUILD)/kvserve --config config/default.json
 
 FUZZ_SECONDS ?= 60
 fuzz: setup
