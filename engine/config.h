@@ -83,10 +83,10 @@ struct kvs_config {
     int retro_dense_layers;
 
     /* kv.lean (LeanKV) */
-    int lean_key_bits_high, lean_value_bits_high;
-    int lean_key_bits_low, lean_value_bits_low;
-    int lean_recent_window;
-    double lean_alpha_high, lean_alpha_low;
+    char *lean_mode;             /* dynamic | K16V16 | K8V8 | K8V4 | K4V4 (static: one format, no pruning) */
+    char *lean_high, *lean_low;  /* the dynamic tiers' formats (KxVy) */
+    int lean_window;
+    double lean_alpha_h, lean_alpha_l;
 
     /* documents (RAG) */
     char *documents_dir;         /* "" = in memory only */

@@ -302,7 +302,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     free(inv);
     /* KV pool: sized after weights and workspaces so "free memory" means what is left; the
      * storage strategy says what a block costs and owns the bytes */
-    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size};
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg};
     size_t kb = 0, vb = 0;
     st->block_bytes(&shape, ops, r->be, &kb, &vb);
     size_t block_bytes = kb + vb;
@@ -787,6 +787,7 @@ void kvs_runner_seq_end(struct kvs_runner *r, int slot)
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
 {
     int n = r->dp->counters ? r->dp->counters(r->dp_state, out, cap) : 0;
+    if (r->st->counters) n += r->st->counters(r->st_state, out + n, cap - n);
     /* an exact policy without counters reads what full attention reads */
     const double read = r->dp->counters ? -1.0 : r->fid.full_bytes;
     if (r->slot_bytes && n < cap)

@@ -327,6 +327,12 @@ struct kvs_backend_ops {
      * (both -inf: o_a = 0, lse_a = -inf). o_a, o_b ACT [n][n_heads][head_dim]; lse F32 [n][n_heads]. */
     void (*attn_merge)(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a, const struct kvs_dbuf *o_b,
                        const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
+    /* Optional (NULL: none). The table of kernels this backend has for the KV strategy `name`
+     * (its type is the strategy's, declared in kernels/kv_<name>.h: "lean" -> struct
+     * kvs_lean_kernels), or NULL when it has none; the strategy then refuses the config with
+     * -ENOSYS. Through the op table, so that the strategy's engine code never links a backend
+     * (the registry is linked by everything that validates a config). */
+    const void *(*strategy_kernels)(const char *name);
 };
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index

@@ -47,12 +47,20 @@ void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv *s,
 
 void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s, struct kvs_runner *r)
 {
-    if (!r || !s || !s->decode || s->decode->exact) return;
-    /* an approximate policy reports what it read; its other counters become extras */
+    if (!r || !s || !s->decode) return;
+    /* an approximate policy reports what it read; its other counters become extras, and so do
+     * a storage format's own gauges (LeanKV: bytes per token against bf16) under any policy */
     struct kvs_kv_counter k[KVS_KV_MAX_COUNTERS];
     int n = kvs_runner_kv_counters(r, k, KVS_KV_MAX_COUNTERS);
     for (int i = 0; i < n; i++) {
         if (k[i].family) continue;   /* the fidelity histogram */
+        if (s->decode->exact) {
+            if (!strncmp(k[i].name, "kvserve:kv_storage_", 19) && c->n_extra < 8) {
+                c->extra_name[c->n_extra] = k[i].name;
+                c->extra_value[c->n_extra++] = k[i].value;
+            }
+            continue;
+        }
         if (!strcmp(k[i].name, "kvserve:kv_decode_bytes_read_total")) {
             c->kv_bytes_read = k[i].value;
             c->kv_read_known = 1;

@@ -44,8 +44,7 @@ int kvs_fidelity_pick_layer(struct kvs_fidelity *f, int n_layers)
 void kvs_fidelity_measure(struct kvs_fidelity *f, const struct kvs_kv_attend *a)
 {
     const struct kvs_kv_step *st = a->step;
-    f->o->attention(f->be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
-                    a->block_size, a->scale, f->ref);
+    kvs_kv_attention(f->o, f->be, a, f->ref);
     for (int s = 0; s < st->n_seqs; s++) {
         if (!st->h_decode[s]) continue;
         const size_t row = (size_t)st->h_q_start[s];

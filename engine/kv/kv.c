@@ -10,7 +10,7 @@
 #include "base/util.h"
 #include "engine/config.h"
 
-extern const struct kvs_kv_storage_ops kvs_kv_storage_auto, kvs_kv_storage_f32, kvs_kv_storage_bf16;
+extern const struct kvs_kv_storage_ops kvs_kv_storage_auto, kvs_kv_storage_f32, kvs_kv_storage_bf16, kvs_kv_storage_lean;
 extern const struct kvs_kv_reuse_ops kvs_kv_reuse_none, kvs_kv_reuse_prefix, kvs_kv_reuse_lazy;
 extern const struct kvs_kv_decode_ops kvs_kv_decode_full;
 
@@ -25,7 +25,8 @@ static const struct row REGISTRY[] = {
     {"storage", "auto", &kvs_kv_storage_auto, "the backend's native format (f32 on cpu, bf16 on cuda)"},
     {"storage", "f32", &kvs_kv_storage_f32, "fp32 K and V (the cpu backend's)"},
     {"storage", "bf16", &kvs_kv_storage_bf16, "bf16 K and V (the cuda backend's)"},
-    {"storage", "lean", NULL, "LeanKV mixed precision (K above V, tiers by importance, pruning)"},
+    {"storage", "lean", &kvs_kv_storage_lean,
+     "LeanKV quantized pages (K above V; static modes built, dynamic tiers and pruning not yet)"},
     {"reuse", "none", &kvs_kv_reuse_none, "no sharing"},
     {"reuse", "prefix", &kvs_kv_reuse_prefix, "automatic prefix caching of full blocks"},
     {"reuse", "lazy", &kvs_kv_reuse_lazy, "LazyAttention document cache (position-agnostic, deferred RoPE)"},

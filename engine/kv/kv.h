@@ -2,7 +2,7 @@
  * config (kv.storage, kv.reuse, kv.decode), the way redis's ae.c takes one ae_<poller>.c:
  *
  *   storage  how a block stores K and V (kv_storage_dense.c: the backend's native f32 / bf16;
- *            lean next). Runner side: it owns the cache bytes on the backend, sizes a block,
+ *            kv_storage_lean.c: LeanKV's quantized pages, which also attend over their bytes). Runner side: it owns the cache bytes on the backend, sizes a block,
  *            writes the step's K/V and gives the kernels a view. The runner never allocates or
  *            addresses the cache itself.
  *   reuse    KV shared across requests (kv_reuse_none.c, kv_reuse_prefix.c, kv_reuse_lazy.c).
@@ -22,7 +22,9 @@
  * strategy. Tests and tools may add implementations at run time (kvs_kv_register_decode).
  *
  * Kernel side: every policy builds on the backend's attention_spans and attn_merge
- * (kernels/backend.h); a strategy's own kernels live in kernels/cpu/kv_<name>.c and
+ * (kernels/backend.h), reading the cache through kvs_kv_attention / kvs_kv_attention_spans
+ * (below): a storage with a format of its own (not plain_view) supplies both over its bytes, so
+ * a policy runs unchanged on a quantized cache; a strategy's own kernels live in kernels/cpu/kv_<name>.c and
  * kernels/cuda/kv_<name>.cu. A backend that lacks what a strategy needs makes its create()
  * fail with -ENOSYS and a message; the daemon then refuses the config at startup.
  *
@@ -47,11 +49,26 @@ struct kvs_config;
 /* ---- storage (runner side) --------------------------------------------------------------- */
 struct kvs_kv_shape {
     int n_layers, n_kv_heads, head_dim, block_size;
+    const struct kvs_config *cfg; /* the storage's config section (kv.lean.*); NULL = its defaults */
 };
 
-/* What the kernels read: one layer's K and V pools in the backend's KV layout (backend.h). */
+struct kvs_kv_storage_ops;
+
+/* What the kernels read: one layer's K and V.
+ * - A storage whose bytes are the backend's plain KV pool (plain_view = 1) sets k and v to that
+ *   pool (backend.h layout) and fmt = NULL: every policy reads it with the backend's attention()
+ *   and attention_spans().
+ * - A storage with a format of its own (LeanKV's quantized pages) sets fmt to its ops table,
+ *   which then has attention and attention_spans over its own bytes, and fmt_state / layer for
+ *   them (k and v may be NULL): only the format knows how to read its bytes.
+ * Policies never call the backend's attention ops on a view directly: they go through
+ * kvs_kv_attention() / kvs_kv_attention_spans() below, which pick the format's op when there is
+ * one, so that every decode policy runs over every storage the composition matrix allows. */
 struct kvs_kv_view {
     struct kvs_dbuf *k, *v;
+    const struct kvs_kv_storage_ops *fmt;
+    void *fmt_state;
+    int layer;
 };
 
 struct kvs_kv_storage_ops {
@@ -73,6 +90,17 @@ struct kvs_kv_storage_ops {
     void (*view)(void *state, int layer, struct kvs_kv_view *out);
     /* Copies block src to dst in every layer (copy-on-write). */
     void (*copy_block)(void *state, int32_t src, int32_t dst);
+    /* Optional (NULL when plain_view: the backend's ops read the pool). The backend's attention()
+     * and attention_spans() (backend.h, same arguments and contracts) over this format's bytes
+     * of one layer, for a view with fmt set: the format supplies the attention over its own
+     * bytes. A storage that is not plain_view must have both. */
+    void (*attention)(void *state, int layer, const struct kvs_dbuf *q, const struct kvs_attn_meta *m, int n,
+                      int n_heads, int n_kv_heads, int head_dim, int block_size, float scale, struct kvs_dbuf *out);
+    void (*attention_spans)(void *state, int layer, const struct kvs_dbuf *q, const struct kvs_attn_meta *m,
+                            const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim,
+                            int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse);
+    /* Optional: the storage's own counters and gauges (bytes per token against bf16, ...), or 0. */
+    int (*counters)(void *state, struct kvs_kv_counter *out, int cap);
 };
 
 /* ---- decode policy (runner side) --------------------------------------------------------- */
@@ -135,6 +163,35 @@ struct kvs_kv_decode_ops {
     /* The policy's counters (KV bytes read per decode token included), or 0. */
     int (*counters)(void *state, struct kvs_kv_counter *out, int cap);
 };
+
+/* Attention of the step's rows over a's view (every row, the backend's attention() contract),
+ * through the storage format's op when the view has one: what full attention is on any storage. */
+static inline void kvs_kv_attention(const struct kvs_backend_ops *o, struct kvs_backend *be,
+                                    const struct kvs_kv_attend *a, struct kvs_dbuf *out)
+{
+    const struct kvs_kv_view *v = &a->kv;
+    if (v->fmt)
+        v->fmt->attention(v->fmt_state, v->layer, a->q, a->step->m, a->step->n_rows, a->n_heads, a->n_kv_heads,
+                          a->head_dim, a->block_size, a->scale, out);
+    else
+        o->attention(be, a->q, v->k, v->v, a->step->m, a->step->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, out);
+}
+
+/* attention_spans (backend.h) of the step's rows over a's view, through the format's op when
+ * the view has one. */
+static inline void kvs_kv_attention_spans(const struct kvs_backend_ops *o, struct kvs_backend *be,
+                                          const struct kvs_kv_attend *a, const struct kvs_span_list *sp,
+                                          struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    const struct kvs_kv_view *v = &a->kv;
+    if (v->fmt)
+        v->fmt->attention_spans(v->fmt_state, v->layer, a->q, a->step->m, sp, a->step->n_rows, a->n_heads,
+                                a->n_kv_heads, a->head_dim, a->block_size, a->scale, out, lse);
+    else
+        o->attention_spans(be, a->q, v->k, v->v, a->step->m, sp, a->step->n_rows, a->n_heads, a->n_kv_heads,
+                           a->head_dim, a->block_size, a->scale, out, lse);
+}
 
 /* ---- reuse (scheduler side) --------------------------------------------------------------- */
 struct kvs_kv;

@@ -30,8 +30,7 @@ static void full_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     (void)layer;
     const struct full *f = state;
-    f->o->attention(f->be, a->q, a->kv.k, a->kv.v, a->step->m, a->step->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
-                    a->block_size, a->scale, a->out);
+    kvs_kv_attention(f->o, f->be, a, a->out);
 }
 
 const struct kvs_kv_decode_ops kvs_kv_decode_full = {

@@ -92,8 +92,7 @@ static void dense_write(void *state, int layer, const struct kvs_dbuf *k, const 
 static void dense_view(void *state, int layer, struct kvs_kv_view *out)
 {
     struct dense *d = state;
-    out->k = d->k[layer];
-    out->v = d->v[layer];
+    *out = (struct kvs_kv_view){d->k[layer], d->v[layer], NULL, NULL, layer};
 }
 
 static void dense_copy_block(void *state, int32_t src, int32_t dst)

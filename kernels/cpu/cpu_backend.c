@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_pool.h"
+#include "kernels/kv_lean.h"
 #include "models/model.h"
 
 /* ---- dot products with a fixed order: dot_f32 in cpu_internal.h; dot4 is four of them
@@ -501,6 +502,13 @@ static void cpu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits
     kvs_cpu_pool_run(b->pool, m, argmax_task, &j);
 }
 
+/* the KV strategies' kernel tables on this backend (backend.h strategy_kernels) */
+static const void *cpu_strategy_kernels(const char *name)
+{
+    if (!strcmp(name, "lean")) return &kvs_lean_kernels_cpu;
+    return NULL;
+}
+
 const struct kvs_backend_ops kvs_cpu_backend = {
     .name = "cpu",
     .create = cpu_create,
@@ -530,4 +538,5 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .argmax_rows = cpu_argmax_rows,
     .attention_spans = kvs_cpu_attention_spans,
     .attn_merge = kvs_cpu_attn_merge,
+    .strategy_kernels = cpu_strategy_kernels,
 };

@@ -125,8 +125,7 @@ static void tp_attend(void *state, int layer, const struct kvs_kv_attend *a)
     (void)layer;
     struct tp_state *s = state;
     const struct kvs_span_list sp = {2, s->d_n, s->d_sp, s->h_n, s->h_sp};
-    s->env.o->attention_spans(s->env.be, a->q, a->kv.k, a->kv.v, a->step->m, &sp, a->step->n_rows, a->n_heads,
-                              a->n_kv_heads, a->head_dim, a->block_size, a->scale, a->out, a->lse);
+    kvs_kv_attention_spans(s->env.o, s->env.be, a, &sp, a->out, a->lse);
 }
 
 static int tp_counters(void *state, struct kvs_kv_counter *out, int cap)

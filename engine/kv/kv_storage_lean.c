@@ -1,0 +1,175 @@
+/* kv_storage_lean.c: kv.storage = lean: LeanKV's quantized KV pages (kernels/kv_lean.h), read by
+ * the format's own attention (kv.h: the view carries fmt, so every policy's attention goes
+ * through attention / attention_spans below).
+ *
+ * Built: the static modes (kv.lean.mode = K16V16, K8V8, K8V4, K4V4): every token of every
+ * layer and head is quantized in that one format when it is written, nothing is pruned, and a
+ * block costs a fixed number of bytes, so the block pool, admission and preemption count
+ * blocks as they do for the dense storage. K16V16 stores fp16 (the neutral setting: equal to
+ * dense attention within fp16 rounding). Because nothing is quantized twice and nothing
+ * changes tier, the static modes have no full-precision window (kv.lean.window applies to the
+ * dynamic mode). Cached documents (kv.reuse = lazy) are stored in the same static format and
+ * shared, as the composition matrix allows; with kv.decode = mac the static modes are the
+ * "quantization only" the matrix asks for.
+ *
+ * Not built (refused at startup with -ENOSYS and a message): kv.lean.mode = dynamic (the high /
+ * low tiers by importance score, pruning, the full-precision window and the page manager), and
+ * any backend without LeanKV kernels (today: CUDA).
+ *
+ * Ownership: the storage owns its page buffers (one per layer); errors as kv.h. */
+#include "engine/kv/kv.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "engine/config.h"
+#include "kernels/kv_lean.h"
+
+extern const struct kvs_kv_storage_ops kvs_kv_storage_lean;
+
+struct lean {
+    const struct kvs_backend_ops *o;
+    struct kvs_backend *be;
+    const struct kvs_lean_kernels *kn;
+    struct kvs_lean_fmt fmt;
+    struct kvs_kv_shape sh;
+    size_t layer_block_bytes;     /* one block of one layer: n_kv_heads pages */
+    struct kvs_dbuf **pages;      /* [n_layers] */
+};
+
+static const char *mode_of(const struct kvs_kv_shape *sh)
+{
+    return sh->cfg && sh->cfg->lean_mode && *sh->cfg->lean_mode ? sh->cfg->lean_mode : "K8V4";
+}
+
+/* the format a block is sized for: the static mode's, or the high tier's for dynamic */
+static int block_fmt(const struct kvs_kv_shape *sh, struct kvs_lean_fmt *f)
+{
+    const char *mode = mode_of(sh);
+    if (!strcmp(mode, "dynamic"))
+        return kvs_lean_fmt_parse(sh->cfg && sh->cfg->lean_high ? sh->cfg->lean_high : "K8V4", f);
+    return kvs_lean_fmt_parse(mode, f);
+}
+
+static void lean_block_bytes(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
+                             size_t *k_bytes, size_t *v_bytes)
+{
+    (void)o, (void)be;
+    struct kvs_lean_fmt f = {8, 4};
+    if (block_fmt(sh, &f) < 0) f = (struct kvs_lean_fmt){8, 4};   /* create() refuses it */
+    const size_t per = (size_t)sh->n_layers * sh->n_kv_heads * sh->block_size;
+    *k_bytes = per * kvs_lean_vec_bytes(f.kbits, sh->head_dim);
+    *v_bytes = per * kvs_lean_vec_bytes(f.vbits, sh->head_dim);
+}
+
+static void lean_destroy(void *state)
+{
+    struct lean *s = state;
+    if (!s) return;
+    for (int l = 0; s->pages && l < s->sh.n_layers; l++) s->o->free_buf(s->be, s->pages[l]);
+    free(s->pages);
+    free(s);
+}
+
+static int lean_create(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
+                       int n_blocks, void **state, char *err, size_t errlen)
+{
+    const char *mode = mode_of(sh);
+    if (!strcmp(mode, "dynamic"))
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config key 'kv.lean.mode': \"dynamic\" (importance tiers, pruning, the full-precision window "
+                       "and the page manager) is not built yet; use a static mode (K16V16, K8V8, K8V4, K4V4)");
+    struct kvs_lean_fmt f;
+    if (kvs_lean_fmt_parse(mode, &f) < 0)
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.lean.mode': \"%s\" is not a LeanKV format", mode);
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(o);
+    if (!kn)
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config key 'kv.storage': \"lean\" has no kernels on the %s backend yet (quantized write and "
+                       "attention over LeanKV pages are built for the cpu backend only)", o->name);
+    if (sh->head_dim % 4)
+        return kvs_err(err, errlen, -ENOSYS, "kv.storage lean: head_dim %d is not a multiple of 4", sh->head_dim);
+    struct lean *s = calloc(1, sizeof *s);
+    if (!s) return kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
+    s->o = o, s->be = be, s->kn = kn, s->fmt = f, s->sh = *sh;
+    s->sh.cfg = NULL;             /* not kept: the config may not outlive create() */
+    s->layer_block_bytes = (size_t)sh->n_kv_heads * kvs_lean_page_bytes(f, sh->head_dim, sh->block_size);
+    s->pages = calloc((size_t)sh->n_layers, sizeof *s->pages);
+    int ok = s->pages != NULL;
+    for (int l = 0; ok && l < sh->n_layers; l++) ok = (s->pages[l] = kn->alloc_pages(be, s->layer_block_bytes * n_blocks)) != NULL;
+    if (!ok) {
+        lean_destroy(s);
+        return kvs_err(err, errlen, -ENOMEM, "kv storage lean: cannot allocate the pages (%d blocks, %zu bytes)",
+                       n_blocks, s->layer_block_bytes * (size_t)n_blocks * (size_t)sh->n_layers);
+    }
+    *state = s;
+    return 0;
+}
+
+static void lean_write(void *state, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                       const struct kvs_dbuf *slots, int n)
+{
+    struct lean *s = state;
+    s->kn->write(s->be, s->fmt, k, v, slots, n, s->sh.n_kv_heads, s->sh.head_dim, s->sh.block_size, s->pages[layer]);
+}
+
+static void lean_view(void *state, int layer, struct kvs_kv_view *out)
+{
+    *out = (struct kvs_kv_view){NULL, NULL, &kvs_kv_storage_lean, state, layer};
+}
+
+static void lean_copy_block(void *state, int32_t src, int32_t dst)
+{
+    struct lean *s = state;
+    for (int l = 0; l < s->sh.n_layers; l++) s->kn->copy_block(s->be, s->pages[l], src, dst, s->layer_block_bytes);
+}
+
+static void lean_attention(void *state, int layer, const struct kvs_dbuf *q, const struct kvs_attn_meta *m, int n,
+                           int n_heads, int n_kv_heads, int head_dim, int block_size, float scale, struct kvs_dbuf *out)
+{
+    struct lean *s = state;
+    s->kn->attention(s->be, s->fmt, q, s->pages[layer], m, n, n_heads, n_kv_heads, head_dim, block_size, scale, out);
+}
+
+static void lean_attention_spans(void *state, int layer, const struct kvs_dbuf *q, const struct kvs_attn_meta *m,
+                                 const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim,
+                                 int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    struct lean *s = state;
+    s->kn->attention_spans(s->be, s->fmt, q, s->pages[layer], m, sp, n, n_heads, n_kv_heads, head_dim, block_size,
+                           scale, out, lse);
+}
+
+/* Memory per token, all layers and heads, K and V, metadata (fp16 scale and zero) included,
+ * against bf16 K and V. */
+static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
+{
+    struct lean *s = state;
+    if (cap < 3) return 0;
+    const double heads = (double)s->sh.n_layers * s->sh.n_kv_heads;
+    const double bytes = heads * (double)kvs_lean_token_bytes(s->fmt, s->sh.head_dim);
+    const double bf16 = heads * 4.0 * s->sh.head_dim;
+    out[0] = (struct kvs_kv_counter){"kvserve:kv_storage_bytes_per_token",
+                                     "KV bytes one token takes in the storage format (all layers, K and V, "
+                                     "quantization metadata included).", 0, bytes, NULL, NULL};
+    out[1] = (struct kvs_kv_counter){"kvserve:kv_storage_bf16_bytes_per_token",
+                                     "KV bytes one token would take in bf16 (all layers, K and V).", 0, bf16, NULL, NULL};
+    out[2] = (struct kvs_kv_counter){"kvserve:kv_storage_compression_ratio",
+                                     "bf16 KV bytes per token over the storage format's.", 0, bf16 / bytes, NULL, NULL};
+    return 3;
+}
+
+const struct kvs_kv_storage_ops kvs_kv_storage_lean = {
+    .name = "lean",
+    .block_bytes = lean_block_bytes,
+    .create = lean_create,
+    .destroy = lean_destroy,
+    .plain_view = 0,
+    .write = lean_write,
+    .view = lean_view,
+    .copy_block = lean_copy_block,
+    .attention = lean_attention,
+    .attention_spans = lean_attention_spans,
+    .counters = lean_counters,
+};
