@@ -302,7 +302,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     free(inv);
     /* KV pool: sized after weights and workspaces so "free memory" means what is left; the
      * storage strategy says what a block costs and owns the bytes */
-    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg};
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg, r->nh};
     size_t kb = 0, vb = 0;
     st->block_bytes(&shape, ops, r->be, &kb, &vb);
     size_t block_bytes = kb + vb;

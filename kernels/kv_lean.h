@@ -19,8 +19,8 @@
  *
  * Kernels. Each backend that stores LeanKV pages provides the table below; the storage takes
  * it with kvs_lean_kernels_get(o) (the backend's strategy_kernels op), NULL when the backend has none (the storage then refuses
- * the config with -ENOSYS). Today: the CPU reference (kernels/cpu/kv_lean.c); CUDA is not
- * built. The attention ops keep the backend's attention() / attention_spans() contracts
+ * the config with -ENOSYS). The CPU reference (kernels/cpu/kv_lean.c) and CUDA
+ * (kernels/cuda/kv_lean.cu, tested against it: tests/gpu/test_cuda_kv_lean.c). The attention ops keep the backend's attention() / attention_spans() contracts
  * (backend.h), reading the keys and values as the dequantized x^ in fp32.
  * Ownership: the caller's buffers; errors: none (ops do not validate, as backend ops). */
 #ifndef KVS_KV_LEAN_H
@@ -84,6 +84,9 @@ struct kvs_lean_kernels {
                       int head_dim, int block_size, float scale, struct kvs_dbuf *out);
     /* Copies the page bytes of block src to dst (page_bytes per head, n_kv_heads heads). */
     void (*copy_block)(struct kvs_backend *b, struct kvs_dbuf *pool, int src, int dst, size_t block_bytes);
+    /* 1 when the kernels take this format and head shape (the storage refuses the config
+     * otherwise). */
+    int (*supports)(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim);
 };
 
 /* The table for backend o (its strategy_kernels op, backend.h), or NULL when o cannot store
@@ -93,7 +96,7 @@ static inline const struct kvs_lean_kernels *kvs_lean_kernels_get(const struct k
     return o->strategy_kernels ? (const struct kvs_lean_kernels *)o->strategy_kernels("lean") : NULL;
 }
 
-/* The CPU backend's (kernels/cpu/kv_lean.c). */
-extern const struct kvs_lean_kernels kvs_lean_kernels_cpu;
+/* The CPU backend's (kernels/cpu/kv_lean.c) and the CUDA backend's (kernels/cuda/kv_lean.cu). */
+extern const struct kvs_lean_kernels kvs_lean_kernels_cpu, kvs_lean_kernels_cuda;
 
 #endif

@@ -50,6 +50,7 @@ struct kvs_config;
 struct kvs_kv_shape {
     int n_layers, n_kv_heads, head_dim, block_size;
     const struct kvs_config *cfg; /* the storage's config section (kv.lean.*); NULL = its defaults */
+    int n_heads;                  /* query heads (a format's attention may depend on the group) */
 };
 
 struct kvs_kv_storage_ops;

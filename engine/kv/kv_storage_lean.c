@@ -13,8 +13,9 @@
  * "quantization only" the matrix asks for.
  *
  * Not built (refused at startup with -ENOSYS and a message): kv.lean.mode = dynamic (the high /
- * low tiers by importance score, pruning, the full-precision window and the page manager), and
- * any backend without LeanKV kernels (today: CUDA).
+ * low tiers by importance score, pruning, the full-precision window and the page manager: CPU
+ * references exist, kernels/kv_lean_alg1.h and kv_lean_pages.h, not wired in), a backend
+ * without LeanKV kernels, and head shapes a backend's kernels do not take.
  *
  * Ownership: the storage owns its page buffers (one per layer); errors as kv.h. */
 #include "engine/kv/kv.h"
@@ -86,10 +87,13 @@ static int lean_create(const struct kvs_kv_shape *sh, const struct kvs_backend_o
     const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(o);
     if (!kn)
         return kvs_err(err, errlen, -ENOSYS,
-                       "config key 'kv.storage': \"lean\" has no kernels on the %s backend yet (quantized write and "
-                       "attention over LeanKV pages are built for the cpu backend only)", o->name);
-    if (sh->head_dim % 4)
-        return kvs_err(err, errlen, -ENOSYS, "kv.storage lean: head_dim %d is not a multiple of 4", sh->head_dim);
+                       "config key 'kv.storage': \"lean\" has no kernels on the %s backend (quantized write and "
+                       "attention over LeanKV pages)", o->name);
+    if (!kn->supports(f, sh->n_heads, sh->n_kv_heads, sh->head_dim))
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config key 'kv.storage': \"lean\" (mode %s) on the %s backend is not available for %d query "
+                       "heads over %d KV heads of dimension %d", mode, o->name, sh->n_heads, sh->n_kv_heads,
+                       sh->head_dim);
     struct lean *s = calloc(1, sizeof *s);
     if (!s) return kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
     s->o = o, s->be = be, s->kn = kn, s->fmt = f, s->sh = *sh;

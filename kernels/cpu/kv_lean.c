@@ -210,10 +210,17 @@ static void cpu_lean_copy_block(struct kvs_backend *b, struct kvs_dbuf *pool, in
     if (src != dst) memcpy(p + (size_t)dst * block_bytes, p + (size_t)src * block_bytes, block_bytes);
 }
 
+static int cpu_lean_supports(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim)
+{
+    (void)f;
+    return n_kv_heads > 0 && n_heads % n_kv_heads == 0 && head_dim % 4 == 0 && head_dim <= MAX_HEAD_DIM;
+}
+
 const struct kvs_lean_kernels kvs_lean_kernels_cpu = {
     .alloc_pages = cpu_lean_alloc_pages,
     .write = cpu_lean_write,
     .attention_spans = cpu_lean_attention_spans,
     .attention = cpu_lean_attention,
     .copy_block = cpu_lean_copy_block,
+    .supports = cpu_lean_supports,
 };

@@ -36,6 +36,10 @@
 
 #include "kernels/cuda/cuda_internal.cuh"
 
+extern "C" {
+#include "kernels/kv_lean.h"
+}
+
 /* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS: the
  * decode GEMM reads the weights faster up to 8 rows, cuBLAS from 12 (bench/RESULTS.md) */
 #define SKINNY_MAX_DEFAULT 8
@@ -420,6 +424,13 @@ static void cu_graph_free(struct kvs_backend *b, struct kvs_graph *g)
     free(g);
 }
 
+/* the KV strategies' kernel tables on this backend (backend.h strategy_kernels) */
+static const void *cu_strategy_kernels(const char *name)
+{
+    if (!strcmp(name, "lean")) return &kvs_lean_kernels_cuda;
+    return NULL;
+}
+
 extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     /* name */ "cuda",
     cu_create,
@@ -459,6 +470,7 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_matmul_swiglu_down,
     kvs_cu_op_attention_spans,
     kvs_cu_op_attn_merge,
+    cu_strategy_kernels,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

@@ -6,7 +6,8 @@
  *   cuda_backend.cu  create/free, memory, uploads, step graphs, the table and cuda_backend.h's extras;
  *   cuda_gemm.cu     the matmuls: decode GEMM / cuBLASLt picks, fused weights, SwiGLU fusions;
  *   cuda_ops.cu      the small ops: embedding, norms, RoPE, KV writes, attention's entry, argmax...;
- *   kv_span.cu       the KV-strategy primitives attention_spans and attn_merge.
+ *   kv_span.cu       the KV-strategy primitives attention_spans and attn_merge;
+ *   kv_lean.cu       LeanKV's quantized KV pages (kernels/kv_lean.h), reached through strategy_kernels.
  * Ownership: everything allocated is owned by the struct kvs_backend (freed by its free op).
  * Errors: CUDA / cuBLAS failures abort with file:line (CUDA_CHECK, CUBLAS_CHECK: bugs, not client
  * errors); allocation functions return NULL on out-of-memory.

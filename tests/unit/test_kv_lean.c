@@ -511,7 +511,7 @@ static void test_refusals(void)
     REQUIRE(be, "%s", err);
     const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
     REQUIRE(st, "lean is registered");
-    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL};
+    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL, 4};
     void *state = NULL;
     rc = st->create(&sh, &bare, be, 4, &state, err, sizeof err);
     CHECK(rc == -ENOSYS && strstr(err, "bare") && strstr(err, "lean"), "no kernels: rc %d (%s)", rc, err);
