@@ -4,8 +4,9 @@
  * copies of the model's tensors. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
- * (batch invariance). Dot products use 8 interleaved fp32 partial sums (explicit, so the
- * compiler may vectorise them without changing the order) combined in a fixed tree.
+ * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
+ * (cpu_kernels.h: the plain-C reference and AVX2 versions with the same bits, picked when the
+ * backend is created; OpenBLAS as an opt-in that gives up batch invariance).
  */
 #include <math.h>
 #include <stdio.h>
@@ -14,10 +15,11 @@
 
 #include "engine/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "models/model.h"
 
-#define MAX_HEAD_DIM 1024
+#define MAX_HEAD_DIM KVS_CPU_MAX_HEAD_DIM
 
 struct kvs_dbuf {
     enum kvs_buf_kind kind;
@@ -32,54 +34,30 @@ struct kvs_dweight {
 
 struct kvs_backend {
     struct kvs_cpu_pool *pool;
+    struct kvs_cpu_kernels kern;  /* kernel set and GEMM mode, fixed at create */
 };
 
 static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
 static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
-
-/* ---- dot products with a fixed order ----------------------------------------------------
- * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
- * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
- * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
- * happens in ISO C mode. dot4 is four such dot products sharing the loads of w; each of its
- * results is bitwise equal to dot_f32 of that row. */
-static inline float dot_f32(const float *a, const float *b, int n)
-{
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void dot4(const float *x, size_t stride, const float *w, int n, float out[4])
-{
-    float acc[4][8] = {{0}};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int r = 0; r < 4; r++)
-            for (int j = 0; j < 8; j++) acc[r][j] += x[(size_t)r * stride + i + j] * w[i + j];
-    for (int r = 0; r < 4; r++) {
-        const float *a = acc[r], *xr = x + (size_t)r * stride;
-        float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-        for (int k = i; k < n; k++) s += xr[k] * w[k];
-        out[r] = s;
-    }
-}
 
 /* ---- lifetime ------------------------------------------------------------------------- */
 
 static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
 {
     struct kvs_backend *b = kvs_xcalloc(1, sizeof *b);
+    if (kvs_cpu_kernels_from_env(&b->kern, err, errlen) < 0) {
+        free(b);
+        return NULL;
+    }
     b->pool = kvs_cpu_pool_create(n_threads, err, errlen);
     if (!b->pool) {
         free(b);
         return NULL;
     }
-    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads", kvs_cpu_pool_threads(b->pool));
+    kvs_cpu_blas_init();
+    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads, %s kernels (best here: %s), matmul %s", kvs_cpu_pool_threads(b->pool),
+            kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
+            b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant");
     return b;
 }
 
@@ -280,46 +258,12 @@ static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const st
     kvs_cpu_pool_run(b->pool, n, head_rmsnorm_task, &j);
 }
 
-/* matmul: tasks are tiles of MM_TILE output features; each task sweeps all rows so the W tile
- * stays in cache while x rows stream by. Each y[t][o] is dot_f32(x[t], W[o]) (+ bias[o]). */
-#define MM_TILE 16
-
-/* built for AVX2 and baseline x86-64, picked at load time; both give the same bits (above) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-static void matmul_task(void *c, int task)
-{
-    struct job *j = c;
-    int in = j->d0, out = j->d1;
-    int o0 = task * MM_TILE, o1 = o0 + MM_TILE < out ? o0 + MM_TILE : out;
-    int t = 0;
-    for (; t + 4 <= j->n; t += 4) {
-        const float *xr = j->x + (size_t)t * in;
-        float *yr = j->y + (size_t)t * out;
-        for (int o = o0; o < o1; o++) {
-            float s[4];
-            dot4(xr, (size_t)in, j->w + (size_t)o * in, in, s);
-            for (int k = 0; k < 4; k++) yr[(size_t)k * out + o] = j->bias ? s[k] + j->bias[o] : s[k];
-        }
-    }
-    for (; t < j->n; t++) {
-        const float *xr = j->x + (size_t)t * in;
-        float *yr = j->y + (size_t)t * out;
-        for (int o = o0; o < o1; o++) {
-            float s = dot_f32(xr, j->w + (size_t)o * in, in);
-            yr[o] = j->bias ? s + j->bias[o] : s;
-        }
-    }
-}
-
 static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
                        const struct kvs_dweight *bias, int n, int in, int out, struct kvs_dbuf *y)
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    struct job j = {.x = F(x), .w = w->data, .bias = bias ? bias->data : NULL, .y = F(y), .n = n, .d0 = in, .d1 = out};
-    kvs_cpu_pool_run(b->pool, (out + MM_TILE - 1) / MM_TILE, matmul_task, &j);
+    kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, bias ? bias->data : NULL, n, in, out, F(y));
 }
 
 struct rope_job {
@@ -378,96 +322,21 @@ static void cpu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const 
     }
 }
 
-struct attn_job {
-    const float *q, *kc, *vc;
-    float *out;
-    const struct kvs_attn_meta *m;
-    const int32_t *q_start, *pos, *bt, *rot, *valid;
-    const float *inv_freq;
-    int n_heads, n_kv_heads, head_dim, block_size;
-    float scale;
-};
-
-/* rotates q backward by off positions (neox half-split): the deferred-RoPE query for keys
- * stored off positions short of their true rotation */
-static void rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out)
-{
-    int half = head_dim / 2;
-    for (int i = 0; i < half; i++) {
-        float a = (float)off * inv_freq[i];
-        float c = cosf(a), s = sinf(a);
-        out[i] = q[i] * c + q[i + half] * s;
-        out[i + half] = -q[i] * s + q[i + half] * c;
-    }
-}
-
-static void attn_task(void *c, int task)
-{
-    struct attn_job *j = c;
-    int t = task / j->n_heads, h = task % j->n_heads;
-    int hd = j->head_dim, bs = j->block_size;
-    /* sequence of row t: q_start is increasing, n_seqs small */
-    int s = 0;
-    while (j->q_start[s + 1] <= t) s++;
-    int ctx = j->pos[s] + (t - j->q_start[s]) + 1;
-    int g = h / (j->n_heads / j->n_kv_heads);
-    const float *q0 = j->q + ((size_t)t * j->n_heads + h) * hd;
-    const int32_t *bt = j->bt + (size_t)s * j->m->max_blocks;
-    const int32_t *rot = j->rot ? j->rot + (size_t)s * j->m->max_blocks : NULL;
-    const int32_t *valid = j->valid ? j->valid + (size_t)s * j->m->max_blocks : NULL;
-    float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
-    const float *q = q0;
-    int cur_rot = 0;
-    for (int i = 0; i < hd; i++) acc[i] = 0.0f;
-    float mx = -INFINITY, l = 0.0f;
-    for (int p = 0; p < ctx; p++) {
-        int bi = p / bs, off = p % bs;
-        if (rot && off == 0 && rot[bi] != cur_rot) {
-            cur_rot = rot[bi];
-            if (cur_rot) {
-                rotate_back(q0, j->inv_freq, cur_rot, hd, qr);
-                q = qr;
-            } else {
-                q = q0;
-            }
-        }
-        if (valid && off >= valid[bi]) {
-            p += bs - off - 1;   /* the rest of this block is padding: skip it */
-            continue;
-        }
-        size_t base = (((size_t)bt[bi] * j->n_kv_heads + g) * bs + off) * hd;
-        float sc = dot_f32(q, j->kc + base, hd) * j->scale;
-        const float *v = j->vc + base;
-        if (sc > mx) {
-            float corr = expf(mx - sc);   /* exp(-inf) = 0 on the first position */
-            l *= corr;
-            for (int i = 0; i < hd; i++) acc[i] *= corr;
-            mx = sc;
-        }
-        float w = expf(sc - mx);
-        l += w;
-        for (int i = 0; i < hd; i++) acc[i] += w * v[i];
-    }
-    float *o = j->out + ((size_t)t * j->n_heads + h) * hd;
-    float inv = 1.0f / l;
-    for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
-}
-
 static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads, int n_kv_heads,
                           int head_dim, int block_size, float scale, struct kvs_dbuf *out)
 {
     KVS_ASSERT(head_dim <= MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
     KVS_ASSERT(!m->rot_offsets || m->inv_freq);
-    struct attn_job j = {
-        .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .m = m,
+    struct kvs_cpu_attn_args a = {
+        .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
         .q_start = I(m->q_start), .pos = I(m->pos), .bt = I(m->block_tables),
         .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .valid = m->block_valid ? I(m->block_valid) : NULL,
-        .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
-        .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .block_size = block_size, .scale = scale,
+        .n = n, .n_seqs = m->n_seqs, .max_blocks = m->max_blocks, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+        .head_dim = head_dim, .block_size = block_size, .scale = scale,
     };
-    KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);
-    kvs_cpu_pool_run(b->pool, n * n_heads, attn_task, &j);
+    KVS_ASSERT(a.q_start[0] == 0 && a.q_start[m->n_seqs] == n);
+    kvs_cpu_attention(b->pool, &b->kern, &a);
 }
 
 static void swiglu_task(void *c, int t)
