@@ -97,6 +97,9 @@ struct gemm_job {
 };
 
 #define REF_TILE 16
+#ifndef RB_BYTES
+#define RB_BYTES (16 * 1024)
+#endif
 
 #if KVS_CPU_X86 && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
@@ -147,6 +150,28 @@ AVX2 static inline float finish(__m256 acc, const float *xr, const float *wr, in
 
 #define MADD(acc, a, b) acc = _mm256_add_ps(acc, _mm256_mul_ps(a, b))
 
+/* the reference tree of four accumulators at once: hadd pairs lanes (l0+l1, l2+l3, ...), the
+ * second hadd adds those pairs, the last add joins the two 128-bit halves:
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) for each of a, b, c, d, in that order */
+AVX2 static inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* the four sums s (for rows/outputs named by the caller) finished as the reference does: the
+ * k tail in order, then the bias */
+AVX2 static inline void finish4(__m128 s, const float *const xr[4], const float *const wr[4], int k8, int in,
+                                const float *bias, const int o[4], float out[4])
+{
+    _mm_storeu_ps(out, s);
+    if (k8 < in)
+        for (int r = 0; r < 4; r++)
+            for (int k = k8; k < in; k++) out[r] += xr[r][k] * wr[r][k];
+    if (bias)
+        for (int r = 0; r < 4; r++) out[r] += bias[o[r]];
+}
+
 AVX2 static void tile4x2(const float *x, const float *w, int in, int k8, float *y, int out, const float *bias, int o)
 {
     const size_t s = (size_t)in;
@@ -166,14 +191,13 @@ AVX2 static void tile4x2(const float *x, const float *w, int in, int k8, float *
         MADD(a31, v3, b1);
     }
     const size_t so = (size_t)out;
-    y[o] = finish(a00, x0, w0, k8, in, bias, o);
-    y[o + 1] = finish(a01, x0, w1, k8, in, bias, o + 1);
-    y[so + o] = finish(a10, x1, w0, k8, in, bias, o);
-    y[so + o + 1] = finish(a11, x1, w1, k8, in, bias, o + 1);
-    y[2 * so + o] = finish(a20, x2, w0, k8, in, bias, o);
-    y[2 * so + o + 1] = finish(a21, x2, w1, k8, in, bias, o + 1);
-    y[3 * so + o] = finish(a30, x3, w0, k8, in, bias, o);
-    y[3 * so + o + 1] = finish(a31, x3, w1, k8, in, bias, o + 1);
+    const int oo[4] = {o, o + 1, o, o + 1};
+    const float *wr[4] = {w0, w1, w0, w1}, *xa[4] = {x0, x0, x1, x1}, *xb[4] = {x2, x2, x3, x3};
+    float r[4];
+    finish4(reduce4(a00, a01, a10, a11), xa, wr, k8, in, bias, oo, r);
+    y[o] = r[0], y[o + 1] = r[1], y[so + o] = r[2], y[so + o + 1] = r[3];
+    finish4(reduce4(a20, a21, a30, a31), xb, wr, k8, in, bias, oo, r);
+    y[2 * so + o] = r[0], y[2 * so + o + 1] = r[1], y[3 * so + o] = r[2], y[3 * so + o + 1] = r[3];
 }
 
 AVX2 static void tile1x4(const float *x, const float *w, int in, int k8, float *y, const float *bias, int o)
@@ -188,10 +212,9 @@ AVX2 static void tile1x4(const float *x, const float *w, int in, int k8, float *
         MADD(a2, v, _mm256_loadu_ps(w2 + i));
         MADD(a3, v, _mm256_loadu_ps(w3 + i));
     }
-    y[o] = finish(a0, x, w0, k8, in, bias, o);
-    y[o + 1] = finish(a1, x, w1, k8, in, bias, o + 1);
-    y[o + 2] = finish(a2, x, w2, k8, in, bias, o + 2);
-    y[o + 3] = finish(a3, x, w3, k8, in, bias, o + 3);
+    const int oo[4] = {o, o + 1, o + 2, o + 3};
+    const float *xr[4] = {x, x, x, x}, *wr[4] = {w0, w1, w2, w3};
+    finish4(reduce4(a0, a1, a2, a3), xr, wr, k8, in, bias, oo, y + o);
 }
 
 AVX2 static void tile1x1(const float *x, const float *w, int in, int k8, float *y, const float *bias, int o)
@@ -255,8 +278,9 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
     }
 #if KVS_CPU_X86
     if (k->isa == KVS_CPU_ISA_AVX2) {
-        /* x rows of a block: ~96 KiB (L2-resident), a multiple of the 4-row tile */
-        int rb = (int)(96 * 1024 / ((size_t)in * sizeof(float))) / 4 * 4;
+        /* x rows of a block: ~16 KiB, so they stay in L1 beside the W pair while the 4-row
+         * tiles pass over them, a multiple of the 4-row tile */
+        int rb = (int)(RB_BYTES / ((size_t)in * sizeof(float))) / 4 * 4;
         j.rb = rb < 4 ? 4 : rb > 256 ? 256 : rb;
         j.ob = 32;
         j.n_ob = (out + j.ob - 1) / j.ob;
