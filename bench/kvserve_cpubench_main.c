@@ -4,9 +4,10 @@
  *   1. Peak: GFLOP/s of independent AVX2 multiplies and adds on every thread (the instruction
  *      mix of the invariant kernels, no FMA): the roofline the GEMM column is a fraction of.
  *   2. GEMM GFLOP/s of the demo model's matmul shapes at several row counts: ref (the plain-C
- *      path before AVX2), avx2 (default; bitwise equal to ref), blas (OpenBLAS, opt-in, not
- *      batch invariant), and the ratios to ref.
- *   3. The model (--model, default models/demo) through the runner with each kernel set:
+ *      path before AVX2), avx2 (bitwise equal to ref) with fp32 and with bf16 weights, blas
+ *      (OpenBLAS, opt-in, not batch invariant), and the ratios to ref.
+ *   3. The model (--model, default models/demo) through the runner with each kernel set (and,
+ *      for avx2, with fp32 copies of the weights and with bf16 matrices kept as bf16):
  *      prefill of --prefill tokens (one sequence, one step), single-stream decode ms/token after
  *      it, and batched decode tok/s (--batch sequences with --ctx cached tokens each).
  * Every figure is the best of --reps repetitions (least disturbed by other load).
@@ -73,15 +74,15 @@ static double peak_gflops(struct kvs_cpu_pool *pool)
 /* ---- 2. GEMMs -------------------------------------------------------------------------------- */
 
 static double time_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
-                        int n, int in, int out, float *y)
+                        const uint16_t *wb, int n, int in, int out, float *y)
 {
     double flop = 2.0 * n * in * out, best = 1e30;
     int inner = (int)(2e8 / flop) + 1;   /* ~0.1 s of work per repetition at 2 GFLOP/s */
     if (inner > 1000) inner = 1000;
-    kvs_cpu_gemm(pool, k, x, w, NULL, n, in, out, y);
+    kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
     for (int r = 0; r < g_reps; r++) {
         double t0 = kvs_now();
-        for (int i = 0; i < inner; i++) kvs_cpu_gemm(pool, k, x, w, NULL, n, in, out, y);
+        for (int i = 0; i < inner; i++) kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
         double t = (kvs_now() - t0) / inner;
         if (t < best) best = t;
     }
@@ -98,25 +99,30 @@ static void bench_gemms(struct kvs_cpu_pool *pool, const struct kvs_model_config
     } shapes[] = {{"qkv", dim, qkv}, {"o", mc->n_heads * mc->head_dim, dim}, {"gate/up", dim, ff},
                   {"down", ff, dim}, {"lm head", dim, mc->vocab_size}};
     const int ns[] = {1, 16, 64, 512};
-    const struct kvs_cpu_kernels kr = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT};
-    const struct kvs_cpu_kernels ka = {kvs_cpu_isa_best(), KVS_CPU_GEMM_INVARIANT};
-    const struct kvs_cpu_kernels kb = {kvs_cpu_isa_best(), KVS_CPU_GEMM_BLAS};
+    const struct kvs_cpu_kernels kr = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
+    const struct kvs_cpu_kernels ka = {kvs_cpu_isa_best(), KVS_CPU_GEMM_INVARIANT, 1};
+    const struct kvs_cpu_kernels kb = {kvs_cpu_isa_best(), KVS_CPU_GEMM_BLAS, 0};
     printf("## GEMM y = x W^T, fp32, GFLOP/s (best of %d)\n\n", g_reps);
-    printf("| shape | n x in x out | ref | avx2 | blas | avx2/ref | blas/ref | avx2 %% of peak |\n");
-    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    printf("| shape | n x in x out | ref | avx2 | avx2 bf16 W | blas | avx2/ref | avx2 bf16/ref | blas/ref | avx2 %% of peak "
+           "|\n");
+    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (int ni = 0; ni < 4; ni++) {
             int n = ns[ni], in = shapes[si].in, out = shapes[si].out;
             float *x = kvs_xmalloc((size_t)n * in * 4), *w = kvs_xmalloc((size_t)out * in * 4);
             float *y = kvs_xmalloc((size_t)n * out * 4);
+            uint16_t *wb = kvs_xmalloc((size_t)out * in * 2);
             for (size_t i = 0; i < (size_t)n * in; i++) x[i] = (float)((i * 7919) % 1000) / 1000.0f - 0.5f;
-            for (size_t i = 0; i < (size_t)out * in; i++) w[i] = (float)((i * 104729) % 1000) / 2000.0f - 0.25f;
-            double gr = time_gemm(pool, &kr, x, w, n, in, out, y), ga = time_gemm(pool, &ka, x, w, n, in, out, y);
-            double gb = time_gemm(pool, &kb, x, w, n, in, out, y);
-            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.2f | %.2f | %.0f%% |\n", shapes[si].name, n, in, out, gr,
-                   ga, gb, ga / gr, gb / gr, 100.0 * ga / peak);
+            for (size_t i = 0; i < (size_t)out * in; i++) {
+                w[i] = (float)((i * 104729) % 1000) / 2000.0f - 0.25f;
+                memcpy(&wb[i], (char *)&w[i] + 2, 2);   /* the high half: bf16 by truncation */
+            }
+            double gr = time_gemm(pool, &kr, x, w, NULL, n, in, out, y), ga = time_gemm(pool, &ka, x, w, NULL, n, in, out, y);
+            double gh = time_gemm(pool, &ka, x, NULL, wb, n, in, out, y), gb = time_gemm(pool, &kb, x, w, NULL, n, in, out, y);
+            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.0f%% |\n", shapes[si].name, n,
+                   in, out, gr, ga, gh, gb, ga / gr, gh / gr, gb / gr, 100.0 * ga / peak);
             fflush(stdout);
-            free(x), free(w), free(y);
+            free(x), free(w), free(y), free(wb);
         }
     printf("\n(blas falls back to the avx2 kernel below %d rows.)\n\n", KVS_CPU_BLAS_MIN_ROWS);
 }
@@ -251,12 +257,17 @@ int main(int argc, char **argv)
     kvs_cpu_pool_free(pool);
 
     /* the model with each kernel set; the environment is how a backend picks them */
-    const char *sets[][3] = {{"ref", "ref", "invariant"}, {"avx2", "avx2", "invariant"}, {"blas", "avx2", "blas"}};
-    struct model_result res[3];
+    const char *sets[][4] = {{"ref", "ref", "invariant", "f32"},
+                             {"avx2, fp32 weights", "avx2", "invariant", "f32"},
+                             {"avx2 (default: bf16 weights kept)", "avx2", "invariant", "auto"},
+                             {"blas (opt-in)", "avx2", "blas", "f32"}};
+    enum { N_SETS = 4 };
+    struct model_result res[N_SETS];
     char buf[64];
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < N_SETS; k++) {
         setenv("KVS_CPU_KERNELS", sets[k][1], 1);
         setenv("KVS_CPU_GEMM", sets[k][2], 1);
+        setenv("KVS_CPU_WEIGHTS", sets[k][3], 1);
         struct kvs_config cfg;
         kvs_config_init(&cfg);
         int rc = kvs_config_set(&cfg, "device=cpu", err, sizeof err);
@@ -278,9 +289,9 @@ int main(int argc, char **argv)
     printf("| kernels | prefill %d tok/s | decode ms/token (ctx %d) | batched decode tok/s (%d x ctx %d) |\n", prefill,
            prefill, batch, ctx);
     printf("| --- | ---: | ---: | ---: |\n");
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < N_SETS; k++)
         printf("| %s | %.0f | %.2f | %.0f |\n", sets[k][0], res[k].prefill_tok_s, res[k].decode_ms, res[k].batch_tok_s);
-    for (int k = 1; k < 3; k++)
+    for (int k = 1; k < N_SETS; k++)
         printf("| %s / ref | %.2fx | %.2fx faster | %.2fx |\n", sets[k][0], res[k].prefill_tok_s / res[0].prefill_tok_s,
                res[0].decode_ms / res[k].decode_ms, res[k].batch_tok_s / res[0].batch_tok_s);
     kvs_model_free(model);

@@ -1,7 +1,8 @@
 /* cpu_backend.c: the fp32 reference backend (kernels/backend.h) on host memory.
  *
  * Every buffer is plain host memory (fp32 for ACT/F32/KV, int32 for I32); weights are fp32
- * copies of the model's tensors. Ops are split into independent tasks on a small pthread pool
+ * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
+ * and are widened (exactly) inside the matmul and embed. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
  * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
@@ -29,7 +30,8 @@ struct kvs_dbuf {
 
 struct kvs_dweight {
     int64_t rows, cols;           /* vectors: rows = 1 */
-    float *data;                  /* [rows][cols] fp32 */
+    float *data;                  /* [rows][cols] fp32, or NULL when bf16 holds the matrix */
+    uint16_t *bf16;               /* [rows][cols] bf16 bits (bf16 matrices, kern.bf16_weights), or NULL */
 };
 
 struct kvs_backend {
@@ -55,9 +57,10 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
         return NULL;
     }
     kvs_cpu_blas_init();
-    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads, %s kernels (best here: %s), matmul %s", kvs_cpu_pool_threads(b->pool),
-            kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
-            b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant");
+    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads, %s kernels (best here: %s), matmul %s, bf16 matrices kept %s",
+            kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
+            b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant",
+            b->kern.bf16_weights ? "as bf16" : "as fp32 copies");
     return b;
 }
 
@@ -158,6 +161,19 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
     }
     struct kvs_dweight *w = calloc(1, sizeof *w);
     size_t n = (size_t)rows * (size_t)cols;
+    if (w && b->kern.bf16_weights && t->ndim == 2 && t->dtype == KVS_DTYPE_BF16 && t->nbytes == n * 2) {
+        /* kept as bf16: the matmul widens it in registers (exact), embed row by row */
+        if (posix_memalign((void **)&w->bf16, 64, n * sizeof(uint16_t)) != 0) {
+            free(w);
+            kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
+                    (long long)cols);
+            return NULL;
+        }
+        memcpy(w->bf16, t->data, n * sizeof(uint16_t));
+        w->rows = rows;
+        w->cols = cols;
+        return w;
+    }
     if (!w || posix_memalign((void **)&w->data, 64, n * sizeof(float)) != 0) {
         free(w);
         kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
@@ -175,6 +191,7 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
     (void)b;
     if (!w) return;
     free(w->data);
+    free(w->bf16);
     free(w);
 }
 
@@ -182,6 +199,7 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
 
 struct job {
     const float *x, *w, *bias;
+    const uint16_t *wb;
     const float *x2;
     float *y, *y2;
     const int32_t *i0, *i1;
@@ -193,14 +211,20 @@ struct job {
 static void embed_task(void *c, int t)
 {
     struct job *j = c;
-    memcpy(j->y + (size_t)t * j->d0, j->w + (size_t)j->i0[t] * j->d0, (size_t)j->d0 * sizeof(float));
+    float *y = j->y + (size_t)t * j->d0;
+    if (j->wb) {
+        const uint16_t *row = j->wb + (size_t)j->i0[t] * j->d0;
+        for (int i = 0; i < j->d0; i++) y[i] = kvs_cpu_bf16(row[i]);
+    } else {
+        memcpy(y, j->w + (size_t)j->i0[t] * j->d0, (size_t)j->d0 * sizeof(float));
+    }
 }
 
 static void cpu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const struct kvs_dbuf *tokens, int n,
                       int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(emb->cols == dim);
-    struct job j = {.w = emb->data, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
+    struct job j = {.w = emb->data, .wb = emb->bf16, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
     for (int t = 0; t < n; t++) KVS_ASSERT(j.i0[t] >= 0 && j.i0[t] < emb->rows);
     kvs_cpu_pool_run(b->pool, n, embed_task, &j);
 }
@@ -223,6 +247,7 @@ static void rmsnorm_task(void *c, int t)
 static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                         int dim, struct kvs_dbuf *out)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
     kvs_cpu_pool_run(b->pool, n, rmsnorm_task, &j);
 }
@@ -240,6 +265,7 @@ static void add_rmsnorm_task(void *c, int t)
 static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const struct kvs_dbuf *delta,
                             const struct kvs_dweight *w, float eps, int n, int dim, struct kvs_dbuf *out)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
     kvs_cpu_pool_run(b->pool, n, add_rmsnorm_task, &j);
 }
@@ -254,6 +280,7 @@ static void head_rmsnorm_task(void *c, int t)
 static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                              int n_heads, int head_dim)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim};
     kvs_cpu_pool_run(b->pool, n, head_rmsnorm_task, &j);
 }
@@ -263,7 +290,7 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, bias ? bias->data : NULL, n, in, out, F(y));
+    kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, w->bf16, bias ? bias->data : NULL, n, in, out, F(y));
 }
 
 struct rope_job {

@@ -54,6 +54,14 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
         else if (strcmp(e, "invariant") != 0)
             return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want invariant or blas", e);
     }
+    e = getenv("KVS_CPU_WEIGHTS");
+    k->bf16_weights = k->isa == KVS_CPU_ISA_AVX2 && k->gemm == KVS_CPU_GEMM_INVARIANT;
+    if (e && *e) {
+        if (strcmp(e, "f32") == 0)
+            k->bf16_weights = 0;
+        else if (strcmp(e, "auto") != 0)
+            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_WEIGHTS=%s: want auto or f32", e);
+    }
     return 0;
 }
 
@@ -91,6 +99,7 @@ static inline void dot4(const float *x, size_t stride, const float *w, int n, fl
 
 struct gemm_job {
     const float *x, *w, *bias;
+    const uint16_t *wb;           /* bf16 weight (w NULL), AVX2 only */
     float *y;
     int n, in, out;
     int rb, ob, n_ob;             /* tile rows / outputs, output tiles per row tile */
@@ -159,26 +168,47 @@ AVX2 static inline __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d)
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* the four sums s (for rows/outputs named by the caller) finished as the reference does: the
- * k tail in order, then the bias */
-AVX2 static inline void finish4(__m128 s, const float *const xr[4], const float *const wr[4], int k8, int in,
-                                const float *bias, const int o[4], float out[4])
+/* Weight rows are fp32 or bf16 (widened in registers: exact, so the bits are the fp32 copy's).
+ * The tiles are written once, always inline, with the weight type a constant argument, and
+ * instantiated for both (tile_f32 / tile_bf16 below). */
+#define ALWAYS __attribute__((always_inline))
+AVX2 static inline ALWAYS __m256 loadw(const void *w, size_t i, const int bf)
+{
+    if (bf)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i))), 16));
+    return _mm256_loadu_ps((const float *)w + i);
+}
+static inline ALWAYS float wat(const void *w, size_t i, const int bf)
+{
+    return bf ? kvs_cpu_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+static inline ALWAYS const void *wrow(const void *w, size_t row, size_t in, const int bf)
+{
+    return bf ? (const void *)((const uint16_t *)w + row * in) : (const void *)((const float *)w + row * in);
+}
+
+/* the four sums s finished as the reference does: the k tail in order, then the bias */
+AVX2 static inline ALWAYS void finish4(__m128 s, const float *const xr[4], const void *const wr[4], int k8, int in,
+                                       const float *bias, const int o[4], float out[4], const int bf)
 {
     _mm_storeu_ps(out, s);
     if (k8 < in)
         for (int r = 0; r < 4; r++)
-            for (int k = k8; k < in; k++) out[r] += xr[r][k] * wr[r][k];
+            for (int k = k8; k < in; k++) out[r] += xr[r][k] * wat(wr[r], (size_t)k, bf);
     if (bias)
         for (int r = 0; r < 4; r++) out[r] += bias[o[r]];
 }
 
-AVX2 static void tile4x2(const float *x, const float *w, int in, int k8, float *y, int out, const float *bias, int o)
+AVX2 static inline ALWAYS void tile4x2(const float *x, const void *w, int in, int k8, float *y, int out,
+                                       const float *bias, int o, const int bf)
 {
     const size_t s = (size_t)in;
-    const float *x0 = x, *x1 = x + s, *x2 = x + 2 * s, *x3 = x + 3 * s, *w0 = w, *w1 = w + s;
+    const float *x0 = x, *x1 = x + s, *x2 = x + 2 * s, *x3 = x + 3 * s;
+    const void *w0 = w, *w1 = wrow(w, 1, s, bf);
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int i = 0; i < k8; i += 8) {
-        __m256 b0 = _mm256_loadu_ps(w0 + i), b1 = _mm256_loadu_ps(w1 + i);
+        __m256 b0 = loadw(w0, (size_t)i, bf), b1 = loadw(w1, (size_t)i, bf);
         __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);
         MADD(a00, v0, b0);
         MADD(a01, v0, b1);
@@ -192,60 +222,73 @@ AVX2 static void tile4x2(const float *x, const float *w, int in, int k8, float *
     }
     const size_t so = (size_t)out;
     const int oo[4] = {o, o + 1, o, o + 1};
-    const float *wr[4] = {w0, w1, w0, w1}, *xa[4] = {x0, x0, x1, x1}, *xb[4] = {x2, x2, x3, x3};
+    const void *wr[4] = {w0, w1, w0, w1};
+    const float *xa[4] = {x0, x0, x1, x1}, *xb[4] = {x2, x2, x3, x3};
     float r[4];
-    finish4(reduce4(a00, a01, a10, a11), xa, wr, k8, in, bias, oo, r);
+    finish4(reduce4(a00, a01, a10, a11), xa, wr, k8, in, bias, oo, r, bf);
     y[o] = r[0], y[o + 1] = r[1], y[so + o] = r[2], y[so + o + 1] = r[3];
-    finish4(reduce4(a20, a21, a30, a31), xb, wr, k8, in, bias, oo, r);
+    finish4(reduce4(a20, a21, a30, a31), xb, wr, k8, in, bias, oo, r, bf);
     y[2 * so + o] = r[0], y[2 * so + o + 1] = r[1], y[3 * so + o] = r[2], y[3 * so + o + 1] = r[3];
 }
 
-AVX2 static void tile1x4(const float *x, const float *w, int in, int k8, float *y, const float *bias, int o)
+AVX2 static inline ALWAYS void tile1x4(const float *x, const void *w, int in, int k8, float *y, const float *bias,
+                                       int o, const int bf)
 {
     const size_t s = (size_t)in;
-    const float *w0 = w, *w1 = w + s, *w2 = w + 2 * s, *w3 = w + 3 * s;
+    const void *w0 = w, *w1 = wrow(w, 1, s, bf), *w2 = wrow(w, 2, s, bf), *w3 = wrow(w, 3, s, bf);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int i = 0; i < k8; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
-        MADD(a0, v, _mm256_loadu_ps(w0 + i));
-        MADD(a1, v, _mm256_loadu_ps(w1 + i));
-        MADD(a2, v, _mm256_loadu_ps(w2 + i));
-        MADD(a3, v, _mm256_loadu_ps(w3 + i));
+        MADD(a0, v, loadw(w0, (size_t)i, bf));
+        MADD(a1, v, loadw(w1, (size_t)i, bf));
+        MADD(a2, v, loadw(w2, (size_t)i, bf));
+        MADD(a3, v, loadw(w3, (size_t)i, bf));
     }
     const int oo[4] = {o, o + 1, o + 2, o + 3};
-    const float *xr[4] = {x, x, x, x}, *wr[4] = {w0, w1, w2, w3};
-    finish4(reduce4(a0, a1, a2, a3), xr, wr, k8, in, bias, oo, y + o);
+    const float *xr[4] = {x, x, x, x};
+    const void *wr[4] = {w0, w1, w2, w3};
+    finish4(reduce4(a0, a1, a2, a3), xr, wr, k8, in, bias, oo, y + o, bf);
 }
 
-AVX2 static void tile1x1(const float *x, const float *w, int in, int k8, float *y, const float *bias, int o)
+AVX2 static inline ALWAYS void tile1x1(const float *x, const void *w, int in, int k8, float *y, const float *bias,
+                                       int o, const int bf)
 {
     __m256 a = _mm256_setzero_ps();
-    for (int i = 0; i < k8; i += 8) MADD(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i));
-    y[o] = finish(a, x, w, k8, in, bias, o);
+    for (int i = 0; i < k8; i += 8) MADD(a, _mm256_loadu_ps(x + i), loadw(w, (size_t)i, bf));
+    float l[8];
+    _mm256_storeu_ps(l, a);
+    float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for (int k = k8; k < in; k++) s += x[k] * wat(w, (size_t)k, bf);
+    y[o] = bias ? s + bias[o] : s;
 }
 
-AVX2 static void avx2_task(void *c, int task)
+AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, const int bf)
 {
-    struct gemm_job *j = c;
     const int in = j->in, out = j->out, k8 = in / 8 * 8;
     const int t0 = task / j->n_ob * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
     const int o0 = task % j->n_ob * j->ob, o1 = o0 + j->ob < out ? o0 + j->ob : out;
     const int t4 = t0 + (t1 - t0) / 4 * 4;
-    const float *x = j->x, *w = j->w;
+    const float *x = j->x;
+    const void *w = bf ? (const void *)j->wb : (const void *)j->w;
     int o = o0;
     for (; o + 2 <= o1; o += 2)
         for (int t = t0; t < t4; t += 4)
-            tile4x2(x + (size_t)t * in, w + (size_t)o * in, in, k8, j->y + (size_t)t * out, out, j->bias, o);
+            tile4x2(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, out,
+                    j->bias, o, bf);
     for (; o < o1; o++)
         for (int t = t0; t < t4; t++)
-            tile1x1(x + (size_t)t * in, w + (size_t)o * in, in, k8, j->y + (size_t)t * out, j->bias, o);
+            tile1x1(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, j->bias, o,
+                    bf);
     for (int t = t4; t < t1; t++) {
         const float *xr = x + (size_t)t * in;
         float *yr = j->y + (size_t)t * out;
-        for (o = o0; o + 4 <= o1; o += 4) tile1x4(xr, w + (size_t)o * in, in, k8, yr, j->bias, o);
-        for (; o < o1; o++) tile1x1(xr, w + (size_t)o * in, in, k8, yr, j->bias, o);
+        for (o = o0; o + 4 <= o1; o += 4) tile1x4(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf);
+        for (; o < o1; o++) tile1x1(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf);
     }
 }
+
+AVX2 static void avx2_task(void *c, int task) { avx2_tiles(c, task, 0); }
+AVX2 static void avx2_bf16_task(void *c, int task) { avx2_tiles(c, task, 1); }
 #endif
 
 /* ---- OpenBLAS ------------------------------------------------------------------------------
@@ -265,10 +308,11 @@ static void blas_task(void *c, int task)
 }
 
 void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
-                  const float *bias, int n, int in, int out, float *y)
+                  const uint16_t *wb, const float *bias, int n, int in, int out, float *y)
 {
     if (n <= 0 || out <= 0) return;
-    struct gemm_job j = {.x = x, .w = w, .bias = bias, .y = y, .n = n, .in = in, .out = out};
+    KVS_ASSERT(!wb || (k->bf16_weights && k->isa == KVS_CPU_ISA_AVX2 && k->gemm == KVS_CPU_GEMM_INVARIANT));
+    struct gemm_job j = {.x = x, .w = w, .wb = wb, .bias = bias, .y = y, .n = n, .in = in, .out = out};
     if (k->gemm == KVS_CPU_GEMM_BLAS && n >= KVS_CPU_BLAS_MIN_ROWS) {
         j.rb = 256;
         j.ob = n >= 256 ? 256 : 64;
@@ -284,7 +328,7 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
         j.rb = rb < 4 ? 4 : rb > 256 ? 256 : rb;
         j.ob = 32;
         j.n_ob = (out + j.ob - 1) / j.ob;
-        kvs_cpu_pool_run(pool, (n + j.rb - 1) / j.rb * j.n_ob, avx2_task, &j);
+        kvs_cpu_pool_run(pool, (n + j.rb - 1) / j.rb * j.n_ob, wb ? avx2_bf16_task : avx2_task, &j);
         return;
     }
 #endif

@@ -18,8 +18,14 @@
  * invariance for speed. It stays deterministic for the same inputs, n and thread count, and
  * within fp32 rounding of the reference (tests/unit/test_cpu_gemm.c checks both).
  *
- * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2) and
- * KVS_CPU_GEMM (invariant | blas) when a backend is created. Errors: it returns -EINVAL with
+ * bf16 weights. With the AVX2 kernels and the invariant GEMM, 2-D weights that the model stores
+ * as bf16 stay bf16 in memory (half the bytes to hold and to stream per decode step) and the
+ * matmul widens them in registers. Widening bf16 to fp32 is exact, so the results are bitwise
+ * those of the fp32 copy: nothing changes but memory and speed. KVS_CPU_WEIGHTS=f32 forces
+ * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
+ *
+ * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2),
+ * KVS_CPU_GEMM (invariant | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
  * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
  * except the BLAS path inside OpenBLAS. */
 #ifndef KVS_CPU_KERNELS_H
@@ -39,6 +45,7 @@ enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1 };
 struct kvs_cpu_kernels {
     enum kvs_cpu_isa isa;
     enum kvs_cpu_gemm_mode gemm;
+    int bf16_weights;             /* bf16 matrices may stay bf16 (AVX2 + invariant GEMM only) */
 };
 
 /* The best instruction set this CPU runs (AVX2 where present, else the reference). */
@@ -67,9 +74,20 @@ static inline float kvs_cpu_dot(const float *a, const float *b, int n)
 }
 
 /* y[t][o] = dot(x[t], w[o]) (+ bias[o]) for t < n, o < out: x [n][in], w [out][in], y [n][out]
- * (distinct from x), bias [out] or NULL. Runs on the pool. */
+ * (distinct from x), bias [out] or NULL. The weight is w (fp32), or wb (bf16 bits, w NULL; only
+ * when k->bf16_weights). Runs on the pool. */
 void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
-                  const float *bias, int n, int in, int out, float *y);
+                  const uint16_t *wb, const float *bias, int n, int in, int out, float *y);
+
+/* bf16 bits -> fp32 (exact) */
+static inline float kvs_cpu_bf16(uint16_t h)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
 
 /* Paged causal attention as kernels/backend.h's attention op defines it, on plain arrays:
  * q [n][n_heads][head_dim]; kc, vc [n_blocks][n_kv_heads][block_size][head_dim]; q_start

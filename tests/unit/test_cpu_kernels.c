@@ -2,7 +2,9 @@
  * plain-C reference on fresh random inputs.
  *   - AVX2 matmul: BITWISE equal to the reference for every shape (k tails, odd outputs, row
  *     counts around the 4-row tile, one-row decode), with and without bias, 1 and 3 threads;
- *     each row computed alone equals the row inside the batch (batch invariance).
+ *     each row computed alone equals the row inside the batch (batch invariance); with bf16
+ *     weights (random bits, exponents near the top included) bitwise equal to the reference on
+ *     the widened fp32 copy.
  *   - Tiled AVX2 attention (key tiles with a vector exp, so another rounding than the reference's
  *     per-key libm expf): within 1e-5 (absolute; outputs are averages of values in [-1, 1]) of
  *     the reference on paged caches mixing prefill chunks (longer than a tile), decode rows and
@@ -32,9 +34,9 @@ static float *rnd(size_t n, float scale)
     return a;
 }
 
-static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT};
-static const struct kvs_cpu_kernels K_AVX2 = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT};
-static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_BLAS};
+static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
+static const struct kvs_cpu_kernels K_AVX2 = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT, 1};
+static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_BLAS, 0};
 
 static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -48,25 +50,37 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                 int in = ins[ii], out = outs[oi], n = ns[ni];
                 float *x = rnd((size_t)n * in, 1.0f), *w = rnd((size_t)out * in, 0.5f), *bias = rnd(out, 1.0f);
                 float *yr = kvs_xmalloc((size_t)n * out * 4), *ya = kvs_xmalloc((size_t)n * out * 4);
-                float *y1 = kvs_xmalloc((size_t)out * 4);
+                float *y1 = kvs_xmalloc((size_t)out * 4), *wf = kvs_xmalloc((size_t)out * in * 4);
+                uint16_t *wb = kvs_xmalloc((size_t)out * in * 2);
+                for (size_t i = 0; i < (size_t)out * in; i++) {
+                    wb[i] = (uint16_t)(kvs_test_xorshift(&g_rng) >> 16);
+                    if ((wb[i] & 0x7f80) == 0x7f80) wb[i] &= 0xbfff;   /* no inf / NaN */
+                    wf[i] = kvs_cpu_bf16(wb[i]);
+                }
                 for (int with_bias = 0; with_bias < 2; with_bias++) {
                     const float *bb = with_bias ? bias : NULL;
-                    kvs_cpu_gemm(p1, &K_REF, x, w, bb, n, in, out, yr);
-                    kvs_cpu_gemm(p3, &K_AVX2, x, w, bb, n, in, out, ya);
+                    kvs_cpu_gemm(p1, &K_REF, x, w, NULL, bb, n, in, out, yr);
+                    kvs_cpu_gemm(p3, &K_AVX2, x, w, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: avx2 (3 threads) != ref", n,
                           in, out, with_bias);
-                    kvs_cpu_gemm(p1, &K_AVX2, x, w, bb, n, in, out, ya);
+                    kvs_cpu_gemm(p1, &K_AVX2, x, w, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: avx2 (1 thread) != ref", n,
                           in, out, with_bias);
+                    /* bf16 weights: the reference on the widened copy, bitwise */
+                    kvs_cpu_gemm(p1, &K_REF, x, wf, NULL, bb, n, in, out, yr);
+                    kvs_cpu_gemm(p3, &K_AVX2, x, NULL, wb, bb, n, in, out, ya);
+                    CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: avx2 bf16 != ref", n, in,
+                          out, with_bias);
                     int t = (int)(kvs_test_xorshift(&g_rng) % (uint32_t)n);
-                    kvs_cpu_gemm(p3, &K_AVX2, x + (size_t)t * in, w, bb, 1, in, out, y1);
+                    kvs_cpu_gemm(p3, &K_AVX2, x + (size_t)t * in, w, NULL, bb, 1, in, out, y1);
                     CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
                           "gemm %dx%dx%d: row %d alone != in the batch", n, in, out, t);
                     cases++;
                 }
-                free(x), free(w), free(bias), free(yr), free(ya), free(y1);
+                free(x), free(w), free(bias), free(yr), free(ya), free(y1), free(wf), free(wb);
             }
-    printf("ok gemm: avx2 bitwise == reference and batch invariant (%d shape cases, 1 and 3 threads)\n", cases);
+    printf("ok gemm: avx2 (fp32 and bf16 weights) bitwise == reference and batch invariant (%d shape cases, 1 and 3 "
+           "threads)\n", cases);
 }
 
 static void test_blas(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
@@ -78,8 +92,8 @@ static void test_blas(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
         float *x = rnd((size_t)n * in, 1.0f), *w = rnd((size_t)out * in, 0.5f), *bias = rnd(out, 1.0f);
         float *yr = kvs_xmalloc((size_t)n * out * 4), *yb = kvs_xmalloc((size_t)n * out * 4);
         float *y2 = kvs_xmalloc((size_t)n * out * 4);
-        kvs_cpu_gemm(p1, &K_REF, x, w, bias, n, in, out, yr);
-        kvs_cpu_gemm(p3, &K_BLAS, x, w, bias, n, in, out, yb);
+        kvs_cpu_gemm(p1, &K_REF, x, w, NULL, bias, n, in, out, yr);
+        kvs_cpu_gemm(p3, &K_BLAS, x, w, NULL, bias, n, in, out, yb);
         /* error bound per element: fp32 rounding of a length-in sum of |x||w| terms */
         double worst = 0;
         for (int t = 0; t < n; t++)
@@ -90,14 +104,14 @@ static void test_blas(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                 if (!(e <= worst)) worst = e;
             }
         CHECK(worst < 1e-5, "blas %dx%dx%d: error %g of the magnitude bound", n, in, out, worst);
-        kvs_cpu_gemm(p3, &K_BLAS, x, w, bias, n, in, out, y2);
+        kvs_cpu_gemm(p3, &K_BLAS, x, w, NULL, bias, n, in, out, y2);
         CHECK(memcmp(yb, y2, (size_t)n * out * 4) == 0, "blas %dx%dx%d: two runs differ", n, in, out);
-        kvs_cpu_gemm(p1, &K_BLAS, x, w, bias, n, in, out, y2);
+        kvs_cpu_gemm(p1, &K_BLAS, x, w, NULL, bias, n, in, out, y2);
         CHECK(memcmp(yb, y2, (size_t)n * out * 4) == 0, "blas %dx%dx%d: 1 vs 3 threads differ", n, in, out);
         /* batch invariance, measured: the first rows again as a smaller batch */
         if (n >= 2 * KVS_CPU_BLAS_MIN_ROWS) {
             int m = n / 2 + 1;
-            kvs_cpu_gemm(p3, &K_BLAS, x, w, bias, m, in, out, y2);
+            kvs_cpu_gemm(p3, &K_BLAS, x, w, NULL, bias, m, in, out, y2);
             for (int t = 0; t < m; t++) {
                 rows_total++;
                 rows_variant += memcmp(y2 + (size_t)t * out, yb + (size_t)t * out, (size_t)out * 4) != 0;
