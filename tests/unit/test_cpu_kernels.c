@@ -66,15 +66,18 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     kvs_cpu_gemm(p1, &K_AVX2, x, w, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: avx2 (1 thread) != ref", n,
                           in, out, with_bias);
+                    int t = (int)(kvs_test_xorshift(&g_rng) % (uint32_t)n);
+                    kvs_cpu_gemm(p3, &K_AVX2, x + (size_t)t * in, w, NULL, bb, 1, in, out, y1);
+                    CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
+                          "gemm %dx%dx%d: row %d alone != in the batch", n, in, out, t);
                     /* bf16 weights: the reference on the widened copy, bitwise */
                     kvs_cpu_gemm(p1, &K_REF, x, wf, NULL, bb, n, in, out, yr);
                     kvs_cpu_gemm(p3, &K_AVX2, x, NULL, wb, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: avx2 bf16 != ref", n, in,
                           out, with_bias);
-                    int t = (int)(kvs_test_xorshift(&g_rng) % (uint32_t)n);
-                    kvs_cpu_gemm(p3, &K_AVX2, x + (size_t)t * in, w, NULL, bb, 1, in, out, y1);
+                    kvs_cpu_gemm(p1, &K_AVX2, x + (size_t)t * in, NULL, wb, bb, 1, in, out, y1);
                     CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
-                          "gemm %dx%dx%d: row %d alone != in the batch", n, in, out, t);
+                          "gemm %dx%dx%d: bf16, row %d alone != in the batch", n, in, out, t);
                     cases++;
                 }
                 free(x), free(w), free(bias), free(yr), free(ya), free(y1), free(wf), free(wb);
