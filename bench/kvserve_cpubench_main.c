@@ -13,7 +13,8 @@
  * Every figure is the best of --reps repetitions (least disturbed by other load).
  *
  *   build/kvserve-cpubench [--model models/demo] [--threads 0] [--reps 3] [--prefill 2000]
- *                          [--batch 16] [--ctx 256] [--decode-steps 32]
+ *                          [--batch 16] [--ctx 256] [--decode-steps 32] [--gemms 1]
+ * (--gemms 0 skips parts 1 and 2.)
  */
 #include "engine/config.h"
 #include "engine/runner.h"
@@ -212,7 +213,7 @@ static int run_model(const struct kvs_config *cfg, const struct kvs_model *model
 int main(int argc, char **argv)
 {
     const char *model_dir = "models/demo";
-    int threads = 0, prefill = 2000, batch = 16, ctx = 256, steps = 32;
+    int threads = 0, prefill = 2000, batch = 16, ctx = 256, steps = 32, gemms = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model_dir = v;
@@ -222,6 +223,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--batch")) batch = atoi(v);
         else if (!strcmp(a, "--ctx")) ctx = atoi(v);
         else if (!strcmp(a, "--decode-steps")) steps = atoi(v);
+        else if (!strcmp(a, "--gemms")) gemms = atoi(v);
         else {
             fprintf(stderr, "kvserve-cpubench: unknown option %s\n", a);
             return 2;
@@ -251,9 +253,11 @@ int main(int argc, char **argv)
     const int nt = kvs_cpu_pool_threads(pool);
     printf("# kvserve-cpubench: %s, %d threads, %s, model %s\n\n", kvs_cpu_isa_name(kvs_cpu_isa_best()), nt,
            kvs_cpu_blas_name(), model_dir);
-    double peak = peak_gflops(pool);
-    printf("Peak (AVX2 mul + add, %d threads): %.1f GFLOP/s\n\n", nt, peak);
-    bench_gemms(pool, kvs_model_config(model), peak);
+    if (gemms) {
+        double peak = peak_gflops(pool);
+        printf("Peak (AVX2 mul + add, %d threads): %.1f GFLOP/s\n\n", nt, peak);
+        bench_gemms(pool, kvs_model_config(model), peak);
+    }
     kvs_cpu_pool_free(pool);
 
     /* the model with each kernel set; the environment is how a backend picks them */
