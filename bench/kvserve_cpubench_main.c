@@ -10,7 +10,8 @@
  *      for avx2, with fp32 copies of the weights and with bf16 matrices kept as bf16):
  *      prefill of --prefill tokens (one sequence, one step), single-stream decode ms/token after
  *      it, and batched decode tok/s (--batch sequences with --ctx cached tokens each).
- * Every figure is the best of --reps repetitions (least disturbed by other load).
+ * Every figure is the best of --reps repetitions (least disturbed by other load); the model's
+ * repetitions go round robin over the kernel sets.
  *
  *   build/kvserve-cpubench [--model models/demo] [--threads 0] [--reps 3] [--prefill 2000]
  *                          [--batch 16] [--ctx 256] [--decode-steps 32] [--gemms 1]
@@ -134,18 +135,16 @@ struct model_result {
     double prefill_tok_s, decode_ms, batch_tok_s;
 };
 
-/* sequence s owns blocks [s * per, (s + 1) * per) */
-static int run_model(const struct kvs_config *cfg, const struct kvs_model *model, int prefill, int batch, int ctx,
-                     int steps, struct model_result *res, char *err, size_t errlen)
+/* One repetition of the three measurements on runner r, keeping the best of each in res. The
+ * long sequence owns the first blocks, then each batch sequence its own. */
+static int run_model(struct kvs_runner *r, int prefill, int batch, int ctx, int steps, struct model_result *res,
+                     char *err, size_t errlen)
 {
-    struct kvs_runner *r = NULL;
-    int rc = kvs_runner_create(cfg, model, &r, err, errlen);
-    if (rc < 0) return rc;
+    int rc = 0;
     const int bs = kvs_runner_block_size(r), vocab = kvs_runner_vocab_size(r);
     const int long_len = prefill + steps, short_len = ctx + steps;
     const int per_long = (long_len + bs - 1) / bs, per_short = (short_len + bs - 1) / bs;
     if (per_long + batch * per_short > kvs_runner_num_blocks(r)) {
-        kvs_runner_free(r);
         return kvs_err(err, errlen, -ENOMEM, "KV pool too small: %d blocks, need %d", kvs_runner_num_blocks(r),
                        per_long + batch * per_short);
     }
@@ -156,8 +155,7 @@ static int run_model(const struct kvs_config *cfg, const struct kvs_model *model
     int32_t *argmax = kvs_xmalloc((size_t)(batch + 1) * 4);
     float *logits = kvs_xmalloc((size_t)vocab * 4);
     struct kvs_batch_seq *seqs = kvs_xcalloc((size_t)batch, sizeof *seqs);
-    res->prefill_tok_s = res->decode_ms = res->batch_tok_s = 0;
-    for (int rep = 0; rep < g_reps && rc == 0; rep++) {
+    do {
         /* prefill one long sequence in one step, then decode it alone */
         struct kvs_batch_seq s0 = {.tokens = toks, .n_tokens = prefill, .pos = 0, .block_table = bt,
                                    .n_blocks = per_long, .want_logits = KVS_LOGITS_LAST};
@@ -203,10 +201,9 @@ static int run_model(const struct kvs_config *cfg, const struct kvs_model *model
         free(next);
         if (rc < 0) break;
         if ((double)batch * steps / t > res->batch_tok_s) res->batch_tok_s = (double)batch * steps / t;
-    }
+    } while (0);
     if (rc < 0) kvs_err(err, errlen, rc, "forward failed (%d)", rc);
     free(bt), free(toks), free(argmax), free(logits), free(seqs);
-    kvs_runner_free(r);
     return rc < 0 ? rc : 0;
 }
 
@@ -266,28 +263,39 @@ int main(int argc, char **argv)
                              {"avx2 (default: bf16 weights kept)", "avx2", "invariant", "auto"},
                              {"blas (opt-in)", "avx2", "blas", "f32"}};
     enum { N_SETS = 4 };
-    struct model_result res[N_SETS];
+    struct model_result res[N_SETS] = {{0}};
+    struct kvs_runner *runners[N_SETS] = {NULL};
     char buf[64];
-    for (int k = 0; k < N_SETS; k++) {
+    int rc = 0;
+    /* one runner per set (a backend reads the environment when created), then the repetitions
+     * round robin over the sets, so a burst of load elsewhere hits them all alike */
+    for (int k = 0; k < N_SETS && rc == 0; k++) {
         setenv("KVS_CPU_KERNELS", sets[k][1], 1);
         setenv("KVS_CPU_GEMM", sets[k][2], 1);
         setenv("KVS_CPU_WEIGHTS", sets[k][3], 1);
         struct kvs_config cfg;
         kvs_config_init(&cfg);
-        int rc = kvs_config_set(&cfg, "device=cpu", err, sizeof err);
+        rc = kvs_config_set(&cfg, "device=cpu", err, sizeof err);
         snprintf(buf, sizeof buf, "cpu_threads=%d", threads);
         if (rc == 0) rc = kvs_config_set(&cfg, buf, err, sizeof err);
         snprintf(buf, sizeof buf, "scheduler.max_batch_tokens=%d", prefill > batch * ctx ? prefill : batch * ctx);
         if (rc == 0) rc = kvs_config_set(&cfg, buf, err, sizeof err);
-        snprintf(buf, sizeof buf, "kv.memory_bytes=%lld", 256LL << 20);
+        long long kv_bytes = (long long)(prefill + steps + batch * (ctx + steps) + 64 * (batch + 1)) * 64 * 1024;
+        snprintf(buf, sizeof buf, "kv.memory_bytes=%lld", kv_bytes < (64LL << 20) ? 64LL << 20 : kv_bytes);
         if (rc == 0) rc = kvs_config_set(&cfg, buf, err, sizeof err);
-        if (rc == 0) rc = run_model(&cfg, model, prefill, batch, ctx, steps, &res[k], err, sizeof err);
+        if (rc == 0) rc = kvs_runner_create(&cfg, model, &runners[k], err, sizeof err);
         kvs_config_free(&cfg);
-        if (rc < 0) {
-            fprintf(stderr, "kvserve-cpubench: %s kernels: %s\n", sets[k][0], err);
-            kvs_model_free(model);
-            return 1;
+    }
+    for (int rep = 0; rep < g_reps && rc == 0; rep++)
+        for (int k = 0; k < N_SETS && rc == 0; k++) {
+            rc = run_model(runners[k], prefill, batch, ctx, steps, &res[k], err, sizeof err);
+            if (rc < 0) fprintf(stderr, "kvserve-cpubench: %s kernels: ", sets[k][0]);
         }
+    for (int k = 0; k < N_SETS; k++) kvs_runner_free(runners[k]);
+    if (rc < 0) {
+        fprintf(stderr, "kvserve-cpubench: %s\n", err);
+        kvs_model_free(model);
+        return 1;
     }
     printf("## Model %s, fp32 (best of %d)\n\n", model_dir, g_reps);
     printf("| kernels | prefill %d tok/s | decode ms/token (ctx %d) | batched decode tok/s (%d x ctx %d) |\n", prefill,
