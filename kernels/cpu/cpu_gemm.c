@@ -150,16 +150,6 @@ static void ref_task(void *c, int task)
 #if KVS_CPU_X86
 #define AVX2 __attribute__((target("avx2")))
 
-AVX2 static inline float finish(__m256 acc, const float *xr, const float *wr, int k8, int in, const float *bias,
-                                int o)
-{
-    float a[8];
-    _mm256_storeu_ps(a, acc);
-    float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    for (int k = k8; k < in; k++) s += xr[k] * wr[k];
-    return bias ? s + bias[o] : s;
-}
-
 #define MADD(acc, a, b) acc = _mm256_add_ps(acc, _mm256_mul_ps(a, b))
 
 /* the reference tree of four accumulators at once: hadd pairs lanes (l0+l1, l2+l3, ...), the
