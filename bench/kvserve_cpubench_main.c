@@ -19,7 +19,7 @@
  */
 #include "engine/config.h"
 #include "engine/runner.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "models/model.h"
 

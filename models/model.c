@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/safetensors.h"
 
 struct tensor_ref {

@@ -14,33 +14,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "models/model.h"
-
-#define MAX_HEAD_DIM KVS_CPU_MAX_HEAD_DIM
-
-struct kvs_dbuf {
-    enum kvs_buf_kind kind;
-    size_t n;
-    void *data;                   /* 64-byte aligned, n elements */
-};
-
-struct kvs_dweight {
-    int64_t rows, cols;           /* vectors: rows = 1 */
-    float *data;                  /* [rows][cols] fp32, or NULL when bf16 holds the matrix */
-    uint16_t *bf16;               /* [rows][cols] bf16 bits (bf16 matrices, kern.bf16_weights), or NULL */
-};
-
-struct kvs_backend {
-    struct kvs_cpu_pool *pool;
-    struct kvs_cpu_kernels kern;  /* kernel set and GEMM mode, fixed at create */
-};
-
-static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
-static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
 
 /* ---- lifetime ------------------------------------------------------------------------- */
 
@@ -349,6 +328,18 @@ static void cpu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const 
     }
 }
 
+/* cpu_internal.h */
+void kvs_cpu_rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out)
+{
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = (float)off * inv_freq[i];
+        float c = cosf(a), s = sinf(a);
+        out[i] = q[i] * c + q[i + half] * s;
+        out[i + half] = -q[i] * s + q[i + half] * c;
+    }
+}
+
 static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads, int n_kv_heads,
                           int head_dim, int block_size, float scale, struct kvs_dbuf *out)
@@ -459,4 +450,6 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .kv_copy_block = cpu_kv_copy_block,
     .logits_to_host = cpu_logits_to_host,
     .argmax_rows = cpu_argmax_rows,
+    .attention_spans = kvs_cpu_attention_spans,
+    .attn_merge = kvs_cpu_attn_merge,
 };

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)

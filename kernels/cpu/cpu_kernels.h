@@ -5,10 +5,9 @@
  * Kernel sets (enum kvs_cpu_isa). KVS_CPU_ISA_REF is the readable plain-C fp32 reference (the
  * oracle of the tests); KVS_CPU_ISA_AVX2 uses 256-bit intrinsics (target attributes, picked at
  * run time with __builtin_cpu_supports). The AVX2 matmul keeps the reference's summation order
- * (kvs_cpu_dot's lanes and tree) with separate multiplies and adds (no FMA), so its results are
- * BITWISE equal to the reference's. The AVX2 attention walks keys in tiles with a vector exp,
- * so it rounds differently from the reference (within 1e-5, tested) but is batch invariant by
- * construction (cpu_attention.c says why; the test checks rows alone against rows in batches).
+ * (kvs_cpu_dot's lanes and tree) with separate multiplies and adds (no FMA), and so does the
+ * AVX2 attention per (row, head), so the fast results are BITWISE equal to the reference's:
+ * they inherit its determinism and batch invariance, and the tests compare bits.
  *
  * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_INVARIANT (default) runs the kernels above.
  * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
