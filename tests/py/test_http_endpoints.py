@@ -2,13 +2,15 @@
 tokenize/detokenize, metrics names and values, documents (CRUD, persistence across restarts,
 use in completions and chat), SSE framing and keep-alive comments, per-request timeout."""
 import json
+import os
 import re
 import tempfile
 import time
 
 import requests
+from tokenizers import Tokenizer
 
-from kvs_http import Server, check, chatml, complete, tokenize
+from kvs_http import ROOT, Server, check, chatml, complete, tokenize
 
 
 def sse_events(resp):
@@ -61,6 +63,12 @@ def test_main():
         m = r["data"][0]
         check(r["object"] == "list" and m["id"] == "tiny" and m["object"] == "model" and m["owned_by"]
               and isinstance(m["created"], int) and m["max_model_len"] == 256, f"models {r}")
+
+        # the fake's tokenizer file is a real one: HF `tokenizers` gives the ids kvs_http predicts
+        hf = Tokenizer.from_file(os.path.join(ROOT, "tests", "data", "fake", "tokenizer.json"))
+        for text in ("hi<|im_end|>", "<|im_start|>user\nnaïve 😀<|endoftext|>", "a<|bos|>b"):
+            check(hf.encode(text).ids == tokenize(text), f"HF ids of {text!r}: {hf.encode(text).ids}")
+            check(hf.encode(text, add_special_tokens=False).ids == tokenize(text, add_special=False), f"{text!r}")
 
         # tokenize / detokenize (vLLM shapes)
         r = requests.post(b + "/tokenize", json={"prompt": "hi<|im_end|>"}).json()
@@ -153,13 +161,13 @@ def test_main():
     with Server("--max-connections", "4") as srv:
         r = requests.post(srv.base + "/v1/completions", json={"prompt": "x!fail!", "max_tokens": 10})
         check(r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-              and "injected failure" in r.json()["error"]["message"], f"engine error: {r.status_code} {r.text}")
+              and "sampling failed" in r.json()["error"]["message"], f"engine error: {r.status_code} {r.text}")
         with requests.post(srv.base + "/v1/chat/completions", stream=True, json={
                 "messages": [{"role": "user", "content": "abc!fail!"}], "max_tokens": 10, "stream": True}) as resp:
             data, _ = sse_events(resp)
         check(resp.status_code == 200 and data[-1] == "[DONE]", f"stream end {data}")
         err = json.loads(data[-2])
-        check(set(err) == {"error"} and "injected failure" in err["error"]["message"], f"in-band error {data[-2]}")
+        check(set(err) == {"error"} and "sampling failed" in err["error"]["message"], f"in-band error {data[-2]}")
         check(len(data) == 4 and json.loads(data[0])["choices"][0]["delta"]["role"] == "assistant",
               f"2 tokens (the role with the first), error, [DONE]: {data}")
         # connection limit: 4 idle sockets hold every ordinary slot; /health is served from the
