@@ -5,7 +5,7 @@
 #   base/ engine/ engine/kv/ engine/text/ models/ kernels/ kernels/cpu/ server/ *.c -> build/libkvserve.a
 #   tools/ bench/ *.c (not mains)                         -> build/libkvstools.a (eval harness, bench helpers)
 #   any *_main.c                                          -> build/<name> (name: file minus _main.c, '_' -> '-')
-#   kernels/cuda/*.cu                                     -> linked in when nvcc is found (CUDA=0 forces off)
+#   kernels/cuda/*.cu, kernels/cuda/dev/*.cu              -> linked in when nvcc is found (CUDA=0 forces off)
 #   tests/unit/test_*.c                                   -> build/tests/test_*   (run by tests/run)
 #   tests/gpu/test_*.c, *.cu                              -> build/tests-gpu/test_* (run by make test-gpu)
 #   tests/fuzz/fuzz_*.c                                   -> build/fuzz/fuzz_* (clang libFuzzer, `make fuzz`)
@@ -42,7 +42,7 @@ LIB_SRCS := $(filter-out %_main.c,$(wildcard base/*.c engine/*.c engine/kv/*.c e
   kernels/cpu/*.c server/*.c))
 TOOL_SRCS := $(filter-out %_main.c,$(wildcard tools/*.c bench/*.c))
 MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
-CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu),)
+CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu),)
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 

@@ -1,5 +1,7 @@
-/* handlers.h: server-internal state shared by server.c (event loop, MHD glue) and handlers.c
- * (endpoints, engine requests, response and SSE formatting). Not a public interface.
+/* handlers.h: server-internal state shared by server.c (event loop, MHD glue), handlers.c
+ * (routing, auth, errors, small endpoints), openai_gen.c (generation endpoints, engine requests,
+ * response and SSE formatting) and documents_api.c (documents endpoints). Not a public
+ * interface.
  *
  * Ownership: struct kvs_server is allocated and freed by kvs_server_run; struct call by
  * on_access / on_completed (kvs_call_free). Every function runs on the loop thread.
@@ -124,6 +126,19 @@ struct call {
 };
 
 int kvs_call_dispatch(struct kvs_server *s, struct call *c);
+/* Response helpers (handlers.c): j is consumed; parse_body as kvs_api_parse, then the model
+ * check (0: parsed, the caller frees r; -1: the error is queued, r freed, *mhd_rc to return). */
+enum kvs_api_kind;
+struct kvs_api_request;
+int kvs_call_respond_json(struct call *c, int status, struct cJSON *j);
+struct cJSON *kvs_error_object(const char *message, const char *type, const char *param, const char *code);
+int kvs_call_parse_body(struct kvs_server *s, struct call *c, enum kvs_api_kind kind, int check_model,
+                        struct kvs_api_request *r, int *mhd_rc);
+/* The endpoints of openai_gen.c and documents_api.c. */
+int kvs_openai_generate(struct kvs_server *s, struct call *c);
+int kvs_docs_create(struct kvs_server *s, struct call *c);
+int kvs_docs_list(struct kvs_server *s, struct call *c);
+int kvs_docs_one(struct kvs_server *s, struct call *c, const char *id);
 int kvs_call_resumed(struct kvs_server *s, struct call *c);
 /* Queues an OpenAI-shaped error response. */
 int kvs_call_error(struct call *c, int status, const char *type, const char *code, const char *param,
