@@ -57,7 +57,7 @@ def test_loading():
 def test_main():
     docdir = tempfile.mkdtemp(prefix="kvs-docs-")
     with Server("--documents-dir", docdir, "--keepalive", "0.2", "--served-name", "tiny",
-                env={"KVS_FAKE_PREFILL_MS": "700"}) as srv:
+                env={"KVS_FAKE_PREFILL_MS": "900"}) as srv:
         b = srv.base
         r = requests.get(b + "/v1/models").json()
         m = r["data"][0]
@@ -114,7 +114,8 @@ def test_main():
         check(r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["message"]["content"] == want_text
               and r["choices"][0]["finish_reason"] == want_reason == "stop", f"chat with documents {r}")
 
-        # SSE framing + keep-alive comments during the (fake) 700 ms prefill
+        # SSE framing + keep-alive comments during the (fake) 900 ms prefill (0.2 s keep-alive on the
+        # server's 0.25 s tick: 2 or 3 comments; 700 ms left room for only 2, 1 when a tick came late)
         with requests.post(b + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True},
                            stream=True) as resp:
             check(resp.headers["Content-Type"].startswith("text/event-stream"), "SSE content type")
@@ -143,7 +144,7 @@ def test_main():
         n_ttft = 2 + (chat_n > 0)
         check(mm['vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="tiny"}'] == 0
               and mm['vllm:time_to_first_token_seconds_bucket{le="2.5",model_name="tiny"}'] == n_ttft
-              and mm['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == n_ttft, "ttft buckets (prefill 0.7s)")
+              and mm['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == n_ttft, "ttft buckets (prefill 0.9s)")
         check(mm['kvserve:documents{model_name="tiny"}'] == 2, "documents gauge")
         check(mm['vllm:generation_tokens_total{model_name="tiny"}'] == 12 + chat_n + 3, "generation tokens")
 
