@@ -923,6 +923,13 @@ struct kvs_backend *kvs_runner_rank_backend(const struct kvs_runner *r, const st
 
 size_t kvs_runner_rank_reduce_elems(const struct kvs_runner *r) { return (size_t)r->cap_tokens * (size_t)r->dim; }
 
+void kvs_runner_rank_warm(struct kvs_runner *r)
+{
+    r->ops->zero(r->be, r->proj, 0, kvs_runner_rank_reduce_elems(r));
+    r->ops->allreduce_sum(r->be, r->proj, kvs_runner_rank_reduce_elems(r));
+    r->ops->sync(r->be);
+}
+
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
 {
     int n = r->dp->counters ? r->dp->counters(r->dp_state, out, cap) : 0;

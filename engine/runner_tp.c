@@ -19,7 +19,7 @@
 #include "engine/runner.h"
 #include "kernels/backend.h"
 
-enum job_kind { JOB_CREATE = 1, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE };
+enum job_kind { JOB_CREATE = 1, JOB_WARM, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE };
 
 struct rank_slot {
     struct kvs_tp *tp;
@@ -59,6 +59,9 @@ static void run_job(struct kvs_tp *tp, struct rank_slot *s)
     switch (tp->kind) {
     case JOB_CREATE:
         s->rc = kvs_runner_rank_create(tp->cfg, tp->model, s->rank, tp->n, &s->r, &s->n_blocks, s->err, sizeof s->err);
+        break;
+    case JOB_WARM:
+        kvs_runner_rank_warm(s->r);
         break;
     case JOB_FINISH:
         s->rc = kvs_runner_rank_finish(s->r, tp->cfg, tp->n_blocks, tp, s->err, sizeof s->err);
@@ -203,6 +206,9 @@ int kvs_tp_create(const struct kvs_config *cfg, const struct kvs_model *model, s
         free(bs);
         if (rc < 0) goto fail;
     }
+    /* the first collective connects the ranks (NCCL); it must not happen inside a recorded
+     * step graph, so one all-reduce of the largest size runs now, eagerly, on every rank */
+    run_all(tp, JOB_WARM, NULL);
     if ((rc = run_all(tp, JOB_FINISH, &bad)) < 0) {
         kvs_err(err, errlen, rc, "rank %d: %s", bad, tp->slots[bad].err);
         goto fail;

@@ -59,6 +59,9 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
 void kvs_runner_rank_copy_block(struct kvs_runner *r, int32_t src, int32_t dst);
 void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot);
 struct kvs_backend *kvs_runner_rank_backend(const struct kvs_runner *r, const struct kvs_backend_ops **ops);
+/* One all-reduce of the largest size (eager, then waits): connects the ranks before any step
+ * graph is recorded. */
+void kvs_runner_rank_warm(struct kvs_runner *r);
 /* elements of the largest all-reduce (tokens per step x hidden size) */
 size_t kvs_runner_rank_reduce_elems(const struct kvs_runner *r);
 

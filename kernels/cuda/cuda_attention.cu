@@ -1471,6 +1471,22 @@ static int choose_splits(long long base_blocks, int resident, int n_sms, int max
     return best;
 }
 
+/* A kernel's resident blocks per SM, one entry per GPU: the shared-memory limit that the first
+ * launch raises (cudaFuncSetAttribute) holds for the current device only, and each rank of a
+ * tensor-parallel group launches on its own device from its own thread. */
+#define AT_MAX_DEVICES 64
+struct at_resident {
+    int on[AT_MAX_DEVICES];
+};
+
+static int *resident_here(at_resident &r)
+{
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    KVS_ASSERT(dev >= 0 && dev < AT_MAX_DEVICES);
+    return &r.on[dev];
+}
+
 /* One launch of kernel `kern` (threads per block, dynamic shared memory smem) over n_tiles tiles
  * x KV heads x context splits, then the merge of the splits. *resident caches the kernel's
  * resident blocks per SM (0 = not yet known; the first call also raises its shared-memory
@@ -1516,7 +1532,7 @@ template <int HD, int NW, int MT, int ST, bool ROT>
 static void launch_tc(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
-    static int resident = 0;
+    static at_resident resident;
     /* Causal prefill tiles do unequal work (a tile's keys grow with its position), so splitting
      * contexts to fill whole waves does not pay once the tiles alone cover the SMs: H100,
      * Llama-3.1-8B shape, attention of all layers for 512 / 1024 / 2048 / 8192-token prompts,
@@ -1524,7 +1540,7 @@ static void launch_tc(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
      * (8192: the same plan, 1 split, run to run noise). Fewer tiles than SMs (a short suffix
      * over a long cached context) still split. */
     if (force <= 0 && (long long)n_tiles * x.n_kv >= n_sms) force = 1;
-    launch_kernel(k_attn_tc<HD, NW, MT, ST, ROT>, NW * 32, tc_cfg<HD, NW, MT, ST, ROT>::smem, &resident, x, n_tiles,
+    launch_kernel(k_attn_tc<HD, NW, MT, ST, ROT>, NW * 32, tc_cfg<HD, NW, MT, ST, ROT>::smem, resident_here(resident), x, n_tiles,
                   max_ctx, st, n_sms, ws_floats, n, HD, force);
 }
 
@@ -1541,8 +1557,8 @@ template <int HD, int RPW, bool ROT>
 static void launch_simt(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                         int force)
 {
-    static int resident = 0;
-    launch_kernel(k_attn<HD, RPW, ROT>, AT_THREADS, at_smem<HD>::bytes(AT_WARPS * RPW, ROT), &resident, x, n_tiles,
+    static at_resident resident;
+    launch_kernel(k_attn<HD, RPW, ROT>, AT_THREADS, at_smem<HD>::bytes(AT_WARPS * RPW, ROT), resident_here(resident), x, n_tiles,
                   max_ctx, st, n_sms, ws_floats, n, HD, force);
 }
 
@@ -1649,7 +1665,7 @@ template <int HD, bool ROT, bool TMA>
 static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
-    static int resident = 0;
+    static at_resident resident;
     /* Splits: about two blocks per SM in all, at least one 128-key tile each. H100, Llama-3.1-8B
      * shape, attention of all layers at forced split counts (--attn-variants, 02:45Z; at most 16): batch 1 x
      * 1K best at 8 splits (0.278 ms), 1 x 8K at 16 (0.678), 8 x 1K at 4 (0.633), 8 x 8K at 2
@@ -1663,7 +1679,7 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
         if (ns > 16) ns = 16; /* batch 1 x 8K / 32K: 16 splits 0.68 / 1.79 ms, 32: 0.73 / 1.85 */
         force = ns < 1 ? 1 : (int)ns;
     }
-    launch_kernel(k_attn_fd<HD, ROT, TMA>, FD_WARPS * 32, fd_cfg<HD, ROT, TMA>::smem, &resident, x, n_tiles, max_ctx,
+    launch_kernel(k_attn_fd<HD, ROT, TMA>, FD_WARPS * 32, fd_cfg<HD, ROT, TMA>::smem, resident_here(resident), x, n_tiles, max_ctx,
                   st, n_sms, ws_floats, n, HD, force, FD_TILE);
 }
 

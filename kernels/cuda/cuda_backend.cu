@@ -76,6 +76,7 @@ extern "C" {
 #define KVS_HAVE_CUDA 1
 #endif
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_tp.h"
 
 /* for cuBLAS and cuBLASLt calls alike (both return cublasStatus_t) */
 #define CUBLAS_CHECK(call)                                                                   \
@@ -218,6 +219,7 @@ struct kvs_backend {
                                    * KVS_CUDA_DEC_ATTN or automatic (cuda_attention.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
+    void *tp_comm;                /* tensor parallelism: this rank's NCCL communicator (cuda_tp.h) or NULL */
 };
 
 template <typename T> static void list_add(T **head, T *x)
@@ -695,7 +697,8 @@ __device__ __forceinline__ void argmax_warp(float &bv, int &bi)
 }
 
 /* blockDim.x == ARGMAX_THREADS (whole warps); out[row] for row = blockIdx.x */
-__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *logits, int vocab, int vec4, int32_t *out)
+__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *logits, int vocab, int vec4, int32_t *out,
+                                                                 float *vals)
 {
     __shared__ float wv[ARGMAX_THREADS / 32];
     __shared__ int wi[ARGMAX_THREADS / 32];
@@ -727,7 +730,10 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *log
     bi = l < ARGMAX_THREADS / 32 ? wi[l] : -1;
     argmax_warp(bv, bi);
     /* nothing above -inf: nothing to pick (the sampler's greedy path fails too) */
-    if (l == 0) out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
+    if (l == 0) {
+        out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
+        if (vals) vals[blockIdx.x] = bv; /* argmax_rows_val: the winner's value */
+    }
 }
 
 /* reads n16 x 16 bytes (nothing is written: the L2 is left holding clean lines of p) */
@@ -782,7 +788,8 @@ static int shape_listed(const int64_t (*list)[2], int count, int64_t rows, int64
     return 0;
 }
 
-static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
+/* the backend on GPU `device`, which becomes the calling thread's current device */
+static struct kvs_backend *cu_create_device(int device, int n_threads, char *err, size_t errlen)
 {
     (void)n_threads;
     int ndev = 0;
@@ -791,8 +798,12 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
         kvs_err(err, errlen, -ENODEV, "no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
         return NULL;
     }
+    if (device < 0 || device >= ndev) {
+        kvs_err(err, errlen, -ENODEV, "no CUDA device %d (%d visible)", device, ndev);
+        return NULL;
+    }
     struct kvs_backend *b = (struct kvs_backend *)kvs_xcalloc(1, sizeof *b);
-    b->device = 0;
+    b->device = device;
     CUDA_CHECK(cudaSetDevice(b->device));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, b->device));
@@ -834,9 +845,14 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
         e = getenv("KVS_CUDA_GEMM_SPLITK");
         b->gemm_splitk = !(e && strcmp(e, "0") == 0);
     }
-    kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
-            (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
+    kvs_log(KVS_LOG_INFO, "cuda: device %d: %s, %d SMs, %.1f GiB, compute %d.%d", device, prop.name,
+            prop.multiProcessorCount, (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
     return b;
+}
+
+static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
+{
+    return cu_create_device(0, n_threads, err, errlen);
 }
 
 /* unlinks and frees one weight: its own memory, or its share of a fused storage (the storage
@@ -858,6 +874,7 @@ static void cu_free(struct kvs_backend *b)
 {
     if (!b) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    kvs_cu_nccl_free(b->tp_comm);
     gemm_tune_report(b);
     while (b->bufs) {
         struct kvs_dbuf *x = b->bufs;
@@ -2003,8 +2020,49 @@ static void cu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits,
     int vec4 = vocab % 4 == 0 && ((uintptr_t)logits->d & 15) == 0;
     xh_forget(b, out->d);
     CUDA_CHECK(kvs_cu_launch(k_argmax_rows, m, ARGMAX_THREADS, 0, b->stream, (const float *)logits->d, vocab, vec4,
-                             (int32_t *)out->d + out_off));
+                             (int32_t *)out->d + out_off, (float *)nullptr));
     LAUNCH_CHECK();
+}
+
+/* ---- tensor parallelism (backend.h; NCCL in cuda_tp.cu) ----------------------------------- */
+
+static void cu_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                               struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off)
+{
+    if (m <= 0) return;
+    KVS_ASSERT(logits->kind != KVS_BUF_KV && out->kind == KVS_BUF_I32 && vals->kind == KVS_BUF_F32);
+    KVS_ASSERT((size_t)m * vocab <= logits->n && out_off + (size_t)m <= out->n && out_off + (size_t)m <= vals->n);
+    int vec4 = vocab % 4 == 0 && ((uintptr_t)logits->d & 15) == 0;
+    xh_forget(b, out->d);
+    xh_forget(b, vals->d);
+    CUDA_CHECK(kvs_cu_launch(k_argmax_rows, m, ARGMAX_THREADS, 0, b->stream, (const float *)logits->d, vocab, vec4,
+                             (int32_t *)out->d + out_off, (float *)vals->d + out_off));
+    LAUNCH_CHECK();
+}
+
+static int cu_tp_group(struct kvs_backend *const *bs, int n, size_t max_elems, char *err, size_t errlen)
+{
+    (void)max_elems; /* NCCL needs no scratch of ours */
+    int devs[64] = {0};
+    if (n < 2 || n > 64) return kvs_err(err, errlen, -EINVAL, "cuda tp: %d ranks", n);
+    for (int i = 0; i < n; i++) {
+        devs[i] = bs[i]->device;
+        for (int j = 0; j < i; j++)
+            if (devs[j] == devs[i]) return kvs_err(err, errlen, -EINVAL, "cuda tp: ranks %d and %d share GPU %d", j, i, devs[i]);
+    }
+    void *comms[64] = {nullptr};
+    int rc = kvs_cu_nccl_group(n, devs, comms, err, errlen);
+    if (rc < 0) return rc;
+    for (int i = 0; i < n; i++) bs[i]->tp_comm = comms[i];
+    return 0;
+}
+
+/* ACT is fp32 here: the sum is taken in fp32 (NCCL's ring order, the same on every rank) */
+static void cu_allreduce_sum(struct kvs_backend *b, struct kvs_dbuf *buf, size_t n)
+{
+    KVS_ASSERT(b->tp_comm && buf->kind == KVS_BUF_ACT && n <= buf->n);
+    xh_forget(b, buf->d);
+    kvs_cu_nccl_allreduce(b->tp_comm, (float *)buf->d, n, b->stream);
 }
 
 /* ---- step graphs ---------------------------------------------------------------------------- */
@@ -2091,6 +2149,10 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
      * device cuda at startup, kv.h) */
     nullptr,
     nullptr,
+    cu_create_device,
+    cu_tp_group,
+    cu_allreduce_sum,
+    cu_argmax_rows_val,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

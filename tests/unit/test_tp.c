@@ -14,7 +14,11 @@
  * transformers' reference.json), and two written here with 12 KV heads (N = 2, 3, 4), a
  * vocabulary of 1001 (uneven shares), Qwen2-style q/k/v biases + an o_proj bias with untied LM
  * head, and Qwen3-style q/k norms with tied embeddings.
- * Refusals: N not dividing the KV heads, and N > 1 on a model loads nothing (-EINVAL, message).
+ * 5. Through the engine (scheduler thread, prefix sharing with copy-on-write, request ends), with
+ *    the decode policies of kv_test_policies.h (per rank, over its heads): test_window (an
+ *    approximate sliding window with sinks, lse scratch, no graphs) and test_spans: greedy
+ *    continuations of 6 requests (pairs share a prompt prefix) equal at TP 1 and TP 2.
+ * Refusals: N not dividing the KV heads (-EINVAL, message).
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -24,9 +28,11 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
 #include "models/model.h"
+#include "tests/unit/kv_test_policies.h"
 #include "tests/unit/test_util.h"
 
 #define TOL 2e-5
@@ -352,6 +358,98 @@ static void check_model(const char *dir, const char *name, const int *sizes, int
     kvs_model_free(m);
 }
 
+/* ---- 5. the engine ----------------------------------------------------------------------- */
+
+#define NJ 6
+#define GEN 16
+
+/* greedy tokens of NJ requests through an engine at TP tp with decode policy `decode` */
+static int run_engine(const struct kvs_model *m, int tp, const char *decode, int32_t got[NJ][GEN])
+{
+    struct kvs_config c;
+    char err[512];
+    kvs_config_init(&c);
+    free(c.device);
+    c.device = kvs_xstrdup("cpu");
+    free(c.kv_decode);
+    c.kv_decode = kvs_xstrdup(decode);
+    free(c.kv_reuse);
+    c.kv_reuse = kvs_xstrdup("prefix");
+    c.cpu_threads = 1;
+    c.kv_block_size = 8;
+    c.kv_memory_bytes = 2 << 20;
+    c.max_batch_tokens = 64;
+    c.max_running = 4;
+    c.max_model_len = 256;
+    c.tensor_parallel = tp;
+    struct kvs_engine *e;
+    int rc = kvs_engine_create(&c, m, NULL, &e, err, sizeof err);
+    if (rc) {
+        printf("engine tp %d %s: %s\n", tp, decode, err);
+        kvs_config_free(&c);
+        return rc;
+    }
+    int32_t prompt[NJ][80];
+    struct kvs_request *r[NJ];
+    uint64_t s = 3;
+    for (int i = 0; i < NJ; i++) {
+        const int n = 40 + 6 * i;
+        for (int t = 0; t < n; t++) prompt[i][t] = i % 2 && t < 32 ? prompt[i - 1][t] : 1 + (int32_t)(kvs_test_xorshift(&s) % 900);
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = prompt[i];
+        p.n_prompt = n;
+        p.max_tokens = GEN;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit: %s", err);
+    }
+    for (int i = 0; i < NJ; i++) {
+        int n_got = 0, done = 0;
+        while (!done) {
+            struct kvs_event ev[16];
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN && n_got < GEN) got[i][n_got++] = ev[q].token;
+                if (ev[q].type == KVS_EV_ERROR) printf("engine tp %d: error %s\n", tp, ev[q].error);
+                if (ev[q].type != KVS_EV_TOKEN) done = 1;
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        CHECK(n_got == GEN, "engine tp %d %s: request %d got %d tokens", tp, decode, i, n_got);
+        kvs_request_unref(r[i]);
+    }
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+    return 0;
+}
+
+static void check_engine(void)
+{
+    char dir[1024], err[512];
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
+    struct kvs_model *m;
+    REQUIRE(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
+    kvs_test_register_policies();
+    const char *decodes[] = {"full", "test_window", "test_spans"};
+    for (int d = 0; d < 3; d++) {
+        test_window_w = 12;
+        test_window_sink = 4;
+        int32_t a[NJ][GEN], b[NJ][GEN];
+        memset(a, 0xff, sizeof a);
+        memset(b, 0xfe, sizeof b);
+        CHECK(run_engine(m, 1, decodes[d], a) == 0 && run_engine(m, 2, decodes[d], b) == 0, "engine %s", decodes[d]);
+        const int same = memcmp(a, b, sizeof a) == 0;
+        printf("engine llama  tp 2 vs 1, kv.decode %-11s: %d requests x %d greedy tokens %s\n", decodes[d], NJ, GEN,
+               same ? "equal" : "DIFFER");
+        CHECK(same, "engine, kv.decode %s: tp 2 tokens differ from tp 1", decodes[d]);
+    }
+    kvs_model_free(m);
+}
+
 /* the prompts and greedy continuations of a committed tiny model's reference.json */
 static int load_prompts(const char *dir, int32_t prompts[][128], int *plen, int32_t (*greedy)[32])
 {
@@ -405,6 +503,7 @@ int main(void)
         const int sizes[] = {2, 3, 4};
         check_model(dir, qwen3 ? "rand-qwen3" : "rand-qwen2", sizes, 3, MAXS, prompts, plen, NULL);
     }
+    check_engine();
     /* refusals */
     {
         char err[512];
