@@ -42,6 +42,9 @@ static const struct key_def KEYS[] = {
      "compute backend; auto picks cuda when a GPU and the CUDA build are present"},
     {"cpu_threads", T_INT, F(cpu_threads), 0, 1024, "0", NULL, NULL,
      "CPU backend threads (0: one per core)"},
+    {"parallel.tensor", T_INT, F(tensor_parallel), 1, 64, "1", NULL, NULL,
+     "tensor parallelism: GPUs (ranks) the model is split over, one thread each (needs NCCL for cuda; cpu: "
+     "threads of one process, for tests); must divide the KV heads and the FFN width"},
 
     {"server.host", T_STRING, F(host), 0, 0, "127.0.0.1", NULL, NULL, "address to listen on"},
     {"server.port", T_INT, F(port), 0, 65535, "8000", NULL, NULL, "TCP port (0: pick a free one and log it)"},
