@@ -335,7 +335,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         goto fail;
     }
     const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
-                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token};
+                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token,
+                                          r->n_blocks};
     if ((rc = dp->create(&env, &r->dp_state, err, errlen))) goto fail;
     r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
     if (r->slot_bytes) {
