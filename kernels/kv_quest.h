@@ -44,6 +44,10 @@
 
 #include "kernels/backend.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 struct kvs_quest_kernels {
     const char *name;
     /* Refreshes the digests of every page that the step's rows wrote: for each sequence s of m,
@@ -79,5 +83,9 @@ extern const struct kvs_quest_kernels kvs_quest_kernels_cuda;
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
