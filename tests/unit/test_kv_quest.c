@@ -10,7 +10,8 @@
  *      outputs (the fidelity meter sees it); digests stay exact under prefix sharing, a pool
  *      small enough to preempt and block reuse (the policy's check, kv_decode_quest.h), and the
  *      check catches digests that are not refreshed (its negative control); prefix sharing
- *      gives the same tokens as no sharing. */
+ *      gives the same tokens as no sharing; 500 requests with random cancellations end, give
+ *      every block back and never see a stale digest. */
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -371,6 +372,82 @@ static void test_engine(void)
     kvs_config_free(&c);
 }
 
+/* 500 requests, random lengths, shared prefixes, random cancellations, a pool that preempts:
+ * every request ends, every block comes back, no digest is ever stale */
+static void test_stress(void)
+{
+    enum { N = 500, GL = 12 };
+    struct kvs_config c;
+    base_cfg(&c, "prefix", "quest");
+    c.quest_min_budget = 32;
+    c.kv_memory_bytes = 20 * 8192;
+    c.max_waiting = N;
+    char err[256];
+    struct kvs_engine *e;
+    REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
+    kvs_quest_set_check(1);
+    static int32_t prompts[N][200];
+    static struct kvs_request *r[N];
+    static int cancel_at[N];
+    uint64_t rng = 0xC0FFEEull, fam = 0xFA11ull;
+    int32_t family[3][200];
+    for (int f = 0; f < 3; f++)
+        for (int t = 0; t < 200; t++) family[f][t] = 1 + (int32_t)(kvs_test_xorshift(&fam) % 1000);
+    int n_cancel = 0;
+    for (int i = 0; i < N; i++) {
+        const int n = 40 + (int)(kvs_test_xorshift(&rng) % 150), shared = (int)(kvs_test_xorshift(&rng) % (unsigned)n);
+        for (int t = 0; t < n; t++)
+            prompts[i][t] = t < shared ? family[i % 3][t] : 1 + (int32_t)(kvs_test_xorshift(&rng) % 1000);
+        cancel_at[i] = kvs_test_xorshift(&rng) % 4 == 0 ? (int)(kvs_test_xorshift(&rng) % GL) : -1;
+        n_cancel += cancel_at[i] >= 0;
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = prompts[i];
+        p.n_prompt = n;
+        p.max_tokens = GL;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit %d: %s", i, err);
+        if (cancel_at[i] == 0) kvs_request_cancel(r[i]);
+    }
+    int finished = 0, cancelled = 0;
+    for (int i = 0; i < N; i++) {
+        int n = 0, done = 0;
+        struct kvs_event ev[16];
+        while (!done) {
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN && ++n == cancel_at[i]) kvs_request_cancel(r[i]);
+                if (ev[q].type != KVS_EV_TOKEN) {
+                    done = 1;
+                    finished += ev[q].finish == KVS_FINISH_LENGTH;
+                    cancelled += ev[q].finish == KVS_FINISH_CANCELLED;
+                }
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        kvs_request_unref(r[i]);
+    }
+    struct kvs_engine_stats st;
+    kvs_engine_stats(e, &st);
+    kvs_quest_set_check(0);
+    const double stale = counter(&st, "kvserve:kv_quest_stale_digests_total");
+    const double rows = counter(&st, "kvserve:kv_quest_sparse_rows_total");
+    CHECK(finished + cancelled == N && cancelled <= n_cancel && finished >= N - n_cancel, "%d finished, %d cancelled",
+          finished, cancelled);
+    CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && st.num_waiting == 0, "blocks used %d, running %d",
+          st.kv_blocks_used, st.num_running);
+    CHECK(stale == 0 && rows > 0 && st.num_preemptions > 0, "%g stale digests, %g sparse rows, %llu preemptions", stale,
+          rows, (unsigned long long)st.num_preemptions);
+    printf("ok stress: %d requests (%d cancelled), %llu preemptions, %g sparse rows, all blocks free, 0 stale digests\n",
+           N, cancelled, (unsigned long long)st.num_preemptions, rows);
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+}
+
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
@@ -379,6 +456,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     test_engine();
+    test_stress();
     kvs_model_free(model);
     return kvs_test_summary("test_kv_quest");
 }
