@@ -4,14 +4,16 @@
  * digest_update  one block per (sequence, KV head, page slice), one thread per dimension: each
  *                page the step wrote is recomputed from its written slots (bf16 min/max are
  *                bf16 values: stored exactly, equal to the CPU's on the same keys).
- * score          one block per (row, KV head, 64 candidate pages), four warps; the group's
- *                queries staged in shared memory; a warp scores a page at a time, its lanes
- *                over the dimensions (coalesced 2 x head_dim bf16 reads per page), fp32 sums
- *                reduced over the warp (another order than the CPU's: rounding-level
- *                differences, so near-ties may rank differently; the test allows exactly that).
+ * score          one block per (row, KV head, 128 candidate pages), four warps; the group's
+ *                queries staged in shared memory; head_dim / 8 lanes score a page, each over 8
+ *                dimensions (16-byte loads of kmin and kmax), four page groups' loads in flight
+ *                per warp; fp32 sums reduced over the lanes (another order than the CPU's:
+ *                rounding-level differences, so near-ties may rank differently; the test allows
+ *                exactly that).
  * select         one block of 1024 threads per (row, KV head): a radix select (4 passes of
  *                8-bit digits, MSB first, over kvs_quest_order_key) finds the k-th largest
- *                score; pages above it and the lowest-indexed ones equal to it are kept (a
+ *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
+ *                above it and the lowest-indexed ones equal to it are kept (a
  *                block scan over contiguous chunks ranks the ties in page order); the kept
  *                pages, as a bitmask in shared memory, become merged spans in page order
  *                through a second scan. Deterministic: no atomics decide any order.
@@ -26,7 +28,7 @@
 #include "kernels/kv_quest.h"
 
 #define QS_WARPS 4
-#define QS_PAGES 64          /* candidate pages per score block */
+#define QS_PAGES 128         /* candidate pages per score block */
 #define SEL_THREADS 1024
 
 __device__ __forceinline__ uint32_t q_okey(float x)
@@ -88,35 +90,66 @@ static void cu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, c
 
 /* ---- scores -------------------------------------------------------------------------------- */
 
+/* L = hd / 8 lanes score a page, each over 8 dimensions read as one 16-byte load of kmin and one of
+ * kmax; a warp scores 32 / L pages at a time, QS_UNROLL such groups with their loads issued
+ * first (the digests are read once, so the kernel is bound by how many loads are in flight) */
+#define QS_UNROLL 4
+
+__device__ __forceinline__ void bf16x8(const uint4 &v, float *f)
+{
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float2 t = __bfloat1622float2(h[k]);
+        f[2 * k] = t.x, f[2 * k + 1] = t.y;
+    }
+}
+
+template <int HD>
 __global__ void __launch_bounds__(32 * QS_WARPS)
 k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
               const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
-              int n_kv, int hd, int bs, int ps, int max_pages, float *__restrict__ scores)
+              int n_kv, int bs, int ps, int max_pages, float *__restrict__ scores)
 {
-    extern __shared__ float sq[];   /* [G][hd] */
+    constexpr int L = HD / 8, P = 32 / L;   /* lanes per page, pages per warp step */
+    extern __shared__ float sq[];           /* [G][HD] */
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
     grid_dep_wait();
     const int cur = pos[row] / ps;
     const int pg0 = (int)blockIdx.y * QS_PAGES;
     if (keep[row] > cur || pg0 >= cur) return;
-    for (int x = threadIdx.x; x < G * hd; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * hd + x];
+    for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
     __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
     const int32_t *bt = bts + (size_t)row * max_blocks;
     float *out = scores + ((size_t)row * n_kv + g) * max_pages;
     const int pg1 = min(pg0 + QS_PAGES, cur);
-    for (int pg = pg0 + warp; pg < pg1; pg += QS_WARPS) {
-        const bf16 *mn = dig + (q_phys_page(bt, pg * ps, bs, ps) * n_kv + g) * 2 * hd, *mx = mn + hd;
-        float acc = 0.0f;
-        for (int i = lane; i < hd; i += 32) {
-            const float a = __bfloat162float(mn[i]), c = __bfloat162float(mx[i]);
-            for (int h = 0; h < G; h++) {
-                const float qi = sq[h * hd + i];
-                acc += fmaxf(qi * a, qi * c);
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += QS_WARPS * P * QS_UNROLL) {
+        uint4 mn[QS_UNROLL] = {}, mx[QS_UNROLL] = {};
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            if (pg < pg1) {
+                const uint4 *d = (const uint4 *)(dig + (q_phys_page(bt, pg * ps, bs, ps) * n_kv + g) * 2 * HD);
+                mn[u] = d[l];
+                mx[u] = d[L + l];
             }
         }
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (lane == 0) out[pg] = acc;
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            float a[8], c[8], acc = 0.0f;
+            bf16x8(mn[u], a);
+            bf16x8(mx[u], c);
+            for (int h = 0; h < G; h++) {
+                const float *qh = sq + h * HD + 8 * l;
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc += fmaxf(qh[k] * a[k], qh[k] * c[k]);
+            }
+#pragma unroll
+            for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (l == 0 && pg < pg1) out[pg] = acc;
+        }
     }
 }
 
@@ -131,10 +164,19 @@ static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const stru
     xh_forget(b, scores->d);
     const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + QS_PAGES - 1) / QS_PAGES));
     const size_t smem = (size_t)(n_heads / n_kv_heads) * head_dim * sizeof(float);
-    CUDA_CHECK(kvs_cu_launch(k_quest_score, grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d,
-                             (const bf16 *)dig->d, (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d,
-                             (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads, head_dim, block_size,
-                             page_size, max_pages, (float *)scores->d));
+#define QS_ARGS                                                                                                   \
+    grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d, (const bf16 *)dig->d, (const int32_t *)m->pos->d, \
+        (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads,       \
+        block_size, page_size, max_pages, (float *)scores->d
+    switch (head_dim) {
+    case 16: CUDA_CHECK(kvs_cu_launch(k_quest_score<16>, QS_ARGS)); break;
+    case 32: CUDA_CHECK(kvs_cu_launch(k_quest_score<32>, QS_ARGS)); break;
+    case 64: CUDA_CHECK(kvs_cu_launch(k_quest_score<64>, QS_ARGS)); break;
+    case 128: CUDA_CHECK(kvs_cu_launch(k_quest_score<128>, QS_ARGS)); break;
+    case 256: CUDA_CHECK(kvs_cu_launch(k_quest_score<256>, QS_ARGS)); break;
+    default: kvs_panic(__FILE__, __LINE__, "cuda Quest scores: head_dim %d (16, 32, 64, 128 or 256)", head_dim);
+    }
+#undef QS_ARGS
 }
 
 /* ---- top-k and spans ------------------------------------------------------------------------- */
@@ -174,19 +216,35 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
         for (int shift = 24; shift >= 0; shift -= 8) {
             for (int x = tid; x < 256; x += SEL_THREADS) hist[x] = 0;
             __syncthreads();
-            for (int j = tid; j < cur; j += SEL_THREADS) {
-                const uint32_t k = q_okey(sc[j]);
-                if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1);
+            /* warp-aggregated counts: the leading digits of close scores agree, so plain atomics
+             * would serialise on a few bins */
+            for (int j0 = 0; j0 < cur; j0 += SEL_THREADS) {
+                const int j = j0 + tid;
+                int bin = -1;
+                if (j < cur) {
+                    const uint32_t k = q_okey(sc[j]);
+                    if ((k & mask) == prefix) bin = (int)((k >> shift) & 255);
+                }
+                const unsigned same = __match_any_sync(0xffffffffu, bin);
+                if (bin >= 0 && (tid & 31) == __ffs((int)same) - 1) atomicAdd(&hist[bin], __popc(same));
             }
             __syncthreads();
-            if (tid == 0) {
-                int above = 0, d = 255;
-                for (; d > 0; d--) {
-                    if (above + hist[d] >= remaining) break;
-                    above += hist[d];
+            if (tid < 32) {   /* the digit: the highest bin whose count from the top reaches remaining */
+                int sum = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++) sum += hist[255 - 8 * tid - k];
+                int incl = sum;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += v;
                 }
-                s_sel[0] = d;
-                s_sel[1] = remaining - above;
+                const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+                if (tid == (hit ? __ffs((int)hit) - 1 : 31)) {
+                    int above = incl - sum, d = 255 - 8 * tid;
+                    for (int k = 0; k < 7 && above + hist[d] < remaining; k++) above += hist[d--];
+                    s_sel[0] = d;
+                    s_sel[1] = remaining - above;
+                }
             }
             __syncthreads();
             prefix |= (uint32_t)s_sel[0] << shift;

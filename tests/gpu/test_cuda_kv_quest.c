@@ -9,7 +9,7 @@
  *             is within rounding of the CPU's k-th score; planted needles are found; spans are
  *             sorted, merged and end at the context;
  *   attention attention_spans over the CUDA spans: out and lse against the CPU op over the same
- *             spans (relative L2 < 1e-2: bf16 K/V);
+ *             spans (out relative L2 < 1e-2, lse within 1e-2 relative: bf16 K/V and q);
  *   sizes     one 128K-token row (8192 candidate pages) and equal scores (the lowest pages);
  *   engine    the tiny Llama on device cuda with kv.decode=quest at budget >= context gives the
  *             same greedy tokens as full attention on cuda for most requests (bf16 rounding may
@@ -96,7 +96,8 @@ static void compare(const struct qf_case *c, const struct qf_out *rc, const stru
     const double out_err = rel_l2(rg->out, rc->out, (size_t)S * c->nh * hd);
     double lse_err = 0;
     for (int i = 0; i < S * c->nh; i++) {
-        const double e = fabs((double)rg->lse[i] - rc->lse[i]);
+        /* relative to the lse's size: needles make scores of 20+ (bf16 q products) */
+        const double e = fabs((double)rg->lse[i] - rc->lse[i]) / (fabs(rc->lse[i]) > 1 ? fabs(rc->lse[i]) : 1);
         lse_err = e > lse_err ? e : lse_err;
     }
     CHECK(bad_dig == 0, "%s: %zu digest entries differ", what, bad_dig);
