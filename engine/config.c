@@ -56,7 +56,7 @@ static const struct key_def KEYS[] = {
     {"server.idle_timeout_s", T_DOUBLE, F(idle_timeout_s), 1, 86400, "15", NULL, NULL,
      "close a connection that sends or reads nothing for this long (headers, body, keep-alive; "
      "never one waiting on the engine)"},
-    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "64", NULL, NULL,
+    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "256", NULL, NULL,
      "simultaneous connections from one client address (0: no cap); more are closed at accept"},
     {"server.reserved_connections", T_INT, F(reserved_connections), 0, 1024, "16", NULL, NULL,
      "connections kept above server.max_connections for /health, /metrics, /ping and /version only"},
