@@ -441,7 +441,8 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
         return kvs_err(err, errlen, -ENOSYS, "config key 'kv.decode': \"%s\" needs pre-RoPE queries, which this "
                        "runner does not provide yet", dp->name);
     const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
-                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token};
+                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token,
+                                          r->n_blocks};
     if ((rc = dp->create(&env, &r->dp_state, err, errlen))) return rc;
     r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
     if (r->slot_bytes) {
