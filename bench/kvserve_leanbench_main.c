@@ -81,7 +81,7 @@ struct shape {
 static float time_op(struct kvs_backend *b, struct shape *S, int B, const struct kvs_lean_fmt *fmt,
                      struct kvs_dbuf *kc, struct kvs_dbuf *vc, struct kvs_dbuf *pool, int reps, struct kvs_dbuf *flush)
 {
-    const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(O);
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(O, NULL, 0);
     const float scale = 0.08838834764831845f;
     float *t = kvs_xmalloc((size_t)reps * sizeof(float));
     for (int r = -2; r < reps; r++) {
@@ -130,7 +130,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "cuda backend unavailable: %s\n", err);
         return 1;
     }
-    const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(O);
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(O, NULL, 0);
     if (!kn) {
         fprintf(stderr, "the cuda backend has no LeanKV kernels\n");
         return 1;

@@ -18,7 +18,7 @@
  * long one is.
  *
  * Kernels. Each backend that stores LeanKV pages provides the table below; the storage takes
- * it with kvs_lean_kernels_get(o) (the backend's strategy_kernels op), NULL when the backend has none (the storage then refuses
+ * it with kvs_lean_kernels_for(o), NULL when the backend has none (the storage then refuses
  * the config with -ENOSYS). The CPU reference (kernels/cpu/kv_lean.c) and CUDA
  * (kernels/cuda/kv_lean.cu, tested against it: tests/gpu/test_cuda_kv_lean.c). The attention ops keep the backend's attention() / attention_spans() contracts
  * (backend.h), reading the keys and values as the dequantized x^ in fp32.
@@ -89,14 +89,12 @@ struct kvs_lean_kernels {
     int (*supports)(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim);
 };
 
-/* The table for backend o (its strategy_kernels op, backend.h), or NULL when o cannot store
- * LeanKV pages. */
-static inline const struct kvs_lean_kernels *kvs_lean_kernels_get(const struct kvs_backend_ops *o)
-{
-    return o->strategy_kernels ? (const struct kvs_lean_kernels *)o->strategy_kernels("lean") : NULL;
-}
+/* The table for backend o (by name, as kv_quest.h's: kernels/kv_lean_pick.c), or NULL with a
+ * message (-ENOSYS) when o cannot store LeanKV pages. */
+const struct kvs_lean_kernels *kvs_lean_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);
 
-/* The CPU backend's (kernels/cpu/kv_lean.c) and the CUDA backend's (kernels/cuda/kv_lean.cu). */
+/* The CPU backend's (kernels/cpu/kv_lean.c) and the CUDA backend's (kernels/cuda/kv_lean.cu,
+ * builds with nvcc only). */
 extern const struct kvs_lean_kernels kvs_lean_kernels_cpu, kvs_lean_kernels_cuda;
 
 #endif

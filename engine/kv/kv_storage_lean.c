@@ -84,11 +84,8 @@ static int lean_create(const struct kvs_kv_shape *sh, const struct kvs_backend_o
     struct kvs_lean_fmt f;
     if (kvs_lean_fmt_parse(mode, &f) < 0)
         return kvs_err(err, errlen, -EINVAL, "config key 'kv.lean.mode': \"%s\" is not a LeanKV format", mode);
-    const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(o);
-    if (!kn)
-        return kvs_err(err, errlen, -ENOSYS,
-                       "config key 'kv.storage': \"lean\" has no kernels on the %s backend (quantized write and "
-                       "attention over LeanKV pages)", o->name);
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(o, err, errlen);
+    if (!kn) return -ENOSYS;
     if (!kn->supports(f, sh->n_heads, sh->n_kv_heads, sh->head_dim))
         return kvs_err(err, errlen, -ENOSYS,
                        "config key 'kv.storage': \"lean\" (mode %s) on the %s backend is not available for %d query "

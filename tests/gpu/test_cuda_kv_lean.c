@@ -70,7 +70,7 @@ struct cfg {
 
 static void run_case(const struct cfg *c)
 {
-    const struct kvs_lean_kernels *kc = kvs_lean_kernels_get(C), *kg = kvs_lean_kernels_get(G);
+    const struct kvs_lean_kernels *kc = kvs_lean_kernels_for(C, NULL, 0), *kg = kvs_lean_kernels_for(G, NULL, 0);
     const int nkv = c->nkv, nh = nkv * c->grp, hd = c->hd, bs = c->bs;
     /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5 and 250 */
     enum { NS = 4 };
@@ -199,10 +199,10 @@ int main(void)
         fprintf(stderr, "test_cuda_kv_lean: no GPU (%s)\n", err);
         return 1;
     }
-    REQUIRE(kvs_lean_kernels_get(G), "the cuda backend has LeanKV kernels");
+    REQUIRE(kvs_lean_kernels_for(G, NULL, 0), "the cuda backend has LeanKV kernels");
     /* 16-bit formats: refused on this backend (kv_lean.cu supports()), so not tested here */
     static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}};
-    CHECK(!kvs_lean_kernels_get(G)->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128), "K16V16 refused on cuda");
+    CHECK(!kvs_lean_kernels_for(G, NULL, 0)->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128), "K16V16 refused on cuda");
     for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
         struct cfg c = {fmts[i], 2, 4, 128, 16};
         run_case(&c);

@@ -291,7 +291,7 @@ static void test_kernels(void)
     char err[256];
     struct kvs_backend *be = o->create(2, err, sizeof err);
     REQUIRE(be, "%s", err);
-    const struct kvs_lean_kernels *kn = kvs_lean_kernels_get(o);
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(o, NULL, 0);
     REQUIRE(kn, "the cpu backend has LeanKV kernels");
     static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}, {16, 16}};
     for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
@@ -505,8 +505,7 @@ static void test_refusals(void)
 
     /* a backend without LeanKV kernels (as CUDA is today) */
     struct kvs_backend_ops bare = kvs_cpu_backend;
-    bare.strategy_kernels = NULL;
-    bare.name = "bare";
+    bare.name = "bare";   /* a backend with no LeanKV kernel table */
     struct kvs_backend *be = bare.create(1, err, sizeof err);
     REQUIRE(be, "%s", err);
     const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
