@@ -500,7 +500,7 @@ static void test_queue_and_errors(void)
     kvs_engine_free(e);
 
     /* strategies not built in this version are refused by name, unknown names too */
-    const char *bad_kv[][3] = {{"lean", "none", "full"}, {"lean", "lazy", "full"}, {"auto", "none", "mac"},
+    const char *bad_kv[][3] = {{"auto", "none", "mac"}, {"auto", "lazy", "mac"}, {"auto", "prefix", "paris"},
                             {"auto", "none", "paris"}, {"auto", "none", "retro"}, {"f16", "none", "full"}};
     for (int i = 0; i < 6; i++) {
         c.kv_storage = (char *)bad_kv[i][0];
