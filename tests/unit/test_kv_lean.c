@@ -486,6 +486,67 @@ static void test_engine_model(const char *name)
     kvs_model_free(model);
 }
 
+/* One request with a document through e, to its end; its greedy tokens into got. */
+static int one_doc_request(struct kvs_engine *e, const int32_t *doc, int n_doc, const int32_t *prompt, int n_prompt,
+                           int32_t *got)
+{
+    char err[256];
+    struct kvs_request_params p;
+    memset(&p, 0, sizeof p);
+    struct kvs_doc_segment seg = {77, doc, n_doc};
+    p.prompt = prompt, p.n_prompt = n_prompt, p.docs = &seg, p.n_docs = 1, p.max_tokens = GEN;
+    p.sampling.top_p = 1, p.sampling.repetition_penalty = 1, p.ignore_eos = 1;
+    struct kvs_request *r = kvs_request_new(&p, NULL, NULL);
+    REQUIRE(r && kvs_engine_submit(e, r, err, sizeof err) == 0, "submit: %s", err);
+    int n = 0;
+    for (int done = 0; !done;) {
+        struct kvs_event ev[16];
+        int k = kvs_request_wait(r, ev, 16, 60.0);
+        REQUIRE(k > 0, "no event for 60 s");
+        for (int q = 0; q < k; q++) {
+            if (ev[q].type == KVS_EV_TOKEN && n < GEN) got[n++] = ev[q].token;
+            if (ev[q].type != KVS_EV_TOKEN) done = 1;
+            kvs_event_clear(&ev[q]);
+        }
+    }
+    kvs_request_unref(r);
+    return n;
+}
+
+/* Cached documents in K8V4 (kv.reuse = lazy: stored once in the static format, shared): a
+ * second request served from the cache gives the greedy tokens of the first, for which the
+ * document was computed (the reuse strategy's side prefill) and quantized. Not the issue's
+ * test against the same document computed inline at its global positions: the lazy layout keeps
+ * keys at local positions, so the quantized bytes differ by construction. */
+static void test_lazy_docs(void)
+{
+    char err[256], dir[1024];
+    struct kvs_model *model;
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
+    REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
+    struct kvs_config c;
+    base_cfg(&c, "lean", "K8V4");
+    set_str(&c.kv_reuse, "lazy");
+    struct kvs_engine *e;
+    REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
+    int32_t doc[45], prompt[30], first[GEN], second[GEN];
+    for (int i = 0; i < 45; i++) doc[i] = 1 + (int32_t)(kvs_test_xorshift(&rng) % 200);
+    for (int i = 0; i < 30; i++) prompt[i] = 1 + (int32_t)(kvs_test_xorshift(&rng) % 200);
+    const int n1 = one_doc_request(e, doc, 45, prompt, 30, first);
+    const int n2 = one_doc_request(e, doc, 45, prompt, 30, second);
+    struct kvs_engine_stats st;
+    kvs_engine_stats(e, &st);
+    const double hits = kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total");
+    CHECK(n1 == GEN && n2 == GEN && !memcmp(first, second, sizeof first) && hits >= 1,
+          "K8V4 document from the cache: %d / %d tokens, %s, %g hits", n1, n2,
+          memcmp(first, second, sizeof first) ? "different" : "equal", hits);
+    printf("ok lazy documents in K8V4: served from the cache, the greedy tokens of the request that computed it "
+           "(%g cache hits)\n", hits);
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+    kvs_model_free(model);
+}
+
 /* ---- 4. refusals ---------------------------------------------------------------------------- */
 
 static void test_refusals(void)
@@ -527,6 +588,7 @@ int main(void)
     test_engine_model("llama");
     test_engine_model("qwen2");
     test_engine_model("qwen3");
+    test_lazy_docs();
     test_refusals();
     return kvs_test_summary("test_kv_lean");
 }
