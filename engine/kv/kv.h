@@ -62,9 +62,11 @@ struct kvs_kv_storage_ops;
  * - A storage with a format of its own (LeanKV's quantized pages) sets fmt to its ops table,
  *   which then has attention and attention_spans over its own bytes, and fmt_state / layer for
  *   them (k and v may be NULL): only the format knows how to read its bytes.
- * Policies never call the backend's attention ops on a view directly: they go through
+ * A policy that the composition matrix lets run over a storage with a format of its own (full,
+ * mac with lean) must not call the backend's attention ops on a view directly: it goes through
  * kvs_kv_attention() / kvs_kv_attention_spans() below, which pick the format's op when there is
- * one, so that every decode policy runs over every storage the composition matrix allows. */
+ * one (full, the fidelity meter and the test policies do; quest, refused with lean, reads k / v
+ * directly, e.g. for its digests). */
 struct kvs_kv_view {
     struct kvs_dbuf *k, *v;
     const struct kvs_kv_storage_ops *fmt;
