@@ -2,8 +2,9 @@
  * per backend: kernels/cpu/kv_mac.c (the plain fp32 reference) and kernels/cuda/kv_mac.cu.
  *
  * State (device buffers the policy owns, one ring per request slot and layer, K entries):
- *   ring_q   ACT [slots][layers][K][n_heads][head_dim]  pre-RoPE queries
- *   ring_o   ACT [slots][layers][K][n_heads][head_dim]  normalized rectified outputs
+ *   ring_q   KV  [slots][layers][K][n_heads][head_dim]  pre-RoPE queries
+ *   ring_o   KV  [slots][layers][K][n_heads][head_dim]  normalized rectified outputs
+ * (the KV kind: bf16 on CUDA, as STRATEGIES.md §3 sizes the rings; fp32 on the CPU)
  *   ring_lse F32 [slots][layers][K][n_heads]            their log-sum-exp (natural log)
  *   ring_tag I32 [slots][layers][K]                     position + 1 held by the entry, 0 empty
  * Entry j of a ring holds position p = tag - 1 with p mod K == j. The rectified summary of
@@ -14,7 +15,7 @@
  * ring slot (request slot, -1: none), position m of the row, flags (KVS_MAC_F_*).
  *
  * match: for rows with F_MATCH, per q head h, the nearest ring entry to q_pre[t][h] by squared
- * L2 distance (fp32 sums; ties to the lower entry) among entries holding a position < m; hit
+ * L2 distance (bf16 loads on CUDA, q rounded alike; fp32 sums; ties to the lower entry) among entries holding a position < m; hit
  * iff the distance < thresh2 (= 2 d (1 - tau)^2). p[t][h] = the matched position, else -1
  * (rows without F_MATCH: -1).
  * attend: for rows with F_MAC (decode rows), per q head with s = p >= 0 ? max(p - r + 1, 0) : 0
@@ -51,17 +52,29 @@ struct kvs_mac_call {
     struct kvs_dbuf *ring_q, *ring_o, *ring_lse, *ring_tag;
     struct kvs_dbuf *out;                   /* ACT [n][n_heads][head_dim] */
     struct kvs_dbuf *lse;                   /* F32 [n][n_heads] */
+    struct kvs_dbuf *work;                  /* F32 scratch of work_elems() elements (NULL when 0) */
+    size_t work_n;
 };
 
 struct kvs_mac_kernels {
+    /* 0, or -ENOSYS with a message when this head shape has no kernel */
+    int (*supports)(int n_heads, int n_kv_heads, int head_dim, char *err, size_t errlen);
+    /* F32 scratch elements attend() needs for steps of up to max_rows rows (0: none) */
+    size_t (*work_elems)(int max_rows, int n_heads, int head_dim);
     void (*match)(struct kvs_backend *b, const struct kvs_mac_call *c);
     void (*attend)(struct kvs_backend *b, const struct kvs_mac_call *c);
 };
 
+#ifdef __cplusplus
+extern "C" {
+#endif
 /* The table for backend o, or NULL + message (-ENOSYS) when it has none. */
 const struct kvs_mac_kernels *kvs_mac_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);
 
 extern const struct kvs_mac_kernels kvs_mac_kernels_cpu;
+#ifdef __cplusplus
+}
+#endif
 
 /* (o_a, lse_a) merged with (o_b, lse_b) in place into a: backend.h attn_merge's formula, shared
  * by the CPU reference so the two cannot drift. */

@@ -37,7 +37,8 @@ struct mac {
     float thresh2;
     struct kvs_dbuf *ring_q, *ring_o, *ring_lse, *ring_tag;
     double ring_bytes;
-    struct kvs_dbuf *d_rows, *d_p, *d_lse;   /* I32 [max_rows][4], I32 [L][max_rows][nh], F32 [max_rows][nh] */
+    struct kvs_dbuf *d_rows, *d_p, *d_lse, *work;
+    size_t work_n;   /* I32 [max_rows][4], I32 [L][max_rows][nh], F32 [max_rows][nh] */
     int32_t *h_rows, *h_p;
     /* this step */
     int n_rows, n_mac, n_work, any_full;
@@ -51,6 +52,8 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
     const struct kvs_backend_ops *o = env->o;
     const struct kvs_mac_kernels *k = kvs_mac_kernels_for(o, err, errlen);
     if (!k) return -ENOSYS;
+    int rc = k->supports(env->n_heads, env->n_kv_heads, env->head_dim, err, errlen);
+    if (rc) return rc;
     const double tau = cfg ? cfg->mac_tau : 0.45;
     struct mac *s = calloc(1, sizeof *s);
     if (!s) return kvs_err(err, errlen, -ENOMEM, "mac: no memory");
@@ -67,7 +70,7 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
     }
     const size_t slots = (size_t)env->max_slots, L = (size_t)env->n_layers, nh = (size_t)env->n_heads;
     const size_t hd = (size_t)env->head_dim, entries = slots * L * (size_t)s->K;
-    const size_t act = o->elem_size(env->be, KVS_BUF_ACT), f32 = o->elem_size(env->be, KVS_BUF_F32);
+    const size_t act = o->elem_size(env->be, KVS_BUF_KV), f32 = o->elem_size(env->be, KVS_BUF_F32);
     const size_t i32 = o->elem_size(env->be, KVS_BUF_I32);
     s->ring_bytes = (double)entries * ((double)nh * (2.0 * (double)hd * (double)act + (double)f32) + (double)i32);
     const int64_t cap = cfg ? cfg->kv_decode_state_bytes : 0;
@@ -81,17 +84,19 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
         return -ENOMEM;
     }
     const size_t rows = (size_t)env->max_rows;
-    s->ring_q = o->alloc(env->be, KVS_BUF_ACT, entries * nh * hd);
-    s->ring_o = o->alloc(env->be, KVS_BUF_ACT, entries * nh * hd);
+    s->ring_q = o->alloc(env->be, KVS_BUF_KV, entries * nh * hd);
+    s->ring_o = o->alloc(env->be, KVS_BUF_KV, entries * nh * hd);
     s->ring_lse = o->alloc(env->be, KVS_BUF_F32, entries * nh);
     s->ring_tag = o->alloc(env->be, KVS_BUF_I32, entries);
     s->d_rows = o->alloc(env->be, KVS_BUF_I32, rows * 4);
     s->d_p = o->alloc(env->be, KVS_BUF_I32, L * rows * nh);
     s->d_lse = o->alloc(env->be, KVS_BUF_F32, rows * nh);
+    s->work_n = k->work_elems(env->max_rows, env->n_heads, env->head_dim);
+    if (s->work_n) s->work = o->alloc(env->be, KVS_BUF_F32, s->work_n);
     s->h_rows = calloc(rows * 4, sizeof *s->h_rows);
     s->h_p = calloc(L * rows * nh, sizeof *s->h_p);
     *state = s;   /* destroy() frees a partial state */
-    if (!s->ring_q || !s->ring_o || !s->ring_lse || !s->ring_tag || !s->d_rows || !s->d_p || !s->d_lse || !s->h_rows ||
+    if (!s->ring_q || !s->ring_o || !s->ring_lse || !s->ring_tag || !s->d_rows || !s->d_p || !s->d_lse || (s->work_n && !s->work) || !s->h_rows ||
         !s->h_p)
         return kvs_err(err, errlen, -ENOMEM, "mac: no memory for rings of %.0f bytes (%zu request slots)", s->ring_bytes,
                        slots);
@@ -103,7 +108,7 @@ static void mac_destroy(void *state)
 {
     struct mac *s = state;
     const struct kvs_backend_ops *o = s->env.o;
-    struct kvs_dbuf *bs[] = {s->ring_q, s->ring_o, s->ring_lse, s->ring_tag, s->d_rows, s->d_p, s->d_lse};
+    struct kvs_dbuf *bs[] = {s->ring_q, s->ring_o, s->ring_lse, s->ring_tag, s->d_rows, s->d_p, s->d_lse, s->work};
     for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(s->env.be, bs[i]);
     free(s->h_rows);
     free(s->h_p);
@@ -171,7 +176,7 @@ static void mac_attend(void *state, int layer, const struct kvs_kv_attend *a)
         .q = a->q, .q_pre = a->q_pre, .kc = a->kv.k, .vc = a->kv.v, .m = a->step->m, .rows = s->d_rows,
         .p = s->d_p, .p_off = (size_t)layer * n * a->n_heads,
         .ring_q = s->ring_q, .ring_o = s->ring_o, .ring_lse = s->ring_lse, .ring_tag = s->ring_tag,
-        .out = a->out, .lse = a->lse ? a->lse : s->d_lse,
+        .out = a->out, .lse = a->lse ? a->lse : s->d_lse, .work = s->work, .work_n = s->work_n,
     };
     s->k->match(s->env.be, &c);
     s->k->attend(s->env.be, &c);

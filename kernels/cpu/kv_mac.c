@@ -3,6 +3,7 @@
  * cpu_attn_span.c (online softmax over positions in increasing order, deferred-RoPE blocks,
  * padding slots skipped), so one span [0, m] gives attention_spans' result.
  */
+#include <errno.h>
 #include <math.h>
 #include <string.h>
 
@@ -165,4 +166,18 @@ static void cpu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
     kvs_cpu_pool_run(b->pool, c->n * c->n_heads, attend_task, (void *)c);
 }
 
-const struct kvs_mac_kernels kvs_mac_kernels_cpu = {cpu_match, cpu_attend};
+static int cpu_supports(int n_heads, int n_kv_heads, int head_dim, char *err, size_t errlen)
+{
+    if (head_dim > MAX_HEAD_DIM || n_kv_heads <= 0 || n_heads % n_kv_heads)
+        return kvs_err(err, errlen, -ENOSYS, "mac: heads %d/%d, head_dim %d not supported on the cpu", n_heads,
+                       n_kv_heads, head_dim);
+    return 0;
+}
+
+static size_t cpu_work_elems(int max_rows, int n_heads, int head_dim)
+{
+    (void)max_rows, (void)n_heads, (void)head_dim;
+    return 0;
+}
+
+const struct kvs_mac_kernels kvs_mac_kernels_cpu = {cpu_supports, cpu_work_elems, cpu_match, cpu_attend};

@@ -25,6 +25,8 @@ struct mc {
     float thresh2;
     float *h_k, *h_v, *inv_freq;         /* pool [n_blocks][nkv][bs][hd] */
     int32_t *h_bt, *h_rot, *h_valid;     /* [S][max_blocks] */
+    struct kvs_dbuf *work;
+    size_t work_n;
     struct kvs_dbuf *kc, *vc, *bt, *rot, *valid, *inv, *qs, *pos, *rows, *p, *rq, *ro, *rl, *rt, *q, *qp, *out, *lse;
     int use_rot;
     /* last step, downloaded */
@@ -35,15 +37,25 @@ struct mc {
 };
 
 static uint64_t mc_rng = 0x51ed2701ull;
-static float mc_frand(void)
+static inline float mc_frand(void)
 {
     mc_rng ^= mc_rng << 13, mc_rng ^= mc_rng >> 7, mc_rng ^= mc_rng << 17;
     return (float)((double)(mc_rng >> 11) / (double)(1ull << 53)) * 2.0f - 1.0f;
 }
 
+/* x rounded to the nearest bf16 (ties to even): pool values both backends store exactly */
+static inline float mc_bf16(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
 /* Random pool, shuffled block tables; use_rot: random rotation offsets on some blocks and a
  * short valid count on others (their padding holds garbage that must never be read). */
-static void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_backend *be, int S, int nh, int nkv,
+static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_backend *be, int S, int nh, int nkv,
                     int hd, int bs, int max_blocks, int K, int band, int use_rot)
 {
     memset(c, 0, sizeof *c);
@@ -54,7 +66,7 @@ static void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_ba
     const size_t pool = (size_t)c->n_blocks * nkv * bs * hd, tab = (size_t)S * max_blocks;
     c->h_k = malloc(pool * 4), c->h_v = malloc(pool * 4), c->inv_freq = malloc((size_t)hd / 2 * 4);
     c->h_bt = malloc(tab * 4), c->h_rot = calloc(tab, 4), c->h_valid = malloc(tab * 4);
-    for (size_t i = 0; i < pool; i++) c->h_k[i] = mc_frand(), c->h_v[i] = mc_frand();
+    for (size_t i = 0; i < pool; i++) c->h_k[i] = mc_bf16(mc_frand()), c->h_v[i] = mc_bf16(mc_frand());
     for (int i = 0; i < hd / 2; i++) c->inv_freq[i] = powf(10000.0f, -2.0f * (float)i / (float)hd);
     int32_t *perm = malloc((size_t)c->n_blocks * 4);
     for (int i = 0; i < c->n_blocks; i++) perm[i] = i;
@@ -82,25 +94,27 @@ static void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_ba
     c->qs = o->alloc(be, KVS_BUF_I32, MC_MAXS + 1), c->pos = o->alloc(be, KVS_BUF_I32, MC_MAXS);
     const size_t R = (size_t)c->max_rows, ent = (size_t)S * K;
     c->rows = o->alloc(be, KVS_BUF_I32, R * 4), c->p = o->alloc(be, KVS_BUF_I32, R * nh);
-    c->rq = o->alloc(be, KVS_BUF_ACT, ent * nh * hd), c->ro = o->alloc(be, KVS_BUF_ACT, ent * nh * hd);
+    c->rq = o->alloc(be, KVS_BUF_KV, ent * nh * hd), c->ro = o->alloc(be, KVS_BUF_KV, ent * nh * hd);
     c->rl = o->alloc(be, KVS_BUF_F32, ent * nh), c->rt = o->alloc(be, KVS_BUF_I32, ent);
     o->zero(be, c->rt, 0, ent);
     c->q = o->alloc(be, KVS_BUF_ACT, R * nh * hd), c->qp = o->alloc(be, KVS_BUF_ACT, R * nh * hd);
     c->out = o->alloc(be, KVS_BUF_ACT, R * nh * hd), c->lse = o->alloc(be, KVS_BUF_F32, R * nh);
+    c->work_n = c->k->work_elems(c->max_rows, nh, hd);
+    c->work = c->work_n ? o->alloc(be, KVS_BUF_F32, c->work_n) : NULL;
     c->o_out = malloc(R * nh * hd * 4), c->o_lse = malloc(R * nh * 4), c->o_p = malloc(R * nh * 4);
 }
 
-static void mc_free(struct mc *c)
+static inline void mc_free(struct mc *c)
 {
     struct kvs_dbuf *b[] = {c->kc, c->vc, c->bt, c->rot, c->valid, c->inv, c->qs, c->pos, c->rows,
-                            c->p, c->rq, c->ro, c->rl, c->rt, c->q, c->qp, c->out, c->lse};
+                            c->p, c->rq, c->ro, c->rl, c->rt, c->q, c->qp, c->out, c->lse, c->work};
     for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) c->o->free_buf(c->be, b[i]);
     free(c->h_k), free(c->h_v), free(c->inv_freq), free(c->h_bt), free(c->h_rot), free(c->h_valid);
     free(c->o_out), free(c->o_lse), free(c->o_p);
 }
 
 /* The meta of a step: sequence s runs nrows[s] rows ending at position pos_end[s]. */
-static struct kvs_attn_meta mc_meta(struct mc *c, const int *pos_end, const int *nrows, int32_t *hq, int32_t *hp)
+static inline struct kvs_attn_meta mc_meta(struct mc *c, const int *pos_end, const int *nrows, int32_t *hq, int32_t *hp)
 {
     hq[0] = 0;
     int mx = 0;
@@ -121,7 +135,7 @@ static struct kvs_attn_meta mc_meta(struct mc *c, const int *pos_end, const int 
 
 /* One step: q / q_pre host [n][nh][hd]; flags per sequence (its rows: F_APPEND on every row,
  * F_MAC / F_MATCH only for a one-row sequence). Downloads out, lse and p. */
-static void mc_step(struct mc *c, const int *pos_end, const int *nrows, const int *flags, const float *q,
+static inline void mc_step(struct mc *c, const int *pos_end, const int *nrows, const int *flags, const float *q,
                     const float *q_pre)
 {
     int32_t hq[MC_MAXS + 1], hp[MC_MAXS];
@@ -143,6 +157,7 @@ static void mc_step(struct mc *c, const int *pos_end, const int *nrows, const in
         .head_dim = c->hd, .block_size = c->bs, .scale = 1.0f / sqrtf((float)c->hd), .thresh2 = c->thresh2,
         .q = c->q, .q_pre = c->qp, .kc = c->kc, .vc = c->vc, .m = &m, .rows = c->rows, .p = c->p, .p_off = 0,
         .ring_q = c->rq, .ring_o = c->ro, .ring_lse = c->rl, .ring_tag = c->rt, .out = c->out, .lse = c->lse,
+        .work = c->work, .work_n = c->work_n,
     };
     c->k->match(c->be, &call);
     c->k->attend(c->be, &call);
@@ -152,7 +167,7 @@ static void mc_step(struct mc *c, const int *pos_end, const int *nrows, const in
 }
 
 /* Reads ring entry j of sequence slot s, head h: (o [hd], lse); returns its tag. */
-static int32_t mc_ring(struct mc *c, int s, int j, int h, float *o, float *lse)
+static inline int32_t mc_ring(struct mc *c, int s, int j, int h, float *o, float *lse)
 {
     const size_t e = (size_t)s * c->K + j;
     int32_t tag;
@@ -164,7 +179,7 @@ static int32_t mc_ring(struct mc *c, int s, int j, int h, float *o, float *lse)
 
 /* Double reference (no rotation offsets, every slot valid): attention of q [hd] over positions
  * [lo, hi) of sequence s, kv head g; returns lse (-inf when empty), o [hd]. */
-static double mc_ref(const struct mc *c, int s, int g, const float *q, int lo, int hi, double *o)
+static inline double mc_ref(const struct mc *c, int s, int g, const float *q, int lo, int hi, double *o)
 {
     const double scale = 1.0 / sqrt((double)c->hd);
     double mx = -INFINITY, l = 0;
