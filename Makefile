@@ -5,7 +5,7 @@
 #   base/ engine/ engine/kv/ engine/text/ models/ kernels/ kernels/cpu/ server/ *.c -> build/libkvserve.a
 #   tools/ bench/ *.c (not mains)                         -> build/libkvstools.a (eval harness, bench helpers)
 #   any *_main.c                                          -> build/<name> (name: file minus _main.c, '_' -> '-')
-#   kernels/cuda/*.cu                                     -> linked in when nvcc is found (CUDA=0 forces off)
+#   kernels/cuda/*.cu, kernels/cuda/dev/*.cu              -> linked in when nvcc is found (CUDA=0 forces off)
 #   tests/unit/test_*.c                                   -> build/tests/test_*   (run by tests/run)
 #   tests/gpu/test_*.c, *.cu                              -> build/tests-gpu/test_* (run by make test-gpu)
 #   tests/fuzz/fuzz_*.c                                   -> build/fuzz/fuzz_* (clang libFuzzer, `make fuzz`)
@@ -42,7 +42,7 @@ LIB_SRCS := $(filter-out %_main.c,$(wildcard base/*.c engine/*.c engine/kv/*.c e
   kernels/cpu/*.c server/*.c))
 TOOL_SRCS := $(filter-out %_main.c,$(wildcard tools/*.c bench/*.c))
 MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
-CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu),)
+CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu),)
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
@@ -110,8 +110,16 @@ test: tests-build
 test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
 	@BUILD=$(BUILD) tests/run-gpu
 
-run: all
-	$(BUILD)/kvserve --config config/default.json
+# `make run`: the daemon only (no test venv, no tools); when nvcc was found but no GPU driver
+# is present the CUDA kernels are skipped (minutes of nvcc for a build that could not use them)
+HAVE_GPU_DRIVER := $(shell { [ -e /dev/nvidiactl ] || nvidia-smi -L; } >/dev/null 2>&1 && echo 1)
+run:
+	@cuda=$(CUDA); \
+	if [ "$$cuda" = 1 ] && [ "$(origin CUDA)" = file ] && [ -z "$(HAVE_GPU_DRIVER)" ]; then \
+	  echo "make run: nvcc found but no GPU driver: building the CPU-only daemon (make run CUDA=1 builds the CUDA kernels anyway)"; \
+	  cuda=0; \
+	fi; \
+	KVS_SETUP_PY=0 $(MAKE) CUDA=$$cuda $(BUILD)/kvserve && $(BUILD)/kvserve --config config/default.json
 
 FUZZ_SECONDS ?= 60
 fuzz: setup

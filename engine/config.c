@@ -53,6 +53,13 @@ static const struct key_def KEYS[] = {
      "simultaneous client connections"},
     {"server.request_timeout_s", T_DOUBLE, F(request_timeout_s), 0, 86400, "600", NULL, NULL,
      "per-request time limit in seconds (0: none)"},
+    {"server.idle_timeout_s", T_DOUBLE, F(idle_timeout_s), 1, 86400, "15", NULL, NULL,
+     "close a connection that sends or reads nothing for this long (headers, body, keep-alive; "
+     "never one waiting on the engine)"},
+    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "64", NULL, NULL,
+     "simultaneous connections from one client address (0: no cap); more are closed at accept"},
+    {"server.reserved_connections", T_INT, F(reserved_connections), 0, 1024, "16", NULL, NULL,
+     "connections kept above server.max_connections for /health, /metrics, /ping and /version only"},
     {"server.shutdown_grace_s", T_DOUBLE, F(shutdown_grace_s), 0, 3600, "30", NULL, NULL,
      "on SIGTERM/SIGINT, time to let in-flight requests finish before cancelling them"},
     {"server.sse_keepalive_s", T_DOUBLE, F(sse_keepalive_s), 0.1, 3600, "15", NULL, NULL,
@@ -69,11 +76,11 @@ static const struct key_def KEYS[] = {
     {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
-     "max_tokens when a request sets none (0: up to the context length)"},
+     "max_tokens when a request sets none (0: 16 on /v1/completions as in OpenAI and vLLM, chat up to the context length)"},
 
     {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
     {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,
-     "KV pool size in bytes (0: kv.memory_fraction of free device memory)"},
+     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most context x scheduler.max_running tokens)"},
     {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
      "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
     /* kv.storage / kv.reuse / kv.decode: which names exist, which are built and which pairs

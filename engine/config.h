@@ -32,6 +32,9 @@ struct kvs_config {
     int64_t max_body_bytes;
     int max_connections;
     double request_timeout_s;   /* 0 = none */
+    double idle_timeout_s;      /* libmicrohttpd's per-connection inactivity timeout */
+    int max_connections_per_client;   /* 0 = no cap (libmicrohttpd's per-IP limit) */
+    int reserved_connections;   /* above max_connections, for the probe routes only */
     double shutdown_grace_s;
     double sse_keepalive_s;
     int access_log;             /* bool */

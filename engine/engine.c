@@ -62,8 +62,8 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->seqs = calloc((size_t)e->max_running, sizeof *e->seqs);
     e->jobs = calloc((size_t)e->max_running, sizeof *e->jobs);
     e->free_slots = calloc((size_t)e->max_running, sizeof *e->free_slots);
-    e->logits = malloc((size_t)e->max_running * (size_t)x->vocab_size * sizeof *e->logits);
-    e->argmax = malloc((size_t)e->max_running * sizeof *e->argmax);
+    e->logits = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * (size_t)x->vocab_size * sizeof *e->logits);
+    e->argmax = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * sizeof *e->argmax);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
     if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece) {
@@ -276,7 +276,11 @@ static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t
         real += r->doc_len[d];
         if (full > INT32_MAX / 2) return kvs_err(err, errlen, -E2BIG, "the documents are too long");
     }
-    if (r->max_tokens <= 0) return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
+    if (r->max_tokens < 0 || (r->max_tokens == 0 && !r->prompt_logprobs))
+        return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
+    if (r->prompt_logprobs && r->n_docs && e->kv.reuse->doc_segments)
+        return kvs_err(err, errlen, -ENOSYS, "prompt logprobs (echo) are not available for requests whose documents "
+                                             "are cached segments (kv.reuse=%s)", e->kv.reuse->name);
     for (int i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= e->x.vocab_size)
             return kvs_err(err, errlen, -EINVAL, "prompt token %d at index %d is outside the vocabulary (0..%d)",

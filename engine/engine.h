@@ -74,9 +74,19 @@ struct kvs_request_params {
      * (engine/kv/doc_cache.h); n_prompt_tokens in DONE counts real tokens only. */
     const struct kvs_doc_segment *docs;
     int n_docs;
+    /* 1: score the prompt (echo with logprobs): one KVS_EV_PROMPT event per prompt position
+     * 1..n-1, in order, before any TOKEN; max_tokens may then be 0 (the request ends with DONE,
+     * finish LENGTH, once the prompt is scored). Such a request does not take prefix-cache
+     * hits (their logits were never computed); with kv.reuse=lazy documents submit refuses it
+     * (-ENOSYS). */
+    int prompt_logprobs;
 };
 
-enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3 };
+/* KVS_EV_PROMPT only for requests with prompt_logprobs: token is the prompt token at position
+ * pos, logprob its log-probability given the tokens before it (the model's own distribution:
+ * no temperature, penalties or bias), top_* the sampling.top_logprobs most likely tokens there;
+ * text is NULL. */
+enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3, KVS_EV_PROMPT = 4 };
 enum kvs_finish { KVS_FINISH_NONE = 0, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_CANCELLED,
                   KVS_FINISH_TIMEOUT, KVS_FINISH_ERROR };
 
@@ -89,6 +99,7 @@ struct kvs_event {
     int n_top;
     int32_t top_ids[KVS_MAX_TOP_LOGPROBS];
     float top_logprobs[KVS_MAX_TOP_LOGPROBS];
+    int pos;                      /* PROMPT: position in the prompt (>= 1) */
     /* DONE / ERROR */
     enum kvs_finish finish;
     char *error;                  /* ERROR: message (owned) */

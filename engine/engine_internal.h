@@ -17,6 +17,10 @@
 #include "engine/kv/kv.h"
 #include "engine/text/tokenizer.h"
 
+/* Extra host logits rows per step for prompt scoring (prompt_logprobs): a scored prefill chunk
+ * returns one row per token, so such chunks are capped to this many tokens per step in all. */
+#define KVS_PROMPT_LP_ROWS 64
+
 enum kvs_req_state { KVS_REQ_NEW = 0, KVS_REQ_INCOMING, KVS_REQ_WAITING, KVS_REQ_RUNNING, KVS_REQ_FINISHED };
 
 struct kvs_request {
@@ -43,6 +47,8 @@ struct kvs_request {
     int32_t *doc_tokens;          /* [sum of doc_len] the documents' ids, concatenated */
     int *doc_len;                 /* [n_docs] */
     int n_docs;
+    int prompt_logprobs;          /* score the prompt (engine.h) */
+    int n_prompt_lp;              /* next prompt position whose PROMPT event is due (from 1) */
     void (*notify)(void *user);
     void *user;
 
@@ -109,8 +115,9 @@ struct kvs_engine {
     /* this step's side prefills asked for by the reuse strategy (kv.h), after the requests */
     struct kvs_kv_job *jobs;                 /* [max_running] */
     int n_jobs;
-    float *logits;                           /* [max_running][vocab] host rows (non-ARGMAX), in batch order */
-    int32_t *argmax;                         /* [max_running] ids of every logits row (batch.argmax) */
+    int plp_rows;                            /* this step's scored prompt rows (<= KVS_PROMPT_LP_ROWS) */
+    float *logits;                           /* [max_running + KVS_PROMPT_LP_ROWS][vocab] host rows (non-ARGMAX), in batch order */
+    int32_t *argmax;                         /* [max_running + KVS_PROMPT_LP_ROWS] ids of every logits row (batch.argmax) */
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

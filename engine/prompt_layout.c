@@ -16,6 +16,7 @@ static void add_seg(struct kvs_prompt_set *ps, int32_t *ids, int n)
     }
     ps->segs = kvs_xrealloc(ps->segs, (size_t)(ps->n_segs + 1) * sizeof *ps->segs);
     ps->segs[ps->n_segs++] = (struct kvs_doc_segment){0, ids, n};
+    ps->seg_tokens += n;
 }
 
 static int32_t *dup_ids(const int32_t *ids, int n)

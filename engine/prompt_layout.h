@@ -59,6 +59,7 @@ struct kvs_prompt_set {
     int *len;
     int n_segs;                   /* segments every prompt starts with (segments layout) */
     struct kvs_doc_segment *segs;
+    int seg_tokens;               /* their tokens (unpadded) */
     int segment_align;
 };
 

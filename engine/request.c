@@ -33,6 +33,8 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
     r->n_prompt = p->n_prompt > 0 && p->prompt ? p->n_prompt : 0;
     r->prompt = dup_array(p->prompt, (size_t)r->n_prompt, sizeof(int32_t), &fail);
     r->max_tokens = p->max_tokens;
+    r->prompt_logprobs = p->prompt_logprobs ? 1 : 0;
+    r->n_prompt_lp = 1;
     r->sampling = p->sampling;
     int nb = p->sampling.n_logit_bias > 0 && p->sampling.logit_bias_ids && p->sampling.logit_bias_values
                  ? p->sampling.n_logit_bias : 0;

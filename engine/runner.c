@@ -316,6 +316,13 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
         budget = (size_t)((double)ops->mem_available(r->be) * frac);
         if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
+        /* on the CPU by need: every running request at the full context (a share of free RAM
+         * reserved GiBs for a 7M-parameter model); a GPU keeps its share for the prefix cache */
+        int ctx = cfg->max_model_len > 0 && cfg->max_model_len < c->max_position_embeddings ? cfg->max_model_len
+                                                                                             : c->max_position_embeddings;
+        size_t need = (size_t)(ctx > 0 ? ctx : 0) * (size_t)(cfg->max_running > 0 ? cfg->max_running : 1) *
+                      r->kv_bytes_per_token;
+        if (ops == &kvs_cpu_backend && need > 0 && budget > need) budget = need;
     }
     size_t nb = block_bytes ? budget / block_bytes : 0;
     if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;

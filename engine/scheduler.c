@@ -32,6 +32,7 @@
 
 #include "base/util.h"
 
+#include <math.h>
 #include <string.h>
 
 /* ---- lists ------------------------------------------------------------------------------- */
@@ -246,6 +247,73 @@ static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct 
     return 0;
 }
 
+/* ---- prompt scoring (prompt_logprobs: echo with logprobs) -------------------------------- */
+
+static int plp_pending(const struct kvs_request *r)
+{
+    return r->prompt_logprobs && r->n_prompt_lp < r->n_full_prompt;
+}
+
+/* A chunk of a request still scoring its prompt returns one logits row per token: capped to the
+ * step's remaining KVS_PROMPT_LP_ROWS (0: not this step). */
+static int plp_cap(const struct kvs_engine *e, const struct kvs_request *r, int c)
+{
+    if (!plp_pending(r)) return c;
+    int room = KVS_PROMPT_LP_ROWS - e->plp_rows;
+    return c < room ? c : room;
+}
+
+/* ev's logprob of ev->token and its n_top most likely alternatives under the raw row lg. */
+static void prompt_logprob(const float *lg, int vocab, int n_top, struct kvs_event *ev)
+{
+    float mx = -INFINITY;
+    for (int v = 0; v < vocab; v++)
+        if (lg[v] > mx) mx = lg[v];
+    double sum = 0;
+    for (int v = 0; v < vocab; v++) sum += exp((double)lg[v] - mx);
+    float lse = mx + (float)log(sum);
+    ev->logprob = lg[ev->token] - lse;
+    int n = 0;
+    for (int v = 0; v < vocab && n_top > 0; v++) {
+        float x = lg[v];
+        if (!(x > -INFINITY) || (n == n_top && x <= ev->top_logprobs[n - 1] + lse)) continue;
+        int at = n < n_top ? n++ : n - 1;   /* lowest id first among ties: strict > below */
+        while (at > 0 && x > ev->top_logprobs[at - 1] + lse) {
+            ev->top_logprobs[at] = ev->top_logprobs[at - 1];
+            ev->top_ids[at] = ev->top_ids[at - 1];
+            at--;
+        }
+        ev->top_logprobs[at] = x - lse;
+        ev->top_ids[at] = v;
+    }
+    ev->n_top = n;
+}
+
+/* PROMPT events for the positions predicted by rows[0..c) (a chunk that started at start).
+ * Returns 0, or -1 when r was ended (out of memory). */
+static int score_prompt(struct kvs_engine *e, struct kvs_request *r, int start, int c, const float *rows)
+{
+    int emitted = 0;
+    for (int i = 0; i < c; i++) {
+        int pos = start + i + 1;
+        if (pos < r->n_prompt_lp || pos >= r->n_full_prompt) continue;   /* scored before a preemption */
+        struct kvs_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.type = KVS_EV_PROMPT;
+        ev.pos = pos;
+        ev.token = r->tokens[pos];
+        prompt_logprob(rows + (size_t)i * (size_t)e->x.vocab_size, e->x.vocab_size, r->sampling.top_logprobs, &ev);
+        if (kvs_request_push_event(r, &ev) < 0) {
+            kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "out of memory queueing a prompt logprob event");
+            return -1;
+        }
+        r->n_prompt_lp = pos + 1;
+        emitted = 1;
+    }
+    if (emitted) notify(r);
+    return 0;
+}
+
 /* ---- scheduling -------------------------------------------------------------------------- */
 
 static void unschedule(struct kvs_engine *e, struct kvs_request *r, int *n_sched, int *budget)
@@ -286,6 +354,7 @@ static int schedule(struct kvs_engine *e, double now)
     int budget = e->max_batch_tokens;
     int n_sched = 0;
     int preempted = 0;
+    e->plp_rows = 0;
 
     /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first */
     for (int pass = 0; pass < 2; pass++) {
@@ -297,7 +366,8 @@ static int schedule(struct kvs_engine *e, double now)
             KVS_ASSERT(remaining >= 1);
             int is_decode = remaining == 1;
             if (is_decode != (pass == 0)) continue;
-            int c = is_decode ? 1 : min3(remaining, e->prefill_chunk, budget);
+            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget));
+            if (c <= 0) continue;   /* no scoring rows left this step */
             int dropped = 0;
             for (;;) {
                 int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
@@ -324,6 +394,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->sched_tokens = c;
             e->sched[n_sched++] = r;
             budget -= c;
+            if (plp_pending(r)) e->plp_rows += c;
         }
     }
 
@@ -339,12 +410,18 @@ static int schedule(struct kvs_engine *e, double now)
         struct kvs_request *r = e->wait_head;
         int matched = 0;
         if (r->table.n == 0) {
-            int rc = e->kv.reuse->admit(&e->kv, &r->kvrq, r->tokens, r->n_tokens, &r->table, &matched);
+            /* a prompt being scored needs the logits of every position: no cache hits */
+            int rc = plp_pending(r) ? 0 : e->kv.reuse->admit(&e->kv, &r->kvrq, r->tokens, r->n_tokens, &r->table, &matched);
             if (rc < 0) break;   /* the pool cannot hold what the strategy shares now: wait (FCFS) */
             r->n_computed = rc;
         }
         int remaining = r->n_tokens - r->n_computed;
-        int c = min3(remaining, e->prefill_chunk, budget);
+        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget));
+        if (c <= 0) {
+            release_kv(e, r);
+            r->n_computed = 0;
+            break;
+        }
         int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
         int avail = kvs_block_pool_available(&e->pool);
         int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
@@ -388,6 +465,7 @@ static int schedule(struct kvs_engine *e, double now)
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
+        if (plp_pending(r)) e->plp_rows += c;
     }
 
     /* side prefills the reuse strategy asks for (kv.h: e.g. missing documents, each computed
@@ -493,11 +571,16 @@ static void step(struct kvs_engine *e)
         s->slot = r->slot;
         s->slot_fresh = r->slot_fresh;
         int last = r->n_computed + r->sched_tokens == r->n_tokens;
-        s->want_logits = !last ? KVS_LOGITS_NONE : takes_argmax(e, r) ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+        if (plp_pending(r)) {
+            s->want_logits = KVS_LOGITS_ALL;   /* one row per token: the prompt is being scored */
+            n_logits += r->sched_tokens;
+        } else {
+            s->want_logits = !last ? KVS_LOGITS_NONE : takes_argmax(e, r) ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+            n_logits += last;
+        }
         any_argmax |= s->want_logits == KVS_LOGITS_ARGMAX;
-        n_logits += last;
     }
-    KVS_ASSERT(n_logits <= e->max_running);
+    KVS_ASSERT(n_logits <= e->max_running + KVS_PROMPT_LP_ROWS);
     for (int j = 0; j < e->n_jobs; j++) {
         const struct kvs_kv_job *jb = &e->jobs[j];
         struct kvs_batch_seq *s = &e->seqs[n + j];
@@ -534,14 +617,25 @@ static void step(struct kvs_engine *e)
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
         int want = e->seqs[k].want_logits;
+        int start = r->n_computed, c = r->sched_tokens;
         r->n_computed += r->sched_tokens;
         r->sched_tokens = 0;
         if (e->kv.reuse->commit) e->kv.reuse->commit(&e->kv, &r->kvrq, r->tokens, r->n_computed, &r->table);
         if (!want) continue;
+        /* an ALL chunk's rows are its tokens'; the last one is the sampling row */
+        int n_rows = want == KVS_LOGITS_ALL ? c : 1;
         int32_t id = want == KVS_LOGITS_ARGMAX ? e->argmax[row] : -1;   /* written for ARGMAX rows */
-        row++;
-        float *lg = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row++ * (size_t)e->x.vocab_size;
+        row += n_rows;
+        float *rows = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row * (size_t)e->x.vocab_size;
+        if (want != KVS_LOGITS_ARGMAX) host_row += n_rows;
+        float *lg = rows ? rows + (size_t)(n_rows - 1) * (size_t)e->x.vocab_size : NULL;
         if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
+        if (want == KVS_LOGITS_ALL && score_prompt(e, r, start, c, rows) < 0) continue;
+        if (r->n_computed < r->n_tokens) continue;   /* a middle chunk of a scored prompt */
+        if (r->max_tokens == 0) {   /* scoring only: done once the prompt is */
+            kvs_scheduler_finish(e, r, KVS_FINISH_LENGTH, NULL);
+            continue;
+        }
         struct kvs_sample_out so;
         if (pick_token(e, r, id, lg, &so) < 0) {
             kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");

@@ -57,8 +57,10 @@ void kvs_eval_counters_init(struct kvs_eval_counters *c, size_t kv_bytes_per_tok
  * NULL (no strategy: full attention). */
 void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv *s, const struct kvs_batch *b,
                             int window, int is_decode);
-/* Pulls what the strategy keeps about itself (after the run). */
-void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s);
+/* Pulls what the strategy keeps about itself (after the run): the decode policy's counters
+ * through the runner (engine/kv/kv.h: KV bytes read, its own numbers as extras). */
+struct kvs_runner;
+void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s, struct kvs_runner *r);
 /* Reuse counters of an engine run (prefix hits over prefix lookups). */
 void kvs_eval_counters_from_engine(struct kvs_eval_counters *c, const struct kvs_engine_stats *st);
 
@@ -133,5 +135,15 @@ struct kvs_eval_retrieval_result {
 int kvs_eval_retrieval(const struct kvs_config *cfg, const struct kvs_model *model, const struct kvs_tokenizer *tok,
                        const struct kvs_eval_probes *probes, int window, struct kvs_eval_retrieval_result *res,
                        char *err, size_t errlen);
+
+/* ---- every decode policy (eval_policies.c) ---------------------------------------------- */
+
+/* Runs every decode policy the KV registry has built, with base's other settings, against
+ * ref on the same inputs (teacher-forced with o, retrieval with probes) and prints one table
+ * row each on stdout. 0 or a negative errno with a message. */
+int kvs_eval_all_policies(const struct kvs_config *base, const struct kvs_config *ref, const struct kvs_model *model,
+                          const struct kvs_tokenizer *tok, const int32_t *tokens, int n_tokens,
+                          const struct kvs_eval_tf_opts *o, const struct kvs_eval_probes *probes, int do_tf,
+                          int do_ret, char *err, size_t errlen);
 
 #endif

@@ -1,12 +1,10 @@
 /* eval_counters.c: the strategies' own counters as the quality harness reports them (eval.h).
  *
- * This is the one place where a KV strategy tells the harness what it did. Today only exact
- * strategies exist (decode "full", reuse "none"/"prefix"), so what a decode step reads is known
- * from the batch: every sequence reads the K and V of all its positions. A new decode strategy
- * (mac, paris, retro) that reads less adds a branch to decode_bytes_read() below with what it
- * actually read (selected pages, top-k tokens, reused summaries); extra numbers of its own
- * (recall@k, summary hit rate) go into kvs_eval_counters_finish as name/value extras. A
- * strategy not listed here that is not exact is reported as "not reported", never as full.
+ * An exact decode policy reads the K and V of every position, known from the batch. An
+ * approximate one reports what it read through the seam (engine/kv/kv.h counters, pulled from
+ * the runner at the end: "kvserve:kv_decode_bytes_read_total"), and its other counters
+ * (recall@k, hit rate, ...) become name/value extras; one that reports nothing is shown as
+ * "not reported", never as full.
  */
 #include "tools/eval.h"
 
@@ -47,10 +45,22 @@ void kvs_eval_counters_step(struct kvs_eval_counters *c, const struct kvs_kv *s,
     }
 }
 
-void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s)
+void kvs_eval_counters_finish(struct kvs_eval_counters *c, const struct kvs_kv *s, struct kvs_runner *r)
 {
-    (void)c;
-    (void)s;   /* no built-in strategy keeps extra counters yet; see the comment at the top */
+    if (!r || !s || !s->decode || s->decode->exact) return;
+    /* an approximate policy reports what it read; its other counters become extras */
+    struct kvs_kv_counter k[KVS_KV_MAX_COUNTERS];
+    int n = kvs_runner_kv_counters(r, k, KVS_KV_MAX_COUNTERS);
+    for (int i = 0; i < n; i++) {
+        if (k[i].family) continue;   /* the fidelity histogram */
+        if (!strcmp(k[i].name, "kvserve:kv_decode_bytes_read_total")) {
+            c->kv_bytes_read = k[i].value;
+            c->kv_read_known = 1;
+        } else if (strcmp(k[i].name, "kvserve:kv_decode_bytes_full_total") && c->n_extra < 8) {
+            c->extra_name[c->n_extra] = k[i].name;
+            c->extra_value[c->n_extra++] = k[i].value;
+        }
+    }
 }
 
 void kvs_eval_counters_from_engine(struct kvs_eval_counters *c, const struct kvs_engine_stats *st)

@@ -241,8 +241,8 @@ int kvs_eval_teacher_forced(const struct kvs_config *ref_cfg, const struct kvs_c
         }
     }
     KVS_ASSERT(k == npos);
-    kvs_eval_counters_finish(&res->ref, &ref.kv);
-    kvs_eval_counters_finish(&res->cfg, &cand.kv);
+    kvs_eval_counters_finish(&res->ref, &ref.kv, ref.r);
+    kvs_eval_counters_finish(&res->cfg, &cand.kv, cand.r);
     res->n_positions = npos;
     res->nll_ref = nll_r / npos;
     res->nll_cfg = nll_c / npos;

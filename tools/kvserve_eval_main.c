@@ -45,6 +45,7 @@ static void usage(FILE *f)
             "  --probes N            probes per length (default 10)\n"
             "  --seed N              probe generator seed (default 1)\n"
             "  --lossy-window N      eval-only lossy candidate: sees only the last N tokens\n"
+            "  --all-policies        every built kv.decode policy against full, one row each\n"
             "  --no-tf | --no-retrieval   skip a part\n"
             "  --json                machine-readable output on stdout\n"
             "  --dump-probes FILE    write the retrieval probes as JSON lines and exit\n"
@@ -155,7 +156,7 @@ int main(int argc, char **argv)
 {
     struct cfg_op *ops = kvs_xcalloc((size_t)argc + 1, sizeof *ops);
     int n_ops = 0, seq_len = 256, n_seqs = 4, prefill = 1, probes_per = 10, window = 0, seed = 1;
-    int do_tf = 1, do_ret = 1, json = 0, n_lengths = 0, lengths[16];
+    int do_tf = 1, do_ret = 1, json = 0, n_lengths = 0, lengths[16], all_policies = 0;
     const char *dump_path = NULL, *text_path = NULL, *tokens_path = NULL, *filler_path = NULL, *model_arg = NULL;
     char model_set[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
@@ -168,6 +169,7 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--json")) json = 1, takes = 0;
         else if (!strcmp(a, "--no-tf")) do_tf = 0, takes = 0;
         else if (!strcmp(a, "--no-retrieval")) do_ret = 0, takes = 0;
+        else if (!strcmp(a, "--all-policies")) all_policies = 1, takes = 0;
         else if (!v) bad = 1;
         else if (!strcmp(a, "--model")) model_arg = v;
         else if (!strcmp(a, "--config")) ops[n_ops++] = (struct cfg_op){1, v};
@@ -353,6 +355,16 @@ int main(int argc, char **argv)
         }
     }
 
+    if (all_policies) {
+        struct kvs_eval_tf_opts o = {seq_len, n_seqs, prefill, 0};
+        if ((rc = kvs_eval_all_policies(&cfg, &ref, model, tok, tokens, n_tokens, &o, &probes, do_tf, do_ret, err,
+                                        sizeof err))) {
+            fprintf(stderr, "kvserve-eval: %s\n", err);
+            goto out;
+        }
+        ret = 0;
+        goto out;
+    }
     if (do_tf) {
         struct kvs_eval_tf_opts o = {seq_len, n_seqs, prefill, window};
         if ((rc = kvs_eval_teacher_forced(&ref, &cfg, model, tokens, n_tokens, &o, &tf, err, sizeof err))) {

@@ -353,6 +353,16 @@ static void render_llama3(struct sbuf *b, const struct msg *m, int n, size_t *sy
     sb_str(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
+const char *kvs_chat_generation_prompt(enum kvs_chat_format f)
+{
+    switch (f) {
+    case KVS_CHAT_CHATML:
+    case KVS_CHAT_QWEN3: return "<|im_start|>assistant\n";
+    case KVS_CHAT_LLAMA3: return "<|start_header_id|>assistant<|end_header_id|>\n\n";
+    default: return "";
+    }
+}
+
 /* Start of message 0's content in the ChatML-family output (for document spans). */
 static size_t chatml_sys_base(void) { return strlen("<|im_start|>system\n"); }
 

@@ -73,6 +73,11 @@ const char *kvs_chat_format_name(enum kvs_chat_format f);
  * [128000, 128006, ...] in transformers, one BOS. */
 int kvs_chat_has_bos(enum kvs_chat_format f);
 
+/* The generation prompt kvs_chat_render appends (what apply_chat_template leaves out with
+ * add_generation_prompt=False; the messages before it render the same either way); "" for
+ * KVS_CHAT_UNKNOWN. A static string. */
+const char *kvs_chat_generation_prompt(enum kvs_chat_format f);
+
 /* Renders messages (with the generation prompt for the assistant appended).
  * documents: optional texts (n_docs >= 0) placed, in order, at the start of the system turn
  * (a system turn is created when the conversation has none). */
