@@ -15,12 +15,6 @@
 #include "kernels/cuda/cuda_backend.h"
 #define PICK_HAS_CUDA 1
 #endif
-#if __has_include("kernels/cuda/kv_mac_cuda.h")
-#include "kernels/cuda/kv_mac_cuda.h"
-/* KV-strategy kernels of the CUDA backend: the registry refers to them weakly (kv_mac_pick.c),
- * this strong reference links them into every program that can pick the backend */
-const void *const kvs_cuda_strategy_kernels[] = {&kvs_mac_kernels_cuda};
-#endif
 #endif
 
 const struct kvs_backend_ops *kvs_backend_pick(const char *device, char *err, size_t errlen)

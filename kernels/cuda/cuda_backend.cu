@@ -540,10 +540,6 @@ extern "C" double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes)
     return 2.0 * (double)bytes / (t[7] * 1e-3);
 }
 
-extern "C" void *kvs_cuda_buf_ptr(const struct kvs_dbuf *buf) { return buf ? buf->d : NULL; }
-extern "C" void *kvs_cuda_stream(struct kvs_backend *b) { return (void *)b->stream; }
-extern "C" int kvs_cuda_n_sms(struct kvs_backend *b) { return b->n_sms; }
-
 extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen)
 {
     cudaDeviceProp prop;

@@ -86,14 +86,6 @@ void kvs_cuda_matmul_accumulate(struct kvs_backend *b, const struct kvs_dbuf *x,
  * query heads per KV head); the runner refuses other shapes on this backend with a message. */
 int kvs_cuda_supports_attention(int n_heads, int n_kv_heads, int head_dim);
 
-/* For strategy kernels (kernels/cuda/kv_<name>.cu, behind kernels/kv_<name>.h) that work on the
- * backend's buffers: the device address of a buffer's element 0 (ACT and F32: float, I32:
- * int32_t, KV: bf16), the backend's stream (a cudaStream_t; their kernels go on it, in order
- * with the ops) and its SM count (launch planning). */
-void *kvs_cuda_buf_ptr(const struct kvs_dbuf *buf);
-void *kvs_cuda_stream(struct kvs_backend *b);
-int kvs_cuda_n_sms(struct kvs_backend *b);
-
 /* "NVIDIA H100 80GB HBM3, 132 SMs, 79.1 GiB" style description. */
 void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t outlen);
 

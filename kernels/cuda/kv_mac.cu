@@ -1,9 +1,9 @@
 /* kv_mac.cu: MAC-Attention's kernels on the CUDA backend (kernels/kv_mac.h; the CPU reference
  * is kernels/cpu/kv_mac.c and tests/gpu/test_cuda_kv_mac.c compares the two).
  *
- *   k_mac_match    one block per (row, q head), 8 warps over the ring's K entries: bf16 entry
- *                  loads, the query rounded to bf16 alike, fp32 sums; per warp the lowest entry
- *                  among equal distances, then across warps the same rule.
+ *   k_mac_match    one block per (row, q head), a thread per ring entry: bf16 entry loads (16
+ *                  bytes at a time), the query rounded to bf16 alike, fp32 sums; the block's
+ *                  minimum with ties to the lower entry.
  *   k_mac_span     one block per (row, KV head, split): the group's q heads read each key and
  *                  value once over the union of their spans [min s, end) (the paper's KV-group
  *                  CTA), each head keeping its own online softmax for A = [s_h, split_h) and
@@ -15,81 +15,82 @@
  *                  with the A partials (the rectified summary), stored in the ring for F_APPEND
  *                  rows, then merged with the B partials into out / lse (attn_merge's formula).
  * Head shapes: head_dim 64 or 128, 1, 2, 4 or 8 q heads per KV head (others: -ENOSYS).
- * Launched on the backend's stream, in order with its ops.
+ * Launched on the backend's stream, in order with its ops. Uses only the backend's structs
+ * (cuda_internal.cuh), no function of its objects: the KV registry reaches this table from
+ * programs that link no backend (kernels/kv_mac_pick.c).
  */
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
 #include <errno.h>
-#include <math.h>
-#include <stdint.h>
 
-#define _Noreturn [[noreturn]]
-extern "C" {
-#include "base/util.h"
-#include "kernels/backend.h"
-}
-/* nvcc builds only this side: the C files get the flag from the Makefile */
-#ifndef KVS_HAVE_CUDA
-#define KVS_HAVE_CUDA 1
-#endif
-#include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_launch.h"
+#include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/cuda/kv_mac_cuda.h"
 #include "kernels/kv_mac.h"
 
-typedef __nv_bfloat16 bf16;
-
-#define MATCH_WARPS 8
+#define MATCH_THREADS 256
 #define SPAN_WARPS 4
 #define MAX_SPLITS 32
 #define MIN_SPLIT_POS 256     /* positions a split should have before another one pays */
 
-static __device__ __forceinline__ float warp_sum(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
+/* One block per (row, q head), a thread per ring entry (MATCH_THREADS entries at a time): each
+ * thread sums its entry's squared distance over 16-byte loads (8 bf16 each, all in flight at
+ * once), the query is read from shared memory; then the block's minimum, ties to the lower
+ * entry. */
 template <int HD>
-__global__ void k_mac_match(const float *__restrict__ q_pre, const bf16 *__restrict__ ring_q,
-                            const int32_t *__restrict__ tags, const int32_t *__restrict__ rows, int32_t *__restrict__ p_out,
-                            int nh, int K, int layer, int n_layers, float thresh2)
+__global__ void __launch_bounds__(MATCH_THREADS) k_mac_match(const float *__restrict__ q_pre, const bf16 *__restrict__ ring_q,
+                                                            const int32_t *__restrict__ tags, const int32_t *__restrict__ rows,
+                                                            int32_t *__restrict__ p_out, int nh, int K, int layer,
+                                                            int n_layers, float thresh2)
 {
-    constexpr int E = HD / 32;
-    const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __shared__ float s_d[MATCH_WARPS];
-    __shared__ int s_j[MATCH_WARPS];
+    const int t = blockIdx.x, h = blockIdx.y;
+    __shared__ float s_q[HD];
+    __shared__ float s_d[MATCH_THREADS / 32];
+    __shared__ int s_j[MATCH_THREADS / 32];
     const int32_t *row = rows + (size_t)t * 4;
     const int flags = row[3], slot = row[1], m = row[2];
     if (!(flags & KVS_MAC_F_MATCH) || slot < 0) {
         if (threadIdx.x == 0) p_out[(size_t)t * nh + h] = -1;
         return;
     }
-    float q[E];
     const float *qh = q_pre + ((size_t)t * nh + h) * HD;
-    for (int e = 0; e < E; e++) q[e] = __bfloat162float(__float2bfloat16(qh[lane + 32 * e]));
+    for (int i = threadIdx.x; i < HD; i += MATCH_THREADS) s_q[i] = __bfloat162float(__float2bfloat16(qh[i]));
+    __syncthreads();
     const size_t base = ((size_t)slot * n_layers + layer) * K;
     float best = INFINITY;
     int bj = -1;
-    for (int j = warp; j < K; j += MATCH_WARPS) {
+    for (int j = threadIdx.x; j < K; j += MATCH_THREADS) {   /* j grows: strict < keeps the lower */
         const int tag = tags[base + j];
-        if (tag <= 0 || tag - 1 >= m) continue;   /* empty, or not older than m (warp-uniform) */
-        const bf16 *en = ring_q + ((base + j) * nh + h) * HD;
+        if (tag <= 0 || tag - 1 >= m) continue;   /* empty, or not older than m */
+        const uint4 *en = (const uint4 *)(ring_q + ((base + j) * nh + h) * HD);
         float s = 0.0f;
-        for (int e = 0; e < E; e++) {
-            const float d = q[e] - __bfloat162float(en[lane + 32 * e]);
-            s += d * d;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {   /* half the row a batch of loads: fewer registers */
+            uint4 v[HD / 16];
+#pragma unroll
+            for (int c = 0; c < HD / 16; c++) v[c] = en[half * (HD / 16) + c];
+#pragma unroll
+            for (int c = 0; c < HD / 16; c++) {
+                const bf16 *b8 = (const bf16 *)&v[c];
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const float d = s_q[(half * (HD / 16) + c) * 8 + i] - __bfloat162float(b8[i]);
+                    s += d * d;
+                }
+            }
         }
-        s = warp_sum(s);
-        if (s < best) best = s, bj = j;   /* j grows: strict keeps the lower entry */
+        if (s < best) best = s, bj = j;
     }
-    if (lane == 0) s_d[warp] = best, s_j[warp] = bj;
+    /* warp minimum, then the block's: the lower entry among equal distances */
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const int oj = __shfl_xor_sync(0xffffffffu, bj, o);
+        if (oj >= 0 && (bj < 0 || ob < best || (ob == best && oj < bj))) best = ob, bj = oj;
+    }
+    if (threadIdx.x % 32 == 0) s_d[threadIdx.x / 32] = best, s_j[threadIdx.x / 32] = bj;
     __syncthreads();
     if (threadIdx.x == 0) {
         float b = INFINITY;
         int j = -1;
-        for (int w = 0; w < MATCH_WARPS; w++)
-            if (s_j[w] >= 0 && (s_d[w] < b || (s_d[w] == b && s_j[w] < j))) b = s_d[w], j = s_j[w];
+        for (int w = 0; w < MATCH_THREADS / 32; w++)
+            if (s_j[w] >= 0 && (j < 0 || s_d[w] < b || (s_d[w] == b && s_j[w] < j))) b = s_d[w], j = s_j[w];
         p_out[(size_t)t * nh + h] = j >= 0 && b < thresh2 ? tags[base + j] - 1 : -1;
     }
 }
@@ -112,6 +113,23 @@ static __device__ __forceinline__ void head_range(int p, int m, int band, int ma
     *end = mac ? m + 1 : *split;
 }
 
+/* one key of the online softmax: score sc, value v (this lane's E elements) */
+template <int E>
+static __device__ __forceinline__ void online(float &mx, float &l, float (&acc)[E], float sc, const float (&v)[E])
+{
+    if (sc > mx) {
+        const float corr = __expf(mx - sc);   /* exp(-inf) = 0 on the first key */
+        l *= corr;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] *= corr;
+        mx = sc;
+    }
+    const float w = __expf(sc - mx);
+    l += w;
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] += w * v[e];
+}
+
 template <int HD, int G>
 __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
 {
@@ -122,6 +140,7 @@ __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
     if (!(flags & (KVS_MAC_F_MAC | KVS_MAC_F_APPEND)) || ((flags & KVS_MAC_F_APPEND) && slot < 0)) return;
     const int mac = (flags & KVS_MAC_F_MAC) != 0;
     int s_h[G], split_h[G], end_h[G], lo = INT32_MAX, hi = 0;
+#pragma unroll
     for (int i = 0; i < G; i++) {
         const int h = g * G + i;
         head_range(mac ? a.p[(size_t)t * a.nh + h] : -1, m, a.band, mac, &s_h[i], &split_h[i], &end_h[i]);
@@ -135,14 +154,19 @@ __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
     const int wa = za + warp * wper, wb = min(wa + wper, zb);
 
     float q0[G][E], qr[G][E];
+#pragma unroll
     for (int i = 0; i < G; i++)
+#pragma unroll
         for (int e = 0; e < E; e++) qr[i][e] = q0[i][e] = a.q[((size_t)t * a.nh + g * G + i) * HD + lane + 32 * e];
-    float mx[G][2], l[G][2], acc[G][2][E];
-    for (int i = 0; i < G; i++)
-        for (int k = 0; k < 2; k++) {
-            mx[i][k] = -INFINITY, l[i][k] = 0.0f;
-            for (int e = 0; e < E; e++) acc[i][k][e] = 0.0f;
-        }
+    /* per head, A's and B's online softmax (separate arrays: constant indices keep them in
+     * registers) */
+    float mxa[G], la[G], acca[G][E], mxb[G], lb[G], accb[G][E];
+#pragma unroll
+    for (int i = 0; i < G; i++) {
+        mxa[i] = mxb[i] = -INFINITY, la[i] = lb[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) acca[i][e] = accb[i][e] = 0.0f;
+    }
     const int32_t *bt = a.bt + (size_t)seq * a.max_blocks;
     const int32_t *rot = a.rot ? a.rot + (size_t)seq * a.max_blocks : NULL;
     const int32_t *valid = a.valid ? a.valid + (size_t)seq * a.max_blocks : NULL;
@@ -156,10 +180,12 @@ __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
         const int r = rot ? rot[bi] : 0;
         if (r != cur_rot) {   /* deferred RoPE: the queries rotated back by r (neox half-split) */
             cur_rot = r;
+#pragma unroll
             for (int e = 0; e < E / 2; e++) {
                 const int d = lane + 32 * e;
                 float sn, cs;
                 sincosf((float)r * a.inv_freq[d], &sn, &cs);
+#pragma unroll
                 for (int i = 0; i < G; i++) {
                     const float x = q0[i][e], y = q0[i][e + E / 2];
                     qr[i][e] = x * cs + y * sn;
@@ -169,33 +195,42 @@ __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
         }
         const size_t kb = (((size_t)bt[bi] * a.nkv + g) * a.bs + off) * HD;
         float kv[E], vv[E];
+#pragma unroll
         for (int e = 0; e < E; e++) kv[e] = __bfloat162float(a.kc[kb + lane + 32 * e]);
+#pragma unroll
         for (int e = 0; e < E; e++) vv[e] = __bfloat162float(a.vc[kb + lane + 32 * e]);
+        float d[G];
+#pragma unroll
+        for (int i = 0; i < G; i++) {
+            d[i] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; e++) d[i] += qr[i][e] * kv[e];
+        }
+        /* the G reductions interleaved (independent shuffles in flight) */
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int i = 0; i < G; i++) d[i] += __shfl_xor_sync(0xffffffffu, d[i], o);
+#pragma unroll
         for (int i = 0; i < G; i++) {
             if (pos < s_h[i] || pos >= end_h[i]) continue;   /* warp-uniform */
-            float d = 0.0f;
-            for (int e = 0; e < E; e++) d += qr[i][e] * kv[e];
-            const float sc = warp_sum(d) * a.scale;
-            const int k = pos < split_h[i] ? 0 : 1;
-            if (sc > mx[i][k]) {
-                const float corr = __expf(mx[i][k] - sc);
-                l[i][k] *= corr;
-                for (int e = 0; e < E; e++) acc[i][k][e] *= corr;
-                mx[i][k] = sc;
-            }
-            const float w = __expf(sc - mx[i][k]);
-            l[i][k] += w;
-            for (int e = 0; e < E; e++) acc[i][k][e] += w * vv[e];
+            const float sc = d[i] * a.scale;
+            if (pos < split_h[i]) online(mxa[i], la[i], acca[i], sc, vv);
+            else online(mxb[i], lb[i], accb[i], sc, vv);
         }
     }
     /* the warps' partials, merged per (head, part) into work[t][h][z][part] = (o[HD], lse) */
     __shared__ float s_ml[SPAN_WARPS][G][2][2];
     __shared__ float s_acc[SPAN_WARPS][G][2][HD];
-    for (int i = 0; i < G; i++)
-        for (int k = 0; k < 2; k++) {
-            if (lane == 0) s_ml[warp][i][k][0] = mx[i][k], s_ml[warp][i][k][1] = l[i][k];
-            for (int e = 0; e < E; e++) s_acc[warp][i][k][lane + 32 * e] = acc[i][k][e];
+#pragma unroll
+    for (int i = 0; i < G; i++) {
+        if (lane == 0) {
+            s_ml[warp][i][0][0] = mxa[i], s_ml[warp][i][0][1] = la[i];
+            s_ml[warp][i][1][0] = mxb[i], s_ml[warp][i][1][1] = lb[i];
         }
+#pragma unroll
+        for (int e = 0; e < E; e++) s_acc[warp][i][0][lane + 32 * e] = acca[i][e], s_acc[warp][i][1][lane + 32 * e] = accb[i][e];
+    }
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * 2 * HD; idx += SPAN_WARPS * 32) {
         const int i = idx / (2 * HD), k = (idx / HD) % 2, d = idx % HD;
@@ -284,21 +319,21 @@ static size_t cu_work_elems(int max_rows, int n_heads, int head_dim)
     return rows * (size_t)n_heads * 2 * (size_t)(head_dim + 1);
 }
 
-#define P(b) kvs_cuda_buf_ptr(b)
+#define P(buf) ((buf)->d)
 
 static void cu_match(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
-    cudaStream_t st = (cudaStream_t)kvs_cuda_stream(b);
+    cudaStream_t st = b->stream;
     const dim3 grid(c->n, c->n_heads);
     const float *q = (const float *)P(c->q_pre);
     const bf16 *rq = (const bf16 *)P(c->ring_q);
     const int32_t *tags = (const int32_t *)P(c->ring_tag), *rows = (const int32_t *)P(c->rows);
     int32_t *p = (int32_t *)P(c->p) + c->p_off;
     if (c->head_dim == 64)
-        k_mac_match<64><<<grid, MATCH_WARPS * 32, 0, st>>>(q, rq, tags, rows, p, c->n_heads, c->K, c->layer,
+        k_mac_match<64><<<grid, MATCH_THREADS, 0, st>>>(q, rq, tags, rows, p, c->n_heads, c->K, c->layer,
                                                            c->n_layers, c->thresh2);
     else
-        k_mac_match<128><<<grid, MATCH_WARPS * 32, 0, st>>>(q, rq, tags, rows, p, c->n_heads, c->K, c->layer,
+        k_mac_match<128><<<grid, MATCH_THREADS, 0, st>>>(q, rq, tags, rows, p, c->n_heads, c->K, c->layer,
                                                             c->n_layers, c->thresh2);
     CUDA_CHECK(cudaGetLastError());
 }
@@ -316,11 +351,11 @@ static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
 
 static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
-    cudaStream_t st = (cudaStream_t)kvs_cuda_stream(b);
+    cudaStream_t st = b->stream;
     const int G = c->n_heads / c->n_kv_heads, hd = c->head_dim;
     /* splits: enough blocks for two waves, at most one per MIN_SPLIT_POS positions of the
      * longest context, within the scratch */
-    const int sms = kvs_cuda_n_sms(b);
+    const int sms = b->n_sms;
     int Z = (2 * sms + c->n * c->n_kv_heads - 1) / (c->n * c->n_kv_heads);
     Z = Z < (c->m->max_ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS ? Z : (c->m->max_ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS;
     const size_t per_split = (size_t)c->n * c->n_heads * 2 * (size_t)(hd + 1);

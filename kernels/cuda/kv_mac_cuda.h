@@ -1,7 +1,5 @@
 /* kv_mac_cuda.h: the CUDA table of MAC-Attention's kernels (kernels/kv_mac.h), defined in
- * kernels/cuda/kv_mac.cu. Only with KVS_HAVE_CUDA=1. kernels/kv_mac_pick.c refers to it weakly
- * (programs that only validate configs need not link the backend); kernels/backend_pick.c,
- * which every program that picks the CUDA backend links, keeps it in. */
+ * kernels/cuda/kv_mac.cu. Only with KVS_HAVE_CUDA=1 (kernels/kv_mac_pick.c hands it out). */
 #ifndef KVS_KV_MAC_CUDA_H
 #define KVS_KV_MAC_CUDA_H
 
