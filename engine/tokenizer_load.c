@@ -15,6 +15,7 @@
 
 #include "engine/tokenizer_internal.h"
 #include "engine/util.h"
+#include "models/gguf.h"
 
 #define KVS_TOK_MAX_ID (1 << 23)
 
@@ -947,6 +948,9 @@ int kvs_tokenizer_load(const char *dir, struct kvs_tokenizer **out, char *err, s
     size_t len = 0;
     int rc = 0;
     *out = NULL;
+    int gguf = kvs_gguf_find(dir, path, sizeof path, err, errlen);
+    if (gguf < 0) return gguf;
+    if (gguf) return kvs_tokenizer_load_gguf(path, out, err, errlen);
     if (snprintf(path, sizeof path, "%s/tokenizer.json", dir) >= (int)sizeof path)
         return kvs_err(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
     char *json = kvs_read_file(path, &len, err, errlen);
