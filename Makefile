@@ -1,5 +1,5 @@
 # kvserve build. `make` builds build/kvserve (+ tools), `make test` runs the CPU suite,
-# `make test-gpu` the GPU suite (on a GPU machine), `make run` serves the demo model.
+# `make test-gpu` the GPU suite (on a GPU machine), `make run` serves SmolLM2-135M-Instruct (`make run-demo` the demo model).
 #
 # Source layout drives the build, so adding a file needs no Makefile edit:
 #   engine/ engine/kv/ models/ kernels/cpu/ server/ *.c  -> build/libkvserve.a
@@ -56,7 +56,7 @@ TEST_BINS := $(TEST_SRCS:tests/unit/%.c=$(BUILD)/tests/%)
 GPU_TEST_BINS := $(patsubst tests/gpu/%.cu,$(BUILD)/tests-gpu/%,$(patsubst tests/gpu/%.c,$(BUILD)/tests-gpu/%,$(GPU_TEST_SRCS)))
 LIB := $(BUILD)/libkvserve.a
 
-.PHONY: all setup test test-gpu run fuzz bench clean format tests-build
+.PHONY: all setup test test-gpu run run-demo fuzz bench clean format tests-build
 all: setup $(MAIN_BINS)
 
 setup:
@@ -100,7 +100,15 @@ test: tests-build
 test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
 	@BUILD=$(BUILD) tests/run-gpu
 
+# `make run` serves SmolLM2-135M-Instruct (fetched by scripts/setup into models/cache); when the
+# fetch failed (offline) it says so and serves the embedded demo model, which `make run-demo` serves.
+SMOLLM2 := models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 run: all
+	@if [ -f $(SMOLLM2) ]; then exec $(BUILD)/kvserve --config config/smollm2.json; \
+	else echo "run: $(SMOLLM2) is missing (the fetch failed or the machine is offline): serving the embedded demo model instead" >&2; \
+	exec $(BUILD)/kvserve --config config/default.json; fi
+
+run-demo: all
 	$(BUILD)/kvserve --config config/default.json
 
 FUZZ_SECONDS ?= 60
