@@ -29,7 +29,7 @@ struct key_def {
 
 static const struct key_def KEYS[] = {
     {"model.path", T_STRING, F(model_path), 0, 0, "models/demo", NULL, NULL,
-     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"},
+     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a GGUF file / a directory holding one"},
     {"model.name", T_STRING, F(model_name), 0, 0, "", NULL, NULL,
      "model id served in /v1/models and accepted in requests (empty: directory name)"},
     {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|qwen3|llama3|smollm", NULL,

@@ -28,6 +28,9 @@ int kvs_tokenizer_load_json(const char *tokenizer_json, size_t len, const char *
 /* Builds the tokenizer from a GGUF file's tokenizer.ggml.* metadata (engine/tokenizer_gguf.c);
  * kvs_tokenizer_load calls it when dir is a .gguf file or a directory holding one. */
 int kvs_tokenizer_load_gguf(const char *path, struct kvs_tokenizer **out, char *err, size_t errlen);
+struct kvs_gguf;
+/* The same from a parsed GGUF (models/gguf.h); for tests and fuzzing. */
+int kvs_tokenizer_from_gguf(const struct kvs_gguf *g, struct kvs_tokenizer **out, char *err, size_t errlen);
 void kvs_tokenizer_free(struct kvs_tokenizer *t);
 
 int kvs_tokenizer_vocab_size(const struct kvs_tokenizer *t);   /* max id + 1 */

@@ -10,10 +10,13 @@
  *           tokens (type 3) become special added tokens (skipped when not byte-spelled, as
  *           transformers does), USER_DEFINED (type 4) plain added tokens. Pre-tokenizer by
  *           tokenizer.ggml.pre: llama3-family / qwen2-family / gpt-4o-family split regexes
- *           (transformers' table), "smollm" llama.cpp's individual digits then the GPT-2 regex
- *           (the model's own tokenizer.json; transformers uses the GPT-2 regex alone, which
- *           gives the same ids because SmolLM's vocabulary has no token with a digit beside
- *           another character), anything else the GPT-2 regex.
+ *           (transformers' table); "smollm" and the other names llama.cpp groups with it
+ *           (starcoder, refact, command-r, codeshell, exaone, minerva): every digit split off
+ *           first, then the GPT-2 regex, as llama.cpp does and as these models' own
+ *           tokenizer.json does (Digits(individual_digits) + ByteLevel). transformers 5 drops the
+ *           digit split for them; its ids differ where a digit follows a run of whitespace or
+ *           is non-ASCII (tests/py/test_gguf_tokenizer.py counts them). Anything else: the
+ *           GPT-2 regex.
  *   "llama" SentencePiece BPE with byte fallback: Metaspace("▁", prepend first, no split), the
  *           Replace/ByteFallback/Fuse/Strip decoder of transformers' LlamaTokenizer, unk from
  *           tokenizer.ggml.unknown_token_id; merges from the file (files without merges are
@@ -53,7 +56,7 @@ static const char TEKKEN_SPLIT[] =
     "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*"
     "|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
-/* transformers' GGUF_PRE_TOKENIZER_SPLITS: these are JSON-escaped regex texts */
+/* transformers' GGUF_PRE_TOKENIZER_SPLITS (the regexes as PCRE2 reads them) */
 static const struct {
     const char *pre;
     const char *split;
@@ -65,6 +68,16 @@ static const struct {
     {"megrez", QWEN2_SPLIT},    {"qwen35", QWEN35_SPLIT},   {"gpt-4o", GPT4O_SPLIT},     {"llama4", GPT4O_SPLIT},
     {"kanana2", GPT4O_SPLIT},   {"talkie", GPT4O_SPLIT},    {"minimax-m2", GPT4O_SPLIT},
 };
+
+/* llama.cpp's pre-tokenizers that split every digit (\p{N}) off first, then apply the GPT-2
+ * regex: the individual-digits pre-tokenizer of these models' own tokenizer.json */
+static int digit_split(struct kvs_gguf_str pre)
+{
+    static const char *const names[] = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (kvs_gguf_str_eq(pre, names[i])) return 1;
+    return 0;
+}
 
 struct gctx {
     const struct kvs_gguf *g;
@@ -243,19 +256,24 @@ static int build(struct gctx *c, char **tok_json, char **cfg_json)
             const char *split = NULL;
             for (size_t i = 0; i < sizeof PRE_SPLITS / sizeof PRE_SPLITS[0]; i++)
                 if (kvs_gguf_str_eq(pre, PRE_SPLITS[i].pre)) split = PRE_SPLITS[i].split;
-            char buf[2048];
-            if (split)
-                snprintf(buf, sizeof buf, "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":"
-                         "{\"Regex\":\"%s\"},\"behavior\":\"Isolated\",\"invert\":false},{\"type\":\"ByteLevel\","
-                         "\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}", split);
-            else if (kvs_gguf_str_eq(pre, "smollm"))
-                snprintf(buf, sizeof buf, "{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Digits\","
-                         "\"individual_digits\":true},{\"type\":\"ByteLevel\",\"add_prefix_space\":false,"
-                         "\"trim_offsets\":true,\"use_regex\":true}]}");
-            else
-                snprintf(buf, sizeof buf, "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,"
-                         "\"use_regex\":true}");
-            cJSON_AddItemToObject(root, "pre_tokenizer", json_obj(buf));
+            cJSON *pt;
+            if (split) {
+                /* the regex goes in through cJSON, which escapes its backslashes */
+                pt = json_obj("{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Split\",\"pattern\":{},"
+                              "\"behavior\":\"Isolated\",\"invert\":false},{\"type\":\"ByteLevel\","
+                              "\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}");
+                cJSON *pat = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(pt, "pretokenizers"), 0),
+                                                 "pattern");
+                cJSON_AddStringToObject(pat, "Regex", split);
+            } else if (digit_split(pre)) {
+                pt = json_obj("{\"type\":\"Sequence\",\"pretokenizers\":[{\"type\":\"Digits\","
+                              "\"individual_digits\":true},{\"type\":\"ByteLevel\",\"add_prefix_space\":false,"
+                              "\"trim_offsets\":true,\"use_regex\":true}]}");
+            } else {
+                pt = json_obj("{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,"
+                              "\"use_regex\":true}");
+            }
+            cJSON_AddItemToObject(root, "pre_tokenizer", pt);
             cJSON_AddItemToObject(root, "decoder", json_obj("{\"type\":\"ByteLevel\",\"add_prefix_space\":true,"
                                                             "\"trim_offsets\":true,\"use_regex\":true}"));
         }
@@ -295,25 +313,32 @@ static int build(struct gctx *c, char **tok_json, char **cfg_json)
     return rc;
 }
 
+int kvs_tokenizer_from_gguf(const struct kvs_gguf *g, struct kvs_tokenizer **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    struct gctx c = {g, err, errlen};
+    char *tj = NULL, *cj = NULL;
+    int rc = build(&c, &tj, &cj);
+    if (!rc) {
+        rc = kvs_tokenizer_load_json(tj, strlen(tj), cj, out, err, errlen);
+        if (rc && err && errlen > 0) { /* name the file: the JSON was made from its metadata */
+            char tmp[512];
+            snprintf(tmp, sizeof tmp, "%s", err);
+            snprintf(err, errlen, "%s: tokenizer built from the metadata: %s", g->file, tmp);
+        }
+    }
+    free(tj);
+    free(cj);
+    return rc;
+}
+
 int kvs_tokenizer_load_gguf(const char *path, struct kvs_tokenizer **out, char *err, size_t errlen)
 {
     *out = NULL;
     struct kvs_gguf *g;
     int rc = kvs_gguf_open(path, &g, err, errlen);
     if (rc) return rc;
-    struct gctx c = {g, err, errlen};
-    char *tj = NULL, *cj = NULL;
-    rc = build(&c, &tj, &cj);
-    if (!rc) {
-        rc = kvs_tokenizer_load_json(tj, strlen(tj), cj, out, err, errlen);
-        if (rc && err && errlen > 0) { /* name the file: the JSON was made from its metadata */
-            char tmp[512];
-            snprintf(tmp, sizeof tmp, "%s", err);
-            snprintf(err, errlen, "%s: tokenizer built from the metadata: %s", path, tmp);
-        }
-    }
-    free(tj);
-    free(cj);
+    rc = kvs_tokenizer_from_gguf(g, out, err, errlen);
     kvs_gguf_close(g);
     return rc;
 }

@@ -318,7 +318,8 @@ static int parse_pre(struct ctx *c, struct kvs_tokenizer *t, const cJSON *n, con
         pr.kind = TK_PRE_DIGITS;
         char w[160];
         snprintf(w, sizeof w, "%s (digits)", where);
-        const char *dre = pr.individual_digits ? "\\p{Nd}" : "\\p{Nd}+";
+        /* HF splits on Rust's char::is_numeric: general categories Nd, Nl and No ("①", "²") */
+        const char *dre = pr.individual_digits ? "\\p{N}" : "\\p{N}+";
         if ((rc = compile_re(c, dre, strlen(dre), 0, w, &pr.re))) return rc;
         pr.behavior = TK_SPLIT_ISOLATED;
     } else {

@@ -4,6 +4,7 @@ Python package: GGUFWriter, gguf.quants.dequantize) and transformers (its GGUF l
 
   python3 scripts/make-gguf-references.py quant     tests/data/gguf/quant_ref.bin
                                                     tests/data/gguf/tiny-{llama,qwen2,qwen3}.gguf + .samples.json
+  python3 scripts/make-gguf-references.py fuzz      tests/fuzz/corpus/gguf/*.gguf (seeds)
   python3 scripts/make-gguf-references.py smollm2   tests/data/gguf/smollm2_ref.bin (+ _tokens.json)
 
 Needs: pip install gguf numpy (quant); + torch transformers accelerate (smollm2), and the model
@@ -21,7 +22,7 @@ dequantized GGUF data with the converter's permutation inverted in numpy.
 
 smollm2_ref.bin: "KVSGSM01", u32 n_prompts, u32 vocab, u32 n_steps, u32 top; per prompt: u32
 n_ids, int32 ids[n_ids] (transformers' apply_chat_template), int32 greedy[n_steps]
-(model.generate, do_sample=False, fp32), int32 top_ids[top] and float32 top_logits[top] (the top
+(argmax of the full logits fed back for n_steps steps, not stopping at EOS, fp32), int32 top_ids[top] and float32 top_logits[top] (the top
 `top` logits at the last prompt position, fp32). smollm2_tokens.json: transformers' ids of a
 corpus of lines for the tokenizer parity test.
 """
@@ -169,6 +170,51 @@ def make_tiny(arch):
         json.dump(samples, f, indent=0)
 
 
+def make_fuzz_seeds():
+    """Small valid GGUF files for tests/fuzz/corpus/gguf/ (and two broken ones)."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as T
+    d = os.path.join(ROOT, "tests", "fuzz", "corpus", "gguf")
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(7)
+    for kind, pre in (("gpt2", "smollm"), ("llama", "default"), ("gpt2", "qwen2")):
+        path = os.path.join(d, f"valid_{kind}_{pre}.gguf")
+        w = gguf.GGUFWriter(path, "llama")
+        w.add_block_count(1)
+        w.add_context_length(64)
+        w.add_embedding_length(32)
+        w.add_feed_forward_length(32)
+        w.add_head_count(2)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_tokenizer_model(kind)
+        w.add_tokenizer_pre(pre)
+        if kind == "gpt2":
+            toks = ["<|endoftext|>", "<|im_start|>"] + [chr(c) for c in range(0x21, 0x7f)] + ["\u0120", "\u0120H", "He"]
+            merges = ["\u0120 H", "H e"]
+            types = [3, 3] + [1] * (len(toks) - 2)
+        else:
+            toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "\u2581H", "H", "e"]
+            merges = ["\u2581 H"]
+            types = [2, 3, 3] + [6] * 256 + [1] * 4
+        w.add_token_list(toks)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(1)
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}")
+        for qt in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K):
+            n = 256 if qt in (T.Q4_K, T.Q5_K, T.Q6_K) else 32
+            raw = random_blocks(rng, qt, n)
+            w.add_tensor(f"t.{qt.name}", raw, raw_dtype=qt)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    good = open(os.path.join(d, "valid_gpt2_smollm.gguf"), "rb").read()
+    open(os.path.join(d, "bad_truncated.gguf"), "wb").write(good[:len(good) // 2])
+    open(os.path.join(d, "bad_magic.gguf"), "wb").write(b"GGUX" + good[4:200])
+
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -197,9 +243,15 @@ def make_smollm2():
             ids = ids["input_ids"]
         x = torch.tensor([ids])
         with torch.no_grad():
-            logits = model(x).logits[0, -1].float().numpy()
-            gen = model.generate(x, max_new_tokens=N_STEPS, do_sample=False, min_new_tokens=N_STEPS,
-                                 pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+            # greedy by hand: argmax over the full logits, fed back for N_STEPS steps even past
+            # <|im_end|> (generate() would stop there, or mask EOS with min_new_tokens)
+            out_ = model(x, use_cache=True)
+            logits = out_.logits[0, -1].float().numpy()
+            past, nxt, gen = out_.past_key_values, int(np.argmax(logits)), []
+            for _ in range(N_STEPS):
+                gen.append(nxt)
+                o = model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+                past, nxt = o.past_key_values, int(torch.argmax(o.logits[0, -1]))
         top = np.argsort(-logits, kind="stable")[:TOP]
         out += struct.pack("<I", len(ids)) + np.asarray(ids, "<i4").tobytes() + np.asarray(gen, "<i4").tobytes()
         out += top.astype("<i4").tobytes() + logits[top].astype("<f4").tobytes()
@@ -222,6 +274,8 @@ def main():
         make_quant()
         for a in ("llama", "qwen2", "qwen3"):
             make_tiny(a)
+    if "fuzz" in what:
+        make_fuzz_seeds()
     if "smollm2" in what:
         make_smollm2()
 

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "engine/util.h"
+#include "engine/tokenizer.h"
 #include "models/gguf.h"
 #include "models/gguf_quant.h"
 #include "models/model.h"
@@ -245,6 +246,38 @@ static void test_malformed(void)
     free(good);
 }
 
+/* tokenizers from the fuzz seeds (scripts/make-gguf-references.py fuzz): the smollm digit split,
+ * a split-regex pre-tokenizer (qwen2) and SentencePiece with byte fallback */
+static void test_seed_tokenizers(void)
+{
+    static const struct {
+        const char *file, *text;
+        int n;
+        int32_t want[8];
+    } cases[] = {
+        /* vocabulary: 0 <|endoftext|>, 1 <|im_start|>, 2.. the printable ASCII, then Ġ, ĠH, He */
+        {"valid_gpt2_smollm.gguf", "He He1", 4, {98, 97, 70, 18}},
+        {"valid_gpt2_smollm.gguf", "<|im_start|>x", 2, {1, 89}},
+        {"valid_gpt2_qwen2.gguf", "He He12", 5, {98, 97, 70, 18, 19}},
+        /* 0 <unk>, 1 <s>, 2 </s>, 3.. <0x00>..<0xFF>, 259 ▁, 260 ▁H, 261 H, 262 e; BOS added */
+        {"valid_llama_default.gguf", "He He1", 6, {1, 260, 262, 260, 262, 52}},
+    };
+    char path[1200], err[512];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        snprintf(path, sizeof path, "%s/tests/fuzz/corpus/gguf/%s", kvs_test_root(), cases[i].file);
+        struct kvs_tokenizer *t = NULL;
+        int rc = kvs_tokenizer_load(path, &t, err, sizeof err);
+        CHECK(rc == 0, "%s: %s", cases[i].file, err);
+        if (rc) continue;
+        int32_t ids[16];
+        int n = kvs_tokenizer_encode(t, cases[i].text, strlen(cases[i].text), 1, 1, ids, 16);
+        CHECK(n == cases[i].n && !memcmp(ids, cases[i].want, (size_t)n * 4), "%s \"%s\": %d ids [%d %d %d ...]",
+              cases[i].file, cases[i].text, n, ids[0], ids[1], ids[2]);
+        kvs_tokenizer_free(t);
+    }
+    printf("tokenizers from GGUF metadata: smollm digits, qwen2 split regex, SentencePiece byte fallback + BOS\n");
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -254,5 +287,6 @@ int main(void)
     check_tiny("qwen2", KVS_ARCH_QWEN2, 1, 0);
     check_tiny("qwen3", KVS_ARCH_QWEN3, 0, 1);
     test_malformed();
+    test_seed_tokenizers();
     return kvs_test_summary("test_gguf");
 }
