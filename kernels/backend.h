@@ -116,6 +116,18 @@ static inline int kvs_pack_block_words(const int32_t *bt, const int32_t *rot, co
     return 0;
 }
 
+/* Token spans for attention_spans (KV-strategy primitives, engine/kv/kv.h): for each query row
+ * t and KV head g, n_spans[t][g] ranges [start, end) of the row's sequence's positions, sorted
+ * ascending and disjoint (the caller guarantees it). Positions map to slots through the
+ * sequence's block table (struct kvs_attn_meta), so a span may cover any number of blocks. */
+struct kvs_span_list {
+    int max_spans;                /* capacity per (row, kv head): stride of spans */
+    struct kvs_dbuf *n_spans;     /* I32 [n][n_kv_heads] */
+    struct kvs_dbuf *spans;       /* I32 [n][n_kv_heads][max_spans][2]: start, end */
+    const int32_t *h_n_spans;     /* host copies of both (valid during the call): launch planning */
+    const int32_t *h_spans;
+};
+
 struct kvs_backend_ops {
     const char *name;             /* "cpu", "cuda" */
 
@@ -295,6 +307,26 @@ struct kvs_backend_ops {
     void (*matmul_swiglu_down)(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w_gate,
                                const struct kvs_dweight *w_up, const struct kvs_dweight *w_down, int n, int in, int ff,
                                struct kvs_dbuf *gate, struct kvs_dbuf *up, struct kvs_dbuf *y);
+    /* ---- KV-strategy primitives (engine/kv/kv.h; appended) --------------------------------
+     * Every sparse or reuse decode policy builds on these two. */
+    /* Attention of each query row over explicit spans of its own sequence only: row t of
+     * sequence s (m->q_start) at position pos[s] + i attends, with query head h reading KV head
+     * g = h / (n_heads / n_kv_heads), to the keys at the positions of sp's spans for (t, g) that
+     * are <= its own position (causal), honouring m's rot_offsets and block_valid as attention()
+     * does (slots past a block's valid count are skipped). Softmax in fp32 over the selected
+     * positions in increasing order. out ACT [n][n_heads][head_dim] = the normalized output;
+     * lse F32 [n][n_heads] = ln sum exp(scale q.k) over the selected keys (natural log). A head
+     * with no selected key gets out = 0 and lse = -inf. One span [0, pos + i + 1) per row and
+     * head gives attention()'s result (within the backend's rounding) plus its lse. */
+    void (*attention_spans)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                            const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_span_list *sp,
+                            int n, int n_heads, int n_kv_heads, int head_dim, int block_size, float scale,
+                            struct kvs_dbuf *out, struct kvs_dbuf *lse);
+    /* Merges two partial attentions over disjoint key sets, in place into a: per row t and head
+     * h, l = logaddexp(lse_a, lse_b); o_a = e^(lse_a - l) o_a + e^(lse_b - l) o_b; lse_a = l
+     * (both -inf: o_a = 0, lse_a = -inf). o_a, o_b ACT [n][n_heads][head_dim]; lse F32 [n][n_heads]. */
+    void (*attn_merge)(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a, const struct kvs_dbuf *o_b,
+                       const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
 };
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index
