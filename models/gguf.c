@@ -304,8 +304,10 @@ int kvs_gguf_open(const char *path, struct kvs_gguf **out, char *err, size_t err
     close(fd);
     if (map == MAP_FAILED) return kvs_err(err, errlen, -e, "%s: mmap failed: %s", path, strerror(e));
     struct kvs_gguf *g = kvs_xcalloc(1, sizeof *g);
-    g->path = kvs_xstrdup(path);
-    int rc = kvs_gguf_parse(map, (size_t)st.st_size, g->path, g, err, errlen);
+    char *name = kvs_xstrdup(path);
+    int rc = kvs_gguf_parse(map, (size_t)st.st_size, name, g, err, errlen); /* parse clears *g */
+    g->path = name;
+    g->file = name;
     g->map = map;
     g->map_size = (size_t)st.st_size;
     if (rc) {
