@@ -2,9 +2,10 @@
 # `make test-gpu` the GPU suite (on a GPU machine), `make run` serves SmolLM2-135M-Instruct (`make run-demo` the demo model).
 #
 # Source layout drives the build, so adding a file needs no Makefile edit:
-#   engine/ engine/kv/ models/ kernels/cpu/ server/ *.c  -> build/libkvserve.a
+#   base/ engine/ engine/kv/ engine/text/ models/ kernels/ kernels/cpu/ server/ *.c -> build/libkvserve.a
+#   tools/ bench/ *.c (not mains)                         -> build/libkvstools.a (eval harness, bench helpers)
 #   any *_main.c                                          -> build/<name> (name: file minus _main.c, '_' -> '-')
-#   kernels/cuda/*.cu                                     -> linked in when nvcc is found (CUDA=0 forces off)
+#   kernels/cuda/*.cu, kernels/cuda/dev/*.cu              -> linked in when nvcc is found (CUDA=0 forces off)
 #   tests/unit/test_*.c                                   -> build/tests/test_*   (run by tests/run)
 #   tests/gpu/test_*.c, *.cu                              -> build/tests-gpu/test_* (run by make test-gpu)
 #   tests/fuzz/fuzz_*.c                                   -> build/fuzz/fuzz_* (clang libFuzzer, `make fuzz`)
@@ -37,9 +38,11 @@ CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))
 NVCCFLAGS ?= -O3 -std=c++17 -I. -Xcompiler -Wall,-Wextra,-Werror \
   -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=compute_90
 
-LIB_SRCS := $(filter-out %_main.c,$(wildcard engine/*.c engine/kv/*.c models/*.c kernels/cpu/*.c server/*.c))
+LIB_SRCS := $(filter-out %_main.c,$(wildcard base/*.c engine/*.c engine/kv/*.c engine/text/*.c models/*.c kernels/*.c \
+  kernels/cpu/*.c server/*.c))
+TOOL_SRCS := $(filter-out %_main.c,$(wildcard tools/*.c bench/*.c))
 MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
-CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu),)
+CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu),)
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
@@ -55,6 +58,8 @@ MAIN_BINS := $(foreach f,$(MAIN_SRCS),$(BUILD)/$(subst _,-,$(patsubst %_main.c,%
 TEST_BINS := $(TEST_SRCS:tests/unit/%.c=$(BUILD)/tests/%)
 GPU_TEST_BINS := $(patsubst tests/gpu/%.cu,$(BUILD)/tests-gpu/%,$(patsubst tests/gpu/%.c,$(BUILD)/tests-gpu/%,$(GPU_TEST_SRCS)))
 LIB := $(BUILD)/libkvserve.a
+TOOL_OBJS := $(TOOL_SRCS:%.c=$(BUILD)/obj/%.o)
+TOOL_LIB := $(BUILD)/libkvstools.a
 
 .PHONY: all setup test test-gpu run run-demo fuzz bench clean format tests-build
 all: setup $(MAIN_BINS)
@@ -63,6 +68,11 @@ setup:
 	@scripts/setup
 
 $(LIB): $(LIB_OBJS)
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(TOOL_LIB): $(TOOL_OBJS)
 	@mkdir -p $(dir $@)
 	@rm -f $@
 	ar rcs $@ $^
@@ -77,7 +87,7 @@ $(BUILD)/obj/%.o: %.cu | setup
 
 # one rule per main: build/<name> from <dir>/<name>_main.c
 define MAIN_RULE
-$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(1)))): $(BUILD)/obj/$(1:.c=.o) $(LIB)
+$(BUILD)/$(subst _,-,$(patsubst %_main.c,%,$(notdir $(1)))): $(BUILD)/obj/$(1:.c=.o) $(TOOL_LIB) $(LIB)
 	$$(CC) $$(LDFLAGS) $$^ -o $$@ $$(LDLIBS)
 endef
 $(foreach f,$(MAIN_SRCS),$(eval $(call MAIN_RULE,$(f))))
@@ -100,16 +110,26 @@ test: tests-build
 test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
 	@BUILD=$(BUILD) tests/run-gpu
 
-# `make run` serves SmolLM2-135M-Instruct (fetched by scripts/setup into models/cache); when the
-# fetch failed (offline) it says so and serves the embedded demo model, which `make run-demo` serves.
+# `make run`: the daemon only (no test venv, no tools); when nvcc was found but no GPU driver
+# is present the CUDA kernels are skipped (minutes of nvcc for a build that could not use them).
+# It serves SmolLM2-135M-Instruct (fetched by scripts/setup into models/cache); when that fetch
+# failed (offline) it says so and serves the embedded demo model, which `make run-demo` serves.
+HAVE_GPU_DRIVER := $(shell { [ -e /dev/nvidiactl ] || nvidia-smi -L; } >/dev/null 2>&1 && echo 1)
 SMOLLM2 := models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-run: all
-	@if [ -f $(SMOLLM2) ]; then exec $(BUILD)/kvserve --config config/smollm2.json; \
-	else echo "run: $(SMOLLM2) is missing (the fetch failed or the machine is offline): serving the embedded demo model instead" >&2; \
+RUN_BUILD = cuda=$(CUDA); \
+	if [ "$$cuda" = 1 ] && [ "$(origin CUDA)" = file ] && [ -z "$(HAVE_GPU_DRIVER)" ]; then \
+	  echo "make run: nvcc found but no GPU driver: building the CPU-only daemon (make run CUDA=1 builds the CUDA kernels anyway)"; \
+	  cuda=0; \
+	fi; \
+	KVS_SETUP_PY=0 $(MAKE) CUDA=$$cuda $(BUILD)/kvserve
+run:
+	@$(RUN_BUILD) && \
+	if [ -f $(SMOLLM2) ]; then exec $(BUILD)/kvserve --config config/smollm2.json; \
+	else echo "make run: $(SMOLLM2) is missing (the fetch failed or the machine is offline): serving the embedded demo model instead" >&2; \
 	exec $(BUILD)/kvserve --config config/default.json; fi
 
-run-demo: all
-	$(BUILD)/kvserve --config config/default.json
+run-demo:
+	@$(RUN_BUILD) && exec $(BUILD)/kvserve --config config/default.json
 
 FUZZ_SECONDS ?= 60
 fuzz: setup

@@ -9,7 +9,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
+#include "engine/kv/kv.h"
 
 enum key_type { T_BOOL, T_INT, T_INT64, T_DOUBLE, T_STRING, T_ENUM };
 
@@ -52,6 +53,13 @@ static const struct key_def KEYS[] = {
      "simultaneous client connections"},
     {"server.request_timeout_s", T_DOUBLE, F(request_timeout_s), 0, 86400, "600", NULL, NULL,
      "per-request time limit in seconds (0: none)"},
+    {"server.idle_timeout_s", T_DOUBLE, F(idle_timeout_s), 1, 86400, "15", NULL, NULL,
+     "close a connection that sends or reads nothing for this long (headers, body, keep-alive; "
+     "never one waiting on the engine)"},
+    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "64", NULL, NULL,
+     "simultaneous connections from one client address (0: no cap); more are closed at accept"},
+    {"server.reserved_connections", T_INT, F(reserved_connections), 0, 1024, "16", NULL, NULL,
+     "connections kept above server.max_connections for /health, /metrics, /ping and /version only"},
     {"server.shutdown_grace_s", T_DOUBLE, F(shutdown_grace_s), 0, 3600, "30", NULL, NULL,
      "on SIGTERM/SIGINT, time to let in-flight requests finish before cancelling them"},
     {"server.sse_keepalive_s", T_DOUBLE, F(sse_keepalive_s), 0.1, 3600, "15", NULL, NULL,
@@ -68,19 +76,25 @@ static const struct key_def KEYS[] = {
     {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
-     "max_tokens when a request sets none (0: up to the context length)"},
+     "max_tokens when a request sets none (0: 16 on /v1/completions as in OpenAI and vLLM, chat up to the context length)"},
 
     {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
     {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,
-     "KV pool size in bytes (0: kv.memory_fraction of free device memory)"},
+     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most context x scheduler.max_running tokens)"},
     {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
      "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
-    {"kv.storage", T_ENUM, F(kv_storage), 0, 0, "auto", "auto|f32|bf16|lean", "auto|f32|bf16",
-     "KV storage format (auto: f32 on cpu, bf16 on cuda; lean: LeanKV mixed precision)"},
-    {"kv.reuse", T_ENUM, F(kv_reuse), 0, 0, "prefix", "none|prefix|lazy", "none|prefix|lazy",
-     "KV sharing across requests (prefix: hashed full blocks; lazy: LazyAttention doc cache)"},
-    {"kv.decode", T_ENUM, F(kv_decode), 0, 0, "full", "full|mac|paris|retro", "full",
-     "how decode reads the cache (full attention, MAC reuse, ParisKV top-k, Retro/Quest)"},
+    /* kv.storage / kv.reuse / kv.decode: which names exist, which are built and which pairs
+     * compose is the KV registry's call (engine/kv/kv.c), checked in kvs_config_validate */
+    {"kv.storage", T_ENUM, F(kv_storage), 0, 0, "auto", "auto|f32|bf16|lean", NULL,
+     "KV storage format: auto (f32 on cpu, bf16 on cuda), f32, bf16, lean (LeanKV mixed precision)"},
+    {"kv.reuse", T_ENUM, F(kv_reuse), 0, 0, "prefix", "none|prefix|lazy", NULL,
+     "KV sharing across requests: none, prefix (hashed full blocks), lazy (LazyAttention doc cache)"},
+    {"kv.decode", T_ENUM, F(kv_decode), 0, 0, "full", "full|quest|retro|mac|paris", NULL,
+     "how decode reads the cache: full, quest, retro (Quest + retrospective updates), mac, paris"},
+    {"kv.decode_state_bytes", T_INT64, F(kv_decode_state_bytes), 0, I64MAX, "1073741824", NULL, NULL,
+     "budget for the decode policy's per-request states, all requests (0: no limit)"},
+    {"kv.fidelity.sample_every", T_INT, F(kv_fidelity_sample_every), 0, 1000000, "0", NULL, NULL,
+     "live fidelity meter: every N-th decode step one layer also runs exact attention (0: off)"},
 
     {"kv.lazy.budget_bytes", T_INT64, F(lazy_budget_bytes), 0, I64MAX, "0", NULL, NULL,
      "doc-cache byte budget (0: whatever the KV pool holds)"},
@@ -386,6 +400,13 @@ int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen)
             return kvs_err(err, errlen, -ENOSYS,
                            "config key '%s': strategy '%s' is not available in this build yet (built: %s)",
                            k->name, v, k->implemented);
+    }
+    {
+        const struct kvs_kv_storage_ops *st;
+        const struct kvs_kv_reuse_ops *ru;
+        const struct kvs_kv_decode_ops *dc;
+        int rc = kvs_kv_resolve(cfg->kv_storage, cfg->kv_reuse, cfg->kv_decode, &st, &ru, &dc, err, errlen);
+        if (rc < 0) return rc;
     }
     if (cfg->model_path[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'model.path' must not be empty");
     if (cfg->host[0] == 0) return kvs_err(err, errlen, -EINVAL, "config key 'server.host' must not be empty");

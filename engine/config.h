@@ -32,6 +32,9 @@ struct kvs_config {
     int64_t max_body_bytes;
     int max_connections;
     double request_timeout_s;   /* 0 = none */
+    double idle_timeout_s;      /* libmicrohttpd's per-connection inactivity timeout */
+    int max_connections_per_client;   /* 0 = no cap (libmicrohttpd's per-IP limit) */
+    int reserved_connections;   /* above max_connections, for the probe routes only */
     double shutdown_grace_s;
     double sse_keepalive_s;
     int access_log;             /* bool */
@@ -50,7 +53,9 @@ struct kvs_config {
     double kv_memory_fraction;
     char *kv_storage;            /* auto | f32 | bf16 | lean */
     char *kv_reuse;              /* none | prefix | lazy */
-    char *kv_decode;             /* full | mac | paris | retro */
+    char *kv_decode;             /* full | quest | retro | mac | paris (kv.h registry) */
+    int64_t kv_decode_state_bytes; /* budget of the decode policy's per-request states */
+    int kv_fidelity_sample_every;  /* live fidelity meter: every N-th decode step (0 = off) */
 
     /* kv.lazy (LazyAttention doc cache) */
     int64_t lazy_budget_bytes;

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "engine/config.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 _Static_assert(sizeof(int) == sizeof(int32_t), "token ids are written with cJSON_CreateIntArray");
 

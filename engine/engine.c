@@ -4,7 +4,7 @@
 #include "engine/engine_internal.h"
 
 #include "engine/config.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 
@@ -17,6 +17,7 @@ static void free_engine_memory(struct kvs_engine *e)
     free(e->sched);
     free(e->seqs);
     free(e->jobs);
+    free(e->free_slots);
     free(e->logits);
     free(e->argmax);
     free(e->piece);
@@ -60,11 +61,12 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->sched = calloc((size_t)e->max_running, sizeof *e->sched);
     e->seqs = calloc((size_t)e->max_running, sizeof *e->seqs);
     e->jobs = calloc((size_t)e->max_running, sizeof *e->jobs);
-    e->logits = malloc((size_t)e->max_running * (size_t)x->vocab_size * sizeof *e->logits);
-    e->argmax = malloc((size_t)e->max_running * sizeof *e->argmax);
+    e->free_slots = calloc((size_t)e->max_running, sizeof *e->free_slots);
+    e->logits = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * (size_t)x->vocab_size * sizeof *e->logits);
+    e->argmax = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * sizeof *e->argmax);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
-    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->logits || !e->argmax || !e->piece) {
+    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece) {
         kvs_err(err, errlen, rc, "engine: cannot allocate scheduler buffers (max_running=%d, vocab=%d)",
                 e->max_running, x->vocab_size);
         goto fail;
@@ -75,13 +77,11 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
         kvs_err(err, errlen, rc, "engine: cannot allocate the block pool (%d blocks)", x->n_blocks);
         goto fail;
     }
-    rc = kvs_kv_strategy_init(&e->kv, cfg, x->backend_name, &e->pool, err, errlen);
+    /* request slots for the decode policy's per-request state, lowest first */
+    for (int i = 0; i < e->max_running; i++) e->free_slots[i] = e->max_running - 1 - i;
+    e->n_free_slots = e->max_running;
+    rc = kvs_kv_init(&e->kv, cfg, &e->pool, x->kv_bytes_per_block, err, errlen);
     if (rc < 0) goto fail;
-    if (e->kv.is_lazy) {
-        rc = kvs_kv_strategy_init_lazy(&e->kv, cfg->lazy_eviction, cfg->lazy_position_aware, cfg->lazy_budget_bytes,
-                                       x->kv_bytes_per_block, err, errlen);
-        if (rc < 0) goto fail;
-    }
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     e->stats.kv_blocks_total = x->n_blocks;
@@ -104,7 +104,7 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     *out = e;
     return 0;
 fail:
-    if (e->kv.reuse) kvs_kv_strategy_free(&e->kv);
+    if (e->kv.reuse) kvs_kv_free(&e->kv);
     if (e->pool.refcount) kvs_block_pool_free(&e->pool);
     free_engine_memory(e);
     return rc;
@@ -135,7 +135,7 @@ void kvs_engine_free(struct kvs_engine *e)
         kvs_scheduler_finish(e, r, KVS_FINISH_CANCELLED, NULL);
     }
     KVS_ASSERT(kvs_block_pool_used(&e->pool) == 0);
-    kvs_kv_strategy_free(&e->kv);
+    kvs_kv_free(&e->kv);
     kvs_block_pool_free(&e->pool);
     if (e->x.destroy) e->x.destroy(e->x.ctx);
     pthread_mutex_destroy(&e->mu);
@@ -158,6 +158,20 @@ void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out)
     *out = e->stats;
     out->num_waiting += e->n_incoming;
     pthread_mutex_unlock(&e->mu);
+}
+
+int kvs_engine_doc_layout(const struct kvs_engine *e, int *align)
+{
+    const int seg = e->kv.reuse->doc_segments;
+    *align = seg ? e->x.block_size : 1;
+    return seg;
+}
+
+double kvs_engine_kv_counter(const struct kvs_engine_stats *st, const char *name)
+{
+    for (int i = 0; i < st->n_kv_counters; i++)
+        if (!strcmp(st->kv_counters[i].name, name) && !st->kv_counters[i].le) return st->kv_counters[i].value;
+    return 0.0;
 }
 
 static int is_member(const int32_t *ids, int n, int32_t id)
@@ -190,7 +204,8 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
             return kvs_err(err, errlen, rc, "invalid sampling parameters");
         }
     }
-    /* documents first (with kv.reuse=lazy each padded to a block boundary; the padding slots
+    /* documents first (as segments of their own when the reuse strategy says so, each padded
+     * to a block boundary; the padding slots
      * are never computed or attended; they repeat the document's last token, so that the
      * sampler's prompt-token set (repetition penalty) is exactly the real prompt's), then the
      * request's own prompt */
@@ -200,20 +215,19 @@ static int prepare(struct kvs_engine *e, struct kvs_request *r, char *err, size_
         memcpy(r->tokens + at, dt, (size_t)r->doc_len[d] * sizeof *r->tokens);
         at += r->doc_len[d];
         dt += r->doc_len[d];
-        if (e->kv.is_lazy)
+        if (e->kv.reuse->doc_segments)
             for (; at % bs; at++) r->tokens[at] = r->tokens[at - 1];
     }
     memcpy(r->tokens + at, r->prompt, (size_t)r->n_prompt * sizeof *r->tokens);
     KVS_ASSERT(at + r->n_prompt == r->n_full_prompt);
     r->n_tokens = r->n_full_prompt;
-    if (e->kv.is_lazy && r->n_docs) {
-        r->lazy = calloc(1, sizeof *r->lazy);
-        rc = r->lazy ? kvs_lazy_seq_init(r->lazy, r->doc_len, r->n_docs, r->table.cap, bs) : -ENOMEM;
+    r->slot = -1;
+    r->kv_reuse = e->kv.reuse;
+    if (e->kv.reuse->seq_init) {
+        rc = e->kv.reuse->seq_init(&e->kv, &r->kvrq, r->doc_len, r->n_docs, r->table.cap, err, errlen);
         if (rc < 0) {
             kvs_request_release_engine_state(r, NULL);
-            return kvs_err(err, errlen, rc, rc == -E2BIG ? "the documents do not fit the 16-bit offset field of the "
-                                                         "document cache (padded document region over 65535 slots)"
-                                                       : "out of memory for the request");
+            return rc;
         }
     }
     /* EOS ids join the request's stop ids unless ignore_eos */
@@ -258,11 +272,15 @@ static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t
                                d, dt[i], i, e->x.vocab_size - 1);
         dt += r->doc_len[d];
         int bs = e->x.block_size;
-        full += e->kv.is_lazy ? ((int64_t)r->doc_len[d] + bs - 1) / bs * bs : r->doc_len[d];
+        full += e->kv.reuse->doc_segments ? ((int64_t)r->doc_len[d] + bs - 1) / bs * bs : r->doc_len[d];
         real += r->doc_len[d];
         if (full > INT32_MAX / 2) return kvs_err(err, errlen, -E2BIG, "the documents are too long");
     }
-    if (r->max_tokens <= 0) return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
+    if (r->max_tokens < 0 || (r->max_tokens == 0 && !r->prompt_logprobs))
+        return kvs_err(err, errlen, -EINVAL, "max_tokens must be > 0 (got %d)", r->max_tokens);
+    if (r->prompt_logprobs && r->n_docs && e->kv.reuse->doc_segments)
+        return kvs_err(err, errlen, -ENOSYS, "prompt logprobs (echo) are not available for requests whose documents "
+                                             "are cached segments (kv.reuse=%s)", e->kv.reuse->name);
     for (int i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= e->x.vocab_size)
             return kvs_err(err, errlen, -EINVAL, "prompt token %d at index %d is outside the vocabulary (0..%d)",

@@ -74,9 +74,19 @@ struct kvs_request_params {
      * (engine/kv/doc_cache.h); n_prompt_tokens in DONE counts real tokens only. */
     const struct kvs_doc_segment *docs;
     int n_docs;
+    /* 1: score the prompt (echo with logprobs): one KVS_EV_PROMPT event per prompt position
+     * 1..n-1, in order, before any TOKEN; max_tokens may then be 0 (the request ends with DONE,
+     * finish LENGTH, once the prompt is scored). Such a request does not take prefix-cache
+     * hits (their logits were never computed); with kv.reuse=lazy documents submit refuses it
+     * (-ENOSYS). */
+    int prompt_logprobs;
 };
 
-enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3 };
+/* KVS_EV_PROMPT only for requests with prompt_logprobs: token is the prompt token at position
+ * pos, logprob its log-probability given the tokens before it (the model's own distribution:
+ * no temperature, penalties or bias), top_* the sampling.top_logprobs most likely tokens there;
+ * text is NULL. */
+enum kvs_event_type { KVS_EV_TOKEN = 1, KVS_EV_DONE = 2, KVS_EV_ERROR = 3, KVS_EV_PROMPT = 4 };
 enum kvs_finish { KVS_FINISH_NONE = 0, KVS_FINISH_STOP, KVS_FINISH_LENGTH, KVS_FINISH_CANCELLED,
                   KVS_FINISH_TIMEOUT, KVS_FINISH_ERROR };
 
@@ -89,6 +99,7 @@ struct kvs_event {
     int n_top;
     int32_t top_ids[KVS_MAX_TOP_LOGPROBS];
     float top_logprobs[KVS_MAX_TOP_LOGPROBS];
+    int pos;                      /* PROMPT: position in the prompt (>= 1) */
     /* DONE / ERROR */
     enum kvs_finish finish;
     char *error;                  /* ERROR: message (owned) */
@@ -99,6 +110,18 @@ struct kvs_event {
     double ttft_s;                /* submit -> first token */
     double e2e_s;                 /* submit -> done */
 };
+
+/* A KV strategy's own counter or gauge (engine/kv/kv.h), exported by /metrics under its name. */
+struct kvs_kv_counter {
+    const char *name;             /* full metric name, e.g. "kvserve:doc_cache_hits_total" (static) */
+    const char *help;             /* static */
+    int is_counter;               /* 1: monotonic counter, 0: gauge */
+    double value;
+    /* histogram series: family is the histogram's name (name its _bucket / _sum / _count
+     * series) and le the bucket's bound ("+Inf" last; NULL for _sum and _count); else NULL */
+    const char *family, *le;
+};
+#define KVS_KV_MAX_COUNTERS 32
 
 /* Gauges and counters for /metrics and the benchmarks (a consistent snapshot). */
 struct kvs_engine_stats {
@@ -111,24 +134,17 @@ struct kvs_engine_stats {
     uint64_t num_preemptions;
     uint64_t prompt_tokens;
     uint64_t generation_tokens;
-    uint64_t prefix_queries;      /* prompt tokens looked up in the prefix cache */
-    uint64_t prefix_hits;         /* of those, served from it */
+    uint64_t cache_queries;       /* prompt tokens looked up in the reuse strategy's cache */
+    uint64_t cache_hits;          /* of those, served from it (vllm:prefix_cache_*) */
     uint64_t requests_finished;
     uint64_t requests_rejected;   /* -EAGAIN at submit */
     uint64_t steps;
     uint64_t argmax_tokens;       /* of generation_tokens, those picked on the backend (greedy
                                    * fast path: KVS_LOGITS_ARGMAX rows, no host logits, no sampler) */
     double busy_s;                /* time spent in forward passes */
-    /* kv.reuse=lazy document cache (zero otherwise); hits/misses count document lookups at a
-     * request's first admission */
-    uint64_t doc_hits;
-    uint64_t doc_misses;
-    double doc_hit_ratio;         /* hits / (hits + misses), 0 before any lookup */
-    uint64_t doc_bytes_cached;    /* KV bytes of cached documents (in use or not) */
-    int doc_entries;              /* documents in the cache */
-    uint64_t doc_evictions;       /* documents evicted (budget or pool pressure) */
-    uint64_t doc_prefill_tokens_saved;    /* document tokens served from the cache */
-    uint64_t doc_prefill_tokens_computed; /* document tokens prefilled (each missing document once) */
+    /* the KV strategies' own counters (kv.h: reuse, then decode policy, then fidelity meter) */
+    int n_kv_counters;
+    struct kvs_kv_counter kv_counters[KVS_KV_MAX_COUNTERS];
 };
 
 /* Creates the runner (backend, weights, KV pool) and starts the scheduler thread.
@@ -142,6 +158,11 @@ void kvs_engine_free(struct kvs_engine *e);
 void kvs_engine_drain(struct kvs_engine *e);
 int kvs_engine_max_context(const struct kvs_engine *e);
 void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out);
+/* How the KV reuse strategy wants a request's documents (engine/prompt_layout.h): 1 as segments
+ * of their own, each padded to *align slots (the block size), 0 inline (*align = 1). */
+int kvs_engine_doc_layout(const struct kvs_engine *e, int *align);
+/* The value of a KV strategy's counter in a snapshot, by metric name (0 when it has none). */
+double kvs_engine_kv_counter(const struct kvs_engine_stats *st, const char *name);
 
 /* notify(user) is called from the engine thread after events are appended; may be NULL. */
 struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*notify)(void *user), void *user);

@@ -1,5 +1,5 @@
 /* engine_create.c: kvs_engine_create: the engine over the real runner (engine/runner.h), sampler
- * (engine/sampler.h) and streaming detokenizer (engine/tokenizer.h), as an executor table for
+ * (engine/sampler.h) and streaming detokenizer (engine/text/tokenizer.h), as an executor table for
  * kvs_engine_create_exec. Kept apart from engine.c so that programs which bring their own
  * executor (scheduler tests, fake benchmarks) do not link the model stack.
  *
@@ -11,8 +11,8 @@
 #include "engine/config.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #include <string.h>
@@ -27,6 +27,18 @@ static int real_forward(void *ctx, const struct kvs_batch *b, float *logits)
 {
     struct real_exec *x = ctx;
     return kvs_runner_forward(x->runner, b, logits);
+}
+
+static void real_seq_end(void *ctx, int slot)
+{
+    struct real_exec *x = ctx;
+    kvs_runner_seq_end(x->runner, slot);
+}
+
+static int real_kv_counters(void *ctx, struct kvs_kv_counter *out, int cap)
+{
+    struct real_exec *x = ctx;
+    return kvs_runner_kv_counters(x->runner, out, cap);
 }
 
 static int real_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id)
@@ -140,6 +152,8 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.max_context = kvs_runner_max_context(rx->runner);
     x.kv_bytes_per_block = kvs_runner_kv_bytes_per_token(rx->runner) * (size_t)x.block_size;
     x.forward = real_forward;
+    x.seq_end = real_seq_end;
+    x.kv_counters = real_kv_counters;
     x.sampler_state_size = sizeof(struct kvs_sampler);
     x.sampler_init = real_sampler_init;
     x.sample = real_sample;

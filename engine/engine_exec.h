@@ -19,7 +19,7 @@
 
 #include "engine/engine.h"
 #include "engine/runner.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 struct kvs_sample_out {
     int32_t token;
@@ -65,6 +65,13 @@ struct kvs_engine_exec {
 
     const int32_t *eos_ids;       /* copied */
     int n_eos;
+
+    /* The KV decode policy's per-request state (engine/kv/kv.h): the request in slot ended;
+     * the executor frees what the policy holds for it. May be NULL. */
+    void (*seq_end)(void *ctx, int slot);
+    /* The executor's KV counters (decode policy, fidelity meter) into out[0..cap); returns how
+     * many. May be NULL. */
+    int (*kv_counters)(void *ctx, struct kvs_kv_counter *out, int cap);
 
     void (*destroy)(void *ctx);   /* may be NULL */
 };

@@ -14,8 +14,12 @@
 #include "engine/engine.h"
 #include "engine/engine_exec.h"
 #include "engine/kv/block_pool.h"
-#include "engine/kv/strategy.h"
-#include "engine/tokenizer.h"
+#include "engine/kv/kv.h"
+#include "engine/text/tokenizer.h"
+
+/* Extra host logits rows per step for prompt scoring (prompt_logprobs): a scored prefill chunk
+ * returns one row per token, so such chunks are capped to this many tokens per step in all. */
+#define KVS_PROMPT_LP_ROWS 64
 
 enum kvs_req_state { KVS_REQ_NEW = 0, KVS_REQ_INCOMING, KVS_REQ_WAITING, KVS_REQ_RUNNING, KVS_REQ_FINISHED };
 
@@ -43,6 +47,8 @@ struct kvs_request {
     int32_t *doc_tokens;          /* [sum of doc_len] the documents' ids, concatenated */
     int *doc_len;                 /* [n_docs] */
     int n_docs;
+    int prompt_logprobs;          /* score the prompt (engine.h) */
+    int n_prompt_lp;              /* next prompt position whose PROMPT event is due (from 1) */
     void (*notify)(void *user);
     void *user;
 
@@ -61,8 +67,10 @@ struct kvs_request {
     int n_cached_tokens;          /* prompt tokens reused at first admission */
     int admitted_once;
     struct kvs_block_table table;
-    struct kvs_kv_seq kvseq;
-    struct kvs_lazy_seq *lazy;    /* kv.reuse=lazy and documents: the doc segments (else NULL) */
+    struct kvs_kv_req kvrq;       /* the reuse strategy's per-request state (engine/kv/kv.h) */
+    const struct kvs_kv_reuse_ops *kv_reuse;   /* whose seq_free releases kvrq */
+    int slot;                     /* request slot while running (decode-policy state), else -1 */
+    int slot_fresh;               /* the next step is its first in this slot */
     int n_real_prompt;            /* prompt tokens: documents (unpadded) + own prompt */
     int n_full_prompt;            /* leading entries of tokens[] before the generated ones
                                    * (documents with their padding, then the own prompt) */
@@ -84,7 +92,9 @@ struct kvs_engine {
     int watermark_blocks;
 
     struct kvs_block_pool pool;
-    struct kvs_kv_strategy kv;
+    struct kvs_kv kv;
+    int32_t *free_slots;                     /* [max_running] request slots not in use */
+    int n_free_slots;
 
     pthread_t thread;
     int thread_started;
@@ -102,12 +112,12 @@ struct kvs_engine {
     int n_running;
     struct kvs_request **sched;              /* [max_running] this step's batch order */
     struct kvs_batch_seq *seqs;              /* [max_running] requests, then document prefills */
-    /* this step's document prefills (kv.reuse=lazy): entry, the request whose tokens and table
-     * carry it, which of its documents, tokens scheduled */
-    struct kvs_doc_job { int entry; struct kvs_request *r; int doc; int n; } *jobs;   /* [max_running] */
+    /* this step's side prefills asked for by the reuse strategy (kv.h), after the requests */
+    struct kvs_kv_job *jobs;                 /* [max_running] */
     int n_jobs;
-    float *logits;                           /* [max_running][vocab] host rows (non-ARGMAX), in batch order */
-    int32_t *argmax;                         /* [max_running] ids of every logits row (batch.argmax) */
+    int plp_rows;                            /* this step's scored prompt rows (<= KVS_PROMPT_LP_ROWS) */
+    float *logits;                           /* [max_running + KVS_PROMPT_LP_ROWS][vocab] host rows (non-ARGMAX), in batch order */
+    int32_t *argmax;                         /* [max_running + KVS_PROMPT_LP_ROWS] ids of every logits row (batch.argmax) */
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

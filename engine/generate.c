@@ -17,8 +17,8 @@
 #include "engine/generate.h"
 #include "engine/runner.h"
 #include "engine/sampler.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 
 

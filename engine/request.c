@@ -1,7 +1,7 @@
 /* request.c: the request object: copied parameters, reference counting, the event queue that
  * the engine fills and callers drain, cancellation. */
 #include "engine/engine_internal.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 #include <time.h>
@@ -33,6 +33,8 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
     r->n_prompt = p->n_prompt > 0 && p->prompt ? p->n_prompt : 0;
     r->prompt = dup_array(p->prompt, (size_t)r->n_prompt, sizeof(int32_t), &fail);
     r->max_tokens = p->max_tokens;
+    r->prompt_logprobs = p->prompt_logprobs ? 1 : 0;
+    r->n_prompt_lp = 1;
     r->sampling = p->sampling;
     int nb = p->sampling.n_logit_bias > 0 && p->sampling.logit_bias_ids && p->sampling.logit_bias_values
                  ? p->sampling.n_logit_bias : 0;
@@ -116,11 +118,8 @@ void kvs_request_release_engine_state(struct kvs_request *r, struct kvs_engine *
     r->tokens = NULL;
     free(r->text);
     r->text = NULL;
-    if (r->lazy) {
-        kvs_lazy_seq_free(r->lazy);
-        free(r->lazy);
-        r->lazy = NULL;
-    }
+    if (r->kv_reuse && r->kv_reuse->seq_free) r->kv_reuse->seq_free(&r->kvrq);
+    r->kv_reuse = NULL;
     kvs_block_table_free(&r->table);
 }
 

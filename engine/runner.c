@@ -32,19 +32,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/util.h"
 #include "engine/config.h"
-#include "engine/util.h"
+#include "engine/kv/kv.h"
+#include "engine/kv/fidelity.h"
 #include "kernels/backend.h"
 #include "models/model.h"
-
-/* The CUDA backend is used when nvcc built kernels/cuda/ and it provides its header (a strong
- * reference, so the archive member that defines kvs_cuda_backend gets linked). */
-#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA && defined(__has_include)
-#if __has_include("kernels/cuda/cuda_backend.h")
-#include "kernels/cuda/cuda_backend.h"
-#define RUNNER_HAS_CUDA 1
-#endif
-#endif
 
 #define LOGIT_CHUNK 16
 #define GRAPH_CTX_STEP 1024                  /* context capacities of recorded decode steps */
@@ -66,8 +59,16 @@ struct kvs_runner {
     struct kvs_dweight *embed, *lm_head, *final_norm;   /* lm_head may alias embed (tied) */
     struct layer_w *layers;                             /* [n_layers] */
 
-    /* KV pool: per layer [n_blocks][nkv][block_size][hd] for K and V */
-    struct kvs_dbuf **kc, **vc;                         /* [n_layers] */
+    /* the KV seam (engine/kv/kv.h): the storage owns the pool, the decode policy attends */
+    const struct kvs_kv_storage_ops *st;
+    void *st_state;
+    const struct kvs_kv_decode_ops *dp;
+    void *dp_state;
+    unsigned char *slot_mem;                            /* [cap_seqs][slot_bytes] policy arena */
+    size_t slot_bytes;
+    struct kvs_dbuf *d_lse;                             /* F32 [cap_tokens][nh] (KVS_KV_NEEDS_LSE) */
+    int32_t *h_slot, *h_decode;                         /* [cap_seqs] per step */
+    struct kvs_fidelity fid;                            /* live fidelity meter (kv.fidelity) */
     int n_blocks, block_size;
     size_t kv_bytes_per_token;
 
@@ -184,22 +185,6 @@ static int load_weights(struct kvs_runner *r, const struct kvs_model *m, char *e
 
 /* ---- create / free ---------------------------------------------------------------------- */
 
-static const struct kvs_backend_ops *pick_backend(const char *device, char *err, size_t errlen)
-{
-    const char *d = device && *device ? device : "auto";
-    if (strcmp(d, "cpu") == 0) return &kvs_cpu_backend;
-    if (strcmp(d, "cuda") == 0 || strcmp(d, "auto") == 0) {
-#ifdef RUNNER_HAS_CUDA
-        return &kvs_cuda_backend;
-#endif
-        if (strcmp(d, "auto") == 0) return &kvs_cpu_backend;
-        kvs_err(err, errlen, -ENOSYS, "runner: device \"cuda\" requested but this build has no CUDA backend");
-        return NULL;
-    }
-    kvs_err(err, errlen, -EINVAL, "runner: unknown device \"%s\" (auto, cpu, cuda)", d);
-    return NULL;
-}
-
 static struct kvs_dbuf *xalloc(struct kvs_runner *r, enum kvs_buf_kind kind, size_t n, int *failed)
 {
     struct kvs_dbuf *b = r->ops->alloc(r->be, kind, n ? n : 1);
@@ -211,8 +196,13 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
                       size_t errlen)
 {
     *out = NULL;
-    const struct kvs_backend_ops *ops = pick_backend(cfg->device, err, errlen);
+    const struct kvs_backend_ops *ops = kvs_backend_pick(cfg->device, err, errlen);
     if (!ops) return strcmp(cfg->device ? cfg->device : "", "cuda") == 0 ? -ENOSYS : -EINVAL;
+    const struct kvs_kv_storage_ops *st;
+    const struct kvs_kv_reuse_ops *ru;
+    const struct kvs_kv_decode_ops *dp;
+    int rc = kvs_kv_resolve(cfg->kv_storage, cfg->kv_reuse, cfg->kv_decode, &st, &ru, &dp, err, errlen);
+    if (rc < 0) return rc;
 
     const struct kvs_model_config *c = kvs_model_config(model);
     if (c->hidden_size <= 0 || c->n_heads <= 0 || c->n_kv_heads <= 0 || c->head_dim <= 0 || c->head_dim % 2 ||
@@ -225,6 +215,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
 
     struct kvs_runner *r = kvs_xcalloc(1, sizeof *r);
     r->ops = ops;
+    r->st = st;
+    r->dp = dp;
     r->mc = *c;
     r->dim = c->hidden_size;
     r->ff = c->intermediate_size;
@@ -241,7 +233,6 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     if (r->cap_seqs > r->cap_tokens) r->cap_seqs = r->cap_tokens;
     r->max_blocks = (r->max_ctx + r->block_size - 1) / r->block_size;
 
-    int rc;
     r->be = ops->create(cfg->cpu_threads, err, errlen);
     int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
     if (!r->be && is_auto && ops != &kvs_cpu_backend) {
@@ -254,19 +245,11 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         free(r);
         return -ENOMEM;
     }
-#ifdef RUNNER_HAS_CUDA
-    if (ops == &kvs_cuda_backend && !kvs_cuda_supports_attention(c->n_heads, c->n_kv_heads, c->head_dim)) {
-        rc = kvs_err(err, errlen, -ENOTSUP,
-                     "runner: the CUDA attention kernels do not support heads %d/%d, head_dim %d (head_dim 16, 32, "
-                     "64, 128 or 256 and at most 32 query heads per KV head); use device \"cpu\"",
-                     c->n_heads, c->n_kv_heads, c->head_dim);
-        goto fail;
-    }
-#endif
+    if ((rc = kvs_backend_supports_model(ops, c->n_heads, c->n_kv_heads, c->head_dim, err, errlen))) goto fail;
     {
         const char *e = getenv("KVS_GRAPHS");
         r->use_graphs = ops->graph_begin && ops->graph_end && ops->graph_launch && ops->graph_free &&
-                        !(e && strcmp(e, "0") == 0);
+                        !(e && strcmp(e, "0") == 0) && !(dp->needs & KVS_KV_NO_GRAPHS);
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
 
@@ -317,10 +300,12 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
     free(inv);
-    /* KV pool: sized after weights and workspaces so "free memory" means what is left */
-    size_t kv_elem = ops->elem_size(r->be, KVS_BUF_KV);
-    size_t per_block_layer = (size_t)r->nkv * r->block_size * r->hd;   /* elements, K or V */
-    size_t block_bytes = per_block_layer * kv_elem * 2 * (size_t)r->n_layers;
+    /* KV pool: sized after weights and workspaces so "free memory" means what is left; the
+     * storage strategy says what a block costs and owns the bytes */
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size};
+    size_t kb = 0, vb = 0;
+    st->block_bytes(&shape, ops, r->be, &kb, &vb);
+    size_t block_bytes = kb + vb;
     r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
     size_t budget;
     if (cfg->kv_memory_bytes > 0) {
@@ -329,8 +314,15 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
         budget = (size_t)((double)ops->mem_available(r->be) * frac);
         if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
+        /* on the CPU by need: every running request at the full context (a share of free RAM
+         * reserved GiBs for a 7M-parameter model); a GPU keeps its share for the prefix cache */
+        int ctx = cfg->max_model_len > 0 && cfg->max_model_len < c->max_position_embeddings ? cfg->max_model_len
+                                                                                             : c->max_position_embeddings;
+        size_t need = (size_t)(ctx > 0 ? ctx : 0) * (size_t)(cfg->max_running > 0 ? cfg->max_running : 1) *
+                      r->kv_bytes_per_token;
+        if (ops == &kvs_cpu_backend && need > 0 && budget > need) budget = need;
     }
-    size_t nb = budget / block_bytes;
+    size_t nb = block_bytes ? budget / block_bytes : 0;
     if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
     if (nb < 1) {
         rc = kvs_err(err, errlen, -ENOMEM, "runner: KV budget of %zu bytes holds no block (one block = %zu bytes)",
@@ -338,20 +330,43 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         goto fail;
     }
     r->n_blocks = (int)nb;
-    r->kc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->kc);
-    r->vc = kvs_xcalloc((size_t)r->n_layers, sizeof *r->vc);
-    for (int l = 0; l < r->n_layers; l++) {
-        r->kc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        r->vc[l] = ops->alloc(r->be, KVS_BUF_KV, nb * per_block_layer);
-        if (!r->kc[l] || !r->vc[l]) {
-            rc = kvs_err(err, errlen, -ENOMEM, "runner: cannot allocate the KV pool (%zu blocks, %zu bytes)", nb,
-                         nb * block_bytes);
+    if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) goto fail;
+    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token, "
+            "storage %s)", ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
+            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token, st->name);
+
+    /* the decode policy, its per-request arena and what it needs from the layer loop */
+    if (dp->needs & KVS_KV_NEEDS_PRE_ROPE_Q) {
+        rc = kvs_err(err, errlen, -ENOSYS, "config key 'kv.decode': \"%s\" needs pre-RoPE queries, which this runner "
+                     "does not provide yet", dp->name);
+        goto fail;
+    }
+    const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
+                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token};
+    if ((rc = dp->create(&env, &r->dp_state, err, errlen))) goto fail;
+    r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
+    if (r->slot_bytes) {
+        int64_t cap = cfg->kv_decode_state_bytes;
+        if (cap > 0 && (int64_t)(r->slot_bytes * (size_t)r->cap_seqs) > cap) {
+            rc = kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': %s needs %zu bytes per request x %d "
+                         "requests, over the budget of %lld bytes", dp->name, r->slot_bytes, r->cap_seqs, (long long)cap);
+            goto fail;
+        }
+        r->slot_mem = calloc((size_t)r->cap_seqs, r->slot_bytes);
+        if (!r->slot_mem) {
+            rc = kvs_err(err, errlen, -ENOMEM, "runner: no memory for %d request states of %s", r->cap_seqs, dp->name);
             goto fail;
         }
     }
-    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token)",
-            ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
-            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token);
+    if (dp->needs & KVS_KV_NEEDS_LSE) r->d_lse = xalloc(r, KVS_BUF_F32, T * (size_t)r->nh, &failed);
+    r->h_slot = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    r->h_decode = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    if ((rc = kvs_fidelity_init(&r->fid, cfg->kv_fidelity_sample_every, ops, r->be, T, qd, err, errlen)))
+        goto fail;
+    if (failed) {
+        rc = kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the decode policy's workspaces");
+        goto fail;
+    }
 
     *out = r;
     return 0;
@@ -377,10 +392,10 @@ void kvs_runner_free(struct kvs_runner *r)
         if (r->lm_head != r->embed) o->free_weight(r->be, r->lm_head);
         o->free_weight(r->be, r->embed);
         o->free_weight(r->be, r->final_norm);
-        for (int l = 0; l < r->n_layers && r->kc; l++) {
-            o->free_buf(r->be, r->kc[l]);
-            o->free_buf(r->be, r->vc[l]);
-        }
+        if (r->dp_state) r->dp->destroy(r->dp_state);
+        if (r->st_state) r->st->destroy(r->st_state);
+        kvs_fidelity_free(&r->fid);
+        o->free_buf(r->be, r->d_lse);
         for (int i = 0; i < GRAPH_CACHE; i++)
             if (r->graphs[i].g) o->graph_free(r->be, r->graphs[i].g);
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
@@ -391,8 +406,9 @@ void kvs_runner_free(struct kvs_runner *r)
         o->free(r->be);
     }
     free(r->layers);
-    free(r->kc);
-    free(r->vc);
+    free(r->slot_mem);
+    free(r->h_slot);
+    free(r->h_decode);
     free(r->h_tokens);
     free(r->h_pos);
     free(r->h_slots);
@@ -533,13 +549,15 @@ static void qkv_rope_kv_write(struct kvs_runner *r, const struct layer_w *L, int
         o->head_rmsnorm(be, r->q, L->q_norm, eps, n, nh, hd);
         o->head_rmsnorm(be, r->k, L->k_norm, eps, n, nkv, hd);
     }
-    if (o->rope_kv_write) {
-        o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size,
-                         r->kc[l], r->vc[l]);
+    struct kvs_kv_view kv;
+    r->st->view(r->st_state, l, &kv);
+    if (o->rope_kv_write && r->st->plain_view) {
+        o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size, kv.k,
+                         kv.v);
     } else {
         o->rope(be, r->q, r->d_pos, NULL, r->d_inv_freq, n, nh, hd);
         o->rope(be, r->k, r->d_pos, NULL, r->d_inv_freq, n, nkv, hd);
-        o->kv_write(be, r->k, r->v, r->d_slots, n, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+        r->st->write(r->st_state, l, r->k, r->v, r->d_slots, n);
     }
 }
 
@@ -559,8 +577,9 @@ static void mlp(struct kvs_runner *r, const struct layer_w *L, int n)
     o->matmul(be, r->gate, L->w_down, NULL, n, ff, dim, r->proj);
 }
 
-/* the embedding and the layer loop (leaves the final-normed rows in r->xn) */
-static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *m)
+/* the embedding and the layer loop (leaves the final-normed rows in r->xn); with fid_layer >= 0
+ * the fidelity meter also runs exact attention at that layer (an eager step) */
+static void run_layers(struct kvs_runner *r, int n, const struct kvs_kv_step *step, int fid_layer)
 {
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
@@ -572,16 +591,22 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_attn_meta *
     o->rmsnorm(be, r->x, r->layers[0].attn_norm, eps, n, dim, r->xn);
     for (int l = 0; l < r->n_layers; l++) {
         const struct layer_w *L = &r->layers[l];
-        if (o->matmul_rope_kv_write && !L->q_norm) {
+        struct kvs_kv_view kv;
+        r->st->view(r->st_state, l, &kv);
+        if (o->matmul_rope_kv_write && !L->q_norm && r->st->plain_view) {
             /* q/k/v projections, RoPE and the cache write in one op (Qwen3's q/k norms come
              * between the projections and the RoPE: qkv_rope_kv_write composes them) */
             const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
             o->matmul_rope_kv_write(be, r->xn, w, bias, n, dim, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots,
-                                    nh, nkv, hd, r->block_size, r->kc[l], r->vc[l]);
+                                    nh, nkv, hd, r->block_size, kv.k, kv.v);
         } else {
             qkv_rope_kv_write(r, L, n);
         }
-        o->attention(be, r->q, r->kc[l], r->vc[l], m, n, nh, nkv, hd, r->block_size, scale, r->att);
+        /* attention through the decode policy (kv.h); full is the backend's attention() */
+        const struct kvs_kv_attend a = {step, r->q, NULL, kv, nh, nkv, hd, r->block_size, scale, r->att, r->d_lse};
+        r->dp->attend(r->dp_state, l, &a);
+        if (l == fid_layer) kvs_fidelity_measure(&r->fid, &a);
+        if (r->dp->finish) r->dp->finish(r->dp_state, l, step);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
         o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
         if (o->matmul_swiglu_down) {
@@ -624,8 +649,9 @@ static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
 /* Runs the layer loop of a decode step through its recording (made on first use). Returns 0, or
  * -1 when the backend could not record it (graphs are then turned off; the caller runs the
  * step eagerly). */
-static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_attn_meta *m, int cap, int rot, int valid)
+static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_kv_step *step, int cap, int rot, int valid)
 {
+    const struct kvs_attn_meta *m = step->m;
     struct step_graph *hit = NULL, *victim = &r->graphs[0];
     for (int i = 0; i < GRAPH_CACHE; i++) {
         struct step_graph *e = &r->graphs[i];
@@ -637,7 +663,7 @@ static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_attn_m
         if (victim->g) r->ops->graph_free(r->be, victim->g);
         victim->g = NULL;
         r->ops->graph_begin(r->be);
-        run_layers(r, n, m);
+        run_layers(r, n, step, -1);
         victim->g = r->ops->graph_end(r->be, err, sizeof err);
         if (!victim->g) {
             kvs_log(KVS_LOG_WARN, "runner: step graphs off: %s", err);
@@ -717,7 +743,31 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
         .block_valid = any_valid ? r->d_valid : NULL, .block_words = words ? r->d_words : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
         .h_pos = r->h_seqpos, .max_ctx = max_ctx, .plan_ctx = cap,
     };
-    if (!cap || run_layers_graph(r, n, &meta, cap, any_rot, any_valid | words << 1) != 0) run_layers(r, n, &meta);
+    /* the decode policy's view of the step: request slots, decode rows; fresh slots reset */
+    int n_decode = 0;
+    for (int s = 0; s < S; s++) {
+        const struct kvs_batch_seq *q = s < b->n_seqs ? &b->seqs[s] : NULL;
+        r->h_slot[s] = q ? q->slot : -1;
+        r->h_decode[s] = q && q->n_tokens == 1 && q->pos > 0;
+        n_decode += r->h_decode[s];
+        if (q && q->slot >= 0 && q->slot_fresh && r->dp->seq_init) {
+            void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
+            if (mem) memset(mem, 0, r->slot_bytes);
+            int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
+            if (rc < 0) return rc;
+        }
+    }
+    const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
+    if (r->dp->plan) {
+        int rc = r->dp->plan(r->dp_state, &step);
+        if (rc < 0) return rc;
+    }
+    /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
+    for (int s = 0; s < S; s++)
+        if (r->h_decode[s]) r->fid.full_bytes += (double)(r->h_seqpos[s] + 1) * (double)r->kv_bytes_per_token;
+    const int fid_layer = n_decode ? kvs_fidelity_pick_layer(&r->fid, r->n_layers) : -1;
+    if (fid_layer >= 0 || !cap || run_layers_graph(r, n, &step, cap, any_rot, any_valid | words << 1) != 0)
+        run_layers(r, n, &step, fid_layer);
     lm_head(r, b, n_logits, n_host, logits);
     return 0;
 }
@@ -725,7 +775,23 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)
 {
     if (src < 0 || dst < 0 || src >= r->n_blocks || dst >= r->n_blocks) return -EINVAL;
-    for (int l = 0; l < r->n_layers; l++)
-        r->ops->kv_copy_block(r->be, r->kc[l], r->vc[l], src, dst, r->nkv, r->block_size, r->hd);
+    r->st->copy_block(r->st_state, src, dst);
     return 0;
+}
+
+void kvs_runner_seq_end(struct kvs_runner *r, int slot)
+{
+    if (slot >= 0 && slot < r->cap_seqs && r->dp->seq_free) r->dp->seq_free(r->dp_state, slot);
+}
+
+int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
+{
+    int n = r->dp->counters ? r->dp->counters(r->dp_state, out, cap) : 0;
+    /* an exact policy without counters reads what full attention reads */
+    const double read = r->dp->counters ? -1.0 : r->fid.full_bytes;
+    if (r->slot_bytes && n < cap)
+        out[n++] = (struct kvs_kv_counter){"kvserve:kv_decode_state_bytes",
+                                           "Bytes of the decode policy's per-request state (arena).", 0,
+                                           (double)r->slot_bytes * (double)r->cap_seqs, NULL, NULL};
+    return n + kvs_fidelity_counters(&r->fid, read, out + n, cap - n);
 }

@@ -1,8 +1,10 @@
 /* runner.h: one forward pass of the model over a mixed batch, on a backend (CPU or CUDA).
  *
- * The runner owns the backend, the weights in the backend's format, the KV pool storage
- * (n_blocks blocks of block_size token slots, for every layer, K and V) and its workspaces; all
- * of it is allocated once in kvs_runner_create, never on the per-step path.
+ * The runner owns the backend, the weights in the backend's format and its workspaces, and
+ * creates the KV seam's runner-side parts (engine/kv/kv.h): the storage strategy, which owns
+ * the KV pool (n_blocks blocks of block_size token slots, every layer, K and V), and the decode
+ * policy, which does each layer's attention; all of it is allocated once in kvs_runner_create,
+ * never on the per-step path.
  * The KV *bookkeeping* (which request owns which block, refcounts, prefix hashes) lives in
  * engine/kv/; the runner only reads and writes the slots the batch's block tables name.
  *
@@ -43,6 +45,11 @@ struct kvs_batch_seq {
     /* NULL means every slot of every block holds a key. Otherwise, per block, how many leading
      * slots do (a cached document's last block is partial; its tail is never attended). */
     const int32_t *block_valid;
+    /* The request's slot for the decode policy's per-request state (engine/kv/kv.h), or -1 for
+     * a sequence without one (a side prefill); slot_fresh: first step in this slot (the policy
+     * resets the slot's state). */
+    int slot;
+    int slot_fresh;
 };
 
 enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2, KVS_LOGITS_ARGMAX = 3 };
@@ -85,5 +92,12 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
 
 /* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst);
+
+/* The request in slot ended: the decode policy frees its state (engine/kv/kv.h seq_free). */
+void kvs_runner_seq_end(struct kvs_runner *r, int slot);
+/* The decode policy's counters, the per-request arena and the fidelity meter (kv.fidelity)
+ * into out[0..cap); returns how many. */
+struct kvs_kv_counter;
+int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap);
 
 #endif

@@ -1,23 +1,17 @@
 /* sampler.c: the per-request sampler (see sampler.h for the pipeline and its order). */
+#include "base/rng.h"
 #include "engine/sampler.h"
 
 #include <math.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 
 #define SEEN_IN_PROMPT (1 << 30)   /* flag in count[]: token occurs in prompt or output */
 
 /* ---- RNG: splitmix64 seeding, xoshiro256** ------------------------------------------------ */
 
-static uint64_t splitmix64(uint64_t *x)
-{
-    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
@@ -81,7 +75,7 @@ int kvs_sampler_init(struct kvs_sampler *s, const struct kvs_sampling *params, u
     s->idx = kvs_xmalloc((size_t)vocab * sizeof(int32_t));
     s->count = kvs_xcalloc((size_t)vocab, sizeof(int32_t));
     uint64_t x = p->has_seed ? p->seed : (request_id ^ 0x6B76736572766531ull);   /* "kvserve1" */
-    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    for (int i = 0; i < 4; i++) s->rng[i] = kvs_splitmix64(&x);
     return 0;
 }
 

@@ -6,8 +6,8 @@
  *      for every running request whose prompt is done, then prefill chunks (<= prefill_chunk
  *      tokens) of partially prefilled running requests, then admits waiting requests in order
  *      while KV blocks last (no skipping ahead: FCFS);
- *   3. when a running request needs a block and none is free (or evictable from the prefix
- *      cache), preempts the newest running request: its blocks return to the pool and it goes
+ *   3. when a running request needs a block and none is free (or evictable from the reuse
+ *      strategy's cache), preempts the newest running request: its blocks return to the pool and it goes
  *      back to the front of the waiting queue, to be recomputed later from prompt + generated
  *      tokens (its sampler and detokenizer state carry on, so greedy output is unchanged);
  *   4. runs the forward pass with no lock held;
@@ -30,8 +30,9 @@
  */
 #include "engine/engine_internal.h"
 
-#include "engine/util.h"
+#include "base/util.h"
 
+#include <math.h>
 #include <string.h>
 
 /* ---- lists ------------------------------------------------------------------------------- */
@@ -89,13 +90,24 @@ static char *dup_n(const char *s, int n)
 
 static void publish_stats(struct kvs_engine *e);
 
-/* Gives back everything r holds in the KV cache: its block references and, with documents,
- * its users of the document cache entries (after the blocks, so a transient document's blocks
- * are already free when its entry goes). */
+/* Gives back everything r holds in the KV cache: its block references, then what the reuse
+ * strategy holds for it (after the blocks, so that blocks the strategy frees with its last
+ * user are already unreferenced), and its request slot. */
 static void release_kv(struct kvs_engine *e, struct kvs_request *r)
 {
     if (r->table.n) kvs_block_table_release(&r->table, &e->pool);
-    if (r->lazy && r->lazy->held) kvs_lazy_seq_release(&e->kv.docs, r->lazy);
+    if (e->kv.reuse->release) e->kv.reuse->release(&e->kv, &r->kvrq);
+    if (r->slot >= 0) {
+        if (e->x.seq_end) e->x.seq_end(e->x.ctx, r->slot);
+        e->free_slots[e->n_free_slots++] = r->slot;
+        r->slot = -1;
+    }
+}
+
+/* 1 when the reuse strategy lets r run (its side prefills are done) */
+static int kv_ready(struct kvs_engine *e, struct kvs_request *r)
+{
+    return !e->kv.reuse->ready || e->kv.reuse->ready(&e->kv, &r->kvrq);
 }
 
 void kvs_scheduler_finish(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
@@ -235,6 +247,73 @@ static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct 
     return 0;
 }
 
+/* ---- prompt scoring (prompt_logprobs: echo with logprobs) -------------------------------- */
+
+static int plp_pending(const struct kvs_request *r)
+{
+    return r->prompt_logprobs && r->n_prompt_lp < r->n_full_prompt;
+}
+
+/* A chunk of a request still scoring its prompt returns one logits row per token: capped to the
+ * step's remaining KVS_PROMPT_LP_ROWS (0: not this step). */
+static int plp_cap(const struct kvs_engine *e, const struct kvs_request *r, int c)
+{
+    if (!plp_pending(r)) return c;
+    int room = KVS_PROMPT_LP_ROWS - e->plp_rows;
+    return c < room ? c : room;
+}
+
+/* ev's logprob of ev->token and its n_top most likely alternatives under the raw row lg. */
+static void prompt_logprob(const float *lg, int vocab, int n_top, struct kvs_event *ev)
+{
+    float mx = -INFINITY;
+    for (int v = 0; v < vocab; v++)
+        if (lg[v] > mx) mx = lg[v];
+    double sum = 0;
+    for (int v = 0; v < vocab; v++) sum += exp((double)lg[v] - mx);
+    float lse = mx + (float)log(sum);
+    ev->logprob = lg[ev->token] - lse;
+    int n = 0;
+    for (int v = 0; v < vocab && n_top > 0; v++) {
+        float x = lg[v];
+        if (!(x > -INFINITY) || (n == n_top && x <= ev->top_logprobs[n - 1] + lse)) continue;
+        int at = n < n_top ? n++ : n - 1;   /* lowest id first among ties: strict > below */
+        while (at > 0 && x > ev->top_logprobs[at - 1] + lse) {
+            ev->top_logprobs[at] = ev->top_logprobs[at - 1];
+            ev->top_ids[at] = ev->top_ids[at - 1];
+            at--;
+        }
+        ev->top_logprobs[at] = x - lse;
+        ev->top_ids[at] = v;
+    }
+    ev->n_top = n;
+}
+
+/* PROMPT events for the positions predicted by rows[0..c) (a chunk that started at start).
+ * Returns 0, or -1 when r was ended (out of memory). */
+static int score_prompt(struct kvs_engine *e, struct kvs_request *r, int start, int c, const float *rows)
+{
+    int emitted = 0;
+    for (int i = 0; i < c; i++) {
+        int pos = start + i + 1;
+        if (pos < r->n_prompt_lp || pos >= r->n_full_prompt) continue;   /* scored before a preemption */
+        struct kvs_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.type = KVS_EV_PROMPT;
+        ev.pos = pos;
+        ev.token = r->tokens[pos];
+        prompt_logprob(rows + (size_t)i * (size_t)e->x.vocab_size, e->x.vocab_size, r->sampling.top_logprobs, &ev);
+        if (kvs_request_push_event(r, &ev) < 0) {
+            kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "out of memory queueing a prompt logprob event");
+            return -1;
+        }
+        r->n_prompt_lp = pos + 1;
+        emitted = 1;
+    }
+    if (emitted) notify(r);
+    return 0;
+}
+
 /* ---- scheduling -------------------------------------------------------------------------- */
 
 static void unschedule(struct kvs_engine *e, struct kvs_request *r, int *n_sched, int *budget)
@@ -255,7 +334,6 @@ static void preempt(struct kvs_engine *e, struct kvs_request *r, int *n_sched, i
     running_remove(e, r);
     release_kv(e, r);
     r->n_computed = 0;
-    memset(&r->kvseq, 0, sizeof r->kvseq);
     r->state = KVS_REQ_WAITING;
     wait_push_front(e, r);
     e->counters.num_preemptions++;
@@ -276,18 +354,20 @@ static int schedule(struct kvs_engine *e, double now)
     int budget = e->max_batch_tokens;
     int n_sched = 0;
     int preempted = 0;
+    e->plp_rows = 0;
 
     /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first */
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < e->n_running && budget > 0; i++) {
             struct kvs_request *r = e->running[i];
             if (r->sched_tokens) continue;
-            if (r->lazy && !kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;   /* documents being computed */
+            if (!kv_ready(e, r)) continue;   /* the strategy's side prefills are not done */
             int remaining = r->n_tokens - r->n_computed;
             KVS_ASSERT(remaining >= 1);
             int is_decode = remaining == 1;
             if (is_decode != (pass == 0)) continue;
-            int c = is_decode ? 1 : min3(remaining, e->prefill_chunk, budget);
+            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget));
+            if (c <= 0) continue;   /* no scoring rows left this step */
             int dropped = 0;
             for (;;) {
                 int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
@@ -314,6 +394,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->sched_tokens = c;
             e->sched[n_sched++] = r;
             budget -= c;
+            if (plp_pending(r)) e->plp_rows += c;
         }
     }
 
@@ -328,16 +409,19 @@ static int schedule(struct kvs_engine *e, double now)
     while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
         struct kvs_request *r = e->wait_head;
         int matched = 0;
-        if (r->table.n == 0 && r->lazy) {
-            int rc = kvs_lazy_seq_acquire(&e->kv.docs, r->lazy, r->tokens, &r->table, &matched);
-            if (rc < 0) break;   /* the pool cannot hold its documents now: wait (FCFS) */
+        if (r->table.n == 0) {
+            /* a prompt being scored needs the logits of every position: no cache hits */
+            int rc = plp_pending(r) ? 0 : e->kv.reuse->admit(&e->kv, &r->kvrq, r->tokens, r->n_tokens, &r->table, &matched);
+            if (rc < 0) break;   /* the pool cannot hold what the strategy shares now: wait (FCFS) */
             r->n_computed = rc;
-        } else if (r->table.n == 0) {
-            r->n_computed = e->kv.reuse->match(&e->kv, r->tokens, r->n_tokens, &r->table, &r->kvseq);
-            matched = r->n_computed;
         }
         int remaining = r->n_tokens - r->n_computed;
-        int c = min3(remaining, e->prefill_chunk, budget);
+        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget));
+        if (c <= 0) {
+            release_kv(e, r);
+            r->n_computed = 0;
+            break;
+        }
         int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
         int avail = kvs_block_pool_available(&e->pool);
         int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
@@ -362,40 +446,35 @@ static int schedule(struct kvs_engine *e, double now)
         wait_remove(e, r);
         e->running[e->n_running++] = r;
         r->state = KVS_REQ_RUNNING;
+        KVS_ASSERT(r->slot < 0 && e->n_free_slots > 0);
+        r->slot = e->free_slots[--e->n_free_slots];
+        r->slot_fresh = 1;
         if (!r->admitted_once) {
             r->admitted_once = 1;
             r->t_first_sched = now;
             r->n_cached_tokens = matched;
-            if (r->lazy) kvs_lazy_seq_count(&e->kv.docs, r->lazy);
+            if (e->kv.reuse->count) e->kv.reuse->count(&e->kv, &r->kvrq);
             e->counters.prompt_tokens += (uint64_t)r->n_real_prompt;
-            if (e->kv.has_prefix) {
-                e->counters.prefix_queries += (uint64_t)r->n_full_prompt;
-                e->counters.prefix_hits += (uint64_t)matched;
+            if (e->kv.reuse->caches) {
+                e->counters.cache_queries += (uint64_t)r->n_full_prompt;
+                e->counters.cache_hits += (uint64_t)matched;
             }
         }
         promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
-        if (r->lazy && !kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;   /* runs once its documents are in */
+        if (!kv_ready(e, r)) continue;   /* runs once the strategy's side prefills are in */
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
+        if (plp_pending(r)) e->plp_rows += c;
     }
 
-    /* document prefills (kv.reuse=lazy): each missing document of a running request, once
-     * however many requests wait for it, as its own sequence at local positions (it attends
-     * only to itself), through the blocks and token ids of one request that holds it */
+    /* side prefills the reuse strategy asks for (kv.h: e.g. missing documents, each computed
+     * once however many requests wait for it), as sequences of their own after the requests */
     e->n_jobs = 0;
-    for (int i = 0; e->kv.has_lazy && i < e->n_running && budget > 0; i++) {
+    for (int i = 0; e->kv.reuse->jobs && i < e->n_running && budget > 0; i++) {
         struct kvs_request *r = e->running[i];
-        if (!r->lazy || !r->lazy->held || kvs_lazy_seq_ready(&e->kv.docs, r->lazy)) continue;
-        for (int d = 0; d < r->lazy->n_docs && budget > 0 && n_sched + e->n_jobs < e->max_running; d++) {
-            int ent = r->lazy->docs[d].entry;
-            struct kvs_doc_entry *de = &e->kv.docs.ent[ent];
-            if (kvs_doc_cache_ready(&e->kv.docs, ent) || de->sched) continue;
-            int c = min3(de->n_tokens - de->n_done, e->prefill_chunk, budget);
-            de->sched = c;
-            e->jobs[e->n_jobs++] = (struct kvs_doc_job){ent, r, d, c};
-            budget -= c;
-        }
+        e->n_jobs += e->kv.reuse->jobs(&e->kv, &r->kvrq, r->tokens, &r->table, e->prefill_chunk, &budget,
+                                       e->jobs + e->n_jobs, e->max_running - n_sched - e->n_jobs);
     }
     return n_sched;
 }
@@ -434,17 +513,13 @@ static void publish_stats(struct kvs_engine *e)
     s.kv_blocks_used = kvs_block_pool_used(&e->pool);
     s.kv_blocks_cached = e->pool.n_lru;
     s.block_size = e->pool.block_size;
-    if (e->kv.has_lazy) {
-        const struct kvs_doc_cache *dc = &e->kv.docs;
-        s.doc_hits = dc->hits;
-        s.doc_misses = dc->misses;
-        s.doc_hit_ratio = dc->hits + dc->misses ? (double)dc->hits / (double)(dc->hits + dc->misses) : 0.0;
-        s.doc_bytes_cached = (uint64_t)dc->cached_blocks * dc->bytes_per_block;
-        s.doc_entries = dc->n_entries;
-        s.doc_evictions = dc->evictions;
-        s.doc_prefill_tokens_saved = dc->tokens_saved;
-        s.doc_prefill_tokens_computed = dc->tokens_computed;
-    }
+    /* the strategies' own counters: reuse (engine side), then the executor's (decode policy,
+     * fidelity meter) */
+    s.n_kv_counters = 0;
+    if (e->kv.reuse->counters)
+        s.n_kv_counters = e->kv.reuse->counters(&e->kv, s.kv_counters, KVS_KV_MAX_COUNTERS);
+    if (e->x.kv_counters)
+        s.n_kv_counters += e->x.kv_counters(e->x.ctx, s.kv_counters + s.n_kv_counters, KVS_KV_MAX_COUNTERS - s.n_kv_counters);
     e->stats = s;
     pthread_mutex_unlock(&e->mu);
 }
@@ -491,41 +566,42 @@ static void step(struct kvs_engine *e)
         s->pos = r->n_computed;
         s->block_table = r->table.ids;
         s->n_blocks = r->table.n;
-        int docs = r->lazy && r->lazy->held;
-        s->block_rot_offset = docs ? r->lazy->rot : NULL;
-        s->block_valid = docs ? r->lazy->valid : NULL;
+        s->block_rot_offset = s->block_valid = NULL;
+        if (e->kv.reuse->block_meta) e->kv.reuse->block_meta(&e->kv, &r->kvrq, &s->block_rot_offset, &s->block_valid);
+        s->slot = r->slot;
+        s->slot_fresh = r->slot_fresh;
         int last = r->n_computed + r->sched_tokens == r->n_tokens;
-        s->want_logits = !last ? KVS_LOGITS_NONE : takes_argmax(e, r) ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+        if (plp_pending(r)) {
+            s->want_logits = KVS_LOGITS_ALL;   /* one row per token: the prompt is being scored */
+            n_logits += r->sched_tokens;
+        } else {
+            s->want_logits = !last ? KVS_LOGITS_NONE : takes_argmax(e, r) ? KVS_LOGITS_ARGMAX : KVS_LOGITS_LAST;
+            n_logits += last;
+        }
         any_argmax |= s->want_logits == KVS_LOGITS_ARGMAX;
-        n_logits += last;
     }
-    KVS_ASSERT(n_logits <= e->max_running);
+    KVS_ASSERT(n_logits <= e->max_running + KVS_PROMPT_LP_ROWS);
     for (int j = 0; j < e->n_jobs; j++) {
-        const struct kvs_doc_job *jb = &e->jobs[j];
-        const struct kvs_lazy_doc *ld = &jb->r->lazy->docs[jb->doc];
-        const struct kvs_doc_entry *de = &e->kv.docs.ent[jb->entry];
+        const struct kvs_kv_job *jb = &e->jobs[j];
         struct kvs_batch_seq *s = &e->seqs[n + j];
         memset(s, 0, sizeof *s);
-        s->tokens = jb->r->tokens + ld->start + de->n_done;
-        s->n_tokens = jb->n;
-        s->pos = de->n_done;
-        s->block_table = jb->r->table.ids + ld->start / e->pool.block_size;
-        s->n_blocks = ld->n_blocks;
+        s->tokens = jb->tokens;
+        s->n_tokens = jb->n_tokens;
+        s->pos = jb->pos;
+        s->block_table = jb->block_table;
+        s->n_blocks = jb->n_blocks;
         s->want_logits = KVS_LOGITS_NONE;
+        s->slot = -1;
     }
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
     struct kvs_batch batch = {e->seqs, n + e->n_jobs, any_argmax ? e->argmax : NULL};
-    int rc = 0;
-    if (e->kv.decode->begin_step) rc = e->kv.decode->begin_step(&e->kv, &batch);
     double t0 = kvs_now();
-    if (rc == 0) rc = e->x.forward(e->x.ctx, &batch, e->logits);
+    int rc = e->x.forward(e->x.ctx, &batch, e->logits);
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
     e->counters.steps++;
-    for (int j = 0; j < e->n_jobs; j++) {
-        e->kv.docs.ent[e->jobs[j].entry].sched = 0;
-        if (rc == 0) kvs_doc_cache_commit(&e->kv.docs, e->jobs[j].entry, e->jobs[j].n);
-    }
+    for (int j = 0; j < e->n_jobs; j++) e->kv.reuse->job_done(&e->kv, e->jobs[j].handle, e->jobs[j].n_tokens, rc == 0);
+    for (int k = 0; k < n; k++) e->sched[k]->slot_fresh = 0;
     e->n_jobs = 0;
     if (rc < 0) {
         char msg[128];
@@ -541,14 +617,25 @@ static void step(struct kvs_engine *e)
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
         int want = e->seqs[k].want_logits;
+        int start = r->n_computed, c = r->sched_tokens;
         r->n_computed += r->sched_tokens;
         r->sched_tokens = 0;
-        e->kv.reuse->commit(&e->kv, r->tokens, r->n_computed, &r->table, &r->kvseq);
+        if (e->kv.reuse->commit) e->kv.reuse->commit(&e->kv, &r->kvrq, r->tokens, r->n_computed, &r->table);
         if (!want) continue;
+        /* an ALL chunk's rows are its tokens'; the last one is the sampling row */
+        int n_rows = want == KVS_LOGITS_ALL ? c : 1;
         int32_t id = want == KVS_LOGITS_ARGMAX ? e->argmax[row] : -1;   /* written for ARGMAX rows */
-        row++;
-        float *lg = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row++ * (size_t)e->x.vocab_size;
+        row += n_rows;
+        float *rows = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row * (size_t)e->x.vocab_size;
+        if (want != KVS_LOGITS_ARGMAX) host_row += n_rows;
+        float *lg = rows ? rows + (size_t)(n_rows - 1) * (size_t)e->x.vocab_size : NULL;
         if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
+        if (want == KVS_LOGITS_ALL && score_prompt(e, r, start, c, rows) < 0) continue;
+        if (r->n_computed < r->n_tokens) continue;   /* a middle chunk of a scored prompt */
+        if (r->max_tokens == 0) {   /* scoring only: done once the prompt is */
+            kvs_scheduler_finish(e, r, KVS_FINISH_LENGTH, NULL);
+            continue;
+        }
         struct kvs_sample_out so;
         if (pick_token(e, r, id, lg, &so) < 0) {
             kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");

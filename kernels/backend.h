@@ -350,8 +350,15 @@ static inline int32_t kvs_argmax_row(const float *x, int n)
 /* The CPU backend (always built). */
 extern const struct kvs_backend_ops kvs_cpu_backend;
 /* The CUDA backend: kernels/cuda/ defines `const struct kvs_backend_ops kvs_cuda_backend` (with C
- * linkage) and declares it in kernels/cuda/cuda_backend.h; engine/runner.c picks it up when that
+ * linkage) and declares it in kernels/cuda/cuda_backend.h; kvs_backend_pick finds it when that
  * header exists and the build has nvcc (KVS_HAVE_CUDA=1). device "auto" prefers it when it
- * reports a usable GPU (create() returning NULL falls back to the CPU). */
+ * reports a usable GPU (create() returning NULL falls back to the CPU: the caller's job). */
+
+/* The backend a device name means ("auto", "cpu", "cuda"; kernels/backend_pick.c): NULL with a
+ * message for an unknown name (-EINVAL) or a backend this build lacks (-ENOSYS). */
+const struct kvs_backend_ops *kvs_backend_pick(const char *device, char *err, size_t errlen);
+/* 0 when backend o can run attention with this head shape, else -ENOTSUP with a message. */
+int kvs_backend_supports_model(const struct kvs_backend_ops *o, int n_heads, int n_kv_heads, int head_dim, char *err,
+                               size_t errlen);
 
 #endif

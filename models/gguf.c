@@ -14,7 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 
 #define GGUF_MAX_DIMS 4
 #define GGUF_MAX_KEY 65536u       /* llama.cpp's limit for key and name lengths is far lower */

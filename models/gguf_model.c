@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/gguf_quant.h"
 
 /* Reads {arch}.suffix as an unsigned integer into the JSON config under json_key. */

@@ -5,7 +5,7 @@
 
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/gguf.h"
 
 static float h2f(const uint8_t *p)

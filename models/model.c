@@ -11,7 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/gguf_model.h"
 #include "models/safetensors.h"
 

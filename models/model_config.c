@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #define MAX_DIM (1 << 24)

@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 
 /* The reference implementation refuses headers above 100 MB; a real 8B model's is ~30 KB. */
 #define ST_MAX_HEADER (100u * 1000u * 1000u)

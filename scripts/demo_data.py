@@ -552,7 +552,7 @@ def eval_probe(gen, L):
 
 
 def harness_probe(gen, L, lines):
-    """A probe built like the quality harness's (engine/eval_retrieval.c): three facts
+    """A probe built like the quality harness's (tools/eval_retrieval.c): three facts
     "The secret code of <Name> is <NNNN>." with held-out names (the asked one in the first
     quarter of the filler lines, two distractors anywhere), filler lines of `lines` (the
     harness's filler text) from a random start, then the question. Returns (prompt ids,

@@ -12,7 +12,7 @@ Templates:
   chatml  plain ChatML (tests/data/chatml_template.jinja), the demo model's template
 Each text is tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True).
 
-Two conventions of kvserve are applied here before rendering, exactly as engine/chat.h states:
+Two conventions of kvserve are applied here before rendering, exactly as engine/text/chat.h states:
   - role "developer" is rendered as "system";
   - documents: the system turn's content becomes the documents, in order, then the original
     system content, joined by "\n\n" (the system content only when it is non-empty); when the

@@ -15,17 +15,18 @@
 
 #include "engine/config.h"
 #include "engine/generate.h"
-#include "engine/util.h"
+#include "base/util.h"
+#include "engine/text/tokenizer.h"
+#include "models/model.h"
 #include "server/server.h"
 
-#define KVS_VERSION "0.1.0"
 
 static void usage(FILE *f)
 {
     fprintf(f,
             "usage: kvserve [--config FILE] [--set key=value]... [--model DIR] [--host HOST] [--port N]\n"
             "               [--device auto|cpu|cuda]           serve the OpenAI API\n"
-            "       kvserve --check-config FILE [--set ...]    validate and print the effective config\n"
+            "       kvserve --check-config FILE [--set ...]    validate the config and the model, print the config\n"
             "       kvserve generate --model DIR --prompt TEXT -n N [sampling flags]\n"
             "                                                  one prompt, no server (see kvserve generate --help)\n"
             "       kvserve --help-config [--markdown]         list every config key\n"
@@ -103,6 +104,15 @@ int main(int argc, char **argv)
         goto out;
     }
     if (check_file) {
+        struct kvs_model *m = NULL;
+        struct kvs_tokenizer *t = NULL;
+        if (kvs_server_load_model(&cfg, &m, &t, err, sizeof err)) {
+            fprintf(stderr, "kvserve: %s\n", err);
+            rc = 1;
+            goto out;
+        }
+        kvs_tokenizer_free(t);
+        kvs_model_free(m);
         char *dump = kvs_config_dump_json(&cfg);
         printf("%s\n", dump);
         free(dump);

@@ -1,7 +1,7 @@
 /* metrics.c: histograms and the Prometheus text exposition (format 0.0.4). */
 #include "server/metrics.h"
 
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -131,9 +131,9 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
     counter(o, "vllm:generation_tokens_total", "Number of generation tokens processed.", model,
             (double)es->generation_tokens);
     counter(o, "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
-            model, (double)es->prefix_queries);
+            model, (double)es->cache_queries);
     counter(o, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", model,
-            (double)es->prefix_hits);
+            (double)es->cache_hits);
     static const char *reasons[KVS_REASON_COUNT] = {"stop", "length", "abort", "error", "timeout"};
     head(o, "vllm:request_success_total", "counter", "Count of successfully processed requests.");
     for (int i = 0; i < KVS_REASON_COUNT; i++)
@@ -154,20 +154,20 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
     counter(o, "kvserve:argmax_tokens_total",
             "Generation tokens of plain greedy requests picked on the device (no logits download, no sampler).", model,
             (double)es->argmax_tokens);
-    /* kv.reuse=lazy document cache (all zero otherwise) */
-    counter(o, "kvserve:doc_cache_hits_total", "Document lookups served from the LazyAttention doc cache.", model,
-            (double)es->doc_hits);
-    counter(o, "kvserve:doc_cache_misses_total", "Document lookups that had to prefill the document.", model,
-            (double)es->doc_misses);
-    gauge(o, "kvserve:doc_cache_hit_ratio", "Doc cache hits / lookups.", model, es->doc_hit_ratio);
-    gauge(o, "kvserve:doc_cache_bytes", "KV bytes held by cached documents.", model, (double)es->doc_bytes_cached);
-    gauge(o, "kvserve:doc_cache_documents", "Documents in the doc cache.", model, es->doc_entries);
-    counter(o, "kvserve:doc_cache_evictions_total", "Documents evicted from the doc cache.", model,
-            (double)es->doc_evictions);
-    counter(o, "kvserve:doc_cache_prefill_tokens_saved_total", "Document tokens served from the doc cache.", model,
-            (double)es->doc_prefill_tokens_saved);
-    counter(o, "kvserve:doc_cache_prefill_tokens_total", "Document tokens prefilled into the doc cache.", model,
-            (double)es->doc_prefill_tokens_computed);
+    /* the KV strategies' own counters, under the names they give (engine/kv/kv.h) */
+    for (int i = 0; i < es->n_kv_counters; i++) {
+        const struct kvs_kv_counter *k = &es->kv_counters[i];
+        if (k->family) {
+            if (i == 0 || !es->kv_counters[i - 1].family || strcmp(es->kv_counters[i - 1].family, k->family))
+                head(o, k->family, "histogram", k->help);
+            if (k->le) kvs_sbuf_printf(o, "%s{le=\"%s\",model_name=\"%s\"} %.17g\n", k->name, k->le, model, k->value);
+            else kvs_sbuf_printf(o, "%s{model_name=\"%s\"} %.17g\n", k->name, model, k->value);
+        } else if (k->is_counter) {
+            counter(o, k->name, k->help, model, k->value);
+        } else {
+            gauge(o, k->name, k->help, model, k->value);
+        }
+    }
     counter(o, "kvserve:requests_rejected_total", "Requests refused at admission (queue full, draining).", model,
             (double)(m->rejected + es->requests_rejected));
     counter(o, "kvserve:http_requests_total", "HTTP requests answered.", model, (double)m->http_requests);

@@ -3,6 +3,8 @@
  * an out-of-range value are a 400 naming the field in "param". */
 #include "server/request_parse.h"
 
+#include "server/json_strict.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <math.h>
@@ -339,16 +341,40 @@ static int parse_documents(const cJSON *root, struct kvs_api_request *r, struct 
     return 0;
 }
 
+/* Fields of the OpenAI API this server does not implement: refused by name rather than ignored,
+ * so a client never believes a JSON mode or a tool call was honoured. Their neutral values
+ * (no tools, tool_choice "none", response_format text, an empty suffix) are accepted. */
+static int refuse_unsupported(const cJSON *root, struct kvs_api_error *err)
+{
+    static const char *const names[] = {"tools", "tool_choice", "response_format", "suffix", "functions",
+                                        "function_call"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const cJSON *it = field(root, names[i]);
+        if (!it) continue;
+        if (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 0) continue;
+        if (cJSON_IsString(it) && (!strcmp(it->valuestring, "") || !strcmp(it->valuestring, "none"))) continue;
+        const cJSON *type = cJSON_IsObject(it) ? cJSON_GetObjectItemCaseSensitive(it, "type") : NULL;
+        if (!strcmp(names[i], "response_format") && cJSON_IsString(type) && !strcmp(type->valuestring, "text") &&
+            cJSON_GetArraySize(it) == 1)
+            continue;
+        return kvs_api_error_set(err, 400, "invalid_request_error", "unsupported_parameter", names[i],
+                                 "'%s' is not supported by this server", names[i]);
+    }
+    return 0;
+}
+
 static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_request *r, struct kvs_api_error *err)
 {
     int rc;
+    if ((rc = refuse_unsupported(root, err))) return rc;
     if ((rc = get_string(root, "model", &r->model, err))) return rc;
     int mt = -1, mct = -1;
-    if ((rc = get_int(root, "max_tokens", 1, INT32_MAX, &mt, err))) return rc;
+    if ((rc = get_int(root, "max_tokens", 0, INT32_MAX, &mt, err))) return rc;
     if ((rc = get_int(root, "max_completion_tokens", 1, INT32_MAX, &mct, err))) return rc;
     r->max_tokens = mct > 0 ? mct : mt;
     if ((rc = get_int(root, "n", 1, KVS_API_MAX_N, &r->n, err))) return rc;
-    if ((rc = get_int(root, "best_of", 1, 1, &(int){0}, err))) return rc;
+    r->best_of = 0;
+    if ((rc = get_int(root, "best_of", 1, KVS_API_MAX_N, &r->best_of, err))) return rc;
     if ((rc = get_bool(root, "stream", &r->stream, err))) return rc;
     const cJSON *so = field(root, "stream_options");
     if (so) {
@@ -368,7 +394,12 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
     const cJSON *seed = field(root, "seed");
     if (seed) {
         int64_t v;
-        if (json_int(seed, -((int64_t)1 << 53), (int64_t)1 << 53, &v)) return BAD("seed", "'seed' must be an integer");
+        if (!cJSON_IsNumber(seed) || seed->valuedouble != floor(seed->valuedouble))
+            return BAD("seed", "'seed' must be an integer");
+        /* JSON numbers arrive as doubles: integers beyond 2^53 cannot be told apart */
+        if (json_int(seed, -((int64_t)1 << 53), (int64_t)1 << 53, &v))
+            return BAD("seed", "'seed' must be between -2^53 and 2^53 (-9007199254740992 .. 9007199254740992), "
+                               "the integers a JSON number holds exactly");
         r->has_seed = 1;
         r->seed = (uint64_t)v;
     }
@@ -391,7 +422,8 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
             r->top_logprobs = (int)v;
         }
         if ((rc = get_bool(root, "echo", &r->echo, err))) return rc;
-        if (r->echo) return BAD("echo", "'echo' is not supported");
+        if (r->echo && r->n_documents)
+            return BAD("echo", "'echo' cannot be combined with 'documents' (the echoed prompt would leave them out)");
         if ((rc = parse_prompt(root, vocab_size, r, err))) return rc;
     } else {
         if ((rc = get_bool(root, "logprobs", &r->logprobs, err))) return rc;
@@ -399,8 +431,15 @@ static int parse_generation(const cJSON *root, int vocab_size, struct kvs_api_re
         if (r->top_logprobs > 0 && !r->logprobs) return BAD("top_logprobs", "'top_logprobs' requires 'logprobs': true");
         if ((rc = parse_messages(root, r, err))) return rc;
     }
-    if (r->n_prompts * r->n > KVS_API_MAX_CHOICES)
-        return BAD("n", "prompts x n is limited to %d choices", KVS_API_MAX_CHOICES);
+    if (r->best_of == 0) r->best_of = r->n;
+    if (r->best_of < r->n) return BAD("best_of", "'best_of' must be at least 'n' (%d)", r->n);
+    if (r->best_of > r->n && r->stream) return BAD("best_of", "'best_of' > 'n' cannot be streamed");
+    if (r->best_of > r->n && r->kind == KVS_API_CHAT) return BAD("best_of", "'best_of' applies to completions only");
+    if (r->n_prompts * r->best_of > KVS_API_MAX_CHOICES)
+        return BAD(r->best_of > r->n ? "best_of" : "n", "prompts x %s is limited to %d choices",
+                   r->best_of > r->n ? "best_of" : "n", KVS_API_MAX_CHOICES);
+    if (r->max_tokens == 0 && !r->echo)
+        return BAD("max_tokens", "'max_tokens' must be at least 1 (0 only with 'echo': true: score the prompt)");
     if (!r->stream && field(root, "stream_options")) return BAD("stream_options", "'stream_options' requires 'stream': true");
     return 0;
 }
@@ -426,6 +465,9 @@ static int parse_tokenize(const cJSON *root, int vocab_size, struct kvs_api_requ
         if (!r->prompts[0].text) return kvs_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
     }
     (void)vocab_size;
+    if ((rc = get_bool(root, "add_generation_prompt", &r->add_generation_prompt, err))) return rc;
+    if (!has_msgs && field(root, "add_generation_prompt"))
+        return BAD("add_generation_prompt", "'add_generation_prompt' applies to 'messages' only");
     return get_bool(root, "add_special_tokens", &r->add_special_tokens, err);
 }
 
@@ -467,11 +509,15 @@ int kvs_api_parse(enum kvs_api_kind kind, const char *body, size_t len, int voca
     out->max_tokens = -1;
     out->skip_special_tokens = 1;
     out->add_special_tokens = 1;
+    out->add_generation_prompt = 1;
     if (!body || len == 0) return BAD(NULL, "request body is empty (expected a JSON object)");
+    char why[200];
+    if (kvs_json_check_bytes(body, len, why, sizeof why)) return BAD(NULL, "%s", why);
     if (has_escaped_nul(body, len)) return BAD(NULL, "strings must not contain NUL characters (\\u0000)");
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) return BAD(NULL, "request body is not valid JSON");
+    kvs_json_dedupe_keys(root);   /* the last of duplicate keys wins, as in JavaScript and Python */
     /* cJSON stops after the first value: anything but whitespace after it is malformed */
     for (const char *p = end; p && p < body + len; p++)
         if (*p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') {

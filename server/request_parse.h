@@ -68,6 +68,8 @@ struct kvs_api_request {
 
     int max_tokens;               /* -1 = not given */
     int n;
+    int best_of;                  /* candidates per prompt, >= n (default n); the n with the highest
+                                   * cumulative logprob are returned (vLLM's best_of) */
     int stream;
     int include_usage;            /* stream_options.include_usage */
     int logprobs;                 /* chat: bool; completions: 1 when "logprobs" is an int */
@@ -87,6 +89,7 @@ struct kvs_api_request {
     int ignore_eos;
     int skip_special_tokens;      /* default 1 */
     int add_special_tokens;       /* tokenize / completions: default 1; chat tokenize: 0 */
+    int add_generation_prompt;    /* tokenize with messages: default 1 */
     int echo;                     /* not supported: rejected when true */
     int tokens_as_ids;            /* return_tokens_as_token_ids (vLLM): logprob tokens as "token_id:N" */
     char *user;

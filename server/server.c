@@ -15,13 +15,14 @@
  */
 #include "server/server.h"
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "engine/docstore.h"
+#include "server/conn_limits.h"
 #include "server/handlers.h"
 #include "server/metrics.h"
 #include "server/request_parse.h"
@@ -32,6 +33,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <uv.h>
 
@@ -40,21 +42,29 @@ static void run_mhd(struct kvs_server *s);
 /* ------------------------------------------------------------------------------------------ */
 /* loading                                                                                     */
 
+int kvs_server_load_model(const struct kvs_config *cfg, struct kvs_model **model, struct kvs_tokenizer **tok,
+                           char *err, size_t errlen)
+{
+    char why[480];
+    int rc = kvs_model_load(cfg->model_path, model, why, sizeof why);
+    if (rc) return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
+    rc = kvs_tokenizer_load(cfg->model_path, tok, why, sizeof why);
+    if (rc) {
+        kvs_model_free(*model);
+        *model = NULL;
+        return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
+    }
+    return 0;
+}
+
+/* The engine (weights to the device, KV pool): the slow part, after the port is open. The
+ * model's files were already checked (kvs_server_load_model) before listening. */
 static void *loader_main(void *arg)
 {
     struct kvs_server *s = arg;
     const struct kvs_config *cfg = s->cfg;
     double t0 = kvs_now();
-    int rc = kvs_model_load(cfg->model_path, &s->model, s->load_err, sizeof s->load_err);
-    if (!rc) rc = kvs_tokenizer_load(cfg->model_path, &s->tok, s->load_err, sizeof s->load_err);
-    if (!rc) {
-        s->chat_format = kvs_chat_format_from_name(cfg->chat_format ? cfg->chat_format : "auto");
-        if (s->chat_format == KVS_CHAT_UNKNOWN) s->chat_format = kvs_chat_detect(cfg->model_path);
-        if (s->chat_format == KVS_CHAT_UNKNOWN)
-            kvs_log(KVS_LOG_WARN, "chat format of %s not recognised; set model.chat_format to serve "
-                                  "/v1/chat/completions", cfg->model_path);
-    }
-    if (!rc) rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
+    int rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
     if (!rc) {
         s->vocab_size = kvs_tokenizer_vocab_size(s->tok);
         s->max_context = kvs_engine_max_context(s->engine);
@@ -192,6 +202,7 @@ static void on_signal(uv_signal_t *h, int signum)
     struct kvs_server *s = h->data;
     if (s->state == KVS_SRV_DRAINING) {
         kvs_log(KVS_LOG_WARN, "second signal %d: stopping now", signum);
+        s->stop_now = 1;
         finish_shutdown(s);
         return;
     }
@@ -203,7 +214,31 @@ static void on_grace(uv_timer_t *t)
 {
     struct kvs_server *s = t->data;
     if (s->n_gen_calls > 0) kvs_log(KVS_LOG_WARN, "grace period over: cancelling %d requests", s->n_gen_calls);
+    /* cut streams still end like streams (error chunk, [DONE]); finish_shutdown lets them flush */
+    for (struct call *c = s->calls; c; c = c->next)
+        kvs_call_cut(s, c, "the server is shutting down: the stream was cut at the end of the grace period");
+    pump_all(s);
     finish_shutdown(s);
+}
+
+static void on_flush_wait(uv_timer_t *t)
+{
+    run_mhd(t->data);
+    finish_shutdown(t->data);
+}
+
+/* 1 while a finished or cut stream still has bytes for its client, for at most
+ * KVS_SHUTDOWN_FLUSH_S: the last chunks and data: [DONE] must reach the client before the
+ * daemon closes the sockets. */
+#define KVS_SHUTDOWN_FLUSH_S 2.0
+static int streams_flushing(struct kvs_server *s)
+{
+    double now = kvs_now();
+    if (s->flush_until == 0) s->flush_until = now + KVS_SHUTDOWN_FLUSH_S;
+    if (now >= s->flush_until) return 0;
+    for (struct call *c = s->calls; c; c = c->next)
+        if (((c->stream && c->headers_sent) || c->cut) && !c->client_gone && !c->aborting) return 1;
+    return 0;
 }
 
 static void begin_shutdown(struct kvs_server *s)
@@ -225,6 +260,10 @@ static void finish_shutdown(struct kvs_server *s)
     if (s->stopping) return;
     /* while the loader runs the engine may still appear: on_loaded calls us again */
     if (s->loader_started && !s->load_finished) return;
+    if (!s->stop_now && streams_flushing(s)) {
+        uv_timer_start(&s->grace_timer, on_flush_wait, 20, 0);
+        return;
+    }
     s->stopping = 1;
     /* cancel and release every suspended connection so MHD can close them */
     for (struct call *c = s->calls; c; c = c->next) {
@@ -246,6 +285,20 @@ static void finish_shutdown(struct kvs_server *s)
 /* ------------------------------------------------------------------------------------------ */
 /* MHD callbacks                                                                               */
 
+static struct MHD_Daemon *conn_daemon(struct MHD_Connection *conn)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_DAEMON);
+    return ci ? ci->daemon : NULL;
+}
+
+/* 413, and the connection closes after it (the rest of the body is not read). */
+static enum MHD_Result too_large(struct kvs_server *s, struct call *c)
+{
+    c->close_conn = 1;
+    return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
+                          "request body is larger than the limit of %lld bytes", (long long)s->cfg->max_body_bytes);
+}
+
 static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const char *url, const char *method,
                                  const char *version, const char *upload_data, size_t *upload_data_size,
                                  void **con_cls)
@@ -265,32 +318,41 @@ static enum MHD_Result on_access(void *cls, struct MHD_Connection *conn, const c
         if (s->calls) s->calls->prev = c;
         s->calls = c;
         *con_cls = c;
+        if (!kvs_conn_is_probe(url) && kvs_conn_over_limit(conn_daemon(conn), s->cfg)) {
+            c->close_conn = 1;   /* the slot goes back at once */
+            return kvs_call_error(c, 503, "unavailable_error", "too_many_connections", NULL,
+                                  "too many open connections (server.max_connections = %d); retry later",
+                                  s->cfg->max_connections);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl && strtoll(cl, NULL, 10) > s->cfg->max_body_bytes) {
             c->too_large = 1;
-            return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
-                                  "request body is larger than the limit of %lld bytes",
-                                  (long long)s->cfg->max_body_bytes);
+            /* a client waiting for 100 Continue gets the 413 instead; one that sends the body
+             * at once would see its connection reset under the 413, so that body is read and
+             * discarded (bounded below) and the 413 follows it */
+            const char *ex = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+            if (ex && !strcasecmp(ex, "100-continue")) return too_large(s, c);
         }
         return MHD_YES;
     }
     if (c->aborting) return MHD_NO;
     if (*upload_data_size) {
-        if (!c->too_large) {
-            if ((int64_t)(c->body.len + *upload_data_size) > s->cfg->max_body_bytes) {
-                c->too_large = 1;
-                kvs_sbuf_free(&c->body);
-            } else {
-                kvs_sbuf_append(&c->body, upload_data, *upload_data_size);
-            }
+        if (!c->too_large && (int64_t)(c->body.len + *upload_data_size) > s->cfg->max_body_bytes) {
+            c->too_large = 1;
+            kvs_sbuf_free(&c->body);
         }
+        if (c->too_large) {
+            c->discarded += *upload_data_size;
+            *upload_data_size = 0;
+            if (!c->responded && c->discarded > KVS_DISCARD_MAX_BYTES) return too_large(s, c);
+            return MHD_YES;
+        }
+        kvs_sbuf_append(&c->body, upload_data, *upload_data_size);
         *upload_data_size = 0;
         return MHD_YES;
     }
     if (c->responded) return MHD_YES;
-    if (c->too_large)
-        return kvs_call_error(c, 413, "invalid_request_error", NULL, NULL,
-                              "request body is larger than the limit of %lld bytes", (long long)s->cfg->max_body_bytes);
+    if (c->too_large) return too_large(s, c);
     if (c->n_choices) return kvs_call_resumed(s, c);
     return kvs_call_dispatch(s, c);
 }
@@ -351,8 +413,23 @@ int kvs_server_run(const struct kvs_config *cfg)
         s->model_name[n - b] = 0;
     }
     char err[512];
+    /* config, tensor table and tokenizer are checked before the port opens: a bad model.path
+     * fails here, not after clients were told to connect */
+    if (kvs_server_load_model(cfg, &s->model, &s->tok, err, sizeof err)) {
+        kvs_log(KVS_LOG_ERROR, "%s", err);
+        free(s->model_name);
+        free(s);
+        return 1;
+    }
+    s->chat_format = kvs_chat_format_from_name(cfg->chat_format ? cfg->chat_format : "auto");
+    if (s->chat_format == KVS_CHAT_UNKNOWN) s->chat_format = kvs_chat_detect(cfg->model_path);
+    if (s->chat_format == KVS_CHAT_UNKNOWN)
+        kvs_log(KVS_LOG_WARN, "chat format of %s not recognised; set model.chat_format to serve "
+                              "/v1/chat/completions", cfg->model_path);
     if (kvs_docstore_open_config(cfg, &s->docs, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;
@@ -365,20 +442,24 @@ int kvs_server_run(const struct kvs_config *cfg)
     if (kvs_server_resolve(cfg->host, cfg->port, &addr, err, sizeof err)) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
         kvs_docstore_free(s->docs);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;
     }
     unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (addr.ss_family == AF_INET6) flags |= MHD_USE_IPv6;
-    unsigned conn_timeout = cfg->request_timeout_s > 0 ? (unsigned)(cfg->request_timeout_s + 1) : 300;
+    struct MHD_OptionItem limits[5];
+    kvs_conn_options(cfg, limits);
     s->mhd = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, on_access, s, MHD_OPTION_SOCK_ADDR, &addr,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_connections,
-                              MHD_OPTION_CONNECTION_TIMEOUT, conn_timeout, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
+                              MHD_OPTION_ARRAY, limits, MHD_OPTION_NOTIFY_COMPLETED, on_completed,
                               s, MHD_OPTION_EXTERNAL_LOGGER, mhd_logger, NULL, MHD_OPTION_END);
     if (!s->mhd) {
         kvs_log(KVS_LOG_ERROR, "cannot listen on %s:%d (port in use or bad address)", cfg->host, cfg->port);
         kvs_docstore_free(s->docs);
+        kvs_tokenizer_free(s->tok);
+        kvs_model_free(s->model);
         free(s->model_name);
         free(s);
         return 1;

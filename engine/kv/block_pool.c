@@ -1,7 +1,7 @@
 /* block_pool.c: free stack + refcounts + LRU of reusable blocks (see block_pool.h). */
 #include "engine/kv/block_pool.h"
 
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 

@@ -3,7 +3,7 @@
 
 #include "engine/kv/block_pool.h"
 #include "engine/kv/prefix_cache.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 

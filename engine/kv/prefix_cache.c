@@ -1,24 +1,18 @@
 /* prefix_cache.c: content-hashed full blocks over the block pool (see prefix_cache.h). */
+#include "base/rng.h"
 #include "engine/kv/prefix_cache.h"
 
 #include "engine/kv/block_pool.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <string.h>
 
-static uint64_t mix64(uint64_t z)
-{
-    /* splitmix64 finaliser: full avalanche over 64 bits */
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
 
 uint64_t kvs_prefix_hash(uint64_t parent, const int32_t *tokens, int n)
 {
-    uint64_t h = mix64(parent ^ 0x3c6ef372fe94f82bULL);
-    for (int i = 0; i < n; i++) h = mix64(h + 0x9e3779b97f4a7c15ULL + (uint64_t)(uint32_t)tokens[i]);
-    return mix64(h ^ (uint64_t)n);
+    uint64_t h = kvs_mix64(parent ^ 0x3c6ef372fe94f82bULL);
+    for (int i = 0; i < n; i++) h = kvs_mix64(h + 0x9e3779b97f4a7c15ULL + (uint64_t)(uint32_t)tokens[i]);
+    return kvs_mix64(h ^ (uint64_t)n);
 }
 
 static void on_evict(void *ctx, int32_t b);

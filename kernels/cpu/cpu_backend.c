@@ -12,48 +12,14 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "models/model.h"
 
-#define MAX_HEAD_DIM 1024
-
-struct kvs_dbuf {
-    enum kvs_buf_kind kind;
-    size_t n;
-    void *data;                   /* 64-byte aligned, n elements */
-};
-
-struct kvs_dweight {
-    int64_t rows, cols;           /* vectors: rows = 1 */
-    float *data;                  /* [rows][cols] fp32 */
-};
-
-struct kvs_backend {
-    struct kvs_cpu_pool *pool;
-};
-
-static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
-static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
-
-/* ---- dot products with a fixed order ----------------------------------------------------
- * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
- * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
- * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
- * happens in ISO C mode. dot4 is four such dot products sharing the loads of w; each of its
- * results is bitwise equal to dot_f32 of that row. */
-static inline float dot_f32(const float *a, const float *b, int n)
-{
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
+/* ---- dot products with a fixed order: dot_f32 in cpu_internal.h; dot4 is four of them
+ * sharing the loads of w; each of its results is bitwise equal to dot_f32 of that row. */
 static inline void dot4(const float *x, size_t stride, const float *w, int n, float out[4])
 {
     float acc[4][8] = {{0}};
@@ -378,19 +344,8 @@ static void cpu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const 
     }
 }
 
-struct attn_job {
-    const float *q, *kc, *vc;
-    float *out;
-    const struct kvs_attn_meta *m;
-    const int32_t *q_start, *pos, *bt, *rot, *valid;
-    const float *inv_freq;
-    int n_heads, n_kv_heads, head_dim, block_size;
-    float scale;
-};
-
-/* rotates q backward by off positions (neox half-split): the deferred-RoPE query for keys
- * stored off positions short of their true rotation */
-static void rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out)
+/* cpu_internal.h */
+void kvs_cpu_rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out)
 {
     int half = head_dim / 2;
     for (int i = 0; i < half; i++) {
@@ -400,6 +355,16 @@ static void rotate_back(const float *q, const float *inv_freq, int off, int head
         out[i + half] = -q[i] * s + q[i + half] * c;
     }
 }
+
+struct attn_job {
+    const float *q, *kc, *vc;
+    float *out;
+    const struct kvs_attn_meta *m;
+    const int32_t *q_start, *pos, *bt, *rot, *valid;
+    const float *inv_freq;
+    int n_heads, n_kv_heads, head_dim, block_size;
+    float scale;
+};
 
 static void attn_task(void *c, int task)
 {
@@ -425,7 +390,7 @@ static void attn_task(void *c, int task)
         if (rot && off == 0 && rot[bi] != cur_rot) {
             cur_rot = rot[bi];
             if (cur_rot) {
-                rotate_back(q0, j->inv_freq, cur_rot, hd, qr);
+                kvs_cpu_rotate_back(q0, j->inv_freq, cur_rot, hd, qr);
                 q = qr;
             } else {
                 q = q0;
@@ -563,4 +528,6 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .kv_copy_block = cpu_kv_copy_block,
     .logits_to_host = cpu_logits_to_host,
     .argmax_rows = cpu_argmax_rows,
+    .attention_spans = kvs_cpu_attention_spans,
+    .attn_merge = kvs_cpu_attn_merge,
 };

@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 
 #define MAX_THREADS 256
 

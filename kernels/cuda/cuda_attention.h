@@ -1,5 +1,5 @@
 /* cuda_attention.h: paged causal attention of the CUDA backend (internal to kernels/cuda/; the op
- * table's attention() in cuda_backend.cu calls it). Semantics are those of backend.h's
+ * table's attention() in cuda_ops.cu calls it). Semantics are those of backend.h's
  * attention op and struct kvs_attn_meta (deferred RoPE offsets, per-block valid slots).
  *
  * Ownership: nothing is allocated here; the caller passes device pointers and a workspace for the

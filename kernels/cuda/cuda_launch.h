@@ -11,7 +11,7 @@
  *
  * KVS_CUDA_PDL=0 turns it off (plain launches; grid_dep_wait() is then a no-op).
  * Errors: CUDA_CHECK (below) aborts with file:line on any failed CUDA call (bugs, not client
- * errors); it needs engine/util.h (kvs_panic) included first.
+ * errors); it needs base/util.h (kvs_panic) included first.
  */
 #ifndef KVS_CUDA_LAUNCH_H
 #define KVS_CUDA_LAUNCH_H

@@ -13,7 +13,7 @@
  * per lane); x (at most 32 x in bf16) stays in L1/L2. The first group is loaded before the grid
  * dependency wait (cuda_launch.h): weights never depend on the previous kernel.
  * A single row (batch-1 decode) takes k_gemv1 instead: a warp per output row, which streamed the
- * weights faster (2892 vs 2661 GB/s on H100) than any tiling of the MMA kernel that was tried.
+ * weights faster than any tiling of the MMA kernel that was tried (bench/RESULTS.md).
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -285,8 +285,8 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         if (a->swiglu) rows = (unsigned)a->out[0];
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
-    /* H100, Llama-3.1-8B GEMMs of a step (bench/RESULTS.md): 16 warps a block hide the load latency
-     * best, with groups of two chunks (2661 GB/s at n = 2 vs 2455 for cuBLAS). Every n deals K
+    /* 16 warps a block hide the load latency best, with groups of two chunks (measured on the
+     * Llama-3.1-8B GEMMs of a step: bench/RESULTS.md). Every n deals K
      * the same way, so a row's sum is the same whatever the batch (batch invariance); above 8 rows
      * one group is in flight instead of two, where the x fragments take the registers. */
     const dim3 grid(blocks), blk(16 * 32);

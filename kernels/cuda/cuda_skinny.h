@@ -1,4 +1,4 @@
-/* cuda_skinny.h: the decode GEMM of the CUDA backend (internal to kernels/cuda/; cuda_backend.cu
+/* cuda_skinny.h: the decode GEMM of the CUDA backend (internal to kernels/cuda/; cuda_gemm.cu
  * calls it for matmuls of at most KVS_SKINNY_MAX_N rows).
  *
  * y[t][o] = <x[t], W[o]> for n <= 32 token rows: a decode step multiplies a few rows by every

@@ -9,6 +9,10 @@
  *              cyclically); an EOS id ends with finish "stop" unless ignore_eos; stop strings
  *              end with "stop" and are never emitted; logprob of every sampled token is
  *              log(0.5), alternative i (i >= 1) is token+i with log(0.5 / 2^i).
+ *              prompt_logprobs (echo): position p >= 1 of the prompt, token t: odd p: t is the
+ *              top choice, logprob log(0.5), alternative i (i >= 1) is (t+i) mod 256 with
+ *              log(0.5 / 2^i); even p: t has logprob log(0.05) and alternative i (i >= 0) is
+ *              (t+1+i) mod 256 with log(0.5 / 2^i). max_tokens 0 then ends LENGTH at once.
  *              KV: pool of FAKE_BLOCKS blocks of 16 tokens, a request reserves
  *              ceil((prompt + max_tokens) / 16) at admission, returns them when it ends.
  *              A prompt containing the bytes "!fail!" ends with an ERROR event after 2 tokens
@@ -19,8 +23,8 @@
  */
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 
 #include <math.h>
@@ -224,6 +228,7 @@ struct kvs_request {
     char **stop;
     int n_stop;
     int ignore_eos, skip_special, logprobs, top_logprobs;
+    int prompt_logprobs, scored;
     int inject_failure;
     double timeout_s;
     void (*notify)(void *);
@@ -282,6 +287,7 @@ struct kvs_request *kvs_request_new(const struct kvs_request_params *p, void (*n
     r->skip_special = p->skip_special;
     r->logprobs = p->sampling.logprobs || p->sampling.top_logprobs > 0;
     r->top_logprobs = p->sampling.top_logprobs;
+    r->prompt_logprobs = p->prompt_logprobs;
     r->timeout_s = p->timeout_s;
     r->notify = notify;
     r->user = user;
@@ -420,9 +426,34 @@ static size_t stop_holdback(const struct kvs_request *r)
     return best;
 }
 
+/* PROMPT events of the whole prompt (prompt_logprobs), the model in the header comment. */
+static void score_prompt(struct kvs_request *r)
+{
+    for (int p = 1; p < r->n_prompt; p++) {
+        struct kvs_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.type = KVS_EV_PROMPT;
+        ev.pos = p;
+        ev.token = r->prompt[p];
+        ev.logprob = logf(p % 2 ? 0.5f : 0.05f);
+        ev.n_top = r->top_logprobs;
+        for (int i = 0; i < ev.n_top; i++) {
+            ev.top_ids[i] = p % 2 ? (i ? (ev.token + i) % 256 : ev.token) : (ev.token + 1 + i) % 256;
+            ev.top_logprobs[i] = logf(0.5f / (float)(1 << i));
+        }
+        push_event(r, &ev);
+    }
+    r->scored = 1;
+}
+
 /* One decode step of one running request. Returns 1 when it finished. */
 static int step_one(struct kvs_engine *e, struct kvs_request *r, double now)
 {
+    if (r->prompt_logprobs && !r->scored) score_prompt(r);
+    if (r->max_tokens == 0) {
+        finish(e, r, KVS_FINISH_LENGTH, now);
+        return 1;
+    }
     int k = r->n_gen;
     if (k == 2 && r->inject_failure) {
         struct kvs_event ev;
@@ -600,6 +631,14 @@ void kvs_engine_drain(struct kvs_engine *e)
 
 int kvs_engine_max_context(const struct kvs_engine *e) { return e->max_ctx; }
 
+/* documents inline: the test double keeps no KV strategy */
+int kvs_engine_doc_layout(const struct kvs_engine *e, int *align)
+{
+    (void)e;
+    *align = 1;
+    return 0;
+}
+
 void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out)
 {
     pthread_mutex_lock(&e->mu);
@@ -614,7 +653,8 @@ void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out)
 
 int kvs_engine_submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t errlen)
 {
-    if (r->max_tokens <= 0) return kvs_err(err, errlen, -EINVAL, "max_tokens must be positive");
+    if (r->max_tokens < 0 || (r->max_tokens == 0 && !r->prompt_logprobs))
+        return kvs_err(err, errlen, -EINVAL, "max_tokens must be positive");
     if (r->n_prompt + r->max_tokens > e->max_ctx)
         return kvs_err(err, errlen, -E2BIG, "This model's maximum context length is %d tokens", e->max_ctx);
     r->blocks = blocks_for(r);

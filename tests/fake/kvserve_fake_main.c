@@ -11,7 +11,7 @@
 #include "server/server.h"
 
 #include "engine/config.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <stdio.h>
 #include <string.h>

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/chat.h"
-#include "engine/util.h"
+#include "engine/text/chat.h"
+#include "base/util.h"
 
 #define MAX_FIELDS 64
 

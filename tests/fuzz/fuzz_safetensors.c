@@ -1,12 +1,12 @@
 /* fuzz_safetensors: libFuzzer target for the safetensors header parser.
- * Build: clang -fsanitize=fuzzer,address -I. tests/fuzz/fuzz_safetensors.c models/\*.c engine/util.c -lcjson -lm
+ * Build: clang -fsanitize=fuzzer,address -I. tests/fuzz/fuzz_safetensors.c models/\*.c base/util.c -lcjson -lm
  * Seeds: tests/fuzz/corpus/safetensors/ (small valid files, edge cases). Any input must either
  * parse into tensors that lie inside the buffer, or fail with a message; never crash. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/safetensors.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -28,7 +28,7 @@
 
 #include "engine/config.h"
 #include "engine/runner.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 

@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"

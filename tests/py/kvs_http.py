@@ -149,7 +149,7 @@ def tokenize(text, add_special=True, parse_special=True):
 
 
 def chatml(messages, documents=()):
-    """engine/chat.h's ChatML rendering: documents, then the system content, joined by a blank
+    """engine/text/chat.h's ChatML rendering: documents, then the system content, joined by a blank
     line, in the system turn (created when there is none)."""
     msgs = [dict(m) for m in messages]
     for m in msgs:

@@ -120,6 +120,19 @@ def main():
     check(sum(1 for k in rows if k.startswith("retrieval@")) == 2, "table has a retrieval row per length")
     check("KV bytes read / decode step" in rows and "compression ratio" in rows, "table has the counters")
 
+    # 4b. --all-policies: one row per decode policy of the registry; full's row is exact
+    out = run(["--model", os.path.join(MODELS, "llama")] + common).stdout
+    ref_ppl = float(re.search(r"perplexity \(\d+ pos\)\s+(\S+)", out).group(1))
+    out = run(["--model", os.path.join(MODELS, "llama"), "--all-policies"] + common).stdout
+    rows = {l.split()[0]: l.split()[1:] for l in out.splitlines() if l.startswith("  ") and l.split()}
+    check("full" in rows, "--all-policies lists full:\n" + out)
+    f = rows.get("full", ["nan", "nan", "0%", "-", "0%", "0%"])
+    check(abs(float(f[0]) - ref_ppl) < 1e-3 * ref_ppl and float(f[1]) == 0 and f[2] == "100.00%" and f[3] == "1.000",
+          "--all-policies full row: ppl %s (reference %.4f), KL %s, top-1 %s, read/full %s" % (f[0], ref_ppl, f[1], f[2], f[3]))
+    check(len(f) == 6, "--all-policies full row has a retrieval column per length: %s" % f)
+    for name in ("quest", "retro", "mac", "paris"):
+        check(name in rows, "--all-policies names %s (built or not)" % name)
+
     # 5. bad input: clear errors, no crash
     bad_ids = os.path.join(tmp, "bad.txt")
     with open(bad_ids, "w") as f:

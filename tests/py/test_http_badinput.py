@@ -67,8 +67,13 @@ CASES = [
     ("logit_bias value range", "POST", C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias", None),
     ("logprobs too many", "POST", C, {"prompt": "x", "logprobs": 50}, 400, "logprobs", None),
     ("logprobs bool on completions", "POST", C, {"prompt": "x", "logprobs": True}, 400, "logprobs", None),
-    ("echo unsupported", "POST", C, {"prompt": "x", "echo": True}, 400, "echo", None),
-    ("best_of unsupported", "POST", C, {"prompt": "x", "best_of": 3}, 400, "best_of", None),
+    ("echo with documents", "POST", C, {"prompt": "x", "echo": True, "documents": ["d"]}, 400, "echo", None),
+    ("max_tokens 0 without echo", "POST", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("chat max_tokens 0", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                           "max_tokens": 0}, 400, "max_tokens", None),
+    ("best_of below n", "POST", C, {"prompt": "x", "best_of": 2, "n": 3}, 400, "best_of", None),
+    ("best_of streamed", "POST", C, {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of", None),
+    ("best_of too many", "POST", C, {"prompt": ["a", "b", "c", "d", "e"], "best_of": 16}, 400, "best_of", None),
     ("model wrong type", "POST", C, {"prompt": "x", "model": 7}, 400, "model", None),
     ("unknown model", "POST", C, {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("documents not array", "POST", C, {"prompt": "x", "documents": "doc1"}, 400, "documents", None),
@@ -159,7 +164,7 @@ def main():
             check_error(send(srv, method, path, body, H), status, param, code, name)
             if status == 405:
                 r = send(srv, method, path, body, H)
-                allow = {"/v1/documents": "GET, POST", "/v1/models": "GET", "/health": "GET"}.get(path)
+                allow = {"/v1/documents": "GET, POST", "/v1/models": "GET", "/health": "GET, HEAD"}.get(path)
                 allow = allow or ("GET" if path.startswith("/v1/models/") else "POST")
                 check(r.headers.get("Allow") == allow, f"{name}: Allow {r.headers.get('Allow')!r} != {allow!r}")
         for name, headers, status in AUTH_CASES:

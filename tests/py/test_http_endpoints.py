@@ -160,8 +160,22 @@ def test_main():
         check(resp.status_code == 200 and data[-1] == "[DONE]", f"stream end {data}")
         err = json.loads(data[-2])
         check(set(err) == {"error"} and "injected failure" in err["error"]["message"], f"in-band error {data[-2]}")
-        check(len(data) == 5, f"role chunk, 2 tokens, error, [DONE]: {data}")
-        # connection limit: 4 idle sockets hold every slot; a fifth connection is refused
+        check(len(data) == 4 and json.loads(data[0])["choices"][0]["delta"]["role"] == "assistant",
+              f"2 tokens (the role with the first), error, [DONE]: {data}")
+        # connection limit: 4 idle sockets hold every ordinary slot; /health is served from the
+        # reserve (server.reserved_connections), anything else gets 503 too_many_connections
+        import socket
+        socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]
+        time.sleep(0.3)
+        check(requests.get(srv.base + "/health", timeout=2).status_code == 200, "/health from the reserve")
+        r = requests.get(srv.base + "/v1/models", timeout=2)
+        check(r.status_code == 503 and r.json()["error"]["code"] == "too_many_connections", f"over the limit: {r.text}")
+        for s in socks:
+            s.close()
+        time.sleep(0.3)
+        check(requests.get(srv.base + "/v1/models", timeout=2).status_code == 200, "served again below the limit")
+    # without a reserve a connection over the limit is not served at all
+    with Server("--max-connections", "4", "--set", "server.reserved_connections=0") as srv:
         import socket
         socks = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(4)]
         time.sleep(0.3)

@@ -34,5 +34,10 @@ PY
 stream=$(curl -sN "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
   -d '{"model":"demo","prompt":"In the beginning","max_tokens":16,"stream":true}')
 grep -q '^data: \[DONE\]' <<<"$stream" && echo "ok: streamed completion ends with [DONE]" || { echo "FAIL: stream: $stream"; exit 1; }
+# on the CPU the KV pool is sized by need: the demo's 4096-token context x 64 running requests
+if grep -q "cpu backend, KV pool" "$log"; then
+  grep -q "KV pool .* = $((4096 * 64)) tokens" "$log" && echo "ok: CPU KV pool sized by need (context x max_running)" \
+    || { echo "FAIL: CPU KV pool not sized by need: $(grep 'KV pool' "$log")"; exit 1; }
+fi
 kill -TERM $pid; wait $pid; rc=$?
 [ $rc = 0 ] && echo "ok: SIGTERM exits 0" || { echo "FAIL: exit code $rc"; tail "$log"; exit 1; }

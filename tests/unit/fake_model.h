@@ -16,7 +16,7 @@
 #define KVS_FAKE_MODEL_H
 
 #include "engine/engine_exec.h"
-#include "engine/util.h"
+#include "base/util.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -1,7 +1,7 @@
 /* test_block_pool.c: free list, refcounts, LRU of cached blocks, eviction callback, block
  * tables, checked against a simple model of the expected state after random operations. */
 #include "engine/kv/block_pool.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 #include <stdio.h>

@@ -8,8 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/chat.h"
-#include "engine/util.h"
+#include "engine/text/chat.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 
@@ -261,9 +261,27 @@ static void test_smollm(void)
     printf("smollm: detection, default system turn, own system turn, documents\n");
 }
 
+/* What /tokenize's add_generation_prompt=false cuts off is exactly what each format appends. */
+static void test_generation_prompt(void)
+{
+    const enum kvs_chat_format fs[] = {KVS_CHAT_CHATML, KVS_CHAT_QWEN3, KVS_CHAT_LLAMA3, KVS_CHAT_SMOLLM};
+    const struct kvs_chat_message msgs[] = {{"system", "S"}, {"user", "hi"}, {"assistant", "yo"}, {"user", "q"}};
+    for (int i = 0; i < 4; i++) {
+        char err[128];
+        char *t = kvs_chat_render(fs[i], msgs, 4, NULL, 0, err, sizeof err);
+        const char *g = kvs_chat_generation_prompt(fs[i]);
+        size_t tl = t ? strlen(t) : 0, gl = strlen(g);
+        CHECK(t && gl > 0 && tl > gl && !strcmp(t + tl - gl, g), "%s: rendering ends with the generation prompt",
+              kvs_chat_format_name(fs[i]));
+        free(t);
+    }
+    CHECK(!strcmp(kvs_chat_generation_prompt(KVS_CHAT_UNKNOWN), ""), "unknown format: no generation prompt");
+}
+
 int main(void)
 {
     test_smollm();
+    test_generation_prompt();
     test_references();
     test_document_format();
     test_errors();

@@ -73,7 +73,9 @@ int main(void)
     expect_error("{\"server\":{\"port\":70000}}", "out of range");
     expect_error("{\"server\":{\"port\":1.5}}", "not an integer");
     expect_error("{\"server\":{\"access_log\":1}}", "expected a bool");
-    expect_error("{\"kv\":{\"decode\":\"magic\"}}", "full|mac|paris|retro");
+    expect_error("{\"kv\":{\"decode\":\"magic\"}}", "full|quest|retro|mac|paris");
+    expect_error("{\"kv\":{\"decode\":\"mac\"}}", "is not built in this version");
+    expect_error("{\"kv\":{\"reuse\":\"lazy\",\"decode\":\"paris\"}}", "do not compose");
     expect_error("{\"kv\":\"prefix\"}", "expected an object");
     expect_error("[1,2]", "must be a JSON object");
     expect_error("{\"server\":{\"port\":80,}", "invalid JSON");

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
@@ -390,6 +390,129 @@ struct seq {
     int pos, n;                   /* cached tokens, new tokens */
 };
 
+/* attention_spans and attn_merge on the scenario of attention_case: (1) one span [0, ctx) per
+ * row and head gives attention()'s output bitwise (the neutral setting of every sparse decode
+ * policy) and the lse of the dense reference; (2) random disjoint spans (empty ones, single
+ * tokens, block-crossing ranges, past-the-row ends) against double attention over just those
+ * positions; (3) the selection split into two halves by alternate spans, each attended and
+ * then merged, equals the whole selection. */
+static void span_checks(struct kvs_backend *b, const struct kvs_attn_meta *m, const struct kvs_dbuf *Q,
+                        const struct kvs_dbuf *KC, const struct kvs_dbuf *VC, const struct kvs_dbuf *OUT,
+                        const struct seq *seqs, int S, int nh, int nkv, int hd, int bs, const float *q,
+                        const double *const *kt, const float *const *vs, const char *what)
+{
+    (void)bs;
+    int n = 0;
+    for (int s = 0; s < S; s++) n += seqs[s].n;
+    const int MS = 6, qd = nh * hd;
+    int32_t *ns = kvs_xcalloc((size_t)n * nkv, 4), *sp = kvs_xcalloc((size_t)n * nkv * MS * 2, 4);
+    int32_t *nsa = kvs_xcalloc((size_t)n * nkv, 4), *spa = kvs_xcalloc((size_t)n * nkv * MS * 2, 4);
+    int32_t *nsb = kvs_xcalloc((size_t)n * nkv, 4), *spb = kvs_xcalloc((size_t)n * nkv * MS * 2, 4);
+    struct kvs_dbuf *NS = up_f(b, KVS_BUF_I32, NULL, (size_t)n * nkv), *SP = up_f(b, KVS_BUF_I32, NULL, (size_t)n * nkv * MS * 2);
+    struct kvs_dbuf *O1 = up_f(b, KVS_BUF_ACT, NULL, (size_t)n * qd), *O2 = up_f(b, KVS_BUF_ACT, NULL, (size_t)n * qd);
+    struct kvs_dbuf *L1 = up_f(b, KVS_BUF_F32, NULL, (size_t)n * nh), *L2 = up_f(b, KVS_BUF_F32, NULL, (size_t)n * nh);
+    struct kvs_span_list L = {.max_spans = MS, .n_spans = NS, .spans = SP, .h_n_spans = ns, .h_spans = sp};
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *got = kvs_xmalloc((size_t)n * qd * 4), *lse = kvs_xmalloc((size_t)n * nh * 4);
+    float *got2 = kvs_xmalloc((size_t)n * qd * 4), *lse2 = kvs_xmalloc((size_t)n * nh * 4);
+    double *ref = kvs_xcalloc((size_t)n * qd, 8), *rlse = kvs_xcalloc((size_t)n * nh, 8);
+
+    for (int round = 0; round < 2; round++) {
+        /* round 0: one full span; round 1: random spans */
+        for (int s = 0, t = 0; s < S; s++)
+            for (int i = 0; i < seqs[s].n; i++, t++) {
+                const int ctx = seqs[s].pos + i + 1;
+                for (int g = 0; g < nkv; g++) {
+                    int32_t *row = sp + ((size_t)t * nkv + g) * MS * 2, k = 0;
+                    if (round == 0) {
+                        row[0] = 0, row[1] = ctx + (t % 3) * 5;   /* an end past the row: clipped */
+                        k = 1;
+                    } else {
+                        int p = (int)((frand() + 1.0f) * 0.5f * 3.0f);
+                        while (k < MS && p < ctx + 2) {
+                            int len = (int)((frand() + 1.0f) * 0.5f * 9.0f);   /* 0 (empty) .. 8 */
+                            row[2 * k] = p, row[2 * k + 1] = p + len;
+                            k++;
+                            p += len + 1 + (int)((frand() + 1.0f) * 0.5f * 6.0f);
+                        }
+                    }
+                    ns[(size_t)t * nkv + g] = k;
+                    /* the two halves: alternate spans */
+                    int ka = 0, kb = 0;
+                    for (int j = 0; j < k; j++) {
+                        int32_t *dst = j % 2 ? spb + ((size_t)t * nkv + g) * MS * 2 + 2 * kb++
+                                             : spa + ((size_t)t * nkv + g) * MS * 2 + 2 * ka++;
+                        dst[0] = row[2 * j], dst[1] = row[2 * j + 1];
+                    }
+                    nsa[(size_t)t * nkv + g] = ka, nsb[(size_t)t * nkv + g] = kb;
+                    /* double reference over the selected positions <= the row's own */
+                    for (int h = g * (nh / nkv); h < (g + 1) * (nh / nkv); h++) {
+                        const float *qv = q + ((size_t)t * nh + h) * hd;
+                        double mx = -INFINITY, z = 0, *o = ref + ((size_t)t * nh + h) * hd;
+                        for (int x = 0; x < hd; x++) o[x] = 0;
+                        for (int pass = 0; pass < 2; pass++)
+                            for (int j = 0; j < k; j++)
+                                for (int p = row[2 * j] > 0 ? row[2 * j] : 0; p < row[2 * j + 1] && p < ctx; p++) {
+                                    double d = 0;
+                                    for (int x = 0; x < hd; x++) d += (double)qv[x] * kt[s][((size_t)p * nkv + g) * hd + x];
+                                    d *= 1.0 / sqrt((double)hd);
+                                    if (pass == 0) {
+                                        if (d > mx) mx = d;
+                                        continue;
+                                    }
+                                    const double w = exp(d - mx);
+                                    z += w;
+                                    for (int x = 0; x < hd; x++) o[x] += w * vs[s][((size_t)p * nkv + g) * hd + x];
+                                }
+                        for (int x = 0; x < hd; x++) o[x] = z > 0 ? o[x] / z : 0;
+                        rlse[(size_t)t * nh + h] = z > 0 ? mx + log(z) : -INFINITY;
+                    }
+                }
+            }
+        O->upload(b, NS, 0, ns, (size_t)n * nkv);
+        O->upload(b, SP, 0, sp, (size_t)n * nkv * MS * 2);
+        O->attention_spans(b, Q, KC, VC, m, &L, n, nh, nkv, hd, bs, scale, O1, L1);
+        O->download(b, got, O1, 0, (size_t)n * qd);
+        O->download(b, lse, L1, 0, (size_t)n * nh);
+        if (round == 0) {
+            float *full = down(b, OUT, (size_t)n * qd);
+            CHECK(memcmp(full, got, (size_t)n * qd * 4) == 0, "attention_spans %s: one full span differs from attention()",
+                  what);
+            free(full);
+        }
+        double e = rel_err(got, ref, (size_t)n * qd), el = 0;
+        int inf_ok = 1;
+        for (int i = 0; i < n * nh; i++) {
+            if (isinf(rlse[i]) || isinf(lse[i])) inf_ok &= isinf(rlse[i]) && isinf(lse[i]) && lse[i] < 0;
+            else if (fabs(lse[i] - rlse[i]) > el) el = fabs(lse[i] - rlse[i]);
+        }
+        const double tol = m->rot_offsets ? 2e-5 : 1e-5;
+        CHECK(e < tol && el < 1e-4 && inf_ok, "attention_spans %s round %d: rel err %g, lse err %g, -inf %d", what, round,
+              e, el, inf_ok);
+        /* the two halves, merged */
+        O->upload(b, NS, 0, nsa, (size_t)n * nkv);
+        O->upload(b, SP, 0, spa, (size_t)n * nkv * MS * 2);
+        O->attention_spans(b, Q, KC, VC, m, &L, n, nh, nkv, hd, bs, scale, O1, L1);
+        O->upload(b, NS, 0, nsb, (size_t)n * nkv);
+        O->upload(b, SP, 0, spb, (size_t)n * nkv * MS * 2);
+        O->attention_spans(b, Q, KC, VC, m, &L, n, nh, nkv, hd, bs, scale, O2, L2);
+        O->attn_merge(b, O1, L1, O2, L2, n, nh, hd);
+        O->download(b, got2, O1, 0, (size_t)n * qd);
+        O->download(b, lse2, L1, 0, (size_t)n * nh);
+        double em = rel_err(got2, ref, (size_t)n * qd), elm = 0;
+        for (int i = 0; i < n * nh; i++)
+            if (!isinf(rlse[i]) && fabs(lse2[i] - rlse[i]) > elm) elm = fabs(lse2[i] - rlse[i]);
+            else if (isinf(rlse[i])) inf_ok &= isinf(lse2[i]) && lse2[i] < 0;
+        CHECK(em < 2 * tol && elm < 1e-4 && inf_ok, "attn_merge %s round %d: rel err %g, lse err %g", what, round, em, elm);
+        printf("ok attention_spans %s %s: rel err %.2e (lse %.1e), halves merged %.2e\n", what,
+               round ? "random spans" : "one full span", e, el, em);
+    }
+    struct kvs_dbuf *bufs[] = {NS, SP, O1, O2, L1, L2};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
+    free(ns), free(sp), free(nsa), free(spa), free(nsb), free(spb);
+    free(got), free(lse), free(got2), free(lse2), free(ref), free(rlse);
+}
+
 /* One scenario: sequences with contexts pos+n; their K/V (already rotated) are written into a
  * shuffled paged pool through kv_write (the cached part in one call, the new rows in another),
  * then attention of the new rows is compared with dense double attention. rot_mode adds
@@ -444,6 +567,8 @@ static void attention_case(struct kvs_backend *b, const struct seq *seqs, int S,
     O->zero(b, KC, 0, pool_blocks * per);
     O->zero(b, VC, 0, pool_blocks * per);
     double *ref = kvs_xcalloc((size_t)n_new * qd, 8);
+    double **kts = kvs_xcalloc((size_t)S, sizeof *kts);   /* true keys and values, for the span checks */
+    float **vs = kvs_xcalloc((size_t)S, sizeof *vs);
     for (int s = 0; s < S; s++) {
         int ctx = seqs[s].pos + seqs[s].n;
         /* raw keys (unrotated) and values of the whole context */
@@ -497,10 +622,10 @@ static void attention_case(struct kvs_backend *b, const struct seq *seqs, int S,
             }
         }
         free(kr);
-        free(v);
         free(ks);
-        free(kt);
         free(slots);
+        kts[s] = kt;
+        vs[s] = v;
     }
     int max_ctx = 0;
     for (int s = 0; s < S; s++)
@@ -519,6 +644,15 @@ static void attention_case(struct kvs_backend *b, const struct seq *seqs, int S,
     CHECK(e < tol, "attention %s: rel err %g", what, e);
     printf("%s attention %s (G=%d, block %d, %d seqs, %d rows): rel err %.2e\n", e < tol ? "ok" : "FAIL", what,
            nh / nkv, bs, S, n_new, e);
+
+    span_checks(b, &m, Q, KC, VC, OUT, seqs, S, nh, nkv, hd, bs, q, (const double *const *)kts, (const float *const *)vs,
+                what);
+    for (int s = 0; s < S; s++) {
+        free(kts[s]);
+        free(vs[s]);
+    }
+    free(kts);
+    free(vs);
 
     /* kv_copy_block: copy the first block of seq 0 somewhere free and compare */
     int free_blk = perm[used];

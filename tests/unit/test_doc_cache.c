@@ -10,7 +10,7 @@
  *     stands for the KV), and the cache and pool invariants hold after every operation. */
 #include "engine/kv/block_pool.h"
 #include "engine/kv/doc_cache.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 #include <stdio.h>

@@ -11,7 +11,7 @@
 
 #include "engine/config.h"
 #include "engine/docstore.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 

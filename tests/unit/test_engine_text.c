@@ -7,8 +7,8 @@
  *     occurrence, never contains it, and ends with finish STOP at the right token. */
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 

@@ -12,7 +12,7 @@
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/runner.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 
@@ -91,7 +91,7 @@ static void runner_alone(const struct kvs_config *cfg, const struct kvs_model *m
     memcpy(toks, j->prompt, (size_t)j->n_prompt * sizeof *toks);
     int n = j->n_prompt, pos = 0;
     for (int g = 0; g < GEN; g++) {
-        struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL};
+        struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL, -1, 0};
         struct kvs_batch b = {&s, 1, NULL};
         rc = kvs_runner_forward(r, &b, lg);
         REQUIRE(rc == 0, "forward %d", rc);
@@ -224,7 +224,7 @@ static void test_model(const char *name)
     run_engine(&c, m, rnd_jobs, n_rnd, &st);
     check_jobs("runner alone vs engine alone", rnd_jobs, n_rnd);
     /* one at a time with kv.reuse=prefix (the default): later prompts sharing 40 tokens hit */
-    REQUIRE(!strcmp(c.kv_reuse, "prefix") && st.prefix_hits >= 32, "prefix hits %llu", (unsigned long long)st.prefix_hits);
+    REQUIRE(!strcmp(c.kv_reuse, "prefix") && st.cache_hits >= 32, "prefix hits %llu", (unsigned long long)st.cache_hits);
     c.max_running = 16;
 
     /* batched, chunked, prefix on/off */

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "engine/generate.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 

@@ -18,8 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/util.h"
-#include "engine/tokenizer.h"
+#include "base/util.h"
+#include "engine/text/tokenizer.h"
 #include "models/gguf.h"
 #include "models/gguf_quant.h"
 #include "models/model.h"

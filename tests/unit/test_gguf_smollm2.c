@@ -19,11 +19,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/chat.h"
+#include "engine/text/chat.h"
 #include "engine/config.h"
 #include "engine/runner.h"
-#include "engine/tokenizer.h"
-#include "engine/util.h"
+#include "engine/text/tokenizer.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 

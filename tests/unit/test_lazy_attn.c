@@ -12,7 +12,7 @@
  * Every case also runs with eager keys: each key stored rotated at its absolute slot, no rotation
  * offsets (rot_offsets NULL), only the valid counts masking the padding slots (kernels that do
  * not implement deferred RoPE take these launches). */
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"

@@ -20,7 +20,7 @@
  * Models: llama (plain RoPE, GQA) and llama31 (llama3 RoPE scaling). */
 #include "engine/config.h"
 #include "engine/engine.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 
@@ -404,17 +404,17 @@ static void test_model(const char *name)
     finish_engine(e, &st);
     int uniq = 0;
     for (int d = 0; d < ND; d++) uniq += clen[d];
-    REQUIRE(st.doc_prefill_tokens_computed == (uint64_t)uniq, "each document computed once: %llu vs %d",
-          (unsigned long long)st.doc_prefill_tokens_computed, uniq);
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_total") == (uint64_t)uniq, "each document computed once: %llu vs %d",
+          (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_total"), uniq);
     int lookups = 0;
     for (int i = 0; i < NQ; i++) lookups += q[i].n_docs;
-    REQUIRE(st.doc_misses == ND && st.doc_hits == (uint64_t)(2 * lookups - ND), "hits %llu misses %llu", (unsigned long long)st.doc_hits,
-          (unsigned long long)st.doc_misses);
-    REQUIRE(st.doc_prefill_tokens_saved == (uint64_t)(2 * doc_tokens_total - uniq), "tokens saved");
-    REQUIRE(st.doc_entries == ND && st.doc_bytes_cached > 0 && st.doc_hit_ratio > 0.6, "gauges");
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total") == ND && (uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total") == (uint64_t)(2 * lookups - ND), "hits %llu misses %llu", (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total"),
+          (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total"));
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_saved_total") == (uint64_t)(2 * doc_tokens_total - uniq), "tokens saved");
+    REQUIRE(kvs_engine_kv_counter(&st, "kvserve:doc_cache_documents") == ND && (uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_bytes") > 0 && kvs_engine_kv_counter(&st, "kvserve:doc_cache_hit_ratio") > 0.6, "gauges");
     printf("%s: cold + warm cache, documents at other offsets/orders == Block-Attention reference; "
            "each document computed once (%d tokens), hit ratio %.2f: ok\n",
-           name, uniq, st.doc_hit_ratio);
+           name, uniq, kvs_engine_kv_counter(&st, "kvserve:doc_cache_hit_ratio"));
 
     /* concurrency: all five at once; documents shared by several requests are computed once */
     e = make_engine(&c, m);
@@ -424,9 +424,9 @@ static void test_model(const char *name)
         expect("concurrent", &q[i], q[i].want);
     }
     finish_engine(e, &st);
-    REQUIRE(st.doc_prefill_tokens_computed == (uint64_t)uniq, "concurrent: computed once: %llu vs %d",
-          (unsigned long long)st.doc_prefill_tokens_computed, uniq);
-    REQUIRE(st.doc_misses == ND, "concurrent: %llu misses", (unsigned long long)st.doc_misses);
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_total") == (uint64_t)uniq, "concurrent: computed once: %llu vs %d",
+          (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_total"), uniq);
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total") == ND, "concurrent: %llu misses", (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total"));
     printf("%s: 5 concurrent requests sharing missing documents: each computed once: ok\n", name);
 
     /* tight KV pools (10..14 blocks of 16): requests wait for blocks, get preempted and
@@ -441,7 +441,7 @@ static void test_model(const char *name)
         }
         finish_engine(e, &st);
         printf("%s: tight pool (%d blocks, %llu preemptions, %llu document evictions): reference output: ok\n", name,
-               nb, (unsigned long long)st.num_preemptions, (unsigned long long)st.doc_evictions);
+               nb, (unsigned long long)st.num_preemptions, (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_evictions_total"));
     }
     c.kv_memory_bytes = 4 << 20;
 
@@ -455,8 +455,8 @@ static void test_model(const char *name)
             expect("tiny budget", &q[i], q[i].want);
         }
     finish_engine(e, &st);
-    REQUIRE(st.doc_evictions > 0 && st.doc_prefill_tokens_computed > (uint64_t)uniq, "evictions under the budget");
-    printf("%s: tiny budget (%llu evictions): reference output: ok\n", name, (unsigned long long)st.doc_evictions);
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_evictions_total") > 0 && (uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_prefill_tokens_total") > (uint64_t)uniq, "evictions under the budget");
+    printf("%s: tiny budget (%llu evictions): reference output: ok\n", name, (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_evictions_total"));
     c.lazy_budget_bytes = 0;
 
     /* the position-aware baseline: same output, a replica per offset (fewer hits) */
@@ -480,13 +480,13 @@ static void test_model(const char *name)
             off += (q[i].len[d] + BS - 1) / BS * BS;
         }
     }
-    REQUIRE(st.doc_misses == (uint64_t)pairs && st.doc_hits == (uint64_t)(2 * lookups - pairs),
-          "position-aware: %llu hits / %llu misses, want %d misses", (unsigned long long)st.doc_hits,
-          (unsigned long long)st.doc_misses, pairs);
+    REQUIRE((uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total") == (uint64_t)pairs && (uint64_t)kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total") == (uint64_t)(2 * lookups - pairs),
+          "position-aware: %llu hits / %llu misses, want %d misses", (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total"),
+          (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total"), pairs);
     REQUIRE(pairs > ND, "the workload reuses documents at new offsets");
     c.lazy_position_aware = 0;
     printf("%s: position-aware baseline: same output, %llu hits / %llu misses: ok\n", name,
-           (unsigned long long)st.doc_hits, (unsigned long long)st.doc_misses);
+           (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total"), (unsigned long long)kvs_engine_kv_counter(&st, "kvserve:doc_cache_misses_total"));
 
     /* one document of a whole number of blocks, no cache == the ordinary path */
     struct rag one;

@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "engine/util.h"
+#include "base/util.h"
 #include "models/model.h"
 #include "models/safetensors.h"
 #include "tests/unit/test_util.h"

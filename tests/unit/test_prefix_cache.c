@@ -4,7 +4,7 @@
  * reference (longest common full-block prefix among the blocks still cached). */
 #include "engine/kv/block_pool.h"
 #include "engine/kv/prefix_cache.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "tests/unit/test_util.h"
 
 #include <stdio.h>

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "engine/sampler.h"
-#include "engine/util.h"
+#include "base/util.h"
 #include "kernels/backend.h"
 #include "tests/unit/test_util.h"
 

@@ -304,7 +304,7 @@ static void test_prefix(void)
     REQUIRE(a2.done.n_cached_tokens == 36);   /* (40-1)/4 full blocks: the last token is recomputed */
     struct kvs_engine_stats st;
     kvs_engine_stats(e, &st);
-    REQUIRE(st.prefix_queries == 120 && st.prefix_hits == 68);
+    REQUIRE(st.cache_queries == 120 && st.cache_hits == 68);
     REQUIRE(st.kv_blocks_used == 0 && st.kv_blocks_cached > 0);
     /* A's generated tokens were cached too: a prompt = A's prompt + its first 8 outputs */
     static struct job a3;
@@ -339,9 +339,9 @@ static void test_prefix(void)
     c = make_cfg(48, 16, 1000, 16, "prefix");
     struct run_result r1 = run_jobs(&c, 40, jobs, N);
     for (int i = 0; i < N; i++) check_exact(&jobs[i]);
-    REQUIRE(r0.st.prefix_hits == 0 && r1.st.prefix_hits > 0);
+    REQUIRE(r0.st.cache_hits == 0 && r1.st.cache_hits > 0);
     printf("with/without prefix reuse: identical (%llu of %llu prompt tokens hit, %llu preemptions)\n",
-           (unsigned long long)r1.st.prefix_hits, (unsigned long long)r1.st.prefix_queries,
+           (unsigned long long)r1.st.cache_hits, (unsigned long long)r1.st.cache_queries,
            (unsigned long long)r1.st.num_preemptions);
 }
 
@@ -486,7 +486,7 @@ static void test_queue_and_errors(void)
     for (int i = 0; i <= 3; i++) gen += (uint64_t)jobs[i].n_out, prompt += (uint64_t)jobs[i].n_prompt;
     REQUIRE(st.requests_finished == 4 && st.generation_tokens == gen && st.prompt_tokens == prompt);
     REQUIRE(st.steps >= gen && st.busy_s > 0 && st.kv_blocks_total == 64 && st.block_size == BS);
-    REQUIRE(st.prefix_queries == 0 && st.num_preemptions == 0);
+    REQUIRE(st.cache_queries == 0 && st.num_preemptions == 0);
 
     /* drain: no more admissions */
     kvs_engine_drain(e);

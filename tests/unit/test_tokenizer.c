@@ -1,4 +1,4 @@
-/* test_tokenizer: unit tests for engine/tokenizer.h.
+/* test_tokenizer: unit tests for engine/text/tokenizer.h.
  *
  * 1. Tiny hand-written tokenizer.json files whose ids are worked out by hand (byte-level BPE
  *    with both merge formats, SentencePiece-style with byte fallback, TemplateProcessing, added
@@ -15,7 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "tests/unit/test_util.h"
 
 

@@ -1,0 +1,554 @@
+/* kvserve_gpubench_main.c: decode-step benchmark of the CUDA backend on the Llama-3.1-8B shape
+ * with random bf16 weights generated on the device (no files), -> build/kvserve-gpubench.
+ *
+ * One decode step is the runner's layer loop written with the backend's ops (embed; per layer
+ * rmsnorm, the q/k/v matmuls in one op, RoPE + kv_write in one op, paged attention, o matmul, add+rmsnorm,
+ * gate/up matmuls with SwiGLU in one op, down matmul; final norm and LM head), captured once per shape in a CUDA
+ * graph and replayed. For each (batch, context) it prints ms/step (median of the replays),
+ * tokens/s, the bytes the step must move (every weight matrix once + the K and V it attends
+ * to; the embedding table contributes only its B rows), the floor = bytes / measured
+ * device-to-device copy bandwidth (read + write bytes per second, same run), and floor / time.
+ *
+ * Prefill: one sequence of P prompt tokens in one step (the prefill attention launch), logits
+ * for its last row; prints ms, tokens/s and TFLOP/s.
+ *
+ * Usage: kvserve-gpubench [--batches 1,8,32,128] [--contexts 1024,8192,32768] [--prefill 1024,8192|none]
+ *                         [--iters 20] [--layers 32] [--block-size 16] [--no-fuse] [--breakdown] [--attn-variants]
+ *                         [--gemm-sweep 1,8,16] [--markdown FILE]
+ * --block-size sets the KV block size in tokens (kv.block_size; 16 by default); --verbose logs at
+ * debug level (the CUDA backend's timing of each GEMM shape's cuBLASLt candidates). The runner
+ * lays each layer's q/k/v and gate/up side by side (fuse_weights), and so does the benchmark;
+ * --no-fuse keeps them apart (one GEMM per projection above the decode GEMM's rows).
+ * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
+ * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
+ * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
+ * default), and the decode GEMM (at most 32 rows).
+ * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
+ * upload_weight would (kvs_cuda_pretune).
+ * --attn-variants also times the attention of all layers alone at forced context-split counts, with
+ * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
+ * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+
+/* Llama-3.1-8B */
+#define DIM 4096
+#define NH 32
+#define NKV 8
+#define HD 128
+#define FF 14336
+#define VOCAB 128256
+/* KV block size (tokens): --block-size, 16 by default (config/default.json's kv.block_size) */
+static int BS = 16;
+
+static const struct kvs_backend_ops *O = &kvs_cuda_backend;
+
+struct layer {
+    struct kvs_dweight *wq, *wk, *wv, *wo, *wg, *wu, *wd, *n1, *n2;
+    struct kvs_dbuf *kc, *vc;
+};
+
+static int parse_list(const char *s, int *out, int max)
+{
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v <= 0) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_t n)
+{
+    struct kvs_dbuf *d = O->alloc(b, k, n);
+    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
+    return d;
+}
+
+/* the model and the step's buffers */
+struct bench {
+    struct kvs_backend *b;
+    int n_layers;
+    struct layer *L;
+    struct kvs_dweight *emb, *head, *fnorm;
+    struct kvs_dbuf *x, *h, *q, *k, *v, *att, *o, *g, *u, *logits, *last, *tok, *pos, *slots, *invf, *lastrow;
+};
+
+/* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
+enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
+
+/* Enqueues one forward step of nb rows (the runner's layer loop written with the backend's ops);
+ * logits for every row (decode) or only the last (prefill). */
+static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m, int which, int last_only)
+{
+    struct kvs_backend *b = B->b;
+    const int gemm = which == OPS_ALL || which == OPS_GEMM, attn = which == OPS_ALL || which == OPS_ATTN;
+    const int other = which == OPS_ALL || which == OPS_OTHER;
+    const float scale = 1.0f / sqrtf((float)HD);
+    if (other) O->embed(b, B->emb, B->tok, nb, DIM, B->x);
+    if (other) O->rmsnorm(b, B->x, B->L[0].n1, 1e-5f, nb, DIM, B->h);
+    for (int l = 0; l < B->n_layers; l++) {
+        struct layer *L = &B->L[l];
+        const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv};
+        if (which == OPS_ALL) {
+            /* the runner's op: the q/k/v GEMM straight into the RoPE and the cache write */
+            O->matmul_rope_kv_write(b, B->h, w, NULL, nb, DIM, B->q, B->k, B->v, B->pos, B->invf, B->slots, NH, NKV, HD,
+                                    BS, L->kc, L->vc);
+        } else {
+            /* the breakdown times the two halves apart: q/k/v with the GEMMs, the RoPE and cache
+             * write with the other ops (their sum exceeds the fused op by the split of q/k/v) */
+            const int outs[3] = {DIM, NKV * HD, NKV * HD};
+            struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
+            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
+        }
+        if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
+        if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
+        if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
+        if (gemm) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
+        if (other) O->add_rmsnorm(b, B->x, B->o, l + 1 < B->n_layers ? B->L[l + 1].n1 : B->fnorm, 1e-5f, nb, DIM, B->h);
+    }
+    if (last_only) {
+        if (other) O->gather_rows(b, B->h, B->lastrow, 1, DIM, B->last);
+        if (gemm) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
+    } else if (gemm) {
+        O->matmul(b, B->h, B->head, NULL, nb, DIM, VOCAB, B->logits);
+    }
+}
+
+/* median ms of iters replays of a graph of the ops selected by `which` */
+static float time_graph(struct bench *B, int nb, const struct kvs_attn_meta *m, int which, int iters)
+{
+    char err[160];
+    O->graph_begin(B->b);
+    enqueue_step(B, nb, m, which, 0);
+    struct kvs_graph *gr = O->graph_end(B->b, err, sizeof err);
+    if (!gr) kvs_panic(__FILE__, __LINE__, "%s", err);
+    for (int w = 0; w < 3; w++) O->graph_launch(B->b, gr);
+    float *t = kvs_xmalloc((size_t)iters * sizeof(float));
+    for (int it = 0; it < iters; it++) {
+        kvs_cuda_timer_start(B->b);
+        O->graph_launch(B->b, gr);
+        t[it] = kvs_cuda_timer_stop_ms(B->b);
+    }
+    qsort(t, (size_t)iters, sizeof(float), cmp_float);
+    float ms = t[iters / 2];
+    free(t);
+    O->graph_free(B->b, gr);
+    return ms;
+}
+
+/* the logits must be finite: a broken kernel fails the benchmark rather than timing garbage */
+static void check_logits(struct bench *B, int rows, const char *what)
+{
+    float *lg = kvs_xmalloc((size_t)rows * VOCAB * 4);
+    O->logits_to_host(B->b, B->logits, rows, VOCAB, lg);
+    for (size_t i = 0; i < (size_t)rows * VOCAB; i++)
+        if (!(lg[i] == lg[i]) || lg[i] > 1e30f || lg[i] < -1e30f)
+            kvs_panic(__FILE__, __LINE__, "non-finite logit (%s)", what);
+    free(lg);
+}
+
+static uint64_t rs = 88172645463325252ull;
+
+/* nb sequences whose block tables are dealt at random from the pool; row s decodes (or
+ * prefills) n_rows[s] tokens from position pos0[s]. Uploads everything; fills m. */
+struct shape {
+    int32_t *bt, *hq, *hp, *hs, *ht;
+    struct kvs_dbuf *btd, *qs, *ps;
+};
+static void make_shape(struct bench *B, int n_blocks, int nb, int bps, int rows_each, int pos0, struct shape *S,
+                       struct kvs_attn_meta *m)
+{
+    struct kvs_backend *b = B->b;
+    int n = nb * rows_each;
+    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
+    S->bt = kvs_xmalloc((size_t)nb * bps * 4);
+    S->hq = kvs_xmalloc((size_t)(nb + 1) * 4);
+    S->hp = kvs_xmalloc((size_t)nb * 4);
+    S->hs = kvs_xmalloc((size_t)n * 4);
+    S->ht = kvs_xmalloc((size_t)n * 4);
+    int32_t *rowpos = kvs_xmalloc((size_t)n * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    /* blocks in random order, as a long-running pool hands them out; KVS_BENCH_CONTIGUOUS=1 keeps
+     * each sequence's blocks consecutive (to measure what the scattering costs the attention) */
+    const char *contig = getenv("KVS_BENCH_CONTIGUOUS");
+    for (int i = n_blocks - 1; i > 0 && !(contig && atoi(contig)); i--) {
+        rs ^= rs << 13; rs ^= rs >> 7; rs ^= rs << 17;
+        int j = (int)(rs % (uint64_t)(i + 1));
+        int32_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
+    }
+    for (int s = 0; s < nb; s++) {
+        for (int j = 0; j < bps; j++) S->bt[s * bps + j] = perm[s * bps + j];
+        S->hq[s] = s * rows_each;
+        S->hp[s] = pos0;
+        for (int i = 0; i < rows_each; i++) {
+            int p = pos0 + i, r = s * rows_each + i;
+            rowpos[r] = p;
+            S->hs[r] = S->bt[s * bps + p / BS] * BS + p % BS;
+            S->ht[r] = (r * 7919) % VOCAB;
+        }
+    }
+    S->hq[nb] = n;
+    S->btd = xalloc(b, KVS_BUF_I32, (size_t)nb * bps);
+    S->qs = xalloc(b, KVS_BUF_I32, (size_t)nb + 1);
+    S->ps = xalloc(b, KVS_BUF_I32, (size_t)nb);
+    O->upload(b, S->btd, 0, S->bt, (size_t)nb * bps);
+    O->upload(b, S->qs, 0, S->hq, (size_t)nb + 1);
+    O->upload(b, S->ps, 0, S->hp, (size_t)nb);
+    O->upload(b, B->pos, 0, rowpos, (size_t)n);
+    O->upload(b, B->slots, 0, S->hs, (size_t)n);
+    O->upload(b, B->tok, 0, S->ht, (size_t)n);
+    int32_t last = n - 1;
+    O->upload(b, B->lastrow, 0, &last, 1);
+    *m = (struct kvs_attn_meta){.n_seqs = nb, .max_blocks = bps, .q_start = S->qs, .pos = S->ps, .block_tables = S->btd,
+                                .rot_offsets = NULL, .inv_freq = B->invf, .h_q_start = S->hq, .h_pos = S->hp,
+                                .max_ctx = pos0 + rows_each};
+    O->sync(b);
+    free(perm);
+    free(rowpos);
+}
+static void free_shape(struct bench *B, struct shape *S)
+{
+    O->free_buf(B->b, S->btd);
+    O->free_buf(B->b, S->qs);
+    O->free_buf(B->b, S->ps);
+    free(S->bt); free(S->hq); free(S->hp); free(S->hs); free(S->ht);
+}
+
+int main(int argc, char **argv)
+{
+    int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
+    int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1;
+    const char *md = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
+        else if (!strcmp(argv[i], "--contexts") && i + 1 < argc) nctx = parse_list(argv[++i], ctxs, 16);
+        else if (!strcmp(argv[i], "--prefill") && i + 1 < argc) npre = !strcmp(argv[i + 1], "none") ? (i++, 0) : parse_list(argv[++i], prefills, 8);
+        else if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
+        else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
+        else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
+        else if (!strcmp(argv[i], "--no-fuse")) fuse = 0;
+        else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
+        else {
+            fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--markdown FILE]\n", argv[0]);
+            return 2;
+        }
+    }
+    for (int i = 0; i < nsweep; i++)
+        if (sweep[i] > 512) nsweep = -1;
+    if (nbatch <= 0 || nctx <= 0 || npre < 0 || nsweep < 0 || iters <= 0 || iters > 1000 || n_layers <= 0 || n_layers > 256 ||
+        BS < 1 || BS > 2048) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+    char err[256], desc[256];
+    struct bench Bn = {0}, *B = &Bn;
+    struct kvs_backend *b = B->b = O->create(0, err, sizeof err);
+    if (!b) {
+        fprintf(stderr, "cuda backend: %s\n", err);
+        return 1;
+    }
+    B->n_layers = n_layers;
+    kvs_cuda_device_desc(b, desc, sizeof desc);
+    double bw = kvs_cuda_copy_bandwidth(b, (size_t)2 << 30);
+    printf("device: %s\ncopy bandwidth (read+write, 2 GiB cudaMemcpy D2D, median of 15): %.0f GB/s\n", desc, bw / 1e9);
+
+    int max_rows = 0;
+    for (int i = 0; i < nbatch; i++) if (batches[i] > max_rows) max_rows = batches[i];
+    for (int i = 0; i < npre; i++) if (prefills[i] > max_rows) max_rows = prefills[i];
+    for (int i = 0; i < nsweep; i++) if (sweep[i] > max_rows) max_rows = sweep[i];
+
+    /* weights, random on the device (uniform, small scale so activations stay finite) */
+    uint64_t seed = 1;
+    B->emb = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
+    B->head = kvs_cuda_random_weight(b, VOCAB, DIM, 0, 0.02f, seed++);
+    B->fnorm = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
+    struct layer *L = B->L = kvs_xcalloc((size_t)n_layers, sizeof *L);
+    for (int l = 0; l < n_layers; l++) {
+        L[l].wq = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
+        L[l].wk = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
+        L[l].wv = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
+        L[l].wo = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
+        L[l].wg = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
+        L[l].wu = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
+        L[l].wd = kvs_cuda_random_weight(b, DIM, FF, 0, 0.02f, seed++);
+        L[l].n1 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
+        L[l].n2 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
+        if (!L[l].wq || !L[l].wk || !L[l].wv || !L[l].wo || !L[l].wg || !L[l].wu || !L[l].wd || !L[l].n1 || !L[l].n2)
+            kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+    }
+    if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+    /* what the runner does after a layer's uploads: q/k/v and gate/up side by side (which times
+     * the joint shapes) */
+    for (int l = 0; l < n_layers && fuse; l++) {
+        struct kvs_dweight *qkv[3] = {L[l].wq, L[l].wk, L[l].wv}, *gu[2] = {L[l].wg, L[l].wu};
+        if (O->fuse_weights(b, qkv, 3) || O->fuse_weights(b, gu, 2))
+            kvs_panic(__FILE__, __LINE__, "fuse_weights failed (out of device memory?)");
+    }
+    /* and what upload_weight does for the shapes left: time their GEMMs at the decode graphs'
+     * row counts (every layer has layer 0's shapes; the o projection has q's) */
+    const struct kvs_dweight *shapes[] = {L[0].wo, L[0].wd, B->head, L[0].wk, L[0].wg};
+    for (size_t i = 0; i < (fuse ? 3 : 5); i++) kvs_cuda_pretune(b, shapes[i]);
+    double w_bytes = (double)n_layers * 2.0 * ((double)DIM * DIM * 2 + 2.0 * NKV * HD * DIM + 3.0 * FF * DIM) +
+                     2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
+    double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */
+    double params = gemm_bytes / 2.0;
+
+    /* activations for the largest step */
+    size_t R = (size_t)max_rows;
+    B->x = xalloc(b, KVS_BUF_ACT, R * DIM); B->h = xalloc(b, KVS_BUF_ACT, R * DIM);
+    B->q = xalloc(b, KVS_BUF_ACT, R * DIM); B->k = xalloc(b, KVS_BUF_ACT, R * NKV * HD);
+    B->v = xalloc(b, KVS_BUF_ACT, R * NKV * HD); B->att = xalloc(b, KVS_BUF_ACT, R * DIM);
+    B->o = xalloc(b, KVS_BUF_ACT, R * DIM); B->g = xalloc(b, KVS_BUF_ACT, R * FF);
+    B->u = xalloc(b, KVS_BUF_ACT, R * FF);
+    size_t max_b = 0;
+    for (int i = 0; i < nbatch; i++) if ((size_t)batches[i] > max_b) max_b = (size_t)batches[i];
+    for (int i = 0; i < nsweep; i++) if ((size_t)sweep[i] > max_b) max_b = (size_t)sweep[i];
+    B->logits = xalloc(b, KVS_BUF_ACT, (max_b ? max_b : 1) * VOCAB);
+    B->last = xalloc(b, KVS_BUF_ACT, DIM);
+    B->tok = xalloc(b, KVS_BUF_I32, R); B->pos = xalloc(b, KVS_BUF_I32, R);
+    B->slots = xalloc(b, KVS_BUF_I32, R); B->invf = xalloc(b, KVS_BUF_F32, HD / 2);
+    B->lastrow = xalloc(b, KVS_BUF_I32, 1);
+
+    /* KV pool: what free memory allows (keeping 1 GiB), at most what the largest shape needs */
+    size_t need_tokens = 0;
+    for (int i = 0; i < nbatch; i++)
+        for (int j = 0; j < nctx; j++) {
+            size_t t = (size_t)batches[i] * (size_t)((ctxs[j] + BS - 1) / BS * BS);
+            if (t > need_tokens) need_tokens = t;
+        }
+    for (int i = 0; i < npre; i++)
+        if ((size_t)prefills[i] + BS > need_tokens) need_tokens = (size_t)prefills[i] + BS;
+    for (int i = 0; i < nsweep; i++) /* a sweep's step: one block per sequence */
+        if ((size_t)sweep[i] * BS > need_tokens) need_tokens = (size_t)sweep[i] * BS;
+    size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
+    size_t avail = O->mem_available(b);
+    size_t cap_tokens = avail > ((size_t)1 << 30) ? (avail - ((size_t)1 << 30)) / per_token : 0;
+    if (cap_tokens > need_tokens) cap_tokens = need_tokens;
+    int n_blocks = (int)(cap_tokens / BS);
+    printf("weights %.2f GB (bf16), KV pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9, n_blocks, BS,
+           (double)n_blocks * BS * per_token / 1e9);
+    for (int l = 0; l < n_layers; l++) {
+        L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+        L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+        kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+        kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+    }
+    float inv[HD / 2];
+    for (int i = 0; i < HD / 2; i++) inv[i] = (float)(1.0 / pow(500000.0, 2.0 * i / HD));
+    O->upload(b, B->invf, 0, inv, HD / 2);
+
+    FILE *mf = md ? fopen(md, "w") : NULL;
+    if (md && !mf) {
+        fprintf(stderr, "cannot write %s\n", md);
+        return 1;
+    }
+    /* the GEMMs of a decode step alone: cublasGemmEx, cuBLASLt's first pick, cuBLASLt's timed pick,
+     * the decode GEMM (cuda_skinny.h; it takes at most 32 rows) */
+    if (nsweep > 0) {
+        printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %18s %18s %18s %8s %9s %9s\n", "rows",
+               "GemmEx ms (GB/s)", "Lt first ms (GB/s)", "Lt tuned ms (GB/s)", "decode ms (GB/s)", "Ex/tuned",
+               "1st/tuned", "tuned/dec");
+        if (mf)
+            fprintf(mf, "| rows | cublasGemmEx ms (GB/s) | cuBLASLt first pick ms (GB/s) | cuBLASLt tuned ms (GB/s) | "
+                        "decode GEMM ms (GB/s) | GemmEx / tuned | first pick / tuned | tuned / decode GEMM |\n"
+                        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+        for (int i = 0; i < nsweep; i++) {
+            const int rows = sweep[i];
+            struct shape S;
+            struct kvs_attn_meta m;
+            if (rows > n_blocks) {
+                printf("%6d   skipped: the KV pool has %d blocks\n", rows, n_blocks);
+                continue;
+            }
+            make_shape(B, n_blocks, rows, 1, 1, 0, &S, &m);
+            kvs_cuda_set_skinny_max(b, 0);
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_EX);
+            float te = time_graph(B, rows, &m, OPS_GEMM, iters);
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_HEURISTIC);
+            float th = time_graph(B, rows, &m, OPS_GEMM, iters);
+            /* a graph capture cannot time a GEMM shape: row counts that were not timed up front (not
+             * a decode graph size) get timed by one step outside a graph first, as the runner's
+             * eager steps would */
+            kvs_cuda_set_gemm(b, KVS_CUDA_GEMM_TUNED);
+            enqueue_step(B, rows, &m, OPS_GEMM, 0);
+            O->sync(b);
+            float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
+            float ts = 0.0f;
+            if (rows <= 32) {
+                kvs_cuda_set_skinny_max(b, 32);
+                ts = time_graph(B, rows, &m, OPS_GEMM, iters);
+            }
+            char dec[48] = "-", ratio[24] = "-";
+            if (ts > 0.0f) {
+                snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
+                snprintf(ratio, sizeof ratio, "%.3f", tt / ts);
+            }
+            printf("%6d %9.3f (%6.0f) %9.3f (%6.0f) %9.3f (%6.0f) %18s %8.3f %9.3f %9s\n", rows, te,
+                   gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
+                   gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
+            fflush(stdout);
+            if (mf)
+                fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %s | %.3f | %.3f | %s |\n", rows, te,
+                        gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
+                        gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
+            free_shape(B, &S);
+        }
+        kvs_cuda_set_skinny_max(b, -1);
+        kvs_cuda_set_gemm(b, -1);
+        printf("\n");
+        if (mf) fprintf(mf, "\n");
+    }
+
+    if (mf) {
+        fprintf(mf, "| batch | context | ms/step | tokens/s | weights GB | KV read GB | floor ms | achieved |%s\n",
+                breakdown ? " GEMMs ms (GB/s) | attention ms (GB/s) | other ms |" : "");
+        fprintf(mf, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |%s\n", breakdown ? " ---: | ---: | ---: |" : "");
+    }
+    printf("%6s %8s %9s %10s %10s %10s %9s %9s%s\n", "batch", "context", "ms/step", "tokens/s", "weights GB", "KV GB",
+           "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
+
+    float *t = kvs_xmalloc((size_t)iters * sizeof(float));
+    for (int bi = 0; bi < nbatch; bi++)
+        for (int ci = 0; ci < nctx; ci++) {
+            int nb = batches[bi], ctx = ctxs[ci];
+            int bps = (ctx + BS - 1) / BS;
+            if ((size_t)nb * bps > (size_t)n_blocks) {
+                printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
+                       (double)nb * bps * BS * per_token / 1e9);
+                if (mf) fprintf(mf, "| %d | %d | skipped (KV does not fit) | | | | | |%s\n", nb, ctx, breakdown ? " | | |" : "");
+                continue;
+            }
+            /* each sequence decodes its token at position ctx-1 over blocks dealt at random */
+            struct shape S;
+            struct kvs_attn_meta m;
+            make_shape(B, n_blocks, nb, bps, 1, ctx - 1, &S, &m);
+            float ms = time_graph(B, nb, &m, OPS_ALL, iters);
+            check_logits(B, nb, "decode");
+            double kv_bytes = (double)nb * ctx * per_token; /* every layer's K and V of every position */
+            double bytes = w_bytes + kv_bytes;
+            double floor_ms = bytes / bw * 1e3;
+            char extra[160] = "", mextra[160] = "";
+            if (breakdown) {
+                float tg = time_graph(B, nb, &m, OPS_GEMM, iters), ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                float to = time_graph(B, nb, &m, OPS_OTHER, iters);
+                snprintf(extra, sizeof extra, "  %7.3f (%4.0f)  %7.3f (%4.0f)  %7.3f", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+                snprintf(mextra, sizeof mextra, " %.3f (%.0f) | %.3f (%.0f) | %.3f |", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+            }
+            printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
+                   kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
+            fflush(stdout);
+            if (mf)
+                fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),
+                        w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
+            /* attention alone (all layers) at forced split counts vs the automatic choice: with the
+             * automatic decode kernel, then with kinds 3 (one-warp tensor-core blocks, 3 tiles in
+             * flight), 4 (the FlashAttention-2-style 4-warp blocks, the copy engine staging the KV)
+             * and 5 (the same with cp.async staging) forced */
+            if (attn_variants) {
+                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4, 5};
+                for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
+                    kvs_cuda_set_dec_attn(b, kinds[ki]);
+                    if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");
+                    else printf("%6s %8s   attention only, kernel %d,    splits:", "", "", kinds[ki]);
+                    for (int vi = 0; vi < 8; vi++) {
+                        kvs_cuda_set_attn_splits(b, var[vi]);
+                        float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                        if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
+                        else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
+                    }
+                    printf("\n");
+                    fflush(stdout);
+                }
+                kvs_cuda_set_attn_splits(b, 0);
+                kvs_cuda_set_dec_attn(b, -1);
+            }
+            free_shape(B, &S);
+        }
+    /* prefill: one sequence, the whole prompt in one step, logits for its last row */
+    if (npre > 0) {
+        printf("\n%8s %9s %10s %9s %12s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms");
+        if (mf) {
+            fprintf(mf, "\nPrefill (one sequence, the whole prompt in one step; FLOPs = 2 x parameters x tokens + "
+                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2):\n\n");
+            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms |\n| ---: | ---: | ---: | ---: | ---: |\n");
+        }
+    }
+    for (int pi = 0; pi < npre; pi++) {
+        int P = prefills[pi], bps = (P + BS - 1) / BS;
+        if ((size_t)bps > (size_t)n_blocks) {
+            printf("%8d   skipped: does not fit the pool\n", P);
+            continue;
+        }
+        struct shape S;
+        struct kvs_attn_meta m;
+        make_shape(B, n_blocks, 1, bps, P, 0, &S, &m);
+        int pit = iters < 5 ? iters : 5;
+        for (int it = 0; it <= pit; it++) {
+            kvs_cuda_timer_start(b);
+            enqueue_step(B, P, &m, OPS_ALL, 1);
+            float ms = kvs_cuda_timer_stop_ms(b);
+            if (it) t[it - 1] = ms; /* the first is a warm-up */
+        }
+        qsort(t, (size_t)pit, sizeof(float), cmp_float);
+        float ms = t[pit / 2];
+        check_logits(B, 1, "prefill");
+        kvs_cuda_timer_start(b);
+        enqueue_step(B, P, &m, OPS_ATTN, 1);
+        float ta = kvs_cuda_timer_stop_ms(b);
+        double flops = 2.0 * params * P + 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
+        printf("%8d %9.2f %10.0f %9.1f %12.2f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f |\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        free_shape(B, &S);
+    }
+    free(t);
+    if (mf) {
+        fprintf(mf, "\nDevice: %s. Copy bandwidth %.0f GB/s (read+write). Floor = (weights + KV read) / copy "
+                    "bandwidth; achieved = floor / measured. Each decode step is a CUDA graph replay (median of %d)%s.\n",
+                desc, bw / 1e9, iters,
+                breakdown ? "; the breakdown times graphs of the GEMMs alone (weight bytes / time), the attention "
+                            "alone (KV bytes / time) and every other op alone" : "");
+        fclose(mf);
+    }
+    O->free(b);
+    free(L);
+    return 0;
+}
+
+#else
+int main(void)
+{
+    fprintf(stderr, "kvserve-gpubench: built without CUDA (nvcc was not found at build time)\n");
+    return 1;
+}
+#endif

@@ -1,0 +1,238 @@
+/* kv.h: the KV-cache seam. Three slots, each an op table with its own state, chosen by the
+ * config (kv.storage, kv.reuse, kv.decode), the way redis's ae.c takes one ae_<poller>.c:
+ *
+ *   storage  how a block stores K and V (kv_storage_dense.c: the backend's native f32 / bf16;
+ *            lean next). Runner side: it owns the cache bytes on the backend, sizes a block,
+ *            writes the step's K/V and gives the kernels a view. The runner never allocates or
+ *            addresses the cache itself.
+ *   reuse    KV shared across requests (kv_reuse_none.c, kv_reuse_prefix.c, kv_reuse_lazy.c).
+ *            Scheduler side: the prompt layout of a request (documents as cached segments or
+ *            inline), admission (shared blocks at the start of the block table), side prefills
+ *            (work the step runs for the strategy, e.g. documents), commit and release, and
+ *            the per-block attention metadata of a sequence (rotation offsets, valid slots).
+ *   decode   how a decode row reads the cache (kv_decode_full.c; quest, mac, paris, retro
+ *            next). Runner side: `needs`, per-request state (seq_init / seq_free, from a
+ *            budgeted arena), plan once per step, attend per layer (replaces the attention
+ *            call), finish after the layer, counters.
+ *
+ * A registry (kv.c) names every implementation in one table, and the composition matrix of
+ * STRATEGIES.md is a second table: kvs_kv_check refuses a combination that does not compose,
+ * naming both keys and the reason. Adding a strategy touches its own file(s), one registry
+ * row, one config section and one test-case file; never the scheduler, the server or another
+ * strategy. Tests and tools may add implementations at run time (kvs_kv_register_decode).
+ *
+ * Kernel side: every policy builds on the backend's attention_spans and attn_merge
+ * (kernels/backend.h); a strategy's own kernels live in kernels/cpu/kv_<name>.c and
+ * kernels/cuda/kv_<name>.cu. A backend that lacks what a strategy needs makes its create()
+ * fail with -ENOSYS and a message; the daemon then refuses the config at startup.
+ *
+ * Ownership: kvs_kv_init allocates the engine-side state (the reuse strategy's tables) that
+ * kvs_kv_free releases; the block pool is borrowed. Runner-side states (storage, decode) are
+ * created and destroyed by the runner through the ops. Threads: the scheduler thread only.
+ * Errors: 0 / negative errno with a message in (err, errlen); -EINVAL unknown name or bad
+ * combination, -ENOSYS not available on this backend or build.
+ */
+#ifndef KVS_KV_H
+#define KVS_KV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"   /* struct kvs_kv_counter */
+#include "engine/kv/block_pool.h"
+#include "kernels/backend.h"
+
+struct kvs_config;
+
+/* ---- storage (runner side) --------------------------------------------------------------- */
+struct kvs_kv_shape {
+    int n_layers, n_kv_heads, head_dim, block_size;
+};
+
+/* What the kernels read: one layer's K and V pools in the backend's KV layout (backend.h). */
+struct kvs_kv_view {
+    struct kvs_dbuf *k, *v;
+};
+
+struct kvs_kv_storage_ops {
+    const char *name;
+    /* Bytes of one block, all layers, K and V apart, on backend o (0: not available there). */
+    void (*block_bytes)(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
+                        size_t *k_bytes, size_t *v_bytes);
+    /* Allocates n_blocks blocks on the backend; -ENOMEM, or -ENOSYS + message when the backend
+     * cannot store this format. */
+    int (*create)(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be, int n_blocks,
+                  void **state, char *err, size_t errlen);
+    void (*destroy)(void *state);
+    /* 1 when the view is the backend's plain KV pool, so that fused ops (rope_kv_write,
+     * matmul_rope_kv_write) may write it directly instead of calling write(). */
+    int plain_view;
+    /* Writes rows' K/V ([n][n_kv_heads][head_dim] ACT) into their slots (I32 [n]; -1 skips). */
+    void (*write)(void *state, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v, const struct kvs_dbuf *slots,
+                  int n);
+    void (*view)(void *state, int layer, struct kvs_kv_view *out);
+    /* Copies block src to dst in every layer (copy-on-write). */
+    void (*copy_block)(void *state, int32_t src, int32_t dst);
+};
+
+/* ---- decode policy (runner side) --------------------------------------------------------- */
+enum {
+    KVS_KV_NEEDS_PRE_ROPE_Q = 1,  /* attend() gets q before RoPE too */
+    KVS_KV_NEEDS_LSE = 2,         /* the runner provides an lse scratch [rows][n_heads] */
+    KVS_KV_NO_GRAPHS = 4,         /* steps must run eagerly (host work between layers) */
+};
+
+/* What a policy is created with. */
+struct kvs_kv_decode_env {
+    const struct kvs_backend_ops *o;
+    struct kvs_backend *be;
+    const struct kvs_config *cfg; /* its own config section; NULL = the policy's defaults */
+    int n_layers, n_heads, n_kv_heads, head_dim, block_size;
+    int max_slots;                /* request slots (scheduler.max_running) */
+    int max_rows;                 /* rows per step */
+    int max_blocks;               /* blocks per sequence */
+    size_t kv_bytes_per_token;    /* what reading one position costs (all layers, K+V) */
+};
+
+/* One step, as attend() sees it: seq s owns rows [h_q_start[s], h_q_start[s+1]); h_slot[s] is
+ * its request slot (-1: a side prefill with no request state), h_decode[s] 1 when it is a
+ * decode row (one token on top of its cache). */
+struct kvs_kv_step {
+    int n_seqs, n_rows;
+    const int32_t *h_q_start, *h_pos, *h_slot, *h_decode;
+    const struct kvs_attn_meta *m;
+};
+
+struct kvs_kv_attend {
+    const struct kvs_kv_step *step;
+    const struct kvs_dbuf *q;     /* ACT [n][n_heads][head_dim], after RoPE */
+    const struct kvs_dbuf *q_pre; /* before RoPE (KVS_KV_NEEDS_PRE_ROPE_Q) or NULL */
+    struct kvs_kv_view kv;
+    int n_heads, n_kv_heads, head_dim, block_size;
+    float scale;
+    struct kvs_dbuf *out;         /* ACT [n][n_heads][head_dim] */
+    struct kvs_dbuf *lse;         /* F32 [n][n_heads] (KVS_KV_NEEDS_LSE) or NULL */
+};
+
+struct kvs_kv_decode_ops {
+    const char *name;
+    int exact;                    /* 1: equals full attention (nothing to report) */
+    unsigned needs;               /* KVS_KV_NEEDS_* */
+    int rows_per_seq;             /* rows a decoding request runs per step (Retro's window); 1 */
+    int (*create)(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen);
+    void (*destroy)(void *state);
+    /* Per-request state: bytes a slot needs (from the runner's arena, zeroed before seq_init). */
+    size_t (*seq_bytes)(void *state);
+    int (*seq_init)(void *state, int slot, void *mem);
+    void (*seq_free)(void *state, int slot);
+    /* Once per step before the layers (selection budgets, host planning). */
+    int (*plan)(void *state, const struct kvs_kv_step *step);
+    /* Layer l's attention for every row of the step (prefill rows included: a policy that
+     * only changes decode rows runs the backend's attention() for the rest). */
+    void (*attend)(void *state, int layer, const struct kvs_kv_attend *a);
+    /* After layer l's attention (ring appends, flushes); NULL = nothing. */
+    void (*finish)(void *state, int layer, const struct kvs_kv_step *step);
+    /* The policy's counters (KV bytes read per decode token included), or 0. */
+    int (*counters)(void *state, struct kvs_kv_counter *out, int cap);
+};
+
+/* ---- reuse (scheduler side) --------------------------------------------------------------- */
+struct kvs_kv;
+
+/* Per request: what the reuse strategy keeps (zeroed by the scheduler; priv is the strategy's,
+ * freed by its seq_free). */
+struct kvs_kv_req {
+    uint64_t last_hash;           /* prefix: hash of the last registered / matched full block */
+    int n_hashed;                 /* prefix: leading full blocks already hashed */
+    void *priv;
+};
+
+/* A side prefill the strategy wants in this step (e.g. a missing document): n_tokens tokens at
+ * positions pos.. of a sequence of its own, in the given blocks; handle is the strategy's. */
+struct kvs_kv_job {
+    int handle;
+    const int32_t *tokens;
+    int n_tokens, pos;
+    const int32_t *block_table;
+    int n_blocks;
+};
+
+struct kvs_kv_reuse_ops {
+    const char *name;
+    /* 1: documents become segments of their own (cached, reused at any offset), each padded to
+     * a block boundary; 0: documents are prompt text like any other. */
+    int doc_segments;
+    int (*init)(struct kvs_kv *kv, const struct kvs_config *cfg, size_t bytes_per_block, char *err, size_t errlen);
+    void (*free)(struct kvs_kv *kv);
+    /* Request layout once tokens[] holds the documents (padded when doc_segments) and the prompt;
+     * NULL = nothing to lay out. -E2BIG / -ENOMEM with a message. */
+    int (*seq_init)(struct kvs_kv *kv, struct kvs_kv_req *rq, const int *doc_len, int n_docs, int table_cap,
+                    char *err, size_t errlen);
+    /* Frees rq->priv (needs no strategy state: a request may outlive the engine). */
+    void (*seq_free)(struct kvs_kv_req *rq);
+    /* Admission: puts reusable blocks for the leading tokens into t (t->n is 0) and returns how
+     * many tokens they cover (< n), or -ENOSPC when the request must wait. *matched = tokens
+     * served from the cache. */
+    int (*admit)(struct kvs_kv *kv, struct kvs_kv_req *rq, const int32_t *tokens, int n, struct kvs_block_table *t,
+                 int *matched);
+    /* 1: admit() looks the prompt up in a cache, so the engine counts its prompt tokens as cache
+     * queries and the matched ones as hits (vllm:prefix_cache_*) */
+    int caches;
+    /* Once per request, at its first successful admission (NULL: nothing to count). */
+    void (*count)(struct kvs_kv *kv, struct kvs_kv_req *rq);
+    /* 1 when the request can run (its side prefills are done). */
+    int (*ready)(struct kvs_kv *kv, struct kvs_kv_req *rq);
+    /* Side prefills for a running request: appends up to max jobs within *budget tokens. */
+    int (*jobs)(struct kvs_kv *kv, struct kvs_kv_req *rq, const int32_t *tokens, const struct kvs_block_table *t,
+                int chunk, int *budget, struct kvs_kv_job *out, int max);
+    /* After the step: job handle done (ok = the forward pass succeeded). */
+    void (*job_done)(struct kvs_kv *kv, int handle, int n_tokens, int ok);
+    /* After a step: tokens[0..n_computed) have their KV in t's blocks. */
+    void (*commit)(struct kvs_kv *kv, struct kvs_kv_req *rq, const int32_t *tokens, int n_computed,
+                   const struct kvs_block_table *t);
+    /* Gives back what the request holds beyond its block table (after the table's release). */
+    void (*release)(struct kvs_kv *kv, struct kvs_kv_req *rq);
+    /* Per-block attention metadata for the runner (NULL: one segment, every slot valid). */
+    void (*block_meta)(struct kvs_kv *kv, struct kvs_kv_req *rq, const int32_t **rot, const int32_t **valid);
+    int (*counters)(struct kvs_kv *kv, struct kvs_kv_counter *out, int cap);
+};
+
+/* ---- the engine-side instance ------------------------------------------------------------- */
+struct kvs_kv {
+    const struct kvs_kv_storage_ops *storage;
+    const struct kvs_kv_reuse_ops *reuse;
+    const struct kvs_kv_decode_ops *decode;
+    struct kvs_block_pool *pool;
+    void *reuse_state;            /* the reuse strategy's own */
+};
+
+/* Resolves names ("auto" storage: the backend's native format) through the registry and checks
+ * the combination against the composition matrix. */
+int kvs_kv_resolve(const char *storage, const char *reuse, const char *decode, const struct kvs_kv_storage_ops **st,
+                   const struct kvs_kv_reuse_ops **ru, const struct kvs_kv_decode_ops **dc, char *err, size_t errlen);
+/* kvs_kv_resolve + the reuse strategy's init over pool (bytes_per_block: KV bytes of a block,
+ * all layers; 0 = unknown). */
+int kvs_kv_init(struct kvs_kv *kv, const struct kvs_config *cfg, struct kvs_block_pool *pool, size_t bytes_per_block,
+                char *err, size_t errlen);
+/* Same from explicit names, with no config (tools, tests): the strategies' defaults. */
+int kvs_kv_init_names(struct kvs_kv *kv, const char *storage, const char *reuse, const char *decode,
+                      struct kvs_block_pool *pool, size_t bytes_per_block, char *err, size_t errlen);
+void kvs_kv_free(struct kvs_kv *kv);
+
+/* Registry lookups (NULL: unknown). */
+const struct kvs_kv_storage_ops *kvs_kv_find_storage(const char *name);
+const struct kvs_kv_reuse_ops *kvs_kv_find_reuse(const char *name);
+const struct kvs_kv_decode_ops *kvs_kv_find_decode(const char *name);
+/* Adds a decode policy at run time (tests, out-of-tree experiments); -EEXIST, -ENOSPC. */
+int kvs_kv_register_decode(const struct kvs_kv_decode_ops *ops);
+/* Every name of a slot ("storage", "reuse", "decode"), for tables and tests; returns the count. */
+int kvs_kv_names(const char *slot, const char **out, int cap);
+
+/* Row i of the composition matrix (tests, docs): 0, or -ENOENT past the last row. */
+int kvs_kv_matrix_row(int i, const char **slot_a, const char **a, const char **slot_b, const char **b, int *allowed,
+                      const char **why);
+/* The composition matrix: 0 when (a of slot_a, b of slot_b) compose, else -EINVAL with the
+ * reason naming both keys. */
+int kvs_kv_check_pair(const char *slot_a, const char *a, const char *slot_b, const char *b, char *err, size_t errlen);
+
+#endif

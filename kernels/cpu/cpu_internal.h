@@ -1,0 +1,62 @@
+/* cpu_internal.h: what the CPU backend's files share (kernels/cpu/): the buffer, weight and
+ * backend structs behind the opaque handles of kernels/backend.h, the fixed-order dot product
+ * and the deferred-RoPE query rotation, and the ops defined outside cpu_backend.c.
+ * Ownership and errors: as kernels/backend.h (ops return void; bad arguments are bugs). */
+#ifndef KVS_CPU_INTERNAL_H
+#define KVS_CPU_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+
+#define MAX_HEAD_DIM 1024
+
+struct kvs_dbuf {
+    enum kvs_buf_kind kind;
+    size_t n;
+    void *data;                   /* 64-byte aligned, n elements */
+};
+
+struct kvs_dweight {
+    int64_t rows, cols;           /* vectors: rows = 1 */
+    float *data;                  /* [rows][cols] fp32 */
+};
+
+struct kvs_backend {
+    struct kvs_cpu_pool *pool;
+};
+
+static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
+static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
+
+/* ---- dot products with a fixed order ----------------------------------------------------
+ * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
+ * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
+ * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
+ * happens in ISO C mode. */
+static inline float dot_f32(const float *a, const float *b, int n)
+{
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+
+/* Rotates q backward by off positions (neox half-split): the deferred-RoPE query for keys
+ * stored off positions short of their true rotation (cpu_backend.c). */
+void kvs_cpu_rotate_back(const float *q, const float *inv_freq, int off, int head_dim, float *out);
+
+/* backend.h attention_spans and attn_merge (cpu_attn_span.c) */
+void kvs_cpu_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                             const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_span_list *sp,
+                             int n, int n_heads, int n_kv_heads, int head_dim, int block_size, float scale,
+                             struct kvs_dbuf *out, struct kvs_dbuf *lse);
+void kvs_cpu_attn_merge(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a, const struct kvs_dbuf *o_b,
+                        const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
+
+#endif
