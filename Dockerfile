@@ -7,7 +7,7 @@ ARG CUDA_VERSION=12.8.1
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
-        build-essential libmicrohttpd-dev libcjson-dev libuv1-dev libpcre2-dev libutf8proc-dev \
+        build-essential libmicrohttpd-dev libcjson-dev libuv1-dev libpcre2-dev libutf8proc-dev libopenblas-dev \
         bc python3 python3-venv ca-certificates && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
@@ -17,7 +17,7 @@ RUN KVS_SETUP=0 make CUDA=1 all
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
-        libmicrohttpd12t64 libcjson1 libuv1t64 libpcre2-8-0 libutf8proc3 libcublas-12-8 \
+        libmicrohttpd12t64 libcjson1 libuv1t64 libpcre2-8-0 libutf8proc3 libopenblas0-pthread libcublas-12-8 \
         && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/kvserve
 COPY --from=build /src/build/kvserve /usr/local/bin/kvserve

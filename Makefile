@@ -31,7 +31,7 @@ endif
 
 CFLAGS ?= -O2 -g
 CFLAGS += -std=c11 -Wall -Wextra -Werror -D_GNU_SOURCE -pthread -I. -MMD -MP $(SANFLAGS)
-LDLIBS := -lmicrohttpd -lcjson -luv -lpcre2-8 -lutf8proc -lm -lpthread -ldl
+LDLIBS := -lmicrohttpd -lcjson -luv -lpcre2-8 -lutf8proc -lopenblas -lm -lpthread -ldl
 LDFLAGS += $(SANFLAGS) -pthread
 
 CUDA_HOME ?= $(patsubst %/bin/,%,$(dir $(shell command -v $(NVCC) 2>/dev/null)))

@@ -1,11 +1,13 @@
 /* cpu_backend.c: the fp32 reference backend (kernels/backend.h) on host memory.
  *
  * Every buffer is plain host memory (fp32 for ACT/F32/KV, int32 for I32); weights are fp32
- * copies of the model's tensors. Ops are split into independent tasks on a small pthread pool
+ * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
+ * and are widened (exactly) inside the matmul and embed. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
- * (batch invariance). Dot products use 8 interleaved fp32 partial sums (explicit, so the
- * compiler may vectorise them without changing the order) combined in a fixed tree.
+ * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
+ * (cpu_kernels.h: the plain-C reference and AVX2 versions with the same bits, picked when the
+ * backend is created; OpenBLAS as an opt-in that gives up batch invariance).
  */
 #include <math.h>
 #include <stdio.h>
@@ -15,37 +17,29 @@
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_internal.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/cpu_pool.h"
 #include "models/model.h"
-
-/* ---- dot products with a fixed order: dot_f32 in cpu_internal.h; dot4 is four of them
- * sharing the loads of w; each of its results is bitwise equal to dot_f32 of that row. */
-static inline void dot4(const float *x, size_t stride, const float *w, int n, float out[4])
-{
-    float acc[4][8] = {{0}};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int r = 0; r < 4; r++)
-            for (int j = 0; j < 8; j++) acc[r][j] += x[(size_t)r * stride + i + j] * w[i + j];
-    for (int r = 0; r < 4; r++) {
-        const float *a = acc[r], *xr = x + (size_t)r * stride;
-        float s = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-        for (int k = i; k < n; k++) s += xr[k] * w[k];
-        out[r] = s;
-    }
-}
 
 /* ---- lifetime ------------------------------------------------------------------------- */
 
 static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
 {
     struct kvs_backend *b = kvs_xcalloc(1, sizeof *b);
+    if (kvs_cpu_kernels_from_env(&b->kern, err, errlen) < 0) {
+        free(b);
+        return NULL;
+    }
     b->pool = kvs_cpu_pool_create(n_threads, err, errlen);
     if (!b->pool) {
         free(b);
         return NULL;
     }
-    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads", kvs_cpu_pool_threads(b->pool));
+    kvs_cpu_blas_init();
+    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads, %s kernels (best here: %s), matmul %s, bf16 matrices kept %s",
+            kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
+            b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant",
+            b->kern.bf16_weights ? "as bf16" : "as fp32 copies");
     return b;
 }
 
@@ -146,6 +140,19 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
     }
     struct kvs_dweight *w = calloc(1, sizeof *w);
     size_t n = (size_t)rows * (size_t)cols;
+    if (w && b->kern.bf16_weights && t->ndim == 2 && t->dtype == KVS_DTYPE_BF16 && t->nbytes == n * 2) {
+        /* kept as bf16: the matmul widens it in registers (exact), embed row by row */
+        if (posix_memalign((void **)&w->bf16, 64, n * sizeof(uint16_t)) != 0) {
+            free(w);
+            kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
+                    (long long)cols);
+            return NULL;
+        }
+        memcpy(w->bf16, t->data, n * sizeof(uint16_t));
+        w->rows = rows;
+        w->cols = cols;
+        return w;
+    }
     if (!w || posix_memalign((void **)&w->data, 64, n * sizeof(float)) != 0) {
         free(w);
         kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
@@ -163,6 +170,7 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
     (void)b;
     if (!w) return;
     free(w->data);
+    free(w->bf16);
     free(w);
 }
 
@@ -170,6 +178,7 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
 
 struct job {
     const float *x, *w, *bias;
+    const uint16_t *wb;
     const float *x2;
     float *y, *y2;
     const int32_t *i0, *i1;
@@ -181,14 +190,20 @@ struct job {
 static void embed_task(void *c, int t)
 {
     struct job *j = c;
-    memcpy(j->y + (size_t)t * j->d0, j->w + (size_t)j->i0[t] * j->d0, (size_t)j->d0 * sizeof(float));
+    float *y = j->y + (size_t)t * j->d0;
+    if (j->wb) {
+        const uint16_t *row = j->wb + (size_t)j->i0[t] * j->d0;
+        for (int i = 0; i < j->d0; i++) y[i] = kvs_cpu_bf16(row[i]);
+    } else {
+        memcpy(y, j->w + (size_t)j->i0[t] * j->d0, (size_t)j->d0 * sizeof(float));
+    }
 }
 
 static void cpu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const struct kvs_dbuf *tokens, int n,
                       int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(emb->cols == dim);
-    struct job j = {.w = emb->data, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
+    struct job j = {.w = emb->data, .wb = emb->bf16, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
     for (int t = 0; t < n; t++) KVS_ASSERT(j.i0[t] >= 0 && j.i0[t] < emb->rows);
     kvs_cpu_pool_run(b->pool, n, embed_task, &j);
 }
@@ -211,6 +226,7 @@ static void rmsnorm_task(void *c, int t)
 static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                         int dim, struct kvs_dbuf *out)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
     kvs_cpu_pool_run(b->pool, n, rmsnorm_task, &j);
 }
@@ -228,6 +244,7 @@ static void add_rmsnorm_task(void *c, int t)
 static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const struct kvs_dbuf *delta,
                             const struct kvs_dweight *w, float eps, int n, int dim, struct kvs_dbuf *out)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
     kvs_cpu_pool_run(b->pool, n, add_rmsnorm_task, &j);
 }
@@ -242,41 +259,9 @@ static void head_rmsnorm_task(void *c, int t)
 static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                              int n_heads, int head_dim)
 {
+    KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim};
     kvs_cpu_pool_run(b->pool, n, head_rmsnorm_task, &j);
-}
-
-/* matmul: tasks are tiles of MM_TILE output features; each task sweeps all rows so the W tile
- * stays in cache while x rows stream by. Each y[t][o] is dot_f32(x[t], W[o]) (+ bias[o]). */
-#define MM_TILE 16
-
-/* built for AVX2 and baseline x86-64, picked at load time; both give the same bits (above) */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-static void matmul_task(void *c, int task)
-{
-    struct job *j = c;
-    int in = j->d0, out = j->d1;
-    int o0 = task * MM_TILE, o1 = o0 + MM_TILE < out ? o0 + MM_TILE : out;
-    int t = 0;
-    for (; t + 4 <= j->n; t += 4) {
-        const float *xr = j->x + (size_t)t * in;
-        float *yr = j->y + (size_t)t * out;
-        for (int o = o0; o < o1; o++) {
-            float s[4];
-            dot4(xr, (size_t)in, j->w + (size_t)o * in, in, s);
-            for (int k = 0; k < 4; k++) yr[(size_t)k * out + o] = j->bias ? s[k] + j->bias[o] : s[k];
-        }
-    }
-    for (; t < j->n; t++) {
-        const float *xr = j->x + (size_t)t * in;
-        float *yr = j->y + (size_t)t * out;
-        for (int o = o0; o < o1; o++) {
-            float s = dot_f32(xr, j->w + (size_t)o * in, in);
-            yr[o] = j->bias ? s + j->bias[o] : s;
-        }
-    }
 }
 
 static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
@@ -284,8 +269,7 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    struct job j = {.x = F(x), .w = w->data, .bias = bias ? bias->data : NULL, .y = F(y), .n = n, .d0 = in, .d1 = out};
-    kvs_cpu_pool_run(b->pool, (out + MM_TILE - 1) / MM_TILE, matmul_task, &j);
+    kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, w->bf16, bias ? bias->data : NULL, n, in, out, F(y));
 }
 
 struct rope_job {
@@ -356,83 +340,21 @@ void kvs_cpu_rotate_back(const float *q, const float *inv_freq, int off, int hea
     }
 }
 
-struct attn_job {
-    const float *q, *kc, *vc;
-    float *out;
-    const struct kvs_attn_meta *m;
-    const int32_t *q_start, *pos, *bt, *rot, *valid;
-    const float *inv_freq;
-    int n_heads, n_kv_heads, head_dim, block_size;
-    float scale;
-};
-
-static void attn_task(void *c, int task)
-{
-    struct attn_job *j = c;
-    int t = task / j->n_heads, h = task % j->n_heads;
-    int hd = j->head_dim, bs = j->block_size;
-    /* sequence of row t: q_start is increasing, n_seqs small */
-    int s = 0;
-    while (j->q_start[s + 1] <= t) s++;
-    int ctx = j->pos[s] + (t - j->q_start[s]) + 1;
-    int g = h / (j->n_heads / j->n_kv_heads);
-    const float *q0 = j->q + ((size_t)t * j->n_heads + h) * hd;
-    const int32_t *bt = j->bt + (size_t)s * j->m->max_blocks;
-    const int32_t *rot = j->rot ? j->rot + (size_t)s * j->m->max_blocks : NULL;
-    const int32_t *valid = j->valid ? j->valid + (size_t)s * j->m->max_blocks : NULL;
-    float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
-    const float *q = q0;
-    int cur_rot = 0;
-    for (int i = 0; i < hd; i++) acc[i] = 0.0f;
-    float mx = -INFINITY, l = 0.0f;
-    for (int p = 0; p < ctx; p++) {
-        int bi = p / bs, off = p % bs;
-        if (rot && off == 0 && rot[bi] != cur_rot) {
-            cur_rot = rot[bi];
-            if (cur_rot) {
-                kvs_cpu_rotate_back(q0, j->inv_freq, cur_rot, hd, qr);
-                q = qr;
-            } else {
-                q = q0;
-            }
-        }
-        if (valid && off >= valid[bi]) {
-            p += bs - off - 1;   /* the rest of this block is padding: skip it */
-            continue;
-        }
-        size_t base = (((size_t)bt[bi] * j->n_kv_heads + g) * bs + off) * hd;
-        float sc = dot_f32(q, j->kc + base, hd) * j->scale;
-        const float *v = j->vc + base;
-        if (sc > mx) {
-            float corr = expf(mx - sc);   /* exp(-inf) = 0 on the first position */
-            l *= corr;
-            for (int i = 0; i < hd; i++) acc[i] *= corr;
-            mx = sc;
-        }
-        float w = expf(sc - mx);
-        l += w;
-        for (int i = 0; i < hd; i++) acc[i] += w * v[i];
-    }
-    float *o = j->out + ((size_t)t * j->n_heads + h) * hd;
-    float inv = 1.0f / l;
-    for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
-}
-
 static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n, int n_heads, int n_kv_heads,
                           int head_dim, int block_size, float scale, struct kvs_dbuf *out)
 {
     KVS_ASSERT(head_dim <= MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
     KVS_ASSERT(!m->rot_offsets || m->inv_freq);
-    struct attn_job j = {
-        .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .m = m,
+    struct kvs_cpu_attn_args a = {
+        .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
         .q_start = I(m->q_start), .pos = I(m->pos), .bt = I(m->block_tables),
         .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .valid = m->block_valid ? I(m->block_valid) : NULL,
-        .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
-        .n_heads = n_heads, .n_kv_heads = n_kv_heads, .head_dim = head_dim, .block_size = block_size, .scale = scale,
+        .n = n, .n_seqs = m->n_seqs, .max_blocks = m->max_blocks, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+        .head_dim = head_dim, .block_size = block_size, .scale = scale,
     };
-    KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);
-    kvs_cpu_pool_run(b->pool, n * n_heads, attn_task, &j);
+    KVS_ASSERT(a.q_start[0] == 0 && a.q_start[m->n_seqs] == n);
+    kvs_cpu_attention(b->pool, &b->kern, &a);
 }
 
 static void swiglu_task(void *c, int t)

@@ -9,8 +9,9 @@
 #include <stdint.h>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_kernels.h"
 
-#define MAX_HEAD_DIM 1024
+#define MAX_HEAD_DIM KVS_CPU_MAX_HEAD_DIM
 
 struct kvs_dbuf {
     enum kvs_buf_kind kind;
@@ -20,32 +21,20 @@ struct kvs_dbuf {
 
 struct kvs_dweight {
     int64_t rows, cols;           /* vectors: rows = 1 */
-    float *data;                  /* [rows][cols] fp32 */
+    float *data;                  /* [rows][cols] fp32, or NULL when bf16 holds the matrix */
+    uint16_t *bf16;               /* [rows][cols] bf16 bits (bf16 matrices, kern.bf16_weights), or NULL */
 };
 
 struct kvs_backend {
     struct kvs_cpu_pool *pool;
+    struct kvs_cpu_kernels kern;  /* kernel set, GEMM mode and weight format, fixed at create */
 };
 
 static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
 static inline int32_t *I(const struct kvs_dbuf *b) { return (int32_t *)b->data; }
 
-/* ---- dot products with a fixed order ----------------------------------------------------
- * Eight interleaved partial sums (lane j accumulates elements i with i % 8 == j, in increasing
- * i), combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. The lanes
- * are explicit, so SSE and AVX vectorisations compute the same bits, and no FMA contraction
- * happens in ISO C mode. */
-static inline float dot_f32(const float *a, const float *b, int n)
-{
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
+/* ---- the dot product with a fixed order: kvs_cpu_dot (cpu_kernels.h) */
+static inline float dot_f32(const float *a, const float *b, int n) { return kvs_cpu_dot(a, b, n); }
 
 /* Rotates q backward by off positions (neox half-split): the deferred-RoPE query for keys
  * stored off positions short of their true rotation (cpu_backend.c). */

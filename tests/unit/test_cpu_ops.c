@@ -695,18 +695,25 @@ static void test_attention(struct kvs_backend *b)
 
 int main(void)
 {
-    char err[256];
-    struct kvs_backend *b = O->create(3, err, sizeof err), *b1 = O->create(1, err, sizeof err);
-    if (!b || !b1) {
-        printf("cannot create the cpu backend: %s\n", err);
-        return 1;
+    /* every op with each kernel set: the plain-C reference (the oracle of test_cpu_kernels) and
+     * the default (AVX2 where the CPU has it); a backend reads KVS_CPU_KERNELS when created */
+    const char *sets[] = {"ref", "auto"};
+    for (int k = 0; k < 2; k++) {
+        char err[256];
+        setenv("KVS_CPU_KERNELS", sets[k], 1);
+        struct kvs_backend *b = O->create(3, err, sizeof err), *b1 = O->create(1, err, sizeof err);
+        if (!b || !b1) {
+            printf("cannot create the cpu backend: %s\n", err);
+            return 1;
+        }
+        printf("-- KVS_CPU_KERNELS=%s\n", sets[k]);
+        test_matmul(b, b1);
+        test_elementwise(b);
+        test_argmax(b, b1);
+        test_rope(b);
+        test_attention(b);
+        O->free(b);
+        O->free(b1);
     }
-    test_matmul(b, b1);
-    test_elementwise(b);
-    test_argmax(b, b1);
-    test_rope(b);
-    test_attention(b);
-    O->free(b);
-    O->free(b1);
     return kvs_test_summary("test_cpu_ops");
 }

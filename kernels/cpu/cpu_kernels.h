@@ -1,0 +1,104 @@
+/* cpu_kernels.h: the CPU backend's compute kernels (matmul, attention) behind a runtime choice
+ * of instruction set, shared by cpu_backend.c, cpu_gemm.c and cpu_attention.c. Plain pointers
+ * only (no backend structs), so the kernels can be tested and benchmarked on bare arrays.
+ *
+ * Kernel sets (enum kvs_cpu_isa). KVS_CPU_ISA_REF is the readable plain-C fp32 reference (the
+ * oracle of the tests); KVS_CPU_ISA_AVX2 uses 256-bit intrinsics (target attributes, picked at
+ * run time with __builtin_cpu_supports). The AVX2 matmul keeps the reference's summation order
+ * (kvs_cpu_dot's lanes and tree) with separate multiplies and adds (no FMA), and so does the
+ * AVX2 attention per (row, head), so the fast results are BITWISE equal to the reference's:
+ * they inherit its determinism and batch invariance, and the tests compare bits.
+ *
+ * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_INVARIANT (default) runs the kernels above.
+ * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
+ * single-threaded inside the backend's own pool: no second set of threads). OpenBLAS is NOT
+ * batch invariant: a row's result depends on n and on the row's place in OpenBLAS's register
+ * tiles (measured; bench/RESULTS.md), so that mode gives up the backend contract's batch
+ * invariance for speed. It stays deterministic for the same inputs, n and thread count, and
+ * within fp32 rounding of the reference (tests/unit/test_cpu_gemm.c checks both).
+ *
+ * bf16 weights. With the AVX2 kernels and the invariant GEMM, 2-D weights that the model stores
+ * as bf16 stay bf16 in memory (half the bytes to hold and to stream per decode step) and the
+ * matmul widens them in registers. Widening bf16 to fp32 is exact, so the results are bitwise
+ * those of the fp32 copy: nothing changes but memory and speed. KVS_CPU_WEIGHTS=f32 forces
+ * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
+ *
+ * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2),
+ * KVS_CPU_GEMM (invariant | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
+ * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
+ * except the BLAS path inside OpenBLAS. */
+#ifndef KVS_CPU_KERNELS_H
+#define KVS_CPU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/cpu/cpu_pool.h"
+
+enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1 };
+enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1 };
+
+#define KVS_CPU_BLAS_MIN_ROWS 8   /* below this the hand kernel wins even in BLAS mode */
+#define KVS_CPU_MAX_HEAD_DIM 1024
+
+struct kvs_cpu_kernels {
+    enum kvs_cpu_isa isa;
+    enum kvs_cpu_gemm_mode gemm;
+    int bf16_weights;             /* bf16 matrices may stay bf16 (AVX2 + invariant GEMM only) */
+};
+
+/* The best instruction set this CPU runs (AVX2 where present, else the reference). */
+enum kvs_cpu_isa kvs_cpu_isa_best(void);
+const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa);
+/* Fills k from the environment (see above); 0, or -EINVAL + message. */
+int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen);
+/* The BLAS library's own description ("OpenBLAS <core>"), for the start-up log. */
+const char *kvs_cpu_blas_name(void);
+/* Called once per backend: keeps OpenBLAS single-threaded (the pool supplies the threads). */
+void kvs_cpu_blas_init(void);
+
+/* The reference dot product: eight interleaved fp32 partial sums (lane j accumulates
+ * elements i with i % 8 == j, in increasing i), combined as
+ * ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)), then the tail added in order. ISO C mode compiles no
+ * FMA contraction, so any vectorisation of it gives the same bits. */
+static inline float kvs_cpu_dot(const float *a, const float *b, int n)
+{
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[t][o] = dot(x[t], w[o]) (+ bias[o]) for t < n, o < out: x [n][in], w [out][in], y [n][out]
+ * (distinct from x), bias [out] or NULL. The weight is w (fp32), or wb (bf16 bits, w NULL; only
+ * when k->bf16_weights). Runs on the pool. */
+void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
+                  const uint16_t *wb, const float *bias, int n, int in, int out, float *y);
+
+/* bf16 bits -> fp32 (exact) */
+static inline float kvs_cpu_bf16(uint16_t h)
+{
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* Paged causal attention as kernels/backend.h's attention op defines it, on plain arrays:
+ * q [n][n_heads][head_dim]; kc, vc [n_blocks][n_kv_heads][block_size][head_dim]; q_start
+ * [n_seqs + 1]; pos [n_seqs]; bt, rot (or NULL), valid (or NULL) [n_seqs][max_blocks];
+ * inv_freq [head_dim / 2] (needed with rot); out [n][n_heads][head_dim]. Runs on the pool. */
+struct kvs_cpu_attn_args {
+    const float *q, *kc, *vc, *inv_freq;
+    float *out;
+    const int32_t *q_start, *pos, *bt, *rot, *valid;
+    int n, n_seqs, max_blocks, n_heads, n_kv_heads, head_dim, block_size;
+    float scale;
+};
+void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const struct kvs_cpu_attn_args *a);
+
+#endif
