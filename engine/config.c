@@ -42,6 +42,9 @@ static const struct key_def KEYS[] = {
      "compute backend; auto picks cuda when a GPU and the CUDA build are present"},
     {"cpu_threads", T_INT, F(cpu_threads), 0, 1024, "0", NULL, NULL,
      "CPU backend threads (0: one per core)"},
+    {"parallel.tensor", T_INT, F(tensor_parallel), 1, 64, "1", NULL, NULL,
+     "tensor parallelism: GPUs (ranks) the model is split over, one thread each (needs NCCL for cuda; cpu: "
+     "threads of one process, for tests); must divide the KV heads and the FFN width"},
 
     {"server.host", T_STRING, F(host), 0, 0, "127.0.0.1", NULL, NULL, "address to listen on"},
     {"server.port", T_INT, F(port), 0, 65535, "8000", NULL, NULL, "TCP port (0: pick a free one and log it)"},
@@ -56,7 +59,7 @@ static const struct key_def KEYS[] = {
     {"server.idle_timeout_s", T_DOUBLE, F(idle_timeout_s), 1, 86400, "15", NULL, NULL,
      "close a connection that sends or reads nothing for this long (headers, body, keep-alive; "
      "never one waiting on the engine)"},
-    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "64", NULL, NULL,
+    {"server.max_connections_per_client", T_INT, F(max_connections_per_client), 0, 65536, "256", NULL, NULL,
      "simultaneous connections from one client address (0: no cap); more are closed at accept"},
     {"server.reserved_connections", T_INT, F(reserved_connections), 0, 1024, "16", NULL, NULL,
      "connections kept above server.max_connections for /health, /metrics, /ping and /version only"},

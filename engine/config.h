@@ -24,6 +24,7 @@ struct kvs_config {
     /* device */
     char *device;            /* auto | cpu | cuda */
     int cpu_threads;         /* 0 = number of cores */
+    int tensor_parallel;     /* parallel.tensor: ranks (GPUs) a model is split over; 1 = none */
 
     /* server */
     char *host;

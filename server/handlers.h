@@ -18,6 +18,7 @@
 #include "engine/text/chat.h"
 #include "engine/engine.h"
 #include "server/metrics.h"
+#include "server/server.h"
 
 /* A body over server.max_body_bytes is read and dropped up to this many bytes, so that a client
  * that sends it without waiting for 100 Continue still reads its 413; past it the connection
@@ -41,8 +42,9 @@ struct kvs_server {
     int64_t created;
     int port;                    /* bound port (cfg->port, or the one picked for port 0) */
     /* filled by the loader thread, read by the loop after load_async */
-    struct kvs_model *model;
+    struct kvs_model *model;     /* NULL when make_exec replaces the model */
     struct kvs_tokenizer *tok;
+    kvs_server_exec_factory make_exec;   /* server.h: NULL for the real model */
     struct kvs_engine *engine;
     enum kvs_chat_format chat_format;
     int vocab_size, max_context;

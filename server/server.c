@@ -18,6 +18,7 @@
 #include "engine/text/chat.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/engine_exec.h"
 #include "engine/text/tokenizer.h"
 #include "base/util.h"
 #include "models/model.h"
@@ -42,19 +43,25 @@ static void run_mhd(struct kvs_server *s);
 /* ------------------------------------------------------------------------------------------ */
 /* loading                                                                                     */
 
+static int load_tokenizer(const struct kvs_config *cfg, struct kvs_tokenizer **tok, char *err, size_t errlen)
+{
+    char why[480];
+    int rc = kvs_tokenizer_load(cfg->model_path, tok, why, sizeof why);
+    return rc ? kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why) : 0;
+}
+
 int kvs_server_load_model(const struct kvs_config *cfg, struct kvs_model **model, struct kvs_tokenizer **tok,
                            char *err, size_t errlen)
 {
     char why[480];
     int rc = kvs_model_load(cfg->model_path, model, why, sizeof why);
     if (rc) return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
-    rc = kvs_tokenizer_load(cfg->model_path, tok, why, sizeof why);
+    rc = load_tokenizer(cfg, tok, err, errlen);
     if (rc) {
         kvs_model_free(*model);
         *model = NULL;
-        return kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why);
     }
-    return 0;
+    return rc;
 }
 
 /* The engine (weights to the device, KV pool): the slow part, after the port is open. The
@@ -64,7 +71,18 @@ static void *loader_main(void *arg)
     struct kvs_server *s = arg;
     const struct kvs_config *cfg = s->cfg;
     double t0 = kvs_now();
-    int rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
+    int rc;
+    if (s->make_exec) {
+        struct kvs_engine_exec x;
+        memset(&x, 0, sizeof x);
+        rc = s->make_exec(cfg, s->tok, &x, s->load_err, sizeof s->load_err);
+        if (!rc) {
+            rc = kvs_engine_create_exec(cfg, &x, &s->engine, s->load_err, sizeof s->load_err);
+            if (rc && x.destroy) x.destroy(x.ctx);   /* server.h: ours once make_exec succeeded */
+        }
+    } else {
+        rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
+    }
     if (!rc) {
         s->vocab_size = kvs_tokenizer_vocab_size(s->tok);
         s->max_context = kvs_engine_max_context(s->engine);
@@ -388,10 +406,13 @@ static void mhd_logger(void *cls, const char *fmt, va_list ap)
 
 /* ------------------------------------------------------------------------------------------ */
 
-int kvs_server_run(const struct kvs_config *cfg)
+int kvs_server_run(const struct kvs_config *cfg) { return kvs_server_run_exec(cfg, NULL); }
+
+int kvs_server_run_exec(const struct kvs_config *cfg, kvs_server_exec_factory make_exec)
 {
     struct kvs_server *s = kvs_xcalloc(1, sizeof *s);
     s->cfg = cfg;
+    s->make_exec = make_exec;
     s->state = KVS_SRV_LOADING;
     if (cfg->log_level) {
         static const char *const levels[] = {"debug", "info", "warn", "error"};
@@ -414,8 +435,10 @@ int kvs_server_run(const struct kvs_config *cfg)
     }
     char err[512];
     /* config, tensor table and tokenizer are checked before the port opens: a bad model.path
-     * fails here, not after clients were told to connect */
-    if (kvs_server_load_model(cfg, &s->model, &s->tok, err, sizeof err)) {
+     * fails here, not after clients were told to connect (with make_exec: the tokenizer only) */
+    int load_rc = make_exec ? load_tokenizer(cfg, &s->tok, err, sizeof err)
+                            : kvs_server_load_model(cfg, &s->model, &s->tok, err, sizeof err);
+    if (load_rc) {
         kvs_log(KVS_LOG_ERROR, "%s", err);
         free(s->model_name);
         free(s);

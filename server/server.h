@@ -22,6 +22,23 @@ int kvs_server_run(const struct kvs_config *cfg);
 
 struct kvs_model;
 struct kvs_tokenizer;
+struct kvs_engine_exec;
+
+/* The model side of the engine from somewhere other than cfg->model_path's weights: fills *x
+ * (engine/engine_exec.h) for cfg, with tok the tokenizer loaded from cfg->model_path (the
+ * executor's detokenizer and EOS ids usually come from it). Called once, on the loader thread
+ * (it may take its time: /health answers 503 meanwhile). 0, or negative errno + message in err.
+ * Ownership: after a 0 return the server owns x->ctx through x->destroy (called when the engine
+ * is freed, or at once when the engine cannot be created). */
+typedef int (*kvs_server_exec_factory)(const struct kvs_config *cfg, const struct kvs_tokenizer *tok,
+                                       struct kvs_engine_exec *x, char *err, size_t errlen);
+
+/* kvs_server_run with the engine over make_exec's executor instead of the real model: only
+ * cfg->model_path's tokenizer files are loaded (no config.json, no weights), the rest of the
+ * server is the same code. For test daemons that serve a deterministic fake model
+ * (build/kvserve-fake, tests/fake/). make_exec NULL is kvs_server_run. */
+int kvs_server_run_exec(const struct kvs_config *cfg, kvs_server_exec_factory make_exec);
+
 /* Loads and checks cfg->model_path's config, tensor table (safetensors headers, mmapped, not
  * read) and tokenizer: what kvs_server_run does before it listens, and kvserve --check-config.
  * 0 with *model and *tok owned by the caller, or negative errno with err naming the path. */

@@ -1,6 +1,5 @@
 /* tokenizer_alloc.c: kvs_tokenizer_encode_alloc (tokenizer.h), on top of kvs_tokenizer_encode
- * only; a file of its own so that a program with its own tokenizer (the HTTP test double,
- * tests/fake/) links it without the rest of the tokenizer. */
+ * only (the public entry point, nothing of the tokenizer's internals). */
 #include "engine/text/tokenizer.h"
 
 #include <errno.h>

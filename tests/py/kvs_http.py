@@ -1,6 +1,7 @@
 """Helpers for the HTTP tests: start build/kvserve-fake on a free 127.0.0.1 port, wait for
-/health, stop it; and an independent model of the fake backend (tests/fake/fake_backend.c)
-so tests can predict every completion exactly.
+/health, stop it; and an independent model of its fake model (tests/fake/fake_model.h, run by
+the real engine and tokenizer: tests/fake/kvserve_fake_main.c) so tests can predict every
+completion exactly.
 
 The HTTP suite against a CUDA daemon (on a GPU machine; `make` builds with CUDA when it finds
 nvcc; the Python venv .venv as for `make test`):
@@ -10,16 +11,18 @@ test_http_lazy) with `--set device=cuda`, test_demo_parity's `kvserve generate` 
 `--device cuda` and test_demo_serve's daemon with `--set device=cuda`; each fails if the GPU
 cannot be used. Greedy token comparisons then accept bf16 near-tie flips only
 (tests/py/greedy_check.py says exactly what is accepted and why). The other test_http_* tests
-run build/kvserve-fake (no model, no device: the HTTP layer itself, whose behaviour does not
-depend on the backend); they run unchanged and print a note saying so. test_http_tolerance
+run build/kvserve-fake (no weights, no device: the HTTP layer over the real engine, whose
+behaviour does not depend on the backend); they run unchanged and print a note saying so. test_http_tolerance
 proves the tolerant comparisons on the CPU (KVS_TEST_TOLERANT=1 forces them there, with
 planted divergences) and runs its daemons on the CPU whatever KVS_TEST_DEVICE says.
 
-The fake backend: byte-level tokenizer (ids 0..255 = bytes, 256 <|endoftext|> EOS,
-257 <|im_start|>, 258 <|im_end|> EOS, 259 <|bos|> BOS); completion token k is
-prompt[n-1 - (k mod n)]; EOS ends with "stop" (unless ignore_eos); stop strings end with "stop"
-and are not emitted.
+The fake model: the byte-level tokenizer of tests/data/fake (ids 0..255 = bytes,
+256 <|endoftext|> EOS, 257 <|im_start|>, 258 <|im_end|> EOS, 259 <|bos|> BOS); completion token k
+is prompt[n-1 - (k mod n)] with logprob log(0.5); an EOS ends with "stop" (unless ignore_eos) and
+counts as a completion token (the engine's rule, as in vLLM) with no text; stop strings end with
+"stop" and are not emitted. Prompt logprobs (echo): next_byte_logprob.
 """
+import math
 import os
 import signal
 import socket
@@ -58,7 +61,7 @@ class Server:
         e = dict(os.environ)
         e.update(env or {})
         binary = binary or BIN
-        cmd = [binary, "--port", str(self.port), "--model", model or os.path.join(ROOT, "tests", "fake")] + list(args)
+        cmd = [binary, "--port", str(self.port), "--model", model or os.path.join(ROOT, "tests", "data", "fake")] + list(args)
         # KVS_TEST_DEVICE=cuda runs the real-stack daemons on the GPU (their startup fails if it
         # cannot be used): the HTTP suite end to end on that backend
         if binary != BIN and os.environ.get("KVS_TEST_DEVICE"):
@@ -166,15 +169,15 @@ def chatml(messages, documents=()):
 
 
 def complete(prompt_ids, max_tokens, stop=(), ignore_eos=False):
-    """(text, finish_reason, completion_tokens) the fake engine produces."""
+    """(text, finish_reason, completion_tokens) the fake model produces."""
     n = len(prompt_ids)
     out = bytearray()
     count = 0
     for k in range(max_tokens):
         tok = prompt_ids[n - 1 - (k % n)]
+        count += 1
         if tok in EOS and not ignore_eos:
             return out.decode("utf-8", "replace"), "stop", count
-        count += 1
         if tok < 256:
             out.append(tok)
         text = out.decode("utf-8", "ignore")
@@ -182,6 +185,19 @@ def complete(prompt_ids, max_tokens, stop=(), ignore_eos=False):
         if cuts:
             return text[: min(cuts)], "stop", count
     return out.decode("utf-8", "replace"), "length", count
+
+
+NB_TOP = 24   # fake_model.h FAKE_NB_TOP
+VOCAB = 260
+
+
+def next_byte_logprob(prev, tok):
+    """fake_model.h FAKE_LOGITS_NEXT_BYTE: log-probability of tok right after prev (prompt
+    logprobs): (prev + 1 + i) % 256 has 2^-(i+1) for i < NB_TOP, the other ids share the rest."""
+    i = (tok - prev - 1) % 256
+    if tok < 256 and i < NB_TOP:
+        return -(i + 1) * math.log(2)
+    return -NB_TOP * math.log(2) - math.log(VOCAB - NB_TOP)
 
 
 def check(cond, msg):

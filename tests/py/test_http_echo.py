@@ -10,7 +10,8 @@ and its parse_logprobs: per choice (sorted by index) and context length ctxlen,
     max(top_logprobs[i].values()) for i in [ctxlen, -1).
 That code is mirrored here (lm-eval itself pulls in torch: too heavy for the test venv).
 
-1) fake backend (exact model in tests/fake/fake_backend.c): lm-eval's batch of three prompts,
+1) fake model (build/kvserve-fake: the real engine over tests/fake/fake_model.h, prompt
+   logprobs as kvs_http.next_byte_logprob predicts them): lm-eval's batch of three prompts,
    greedy and not-greedy continuations; max_tokens 0 with a text prompt (the prompt's tokens,
    first logprob null, finish "length", no completion tokens); echo without logprobs;
    logprobs 0 holds the sampled token; the sampled token is in top_logprobs even when not in
@@ -24,10 +25,10 @@ import tempfile
 
 import requests
 
-from kvs_http import E2E_BIN, ROOT, Server, check, complete, tokenize
+from kvs_http import E2E_BIN, ROOT, Server, check, complete, next_byte_logprob, tokenize
 from tiny_tokenizer import make_model_dir
 
-LP_TOP, LP_OTHER = math.log(0.5), math.log(0.05)
+LP_TOP = math.log(0.5)
 
 
 def lm_eval_parse(out, ctxlens):
@@ -41,8 +42,14 @@ def lm_eval_parse(out, ctxlens):
     return res
 
 
-def fake_prompt_lp(p):
-    return LP_TOP if p % 2 else LP_OTHER
+def fake_prompt_lp(ids, p):
+    """prompt logprob of ids[p] (p >= 1)"""
+    return next_byte_logprob(ids[p - 1], ids[p])
+
+
+def fake_is_top(ids, p):
+    """ids[p] is the most likely token after ids[p - 1]"""
+    return ids[p] == (ids[p - 1] + 1) % 256
 
 
 def tokstr(t):
@@ -57,7 +64,8 @@ def close(a, b):
 def fake_checks():
     with Server("--quiet") as srv:
         C = srv.base + "/v1/completions"
-        # lm-eval's loglikelihood batch: (context, continuation) token lists
+        # lm-eval's loglikelihood batch: (context, continuation) token lists; "d" after "c" and "z"
+        # after "y" are the fake's top choices (greedy), " Paris" is not
         reqs = [(list(b"The capital is"), list(b" Paris")), (list(b"abc"), list(b"d")), (list(b"xy"), list(b"z"))]
         prompts = [c + k for c, k in reqs]
         ctxlens = [len(c) for c, _ in reqs]
@@ -73,7 +81,7 @@ def fake_checks():
             check(lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None, "first prompt token: null")
             check(lp["tokens"][:len(pr)] == [tokstr(t) for t in pr], f"echoed tokens {lp['tokens']}")
             for p in range(1, len(pr)):
-                check(close(lp["token_logprobs"][p], fake_prompt_lp(p)), f"pos {p}: {lp['token_logprobs'][p]}")
+                check(close(lp["token_logprobs"][p], fake_prompt_lp(pr, p)), f"pos {p}: {lp['token_logprobs'][p]}")
                 top = lp["top_logprobs"][p]
                 check(tokstr(pr[p]) in top, f"pos {p}: the prompt token is in top_logprobs {top}")
             check(lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"]), "text_offset")
@@ -82,25 +90,27 @@ def fake_checks():
             check(close(lp["token_logprobs"][-1], LP_TOP), "generated token's logprob")
         got = lm_eval_parse(out, ctxlens)
         for (lpsum, greedy), pr, cl in zip(got, prompts, ctxlens):
-            want = sum(fake_prompt_lp(p) for p in range(cl, len(pr)))
-            want_greedy = all(p % 2 for p in range(cl, len(pr)))
+            want = sum(fake_prompt_lp(pr, p) for p in range(cl, len(pr)))
+            want_greedy = all(fake_is_top(pr, p) for p in range(cl, len(pr)))
             check(close(lpsum, want) and greedy == want_greedy, f"lm-eval result {lpsum, greedy} want {want, want_greedy}")
         check(any(g for _, g in got) and not all(g for _, g in got), f"both greedy and not: {got}")
 
         # max_tokens 0: the prompt scored, nothing generated
-        r = requests.post(C, json={"prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 2}, timeout=10)
+        r = requests.post(C, json={"prompt": "abdz", "max_tokens": 0, "echo": True, "logprobs": 2}, timeout=10)
         check(r.status_code == 200, f"max_tokens 0: {r.status_code} {r.text}")
         ch = r.json()["choices"][0]
-        ids = tokenize("hello")
-        check(ch["text"] == "hello" and ch["finish_reason"] == "length", f"max_tokens 0 choice {ch}")
+        ids = tokenize("abdz")
+        check(ch["text"] == "abdz" and ch["finish_reason"] == "length", f"max_tokens 0 choice {ch}")
         check(r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == len(ids), "usage")
         lp = ch["logprobs"]
         check(lp["tokens"] == [tokstr(t) for t in ids], f"tokens {lp['tokens']}")
-        check(lp["token_logprobs"][0] is None and all(close(v, fake_prompt_lp(p)) for p, v in
+        check(lp["token_logprobs"][0] is None and all(close(v, fake_prompt_lp(ids, p)) for p, v in
                                                      enumerate(lp["token_logprobs"]) if p), f"{lp['token_logprobs']}")
+        in_top2 = [(ids[p] - ids[p - 1] - 1) % 256 < 2 for p in range(1, len(ids))]
+        check(any(in_top2) and not all(in_top2), f"both cases below: {in_top2}")
         for p in range(1, len(ids)):
-            # 2 alternatives; the prompt token is one of them at odd positions, a third entry otherwise
-            check(len(lp["top_logprobs"][p]) == (2 if p % 2 else 3), f"pos {p} top {lp['top_logprobs'][p]}")
+            # 2 alternatives; the prompt token is one of them ("b" after "a", "d" after "b"), or a third entry
+            check(len(lp["top_logprobs"][p]) == (2 if in_top2[p - 1] else 3), f"pos {p} top {lp['top_logprobs'][p]}")
         # echo without logprobs, with and without generation
         r = requests.post(C, json={"prompt": "abcd", "max_tokens": 3, "echo": True}, timeout=10).json()
         check(r["choices"][0]["text"] == "abcd" + complete(tokenize("abcd"), 3)[0] and r["choices"][0]["logprobs"] is None,

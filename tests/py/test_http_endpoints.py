@@ -2,13 +2,15 @@
 tokenize/detokenize, metrics names and values, documents (CRUD, persistence across restarts,
 use in completions and chat), SSE framing and keep-alive comments, per-request timeout."""
 import json
+import os
 import re
 import tempfile
 import time
 
 import requests
+from tokenizers import Tokenizer
 
-from kvs_http import Server, check, chatml, complete, tokenize
+from kvs_http import ROOT, Server, check, chatml, complete, tokenize
 
 
 def sse_events(resp):
@@ -55,12 +57,18 @@ def test_loading():
 def test_main():
     docdir = tempfile.mkdtemp(prefix="kvs-docs-")
     with Server("--documents-dir", docdir, "--keepalive", "0.2", "--served-name", "tiny",
-                env={"KVS_FAKE_PREFILL_MS": "700"}) as srv:
+                env={"KVS_FAKE_PREFILL_MS": "900"}) as srv:
         b = srv.base
         r = requests.get(b + "/v1/models").json()
         m = r["data"][0]
         check(r["object"] == "list" and m["id"] == "tiny" and m["object"] == "model" and m["owned_by"]
               and isinstance(m["created"], int) and m["max_model_len"] == 256, f"models {r}")
+
+        # the fake's tokenizer file is a real one: HF `tokenizers` gives the ids kvs_http predicts
+        hf = Tokenizer.from_file(os.path.join(ROOT, "tests", "data", "fake", "tokenizer.json"))
+        for text in ("hi<|im_end|>", "<|im_start|>user\nnaïve 😀<|endoftext|>", "a<|bos|>b"):
+            check(hf.encode(text).ids == tokenize(text), f"HF ids of {text!r}: {hf.encode(text).ids}")
+            check(hf.encode(text, add_special_tokens=False).ids == tokenize(text, add_special=False), f"{text!r}")
 
         # tokenize / detokenize (vLLM shapes)
         r = requests.post(b + "/tokenize", json={"prompt": "hi<|im_end|>"}).json()
@@ -106,7 +114,8 @@ def test_main():
         check(r["usage"]["prompt_tokens"] == len(ids) and r["choices"][0]["message"]["content"] == want_text
               and r["choices"][0]["finish_reason"] == want_reason == "stop", f"chat with documents {r}")
 
-        # SSE framing + keep-alive comments during the (fake) 700 ms prefill
+        # SSE framing + keep-alive comments during the (fake) 900 ms prefill (0.2 s keep-alive on the
+        # server's 0.25 s tick: 2 or 3 comments; 700 ms left room for only 2, 1 when a tick came late)
         with requests.post(b + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True},
                            stream=True) as resp:
             check(resp.headers["Content-Type"].startswith("text/event-stream"), "SSE content type")
@@ -135,7 +144,7 @@ def test_main():
         n_ttft = 2 + (chat_n > 0)
         check(mm['vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="tiny"}'] == 0
               and mm['vllm:time_to_first_token_seconds_bucket{le="2.5",model_name="tiny"}'] == n_ttft
-              and mm['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == n_ttft, "ttft buckets (prefill 0.7s)")
+              and mm['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == n_ttft, "ttft buckets (prefill 0.9s)")
         check(mm['kvserve:documents{model_name="tiny"}'] == 2, "documents gauge")
         check(mm['vllm:generation_tokens_total{model_name="tiny"}'] == 12 + chat_n + 3, "generation tokens")
 
@@ -153,13 +162,13 @@ def test_main():
     with Server("--max-connections", "4") as srv:
         r = requests.post(srv.base + "/v1/completions", json={"prompt": "x!fail!", "max_tokens": 10})
         check(r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-              and "injected failure" in r.json()["error"]["message"], f"engine error: {r.status_code} {r.text}")
+              and "sampling failed" in r.json()["error"]["message"], f"engine error: {r.status_code} {r.text}")
         with requests.post(srv.base + "/v1/chat/completions", stream=True, json={
                 "messages": [{"role": "user", "content": "abc!fail!"}], "max_tokens": 10, "stream": True}) as resp:
             data, _ = sse_events(resp)
         check(resp.status_code == 200 and data[-1] == "[DONE]", f"stream end {data}")
         err = json.loads(data[-2])
-        check(set(err) == {"error"} and "injected failure" in err["error"]["message"], f"in-band error {data[-2]}")
+        check(set(err) == {"error"} and "sampling failed" in err["error"]["message"], f"in-band error {data[-2]}")
         check(len(data) == 4 and json.loads(data[0])["choices"][0]["delta"]["role"] == "assistant",
               f"2 tokens (the role with the first), error, [DONE]: {data}")
         # connection limit: 4 idle sockets hold every ordinary slot; /health is served from the

@@ -8,13 +8,16 @@
  *     every non-cancelled request correct, no deadlock, every block free at the end;
  *   - -EAGAIN on a full queue, -E2BIG / -EINVAL / -ESHUTDOWN, metrics values, stop strings
  *     (never emitted, held back while ambiguous), logprobs, timeout, shutdown with requests
- *     in flight. */
+ *     in flight;
+ *   - the fake's rules for build/kvserve-fake (next-byte prompt logprobs scored over chunk
+ *     boundaries, reverse picks, injected failure). */
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/engine_exec.h"
-#include "tests/unit/fake_model.h"
+#include "tests/fake/fake_model.h"
 #include "tests/unit/test_util.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -635,6 +638,80 @@ static void test_text_stop_logprobs_timeout(void)
     printf("stop strings (held back, never emitted), text, logprobs, EOS, timeout, shutdown: ok\n");
 }
 
+/* fake_model.h's rules for build/kvserve-fake, through the real engine: FAKE_LOGITS_NEXT_BYTE
+ * prompt logprobs scored in chunks of 7 (rows across chunk boundaries), FAKE_PICK_REVERSE
+ * tokens and logprobs, and the injected sampling failure (ERROR after fail_at tokens). */
+static void test_fake_rules(void)
+{
+    enum { V = 300, NP = 37, MT = 40 };
+    static const int32_t fail[] = {'!', 'f', 'a', 'i', 'l', '!'};
+    struct fake_model m;
+    fake_model_init(&m, 64, BS, V, 256);
+    m.logits_rule = FAKE_LOGITS_NEXT_BYTE;
+    m.pick_rule = FAKE_PICK_REVERSE;
+    m.fail_pattern = fail;
+    m.n_fail_pattern = 6;
+    m.fail_at = 2;
+    struct kvs_engine_exec x = fake_exec(&m);
+    x.eos_ids = NULL, x.n_eos = 0;
+    struct kvs_config c = make_cfg(64, 8, 100, 7, "prefix");
+    struct kvs_engine *e;
+    char err[256];
+    REQUIRE(kvs_engine_create_exec(&c, &x, &e, err, sizeof err) == 0);
+    int32_t prompt[NP];
+    for (int i = 0; i < NP; i++) prompt[i] = i % 5 == 4 ? 290 : (int32_t)((i * 37 + 11) % 256);
+    prompt[10] = (prompt[9] + 1) % 256;   /* a top-1 token */
+    for (int pass = 0; pass < 2; pass++) {   /* pass 1: the prompt carries the failure marker */
+        if (pass) memcpy(prompt + 20, fail, sizeof fail);
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = prompt;
+        p.n_prompt = NP;
+        p.max_tokens = MT;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.sampling.logprobs = 1;
+        p.sampling.top_logprobs = 3;
+        p.skip_special = 1;
+        p.prompt_logprobs = 1;
+        struct kvs_request *r = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r && kvs_engine_submit(e, r, err, sizeof err) == 0);
+        int next_pos = 1, n_tok = 0, ended = 0;
+        struct kvs_event ev[16];
+        while (!ended) {
+            int n = kvs_request_wait(r, ev, 16, 30.0);
+            REQUIRE(n > 0);
+            for (int i = 0; i < n; i++) {
+                if (ev[i].type == KVS_EV_PROMPT) {
+                    REQUIRE(ev[i].pos == next_pos && n_tok == 0);
+                    int32_t u = prompt[next_pos - 1];
+                    REQUIRE(fabs(ev[i].logprob - fake_next_byte_logprob(u, prompt[next_pos], V)) < 1e-5);
+                    REQUIRE(ev[i].n_top == 3);
+                    for (int k = 0; k < 3; k++)
+                        REQUIRE(ev[i].top_ids[k] == (u + 1 + k) % 256 &&
+                                fabs(ev[i].top_logprobs[k] + (k + 1) * log(2.0)) < 1e-5);
+                    next_pos++;
+                } else if (ev[i].type == KVS_EV_TOKEN) {
+                    REQUIRE(ev[i].token == prompt[NP - 1 - n_tok % NP]);
+                    REQUIRE(fabs(ev[i].logprob - log(0.5)) < 1e-6 && ev[i].n_top == 3);
+                    for (int k = 0; k < 3; k++) REQUIRE(ev[i].top_ids[k] == (ev[i].token + k) % V);
+                    n_tok++;
+                } else {
+                    REQUIRE(ev[i].type == (pass ? KVS_EV_ERROR : KVS_EV_DONE));
+                    ended = 1;
+                }
+                kvs_event_clear(&ev[i]);
+            }
+        }
+        REQUIRE(next_pos == NP && n_tok == (pass ? 2 : MT));
+        kvs_request_unref(r);
+    }
+    REQUIRE(m.errors == 0);
+    kvs_engine_free(e);
+    fake_model_free(&m);
+    printf("fake rules: next-byte prompt logprobs over 7-token chunks, reverse picks, injected failure: ok\n");
+}
+
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
@@ -643,5 +720,6 @@ int main(void)
     test_invariance();
     test_prefix();
     test_stress();
+    test_fake_rules();
     return kvs_test_summary("test_scheduler");
 }

@@ -1,16 +1,37 @@
-/* fake_model.h: a deterministic fake model behind the engine's executor table, for fast and
- * exact scheduler tests (included by tests; not part of the library).
+/* fake_model.h: a deterministic fake model behind the engine's executor table
+ * (engine/engine_exec.h), for fast and exact tests of the real engine: the scheduler tests
+ * (tests/unit/test_scheduler.c) and build/kvserve-fake, the real server over the real engine
+ * for the HTTP tests (tests/fake/kvserve_fake_main.c). Included by those; not part of the
+ * library.
  *
  * Its "KV cache" stores, per slot, the token and the absolute position written there. A
  * forward pass writes the new tokens into the slots named by the block table, then computes
- * each wanted logits row from a hash of what it READS BACK through the block table for
- * positions 0..last; a stored position that does not match means the scheduler handed out a
- * wrong or clobbered block, and the pass fails. So the next token is a pure function of the
- * previous tokens if and only if the paging is right, and fake_reference() gives the expected
- * greedy continuation without any engine. Detokenization maps token t to a short ASCII piece.
- * Greedy requests without logprobs take the engine's fast path (sample_is_argmax): their rows
- * come as KVS_LOGITS_ARGMAX and the fake answers with fake_argmax of the row in batch.argmax,
- * which is what its sampler would pick; n_argmax_rows counts them.
+ * each wanted logits row from what it READS BACK through the block table for positions
+ * 0..row; a stored position that does not match means the scheduler handed out a wrong or
+ * clobbered block, and the pass fails. Rows (logits_rule):
+ *   FAKE_LOGITS_HASH       a hash of every token read back (the default): the next token is a
+ *                          pure function of the previous tokens if and only if the paging is
+ *                          right, and fake_reference() gives the expected greedy continuation.
+ *   FAKE_LOGITS_NEXT_BYTE  a function of the row's own token u only, simple enough for tests to
+ *                          predict (prompt logprobs): (u + 1 + i) mod 256 has probability
+ *                          2^-(i+1) for i < FAKE_NB_TOP, every other id shares the remaining
+ *                          2^-FAKE_NB_TOP equally (vocab >= 256). fake_next_byte_logprob() says it.
+ * KVS_LOGITS_ALL gives one row per token of the chunk (prompt logprobs), LAST and ARGMAX one.
+ * The token (pick_rule):
+ *   FAKE_PICK_SAMPLER      the sampler below: greedy or seeded categorical over the row.
+ *   FAKE_PICK_REVERSE      the prompt read backwards, cyclically: completion token k of an
+ *                          n-token prompt is prompt[n-1 - (k mod n)], whatever the row says;
+ *                          its logprob is log(0.5), alternative i (i >= 1) is (token + i) mod
+ *                          vocab with log(0.5 / 2^i). Never the greedy fast path.
+ * A request whose prompt contains fail_pattern fails its sample (-EIO) at completion token
+ * fail_at (the engine then ends it with an ERROR event), to test how failures are reported.
+ * Greedy requests without logprobs (FAKE_PICK_SAMPLER) take the engine's fast path
+ * (sample_is_argmax): their rows come as KVS_LOGITS_ARGMAX and the fake answers with
+ * fake_argmax of the row in batch.argmax, which is what its sampler would pick; n_argmax_rows
+ * counts them. Detokenization (fake_exec's default) maps token t to a short ASCII piece;
+ * callers with a real tokenizer put its kvs_detok_* in the table instead.
+ * Time: each forward pass sleeps sleep_s, plus fresh_sleep_s when it holds a request's first
+ * step after admission (a "prefill" cost).
  */
 #ifndef KVS_FAKE_MODEL_H
 #define KVS_FAKE_MODEL_H
@@ -24,6 +45,10 @@
 #include <unistd.h>
 
 #define FAKE_EOS 0
+#define FAKE_NB_TOP 24          /* FAKE_LOGITS_NEXT_BYTE: ids with probability 2^-(i+1) */
+
+enum fake_logits_rule { FAKE_LOGITS_HASH = 0, FAKE_LOGITS_NEXT_BYTE = 1 };
+enum fake_pick_rule { FAKE_PICK_SAMPLER = 0, FAKE_PICK_REVERSE = 1 };
 
 struct fake_model {
     int n_blocks, block_size, vocab;
@@ -35,6 +60,11 @@ struct fake_model {
     int gate_closed;
     int in_forward;
     double sleep_s;                 /* per forward pass */
+    double fresh_sleep_s;           /* more per pass holding a freshly admitted request */
+    int logits_rule;                /* enum fake_logits_rule */
+    int pick_rule;                  /* enum fake_pick_rule */
+    const int32_t *fail_pattern;    /* NULL: no injected failures */
+    int n_fail_pattern, fail_at;
     int n_forward;
     int n_entered;                  /* forward calls begun (counted before the gate) */
     int max_seqs_seen, max_tokens_seen;
@@ -42,26 +72,41 @@ struct fake_model {
     int errors;
 };
 
-static uint64_t fake_mix(uint64_t z)
+static inline uint64_t fake_mix(uint64_t z)
 {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
     return z ^ (z >> 31);
 }
 
-static uint64_t fake_hash_step(uint64_t h, int32_t tok, int pos)
+static inline uint64_t fake_hash_step(uint64_t h, int32_t tok, int pos)
 {
     return fake_mix(h ^ ((uint64_t)(uint32_t)tok * 0x9e3779b97f4a7c15ULL) ^ ((uint64_t)pos << 40));
 }
 
-static void fake_logits_from_hash(uint64_t h, int vocab, float *out)
+static inline void fake_logits_from_hash(uint64_t h, int vocab, float *out)
 {
     for (int v = 0; v < vocab; v++) out[v] = (float)(fake_mix(h + (uint64_t)v * 0x632be59bd9b4e019ULL) >> 44) / 65536.0f;
     /* make EOS rare so that outputs have length, yet it still happens */
     out[FAKE_EOS] -= 0.5f;
 }
 
-static int fake_argmax(const float *lg, int vocab)
+/* FAKE_LOGITS_NEXT_BYTE: log-probability of id v in the row of token u */
+static inline double fake_next_byte_logprob(int32_t u, int32_t v, int vocab)
+{
+    int i = ((v - (u + 1)) % 256 + 256) % 256;
+    if (v < 256 && i < FAKE_NB_TOP) return -(i + 1) * log(2.0);
+    return -FAKE_NB_TOP * log(2.0) - log((double)(vocab - FAKE_NB_TOP));
+}
+
+static inline void fake_next_byte_logits(int32_t u, int vocab, float *out)
+{
+    float rest = (float)fake_next_byte_logprob(u, u, vocab);   /* u itself is never a top id */
+    for (int v = 0; v < vocab; v++) out[v] = rest;
+    for (int i = 0; i < FAKE_NB_TOP; i++) out[(u + 1 + i) % 256] = (float)(-(i + 1) * log(2.0));
+}
+
+static inline int fake_argmax(const float *lg, int vocab)
 {
     int best = 0;
     for (int v = 1; v < vocab; v++)
@@ -69,9 +114,16 @@ static int fake_argmax(const float *lg, int vocab)
     return best;
 }
 
-/* One logits row per sequence that wants any (the scheduler never asks for ALL): LAST rows go
- * to logits (in order), ARGMAX rows only to b->argmax, which gets every row's id when set. */
-static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
+static inline int fake_contains(const int32_t *hay, int n, const int32_t *needle, int m)
+{
+    for (int i = 0; m > 0 && i + m <= n; i++)
+        if (!memcmp(hay + i, needle, (size_t)m * sizeof *needle)) return 1;
+    return 0;
+}
+
+/* Rows as runner.h says: LAST one per seq, ALL one per token, both into logits (in order);
+ * ARGMAX rows only to b->argmax, which gets every row's id when set. */
+static inline int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
 {
     struct fake_model *m = ctx;
     pthread_mutex_lock(&m->mu);
@@ -80,9 +132,13 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
     m->in_forward = 1;
     m->n_forward++;
     pthread_mutex_unlock(&m->mu);
-    if (m->sleep_s > 0) usleep((useconds_t)(m->sleep_s * 1e6));
+    double sleep_s = m->sleep_s;
+    for (int s = 0; s < b->n_seqs; s++)
+        if (b->seqs[s].slot >= 0 && b->seqs[s].slot_fresh) sleep_s += m->fresh_sleep_s;
+    if (sleep_s > 0) usleep((useconds_t)(sleep_s * 1e6));
     int row = 0, host_row = 0, total = 0, rc = 0, n_argmax = 0;
     float scratch[1024];
+    if (m->logits_rule == FAKE_LOGITS_NEXT_BYTE && m->vocab < 256) rc = -EINVAL;
     for (int s = 0; s < b->n_seqs && rc == 0; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         total += q->n_tokens;
@@ -102,6 +158,12 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
             m->slot_pos[slot] = p;
         }
         if (!q->want_logits) continue;
+        int argmax_row = q->want_logits == KVS_LOGITS_ARGMAX;
+        if ((argmax_row && (!b->argmax || m->vocab > 1024)) || (!argmax_row && !logits)) {
+            rc = -EINVAL;
+            break;
+        }
+        int first_row = q->want_logits == KVS_LOGITS_ALL ? q->pos : end - 1;
         uint64_t h = 0;
         for (int p = 0; p < end; p++) {
             size_t slot = (size_t)q->block_table[p / m->block_size] * m->block_size + p % m->block_size;
@@ -110,17 +172,13 @@ static int fake_forward(void *ctx, const struct kvs_batch *b, float *logits)
                 break;
             }
             h = fake_hash_step(h, m->slot_tok[slot], p);
+            if (p < first_row) continue;
+            float *lg = argmax_row ? scratch : logits + (size_t)host_row++ * m->vocab;
+            if (m->logits_rule == FAKE_LOGITS_NEXT_BYTE) fake_next_byte_logits(m->slot_tok[slot], m->vocab, lg);
+            else fake_logits_from_hash(h, m->vocab, lg);
+            if (b->argmax) b->argmax[row] = fake_argmax(lg, m->vocab);
+            row++;
         }
-        if (rc) break;
-        int argmax_row = q->want_logits == KVS_LOGITS_ARGMAX;
-        if ((argmax_row && (!b->argmax || m->vocab > 1024)) || (!argmax_row && !logits)) {
-            rc = -EINVAL;
-            break;
-        }
-        float *lg = argmax_row ? scratch : logits + (size_t)host_row++ * m->vocab;
-        fake_logits_from_hash(h, m->vocab, lg);
-        if (b->argmax) b->argmax[row] = fake_argmax(lg, m->vocab);
-        row++;
         n_argmax += argmax_row;
     }
     pthread_mutex_lock(&m->mu);
@@ -140,7 +198,7 @@ struct fake_sampler {
     int want_lp;                    /* logprobs or top_logprobs asked for */
 };
 
-static int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t id)
+static inline int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t id)
 {
     (void)ctx;
     struct fake_sampler *s = state;
@@ -151,14 +209,14 @@ static int fake_sampler_init(void *ctx, void *state, const struct kvs_sampling *
 }
 
 /* fake_sample at temperature 0 is fake_argmax, what fake_forward puts in batch.argmax */
-static int fake_sample_is_argmax(void *ctx, const void *state)
+static inline int fake_sample_is_argmax(void *ctx, const void *state)
 {
-    (void)ctx;
+    const struct fake_model *m = ctx;
     const struct fake_sampler *s = state;
-    return s->temperature == 0 && !s->want_lp;
+    return m->pick_rule == FAKE_PICK_SAMPLER && s->temperature == 0 && !s->want_lp;
 }
 
-static void fake_log_softmax(const float *lg, int vocab, float *out)
+static inline void fake_log_softmax(const float *lg, int vocab, float *out)
 {
     float mx = lg[0];
     for (int v = 1; v < vocab; v++) mx = lg[v] > mx ? lg[v] : mx;
@@ -167,12 +225,25 @@ static void fake_log_softmax(const float *lg, int vocab, float *out)
     for (int v = 0; v < vocab; v++) out[v] = (float)((double)lg[v] - mx - log(sum));
 }
 
-static int fake_sample(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
+static inline int fake_sample(void *ctx, void *state, float *logits, const int32_t *tokens, int n_prompt, int n_tokens,
                        int want_logprobs, int want_top, struct kvs_sample_out *out)
 {
     struct fake_model *m = ctx;
     struct fake_sampler *s = state;
-    (void)tokens, (void)n_prompt, (void)n_tokens;
+    int k = n_tokens - n_prompt;   /* completion tokens so far */
+    if (m->fail_pattern && k == m->fail_at && fake_contains(tokens, n_prompt, m->fail_pattern, m->n_fail_pattern))
+        return -EIO;
+    if (m->pick_rule == FAKE_PICK_REVERSE) {
+        if (n_prompt <= 0 || k < 0) return -EINVAL;
+        out->token = tokens[n_prompt - 1 - k % n_prompt];
+        out->logprob = logf(0.5f);
+        out->n_top = want_top;
+        for (int i = 0; i < want_top; i++) {
+            out->top_ids[i] = (out->token + i) % m->vocab;
+            out->top_logprobs[i] = logf(0.5f / (float)(1 << i));
+        }
+        return 0;
+    }
     float lsm[1024];
     if (m->vocab > 1024) return -EINVAL;
     fake_log_softmax(logits, m->vocab, lsm);
@@ -209,7 +280,7 @@ static int fake_sample(void *ctx, void *state, float *logits, const int32_t *tok
 }
 
 /* detokenizer: token t -> fake_piece(t); EOS is special (empty when skipping specials) */
-static const char *fake_piece(int32_t t)
+static inline const char *fake_piece(int32_t t)
 {
     static const char *pieces[] = {"<eos>", "a", "b", "c", "d", "e", "f", "g", " ", "h", "i", "j", "k",
                                    "l", "m", "n", "o", "p", "q", "r", "s", "t", "u", "v", "w", "x",
@@ -220,14 +291,14 @@ static const char *fake_piece(int32_t t)
     return (t >= 0 && t < (int32_t)(sizeof pieces / sizeof *pieces)) ? pieces[t] : "?";
 }
 
-static void fake_detok_init(struct kvs_detok *d, const struct kvs_tokenizer *t, int skip_special)
+static inline void fake_detok_init(struct kvs_detok *d, const struct kvs_tokenizer *t, int skip_special)
 {
     memset(d, 0, sizeof *d);
     d->tok = t;
     d->skip_special = skip_special;
 }
 
-static int fake_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t cap)
+static inline int fake_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t cap)
 {
     const char *p = (id == FAKE_EOS && d->skip_special) ? "" : fake_piece(id);
     size_t n = strlen(p);
@@ -237,7 +308,7 @@ static int fake_detok_feed(struct kvs_detok *d, int32_t id, char *out, size_t ca
     return (int)n;
 }
 
-static int fake_detok_flush(struct kvs_detok *d, char *out, size_t cap)
+static inline int fake_detok_flush(struct kvs_detok *d, char *out, size_t cap)
 {
     (void)d;
     if (cap < 1) return -ENOSPC;
@@ -247,7 +318,7 @@ static int fake_detok_flush(struct kvs_detok *d, char *out, size_t cap)
 
 static const int32_t fake_eos_ids[1] = {FAKE_EOS};
 
-static void fake_model_init(struct fake_model *m, int n_blocks, int block_size, int vocab, int max_context)
+static inline void fake_model_init(struct fake_model *m, int n_blocks, int block_size, int vocab, int max_context)
 {
     memset(m, 0, sizeof *m);
     m->n_blocks = n_blocks;
@@ -261,7 +332,7 @@ static void fake_model_init(struct fake_model *m, int n_blocks, int block_size, 
     pthread_cond_init(&m->cv, NULL);
 }
 
-static void fake_model_free(struct fake_model *m)
+static inline void fake_model_free(struct fake_model *m)
 {
     free(m->slot_tok);
     free(m->slot_pos);
@@ -269,7 +340,7 @@ static void fake_model_free(struct fake_model *m)
     pthread_cond_destroy(&m->cv);
 }
 
-static void fake_gate(struct fake_model *m, int closed)
+static inline void fake_gate(struct fake_model *m, int closed)
 {
     pthread_mutex_lock(&m->mu);
     m->gate_closed = closed;
@@ -277,7 +348,7 @@ static void fake_gate(struct fake_model *m, int closed)
     pthread_mutex_unlock(&m->mu);
 }
 
-static struct kvs_engine_exec fake_exec(struct fake_model *m)
+static inline struct kvs_engine_exec fake_exec(struct fake_model *m)
 {
     struct kvs_engine_exec x;
     memset(&x, 0, sizeof x);
@@ -302,7 +373,7 @@ static struct kvs_engine_exec fake_exec(struct fake_model *m)
 
 /* Expected greedy continuation, computed without the engine. Writes up to max_tokens ids into
  * out (stopping after EOS unless ignore_eos) and returns the count. */
-static int fake_reference(int vocab, const int32_t *prompt, int n_prompt, int max_tokens, int ignore_eos, int32_t *out)
+static inline int fake_reference(int vocab, const int32_t *prompt, int n_prompt, int max_tokens, int ignore_eos, int32_t *out)
 {
     uint64_t h = 0;
     for (int p = 0; p < n_prompt; p++) h = fake_hash_step(h, prompt[p], p);
