@@ -5,7 +5,7 @@
  * exactly what transformers' apply_chat_template(..., add_generation_prompt=True) produces with
  * the model's own template for system/user/assistant conversations.
  * kvs_chat_detect() picks the format from tokenizer_config.json's chat_template (or
- * chat_template.jinja); an unknown template gives KVS_CHAT_UNKNOWN and the caller warns and
+ * chat_template.jinja, or a GGUF file's tokenizer.chat_template); an unknown template gives KVS_CHAT_UNKNOWN and the caller warns and
  * requires config model.chat_format.
  *
  * The formats, and the template each one reproduces byte for byte (tests/unit/test_chat.c
@@ -23,10 +23,13 @@
  *                    or have reasoning; earlier assistant turns keep only the answer. The
  *                    generation prompt is "<|im_start|>assistant\n" (thinking on: the model
  *                    opens <think> itself). A separate reasoning_content field is not taken.
+ *   KVS_CHAT_SMOLLM  SmolLM2-Instruct's template: CHATML, preceded by
+ *                    "<|im_start|>system\n" SMOLLM_SYSTEM "<|im_end|>\n" when the first message
+ *                    (after documents made their system turn) is not a system message.
  *   KVS_CHAT_LLAMA3  Llama-3's template: content is stripped of leading/trailing whitespace
  *                    (Python str.strip(): Unicode whitespace), the text starts with
  *                    "<|begin_of_text|>" (see kvs_chat_has_bos).
- * Detection is by markers: "<|im_start|>" -> QWEN3 when the template also mentions "</think>",
+ * Detection is by markers: "<|im_start|>" and SMOLLM_SYSTEM (no "</think>") -> SMOLLM; "<|im_start|>" -> QWEN3 when the template also mentions "</think>",
  * else CHATML; "<|start_header_id|>" -> LLAMA3. Variants with extras we do not reproduce
  * (Llama-3.1's "Cutting Knowledge Date" preamble, Qwen2.5's default system prompt) are still
  * detected by their markers, with a warning logged, and render without those extras.
@@ -47,7 +50,12 @@
 
 #include <stddef.h>
 
-enum kvs_chat_format { KVS_CHAT_UNKNOWN = 0, KVS_CHAT_CHATML = 1, KVS_CHAT_LLAMA3 = 2, KVS_CHAT_QWEN3 = 3 };
+enum kvs_chat_format {
+    KVS_CHAT_UNKNOWN = 0, KVS_CHAT_CHATML = 1, KVS_CHAT_LLAMA3 = 2, KVS_CHAT_QWEN3 = 3, KVS_CHAT_SMOLLM = 4
+};
+
+/* SmolLM2-Instruct's default system prompt (its template inserts it when messages[0] is not system) */
+#define SMOLLM_SYSTEM "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 struct kvs_chat_message {
     const char *role;      /* system | user | assistant (| developer, mapped to system) */
@@ -61,7 +69,7 @@ struct kvs_chat_message {
 enum kvs_chat_format kvs_chat_detect(const char *model_dir);
 /* Detects the format from a template's text (what kvs_chat_detect applies to the file). */
 enum kvs_chat_format kvs_chat_detect_template(const char *template_text);
-/* Parses a config name: "chatml", "qwen3", "llama3"; KVS_CHAT_UNKNOWN for anything else ("auto"). */
+/* Parses a config name: "chatml", "qwen3", "llama3", "smollm"; KVS_CHAT_UNKNOWN for anything else ("auto"). */
 enum kvs_chat_format kvs_chat_format_from_name(const char *name);
 const char *kvs_chat_format_name(enum kvs_chat_format f);
 
