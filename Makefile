@@ -46,7 +46,11 @@ CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/de
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
+# NCCL (tensor parallelism, kernels/cuda/cuda_tp.cu): built in when nccl.h sits with nvcc's headers
+# (the CUDA toolkit's NCCL, or Debian's libnccl-dev: /usr/include); libnccl.so.2 is opened at run time
+NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
 ifeq ($(CUDA),1)
+NVCCFLAGS += $(if $(NCCL_H),-DKVS_HAVE_NCCL=1 -I$(dir $(NCCL_H)),)
 CFLAGS += -DKVS_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
 else

@@ -42,6 +42,9 @@ static const struct key_def KEYS[] = {
      "compute backend; auto picks cuda when a GPU and the CUDA build are present"},
     {"cpu_threads", T_INT, F(cpu_threads), 0, 1024, "0", NULL, NULL,
      "CPU backend threads (0: one per core)"},
+    {"parallel.tensor", T_INT, F(tensor_parallel), 1, 64, "1", NULL, NULL,
+     "tensor parallelism: GPUs (ranks) the model is split over, one thread each (needs NCCL for cuda; cpu: "
+     "threads of one process, for tests); must divide the KV heads and the FFN width"},
 
     {"server.host", T_STRING, F(host), 0, 0, "127.0.0.1", NULL, NULL, "address to listen on"},
     {"server.port", T_INT, F(port), 0, 65535, "8000", NULL, NULL, "TCP port (0: pick a free one and log it)"},
@@ -117,10 +120,15 @@ static const struct key_def KEYS[] = {
      "ParisKV: below this context, dense attention"},
     {"kv.paris.offload", T_BOOL, F(paris_offload), 0, 1, "true", NULL, NULL, "ParisKV: keep the retrieval zone in host memory"},
 
+    {"kv.quest.budget_ratio", T_DOUBLE, F(quest_budget_ratio), 0.0001, 1, "0.15", NULL, NULL,
+     "Quest/Retro: token budget as a fraction of the context (budget = max(min_budget, ratio x n))"},
+    {"kv.quest.min_budget", T_INT, F(quest_min_budget), 0, 16777216, "256", NULL, NULL,
+     "Quest/Retro: minimum token budget"},
+    {"kv.quest.dense_layers", T_INT, F(quest_dense_layers), 0, 1024, "2", NULL, NULL,
+     "Quest/Retro: first layers that attend densely"},
+    {"kv.quest.page_size", T_INT, F(quest_page_size), 0, 1024, "0", NULL, NULL,
+     "Quest/Retro: tokens per page digest (0: kv.block_size; must divide kv.block_size)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
-    {"kv.retro.budget_frac", T_DOUBLE, F(retro_budget_frac), 0.0001, 1, "0.15", NULL, NULL, "Retro/Quest: token budget fraction"},
-    {"kv.retro.min_budget", T_INT, F(retro_min_budget), 0, 16777216, "256", NULL, NULL, "Retro/Quest: minimum token budget"},
-    {"kv.retro.dense_layers", T_INT, F(retro_dense_layers), 0, 1024, "2", NULL, NULL, "Retro/Quest: first layers kept dense"},
 
     {"kv.lean.key_bits_high", T_INT, F(lean_key_bits_high), 2, 16, "8", NULL, NULL, "LeanKV: key bits, high tier"},
     {"kv.lean.value_bits_high", T_INT, F(lean_value_bits_high), 2, 16, "4", NULL, NULL, "LeanKV: value bits, high tier"},

@@ -24,6 +24,7 @@ struct kvs_config {
     /* device */
     char *device;            /* auto | cpu | cuda */
     int cpu_threads;         /* 0 = number of cores */
+    int tensor_parallel;     /* parallel.tensor: ranks (GPUs) a model is split over; 1 = none */
 
     /* server */
     char *host;
@@ -76,11 +77,14 @@ struct kvs_config {
     int paris_dense_threshold;
     int paris_offload;           /* bool */
 
+    /* kv.quest (Quest page selection; RetroAttention builds on it) */
+    double quest_budget_ratio;
+    int quest_min_budget;
+    int quest_dense_layers;
+    int quest_page_size;         /* 0: kv.block_size */
+
     /* kv.retro (RetroAttention on Quest) */
     int retro_window;
-    double retro_budget_frac;
-    int retro_min_budget;
-    int retro_dense_layers;
 
     /* kv.lean (LeanKV) */
     int lean_key_bits_high, lean_value_bits_high;

@@ -25,6 +25,12 @@
  * while the contexts grow; the sequences are padded with dummy ones up to a size bucket; a
  * replay only needs the step's inputs uploaded first (the graph reads its fixed buffers).
  * KVS_GRAPHS=0 turns them off. The LM head runs eagerly after it.
+ *
+ * Tensor parallelism (parallel.tensor = N > 1, engine/runner_tp.c drives it): this file is one
+ * rank's runner. Its heads, FFN columns and vocabulary rows are its share (tp_shard.h); the
+ * embedding lookup, o_proj and down_proj give partial sums that allreduce_sum adds up over the
+ * ranks (three all-reduces of [n][dim] a layer loop: after the embedding, then two per layer),
+ * and the LM head gives the rank's vocabulary columns, which runner_tp.c assembles.
  */
 #include "engine/runner.h"
 
@@ -36,6 +42,8 @@
 #include "engine/config.h"
 #include "engine/kv/kv.h"
 #include "engine/kv/fidelity.h"
+#include "engine/runner_tp.h"
+#include "engine/tp_shard.h"
 #include "kernels/backend.h"
 #include "models/model.h"
 
@@ -86,6 +94,17 @@ struct kvs_runner {
     struct kvs_dbuf *d_ids;                             /* I32 [cap_tokens] argmax ids of the step's logits rows */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
+    /* tensor parallelism: this rank's share (rank 0 of 1 without it); nh, nkv and ff above are
+     * the rank's heads and FFN columns, vocab the whole vocabulary */
+    int rank, n_ranks;
+    int vocab_lo, vocab_n;                              /* LM-head rows [vocab_lo, vocab_lo + vocab_n) */
+    struct kvs_tp *tp;                                  /* the group (every rank points to it) */
+    size_t kv_bytes_total;                              /* all ranks' bytes per token */
+    int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
+    struct kvs_dbuf *d_vals;                            /* F32 [cap_tokens] argmax values (groups) */
+    float *h_vals;                                      /* [cap_tokens] */
+    float *h_chunk;                                     /* [LOGIT_CHUNK][vocab_n] host logits (groups) */
+
     /* recorded decode steps (graph_* ops; empty when the backend has none) */
     int use_graphs;
     struct step_graph {
@@ -105,7 +124,7 @@ struct kvs_runner {
 /* ---- weights ---------------------------------------------------------------------------- */
 
 static int load_w(struct kvs_runner *r, const struct kvs_model *m, const char *name, int64_t rows, int64_t cols,
-                  int optional, struct kvs_dweight **out, char *err, size_t errlen)
+                  int optional, enum kvs_split split, struct kvs_dweight **out, char *err, size_t errlen)
 {
     struct kvs_tensor_view t;
     char terr[256];
@@ -121,7 +140,11 @@ static int load_w(struct kvs_runner *r, const struct kvs_model *m, const char *n
     if (!ok)
         return kvs_err(err, errlen, -EINVAL, "runner: tensor %s has an unexpected shape (want [%lld x %lld])", name,
                        (long long)rows, (long long)cols);
-    *out = r->ops->upload_weight(r->be, &t, err, errlen);
+    struct kvs_tensor_view part;
+    void *owned;
+    if ((rc = kvs_tp_shard(&t, split, r->rank, r->n_ranks, r->vocab, &part, &owned, err, errlen))) return rc;
+    *out = r->ops->upload_weight(r->be, &part, err, errlen);
+    free(owned);
     return *out ? 0 : -ENOMEM;
 }
 
@@ -130,42 +153,54 @@ static int load_weights(struct kvs_runner *r, const struct kvs_model *m, char *e
     const struct kvs_model_config *c = &r->mc;
     char name[256];
     int rc;
-    if ((rc = load_w(r, m, "model.embed_tokens.weight", r->vocab, r->dim, 0, &r->embed, err, errlen))) return rc;
-    if ((rc = load_w(r, m, "model.norm.weight", 1, r->dim, 0, &r->final_norm, err, errlen))) return rc;
-    if (c->tie_word_embeddings) {
+    const int tp = r->n_ranks > 1;
+    /* a rank's embedding has one zero row more than its LM head (tp_shard.h): tied weights are
+     * two uploads there */
+    if ((rc = load_w(r, m, "model.embed_tokens.weight", r->vocab, r->dim, 0, tp ? KVS_SPLIT_VOCAB_EMBED : KVS_SPLIT_WHOLE,
+                     &r->embed, err, errlen)))
+        return rc;
+    if ((rc = load_w(r, m, "model.norm.weight", 1, r->dim, 0, KVS_SPLIT_WHOLE, &r->final_norm, err, errlen))) return rc;
+    if (c->tie_word_embeddings && !tp) {
         r->lm_head = r->embed;
-    } else if ((rc = load_w(r, m, "lm_head.weight", r->vocab, r->dim, 0, &r->lm_head, err, errlen))) {
+    } else if ((rc = load_w(r, m, c->tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", r->vocab,
+                            r->dim, 0, KVS_SPLIT_VOCAB, &r->lm_head, err, errlen))) {
         return rc;
     }
     r->layers = kvs_xcalloc((size_t)r->n_layers, sizeof *r->layers);
-    int qd = r->nh * r->hd, kvd = r->nkv * r->hd;
+    /* full shapes (what the file holds); each rank uploads its slice */
+    const int N = r->n_ranks, qd = r->nh * r->hd * N, kvd = r->nkv * r->hd * N, ff = r->ff * N;
+    const enum kvs_split W = KVS_SPLIT_WHOLE, RO = KVS_SPLIT_ROWS, CO = KVS_SPLIT_COLS;
     for (int l = 0; l < r->n_layers; l++) {
         struct layer_w *L = &r->layers[l];
         struct {
             const char *suffix;
             int64_t rows, cols;
             int optional;
+            enum kvs_split split;
             struct kvs_dweight **dst;
         } spec[] = {
-            {"input_layernorm.weight", 1, r->dim, 0, &L->attn_norm},
-            {"self_attn.q_proj.weight", qd, r->dim, 0, &L->wq},
-            {"self_attn.k_proj.weight", kvd, r->dim, 0, &L->wk},
-            {"self_attn.v_proj.weight", kvd, r->dim, 0, &L->wv},
-            {"self_attn.o_proj.weight", r->dim, qd, 0, &L->wo},
-            {"self_attn.q_proj.bias", 1, qd, !c->attention_bias, &L->bq},
-            {"self_attn.k_proj.bias", 1, kvd, !c->attention_bias, &L->bk},
-            {"self_attn.v_proj.bias", 1, kvd, !c->attention_bias, &L->bv},
-            {"self_attn.o_proj.bias", 1, r->dim, 1, &L->bo},
-            {"self_attn.q_norm.weight", 1, r->hd, !c->qk_norm, &L->q_norm},
-            {"self_attn.k_norm.weight", 1, r->hd, !c->qk_norm, &L->k_norm},
-            {"post_attention_layernorm.weight", 1, r->dim, 0, &L->mlp_norm},
-            {"mlp.gate_proj.weight", r->ff, r->dim, 0, &L->w_gate},
-            {"mlp.up_proj.weight", r->ff, r->dim, 0, &L->w_up},
-            {"mlp.down_proj.weight", r->dim, r->ff, 0, &L->w_down},
+            {"input_layernorm.weight", 1, r->dim, 0, W, &L->attn_norm},
+            {"self_attn.q_proj.weight", qd, r->dim, 0, RO, &L->wq},
+            {"self_attn.k_proj.weight", kvd, r->dim, 0, RO, &L->wk},
+            {"self_attn.v_proj.weight", kvd, r->dim, 0, RO, &L->wv},
+            {"self_attn.o_proj.weight", r->dim, qd, 0, CO, &L->wo},
+            {"self_attn.q_proj.bias", 1, qd, !c->attention_bias, RO, &L->bq},
+            {"self_attn.k_proj.bias", 1, kvd, !c->attention_bias, RO, &L->bk},
+            {"self_attn.v_proj.bias", 1, kvd, !c->attention_bias, RO, &L->bv},
+            /* added once, after the all-reduce would add it N times: rank 0 holds it */
+            {"self_attn.o_proj.bias", 1, r->dim, 1, W, r->rank == 0 ? &L->bo : NULL},
+            {"self_attn.q_norm.weight", 1, r->hd, !c->qk_norm, W, &L->q_norm},
+            {"self_attn.k_norm.weight", 1, r->hd, !c->qk_norm, W, &L->k_norm},
+            {"post_attention_layernorm.weight", 1, r->dim, 0, W, &L->mlp_norm},
+            {"mlp.gate_proj.weight", ff, r->dim, 0, RO, &L->w_gate},
+            {"mlp.up_proj.weight", ff, r->dim, 0, RO, &L->w_up},
+            {"mlp.down_proj.weight", r->dim, ff, 0, CO, &L->w_down},
         };
         for (size_t i = 0; i < sizeof spec / sizeof spec[0]; i++) {
+            if (!spec[i].dst) continue;
             snprintf(name, sizeof name, "model.layers.%d.%s", l, spec[i].suffix);
-            if ((rc = load_w(r, m, name, spec[i].rows, spec[i].cols, spec[i].optional, spec[i].dst, err, errlen)))
+            if ((rc = load_w(r, m, name, spec[i].rows, spec[i].cols, spec[i].optional, spec[i].split, spec[i].dst, err,
+                             errlen)))
                 return rc;
         }
         if (c->qk_norm && (!L->q_norm || !L->k_norm))
@@ -196,6 +231,43 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
                       size_t errlen)
 {
     *out = NULL;
+    if (cfg->tensor_parallel > 1) return kvs_tp_create(cfg, model, out, err, errlen);
+    struct kvs_runner *r;
+    size_t nb;
+    int rc = kvs_runner_rank_create(cfg, model, 0, 1, &r, &nb, err, errlen);
+    if (rc) return rc;
+    if ((rc = kvs_runner_rank_finish(r, cfg, nb, NULL, err, errlen))) {
+        kvs_runner_free(r);
+        return rc;
+    }
+    *out = r;
+    return 0;
+}
+
+/* The backend of rank `rank` of n_ranks: create_device(rank) where the backend has it (one GPU
+ * each), else create(); alone, device auto falls back to the CPU when the GPU backend cannot
+ * start (a group does not: its ranks would differ). */
+static struct kvs_backend *rank_backend(const struct kvs_config *cfg, const struct kvs_backend_ops **ops, int rank,
+                                        int n_ranks, char *err, size_t errlen)
+{
+    struct kvs_backend *be = n_ranks > 1 && (*ops)->create_device
+                                 ? (*ops)->create_device(rank, cfg->cpu_threads, err, errlen)
+                                 : (*ops)->create(cfg->cpu_threads, err, errlen);
+    int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
+    if (!be && is_auto && n_ranks == 1 && *ops != &kvs_cpu_backend) {
+        kvs_log(KVS_LOG_WARN, "runner: %s backend unavailable (%s); device auto falls back to cpu", (*ops)->name,
+                err ? err : "");
+        *ops = &kvs_cpu_backend;
+        be = (*ops)->create(cfg->cpu_threads, err, errlen);
+    }
+    return be;
+}
+
+int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model *model, int rank, int n_ranks,
+                           struct kvs_runner **out, size_t *n_blocks, char *err, size_t errlen)
+{
+    *out = NULL;
+    *n_blocks = 0;
     const struct kvs_backend_ops *ops = kvs_backend_pick(cfg->device, err, errlen);
     if (!ops) return strcmp(cfg->device ? cfg->device : "", "cuda") == 0 ? -ENOSYS : -EINVAL;
     const struct kvs_kv_storage_ops *st;
@@ -210,6 +282,9 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
         c->head_dim > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: unsupported model shape (heads %d/%d, head_dim %d)", c->n_heads,
                        c->n_kv_heads, c->head_dim);
+    if (c->n_kv_heads % n_ranks || c->intermediate_size % n_ranks || c->vocab_size < n_ranks)
+        return kvs_err(err, errlen, -EINVAL, "config key 'parallel.tensor': %d does not divide the model's %d KV heads "
+                       "and %d FFN columns", n_ranks, c->n_kv_heads, c->intermediate_size);
     if (cfg->kv_block_size <= 0 || cfg->kv_block_size > 1024)
         return kvs_err(err, errlen, -EINVAL, "runner: kv.block_size %d out of range [1, 1024]", cfg->kv_block_size);
 
@@ -219,11 +294,15 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->dp = dp;
     r->mc = *c;
     r->dim = c->hidden_size;
-    r->ff = c->intermediate_size;
-    r->nh = c->n_heads;
-    r->nkv = c->n_kv_heads;
+    r->rank = rank;
+    r->n_ranks = n_ranks;
+    r->nh = c->n_heads / n_ranks;
+    r->nkv = c->n_kv_heads / n_ranks;
+    r->ff = c->intermediate_size / n_ranks;
     r->hd = c->head_dim;
     r->vocab = c->vocab_size;
+    r->vocab_lo = kvs_tp_vocab_lo(r->vocab, rank, n_ranks);
+    r->vocab_n = kvs_tp_vocab_lo(r->vocab, rank + 1, n_ranks) - r->vocab_lo;
     r->n_layers = c->n_layers;
     r->block_size = cfg->kv_block_size;
     r->max_ctx = cfg->max_model_len > 0 ? cfg->max_model_len : c->max_position_embeddings;
@@ -233,14 +312,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     if (r->cap_seqs > r->cap_tokens) r->cap_seqs = r->cap_tokens;
     r->max_blocks = (r->max_ctx + r->block_size - 1) / r->block_size;
 
-    r->be = ops->create(cfg->cpu_threads, err, errlen);
-    int is_auto = !cfg->device || !*cfg->device || strcmp(cfg->device, "auto") == 0;
-    if (!r->be && is_auto && ops != &kvs_cpu_backend) {
-        kvs_log(KVS_LOG_WARN, "runner: %s backend unavailable (%s); device auto falls back to cpu", ops->name,
-                err ? err : "");
-        ops = r->ops = &kvs_cpu_backend;
-        r->be = ops->create(cfg->cpu_threads, err, errlen);
-    }
+    r->be = rank_backend(cfg, &ops, rank, n_ranks, err, errlen);
+    r->ops = ops;
     if (!r->be) {
         free(r);
         return -ENOMEM;
@@ -267,7 +340,7 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->gate = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
     r->up = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
     r->lrows = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->dim, &failed);
-    r->logits = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->vocab, &failed);
+    r->logits = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->vocab_n, &failed);
     r->d_tokens = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_pos = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_slots = xalloc(r, KVS_BUF_I32, T, &failed);
@@ -280,6 +353,11 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
     r->d_ids = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
+    if (n_ranks > 1) {
+        r->d_vals = xalloc(r, KVS_BUF_F32, T, &failed);
+        r->h_vals = kvs_xmalloc(T * sizeof(float));
+        r->h_chunk = kvs_xmalloc((size_t)LOGIT_CHUNK * r->vocab_n * sizeof(float));
+    }
     if (failed) {
         rc = kvs_err(err, errlen, -ENOMEM, "runner: out of memory for workspaces (%d tokens per step)", r->cap_tokens);
         goto fail;
@@ -309,7 +387,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
     r->kv_bytes_per_token = block_bytes / (size_t)r->block_size;
     size_t budget;
     if (cfg->kv_memory_bytes > 0) {
-        budget = (size_t)cfg->kv_memory_bytes;
+        /* the pool's bytes in all; each rank holds its heads' share of every block */
+        budget = (size_t)cfg->kv_memory_bytes / (size_t)n_ranks;
     } else {
         double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
         budget = (size_t)((double)ops->mem_available(r->be) * frac);
@@ -329,45 +408,8 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
                      budget, block_bytes);
         goto fail;
     }
-    r->n_blocks = (int)nb;
-    if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) goto fail;
-    kvs_log(KVS_LOG_INFO, "runner: %s backend, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB (%zu bytes/token, "
-            "storage %s)", ops->name, r->n_blocks, r->block_size, r->n_blocks * r->block_size,
-            (double)(nb * block_bytes) / (1024.0 * 1024.0), r->kv_bytes_per_token, st->name);
-
-    /* the decode policy, its per-request arena and what it needs from the layer loop */
-    if (dp->needs & KVS_KV_NEEDS_PRE_ROPE_Q) {
-        rc = kvs_err(err, errlen, -ENOSYS, "config key 'kv.decode': \"%s\" needs pre-RoPE queries, which this runner "
-                     "does not provide yet", dp->name);
-        goto fail;
-    }
-    const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
-                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token};
-    if ((rc = dp->create(&env, &r->dp_state, err, errlen))) goto fail;
-    r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
-    if (r->slot_bytes) {
-        int64_t cap = cfg->kv_decode_state_bytes;
-        if (cap > 0 && (int64_t)(r->slot_bytes * (size_t)r->cap_seqs) > cap) {
-            rc = kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': %s needs %zu bytes per request x %d "
-                         "requests, over the budget of %lld bytes", dp->name, r->slot_bytes, r->cap_seqs, (long long)cap);
-            goto fail;
-        }
-        r->slot_mem = calloc((size_t)r->cap_seqs, r->slot_bytes);
-        if (!r->slot_mem) {
-            rc = kvs_err(err, errlen, -ENOMEM, "runner: no memory for %d request states of %s", r->cap_seqs, dp->name);
-            goto fail;
-        }
-    }
-    if (dp->needs & KVS_KV_NEEDS_LSE) r->d_lse = xalloc(r, KVS_BUF_F32, T * (size_t)r->nh, &failed);
-    r->h_slot = kvs_xmalloc((S + 1) * sizeof(int32_t));
-    r->h_decode = kvs_xmalloc((S + 1) * sizeof(int32_t));
-    if ((rc = kvs_fidelity_init(&r->fid, cfg->kv_fidelity_sample_every, ops, r->be, T, qd, err, errlen)))
-        goto fail;
-    if (failed) {
-        rc = kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the decode policy's workspaces");
-        goto fail;
-    }
-
+    r->kv_bytes_total = r->kv_bytes_per_token * (size_t)n_ranks;
+    *n_blocks = nb;
     *out = r;
     return 0;
 fail:
@@ -375,7 +417,59 @@ fail:
     return rc;
 }
 
+int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, size_t nb, struct kvs_tp *tp, char *err,
+                           size_t errlen)
+{
+    const struct kvs_backend_ops *ops = r->ops;
+    const struct kvs_kv_storage_ops *st = r->st;
+    const struct kvs_kv_decode_ops *dp = r->dp;
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size};
+    const size_t T = (size_t)r->cap_tokens, S = (size_t)r->cap_seqs, qd = (size_t)r->nh * r->hd;
+    const size_t block_bytes = r->kv_bytes_per_token * (size_t)r->block_size;
+    int rc, failed = 0;
+    r->tp = tp;
+    r->n_blocks = (int)nb;
+    if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) return rc;
+    if (r->rank == 0)
+        kvs_log(KVS_LOG_INFO, "runner: %s backend%s, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB%s (%zu "
+                "bytes/token, storage %s)", ops->name, r->n_ranks > 1 ? " x tensor parallel ranks" : "", r->n_blocks,
+                r->block_size, r->n_blocks * r->block_size, (double)(nb * block_bytes) / (1024.0 * 1024.0),
+                r->n_ranks > 1 ? " a rank" : "", r->kv_bytes_per_token, st->name);
+
+    /* the decode policy, its per-request arena and what it needs from the layer loop */
+    if (dp->needs & KVS_KV_NEEDS_PRE_ROPE_Q)
+        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.decode': \"%s\" needs pre-RoPE queries, which this "
+                       "runner does not provide yet", dp->name);
+    const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
+                                          r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token,
+                                          r->n_blocks};
+    if ((rc = dp->create(&env, &r->dp_state, err, errlen))) return rc;
+    r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
+    if (r->slot_bytes) {
+        int64_t cap = cfg->kv_decode_state_bytes;
+        if (cap > 0 && (int64_t)(r->slot_bytes * (size_t)r->cap_seqs) > cap)
+            return kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': %s needs %zu bytes per request x "
+                           "%d requests, over the budget of %lld bytes", dp->name, r->slot_bytes, r->cap_seqs,
+                           (long long)cap);
+        r->slot_mem = calloc((size_t)r->cap_seqs, r->slot_bytes);
+        if (!r->slot_mem)
+            return kvs_err(err, errlen, -ENOMEM, "runner: no memory for %d request states of %s", r->cap_seqs, dp->name);
+    }
+    if (dp->needs & KVS_KV_NEEDS_LSE) r->d_lse = xalloc(r, KVS_BUF_F32, T * (size_t)r->nh, &failed);
+    r->h_slot = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    r->h_decode = kvs_xmalloc((S + 1) * sizeof(int32_t));
+    if ((rc = kvs_fidelity_init(&r->fid, cfg->kv_fidelity_sample_every, ops, r->be, T, qd, err, errlen))) return rc;
+    if (failed) return kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the decode policy's workspaces");
+    return 0;
+}
+
 void kvs_runner_free(struct kvs_runner *r)
+{
+    if (r && r->tp && r->rank == 0) kvs_tp_free(r->tp); /* every rank, this one last */
+    else kvs_runner_rank_free(r);
+}
+
+void kvs_runner_rank_free(struct kvs_runner *r)
 {
     if (!r) return;
     const struct kvs_backend_ops *o = r->ops;
@@ -401,7 +495,7 @@ void kvs_runner_free(struct kvs_runner *r)
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
                                  r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid, r->d_words,
-                                 r->d_lrows, r->d_ids, r->d_inv_freq};
+                                 r->d_lrows, r->d_ids, r->d_inv_freq, r->d_vals};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
         o->free(r->be);
     }
@@ -421,6 +515,8 @@ void kvs_runner_free(struct kvs_runner *r)
     free(r->h_lrows);
     free(r->h_lout);
     free(r->h_ids);
+    free(r->h_vals);
+    free(r->h_chunk);
     free(r);
 }
 
@@ -428,7 +524,7 @@ int kvs_runner_num_blocks(const struct kvs_runner *r) { return r->n_blocks; }
 int kvs_runner_block_size(const struct kvs_runner *r) { return r->block_size; }
 int kvs_runner_vocab_size(const struct kvs_runner *r) { return r->vocab; }
 const char *kvs_runner_backend_name(const struct kvs_runner *r) { return r->ops->name; }
-size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r) { return r->kv_bytes_per_token; }
+size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r) { return r->kv_bytes_total; }
 int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->cap_tokens; }
 int kvs_runner_max_seqs_per_step(const struct kvs_runner *r) { return r->cap_seqs; }
 int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
@@ -587,7 +683,10 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_kv_step *st
     float eps = r->mc.rms_norm_eps;
     float scale = 1.0f / sqrtf((float)hd);
 
+    const size_t nd = (size_t)n * dim;
+    const int tp = r->n_ranks > 1;
     o->embed(be, r->embed, r->d_tokens, n, dim, r->x);
+    if (tp) o->allreduce_sum(be, r->x, nd); /* each rank looked up its vocabulary rows, zeros elsewhere */
     o->rmsnorm(be, r->x, r->layers[0].attn_norm, eps, n, dim, r->xn);
     for (int l = 0; l < r->n_layers; l++) {
         const struct layer_w *L = &r->layers[l];
@@ -608,12 +707,14 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_kv_step *st
         if (l == fid_layer) kvs_fidelity_measure(&r->fid, &a);
         if (r->dp->finish) r->dp->finish(r->dp_state, l, step);
         o->matmul(be, r->att, L->wo, L->bo, n, nh * hd, dim, r->proj);
+        if (tp) o->allreduce_sum(be, r->proj, nd); /* the ranks' heads' shares of o_proj */
         o->add_rmsnorm(be, r->x, r->proj, L->mlp_norm, eps, n, dim, r->xn);
         if (o->matmul_swiglu_down) {
             o->matmul_swiglu_down(be, r->xn, L->w_gate, L->w_up, L->w_down, n, dim, ff, r->gate, r->up, r->proj);
         } else {
             mlp(r, L, n);
         }
+        if (tp) o->allreduce_sum(be, r->proj, nd); /* the ranks' FFN columns' shares of down_proj */
         const struct kvs_dweight *next = l + 1 < r->n_layers ? r->layers[l + 1].attn_norm : r->final_norm;
         o->add_rmsnorm(be, r->x, r->proj, next, eps, n, dim, r->xn);
     }
@@ -679,44 +780,74 @@ static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_kv_ste
     return 0;
 }
 
-/* The LM head over staged logits rows [first, first + m) (m <= LOGIT_CHUNK) into r->logits;
- * with ids, also their argmax ids into d_ids[first ..). */
+/* The LM head over staged logits rows [first, first + m) (m <= LOGIT_CHUNK) into r->logits
+ * (the rank's vocabulary columns); with ids, also their argmax ids into d_ids[first ..) (and,
+ * in a group, their values into d_vals, by which runner_tp.c merges the ranks' picks). */
 static void lm_head_chunk(struct kvs_runner *r, int first, int m, int ids)
 {
     const struct kvs_backend_ops *o = r->ops;
     o->upload(r->be, r->d_lrows, 0, r->h_lrows + first, (size_t)m);
     o->gather_rows(r->be, r->xn, r->d_lrows, m, r->dim, r->lrows);
-    o->matmul(r->be, r->lrows, r->lm_head, NULL, m, r->dim, r->vocab, r->logits);
-    if (ids) o->argmax_rows(r->be, r->logits, m, r->vocab, r->d_ids, (size_t)first);
+    o->matmul(r->be, r->lrows, r->lm_head, NULL, m, r->dim, r->vocab_n, r->logits);
+    if (!ids) return;
+    if (r->n_ranks > 1) o->argmax_rows_val(r->be, r->logits, m, r->vocab_n, r->d_ids, r->d_vals, (size_t)first);
+    else o->argmax_rows(r->be, r->logits, m, r->vocab, r->d_ids, (size_t)first);
 }
 
-/* The LM head of the step: host rows [0, n_host) to logits (in order, chunk by chunk), then the
- * ARGMAX rows, which stay on the backend; with b->argmax, the ids of every row come back in one
- * download at the end and are put back in batch order. */
+/* The LM head of the step: host rows [0, n_host) to logits (in order, chunk by chunk; a rank of
+ * a group fills its own columns of each row), then the ARGMAX rows, which stay on the backend;
+ * with b->argmax, the ids of every row come back in one download at the end and are put back in
+ * batch order (a group's ranks leave theirs in h_ids / h_vals for runner_tp.c). */
 static void lm_head(struct kvs_runner *r, const struct kvs_batch *b, int n_logits, int n_host, float *logits)
 {
-    const int ids = b->argmax != NULL;
+    const int ids = b->argmax != NULL, tp = r->n_ranks > 1, V = r->vocab, vn = r->vocab_n;
     for (int i = 0; i < n_host; i += LOGIT_CHUNK) {
         int m = n_host - i < LOGIT_CHUNK ? n_host - i : LOGIT_CHUNK;
         lm_head_chunk(r, i, m, ids);
-        r->ops->logits_to_host(r->be, r->logits, m, r->vocab, logits + (size_t)i * r->vocab);
+        r->ops->logits_to_host(r->be, r->logits, m, vn, tp ? r->h_chunk : logits + (size_t)i * V);
+        for (int t = 0; tp && t < m; t++)
+            memcpy(logits + (size_t)(i + t) * V + r->vocab_lo, r->h_chunk + (size_t)t * vn, (size_t)vn * sizeof(float));
     }
     for (int i = n_host; i < n_logits; i += LOGIT_CHUNK)
         lm_head_chunk(r, i, n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK, 1);
+    r->n_picks = ids ? n_logits : 0;
     if (!ids || n_logits == 0) return;
     r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)n_logits);
+    if (tp) {
+        r->ops->download(r->be, r->h_vals, r->d_vals, 0, (size_t)n_logits);
+        return;
+    }
     for (int k = 0; k < n_logits; k++) b->argmax[r->h_lout[k]] = r->h_ids[k];
 }
 
+void kvs_runner_rank_picks(const struct kvs_runner *r, struct kvs_rank_picks *p)
+{
+    *p = (struct kvs_rank_picks){r->n_picks, r->vocab_lo, r->h_ids, r->h_vals, r->h_lout};
+}
+
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+{
+    return r->n_ranks > 1 ? kvs_tp_forward(r->tp, b, logits) : kvs_runner_rank_forward(r, b, logits);
+}
+
+/* a group's ranks either all run the step or all refuse it: no rank may wait in an all-reduce
+ * that another never reaches */
+static int agree(struct kvs_runner *r, int rc) { return r->n_ranks > 1 ? kvs_tp_agree(r->tp, rc) : rc; }
+
+int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
     int n_logits, n_host, stride, any_rot, any_valid;
     const int cap = graph_capacity(r, b);
     const int S = cap ? graph_seqs(r, b->n_seqs) : b->n_seqs;
     int n = stage_batch(r, b, cap ? (cap + r->block_size - 1) / r->block_size : 0, S, &n_logits, &n_host, &stride,
                         &any_rot, &any_valid);
-    if (n < 0) return n;
-    if (n_host > 0 && !logits) return -EINVAL;
+    if (n >= 0 && n_host > 0 && !logits) n = -EINVAL;
+    if (n < 0) return agree(r, n);
+    /* a rank's embedding rows are its vocabulary's, then one zero row for every other token */
+    for (int i = 0; r->n_ranks > 1 && i < n; i++) {
+        const int t = r->h_tokens[i] - r->vocab_lo;
+        r->h_tokens[i] = t >= 0 && t < r->vocab_n ? t : r->vocab_n;
+    }
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
     o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
@@ -754,14 +885,12 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
             void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
             if (mem) memset(mem, 0, r->slot_bytes);
             int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
-            if (rc < 0) return rc;
+            if (rc < 0) return agree(r, rc);
         }
     }
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
-    if (r->dp->plan) {
-        int rc = r->dp->plan(r->dp_state, &step);
-        if (rc < 0) return rc;
-    }
+    int rc = r->dp->plan ? r->dp->plan(r->dp_state, &step) : 0;
+    if ((rc = agree(r, rc < 0 ? rc : 0)) < 0) return rc;
     /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
     for (int s = 0; s < S; s++)
         if (r->h_decode[s]) r->fid.full_bytes += (double)(r->h_seqpos[s] + 1) * (double)r->kv_bytes_per_token;
@@ -775,13 +904,38 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)
 {
     if (src < 0 || dst < 0 || src >= r->n_blocks || dst >= r->n_blocks) return -EINVAL;
-    r->st->copy_block(r->st_state, src, dst);
+    if (r->n_ranks > 1) return kvs_tp_copy_block(r->tp, src, dst);
+    kvs_runner_rank_copy_block(r, src, dst);
     return 0;
+}
+
+void kvs_runner_rank_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)
+{
+    r->st->copy_block(r->st_state, src, dst);
 }
 
 void kvs_runner_seq_end(struct kvs_runner *r, int slot)
 {
-    if (slot >= 0 && slot < r->cap_seqs && r->dp->seq_free) r->dp->seq_free(r->dp_state, slot);
+    if (slot < 0 || slot >= r->cap_seqs || !r->dp->seq_free) return;
+    if (r->n_ranks > 1) kvs_tp_seq_end(r->tp, slot);
+    else kvs_runner_rank_seq_end(r, slot);
+}
+
+void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot) { r->dp->seq_free(r->dp_state, slot); }
+
+struct kvs_backend *kvs_runner_rank_backend(const struct kvs_runner *r, const struct kvs_backend_ops **ops)
+{
+    *ops = r->ops;
+    return r->be;
+}
+
+size_t kvs_runner_rank_reduce_elems(const struct kvs_runner *r) { return (size_t)r->cap_tokens * (size_t)r->dim; }
+
+void kvs_runner_rank_warm(struct kvs_runner *r)
+{
+    r->ops->zero(r->be, r->proj, 0, kvs_runner_rank_reduce_elems(r));
+    r->ops->allreduce_sum(r->be, r->proj, kvs_runner_rank_reduce_elems(r));
+    r->ops->sync(r->be);
 }
 
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)

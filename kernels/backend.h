@@ -327,6 +327,28 @@ struct kvs_backend_ops {
      * (both -inf: o_a = 0, lse_a = -inf). o_a, o_b ACT [n][n_heads][head_dim]; lse F32 [n][n_heads]. */
     void (*attn_merge)(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a, const struct kvs_dbuf *o_b,
                        const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
+
+    /* ---- tensor parallelism (engine/runner_tp.c; appended, all optional) ------------------
+     * A tensor-parallel runner holds one backend per rank, each driven by its own thread (the
+     * thread that created it, or rank 0's caller); a backend without these ops cannot be a rank
+     * and parallel.tensor > 1 is refused on it with -ENOSYS. */
+    /* create() on device `device` (GPU index; the calling thread's current device becomes it).
+     * NULL: the backend has one device only (create() is used; CPU). */
+    struct kvs_backend *(*create_device)(int device, int n_threads, char *err, size_t errlen);
+    /* Joins the n backends bs[0..n) (rank i = bs[i], all created by this op table, n >= 2) into a
+     * group for allreduce_sum of at most max_elems elements. Called once from one thread after
+     * every rank exists; the group lives until the last of its backends is freed. 0, or a
+     * negative errno with a message (-ENOSYS: this build has no collective library). */
+    int (*tp_group)(struct kvs_backend *const *bs, int n, size_t max_elems, char *err, size_t errlen);
+    /* buf[0 .. n) (ACT) = the sum over the group's ranks of each one's buf[0 .. n). Every rank
+     * calls it with the same n at the same point of its op sequence, each from its own thread.
+     * Enqueued like any op (a recorded graph captures it). All ranks end with the same values. */
+    void (*allreduce_sum)(struct kvs_backend *b, struct kvs_dbuf *buf, size_t n);
+    /* argmax_rows, plus vals[out_off + i] (F32) = the winning value (what logits_to_host returns
+     * for it; anything when the id is -1): a vocabulary-split LM head merges the ranks' picks
+     * by value (ties: the lower rank, whose ids are lower). */
+    void (*argmax_rows_val)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                            struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
 };
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index

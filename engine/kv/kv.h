@@ -92,6 +92,8 @@ struct kvs_kv_decode_env {
     int max_rows;                 /* rows per step */
     int max_blocks;               /* blocks per sequence */
     size_t kv_bytes_per_token;    /* what reading one position costs (all layers, K+V) */
+    int n_pool_blocks;            /* blocks in the KV pool: a policy that keeps data per physical
+                                   * block (Quest's page digests) sizes it by this */
 };
 
 /* One step, as attend() sees it: seq s owns rows [h_q_start[s], h_q_start[s+1]); h_slot[s] is

@@ -46,6 +46,7 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
 static void cpu_free(struct kvs_backend *b)
 {
     if (!b) return;
+    kvs_cpu_tp_leave(b);
     kvs_cpu_pool_free(b->pool);
     free(b);
 }
@@ -452,4 +453,7 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .argmax_rows = cpu_argmax_rows,
     .attention_spans = kvs_cpu_attention_spans,
     .attn_merge = kvs_cpu_attn_merge,
+    .tp_group = kvs_cpu_tp_group,
+    .allreduce_sum = kvs_cpu_allreduce_sum,
+    .argmax_rows_val = kvs_cpu_argmax_rows_val,
 };

@@ -28,6 +28,8 @@ struct kvs_dweight {
 struct kvs_backend {
     struct kvs_cpu_pool *pool;
     struct kvs_cpu_kernels kern;  /* kernel set, GEMM mode and weight format, fixed at create */
+    struct kvs_cpu_tp_group *tp;  /* tensor-parallel group (cpu_tp.c) or NULL; shared, refcounted */
+    int tp_rank;
 };
 
 static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }
@@ -47,5 +49,13 @@ void kvs_cpu_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, co
                              struct kvs_dbuf *out, struct kvs_dbuf *lse);
 void kvs_cpu_attn_merge(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a, const struct kvs_dbuf *o_b,
                         const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
+
+/* tensor parallelism (cpu_tp.c): the ops of kernels/backend.h's tensor-parallel section, and
+ * the group's release when a rank's backend is freed */
+int kvs_cpu_tp_group(struct kvs_backend *const *bs, int n, size_t max_elems, char *err, size_t errlen);
+void kvs_cpu_allreduce_sum(struct kvs_backend *b, struct kvs_dbuf *buf, size_t n);
+void kvs_cpu_tp_leave(struct kvs_backend *b);
+void kvs_cpu_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                             struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
 
 #endif

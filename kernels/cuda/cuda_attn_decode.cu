@@ -506,7 +506,7 @@ template <int HD, bool ROT, bool TMA>
 static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
-    static int resident = 0;
+    static kvs_cu_resident resident;
     /* Splits: about two blocks per SM in all, at least one 128-key tile each, at most 16: the best
      * forced split counts of `kvserve-gpubench --attn-variants` follow this rule, where the
      * occupancy-filling plan of the one-warp kernel (choose_splits) split too much
@@ -519,7 +519,7 @@ static void launch_fd(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
         if (ns > 16) ns = 16; /* 32 splits measured slower than 16 at batch 1 x 8K / 32K */
         force = ns < 1 ? 1 : (int)ns;
     }
-    kvs_cu_attn_launch(k_attn_fd<HD, ROT, TMA>, FD_WARPS * 32, fd_cfg<HD, ROT, TMA>::smem, &resident, x, n_tiles,
+    kvs_cu_attn_launch(k_attn_fd<HD, ROT, TMA>, FD_WARPS * 32, fd_cfg<HD, ROT, TMA>::smem, kvs_cu_resident_here(resident), x, n_tiles,
                        max_ctx, st, n_sms, ws_floats, n, HD, force, FD_TILE);
 }
 

@@ -486,6 +486,24 @@ __device__ __forceinline__ void pv_tile(const bf16 *tv, int kst, const uint32_t 
 
 /* ---- host side: the launchers of each kernel file (planned and called by cuda_attention.cu) ---- */
 
+/* A kernel's resident blocks per SM (0: not known yet), one entry per GPU: the first launch on a
+ * device raises the kernel's shared-memory limit there (cudaFuncSetAttribute holds for the
+ * current device only), and each rank of a tensor-parallel group launches on its own device
+ * from its own thread. Launchers keep one `static kvs_cu_resident` and pass
+ * kvs_cu_resident_here() of it. */
+#define KVS_CU_MAX_DEVICES 64
+struct kvs_cu_resident {
+    int on[KVS_CU_MAX_DEVICES];
+};
+
+static inline int *kvs_cu_resident_here(kvs_cu_resident &r)
+{
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    KVS_ASSERT(dev >= 0 && dev < KVS_CU_MAX_DEVICES);
+    return &r.on[dev];
+}
+
 /* One launch of kernel `kern` (threads per block, dynamic shared memory smem) over n_tiles tiles
  * x KV heads x context splits, then the merge of the splits (cuda_attention.cu). *resident caches
  * the kernel's resident blocks per SM (0 = not yet known; the first call also raises its

@@ -185,13 +185,13 @@ template <int HD, int NW, int MT, int ST, bool ROT>
 static void launch_tc(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
-    static int resident = 0;
+    static kvs_cu_resident resident;
     /* Causal prefill tiles do unequal work (a tile's keys grow with its position), so splitting
      * contexts to fill whole waves does not pay once the tiles alone cover the SMs (measured:
      * bench/RESULTS.md, "Attention design measurements"). Fewer tiles than SMs (a short suffix
      * over a long cached context) still split. */
     if (force <= 0 && (long long)n_tiles * x.n_kv >= n_sms) force = 1;
-    kvs_cu_attn_launch(k_attn_tc<HD, NW, MT, ST, ROT>, NW * 32, tc_cfg<HD, NW, MT, ST, ROT>::smem, &resident, x,
+    kvs_cu_attn_launch(k_attn_tc<HD, NW, MT, ST, ROT>, NW * 32, tc_cfg<HD, NW, MT, ST, ROT>::smem, kvs_cu_resident_here(resident), x,
                        n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force);
 }
 

@@ -74,7 +74,9 @@ void kvs_cu_fill_bf16(struct kvs_backend *b, bf16 *y, size_t n, float scale, uin
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
-static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
+/* the backend on GPU `device`, which becomes the calling thread's current device (a tensor-parallel
+ * rank: one backend per GPU, each driven from its own thread) */
+static struct kvs_backend *cu_create_device(int device, int n_threads, char *err, size_t errlen)
 {
     (void)n_threads;
     int ndev = 0;
@@ -83,8 +85,12 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
         kvs_err(err, errlen, -ENODEV, "no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
         return NULL;
     }
+    if (device < 0 || device >= ndev) {
+        kvs_err(err, errlen, -ENODEV, "no CUDA device %d (%d visible)", device, ndev);
+        return NULL;
+    }
     struct kvs_backend *b = (struct kvs_backend *)kvs_xcalloc(1, sizeof *b);
-    b->device = 0;
+    b->device = device;
     CUDA_CHECK(cudaSetDevice(b->device));
     cudaDeviceProp prop;
     CUDA_CHECK(cudaGetDeviceProperties(&prop, b->device));
@@ -126,9 +132,14 @@ static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
         e = getenv("KVS_CUDA_GEMM_SPLITK");
         b->gemm_splitk = !(e && strcmp(e, "0") == 0);
     }
-    kvs_log(KVS_LOG_INFO, "cuda: %s, %d SMs, %.1f GiB, compute %d.%d", prop.name, prop.multiProcessorCount,
-            (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
+    kvs_log(KVS_LOG_INFO, "cuda: device %d: %s, %d SMs, %.1f GiB, compute %d.%d", device, prop.name,
+            prop.multiProcessorCount, (double)prop.totalGlobalMem / (1u << 30), prop.major, prop.minor);
     return b;
+}
+
+static struct kvs_backend *cu_create(int n_threads, char *err, size_t errlen)
+{
+    return cu_create_device(0, n_threads, err, errlen);
 }
 
 /* unlinks and frees one weight: its own memory, or its share of a fused storage (the storage
@@ -150,6 +161,7 @@ static void cu_free(struct kvs_backend *b)
 {
     if (!b) return;
     CUDA_CHECK(cudaStreamSynchronize(b->stream));
+    kvs_cu_tp_release(b);
     kvs_cu_gemm_tune_report(b);
     while (b->bufs) {
         struct kvs_dbuf *x = b->bufs;
@@ -459,6 +471,10 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_matmul_swiglu_down,
     kvs_cu_op_attention_spans,
     kvs_cu_op_attn_merge,
+    cu_create_device,
+    kvs_cu_op_tp_group,
+    kvs_cu_op_allreduce_sum,
+    kvs_cu_op_argmax_rows_val,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

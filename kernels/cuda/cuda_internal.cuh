@@ -6,7 +6,8 @@
  *   cuda_backend.cu  create/free, memory, uploads, step graphs, the table and cuda_backend.h's extras;
  *   cuda_gemm.cu     the matmuls: decode GEMM / cuBLASLt picks, fused weights, SwiGLU fusions;
  *   cuda_ops.cu      the small ops: embedding, norms, RoPE, KV writes, attention's entry, argmax...;
- *   kv_span.cu       the KV-strategy primitives attention_spans and attn_merge.
+ *   kv_span.cu       the KV-strategy primitives attention_spans and attn_merge;
+ *   cuda_tp.cu       tensor parallelism: the NCCL group and its all-reduce.
  * Ownership: everything allocated is owned by the struct kvs_backend (freed by its free op).
  * Errors: CUDA / cuBLAS failures abort with file:line (CUDA_CHECK, CUBLAS_CHECK: bugs, not client
  * errors); allocation functions return NULL on out-of-memory.
@@ -184,6 +185,7 @@ struct kvs_backend {
                                    * KVS_CUDA_DEC_ATTN or automatic (cuda_attn_decode.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
+    void *tp_comm;                /* tensor parallelism: this rank's NCCL communicator (cuda_tp.cu) or NULL */
 };
 template <typename T> static inline void list_add(T **head, T *x)
 {
@@ -319,6 +321,8 @@ void kvs_cu_op_kv_copy_block(struct kvs_backend *b, struct kvs_dbuf *kc, struct 
                              int n_kv_heads, int block_size, int head_dim);
 void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                            struct kvs_dbuf *out, size_t out_off);
+void kvs_cu_op_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                               struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
 
 /* ---- kv_span.cu (backend.h's KV-strategy primitives) ---- */
 void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
@@ -327,5 +331,11 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
                                int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse);
 void kvs_cu_op_attn_merge(struct kvs_backend *b, struct kvs_dbuf *o_a, struct kvs_dbuf *lse_a,
                           const struct kvs_dbuf *o_b, const struct kvs_dbuf *lse_b, int n, int n_heads, int head_dim);
+
+/* ---- cuda_tp.cu (backend.h's tensor-parallel ops; NCCL opened at run time) ---- */
+int kvs_cu_op_tp_group(struct kvs_backend *const *bs, int n, size_t max_elems, char *err, size_t errlen);
+void kvs_cu_op_allreduce_sum(struct kvs_backend *b, struct kvs_dbuf *buf, size_t n);
+/* releases b's communicator (free op) */
+void kvs_cu_tp_release(struct kvs_backend *b);
 
 #endif

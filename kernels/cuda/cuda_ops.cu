@@ -332,7 +332,8 @@ __device__ __forceinline__ void argmax_warp(float &bv, int &bi)
 }
 
 /* blockDim.x == ARGMAX_THREADS (whole warps); out[row] for row = blockIdx.x */
-__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *logits, int vocab, int vec4, int32_t *out)
+__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *logits, int vocab, int vec4, int32_t *out,
+                                                                 float *vals)
 {
     __shared__ float wv[ARGMAX_THREADS / 32];
     __shared__ int wi[ARGMAX_THREADS / 32];
@@ -364,7 +365,10 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *log
     bi = l < ARGMAX_THREADS / 32 ? wi[l] : -1;
     argmax_warp(bv, bi);
     /* nothing above -inf: nothing to pick (the sampler's greedy path fails too) */
-    if (l == 0) out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
+    if (l == 0) {
+        out[blockIdx.x] = bi >= 0 && bv == -INFINITY ? -1 : bi;
+        if (vals) vals[blockIdx.x] = bv; /* argmax_rows_val: the winner's value */
+    }
 }
 
 void kvs_cu_op_embed(struct kvs_backend *b, const struct kvs_dweight *emb, const struct kvs_dbuf *tokens, int n,
@@ -549,7 +553,22 @@ void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits,
     int vec4 = vocab % 4 == 0 && ((uintptr_t)logits->d & 15) == 0;
     xh_forget(b, out->d);
     CUDA_CHECK(kvs_cu_launch(k_argmax_rows, m, ARGMAX_THREADS, 0, b->stream, (const float *)logits->d, vocab, vec4,
-                             (int32_t *)out->d + out_off));
+                             (int32_t *)out->d + out_off, (float *)nullptr));
+    LAUNCH_CHECK();
+}
+
+/* argmax_rows plus each winner's value (a vocabulary-split LM head merges the ranks' picks) */
+void kvs_cu_op_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
+                               struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off)
+{
+    if (m <= 0) return;
+    KVS_ASSERT(logits->kind != KVS_BUF_KV && out->kind == KVS_BUF_I32 && vals->kind == KVS_BUF_F32);
+    KVS_ASSERT((size_t)m * vocab <= logits->n && out_off + (size_t)m <= out->n && out_off + (size_t)m <= vals->n);
+    int vec4 = vocab % 4 == 0 && ((uintptr_t)logits->d & 15) == 0;
+    xh_forget(b, out->d);
+    xh_forget(b, vals->d);
+    CUDA_CHECK(kvs_cu_launch(k_argmax_rows, m, ARGMAX_THREADS, 0, b->stream, (const float *)logits->d, vocab, vec4,
+                             (int32_t *)out->d + out_off, (float *)vals->d + out_off));
     LAUNCH_CHECK();
 }
 

@@ -414,7 +414,8 @@ static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, 
 template <int HD, int MT, bool ROT>
 static void launch_spans(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws)
 {
-    static int resident = 0;
+    static kvs_cu_resident resident_all;
+    int &resident = *kvs_cu_resident_here(resident_all);
     const size_t smem = 2 * (size_t)SPAN_ST * AT_TILE * (HD + 8) * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
                         ((size_t)SPAN_ST * AT_TILE + SPAN_ST) * sizeof(int);
     if (!resident) {

@@ -140,6 +140,8 @@ static const struct {
     {"full", NULL},
     {"test_spans", NULL},
     {"test_window", neutral_window},
+    /* the default min_budget of 256 tokens covers these contexts (at most 104): every page */
+    {"quest", NULL},
 };
 
 static void test_neutral(void)
@@ -281,6 +283,14 @@ static void test_matrix(void)
                 int rc = kvs_config_validate(&c, err, sizeof err);
                 if (rc == 0) rc = run(&c, jobs, &st, err, sizeof err);
                 kvs_config_free(&c);
+                char why[256];
+                if (kvs_kv_check_pair("reuse", reuses[j], "decode", decodes[k], why, sizeof why) < 0 ||
+                    kvs_kv_check_pair("storage", storages[i], "decode", decodes[k], why, sizeof why) < 0) {
+                    /* refused by the matrix (part 3's first half checks the message) */
+                    CHECK(rc == -EINVAL, "storage %s, reuse %s, decode %s: not refused (rc %d)", storages[i], reuses[j],
+                          decodes[k], rc);
+                    continue;
+                }
                 if (!strcmp(storages[i], "bf16")) {
                     /* the cpu backend stores f32: refused with a message, never ignored */
                     CHECK(rc < 0 && strstr(err, "bf16"), "bf16 storage on cpu: rc %d (%s)", rc, err);

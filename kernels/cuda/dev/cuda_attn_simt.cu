@@ -308,8 +308,8 @@ template <int HD, int RPW, bool ROT>
 static void launch_simt(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                         int force)
 {
-    static int resident = 0;
-    kvs_cu_attn_launch(k_attn<HD, RPW, ROT>, AT_THREADS, at_smem<HD>::bytes(AT_WARPS * RPW, ROT), &resident, x,
+    static kvs_cu_resident resident;
+    kvs_cu_attn_launch(k_attn<HD, RPW, ROT>, AT_THREADS, at_smem<HD>::bytes(AT_WARPS * RPW, ROT), kvs_cu_resident_here(resident), x,
                        n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force);
 }
 

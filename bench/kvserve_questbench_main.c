@@ -1,0 +1,263 @@
+/* kvserve_questbench_main.c: Quest's attention phase (kv.decode=quest: kernels/kv_quest.h on the
+ * CUDA backend plus attention_spans) against full attention() on the same data, ->
+ * build/kvserve-questbench.
+ *
+ * One layer of the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16
+ * K/V in a paged pool of 16-slot blocks dealt at random, random keys and queries), B decode rows
+ * (one per sequence, at the context's last position). Quest's phase is what the policy runs in a
+ * selecting layer: the digest refresh of the page each row wrote, the page scores, the top-k
+ * select with its spans, and attention_spans over the kept pages, budget max(256, ratio x n)
+ * tokens (ratio 0.15 unless --ratio). Each call sequence is timed alone with the L2 flushed
+ * before it (the first kernel's launch waits for the flush, so launches stay out of the timing),
+ * median of --reps. Printed per shape: pages kept per row, full ms, Quest ms, of which selection
+ * (digest + score + select) ms (and digest + score alone), the attention over the spans alone, full / Quest, the selection's
+ * share of Quest's time, and the layer mix of a 32-layer model with layers 0-1 dense.
+ *
+ * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
+ *                           [--reps 20] [--markdown FILE]
+ * A shape whose KV does not fit in free device memory is skipped with a note.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "kernels/kv_quest.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+
+#define NH 32
+#define NKV 8
+#define HD 128
+#define BS 16
+#define FLUSH_FLOATS ((size_t)64 << 20) /* 256 MB: several times the L2 */
+
+static const struct kvs_backend_ops *O = &kvs_cuda_backend;
+static const struct kvs_quest_kernels *K;
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+
+static int parse_list(const char *s, int *out, int cap)
+{
+    int n = 0;
+    while (*s && n < cap) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v <= 0) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
+{
+    struct kvs_dbuf *d = O->alloc(b, kind, n);
+    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
+    return d;
+}
+
+struct shape {
+    int B, ctx, max_pages, max_spans;
+    struct kvs_dbuf *kc, *vc, *dig, *q, *out, *lse, *keep, *scores, *nsp, *sp;
+    struct kvs_attn_meta m;
+    struct kvs_span_list sl;
+};
+
+enum { OP_FULL, OP_QUEST, OP_SELECT, OP_SPANS, OP_SCORE };
+
+static void run_op(struct kvs_backend *b, struct shape *S, int op)
+{
+    const float scale = 0.08838834764831845f; /* 1 / sqrt(128) */
+    if (op == OP_FULL) {
+        O->attention(b, S->q, S->kc, S->vc, &S->m, S->B, NH, NKV, HD, BS, scale, S->out);
+        return;
+    }
+    if (op != OP_SPANS) {
+        K->digest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->dig);
+        K->score(b, S->q, S->dig, &S->m, S->keep, S->B, NH, NKV, HD, BS, BS, S->max_pages, S->scores);
+        if (op == OP_SCORE) return;
+        K->select(b, S->scores, &S->m, S->keep, S->B, NKV, BS, S->max_pages, S->max_spans, S->nsp, S->sp);
+    }
+    if (op != OP_SELECT)
+        O->attention_spans(b, S->q, S->kc, S->vc, &S->m, &S->sl, S->B, NH, NKV, HD, BS, scale, S->out, S->lse);
+}
+
+/* median ms of reps runs of op, each after an L2 flush */
+static float time_op(struct kvs_backend *b, struct shape *S, int op, int reps, struct kvs_dbuf *flush)
+{
+    float *t = kvs_xmalloc((size_t)reps * sizeof(float));
+    for (int r = -2; r < reps; r++) { /* two warm-ups */
+        O->zero(b, flush, 0, FLUSH_FLOATS);
+        kvs_cuda_timer_start(b);
+        run_op(b, S, op);
+        const float ms = kvs_cuda_timer_stop_ms(b);
+        if (r >= 0) t[r] = ms;
+    }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_float);
+    const float med = t[reps / 2];
+    free(t);
+    return med;
+}
+
+int main(int argc, char **argv)
+{
+    int batches[8] = {1, 8, 32}, nb = 3, contexts[8] = {8192, 32768, 131072}, nc = 3, reps = 20;
+    double ratio = 0.15;
+    const char *md = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--batches") && v) nb = parse_list(argv[++i], batches, 8);
+        else if (!strcmp(argv[i], "--contexts") && v) nc = parse_list(argv[++i], contexts, 8);
+        else if (!strcmp(argv[i], "--ratio") && v) ratio = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--markdown") && v) md = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15] [--reps 20] "
+                            "[--markdown FILE]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (nb <= 0 || nc <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
+        fprintf(stderr, "%s: bad list, --ratio or --reps\n", argv[0]);
+        return 2;
+    }
+    char err[256], desc[256];
+    struct kvs_backend *b = O->create(0, err, sizeof err);
+    if (!b) {
+        fprintf(stderr, "cuda backend unavailable: %s\n", err);
+        return 1;
+    }
+    if (!(K = kvs_quest_kernels_for(O, err, sizeof err)) || !O->attention_spans) {
+        fprintf(stderr, "%s\n", K ? "the cuda backend has no attention_spans" : err);
+        return 1;
+    }
+    kvs_cuda_device_desc(b, desc, sizeof desc);
+    printf("device: %s\nshape: %d query heads, %d KV heads, head_dim %d, pages = blocks of %d; one layer, decode rows; "
+           "budget max(256, %.2f n)\n", desc, NH, NKV, HD, BS, ratio);
+    FILE *mf = md ? fopen(md, "w") : NULL;
+    if (md && !mf) {
+        fprintf(stderr, "%s: cannot write %s\n", argv[0], md);
+        return 1;
+    }
+    if (mf)
+        fprintf(mf, "| batch | context | pages kept | full ms | Quest ms | selection ms | of which digests + scores ms | "
+                    "spans ms | full / Quest | selection share | 32 layers, 0-1 dense: full / Quest |\n"
+                    "|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("%6s %8s %11s %9s %9s %9s %9s %9s %10s %9s %10s\n", "batch", "context", "kept/pages", "full ms", "quest ms",
+           "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio");
+    struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
+    for (int bi = 0; bi < nb; bi++)
+        for (int ci = 0; ci < nc; ci++) {
+            struct shape S;
+            memset(&S, 0, sizeof S);
+            const int B = batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
+            S.B = B, S.ctx = ctx, S.max_pages = nblk;
+            const size_t pool_blocks = (size_t)B * nblk, kv_elems = pool_blocks * NKV * BS * HD;
+            if (2 * kv_elems * 2 + kv_elems / BS * 2 * 2 + ((size_t)512 << 20) > O->mem_available(b)) {
+                printf("%6d %8d   skipped: %.1f GB of K/V does not fit\n", B, ctx, 4.0 * kv_elems / 1e9);
+                continue;
+            }
+            double budget = ceil(ratio * ctx);
+            if (budget < 256) budget = 256;
+            int keep = (int)ceil(budget / BS);
+            if (keep > nblk) keep = nblk;
+            S.max_spans = keep;
+            S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.dig = alloc_or_die(b, KVS_BUF_KV, pool_blocks * NKV * 2 * HD);
+            kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
+            kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
+            S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
+            S.out = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.lse = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NH);
+            S.keep = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
+            S.scores = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NKV * nblk);
+            S.nsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
+            S.sp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * S.max_spans * 2);
+            int32_t *perm = kvs_xmalloc(pool_blocks * 4);
+            for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
+            for (size_t i = pool_blocks - 1; i > 0; i--) {
+                const size_t j = rnd() % (i + 1);
+                const int32_t t = perm[i];
+                perm[i] = perm[j];
+                perm[j] = t;
+            }
+            int32_t *h_qs = kvs_xmalloc((size_t)(B + 1) * 4), *h_pos = kvs_xmalloc((size_t)B * 4);
+            int32_t *h_keep = kvs_xmalloc((size_t)B * 4);
+            struct kvs_dbuf *qs = alloc_or_die(b, KVS_BUF_I32, (size_t)B + 1), *pos = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
+            struct kvs_dbuf *bt = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+            O->upload(b, bt, 0, perm, pool_blocks);
+            /* digests of the whole context: one prefill-shaped refresh (untimed) */
+            for (int s = 0; s <= B; s++) h_qs[s] = s * ctx;
+            for (int s = 0; s < B; s++) h_pos[s] = 0, h_keep[s] = keep;
+            O->upload(b, qs, 0, h_qs, (size_t)B + 1);
+            O->upload(b, pos, 0, h_pos, (size_t)B);
+            O->upload(b, S.keep, 0, h_keep, (size_t)B);
+            S.m = (struct kvs_attn_meta){.n_seqs = B, .max_blocks = nblk, .q_start = qs, .pos = pos, .block_tables = bt,
+                                         .h_q_start = h_qs, .h_pos = h_pos, .max_ctx = ctx};
+            K->digest_update(b, S.kc, &S.m, NKV, HD, BS, BS, S.dig);
+            /* the decode step: one row per sequence at the last position */
+            for (int s = 0; s <= B; s++) h_qs[s] = s;
+            for (int s = 0; s < B; s++) h_pos[s] = ctx - 1;
+            O->upload(b, qs, 0, h_qs, (size_t)B + 1);
+            O->upload(b, pos, 0, h_pos, (size_t)B);
+            /* launch planning copies, as the policy gives them: one span with the kept keys' bound */
+            int32_t *h_n = kvs_xmalloc((size_t)B * NKV * 4), *h_sp = kvs_xcalloc((size_t)B * NKV * S.max_spans * 2, 4);
+            for (int i = 0; i < B * NKV; i++) {
+                h_n[i] = 1;
+                h_sp[(size_t)i * S.max_spans * 2 + 1] = keep * BS < ctx ? keep * BS : ctx;
+            }
+            S.sl = (struct kvs_span_list){S.max_spans, S.nsp, S.sp, h_n, h_sp};
+            const float full = time_op(b, &S, OP_FULL, reps, flush);
+            const float quest = time_op(b, &S, OP_QUEST, reps, flush);
+            const float sel = time_op(b, &S, OP_SELECT, reps, flush);
+            const float spans = time_op(b, &S, OP_SPANS, reps, flush);
+            const float score = time_op(b, &S, OP_SCORE, reps, flush);
+            const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
+            printf("%6d %8d %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f\n", B, ctx, keep, nblk, full, quest,
+                   sel, score, spans, full / quest, 100.0 * sel / quest, model);
+            fflush(stdout);
+            if (mf)
+                fprintf(mf, "| %d | %d | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f |\n", B, ctx,
+                        keep, nblk, full, quest, sel, score, spans, full / quest, 100.0 * sel / quest, model);
+            struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
+            free(perm);
+            free(h_qs);
+            free(h_pos);
+            free(h_keep);
+            free(h_n);
+            free(h_sp);
+        }
+    if (mf) fclose(mf);
+    O->free(b);
+    return 0;
+}
+
+#else
+int main(void)
+{
+    fprintf(stderr, "kvserve-questbench: built without CUDA (nvcc not found)\n");
+    return 1;
+}
+#endif

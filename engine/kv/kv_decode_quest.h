@@ -1,0 +1,14 @@
+/* kv_decode_quest.h: the test hook of kv.decode=quest (kv_decode_quest.c). With the check on,
+ * every layer that selects first recomputes, on the host, the min/max of every candidate page of
+ * its rows from the cache and counts pages whose digest differs
+ * (kvserve:kv_quest_stale_digests_total): tests run preemption, prefix sharing and block reuse
+ * with it and expect 0. Mode 2 also skips the digest refresh of every other step, the fault
+ * the check exists to catch (its negative control). Slow (downloads the layer's cache): tests
+ * only. Not thread-safe: set it before creating an engine. */
+#ifndef KVS_KV_DECODE_QUEST_H
+#define KVS_KV_DECODE_QUEST_H
+
+/* 0 off (default), 1 check, 2 check and skip every other step's refresh */
+void kvs_quest_set_check(int mode);
+
+#endif

@@ -1,0 +1,320 @@
+/* kv_quest.cu: the CUDA kernels of Quest's page selection (kernels/kv_quest.h), tested against
+ * the CPU reference (kernels/cpu/kv_quest.c) by tests/gpu/test_cuda_kv_quest.c.
+ *
+ * digest_update  one block per (sequence, KV head, page slice), one thread per dimension: each
+ *                page the step wrote is recomputed from its written slots (bf16 min/max are
+ *                bf16 values: stored exactly, equal to the CPU's on the same keys).
+ * score          one block per (row, KV head, 128 candidate pages), four warps; the group's
+ *                queries staged in shared memory; head_dim / 8 lanes score a page, each over 8
+ *                dimensions (16-byte loads of kmin and kmax), four page groups' loads in flight
+ *                per warp; fp32 sums reduced over the lanes (another order than the CPU's:
+ *                rounding-level differences, so near-ties may rank differently; the test allows
+ *                exactly that).
+ * select         one block of 1024 threads per (row, KV head): a radix select (4 passes of
+ *                8-bit digits, MSB first, over kvs_quest_order_key) finds the k-th largest
+ *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
+ *                above it and the lowest-indexed ones equal to it are kept (a
+ *                block scan over contiguous chunks ranks the ties in page order); the kept
+ *                pages, as a bitmask in shared memory, become merged spans in page order
+ *                through a second scan. Deterministic: no atomics decide any order.
+ *
+ * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
+ * grid dependency before reading what earlier kernels wrote; what they write is read only by
+ * later kernels (attention_spans reads the spans after its own wait).
+ */
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/kv_quest.h"
+
+#define QS_WARPS 4
+#define QS_PAGES 128         /* candidate pages per score block */
+#define SEL_THREADS 1024
+
+__device__ __forceinline__ uint32_t q_okey(float x)
+{
+    const uint32_t u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ size_t q_phys_page(const int32_t *bt, int p, int bs, int ps)
+{
+    return (size_t)bt[p / bs] * (size_t)(bs / ps) + (size_t)((p % bs) / ps);
+}
+
+/* ---- digests ------------------------------------------------------------------------------- */
+
+__global__ void k_quest_digest(const bf16 *__restrict__ kc, const int32_t *__restrict__ q_start,
+                               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, int max_blocks,
+                               int n_kv, int hd, int bs, int ps, bf16 *__restrict__ dig)
+{
+    grid_dep_wait();
+    const int s = blockIdx.x, g = blockIdx.y, i = threadIdx.x;
+    const int n = q_start[s + 1] - q_start[s];
+    if (n <= 0 || i >= hd) return;
+    const int p0 = pos[s], p1 = pos[s] + n;
+    const int32_t *bt = bts + (size_t)s * max_blocks;
+    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z) {
+        const int first = pg * ps, end = min((pg + 1) * ps, p1);
+        float mn = INFINITY, mx = -INFINITY;
+        for (int p = first; p < end; p++) {
+            const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
+            mn = fminf(mn, x);
+            mx = fmaxf(mx, x);
+        }
+        bf16 *d = dig + (q_phys_page(bt, first, bs, ps) * n_kv + g) * 2 * hd;
+        d[i] = __float2bfloat16(mn);
+        d[hd + i] = __float2bfloat16(mx);
+    }
+}
+
+static void cu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
+                             int n_kv_heads, int head_dim, int block_size, int page_size, struct kvs_dbuf *dig)
+{
+    int most = 0;   /* pages the longest write touches */
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int n = m->h_q_start[s + 1] - m->h_q_start[s];
+        if (n <= 0) continue;
+        const int pages = (m->h_pos[s] + n - 1) / page_size - m->h_pos[s] / page_size + 1;
+        most = pages > most ? pages : most;
+    }
+    if (!most) return;
+    xh_forget(b, dig->d);
+    const dim3 grid((unsigned)m->n_seqs, (unsigned)n_kv_heads, (unsigned)(most < 32 ? most : 32));
+    const int threads = (head_dim + 31) / 32 * 32;
+    CUDA_CHECK(kvs_cu_launch(k_quest_digest, grid, threads, 0, b->stream, (const bf16 *)kc->d,
+                             (const int32_t *)m->q_start->d, (const int32_t *)m->pos->d,
+                             (const int32_t *)m->block_tables->d, m->max_blocks, n_kv_heads, head_dim, block_size,
+                             page_size, (bf16 *)dig->d));
+}
+
+/* ---- scores -------------------------------------------------------------------------------- */
+
+/* L = hd / 8 lanes score a page, each over 8 dimensions read as one 16-byte load of kmin and one of
+ * kmax; a warp scores 32 / L pages at a time, QS_UNROLL such groups with their loads issued
+ * first (the digests are read once, so the kernel is bound by how many loads are in flight) */
+#define QS_UNROLL 4
+
+__device__ __forceinline__ void bf16x8(const uint4 &v, float *f)
+{
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float2 t = __bfloat1622float2(h[k]);
+        f[2 * k] = t.x, f[2 * k + 1] = t.y;
+    }
+}
+
+template <int HD>
+__global__ void __launch_bounds__(32 * QS_WARPS)
+k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
+              const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
+              int n_kv, int bs, int ps, int max_pages, float *__restrict__ scores)
+{
+    constexpr int L = HD / 8, P = 32 / L;   /* lanes per page, pages per warp step */
+    extern __shared__ float sq[];           /* [G][HD] */
+    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
+    grid_dep_wait();
+    const int cur = pos[row] / ps;
+    const int pg0 = (int)blockIdx.y * QS_PAGES;
+    if (keep[row] > cur || pg0 >= cur) return;
+    for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    float *out = scores + ((size_t)row * n_kv + g) * max_pages;
+    const int pg1 = min(pg0 + QS_PAGES, cur);
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += QS_WARPS * P * QS_UNROLL) {
+        uint4 mn[QS_UNROLL] = {}, mx[QS_UNROLL] = {};
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            if (pg < pg1) {
+                const uint4 *d = (const uint4 *)(dig + (q_phys_page(bt, pg * ps, bs, ps) * n_kv + g) * 2 * HD);
+                mn[u] = d[l];
+                mx[u] = d[L + l];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            float a[8], c[8], acc = 0.0f;
+            bf16x8(mn[u], a);
+            bf16x8(mx[u], c);
+            for (int h = 0; h < G; h++) {
+                const float *qh = sq + h * HD + 8 * l;
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc += fmaxf(qh[k] * a[k], qh[k] * c[k]);
+            }
+#pragma unroll
+            for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (l == 0 && pg < pg1) out[pg] = acc;
+        }
+    }
+}
+
+static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
+                     const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                     int head_dim, int block_size, int page_size, int max_pages, struct kvs_dbuf *scores)
+{
+    if (n <= 0) return;
+    int most = 0;
+    for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
+    if (!most) return;
+    xh_forget(b, scores->d);
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + QS_PAGES - 1) / QS_PAGES));
+    const size_t smem = (size_t)(n_heads / n_kv_heads) * head_dim * sizeof(float);
+#define QS_ARGS                                                                                                   \
+    grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d, (const bf16 *)dig->d, (const int32_t *)m->pos->d, \
+        (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads,       \
+        block_size, page_size, max_pages, (float *)scores->d
+    switch (head_dim) {
+    case 16: CUDA_CHECK(kvs_cu_launch(k_quest_score<16>, QS_ARGS)); break;
+    case 32: CUDA_CHECK(kvs_cu_launch(k_quest_score<32>, QS_ARGS)); break;
+    case 64: CUDA_CHECK(kvs_cu_launch(k_quest_score<64>, QS_ARGS)); break;
+    case 128: CUDA_CHECK(kvs_cu_launch(k_quest_score<128>, QS_ARGS)); break;
+    case 256: CUDA_CHECK(kvs_cu_launch(k_quest_score<256>, QS_ARGS)); break;
+    default: kvs_panic(__FILE__, __LINE__, "cuda Quest scores: head_dim %d (16, 32, 64, 128 or 256)", head_dim);
+    }
+#undef QS_ARGS
+}
+
+/* ---- top-k and spans ------------------------------------------------------------------------- */
+
+typedef cub::BlockScan<int, SEL_THREADS> sel_scan;
+
+__device__ __forceinline__ bool bit_at(const uint32_t *bits, int j) { return (bits[j >> 5] >> (j & 31)) & 1u; }
+
+__global__ void __launch_bounds__(SEL_THREADS)
+k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
+               int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
+               int32_t *__restrict__ spans)
+{
+    __shared__ int hist[256];
+    __shared__ int s_sel[2];               /* the digit's bin, keys still to take inside it */
+    __shared__ typename sel_scan::TempStorage scan_tmp;
+    extern __shared__ uint32_t bits[];     /* kept pages 0 .. cur */
+    const int pair = blockIdx.x, row = pair / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
+    int32_t *sp = spans + (size_t)pair * max_spans * 2;
+    if (top >= cur) {
+        if (tid == 0) {
+            sp[0] = 0, sp[1] = ctx;
+            n_spans[pair] = 1;
+        }
+        return;
+    }
+    const float *sc = scores + (size_t)pair * max_pages;
+    const int words = (cur + 1 + 31) / 32;
+    for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
+
+    /* radix select of the top-th largest key: prefix / mask hold the digits fixed so far */
+    uint32_t prefix = 0, mask = 0;
+    int remaining = top;               /* keys to take among those matching the prefix */
+    if (top > 0) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int x = tid; x < 256; x += SEL_THREADS) hist[x] = 0;
+            __syncthreads();
+            /* warp-aggregated counts: the leading digits of close scores agree, so plain atomics
+             * would serialise on a few bins */
+            for (int j0 = 0; j0 < cur; j0 += SEL_THREADS) {
+                const int j = j0 + tid;
+                int bin = -1;
+                if (j < cur) {
+                    const uint32_t k = q_okey(sc[j]);
+                    if ((k & mask) == prefix) bin = (int)((k >> shift) & 255);
+                }
+                const unsigned same = __match_any_sync(0xffffffffu, bin);
+                if (bin >= 0 && (tid & 31) == __ffs((int)same) - 1) atomicAdd(&hist[bin], __popc(same));
+            }
+            __syncthreads();
+            if (tid < 32) {   /* the digit: the highest bin whose count from the top reaches remaining */
+                int sum = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++) sum += hist[255 - 8 * tid - k];
+                int incl = sum;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += v;
+                }
+                const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
+                if (tid == (hit ? __ffs((int)hit) - 1 : 31)) {
+                    int above = incl - sum, d = 255 - 8 * tid;
+                    for (int k = 0; k < 7 && above + hist[d] < remaining; k++) above += hist[d--];
+                    s_sel[0] = d;
+                    s_sel[1] = remaining - above;
+                }
+            }
+            __syncthreads();
+            prefix |= (uint32_t)s_sel[0] << shift;
+            mask |= 255u << shift;
+            remaining = s_sel[1];
+            __syncthreads();
+        }
+    }
+    /* keep keys above the threshold, and the first `remaining` equal to it in page order */
+    const int chunk = (cur + SEL_THREADS - 1) / SEL_THREADS;
+    const int j0 = min(tid * chunk, cur), j1 = min(j0 + chunk, cur);
+    int eq = 0;
+    if (top > 0)
+        for (int j = j0; j < j1; j++) eq += q_okey(sc[j]) == prefix;
+    int eq_before;
+    sel_scan(scan_tmp).ExclusiveSum(eq, eq_before);
+    __syncthreads();
+    if (top > 0)
+        for (int j = j0; j < j1; j++) {
+            const uint32_t k = q_okey(sc[j]);
+            bool take = k > prefix;
+            if (k == prefix) take = eq_before++ < remaining;
+            if (take) atomicOr(&bits[j >> 5], 1u << (j & 31));
+        }
+    if (tid == 0) atomicOr(&bits[cur >> 5], 1u << (cur & 31));
+    __syncthreads();
+
+    /* merged spans in page order: a span starts at a kept page whose predecessor is not kept */
+    const int c2 = (cur + 1 + SEL_THREADS - 1) / SEL_THREADS;
+    const int a0 = min(tid * c2, cur + 1), a1 = min(a0 + c2, cur + 1);
+    int starts = 0;
+    for (int j = a0; j < a1; j++) starts += bit_at(bits, j) && (j == 0 || !bit_at(bits, j - 1));
+    int idx, total;
+    sel_scan(scan_tmp).ExclusiveSum(starts, idx, total);
+    for (int j = a0; j < a1; j++) {
+        if (!bit_at(bits, j) || (j > 0 && bit_at(bits, j - 1))) continue;
+        int e = j;
+        while (e < cur && bit_at(bits, e + 1)) e++;
+        if (idx < max_spans) {
+            sp[2 * idx] = j * ps;
+            sp[2 * idx + 1] = e == cur ? ctx : (e + 1) * ps;
+        }
+        idx++;
+    }
+    if (tid == 0) n_spans[pair] = min(total, max_spans);
+}
+
+static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
+                      const struct kvs_dbuf *keep, int n, int n_kv_heads, int page_size, int max_pages, int max_spans,
+                      struct kvs_dbuf *n_spans, struct kvs_dbuf *spans)
+{
+    if (n <= 0) return;
+    xh_forget(b, n_spans->d);
+    xh_forget(b, spans->d);
+    const size_t smem = (size_t)(max_pages + 1 + 31) / 32 * sizeof(uint32_t);
+    static int attr_set;
+    if (!attr_set && smem > 48 * 1024) {
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_quest_select, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(smem < 160 * 1024 ? 160 * 1024 : smem)));
+        attr_set = 1;
+    }
+    CUDA_CHECK(kvs_cu_launch(k_quest_select, (unsigned)(n * n_kv_heads), SEL_THREADS, smem, b->stream,
+                             (const float *)scores->d, (const int32_t *)m->pos->d, (const int32_t *)keep->d, n_kv_heads,
+                             page_size, max_pages, max_spans, (int32_t *)n_spans->d, (int32_t *)spans->d));
+    (void)m;
+}
+
+extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
+    "cuda",
+    cu_digest_update,
+    cu_score,
+    cu_select,
+};

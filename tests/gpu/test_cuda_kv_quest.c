@@ -1,0 +1,278 @@
+/* test_cuda_kv_quest.c: the CUDA kernels of Quest (kernels/cuda/kv_quest.cu) against the CPU
+ * reference (kernels/cpu/kv_quest.c), on fresh random cases each run (kv_quest_fixture.h; seed
+ * from the clock, printed; replay with KVS_SEED=<seed>), then kv.decode=quest through the whole
+ * engine on device cuda.
+ *   digests   bitwise equal to the CPU's (bf16 keys on both: min/max are exact);
+ *   scores    within 1e-5 of the CPU's, relative to the bound's magnitude (another fp32 order);
+ *   selection the CUDA select equals a brute-force ranking of the CUDA scores exactly (ties to
+ *             the lower page), and differs from the CPU's choice only on pages whose CPU score
+ *             is within rounding of the CPU's k-th score; planted needles are found; spans are
+ *             sorted, merged and end at the context;
+ *   attention attention_spans over the CUDA spans: out and lse against the CPU op over the same
+ *             spans (out relative L2 < 1e-2, lse within 1e-2 relative: bf16 K/V and q);
+ *   sizes     one 128K-token row (8192 candidate pages) and equal scores (the lowest pages);
+ *   engine    the tiny Llama on device cuda with kv.decode=quest at budget >= context gives the
+ *             same greedy tokens as full attention on cuda for most requests (bf16 rounding may
+ *             flip a near-tie), and at a small budget serves every request and reads less.
+ * Needs a GPU: exits 1 with a message when none. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "tests/unit/kv_quest_fixture.h"
+#include "tests/unit/test_util.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "engine/config.h"
+#include "engine/engine.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "models/model.h"
+
+static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
+static struct kvs_backend *bc, *bg;
+
+static double rel_l2(const float *a, const float *b, size_t n)
+{
+    double d = 0, r = 0;
+    for (size_t i = 0; i < n; i++) d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), r += (double)b[i] * b[i];
+    return r > 0 ? sqrt(d / r) : sqrt(d);
+}
+
+static void compare(const struct qf_case *c, const struct qf_out *rc, const struct qf_out *rg, const char *what)
+{
+    const int nkv = c->nkv, hd = c->hd, S = c->n_seqs;
+    const size_t nd = (size_t)rc->n_pages * nkv * 2 * hd;
+    /* digests of pages no sequence owns hold the junk both were given: compare everything */
+    size_t bad_dig = 0;
+    for (size_t i = 0; i < nd; i++) bad_dig += rc->dig[i] != rg->dig[i];
+    double score_err = 0;
+    int bad_sel = 0, near = 0, bad_spans = 0, needles = 0, found = 0, sparse = 0;
+    unsigned char *kc = kvs_xmalloc((size_t)rc->max_pages), *kg = kvs_xmalloc((size_t)rc->max_pages);
+    for (int s = 0; s < S; s++) {
+        const int cur = (c->ctx[s] - 1) / c->ps, top = c->keep[s] - 1;
+        for (int g = 0; g < nkv; g++) {
+            const int nc = qf_kept_pages(c, rc, s, g, kc), ng = qf_kept_pages(c, rg, s, g, kg);
+            if (nc < 0 || ng < 0 || nc != ng) {
+                bad_spans++;
+                continue;
+            }
+            if (top >= cur) continue;
+            sparse++;
+            const float *sc = rc->scores + ((size_t)s * nkv + g) * rc->max_pages;
+            const float *sg = rg->scores + ((size_t)s * nkv + g) * rg->max_pages;
+            double mag = 0;
+            for (int pg = 0; pg < cur; pg++) mag = fabs(sc[pg]) > mag ? fabs(sc[pg]) : mag;
+            /* the CPU's k-th score */
+            float thr = INFINITY;
+            for (int pg = 0; pg < cur; pg++)
+                if (kc[pg] && sc[pg] < thr) thr = sc[pg];
+            for (int pg = 0; pg < cur; pg++) {
+                const double e = fabs((double)sg[pg] - sc[pg]) / (mag > 0 ? mag : 1);
+                score_err = e > score_err ? e : score_err;
+                int ahead = 0;
+                const uint32_t kp = kvs_quest_order_key(sg[pg]);
+                for (int p2 = 0; p2 < cur; p2++) {
+                    const uint32_t k2 = kvs_quest_order_key(sg[p2]);
+                    ahead += k2 > kp || (k2 == kp && p2 < pg);
+                }
+                bad_sel += kg[pg] != (ahead < top);
+                if (kg[pg] != kc[pg]) {
+                    if (fabs((double)sc[pg] - thr) <= 1e-5 * (mag > 0 ? mag : 1)) near++;
+                    else bad_sel++;
+                }
+            }
+            bad_sel += !kg[cur];
+            for (int k = 0; k < QF_NEEDLES; k++)
+                if (c->needle[s][g][k] >= 0 && top >= QF_NEEDLES) needles++, found += kg[c->needle[s][g][k]];
+        }
+    }
+    free(kc);
+    free(kg);
+    const double out_err = rel_l2(rg->out, rc->out, (size_t)S * c->nh * hd);
+    double lse_err = 0;
+    for (int i = 0; i < S * c->nh; i++) {
+        /* relative to the lse's size: needles make scores of 20+ (bf16 q products) */
+        const double e = fabs((double)rg->lse[i] - rc->lse[i]) / (fabs(rc->lse[i]) > 1 ? fabs(rc->lse[i]) : 1);
+        lse_err = e > lse_err ? e : lse_err;
+    }
+    CHECK(bad_dig == 0, "%s: %zu digest entries differ", what, bad_dig);
+    CHECK(bad_spans == 0, "%s: %d malformed or differently sized span lists", what, bad_spans);
+    CHECK(bad_sel == 0, "%s: %d selection errors", what, bad_sel);
+    CHECK(score_err < 1e-5, "%s: score error %g", what, score_err);
+    CHECK(found == needles, "%s: %d of %d needles", what, found, needles);
+    /* outputs compared only when both chose the same pages (else the rows differ by design) */
+    if (!near) CHECK(out_err < 1e-2 && lse_err < 1e-2, "%s: out rel-L2 %g, lse err %g", what, out_err, lse_err);
+    printf("ok %s: digests bitwise, %d sparse selections exact on the CUDA scores (%d near-tie pages differ from "
+           "the CPU's), %d/%d needles, score err %.1e, out rel-L2 %.1e\n",
+           what, sparse, near, found, needles, score_err, out_err);
+}
+
+static void test_kernels(uint64_t seed)
+{
+    char err[256];
+    const struct kvs_quest_kernels *kc = kvs_quest_kernels_for(C, err, sizeof err);
+    const struct kvs_quest_kernels *kg = kvs_quest_kernels_for(G, err, sizeof err);
+    REQUIRE(kc && kg, "%s", err);
+    static const struct {
+        int S, nh, nkv, hd, bs, ps, lo, hi;
+        double ratio;
+        int min_budget, needles;
+        const char *what;
+    } CASES[] = {
+        {8, 32, 8, 128, 16, 16, 300, 4000, 0.15, 64, 1, "Llama-8B heads (G4, hd128), needles"},
+        {5, 16, 2, 64, 16, 8, 100, 2000, 0.2, 32, 1, "G8 hd64, pages of 8"},
+        {6, 8, 8, 128, 32, 16, 40, 900, 0.15, 32, 1, "MHA hd128, blocks of 32"},
+        {4, 32, 8, 128, 16, 16, 1, 300, 0.15, 256, 0, "short (every page: one span)"},
+        {1, 32, 8, 128, 16, 16, 131072, 131072, 0.15, 256, 1, "one 128K row (8192 pages)"},
+        {3, 64, 8, 256, 16, 16, 1000, 3000, 0.1, 64, 1, "G8 hd256"},
+    };
+    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+        struct qf_case c;
+        struct qf_out rc, rg;
+        qf_make(&c, seed + i, CASES[i].S, CASES[i].nh, CASES[i].nkv, CASES[i].hd, CASES[i].bs, CASES[i].ps, CASES[i].lo,
+                CASES[i].hi, CASES[i].ratio, CASES[i].min_budget, CASES[i].needles);
+        qf_run(C, bc, kc, &c, &rc);
+        qf_run(G, bg, kg, &c, &rg);
+        compare(&c, &rc, &rg, CASES[i].what);
+        qf_out_free(&rc);
+        qf_out_free(&rg);
+        qf_free(&c);
+    }
+    /* equal scores (zero queries): both keep the lowest pages */
+    struct qf_case c;
+    struct qf_out rc, rg;
+    qf_make(&c, seed, 3, 8, 2, 64, 16, 16, 3000, 9000, 0.1, 64, 0);
+    memset(c.q, 0, (size_t)c.n_seqs * c.nh * c.hd * sizeof *c.q);
+    qf_run(C, bc, kc, &c, &rc);
+    qf_run(G, bg, kg, &c, &rg);
+    int same = 1;
+    for (int i = 0; i < c.n_seqs * c.nkv; i++) {
+        same &= rc.n_spans[i] == rg.n_spans[i] && rg.n_spans[i] == 2;
+        for (int k = 0; k < 2 * rc.n_spans[i] && k < 2 * rc.max_spans; k++)
+            same &= rc.spans[(size_t)i * rc.max_spans * 2 + k] == rg.spans[(size_t)i * rg.max_spans * 2 + k];
+    }
+    CHECK(same, "equal scores: CUDA spans differ from the CPU's [0, (keep-1) ps), [cur ps, ctx)");
+    printf("ok equal scores: the lowest pages on both backends\n");
+    qf_out_free(&rc);
+    qf_out_free(&rg);
+    qf_free(&c);
+}
+
+/* ---- the engine on device cuda --------------------------------------------------------------- */
+
+#define NJ 6
+#define GEN 16
+
+static void run_engine(struct kvs_model *model, const char *decode, double ratio, int min_budget, int32_t out[NJ][GEN],
+                       struct kvs_engine_stats *st)
+{
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device), c.device = kvs_xstrdup("cuda");
+    free(c.kv_decode), c.kv_decode = kvs_xstrdup(decode);
+    free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("prefix");
+    c.kv_block_size = 16;
+    c.kv_memory_bytes = 16 << 20;
+    c.max_batch_tokens = 256;
+    c.max_running = 4;
+    c.max_model_len = 512;
+    c.quest_dense_layers = 0;
+    c.quest_budget_ratio = ratio;
+    c.quest_min_budget = min_budget;
+    char err[256];
+    struct kvs_engine *e;
+    REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
+    uint64_t rng = 4242;
+    struct kvs_request *r[NJ];
+    int32_t prompt[NJ][300];
+    for (int i = 0; i < NJ; i++) {
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        const int n = 150 + (int)(kvs_test_xorshift(&rng) % 140);
+        for (int t = 0; t < n; t++) prompt[i][t] = 1 + (int32_t)(kvs_test_xorshift(&rng) % 1000);
+        p.prompt = prompt[i];
+        p.n_prompt = n;
+        p.max_tokens = GEN;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit: %s", err);
+    }
+    for (int i = 0; i < NJ; i++) {
+        int n = 0, done = 0;
+        struct kvs_event ev[16];
+        while (!done) {
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN && n < GEN) out[i][n++] = ev[q].token;
+                if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
+                if (ev[q].type != KVS_EV_TOKEN) done = 1;
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        CHECK(n == GEN, "%s: request %d got %d tokens", decode, i, n);
+        kvs_request_unref(r[i]);
+    }
+    kvs_engine_stats(e, st);
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+}
+
+static void test_engine(void)
+{
+    char dir[1024], err[256];
+    struct kvs_model *model;
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
+    REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
+    static int32_t full[NJ][GEN], all[NJ][GEN], sparse[NJ][GEN];
+    struct kvs_engine_stats st;
+    run_engine(model, "full", 0.15, 256, full, &st);
+    run_engine(model, "quest", 1.0, 0, all, &st);
+    int same = 0;
+    for (int i = 0; i < NJ; i++) same += !memcmp(full[i], all[i], sizeof full[i]);
+    CHECK(same >= NJ - 1, "quest at budget >= context on cuda: %d of %d requests equal to full", same, NJ);
+    run_engine(model, "quest", 0.15, 32, sparse, &st);
+    const double rd = kvs_engine_kv_counter(&st, "kvserve:kv_decode_bytes_read_total");
+    const double fb = kvs_engine_kv_counter(&st, "kvserve:kv_decode_bytes_full_total");
+    const double rows = kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total");
+    CHECK(rows > 0 && rd < 0.6 * fb, "quest at 15%% on cuda: %g sparse rows, read %g of %g", rows, rd, fb);
+    printf("ok engine on cuda: quest at budget >= context equals full for %d/%d requests; at 15%% (min 32) %g sparse "
+           "rows read %.1f%% of full\n",
+           same, NJ, rows, 100 * rd / fb);
+    kvs_model_free(model);
+}
+
+int main(void)
+{
+    const char *es = getenv("KVS_SEED");
+    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
+    if (!seed) seed = 1;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
+    kvs_log_set_level(KVS_LOG_WARN);
+    char err[256];
+    bc = C->create(2, err, sizeof err);
+    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
+    bg = G->create(0, err, sizeof err);
+    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+    REQUIRE(G->attention_spans, "the CUDA backend has no attention_spans");
+    test_kernels(seed);
+    C->free(bc);
+    G->free(bg);
+    test_engine();
+    return kvs_test_summary("test_cuda_kv_quest");
+}
+#else
+int main(void)
+{
+    fprintf(stderr, "test_cuda_kv_quest: built without CUDA (nvcc not found)\n");
+    return 1;
+}
+#endif

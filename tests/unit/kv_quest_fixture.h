@@ -1,0 +1,277 @@
+/* kv_quest_fixture.h: random Quest cases (kernels/kv_quest.h) that run on any backend, shared by
+ * tests/unit/test_kv_quest.c (the CPU reference against double references) and
+ * tests/gpu/test_cuda_kv_quest.c (CUDA against the CPU reference). A case is a KV pool with
+ * shuffled block tables, a step that writes a prefill chunk or a decode token per sequence on
+ * top of an earlier prefill, and one decode query per sequence; keys and queries are rounded to
+ * bf16 so that every backend holds the same values. Needles: a few pages per (sequence, KV
+ * head) get one key aligned with the group's query, scaled. Header-only (static). */
+#ifndef KVS_KV_QUEST_FIXTURE_H
+#define KVS_KV_QUEST_FIXTURE_H
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "kernels/kv_quest.h"
+#include "tests/unit/test_util.h"
+
+#define QF_MAX_SEQS 16
+#define QF_NEEDLES 3
+
+struct qf_case {
+    int n_seqs, nh, nkv, hd, bs, ps, n_blocks, max_blocks;
+    int ctx[QF_MAX_SEQS];         /* context after the step */
+    int step_rows[QF_MAX_SEQS];   /* rows the step writes: positions ctx - step_rows .. ctx - 1 */
+    int keep[QF_MAX_SEQS];
+    int needle[QF_MAX_SEQS][8][QF_NEEDLES]; /* planted pages per (seq, kv head); -1 none */
+    int32_t *bt;                  /* [n_seqs][max_blocks] */
+    float *k, *v;                 /* [n_blocks][nkv][bs][hd] */
+    float *q;                     /* [n_seqs][nh][hd]: the decode query of each sequence */
+};
+
+static float qf_bf16(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static float qf_rand(uint64_t *r) { return (float)((double)kvs_test_xorshift(r) / 4294967296.0 * 2.0 - 1.0); }
+
+/* a random case: ctx in [lo, hi], keep from ratio (0: every page) */
+static void qf_make(struct qf_case *c, uint64_t seed, int n_seqs, int nh, int nkv, int hd, int bs, int ps, int lo,
+                    int hi, double ratio, int min_budget, int needles)
+{
+    uint64_t r = seed;
+    memset(c, 0, sizeof *c);
+    c->n_seqs = n_seqs, c->nh = nh, c->nkv = nkv, c->hd = hd, c->bs = bs, c->ps = ps;
+    c->max_blocks = (hi + bs - 1) / bs;
+    c->n_blocks = n_seqs * c->max_blocks + 3;
+    c->bt = kvs_xcalloc((size_t)n_seqs * c->max_blocks, sizeof *c->bt);
+    int *perm = kvs_xmalloc((size_t)c->n_blocks * sizeof *perm);
+    for (int i = 0; i < c->n_blocks; i++) perm[i] = i;
+    for (int i = c->n_blocks - 1; i > 0; i--) {
+        int j = (int)(kvs_test_xorshift(&r) % (uint32_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (int s = 0; s < n_seqs; s++) {
+        c->ctx[s] = lo + (int)(kvs_test_xorshift(&r) % (uint32_t)(hi - lo + 1));
+        /* every third sequence writes a prefill chunk that crosses pages, the rest one token */
+        c->step_rows[s] = s % 3 == 2 ? 1 + (int)(kvs_test_xorshift(&r) % 40) : 1;
+        if (c->step_rows[s] >= c->ctx[s]) c->step_rows[s] = c->ctx[s] - 1;
+        if (c->step_rows[s] < 1) c->step_rows[s] = 1;
+        for (int b = 0; b < c->max_blocks; b++) c->bt[s * c->max_blocks + b] = perm[s * c->max_blocks + b];
+        double b = ceil(ratio * c->ctx[s]);
+        if (b < min_budget) b = min_budget;
+        c->keep[s] = ratio > 0 ? (int)ceil(b / ps) : 1 << 30;
+    }
+    free(perm);
+    const size_t nk = (size_t)c->n_blocks * nkv * bs * hd;
+    c->k = kvs_xmalloc(nk * sizeof *c->k);
+    c->v = kvs_xmalloc(nk * sizeof *c->v);
+    for (size_t i = 0; i < nk; i++) c->k[i] = qf_bf16(qf_rand(&r)), c->v[i] = qf_bf16(qf_rand(&r));
+    c->q = kvs_xmalloc((size_t)n_seqs * nh * hd * sizeof *c->q);
+    for (size_t i = 0; i < (size_t)n_seqs * nh * hd; i++) c->q[i] = qf_bf16(qf_rand(&r));
+    memset(c->needle, 0xff, sizeof c->needle);
+    const int G = nh / nkv;
+    for (int s = 0; needles && s < n_seqs; s++) {
+        const int cur = (c->ctx[s] - 1) / ps;
+        if (cur < 2 * QF_NEEDLES) continue;
+        for (int g = 0; g < nkv; g++)
+            for (int k = 0; k < QF_NEEDLES; k++) {
+                int pg;
+                do pg = (int)(kvs_test_xorshift(&r) % (uint32_t)cur);
+                while ((k > 0 && c->needle[s][g][0] == pg) || (k > 1 && c->needle[s][g][1] == pg));
+                c->needle[s][g][k] = pg;
+                const int p = pg * ps + (int)(kvs_test_xorshift(&r) % (uint32_t)ps);
+                float *kr = c->k + (((size_t)c->bt[s * c->max_blocks + p / bs] * nkv + g) * bs + p % bs) * hd;
+                for (int i = 0; i < hd; i++) {
+                    double m = 0;
+                    for (int h = g * G; h < (g + 1) * G; h++) m += c->q[((size_t)s * nh + h) * hd + i];
+                    kr[i] = qf_bf16((float)(6.0 * m / G));
+                }
+            }
+    }
+}
+
+static void qf_free(struct qf_case *c)
+{
+    free(c->bt);
+    free(c->k);
+    free(c->v);
+    free(c->q);
+}
+
+/* The outputs of a case on one backend. */
+struct qf_out {
+    float *dig;                   /* [n_pages][nkv][2][hd] */
+    float *scores;                /* [n_seqs][nkv][max_pages] */
+    int32_t *n_spans, *spans;     /* [n_seqs][nkv], [n_seqs][nkv][max_spans][2] */
+    float *out, *lse;             /* attention_spans over the spans: [n_seqs][nh][hd], [n_seqs][nh] */
+    int max_pages, max_spans, n_pages;
+};
+
+/* uploads a meta whose sequence s has rows[s] rows ending at ctx[s] */
+struct qf_meta {
+    struct kvs_attn_meta m;
+    int32_t qs[QF_MAX_SEQS + 1], pos[QF_MAX_SEQS];
+};
+
+static void qf_meta_make(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct qf_case *c,
+                         const int *rows, const int *end, struct qf_meta *qm)
+{
+    memset(qm, 0, sizeof *qm);
+    qm->qs[0] = 0;
+    int mx = 0;
+    for (int s = 0; s < c->n_seqs; s++) {
+        qm->qs[s + 1] = qm->qs[s] + rows[s];
+        qm->pos[s] = end[s] - rows[s];
+        if (end[s] > mx) mx = end[s];
+    }
+    struct kvs_attn_meta *m = &qm->m;
+    m->n_seqs = c->n_seqs;
+    m->max_blocks = c->max_blocks;
+    m->q_start = o->alloc(be, KVS_BUF_I32, (size_t)c->n_seqs + 1);
+    m->pos = o->alloc(be, KVS_BUF_I32, (size_t)c->n_seqs);
+    m->block_tables = o->alloc(be, KVS_BUF_I32, (size_t)c->n_seqs * c->max_blocks);
+    KVS_ASSERT(m->q_start && m->pos && m->block_tables);
+    o->upload(be, m->q_start, 0, qm->qs, (size_t)c->n_seqs + 1);
+    o->upload(be, m->pos, 0, qm->pos, (size_t)c->n_seqs);
+    o->upload(be, m->block_tables, 0, c->bt, (size_t)c->n_seqs * c->max_blocks);
+    m->h_q_start = qm->qs;
+    m->h_pos = qm->pos;
+    m->max_ctx = mx;
+}
+
+static void qf_meta_free(const struct kvs_backend_ops *o, struct kvs_backend *be, struct qf_meta *qm)
+{
+    o->free_buf(be, qm->m.q_start);
+    o->free_buf(be, qm->m.pos);
+    o->free_buf(be, qm->m.block_tables);
+}
+
+/* Runs digest_update (an earlier prefill of positions 0 .. ctx - step_rows - 1, then the step),
+ * score, select and attention_spans of the case on backend o with kernels k. */
+static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct kvs_quest_kernels *k,
+                   const struct qf_case *c, struct qf_out *r)
+{
+    const int S = c->n_seqs, nkv = c->nkv, hd = c->hd;
+    memset(r, 0, sizeof *r);
+    r->n_pages = c->n_blocks * (c->bs / c->ps);
+    r->max_pages = c->max_blocks * (c->bs / c->ps);
+    r->max_spans = 1;
+    for (int s = 0; s < S; s++) {
+        int kp = c->keep[s] < r->max_pages ? c->keep[s] : r->max_pages;
+        if (kp > r->max_spans) r->max_spans = kp;
+    }
+    const size_t nk = (size_t)c->n_blocks * nkv * c->bs * hd, nd = (size_t)r->n_pages * nkv * 2 * hd;
+    struct kvs_dbuf *kc = o->alloc(be, KVS_BUF_KV, nk), *vc = o->alloc(be, KVS_BUF_KV, nk);
+    struct kvs_dbuf *dig = o->alloc(be, KVS_BUF_KV, nd);
+    KVS_ASSERT(kc && vc && dig);
+    o->upload(be, kc, 0, c->k, nk);
+    o->upload(be, vc, 0, c->v, nk);
+    /* stale garbage everywhere: only what digest_update writes may be read */
+    float *junk = kvs_xmalloc(nd * sizeof *junk);
+    for (size_t i = 0; i < nd; i++) junk[i] = (i & 1) ? 8192.0f : -8192.0f;   /* bf16-exact */
+    o->upload(be, dig, 0, junk, nd);
+    free(junk);
+
+    int rows[QF_MAX_SEQS] = {0}, end[QF_MAX_SEQS] = {0};
+    struct qf_meta qm;
+    for (int s = 0; s < S; s++) rows[s] = c->ctx[s] - c->step_rows[s], end[s] = c->ctx[s] - c->step_rows[s];
+    qf_meta_make(o, be, c, rows, end, &qm);
+    k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+    qf_meta_free(o, be, &qm);
+    for (int s = 0; s < S; s++) rows[s] = c->step_rows[s], end[s] = c->ctx[s];
+    qf_meta_make(o, be, c, rows, end, &qm);
+    k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+    qf_meta_free(o, be, &qm);
+
+    /* the decode query of each sequence */
+    for (int s = 0; s < S; s++) rows[s] = 1;
+    qf_meta_make(o, be, c, rows, end, &qm);
+    struct kvs_dbuf *q = o->alloc(be, KVS_BUF_ACT, (size_t)S * c->nh * hd);
+    struct kvs_dbuf *keep = o->alloc(be, KVS_BUF_I32, (size_t)S);
+    struct kvs_dbuf *sc = o->alloc(be, KVS_BUF_F32, (size_t)S * nkv * r->max_pages);
+    struct kvs_dbuf *ns = o->alloc(be, KVS_BUF_I32, (size_t)S * nkv);
+    struct kvs_dbuf *sp = o->alloc(be, KVS_BUF_I32, (size_t)S * nkv * r->max_spans * 2);
+    struct kvs_dbuf *out = o->alloc(be, KVS_BUF_ACT, (size_t)S * c->nh * hd);
+    struct kvs_dbuf *lse = o->alloc(be, KVS_BUF_F32, (size_t)S * c->nh);
+    KVS_ASSERT(q && keep && sc && ns && sp && out && lse);
+    o->upload(be, q, 0, c->q, (size_t)S * c->nh * hd);
+    int32_t hk[QF_MAX_SEQS];
+    for (int s = 0; s < S; s++) {
+        const int cur = (c->ctx[s] - 1) / c->ps;
+        hk[s] = c->keep[s] > cur + 1 ? cur + 1 : c->keep[s];
+    }
+    o->upload(be, keep, 0, hk, (size_t)S);
+    float *zero = kvs_xcalloc((size_t)S * nkv * r->max_pages, sizeof *zero);
+    o->upload(be, sc, 0, zero, (size_t)S * nkv * r->max_pages);
+    free(zero);
+    k->score(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, r->max_pages, sc);
+    k->select(be, sc, &qm.m, keep, S, nkv, c->ps, r->max_pages, r->max_spans, ns, sp);
+    /* launch planning copies: one span holding at least the kept keys (as the policy does) */
+    int32_t *hn = kvs_xmalloc((size_t)S * nkv * sizeof *hn);
+    int32_t *hs = kvs_xcalloc((size_t)S * nkv * r->max_spans * 2, sizeof *hs);
+    for (int s = 0; s < S; s++)
+        for (int g = 0; g < nkv; g++) {
+            hn[s * nkv + g] = 1;
+            const int b = hk[s] * c->ps < c->ctx[s] ? hk[s] * c->ps : c->ctx[s];
+            hs[((size_t)s * nkv + g) * r->max_spans * 2 + 1] = b;
+        }
+    const struct kvs_span_list sl = {r->max_spans, ns, sp, hn, hs};
+    o->attention_spans(be, q, kc, vc, &qm.m, &sl, S, c->nh, nkv, hd, c->bs, 1.0f / sqrtf((float)hd), out, lse);
+
+    r->dig = kvs_xmalloc(nd * sizeof *r->dig);
+    o->download(be, r->dig, dig, 0, nd);
+    r->scores = kvs_xmalloc((size_t)S * nkv * r->max_pages * sizeof *r->scores);
+    o->download(be, r->scores, sc, 0, (size_t)S * nkv * r->max_pages);
+    r->n_spans = kvs_xmalloc((size_t)S * nkv * sizeof *r->n_spans);
+    o->download(be, r->n_spans, ns, 0, (size_t)S * nkv);
+    r->spans = kvs_xmalloc((size_t)S * nkv * r->max_spans * 2 * sizeof *r->spans);
+    o->download(be, r->spans, sp, 0, (size_t)S * nkv * r->max_spans * 2);
+    r->out = kvs_xmalloc((size_t)S * c->nh * hd * sizeof *r->out);
+    o->download(be, r->out, out, 0, (size_t)S * c->nh * hd);
+    r->lse = kvs_xmalloc((size_t)S * c->nh * sizeof *r->lse);
+    o->download(be, r->lse, lse, 0, (size_t)S * c->nh);
+    free(hn);
+    free(hs);
+    qf_meta_free(o, be, &qm);
+    struct kvs_dbuf *bufs[] = {kc, vc, dig, q, keep, sc, ns, sp, out, lse};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free_buf(be, bufs[i]);
+}
+
+static void qf_out_free(struct qf_out *r)
+{
+    free(r->dig);
+    free(r->scores);
+    free(r->n_spans);
+    free(r->spans);
+    free(r->out);
+    free(r->lse);
+}
+
+/* the kept pages of (s, g) as flags [max_pages] from the spans; -1 when the spans are malformed
+ * (unsorted, overlapping, not page-aligned, or the last not ending at ctx) */
+static int qf_kept_pages(const struct qf_case *c, const struct qf_out *r, int s, int g, unsigned char *kept)
+{
+    memset(kept, 0, (size_t)r->max_pages);
+    const int n = r->n_spans[s * c->nkv + g];
+    const int32_t *sp = r->spans + ((size_t)s * c->nkv + g) * r->max_spans * 2;
+    if (n < 1 || n > r->max_spans) return -1;
+    int prev = -1, count = 0;
+    for (int i = 0; i < n; i++) {
+        const int a = sp[2 * i], b = sp[2 * i + 1];
+        if (a <= prev || a % c->ps || b <= a || b > c->ctx[s]) return -1;
+        if (i < n - 1 ? b % c->ps != 0 : b != c->ctx[s]) return -1;
+        for (int p = a / c->ps; p * c->ps < b; p++) kept[p] = 1, count++;
+        prev = b;
+    }
+    return count;
+}
+
+#endif
