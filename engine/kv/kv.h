@@ -77,7 +77,9 @@ struct kvs_kv_storage_ops {
 
 /* ---- decode policy (runner side) --------------------------------------------------------- */
 enum {
-    KVS_KV_NEEDS_PRE_ROPE_Q = 1,  /* attend() gets q before RoPE too */
+    KVS_KV_NEEDS_PRE_ROPE_Q = 1,  /* attend() gets q before RoPE too (a->q_pre: the runner copies q
+                                   * after the projection and the q norm, before RoPE, and then runs
+                                   * the unfused RoPE + cache write: no fused matmul_rope_kv_write) */
     KVS_KV_NEEDS_LSE = 2,         /* the runner provides an lse scratch [rows][n_heads] */
     KVS_KV_NO_GRAPHS = 4,         /* steps must run eagerly (host work between layers) */
 };
@@ -108,7 +110,8 @@ struct kvs_kv_step {
 struct kvs_kv_attend {
     const struct kvs_kv_step *step;
     const struct kvs_dbuf *q;     /* ACT [n][n_heads][head_dim], after RoPE */
-    const struct kvs_dbuf *q_pre; /* before RoPE (KVS_KV_NEEDS_PRE_ROPE_Q) or NULL */
+    const struct kvs_dbuf *q_pre; /* ACT [n][n_heads][head_dim] before RoPE (KVS_KV_NEEDS_PRE_ROPE_Q)
+                                   * or NULL */
     struct kvs_kv_view kv;
     int n_heads, n_kv_heads, head_dim, block_size;
     float scale;
