@@ -305,8 +305,8 @@ enum kvs_chat_format kvs_chat_detect(const char *model_dir)
 
 /* ---------------------------------------------------------------- rendering */
 
-enum role { R_SYSTEM, R_USER, R_ASSISTANT };
-static const char *role_names[] = {"system", "user", "assistant"};
+enum role { R_SYSTEM, R_USER, R_ASSISTANT, R_DEVELOPER, R_TOOL };
+static const char *role_names[] = {"system", "user", "assistant", "developer", "tool"};
 
 struct msg {
     enum role role;
@@ -349,6 +349,15 @@ static void render_qwen3(struct sbuf *b, const struct msg *m, int n)
         }
     }
     for (int i = 0; i < n; i++) {
+        if (m[i].role == R_TOOL) {
+            /* Qwen3's template: a run of tool results is one user turn of <tool_response> blocks */
+            if (i == 0 || m[i - 1].role != R_TOOL) sb_str(b, "<|im_start|>user");
+            sb_str(b, "\n<tool_response>\n");
+            sb_add(b, m[i].content.p, m[i].content.n);
+            sb_str(b, "\n</tool_response>");
+            if (i == n - 1 || m[i + 1].role != R_TOOL) sb_str(b, "<|im_end|>\n");
+            continue;
+        }
         if (m[i].role != R_ASSISTANT) {
             sb_str(b, "<|im_start|>");
             sb_str(b, role_names[m[i].role]);
@@ -417,11 +426,15 @@ const char *kvs_chat_generation_prompt(enum kvs_chat_format f)
 /* Start of message 0's content in the ChatML-family output (for document spans). */
 static size_t chatml_sys_base(void) { return strlen("<|im_start|>system\n"); }
 
-static int parse_role(const char *r, enum role *out)
+/* developer is kept where the format's template renders the role name as given (transformers
+ * renders "developer" there) and becomes system for QWEN3, whose template drops the message */
+static int parse_role(enum kvs_chat_format f, const char *r, enum role *out)
 {
-    if (strcmp(r, "system") == 0 || strcmp(r, "developer") == 0) *out = R_SYSTEM;
+    if (strcmp(r, "system") == 0) *out = R_SYSTEM;
+    else if (strcmp(r, "developer") == 0) *out = f == KVS_CHAT_QWEN3 ? R_SYSTEM : R_DEVELOPER;
     else if (strcmp(r, "user") == 0) *out = R_USER;
     else if (strcmp(r, "assistant") == 0) *out = R_ASSISTANT;
+    else if (strcmp(r, "tool") == 0) *out = R_TOOL;
     else return -EINVAL;
     return 0;
 }
@@ -461,9 +474,9 @@ char *kvs_chat_render_spans(enum kvs_chat_format f, const struct kvs_chat_messag
             return NULL;
         }
         enum role r;
-        if (parse_role(msgs[i].role, &r) != 0) {
+        if (parse_role(f, msgs[i].role, &r) != 0) {
             kvs_err(err, errlen, -EINVAL,
-                    "messages[%d].role '%.64s' is not supported (system, developer, user, assistant)", i,
+                    "messages[%d].role '%.64s' is not supported (system, developer, user, assistant, tool)", i,
                     msgs[i].role);
             free(m);
             return NULL;

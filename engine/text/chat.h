@@ -3,7 +3,7 @@
  * Built in: ChatML (Qwen: <|im_start|>role\n...<|im_end|>\n) and the Llama-3 header format
  * (<|begin_of_text|><|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|>). Each produces
  * exactly what transformers' apply_chat_template(..., add_generation_prompt=True) produces with
- * the model's own template for system/user/assistant conversations.
+ * the model's own template for system/user/assistant/tool conversations (developer: see Roles).
  * kvs_chat_detect() picks the format from tokenizer_config.json's chat_template (or
  * chat_template.jinja, or a GGUF file's tokenizer.chat_template); an unknown template gives KVS_CHAT_UNKNOWN and the caller warns and
  * requires config model.chat_format.
@@ -34,13 +34,31 @@
  * (Llama-3.1's "Cutting Knowledge Date" preamble, Qwen2.5's default system prompt) are still
  * detected by their markers, with a warning logged, and render without those extras.
  *
- * Roles: system, user, assistant; developer is rendered as system. Other roles (tool, ...) are
- * an error. content NULL is allowed for assistant messages (rendered as ""), an error otherwise.
+ * Roles: system, developer, user, assistant, tool (the OpenAI roles); any other is an error.
+ * content NULL is allowed for assistant messages (rendered as ""), an error otherwise.
+ * The rule for developer and tool: render what the format's own template renders for them (what
+ * transformers' apply_chat_template gives), except where the template would drop the message:
+ *   CHATML, LLAMA3  the templates print any role name as given: "<|im_start|>developer\n...",
+ *                   "<|start_header_id|>tool<|end_header_id|>\n\n..." (content stripped, as for
+ *                   every LLAMA3 turn).
+ *   QWEN3           tool: a run of consecutive tool messages becomes one user turn,
+ *                   "<|im_start|>user" + "\n<tool_response>\n{content}\n</tool_response>" per
+ *                   message + "<|im_end|>\n"; tool turns do not count as the last user query.
+ *                   developer: the template has no branch for it and drops the message
+ *                   silently (checked with transformers); kvserve renders it as system instead,
+ *                   so that the instructions reach the model (it is the OpenAI successor of
+ *                   system). This is the one place kvserve deliberately differs from the
+ *                   template; scripts/make-chat-references.py asserts the drop and applies the
+ *                   mapping for qwen3 only.
+ * A tool message's tool_call_id, and an assistant message's tool_calls, are not taken here: the
+ * templates print no tool_call_id, and the server refuses tool_calls (tool calling is not
+ * implemented, like the request's tools).
  *
  * Documents: the system turn's content becomes the document texts, in order, then the original
  * system content, joined by a blank line ("\n\n"); the system content is appended only when it
- * is non-empty. When messages[0] is not system/developer, a system message holding only the
- * documents is inserted first. E.g. docs {"A","B"} + system "S" -> system content "A\n\nB\n\nS".
+ * is non-empty. When messages[0] is not rendered as system (system, or developer under QWEN3), a
+ * system message holding only the documents is inserted first (before a kept developer message).
+ * E.g. docs {"A","B"} + system "S" -> system content "A\n\nB\n\nS".
  *
  * Ownership: kvs_chat_render returns a malloc'ed string the caller frees.
  * Errors: NULL + message for an invalid conversation (unknown role, ...).
@@ -58,7 +76,7 @@ enum kvs_chat_format {
 #define SMOLLM_SYSTEM "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 struct kvs_chat_message {
-    const char *role;      /* system | user | assistant (| developer, mapped to system) */
+    const char *role;      /* system | developer | user | assistant | tool (see Roles above) */
     const char *content;
 };
 

@@ -37,7 +37,7 @@ static void test_references(void)
     CHECK(root != NULL, "references are not valid JSON");
     if (!root) return;
     const cJSON *cases = cJSON_GetObjectItemCaseSensitive(root, "cases");
-    int n_cases = cJSON_GetArraySize(cases), n_compared = 0;
+    int n_cases = cJSON_GetArraySize(cases), n_compared = 0, n_tool = 0, n_developer = 0;
     CHECK(n_cases >= 12, "expected at least 12 conversations, got %d", n_cases);
     const cJSON *c;
     cJSON_ArrayForEach(c, cases)
@@ -52,6 +52,8 @@ static void test_references(void)
             const cJSON *it = cJSON_GetArrayItem(jm, i);
             msgs[i].role = cJSON_GetObjectItemCaseSensitive(it, "role")->valuestring;
             msgs[i].content = cJSON_GetObjectItemCaseSensitive(it, "content")->valuestring;
+            n_tool += !strcmp(msgs[i].role, "tool");
+            n_developer += !strcmp(msgs[i].role, "developer");
         }
         for (int d = 0; d < n_docs; d++) docs[d] = cJSON_GetArrayItem(jd, d)->valuestring;
         const cJSON *exp = cJSON_GetObjectItemCaseSensitive(c, "expected");
@@ -89,6 +91,9 @@ static void test_references(void)
         free(docs);
     }
     cJSON_Delete(root);
+    /* issue #23: tool results and kept developer turns are part of what must match */
+    CHECK(n_tool >= 8 && n_developer >= 4, "references hold %d tool and %d developer messages (want >= 8, >= 4)",
+          n_tool, n_developer);
     printf("references: %d conversations, %d renders equal to transformers\n", n_cases, n_compared);
 }
 
@@ -119,10 +124,14 @@ static void test_document_format(void)
 static void test_errors(void)
 {
     char err[256];
-    struct kvs_chat_message bad_role[] = {{"tool", "x"}};
+    struct kvs_chat_message bad_role[] = {{"wizard", "x"}};
     err[0] = 0;
-    CHECK(kvs_chat_render(KVS_CHAT_QWEN3, bad_role, 1, NULL, 0, err, sizeof err) == NULL && strstr(err, "tool"),
+    CHECK(kvs_chat_render(KVS_CHAT_QWEN3, bad_role, 1, NULL, 0, err, sizeof err) == NULL && strstr(err, "wizard"),
           "unknown role must fail naming it (err=%s)", err);
+    struct kvs_chat_message tool_no_content[] = {{"user", "q"}, {"tool", NULL}};
+    for (int f = 1; f <= 3; f++)
+        CHECK(kvs_chat_render((enum kvs_chat_format)f, tool_no_content, 2, NULL, 0, err, sizeof err) == NULL,
+              "%s: tool message without content", kvs_chat_format_name((enum kvs_chat_format)f));
     CHECK(kvs_chat_render(KVS_CHAT_QWEN3, bad_role, 0, NULL, 0, err, sizeof err) == NULL, "empty conversation");
     CHECK(kvs_chat_render(KVS_CHAT_QWEN3, NULL, 1, NULL, 0, err, sizeof err) == NULL, "NULL messages");
     struct kvs_chat_message no_content[] = {{"user", NULL}};
