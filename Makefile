@@ -1,5 +1,5 @@
 # kvserve build. `make` builds build/kvserve (+ tools), `make test` runs the CPU suite,
-# `make test-gpu` the GPU suite (on a GPU machine), `make run` serves the demo model.
+# `make test-gpu` the GPU suite (on a GPU machine), `make run` serves SmolLM2-135M-Instruct (`make run-demo` the demo model).
 #
 # Source layout drives the build, so adding a file needs no Makefile edit:
 #   base/ engine/ engine/kv/ engine/text/ models/ kernels/ kernels/cpu/ server/ *.c -> build/libkvserve.a
@@ -65,7 +65,7 @@ LIB := $(BUILD)/libkvserve.a
 TOOL_OBJS := $(TOOL_SRCS:%.c=$(BUILD)/obj/%.o)
 TOOL_LIB := $(BUILD)/libkvstools.a
 
-.PHONY: all setup test test-gpu run fuzz bench clean format tests-build
+.PHONY: all setup test test-gpu run run-demo fuzz bench clean format tests-build
 all: setup $(MAIN_BINS)
 
 setup:
@@ -115,15 +115,25 @@ test-gpu: setup $(MAIN_BINS) $(GPU_TEST_BINS)
 	@BUILD=$(BUILD) tests/run-gpu
 
 # `make run`: the daemon only (no test venv, no tools); when nvcc was found but no GPU driver
-# is present the CUDA kernels are skipped (minutes of nvcc for a build that could not use them)
+# is present the CUDA kernels are skipped (minutes of nvcc for a build that could not use them).
+# It serves SmolLM2-135M-Instruct (fetched by scripts/setup into models/cache); when that fetch
+# failed (offline) it says so and serves the embedded demo model, which `make run-demo` serves.
 HAVE_GPU_DRIVER := $(shell { [ -e /dev/nvidiactl ] || nvidia-smi -L; } >/dev/null 2>&1 && echo 1)
-run:
-	@cuda=$(CUDA); \
+SMOLLM2 := models/cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+RUN_BUILD = cuda=$(CUDA); \
 	if [ "$$cuda" = 1 ] && [ "$(origin CUDA)" = file ] && [ -z "$(HAVE_GPU_DRIVER)" ]; then \
 	  echo "make run: nvcc found but no GPU driver: building the CPU-only daemon (make run CUDA=1 builds the CUDA kernels anyway)"; \
 	  cuda=0; \
 	fi; \
-	KVS_SETUP_PY=0 $(MAKE) CUDA=$$cuda $(BUILD)/kvserve && $(BUILD)/kvserve --config config/default.json
+	KVS_SETUP_PY=0 $(MAKE) CUDA=$$cuda $(BUILD)/kvserve
+run:
+	@$(RUN_BUILD) && \
+	if [ -f $(SMOLLM2) ]; then exec $(BUILD)/kvserve --config config/smollm2.json; \
+	else echo "make run: $(SMOLLM2) is missing (the fetch failed or the machine is offline): serving the embedded demo model instead" >&2; \
+	exec $(BUILD)/kvserve --config config/default.json; fi
+
+run-demo:
+	@$(RUN_BUILD) && exec $(BUILD)/kvserve --config config/default.json
 
 FUZZ_SECONDS ?= 60
 fuzz: setup

@@ -30,11 +30,11 @@ struct key_def {
 
 static const struct key_def KEYS[] = {
     {"model.path", T_STRING, F(model_path), 0, 0, "models/demo", NULL, NULL,
-     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json)"},
+     "Hugging Face model directory (config.json, *.safetensors, tokenizer.json), or a GGUF file / a directory holding one"},
     {"model.name", T_STRING, F(model_name), 0, 0, "", NULL, NULL,
      "model id served in /v1/models and accepted in requests (empty: directory name)"},
-    {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|qwen3|llama3", NULL,
-     "chat format; auto detects it from the tokenizer_config.json chat_template"},
+    {"model.chat_format", T_ENUM, F(chat_format), 0, 0, "auto", "auto|chatml|qwen3|llama3|smollm", NULL,
+     "chat format; auto detects it from the chat_template of tokenizer_config.json or of the GGUF file"},
     {"model.max_model_len", T_INT, F(max_model_len), 0, 16777216, "0", NULL, NULL,
      "context length limit in tokens (0: the model's max_position_embeddings)"},
 

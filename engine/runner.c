@@ -75,6 +75,8 @@ struct kvs_runner {
     unsigned char *slot_mem;                            /* [cap_seqs][slot_bytes] policy arena */
     size_t slot_bytes;
     struct kvs_dbuf *d_lse;                             /* F32 [cap_tokens][nh] (KVS_KV_NEEDS_LSE) */
+    struct kvs_dbuf *q_pre, *d_iota;                    /* ACT [cap_tokens][nh][hd], I32 [cap_tokens] 0, 1, ..
+                                                         * (KVS_KV_NEEDS_PRE_ROPE_Q) */
     int32_t *h_slot, *h_decode;                         /* [cap_seqs] per step */
     struct kvs_fidelity fid;                            /* live fidelity meter (kv.fidelity) */
     int n_blocks, block_size;
@@ -437,12 +439,19 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
                 r->n_ranks > 1 ? " a rank" : "", r->kv_bytes_per_token, st->name);
 
     /* the decode policy, its per-request arena and what it needs from the layer loop */
-    if (dp->needs & KVS_KV_NEEDS_PRE_ROPE_Q)
-        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.decode': \"%s\" needs pre-RoPE queries, which this "
-                       "runner does not provide yet", dp->name);
+    if (dp->needs & KVS_KV_NEEDS_PRE_ROPE_Q) {
+        /* the unfused q path keeps a copy of q before RoPE (run_layers) */
+        r->q_pre = xalloc(r, KVS_BUF_ACT, T * qd, &failed);
+        r->d_iota = xalloc(r, KVS_BUF_I32, T, &failed);
+        if (failed) return kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the pre-RoPE query copy");
+        int32_t *iota = kvs_xmalloc(T * sizeof(int32_t));
+        for (size_t i = 0; i < T; i++) iota[i] = (int32_t)i;
+        ops->upload(r->be, r->d_iota, 0, iota, T);
+        free(iota);
+    }
     const struct kvs_kv_decode_env env = {ops, r->be, cfg, r->n_layers, r->nh, r->nkv, r->hd, r->block_size,
                                           r->cap_seqs, r->cap_tokens, r->max_blocks, r->kv_bytes_per_token,
-                                          r->n_blocks};
+                                          r->n_blocks, st->plain_view ? NULL : st->name};
     if ((rc = dp->create(&env, &r->dp_state, err, errlen))) return rc;
     r->slot_bytes = dp->seq_bytes ? dp->seq_bytes(r->dp_state) : 0;
     if (r->slot_bytes) {
@@ -490,6 +499,8 @@ void kvs_runner_rank_free(struct kvs_runner *r)
         if (r->st_state) r->st->destroy(r->st_state);
         kvs_fidelity_free(&r->fid);
         o->free_buf(r->be, r->d_lse);
+        o->free_buf(r->be, r->q_pre);
+        o->free_buf(r->be, r->d_iota);
         for (int i = 0; i < GRAPH_CACHE; i++)
             if (r->graphs[i].g) o->graph_free(r->be, r->graphs[i].g);
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
@@ -647,7 +658,10 @@ static void qkv_rope_kv_write(struct kvs_runner *r, const struct layer_w *L, int
     }
     struct kvs_kv_view kv;
     r->st->view(r->st_state, l, &kv);
-    if (o->rope_kv_write && r->st->plain_view) {
+    /* a policy that matches on pre-RoPE queries gets a copy of q before the rotation (the
+     * backend's row gather with rows 0 .. n-1: one op, no host round trip) */
+    if (r->q_pre) o->gather_rows(be, r->q, r->d_iota, n, nh * hd, r->q_pre);
+    if (o->rope_kv_write && r->st->plain_view && !r->q_pre) {
         o->rope_kv_write(be, r->q, r->k, r->v, r->d_pos, r->d_inv_freq, r->d_slots, n, nh, nkv, hd, r->block_size, kv.k,
                          kv.v);
     } else {
@@ -692,7 +706,7 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_kv_step *st
         const struct layer_w *L = &r->layers[l];
         struct kvs_kv_view kv;
         r->st->view(r->st_state, l, &kv);
-        if (o->matmul_rope_kv_write && !L->q_norm && r->st->plain_view) {
+        if (o->matmul_rope_kv_write && !L->q_norm && r->st->plain_view && !r->q_pre) {
             /* q/k/v projections, RoPE and the cache write in one op (Qwen3's q/k norms come
              * between the projections and the RoPE: qkv_rope_kv_write composes them) */
             const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv}, *bias[3] = {L->bq, L->bk, L->bv};
@@ -702,7 +716,7 @@ static void run_layers(struct kvs_runner *r, int n, const struct kvs_kv_step *st
             qkv_rope_kv_write(r, L, n);
         }
         /* attention through the decode policy (kv.h); full is the backend's attention() */
-        const struct kvs_kv_attend a = {step, r->q, NULL, kv, nh, nkv, hd, r->block_size, scale, r->att, r->d_lse};
+        const struct kvs_kv_attend a = {step, r->q, r->q_pre, kv, nh, nkv, hd, r->block_size, scale, r->att, r->d_lse};
         r->dp->attend(r->dp_state, l, &a);
         if (l == fid_layer) kvs_fidelity_measure(&r->fid, &a);
         if (r->dp->finish) r->dp->finish(r->dp_state, l, step);

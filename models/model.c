@@ -1,5 +1,6 @@
-/* model.c: loads a Hugging Face model directory: config, safetensors shard(s), tensor table,
- * and the shape/dtype validation of every tensor the architecture needs. */
+/* model.c: loads a Hugging Face model directory (config, safetensors shard(s), tensor table) or
+ * a GGUF file (models/gguf_model.h: config from the metadata, tensors dequantized to fp32 and
+ * renamed), then validates the shape/dtype of every tensor the architecture needs. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
 #endif
@@ -11,6 +12,7 @@
 #include <unistd.h>
 
 #include "base/util.h"
+#include "models/gguf_model.h"
 #include "models/safetensors.h"
 
 struct tensor_ref {
@@ -18,8 +20,16 @@ struct tensor_ref {
     int file, index;         /* shard, tensor index in it */
 };
 
+/* A GGUF tensor, dequantized: the model owns data. */
+struct owned_tensor {
+    char *name;              /* Hugging Face name */
+    struct kvs_tensor_view v;
+};
+
 struct kvs_model {
     char *dir;
+    struct owned_tensor *own; /* GGUF models: sorted by name */
+    int n_own;
     struct kvs_model_config cfg;
     struct kvs_st_file **files;
     int n_files;
@@ -41,6 +51,11 @@ static const struct tensor_ref *find_ref(const struct kvs_model *m, const char *
 void kvs_model_free(struct kvs_model *m)
 {
     if (!m) return;
+    for (int i = 0; i < m->n_own; i++) {
+        free(m->own[i].name);
+        free((void *)m->own[i].v.data);
+    }
+    free(m->own);
     for (int i = 0; i < m->n_files; i++) kvs_safetensors_close(m->files[i]);
     free(m->files);
     free(m->refs);
@@ -148,18 +163,41 @@ static int check_dtype(const struct kvs_model *m, const struct tensor_ref *r, ch
                    f->path, t->name, t->dtype_name);
 }
 
+static int cmp_own(const void *a, const void *b)
+{
+    return strcmp(((const struct owned_tensor *)a)->name, ((const struct owned_tensor *)b)->name);
+}
+
+/* The view of tensor `name` (no tying applied): 0, -ENOENT without a message, or a dtype error. */
+static int find_view(const struct kvs_model *m, const char *name, struct kvs_tensor_view *out, char *err,
+                     size_t errlen)
+{
+    if (m->own) {
+        struct owned_tensor key = {(char *)name, {0}};
+        const struct owned_tensor *o = bsearch(&key, m->own, (size_t)m->n_own, sizeof key, cmp_own);
+        if (!o) return -ENOENT;
+        *out = o->v;
+        return 0;
+    }
+    const struct tensor_ref *r = find_ref(m, name);
+    if (!r) return -ENOENT;
+    int rc = check_dtype(m, r, err, errlen);
+    if (rc) return rc;
+    kvs_safetensors_view(m->files[r->file], r->index, out);
+    return 0;
+}
+
 int kvs_model_tensor(const struct kvs_model *m, const char *name, struct kvs_tensor_view *out, char *err,
                      size_t errlen)
 {
-    int rc;
     /* tied embeddings: the LM head is embed_tokens (transformers ties them even when a checkpoint
      * also carries an lm_head.weight) */
     if (m->cfg.tie_word_embeddings && !strcmp(name, "lm_head.weight")) name = "model.embed_tokens.weight";
-    const struct tensor_ref *r = find_ref(m, name);
-    if (!r) return kvs_err(err, errlen, -ENOENT, "%s: tensor '%s' not found in the model's safetensors", m->dir, name);
-    if ((rc = check_dtype(m, r, err, errlen))) return rc;
-    kvs_safetensors_view(m->files[r->file], r->index, out);
-    return 0;
+    int rc = find_view(m, name, out, err, errlen);
+    if (rc == -ENOENT)
+        return kvs_err(err, errlen, -ENOENT, "%s: tensor '%s' not found in the model's %s", m->dir, name,
+                       m->own ? "GGUF file" : "safetensors");
+    return rc;
 }
 
 static int expect(const struct kvs_model *m, const char *name, int ndim, int64_t d0, int64_t d1, char *err,
@@ -168,16 +206,15 @@ static int expect(const struct kvs_model *m, const char *name, int ndim, int64_t
     struct kvs_tensor_view v;
     const char *lookup = name;
     if (m->cfg.tie_word_embeddings && !strcmp(name, "lm_head.weight")) lookup = "model.embed_tokens.weight";
-    const struct tensor_ref *r = find_ref(m, lookup);
-    if (!r) {
+    int rc = find_view(m, lookup, &v, err, errlen);
+    if (rc == -ENOENT) {
         if (!strcmp(name, "lm_head.weight"))
             return kvs_err(err, errlen, -ENOENT,
                            "%s: tensor 'lm_head.weight' is missing and tie_word_embeddings is false", m->dir);
-        return kvs_err(err, errlen, -ENOENT, "%s: required tensor '%s' is missing from the safetensors", m->dir, name);
+        return kvs_err(err, errlen, -ENOENT, "%s: required tensor '%s' is missing from the %s", m->dir, name,
+                       m->own ? "GGUF file" : "safetensors");
     }
-    int rc = check_dtype(m, r, err, errlen);
     if (rc) return rc;
-    kvs_safetensors_view(m->files[r->file], r->index, &v);
     int64_t want[2] = {d0, d1};
     int ok = v.ndim == ndim;
     for (int d = 0; ok && d < ndim; d++) ok = v.shape[d] == want[d];
@@ -235,11 +272,67 @@ static int validate(const struct kvs_model *m, char *err, size_t errlen)
     return 0;
 }
 
+/* Reads the config and every tensor of a GGUF file; the mapping is closed afterwards (every
+ * tensor the runner reads has been dequantized into memory the model owns). */
+static int load_gguf(struct kvs_model *m, const char *path, char *err, size_t errlen)
+{
+    struct kvs_gguf *g;
+    int rc = kvs_gguf_open(path, &g, err, errlen);
+    if (rc) return rc;
+    rc = kvs_gguf_model_config(g, &m->cfg, err, errlen);
+    m->own = kvs_xcalloc((size_t)g->n_tensors + 1, sizeof *m->own);
+    for (uint64_t i = 0; i < g->n_tensors && !rc; i++) {
+        const struct kvs_gguf_tensor *t = &g->tensors[i];
+        char gname[256], hf[256];
+        int heads;
+        if (t->name.len >= sizeof gname) {
+            rc = kvs_err(err, errlen, -ENOTSUP, "%s: tensor '%.80s...' has an overlong name", path, t->name.p);
+            break;
+        }
+        memcpy(gname, t->name.p, t->name.len);
+        gname[t->name.len] = 0;
+        if ((rc = kvs_gguf_model_hf_name(g, &m->cfg, gname, hf, sizeof hf, &heads, err, errlen))) break;
+        if ((strstr(hf, ".bias") && !m->cfg.attention_bias) || (strstr(hf, "_norm.weight") && strstr(hf, "self_attn") &&
+                                                                  !m->cfg.qk_norm)) {
+            rc = kvs_err(err, errlen, -ENOTSUP, "%s: tensor '%s' is not used by the %s architecture; refusing rather "
+                         "than ignoring it", path, gname, m->cfg.arch_name);
+            break;
+        }
+        struct owned_tensor *o = &m->own[m->n_own];
+        float *data;
+        if ((rc = kvs_gguf_model_tensor(g, t, heads, &data, &o->v.ndim, o->v.shape, err, errlen))) break;
+        o->name = kvs_xstrdup(hf);
+        o->v.dtype = KVS_DTYPE_F32;
+        o->v.data = data;
+        o->v.nbytes = 4;
+        for (int d = 0; d < o->v.ndim; d++) o->v.nbytes *= (size_t)o->v.shape[d];
+        o->v.file = m->dir;
+        m->n_own++;
+    }
+    kvs_gguf_close(g);
+    if (rc) return rc;
+    qsort(m->own, (size_t)m->n_own, sizeof *m->own, cmp_own);
+    return 0;
+}
+
 int kvs_model_load(const char *dir, struct kvs_model **out, char *err, size_t errlen)
 {
     *out = NULL;
+    char gguf[4096];
+    int is_gguf = kvs_gguf_find(dir, gguf, sizeof gguf, err, errlen);
+    if (is_gguf < 0) return is_gguf;
     struct kvs_model *m = kvs_xcalloc(1, sizeof *m);
-    m->dir = kvs_xstrdup(dir);
+    m->dir = kvs_xstrdup(is_gguf ? gguf : dir);
+    if (is_gguf) {
+        int rc = load_gguf(m, gguf, err, errlen);
+        if (!rc) rc = validate(m, err, errlen);
+        if (rc) {
+            kvs_model_free(m);
+            return rc;
+        }
+        *out = m;
+        return 0;
+    }
     int rc = kvs_model_config_load(dir, &m->cfg, err, errlen);
     char single[4096], index[4096];
     if (!rc) rc = path_join(single, sizeof single, dir, "model.safetensors", err, errlen);

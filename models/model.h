@@ -81,4 +81,8 @@ void kvs_rope_inv_freq(const struct kvs_model_config *c, float *inv_freq_out);
 /* Parses only config.json (+ generation_config.json if present) into c. */
 int kvs_model_config_load(const char *dir, struct kvs_model_config *c, char *err, size_t errlen);
 
+/* Parses a config.json text (label names it in messages); the GGUF loader builds one from the
+ * file's metadata so that both formats share one validation. */
+int kvs_model_config_parse(const char *json, const char *label, struct kvs_model_config *c, char *err, size_t errlen);
+
 #endif

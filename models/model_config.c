@@ -280,6 +280,16 @@ static int load_json(const char *path, cJSON **out, char *err, size_t errlen)
     return 0;
 }
 
+int kvs_model_config_parse(const char *json, const char *label, struct kvs_model_config *c, char *err, size_t errlen)
+{
+    cJSON *root = cJSON_Parse(json);
+    if (!root) return kvs_err(err, errlen, -EINVAL, "%s: not valid JSON", label);
+    struct cfg_ctx ctx = {label, root, err, errlen};
+    int rc = parse_config(&ctx, c);
+    cJSON_Delete(root);
+    return rc;
+}
+
 int kvs_model_config_load(const char *dir, struct kvs_model_config *c, char *err, size_t errlen)
 {
     char path[4096];

@@ -234,6 +234,31 @@ static int parse_content(const cJSON *c, const char *role, char **out, struct kv
     return 0;
 }
 
+/* The OpenAI schema's tool fields of a message. A tool message must name the call it answers
+ * (tool_call_id, a string); the chat templates print no id, so it is checked and not rendered.
+ * tool_calls / function_call (an assistant's earlier calls) are refused like the request's
+ * tools: tool calling is not implemented, and rendering the turn without them would show the
+ * model a conversation other than the client's. Their empty values are accepted. */
+static int check_tool_fields(const cJSON *msg, const char *role, int i, struct kvs_api_error *err)
+{
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(msg, "tool_call_id");
+    if (!strcmp(role, "tool")) {
+        if (!id) return BAD("messages", "messages[%d]: a tool message needs 'tool_call_id'", i);
+        if (!cJSON_IsString(id)) return BAD("messages", "messages[%d].tool_call_id must be a string", i);
+    } else if (id && !cJSON_IsNull(id)) {
+        return BAD("messages", "messages[%d].tool_call_id is only for role 'tool' (role is '%.64s')", i, role);
+    }
+    static const char *const calls[] = {"tool_calls", "function_call"};
+    for (size_t k = 0; k < sizeof calls / sizeof *calls; k++) {
+        const cJSON *it = cJSON_GetObjectItemCaseSensitive(msg, calls[k]);
+        if (!it || cJSON_IsNull(it) || (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 0)) continue;
+        return kvs_api_error_set(err, 400, "invalid_request_error", "unsupported_parameter", "messages",
+                                 "messages[%d].%s is not supported by this server (tool calling is not implemented)",
+                                 i, calls[k]);
+    }
+    return 0;
+}
+
 static int parse_messages(const cJSON *root, struct kvs_api_request *r, struct kvs_api_error *err)
 {
     const cJSON *m = field(root, "messages");
@@ -253,11 +278,14 @@ static int parse_messages(const cJSON *root, struct kvs_api_request *r, struct k
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(el, "role");
         if (!cJSON_IsString(role)) return BAD("messages", "each message needs a string 'role'");
         const char *rs = role->valuestring;
-        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "developer"))
-            return BAD("messages", "unsupported message role '%.64s' (system, developer, user, assistant)", rs);
+        if (strcmp(rs, "system") && strcmp(rs, "user") && strcmp(rs, "assistant") && strcmp(rs, "developer") &&
+            strcmp(rs, "tool"))
+            return BAD("messages", "unsupported message role '%.64s' (system, developer, user, assistant, tool)", rs);
+        int rc = check_tool_fields(el, rs, i, err);
+        if (rc) return rc;
         r->messages[i].role = dupstr(rs);
         if (!r->messages[i].role) return kvs_api_error_set(err, 500, "server_error", NULL, NULL, "out of memory");
-        int rc = parse_content(cJSON_GetObjectItemCaseSensitive(el, "content"), rs, &r->messages[i].content, err);
+        rc = parse_content(cJSON_GetObjectItemCaseSensitive(el, "content"), rs, &r->messages[i].content, err);
         if (rc) return rc;
         i++;
     }

@@ -51,7 +51,7 @@ struct kvs_api_prompt {
 };
 
 struct kvs_api_message {
-    char *role;                   /* system | user | assistant | developer */
+    char *role;                   /* system | developer | user | assistant | tool */
     char *content;                /* text parts joined; "" for a null assistant content */
 };
 

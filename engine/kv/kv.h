@@ -108,7 +108,9 @@ struct kvs_kv_storage_ops {
 
 /* ---- decode policy (runner side) --------------------------------------------------------- */
 enum {
-    KVS_KV_NEEDS_PRE_ROPE_Q = 1,  /* attend() gets q before RoPE too */
+    KVS_KV_NEEDS_PRE_ROPE_Q = 1,  /* attend() gets q before RoPE too (a->q_pre: the runner copies q
+                                   * after the projection and the q norm, before RoPE, and then runs
+                                   * the unfused RoPE + cache write: no fused matmul_rope_kv_write) */
     KVS_KV_NEEDS_LSE = 2,         /* the runner provides an lse scratch [rows][n_heads] */
     KVS_KV_NO_GRAPHS = 4,         /* steps must run eagerly (host work between layers) */
 };
@@ -125,6 +127,9 @@ struct kvs_kv_decode_env {
     size_t kv_bytes_per_token;    /* what reading one position costs (all layers, K+V) */
     int n_pool_blocks;            /* blocks in the KV pool: a policy that keeps data per physical
                                    * block (Quest's page digests) sizes it by this */
+    const char *storage_fmt;      /* NULL: views are the backend's plain pool; else the storage's name
+                                   * (its bytes are read only through kvs_kv_attention[_spans]): a
+                                   * policy whose own kernels read the pool refuses it (-ENOSYS) */
 };
 
 /* One step, as attend() sees it: seq s owns rows [h_q_start[s], h_q_start[s+1]); h_slot[s] is
@@ -139,7 +144,8 @@ struct kvs_kv_step {
 struct kvs_kv_attend {
     const struct kvs_kv_step *step;
     const struct kvs_dbuf *q;     /* ACT [n][n_heads][head_dim], after RoPE */
-    const struct kvs_dbuf *q_pre; /* before RoPE (KVS_KV_NEEDS_PRE_ROPE_Q) or NULL */
+    const struct kvs_dbuf *q_pre; /* ACT [n][n_heads][head_dim] before RoPE (KVS_KV_NEEDS_PRE_ROPE_Q)
+                                   * or NULL */
     struct kvs_kv_view kv;
     int n_heads, n_kv_heads, head_dim, block_size;
     float scale;

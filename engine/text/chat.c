@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/util.h"
+#include "models/gguf.h"
 
 /* ---------------------------------------------------------------- growable output buffer */
 
@@ -168,6 +169,7 @@ enum kvs_chat_format kvs_chat_format_from_name(const char *name)
     if (strcmp(name, "chatml") == 0) return KVS_CHAT_CHATML;
     if (strcmp(name, "qwen3") == 0) return KVS_CHAT_QWEN3;
     if (strcmp(name, "llama3") == 0) return KVS_CHAT_LLAMA3;
+    if (strcmp(name, "smollm") == 0) return KVS_CHAT_SMOLLM;
     return KVS_CHAT_UNKNOWN;
 }
 
@@ -177,6 +179,7 @@ const char *kvs_chat_format_name(enum kvs_chat_format f)
     case KVS_CHAT_CHATML: return "chatml";
     case KVS_CHAT_QWEN3: return "qwen3";
     case KVS_CHAT_LLAMA3: return "llama3";
+    case KVS_CHAT_SMOLLM: return "smollm";
     case KVS_CHAT_UNKNOWN: break;
     }
     return "unknown";
@@ -188,6 +191,7 @@ enum kvs_chat_format kvs_chat_detect_template(const char *t)
 {
     if (!t) return KVS_CHAT_UNKNOWN;
     if (strstr(t, "<|im_start|>")) {
+        if (strstr(t, SMOLLM_SYSTEM) && !strstr(t, "</think>")) return KVS_CHAT_SMOLLM;
         if (strstr(t, "You are Qwen") || strstr(t, "You are a helpful assistant"))
             kvs_log(KVS_LOG_WARN, "chat template: ChatML with a default system prompt; kvserve renders "
                                   "no default system prompt (send one explicitly)");
@@ -233,11 +237,46 @@ static char *template_from_config(const char *json, const char *path)
     return out;
 }
 
+/* The template text of a GGUF file (tokenizer.chat_template), malloc'ed, or NULL (logged). */
+static char *template_from_gguf(const char *path)
+{
+    struct kvs_gguf *g;
+    char err[512];
+    if (kvs_gguf_open(path, &g, err, sizeof err)) {
+        kvs_log(KVS_LOG_WARN, "chat format unknown: %s", err);
+        return NULL;
+    }
+    struct kvs_gguf_str t;
+    char *out = NULL;
+    if (kvs_gguf_get_str(g, "tokenizer.chat_template", 1, &t, err, sizeof err) == 0 && !memchr(t.p, 0, t.len)) {
+        out = kvs_xmalloc(t.len + 1);
+        memcpy(out, t.p, t.len);
+        out[t.len] = 0;
+    } else {
+        kvs_log(KVS_LOG_WARN, "%s: no usable tokenizer.chat_template; chat format unknown", path);
+    }
+    kvs_gguf_close(g);
+    return out;
+}
+
 enum kvs_chat_format kvs_chat_detect(const char *model_dir)
 {
     if (!model_dir) return KVS_CHAT_UNKNOWN;
     char path[4096], err[512];
     char *tmpl = NULL;
+    int gguf = kvs_gguf_find(model_dir, path, sizeof path, err, sizeof err);
+    if (gguf < 0) {
+        kvs_log(KVS_LOG_WARN, "chat format unknown: %s", err);
+        return KVS_CHAT_UNKNOWN;
+    }
+    if (gguf) {
+        tmpl = template_from_gguf(path);
+        if (!tmpl) return KVS_CHAT_UNKNOWN;
+        enum kvs_chat_format f = kvs_chat_detect_template(tmpl);
+        if (f == KVS_CHAT_UNKNOWN) kvs_log(KVS_LOG_WARN, "%s: chat template not recognized (no ChatML or Llama-3 markers)", path);
+        free(tmpl);
+        return f;
+    }
     int n = snprintf(path, sizeof path, "%s/chat_template.jinja", model_dir);
     if (n > 0 && (size_t)n < sizeof path) tmpl = kvs_read_file(path, NULL, err, sizeof err);
     if (!tmpl) {
@@ -266,8 +305,8 @@ enum kvs_chat_format kvs_chat_detect(const char *model_dir)
 
 /* ---------------------------------------------------------------- rendering */
 
-enum role { R_SYSTEM, R_USER, R_ASSISTANT };
-static const char *role_names[] = {"system", "user", "assistant"};
+enum role { R_SYSTEM, R_USER, R_ASSISTANT, R_DEVELOPER, R_TOOL };
+static const char *role_names[] = {"system", "user", "assistant", "developer", "tool"};
 
 struct msg {
     enum role role;
@@ -286,6 +325,17 @@ static void render_chatml(struct sbuf *b, const struct msg *m, int n)
     sb_str(b, "<|im_start|>assistant\n");
 }
 
+/* SmolLM2-Instruct: ChatML, with a default system turn when the conversation opens without one. */
+static void render_smollm(struct sbuf *b, const struct msg *m, int n)
+{
+    if (n > 0 && m[0].role != R_SYSTEM) {
+        sb_str(b, "<|im_start|>system\n");
+        sb_str(b, SMOLLM_SYSTEM);
+        sb_str(b, "<|im_end|>\n");
+    }
+    render_chatml(b, m, n);
+}
+
 static void render_qwen3(struct sbuf *b, const struct msg *m, int n)
 {
     /* the last user turn that is a real query (not a tool response): assistant turns after it
@@ -299,6 +349,15 @@ static void render_qwen3(struct sbuf *b, const struct msg *m, int n)
         }
     }
     for (int i = 0; i < n; i++) {
+        if (m[i].role == R_TOOL) {
+            /* Qwen3's template: a run of tool results is one user turn of <tool_response> blocks */
+            if (i == 0 || m[i - 1].role != R_TOOL) sb_str(b, "<|im_start|>user");
+            sb_str(b, "\n<tool_response>\n");
+            sb_add(b, m[i].content.p, m[i].content.n);
+            sb_str(b, "\n</tool_response>");
+            if (i == n - 1 || m[i + 1].role != R_TOOL) sb_str(b, "<|im_end|>\n");
+            continue;
+        }
         if (m[i].role != R_ASSISTANT) {
             sb_str(b, "<|im_start|>");
             sb_str(b, role_names[m[i].role]);
@@ -357,6 +416,7 @@ const char *kvs_chat_generation_prompt(enum kvs_chat_format f)
 {
     switch (f) {
     case KVS_CHAT_CHATML:
+    case KVS_CHAT_SMOLLM:
     case KVS_CHAT_QWEN3: return "<|im_start|>assistant\n";
     case KVS_CHAT_LLAMA3: return "<|start_header_id|>assistant<|end_header_id|>\n\n";
     default: return "";
@@ -366,11 +426,15 @@ const char *kvs_chat_generation_prompt(enum kvs_chat_format f)
 /* Start of message 0's content in the ChatML-family output (for document spans). */
 static size_t chatml_sys_base(void) { return strlen("<|im_start|>system\n"); }
 
-static int parse_role(const char *r, enum role *out)
+/* developer is kept where the format's template renders the role name as given (transformers
+ * renders "developer" there) and becomes system for QWEN3, whose template drops the message */
+static int parse_role(enum kvs_chat_format f, const char *r, enum role *out)
 {
-    if (strcmp(r, "system") == 0 || strcmp(r, "developer") == 0) *out = R_SYSTEM;
+    if (strcmp(r, "system") == 0) *out = R_SYSTEM;
+    else if (strcmp(r, "developer") == 0) *out = f == KVS_CHAT_QWEN3 ? R_SYSTEM : R_DEVELOPER;
     else if (strcmp(r, "user") == 0) *out = R_USER;
     else if (strcmp(r, "assistant") == 0) *out = R_ASSISTANT;
+    else if (strcmp(r, "tool") == 0) *out = R_TOOL;
     else return -EINVAL;
     return 0;
 }
@@ -379,7 +443,7 @@ char *kvs_chat_render_spans(enum kvs_chat_format f, const struct kvs_chat_messag
                             const char *const *documents, int n_docs, struct kvs_chat_span *doc_spans,
                             char *err, size_t errlen)
 {
-    if (f != KVS_CHAT_CHATML && f != KVS_CHAT_QWEN3 && f != KVS_CHAT_LLAMA3) {
+    if (f != KVS_CHAT_CHATML && f != KVS_CHAT_QWEN3 && f != KVS_CHAT_LLAMA3 && f != KVS_CHAT_SMOLLM) {
         kvs_err(err, errlen, -EINVAL, "chat format %d is not supported (set model.chat_format)", (int)f);
         return NULL;
     }
@@ -410,9 +474,9 @@ char *kvs_chat_render_spans(enum kvs_chat_format f, const struct kvs_chat_messag
             return NULL;
         }
         enum role r;
-        if (parse_role(msgs[i].role, &r) != 0) {
+        if (parse_role(f, msgs[i].role, &r) != 0) {
             kvs_err(err, errlen, -EINVAL,
-                    "messages[%d].role '%.64s' is not supported (system, developer, user, assistant)", i,
+                    "messages[%d].role '%.64s' is not supported (system, developer, user, assistant, tool)", i,
                     msgs[i].role);
             free(m);
             return NULL;
@@ -462,6 +526,10 @@ char *kvs_chat_render_spans(enum kvs_chat_format f, const struct kvs_chat_messag
     switch (f) {
     case KVS_CHAT_CHATML:
         render_chatml(&out, m, n);
+        base = chatml_sys_base();
+        break;
+    case KVS_CHAT_SMOLLM:
+        render_smollm(&out, m, n);
         base = chatml_sys_base();
         break;
     case KVS_CHAT_QWEN3:

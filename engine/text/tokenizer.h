@@ -19,11 +19,18 @@
 
 struct kvs_tokenizer;
 
-/* Loads DIR/tokenizer.json (+ DIR/tokenizer_config.json, DIR/generation_config.json if present). */
+/* Loads DIR/tokenizer.json (+ DIR/tokenizer_config.json, DIR/generation_config.json if present),
+ * or the tokenizer of a GGUF model (dir a .gguf file, or a directory holding one and no config.json). */
 int kvs_tokenizer_load(const char *dir, struct kvs_tokenizer **out, char *err, size_t errlen);
 /* Loads from in-memory JSON texts (config_json may be NULL); for tests and fuzzing. */
 int kvs_tokenizer_load_json(const char *tokenizer_json, size_t len, const char *config_json,
                             struct kvs_tokenizer **out, char *err, size_t errlen);
+/* Builds the tokenizer from a GGUF file's tokenizer.ggml.* metadata (engine/text/tokenizer_gguf.c);
+ * kvs_tokenizer_load calls it when dir is a .gguf file or a directory holding one. */
+int kvs_tokenizer_load_gguf(const char *path, struct kvs_tokenizer **out, char *err, size_t errlen);
+struct kvs_gguf;
+/* The same from a parsed GGUF (models/gguf.h); for tests and fuzzing. */
+int kvs_tokenizer_from_gguf(const struct kvs_gguf *g, struct kvs_tokenizer **out, char *err, size_t errlen);
 void kvs_tokenizer_free(struct kvs_tokenizer *t);
 
 int kvs_tokenizer_vocab_size(const struct kvs_tokenizer *t);   /* max id + 1 */

@@ -15,6 +15,7 @@
 
 #include "engine/text/tokenizer_internal.h"
 #include "base/util.h"
+#include "models/gguf.h"
 
 #define KVS_TOK_MAX_ID (1 << 23)
 
@@ -317,7 +318,8 @@ static int parse_pre(struct ctx *c, struct kvs_tokenizer *t, const cJSON *n, con
         pr.kind = TK_PRE_DIGITS;
         char w[160];
         snprintf(w, sizeof w, "%s (digits)", where);
-        const char *dre = pr.individual_digits ? "\\p{Nd}" : "\\p{Nd}+";
+        /* HF splits on Rust's char::is_numeric: general categories Nd, Nl and No ("①", "²") */
+        const char *dre = pr.individual_digits ? "\\p{N}" : "\\p{N}+";
         if ((rc = compile_re(c, dre, strlen(dre), 0, w, &pr.re))) return rc;
         pr.behavior = TK_SPLIT_ISOLATED;
     } else {
@@ -947,6 +949,9 @@ int kvs_tokenizer_load(const char *dir, struct kvs_tokenizer **out, char *err, s
     size_t len = 0;
     int rc = 0;
     *out = NULL;
+    int gguf = kvs_gguf_find(dir, path, sizeof path, err, errlen);
+    if (gguf < 0) return gguf;
+    if (gguf) return kvs_tokenizer_load_gguf(path, out, err, errlen);
     if (snprintf(path, sizeof path, "%s/tokenizer.json", dir) >= (int)sizeof path)
         return kvs_err(err, errlen, -ENAMETOOLONG, "%s: path too long", dir);
     char *json = kvs_read_file(path, &len, err, errlen);

@@ -152,12 +152,10 @@ def tokenize(text, add_special=True, parse_special=True):
 
 
 def chatml(messages, documents=()):
-    """engine/text/chat.h's ChatML rendering: documents, then the system content, joined by a blank
-    line, in the system turn (created when there is none)."""
+    """engine/text/chat.h's ChatML rendering: every role printed as given (developer and tool
+    included); documents, then the system content, joined by a blank line, in the system turn
+    (created when messages[0] is not system)."""
     msgs = [dict(m) for m in messages]
-    for m in msgs:
-        if m["role"] == "developer":
-            m["role"] = "system"
     if documents:
         if msgs and msgs[0]["role"] == "system":
             parts = list(documents) + ([msgs[0]["content"]] if msgs[0]["content"] else [])

@@ -84,7 +84,12 @@ CASES = [
     ("chat messages object", "POST", CH, {"messages": {"role": "user"}}, 400, "messages", None),
     ("chat empty messages", "POST", CH, {"messages": []}, 400, "messages", None),
     ("chat bad role", "POST", CH, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None),
-    ("chat tool role", "POST", CH, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
+    ("chat tool without tool_call_id", "POST", CH, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", None),
+    ("chat tool_call_id number", "POST", CH, {"messages": [{"role": "tool", "tool_call_id": 1, "content": "x"}]}, 400, "messages", None),
+    ("chat tool_call_id on user", "POST", CH, {"messages": [{"role": "user", "tool_call_id": "c", "content": "x"}]}, 400, "messages", None),
+    ("chat tool without content", "POST", CH, {"messages": [{"role": "tool", "tool_call_id": "c"}]}, 400, "messages", None),
+    ("chat assistant tool_calls", "POST", CH, {"messages": [MSG[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "messages", "unsupported_parameter"),
     ("chat missing content", "POST", CH, {"messages": [{"role": "user"}]}, 400, "messages", None),
     ("chat content number", "POST", CH, {"messages": [{"role": "user", "content": 3}]}, 400, "messages", None),
     ("chat image part", "POST", CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages", None),

@@ -86,6 +86,24 @@ int main(void)
     expect_bad(KVS_API_COMPLETIONS, "{\"prompt\":\"x\",\"seed\":0.5}", "seed");
     expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":1}", "logprobs");
     expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":null}]}", "messages");
+    /* role tool (issue 23): accepted with its tool_call_id; the id is required and tool_calls refused */
+    CHECK(parse(KVS_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"q\"},{\"role\":\"assistant\","
+                              "\"content\":\"\",\"tool_calls\":[]},{\"role\":\"tool\",\"tool_call_id\":\"c1\","
+                              "\"content\":\"r\"},{\"role\":\"developer\",\"content\":\"d\"}]}", &r, &e) == 0 &&
+              r.n_messages == 4 && !strcmp(r.messages[2].role, "tool") && !strcmp(r.messages[2].content, "r") &&
+              !strcmp(r.messages[3].role, "developer"),
+          "tool and developer messages: %s", e.message);
+    kvs_api_request_free(&r);
+    expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"r\"}]}", "messages");
+    expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"tool\",\"tool_call_id\":null,\"content\":\"r\"}]}", "messages");
+    expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"tool\",\"tool_call_id\":\"c\"}]}", "messages");
+    expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"user\",\"tool_call_id\":\"c\",\"content\":\"r\"}]}", "messages");
+    expect_bad(KVS_API_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c\"}]}]}",
+               "messages");
+    CHECK(parse(KVS_API_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"content\":null,\"function_call\":{\"name\":\"f\"}}]}",
+                &r, &e) != 0 && e.status == 400 && e.code && !strcmp(e.code, "unsupported_parameter"),
+          "function_call in a message: unsupported_parameter");
+    kvs_api_request_free(&r);
     expect_bad(KVS_API_DOC_CREATE, "{\"text\":\"a\",\"id\":\"\"}", "id");
     expect_bad(KVS_API_DOC_CREATE, "{\"text\":\"a\",\"id\":\"x\\u0000y\"}", ""); /* cJSON would cut it */
     CHECK(parse(KVS_API_COMPLETIONS, "{\"prompt\":\"a\\\\u0000\"}", &r, &e) == 0 && !strcmp(r.prompts[0].text, "a\\u0000"), "escaped backslash before u0000");

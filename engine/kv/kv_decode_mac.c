@@ -1,0 +1,252 @@
+/* kv_decode_mac.c: kv.decode=mac, MAC-Attention (match, amend, complete; STRATEGIES.md §3).
+ *
+ * Per request slot and layer a ring of the last K pre-RoPE queries with their rectified
+ * attention summaries (kernels/kv_mac.h). A decode row whose pre-RoPE query is close to a ring
+ * entry's (per q head, squared L2 < 2 d (1 - tau)^2, once the context is at least gen_min)
+ * reuses that entry's summary of [0, p - r] and attends only [max(p - r + 1, 0), m]; a miss
+ * attends [0, m] through the same kernel. The row's own summary of [0, m - r] is appended in the
+ * split-tail form (cached + [s, m - r], no subtraction). Prefill rows run the backend's
+ * attention() and append the summaries of their last K positions.
+ *
+ * State: the rings live on the backend, one per request slot (max_slots), allocated at create
+ * and checked against kv.decode_state_bytes; the runner's host arena slot holds the request's
+ * flag, and seq_init (admission, preemption included) empties the slot's rings. The bytes of
+ * both show in /metrics. The match result of every layer comes back once per step (one
+ * download at the last layer) for the counters, so steps run eagerly (KVS_KV_NO_GRAPHS).
+ * Errors: create returns -ENOSYS (no kernels on the backend), -ENOMEM with a message.
+ */
+#include "engine/kv/kv.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "engine/config.h"
+#include "kernels/kv_mac.h"
+
+struct mac_seq {
+    int32_t live;                 /* 1 between seq_init and seq_free */
+};
+
+struct mac {
+    struct kvs_kv_decode_env env;
+    const struct kvs_mac_kernels *k;
+    int K, band, gen_min, matching;
+    float thresh2;
+    struct kvs_dbuf *ring_q, *ring_o, *ring_lse, *ring_tag;
+    double ring_bytes;
+    struct kvs_dbuf *d_rows, *d_p, *d_lse, *work;
+    size_t work_n;   /* I32 [max_rows][4], I32 [L][max_rows][nh], F32 [max_rows][nh] */
+    int32_t *h_rows, *h_p;
+    /* this step */
+    int n_rows, n_mac, n_work, any_full;
+    /* counters */
+    double lookups, hits, skip_sum, heads, bytes_read;
+};
+
+static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
+{
+    const struct kvs_config *cfg = env->cfg;
+    const struct kvs_backend_ops *o = env->o;
+    if (env->storage_fmt)   /* MAC's kernels read the plain K/V pool (band, tail, rings) */
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config keys 'kv.decode' = \"mac\" and 'kv.storage' = \"%s\": MAC's kernels over that "
+                       "storage's format are not built", env->storage_fmt);
+    const struct kvs_mac_kernels *k = kvs_mac_kernels_for(o, err, errlen);
+    if (!k) return -ENOSYS;
+    int rc = k->supports(env->n_heads, env->n_kv_heads, env->head_dim, err, errlen);
+    if (rc) return rc;
+    const double tau = cfg ? cfg->mac_tau : 0.45;
+    struct mac *s = calloc(1, sizeof *s);
+    if (!s) return kvs_err(err, errlen, -ENOMEM, "mac: no memory");
+    s->env = *env;
+    s->k = k;
+    s->K = cfg ? cfg->mac_ring_size : 1024;
+    s->band = cfg ? cfg->mac_band : 256;
+    s->gen_min = cfg ? cfg->mac_gen_min : 2048;
+    s->matching = tau < 1.0;   /* tau >= 1 never hits (the threshold alone would grow again above 1) */
+    s->thresh2 = (float)(2.0 * env->head_dim * (1.0 - tau) * (1.0 - tau));
+    if (s->K < 1 || s->band < 1) {
+        free(s);
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.mac.ring_size' / 'kv.mac.band' must be >= 1");
+    }
+    const size_t slots = (size_t)env->max_slots, L = (size_t)env->n_layers, nh = (size_t)env->n_heads;
+    const size_t hd = (size_t)env->head_dim, entries = slots * L * (size_t)s->K;
+    const size_t act = o->elem_size(env->be, KVS_BUF_KV), f32 = o->elem_size(env->be, KVS_BUF_F32);
+    const size_t i32 = o->elem_size(env->be, KVS_BUF_I32);
+    s->ring_bytes = (double)entries * ((double)nh * (2.0 * (double)hd * (double)act + (double)f32) + (double)i32);
+    const int64_t cap = cfg ? cfg->kv_decode_state_bytes : 0;
+    if (cap > 0 && s->ring_bytes > (double)cap) {
+        kvs_err(err, errlen, -ENOMEM,
+                "config key 'kv.decode_state_bytes': mac rings need %.0f bytes (%zu requests x %zu layers x K=%d "
+                "entries x %zu heads), over the budget of %lld bytes; lower kv.mac.ring_size or "
+                "scheduler.max_running",
+                s->ring_bytes, slots, L, s->K, nh, (long long)cap);
+        free(s);
+        return -ENOMEM;
+    }
+    const size_t rows = (size_t)env->max_rows;
+    s->ring_q = o->alloc(env->be, KVS_BUF_KV, entries * nh * hd);
+    s->ring_o = o->alloc(env->be, KVS_BUF_KV, entries * nh * hd);
+    s->ring_lse = o->alloc(env->be, KVS_BUF_F32, entries * nh);
+    s->ring_tag = o->alloc(env->be, KVS_BUF_I32, entries);
+    s->d_rows = o->alloc(env->be, KVS_BUF_I32, rows * 4);
+    s->d_p = o->alloc(env->be, KVS_BUF_I32, L * rows * nh);
+    s->d_lse = o->alloc(env->be, KVS_BUF_F32, rows * nh);
+    s->work_n = k->work_elems(env->max_rows, env->n_heads, env->head_dim);
+    if (s->work_n) s->work = o->alloc(env->be, KVS_BUF_F32, s->work_n);
+    s->h_rows = calloc(rows * 4, sizeof *s->h_rows);
+    s->h_p = calloc(L * rows * nh, sizeof *s->h_p);
+    *state = s;   /* destroy() frees a partial state */
+    if (!s->ring_q || !s->ring_o || !s->ring_lse || !s->ring_tag || !s->d_rows || !s->d_p || !s->d_lse || (s->work_n && !s->work) || !s->h_rows ||
+        !s->h_p)
+        return kvs_err(err, errlen, -ENOMEM, "mac: no memory for rings of %.0f bytes (%zu request slots)", s->ring_bytes,
+                       slots);
+    o->zero(env->be, s->ring_tag, 0, entries);
+    return 0;
+}
+
+static void mac_destroy(void *state)
+{
+    struct mac *s = state;
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_dbuf *bs[] = {s->ring_q, s->ring_o, s->ring_lse, s->ring_tag, s->d_rows, s->d_p, s->d_lse, s->work};
+    for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(s->env.be, bs[i]);
+    free(s->h_rows);
+    free(s->h_p);
+    free(s);
+}
+
+static size_t mac_seq_bytes(void *state)
+{
+    (void)state;
+    return sizeof(struct mac_seq);
+}
+
+/* admission (or re-admission after preemption): the slot's rings start empty */
+static int mac_seq_init(void *state, int slot, void *mem)
+{
+    struct mac *s = state;
+    if (slot < 0 || slot >= s->env.max_slots || !mem) return -EINVAL;
+    const size_t per = (size_t)s->env.n_layers * s->K;
+    s->env.o->zero(s->env.be, s->ring_tag, (size_t)slot * per, per);
+    ((struct mac_seq *)mem)->live = 1;
+    return 0;
+}
+
+static int mac_plan(void *state, const struct kvs_kv_step *st)
+{
+    struct mac *s = state;
+    s->n_rows = st->n_rows;
+    s->n_mac = s->n_work = s->any_full = 0;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int q0 = st->h_q_start[q], q1 = st->h_q_start[q + 1];
+        const int slot = st->h_slot[q] >= 0 && st->h_slot[q] < s->env.max_slots ? st->h_slot[q] : -1;
+        for (int t = q0; t < q1; t++) {
+            const int m = st->h_pos[q] + (t - q0);
+            int flags = 0;
+            if (slot >= 0) {
+                if (st->h_decode[q]) flags |= KVS_MAC_F_MAC;
+                if (st->h_decode[q] && s->matching && m + 1 >= s->gen_min) flags |= KVS_MAC_F_MATCH;
+                if (t >= q1 - s->K) flags |= KVS_MAC_F_APPEND;   /* the last K rows: the ring keeps those */
+            }
+            int32_t *r = s->h_rows + (size_t)t * 4;
+            r[0] = q, r[1] = slot, r[2] = m, r[3] = flags;
+            s->n_mac += (flags & KVS_MAC_F_MAC) != 0;
+            s->n_work += (flags & (KVS_MAC_F_MAC | KVS_MAC_F_APPEND)) != 0;
+            s->any_full |= !(flags & KVS_MAC_F_MAC);
+        }
+    }
+    if (s->n_work) s->env.o->upload(s->env.be, s->d_rows, 0, s->h_rows, (size_t)st->n_rows * 4);
+    return 0;
+}
+
+static void mac_attend(void *state, int layer, const struct kvs_kv_attend *a)
+{
+    struct mac *s = state;
+    const struct kvs_backend_ops *o = s->env.o;
+    const int n = a->step->n_rows;
+    /* prefill rows (and rows of side prefills): exact attention; decode rows are overwritten */
+    if (s->any_full)
+        o->attention(s->env.be, a->q, a->kv.k, a->kv.v, a->step->m, n, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, a->out);
+    if (!s->n_work) return;
+    const struct kvs_mac_call c = {
+        .layer = layer, .n_layers = s->env.n_layers, .K = s->K, .band = s->band,
+        .n = n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
+        .block_size = a->block_size, .scale = a->scale, .thresh2 = s->thresh2,
+        .q = a->q, .q_pre = a->q_pre, .kc = a->kv.k, .vc = a->kv.v, .m = a->step->m, .rows = s->d_rows,
+        .p = s->d_p, .p_off = (size_t)layer * n * a->n_heads,
+        .ring_q = s->ring_q, .ring_o = s->ring_o, .ring_lse = s->ring_lse, .ring_tag = s->ring_tag,
+        .out = a->out, .lse = a->lse ? a->lse : s->d_lse, .work = s->work, .work_n = s->work_n,
+    };
+    s->k->match(s->env.be, &c);
+    s->k->attend(s->env.be, &c);
+}
+
+/* After the last layer: every layer's matches, once per step, for the counters. */
+static void mac_finish(void *state, int layer, const struct kvs_kv_step *st)
+{
+    struct mac *s = state;
+    if (layer != s->env.n_layers - 1 || !s->n_mac) return;
+    const int L = s->env.n_layers, nh = s->env.n_heads, nkv = s->env.n_kv_heads, n = st->n_rows;
+    const int G = nh / nkv;
+    s->env.o->download(s->env.be, s->h_p, s->d_p, 0, (size_t)L * n * nh);
+    const double per_pos = (double)s->env.kv_bytes_per_token / ((double)L * nkv);   /* one layer, one KV head */
+    for (int t = 0; t < n; t++) {
+        const int32_t *r = s->h_rows + (size_t)t * 4;
+        if (!(r[3] & KVS_MAC_F_MAC)) continue;
+        const int m = r[2];
+        for (int l = 0; l < L; l++) {
+            const int32_t *p = s->h_p + ((size_t)l * n + t) * nh;
+            for (int g = 0; g < nkv; g++) {
+                int min_s = m + 1;
+                for (int h = g * G; h < (g + 1) * G; h++) {
+                    const int st0 = p[h] >= 0 ? (p[h] - s->band + 1 > 0 ? p[h] - s->band + 1 : 0) : 0;
+                    if (st0 < min_s) min_s = st0;
+                    s->hits += p[h] >= 0;
+                    s->lookups += (r[3] & KVS_MAC_F_MATCH) != 0;
+                    s->skip_sum += (double)st0 / (double)(m + 1);
+                    s->heads += 1;
+                }
+                s->bytes_read += (double)(m + 1 - min_s) * per_pos;   /* the group's union span */
+            }
+        }
+    }
+}
+
+static int mac_counters(void *state, struct kvs_kv_counter *out, int cap)
+{
+    struct mac *s = state;
+    const struct kvs_kv_counter c[] = {
+        {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read.", 1, s->bytes_read, NULL, NULL},
+        {"kvserve:kv_mac_lookups_total", "MAC ring lookups (decode rows x layers x q heads past gen_min).", 1,
+         s->lookups, NULL, NULL},
+        {"kvserve:kv_mac_hits_total", "MAC ring hits (q heads that reused a cached summary).", 1, s->hits, NULL, NULL},
+        {"kvserve:kv_mac_skip_sum", "Sum over decode q-head attends of the fraction of the context skipped.", 1,
+         s->skip_sum, NULL, NULL},
+        {"kvserve:kv_mac_skip_count", "Decode q-head attends (the skip fraction's count).", 1, s->heads, NULL, NULL},
+        {"kvserve:kv_mac_ring_bytes", "Bytes of the MAC rings on the backend (all request slots).", 0, s->ring_bytes,
+         NULL, NULL},
+    };
+    int k = 0;
+    for (; k < (int)(sizeof c / sizeof c[0]) && k < cap; k++) out[k] = c[k];
+    return k;
+}
+
+const struct kvs_kv_decode_ops kvs_kv_decode_mac = {
+    .name = "mac",
+    .exact = 0,
+    .needs = KVS_KV_NEEDS_PRE_ROPE_Q | KVS_KV_NO_GRAPHS,
+    .rows_per_seq = 1,
+    .create = mac_create,
+    .destroy = mac_destroy,
+    .seq_bytes = mac_seq_bytes,
+    .seq_init = mac_seq_init,
+    .plan = mac_plan,
+    .attend = mac_attend,
+    .finish = mac_finish,
+    .counters = mac_counters,
+};

@@ -1,0 +1,207 @@
+/* kv_mac_case.h: a MAC-Attention kernel scenario (kernels/kv_mac.h) on any backend, shared by
+ * tests/unit/test_kv_mac.c (CPU reference against double math) and tests/gpu/test_cuda_kv_mac.c
+ * (CUDA against the CPU reference on the same inputs): a paged KV pool of random keys and values
+ * with a shuffled block table per sequence, one ring slot per sequence, one layer, optional
+ * deferred-RoPE offsets and padded blocks (the LazyAttention layout). mc_step runs match +
+ * attend for one step whose sequences each run rows_per_seq[s] rows ending at position pos_end[s].
+ * Header-only (static), one copy per test program. Ownership: mc_free releases everything. */
+#ifndef KVS_TEST_KV_MAC_CASE_H
+#define KVS_TEST_KV_MAC_CASE_H
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/backend.h"
+#include "kernels/kv_mac.h"
+
+#define MC_MAXS 8
+
+struct mc {
+    const struct kvs_backend_ops *o;
+    struct kvs_backend *be;
+    const struct kvs_mac_kernels *k;
+    int S, nh, nkv, hd, bs, max_blocks, n_blocks, K, band, max_rows;
+    float thresh2;
+    float *h_k, *h_v, *inv_freq;         /* pool [n_blocks][nkv][bs][hd] */
+    int32_t *h_bt, *h_rot, *h_valid;     /* [S][max_blocks] */
+    struct kvs_dbuf *work;
+    size_t work_n;
+    struct kvs_dbuf *kc, *vc, *bt, *rot, *valid, *inv, *qs, *pos, *rows, *p, *rq, *ro, *rl, *rt, *q, *qp, *out, *lse;
+    int use_rot;
+    /* last step, downloaded */
+    int n;
+    float *o_out, *o_lse;
+    int32_t *o_p;
+    int32_t h_rows[64 * 4];
+};
+
+static uint64_t mc_rng = 0x51ed2701ull;
+static inline float mc_frand(void)
+{
+    mc_rng ^= mc_rng << 13, mc_rng ^= mc_rng >> 7, mc_rng ^= mc_rng << 17;
+    return (float)((double)(mc_rng >> 11) / (double)(1ull << 53)) * 2.0f - 1.0f;
+}
+
+/* x rounded to the nearest bf16 (ties to even): pool values both backends store exactly */
+static inline float mc_bf16(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+/* Random pool, shuffled block tables; use_rot: random rotation offsets on some blocks and a
+ * short valid count on others (their padding holds garbage that must never be read). */
+static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_backend *be, int S, int nh, int nkv,
+                    int hd, int bs, int max_blocks, int K, int band, int use_rot)
+{
+    memset(c, 0, sizeof *c);
+    c->o = o, c->be = be, c->S = S, c->nh = nh, c->nkv = nkv, c->hd = hd, c->bs = bs, c->max_blocks = max_blocks;
+    c->K = K, c->band = band, c->use_rot = use_rot, c->max_rows = 64;
+    c->k = kvs_mac_kernels_for(o, NULL, 0);
+    c->n_blocks = S * max_blocks;
+    const size_t pool = (size_t)c->n_blocks * nkv * bs * hd, tab = (size_t)S * max_blocks;
+    c->h_k = malloc(pool * 4), c->h_v = malloc(pool * 4), c->inv_freq = malloc((size_t)hd / 2 * 4);
+    c->h_bt = malloc(tab * 4), c->h_rot = calloc(tab, 4), c->h_valid = malloc(tab * 4);
+    for (size_t i = 0; i < pool; i++) c->h_k[i] = mc_bf16(mc_frand()), c->h_v[i] = mc_bf16(mc_frand());
+    for (int i = 0; i < hd / 2; i++) c->inv_freq[i] = powf(10000.0f, -2.0f * (float)i / (float)hd);
+    int32_t *perm = malloc((size_t)c->n_blocks * 4);
+    for (int i = 0; i < c->n_blocks; i++) perm[i] = i;
+    for (int i = c->n_blocks - 1; i > 0; i--) {
+        int j = (int)((mc_frand() * 0.5f + 0.5f) * (float)i);
+        if (j > i) j = i;
+        int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    for (size_t i = 0; i < tab; i++) {
+        c->h_bt[i] = perm[i];
+        c->h_valid[i] = bs;
+        if (use_rot && i % 3 == 1) c->h_rot[i] = (int32_t)(i * 7 % 41) - 20;
+        if (use_rot && i % 5 == 2) c->h_valid[i] = bs / 2;   /* a padded document tail */
+    }
+    free(perm);
+    c->kc = o->alloc(be, KVS_BUF_KV, pool), c->vc = o->alloc(be, KVS_BUF_KV, pool);
+    o->upload(be, c->kc, 0, c->h_k, pool), o->upload(be, c->vc, 0, c->h_v, pool);
+    c->bt = o->alloc(be, KVS_BUF_I32, tab), c->rot = o->alloc(be, KVS_BUF_I32, tab);
+    c->valid = o->alloc(be, KVS_BUF_I32, tab);
+    o->upload(be, c->bt, 0, c->h_bt, tab), o->upload(be, c->rot, 0, c->h_rot, tab);
+    o->upload(be, c->valid, 0, c->h_valid, tab);
+    c->inv = o->alloc(be, KVS_BUF_F32, (size_t)hd / 2);
+    o->upload(be, c->inv, 0, c->inv_freq, (size_t)hd / 2);
+    c->qs = o->alloc(be, KVS_BUF_I32, MC_MAXS + 1), c->pos = o->alloc(be, KVS_BUF_I32, MC_MAXS);
+    const size_t R = (size_t)c->max_rows, ent = (size_t)S * K;
+    c->rows = o->alloc(be, KVS_BUF_I32, R * 4), c->p = o->alloc(be, KVS_BUF_I32, R * nh);
+    c->rq = o->alloc(be, KVS_BUF_KV, ent * nh * hd), c->ro = o->alloc(be, KVS_BUF_KV, ent * nh * hd);
+    c->rl = o->alloc(be, KVS_BUF_F32, ent * nh), c->rt = o->alloc(be, KVS_BUF_I32, ent);
+    o->zero(be, c->rt, 0, ent);
+    c->q = o->alloc(be, KVS_BUF_ACT, R * nh * hd), c->qp = o->alloc(be, KVS_BUF_ACT, R * nh * hd);
+    c->out = o->alloc(be, KVS_BUF_ACT, R * nh * hd), c->lse = o->alloc(be, KVS_BUF_F32, R * nh);
+    c->work_n = c->k->work_elems(c->max_rows, nh, hd);
+    c->work = c->work_n ? o->alloc(be, KVS_BUF_F32, c->work_n) : NULL;
+    c->o_out = malloc(R * nh * hd * 4), c->o_lse = malloc(R * nh * 4), c->o_p = malloc(R * nh * 4);
+}
+
+static inline void mc_free(struct mc *c)
+{
+    struct kvs_dbuf *b[] = {c->kc, c->vc, c->bt, c->rot, c->valid, c->inv, c->qs, c->pos, c->rows,
+                            c->p, c->rq, c->ro, c->rl, c->rt, c->q, c->qp, c->out, c->lse, c->work};
+    for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) c->o->free_buf(c->be, b[i]);
+    free(c->h_k), free(c->h_v), free(c->inv_freq), free(c->h_bt), free(c->h_rot), free(c->h_valid);
+    free(c->o_out), free(c->o_lse), free(c->o_p);
+}
+
+/* The meta of a step: sequence s runs nrows[s] rows ending at position pos_end[s]. */
+static inline struct kvs_attn_meta mc_meta(struct mc *c, const int *pos_end, const int *nrows, int32_t *hq, int32_t *hp)
+{
+    hq[0] = 0;
+    int mx = 0;
+    for (int s = 0; s < c->S; s++) {
+        hq[s + 1] = hq[s] + nrows[s];
+        hp[s] = pos_end[s] - nrows[s] + 1;
+        if (pos_end[s] + 1 > mx) mx = pos_end[s] + 1;
+    }
+    c->o->upload(c->be, c->qs, 0, hq, (size_t)c->S + 1);
+    c->o->upload(c->be, c->pos, 0, hp, (size_t)c->S);
+    struct kvs_attn_meta m = {
+        .n_seqs = c->S, .max_blocks = c->max_blocks, .q_start = c->qs, .pos = c->pos, .block_tables = c->bt,
+        .rot_offsets = c->use_rot ? c->rot : NULL, .block_valid = c->use_rot ? c->valid : NULL, .inv_freq = c->inv,
+        .h_q_start = hq, .h_pos = hp, .max_ctx = mx,
+    };
+    return m;
+}
+
+/* One step: q / q_pre host [n][nh][hd]; flags per sequence (its rows: F_APPEND on every row,
+ * F_MAC / F_MATCH only for a one-row sequence). Downloads out, lse and p. */
+static inline void mc_step(struct mc *c, const int *pos_end, const int *nrows, const int *flags, const float *q,
+                    const float *q_pre)
+{
+    int32_t hq[MC_MAXS + 1], hp[MC_MAXS];
+    struct kvs_attn_meta m = mc_meta(c, pos_end, nrows, hq, hp);
+    int n = 0;
+    for (int s = 0; s < c->S; s++)
+        for (int i = 0; i < nrows[s]; i++, n++) {
+            int32_t *r = c->h_rows + (size_t)n * 4;
+            r[0] = s, r[1] = s, r[2] = hp[s] + i, r[3] = flags[s];
+        }
+    c->n = n;
+    const size_t qd = (size_t)c->nh * c->hd;
+    c->o->upload(c->be, c->rows, 0, c->h_rows, (size_t)n * 4);
+    c->o->upload(c->be, c->q, 0, q, n * qd);
+    c->o->upload(c->be, c->qp, 0, q_pre, n * qd);
+    c->o->zero(c->be, c->out, 0, n * qd);
+    const struct kvs_mac_call call = {
+        .layer = 0, .n_layers = 1, .K = c->K, .band = c->band, .n = n, .n_heads = c->nh, .n_kv_heads = c->nkv,
+        .head_dim = c->hd, .block_size = c->bs, .scale = 1.0f / sqrtf((float)c->hd), .thresh2 = c->thresh2,
+        .q = c->q, .q_pre = c->qp, .kc = c->kc, .vc = c->vc, .m = &m, .rows = c->rows, .p = c->p, .p_off = 0,
+        .ring_q = c->rq, .ring_o = c->ro, .ring_lse = c->rl, .ring_tag = c->rt, .out = c->out, .lse = c->lse,
+        .work = c->work, .work_n = c->work_n,
+    };
+    c->k->match(c->be, &call);
+    c->k->attend(c->be, &call);
+    c->o->download(c->be, c->o_out, c->out, 0, n * qd);
+    c->o->download(c->be, c->o_lse, c->lse, 0, (size_t)n * c->nh);
+    c->o->download(c->be, c->o_p, c->p, 0, (size_t)n * c->nh);
+}
+
+/* Reads ring entry j of sequence slot s, head h: (o [hd], lse); returns its tag. */
+static inline int32_t mc_ring(struct mc *c, int s, int j, int h, float *o, float *lse)
+{
+    const size_t e = (size_t)s * c->K + j;
+    int32_t tag;
+    c->o->download(c->be, &tag, c->rt, e, 1);
+    c->o->download(c->be, o, c->ro, (e * c->nh + h) * c->hd, (size_t)c->hd);
+    c->o->download(c->be, lse, c->rl, e * c->nh + h, 1);
+    return tag;
+}
+
+/* Double reference (no rotation offsets, every slot valid): attention of q [hd] over positions
+ * [lo, hi) of sequence s, kv head g; returns lse (-inf when empty), o [hd]. */
+static inline double mc_ref(const struct mc *c, int s, int g, const float *q, int lo, int hi, double *o)
+{
+    const double scale = 1.0 / sqrt((double)c->hd);
+    double mx = -INFINITY, l = 0;
+    for (int i = 0; i < c->hd; i++) o[i] = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int p = lo; p < hi; p++) {
+            const int32_t b = c->h_bt[(size_t)s * c->max_blocks + p / c->bs];
+            const size_t base = (((size_t)b * c->nkv + g) * c->bs + p % c->bs) * c->hd;
+            double sc = 0;
+            for (int i = 0; i < c->hd; i++) sc += (double)q[i] * c->h_k[base + i];
+            sc *= scale;
+            if (pass == 0) {
+                if (sc > mx) mx = sc;
+                continue;
+            }
+            const double w = exp(sc - mx);
+            l += w;
+            for (int i = 0; i < c->hd; i++) o[i] += w * c->h_v[base + i];
+        }
+    if (l == 0) return -INFINITY;
+    for (int i = 0; i < c->hd; i++) o[i] /= l;
+    return mx + log(l);
+}
+
+#endif
