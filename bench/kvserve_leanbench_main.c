@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/bench_util.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_lean.h"
@@ -38,32 +39,6 @@
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-
-static int parse_list(const char *s, int *out, int cap)
-{
-    int n = 0;
-    while (*s && n < cap) {
-        char *end;
-        long v = strtol(s, &end, 10);
-        if (end == s || v <= 0) return -1;
-        out[n++] = (int)v;
-        if (*end && *end != ',') return -1;
-        s = *end ? end + 1 : end;
-    }
-    return n;
-}
-
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 static struct kvs_dbuf *need(struct kvs_dbuf *d, size_t n)
 {
@@ -92,7 +67,7 @@ static float time_op(struct kvs_backend *b, struct shape *S, int B, const struct
         const float ms = kvs_cuda_timer_stop_ms(b);
         if (r >= 0) t[r] = ms;
     }
-    qsort(t, (size_t)reps, sizeof t[0], cmp_float);
+    qsort(t, (size_t)reps, sizeof t[0], bench_cmp_float);
     const float med = t[reps / 2];
     free(t);
     return med;
@@ -105,8 +80,8 @@ int main(int argc, char **argv)
     int nf = 3;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--batches") && v) nb = parse_list(argv[++i], batches, 8);
-        else if (!strcmp(argv[i], "--contexts") && v) nc = parse_list(argv[++i], contexts, 8);
+        if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
+        else if (!strcmp(argv[i], "--contexts") && v) nc = bench_parse_list(argv[++i], contexts, 8);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--formats") && v) {
             char buf[128];
@@ -179,7 +154,7 @@ int main(int argc, char **argv)
             S.h_bt = kvs_xmalloc(blocks * 4);
             for (size_t i = 0; i < blocks; i++) S.h_bt[i] = (int32_t)i;
             for (size_t i = blocks - 1; i > 0; i--) {
-                const size_t j = rnd() % (i + 1);
+                const size_t j = bench_rnd(&rng) % (i + 1);
                 const int32_t t = S.h_bt[i];
                 S.h_bt[i] = S.h_bt[j], S.h_bt[j] = t;
             }

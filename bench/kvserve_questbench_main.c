@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/bench_util.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_quest.h"
@@ -39,34 +40,6 @@
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static const struct kvs_quest_kernels *K;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rnd(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return (uint32_t)(rng >> 11);
-}
-
-static int parse_list(const char *s, int *out, int cap)
-{
-    int n = 0;
-    while (*s && n < cap) {
-        char *end;
-        long v = strtol(s, &end, 10);
-        if (end == s || v <= 0) return -1;
-        out[n++] = (int)v;
-        s = *end == ',' ? end + 1 : end;
-        if (*end && *end != ',') return -1;
-    }
-    return n;
-}
-
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
 
 static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
 {
@@ -112,7 +85,7 @@ static float time_op(struct kvs_backend *b, struct shape *S, int op, int reps, s
         const float ms = kvs_cuda_timer_stop_ms(b);
         if (r >= 0) t[r] = ms;
     }
-    qsort(t, (size_t)reps, sizeof t[0], cmp_float);
+    qsort(t, (size_t)reps, sizeof t[0], bench_cmp_float);
     const float med = t[reps / 2];
     free(t);
     return med;
@@ -125,8 +98,8 @@ int main(int argc, char **argv)
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--batches") && v) nb = parse_list(argv[++i], batches, 8);
-        else if (!strcmp(argv[i], "--contexts") && v) nc = parse_list(argv[++i], contexts, 8);
+        if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
+        else if (!strcmp(argv[i], "--contexts") && v) nc = bench_parse_list(argv[++i], contexts, 8);
         else if (!strcmp(argv[i], "--ratio") && v) ratio = atof(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && v) md = argv[++i];
@@ -197,7 +170,7 @@ int main(int argc, char **argv)
             int32_t *perm = kvs_xmalloc(pool_blocks * 4);
             for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
             for (size_t i = pool_blocks - 1; i > 0; i--) {
-                const size_t j = rnd() % (i + 1);
+                const size_t j = bench_rnd(&rng) % (i + 1);
                 const int32_t t = perm[i];
                 perm[i] = perm[j];
                 perm[j] = t;
