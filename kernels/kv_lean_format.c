@@ -6,23 +6,13 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "kernels/kv_lean.h"
 
-/* fp16 through the compiler's IEEE binary16 type (round to nearest even) */
-static uint16_t float_to_half(float x)
-{
-    _Float16 h = (_Float16)x;
-    uint16_t u;
-    memcpy(&u, &h, sizeof u);
-    return u;
-}
+/* fp16 round to nearest even, bit-exact (base/half.h: no compiler half type needed) */
+static uint16_t float_to_half(float x) { return kvs_f32_to_f16(x); }
 
-float kvs_lean_half_to_float(uint16_t u)
-{
-    _Float16 h;
-    memcpy(&h, &u, sizeof h);
-    return (float)h;
-}
+float kvs_lean_half_to_float(uint16_t u) { return kvs_f16_to_f32(u); }
 
 /* the smallest fp16 >= x (x >= 0, finite; saturates at the largest finite fp16) */
 static uint16_t half_ceil(float x)

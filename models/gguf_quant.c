@@ -1,6 +1,7 @@
 /* gguf_quant.c: ggml block formats -> fp32, following ggml-quants.c's dequantize_row_* (the
  * formulas, the order of the float operations and the fp16 conversions are ggml's, so that the
  * results equal gguf-py's numpy dequantizers bit for bit or within an ulp). */
+#include "base/half.h"
 #include "models/gguf_quant.h"
 
 #include <string.h>
@@ -12,24 +13,7 @@ static float h2f(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, 2);
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalise */
-        int e = -1;
-        do {
-            e++;
-            man <<= 1;
-        } while (!(man & 0x400));
-        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    } else {
-        u = sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return kvs_f16_to_f32(h);
 }
 
 static float bf2f(const uint8_t *p)

@@ -4,6 +4,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* mmap, strdup, M_PI when built outside the Makefile (fuzzing) */
 #endif
+#include "base/half.h"
 #include "models/model.h"
 
 #include <cjson/cJSON.h>
@@ -352,36 +353,6 @@ int kvs_model_load(const char *dir, struct kvs_model **out, char *err, size_t er
     return 0;
 }
 
-static float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13); /* inf / nan */
-    } else if (exp) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) { /* subnormal: normalise */
-        int e = -1;
-        do {
-            e++;
-            man <<= 1;
-        } while (!(man & 0x400));
-        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    } else {
-        u = sign;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 void kvs_tensor_to_f32(const struct kvs_tensor_view *t, float *dst, size_t first, size_t n)
 {
     const size_t es = kvs_dtype_size(t->dtype);
@@ -393,14 +364,14 @@ void kvs_tensor_to_f32(const struct kvs_tensor_view *t, float *dst, size_t first
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, src + 2 * i, 2);
-            dst[i] = bf16_to_f32(h);
+            dst[i] = kvs_bf16_to_f32(h);
         }
         break;
     case KVS_DTYPE_F16:
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, src + 2 * i, 2);
-            dst[i] = f16_to_f32(h);
+            dst[i] = kvs_f16_to_f32(h);
         }
         break;
     }
