@@ -21,6 +21,7 @@
 #include "engine/engine.h"
 #include "engine/kv/kv.h"
 #include "models/model.h"
+#include "tests/unit/kv_engine_run.h"
 #include "tests/unit/kv_mac_case.h"
 #include "tests/unit/test_util.h"
 
@@ -353,41 +354,14 @@ static void base_cfg(struct kvs_config *c, const char *decode)
 
 static int run(const struct kvs_config *cfg, struct job *jobs, struct kvs_engine_stats *st, char *err, size_t errlen)
 {
-    struct kvs_engine *e;
-    int rc = kvs_engine_create(cfg, model, NULL, &e, err, errlen);
-    if (rc) return rc;
-    struct kvs_request *r[NJ];
+    struct kvs_test_job tj[NJ];
+    for (int i = 0; i < NJ; i++)
+        tj[i] = (struct kvs_test_job){jobs[i].prompt, jobs[i].n_prompt, NULL, 0, jobs[i].got, 0, KVS_FINISH_NONE};
+    int rc = kvs_test_engine_run(cfg, model, tj, NJ, GEN, st, err, errlen);
     for (int i = 0; i < NJ; i++) {
-        struct kvs_request_params p;
-        memset(&p, 0, sizeof p);
-        p.prompt = jobs[i].prompt;
-        p.n_prompt = jobs[i].n_prompt;
-        p.max_tokens = GEN;
-        p.sampling.top_p = 1;
-        p.sampling.repetition_penalty = 1;
-        p.ignore_eos = 1;
-        r[i] = kvs_request_new(&p, NULL, NULL);
-        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, errlen) == 0, "submit: %s", err);
-        jobs[i].n_got = 0;
+        jobs[i].n_got = tj[i].n_got;
     }
-    for (int i = 0; i < NJ; i++) {
-        int done = 0;
-        while (!done) {
-            struct kvs_event ev[16];
-            int k = kvs_request_wait(r[i], ev, 16, 60.0);
-            REQUIRE(k > 0, "no event for 60 s");
-            for (int q = 0; q < k; q++) {
-                if (ev[q].type == KVS_EV_TOKEN && jobs[i].n_got < GEN) jobs[i].got[jobs[i].n_got++] = ev[q].token;
-                if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
-                if (ev[q].type != KVS_EV_TOKEN) done = 1;
-                kvs_event_clear(&ev[q]);
-            }
-        }
-        kvs_request_unref(r[i]);
-    }
-    kvs_engine_stats(e, st);
-    kvs_engine_free(e);
-    return 0;
+    return rc;
 }
 
 static int same(const struct job *a, const struct job *b)

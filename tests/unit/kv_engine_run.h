@@ -1,0 +1,75 @@
+/* kv_engine_run.h: the KV-strategy tests' way to run a few greedy requests through the whole
+ * engine (scheduler + runner + sampler) and collect their tokens (test_kv_policies.c and each
+ * strategy's test_kv_<name>.c). Header-only (static); one copy per test program.
+ *
+ * jobs[i] gives a prompt (and optionally one document, cited as a segment when the reuse
+ * strategy caches documents); got[] receives up to gen greedy tokens (ignore_eos, so exactly gen
+ * unless the request fails), finish how it ended. Returns 0, or the engine's create error
+ * (message in err); a request that cannot be submitted, or one silent for 60 s, fails the test. */
+#ifndef KVS_TEST_KV_ENGINE_RUN_H
+#define KVS_TEST_KV_ENGINE_RUN_H
+
+#include <stdio.h>
+#include <string.h>
+
+#include "engine/engine.h"
+#include "tests/unit/test_util.h"
+
+struct kvs_test_job {
+    const int32_t *prompt;
+    int n_prompt;
+    const int32_t *doc;           /* NULL: no document */
+    int n_doc;
+    int32_t *got;                 /* [gen] */
+    int n_got;
+    enum kvs_finish finish;
+};
+
+#define KVS_TEST_MAX_JOBS 16
+
+static int kvs_test_engine_run(const struct kvs_config *cfg, const struct kvs_model *model, struct kvs_test_job *jobs,
+                               int n, int gen, struct kvs_engine_stats *st, char *err, size_t errlen)
+{
+    struct kvs_engine *e;
+    int rc = kvs_engine_create(cfg, model, NULL, &e, err, errlen);
+    if (rc) return rc;
+    struct kvs_request *r[KVS_TEST_MAX_JOBS];
+    REQUIRE(n <= KVS_TEST_MAX_JOBS, "%d jobs", n);
+    for (int i = 0; i < n; i++) {
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        struct kvs_doc_segment seg = {(uint64_t)(i + 1), jobs[i].doc, jobs[i].n_doc};
+        p.prompt = jobs[i].prompt;
+        p.n_prompt = jobs[i].n_prompt;
+        p.docs = jobs[i].doc && jobs[i].n_doc ? &seg : NULL;
+        p.n_docs = p.docs ? 1 : 0;
+        p.max_tokens = gen;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i], "request_new");
+        REQUIRE(kvs_engine_submit(e, r[i], err, errlen) == 0, "submit: %s", err);
+        jobs[i].n_got = 0;
+        jobs[i].finish = KVS_FINISH_NONE;
+    }
+    for (int i = 0; i < n; i++) {
+        struct kvs_event ev[16];
+        while (jobs[i].finish == KVS_FINISH_NONE) {
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN && jobs[i].n_got < gen) jobs[i].got[jobs[i].n_got++] = ev[q].token;
+                if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
+                if (ev[q].type != KVS_EV_TOKEN) jobs[i].finish = ev[q].finish ? ev[q].finish : KVS_FINISH_ERROR;
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        kvs_request_unref(r[i]);
+    }
+    kvs_engine_stats(e, st);
+    kvs_engine_free(e);
+    return 0;
+}
+
+#endif
