@@ -237,7 +237,7 @@ static int parse_content(const cJSON *c, const char *role, char **out, struct kv
 /* The OpenAI schema's tool fields of a message. A tool message must name the call it answers
  * (tool_call_id, a string); the chat templates print no id, so it is checked and not rendered.
  * tool_calls / function_call (an assistant's earlier calls) are refused like the request's
- * tools: tool calling is not implemented, and rendering the turn without them would show the
+ * tools: this server does not call tools, and rendering the turn without them would show the
  * model a conversation other than the client's. Their empty values are accepted. */
 static int check_tool_fields(const cJSON *msg, const char *role, int i, struct kvs_api_error *err)
 {
@@ -253,7 +253,7 @@ static int check_tool_fields(const cJSON *msg, const char *role, int i, struct k
         const cJSON *it = cJSON_GetObjectItemCaseSensitive(msg, calls[k]);
         if (!it || cJSON_IsNull(it) || (cJSON_IsArray(it) && cJSON_GetArraySize(it) == 0)) continue;
         return kvs_api_error_set(err, 400, "invalid_request_error", "unsupported_parameter", "messages",
-                                 "messages[%d].%s is not supported by this server (tool calling is not implemented)",
+                                 "messages[%d].%s is not supported by this server (it does not call tools)",
                                  i, calls[k]);
     }
     return 0;

@@ -19,8 +19,8 @@
  *           GPT-2 regex.
  *   "llama" SentencePiece BPE with byte fallback: Metaspace("▁", prepend first, no split), the
  *           Replace/ByteFallback/Fuse/Strip decoder of transformers' LlamaTokenizer, unk from
- *           tokenizer.ggml.unknown_token_id; merges from the file (files without merges are
- *           refused: rebuilding them from scores is not implemented).
+ *           tokenizer.ggml.unknown_token_id; merges from the file (a file without merges is
+ *           refused with a message: kvserve builds its BPE from merges, never from scores).
  * BOS / EOS / add_bos_token come from tokenizer.ggml.bos_token_id, eos_token_id, add_bos_token.
  * Other tokenizer models (t5, bert, rwkv, ...) are refused by name.
  */
