@@ -169,9 +169,13 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
             int rows = a->q_start[s + 1] - a->q_start[s];
             if (rows > max_rows) max_rows = rows;
         }
-        /* whole GQA groups share the most loads; split them when the tiles would not keep every
-         * thread busy (a lone decode row, a short batch) */
-        if (a->n_seqs * a->n_kv_heads < 2 * kvs_cpu_pool_threads(pool) && max_rows <= 4) pl.ht = 1;
+        /* whole GQA groups share the most loads (each key tile is read once per tile); split
+         * them, halving while the tiles would not keep every thread busy (a lone decode row, a
+         * short batch), so each thread still reads each key tile once for its heads */
+        if (max_rows <= 4)
+            while (pl.ht % 2 == 0 && a->n_seqs * a->n_kv_heads * (a->n_heads / a->n_kv_heads / pl.ht) <
+                                         kvs_cpu_pool_threads(pool))
+                pl.ht /= 2;
         while (pl.ht > 1 && pl.ht * a->head_dim > TILE_FLOATS) pl.ht = pl.ht % 2 == 0 ? pl.ht / 2 : 1;
         int qt = TILE_FLOATS / (pl.ht * a->head_dim);
         pl.qt = qt < 1 ? 1 : qt > 16 ? 16 : qt;
