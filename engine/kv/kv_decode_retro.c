@@ -310,15 +310,15 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
                 s->windows_reset++;
             }
             if (keep <= cur && !s->skip) s->dense_rows++;
-            s->bytes_read += (double)ctx * per_layer * L * rows;
+            s->bytes_read += (double)ctx * per_layer * L;   /* one read for all its rows */
             continue;
         }
         if (rs->last_step != prev) s->windows_reset += rs->n_win > 0;
-        /* the newest row: Quest's cost; the past rows: dense layers in full, then what their
-         * supplements read (counted in attend) */
+        /* the newest row: Quest's cost; the past rows: in dense layers attention() reads the
+         * sequence's K/V once for all its rows, in sparse layers their supplements are a second
+         * read (counted in attend) */
         s->past_rows += past;
         s->any_past |= past > 0;
-        for (int j = 0; j < past; j++) s->bytes_read += (double)(ctx - past + j) * per_layer * dense_l;
         if (keep > cur || dense_l == L) {
             s->bytes_read += (double)ctx * per_layer * L;
         } else {
