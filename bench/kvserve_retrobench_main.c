@@ -7,8 +7,8 @@
  * 128, bf16 K/V in a paged pool of 16-slot blocks dealt at random, random keys and queries), B
  * requests decoding from context n on: every step asks the policy how many past rows each
  * request re-runs (kv.h recompute), builds the step (k + 1 rows per request at the context's
- * last positions), and runs the policy's plan, the layer's attend and finish, as the runner
- * does; the K/V are not rewritten (random data). Timed: the host wall clock of plan + attend +
+ * last positions) with fresh random queries (untimed), and runs the policy's plan, the layer's
+ * attend and finish, as the runner does; the K/V are not rewritten (random data). Timed: the host wall clock of plan + attend +
  * finish + a device sync, mean over --steps steps after --warm steps (so windows are full);
  * this includes Retro's host work and its two host syncs per layer (selection and lse
  * downloads). Not included: the GEMMs of the re-run rows (o_proj, MLP, the next layer's q/k/v),
@@ -113,6 +113,7 @@ static double run_policy(struct kvs_backend *b, struct world *W, const char *dec
             slot[s] = s, dec[s] = 1;
             max_ctx = newest + 1;
         }
+        fill_random(b, W->q, (size_t)qs[W->B] * NH * HD, 2.0f);   /* a new query every step (untimed) */
         O->upload(b, W->qs, 0, qs, (size_t)W->B + 1);
         O->upload(b, W->pos, 0, pos, (size_t)W->B);
         const struct kvs_attn_meta m = {.n_seqs = W->B, .max_blocks = W->mb, .q_start = W->qs, .pos = W->pos,
