@@ -108,6 +108,7 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
     const int np = (r1 - r0) * nh;
     float acc[TILE_FLOATS], qr[TILE_FLOATS];
     float sc[KT];
+    float scs[TILE_FLOATS / 8 * KT], pws[TILE_FLOATS / 8 * KT];   /* per pair: scores, weights */
     struct kt_pair pr[TILE_FLOATS / 8];
     struct kt_keys keys;
     KVS_ASSERT(np * hd <= TILE_FLOATS);
@@ -118,13 +119,59 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
     for (int p0 = 0; p0 < ctx_max; p0 += KT) {
         const int nk = ctx_max - p0 < KT ? ctx_max - p0 : KT;
         kt_fill(&keys, j->kc, j->vc, bt, rot, valid, j->n_kv_heads, g, bs, hd, p0, nk);
-        /* pairs from i0 on have keys in this tile (rows are in increasing context) */
+        /* pairs from i0 on have keys in this tile (rows are in increasing context): the tiles
+         * above a row's context are skipped (causal) */
         const int i0 = p0 < ctx0 ? 0 : (p0 - ctx0 + 1) * nh;
-        for (int i = i0; i < np; i++) {
+        /* pairs from i_full on read every key of a full tile (all valid, one rotation): those
+         * take the register tiles over several pairs; the rest (the diagonal tile, padding,
+         * mixed rotations) the one-pair steps. Same bits either way (cpu_attn_tile.h). */
+        int i_full = np;
+        if (nk == KT && hd % 8 == 0) {
+            int ok = 1;
+            for (int i = 0; i < KT && ok; i++) ok = keys.k[i] && keys.rot[i] == keys.rot[0];
+            if (ok) {
+                const int first = (p0 + KT - ctx0) * nh;
+                i_full = first < i0 ? i0 : first > np ? np : first;
+            }
+        }
+        for (int i = i0; i < i_full; i++) {
             const int ctx = ctx0 + i / nh, kend = ctx - p0 < nk ? ctx - p0 : nk;
             kt_scores(&pr[i], &keys, kend, NULL, j->inv_freq, hd, j->scale, sc, fm);
             kt_update(&pr[i], &keys, sc, hd, fm);
         }
+        if (i_full >= np) continue;
+        const int r = keys.rot[0];
+        for (int i = i_full; i < np; i++)
+            if (pr[i].cur_rot != r) {
+                pr[i].cur_rot = r;
+                if (r) kvs_cpu_rotate_back(pr[i].q0, j->inv_freq, r, hd, pr[i].qr);
+                pr[i].q = r ? pr[i].qr : pr[i].q0;
+            }
+        int i = i_full;
+        for (; i + 3 <= np; i += 3)
+            kt_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
+                       scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT, fm);
+        for (; i < np; i++)
+            for (int k8 = 0; k8 < KT; k8 += 8)
+                _mm256_storeu_ps(scs + (size_t)i * KT + k8,
+                                 _mm256_mul_ps(kt_dot8(pr[i].q, keys.k + k8, hd, fm), _mm256_set1_ps(j->scale)));
+        int pend = -1;   /* a pair waiting for a partner of kt_pv2 */
+        for (i = i_full; i < np; i++) {
+            const float *s_i = scs + (size_t)i * KT;
+            float *pw_i = pws + (size_t)i * KT;
+            if (!kt_softmax(&pr[i], s_i, pw_i, hd)) continue;
+            int finite = hd % 32 == 0;
+            for (int k = 0; k < KT && finite; k++) finite = s_i[k] != -INFINITY;
+            if (!finite) {
+                kt_pv(&pr[i], &keys, s_i, pw_i, hd, fm);
+            } else if (pend < 0) {
+                pend = i;
+            } else {
+                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm);
+                pend = -1;
+            }
+        }
+        if (pend >= 0) kt_pv(&pr[pend], &keys, scs + (size_t)pend * KT, pws + (size_t)pend * KT, hd, fm);
     }
     for (int i = 0; i < np; i++) {
         float *o = j->out + ((size_t)(r0 + i / nh) * j->n_heads + h0 + i % nh) * hd;

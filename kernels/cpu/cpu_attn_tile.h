@@ -166,8 +166,11 @@ ATT_AVX2 ATT_INLINE void kt_scores(struct kt_pair *p, const struct kt_keys *t, i
     for (; i < KT; i++) sc[i] = -INFINITY;
 }
 
-/* One online-softmax step of pair p over the scores sc[0 .. KT) of tile t (-inf: skipped). */
-ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, const float *sc, int hd, const int fm)
+/* The softmax half of one online-softmax step of pair p over the scores sc[0 .. KT) of a tile
+ * (-inf: skipped): the tile max, the rescale of the accumulator when the max grows, the
+ * weights pw = exp(sc - max) (0 for -inf) and their sum. Returns 0 when no key of the tile is
+ * readable (nothing to add), else 1. */
+ATT_AVX2 ATT_INLINE int kt_softmax(struct kt_pair *p, const float *sc, float *pw, int hd)
 {
     const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
     __m256 m8 = _mm256_max_ps(s0, s1);
@@ -175,7 +178,7 @@ ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, c
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float tmax = _mm_cvtss_f32(m4);
-    if (tmax == -INFINITY) return;   /* no readable key in this tile */
+    if (tmax == -INFINITY) return 0;   /* no readable key in this tile */
     const int hd8 = hd / 8 * 8;
     float *ac = p->acc;
     if (tmax > p->mx) {
@@ -188,12 +191,21 @@ ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, c
         p->mx = tmax;
     }
     const __m256 mb = _mm256_set1_ps(p->mx);
-    float pw[KT];
     _mm256_storeu_ps(pw, kt_exp(_mm256_sub_ps(s0, mb)));
     _mm256_storeu_ps(pw + 8, kt_exp(_mm256_sub_ps(s1, mb)));
     float lsum = 0.0f;
     for (int i = 0; i < KT; i++) lsum += pw[i];
     p->l += lsum;
+    return 1;
+}
+
+/* The value half: acc += pw[i] * v[i] for the keys i < nk of tile t with sc[i] > -inf, in key
+ * order, one multiply-add per element and key. */
+ATT_AVX2 ATT_INLINE void kt_pv(struct kt_pair *p, const struct kt_keys *t, const float *sc, const float *pw, int hd,
+                               const int fm)
+{
+    const int hd8 = hd / 8 * 8;
+    float *ac = p->acc;
     const int nk = t->nk;
     int e = 0;
     for (; e + 32 <= hd8; e += 32) {   /* four accumulator vectors in registers across the keys */
@@ -222,6 +234,79 @@ ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, c
     for (; e < hd; e++)
         for (int i = 0; i < nk; i++)
             if (sc[i] != -INFINITY) ac[e] = fm ? fmaf(pw[i], t->v[i][e], ac[e]) : ac[e] + pw[i] * t->v[i][e];
+}
+
+/* One online-softmax step of pair p over the scores sc[0 .. KT) of tile t (-inf: skipped). */
+ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, const float *sc, int hd, const int fm)
+{
+    float pw[KT];
+    if (kt_softmax(p, sc, pw, hd)) kt_pv(p, t, sc, pw, hd, fm);
+}
+
+/* ---- register tiles over several pairs (full key tiles of the prefill) --------------------
+ * Both give every pair exactly the bits of the one-pair steps above (the same lanes, tree and
+ * multiply-add per element), only with fewer loads: which pairs share a register tile never
+ * changes a result, so tiling stays batch invariant. */
+
+/* the reference tree of four lane accumulators (as kt_dot8's hadds: key order) */
+ATT_AVX2 ATT_INLINE __m128 kt_reduce4(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of three queries against the KT keys k[] (hd a multiple of 8), times scale, into
+ * sc0/sc1/sc2 [KT]: tiles of 3 queries x 4 keys (12 accumulators, 7 loads per 12 multiply-adds
+ * where kt_dot8 spends 9 per 8). Each score is bitwise kt_dot8's (times scale). */
+ATT_AVX2 ATT_INLINE void kt_scores3(const float *q0, const float *q1, const float *q2, const float *const *k, int hd,
+                                    float scale, float *sc0, float *sc1, float *sc2, const int fm)
+{
+    const __m128 s4 = _mm_set1_ps(scale);
+    for (int j = 0; j < KT; j += 4) {
+        const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+        for (int i = 0; i < hd; i += 8) {
+            const __m256 x0 = _mm256_loadu_ps(q0 + i), x1 = _mm256_loadu_ps(q1 + i), x2 = _mm256_loadu_ps(q2 + i);
+            __m256 kv = _mm256_loadu_ps(k0 + i);
+            a00 = KT_MADD(a00, x0, kv), a10 = KT_MADD(a10, x1, kv), a20 = KT_MADD(a20, x2, kv);
+            kv = _mm256_loadu_ps(k1 + i);
+            a01 = KT_MADD(a01, x0, kv), a11 = KT_MADD(a11, x1, kv), a21 = KT_MADD(a21, x2, kv);
+            kv = _mm256_loadu_ps(k2 + i);
+            a02 = KT_MADD(a02, x0, kv), a12 = KT_MADD(a12, x1, kv), a22 = KT_MADD(a22, x2, kv);
+            kv = _mm256_loadu_ps(k3 + i);
+            a03 = KT_MADD(a03, x0, kv), a13 = KT_MADD(a13, x1, kv), a23 = KT_MADD(a23, x2, kv);
+        }
+        _mm_storeu_ps(sc0 + j, _mm_mul_ps(kt_reduce4(a00, a01, a02, a03), s4));
+        _mm_storeu_ps(sc1 + j, _mm_mul_ps(kt_reduce4(a10, a11, a12, a13), s4));
+        _mm_storeu_ps(sc2 + j, _mm_mul_ps(kt_reduce4(a20, a21, a22, a23), s4));
+    }
+}
+
+/* kt_pv of two pairs over all KT keys of a tile (every score finite, hd a multiple of 32):
+ * 2 pairs x 32 elements in 8 accumulators, 6 loads per 8 multiply-adds where kt_pv spends 5
+ * per 4. */
+ATT_AVX2 ATT_INLINE void kt_pv2(float *acA, float *acB, const struct kt_keys *t, const float *pwA, const float *pwB,
+                                int hd, const int fm)
+{
+    for (int e = 0; e < hd; e += 32) {
+        __m256 a0 = _mm256_loadu_ps(acA + e), a1 = _mm256_loadu_ps(acA + e + 8);
+        __m256 a2 = _mm256_loadu_ps(acA + e + 16), a3 = _mm256_loadu_ps(acA + e + 24);
+        __m256 b0 = _mm256_loadu_ps(acB + e), b1 = _mm256_loadu_ps(acB + e + 8);
+        __m256 b2 = _mm256_loadu_ps(acB + e + 16), b3 = _mm256_loadu_ps(acB + e + 24);
+        for (int i = 0; i < KT; i++) {
+            const float *v = t->v[i] + e;
+            const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+            const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+            const __m256 wa = _mm256_set1_ps(pwA[i]), wb = _mm256_set1_ps(pwB[i]);
+            a0 = KT_MADD(a0, wa, v0), a1 = KT_MADD(a1, wa, v1), a2 = KT_MADD(a2, wa, v2), a3 = KT_MADD(a3, wa, v3);
+            b0 = KT_MADD(b0, wb, v0), b1 = KT_MADD(b1, wb, v1), b2 = KT_MADD(b2, wb, v2), b3 = KT_MADD(b3, wb, v3);
+        }
+        _mm256_storeu_ps(acA + e, a0), _mm256_storeu_ps(acA + e + 8, a1);
+        _mm256_storeu_ps(acA + e + 16, a2), _mm256_storeu_ps(acA + e + 24, a3);
+        _mm256_storeu_ps(acB + e, b0), _mm256_storeu_ps(acB + e + 8, b1);
+        _mm256_storeu_ps(acB + e + 16, b2), _mm256_storeu_ps(acB + e + 24, b3);
+    }
 }
 
 #endif
