@@ -2,7 +2,9 @@
  *
  * Every buffer is plain host memory (fp32 for ACT/F32/KV, int32 for I32); weights are fp32
  * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
- * and are widened (exactly) inside the matmul and embed. Ops are split into independent tasks on a small pthread pool
+ * and are widened (exactly) inside the matmul and embed, and fp32 matrices that are exactly 4-bit
+ * affine or 8-bit blocks (GGUF Q4_1 / Q8_0, dequantized by the loader), which stay as those blocks
+ * and are rebuilt bitwise in the kernel (cpu_qblocks.c). Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
  * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
@@ -37,10 +39,11 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
     }
     kvs_cpu_blas_init();
     kvs_log(KVS_LOG_INFO,
-            "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s",
+            "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
             b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant",
-            b->kern.bf16_weights ? "as bf16" : "as fp32 copies");
+            b->kern.bf16_weights ? "as bf16" : "as fp32 copies",
+            b->kern.bf16_weights ? ", exact 4- / 8-bit blocks (GGUF Q4_1 / Q8_0) kept as blocks" : "");
     return b;
 }
 
@@ -155,6 +158,35 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
         w->cols = cols;
         return w;
     }
+    if (w && b->kern.bf16_weights && t->ndim == 2 && t->dtype == KVS_DTYPE_F32 && t->nbytes == n * 4 && rows > 1 &&
+        cols % KVS_CPU_Q4_BLOCK == 0 && cols <= KVS_CPU_Q4_MAX_COLS) {
+        /* a GGUF Q4_1 / Q8_0 matrix dequantized to fp32: kept as its blocks when every value is
+         * bitwise rebuilt from them (cpu_qblocks.c), else the fp32 copy below */
+        const size_t nb = n / KVS_CPU_Q4_BLOCK;
+        uint8_t *q = NULL;
+        float *dm = NULL;
+        if (posix_memalign((void **)&q, 64, n / 2) == 0 && posix_memalign((void **)&dm, 64, nb * 8) == 0 &&
+            kvs_cpu_q4_pack(t->data, rows, cols, q, dm)) {
+            w->qb = (struct kvs_cpu_qblocks){.bits = 4, .q = q, .dm = dm};
+        } else {
+            free(q);
+            free(dm);
+            q = NULL;
+            dm = NULL;
+            if (posix_memalign((void **)&q, 64, n) == 0 && posix_memalign((void **)&dm, 64, nb * 4) == 0 &&
+                kvs_cpu_q8_pack(t->data, rows, cols, (int8_t *)q, dm)) {
+                w->qb = (struct kvs_cpu_qblocks){.bits = 8, .q = q, .dm = dm};
+            } else {
+                free(q);
+                free(dm);
+            }
+        }
+        if (w->qb.q) {
+            w->rows = rows;
+            w->cols = cols;
+            return w;
+        }
+    }
     if (!w || posix_memalign((void **)&w->data, 64, n * sizeof(float)) != 0) {
         free(w);
         kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
@@ -173,6 +205,8 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
     if (!w) return;
     free(w->data);
     free(w->bf16);
+    free((void *)w->qb.q);
+    free((void *)w->qb.dm);
     free(w);
 }
 
@@ -193,7 +227,9 @@ static void embed_task(void *c, int t)
 {
     struct job *j = c;
     float *y = j->y + (size_t)t * j->d0;
-    if (j->wb) {
+    if (j->weight && j->weight->qb.q) {
+        kvs_cpu_qb_row(&j->weight->qb, j->d0, (size_t)j->i0[t], y);
+    } else if (j->wb) {
         const uint16_t *row = j->wb + (size_t)j->i0[t] * j->d0;
         for (int i = 0; i < j->d0; i++) y[i] = kvs_cpu_bf16(row[i]);
     } else {
@@ -205,7 +241,7 @@ static void cpu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, cons
                       int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(emb->cols == dim);
-    struct job j = {.w = emb->data, .wb = emb->bf16, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim};
+    struct job j = {.w = emb->data, .wb = emb->bf16, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim, .weight = emb};
     for (int t = 0; t < n; t++) KVS_ASSERT(j.i0[t] >= 0 && j.i0[t] < emb->rows);
     kvs_cpu_pool_run(b->pool, n, embed_task, &j);
 }
@@ -271,7 +307,10 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, w->bf16, bias ? bias->data : NULL, n, in, out, F(y));
+    if (w->qb.q)
+        kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
+    else
+        kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, w->bf16, bias ? bias->data : NULL, n, in, out, F(y));
 }
 
 struct rope_job {

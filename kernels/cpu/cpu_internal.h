@@ -23,6 +23,8 @@ struct kvs_dweight {
     int64_t rows, cols;           /* vectors: rows = 1 */
     float *data;                  /* [rows][cols] fp32, or NULL when bf16 holds the matrix */
     uint16_t *bf16;               /* [rows][cols] bf16 bits (bf16 matrices, kern.bf16_weights), or NULL */
+    struct kvs_cpu_qblocks qb;    /* qb.q != NULL: 4- or 8-bit blocks (kvs_cpu_q4_pack / q8_pack: fp32
+                                   * matrices that are exactly such blocks, kern.bf16_weights); data NULL */
 };
 
 struct kvs_backend {

@@ -32,7 +32,9 @@
  * bf16 weights. With the AVX2 or FMA kernels and the invariant GEMM, 2-D weights that the model stores
  * as bf16 stay bf16 in memory (half the bytes to hold and to stream per decode step) and the
  * matmul widens them in registers. Widening bf16 to fp32 is exact, so the results are bitwise
- * those of the fp32 copy: nothing changes but memory and speed. KVS_CPU_WEIGHTS=f32 forces
+ * those of the fp32 copy: nothing changes but memory and speed. Likewise fp32 matrices that are
+ * exactly 4-bit affine or 8-bit blocks (a GGUF Q4_1 / Q8_0 tensor after the loader's
+ * dequantization) stay as those blocks (kvs_cpu_q4_pack below), rebuilt bitwise in the kernel. KVS_CPU_WEIGHTS=f32 forces
  * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
  *
  * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma),
@@ -104,6 +106,29 @@ static inline float kvs_cpu_dot_fma(const float *a, const float *b, int n)
  * when k->bf16_weights). Runs on the pool. */
 void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
                   const uint16_t *wb, const float *bias, int n, int in, int out, float *y);
+
+/* Weight blocks found losslessly in fp32 matrices (cpu_qblocks.c): a matrix [rows][cols] whose
+ * every block of KVS_CPU_Q4_BLOCK consecutive values of a row is bitwise fl(fl(q * d) + m), q in
+ * 0..15 (a GGUF Q4_1 tensor dequantized to fp32; bits 4), or fl(q * d), q in -128..127 (Q8_0;
+ * bits 8). Bits 4: q = nib [rows][cols / 2] (byte i of a block: q of element i in the low
+ * nibble, of element i + 16 in the high one), dm = [rows][cols / 32][2] (d, m). Bits 8: q =
+ * int8 [rows][cols], dm = d [rows][cols / 32]. The pack functions return 1 and fill the arrays
+ * when every value matches, else 0 (cols a multiple of 32, at most KVS_CPU_Q4_MAX_COLS).
+ * kvs_cpu_qb_row rebuilds one row's fp32 values bitwise. kvs_cpu_gemm_qb is kvs_cpu_gemm on such
+ * a matrix (AVX2 / FMA sets, invariant GEMM): bitwise kvs_cpu_gemm on the fp32 values, so batch
+ * invariant as that is. */
+#define KVS_CPU_Q4_BLOCK 32
+#define KVS_CPU_Q4_MAX_COLS 8192
+struct kvs_cpu_qblocks {
+    int bits;                     /* 4 or 8 */
+    const uint8_t *q;
+    const float *dm;
+};
+int kvs_cpu_q4_pack(const float *w, int64_t rows, int64_t cols, uint8_t *nib, float *dm);
+int kvs_cpu_q8_pack(const float *w, int64_t rows, int64_t cols, int8_t *q, float *d);
+void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out);
+void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x,
+                     const struct kvs_cpu_qblocks *w, const float *bias, int n, int in, int out, float *y);
 
 /* bf16 bits -> fp32 (exact) */
 static inline float kvs_cpu_bf16(uint16_t h)

@@ -18,6 +18,10 @@
  *     below 1e-5 of the row's magnitude sum bound), deterministic (same call twice, 1 vs 3
  *     threads: same bits); how many rows lose batch invariance is printed (measured, not
  *     asserted: it depends on OpenBLAS's kernel for this CPU).
+ *   - Weight blocks (kvs_cpu_q4_pack / q8_pack): GGUF Q4_1 / Q8_0 blocks (random fp16 scales)
+ *     dequantized by the loader's own code pack, each row rebuilds bitwise, and kvs_cpu_gemm_qb
+ *     (avx2 and fma, 1 and 3 threads, row counts 1-17, bias or not) is BITWISE kvs_cpu_gemm on
+ *     the fp32 values; plain random fp32 matrices and widths not a multiple of 32 do not pack.
  * Where the CPU has no AVX2 the AVX2 checks cannot run: the program says so and fails. */
 #include <math.h>
 #include <stdio.h>
@@ -26,6 +30,8 @@
 
 #include "base/util.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "models/gguf.h"
+#include "models/gguf_quant.h"
 #include "tests/unit/test_util.h"
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
@@ -293,6 +299,102 @@ static void test_attention(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
            g_attn_worst[KVS_CPU_ISA_AVX2], g_attn_worst[KVS_CPU_ISA_FMA]);
 }
 
+/* one Q4_1 block as llama.cpp writes it: fp16 d > 0, fp16 m, q 0 and 15 both present (the
+ * quantizer maps the block's min to 0 and its max to 15) */
+static void q4_1_block(uint8_t *b)
+{
+    const uint16_t d = (uint16_t)(0x1400 + kvs_test_xorshift(&g_rng) % 0x1400);    /* ~1e-3 .. 0.03 */
+    const uint16_t m = (uint16_t)(0x9400 + kvs_test_xorshift(&g_rng) % 0x1800);    /* ~-1e-3 .. -0.1 */
+    memcpy(b, &d, 2);
+    memcpy(b + 2, &m, 2);
+    for (int i = 0; i < 16; i++) b[4 + i] = (uint8_t)(kvs_test_xorshift(&g_rng) & 0xFF);
+    const int i0 = (int)(kvs_test_xorshift(&g_rng) % 32), i1 = (i0 + 1 + (int)(kvs_test_xorshift(&g_rng) % 31)) % 32;
+    b[4 + i0 % 16] = (uint8_t)(i0 < 16 ? b[4 + i0 % 16] & 0xF0 : b[4 + i0 % 16] & 0x0F);   /* q = 0 */
+    b[4 + i1 % 16] = (uint8_t)(i1 < 16 ? b[4 + i1 % 16] | 0x0F : b[4 + i1 % 16] | 0xF0);   /* q = 15 */
+}
+
+static void test_q4(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
+{
+    const int ins[] = {32, 96, 576}, outs[] = {1, 7, 33, 64}, ns[] = {1, 3, 4, 5, 17};
+    char err[256];
+    int cases = 0;
+    for (size_t ii = 0; ii < sizeof ins / sizeof *ins; ii++)
+        for (size_t oi = 0; oi < sizeof outs / sizeof *outs; oi++) {
+            const int in = ins[ii], out = outs[oi];
+            const size_t nw = (size_t)in * out, nb = nw / 32;
+            uint8_t *raw = kvs_xmalloc(nb * 20);
+            for (size_t b = 0; b < nb; b++) q4_1_block(raw + 20 * b);
+            float *w = kvs_xmalloc(nw * 4), *row = kvs_xmalloc((size_t)in * 4);
+            REQUIRE(kvs_ggml_dequantize(KVS_GGML_Q4_1, raw, w, nw, err, sizeof err) == 0, "dequantize: %s", err);
+            uint8_t *nib = kvs_xmalloc(nw / 2);
+            float *dm = kvs_xmalloc(nb * 8);
+            REQUIRE(kvs_cpu_q4_pack(w, out, in, nib, dm) == 1, "q4 pack %d x %d: Q4_1 values did not pack", out, in);
+            const struct kvs_cpu_qblocks qb = {.bits = 4, .q = nib, .dm = dm};
+            int same = 1;
+            for (int o = 0; o < out; o++) {
+                kvs_cpu_qb_row(&qb, in, (size_t)o, row);
+                same &= memcmp(row, w + (size_t)o * in, (size_t)in * 4) == 0;
+            }
+            CHECK(same, "q4 %d x %d: a rebuilt row differs from the loader's fp32 values", out, in);
+            float *bias = rnd((size_t)out, 0.5f);
+            for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+                const int n = ns[ni];
+                float *x = rnd((size_t)n * in, 1.0f), *y0 = kvs_xmalloc((size_t)n * out * 4), *y1 = kvs_xmalloc((size_t)n * out * 4);
+                const struct kvs_cpu_kernels *ks[2] = {&K_AVX2, &K_FMA};
+                for (int ki = 0; ki < 2; ki++)
+                    for (int bi = 0; bi < 2; bi++) {
+                        const float *bb = bi ? bias : NULL;
+                        kvs_cpu_gemm(p1, ks[ki], x, w, NULL, bb, n, in, out, y0);
+                        kvs_cpu_gemm_qb(p3, ks[ki], x, &qb, bb, n, in, out, y1);
+                        CHECK(memcmp(y0, y1, (size_t)n * out * 4) == 0, "gemm_q4 %s %d x %d x %d bias %d: not bitwise fp32",
+                              kvs_cpu_isa_name(ks[ki]->isa), n, in, out, bi);
+                        kvs_cpu_gemm_qb(p1, ks[ki], x, &qb, bb, n, in, out, y1);
+                        CHECK(memcmp(y0, y1, (size_t)n * out * 4) == 0, "gemm_q4 %s %d x %d x %d: 1 thread differs",
+                              kvs_cpu_isa_name(ks[ki]->isa), n, in, out);
+                        cases++;
+                    }
+                free(x), free(y0), free(y1);
+            }
+            free(bias), free(raw), free(w), free(row), free(nib), free(dm);
+        }
+    /* Q8_0 blocks (the loader's code): pack as 8-bit, rebuild bitwise, gemm bitwise */
+    {
+        const int in = 576, out = 45, n = 5;
+        const size_t nw = (size_t)in * out, nb = nw / 32;
+        uint8_t *raw = kvs_xmalloc(nb * 34);
+        for (size_t b = 0; b < nb; b++) {
+            const uint16_t d = (uint16_t)(0x1400 + kvs_test_xorshift(&g_rng) % 0x1400);
+            memcpy(raw + 34 * b, &d, 2);
+            for (int i = 0; i < 32; i++) raw[34 * b + 2 + i] = (uint8_t)(kvs_test_xorshift(&g_rng) & 0xFF);
+            raw[34 * b + 2 + kvs_test_xorshift(&g_rng) % 32] = (uint8_t)(kvs_test_xorshift(&g_rng) & 1 ? 127 : 0x81); /* |q| = 127 */
+        }
+        float *w = kvs_xmalloc(nw * 4), *x = rnd((size_t)n * in, 1.0f), *y0 = kvs_xmalloc((size_t)n * out * 4),
+              *y1 = kvs_xmalloc((size_t)n * out * 4), *d = kvs_xmalloc(nb * 4);
+        int8_t *q = kvs_xmalloc(nw);
+        REQUIRE(kvs_ggml_dequantize(KVS_GGML_Q8_0, raw, w, nw, err, sizeof err) == 0, "dequantize: %s", err);
+        CHECK(kvs_cpu_q4_pack(w, out, in, (uint8_t *)q, d) == 0, "q8 values packed as 4-bit blocks");
+        REQUIRE(kvs_cpu_q8_pack(w, out, in, q, d) == 1, "q8 pack: Q8_0 values did not pack");
+        const struct kvs_cpu_qblocks qb = {.bits = 8, .q = (const uint8_t *)q, .dm = d};
+        for (int nn = 1; nn <= n; nn += 4) {
+            kvs_cpu_gemm(p1, &K_FMA, x, w, NULL, NULL, nn, in, out, y0);
+            kvs_cpu_gemm_qb(p3, &K_FMA, x, &qb, NULL, nn, in, out, y1);
+            CHECK(memcmp(y0, y1, (size_t)nn * out * 4) == 0, "gemm_qb 8-bit %d rows: not bitwise fp32", nn);
+            cases++;
+        }
+        free(raw), free(w), free(x), free(y0), free(y1), free(d), free(q);
+    }
+    /* matrices that are not such blocks stay fp32 */
+    float *r = rnd(64 * 96, 1.0f);
+    uint8_t nib[64 * 96 / 2];
+    float dm[64 * 96 / 32 * 2];
+    CHECK(kvs_cpu_q4_pack(r, 64, 96, nib, dm) == 0, "q4 pack: random fp32 values packed");
+    CHECK(kvs_cpu_q8_pack(r, 16, 96, (int8_t *)nib, dm) == 0, "q8 pack: random fp32 values packed");
+    CHECK(kvs_cpu_q4_pack(r, 96, 64 - 8, nib, dm) == 0, "q4 pack: a width not a multiple of 32 packed");
+    free(r);
+    printf("ok weight blocks: Q4_1 / Q8_0 values pack, rows rebuild bitwise, gemm_qb avx2 / fma bitwise the fp32 gemm "
+           "(%d cases, 1 and 3 threads); random fp32 does not pack\n", cases);
+}
+
 int main(void)
 {
     char err[256];
@@ -303,6 +405,7 @@ int main(void)
     test_gemm(p1, p3);
     test_attention(p1, p3);
     test_blas(p1, p3);
+    test_q4(p1, p3);
     kvs_cpu_pool_free(p1);
     kvs_cpu_pool_free(p3);
     return kvs_test_summary("test_cpu_kernels");
