@@ -229,7 +229,12 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
         pl.n_hchunks = a->n_heads / pl.ht;
         int n_qtiles = 0;
         for (int s = 0; s < a->n_seqs; s++) n_qtiles += (a->q_start[s + 1] - a->q_start[s] + pl.qt - 1) / pl.qt;
-        kvs_cpu_pool_run(pool, n_qtiles * pl.n_hchunks, tile_task, &pl);
+        double work = 0;   /* multiply-adds: scores and values, each row over its context */
+        for (int s = 0; s < a->n_seqs; s++) {
+            const double rows = a->q_start[s + 1] - a->q_start[s];
+            work += rows * (a->pos[s] + (rows + 1) / 2) * 2.0 * a->n_heads * a->head_dim;
+        }
+        kvs_cpu_pool_run_sized(pool, n_qtiles * pl.n_hchunks, work, tile_task, &pl);
         return;
     }
 #else

@@ -243,7 +243,7 @@ static void cpu_embed(struct kvs_backend *b, const struct kvs_dweight *emb, cons
     KVS_ASSERT(emb->cols == dim);
     struct job j = {.w = emb->data, .wb = emb->bf16, .i0 = I(tokens), .y = F(out), .n = n, .d0 = dim, .weight = emb};
     for (int t = 0; t < n; t++) KVS_ASSERT(j.i0[t] >= 0 && j.i0[t] < emb->rows);
-    kvs_cpu_pool_run(b->pool, n, embed_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, (double)n * dim, embed_task, &j);
 }
 
 static void rmsnorm_row(const float *x, const float *w, float eps, int dim, float *out)
@@ -266,7 +266,7 @@ static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const s
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
-    kvs_cpu_pool_run(b->pool, n, rmsnorm_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * dim, rmsnorm_task, &j);
 }
 
 static void add_rmsnorm_task(void *c, int t)
@@ -284,7 +284,7 @@ static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const s
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
-    kvs_cpu_pool_run(b->pool, n, add_rmsnorm_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, 3.0 * n * dim, add_rmsnorm_task, &j);
 }
 
 static void head_rmsnorm_task(void *c, int t)
@@ -299,7 +299,7 @@ static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim};
-    kvs_cpu_pool_run(b->pool, n, head_rmsnorm_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * n_heads * head_dim, head_rmsnorm_task, &j);
 }
 
 static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w,
@@ -347,7 +347,8 @@ static void cpu_rope(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs
 {
     KVS_ASSERT(head_dim % 2 == 0 && head_dim <= MAX_HEAD_DIM);
     struct rope_job j = {F(x), I(pos), rot ? I(rot) : NULL, F(inv_freq), n_heads, head_dim};
-    kvs_cpu_pool_run(b->pool, n, rope_task, &j);
+    /* cosf / sinf per position and frequency, then a rotation per element */
+    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * head_dim + 3.0 * n * n_heads * head_dim, rope_task, &j);
 }
 
 static void cpu_kv_write(struct kvs_backend *b, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
@@ -412,7 +413,7 @@ static void cpu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const
                        struct kvs_dbuf *out)
 {
     struct job j = {.x = F(gate), .x2 = F(up), .y = F(out), .d0 = ff};
-    kvs_cpu_pool_run(b->pool, n, swiglu_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * ff, swiglu_task, &j);   /* an expf per element */
 }
 
 static void cpu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dbuf *rows, int m, int dim,
@@ -461,7 +462,7 @@ static void cpu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits
     if (m <= 0) return;
     KVS_ASSERT((size_t)m * vocab <= logits->n && out_off + (size_t)m <= out->n);
     struct argmax_job j = {.x = F(logits), .vocab = vocab, .out = I(out) + out_off};
-    kvs_cpu_pool_run(b->pool, m, argmax_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, m, (double)m * vocab, argmax_task, &j);
 }
 
 const struct kvs_backend_ops kvs_cpu_backend = {

@@ -388,7 +388,7 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
         j.n_ob = (out + j.ob - 1) / j.ob;
         j.n_rb = (n + j.rb - 1) / j.rb;
         kvs_cpu_task_fn fn = k->isa == KVS_CPU_ISA_FMA ? (wb ? fma_bf16_task : fma_task) : (wb ? avx2_bf16_task : avx2_task);
-        kvs_cpu_pool_run(pool, (n + j.rb - 1) / j.rb * j.n_ob, fn, &j);
+        kvs_cpu_pool_run_sized(pool, (n + j.rb - 1) / j.rb * j.n_ob, (double)n * in * out, fn, &j);
         return;
     }
 #endif
@@ -409,7 +409,8 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
     j.ob = OB_AVX2;
     j.n_ob = (out + j.ob - 1) / j.ob;
     j.n_rb = (n + j.rb - 1) / j.rb;
-    kvs_cpu_pool_run(pool, j.n_rb * j.n_ob, k->isa == KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task, &j);
+    kvs_cpu_pool_run_sized(pool, j.n_rb * j.n_ob, (double)n * in * out, k->isa == KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task,
+                           &j);
 #else
     (void)pool, (void)x, (void)qb, (void)bias, (void)in, (void)y;
     KVS_ASSERT(!"4-bit weights need the AVX2 kernels");

@@ -30,6 +30,7 @@
 struct kvs_cpu_pool {
     int n_threads;                /* including the caller */
     int spin;                     /* pause rounds before sleeping */
+    double min_work;              /* kvs_cpu_pool_run_sized runs smaller jobs inline */
     pthread_t threads[MAX_THREADS];
     int n_started;
     pthread_mutex_t lock;
@@ -98,6 +99,8 @@ struct kvs_cpu_pool *kvs_cpu_pool_create(int n_threads, char *err, size_t errlen
     const char *e = getenv("KVS_CPU_SPIN");
     p->spin = e && *e ? atoi(e) : SPIN_ROUNDS_DEFAULT;
     if (p->spin < 0) p->spin = 0;
+    e = getenv("KVS_CPU_MIN_WORK");
+    p->min_work = e && *e ? atof(e) : KVS_CPU_MIN_WORK_DEFAULT;
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
@@ -157,4 +160,13 @@ void kvs_cpu_pool_run(struct kvs_cpu_pool *p, int n_tasks, kvs_cpu_task_fn fn, v
         while (atomic_load(&p->n_busy) > 0) pthread_cond_wait(&p->done_cv, &p->lock);
         pthread_mutex_unlock(&p->lock);
     }
+}
+
+void kvs_cpu_pool_run_sized(struct kvs_cpu_pool *p, int n_tasks, double work, kvs_cpu_task_fn fn, void *ctx)
+{
+    if (work < p->min_work) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t);
+        return;
+    }
+    kvs_cpu_pool_run(p, n_tasks, fn, ctx);
 }

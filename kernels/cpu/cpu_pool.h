@@ -22,5 +22,12 @@ struct kvs_cpu_pool *kvs_cpu_pool_create(int n_threads, char *err, size_t errlen
 void kvs_cpu_pool_free(struct kvs_cpu_pool *p);
 int kvs_cpu_pool_threads(const struct kvs_cpu_pool *p);
 void kvs_cpu_pool_run(struct kvs_cpu_pool *p, int n_tasks, kvs_cpu_task_fn fn, void *ctx);
+/* The same, but a job of less than the pool's minimum work (KVS_CPU_MIN_WORK, default
+ * KVS_CPU_MIN_WORK_DEFAULT; work in multiply-adds or element steps, the caller's estimate) runs
+ * on the calling thread alone: waking a sleeping worker (a futex wake and a context switch,
+ * longer when other processes hold the cores) costs more than such a job. Results are the
+ * same either way (no op's bits depend on the thread count). */
+#define KVS_CPU_MIN_WORK_DEFAULT 524288.0
+void kvs_cpu_pool_run_sized(struct kvs_cpu_pool *p, int n_tasks, double work, kvs_cpu_task_fn fn, void *ctx);
 
 #endif

@@ -7,6 +7,7 @@
  * eagerly at their true positions. RoPE with llama3 scaling from kvs_rope_inv_freq. */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/util.h"
@@ -695,6 +696,9 @@ static void test_attention(struct kvs_backend *b)
 
 int main(void)
 {
+    /* every job through the workers, however small (cpu_pool.h runs small ones inline by
+     * default), so the thread-count checks below compare real splits */
+    setenv("KVS_CPU_MIN_WORK", "0", 1);
     /* every op with each kernel set: the plain-C reference (the oracle of test_cpu_kernels) and
      * the default (AVX2 where the CPU has it); a backend reads KVS_CPU_KERNELS when created */
     const char *sets[] = {"ref", "auto"};
