@@ -1,23 +1,28 @@
 /* kv_mac.cu: MAC-Attention's kernels on the CUDA backend (kernels/kv_mac.h; the CPU reference
  * is kernels/cpu/kv_mac.c and tests/gpu/test_cuda_kv_mac.c compares the two).
  *
- *   k_mac_match    one block per (row, q head), a thread per ring entry: bf16 entry loads (16
- *                  bytes at a time), the query rounded to bf16 alike, fp32 sums; the block's
- *                  minimum with ties to the lower entry.
- *   k_mac_span     one block per (row, KV head, split): the group's q heads read each key and
- *                  value once over the union of their spans [min s, end) (the paper's KV-group
- *                  CTA), each head keeping its own online softmax for A = [s_h, split_h) and
- *                  B = [split_h, m] (a head skips positions before its own s_h). Splits cut the
- *                  union span so that small batches still fill the GPU; 4 warps split a block's
- *                  range in contiguous parts. Deferred-RoPE blocks (rot_offsets) rotate the
- *                  group's queries backward when the offset changes; padding slots are skipped.
+ *   match (default) k_mac_match_part + k_mac_match_fin: blocks of (row, run of ring entries)
+ *                  reading the ring's contiguous [entry][head][dim] bf16 rows coalesced, per-head
+ *                  minima per block, then the minimum over blocks, ties to the lower entry (the
+ *                  section below). KVS_MAC_MATCH=0: k_mac_match, one block per (row, q head), a
+ *                  thread per ring entry.
+ *   span (default) k_mac_span_tc: one warp a block per (row, KV head, split), the group's A and B
+ *                  parts as the rows of a tensor-core m-tile over 32-key tiles of the union span
+ *                  (flash decoding with the paged attention's pieces, cuda_attn_device.cuh; the
+ *                  section below). KVS_MAC_SPAN=0: k_mac_span, the first kernel: one block per
+ *                  (row, KV head, split), the group's q heads reading each key and value once,
+ *                  4 warps splitting the range, one position per warp step (latency-bound: a
+ *                  miss ran 6x slower than full attention, bench/RESULTS.md).
  *   k_mac_combine  one block per (row, q head), a thread per dimension: cached (o, lse) merged
- *                  with the A partials (the rectified summary), stored in the ring for F_APPEND
- *                  rows, then merged with the B partials into out / lse (attn_merge's formula).
+ *                  with the A partials of the splits (the rectified summary), stored in the ring
+ *                  for F_APPEND rows, then merged with the B partials into out / lse.
+ *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
  * Head shapes: head_dim 64 or 128, 1, 2, 4 or 8 q heads per KV head (others: -ENOSYS).
- * Launched on the backend's stream, in order with its ops. Uses only the backend's structs
- * (cuda_internal.cuh), no function of its objects: the KV registry reaches this table from
- * programs that link no backend (kernels/kv_mac_pick.c).
+ * Launched on the backend's stream, in order with its ops; nothing is synchronized or
+ * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
+ * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
+ * function of its objects: the KV registry reaches this table from programs that link no backend
+ * (kernels/kv_mac_pick.c).
  */
 #include <errno.h>
 
