@@ -548,9 +548,24 @@ static int pick_token(struct kvs_engine *e, struct kvs_request *r, int32_t argma
     return 0;
 }
 
+static void step_body(struct kvs_engine *e, double now);
+
+/* One scheduler step; the wall time of those that ran a forward pass goes to step_s. */
 static void step(struct kvs_engine *e)
 {
     double now = kvs_now();
+    uint64_t steps = e->counters.steps;
+    step_body(e, now);
+    if (e->counters.steps != steps) {
+        e->counters.step_s += kvs_now() - now;
+        pthread_mutex_lock(&e->mu);   /* into the snapshot the step already published */
+        e->stats.step_s = e->counters.step_s;
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+static void step_body(struct kvs_engine *e, double now)
+{
     reap(e, now);
     int n = schedule(e, now);
     if (n == 0 && e->n_jobs == 0) {
@@ -600,6 +615,13 @@ static void step(struct kvs_engine *e)
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
     e->counters.steps++;
+    int all_decode = e->n_jobs == 0;
+    for (int k = 0; k < n && all_decode; k++) all_decode = e->seqs[k].n_tokens == 1 && e->seqs[k].pos > 0;
+    if (all_decode) {
+        e->counters.decode_steps++;
+        e->counters.decode_rows += (uint64_t)n;
+        e->counters.decode_busy_s += t1 - t0;
+    }
     for (int j = 0; j < e->n_jobs; j++) e->kv.reuse->job_done(&e->kv, e->jobs[j].handle, e->jobs[j].n_tokens, rc == 0);
     for (int k = 0; k < n; k++) e->sched[k]->slot_fresh = 0;
     e->n_jobs = 0;
