@@ -147,13 +147,19 @@ async def one_request(host, port, path, model, prompt, max_tokens, timeout):
                     if payload == b"[DONE]":
                         done = True
                         continue
+                    # token chunks are told apart without parsing them (the client must keep up
+                    # with >10k chunks/s): a token's chunk says "finish_reason":null; the closing
+                    # chunk (finish_reason set, maybe the last text), the usage chunk and errors
+                    # are parsed
+                    if b'"finish_reason":null' in payload:
+                        res["times"].append(now)
+                        continue
                     j = json.loads(payload)
                     if "error" in j:
                         res["err"] = str(j["error"])
                         continue
                     ch = j.get("choices")
-                    # a token's chunk; the closing chunk (finish_reason, no text) carries none
-                    if ch and (ch[0].get("text") or ch[0].get("finish_reason") is None):
+                    if ch and ch[0].get("text"):
                         res["times"].append(now)
                     if j.get("usage"):
                         res["tokens"] = j["usage"]["completion_tokens"]
@@ -214,6 +220,10 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
         "dstep_ms": dfwd * 1e3 / dsteps if dsteps else float("nan"),
         "dbatch": drows / dsteps if dsteps else float("nan"),
         "steps": d.get("kvserve:engine_steps_total", 0.0),
+        "sched_ms": d.get("kvserve:engine_schedule_seconds_total", 0.0) * 1e3 / d["kvserve:engine_steps_total"]
+        if d.get("kvserve:engine_steps_total") else float("nan"),
+        "post_ms": (wall - fwd - d.get("kvserve:engine_schedule_seconds_total", 0.0)) * 1e3
+        / d["kvserve:engine_steps_total"] if d.get("kvserve:engine_steps_total") else float("nan"),
         "step_wall_ms": wall * 1e3 / d["kvserve:engine_steps_total"] if d.get("kvserve:engine_steps_total") else float("nan"),
     }
     row["ratio"] = row["out_tok_s"] / row["ceiling"] if row["ceiling"] > 0 else float("nan")
@@ -244,6 +254,7 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
     p("%-40s %.3f" % ("Ratio measured / ceiling:", row["ratio"]))
     p("%-40s %.3f" % ("Host share of step wall time:", row["host_share"]))
     p("%-40s %.2f" % ("Mean step wall time (ms):", row["step_wall_ms"]))
+    p("%-40s %.3f / %.3f" % ("Host ms per step, before / after fwd:", row["sched_ms"], row["post_ms"]))
     p("%-40s %.2f at batch %.1f" % ("Decode-only forward step (ms):", row["dstep_ms"], row["dbatch"]))
     if ext:
         p("%-40s %.2f (%.2f ms/step), ratio %.3f" % ("External ceiling (batch/step):", row["ext_ceiling"], ext,

@@ -78,6 +78,8 @@ static const struct key_def KEYS[] = {
      "queued requests before new ones get 429"},
     {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
+    {"scheduler.overlap", T_BOOL, F(sched_overlap), 0, 1, "true", NULL, NULL,
+     "detokenize and stream a step's tokens while the device runs the next step (greedy output is the same either way)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
      "max_tokens when a request sets none (0: 16 on /v1/completions as in OpenAI and vLLM, chat up to the context length)"},
 

@@ -149,6 +149,9 @@ struct kvs_engine_stats {
     uint64_t decode_steps;
     uint64_t decode_rows;
     double decode_busy_s;
+    double sched_s;               /* of step_s, before the forward pass: reap, schedule, batch */
+    double launch_s;              /* of busy_s, until the executor has queued the step (forward_begin,
+                                   * or all of forward without overlap): its host share */
     /* the KV strategies' own counters (kv.h: reuse, then decode policy, then fidelity meter) */
     int n_kv_counters;
     struct kvs_kv_counter kv_counters[KVS_KV_MAX_COUNTERS];

@@ -42,6 +42,13 @@ struct kvs_engine_exec {
      * when sample_is_argmax is set (logits then holds only the non-ARGMAX rows, in batch order) */
     int (*forward)(void *ctx, const struct kvs_batch *b, float *logits);
 
+    /* forward in two halves (may both be NULL: forward only). begin queues the step and
+     * returns (host logits rows already filled); end waits for it and fills batch.argmax. The
+     * scheduler does the previous step's text and events in between (scheduler.overlap);
+     * between the two it leaves the batch unchanged and calls no other hook but detok_*. */
+    int (*forward_begin)(void *ctx, const struct kvs_batch *b, float *logits);
+    int (*forward_end)(void *ctx);
+
     /* per-request sampler state: sampler_state_size bytes, zeroed, owned by the request */
     size_t sampler_state_size;
     int (*sampler_init)(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id);

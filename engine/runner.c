@@ -103,6 +103,10 @@ struct kvs_runner {
     struct kvs_tp *tp;                                  /* the group (every rank points to it) */
     size_t kv_bytes_total;                              /* all ranks' bytes per token */
     int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
+    /* kvs_runner_forward_begin's step whose argmax ids are still on the backend (end fetches
+     * them): its batch (the caller's, unchanged until end) and rows; rc of a begun group step */
+    const struct kvs_batch *pend_b;
+    int pend_rows, pend_rc, pend_on;
     struct kvs_dbuf *d_vals;                            /* F32 [cap_tokens] argmax values (groups) */
     float *h_vals;                                      /* [cap_tokens] */
     float *h_chunk;                                     /* [LOGIT_CHUNK][vocab_n] host logits (groups) */
@@ -826,6 +830,11 @@ static void lm_head(struct kvs_runner *r, const struct kvs_batch *b, int n_logit
         lm_head_chunk(r, i, n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK, 1);
     r->n_picks = ids ? n_logits : 0;
     if (!ids || n_logits == 0) return;
+    if (r->n_ranks == 1 && r->pend_on) {   /* kvs_runner_forward_begin: end downloads them */
+        r->pend_b = b;
+        r->pend_rows = n_logits;
+        return;
+    }
     r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)n_logits);
     if (tp) {
         r->ops->download(r->be, r->h_vals, r->d_vals, 0, (size_t)n_logits);
@@ -842,6 +851,30 @@ void kvs_runner_rank_picks(const struct kvs_runner *r, struct kvs_rank_picks *p)
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
     return r->n_ranks > 1 ? kvs_tp_forward(r->tp, b, logits) : kvs_runner_rank_forward(r, b, logits);
+}
+
+/* The step is queued on the backend; only the argmax ids' download (the step's one wait for the
+ * device on a greedy decode step) is left to end. A group (tensor parallel) runs the whole step
+ * here and end only returns its result. */
+int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+{
+    KVS_ASSERT(!r->pend_on);
+    r->pend_on = 1;
+    r->pend_b = NULL;
+    r->pend_rows = 0;
+    r->pend_rc = kvs_runner_forward(r, b, logits);
+    return r->pend_rc;
+}
+
+int kvs_runner_forward_end(struct kvs_runner *r)
+{
+    KVS_ASSERT(r->pend_on);
+    r->pend_on = 0;
+    if (r->pend_rc < 0 || !r->pend_b) return r->pend_rc;
+    r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)r->pend_rows);
+    for (int k = 0; k < r->pend_rows; k++) r->pend_b->argmax[r->h_lout[k]] = r->h_ids[k];
+    r->pend_b = NULL;
+    return 0;
 }
 
 /* a group's ranks either all run the step or all refuse it: no rank may wait in an all-reduce

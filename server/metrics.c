@@ -159,6 +159,11 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
             es->busy_s);
     counter(o, "kvserve:engine_step_seconds_total", "Wall time of steps: forward plus the scheduler's host work.",
             model, es->step_s);
+    counter(o, "kvserve:engine_schedule_seconds_total",
+            "Of the step wall time, the host work before the forward pass (reap, schedule, batch).", model, es->sched_s);
+    counter(o, "kvserve:engine_launch_seconds_total",
+            "Of the forward time, until the step was queued on the device (the runner's host work).", model,
+            es->launch_s);
     counter(o, "kvserve:engine_decode_steps_total", "Steps in which every sequence decoded one token.", model,
             (double)es->decode_steps);
     counter(o, "kvserve:engine_decode_rows_total", "Sequences of those decode-only steps.", model,
