@@ -220,6 +220,8 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
         "dstep_ms": dfwd * 1e3 / dsteps if dsteps else float("nan"),
         "dbatch": drows / dsteps if dsteps else float("nan"),
         "steps": d.get("kvserve:engine_steps_total", 0.0),
+        "launch_ms": d.get("kvserve:engine_launch_seconds_total", 0.0) * 1e3 / d["kvserve:engine_steps_total"]
+        if d.get("kvserve:engine_steps_total") else float("nan"),
         "sched_ms": d.get("kvserve:engine_schedule_seconds_total", 0.0) * 1e3 / d["kvserve:engine_steps_total"]
         if d.get("kvserve:engine_steps_total") else float("nan"),
         "post_ms": (wall - fwd - d.get("kvserve:engine_schedule_seconds_total", 0.0)) * 1e3
@@ -255,6 +257,7 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
     p("%-40s %.3f" % ("Host share of step wall time:", row["host_share"]))
     p("%-40s %.2f" % ("Mean step wall time (ms):", row["step_wall_ms"]))
     p("%-40s %.3f / %.3f" % ("Host ms per step, before / after fwd:", row["sched_ms"], row["post_ms"]))
+    p("%-40s %.3f" % ("Runner ms per step until queued (launch):", row["launch_ms"]))
     p("%-40s %.2f at batch %.1f" % ("Decode-only forward step (ms):", row["dstep_ms"], row["dbatch"]))
     if ext:
         p("%-40s %.2f (%.2f ms/step), ratio %.3f" % ("External ceiling (batch/step):", row["ext_ceiling"], ext,
