@@ -56,6 +56,7 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     /* keep ~1% of the pool for running decodes when admitting new prompts (fewer preemptions) */
     e->watermark_blocks = x->n_blocks / 100;
     e->overlap = cfg->sched_overlap;
+    kvs_prefill_ctl_init(&e->pctl, cfg->itl_ratio, cfg->prefill_min, e->max_batch_tokens);
 
     int rc = -ENOMEM;
     e->n_eos = x->n_eos > 0 && x->eos_ids ? x->n_eos : 0;

@@ -15,6 +15,7 @@
 #include "engine/engine_exec.h"
 #include "engine/kv/block_pool.h"
 #include "engine/kv/kv.h"
+#include "engine/sched_policy.h"
 #include "engine/text/tokenizer.h"
 
 /* Extra host logits rows per step for prompt scoring (prompt_logprobs): a scored prefill chunk
@@ -98,6 +99,7 @@ struct kvs_engine {
     int max_batch_tokens, max_running, max_waiting, prefill_chunk, max_context;
     int watermark_blocks;
     int overlap;                             /* scheduler.overlap */
+    struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 
     struct kvs_block_pool pool;
     struct kvs_kv kv;

@@ -415,9 +415,13 @@ static int schedule(struct kvs_engine *e, double now)
     int preempted = 0;
     e->plp_rows = 0;
 
-    /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first */
+    /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first. Prefill
+     * (pass 1, admissions, side prefills) also spends pbudget: decode first, then what the
+     * adaptive budget (sched_policy.h) allows next to this step's decodes */
+    int pbudget = budget;
     for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < e->n_running && budget > 0; i++) {
+        if (pass == 1) pbudget = kvs_prefill_ctl_budget(&e->pctl, n_sched);
+        for (int i = 0; i < e->n_running && budget > 0 && pbudget > 0; i++) {
             struct kvs_request *r = e->running[i];
             if (r->sched_tokens) continue;
             if (!kv_ready(e, r)) continue;   /* the strategy's side prefills are not done */
@@ -425,7 +429,7 @@ static int schedule(struct kvs_engine *e, double now)
             KVS_ASSERT(remaining >= 1);
             int is_decode = remaining == 1;
             if (is_decode != (pass == 0)) continue;
-            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget));
+            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget < pbudget ? budget : pbudget));
             if (c <= 0) continue;   /* no scoring rows left this step */
             int dropped = 0;
             for (;;) {
@@ -453,6 +457,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->sched_tokens = c;
             e->sched[n_sched++] = r;
             budget -= c;
+            if (!is_decode) pbudget -= c;
             if (plp_pending(r)) e->plp_rows += c;
         }
     }
@@ -465,7 +470,7 @@ static int schedule(struct kvs_engine *e, double now)
         struct kvs_request *r = e->running[i];
         promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
     }
-    while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
+    while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0 && pbudget > 0) {
         struct kvs_request *r = e->wait_head;
         int matched = 0;
         if (r->table.n == 0) {
@@ -475,7 +480,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->n_computed = rc;
         }
         int remaining = r->n_tokens - r->n_computed;
-        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget));
+        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget < pbudget ? budget : pbudget));
         if (c <= 0) {
             release_kv(e, r);
             r->n_computed = 0;
@@ -524,16 +529,20 @@ static int schedule(struct kvs_engine *e, double now)
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
+        pbudget -= c;
         if (plp_pending(r)) e->plp_rows += c;
     }
 
     /* side prefills the reuse strategy asks for (kv.h: e.g. missing documents, each computed
      * once however many requests wait for it), as sequences of their own after the requests */
     e->n_jobs = 0;
-    for (int i = 0; e->kv.reuse->jobs && i < e->n_running && budget > 0; i++) {
+    for (int i = 0; e->kv.reuse->jobs && i < e->n_running && budget > 0 && pbudget > 0; i++) {
         struct kvs_request *r = e->running[i];
-        e->n_jobs += e->kv.reuse->jobs(&e->kv, &r->kvrq, r->tokens, &r->table, e->prefill_chunk, &budget,
+        int jb = budget < pbudget ? budget : pbudget, before = jb;
+        e->n_jobs += e->kv.reuse->jobs(&e->kv, &r->kvrq, r->tokens, &r->table, e->prefill_chunk, &jb,
                                        e->jobs + e->n_jobs, e->max_running - n_sched - e->n_jobs);
+        budget -= before - jb;
+        pbudget -= before - jb;
     }
     return n_sched;
 }
@@ -696,9 +705,13 @@ static void step_body(struct kvs_engine *e, double now)
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
     e->counters.steps++;
-    int all_decode = e->n_jobs == 0;
-    for (int k = 0; k < n && all_decode; k++) all_decode = e->seqs[k].n_tokens == 1 && e->seqs[k].pos > 0;
-    if (all_decode) {
+    int n_dec = 0, n_pre = 0;
+    for (int k = 0; k < n + e->n_jobs; k++) {
+        if (k < n && e->seqs[k].n_tokens == 1 && e->seqs[k].pos > 0) n_dec++;
+        else n_pre += e->seqs[k].n_tokens;
+    }
+    if (rc == 0) kvs_prefill_ctl_observe(&e->pctl, n_dec, n_pre, t1 - t0);
+    if (n_pre == 0) {
         e->counters.decode_steps++;
         e->counters.decode_rows += (uint64_t)n;
         e->counters.decode_busy_s += t1 - t0;
