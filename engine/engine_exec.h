@@ -49,6 +49,11 @@ struct kvs_engine_exec {
     int (*forward_begin)(void *ctx, const struct kvs_batch *b, float *logits);
     int (*forward_end)(void *ctx);
 
+    /* May be NULL. The last forward pass's duration in seconds as the executor counts it, for
+     * the adaptive prefill budget (engine/sched_policy.h); NULL: the scheduler's wall clock.
+     * Tests give modelled times here so that the policy's decisions are deterministic. */
+    double (*step_seconds)(void *ctx);
+
     /* per-request sampler state: sampler_state_size bytes, zeroed, owned by the request */
     size_t sampler_state_size;
     int (*sampler_init)(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id);

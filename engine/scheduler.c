@@ -710,7 +710,8 @@ static void step_body(struct kvs_engine *e, double now)
         if (k < n && e->seqs[k].n_tokens == 1 && e->seqs[k].pos > 0) n_dec++;
         else n_pre += e->seqs[k].n_tokens;
     }
-    if (rc == 0) kvs_prefill_ctl_observe(&e->pctl, n_dec, n_pre, t1 - t0);
+    if (rc == 0)
+        kvs_prefill_ctl_observe(&e->pctl, n_dec, n_pre, e->x.step_seconds ? e->x.step_seconds(e->x.ctx) : t1 - t0);
     if (n_pre == 0) {
         e->counters.decode_steps++;
         e->counters.decode_rows += (uint64_t)n;

@@ -5,12 +5,12 @@
  *      nearly free, then linear) it settles where a mixed step takes ~itl_ratio x a decode-only
  *      step; on a steep cost it stops at prefill_min (prompts still progress); steps that carried
  *      fewer prompts than the budget do not grow it.
- *   2. Step composition in the engine (fake model whose forward pass sleeps 2 ms + 0.05 ms per
+ *   2. Step composition in the engine (fake model whose forward pass "takes" 2 ms + 0.05 ms per
  *      prefill token beyond 32): 8 requests decode while 8 long prompts arrive. Every step puts
- *      the decode rows first and carries every running decoder; with itl_ratio 1.5 the steps that
- *      carry prefill next to decodes carry a bounded number of prefill tokens and their time
- *      stays near 1.5x a decode-only step (checked loosely: sleeps on a loaded machine), while
- *      with itl_ratio 0 the same traffic puts whole 256-token chunks next to the decodes.
+ *      the decode rows first; with itl_ratio 1.5 the steps that carry prefill next to decodes
+ *      take (median) at most 1.6x and (p90) 2x a decode-only step, while with itl_ratio 0 the
+ *      same traffic puts whole 256-token chunks next to the decodes (>4x). The pass times are
+ *      modelled (engine_exec.h step_seconds), not slept, so the decisions are deterministic.
  */
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 /* ---- 1. the controller on modelled times ---------------------------------------------------- */
 
@@ -89,16 +88,17 @@ struct step_rec {
 static struct step_rec steps[MAXSTEPS];
 static int n_steps;
 
-static void sleep_s(double s)
+static double last_step_s;
+static double modelled_seconds(void *ctx)
 {
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0) {}
+    (void)ctx;
+    return last_step_s;
 }
 
-/* the fake model's pass, timed like a GPU step: 2 ms + 50 us per prefill token beyond 32 */
+/* the fake model's pass, with a modelled duration (engine_exec.h step_seconds: no sleeping, so
+ * the policy's decisions are deterministic): 2 ms + 50 us per prefill token beyond 32 */
 static int timed_forward(void *ctx, const struct kvs_batch *b, float *logits)
 {
-    double t0 = kvs_now();
     int rc = fake_forward(ctx, b, logits);
     int n_dec = 0, n_pre = 0, first = 1, seen_pre = 0;
     for (int s = 0; s < b->n_seqs; s++) {
@@ -111,8 +111,8 @@ static int timed_forward(void *ctx, const struct kvs_batch *b, float *logits)
             seen_pre = 1;
         }
     }
-    sleep_s(0.002 + (n_pre > 32 ? (n_pre - 32) * 50e-6 : 0));
-    if (n_steps < MAXSTEPS) steps[n_steps++] = (struct step_rec){n_dec, n_pre, first, kvs_now() - t0};
+    last_step_s = 0.002 + (n_pre > 32 ? (n_pre - 32) * 50e-6 : 0);
+    if (n_steps < MAXSTEPS) steps[n_steps++] = (struct step_rec){n_dec, n_pre, first, last_step_s};
     return rc;
 }
 
@@ -130,6 +130,7 @@ static int run_traffic(double itl_ratio, double *ratio, double *med)
     fake_model_init(&m, 1024, 16, 512, 4096);
     struct kvs_engine_exec x = fake_exec(&m);
     x.forward = timed_forward;
+    x.step_seconds = modelled_seconds;
     struct kvs_config c;
     memset(&c, 0, sizeof c);
     c.max_batch_tokens = 512;
@@ -154,14 +155,25 @@ static int run_traffic(double itl_ratio, double *ratio, double *med)
         memset(&p, 0, sizeof p);
         p.prompt = prompts[i];
         p.n_prompt = i < 8 ? 8 : 1024;   /* 8 decoders first, then 8 long prompts */
-        p.max_tokens = i < 8 ? 120 : 4;
+        p.max_tokens = i < 8 ? 600 : 4;   /* decoders outlast the prompts' prefill */
         p.sampling.top_p = 1;
         p.sampling.repetition_penalty = 1;
         p.ignore_eos = 1;
         r[i] = kvs_request_new(&p, NULL, NULL);
         REQUIRE(r[i], "request_new");
         REQUIRE(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "%s", err);
-        if (i == 7) sleep_s(0.03);   /* the decoders are decoding when the prompts arrive */
+        if (i == 7) {   /* the decoders are decoding (a few decode-only steps) when the prompts arrive */
+            for (int got = 0; got < 3;) {
+                struct kvs_event ev[16];
+                int k = kvs_request_wait(r[7], ev, 16, 60.0);
+                REQUIRE(k > 0, "no event for 60 s");
+                for (int q = 0; q < k; q++) {
+                    REQUIRE(ev[q].type == KVS_EV_TOKEN, "decoder 7 ended early");
+                    got++;
+                    kvs_event_clear(&ev[q]);
+                }
+            }
+        }
     }
     for (int i = 0; i < 16; i++) {
         int done = 0;
@@ -207,12 +219,12 @@ int main(void)
     double r_on, r_off, m_on, m_off;
     int pre_on = run_traffic(1.5, &r_on, &m_on);
     int pre_off = run_traffic(0, &r_off, &m_off);
-    /* 1.5 on this cost: 32 + 0.5 x 2 ms / 50 us = 52 tokens. Loose bounds: sleeps overshoot on a
-     * loaded machine, and the first mixed steps start from the controller's 256 */
+    /* 1.5 on this cost: 32 + 0.5 x 2 ms / 50 us = 52 tokens; the first mixed steps start from the
+     * controller's 256 and halve (a few of the mixed steps), so p90 is the bound */
     REQUIRE(pre_off >= 256, "itl_ratio 0 should fill steps with whole chunks (largest %d)", pre_off);
     REQUIRE(m_off > 4, "itl_ratio 0: mixed steps only %.2fx a decode step (the test cannot tell)", m_off);
-    REQUIRE(m_on < 2.0, "itl_ratio 1.5: median mixed step %.2fx a decode-only one", m_on);
-    REQUIRE(r_on < r_off / 2, "itl_ratio 1.5: p90 mixed step %.2fx, without the budget %.2fx", r_on, r_off);
+    REQUIRE(m_on <= 1.6 && r_on <= 2.0, "itl_ratio 1.5: mixed step median %.2fx, p90 %.2fx a decode-only one", m_on,
+            r_on);
     REQUIRE(pre_on < pre_off, "prefill next to decodes not limited");
     return kvs_test_summary("test_sched_policy");
 }
