@@ -164,6 +164,22 @@ int main(void)
                "finish); preemptions %llu / %llu\n", pool ? "small" : "roomy", NJ, stopped, (NJ + 1) / 3,
                (unsigned long long)preempt_on, (unsigned long long)st.num_preemptions);
     }
+    /* 24 greedy rows in one step: the LM head's one pass over more rows than its 16-row host
+     * chunks (runner.c argmax_chunk) picks the same ids as 16 running requests did (the CPU
+     * backend is batch invariant) */
+    c.kv_memory_bytes = 8 << 20;
+    c.sched_overlap = 1;
+    for (int i = 0; i < NJ; i++) ref[i].sampled = ref[i].logprobs = 0;   /* all greedy: device argmax rows */
+    memcpy(off, ref, sizeof off);
+    run(&c, m, off, &st);
+    c.max_running = 24;
+    memcpy(on, ref, sizeof on);
+    run(&c, m, on, &st);
+    for (int i = 0; i < NJ; i++)
+        REQUIRE(on[i].n_got == off[i].n_got && !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+                "request %d: 24 running requests gave other tokens than 16", i);
+    REQUIRE(st.argmax_tokens == st.generation_tokens, "not all on the device argmax path");
+    printf("24 running greedy requests (one LM head pass for their rows) == 16 running requests\n");
     kvs_config_free(&c);
     kvs_model_free(m);
     return kvs_test_summary("test_sched_overlap");
