@@ -45,7 +45,8 @@ struct kvs_engine_exec {
     /* forward in two halves (may both be NULL: forward only). begin queues the step and
      * returns (host logits rows already filled); end waits for it and fills batch.argmax. The
      * scheduler does the previous step's text and events in between (scheduler.overlap);
-     * between the two it leaves the batch unchanged and calls no other hook but detok_*. */
+     * between the two it leaves the batch unchanged and calls no other hook but detok_*,
+     * kv_counters, and seq_end for requests that are not in the step (they ended). */
     int (*forward_begin)(void *ctx, const struct kvs_batch *b, float *logits);
     int (*forward_end)(void *ctx);
 
