@@ -604,8 +604,10 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         r->h_seqpos[s] = q->pos;
         int32_t *bt = r->h_bt + (size_t)s * stride, *ro = r->h_rot + (size_t)s * stride;
         int32_t *va = r->h_valid + (size_t)s * stride;
-        for (int j = 0; j < stride; j++) {
-            bt[j] = j < need ? q->block_table[j] : 0;
+        for (int j = 0; j < stride; j++) bt[j] = j < need ? q->block_table[j] : 0;
+        /* the rotation and valid-slot tables only when some sequence has them (cached documents):
+         * they are as big as the block table (S x stride, 1 MB at batch 128 x 32K context) */
+        for (int j = 0; (rot || val) && j < stride; j++) {
             ro[j] = j < need && q->block_rot_offset ? q->block_rot_offset[j] : 0;
             va[j] = j < need && q->block_valid ? q->block_valid[j] : r->block_size;
         }
@@ -628,6 +630,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         r->h_seqpos[s] = 0;
         for (int j = 0; j < stride; j++) {
             r->h_bt[(size_t)s * stride + j] = 0;
+            if (!rot && !val) continue;
             r->h_rot[(size_t)s * stride + j] = 0;
             r->h_valid[(size_t)s * stride + j] = r->block_size;
         }
