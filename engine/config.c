@@ -78,6 +78,12 @@ static const struct key_def KEYS[] = {
      "queued requests before new ones get 429"},
     {"scheduler.prefill_chunk", T_INT, F(prefill_chunk), 0, 1048576, "0", NULL, NULL,
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
+    {"scheduler.overlap", T_BOOL, F(sched_overlap), 0, 1, "true", NULL, NULL,
+     "detokenize and stream a step's tokens while the device runs the next step (greedy output is the same either way)"},
+    {"scheduler.itl_ratio", T_DOUBLE, F(itl_ratio), 0, 100, "0", NULL, NULL,
+     "while requests decode, prefill tokens per step adapt so that a step carrying prefill takes about this many times a decode-only step (decoders' inter-token latency stays even, e.g. 1.5; fewer prefill tokens per step can cost throughput where prefill is expensive, as on the CPU; 0: off, steps fill up to max_batch_tokens)"},
+    {"scheduler.prefill_min", T_INT, F(prefill_min), 1, 1048576, "32", NULL, NULL,
+     "prefill tokens a step may always carry next to decodes, whatever scheduler.itl_ratio says (prompts keep progressing)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
      "max_tokens when a request sets none (0: 16 on /v1/completions as in OpenAI and vLLM, chat up to the context length)"},
 
