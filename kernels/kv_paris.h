@@ -1,6 +1,8 @@
 /* kv_paris.h: the kernels of ParisKV's top-k retrieval (kv.decode=paris,
  * engine/kv/kv_decode_paris.c; notes in docs/STRATEGIES.md §2), one table of function pointers
- * per backend: the CPU reference (kernels/cpu/kv_paris.c, plain C) and, later, CUDA. The exact
+ * per backend: the CPU reference (kernels/cpu/kv_paris.c, plain C) and the CUDA kernels
+ * (kernels/cuda/kv_paris.cu: the same operations in the same order, so the same bits for codes,
+ * tiers, votes and estimates, up to the compilers' library sqrt, and the same selection). The exact
  * attention over the chosen positions is the backend's attention_spans (backend.h); these
  * kernels only encode keys and produce the spans.
  *
@@ -89,6 +91,8 @@ enum { KVS_PARIS_JOB_SEQ = 0, KVS_PARIS_JOB_SLOT, KVS_PARIS_JOB_FROM, KVS_PARIS_
 
 struct kvs_paris_kernels {
     const char *name;
+    /* 0, or -ENOSYS with a message when these kernels cannot take head_dim (NULL: any). */
+    int (*supports)(int head_dim, char *err, size_t errlen);
     /* Encodes, for each job, the keys of positions [from, to) of its sequence (kc: one layer's
      * K pool, read through m's block tables) into codes / w at their slots, and adds them to
      * counts[slot][layer]. h_jobs: host copy of jobs. signs F32 [head_dim]. */
@@ -142,8 +146,15 @@ void kvs_paris_tiers(const float *qt, const int32_t *counts, const int32_t *T, i
 /* Adaptive (beta, rho) by retrieval length n_r (STRATEGIES.md §2 [code]). */
 void kvs_paris_adaptive(int n_r, double *beta, double *rho);
 
-/* The CPU reference (always built) and the CUDA kernels (KVS_HAVE_CUDA builds, when built). */
+/* The CPU reference (always built) and the CUDA kernels (KVS_HAVE_CUDA builds). */
 extern const struct kvs_paris_kernels kvs_paris_kernels_cpu;
+extern const struct kvs_paris_kernels kvs_paris_kernels_cuda;
+
+/* CUDA builds only (kernels/cuda/kv_paris.cu; the bench's breakdown): 1 makes select record
+ * events around its kernels; the last select's times of prep (qbar, SRHT, tiers), vote, keep
+ * (top beta n by vote), rerank and top-k + spans in ms, or -1 before any profiled select. */
+void kvs_paris_cuda_profile(int on);
+int kvs_paris_cuda_last_phases(float ms[5]);
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_paris_kernels *kvs_paris_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);

@@ -1,5 +1,5 @@
-/* kv_paris_pick.c: which ParisKV kernel table (kernels/kv_paris.h) a backend has. Only the CPU
- * reference is built so far; a CUDA backend is refused with -ENOSYS until its kernels exist. */
+/* kv_paris_pick.c: which ParisKV kernel table (kernels/kv_paris.h) a backend has. The CUDA table
+ * exists only in builds with nvcc (KVS_HAVE_CUDA=1); elsewhere a CUDA backend cannot exist. */
 #include "kernels/kv_paris.h"
 
 #include <errno.h>
@@ -12,7 +12,9 @@ const struct kvs_paris_kernels *kvs_paris_kernels_for(const struct kvs_backend_o
     /* by name: a reference to kvs_cpu_backend would link the whole CPU backend into programs
      * that bring their own (tests/fake) */
     if (!strcmp(o->name, "cpu")) return &kvs_paris_kernels_cpu;
-    kvs_err(err, errlen, -ENOSYS, "kv.decode \"paris\": backend %s has no ParisKV kernels (only the CPU reference "
-            "is built)", o->name);
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+    if (!strcmp(o->name, "cuda")) return &kvs_paris_kernels_cuda;
+#endif
+    kvs_err(err, errlen, -ENOSYS, "kv.decode \"paris\": backend %s has no ParisKV kernels", o->name);
     return NULL;
 }

@@ -125,6 +125,10 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
         return kvs_err(err, errlen, -ENOSYS, "kv.decode \"paris\": backend %s has no attention_spans", o->name);
     const struct kvs_paris_kernels *k = kvs_paris_kernels_for(o, err, errlen);
     if (!k) return -ENOSYS;
+    if (k->supports) {
+        int rc = k->supports(d, err, errlen);
+        if (rc) return rc;
+    }
 
     struct paris *s = kvs_xcalloc(1, sizeof *s);
     s->env = *env;

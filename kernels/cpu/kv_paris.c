@@ -370,6 +370,7 @@ static void cpu_exact_topk(struct kvs_backend *be, const struct kvs_dbuf *q, con
 
 const struct kvs_paris_kernels kvs_paris_kernels_cpu = {
     .name = "cpu",
+    .supports = NULL,
     .encode = cpu_encode,
     .select = cpu_select,
     .exact_topk = cpu_exact_topk,
