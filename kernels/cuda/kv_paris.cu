@@ -185,7 +185,8 @@ struct sel_scratch {
     unsigned long long *keys;
 };
 
-/* qbar, its rotation, the tiers; one block of 256 threads per (row, head) */
+/* qbar, its rotation (recomputed by each block: a few hundred flops) and the tiers of block b;
+ * one block of 256 threads per (row x head, b): all SMs busy even at batch 1 */
 __global__ void k_paris_prep(const float *__restrict__ q, const int32_t *__restrict__ rows, int n_layers, int layer,
                              int nh, int nkv, int D, const float *__restrict__ signs,
                              const int32_t *__restrict__ counts, float *__restrict__ qt_out,
@@ -193,10 +194,14 @@ __global__ void k_paris_prep(const float *__restrict__ q, const int32_t *__restr
 {
     __shared__ float x[1024];
     __shared__ uint32_t key[KVS_PARIS_NC];
+    __shared__ int32_t cs[KVS_PARIS_NC];
     __shared__ double red[1];
-    const int task = blockIdx.x, r = task / nkv, g = task % nkv, G = nh / nkv, t = threadIdx.x, B = D / 8;
+    const int task = blockIdx.x, b = blockIdx.y, r = task / nkv, g = task % nkv, G = nh / nkv, t = threadIdx.x;
+    const int B = D / 8;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     if (R[KVS_PARIS_ROW_NR] <= 0) return;
+    const int32_t *cnt = counts + (((size_t)R[KVS_PARIS_ROW_SLOT] * n_layers + layer) * nkv + g) * B * KVS_PARIS_NC;
+    cs[t] = cnt[b * KVS_PARIS_NC + t];   /* blockDim.x == 256 */
     for (int i = t; i < D; i += blockDim.x) {
         float s = 0;
         for (int h = g * G; h < (g + 1) * G; h++) s = __fadd_rn(s, q[((size_t)r * nh + h) * D + i]);
@@ -217,8 +222,8 @@ __global__ void k_paris_prep(const float *__restrict__ q, const int32_t *__restr
         for (int h = 1; h < D; h *= 2) {
             for (int pr = t; pr < D / 2; pr += blockDim.x) {
                 const int j = (pr / h) * 2 * h + pr % h;
-                const float a = x[j], b = x[j + h];
-                x[j] = __fadd_rn(a, b), x[j + h] = __fsub_rn(a, b);
+                const float a = x[j], bb = x[j + h];
+                x[j] = __fadd_rn(a, bb), x[j + h] = __fsub_rn(a, bb);
             }
             __syncthreads();
         }
@@ -226,36 +231,39 @@ __global__ void k_paris_prep(const float *__restrict__ q, const int32_t *__restr
         for (int i = t; i < D; i += blockDim.x) x[i] = __fmul_rn(x[i], s);
         __syncthreads();
     }
-    for (int i = t; i < D; i += blockDim.x) qt_out[(size_t)task * D + i] = x[i];
-    if (t == 0) qn_out[task] = qn;
-    const int32_t *cnt = counts + (((size_t)R[KVS_PARIS_ROW_SLOT] * n_layers + layer) * nkv + g) * B * KVS_PARIS_NC;
-    for (int b = 0; b < B; b++) {
-        const int c = t;   /* blockDim.x == 256 */
-        float acc = 0;
-        for (int j = 0; j < 8; j++) acc = ((c >> j) & 1) ? __fsub_rn(acc, x[b * 8 + j]) : __fadd_rn(acc, x[b * 8 + j]);
-        key[c] = p_okey(acc);
-        __syncthreads();
-        long long cum = 0;
-        const uint32_t kc = key[c];
-        for (int c2 = 0; c2 < KVS_PARIS_NC; c2++)
-            if (key[c2] > kc || (key[c2] == kc && c2 < c)) cum += cnt[b * KVS_PARIS_NC + c2];
-        int n = 0;
-        for (int z = 0; z < KVS_PARIS_TIERS; z++) n += cum < R[KVS_PARIS_ROW_T0 + z];
-        tier_out[((size_t)task * B + b) * KVS_PARIS_NC + c] = (uint8_t)n;
-        __syncthreads();
+    if (b == 0) {
+        for (int i = t; i < D; i += blockDim.x) qt_out[(size_t)task * D + i] = x[i];
+        if (t == 0) qn_out[task] = qn;
     }
+    const int c = t;
+    float acc = 0;
+    for (int j = 0; j < 8; j++) acc = ((c >> j) & 1) ? __fsub_rn(acc, x[b * 8 + j]) : __fadd_rn(acc, x[b * 8 + j]);
+    key[c] = p_okey(acc);
+    __syncthreads();
+    long long cum = 0;
+    const uint32_t kc = key[c];
+    for (int c2 = 0; c2 < KVS_PARIS_NC; c2++)
+        if (key[c2] > kc || (key[c2] == kc && c2 < c)) cum += cs[c2];
+    int n = 0;
+    for (int z = 0; z < KVS_PARIS_TIERS; z++) n += cum < R[KVS_PARIS_ROW_T0 + z];
+    tier_out[((size_t)task * B + b) * KVS_PARIS_NC + c] = (uint8_t)n;
 }
 
-__global__ void k_paris_vote(const int32_t *__restrict__ rows, const int32_t *__restrict__ bts, int max_blocks,
-                             int nkv, int D, int bs, int W, const uint8_t *__restrict__ codes,
-                             const uint8_t *__restrict__ tier, int max_nr, uint16_t *__restrict__ vote,
-                             int32_t *__restrict__ hist)
+#define VOTE_CHUNK 4096
+#define VOTE_THREADS 512
+
+/* votes of VOTE_CHUNK positions; the chunk's histogram of votes goes to chist[task][chunk] and
+ * into the task's histogram */
+__global__ void __launch_bounds__(VOTE_THREADS)
+k_paris_vote(const int32_t *__restrict__ rows, const int32_t *__restrict__ bts, int max_blocks, int nkv, int D, int bs,
+             int W, const uint8_t *__restrict__ codes, const uint8_t *__restrict__ tier, int max_nr,
+             uint16_t *__restrict__ vote, int32_t *__restrict__ hist, int32_t *__restrict__ chist, int n_chunks)
 {
     extern __shared__ unsigned char sm[];
     const int task = blockIdx.x, r = task / nkv, g = task % nkv, B = D / 8, maxv = KVS_PARIS_TIERS * B;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK];
-    const int i0 = (int)blockIdx.y * 4096;
+    const int i0 = (int)blockIdx.y * VOTE_CHUNK;
     if (n_r <= 0 || i0 >= n_r) return;
     uint8_t *st = sm;
     int32_t *sh = (int32_t *)(sm + ((B * KVS_PARIS_NC + 15) / 16) * 16);
@@ -263,20 +271,85 @@ __global__ void k_paris_vote(const int32_t *__restrict__ rows, const int32_t *__
     for (int i = threadIdx.x; i <= maxv; i += blockDim.x) sh[i] = 0;
     __syncthreads();
     const int32_t *bt = bts + (size_t)r * max_blocks;
-    for (int i = i0 + threadIdx.x; i < n_r && i < i0 + 4096; i += blockDim.x) {
+    const int vec = (W * 4) % 16 == 0 && B % 16 == 0;
+    for (int i = i0 + threadIdx.x; i < n_r && i < i0 + VOTE_CHUNK; i += blockDim.x) {
         const uint8_t *row = codes + (p_slot(bt, sink + i, bs) * nkv + g) * (size_t)W * 4;
         int v = 0;
-        for (int b = 0; b < B; b += 4) {
-            const uint32_t c4 = *(const uint32_t *)(row + b);
-            v += st[b * KVS_PARIS_NC + (c4 & 255)] + st[(b + 1) * KVS_PARIS_NC + ((c4 >> 8) & 255)] +
-                 st[(b + 2) * KVS_PARIS_NC + ((c4 >> 16) & 255)] + st[(b + 3) * KVS_PARIS_NC + (c4 >> 24)];
+        for (int b = 0; b < B; b += 16) {
+            uint32_t w4[4];
+            if (vec) {
+                const uint4 u = *(const uint4 *)(row + b);
+                w4[0] = u.x, w4[1] = u.y, w4[2] = u.z, w4[3] = u.w;
+            } else {
+                for (int k = 0; k < 4; k++) w4[k] = b + 4 * k < B ? ((const uint32_t *)row)[b / 4 + k] : 0;
+            }
+            for (int k = 0; k < 4 && b + 4 * k < B; k++) {
+                const int bb = b + 4 * k;
+                const uint32_t c4 = w4[k];
+                v += st[bb * KVS_PARIS_NC + (c4 & 255)] + st[(bb + 1) * KVS_PARIS_NC + ((c4 >> 8) & 255)] +
+                     st[(bb + 2) * KVS_PARIS_NC + ((c4 >> 16) & 255)] + st[(bb + 3) * KVS_PARIS_NC + (c4 >> 24)];
+            }
         }
         vote[(size_t)task * max_nr + i] = (uint16_t)v;
         atomicAdd(sh + v, 1);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i <= maxv; i += blockDim.x)
+    int32_t *ch = chist + ((size_t)task * n_chunks + blockIdx.y) * (maxv + 1);
+    for (int i = threadIdx.x; i <= maxv; i += blockDim.x) {
+        ch[i] = sh[i];
         if (sh[i]) atomicAdd(hist + (size_t)task * (maxv + 1) + i, sh[i]);
+    }
+}
+
+typedef cub::BlockScan<int, VOTE_THREADS> vc_scan;
+
+/* the top keep by vote (ties: lower position) of one chunk, into cand at slots counted by
+ * *n_cand (their order there does not matter: the rerank key is unique) */
+__global__ void __launch_bounds__(VOTE_THREADS)
+k_paris_collect(const int32_t *__restrict__ rows, int nkv, int D, int max_nr, const uint16_t *__restrict__ vote,
+                const int32_t *__restrict__ hist, const int32_t *__restrict__ chist, int n_chunks,
+                int32_t *__restrict__ n_cand, int32_t *__restrict__ cand)
+{
+    __shared__ typename vc_scan::TempStorage tmp;
+    __shared__ int s_thr, s_need, s_before, s_base;
+    const int task = blockIdx.x, r = task / nkv, maxv = KVS_PARIS_TIERS * (D / 8);
+    const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
+    const int n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK];
+    const int chunk = blockIdx.y, i0 = chunk * VOTE_CHUNK;
+    if (n_r <= 0 || i0 >= n_r) return;
+    if (threadIdx.x == 0) {
+        const int keep = min(R[KVS_PARIS_ROW_KEEP], n_r);
+        const int32_t *h = hist + (size_t)task * (maxv + 1);
+        int cum = 0, v = maxv;
+        while (v > 0 && cum + h[v] < keep) cum += h[v--];
+        int before = 0;
+        for (int c = 0; c < chunk; c++) before += chist[((size_t)task * n_chunks + c) * (maxv + 1) + v];
+        s_thr = v, s_need = keep - cum, s_before = before;
+    }
+    __syncthreads();
+    const int thr = s_thr;
+    const int a0 = i0 + threadIdx.x * (VOTE_CHUNK / VOTE_THREADS), a1 = min(a0 + VOTE_CHUNK / VOTE_THREADS, n_r);
+    const uint16_t *vt = vote + (size_t)task * max_nr;
+    int eq = 0;
+    for (int i = a0; i < a1; i++) eq += vt[i] == thr;
+    int eq_before, total;
+    vc_scan(tmp).ExclusiveSum(eq, eq_before, total);
+    __syncthreads();
+    int rank = s_before + eq_before, take = 0;
+    for (int i = a0; i < a1; i++) {
+        const int v = vt[i];
+        take += v > thr || (v == thr && rank++ < s_need);
+    }
+    int at;
+    vc_scan(tmp).ExclusiveSum(take, at, total);
+    if (threadIdx.x == 0) s_base = total ? atomicAdd(n_cand + task, total) : 0;
+    __syncthreads();
+    int32_t *out = cand + (size_t)task * max_nr + s_base + at;
+    rank = s_before + eq_before;
+    for (int i = a0; i < a1; i++) {
+        const int v = vt[i];
+        if (v > thr || (v == thr && rank++ < s_need)) *out++ = sink + i;
+    }
 }
 
 typedef cub::BlockScan<int, PK_THREADS> pk_scan;
@@ -313,25 +386,22 @@ __device__ void take_by_vote(const uint16_t *vote, const int32_t *hist, int maxv
     __syncthreads();
 }
 
+/* the coarse top-k (recall counters only): the top topk by vote, in position order */
 __global__ void __launch_bounds__(PK_THREADS)
-k_paris_keep(const int32_t *__restrict__ rows, int nkv, int D, int max_nr, const uint16_t *__restrict__ vote,
-             const int32_t *__restrict__ hist, int32_t *__restrict__ cand, int32_t *__restrict__ coarse, int max_topk)
+k_paris_coarse(const int32_t *__restrict__ rows, int nkv, int D, int max_nr, const uint16_t *__restrict__ vote,
+               const int32_t *__restrict__ hist, int32_t *__restrict__ coarse, int max_topk)
 {
     __shared__ typename pk_scan::TempStorage tmp;
     __shared__ int s_thr, s_gt;
     const int task = blockIdx.x, r = task / nkv, maxv = KVS_PARIS_TIERS * (D / 8);
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR];
-    if (coarse)
-        for (int i = threadIdx.x; i < max_topk; i += blockDim.x) coarse[(size_t)task * max_topk + i] = -1;
+    for (int i = threadIdx.x; i < max_topk; i += blockDim.x) coarse[(size_t)task * max_topk + i] = -1;
     if (n_r <= 0) return;
+    __syncthreads();
     const int keep = min(R[KVS_PARIS_ROW_KEEP], n_r), topk = min(R[KVS_PARIS_ROW_TOPK], keep);
-    const uint16_t *v = vote + (size_t)task * max_nr;
-    const int32_t *h = hist + (size_t)task * (maxv + 1);
-    take_by_vote(v, h, maxv, n_r, keep, R[KVS_PARIS_ROW_SINK], cand + (size_t)task * max_nr, &s_thr, &s_gt, tmp);
-    if (coarse)
-        take_by_vote(v, h, maxv, n_r, min(topk, max_topk), R[KVS_PARIS_ROW_SINK], coarse + (size_t)task * max_topk,
-                     &s_thr, &s_gt, tmp);
+    take_by_vote(vote + (size_t)task * max_nr, hist + (size_t)task * (maxv + 1), maxv, n_r, min(topk, max_topk),
+                 R[KVS_PARIS_ROW_SINK], coarse + (size_t)task * max_topk, &s_thr, &s_gt, tmp);
 }
 
 __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *__restrict__ bts, int max_blocks,
@@ -349,22 +419,34 @@ __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *
     for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = qt[(size_t)task * D + i];
     __syncthreads();
     const int32_t *bt = bts + (size_t)r * max_blocks;
+    const int vec = (W * 4) % 16 == 0 && B % 16 == 0;   /* 16-byte aligned code rows */
     for (int i = i0 + threadIdx.x; i < keep && i < i0 + 1024; i += blockDim.x) {
         const int p = cand[(size_t)task * max_nr + i];
         const size_t slot = p_slot(bt, p, bs);
         const uint8_t *row = codes + (slot * nkv + g) * (size_t)W * 4 + B;
         const float *w = wts + (slot * nkv + g) * (size_t)B;
         float est = 0;
-        for (int b = 0; b < B; b++) {
-            const uint32_t c8 = *(const uint32_t *)(row + b * 4);
-            float dot = 0;
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const uint32_t c = (c8 >> (4 * j)) & 15;
-                const float v = (c & 8) ? -c_lm_center[c & 7] : c_lm_center[c & 7];
-                dot = __fadd_rn(dot, __fmul_rn(v, sq[b * 8 + j]));
+        for (int b0 = 0; b0 < B; b0 += 4) {
+            uint32_t c4[4];
+            if (vec) {
+                const uint4 u = *(const uint4 *)(row + b0 * 4);
+                c4[0] = u.x, c4[1] = u.y, c4[2] = u.z, c4[3] = u.w;
+            } else {
+                for (int k = 0; k < 4; k++) c4[k] = ((const uint32_t *)row)[b0 + k];
             }
-            est = __fadd_rn(est, __fmul_rn(w[b], dot));
+            const float4 w4 = *(const float4 *)(w + b0);
+            const float wk[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                float dot = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const uint32_t c = (c4[k] >> (4 * j)) & 15;
+                    const float v = (c & 8) ? -c_lm_center[c & 7] : c_lm_center[c & 7];
+                    dot = __fadd_rn(dot, __fmul_rn(v, sq[(b0 + k) * 8 + j]));
+                }
+                est = __fadd_rn(est, __fmul_rn(wk[k], dot));
+            }
         }
         est = __fmul_rn(qn[task], est);
         keys[(size_t)task * max_nr + i] = (unsigned long long)p_okey(est) << 32 | (0xFFFFFFFFu - (uint32_t)p);
@@ -491,22 +573,28 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const str
     CUDA_CHECK(cudaMallocAsync((void **)&s.qn, (size_t)T * 4, st));
     CUDA_CHECK(cudaMallocAsync((void **)&s.tier, (size_t)T * B * KVS_PARIS_NC, st));
     CUDA_CHECK(cudaMallocAsync((void **)&s.vote, (size_t)T * max_nr * 2, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.hist, (size_t)T * (maxv + 1) * 4, st));
+    const int n_chunks = (max_nr + VOTE_CHUNK - 1) / VOTE_CHUNK;
+    CUDA_CHECK(cudaMallocAsync((void **)&s.hist, ((size_t)T * (maxv + 1) * (1 + n_chunks) + T) * 4, st));
     CUDA_CHECK(cudaMallocAsync((void **)&s.cand, (size_t)T * max_nr * 4, st));
     CUDA_CHECK(cudaMallocAsync((void **)&s.keys, (size_t)T * max_nr * 8, st));
-    CUDA_CHECK(cudaMemsetAsync(s.hist, 0, (size_t)T * (maxv + 1) * 4, st));
+    /* hist [T][maxv + 1], then n_cand [T], then the chunk histograms [T][n_chunks][maxv + 1] */
+    int32_t *n_cand = s.hist + (size_t)T * (maxv + 1), *chist = n_cand + T;
+    CUDA_CHECK(cudaMemsetAsync(s.hist, 0, ((size_t)T * (maxv + 1) + T) * 4, st));
     PROF(0);
     const int32_t *d_rows = (const int32_t *)rows->d, *bts = (const int32_t *)m->block_tables->d;
-    k_paris_prep<<<T, 256, 0, st>>>((const float *)q->d, d_rows, n_layers, layer, n_heads, n_kv_heads, D,
-                                    (const float *)signs->d, (const int32_t *)counts->d, s.qt, s.qn, s.tier);
+    k_paris_prep<<<dim3(T, B), 256, 0, st>>>((const float *)q->d, d_rows, n_layers, layer, n_heads, n_kv_heads, D,
+                                             (const float *)signs->d, (const int32_t *)counts->d, s.qt, s.qn, s.tier);
     PROF(1);
     const size_t vsm = (size_t)(B * KVS_PARIS_NC + 15) / 16 * 16 + (size_t)(maxv + 1) * 4;
-    k_paris_vote<<<dim3(T, (max_nr + 4095) / 4096), 512, vsm, st>>>(d_rows, bts, m->max_blocks, n_kv_heads, D,
-                                                                   block_size, W, (const uint8_t *)codes->d, s.tier,
-                                                                   max_nr, s.vote, s.hist);
+    k_paris_vote<<<dim3(T, n_chunks), VOTE_THREADS, vsm, st>>>(d_rows, bts, m->max_blocks, n_kv_heads, D, block_size, W,
+                                                              (const uint8_t *)codes->d, s.tier, max_nr, s.vote,
+                                                              s.hist, chist, n_chunks);
     PROF(2);
-    k_paris_keep<<<T, PK_THREADS, 0, st>>>(d_rows, n_kv_heads, D, max_nr, s.vote, s.hist, s.cand,
-                                           coarse ? (int32_t *)coarse->d : NULL, max_topk);
+    k_paris_collect<<<dim3(T, n_chunks), VOTE_THREADS, 0, st>>>(d_rows, n_kv_heads, D, max_nr, s.vote, s.hist, chist,
+                                                               n_chunks, n_cand, s.cand);
+    if (coarse)
+        k_paris_coarse<<<T, PK_THREADS, 0, st>>>(d_rows, n_kv_heads, D, max_nr, s.vote, s.hist, (int32_t *)coarse->d,
+                                                 max_topk);
     PROF(3);
     k_paris_rerank<<<dim3(T, (max_nr + 1023) / 1024), 256, 0, st>>>(d_rows, bts, m->max_blocks, n_kv_heads, D,
                                                                     block_size, W, (const uint8_t *)codes->d,

@@ -2,10 +2,11 @@
  * reference (kernels/cpu/kv_paris.c) on fresh random cases each run (kv_paris_fixture.h; seed
  * from the clock, printed; replay with KVS_SEED=<seed>), then kv.decode=paris through the whole
  * engine on device cuda.
- *   encoder   cluster ids, 4-bit codes and weights equal the CPU's on the same (bf16) keys, but
- *             for keys whose norm rounds apart (allowed: under 0.5% of the codes);
+ *   encoder   cluster ids, 4-bit codes and weights equal the CPU's on the same (bf16) keys (the
+ *             kernels repeat the CPU's operations in its order; the check allows 0.5% apart, in
+ *             case a library sqrt rounds differently; the H100 run saw none);
  *   selection the chosen top-k, the coarse top-k and the exact top-k (recall reference) agree
- *             with the CPU's on all but a few entries (those of keys encoded apart); beta = 1
+ *             with the CPU's (the check allows 1% apart); beta = 1
  *             with topk >= n_r gives one span [0, ctx); spans are sorted and hold sink + k + tail;
  *             planted needles are found (recall@100 floors of the CPU test);
  *   sizes     one 131072-token row at head_dim 128 (the bench's shape);
@@ -90,7 +91,9 @@ static void compare_case(int S, int ctx, int needles, int nh, int nkv, int d, do
     CHECK(sel_diff * 100 <= sel && co_diff * 100 <= sel && ex_diff * 100 <= sel && bad_spans == 0,
           "%s: of %ld chosen, %ld final / %ld coarse / %ld exact differ from the CPU's; %ld malformed span lists", what,
           sel, sel_diff, co_diff, ex_diff, bad_spans);
-    if (needles) CHECK(hits / total >= 0.95, "%s: recall@%d %.3f on planted needles", what, K, hits / total);
+    /* the CPU test's floor where the needles fill the top-k (with fewer needles than k, the rest of the
+     * exact top-k is random keys, found like any other) */
+    if (needles >= K) CHECK(hits / total >= 0.95, "%s: recall@%d %.3f on planted needles", what, K, hits / total);
     printf("ok %s: %ld of %ld encodings differ (norm rounding), weights %.1e; %ld/%ld/%ld of %ld final/coarse/exact "
            "differ; recall@%d %.3f\n", what, code_diff, codes, w_err, sel_diff, co_diff, ex_diff, sel, K, hits / total);
     pool_out_free(&rc);
