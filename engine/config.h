@@ -79,6 +79,9 @@ struct kvs_config {
     int paris_update_interval;
     int paris_dense_threshold;
     int paris_offload;           /* bool */
+    double paris_beta;           /* 0: adaptive */
+    double paris_rho;            /* 0: adaptive */
+    int paris_recall_every;      /* 0: off */
 
     /* kv.quest (Quest page selection; RetroAttention builds on it) */
     double quest_budget_ratio;
