@@ -123,6 +123,7 @@ struct kvs_eval_probes {
     struct kvs_eval_probe *p;
     int n;
     int text;                     /* 1: text probes (tokenizer), 0: token-id probes */
+    double timeout_s;             /* per probe, from submission to its last token (0: 600 s) */
 };
 
 /* Text probes: facts ("The secret code of Alice is 4821.") stated early inside filler lines,

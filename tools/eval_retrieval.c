@@ -442,10 +442,13 @@ int kvs_eval_retrieval(const struct kvs_config *cfg, const struct kvs_model *mod
         }
         for (int j = 0; j < submitted; j++) {
             if (!rc) {
-                int crc = collect(&jobs[j], 600.0);
-                if (crc) {
-                    rc = kvs_err(err, errlen, crc, "eval: probe failed: %s",
-                                 crc == -ETIMEDOUT ? "no answer within 600 s" : jobs[j].error);
+                double tmo = probes->timeout_s > 0 ? probes->timeout_s : 600.0;
+                int crc = collect(&jobs[j], tmo);
+                if (crc == -ETIMEDOUT) {
+                    rc = kvs_err(err, errlen, crc, "eval: probe failed: no answer within %.0f s (--probe-timeout; "
+                                 "fewer at once: --set scheduler.max_running=N)", tmo);
+                } else if (crc) {
+                    rc = kvs_err(err, errlen, crc, "eval: probe failed: %s", jobs[j].error);
                 } else {
                     const struct kvs_eval_probe *p = &probes->p[b0 + j];
                     int ok;

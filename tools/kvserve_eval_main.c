@@ -48,6 +48,7 @@ static void usage(FILE *f)
             "  --probes N            probes per length (default 10), the formats in turn\n"
             "  --formats A,B,...     text probe formats: fact, passkey, kv (default all three)\n"
             "  --seed N              probe generator seed (default 1)\n"
+            "  --probe-timeout S     seconds a probe may take from submission (default 600)\n"
             "  --lossy-window N      eval-only lossy candidate: sees only the last N tokens\n"
             "  --all-policies        every built kv.decode policy against full, one row each\n"
             "  --no-tf | --no-retrieval   skip a part\n"
@@ -162,6 +163,7 @@ int main(int argc, char **argv)
     int n_ops = 0, seq_len = 256, n_seqs = 4, prefill = 1, probes_per = 10, window = 0, seed = 1;
     int do_tf = 1, do_ret = 1, ret_once = 0, json = 0, n_lengths = 0, lengths[16], all_policies = 0;
     unsigned formats = KVS_EVAL_ALL_FORMATS;
+    int probe_timeout = 600;
     const char *dump_path = NULL, *text_path = NULL, *tokens_path = NULL, *filler_path = NULL, *model_arg = NULL;
     char model_set[PATH_MAX + 16];
     for (int i = 1; i < argc; i++) {
@@ -190,6 +192,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--seed")) bad = parse_int(v, 0, INT_MAX, &seed);
         else if (!strcmp(a, "--lossy-window")) bad = parse_int(v, 1, 1 << 24, &window);
         else if (!strcmp(a, "--formats")) bad = kvs_eval_parse_formats(v, &formats);
+        else if (!strcmp(a, "--probe-timeout")) bad = parse_int(v, 1, 1 << 24, &probe_timeout);
         else if (!strcmp(a, "--lengths")) {
             char buf[256];
             snprintf(buf, sizeof buf, "%s", v);
@@ -337,6 +340,7 @@ int main(int argc, char **argv)
         }
     }
 
+    probes.timeout_s = probe_timeout;
     if (dump_path) {
         ret = dump_probes(dump_path, &probes) ? 1 : 0;
         goto out;
