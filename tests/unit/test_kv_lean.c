@@ -530,10 +530,11 @@ static void test_refusals(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     struct kvs_config c;
-    base_cfg(&c, "lean", "dynamic");
+    base_cfg(&c, "lean", "dynamic");   /* with kv.reuse = prefix: shared blocks are not demoted per request */
     struct kvs_engine *e = NULL;
     int rc = kvs_engine_create(&c, model, NULL, &e, err, sizeof err);
-    CHECK(rc == -ENOSYS && strstr(err, "kv.lean.mode") && strstr(err, "dynamic"), "dynamic: rc %d (%s)", rc, err);
+    CHECK(rc == -EINVAL && strstr(err, "kv.lean.mode") && strstr(err, "dynamic") && strstr(err, "kv.reuse"),
+          "dynamic with prefix reuse: rc %d (%s)", rc, err);
     if (e) kvs_engine_free(e);
     kvs_config_free(&c);
     kvs_model_free(model);
@@ -545,13 +546,13 @@ static void test_refusals(void)
     REQUIRE(be, "%s", err);
     const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
     REQUIRE(st, "lean is registered");
-    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL, 4};
+    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL, 4, 4, 64, 256};
     void *state = NULL;
     rc = st->create(&sh, &bare, be, 4, &state, err, sizeof err);
     CHECK(rc == -ENOSYS && strstr(err, "bare") && strstr(err, "lean"), "no kernels: rc %d (%s)", rc, err);
     if (state) st->destroy(state);
     bare.free(be);
-    printf("ok refused at startup: kv.lean.mode dynamic (not built), a backend without LeanKV kernels\n");
+    printf("ok refused at startup: kv.lean.mode dynamic with prefix reuse, a backend without LeanKV kernels\n");
 }
 
 int main(void)
