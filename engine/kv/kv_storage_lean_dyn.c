@@ -278,7 +278,7 @@ void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struc
 
 int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *out, int cap)
 {
-    if (cap < 6) return 0;
+    if (cap < 8) return 0;
     double bytes = 0, tokens = 0, high = 0, low = 0, pruned = 0;
     for (int s = 0; s < d->max_slots; s++) {
         double b, t, h, l, p;
@@ -305,7 +305,12 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
                                      "Fraction of (token, layer, KV head) in LeanKV's low tier.", 0, low / ht, NULL, NULL};
     out[5] = (struct kvs_kv_counter){"kvserve:kv_storage_pruned_fraction",
                                      "Fraction of (token, layer, KV head) LeanKV pruned.", 0, pruned / ht, NULL, NULL};
-    return 6;
+    out[6] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_used",
+                                     "LeanKV pages (mixed precision) held by requests now.", 0,
+                                     (double)(d->n_pages - kvs_lean_pm_n_free(d->pm)), NULL, NULL};
+    out[7] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_total", "LeanKV pages in the pool.", 0,
+                                     (double)d->n_pages, NULL, NULL};
+    return 8;
 }
 
 int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char *msg, size_t msglen)
