@@ -208,8 +208,9 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
     for (int s = 0; s < st->n_seqs; s++) {
         const int slot = st->h_slot[s], rows = st->h_q_start[s + 1] - st->h_q_start[s];
         d->seq_slot[s] = slot;
-        if (slot < 0) continue;   /* padding rows of a recorded step: nothing to keep */
-        struct slot *sl = slot < d->max_slots ? &d->slots[slot] : NULL;
+        /* a sequence with no request slot (a side prefill, a runner driven by hand) has no
+         * tiers to keep its tokens in (the CPU records no padded steps) */
+        struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
         /* rows must continue the request: the tiers hold every earlier token exactly once */
         if (!sl || !sl->live || st->h_pos[s] != sl->next_pos) {
             kvs_log(KVS_LOG_ERROR, "kv storage lean (dynamic): slot %d runs position %d, expected %d", slot,
