@@ -78,12 +78,19 @@ struct kvs_runner {
     struct kvs_dbuf *q_pre, *d_iota;                    /* ACT [cap_tokens][nh][hd], I32 [cap_tokens] 0, 1, ..
                                                          * (KVS_KV_NEEDS_PRE_ROPE_Q) */
     int32_t *h_slot, *h_decode;                         /* [cap_seqs] per step */
+    /* multi-row decode (kv.h recompute): each slot's last hist_cap tokens, and the step's batch
+     * with its decoding requests widened to their recomputed rows */
+    int hist_cap;
+    int32_t *h_hist, *h_hist_n;                         /* [cap_seqs][hist_cap], [cap_seqs] */
+    struct kvs_batch_seq *x_seqs;                       /* [cap_seqs] */
+    int32_t *x_tokens;                                  /* [cap_tokens] */
     struct kvs_fidelity fid;                            /* live fidelity meter (kv.fidelity) */
     int n_blocks, block_size;
     size_t kv_bytes_per_token;
 
-    /* capacities */
-    int cap_tokens, cap_seqs, max_blocks, max_ctx;
+    /* capacities (cap_tokens: rows per step, step_tokens of the scheduler's batch plus the
+     * decode policy's recomputed rows) */
+    int cap_tokens, cap_seqs, max_blocks, max_ctx, step_tokens;
 
     /* device workspaces */
     struct kvs_dbuf *x, *xn, *q, *k, *v, *att, *proj, *gate, *up;   /* [cap_tokens][...] */
@@ -313,6 +320,17 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->cap_seqs = cfg->max_running > 0 ? cfg->max_running : 256;
     if (r->cap_seqs > r->cap_tokens) r->cap_seqs = r->cap_tokens;
     r->max_blocks = (r->max_ctx + r->block_size - 1) / r->block_size;
+    r->step_tokens = r->cap_tokens;
+    if (dp->recompute && dp->max_recompute) {
+        /* a decoding request may run max_recompute rows more than the scheduler counts */
+        r->hist_cap = dp->max_recompute(cfg);
+        if (r->hist_cap < 0 || r->hist_cap > 4096) r->hist_cap = 0;
+        r->cap_tokens += r->cap_seqs * r->hist_cap;
+        r->h_hist = kvs_xcalloc((size_t)r->cap_seqs * (size_t)(r->hist_cap ? r->hist_cap : 1), sizeof(int32_t));
+        r->h_hist_n = kvs_xcalloc((size_t)r->cap_seqs, sizeof(int32_t));
+        r->x_seqs = kvs_xcalloc((size_t)r->cap_seqs, sizeof *r->x_seqs);
+        r->x_tokens = kvs_xcalloc((size_t)r->cap_tokens, sizeof(int32_t));
+    }
 
     r->be = rank_backend(cfg, &ops, rank, n_ranks, err, errlen);
     r->ops = ops;
@@ -530,6 +548,10 @@ void kvs_runner_rank_free(struct kvs_runner *r)
     free(r->h_ids);
     free(r->h_vals);
     free(r->h_chunk);
+    free(r->h_hist);
+    free(r->h_hist_n);
+    free(r->x_seqs);
+    free(r->x_tokens);
     free(r);
 }
 
@@ -538,7 +560,7 @@ int kvs_runner_block_size(const struct kvs_runner *r) { return r->block_size; }
 int kvs_runner_vocab_size(const struct kvs_runner *r) { return r->vocab; }
 const char *kvs_runner_backend_name(const struct kvs_runner *r) { return r->ops->name; }
 size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r) { return r->kv_bytes_total; }
-int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->cap_tokens; }
+int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->step_tokens; }
 int kvs_runner_max_seqs_per_step(const struct kvs_runner *r) { return r->cap_seqs; }
 int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
 
@@ -850,8 +872,74 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
  * that another never reaches */
 static int agree(struct kvs_runner *r, int rc) { return r->n_ranks > 1 ? kvs_tp_agree(r->tp, rc) : rc; }
 
+/* Multi-row decode (kv.h recompute): x gets b with every decoding request that the policy
+ * widens turned into its k re-run tokens (from the slot's history) plus the new one, logits on
+ * the last row only; then each slot's history takes the step's tokens. -EINVAL for a batch over
+ * the capacities (stage_batch checks the rest). */
+static int widen_batch(struct kvs_runner *r, const struct kvs_batch *b, struct kvs_batch *x)
+{
+    if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
+    const int H = r->hist_cap;
+    int off = 0;
+    *x = *b;
+    x->seqs = r->x_seqs;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        struct kvs_batch_seq *w = &r->x_seqs[s];
+        *w = *q;
+        const int slot = q->slot >= 0 && q->slot < r->cap_seqs ? q->slot : -1;
+        if (slot < 0 || q->n_tokens <= 0 || !q->tokens) continue;
+        if (q->slot_fresh) r->h_hist_n[slot] = 0;
+        int32_t *h = r->h_hist + (size_t)slot * H;
+        int k = 0;
+        if (q->n_tokens == 1 && q->pos > 0) {
+            k = r->dp->recompute(r->dp_state, slot);
+            if (k > r->h_hist_n[slot]) k = r->h_hist_n[slot];
+            if (k > q->pos) k = q->pos;
+            if (k < 0) k = 0;
+        }
+        if (k > 0) {
+            if (off + k + 1 > r->cap_tokens) return -EINVAL;
+            memcpy(r->x_tokens + off, h + r->h_hist_n[slot] - k, (size_t)k * sizeof(int32_t));
+            r->x_tokens[off + k] = q->tokens[0];
+            w->tokens = r->x_tokens + off;
+            w->n_tokens = k + 1;
+            w->pos = q->pos - k;
+            if (w->want_logits == KVS_LOGITS_ALL) w->want_logits = KVS_LOGITS_LAST; /* one token's logits */
+            off += k + 1;
+        }
+        /* the history: the slot's last H tokens */
+        const int m = q->n_tokens < H ? q->n_tokens : H, keep = H - m < r->h_hist_n[slot] ? H - m : r->h_hist_n[slot];
+        memmove(h, h + r->h_hist_n[slot] - keep, (size_t)keep * sizeof(int32_t));
+        memcpy(h + keep, q->tokens + q->n_tokens - m, (size_t)m * sizeof(int32_t));
+        r->h_hist_n[slot] = keep + m;
+    }
+    return 0;
+}
+
 int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
+    /* fresh slots reset before anything asks the policy about them (host state only) */
+    for (int s = 0; b && b->seqs && s < b->n_seqs && s < r->cap_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        if (q->slot >= 0 && q->slot < r->cap_seqs && q->slot_fresh && r->dp->seq_init) {
+            void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
+            if (mem) memset(mem, 0, r->slot_bytes);
+            int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
+            if (rc < 0) return agree(r, rc);
+        }
+        if (q->slot >= 0 && q->slot < r->cap_seqs && q->slot_fresh && r->st->seq_init) {
+            int rc = r->st->seq_init(r->st_state, q->slot);
+            if (rc < 0) return agree(r, rc);
+        }
+    }
+    const struct kvs_batch *b0 = b;
+    struct kvs_batch wide;
+    if (r->hist_cap > 0) {
+        int rc = widen_batch(r, b, &wide);
+        if (rc < 0) return agree(r, rc);
+        b = &wide;
+    }
     int n_logits, n_host, stride, any_rot, any_valid;
     const int cap = graph_capacity(r, b);
     const int S = cap ? graph_seqs(r, b->n_seqs) : b->n_seqs;
@@ -893,20 +981,10 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     /* the decode policy's view of the step: request slots, decode rows; fresh slots reset */
     int n_decode = 0;
     for (int s = 0; s < S; s++) {
-        const struct kvs_batch_seq *q = s < b->n_seqs ? &b->seqs[s] : NULL;
+        const struct kvs_batch_seq *q = s < b0->n_seqs ? &b0->seqs[s] : NULL;   /* as the scheduler made it */
         r->h_slot[s] = q ? q->slot : -1;
         r->h_decode[s] = q && q->n_tokens == 1 && q->pos > 0;
         n_decode += r->h_decode[s];
-        if (q && q->slot >= 0 && q->slot_fresh && r->dp->seq_init) {
-            void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
-            if (mem) memset(mem, 0, r->slot_bytes);
-            int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
-            if (rc < 0) return agree(r, rc);
-        }
-        if (q && q->slot >= 0 && q->slot_fresh && r->st->seq_init) {
-            int rc = r->st->seq_init(r->st_state, q->slot);
-            if (rc < 0) return agree(r, rc);
-        }
     }
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
     int rc = r->st->step ? r->st->step(r->st_state, &step) : 0;
@@ -914,7 +992,9 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     if ((rc = agree(r, rc < 0 ? rc : 0)) < 0) return rc;
     /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
     for (int s = 0; s < S; s++)
-        if (r->h_decode[s]) r->fid.full_bytes += (double)(r->h_seqpos[s] + 1) * (double)r->kv_bytes_per_token;
+        if (r->h_decode[s])   /* the newest row's context (a multi-row decode's last row) */
+            r->fid.full_bytes += (double)(r->h_seqpos[s] + r->h_qstart[s + 1] - r->h_qstart[s]) *
+                                 (double)r->kv_bytes_per_token;
     const int fid_layer = n_decode ? kvs_fidelity_pick_layer(&r->fid, r->n_layers) : -1;
     if (fid_layer >= 0 || !cap || run_layers_graph(r, n, &step, cap, any_rot, any_valid | words << 1) != 0)
         run_layers(r, n, &step, fid_layer);
