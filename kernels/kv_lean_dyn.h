@@ -6,7 +6,7 @@
  * (bitwise: same fixed-order dot product, same two-pass softmax for the probabilities), and
  * its attention output is cpu_attention's online softmax over the dequantized tokens in section
  * order (high, low, window oldest first), so with every token kept in arrival order it equals
- * the dense kernel bitwise (tests/unit/test_kv_lean_dyn.c).
+ * the dense reference kernel (KVS_CPU_KERNELS=ref) bitwise (tests/unit/test_kv_lean_dyn.c).
  *
  * Per token of a section, a page entry holds [int32 position][fp32 score sum][K codes][K (s, z)
  * fp16 pair][V codes][V (s, z)] ((s, z) absent at 16 bits): a token's score is its sum over the
