@@ -21,7 +21,14 @@
 #ifndef KVS_KV_RETRO_H
 #define KVS_KV_RETRO_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+#include "kernels/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 /* Updates A (n_pages entries) for step t with selection sel[0..n_sel) (ascending page indexes)
  * whose current page is cur; m_out[i] = A[sel[i]] before the update. */
@@ -31,5 +38,49 @@ int kvs_retro_mask_step(int32_t *A, int n_pages, const int32_t *sel, int n_sel, 
  * m[i] < t_past, clipped to positions <= pos_past; returns how many (0: nothing to add). */
 int kvs_retro_supplement(const int32_t *sel, const int32_t *m, int n_sel, int t_past, int pos_past, int page_size,
                          int32_t *spans, int max_spans);
+
+/* The device form of the same bookkeeping (kv.decode=retro on a backend with a table: the step
+ * issues only device work, no host round trip), one table per backend: the CPU one
+ * (kernels/cpu/kv_retro.c, built on the two functions above; the policy runs it on the CPU only
+ * when told to, kv_decode_retro.h) and the CUDA one (kernels/cuda/kv_retro.cu).
+ *
+ * Masks on the device: A I32 [slots][a_layers][n_kv_heads][max_pages], the values of the CPU
+ * reference (-1: never loaded).
+ * Requests: req I32 [n_req][5] = row0 (the request's first row in the step), rows (k + 1: the
+ * window), pos (the newest row's position), t (its step index), slot.
+ * Selection: sel_n / sel as Quest's select writes them for row q of n_req one-row sequences
+ * (kernels/kv_quest.h: ascending disjoint spans, page-aligned but for the last one ending at
+ * pos + 1, the current page among them). */
+struct kvs_retro_kernels {
+    const char *name;
+    /* A[i] = -1 for i in [off, off + n) (a request slot's masks, at seq_init). */
+    void (*reset)(struct kvs_backend *b, struct kvs_dbuf *A, size_t off, size_t n);
+    /* For each request q and KV head g: kvs_retro_mask_step on A[slot][a_layer][g] with the pages
+     * of the selection, the newest row (row0 + rows - 1) gets the selection's spans, past row
+     * row0 + j (back = rows - 1 - j) gets kvs_retro_supplement(t - back, pos - back) (at most
+     * max_spans spans). keys I32 [4], read as two little-endian uint64: += the selection's keys
+     * (own) and the supplements' keys (supplement), for the policy's counters. */
+    void (*spans)(struct kvs_backend *b, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel,
+                  const struct kvs_dbuf *req, int n_req, int n_kv_heads, int max_spans, int page_size,
+                  struct kvs_dbuf *A, int a_layers, int a_layer, int max_pages, struct kvs_dbuf *n_spans,
+                  struct kvs_dbuf *spans, struct kvs_dbuf *keys);
+    /* Retro's merge and output cache, rows 0 .. n-1: row t with cidx[t] < prev_rows is merged
+     * (backend.h attn_merge) with the cached (o_prev, l_prev)[cidx[t]] in place in (out, lse);
+     * then (o_next, l_next)[t] = (out, lse)[t]. o: ACT [rows][n_heads * head_dim]; l: F32
+     * [rows][n_heads]. o_prev / l_prev and o_next / l_next are distinct buffers. */
+    void (*merge)(struct kvs_backend *b, struct kvs_dbuf *out, struct kvs_dbuf *lse, const struct kvs_dbuf *cidx,
+                  int n, int n_heads, int head_dim, const struct kvs_dbuf *o_prev, const struct kvs_dbuf *l_prev,
+                  int prev_rows, struct kvs_dbuf *o_next, struct kvs_dbuf *l_next);
+};
+
+extern const struct kvs_retro_kernels kvs_retro_kernels_cpu;
+extern const struct kvs_retro_kernels kvs_retro_kernels_cuda;
+
+/* The table of backend o (NULL where it has none: the policy then keeps the host path). */
+const struct kvs_retro_kernels *kvs_retro_kernels_for(const struct kvs_backend_ops *o);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
