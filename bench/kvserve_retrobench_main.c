@@ -10,15 +10,18 @@
  * last positions) with fresh random queries (untimed), and runs the policy's plan, the layer's
  * attend and finish, as the runner does; the K/V are not rewritten (random data). Timed: the host wall clock of plan + attend +
  * finish + a device sync, mean over --steps steps after --warm steps (so windows are full);
- * this includes Retro's host work and its two host syncs per layer (selection and lse
- * downloads). Not included: the GEMMs of the re-run rows (o_proj, MLP, the next layer's q/k/v),
+ * this includes the policy's host work (plan's uploads; the device path has no sync inside
+ * attend). Not included: the GEMMs of the re-run rows (o_proj, MLP, the next layer's q/k/v),
  * which a w-row step also pays. Printed per shape: full ms (attention() of the newest rows),
  * Quest ms, Retro ms for each w, Retro / Quest, and the effective budget (union of keys seen per
  * query / keys of its own step; random queries pick near-random pages, so this is an upper-end
  * figure, not the paper's trained-model measurement).
  *
+ * --spans adds a column: w=2 with the fused kernel off (KVS_RETRO_FUSED=0: the device path's
+ * attention_spans over the selection and the supplements, each page read once per row).
+ *
  * Usage: kvserve-retrobench [--batches 1,8,32] [--contexts 8192,32768] [--windows 2,4,8]
- *                           [--ratio 0.15] [--steps 20] [--warm 10] [--markdown FILE]
+ *                           [--ratio 0.15] [--steps 20] [--warm 10] [--spans] [--markdown FILE]
  * A shape whose KV does not fit in free device memory is skipped with a note.
  */
 #include <math.h>
@@ -147,6 +150,7 @@ int main(int argc, char **argv)
     int steps = 20, warm = 10;
     double ratio = 0.15;
     const char *md = NULL;
+    int spans_col = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) n_b = bench_parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--contexts") && i + 1 < argc) n_c = bench_parse_list(argv[++i], contexts, 8);
@@ -155,9 +159,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warm") && i + 1 < argc) warm = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--spans")) spans_col = 1;
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768] [--windows 2,4,8] [--ratio 0.15] "
-                    "[--steps 20] [--warm 10] [--markdown FILE]\n", argv[0]);
+                    "[--steps 20] [--warm 10] [--spans] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
@@ -180,10 +185,12 @@ int main(int argc, char **argv)
     int hl = snprintf(head, sizeof head, "| batch | context | full ms | Quest ms |");
     for (int i = 0; i < n_w; i++) hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest | w=%d eff. budget |",
                                                  windows[i], windows[i], windows[i]);
+    if (spans_col) hl += snprintf(head + hl, sizeof head - hl, " w=2 unfused ms | w=2 unfused / Quest |");
     printf("%s\n", head);
     if (mf) {
         fprintf(mf, "%s\n|---|---|---|---|", head);
         for (int i = 0; i < n_w; i++) fprintf(mf, "---|---|---|");
+        if (spans_col) fprintf(mf, "---|---|");
         fprintf(mf, "\n");
     }
     for (int bi = 0; bi < n_b; bi++)
@@ -223,6 +230,12 @@ int main(int argc, char **argv)
             for (int i = 0; i < n_w; i++) {
                 const double t = run_policy(b, &W, "retro", windows[i], ratio, warm, steps, &eff);
                 ll += snprintf(line + ll, sizeof line - ll, " %.3f | %.2f | %.3f |", t, t / quest, eff);
+            }
+            if (spans_col) {
+                setenv("KVS_RETRO_FUSED", "0", 1);
+                const double t = run_policy(b, &W, "retro", 2, ratio, warm, steps, &eff);
+                unsetenv("KVS_RETRO_FUSED");
+                ll += snprintf(line + ll, sizeof line - ll, " %.3f | %.2f |", t, t / quest);
             }
             printf("%s\n", line);
             if (mf) fprintf(mf, "%s\n", line);

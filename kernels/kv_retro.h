@@ -1,8 +1,7 @@
 /* kv_retro.h: the CPU reference of RetroAttention's window bookkeeping (STRATEGIES.md §4), the
  * piece of kv.decode=retro (engine/kv/kv_decode_retro.c) that decides what a past query of the
- * window is supplemented with. The policy runs it on the host after downloading the step's
- * selection (any backend: the supplements' attention and merge are the backend's
- * attention_spans and attn_merge). What is here is also tested on its own (tests/unit/test_kv_retro.c):
+ * window is supplemented with. The policy's host path (the CPU backend) runs it on the host after
+ * downloading the step's selection; its device path runs the table below. What is here is also tested on its own (tests/unit/test_kv_retro.c):
  * over a sequence of page selections, supplements merged with attn_merge give every past query
  * exactly the attention over the union of the pages it was shown, never a key after it.
  *
@@ -59,11 +58,25 @@ struct kvs_retro_kernels {
      * of the selection, the newest row (row0 + rows - 1) gets the selection's spans, past row
      * row0 + j (back = rows - 1 - j) gets kvs_retro_supplement(t - back, pos - back) (at most
      * max_spans spans). keys I32 [4], read as two little-endian uint64: += the selection's keys
-     * (own) and the supplements' keys (supplement), for the policy's counters. */
+     * (own) and the supplements' keys (supplement), for the policy's counters. m_out (or NULL):
+     * I32 [n_req][n_kv_heads][max_pages], m_out[q][g][p] = M of selected page p (A before the
+     * step; other entries untouched), what attend reads. */
     void (*spans)(struct kvs_backend *b, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel,
                   const struct kvs_dbuf *req, int n_req, int n_kv_heads, int max_spans, int page_size,
                   struct kvs_dbuf *A, int a_layers, int a_layer, int max_pages, struct kvs_dbuf *n_spans,
-                  struct kvs_dbuf *spans, struct kvs_dbuf *keys);
+                  struct kvs_dbuf *spans, struct kvs_dbuf *keys, struct kvs_dbuf *m_out);
+    /* The fused attention (the paper's kernel; NULL or -ENOSYS for a shape it does not take: the
+     * caller then runs attention_spans over the spans above): the step's first n_req sequences of
+     * m (request q = sequence q, its rows the window, the newest last), each selected page read
+     * once for all of them: the newest row attends its selection; past row j (back = rows - 1 -
+     * j, step t - back, position pos - back) the selected keys of pages with m_out < t - back at
+     * positions <= pos - back (its supplement). out / lse as attention_spans writes them (no key:
+     * 0 and -inf). max_keys: an upper bound of any request's selected keys (launch planning). */
+    int (*attend)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                  const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
+                  const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req, const struct kvs_dbuf *m_sel,
+                  int max_pages, int page_size, int n_req, int n_heads, int n_kv_heads, int head_dim,
+                  int block_size, float scale, long long max_keys, struct kvs_dbuf *out, struct kvs_dbuf *lse);
     /* Retro's merge and output cache, rows 0 .. n-1: row t with cidx[t] < prev_rows is merged
      * (backend.h attn_merge) with the cached (o_prev, l_prev)[cidx[t]] in place in (out, lse);
      * then (o_next, l_next)[t] = (out, lse)[t]. o: ACT [rows][n_heads * head_dim]; l: F32

@@ -33,15 +33,17 @@
  * merged lse is downloaded into a host cache. Device path (a backend with a Retro kernel table,
  * kernels/kv_retro.h: CUDA; the CPU with kv_decode_retro.h's hook): the masks live on the device
  * (A [slots][sparse layers][n_kv_heads][max pages]), one kernel makes the mask step and every lead
- * row's spans from the device selection, attention_spans runs every lead row (planned from the
- * host bound of plan()), one kernel merges the past rows with the cached (o, lse) and writes the
- * next cache (two caches per layer, alternating by step): a selecting layer issues device work
- * only. Its keys counters accumulate on the device and are read by counters() (one download).
+ * row's spans and M (the page's last load before this step) from the device selection; the
+ * table's fused attend (the paper's kernel) reads each selected page once for every row of the
+ * request, a past row seeing only the keys of its supplement (a shape it does not take, or
+ * KVS_RETRO_FUSED=0: attention_spans over every lead row's spans, planned from the host bound of
+ * plan()); one kernel merges the past rows with the cached (o, lse) and writes the next cache
+ * (two caches per layer, alternating by step): a selecting layer issues device work only. Its
+ * keys counters accumulate on the device and are read by counters() (one download).
  *
- * Not done here (said so in the report): the paper's one kernel reading the selected pages
- * once for all w queries; the supplements are a second read of the pages by attention_spans
- * (counted in kvserve:kv_decode_bytes_read_total). Steps whose blocks carry rotation offsets or
- * partial blocks (cached documents) never select and restart every window.
+ * kvserve:kv_decode_bytes_read_total counts the supplements as a second read (the host path and
+ * the unfused device path read them so; the fused kernel does not). Steps whose blocks carry
+ * rotation offsets or partial blocks (cached documents) never select and restart every window.
  *
  * Prefix caching: the rewritten K/V of the last w - 1 positions of a request may sit in a full
  * block that kv.reuse=prefix registered; a request sharing it then reads the re-embedded K/V
@@ -100,7 +102,9 @@ struct retro {
     int32_t *h_sel_n, *h_sel, *h_n_spans, *h_spans, *h_pages, *h_m, *h_plan_n, *h_plan_sp;
     float *h_lb;
     /* device path */
-    struct kvs_dbuf *d_A, *d_req, *d_keys;
+    struct kvs_dbuf *d_A, *d_req, *d_keys, *d_M;
+    int fused;                          /* the table's attend (KVS_RETRO_FUSED=0: attention_spans) */
+    long long bound_max;                /* this step: the most keys a newest row selects */
     struct kvs_dbuf **oc[2], **lc[2];   /* [n_layers] caches of o ACT [lrows][qd] and lse F32 [lrows][nh] */
     int32_t *h_req;
     size_t a_slot;                      /* entries of A per slot */
@@ -137,6 +141,7 @@ static void retro_destroy(void *state)
     o->free_buf(be, s->d_A);
     o->free_buf(be, s->d_req);
     o->free_buf(be, s->d_keys);
+    o->free_buf(be, s->d_M);
     free(s->h_req);
     free(s->dig);
     free(s->cache);
@@ -249,7 +254,10 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_A = o->alloc(env->be, KVS_BUF_I32, s->a_slot * (size_t)env->max_slots + 1);
         s->d_req = o->alloc(env->be, KVS_BUF_I32, rows * 5);
         s->d_keys = o->alloc(env->be, KVS_BUF_I32, 4);
-        failed = !s->d_A || !s->d_req || !s->d_keys;
+        const char *fe = getenv("KVS_RETRO_FUSED");
+        s->fused = s->rk->attend && !(fe && !strcmp(fe, "0"));
+        if (s->fused) s->d_M = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_pages);
+        failed = !s->d_A || !s->d_req || !s->d_keys || (s->fused && !s->d_M);
         if (!failed) o->zero(env->be, s->d_keys, 0, 4);
         cache_bytes += s->a_slot * (size_t)env->max_slots * sizeof(int32_t);
     }
@@ -397,6 +405,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
         }
         /* launch planning for the selection: one span bounding the kept keys */
         const int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
+        if (q == 0 || bound > s->bound_max) s->bound_max = bound;
         for (int j = 0; j < rows; j++)
             for (int g = 0; g < nkv; g++) {
                 const size_t t = (size_t)(st->h_q_start[q] + j) * nkv + g;
@@ -514,10 +523,16 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     if (s->rk) {
         /* device path: mask and spans, every lead row's attention, merge and next cache */
         s->rk->spans(be, s->d_sel_n, s->d_sel, s->d_req, nl, nkv, ms, s->ps, s->d_A, sparse_layers(s), sl,
-                     s->max_pages, s->d_n_spans, s->d_spans, s->d_keys);
-        const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_plan_n, s->h_plan_sp};
-        o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size, a->scale,
-                           a->out, a->lse);
+                     s->max_pages, s->d_n_spans, s->d_spans, s->d_keys, s->fused ? s->d_M : NULL);
+        int rc = -ENOSYS;
+        if (s->fused)
+            rc = s->rk->attend(be, a->q, a->kv.k, a->kv.v, &sub, s->d_sel_n, s->d_sel, ms, s->d_req, s->d_M, s->max_pages,
+                               s->ps, nl, nh, nkv, a->head_dim, a->block_size, a->scale, s->bound_max, a->out, a->lse);
+        if (rc) {
+            const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_plan_n, s->h_plan_sp};
+            o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size,
+                               a->scale, a->out, a->lse);
+        }
         const int cur = (int)(s->steps & 1);
         s->rk->merge(be, a->out, a->lse, s->d_cidx, nr, nh, a->head_dim, s->oc[cur ^ 1][layer], s->lc[cur ^ 1][layer],
                      s->lrows, s->oc[cur][layer], s->lc[cur][layer]);

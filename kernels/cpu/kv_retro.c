@@ -60,7 +60,7 @@ static void cpu_retro_reset(struct kvs_backend *b, struct kvs_dbuf *A, size_t of
 static void cpu_retro_spans(struct kvs_backend *b, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel,
                             const struct kvs_dbuf *req, int n_req, int n_kv_heads, int max_spans, int page_size,
                             struct kvs_dbuf *A, int a_layers, int a_layer, int max_pages, struct kvs_dbuf *n_spans,
-                            struct kvs_dbuf *spans, struct kvs_dbuf *keys)
+                            struct kvs_dbuf *spans, struct kvs_dbuf *keys, struct kvs_dbuf *m_out)
 {
     (void)b;
     const int32_t *sn = sel_n->data, *sp = sel->data, *rq = req->data;
@@ -82,6 +82,10 @@ static void cpu_retro_spans(struct kvs_backend *b, const struct kvs_dbuf *sel_n,
             int32_t *ag = a + (((size_t)slot * a_layers + a_layer) * n_kv_heads + g) * max_pages;
             const int rc = kvs_retro_mask_step(ag, max_pages, pages, np, pos / page_size, t, m);
             KVS_ASSERT(rc == 0);
+            if (m_out) {
+                int32_t *mo = (int32_t *)m_out->data + ((size_t)q * n_kv_heads + g) * max_pages;
+                for (int i = 0; i < np; i++) mo[pages[i]] = m[i];
+            }
             const size_t tn = (size_t)(row0 + rows - 1) * n_kv_heads + g;
             ns[tn] = nsel;
             memcpy(out + tn * ms2, s, (size_t)nsel * 2 * sizeof(int32_t));
@@ -134,4 +138,5 @@ static void cpu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct 
     }
 }
 
-const struct kvs_retro_kernels kvs_retro_kernels_cpu = {"cpu", cpu_retro_reset, cpu_retro_spans, cpu_retro_merge};
+const struct kvs_retro_kernels kvs_retro_kernels_cpu = {"cpu", cpu_retro_reset, cpu_retro_spans, NULL,
+                                                          cpu_retro_merge};
