@@ -205,8 +205,8 @@ int main(int argc, char **argv)
             }
             W.kc = alloc_or_die(b, KVS_BUF_KV, kv);
             W.vc = alloc_or_die(b, KVS_BUF_KV, kv);
-            fill_random(b, W.kc, kv, 1.0f);
-            fill_random(b, W.vc, kv, 1.0f);
+            kvs_cuda_fill_random(b, W.kc, 0, kv, 1.0f, 11);   /* on the device: 128K contexts fill in ms */
+            kvs_cuda_fill_random(b, W.vc, 0, kv, 1.0f, 12);
             const size_t rows = (size_t)W.B * MAXW;
             W.q = alloc_or_die(b, KVS_BUF_ACT, rows * NH * HD);
             fill_random(b, W.q, rows * NH * HD, 2.0f);

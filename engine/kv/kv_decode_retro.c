@@ -41,8 +41,8 @@
  * (two caches per layer, alternating by step): a selecting layer issues device work only. Its
  * keys counters accumulate on the device and are read by counters() (one download).
  *
- * kvserve:kv_decode_bytes_read_total counts the supplements as a second read (the host path and
- * the unfused device path read them so; the fused kernel does not). Steps whose blocks carry
+ * kvserve:kv_decode_bytes_read_total counts the supplements as a second read where they are one
+ * (the host path, the unfused device path: as of its last layer), not under the fused kernel. Steps whose blocks carry
  * rotation offsets or partial blocks (cached documents) never select and restart every window.
  *
  * Prefix caching: the rewritten K/V of the last w - 1 positions of a request may sit in a full
@@ -105,6 +105,7 @@ struct retro {
     struct kvs_dbuf *d_A, *d_req, *d_keys, *d_M;
     int fused;                          /* the table's attend (KVS_RETRO_FUSED=0: attention_spans) */
     long long bound_max;                /* this step: the most keys a newest row selects */
+    int unfused;                        /* the last device-path layer ran attention_spans */
     struct kvs_dbuf **oc[2], **lc[2];   /* [n_layers] caches of o ACT [lrows][qd] and lse F32 [lrows][nh] */
     int32_t *h_req;
     size_t a_slot;                      /* entries of A per slot */
@@ -528,6 +529,7 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
         if (s->fused)
             rc = s->rk->attend(be, a->q, a->kv.k, a->kv.v, &sub, s->d_sel_n, s->d_sel, ms, s->d_req, s->d_M, s->max_pages,
                                s->ps, nl, nh, nkv, a->head_dim, a->block_size, a->scale, s->bound_max, a->out, a->lse);
+        s->unfused = rc != 0;
         if (rc) {
             const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_plan_n, s->h_plan_sp};
             o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size,
@@ -604,7 +606,8 @@ static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
         uint64_t k[2];
         s->env.o->download(s->env.be, k, s->d_keys, 0, 4);
         own += (double)k[0], sup += (double)k[1];
-        read += (double)k[1] * s->env.kv_bytes_per_token / (double)s->env.n_layers / s->env.n_kv_heads;
+        if (s->unfused)   /* the fused kernel reads the supplements with the selection */
+            read += (double)k[1] * s->env.kv_bytes_per_token / (double)s->env.n_layers / s->env.n_kv_heads;
     }
     const struct kvs_kv_counter c[] = {
         {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read for decode rows (Retro: Quest's for "
