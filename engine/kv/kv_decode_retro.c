@@ -485,6 +485,13 @@ static int spans_to_pages(const int32_t *sp, int n, int ps, int32_t *pages)
     return np;
 }
 
+void kvs_retro_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
+{
+    struct retro *s = state;
+    for (int l = s->dense_layers; l < s->env.n_layers; l++)
+        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+}
+
 static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     struct retro *s = state;
