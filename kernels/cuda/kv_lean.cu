@@ -15,8 +15,8 @@
  * document boundaries (rot_table, cuda_attn_device.cuh).
  *
  * Shapes: head_dim 64 or 128, G <= 16, block sizes whose pages are a multiple of 16 bytes, the
- * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest; the launch
- * aborts with a message if reached anyway).
+ * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest, and K16V16 until
+ * its pages are verified on a GPU; the launch aborts with a message if reached anyway).
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK). */
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
@@ -79,10 +79,13 @@ __device__ void lean_quantize_warp(const float *x, int hd, int bits, uint8_t *co
 {
     const int lane = threadIdx.x & 31;
     if (bits == 16) {
-        for (int i = lane; i < hd; i += 32) {
-            const uint16_t h = __half_as_ushort(__float2half_rn(lean_sat_half(x[i])));
-            codes[2 * i] = (uint8_t)h, codes[2 * i + 1] = (uint8_t)(h >> 8);
-        }
+        /* one 16-bit store per value (codes is 2-byte aligned: even page and vector sizes). The
+         * former two byte stores came out wrong on the H100 build: the low byte held the value
+         * converted to an unsigned 8-bit integer (0 for 0.027 or -1.5, 1 for 1.09, 2 for 2.48;
+         * the high byte right), as if the u8 store of the fp16 register converted it: the
+         * K16V16 pages' mismatch (tests/gpu/test_cuda_kv_lean.c, bench/RESULTS.md) */
+        uint16_t *out = reinterpret_cast<uint16_t *>(codes);
+        for (int i = lane; i < hd; i += 32) out[i] = __half_as_ushort(__float2half_rn(lean_sat_half(x[i])));
         return;
     }
     float mn = INFINITY, mx = -INFINITY;
@@ -150,6 +153,9 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
 /* ---- attention ------------------------------------------------------------------------------ */
 
 #define LEAN_ST 3                 /* tiles in flight */
+#ifndef LEAN_MIN_BLOCKS
+#define LEAN_MIN_BLOCKS 1         /* __launch_bounds__ minimum blocks per SM (occupancy experiments) */
+#endif
 #define LEAN_MIN_TILES 4          /* tiles (of AT_TILE keys) a split is planned with at least */
 #define LEAN_MAX_SPLITS 256
 
@@ -193,10 +199,14 @@ __device__ __forceinline__ void lean_mma(float *c, const uint32_t *a, uint32_t b
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* A 32-bit word of packed codes at B bits decodes to NPW half2 of x^ = s * code - z (fp16 fma of
- * the exact code: one rounding of the value the host computes). Output m holds the word's
- * elements lean_e0(m) and lean_e0(m) + lean_step (byte permutes build 1024 + code as fp16, so
- * each pair costs a permute, a subtract and an fma). At 16 bits the word is two fp16 values. */
+/* The codes are fed to the tensor cores raw, as fp16 1024 + code (exact: a byte permute puts
+ * the code under the exponent of 1024), and the scale and zero are applied per key outside the
+ * products: q . k^ = s (q . (1024 + c)) - (1024 s + z) sum(q), and sum_k p_k v^_k =
+ * sum_k (p_k s_k) (1024 + c_k) - sum_k (1024 p_k s_k + p_k z_k) (the second sum per row, fp32).
+ * So dequantizing costs a permute per two elements (plus a mask at 4 and 2 bits); at 16 bits
+ * the word is two fp16 values, taken as they are.
+ * A word of packed K codes at B bits gives NPW half2: output m holds the word's elements e0(m)
+ * and e0(m) + STEP. */
 template <int B> struct lean_w {
     static constexpr int EPW = B == 16 ? 2 : 32 / B;   /* elements per word */
     static constexpr int NPW = EPW / 2;                /* half2 outputs per word */
@@ -205,18 +215,17 @@ template <int B> struct lean_w {
 };
 
 template <int B>
-__device__ __forceinline__ void lean_decode(uint32_t x, __half2 s2, __half2 nz2, __half2 *out)
+__device__ __forceinline__ void lean_raw(uint32_t x, uint32_t *out)
 {
     if constexpr (B == 16) {
-        out[0] = lean_u2h(x);
+        out[0] = x;
     } else {
-        const __half2 k1024 = lean_u2h(0x64006400u);
         constexpr int per = 8 / B;
 #pragma unroll
         for (int j = 0; j < per; j++) {
             const uint32_t y = B == 8 ? x : (x >> (B * j)) & (B == 4 ? 0x0f0f0f0fu : 0x03030303u);
-            out[2 * j] = __hfma2(__hsub2(lean_u2h(__byte_perm(y, 0x64646464u, 0x4140)), k1024), s2, nz2);
-            out[2 * j + 1] = __hfma2(__hsub2(lean_u2h(__byte_perm(y, 0x64646464u, 0x4342)), k1024), s2, nz2);
+            out[2 * j] = __byte_perm(y, 0x64646464u, 0x4140);
+            out[2 * j + 1] = __byte_perm(y, 0x64646464u, 0x4342);
         }
     }
 }
@@ -242,14 +251,6 @@ __device__ __forceinline__ void lean_lds(const uint8_t *p, uint32_t *w)
     }
 }
 
-/* (s, -z) of a vector from its fp16 (s, z) pair, both broadcast to half2 */
-__device__ __forceinline__ void lean_sz2(const uint8_t *p, __half2 *s2, __half2 *nz2)
-{
-    const __half2 sz = lean_u2h(*reinterpret_cast<const uint32_t *>(p));
-    *s2 = __low2half2(sz);
-    *nz2 = __hneg2(__high2half2(sz));
-}
-
 /* Which dimension of the head each fragment element holds. QK contracts over dimensions, so
  * they may be dealt in any order that q and K share: lane quad t owns dims [t HD/4, (t+1) HD/4)
  * of every key (its K codes are contiguous bytes: vector loads), k-step ks of the mma takes
@@ -265,9 +266,10 @@ __host__ __device__ constexpr int lean_kdim(int t, int qi, int c)
  * scaled, rotated backward by cs_sn (or not: NULL) and rounded to fp16 (saturated) */
 template <int HD, int KB>
 __device__ __forceinline__ void lean_qfrags(const float *const *qr, float scale, const float *cs_sn, int lane,
-                                            uint32_t (*qa)[4])
+                                            uint32_t (*qa)[4], float *qsum)
 {
     const int t = lane & 3;
+    qsum[0] = qsum[1] = 0.0f;
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ks++)
 #pragma unroll
@@ -281,7 +283,15 @@ __device__ __forceinline__ void lean_qfrags(const float *const *qr, float scale,
                 }
                 qa[ks][h + 2 * e] = lean_pack_f16(fminf(fmaxf(v0, -65504.0f), 65504.0f),
                                                   fminf(fmaxf(v1, -65504.0f), 65504.0f));
+                const float2 qf = __half22float2(lean_u2h(qa[ks][h + 2 * e]));
+                qsum[h] += qf.x + qf.y;
             }
+    /* the quad's lanes hold a row's dims between them */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        qsum[h] += __shfl_xor_sync(FULL, qsum[h], 1);
+        qsum[h] += __shfl_xor_sync(FULL, qsum[h], 2);
+    }
 }
 
 /* staged tile of AT_TILE keys: K codes [32][KS], V codes [32][VS] (rows padded by 16 bytes
@@ -346,9 +356,17 @@ __device__ __forceinline__ void lean_issue(const uint8_t *pool, const lean_key &
     if (VB < 16) lean_cp4(stg + S::VSZ_OFF + lane * 4, k.vsz >= 0 ? pool + k.vsz : pool, k.vsz >= 0 ? 4 : 0);
 }
 
-/* S^T of the warp's 16 rows against the staged 32 keys: s[n-tile of 8 keys][4] */
+/* (s, z) of key r at side offset OFF of the stage, as floats */
+__device__ __forceinline__ float2 lean_sz(const uint8_t *stg, int off, int r)
+{
+    return __half22float2(lean_u2h(*reinterpret_cast<const uint32_t *>(stg + off + r * 4)));
+}
+
+/* S^T of the warp's 16 rows against the staged 32 keys: s[n-tile of 8 keys][4] (row g + 8h, key
+ * j 8 + 2t + e in s[j][2h + e]); qsum[h]: sum of row g + 8h's fp16 q */
 template <int HD, int KB, int VB>
-__device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)[4], float (*s)[4], int lane)
+__device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)[4], const float *qsum, float (*s)[4],
+                                        int lane)
 {
     using S = lean_stage<HD, KB, VB>;
     using W = lean_w<KB>;
@@ -358,70 +376,81 @@ __device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)
     for (int j = 0; j < 4; j++) {
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
         const int r = j * 8 + g;
-        __half2 s2 = lean_u2h(0), nz2 = lean_u2h(0);
-        if (KB < 16) lean_sz2(stg + S::KSZ_OFF + r * 4, &s2, &nz2);
         uint32_t w[NW];
         lean_lds<NB>(stg + S::K_OFF + r * S::KS + t * NB, w);
-        __half2 hk[NW * W::NPW];
+        uint32_t hk[NW * W::NPW];
 #pragma unroll
-        for (int i = 0; i < NW; i++) lean_decode<KB>(w[i], s2, nz2, hk + i * W::NPW);
+        for (int i = 0; i < NW; i++) lean_raw<KB>(w[i], hk + i * W::NPW);
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++) lean_mma(s[j], qa[ks], lean_h2u(hk[2 * ks]), lean_h2u(hk[2 * ks + 1]));
+        for (int ks = 0; ks < HD / 16; ks++) lean_mma(s[j], qa[ks], hk[2 * ks], hk[2 * ks + 1]);
+    }
+    if constexpr (KB < 16) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float2 sz = lean_sz(stg, S::KSZ_OFF, j * 8 + 2 * t + e);
+                const float off = fmaf(1024.0f, sz.x, sz.y);
+#pragma unroll
+                for (int h = 0; h < 2; h++) s[j][2 * h + e] = fmaf(sz.x, s[j][2 * h + e], -off * qsum[h]);
+            }
     }
 }
 
-/* key r's values of the lane's HD / 8 dims [g HD/8, (g+1) HD/8), by local index */
-template <int HD, int KB, int VB>
-__device__ __forceinline__ void lean_vrow(const uint8_t *stg, int r, int g, __half *vh)
-{
-    using S = lean_stage<HD, KB, VB>;
-    using W = lean_w<VB>;
-    constexpr int NB = HD * VB / 64, NW = NB >= 4 ? NB / 4 : 1;
-    __half2 s2 = lean_u2h(0), nz2 = lean_u2h(0);
-    if (VB < 16) lean_sz2(stg + S::VSZ_OFF + r * 4, &s2, &nz2);
-    uint32_t w[NW];
-    lean_lds<NB>(stg + S::V_OFF + r * S::VS + g * NB, w);
-#pragma unroll
-    for (int i = 0; i < NW; i++) {
-        __half2 h[W::NPW];
-        lean_decode<VB>(w[i], s2, nz2, h);
-#pragma unroll
-        for (int m = 0; m < W::NPW; m++) {
-            const int e0 = i * W::EPW + W::e0(m), e1 = e0 + W::STEP;
-            if (e0 < HD / 8) vh[e0] = __low2half(h[m]);
-            if (e1 < HD / 8) vh[e1] = __high2half(h[m]);
-        }
-    }
-}
-
-/* O += P . V: the k dimension is the tile's keys (as the P fragments order them), the n
- * dimension dims: n-tile nd, slot g is dim g HD/8 + nd (the lane's own contiguous codes) */
+/* O += P' . (1024 + C): the k dimension is the tile's keys (as the P fragments order them), the
+ * n dimension dims: n-tile nd, slot g is dim g HD/8 + nd (the lane's own contiguous codes).
+ * A B register pairs keys 2t, 2t+1 (or 2t+8, 2t+9) at one dim: the two keys' code bytes are
+ * interleaved by a permute, then each pair gets the 1024 exponent by another. */
 template <int HD, int KB, int VB>
 __device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)[4], float (*o)[4], int lane)
 {
+    using S = lean_stage<HD, KB, VB>;
+    constexpr int NB = HD * VB / 64, NW = NB >= 4 ? NB / 4 : 1, ND = HD / 8;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
-        uint32_t b[2][HD / 8];
+        uint32_t b[2][ND];
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
-            __half va[HD / 8], vb[HD / 8];
             const int r = kk * 16 + hh * 8 + 2 * t;
-            lean_vrow<HD, KB, VB>(stg, r, g, va);
-            lean_vrow<HD, KB, VB>(stg, r + 1, g, vb);
+            uint32_t wa[NW], wb[NW];
+            lean_lds<NB>(stg + S::V_OFF + r * S::VS + g * NB, wa);
+            lean_lds<NB>(stg + S::V_OFF + (r + 1) * S::VS + g * NB, wb);
 #pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) b[hh][nd] = lean_h2u(__halves2half2(va[nd], vb[nd]));
+            for (int i = 0; i < NW; i++) {
+                if constexpr (VB == 16) {
+                    b[hh][2 * i] = __byte_perm(wa[i], wb[i], 0x5410);
+                    b[hh][2 * i + 1] = __byte_perm(wa[i], wb[i], 0x7632);
+                } else {
+                    constexpr int per = 8 / VB;
+#pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        /* bytes 2x, 2x + 1 of both keys: [a, b, a', b'] */
+                        const uint32_t xb = __byte_perm(wa[i], wb[i], x ? 0x7362 : 0x5140);
+#pragma unroll
+                        for (int j = 0; j < per; j++) {
+                            const uint32_t y = VB == 8 ? xb : (xb >> (VB * j)) & (VB == 4 ? 0x0f0f0f0fu : 0x03030303u);
+                            const int L = i * 4 * per + x * 2 * per + j;
+                            if (L < ND) b[hh][L] = __byte_perm(y, 0x64646464u, 0x4140);
+                            if (L + per < ND) b[hh][L + per] = __byte_perm(y, 0x64646464u, 0x4342);
+                        }
+                    }
+                }
+            }
         }
 #pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) lean_mma(o[nd], pa[kk], b[0][nd], b[1][nd]);
+        for (int nd = 0; nd < ND; nd++) lean_mma(o[nd], pa[kk], b[0][nd], b[1][nd]);
     }
 }
 
-/* softmax_tile (cuda_attn_device.cuh) with the probabilities packed as fp16 */
-template <int HD>
-__device__ __forceinline__ void lean_softmax(float (*sc)[4], const int *ko, int kb, const int *lim, float *m, float *l,
-                                             float (*o)[4], uint32_t (*pa)[4], int lane)
+/* softmax_tile (cuda_attn_device.cuh) on fp32 scores, then the A fragments of P' = p s_v (fp16)
+ * and the rows' correction corr += 1024 p' + p z_v (the V side of lean_raw's identity) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4], const int *ko, int kb, const int *lim,
+                                             float *m, float *l, float *corr, float (*o)[4], uint32_t (*pa)[4],
+                                             int lane)
 {
+    using S = lean_stage<HD, KB, VB>;
     const int t = lane & 3;
     float alpha[2];
     bool moved = false;
@@ -455,6 +484,7 @@ __device__ __forceinline__ void lean_softmax(float (*sc)[4], const int *ko, int 
                 ps += pr;
             }
         l[h] = l[h] * alpha[h] + ps;
+        corr[h] *= alpha[h];
     }
     if (__any_sync(FULL, moved)) {
 #pragma unroll
@@ -466,11 +496,22 @@ __device__ __forceinline__ void lean_softmax(float (*sc)[4], const int *ko, int 
         }
     }
 #pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        pa[kk][0] = lean_pack_f16(sc[2 * kk][0], sc[2 * kk][1]);
-        pa[kk][1] = lean_pack_f16(sc[2 * kk][2], sc[2 * kk][3]);
-        pa[kk][2] = lean_pack_f16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-        pa[kk][3] = lean_pack_f16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+    for (int j = 0; j < 4; j++) {
+        float2 sz0 = make_float2(1.0f, 0.0f), sz1 = sz0;
+        if constexpr (VB < 16) {
+            sz0 = lean_sz(stg, S::VSZ_OFF, j * 8 + 2 * t);
+            sz1 = lean_sz(stg, S::VSZ_OFF, j * 8 + 2 * t + 1);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float p0 = sc[j][2 * h], p1 = sc[j][2 * h + 1];
+            const __half2 ph = __floats2half2_rn(p0 * sz0.x, p1 * sz1.x);
+            pa[j / 2][(j & 1) * 2 + h] = lean_h2u(ph);
+            if constexpr (VB < 16) {
+                const float2 pf = __half22float2(ph);
+                corr[h] += 1024.0f * (pf.x + pf.y) + p0 * sz0.y + p1 * sz1.y;
+            }
+        }
     }
 }
 
@@ -518,7 +559,7 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * dense kernel), q and p rounded to fp16; the softmax and every sum stay fp32. Splits cut the
  * key tiles over the grid's y; their partials are merged by k_lean_merge. */
 template <int HD, int KB, int VB>
-__global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_args a)
+__global__ void __launch_bounds__(32, LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
 {
     using S = lean_stage<HD, KB, VB>;
     extern __shared__ __align__(16) uint8_t lean_smem[];
@@ -640,10 +681,11 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
         }
     }
     uint32_t qa[HD / 16][4];
-    lean_qfrags<HD, KB>(qr, a.scale, nullptr, lane, qa);
+    float qsum[2];
+    lean_qfrags<HD, KB>(qr, a.scale, nullptr, lane, qa, qsum);
     int cur_rot = 0;
 
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[HD / 8][4];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, corr[2] = {0.0f, 0.0f}, o[HD / 8][4];
 #pragma unroll
     for (int nd = 0; nd < HD / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
 
@@ -660,7 +702,7 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
         float sc[4][4];
         const int myoff = ko[lane];
         if (!rt || __all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-            lean_qk<HD, KB, VB>(stg, qa, sc, lane);
+            lean_qk<HD, KB, VB>(stg, qa, qsum, sc, lane);
         } else {
             /* a document boundary: one QK pass per rotation offset in the tile */
 #pragma unroll
@@ -670,11 +712,11 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
                 const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
                 if (ofs != cur_rot) {
                     if (ofs) rot_table(cs_sn, HD, ofs, a.inv_freq);
-                    lean_qfrags<HD, KB>(qr, a.scale, ofs ? cs_sn : nullptr, lane, qa);
+                    lean_qfrags<HD, KB>(qr, a.scale, ofs ? cs_sn : nullptr, lane, qa, qsum);
                     cur_rot = ofs;
                 }
                 float sr[4][4];
-                lean_qk<HD, KB, VB>(stg, qa, sr, lane);
+                lean_qk<HD, KB, VB>(stg, qa, qsum, sr, lane);
 #pragma unroll
                 for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -685,7 +727,7 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
         }
         const int kb = spans ? 0 : (int)((w0 + it) * AT_TILE);
         uint32_t pa[2][4];
-        lean_softmax<HD>(sc, ko, kb, lim, m, l, o, pa, lane);
+        lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
         lean_pv<HD, KB, VB>(stg, pa, o, lane);
         __syncwarp(); /* the stage is reloaded */
     }
@@ -693,9 +735,11 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
 
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        float ls = l[h];
+        float ls = l[h], cr = corr[h];
         ls += __shfl_xor_sync(FULL, ls, 1);
         ls += __shfl_xor_sync(FULL, ls, 2);
+        cr += __shfl_xor_sync(FULL, cr, 1);
+        cr += __shfl_xor_sync(FULL, cr, 2);
         const int r = gq + 8 * h;
         if (r >= nr) continue;
         const long long orow = (long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G;
@@ -705,16 +749,16 @@ __global__ void __launch_bounds__(32) k_lean_fd(const __grid_constant__ lean_fd_
             float *op = a.out + orow * HD;
 #pragma unroll
             for (int nd = 0; nd < HD / 8; nd++) {
-                op[(2 * t) * (HD / 8) + nd] = o[nd][2 * h] * inv;
-                op[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1] * inv;
+                op[(2 * t) * (HD / 8) + nd] = (o[nd][2 * h] - cr) * inv;
+                op[(2 * t + 1) * (HD / 8) + nd] = (o[nd][2 * h + 1] - cr) * inv;
             }
             if (a.lse && t == 0) a.lse[orow] = ls > 0.0f ? m[h] + logf(ls) : -INFINITY;
         } else {
             float *pp = a.part + (orow * a.n_splits + split) * (long long)(HD + 2);
 #pragma unroll
             for (int nd = 0; nd < HD / 8; nd++) {
-                pp[(2 * t) * (HD / 8) + nd] = o[nd][2 * h];
-                pp[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1];
+                pp[(2 * t) * (HD / 8) + nd] = o[nd][2 * h] - cr;
+                pp[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1] - cr;
             }
             if (t == 0) {
                 pp[HD] = ls > 0.0f ? m[h] : -INFINITY;
@@ -914,11 +958,13 @@ static void cu_lean_copy_block(struct kvs_backend *b, struct kvs_dbuf *pool, int
 }
 
 /* the attention kernel's shapes: head_dim 64 or 128, groups of up to 16 query heads, the formats
- * of LEAN_FMTS (the write kernel takes any) */
+ * of LEAN_FMTS (the write kernel takes any) but the 16-bit ones: their pages did not match the
+ * CPU's on the GPU (low bytes wrong, see k_lean_write's 16-bit store); the fix is not yet
+ * verified on a GPU, so K16V16 stays refused until test_cuda_kv_lean's K16V16 cases pass */
 static int cu_lean_supports(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim)
 {
     return n_kv_heads > 0 && n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= LEAN_MAXG &&
-           (head_dim == 64 || head_dim == 128) && lean_fmt_built(f);
+           (head_dim == 64 || head_dim == 128) && lean_fmt_built(f) && f.kbits < 16 && f.vbits < 16;
 }
 
 extern "C" const struct kvs_lean_kernels kvs_lean_kernels_cuda = {

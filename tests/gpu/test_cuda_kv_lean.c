@@ -12,7 +12,8 @@
  *     valid counts, spans (some empty);
  *   - K16V16 equals dense attention (issue 20's exactness test, CUDA bf16 tolerance): the
  *     LeanKV pages at 16 bits against the backend's attention() over bf16 K/V and the CPU's over
- *     fp32 K/V, rel-L2 < 1e-2;
+ *     fp32 K/V, rel-L2 < 1e-2 (K16V16 is refused by supports() until these cases pass on a GPU:
+ *     the 2026-11-24 run failed them on the pages' low bytes, since changed, see kv_lean.cu);
  *   - copy_block copies a block's pages.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
@@ -140,6 +141,20 @@ static void run_case(const struct cfg *c)
         CHECK(0, "K%dV%d hd %d: CUDA pages differ from the CPU's: first at byte %zu (block %zu, head %zu, %s, byte %zu "
                  "of the page): cpu 0x%02x cuda 0x%02x", c->f.kbits, c->f.vbits, hd, i, i / blockb, (i % blockb) / page,
               side, in_page, ((uint8_t *)pc)[i], ((uint8_t *)pg)[i]);
+        /* the page's first slot: which token was written there, its first K values, both pages' first bytes */
+        const size_t blk = i / blockb, hh = (i % blockb) / page;
+        int tok = -1;
+        for (int t = 0; t < n_tok; t++)
+            if ((size_t)slots[t] == blk * bs) tok = t;
+        printf("  diag: block %zu head %zu slot 0 <- token %d; K[0..3] =", blk, hh, tok);
+        for (int d = 0; d < 4 && tok >= 0; d++) printf(" %g", hk[((size_t)tok * nkv + hh) * hd + d]);
+        printf("\n  diag: cpu bytes");
+        for (int d = 0; d < 16; d++) printf(" %02x", ((uint8_t *)pc)[blk * blockb + hh * page + d]);
+        printf("\n  diag: gpu bytes");
+        for (int d = 0; d < 16; d++) printf(" %02x", ((uint8_t *)pg)[blk * blockb + hh * page + d]);
+        size_t nd = 0;
+        for (size_t b2 = 0; b2 < blockb * nblocks; b2++) nd += ((uint8_t *)pc)[b2] != ((uint8_t *)pg)[b2];
+        printf("\n  diag: %zu of %zu bytes differ\n", nd, blockb * nblocks);
     }
     CHECK(memcmp((uint8_t *)pg + (size_t)spare * blockb, (uint8_t *)pg + (size_t)bt[max_blocks] * blockb, blockb) == 0,
           "copy_block");
@@ -243,8 +258,10 @@ int main(void)
     REQUIRE(kvs_lean_kernels_for(G, NULL, 0), "the cuda backend has LeanKV kernels");
     static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}, {16, 16}};
     const struct kvs_lean_kernels *kg = kvs_lean_kernels_for(G, NULL, 0);
-    CHECK(kg->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128) && kg->supports((struct kvs_lean_fmt){8, 4}, 16, 1, 64),
-          "K16V16 and G 16 taken on cuda");
+    /* K16V16's kernels run below even so: once its cases pass on a GPU, cu_lean_supports may take it
+     * (and this check flips) */
+    CHECK(!kg->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128) && kg->supports((struct kvs_lean_fmt){8, 4}, 16, 1, 64),
+          "K16V16 refused on cuda (its pages are not verified yet); G 16 taken");
     CHECK(!kg->supports((struct kvs_lean_fmt){8, 16}, 32, 8, 128) && !kg->supports((struct kvs_lean_fmt){8, 4}, 32, 8, 96) &&
               !kg->supports((struct kvs_lean_fmt){8, 4}, 64, 2, 128),
           "cuda refuses formats, head_dims and groups its attention kernel is not built for");
