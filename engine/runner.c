@@ -48,6 +48,10 @@
 #include "models/model.h"
 
 #define LOGIT_CHUNK 16
+/* Greedy (ARGMAX) rows never leave the backend, so they go through the LM head in one pass of up
+ * to this many rows (cap_seqs if smaller): each pass reads the whole [vocab][dim] weight (1 GB on
+ * Llama-3.1-8B), and 16-row chunks read it 8 times at batch 128 (~2 ms of an 11.8 ms H100 step) */
+#define ARGMAX_CHUNK_MAX 256
 #define GRAPH_CTX_STEP 1024                  /* context capacities of recorded decode steps */
 #define GRAPH_CACHE 8                        /* recorded decode steps kept (LRU) */
 #define CPU_KV_CAP_BYTES ((size_t)4 << 30)   /* default CPU pool cap: 4 GiB */
@@ -78,21 +82,28 @@ struct kvs_runner {
     struct kvs_dbuf *q_pre, *d_iota;                    /* ACT [cap_tokens][nh][hd], I32 [cap_tokens] 0, 1, ..
                                                          * (KVS_KV_NEEDS_PRE_ROPE_Q) */
     int32_t *h_slot, *h_decode;                         /* [cap_seqs] per step */
+    /* multi-row decode (kv.h recompute): each slot's last hist_cap tokens, and the step's batch
+     * with its decoding requests widened to their recomputed rows */
+    int hist_cap;
+    int32_t *h_hist, *h_hist_n;                         /* [cap_seqs][hist_cap], [cap_seqs] */
+    struct kvs_batch_seq *x_seqs;                       /* [cap_seqs] */
+    int32_t *x_tokens;                                  /* [cap_tokens] */
     struct kvs_fidelity fid;                            /* live fidelity meter (kv.fidelity) */
     int n_blocks, block_size;
     size_t kv_bytes_per_token;
 
-    /* capacities */
-    int cap_tokens, cap_seqs, max_blocks, max_ctx;
+    /* capacities (cap_tokens: rows per step, step_tokens of the scheduler's batch plus the
+     * decode policy's recomputed rows) */
+    int cap_tokens, cap_seqs, max_blocks, max_ctx, step_tokens;
 
     /* device workspaces */
     struct kvs_dbuf *x, *xn, *q, *k, *v, *att, *proj, *gate, *up;   /* [cap_tokens][...] */
-    struct kvs_dbuf *lrows, *logits;                    /* [LOGIT_CHUNK][dim], [LOGIT_CHUNK][vocab] */
+    struct kvs_dbuf *lrows, *logits;                    /* [argmax_chunk][dim], [argmax_chunk][vocab] */
     struct kvs_dbuf *d_tokens, *d_pos, *d_slots;        /* I32 [cap_tokens] */
     struct kvs_dbuf *d_qstart, *d_seqpos;               /* I32 [cap_seqs + 1] */
     struct kvs_dbuf *d_bt, *d_rot, *d_valid;            /* I32 [cap_seqs * max_blocks] */
     struct kvs_dbuf *d_words;                           /* I32 [cap_seqs * max_blocks * 2] (backend.h) */
-    struct kvs_dbuf *d_lrows;                           /* I32 [LOGIT_CHUNK] */
+    struct kvs_dbuf *d_lrows;                           /* I32 [argmax_chunk] */
     struct kvs_dbuf *d_ids;                             /* I32 [cap_tokens] argmax ids of the step's logits rows */
     struct kvs_dbuf *d_inv_freq;                        /* F32 [hd / 2] */
 
@@ -103,6 +114,12 @@ struct kvs_runner {
     struct kvs_tp *tp;                                  /* the group (every rank points to it) */
     size_t kv_bytes_total;                              /* all ranks' bytes per token */
     int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
+    int argmax_chunk;                                   /* ARGMAX rows per LM head pass (>= LOGIT_CHUNK) */
+    /* kvs_runner_forward_begin's step whose argmax ids are still on the backend (end fetches
+     * them): the caller's batch.argmax (not the batch: a widened one is this call's local) and
+     * rows; rc of a begun group step */
+    int32_t *pend_argmax;
+    int pend_rows, pend_rc, pend_on;
     struct kvs_dbuf *d_vals;                            /* F32 [cap_tokens] argmax values (groups) */
     float *h_vals;                                      /* [cap_tokens] */
     float *h_chunk;                                     /* [LOGIT_CHUNK][vocab_n] host logits (groups) */
@@ -313,6 +330,17 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->cap_seqs = cfg->max_running > 0 ? cfg->max_running : 256;
     if (r->cap_seqs > r->cap_tokens) r->cap_seqs = r->cap_tokens;
     r->max_blocks = (r->max_ctx + r->block_size - 1) / r->block_size;
+    r->step_tokens = r->cap_tokens;
+    if (dp->recompute && dp->max_recompute) {
+        /* a decoding request may run max_recompute rows more than the scheduler counts */
+        r->hist_cap = dp->max_recompute(cfg);
+        if (r->hist_cap < 0 || r->hist_cap > 4096) r->hist_cap = 0;
+        r->cap_tokens += r->cap_seqs * r->hist_cap;
+        r->h_hist = kvs_xcalloc((size_t)r->cap_seqs * (size_t)(r->hist_cap ? r->hist_cap : 1), sizeof(int32_t));
+        r->h_hist_n = kvs_xcalloc((size_t)r->cap_seqs, sizeof(int32_t));
+        r->x_seqs = kvs_xcalloc((size_t)r->cap_seqs, sizeof *r->x_seqs);
+        r->x_tokens = kvs_xcalloc((size_t)r->cap_tokens, sizeof(int32_t));
+    }
 
     r->be = rank_backend(cfg, &ops, rank, n_ranks, err, errlen);
     r->ops = ops;
@@ -341,8 +369,10 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->v = xalloc(r, KVS_BUF_ACT, T * kvd, &failed);
     r->gate = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
     r->up = xalloc(r, KVS_BUF_ACT, T * r->ff, &failed);
-    r->lrows = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->dim, &failed);
-    r->logits = xalloc(r, KVS_BUF_ACT, (size_t)LOGIT_CHUNK * r->vocab_n, &failed);
+    r->argmax_chunk = r->cap_seqs < ARGMAX_CHUNK_MAX ? r->cap_seqs : ARGMAX_CHUNK_MAX;
+    if (r->argmax_chunk < LOGIT_CHUNK) r->argmax_chunk = LOGIT_CHUNK;
+    r->lrows = xalloc(r, KVS_BUF_ACT, (size_t)r->argmax_chunk * r->dim, &failed);
+    r->logits = xalloc(r, KVS_BUF_ACT, (size_t)r->argmax_chunk * r->vocab_n, &failed);
     r->d_tokens = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_pos = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_slots = xalloc(r, KVS_BUF_I32, T, &failed);
@@ -352,7 +382,7 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->d_rot = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_valid = xalloc(r, KVS_BUF_I32, S * r->max_blocks, &failed);
     r->d_words = xalloc(r, KVS_BUF_I32, 2 * S * r->max_blocks, &failed);
-    r->d_lrows = xalloc(r, KVS_BUF_I32, LOGIT_CHUNK, &failed);
+    r->d_lrows = xalloc(r, KVS_BUF_I32, (size_t)r->argmax_chunk, &failed);
     r->d_ids = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
     if (n_ranks > 1) {
@@ -528,6 +558,10 @@ void kvs_runner_rank_free(struct kvs_runner *r)
     free(r->h_ids);
     free(r->h_vals);
     free(r->h_chunk);
+    free(r->h_hist);
+    free(r->h_hist_n);
+    free(r->x_seqs);
+    free(r->x_tokens);
     free(r);
 }
 
@@ -536,7 +570,7 @@ int kvs_runner_block_size(const struct kvs_runner *r) { return r->block_size; }
 int kvs_runner_vocab_size(const struct kvs_runner *r) { return r->vocab; }
 const char *kvs_runner_backend_name(const struct kvs_runner *r) { return r->ops->name; }
 size_t kvs_runner_kv_bytes_per_token(const struct kvs_runner *r) { return r->kv_bytes_total; }
-int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->cap_tokens; }
+int kvs_runner_max_tokens_per_step(const struct kvs_runner *r) { return r->step_tokens; }
 int kvs_runner_max_seqs_per_step(const struct kvs_runner *r) { return r->cap_seqs; }
 int kvs_runner_max_context(const struct kvs_runner *r) { return r->max_ctx; }
 
@@ -593,8 +627,10 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         r->h_seqpos[s] = q->pos;
         int32_t *bt = r->h_bt + (size_t)s * stride, *ro = r->h_rot + (size_t)s * stride;
         int32_t *va = r->h_valid + (size_t)s * stride;
-        for (int j = 0; j < stride; j++) {
-            bt[j] = j < need ? q->block_table[j] : 0;
+        for (int j = 0; j < stride; j++) bt[j] = j < need ? q->block_table[j] : 0;
+        /* the rotation and valid-slot tables only when some sequence has them (cached documents):
+         * they are as big as the block table (S x stride, 1 MB at batch 128 x 32K context) */
+        for (int j = 0; (rot || val) && j < stride; j++) {
             ro[j] = j < need && q->block_rot_offset ? q->block_rot_offset[j] : 0;
             va[j] = j < need && q->block_valid ? q->block_valid[j] : r->block_size;
         }
@@ -617,6 +653,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         r->h_seqpos[s] = 0;
         for (int j = 0; j < stride; j++) {
             r->h_bt[(size_t)s * stride + j] = 0;
+            if (!rot && !val) continue;
             r->h_rot[(size_t)s * stride + j] = 0;
             r->h_valid[(size_t)s * stride + j] = r->block_size;
         }
@@ -794,7 +831,7 @@ static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_kv_ste
     return 0;
 }
 
-/* The LM head over staged logits rows [first, first + m) (m <= LOGIT_CHUNK) into r->logits
+/* The LM head over staged logits rows [first, first + m) (m <= argmax_chunk) into r->logits
  * (the rank's vocabulary columns); with ids, also their argmax ids into d_ids[first ..) (and,
  * in a group, their values into d_vals, by which runner_tp.c merges the ranks' picks). */
 static void lm_head_chunk(struct kvs_runner *r, int first, int m, int ids)
@@ -822,10 +859,15 @@ static void lm_head(struct kvs_runner *r, const struct kvs_batch *b, int n_logit
         for (int t = 0; tp && t < m; t++)
             memcpy(logits + (size_t)(i + t) * V + r->vocab_lo, r->h_chunk + (size_t)t * vn, (size_t)vn * sizeof(float));
     }
-    for (int i = n_host; i < n_logits; i += LOGIT_CHUNK)
-        lm_head_chunk(r, i, n_logits - i < LOGIT_CHUNK ? n_logits - i : LOGIT_CHUNK, 1);
+    for (int i = n_host; i < n_logits; i += r->argmax_chunk)
+        lm_head_chunk(r, i, n_logits - i < r->argmax_chunk ? n_logits - i : r->argmax_chunk, 1);
     r->n_picks = ids ? n_logits : 0;
     if (!ids || n_logits == 0) return;
+    if (r->n_ranks == 1 && r->pend_on) {   /* kvs_runner_forward_begin: end downloads them */
+        r->pend_argmax = b->argmax;
+        r->pend_rows = n_logits;
+        return;
+    }
     r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)n_logits);
     if (tp) {
         r->ops->download(r->be, r->h_vals, r->d_vals, 0, (size_t)n_logits);
@@ -844,12 +886,98 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
     return r->n_ranks > 1 ? kvs_tp_forward(r->tp, b, logits) : kvs_runner_rank_forward(r, b, logits);
 }
 
+/* The step is queued on the backend; only the argmax ids' download (the step's one wait for the
+ * device on a greedy decode step) is left to end. A group (tensor parallel) runs the whole step
+ * here and end only returns its result. */
+int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
+{
+    KVS_ASSERT(!r->pend_on);
+    r->pend_on = 1;
+    r->pend_argmax = NULL;
+    r->pend_rows = 0;
+    r->pend_rc = kvs_runner_forward(r, b, logits);
+    return r->pend_rc;
+}
+
+int kvs_runner_forward_end(struct kvs_runner *r)
+{
+    KVS_ASSERT(r->pend_on);
+    r->pend_on = 0;
+    if (r->pend_rc < 0 || !r->pend_argmax) return r->pend_rc;
+    r->ops->download(r->be, r->h_ids, r->d_ids, 0, (size_t)r->pend_rows);
+    for (int k = 0; k < r->pend_rows; k++) r->pend_argmax[r->h_lout[k]] = r->h_ids[k];
+    r->pend_argmax = NULL;
+    return 0;
+}
+
 /* a group's ranks either all run the step or all refuse it: no rank may wait in an all-reduce
  * that another never reaches */
 static int agree(struct kvs_runner *r, int rc) { return r->n_ranks > 1 ? kvs_tp_agree(r->tp, rc) : rc; }
 
+/* Multi-row decode (kv.h recompute): x gets b with every decoding request that the policy
+ * widens turned into its k re-run tokens (from the slot's history) plus the new one, logits on
+ * the last row only; then each slot's history takes the step's tokens. -EINVAL for a batch over
+ * the capacities (stage_batch checks the rest). */
+static int widen_batch(struct kvs_runner *r, const struct kvs_batch *b, struct kvs_batch *x)
+{
+    if (!b || b->n_seqs <= 0 || b->n_seqs > r->cap_seqs || !b->seqs) return -EINVAL;
+    const int H = r->hist_cap;
+    int off = 0;
+    *x = *b;
+    x->seqs = r->x_seqs;
+    for (int s = 0; s < b->n_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        struct kvs_batch_seq *w = &r->x_seqs[s];
+        *w = *q;
+        const int slot = q->slot >= 0 && q->slot < r->cap_seqs ? q->slot : -1;
+        if (slot < 0 || q->n_tokens <= 0 || !q->tokens) continue;
+        if (q->slot_fresh) r->h_hist_n[slot] = 0;
+        int32_t *h = r->h_hist + (size_t)slot * H;
+        int k = 0;
+        if (q->n_tokens == 1 && q->pos > 0) {
+            k = r->dp->recompute(r->dp_state, slot);
+            if (k > r->h_hist_n[slot]) k = r->h_hist_n[slot];
+            if (k > q->pos) k = q->pos;
+            if (k < 0) k = 0;
+        }
+        if (k > 0) {
+            if (off + k + 1 > r->cap_tokens) return -EINVAL;
+            memcpy(r->x_tokens + off, h + r->h_hist_n[slot] - k, (size_t)k * sizeof(int32_t));
+            r->x_tokens[off + k] = q->tokens[0];
+            w->tokens = r->x_tokens + off;
+            w->n_tokens = k + 1;
+            w->pos = q->pos - k;
+            if (w->want_logits == KVS_LOGITS_ALL) w->want_logits = KVS_LOGITS_LAST; /* one token's logits */
+            off += k + 1;
+        }
+        /* the history: the slot's last H tokens */
+        const int m = q->n_tokens < H ? q->n_tokens : H, keep = H - m < r->h_hist_n[slot] ? H - m : r->h_hist_n[slot];
+        memmove(h, h + r->h_hist_n[slot] - keep, (size_t)keep * sizeof(int32_t));
+        memcpy(h + keep, q->tokens + q->n_tokens - m, (size_t)m * sizeof(int32_t));
+        r->h_hist_n[slot] = keep + m;
+    }
+    return 0;
+}
+
 int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
+    /* fresh slots reset before anything asks the policy about them (host state only) */
+    for (int s = 0; b && b->seqs && s < b->n_seqs && s < r->cap_seqs; s++) {
+        const struct kvs_batch_seq *q = &b->seqs[s];
+        if (q->slot >= 0 && q->slot < r->cap_seqs && q->slot_fresh && r->dp->seq_init) {
+            void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
+            if (mem) memset(mem, 0, r->slot_bytes);
+            int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
+            if (rc < 0) return agree(r, rc);
+        }
+    }
+    const struct kvs_batch *b0 = b;
+    struct kvs_batch wide;
+    if (r->hist_cap > 0) {
+        int rc = widen_batch(r, b, &wide);
+        if (rc < 0) return agree(r, rc);
+        b = &wide;
+    }
     int n_logits, n_host, stride, any_rot, any_valid;
     const int cap = graph_capacity(r, b);
     const int S = cap ? graph_seqs(r, b->n_seqs) : b->n_seqs;
@@ -891,23 +1019,19 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     /* the decode policy's view of the step: request slots, decode rows; fresh slots reset */
     int n_decode = 0;
     for (int s = 0; s < S; s++) {
-        const struct kvs_batch_seq *q = s < b->n_seqs ? &b->seqs[s] : NULL;
+        const struct kvs_batch_seq *q = s < b0->n_seqs ? &b0->seqs[s] : NULL;   /* as the scheduler made it */
         r->h_slot[s] = q ? q->slot : -1;
         r->h_decode[s] = q && q->n_tokens == 1 && q->pos > 0;
         n_decode += r->h_decode[s];
-        if (q && q->slot >= 0 && q->slot_fresh && r->dp->seq_init) {
-            void *mem = r->slot_bytes ? r->slot_mem + (size_t)q->slot * r->slot_bytes : NULL;
-            if (mem) memset(mem, 0, r->slot_bytes);
-            int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
-            if (rc < 0) return agree(r, rc);
-        }
     }
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
     int rc = r->dp->plan ? r->dp->plan(r->dp_state, &step) : 0;
     if ((rc = agree(r, rc < 0 ? rc : 0)) < 0) return rc;
     /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
     for (int s = 0; s < S; s++)
-        if (r->h_decode[s]) r->fid.full_bytes += (double)(r->h_seqpos[s] + 1) * (double)r->kv_bytes_per_token;
+        if (r->h_decode[s])   /* the newest row's context (a multi-row decode's last row) */
+            r->fid.full_bytes += (double)(r->h_seqpos[s] + r->h_qstart[s + 1] - r->h_qstart[s]) *
+                                 (double)r->kv_bytes_per_token;
     const int fid_layer = n_decode ? kvs_fidelity_pick_layer(&r->fid, r->n_layers) : -1;
     if (fid_layer >= 0 || !cap || run_layers_graph(r, n, &step, cap, any_rot, any_valid | words << 1) != 0)
         run_layers(r, n, &step, fid_layer);

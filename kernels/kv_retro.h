@@ -1,8 +1,8 @@
 /* kv_retro.h: the CPU reference of RetroAttention's window bookkeeping (STRATEGIES.md §4), the
- * piece of kv.decode=retro that decides what a past query of the window is supplemented with.
- * kv.decode=retro itself is NOT built (its registry row is NULL, so the config is refused by
- * name): the runner cannot yet run a w-row decode per request with re-embedded past tokens, and
- * no CUDA version of this exists. What is here is tested on its own (tests/unit/test_kv_retro.c):
+ * piece of kv.decode=retro (engine/kv/kv_decode_retro.c) that decides what a past query of the
+ * window is supplemented with. The policy runs it on the host after downloading the step's
+ * selection (any backend: the supplements' attention and merge are the backend's
+ * attention_spans and attn_merge). What is here is also tested on its own (tests/unit/test_kv_retro.c):
  * over a sequence of page selections, supplements merged with attn_merge give every past query
  * exactly the attention over the union of the pages it was shown, never a key after it.
  *

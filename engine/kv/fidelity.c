@@ -47,7 +47,7 @@ void kvs_fidelity_measure(struct kvs_fidelity *f, const struct kvs_kv_attend *a)
     kvs_kv_attention(f->o, f->be, a, f->ref);
     for (int s = 0; s < st->n_seqs; s++) {
         if (!st->h_decode[s]) continue;
-        const size_t row = (size_t)st->h_q_start[s];
+        const size_t row = (size_t)st->h_q_start[s + 1] - 1;   /* the newest row (kv.h recompute) */
         f->o->download(f->be, f->h_pol, a->out, row * (size_t)f->qd, (size_t)f->qd);
         f->o->download(f->be, f->h_ref, f->ref, row * (size_t)f->qd, (size_t)f->qd);
         double num = 0, den = 0;

@@ -12,7 +12,9 @@
 
 extern const struct kvs_kv_storage_ops kvs_kv_storage_auto, kvs_kv_storage_f32, kvs_kv_storage_bf16, kvs_kv_storage_lean;
 extern const struct kvs_kv_reuse_ops kvs_kv_reuse_none, kvs_kv_reuse_prefix, kvs_kv_reuse_lazy;
-extern const struct kvs_kv_decode_ops kvs_kv_decode_full, kvs_kv_decode_quest, kvs_kv_decode_mac;
+extern const struct kvs_kv_decode_ops kvs_kv_decode_full, kvs_kv_decode_quest, kvs_kv_decode_mac,
+    kvs_kv_decode_paris;
+extern const struct kvs_kv_decode_ops kvs_kv_decode_retro;
 
 struct row {
     const char *slot, *name;
@@ -32,9 +34,10 @@ static const struct row REGISTRY[] = {
     {"reuse", "lazy", &kvs_kv_reuse_lazy, "LazyAttention document cache (position-agnostic, deferred RoPE)"},
     {"decode", "full", &kvs_kv_decode_full, "exact attention over every block"},
     {"decode", "quest", &kvs_kv_decode_quest, "Quest: top pages by min/max key digests"},
-    {"decode", "retro", NULL, "RetroAttention: Quest plus retrospective updates"},
+    {"decode", "retro", &kvs_kv_decode_retro, "RetroAttention: Quest plus retrospective updates"},
     {"decode", "mac", &kvs_kv_decode_mac, "MAC: reuse of attention summaries of similar recent queries"},
-    {"decode", "paris", NULL, "ParisKV: top-k retrieval with host offload"},
+    {"decode", "paris", &kvs_kv_decode_paris,
+     "ParisKV: top-k retrieval from a 4-bit key index (host offload not built yet)"},
 };
 #define N_REGISTRY ((int)(sizeof REGISTRY / sizeof REGISTRY[0]))
 

@@ -10,8 +10,8 @@
  *            inline), admission (shared blocks at the start of the block table), side prefills
  *            (work the step runs for the strategy, e.g. documents), commit and release, and
  *            the per-block attention metadata of a sequence (rotation offsets, valid slots).
- *   decode   how a decode row reads the cache (kv_decode_full.c; quest, mac, paris, retro
- *            next). Runner side: `needs`, per-request state (seq_init / seq_free, from a
+ *   decode   how a decode row reads the cache (kv_decode_full.c, kv_decode_quest.c,
+ *            kv_decode_mac.c, kv_decode_retro.c; paris next). Runner side: `needs`, per-request state (seq_init / seq_free, from a
  *            budgeted arena), plan once per step, attend per layer (replaces the attention
  *            call), finish after the layer, counters.
  *
@@ -134,7 +134,8 @@ struct kvs_kv_decode_env {
 
 /* One step, as attend() sees it: seq s owns rows [h_q_start[s], h_q_start[s+1]); h_slot[s] is
  * its request slot (-1: a side prefill with no request state), h_decode[s] 1 when it is a
- * decode row (one token on top of its cache). */
+ * decode row (one token on top of its cache; with recompute below, the request's re-run
+ * tokens come first and the new token is the sequence's last row). */
 struct kvs_kv_step {
     int n_seqs, n_rows;
     const int32_t *h_q_start, *h_pos, *h_slot, *h_decode;
@@ -173,6 +174,19 @@ struct kvs_kv_decode_ops {
     void (*finish)(void *state, int layer, const struct kvs_kv_step *step);
     /* The policy's counters (KV bytes read per decode token included), or 0. */
     int (*counters)(void *state, struct kvs_kv_counter *out, int cap);
+    /* Optional, both or neither (NULL: a decoding request runs one row). Multi-row decode
+     * (Retro's window): a decode step of request `slot` re-runs its last k tokens before the new
+     * one, k = recompute(state, slot) (called once per step for each decoding request, after
+     * seq_init and before plan), at most max_recompute(cfg) (the config the runner is created
+     * with: it sizes the workspaces for max_recompute more rows per request slot). The runner
+     * keeps each slot's last max_recompute tokens (history restarts with slot_fresh) and turns
+     * the sequence into k + 1 rows at positions pos - k .. pos: their K/V are recomputed
+     * through every layer from the updated lower layers and rewritten in the cache, only the
+     * newest row gets logits, and kvs_kv_step shows the k + 1 rows (h_decode = 1, the newest
+     * row last). k is clamped to the history the runner holds and to pos; the policy reads the
+     * rows it got from h_q_start. */
+    int (*max_recompute)(const struct kvs_config *cfg);
+    int (*recompute)(void *state, int slot);
 };
 
 /* Attention of the step's rows over a's view (every row, the backend's attention() contract),

@@ -2,9 +2,11 @@
  * attention over explicit token spans returning the output and its log-sum-exp, and the merge
  * of two (o, lse) partials. Sparse and reuse decode policies (engine/kv/) are built from them.
  *
- * The online softmax visits the selected positions in increasing order with the same arithmetic
- * as cpu_attention (cpu_backend.c), so one span [0, ctx) gives attention()'s bits exactly: the
- * neutral-setting tests of every policy compare bitwise on this backend.
+ * With the reference kernels the online softmax visits the selected positions in increasing
+ * order with the reference attention's arithmetic (cpu_attention.c); with the AVX2 / FMA sets
+ * it runs the key-tiled steps of cpu_attn_tile.h over the selected positions. Either way one
+ * span [0, ctx) gives attention()'s bits exactly: the neutral-setting tests of every policy
+ * compare bitwise on this backend.
  */
 #include <math.h>
 
@@ -12,12 +14,20 @@
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_pool.h"
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "kernels/cpu/cpu_attn_tile.h"
+#define KVS_CPU_X86 1
+#else
+#define KVS_CPU_X86 0
+#endif
+
 struct span_job {
     const float *q, *kc, *vc, *inv_freq;
     float *out, *lse;
     const int32_t *q_start, *pos, *bt, *rot, *valid, *n_spans, *spans;
     int max_blocks, max_spans, n_heads, n_kv_heads, head_dim, block_size;
     float scale;
+    int fm;                       /* key-tiled kernel: FMA set */
 };
 
 static void span_task(void *c, int task)
@@ -80,6 +90,64 @@ static void span_task(void *c, int task)
     j->lse[(size_t)t * j->n_heads + h] = mx + logf(l);
 }
 
+#if KVS_CPU_X86
+/* the key-tiled kernel: the key tiles of attention() that hold selected positions, each key
+ * outside the spans scored -inf (skipped) */
+ATT_AVX2 ATT_INLINE void span_tiled(const struct span_job *j, int task, const int fm)
+{
+    const int t = task / j->n_heads, h = task % j->n_heads;
+    const int hd = j->head_dim, bs = j->block_size;
+    int s = 0;
+    while (j->q_start[s + 1] <= t) s++;
+    const int ctx = j->pos[s] + (t - j->q_start[s]) + 1;
+    const int g = h / (j->n_heads / j->n_kv_heads);
+    const int32_t *bt = j->bt + (size_t)s * j->max_blocks;
+    const int32_t *rot = j->rot ? j->rot + (size_t)s * j->max_blocks : NULL;
+    const int32_t *valid = j->valid ? j->valid + (size_t)s * j->max_blocks : NULL;
+    const size_t sl = (size_t)t * j->n_kv_heads + g;
+    const int ns = j->n_spans[sl];
+    const int32_t *sp = j->spans + sl * j->max_spans * 2;
+    float qr[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], sc[KT];
+    unsigned char sel[KT];
+    struct kt_pair pr;
+    struct kt_keys keys;
+    kt_pair_init(&pr, j->q + ((size_t)t * j->n_heads + h) * hd, qr, acc, hd);
+    int k = 0;   /* the first span that may reach the current tile */
+    for (int p0 = ns > 0 && sp[0] > 0 ? sp[0] / KT * KT : 0; p0 < ctx && k < ns; p0 += KT) {
+        while (k < ns && sp[2 * k + 1] <= p0) k++;
+        if (k == ns) break;
+        if (sp[2 * k] >= p0 + KT) {   /* jump to the next span's tile */
+            p0 = sp[2 * k] / KT * KT - KT;
+            continue;
+        }
+        const int nk = ctx - p0 < KT ? ctx - p0 : KT;
+        int any = 0;
+        for (int i = 0, kk = k; i < nk; i++) {
+            const int p = p0 + i;
+            while (kk < ns && sp[2 * kk + 1] <= p) kk++;
+            sel[i] = kk < ns && sp[2 * kk] <= p;
+            any |= sel[i];
+        }
+        if (!any) continue;
+        kt_fill(&keys, j->kc, j->vc, bt, rot, valid, j->n_kv_heads, g, bs, hd, p0, nk);
+        kt_scores(&pr, &keys, nk, sel, j->inv_freq, hd, j->scale, sc, fm);
+        kt_update(&pr, &keys, sc, hd, fm);
+    }
+    float *o = j->out + ((size_t)t * j->n_heads + h) * hd;
+    if (pr.l == 0.0f) {   /* no key selected */
+        for (int i = 0; i < hd; i++) o[i] = 0.0f;
+        j->lse[(size_t)t * j->n_heads + h] = -INFINITY;
+        return;
+    }
+    const float inv = 1.0f / pr.l;
+    for (int i = 0; i < hd; i++) o[i] = acc[i] * inv;
+    j->lse[(size_t)t * j->n_heads + h] = pr.mx + logf(pr.l);
+}
+
+ATT_AVX2 static void span_avx2_task(void *c, int task) { span_tiled(c, task, 0); }
+ATT_AVX2 static void span_fma_task(void *c, int task) { span_tiled(c, task, 1); }
+#endif
+
 void kvs_cpu_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                              const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_span_list *sp,
                              int n, int n_heads, int n_kv_heads, int head_dim, int block_size, float scale,
@@ -97,6 +165,12 @@ void kvs_cpu_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, co
         .head_dim = head_dim, .block_size = block_size, .scale = scale,
     };
     KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);
+#if KVS_CPU_X86
+    if (b->kern.isa != KVS_CPU_ISA_REF) {
+        kvs_cpu_pool_run(b->pool, n * n_heads, b->kern.isa == KVS_CPU_ISA_FMA ? span_fma_task : span_avx2_task, &j);
+        return;
+    }
+#endif
     kvs_cpu_pool_run(b->pool, n * n_heads, span_task, &j);
 }
 

@@ -6,8 +6,8 @@
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
  * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
- * (cpu_kernels.h: the plain-C reference and AVX2 versions with the same bits, picked when the
- * backend is created; OpenBLAS as an opt-in that gives up batch invariance).
+ * (cpu_kernels.h: the plain-C reference, AVX2 and FMA sets picked when the backend is created
+ * and logged; OpenBLAS as an opt-in that gives up batch invariance).
  */
 #include <math.h>
 #include <stdio.h>
@@ -36,7 +36,8 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
         return NULL;
     }
     kvs_cpu_blas_init();
-    kvs_log(KVS_LOG_INFO, "cpu backend: %d threads, %s kernels (best here: %s), matmul %s, bf16 matrices kept %s",
+    kvs_log(KVS_LOG_INFO,
+            "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
             b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant",
             b->kern.bf16_weights ? "as bf16" : "as fp32 copies");

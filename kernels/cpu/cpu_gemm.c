@@ -1,6 +1,7 @@
 /* cpu_gemm.c: the CPU matmul y = x @ W^T (+ bias) three ways (cpu_kernels.h): the plain-C
- * reference, register-blocked AVX2 tiles with the reference's summation order (bitwise equal,
- * so batch invariant), and OpenBLAS (opt-in, not batch invariant). Also the kernel selection
+ * reference, register-blocked AVX2 tiles with the reference's summation order (mul + add:
+ * bitwise the reference; FMA: bitwise kvs_cpu_dot_fma; both batch invariant), and OpenBLAS
+ * (opt-in, not batch invariant). Also the kernel selection
  * from the environment. */
 #include <cblas.h>
 #include <errno.h>
@@ -24,12 +25,16 @@ enum kvs_cpu_isa kvs_cpu_isa_best(void)
 {
 #if KVS_CPU_X86
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KVS_CPU_ISA_FMA;
     if (__builtin_cpu_supports("avx2")) return KVS_CPU_ISA_AVX2;
 #endif
     return KVS_CPU_ISA_REF;
 }
 
-const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa) { return isa == KVS_CPU_ISA_AVX2 ? "avx2" : "ref"; }
+const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa)
+{
+    return isa == KVS_CPU_ISA_FMA ? "fma" : isa == KVS_CPU_ISA_AVX2 ? "avx2" : "ref";
+}
 
 int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen)
 {
@@ -39,11 +44,15 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
         if (strcmp(e, "ref") == 0) {
             k->isa = KVS_CPU_ISA_REF;
         } else if (strcmp(e, "avx2") == 0) {
-            if (kvs_cpu_isa_best() != KVS_CPU_ISA_AVX2)
+            if (kvs_cpu_isa_best() < KVS_CPU_ISA_AVX2)
                 return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=avx2: this CPU has no AVX2");
             k->isa = KVS_CPU_ISA_AVX2;
+        } else if (strcmp(e, "fma") == 0) {
+            if (kvs_cpu_isa_best() < KVS_CPU_ISA_FMA)
+                return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=fma: this CPU has no AVX2 + FMA");
+            k->isa = KVS_CPU_ISA_FMA;
         } else {
-            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=%s: want auto, ref or avx2", e);
+            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=%s: want auto, ref, avx2 or fma", e);
         }
     }
     e = getenv("KVS_CPU_GEMM");
@@ -55,7 +64,7 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
             return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want invariant or blas", e);
     }
     e = getenv("KVS_CPU_WEIGHTS");
-    k->bf16_weights = k->isa == KVS_CPU_ISA_AVX2 && k->gemm == KVS_CPU_GEMM_INVARIANT;
+    k->bf16_weights = k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT;
     if (e && *e) {
         if (strcmp(e, "f32") == 0)
             k->bf16_weights = 0;
@@ -103,6 +112,7 @@ struct gemm_job {
     float *y;
     int n, in, out;
     int rb, ob, n_ob;             /* tile rows / outputs, output tiles per row tile */
+    int n_rb;                     /* row tiles (AVX2 / FMA: tasks are ordered output tile first) */
 };
 
 #define REF_TILE 16
@@ -142,15 +152,18 @@ static void ref_task(void *c, int task)
 }
 
 /* ---- AVX2 tiles ----------------------------------------------------------------------------
- * Each accumulator is one (row, output) pair's eight reference lanes; mul then add (no FMA), the
- * reference's tree and tail: bitwise kvs_cpu_dot. A 4 x 2 tile loads 6 vectors per 8 multiply-
+ * Each accumulator is one (row, output) pair's eight reference lanes; mul then add (AVX2 set:
+ * bitwise kvs_cpu_dot) or fused (FMA set: bitwise kvs_cpu_dot_fma), the reference's tree and
+ * tail. A 4 x 2 tile loads 6 vectors per 8 multiply-
  * adds and keeps 8 accumulators + 6 operands in the 16 ymm registers; leftover rows (n % 4, and
  * all of a one-row decode step) take 1 x 4 tiles, which stream W at memory speed. Tasks are
- * (row block, output block) tiles: a block of x rows stays in L2 while pairs of W rows pass. */
+ * (row block, output block) tiles, output block first: a block of x rows stays in L1 while pairs
+ * of W rows pass, and a block of W rows stays in L2 while the row blocks pass. */
 #if KVS_CPU_X86
-#define AVX2 __attribute__((target("avx2")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
-#define MADD(acc, a, b) acc = _mm256_add_ps(acc, _mm256_mul_ps(a, b))
+/* one lane step: mul then add (AVX2, the reference's bits), or fused (FMA, kvs_cpu_dot_fma's) */
+#define MADD(acc, a, b) acc = fm ? _mm256_fmadd_ps(a, b, acc) : _mm256_add_ps(acc, _mm256_mul_ps(a, b))
 
 /* the reference tree of four accumulators at once: hadd pairs lanes (l0+l1, l2+l3, ...), the
  * second hadd adds those pairs, the last add joins the two 128-bit halves:
@@ -194,7 +207,7 @@ AVX2 static inline ALWAYS void finish4(__m128 s, const float *const xr[4], const
 }
 
 AVX2 static inline ALWAYS void tile4x2(const float *x, const void *w, int in, int k8, float *y, int out,
-                                       const float *bias, int o, const int bf)
+                                       const float *bias, int o, const int bf, const int fm)
 {
     const size_t s = (size_t)in;
     const float *x0 = x, *x1 = x + s, *x2 = x + 2 * s, *x3 = x + 3 * s;
@@ -226,7 +239,7 @@ AVX2 static inline ALWAYS void tile4x2(const float *x, const void *w, int in, in
 }
 
 AVX2 static inline ALWAYS void tile1x4(const float *x, const void *w, int in, int k8, float *y, const float *bias,
-                                       int o, const int bf)
+                                       int o, const int bf, const int fm)
 {
     const size_t s = (size_t)in;
     const void *w0 = w, *w1 = wrow(w, 1, s, bf), *w2 = wrow(w, 2, s, bf), *w3 = wrow(w, 3, s, bf);
@@ -246,10 +259,11 @@ AVX2 static inline ALWAYS void tile1x4(const float *x, const void *w, int in, in
 }
 
 AVX2 static inline ALWAYS void tile1x1(const float *x, const void *w, int in, int k8, float *y, const float *bias,
-                                       int o, const int bf)
+                                       int o, const int bf, const int fm)
 {
     __m256 a = _mm256_setzero_ps();
     for (int i = 0; i < k8; i += 8) MADD(a, _mm256_loadu_ps(x + i), loadw(w, (size_t)i, bf));
+    (void)fm;
     float l[8];
     _mm256_storeu_ps(l, a);
     float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
@@ -257,11 +271,15 @@ AVX2 static inline ALWAYS void tile1x1(const float *x, const void *w, int in, in
     y[o] = bias ? s + bias[o] : s;
 }
 
-AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, const int bf)
+AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, const int bf, const int fm)
 {
     const int in = j->in, out = j->out, k8 = in / 8 * 8;
-    const int t0 = task / j->n_ob * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
-    const int o0 = task % j->n_ob * j->ob, o1 = o0 + j->ob < out ? o0 + j->ob : out;
+    /* output tile first: a thread's contiguous tasks keep one block of W rows (in L2) while the
+     * row tiles pass, so W streams from memory once per call (the row-tile-first order streamed
+     * it once per row tile: 2.3x slower on SmolLM2's LM head at 16 rows, bench/RESULTS.md) */
+    const int rbi = task % j->n_rb, obi = task / j->n_rb;
+    const int t0 = rbi * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
+    const int o0 = obi * j->ob, o1 = o0 + j->ob < out ? o0 + j->ob : out;
     const int t4 = t0 + (t1 - t0) / 4 * 4;
     const float *x = j->x;
     const void *w = bf ? (const void *)j->wb : (const void *)j->w;
@@ -269,21 +287,23 @@ AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, co
     for (; o + 2 <= o1; o += 2)
         for (int t = t0; t < t4; t += 4)
             tile4x2(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, out,
-                    j->bias, o, bf);
+                    j->bias, o, bf, fm);
     for (; o < o1; o++)
         for (int t = t0; t < t4; t++)
             tile1x1(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, j->bias, o,
-                    bf);
+                    bf, fm);
     for (int t = t4; t < t1; t++) {
         const float *xr = x + (size_t)t * in;
         float *yr = j->y + (size_t)t * out;
-        for (o = o0; o + 4 <= o1; o += 4) tile1x4(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf);
-        for (; o < o1; o++) tile1x1(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf);
+        for (o = o0; o + 4 <= o1; o += 4) tile1x4(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf, fm);
+        for (; o < o1; o++) tile1x1(xr, wrow(w, (size_t)o, (size_t)in, bf), in, k8, yr, j->bias, o, bf, fm);
     }
 }
 
-AVX2 static void avx2_task(void *c, int task) { avx2_tiles(c, task, 0); }
-AVX2 static void avx2_bf16_task(void *c, int task) { avx2_tiles(c, task, 1); }
+AVX2 static void avx2_task(void *c, int task) { avx2_tiles(c, task, 0, 0); }
+AVX2 static void avx2_bf16_task(void *c, int task) { avx2_tiles(c, task, 1, 0); }
+AVX2 static void fma_task(void *c, int task) { avx2_tiles(c, task, 0, 1); }
+AVX2 static void fma_bf16_task(void *c, int task) { avx2_tiles(c, task, 1, 1); }
 #endif
 
 /* ---- OpenBLAS ------------------------------------------------------------------------------
@@ -306,7 +326,7 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
                   const uint16_t *wb, const float *bias, int n, int in, int out, float *y)
 {
     if (n <= 0 || out <= 0) return;
-    KVS_ASSERT(!wb || (k->bf16_weights && k->isa == KVS_CPU_ISA_AVX2 && k->gemm == KVS_CPU_GEMM_INVARIANT));
+    KVS_ASSERT(!wb || (k->bf16_weights && k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT));
     struct gemm_job j = {.x = x, .w = w, .wb = wb, .bias = bias, .y = y, .n = n, .in = in, .out = out};
     if (k->gemm == KVS_CPU_GEMM_BLAS && n >= KVS_CPU_BLAS_MIN_ROWS) {
         j.rb = 256;
@@ -316,14 +336,16 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
         return;
     }
 #if KVS_CPU_X86
-    if (k->isa == KVS_CPU_ISA_AVX2) {
+    if (k->isa != KVS_CPU_ISA_REF) {
         /* x rows of a block: ~16 KiB, so they stay in L1 beside the W pair while the 4-row
          * tiles pass over them, a multiple of the 4-row tile */
         int rb = (int)(RB_BYTES / ((size_t)in * sizeof(float))) / 4 * 4;
         j.rb = rb < 4 ? 4 : rb > 256 ? 256 : rb;
         j.ob = OB_AVX2;
         j.n_ob = (out + j.ob - 1) / j.ob;
-        kvs_cpu_pool_run(pool, (n + j.rb - 1) / j.rb * j.n_ob, wb ? avx2_bf16_task : avx2_task, &j);
+        j.n_rb = (n + j.rb - 1) / j.rb;
+        kvs_cpu_task_fn fn = k->isa == KVS_CPU_ISA_FMA ? (wb ? fma_bf16_task : fma_task) : (wb ? avx2_bf16_task : avx2_task);
+        kvs_cpu_pool_run(pool, (n + j.rb - 1) / j.rb * j.n_ob, fn, &j);
         return;
     }
 #endif

@@ -2,12 +2,24 @@
  * of instruction set, shared by cpu_backend.c, cpu_gemm.c and cpu_attention.c. Plain pointers
  * only (no backend structs), so the kernels can be tested and benchmarked on bare arrays.
  *
- * Kernel sets (enum kvs_cpu_isa). KVS_CPU_ISA_REF is the readable plain-C fp32 reference (the
- * oracle of the tests); KVS_CPU_ISA_AVX2 uses 256-bit intrinsics (target attributes, picked at
- * run time with __builtin_cpu_supports). The AVX2 matmul keeps the reference's summation order
- * (kvs_cpu_dot's lanes and tree) with separate multiplies and adds (no FMA), and so does the
- * AVX2 attention per (row, head), so the fast results are BITWISE equal to the reference's:
- * they inherit its determinism and batch invariance, and the tests compare bits.
+ * Kernel sets (enum kvs_cpu_isa), picked at run time (__builtin_cpu_supports, target
+ * attributes; the start-up log names the set in use and the best one here):
+ *   - KVS_CPU_ISA_REF: the readable plain-C fp32 reference, the oracle of the tests (and the
+ *     kernel on CPUs without AVX2). Matmul: kvs_cpu_dot per (row, output). Attention: one
+ *     (row, head) pair at a time, an online softmax updated per key with libm expf.
+ *   - KVS_CPU_ISA_AVX2: 256-bit multiplies and adds (no FMA). The matmul keeps the reference's
+ *     summation order (kvs_cpu_dot's lanes and tree), so it is BITWISE the reference.
+ *   - KVS_CPU_ISA_FMA (default where AVX2 + FMA exist): the same lanes and tree, each lane
+ *     accumulated with fused multiply-adds: bitwise kvs_cpu_dot_fma (below), within fp32
+ *     rounding of the reference (the tests bound it). On the 2-core EPYC of bench/RESULTS.md
+ *     two threads of FMA run ~1.3-1.5x the mul + add rate.
+ *   With AVX2 and FMA the attention is key-tiled (cpu_attn_tile.h): KVS_CPU_ATTN_KT keys at a
+ *   time per (row, head) pair, one online-softmax step per key tile with a vector exp. It is
+ *   within rounding of the reference (not bitwise), and batch invariant: key tiles sit at
+ *   absolute multiples of KT and a pair only reads keys below its own context, so a row's bits
+ *   do not depend on the other rows, on n or on the thread count. attention_spans() uses the
+ *   same per-pair steps, so one full span still gives attention()'s bits exactly.
+ *   No AVX-512 kernels: the machines this was measured on have none (an AVX-512 CPU runs FMA).
  *
  * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_INVARIANT (default) runs the kernels above.
  * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
@@ -17,37 +29,39 @@
  * invariance for speed. It stays deterministic for the same inputs, n and thread count, and
  * within fp32 rounding of the reference (tests/unit/test_cpu_gemm.c checks both).
  *
- * bf16 weights. With the AVX2 kernels and the invariant GEMM, 2-D weights that the model stores
+ * bf16 weights. With the AVX2 or FMA kernels and the invariant GEMM, 2-D weights that the model stores
  * as bf16 stay bf16 in memory (half the bytes to hold and to stream per decode step) and the
  * matmul widens them in registers. Widening bf16 to fp32 is exact, so the results are bitwise
  * those of the fp32 copy: nothing changes but memory and speed. KVS_CPU_WEIGHTS=f32 forces
  * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
  *
- * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2),
+ * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma),
  * KVS_CPU_GEMM (invariant | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
  * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
  * except the BLAS path inside OpenBLAS. */
 #ifndef KVS_CPU_KERNELS_H
 #define KVS_CPU_KERNELS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "kernels/cpu/cpu_pool.h"
 
-enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1 };
+enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1, KVS_CPU_ISA_FMA = 2 };
 enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1 };
 
 #define KVS_CPU_BLAS_MIN_ROWS 8   /* below this the hand kernel wins even in BLAS mode */
 #define KVS_CPU_MAX_HEAD_DIM 1024
+#define KVS_CPU_ATTN_KT 16        /* keys per key tile of the AVX2 / FMA attention */
 
 struct kvs_cpu_kernels {
     enum kvs_cpu_isa isa;
     enum kvs_cpu_gemm_mode gemm;
-    int bf16_weights;             /* bf16 matrices may stay bf16 (AVX2 + invariant GEMM only) */
+    int bf16_weights;             /* bf16 matrices may stay bf16 (AVX2 / FMA + invariant GEMM only) */
 };
 
-/* The best instruction set this CPU runs (AVX2 where present, else the reference). */
+/* The best kernel set this CPU runs (FMA, else AVX2, else the reference). */
 enum kvs_cpu_isa kvs_cpu_isa_best(void);
 const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa);
 /* Fills k from the environment (see above); 0, or -EINVAL + message. */
@@ -67,6 +81,19 @@ static inline float kvs_cpu_dot(const float *a, const float *b, int n)
     int i = 0;
     for (; i + 8 <= n; i += 8)
         for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* kvs_cpu_dot's lanes, tree and tail with every multiply-add fused (fmaf: one rounding): the
+ * order of the FMA kernels, in plain C for the tests (slow where the CPU has no FMA). */
+static inline float kvs_cpu_dot_fma(const float *a, const float *b, int n)
+{
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] = fmaf(a[i + j], b[i + j], acc[j]);
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;

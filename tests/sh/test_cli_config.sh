@@ -36,10 +36,16 @@ mkdir -p "$tmp/broken" && cp models/demo/* "$tmp/broken/" && echo '{"architectur
 "$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 1 ] && grep -q "config.json" "$tmp/err" && ok "--check-config: broken config.json fails" \
   || bad "--check-config accepted a broken config.json (rc=$rc): $(cat "$tmp/err")"
-cp models/demo/config.json "$tmp/broken/" && rm "$tmp/broken/tokenizer.json"
+cp models/demo/config.json "$tmp/broken/" && echo '{"model": {' >"$tmp/broken/tokenizer.json"
 "$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
-[ $rc -eq 1 ] && grep -qi "tokenizer" "$tmp/err" && ok "--check-config: missing tokenizer fails" \
-  || bad "--check-config accepted a model without tokenizer (rc=$rc): $(cat "$tmp/err")"
+[ $rc -eq 1 ] && grep -qi "tokenizer" "$tmp/err" && ok "--check-config: broken tokenizer.json fails" \
+  || bad "--check-config accepted a broken tokenizer.json (rc=$rc): $(cat "$tmp/err")"
+# no tokenizer.json at all: a token-id-only model directory (random-weight benchmark models),
+# served by token ids, and the log says so
+rm "$tmp/broken/tokenizer.json"
+"$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 0 ] && grep -q "serving token ids only" "$tmp/err" && ok "--check-config: no tokenizer.json = token ids only" \
+  || bad "--check-config on a model without tokenizer.json (rc=$rc): $(cat "$tmp/err")"
 timeout 10 "$KVS" --config config/default.json --set model.path="$tmp/none" --port 0 >"$tmp/out" 2>"$tmp/err"; rc=$?
 [ $rc -eq 1 ] && ! grep -q "listening on" "$tmp/err" "$tmp/out" && ok "daemon: bad model fails before listening" \
   || bad "daemon with a bad model (rc=$rc): $(cat "$tmp/err" "$tmp/out")"

@@ -5,11 +5,15 @@
  *     each row computed alone equals the row inside the batch (batch invariance); with bf16
  *     weights (random bits, exponents near the top included) bitwise equal to the reference on
  *     the widened fp32 copy.
- *   - Tiled AVX2 attention: bitwise equal to the reference on paged caches mixing prefill chunks
- *     (longer than a tile), decode rows and 1-token prompts; GQA 1/2/4/8; block sizes 4, 5 and
- *     16; deferred-RoPE offsets and partially valid blocks; 1 and 3 threads. Batch invariance
- *     checked directly too: every row computed alone, as a decode row of its sequence, gives the
- *     bits it had in the batch.
+ *   - FMA matmul: BITWISE equal to a plain-C mirror of its order (kvs_cpu_dot_fma: fmaf per
+ *     lane, the reference tree), within 1e-5 of the reference's magnitude bound, the same row
+ *     alone and in the batch, 1 = 3 threads, bf16 weights as their widening.
+ *   - Key-tiled attention (AVX2 and FMA sets): within 1e-5 of the reference (absolute; values
+ *     in [-1, 1]; the vector exp and the per-tile rescale reorder the rounding) on paged caches
+ *     mixing prefill chunks (longer than a query tile and several key tiles), decode rows and
+ *     1-token prompts; GQA 1/2/4/8; block sizes 4, 5 and 16; deferred-RoPE offsets and partially
+ *     valid blocks; 1 and 3 threads bitwise. Batch invariance checked directly: every row
+ *     computed alone, as a decode row of its sequence, gives the bits it had in the batch.
  *   - OpenBLAS matmul (KVS_CPU_GEMM=blas): within fp32 rounding of the reference (relative error
  *     below 1e-5 of the row's magnitude sum bound), deterministic (same call twice, 1 vs 3
  *     threads: same bits); how many rows lose batch invariance is printed (measured, not
@@ -35,7 +39,34 @@ static float *rnd(size_t n, float scale)
 
 static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
 static const struct kvs_cpu_kernels K_AVX2 = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT, 1};
-static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_BLAS, 0};
+static const struct kvs_cpu_kernels K_FMA = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_INVARIANT, 1};
+static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_BLAS, 0};
+
+/* the FMA kernels' order in plain C: kvs_cpu_dot_fma per element, then the bias */
+static void gemm_fma_mirror(const float *x, const float *w, const float *bias, int n, int in, int out, float *y)
+{
+    for (int t = 0; t < n; t++)
+        for (int o = 0; o < out; o++) {
+            float s = kvs_cpu_dot_fma(x + (size_t)t * in, w + (size_t)o * in, in);
+            y[(size_t)t * out + o] = bias ? s + bias[o] : s;
+        }
+}
+
+/* worst |a - b| over the element's magnitude bound sum_k |x w| + |bias| (fp32 rounding of a
+ * length-in sum stays far below 1e-5 of it) */
+static double gemm_err(const float *x, const float *w, const float *bias, int n, int in, int out, const float *a,
+                       const float *b)
+{
+    double worst = 0;
+    for (int t = 0; t < n; t++)
+        for (int o = 0; o < out; o++) {
+            double mag = bias ? fabs(bias[o]) : 0.0;
+            for (int k = 0; k < in; k++) mag += fabs((double)x[(size_t)t * in + k] * w[(size_t)o * in + k]);
+            double e = fabs((double)a[(size_t)t * out + o] - b[(size_t)t * out + o]) / (mag > 0 ? mag : 1.0);
+            if (!(e <= worst)) worst = e;
+        }
+    return worst;
+}
 
 static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -43,6 +74,7 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
     const int outs[] = {1, 3, 17, 64, 130};
     const int ns[] = {1, 2, 3, 4, 5, 9, 16, 33, 70};
     int cases = 0;
+    double fma_worst = 0;
     for (int ii = 0; ii < 7; ii++)
         for (int oi = 0; oi < 5; oi++)
             for (int ni = 0; ni < 9; ni++) {
@@ -50,6 +82,7 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                 float *x = rnd((size_t)n * in, 1.0f), *w = rnd((size_t)out * in, 0.5f), *bias = rnd(out, 1.0f);
                 float *yr = kvs_xmalloc((size_t)n * out * 4), *ya = kvs_xmalloc((size_t)n * out * 4);
                 float *y1 = kvs_xmalloc((size_t)out * 4), *wf = kvs_xmalloc((size_t)out * in * 4);
+                float *y2 = kvs_xmalloc((size_t)n * out * 4);
                 uint16_t *wb = kvs_xmalloc((size_t)out * in * 2);
                 for (size_t i = 0; i < (size_t)out * in; i++) {
                     wb[i] = (uint16_t)(kvs_test_xorshift(&g_rng) >> 16);
@@ -77,12 +110,32 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     kvs_cpu_gemm(p1, &K_AVX2, x + (size_t)t * in, NULL, wb, bb, 1, in, out, y1);
                     CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
                           "gemm %dx%dx%d: bf16, row %d alone != in the batch", n, in, out, t);
+                    /* FMA: bitwise the plain-C fmaf mirror, within rounding of the reference,
+                     * thread-count and batch invariant, bf16 weights as their fp32 widening */
+                    gemm_fma_mirror(x, w, bb, n, in, out, yr);
+                    kvs_cpu_gemm(p3, &K_FMA, x, w, NULL, bb, n, in, out, ya);
+                    CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: fma != its mirror", n, in,
+                          out, with_bias);
+                    kvs_cpu_gemm(p1, &K_FMA, x, w, NULL, bb, n, in, out, y2);
+                    CHECK(memcmp(y2, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d: fma 1 vs 3 threads", n, in, out);
+                    kvs_cpu_gemm(p1, &K_REF, x, w, NULL, bb, n, in, out, y2);
+                    double e = gemm_err(x, w, bb, n, in, out, ya, y2);
+                    if (e > fma_worst) fma_worst = e;
+                    CHECK(e < 1e-5, "gemm %dx%dx%d: fma vs ref %g of the magnitude bound", n, in, out, e);
+                    kvs_cpu_gemm(p3, &K_FMA, x + (size_t)t * in, w, NULL, bb, 1, in, out, y1);
+                    CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
+                          "gemm %dx%dx%d: fma, row %d alone != in the batch", n, in, out, t);
+                    gemm_fma_mirror(x, wf, bb, n, in, out, yr);
+                    kvs_cpu_gemm(p3, &K_FMA, x, NULL, wb, bb, n, in, out, ya);
+                    CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: fma bf16 != its mirror", n,
+                          in, out, with_bias);
                     cases++;
                 }
-                free(x), free(w), free(bias), free(yr), free(ya), free(y1), free(wf), free(wb);
+                free(x), free(w), free(bias), free(yr), free(ya), free(y1), free(y2), free(wf), free(wb);
             }
-    printf("ok gemm: avx2 (fp32 and bf16 weights) bitwise == reference and batch invariant (%d shape cases, 1 and 3 "
-           "threads)\n", cases);
+    printf("ok gemm: avx2 (fp32 and bf16 weights) bitwise == reference, fma bitwise == its fmaf mirror and within "
+           "%.1e of the reference's magnitude bound, both batch invariant (%d shape cases, 1 and 3 threads)\n",
+           fma_worst, cases);
 }
 
 static void test_blas(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
@@ -130,8 +183,11 @@ struct seq {
     int pos, rows;
 };
 
-static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, const struct seq *seqs, int n_seqs,
-                           int n_heads, int n_kv, int hd, int bs, int deferred, const char *what)
+static double g_attn_worst[3];   /* per kernel set: worst |tiled - ref| (values in [-1, 1]) */
+
+static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, const struct kvs_cpu_kernels *kk,
+                           const struct seq *seqs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int deferred,
+                           const char *what)
 {
     int n = 0, max_ctx = 0;
     int32_t q_start[16], pos[16];
@@ -172,12 +228,20 @@ static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, con
     for (size_t i = 0; i < (size_t)n * n_heads * hd; i++) finite &= isfinite(o_ref[i]);
     CHECK(finite, "attention %s: reference output not finite", what);
     a.out = o_avx;
-    kvs_cpu_attention(p3, &K_AVX2, &a);
-    CHECK(memcmp(o_ref, o_avx, (size_t)n * n_heads * hd * 4) == 0,
-          "attention %s h=%d/%d hd=%d bs=%d: avx2 (3 threads) != ref", what, n_heads, n_kv, hd, bs);
+    kvs_cpu_attention(p3, kk, &a);
+    /* the tiled kernels differ from the reference by rounding only (vector exp, per-tile
+     * rescale): each output is a convex combination of values in [-1, 1] */
+    double worst = 0;
+    for (size_t i = 0; i < (size_t)n * n_heads * hd; i++) {
+        double e = fabs((double)o_ref[i] - o_avx[i]);
+        if (!(e <= worst)) worst = e;
+    }
+    if (worst > g_attn_worst[kk->isa]) g_attn_worst[kk->isa] = worst;
+    CHECK(worst < 1e-5, "attention %s h=%d/%d hd=%d bs=%d: %s differs from ref by %g", what, n_heads, n_kv, hd, bs,
+          kvs_cpu_isa_name(kk->isa), worst);
     float *o_1t = kvs_xmalloc((size_t)n * n_heads * hd * 4);
     a.out = o_1t;
-    kvs_cpu_attention(p1, &K_AVX2, &a);
+    kvs_cpu_attention(p1, kk, &a);
     CHECK(memcmp(o_1t, o_avx, (size_t)n * n_heads * hd * 4) == 0, "attention %s h=%d/%d hd=%d bs=%d: 1 vs 3 threads",
           what, n_heads, n_kv, hd, bs);
     /* batch invariance: every row again on its own, as a decode row of its sequence */
@@ -195,7 +259,7 @@ static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, con
             b1.valid = a.valid ? valid + (size_t)s * max_blocks : NULL;
             b1.n = 1;
             b1.n_seqs = 1;
-            kvs_cpu_attention(p3, &K_AVX2, &b1);
+            kvs_cpu_attention(p3, kk, &b1);
             same &= memcmp(o_1t, o_avx + (size_t)r * n_heads * hd, (size_t)n_heads * hd * 4) == 0;
         }
     CHECK(same, "attention %s h=%d/%d hd=%d bs=%d: a row alone differs from the row in the batch", what, n_heads, n_kv,
@@ -210,16 +274,23 @@ static void test_attention(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
     const struct seq mix[] = {{0, 37}, {40, 7}, {65, 1}, {0, 1}, {16, 1}};
     const struct seq decode1[] = {{90, 1}};
     const int gqa[][2] = {{4, 4}, {4, 2}, {8, 2}, {8, 1}};
-    for (int gi = 0; gi < 4; gi++) {
-        attention_case(p1, p3, mix, 5, gqa[gi][0], gqa[gi][1], 32, 16, 0, "mixed batch");
-        attention_case(p1, p3, mix, 5, gqa[gi][0], gqa[gi][1], 64, 5, 0, "mixed batch");
-        attention_case(p1, p3, decode1, 1, gqa[gi][0], gqa[gi][1], 64, 16, 0, "one decode row");
+    const struct seq longp[] = {{0, 70}, {100, 40}};   /* several key tiles, rows crossing them */
+    for (int ki = 0; ki < 2; ki++) {
+        const struct kvs_cpu_kernels *kk = ki ? &K_FMA : &K_AVX2;
+        for (int gi = 0; gi < 4; gi++) {
+            attention_case(p1, p3, kk, mix, 5, gqa[gi][0], gqa[gi][1], 32, 16, 0, "mixed batch");
+            attention_case(p1, p3, kk, mix, 5, gqa[gi][0], gqa[gi][1], 64, 5, 0, "mixed batch");
+            attention_case(p1, p3, kk, decode1, 1, gqa[gi][0], gqa[gi][1], 64, 16, 0, "one decode row");
+        }
+        attention_case(p1, p3, kk, longp, 2, 4, 1, 64, 16, 0, "long prefill chunks");
+        attention_case(p1, p3, kk, mix, 5, 8, 2, 32, 16, 1, "deferred RoPE + partly valid blocks");
+        attention_case(p1, p3, kk, longp, 2, 8, 2, 32, 5, 1, "deferred RoPE + partly valid blocks, long");
+        attention_case(p1, p3, kk, mix, 5, 4, 1, 20, 4, 1, "deferred RoPE, head_dim 20");
+        attention_case(p1, p3, kk, mix, 5, 2, 1, 1024, 16, 0, "head_dim 1024");
     }
-    attention_case(p1, p3, mix, 5, 8, 2, 32, 16, 1, "deferred RoPE + partly valid blocks");
-    attention_case(p1, p3, mix, 5, 4, 1, 20, 4, 1, "deferred RoPE, head_dim 20");
-    attention_case(p1, p3, mix, 5, 2, 1, 1024, 16, 0, "head_dim 1024");
-    printf("ok attention: tiled avx2 bitwise == reference, and every row alone as in the batch, on 1 or 3 threads "
-           "(GQA 1-8, block sizes 4/5/16, deferred RoPE, partial blocks)\n");
+    printf("ok attention: key-tiled avx2 / fma within %.1e / %.1e of the reference (bound 1e-5), every row alone "
+           "bitwise as in the batch, 1 = 3 threads (GQA 1-8, block sizes 4/5/16, deferred RoPE, partial blocks)\n",
+           g_attn_worst[KVS_CPU_ISA_AVX2], g_attn_worst[KVS_CPU_ISA_FMA]);
 }
 
 int main(void)
@@ -228,7 +299,7 @@ int main(void)
     struct kvs_cpu_pool *p1 = kvs_cpu_pool_create(1, err, sizeof err), *p3 = kvs_cpu_pool_create(3, err, sizeof err);
     REQUIRE(p1 && p3, "pool: %s", err);
     kvs_cpu_blas_init();
-    REQUIRE(kvs_cpu_isa_best() == KVS_CPU_ISA_AVX2, "this CPU has no AVX2: the AVX2 kernels cannot be checked here");
+    REQUIRE(kvs_cpu_isa_best() == KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the fast kernels cannot be checked here");
     test_gemm(p1, p3);
     test_attention(p1, p3);
     test_blas(p1, p3);

@@ -9,7 +9,14 @@
  *     union of the pages it was shown (clipped to its position), within fp32 merge rounding;
  *   - w = 1 supplements nothing: each output is its own step's sparse attention, bitwise;
  *   - the mask rejects malformed selections (-EINVAL).
- * Prints the effective budget (union of keys seen per query / keys of its own step) per w. */
+ * Prints the effective budget (union of keys seen per query / keys of its own step) per w.
+ * Then the same exactness through the policy itself (kv.decode=retro, engine/kv/kv_decode_retro.c,
+ * driven as the runner drives it: plan, attend, finish): one selecting layer, two requests
+ * decoding side by side, frozen queries and no re-embedding (each re-run row gets its query's
+ * own q; the cache is not rewritten). Once a query leaves the window, its merged output and lse
+ * equal attention over the union of the pages Quest selected for it and for the w - 1 later
+ * queries (recomputed here with Quest's CPU kernels over the same digests), clipped to its own
+ * position, for w = 2, 4, 8; with w = 1 every output is that of its own selection, bitwise. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -17,7 +24,10 @@
 #include <string.h>
 
 #include "base/util.h"
+#include "engine/config.h"
+#include "engine/kv/kv.h"
 #include "kernels/backend.h"
+#include "kernels/kv_quest.h"
 #include "kernels/kv_retro.h"
 #include "tests/unit/test_util.h"
 
@@ -189,6 +199,184 @@ static void run_window(int w)
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(be, bufs[i]);
 }
 
+/* ---- through the policy ---------------------------------------------------------------------- */
+#define PS2 2                /* requests */
+#define PT 40                /* decode steps */
+#define PMB ((P0 + PT + PS - 1) / PS)
+#define PMAXW 8
+
+static void run_policy(int w)
+{
+    const struct kvs_kv_decode_ops *dp = kvs_kv_find_decode("retro");
+    REQUIRE(dp, "retro is not registered");
+    struct kvs_config cfg;
+    kvs_config_init(&cfg);
+    cfg.quest_budget_ratio = 0.15;
+    cfg.quest_min_budget = 48;
+    cfg.quest_dense_layers = 0;
+    cfg.retro_window = w;
+    const int nb = PS2 * PMB, max_rows = PS2 * P0;
+    const size_t nkv_el = (size_t)nb * NKV * PS * HD;
+    const struct kvs_kv_decode_env env = {O, be, &cfg, 1, NH, NKV, HD, PS, PS2, max_rows, PMB, 2 * NKV * HD * 4, nb, NULL};
+    void *st;
+    char err[256];
+    REQUIRE(dp->create(&env, &st, err, sizeof err) == 0, "create: %s", err);
+    const size_t sb = dp->seq_bytes(st);
+    unsigned char *arena = kvs_xcalloc(PS2, sb);
+    for (int s = 0; s < PS2; s++) REQUIRE(dp->seq_init(st, s, arena + (size_t)s * sb) == 0, "seq_init");
+    /* the cache, block tables (interleaved), frozen queries */
+    struct kvs_dbuf *k2 = O->alloc(be, KVS_BUF_KV, nkv_el), *v2 = O->alloc(be, KVS_BUF_KV, nkv_el);
+    struct kvs_dbuf *q = O->alloc(be, KVS_BUF_ACT, (size_t)max_rows * NH * HD);
+    struct kvs_dbuf *out = O->alloc(be, KVS_BUF_ACT, (size_t)max_rows * NH * HD);
+    struct kvs_dbuf *lse = O->alloc(be, KVS_BUF_F32, (size_t)max_rows * NH);
+    struct kvs_dbuf *d_qs = O->alloc(be, KVS_BUF_I32, PS2 + 1), *d_pos = O->alloc(be, KVS_BUF_I32, PS2);
+    struct kvs_dbuf *d_bt = O->alloc(be, KVS_BUF_I32, PS2 * PMB), *dig = O->alloc(be, KVS_BUF_KV, (size_t)nb * NKV * 2 * HD);
+    struct kvs_dbuf *d_keep = O->alloc(be, KVS_BUF_I32, PS2), *d_sc = O->alloc(be, KVS_BUF_F32, PS2 * NKV * PMB);
+    struct kvs_dbuf *d_nsel = O->alloc(be, KVS_BUF_I32, PS2 * NKV), *d_sel = O->alloc(be, KVS_BUF_I32, PS2 * NKV * PMB * 2);
+    struct kvs_dbuf *d_nq = O->alloc(be, KVS_BUF_I32, PS2 + 1), *d_np = O->alloc(be, KVS_BUF_I32, PS2);
+    struct kvs_dbuf *qn = O->alloc(be, KVS_BUF_ACT, PS2 * NH * HD);
+    REQUIRE(k2 && v2 && q && out && lse && d_qs && d_pos && d_bt && dig && d_keep && d_sc && d_nsel && d_sel && d_nq &&
+            d_np && qn, "alloc");
+    float *h = kvs_xmalloc(nkv_el * sizeof *h);
+    for (size_t i = 0; i < nkv_el; i++) h[i] = frand();
+    O->upload(be, k2, 0, h, nkv_el);
+    for (size_t i = 0; i < nkv_el; i++) h[i] = frand();
+    O->upload(be, v2, 0, h, nkv_el);
+    free(h);
+    int32_t bt[PS2 * PMB];
+    for (int s = 0; s < PS2; s++)
+        for (int j = 0; j < PMB; j++) bt[s * PMB + j] = j * PS2 + (PS2 - 1 - s);
+    O->upload(be, d_bt, 0, bt, PS2 * PMB);
+    static float qf[PS2][P0 + PT][NH * HD];          /* the frozen query of each position */
+    for (int s = 0; s < PS2; s++)
+        for (int t = 0; t < P0 + PT; t++)
+            for (int i = 0; i < NH * HD; i++) qf[s][t][i] = 2 * frand();
+    static unsigned char seen[PS2][PT][NKV][PMB];
+    static float fo[PS2][PT][NH * HD], fl[PS2][PT][NH];
+    memset(seen, 0, sizeof seen);
+    const struct kvs_quest_kernels *K = &kvs_quest_kernels_cpu;
+    static float rows_q[PS2 * P0 * NH * HD];
+    int32_t qs[PS2 + 1], pos[PS2], slot[PS2] = {0, 1}, dec[PS2];
+    for (int step = 0; step <= PT; step++) {
+        /* step 0: both prompts (positions 0 .. P0 - 1) as prefill; then decode steps */
+        qs[0] = 0;
+        for (int s = 0; s < PS2; s++) {
+            const int k = step ? dp->recompute(st, s) : 0;
+            const int newest = step ? P0 + step - 1 : P0 - 1;
+            REQUIRE(k <= w - 1 && k <= step - 1 + (step == 0), "recompute %d at step %d", k, step);
+            pos[s] = step ? newest - k : 0;
+            qs[s + 1] = qs[s] + (step ? k + 1 : P0);
+            dec[s] = step > 0;
+            for (int r = 0; r < qs[s + 1] - qs[s]; r++)
+                memcpy(rows_q + (size_t)(qs[s] + r) * NH * HD, qf[s][pos[s] + r], sizeof qf[s][0]);
+        }
+        const int n = qs[PS2];
+        O->upload(be, q, 0, rows_q, (size_t)n * NH * HD);
+        O->upload(be, d_qs, 0, qs, PS2 + 1);
+        O->upload(be, d_pos, 0, pos, PS2);
+        const struct kvs_attn_meta m = {.n_seqs = PS2, .max_blocks = PMB, .q_start = d_qs, .pos = d_pos,
+                                        .block_tables = d_bt, .h_q_start = qs, .h_pos = pos,
+                                        .max_ctx = pos[PS2 - 1] + qs[PS2] - qs[PS2 - 1]};
+        const struct kvs_kv_step sp = {PS2, n, qs, pos, slot, dec, &m};
+        const struct kvs_kv_attend a = {&sp, q, NULL, {k2, v2, NULL, NULL, 0}, NH, NKV, HD, PS,
+                                        1.0f / sqrtf((float)HD), out, lse};
+        REQUIRE(dp->plan(st, &sp) == 0, "plan at step %d", step);
+        dp->attend(st, 0, &a);
+        dp->finish(st, 0, &sp);
+        K->digest_update(be, k2, &m, NKV, HD, PS, PS, dig);   /* the test's own digests, same updates */
+        if (!step) continue;
+        /* Quest's selection of each newest query, recomputed: what every query of the window saw */
+        int32_t keep[PS2], nq[PS2 + 1] = {0, 1, 2}, np[PS2];
+        for (int s = 0; s < PS2; s++) {
+            np[s] = P0 + step - 1;
+            const int ctx = np[s] + 1, cur = np[s] / PS;
+            int kp = (int)ceil(fmax(48.0, ceil(0.15 * ctx)) / PS);
+            keep[s] = kp > cur + 1 ? cur + 1 : kp;
+            O->upload(be, qn, (size_t)s * NH * HD, qf[s][np[s]], NH * HD);
+        }
+        O->upload(be, d_keep, 0, keep, PS2);
+        O->upload(be, d_nq, 0, nq, PS2 + 1);
+        O->upload(be, d_np, 0, np, PS2);
+        struct kvs_attn_meta nm = m;
+        nm.q_start = d_nq, nm.pos = d_np, nm.h_q_start = nq, nm.h_pos = np;
+        K->score(be, qn, dig, &nm, d_keep, PS2, NH, NKV, HD, PS, PS, PMB, d_sc);
+        K->select(be, d_sc, &nm, d_keep, PS2, NKV, PS, PMB, PMB, d_nsel, d_sel);
+        int32_t nsel[PS2 * NKV], sel[PS2 * NKV * PMB * 2];
+        O->download(be, nsel, d_nsel, 0, PS2 * NKV);
+        O->download(be, sel, d_sel, 0, PS2 * NKV * PMB * 2);
+        const int t = step - 1;
+        for (int s = 0; s < PS2; s++) {
+            for (int g = 0; g < NKV; g++) {
+                const int32_t *spn = sel + ((size_t)s * NKV + g) * PMB * 2;
+                for (int i = 0; i < nsel[s * NKV + g]; i++)
+                    for (int p = spn[2 * i] / PS; p * PS < spn[2 * i + 1]; p++)
+                        for (int tp = t; tp > t - w && tp >= 0; tp--)
+                            if (p * PS <= P0 + tp) seen[s][tp][g][p] = 1;
+            }
+            /* the outputs of this step's rows: query t - back for row k - back */
+            const int rows = qs[s + 1] - qs[s];
+            for (int r = 0; r < rows; r++) {
+                const int tq = t - (rows - 1 - r);
+                O->download(be, fo[s][tq], out, (size_t)(qs[s] + r) * NH * HD, NH * HD);
+                O->download(be, fl[s][tq], lse, (size_t)(qs[s] + r) * NH, NH);
+            }
+        }
+    }
+    /* queries whose window has passed (their last supplement is in) against the union */
+    double err_max = 0;
+    int bitwise = 1, checked = 0;
+    for (int s = 0; s < PS2; s++)
+        for (int t = 0; t + w - 1 < PT; t++) {
+            int32_t n[NKV], sp[NKV * NPAGES * 2];
+            unsigned char f[NPAGES];
+            for (int g = 0; g < NKV; g++) {
+                memset(f, 0, sizeof f);
+                for (int p = 0; p < PMB && p < NPAGES; p++) f[p] = seen[s][t][g][p];
+                n[g] = flags_to_spans(f, P0 + t, sp + g * NPAGES * 2);
+            }
+            /* the reference over the test's own single-sequence view: blocks of request s */
+            int32_t bts[NPAGES];
+            for (int j = 0; j < NPAGES; j++) bts[j] = j < PMB ? bt[s * PMB + j] : 0;
+            struct one x;
+            one_init(&x);
+            O->upload(be, x.bt, 0, bts, NPAGES);
+            float ro[NH * HD], rl[NH];
+            struct kvs_dbuf *sk = kc, *sv = vc;
+            kc = k2, vc = v2;
+            attend(&x, qf[s][P0 + t], P0 + t, n, sp, ro, rl);
+            kc = sk, vc = sv;
+            for (int i = 0; i < NH * HD; i++) {
+                const double e = fabs((double)fo[s][t][i] - ro[i]);
+                err_max = e > err_max || e != e ? e : err_max;
+                bitwise &= fo[s][t][i] == ro[i];
+            }
+            for (int hh = 0; hh < NH; hh++) {
+                const double e = fabs((double)fl[s][t][hh] - rl[hh]);
+                err_max = e > err_max || e != e ? e : err_max;
+            }
+            checked++;
+            struct kvs_dbuf *bufs[] = {x.q, x.out, x.lse, x.qs, x.pos, x.bt, x.n_sp, x.sp};
+            for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(be, bufs[i]);
+        }
+    struct kvs_kv_counter c[32];
+    const int nc = dp->counters(st, c, 32);
+    double eff = 0;
+    for (int i = 0; i < nc; i++)
+        if (!strcmp(c[i].name, "kvserve:kv_retro_effective_budget")) eff = c[i].value;
+    CHECK(checked > 0 && err_max < 2e-6, "policy w=%d: merged outputs differ from attention over the union by %g", w,
+          err_max);
+    if (w == 1) CHECK(bitwise, "policy w=1: outputs are not their own selection's, bitwise");
+    if (w > 1) CHECK(eff > 1.0, "policy w=%d: effective budget %g", w, eff);
+    printf("ok policy retro w=%d, one layer, frozen q: %d queries = attention over the union of their window's "
+           "selections (max err %.1e), effective budget %.3fx\n", w, checked, err_max, eff);
+    for (int s = 0; s < PS2; s++) dp->seq_free(st, s);
+    dp->destroy(st);
+    free(arena);
+    struct kvs_dbuf *bufs[] = {k2, v2, q, out, lse, d_qs, d_pos, d_bt, dig, d_keep, d_sc, d_nsel, d_sel, d_nq, d_np, qn};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(be, bufs[i]);
+    kvs_config_free(&cfg);
+}
+
 int main(void)
 {
     char err[256];
@@ -206,6 +394,7 @@ int main(void)
     free(h);
     static const int W[] = {1, 2, 4, 8};
     for (size_t i = 0; i < sizeof W / sizeof W[0]; i++) run_window(W[i]);
+    for (size_t i = 0; i < sizeof W / sizeof W[0]; i++) run_policy(W[i]);
     /* malformed selections */
     int32_t A[8] = {-1, -1, -1, -1, -1, -1, -1, -1}, M[8], bad1[2] = {3, 2}, bad2[1] = {9};
     CHECK(kvs_retro_mask_step(A, 8, bad1, 2, 3, 0, M) == -EINVAL, "unsorted selection accepted");

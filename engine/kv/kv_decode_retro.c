@@ -1,0 +1,567 @@
+/* kv_decode_retro.c: kv.decode=retro (RetroAttention on Quest; STRATEGIES.md §4): Quest's page
+ * selection for the newest query, plus retrospective updates of the window's w - 1 past
+ * queries, which are supplemented with the selected pages they had not seen.
+ *
+ *   window     kv.retro.window = w (1: Quest exactly, its code path). A decode step of a request
+ *              runs k + 1 rows (kv.h recompute: the runner re-runs its last k tokens from the
+ *              updated lower layers and rewrites their K/V; Quest's digests of the rewritten
+ *              pages are refreshed by the layer's digest update, which covers every row), with
+ *              k = min(w - 1, cached past outputs). Prompt tokens never enter the window: a
+ *              request's first decode step has k = 0. A request that missed a step (or attended
+ *              densely in one) restarts its window.
+ *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys) for the newest
+ *              row of each decoding request, in layers kv.quest.dense_layers and up; past rows
+ *              never select. Layers below are dense for every row.
+ *   mask       per request, layer and KV head, A[page] = the last decode step (of this request)
+ *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step, on the host after
+ *              the selection is downloaded).
+ *   supplement past query t' is shown the selected pages with M[p] < t', clipped to its own
+ *              position (kvs_retro_supplement). One attention_spans call runs every row of the
+ *              leading decode sequences: the newest over its selection, each past row over its
+ *              supplement (no span: lse -inf); attn_merge then merges each past row with its
+ *              cached (o, lse); the newest rows merge with lse -inf and a zero row (unchanged).
+ *   cache      per sparse layer, the outputs and lse of the last step's rows of the leading
+ *              decode sequences (device ACT [rows][n_heads * head_dim] + host F32), in the
+ *              last step's row layout: the next step gathers each past row's entry by the row
+ *              it had (gather_rows), so no scatter into per-request storage is needed. Sized by
+ *              the request slots (min(slots, rows per step) x w rows), counted in
+ *              kvserve:kv_retro_cache_bytes and against kv.decode_state_bytes with the arena.
+ *   arena      per request (kv.h seq_bytes): the window bookkeeping and the masks A
+ *              [sparse layers][n_kv_heads][max pages] int32.
+ *
+ * Not done here (said so in the report): the paper's one kernel reading the selected pages
+ * once for all w queries; the supplements are a second read of the pages by attention_spans
+ * (counted in kvserve:kv_decode_bytes_read_total). Each sparse layer downloads the selection
+ * and the merged lse (two host syncs a layer on a GPU). Steps whose blocks carry rotation
+ * offsets or partial blocks (cached documents) never select and restart every window.
+ *
+ * Prefix caching: the rewritten K/V of the last w - 1 positions of a request may sit in a full
+ * block that kv.reuse=prefix registered; a request sharing it then reads the re-embedded K/V
+ * (Retro's own, for the same tokens).
+ *
+ * Errors: create() returns -EINVAL (bad page size or window), -ENOSYS (no Quest kernels, no
+ * attention_spans / attn_merge / gather_rows on the backend, or a storage with a format of its
+ * own), -ENOMEM, with a message; plan() returns -EINVAL when a step's rows disagree with the
+ * window it asked for (a runner bug).
+ */
+#include "engine/kv/kv.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "engine/config.h"
+#include "kernels/kv_quest.h"
+#include "kernels/kv_retro.h"
+
+struct rseq {
+    uint64_t last_step;   /* plan index of the last step whose cache holds this request's rows */
+    int t;                /* decode steps so far: the index of the next newest query */
+    int n_win;            /* past outputs cached (in the last step's layout) */
+    int row0, rows;       /* its rows in the last step */
+    int32_t A[];          /* [sparse layers][n_kv_heads][max_pages] */
+};
+
+struct retro {
+    struct kvs_kv_decode_env env;
+    const struct kvs_quest_kernels *k;
+    double ratio;
+    int min_budget, dense_layers, ps, w;
+    int max_pages, max_spans;
+    int rows;                         /* leading decode sequences a step can have */
+    int lrows;                        /* their rows (window included) */
+    size_t seq_bytes;
+    struct rseq **slot;               /* [max_slots] arena pointers */
+    /* device */
+    struct kvs_dbuf **dig;            /* [n_layers] Quest digests (sparse layers) */
+    struct kvs_dbuf **cache;          /* [n_layers] ACT [lrows + 1][n_heads * head_dim]; the last row stays 0 */
+    float **h_lse;                    /* [n_layers] [lrows][n_heads] */
+    struct kvs_dbuf *d_scores, *d_keep, *d_npos, *d_nqs, *d_nrows, *d_qn;
+    struct kvs_dbuf *d_sel_n, *d_sel;             /* the newest rows' selection (Quest's select) */
+    struct kvs_dbuf *d_n_spans, *d_spans;         /* every lead row's spans */
+    struct kvs_dbuf *d_cidx, *d_iota, *d_ob, *d_lb;
+    int32_t *h_keep, *h_npos, *h_nqs, *h_nrows, *h_cidx;
+    int32_t *h_sel_n, *h_sel, *h_n_spans, *h_spans, *h_pages, *h_m, *h_plan_n, *h_plan_sp;
+    float *h_lb;
+    /* this step (plan) */
+    uint64_t steps;
+    int n_lead, n_lrows, any_sparse, any_past, skip;
+    /* counters */
+    double cache_bytes;
+    double bytes_read, sparse_rows, dense_rows, past_rows, keys_own, keys_sup, windows_reset;
+};
+
+static int sparse_layers(const struct retro *s)
+{
+    return s->env.n_layers > s->dense_layers ? s->env.n_layers - s->dense_layers : 0;
+}
+
+static void retro_destroy(void *state)
+{
+    struct retro *s = state;
+    if (!s) return;
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    for (int l = 0; l < s->env.n_layers; l++) {
+        if (s->dig) o->free_buf(be, s->dig[l]);
+        if (s->cache) o->free_buf(be, s->cache[l]);
+        if (s->h_lse) free(s->h_lse[l]);
+    }
+    free(s->dig);
+    free(s->cache);
+    free(s->h_lse);
+    struct kvs_dbuf *bs[] = {s->d_scores, s->d_keep, s->d_npos,   s->d_nqs,  s->d_nrows, s->d_qn, s->d_sel_n,
+                             s->d_sel,    s->d_n_spans, s->d_spans, s->d_cidx, s->d_iota,  s->d_ob, s->d_lb};
+    for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(be, bs[i]);
+    void *hs[] = {s->h_keep, s->h_npos, s->h_nqs,     s->h_nrows,   s->h_cidx,  s->h_sel_n, s->h_sel, s->h_n_spans,
+                  s->h_spans, s->h_pages, s->h_m, s->h_plan_n, s->h_plan_sp, s->h_lb,   s->slot};
+    for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) free(hs[i]);
+    free(s);
+}
+
+/* pages a newest row of context ctx keeps (kv_decode_quest.c's rule) */
+static int keep_pages(const struct retro *s, int ctx)
+{
+    double b = ceil(s->ratio * (double)ctx);
+    if (b < s->min_budget) b = s->min_budget;
+    const double k = ceil(b / s->ps);
+    return k > (double)(1 << 30) ? 1 << 30 : (int)k;
+}
+
+static int retro_max_recompute(const struct kvs_config *cfg)
+{
+    const int w = cfg && cfg->retro_window > 0 ? cfg->retro_window : 2;
+    return w - 1;
+}
+
+static int retro_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
+{
+    const struct kvs_config *c = env->cfg;
+    const double ratio = c ? c->quest_budget_ratio : 0.15;
+    const int min_budget = c ? c->quest_min_budget : 256, dense = c ? c->quest_dense_layers : 2;
+    const int ps = c && c->quest_page_size > 0 ? c->quest_page_size : env->block_size;
+    const int w = retro_max_recompute(c) + 1;
+    const struct kvs_backend_ops *o = env->o;
+    if (w < 1 || w > 64) return kvs_err(err, errlen, -EINVAL, "config key 'kv.retro.window': %d out of [1, 64]", w);
+    if (ps <= 0 || env->block_size % ps)
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.page_size': %d does not divide kv.block_size %d", ps,
+                       env->block_size);
+    if (ratio <= 0 || min_budget < 0 || dense < 0)
+        return kvs_err(err, errlen, -EINVAL, "kv.quest: budget_ratio %g, min_budget %d, dense_layers %d out of range",
+                       ratio, min_budget, dense);
+    if (!o->attention_spans || !o->attn_merge || !o->gather_rows)
+        return kvs_err(err, errlen, -ENOSYS, "kv.decode \"retro\": backend %s lacks attention_spans, attn_merge or "
+                       "gather_rows", o->name);
+    if (env->storage_fmt)
+        return kvs_err(err, errlen, -ENOSYS, "kv.decode \"retro\": its Quest digests read the plain KV pool, not "
+                       "kv.storage \"%s\"", env->storage_fmt);
+    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, errlen);
+    if (!k) return -ENOSYS;
+
+    struct retro *s = kvs_xcalloc(1, sizeof *s);
+    s->env = *env;
+    s->k = k;
+    s->ratio = ratio, s->min_budget = min_budget, s->dense_layers = dense, s->ps = ps, s->w = w;
+    s->max_pages = env->max_blocks * (env->block_size / ps);
+    s->max_spans = keep_pages(s, env->max_blocks * env->block_size);
+    if (s->max_spans > s->max_pages) s->max_spans = s->max_pages;
+    if (s->max_spans < 1) s->max_spans = 1;
+    s->rows = env->max_slots < env->max_rows ? env->max_slots : env->max_rows;
+    s->lrows = s->rows * w < env->max_rows ? s->rows * w : env->max_rows;
+    const int L = env->n_layers, nkv = env->n_kv_heads, qd = env->n_heads * env->head_dim;
+    s->seq_bytes = sizeof(struct rseq) + (size_t)sparse_layers(s) * nkv * s->max_pages * sizeof(int32_t);
+    const size_t rows = (size_t)s->rows, lrows = (size_t)s->lrows, ms = (size_t)s->max_spans;
+    const size_t pages = (size_t)env->n_pool_blocks * (size_t)(env->block_size / ps);
+    size_t cache_bytes = 0;
+    int failed = pages == 0;
+    s->dig = kvs_xcalloc((size_t)L, sizeof *s->dig);
+    s->cache = kvs_xcalloc((size_t)L, sizeof *s->cache);
+    s->h_lse = kvs_xcalloc((size_t)L, sizeof *s->h_lse);
+    for (int l = dense; l < L && !failed; l++) {
+        failed = !(s->dig[l] = o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
+        if (w > 1 && !failed) {
+            failed = !(s->cache[l] = o->alloc(env->be, KVS_BUF_ACT, (lrows + 1) * qd));
+            if (!failed) o->zero(env->be, s->cache[l], 0, (lrows + 1) * qd);
+            s->h_lse[l] = kvs_xcalloc(lrows * env->n_heads, sizeof(float));
+            cache_bytes += (lrows + 1) * qd * o->elem_size(env->be, KVS_BUF_ACT) + lrows * env->n_heads * sizeof(float);
+        }
+    }
+    if (!failed) {
+        s->d_scores = o->alloc(env->be, KVS_BUF_F32, rows * nkv * (size_t)s->max_pages);
+        s->d_keep = o->alloc(env->be, KVS_BUF_I32, rows);
+        s->d_npos = o->alloc(env->be, KVS_BUF_I32, rows);
+        s->d_nqs = o->alloc(env->be, KVS_BUF_I32, rows + 1);
+        s->d_nrows = o->alloc(env->be, KVS_BUF_I32, rows);
+        s->d_qn = o->alloc(env->be, KVS_BUF_ACT, rows * qd);
+        s->d_sel_n = o->alloc(env->be, KVS_BUF_I32, rows * nkv);
+        s->d_sel = o->alloc(env->be, KVS_BUF_I32, rows * nkv * ms * 2);
+        s->d_n_spans = o->alloc(env->be, KVS_BUF_I32, lrows * nkv);
+        s->d_spans = o->alloc(env->be, KVS_BUF_I32, lrows * nkv * ms * 2);
+        s->d_cidx = o->alloc(env->be, KVS_BUF_I32, lrows);
+        s->d_iota = o->alloc(env->be, KVS_BUF_I32, lrows);
+        s->d_ob = o->alloc(env->be, KVS_BUF_ACT, lrows * qd);
+        s->d_lb = o->alloc(env->be, KVS_BUF_F32, lrows * env->n_heads);
+        failed = !s->d_scores || !s->d_keep || !s->d_npos || !s->d_nqs || !s->d_nrows || !s->d_qn || !s->d_sel_n ||
+                 !s->d_sel || !s->d_n_spans || !s->d_spans || !s->d_cidx || !s->d_iota || !s->d_ob || !s->d_lb;
+    }
+    if (failed) {
+        retro_destroy(s);
+        return kvs_err(err, errlen, -ENOMEM, "kv.decode \"retro\": no backend memory for the page digests (%zu pages x "
+                       "%d layers), the output cache (%d rows) and selection buffers", pages, L, s->lrows);
+    }
+    if (c && c->kv_decode_state_bytes > 0 &&
+        (double)cache_bytes + (double)s->seq_bytes * env->max_slots > (double)c->kv_decode_state_bytes) {
+        const double need = (double)cache_bytes + (double)s->seq_bytes * env->max_slots;
+        retro_destroy(s);
+        return kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': retro needs %.0f bytes (output cache "
+                       "and %d request states), over the budget of %lld bytes", need, env->max_slots,
+                       (long long)c->kv_decode_state_bytes);
+    }
+    s->h_keep = kvs_xcalloc(rows, sizeof(int32_t));
+    s->h_npos = kvs_xcalloc(rows, sizeof(int32_t));
+    s->h_nqs = kvs_xcalloc(rows + 1, sizeof(int32_t));
+    s->h_nrows = kvs_xcalloc(rows, sizeof(int32_t));
+    s->h_cidx = kvs_xcalloc(lrows, sizeof(int32_t));
+    s->h_sel_n = kvs_xcalloc(rows * nkv, sizeof(int32_t));
+    s->h_sel = kvs_xcalloc(rows * nkv * ms * 2, sizeof(int32_t));
+    s->h_n_spans = kvs_xcalloc(lrows * nkv, sizeof(int32_t));
+    s->h_spans = kvs_xcalloc(lrows * nkv * ms * 2, sizeof(int32_t));
+    s->h_plan_n = kvs_xcalloc(lrows * nkv, sizeof(int32_t));
+    s->h_plan_sp = kvs_xcalloc(lrows * nkv * ms * 2, sizeof(int32_t));
+    s->h_pages = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
+    s->h_m = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
+    s->h_lb = kvs_xcalloc(lrows * env->n_heads, sizeof(float));
+    s->slot = kvs_xcalloc((size_t)env->max_slots, sizeof *s->slot);
+    int32_t *iota = kvs_xmalloc(lrows * sizeof *iota);
+    for (size_t i = 0; i < lrows; i++) iota[i] = (int32_t)i;
+    o->upload(env->be, s->d_iota, 0, iota, lrows);
+    free(iota);
+    s->cache_bytes = (double)cache_bytes;
+    *state = s;
+    return 0;
+}
+
+static size_t retro_seq_bytes(void *state) { return ((struct retro *)state)->seq_bytes; }
+
+static int retro_seq_init(void *state, int slot, void *mem)
+{
+    struct retro *s = state;
+    if (slot < 0 || slot >= s->env.max_slots || !mem) return -EINVAL;
+    struct rseq *q = mem;
+    const size_t n = (size_t)sparse_layers(s) * s->env.n_kv_heads * s->max_pages;
+    for (size_t i = 0; i < n; i++) q->A[i] = -1;   /* never loaded */
+    q->last_step = 0, q->t = 0, q->n_win = 0;
+    s->slot[slot] = q;
+    return 0;
+}
+
+static void retro_seq_free(void *state, int slot)
+{
+    struct retro *s = state;
+    if (slot >= 0 && slot < s->env.max_slots) s->slot[slot] = NULL;
+}
+
+/* kv.h recompute: the past rows this request's next decode step re-runs */
+static int retro_recompute(void *state, int slot)
+{
+    struct retro *s = state;
+    const struct rseq *q = slot >= 0 && slot < s->env.max_slots ? s->slot[slot] : NULL;
+    if (!q || q->last_step != s->steps || s->steps == 0) return 0;   /* missed the last step: restart */
+    return q->n_win < s->w - 1 ? q->n_win : s->w - 1;
+}
+
+static int retro_plan(void *state, const struct kvs_kv_step *st)
+{
+    struct retro *s = state;
+    const uint64_t prev = s->steps++;
+    const int nkv = s->env.n_kv_heads, L = s->env.n_layers, ms = s->max_spans;
+    const int dense_l = s->dense_layers < L ? s->dense_layers : L;
+    const double per_layer = (double)s->env.kv_bytes_per_token / (double)L;
+    s->skip = st->m->rot_offsets != NULL || st->m->block_valid != NULL;
+    s->n_lead = 0;
+    s->any_sparse = 0;
+    s->any_past = 0;
+    while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows && st->h_decode[s->n_lead] &&
+           st->h_slot[s->n_lead] >= 0 && st->h_slot[s->n_lead] < s->env.max_slots && s->slot[st->h_slot[s->n_lead]] &&
+           st->h_q_start[s->n_lead + 1] <= s->lrows)
+        s->n_lead++;
+    s->n_lrows = st->h_q_start[s->n_lead];
+    /* the window bookkeeping of every sequence; decode rows outside the lead attend densely */
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q];
+        struct rseq *rs = slot >= 0 && slot < s->env.max_slots ? s->slot[slot] : NULL;
+        const int rows = st->h_q_start[q + 1] - st->h_q_start[q];
+        const int past = st->h_decode[q] ? rows - 1 : 0;
+        if (rs && past > 0 && (q >= s->n_lead || rs->last_step != prev || past > rs->n_win)) {
+            if (q < s->n_lead) return -EINVAL;   /* rows the policy did not ask for */
+        }
+        if (!st->h_decode[q]) {
+            if (rs) rs->n_win = 0;
+            continue;
+        }
+        const int pos = st->h_pos[q] + rows - 1, ctx = pos + 1, cur = pos / s->ps;
+        const int keep = keep_pages(s, ctx);
+        if (q >= s->n_lead) {
+            if (rs) {
+                rs->n_win = 0;
+                rs->t++;
+                s->windows_reset++;
+            }
+            if (keep <= cur && !s->skip) s->dense_rows++;
+            s->bytes_read += (double)ctx * per_layer * L;   /* one read for all its rows */
+            continue;
+        }
+        if (rs->last_step != prev) s->windows_reset += rs->n_win > 0;
+        /* the newest row: Quest's cost; the past rows: in dense layers attention() reads the
+         * sequence's K/V once for all its rows, in sparse layers their supplements are a second
+         * read (counted in attend) */
+        s->past_rows += past;
+        s->any_past |= past > 0;
+        if (keep > cur || dense_l == L) {
+            s->bytes_read += (double)ctx * per_layer * L;
+        } else {
+            const int kept = (keep - 1) * s->ps + (ctx - cur * s->ps);
+            s->sparse_rows++;
+            s->bytes_read += per_layer * ((double)ctx * dense_l + (double)(kept + cur) * (L - dense_l));
+        }
+    }
+    for (int q = 0; q < s->n_lead; q++) {
+        const int rows = st->h_q_start[q + 1] - st->h_q_start[q];
+        const int pos = st->h_pos[q] + rows - 1, ctx = pos + 1, cur = pos / s->ps;
+        int keep = keep_pages(s, ctx);
+        if (keep > cur + 1) keep = cur + 1;
+        s->h_keep[q] = keep;
+        s->h_npos[q] = pos;
+        s->h_nqs[q] = q;
+        s->h_nrows[q] = st->h_q_start[q + 1] - 1;
+        s->any_sparse |= keep <= cur;
+        /* where each past row's cached output sits in the last step's layout; the newest rows
+         * read the zero row */
+        struct rseq *rs = s->slot[st->h_slot[q]];
+        for (int j = 0; j < rows; j++) {
+            const int row = st->h_q_start[q] + j;
+            s->h_cidx[row] = j < rows - 1 ? rs->row0 + rs->rows - (rows - 1) + j : s->lrows;
+        }
+        /* launch planning for the selection: one span bounding the kept keys */
+        const int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
+        for (int j = 0; j < rows; j++)
+            for (int g = 0; g < nkv; g++) {
+                const size_t t = (size_t)(st->h_q_start[q] + j) * nkv + g;
+                s->h_plan_n[t] = 1;
+                s->h_plan_sp[t * ms * 2] = 0, s->h_plan_sp[t * ms * 2 + 1] = bound;
+            }
+    }
+    s->h_nqs[s->n_lead] = s->n_lead;
+    /* what the cache will hold after this step */
+    for (int q = 0; q < s->n_lead; q++) {
+        struct rseq *rs = s->slot[st->h_slot[q]];
+        const int rows = st->h_q_start[q + 1] - st->h_q_start[q];
+        rs->row0 = st->h_q_start[q];
+        rs->rows = rows;
+        rs->last_step = s->steps;
+        rs->n_win = s->w > 1 ? (rows < s->w - 1 ? rows : s->w - 1) : 0;
+    }
+    if (s->n_lead) {
+        const struct kvs_backend_ops *o = s->env.o;
+        struct kvs_backend *be = s->env.be;
+        o->upload(be, s->d_keep, 0, s->h_keep, (size_t)s->n_lead);
+        if (s->w > 1) {
+            o->upload(be, s->d_npos, 0, s->h_npos, (size_t)s->n_lead);
+            o->upload(be, s->d_nqs, 0, s->h_nqs, (size_t)s->n_lead + 1);
+            o->upload(be, s->d_nrows, 0, s->h_nrows, (size_t)s->n_lead);
+            o->upload(be, s->d_cidx, 0, s->h_cidx, (size_t)s->n_lrows);
+        }
+    }
+    return 0;
+}
+
+/* The step's t counters move on after the layers (finish of the last layer). */
+static void retro_finish(void *state, int layer, const struct kvs_kv_step *st)
+{
+    struct retro *s = state;
+    if (layer != s->env.n_layers - 1) return;
+    for (int q = 0; q < s->n_lead; q++) s->slot[st->h_slot[q]]->t++;
+}
+
+/* The w = 1 path: Quest's attend (kv_decode_quest.c), over the lead sequences. */
+static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend *a)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const struct kvs_kv_step *st = a->step;
+    if (st->n_rows > s->n_lead)
+        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, a->out);
+    struct kvs_attn_meta sub = *st->m;
+    sub.n_seqs = s->n_lead;
+    sub.max_ctx = 0;
+    for (int q = 0; q < s->n_lead; q++)
+        if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
+    s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                a->block_size, s->ps, s->max_pages, s->d_scores);
+    s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
+                 s->d_sel_n, s->d_sel);
+    const struct kvs_span_list sp = {s->max_spans, s->d_sel_n, s->d_sel, s->h_plan_n, s->h_plan_sp};
+    o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                       a->block_size, a->scale, a->out, a->lse);
+    /* counters: the keys each newest query saw */
+    for (int q = 0; q < s->n_lead; q++) {
+        const int ctx = st->h_pos[q] + 1, cur = st->h_pos[q] / s->ps;
+        const int keep = s->h_keep[q];
+        s->keys_own += (double)a->n_kv_heads * (keep > cur ? ctx : (keep - 1) * s->ps + (ctx - cur * s->ps));
+    }
+}
+
+/* Pages of one row's spans (ascending). */
+static int spans_to_pages(const int32_t *sp, int n, int ps, int32_t *pages)
+{
+    int np = 0;
+    for (int i = 0; i < n; i++)
+        for (int p = sp[2 * i] / ps; p * ps < sp[2 * i + 1]; p++) pages[np++] = p;
+    return np;
+}
+
+static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
+{
+    struct retro *s = state;
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const struct kvs_kv_step *st = a->step;
+    if (layer >= s->dense_layers && !s->skip)   /* every written page, prefill steps too */
+        s->k->digest_update(be, a->kv.k, st->m, a->n_kv_heads, a->head_dim, a->block_size, s->ps, s->dig[layer]);
+    if (layer < s->dense_layers || s->skip || !s->n_lead || (s->w == 1 && !s->any_sparse)) {
+        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, a->out);
+        return;
+    }
+    if (s->w == 1) {
+        attend_quest(s, layer, a);
+        return;
+    }
+    const int nkv = a->n_kv_heads, nh = a->n_heads, qd = nh * a->head_dim, ms = s->max_spans, nl = s->n_lead;
+    const int sl = layer - s->dense_layers, nr = s->n_lrows;
+    if (st->n_rows > nr)   /* rows past the lead (prefill chunks) */
+        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, nh, nkv, a->head_dim, a->block_size, a->scale,
+                     a->out);
+    /* 1. Quest's selection for the newest rows, as a step of one-row sequences */
+    o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
+    struct kvs_attn_meta nm = *st->m;
+    nm.n_seqs = nl;
+    nm.q_start = s->d_nqs, nm.pos = s->d_npos, nm.h_q_start = s->h_nqs, nm.h_pos = s->h_npos;
+    nm.max_ctx = 0;
+    for (int q = 0; q < nl; q++)
+        if (s->h_npos[q] + 1 > nm.max_ctx) nm.max_ctx = s->h_npos[q] + 1;
+    s->k->score(be, s->d_qn, s->dig[layer], &nm, s->d_keep, nl, nh, nkv, a->head_dim, a->block_size, s->ps,
+                s->max_pages, s->d_scores);
+    s->k->select(be, s->d_scores, &nm, s->d_keep, nl, nkv, s->ps, s->max_pages, ms, s->d_sel_n, s->d_sel);
+    o->download(be, s->h_sel_n, s->d_sel_n, 0, (size_t)nl * nkv);
+    o->download(be, s->h_sel, s->d_sel, 0, (size_t)nl * nkv * ms * 2);
+    /* 2. the mask and every lead row's spans: newest = selection, past = supplement */
+    for (int q = 0; q < nl; q++) {
+        struct rseq *rs = s->slot[st->h_slot[q]];
+        const int r0 = st->h_q_start[q], rows = st->h_q_start[q + 1] - r0, pos = s->h_npos[q];
+        for (int g = 0; g < nkv; g++) {
+            const int32_t *sel = s->h_sel + ((size_t)q * nkv + g) * ms * 2;
+            const int nsel = s->h_sel_n[q * nkv + g];
+            int32_t *A = rs->A + ((size_t)sl * nkv + g) * s->max_pages;
+            const int np = spans_to_pages(sel, nsel, s->ps, s->h_pages);
+            int rc = kvs_retro_mask_step(A, s->max_pages, s->h_pages, np, pos / s->ps, rs->t, s->h_m);
+            KVS_ASSERT(rc == 0);
+            const size_t tn = (size_t)(r0 + rows - 1) * nkv + g;
+            s->h_n_spans[tn] = nsel;
+            memcpy(s->h_spans + tn * ms * 2, sel, (size_t)nsel * 2 * sizeof(int32_t));
+            for (int i = 0; i < nsel; i++) s->keys_own += sel[2 * i + 1] - sel[2 * i];
+            for (int j = 0; j < rows - 1; j++) {
+                /* past query t' = t - (rows - 1 - j) at position pos - (rows - 1 - j) */
+                const int back = rows - 1 - j;
+                const size_t tp = (size_t)(r0 + j) * nkv + g;
+                int32_t *sp = s->h_spans + tp * ms * 2;
+                const int n = kvs_retro_supplement(s->h_pages, s->h_m, np, rs->t - back, pos - back, s->ps, sp, ms);
+                KVS_ASSERT(n >= 0);
+                s->h_n_spans[tp] = n;
+                for (int i = 0; i < n; i++) {
+                    KVS_ASSERT(sp[2 * i + 1] <= pos - back + 1);   /* no key after the past query */
+                    s->keys_sup += sp[2 * i + 1] - sp[2 * i];
+                    s->bytes_read += (double)(sp[2 * i + 1] - sp[2 * i]) * s->env.kv_bytes_per_token /
+                                     (double)s->env.n_layers / nkv;
+                }
+            }
+        }
+    }
+    o->upload(be, s->d_n_spans, 0, s->h_n_spans, (size_t)nr * nkv);
+    o->upload(be, s->d_spans, 0, s->h_spans, (size_t)nr * nkv * ms * 2);
+    /* 3. one spans call for every lead row (the lead sequences as a step of their own) */
+    struct kvs_attn_meta sub = *st->m;
+    sub.n_seqs = nl;
+    sub.max_ctx = nm.max_ctx;
+    const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};
+    o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size, a->scale,
+                       a->out, a->lse);
+    /* 4. merge the past rows with their cached (o, lse); newest rows merge with nothing */
+    if (s->any_past) {
+        float *lc = s->h_lse[layer];
+        for (int row = 0; row < nr; row++)
+            for (int h = 0; h < nh; h++)
+                s->h_lb[(size_t)row * nh + h] = s->h_cidx[row] < s->lrows ? lc[(size_t)s->h_cidx[row] * nh + h] : -INFINITY;
+        o->upload(be, s->d_lb, 0, s->h_lb, (size_t)nr * nh);
+        o->gather_rows(be, s->cache[layer], s->d_cidx, nr, qd, s->d_ob);
+        o->attn_merge(be, a->out, a->lse, s->d_ob, s->d_lb, nr, nh, a->head_dim);
+    }
+    /* 5. the cache of this step's lead rows */
+    o->gather_rows(be, a->out, s->d_iota, nr, qd, s->cache[layer]);
+    o->download(be, s->h_lse[layer], a->lse, 0, (size_t)nr * nh);
+}
+
+static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
+{
+    struct retro *s = state;
+    int live = 0;
+    for (int i = 0; i < s->env.max_slots; i++) live += s->slot[i] != NULL;
+    const struct kvs_kv_counter c[] = {
+        {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read for decode rows (Retro: Quest's for "
+         "the newest rows, the past rows' dense layers, and their supplements read a second time).", 1, s->bytes_read,
+         NULL, NULL},
+        {"kvserve:kv_retro_sparse_rows_total", "Newest decode rows that attended selected pages.", 1, s->sparse_rows,
+         NULL, NULL},
+        {"kvserve:kv_retro_dense_rows_total", "Decode rows over the budget that attended densely (not in the step's "
+         "leading decode rows).", 1, s->dense_rows, NULL, NULL},
+        {"kvserve:kv_retro_past_rows_total", "Past queries re-run in a window (recomputed rows).", 1, s->past_rows,
+         NULL, NULL},
+        {"kvserve:kv_retro_keys_own_total", "Keys the newest queries attended in their own step (sparse layers, per "
+         "KV head).", 1, s->keys_own, NULL, NULL},
+        {"kvserve:kv_retro_keys_supplement_total", "Keys added to past queries by retrospective supplements (sparse "
+         "layers, per KV head).", 1, s->keys_sup, NULL, NULL},
+        {"kvserve:kv_retro_effective_budget", "Union of keys seen per query over keys of its own step: (own + "
+         "supplement) / own (1 = Quest).", 0, s->keys_own > 0 ? (s->keys_own + s->keys_sup) / s->keys_own : 1.0, NULL,
+         NULL},
+        {"kvserve:kv_retro_window_resets_total", "Windows restarted because a request missed a step or attended "
+         "densely.", 1, s->windows_reset, NULL, NULL},
+        {"kvserve:kv_retro_live_states", "Request states held (seq_init without seq_free).", 0, (double)live, NULL,
+         NULL},
+        {"kvserve:kv_retro_cache_bytes", "Bytes of Retro's output cache (device outputs and host lse).", 0,
+         s->cache_bytes, NULL, NULL},
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];
+    return n;
+}
+
+const struct kvs_kv_decode_ops kvs_kv_decode_retro = {
+    .name = "retro",
+    .exact = 0,
+    .needs = KVS_KV_NEEDS_LSE | KVS_KV_NO_GRAPHS,
+    .rows_per_seq = 1,
+    .create = retro_create,
+    .destroy = retro_destroy,
+    .seq_bytes = retro_seq_bytes,
+    .seq_init = retro_seq_init,
+    .seq_free = retro_seq_free,
+    .plan = retro_plan,
+    .attend = retro_attend,
+    .finish = retro_finish,
+    .counters = retro_counters,
+    .max_recompute = retro_max_recompute,
+    .recompute = retro_recompute,
+};
