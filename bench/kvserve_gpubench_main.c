@@ -28,6 +28,20 @@
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
+ * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
+ * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
+ * write and the LeanKV attention (the runner's ops for that storage); the pool, bytes and
+ * floor count the format's bytes per token. --max-batch runs, at each context, the largest
+ * batch whose KV fits the pool (sized from all free memory but a reserve for activations), the
+ * "largest batch that fits" of a memory-bound throughput comparison (issue 20).
+ * --mac K [--mac-thresh X] [--mac-band r]: each decode shape is also timed with MAC-Attention's
+ * kernels (kernels/kv_mac.h: match + band/tail attention, rings of K entries per sequence and
+ * layer allocated before the pool) in place of the attention op, in the same graph, and the
+ * ratio printed. The rings hold random queries at the K positions before the row's (so a hit
+ * reads at most K + r positions); the match runs on the post-RoPE q (the bench has no pre-RoPE
+ * copy: the same bytes and work). X is the squared-distance threshold: 2 d (1 - tau)^2 by
+ * default with tau 0.45 (random weights: the hit rate is what the queries give, printed), "inf"
+ * pins every lookup to a hit on its nearest entry.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +52,8 @@
 
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/kv_lean.h"
+#include "kernels/kv_mac.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
@@ -51,12 +67,17 @@
 #define VOCAB 128256
 /* KV block size (tokens): --block-size, 16 by default (config/default.json's kv.block_size) */
 static int BS = 16;
+/* --lean FMT: LeanKV pages (lean_on) of this format instead of bf16 K/V */
+static int lean_on;
+static struct kvs_lean_fmt lean_fmt;
+static const struct kvs_lean_kernels *LK;
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 
 struct layer {
     struct kvs_dweight *wq, *wk, *wv, *wo, *wg, *wu, *wd, *n1, *n2;
-    struct kvs_dbuf *kc, *vc;
+    struct kvs_dbuf *kc, *vc;     /* bf16 K/V, or (--lean) NULL */
+    struct kvs_dbuf *pages;       /* --lean: the layer's LeanKV pages */
 };
 
 static int parse_list(const char *s, int *out, int max)
@@ -94,6 +115,28 @@ struct bench {
     struct kvs_dbuf *x, *h, *q, *k, *v, *att, *o, *g, *u, *logits, *last, *tok, *pos, *slots, *invf, *lastrow;
 };
 
+/* --mac: MAC-Attention's state (one ring slot per sequence, every layer) */
+static struct {
+    int K, band, on, max_nb;
+    float thresh2;
+    const struct kvs_mac_kernels *k;
+    struct kvs_dbuf *rq, *ro, *rl, *rt, *rows, *p, *lse, *work;
+    size_t work_n;
+} MAC;
+
+static void mac_attention(struct bench *B, int l, int nb, const struct kvs_attn_meta *m)
+{
+    const struct kvs_mac_call c = {
+        .layer = l, .n_layers = B->n_layers, .K = MAC.K, .band = MAC.band, .n = nb, .n_heads = NH, .n_kv_heads = NKV,
+        .head_dim = HD, .block_size = BS, .scale = 1.0f / sqrtf((float)HD), .thresh2 = MAC.thresh2, .q = B->q,
+        .q_pre = B->q, .kc = B->L[l].kc, .vc = B->L[l].vc, .m = m, .rows = MAC.rows, .p = MAC.p,
+        .p_off = (size_t)l * nb * NH, .ring_q = MAC.rq, .ring_o = MAC.ro, .ring_lse = MAC.rl, .ring_tag = MAC.rt,
+        .out = B->att, .lse = MAC.lse, .work = MAC.work, .work_n = MAC.work_n,
+    };
+    MAC.k->match(B->b, &c);
+    MAC.k->attend(B->b, &c);
+}
+
 /* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
 enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
 
@@ -110,7 +153,17 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
     for (int l = 0; l < B->n_layers; l++) {
         struct layer *L = &B->L[l];
         const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv};
-        if (which == OPS_ALL) {
+        if (lean_on) {
+            /* kv.storage = lean: the q/k/v GEMM, RoPE of q and k, the quantized page write */
+            const int outs[3] = {DIM, NKV * HD, NKV * HD};
+            struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
+            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (other) {
+                O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
+                O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
+                LK->write(b, lean_fmt, B->k, B->v, B->slots, nb, NKV, HD, BS, L->pages);
+            }
+        } else if (which == OPS_ALL) {
             /* the runner's op: the q/k/v GEMM straight into the RoPE and the cache write */
             O->matmul_rope_kv_write(b, B->h, w, NULL, nb, DIM, B->q, B->k, B->v, B->pos, B->invf, B->slots, NH, NKV, HD,
                                     BS, L->kc, L->vc);
@@ -122,7 +175,9 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
             if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         }
-        if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
+        if (attn && lean_on) LK->attention(b, lean_fmt, B->q, L->pages, m, nb, NH, NKV, HD, BS, scale, B->att);
+        else if (attn && MAC.on) mac_attention(B, l, nb, m);
+        else if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
         if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
         if (gemm) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
@@ -240,7 +295,7 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -254,11 +309,22 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
         else if (!strcmp(argv[i], "--no-fuse")) fuse = 0;
+        else if (!strcmp(argv[i], "--max-batch")) max_batch = 1;
+        else if (!strcmp(argv[i], "--lean") && i + 1 < argc) {
+            if (kvs_lean_fmt_parse(argv[++i], &lean_fmt) < 0) {
+                fprintf(stderr, "--lean: K8V8, K8V4, K4V4 or K16V16\n");
+                return 2;
+            }
+            lean_on = 1;
+        }
+        else if (!strcmp(argv[i], "--mac") && i + 1 < argc) MAC.K = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mac-band") && i + 1 < argc) MAC.band = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--mac-thresh") && i + 1 < argc) MAC.thresh2 = (float)atof(argv[++i]);
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
                             "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
-                            "[--markdown FILE]\n", argv[0]);
+                            "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
             return 2;
         }
     }
@@ -277,10 +343,29 @@ int main(int argc, char **argv)
         return 1;
     }
     B->n_layers = n_layers;
+    if (lean_on) {
+        LK = kvs_lean_kernels_for(O, err, sizeof err);
+        if (!LK || !LK->supports(lean_fmt, NH, NKV, HD)) {
+            fprintf(stderr, "--lean: the cuda backend does not take K%dV%d here (%s)\n", lean_fmt.kbits, lean_fmt.vbits,
+                    LK ? "supports()" : err);
+            return 1;
+        }
+        if (attn_variants || nsweep || MAC.K > 0) {
+            fprintf(stderr, "--lean: not with --attn-variants, --gemm-sweep or --mac (bf16 K/V only)\n");
+            return 2;
+        }
+    }
+    if (max_batch && MAC.K > 0) {
+        fprintf(stderr, "--max-batch: not with --mac\n");
+        return 2;
+    }
     kvs_cuda_device_desc(b, desc, sizeof desc);
     double bw = kvs_cuda_copy_bandwidth(b, (size_t)2 << 30);
     printf("device: %s\ncopy bandwidth (read+write, 2 GiB cudaMemcpy D2D, median of 15): %.0f GB/s\n", desc, bw / 1e9);
 
+    /* --max-batch: the rows the activations are sized for (the batches come from the pool) */
+    const int max_batch_rows = 512;
+    if (max_batch) batches[0] = max_batch_rows, nbatch = 1;
     int max_rows = 0;
     for (int i = 0; i < nbatch; i++) if (batches[i] > max_rows) max_rows = batches[i];
     for (int i = 0; i < npre; i++) if (prefills[i] > max_rows) max_rows = prefills[i];
@@ -322,6 +407,29 @@ int main(int argc, char **argv)
     double gemm_bytes = w_bytes - 4.0 * DIM * (2 * n_layers + 1); /* the matrices the GEMMs read */
     double params = gemm_bytes / 2.0;
 
+    /* --mac: rings for the largest decode batch, before the pool takes the free memory */
+    if (MAC.K > 0) {
+        if (!MAC.band) MAC.band = 256;
+        if (!MAC.thresh2) MAC.thresh2 = 2.0f * HD * 0.55f * 0.55f;
+        if (!(MAC.k = kvs_mac_kernels_for(O, err, sizeof err))) kvs_panic(__FILE__, __LINE__, "%s", err);
+        for (int i = 0; i < nbatch; i++) if (batches[i] > MAC.max_nb) MAC.max_nb = batches[i];
+        const size_t ent = (size_t)MAC.max_nb * n_layers * MAC.K;
+        MAC.rq = xalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.ro = xalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.rl = xalloc(b, KVS_BUF_F32, ent * NH);
+        MAC.rt = xalloc(b, KVS_BUF_I32, ent);
+        MAC.rows = xalloc(b, KVS_BUF_I32, (size_t)MAC.max_nb * 4);
+        MAC.p = xalloc(b, KVS_BUF_I32, (size_t)n_layers * MAC.max_nb * NH);
+        MAC.lse = xalloc(b, KVS_BUF_F32, (size_t)MAC.max_nb * NH);
+        MAC.work_n = MAC.k->work_elems(MAC.max_nb, NH, HD);
+        MAC.work = xalloc(b, KVS_BUF_F32, MAC.work_n);
+        kvs_cuda_fill_random(b, MAC.rq, 0, ent * NH * HD, 1.0f, seed++);
+        kvs_cuda_fill_random(b, MAC.ro, 0, ent * NH * HD, 0.05f, seed++);
+        kvs_cuda_fill_random(b, MAC.rl, 0, ent * NH, 1.0f, seed++);
+        printf("mac: K %d, band %d, threshold %g, rings %.2f GB\n", MAC.K, MAC.band, MAC.thresh2,
+               (double)ent * (NH * HD * 4.0 + NH * 4.0 + 4.0) / 1e9);
+    }
+
     /* activations for the largest step */
     size_t R = (size_t)max_rows;
     B->x = xalloc(b, KVS_BUF_ACT, R * DIM); B->h = xalloc(b, KVS_BUF_ACT, R * DIM);
@@ -350,17 +458,44 @@ int main(int argc, char **argv)
     for (int i = 0; i < nsweep; i++) /* a sweep's step: one block per sequence */
         if ((size_t)sweep[i] * BS > need_tokens) need_tokens = (size_t)sweep[i] * BS;
     size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
+    if (lean_on) per_token = (size_t)n_layers * NKV * kvs_lean_token_bytes(lean_fmt, HD);
     size_t avail = O->mem_available(b);
-    size_t cap_tokens = avail > ((size_t)1 << 30) ? (avail - ((size_t)1 << 30)) / per_token : 0;
-    if (cap_tokens > need_tokens) cap_tokens = need_tokens;
+    /* the reserve: 1 GiB (--max-batch: 2 GiB, for the graphs and workspaces of large batches) */
+    const size_t reserve = (size_t)(max_batch ? 2 : 1) << 30;
+    size_t cap_tokens = avail > reserve ? (avail - reserve) / per_token : 0;
+    if (cap_tokens > need_tokens && !max_batch) cap_tokens = need_tokens;
     int n_blocks = (int)(cap_tokens / BS);
-    printf("weights %.2f GB (bf16), KV pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9, n_blocks, BS,
-           (double)n_blocks * BS * per_token / 1e9);
-    for (int l = 0; l < n_layers; l++) {
-        L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
-        L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
-        kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
-        kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+    printf("weights %.2f GB (bf16), KV %s: %zu bytes/token, pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9,
+           lean_on ? "LeanKV pages" : "bf16", per_token, n_blocks, BS, (double)n_blocks * BS * per_token / 1e9);
+    if (lean_on) {
+        /* pages quantized from random K/V (uniform [-1, 1)), CHUNK tokens a write */
+        enum { CHUNK = 16384 };
+        const size_t page_bytes = kvs_lean_page_bytes(lean_fmt, HD, BS) * NKV * (size_t)n_blocks;
+        struct kvs_dbuf *ck = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD), *cv = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD);
+        struct kvs_dbuf *cs = xalloc(b, KVS_BUF_I32, CHUNK);
+        int32_t *hs = kvs_xmalloc(CHUNK * 4);
+        kvs_cuda_fill_random(b, ck, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
+        kvs_cuda_fill_random(b, cv, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
+        for (int l = 0; l < n_layers; l++) {
+            L[l].pages = LK->alloc_pages(b, page_bytes);
+            if (!L[l].pages) kvs_panic(__FILE__, __LINE__, "out of device memory for the LeanKV pages");
+            for (size_t t0 = 0; t0 < (size_t)n_blocks * BS; t0 += CHUNK) {
+                const int n = (size_t)n_blocks * BS - t0 < CHUNK ? (int)((size_t)n_blocks * BS - t0) : CHUNK;
+                for (int i = 0; i < n; i++) hs[i] = (int32_t)(t0 + i);
+                O->upload(b, cs, 0, hs, (size_t)n);
+                LK->write(b, lean_fmt, ck, cv, cs, n, NKV, HD, BS, L[l].pages);
+            }
+        }
+        O->sync(b);
+        O->free_buf(b, ck), O->free_buf(b, cv), O->free_buf(b, cs);
+        free(hs);
+    } else {
+        for (int l = 0; l < n_layers; l++) {
+            L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+            kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+        }
     }
     float inv[HD / 2];
     for (int i = 0; i < HD / 2; i++) inv[i] = (float)(1.0 / pow(500000.0, 2.0 * i / HD));
@@ -441,6 +576,11 @@ int main(int argc, char **argv)
         for (int ci = 0; ci < nctx; ci++) {
             int nb = batches[bi], ctx = ctxs[ci];
             int bps = (ctx + BS - 1) / BS;
+            if (max_batch) {
+                /* the largest batch whose KV fits the pool (at most the rows the activations take) */
+                nb = n_blocks / bps < max_batch_rows ? n_blocks / bps : max_batch_rows;
+                if (nb < 1) nb = 1;
+            }
             if ((size_t)nb * bps > (size_t)n_blocks) {
                 printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
                        (double)nb * bps * BS * per_token / 1e9);
@@ -467,6 +607,45 @@ int main(int argc, char **argv)
             }
             printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
                    kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
+            if (MAC.K > 0 && nb <= MAC.max_nb) {
+                /* rows: sequence s in ring slot s; entries hold the K positions before ctx - 1 */
+                const int mpos = ctx - 1;
+                int32_t *rows = kvs_xmalloc((size_t)nb * 16), *tags = kvs_xmalloc((size_t)n_layers * nb * MAC.K * 4);
+                for (int s = 0; s < nb; s++) {
+                    rows[4 * s] = s, rows[4 * s + 1] = s, rows[4 * s + 2] = mpos;
+                    rows[4 * s + 3] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH;
+                }
+                for (size_t e = 0; e < (size_t)n_layers * nb; e++)
+                    for (int j = 0; j < MAC.K; j++) {
+                        const int pj = mpos - 1 - ((mpos - 1 - j) % MAC.K + MAC.K) % MAC.K;
+                        tags[e * MAC.K + j] = pj >= 0 ? pj + 1 : 0;
+                    }
+                O->upload(b, MAC.rows, 0, rows, (size_t)nb * 4);
+                O->upload(b, MAC.rt, 0, tags, (size_t)n_layers * nb * MAC.K);   /* slots s < nb: [s][layer][K] */
+                MAC.on = 1;
+                const float ms_mac = time_graph(B, nb, &m, OPS_ALL, iters);
+                const float ta_mac = time_graph(B, nb, &m, OPS_ATTN, iters);
+                MAC.on = 0;
+                const float ta_full = time_graph(B, nb, &m, OPS_ATTN, iters);
+                int32_t *hp = kvs_xmalloc((size_t)n_layers * nb * NH * 4);
+                O->download(b, hp, MAC.p, 0, (size_t)n_layers * nb * NH);
+                double hits = 0, read = 0;
+                for (size_t i = 0; i < (size_t)n_layers * nb * NH; i++) {
+                    hits += hp[i] >= 0;
+                    const int s0 = hp[i] >= 0 ? (hp[i] - MAC.band + 1 > 0 ? hp[i] - MAC.band + 1 : 0) : 0;
+                    read += (double)(mpos + 1 - s0) / (mpos + 1);
+                }
+                const double nq = (double)n_layers * nb * NH;
+                printf("%6s %8s   mac: %9.3f ms/step (%.2fx), TPOT %.3f ms; attention of all layers %.3f ms vs full %.3f ms "
+                       "(%.2fx); hits %.1f%%, q heads read %.2f%% of the context\n", "", "", ms_mac, ms / ms_mac,
+                       ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq, 100.0 * read / nq);
+                if (mf)
+                    fprintf(mf, "| %d | %d | mac %.3f (full %.3f, %.2fx) | attention %.3f vs %.3f (%.2fx) | hits %.1f%% | read %.2f%% |\n",
+                            nb, ctx, ms_mac, ms, ms / ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq,
+                            100.0 * read / nq);
+                fflush(stdout);
+                free(rows), free(tags), free(hp);
+            }
             fflush(stdout);
             if (mf)
                 fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),

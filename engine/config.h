@@ -47,6 +47,9 @@ struct kvs_config {
     int max_waiting;         /* queued requests before 429 */
     int prefill_chunk;       /* max prefill tokens of one request per step; 0 = max_batch_tokens */
     int max_tokens_default;  /* max_tokens when a request gives none; 0 = up to the context */
+    int sched_overlap;       /* bool: a step's text and events while the next step runs */
+    double itl_ratio;        /* prefill budget target: mixed / decode-only step time; 0 = off */
+    int prefill_min;         /* prefill tokens every step may carry while requests decode */
 
     /* kv: paged cache and its three strategy slots */
     int kv_block_size;
@@ -76,6 +79,9 @@ struct kvs_config {
     int paris_update_interval;
     int paris_dense_threshold;
     int paris_offload;           /* bool */
+    double paris_beta;           /* 0: adaptive */
+    double paris_rho;            /* 0: adaptive */
+    int paris_recall_every;      /* 0: off */
 
     /* kv.quest (Quest page selection; RetroAttention builds on it) */
     double quest_budget_ratio;

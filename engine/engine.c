@@ -21,6 +21,8 @@ static void free_engine_memory(struct kvs_engine *e)
     free(e->logits);
     free(e->argmax);
     free(e->piece);
+    free(e->deferred);
+    free(e->deferred_so);
     free(e);
 }
 
@@ -53,6 +55,8 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     if (pool_tokens < e->max_context) e->max_context = (int)pool_tokens;
     /* keep ~1% of the pool for running decodes when admitting new prompts (fewer preemptions) */
     e->watermark_blocks = x->n_blocks / 100;
+    e->overlap = cfg->sched_overlap;
+    kvs_prefill_ctl_init(&e->pctl, cfg->itl_ratio, cfg->prefill_min, e->max_batch_tokens);
 
     int rc = -ENOMEM;
     e->n_eos = x->n_eos > 0 && x->eos_ids ? x->n_eos : 0;
@@ -64,9 +68,12 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->free_slots = calloc((size_t)e->max_running, sizeof *e->free_slots);
     e->logits = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * (size_t)x->vocab_size * sizeof *e->logits);
     e->argmax = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * sizeof *e->argmax);
+    e->deferred = calloc((size_t)e->max_running, sizeof *e->deferred);
+    e->deferred_so = calloc((size_t)e->max_running, sizeof *e->deferred_so);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
-    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece) {
+    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece ||
+        !e->deferred || !e->deferred_so) {
         kvs_err(err, errlen, rc, "engine: cannot allocate scheduler buffers (max_running=%d, vocab=%d)",
                 e->max_running, x->vocab_size);
         goto fail;

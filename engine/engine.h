@@ -142,6 +142,16 @@ struct kvs_engine_stats {
     uint64_t argmax_tokens;       /* of generation_tokens, those picked on the backend (greedy
                                    * fast path: KVS_LOGITS_ARGMAX rows, no host logits, no sampler) */
     double busy_s;                /* time spent in forward passes */
+    /* step timing for the serving benchmark's ceiling (bench/serve_bench.py): step_s is the
+     * scheduler's wall time of non-empty steps (host work + forward); the decode_* fields count
+     * the steps in which every sequence decoded one token (their forward time and rows) */
+    double step_s;
+    uint64_t decode_steps;
+    uint64_t decode_rows;
+    double decode_busy_s;
+    double sched_s;               /* of step_s, before the forward pass: reap, schedule, batch */
+    double launch_s;              /* of busy_s, until the executor has queued the step (forward_begin,
+                                   * or all of forward without overlap): its host share */
     /* the KV strategies' own counters (kv.h: reuse, then decode policy, then fidelity meter) */
     int n_kv_counters;
     struct kvs_kv_counter kv_counters[KVS_KV_MAX_COUNTERS];

@@ -29,6 +29,18 @@ static int real_forward(void *ctx, const struct kvs_batch *b, float *logits)
     return kvs_runner_forward(x->runner, b, logits);
 }
 
+static int real_forward_begin(void *ctx, const struct kvs_batch *b, float *logits)
+{
+    struct real_exec *x = ctx;
+    return kvs_runner_forward_begin(x->runner, b, logits);
+}
+
+static int real_forward_end(void *ctx)
+{
+    struct real_exec *x = ctx;
+    return kvs_runner_forward_end(x->runner);
+}
+
 static void real_seq_end(void *ctx, int slot)
 {
     struct real_exec *x = ctx;
@@ -152,6 +164,8 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.max_context = kvs_runner_max_context(rx->runner);
     x.kv_bytes_per_block = kvs_runner_kv_bytes_per_token(rx->runner) * (size_t)x.block_size;
     x.forward = real_forward;
+    x.forward_begin = real_forward_begin;
+    x.forward_end = real_forward_end;
     x.seq_end = real_seq_end;
     x.kv_counters = real_kv_counters;
     x.sampler_state_size = sizeof(struct kvs_sampler);

@@ -42,6 +42,19 @@ struct kvs_engine_exec {
      * when sample_is_argmax is set (logits then holds only the non-ARGMAX rows, in batch order) */
     int (*forward)(void *ctx, const struct kvs_batch *b, float *logits);
 
+    /* forward in two halves (may both be NULL: forward only). begin queues the step and
+     * returns (host logits rows already filled); end waits for it and fills batch.argmax. The
+     * scheduler does the previous step's text and events in between (scheduler.overlap);
+     * between the two it leaves the batch unchanged and calls no other hook but detok_*,
+     * kv_counters, and seq_end for requests that are not in the step (they ended). */
+    int (*forward_begin)(void *ctx, const struct kvs_batch *b, float *logits);
+    int (*forward_end)(void *ctx);
+
+    /* May be NULL. The last forward pass's duration in seconds as the executor counts it, for
+     * the adaptive prefill budget (engine/sched_policy.h); NULL: the scheduler's wall clock.
+     * Tests give modelled times here so that the policy's decisions are deterministic. */
+    double (*step_seconds)(void *ctx);
+
     /* per-request sampler state: sampler_state_size bytes, zeroed, owned by the request */
     size_t sampler_state_size;
     int (*sampler_init)(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id);

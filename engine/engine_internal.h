@@ -15,6 +15,7 @@
 #include "engine/engine_exec.h"
 #include "engine/kv/block_pool.h"
 #include "engine/kv/kv.h"
+#include "engine/sched_policy.h"
 #include "engine/text/tokenizer.h"
 
 /* Extra host logits rows per step for prompt scoring (prompt_logprobs): a scored prefill chunk
@@ -80,6 +81,13 @@ struct kvs_request {
     int n_text, text_cap;
     double t_submit, t_first_sched, t_first_token;
     int sched_tokens;             /* tokens scheduled in the current step (0 = not scheduled) */
+    /* scheduler.overlap: the last token's text and event are still to be emitted (its slot in
+     * engine.deferred); the request ended (stop string, error) while a step holding it ran:
+     * it is finished (pend_why, pend_msg) once that step is back, its token dropped */
+    int emit_pending;
+    int finish_pending;
+    enum kvs_finish pend_why;
+    const char *pend_msg;
     struct kvs_request *next, *prev;   /* incoming / waiting lists */
 };
 
@@ -90,6 +98,8 @@ struct kvs_engine {
     /* scheduler knobs (copied from the config) */
     int max_batch_tokens, max_running, max_waiting, prefill_chunk, max_context;
     int watermark_blocks;
+    int overlap;                             /* scheduler.overlap */
+    struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 
     struct kvs_block_pool pool;
     struct kvs_kv kv;
@@ -118,6 +128,12 @@ struct kvs_engine {
     int plp_rows;                            /* this step's scored prompt rows (<= KVS_PROMPT_LP_ROWS) */
     float *logits;                           /* [max_running + KVS_PROMPT_LP_ROWS][vocab] host rows (non-ARGMAX), in batch order */
     int32_t *argmax;                         /* [max_running + KVS_PROMPT_LP_ROWS] ids of every logits row (batch.argmax) */
+    /* scheduler.overlap: tokens applied (appended, counted) whose text and TOKEN event are
+     * emitted during the next step's forward pass, with their sampler outputs */
+    struct kvs_request **deferred;           /* [max_running] */
+    struct kvs_sample_out *deferred_so;      /* [max_running] */
+    int n_deferred;
+    int in_flight;                           /* between forward_begin and forward_end */
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

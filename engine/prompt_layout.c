@@ -133,7 +133,7 @@ int kvs_prompt_build(const struct kvs_prompt_in *in, struct kvs_prompt_set *ps, 
     ps->n = in->n_prompts;
     ps->ids = kvs_xcalloc((size_t)(ps->n > 0 ? ps->n : 1), sizeof *ps->ids);
     ps->len = kvs_xcalloc((size_t)(ps->n > 0 ? ps->n : 1), sizeof *ps->len);
-    int bos = kvs_tokenizer_bos(in->tok);
+    int bos = in->tok ? kvs_tokenizer_bos(in->tok) : -1;   /* token-id-only model: no BOS known */
     for (int p = 0; p < in->n_prompts; p++) {
         int32_t *ids = NULL;
         int n;

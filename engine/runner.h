@@ -90,6 +90,14 @@ int kvs_runner_max_context(const struct kvs_runner *r);
  * batch, or for ARGMAX rows without b->argmax). */
 int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
 
+/* kvs_runner_forward in two halves, so that the caller's host work overlaps the device's:
+ * begin validates, stages and queues the whole step (host logits rows, when any, are already
+ * in logits when it returns); end waits for the device and fills b->argmax. Between the two
+ * the caller must leave b and its arrays unchanged and call nothing else on the runner.
+ * begin's error is end's too; end must follow every begin. */
+int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
+int kvs_runner_forward_end(struct kvs_runner *r);
+
 /* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst);
 

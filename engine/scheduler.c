@@ -110,9 +110,22 @@ static int kv_ready(struct kvs_engine *e, struct kvs_request *r)
     return !e->kv.reuse->ready || e->kv.reuse->ready(&e->kv, &r->kvrq);
 }
 
+/* Takes r's token off the deferred list without emitting it. */
+static void drop_deferred(struct kvs_engine *e, struct kvs_request *r)
+{
+    int i = 0;
+    while (i < e->n_deferred && e->deferred[i] != r) i++;
+    KVS_ASSERT(i < e->n_deferred);
+    memmove(e->deferred + i, e->deferred + i + 1, (size_t)(e->n_deferred - i - 1) * sizeof *e->deferred);
+    memmove(e->deferred_so + i, e->deferred_so + i + 1, (size_t)(e->n_deferred - i - 1) * sizeof *e->deferred_so);
+    e->n_deferred--;
+    r->emit_pending = 0;
+}
+
 void kvs_scheduler_finish(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
 {
     double now = kvs_now();
+    if (r->emit_pending) drop_deferred(e, r);   /* every path that must emit it did so first */
     if (r->state == KVS_REQ_RUNNING) running_remove(e, r);
     else if (r->state == KVS_REQ_WAITING) wait_remove(e, r);
     release_kv(e, r);
@@ -184,20 +197,42 @@ static int append_text(struct kvs_engine *e, struct kvs_request *r, int n)
     return 0;
 }
 
-/* Handles a newly sampled token: stop checks, text delta, TOKEN event. Returns 1 when the
- * request is finished (and has been ended), 0 otherwise. */
-static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct kvs_sample_out *so, double now)
+/* Appends r's newly sampled token and counts it. Returns 1 when it ends the request (a stop
+ * id, max_tokens, the context), with the reason in *why; its text is emit_text's job. */
+static int apply_token(struct kvs_engine *e, struct kvs_request *r, int32_t tok, double now, enum kvs_finish *why)
 {
-    int32_t tok = so->token;
     KVS_ASSERT(r->n_tokens < r->n_full_prompt + r->max_tokens);
     r->tokens[r->n_tokens++] = tok;
     r->n_gen++;
     e->counters.generation_tokens++;
     if (r->t_first_token == 0) r->t_first_token = now;
-
     int is_stop = is_member(r->stop_ids, r->n_stop_ids, tok);
-    int final = is_stop || r->n_gen >= r->max_tokens || r->n_tokens >= e->max_context;
-    enum kvs_finish why = is_stop ? KVS_FINISH_STOP : KVS_FINISH_LENGTH;
+    *why = is_stop ? KVS_FINISH_STOP : KVS_FINISH_LENGTH;
+    return is_stop || r->n_gen >= r->max_tokens || r->n_tokens >= e->max_context;
+}
+
+/* Ends r now, or, when r is in the step the device is running (scheduler.overlap: its text is
+ * emitted during that step), once the step is back; that step's token for r is dropped. */
+static void end_request(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
+{
+    if (e->in_flight && r->sched_tokens > 0) {
+        r->finish_pending = 1;
+        r->pend_why = why;
+        r->pend_msg = msg;
+        notify(r);   /* the TOKEN event already queued goes out now */
+        return;
+    }
+    kvs_scheduler_finish(e, r, why, msg);
+}
+
+/* The text delta and TOKEN event of r's last token (apply_token's; final and why are what it
+ * returned): stop strings, held-back text, the final flush. Returns 1 when the request ended
+ * (or will: end_request), 0 otherwise. */
+static int emit_text(struct kvs_engine *e, struct kvs_request *r, const struct kvs_sample_out *so, int final,
+                     enum kvs_finish why)
+{
+    int32_t tok = r->tokens[r->n_tokens - 1];
+    int is_stop = final && why == KVS_FINISH_STOP;
 
     /* a stop token's own text is never emitted; what the detokenizer still holds is */
     int n = 0;
@@ -208,7 +243,7 @@ static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct 
         if (n >= 0 && append_text(e, r, n) < 0) n = -ENOSPC;
     }
     if (n < 0) {
-        kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "detokenizer output does not fit its buffer");
+        end_request(e, r, KVS_FINISH_ERROR, "detokenizer output does not fit its buffer");
         return 1;
     }
     int emit = r->n_text;
@@ -236,15 +271,39 @@ static int emit_token(struct kvs_engine *e, struct kvs_request *r, const struct 
     r->n_text -= emit;
     if (!ev.text || kvs_request_push_event(r, &ev) < 0) {
         kvs_event_clear(&ev);
-        kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "out of memory queueing a token event");
+        end_request(e, r, KVS_FINISH_ERROR, "out of memory queueing a token event");
         return 1;
     }
     if (final) {
-        kvs_scheduler_finish(e, r, why, NULL);
+        end_request(e, r, why, NULL);
         return 1;
     }
     notify(r);
     return 0;
+}
+
+/* Emits r's deferred token now (r is in no running step); 1 when that ended r. */
+static int emit_deferred_one(struct kvs_engine *e, struct kvs_request *r)
+{
+    int i = 0;
+    while (i < e->n_deferred && e->deferred[i] != r) i++;
+    KVS_ASSERT(i < e->n_deferred);
+    struct kvs_sample_out so = e->deferred_so[i];
+    drop_deferred(e, r);
+    return emit_text(e, r, &so, 0, KVS_FINISH_LENGTH);
+}
+
+/* Emits the tokens whose text was deferred (scheduler.overlap), oldest first. */
+static void flush_deferred(struct kvs_engine *e)
+{
+    for (int i = 0; i < e->n_deferred; i++) {
+        struct kvs_request *r = e->deferred[i];
+        if (!r) continue;   /* taken off while this ran */
+        r->emit_pending = 0;
+        e->deferred[i] = NULL;
+        emit_text(e, r, &e->deferred_so[i], 0, KVS_FINISH_LENGTH);
+    }
+    e->n_deferred = 0;
 }
 
 /* ---- prompt scoring (prompt_logprobs: echo with logprobs) -------------------------------- */
@@ -356,9 +415,13 @@ static int schedule(struct kvs_engine *e, double now)
     int preempted = 0;
     e->plp_rows = 0;
 
-    /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first */
+    /* pass 0: decode tokens, pass 1: prefill chunks of running requests; oldest first. Prefill
+     * (pass 1, admissions, side prefills) also spends pbudget: decode first, then what the
+     * adaptive budget (sched_policy.h) allows next to this step's decodes */
+    int pbudget = budget;
     for (int pass = 0; pass < 2; pass++) {
-        for (int i = 0; i < e->n_running && budget > 0; i++) {
+        if (pass == 1) pbudget = kvs_prefill_ctl_budget(&e->pctl, n_sched);
+        for (int i = 0; i < e->n_running && budget > 0 && pbudget > 0; i++) {
             struct kvs_request *r = e->running[i];
             if (r->sched_tokens) continue;
             if (!kv_ready(e, r)) continue;   /* the strategy's side prefills are not done */
@@ -366,7 +429,7 @@ static int schedule(struct kvs_engine *e, double now)
             KVS_ASSERT(remaining >= 1);
             int is_decode = remaining == 1;
             if (is_decode != (pass == 0)) continue;
-            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget));
+            int c = plp_cap(e, r, is_decode ? 1 : min3(remaining, e->prefill_chunk, budget < pbudget ? budget : pbudget));
             if (c <= 0) continue;   /* no scoring rows left this step */
             int dropped = 0;
             for (;;) {
@@ -394,6 +457,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->sched_tokens = c;
             e->sched[n_sched++] = r;
             budget -= c;
+            if (!is_decode) pbudget -= c;
             if (plp_pending(r)) e->plp_rows += c;
         }
     }
@@ -406,7 +470,7 @@ static int schedule(struct kvs_engine *e, double now)
         struct kvs_request *r = e->running[i];
         promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
     }
-    while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0) {
+    while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0 && pbudget > 0) {
         struct kvs_request *r = e->wait_head;
         int matched = 0;
         if (r->table.n == 0) {
@@ -416,7 +480,7 @@ static int schedule(struct kvs_engine *e, double now)
             r->n_computed = rc;
         }
         int remaining = r->n_tokens - r->n_computed;
-        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget));
+        int c = plp_cap(e, r, min3(remaining, e->prefill_chunk, budget < pbudget ? budget : pbudget));
         if (c <= 0) {
             release_kv(e, r);
             r->n_computed = 0;
@@ -465,16 +529,20 @@ static int schedule(struct kvs_engine *e, double now)
         r->sched_tokens = c;
         e->sched[n_sched++] = r;
         budget -= c;
+        pbudget -= c;
         if (plp_pending(r)) e->plp_rows += c;
     }
 
     /* side prefills the reuse strategy asks for (kv.h: e.g. missing documents, each computed
      * once however many requests wait for it), as sequences of their own after the requests */
     e->n_jobs = 0;
-    for (int i = 0; e->kv.reuse->jobs && i < e->n_running && budget > 0; i++) {
+    for (int i = 0; e->kv.reuse->jobs && i < e->n_running && budget > 0 && pbudget > 0; i++) {
         struct kvs_request *r = e->running[i];
-        e->n_jobs += e->kv.reuse->jobs(&e->kv, &r->kvrq, r->tokens, &r->table, e->prefill_chunk, &budget,
+        int jb = budget < pbudget ? budget : pbudget, before = jb;
+        e->n_jobs += e->kv.reuse->jobs(&e->kv, &r->kvrq, r->tokens, &r->table, e->prefill_chunk, &jb,
                                        e->jobs + e->n_jobs, e->max_running - n_sched - e->n_jobs);
+        budget -= before - jb;
+        pbudget -= before - jb;
     }
     return n_sched;
 }
@@ -487,6 +555,8 @@ static void reap(struct kvs_engine *e, double now)
         int cancel = atomic_load(&r->cancelled);
         int timeout = r->timeout_s > 0 && now - r->t_submit > r->timeout_s;
         if (cancel || timeout) {
+            /* its last token's event first, as without overlap (it may end the request itself) */
+            if (r->emit_pending && emit_deferred_one(e, r)) continue;
             kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
         } else {
             i++;
@@ -497,6 +567,7 @@ static void reap(struct kvs_engine *e, double now)
         int cancel = atomic_load(&r->cancelled);
         int timeout = r->timeout_s > 0 && now - r->t_submit > r->timeout_s;
         if (cancel || timeout) {
+            if (r->emit_pending && emit_deferred_one(e, r)) continue;
             kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
         }
     }
@@ -548,12 +619,28 @@ static int pick_token(struct kvs_engine *e, struct kvs_request *r, int32_t argma
     return 0;
 }
 
+static void step_body(struct kvs_engine *e, double now);
+
+/* One scheduler step; the wall time of those that ran a forward pass goes to step_s. */
 static void step(struct kvs_engine *e)
 {
     double now = kvs_now();
+    uint64_t steps = e->counters.steps;
+    step_body(e, now);
+    if (e->counters.steps != steps) {
+        e->counters.step_s += kvs_now() - now;
+        pthread_mutex_lock(&e->mu);   /* into the snapshot the step already published */
+        e->stats.step_s = e->counters.step_s;
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+static void step_body(struct kvs_engine *e, double now)
+{
     reap(e, now);
     int n = schedule(e, now);
     if (n == 0 && e->n_jobs == 0) {
+        flush_deferred(e);
         publish_stats(e);
         return;
     }
@@ -596,10 +683,40 @@ static void step(struct kvs_engine *e)
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
     struct kvs_batch batch = {e->seqs, n + e->n_jobs, any_argmax ? e->argmax : NULL};
     double t0 = kvs_now();
-    int rc = e->x.forward(e->x.ctx, &batch, e->logits);
+    e->counters.sched_s += t0 - now;
+    int rc;
+    if (e->overlap) {
+        /* the previous step's text and events while the device runs this one (the executor
+         * without forward_begin runs it first: same order of events, no overlap) */
+        int split = e->x.forward_begin && e->x.forward_end;
+        rc = split ? e->x.forward_begin(e->x.ctx, &batch, e->logits) : e->x.forward(e->x.ctx, &batch, e->logits);
+        e->counters.launch_s += kvs_now() - t0;
+        e->in_flight = 1;
+        flush_deferred(e);
+        e->in_flight = 0;
+        if (split) {
+            int rc_end = e->x.forward_end(e->x.ctx);
+            if (rc == 0) rc = rc_end;
+        }
+    } else {
+        rc = e->x.forward(e->x.ctx, &batch, e->logits);
+        e->counters.launch_s += kvs_now() - t0;
+    }
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
     e->counters.steps++;
+    int n_dec = 0, n_pre = 0;
+    for (int k = 0; k < n + e->n_jobs; k++) {
+        if (k < n && e->seqs[k].n_tokens == 1 && e->seqs[k].pos > 0) n_dec++;
+        else n_pre += e->seqs[k].n_tokens;
+    }
+    if (rc == 0)
+        kvs_prefill_ctl_observe(&e->pctl, n_dec, n_pre, e->x.step_seconds ? e->x.step_seconds(e->x.ctx) : t1 - t0);
+    if (n_pre == 0) {
+        e->counters.decode_steps++;
+        e->counters.decode_rows += (uint64_t)n;
+        e->counters.decode_busy_s += t1 - t0;
+    }
     for (int j = 0; j < e->n_jobs; j++) e->kv.reuse->job_done(&e->kv, e->jobs[j].handle, e->jobs[j].n_tokens, rc == 0);
     for (int k = 0; k < n; k++) e->sched[k]->slot_fresh = 0;
     e->n_jobs = 0;
@@ -621,14 +738,18 @@ static void step(struct kvs_engine *e)
         r->n_computed += r->sched_tokens;
         r->sched_tokens = 0;
         if (e->kv.reuse->commit) e->kv.reuse->commit(&e->kv, &r->kvrq, r->tokens, r->n_computed, &r->table);
-        if (!want) continue;
+        if (!want && !r->finish_pending) continue;
         /* an ALL chunk's rows are its tokens'; the last one is the sampling row */
-        int n_rows = want == KVS_LOGITS_ALL ? c : 1;
+        int n_rows = want == KVS_LOGITS_ALL ? c : want != KVS_LOGITS_NONE;
         int32_t id = want == KVS_LOGITS_ARGMAX ? e->argmax[row] : -1;   /* written for ARGMAX rows */
         row += n_rows;
         float *rows = want == KVS_LOGITS_ARGMAX ? NULL : e->logits + (size_t)host_row * (size_t)e->x.vocab_size;
         if (want != KVS_LOGITS_ARGMAX) host_row += n_rows;
         float *lg = rows ? rows + (size_t)(n_rows - 1) * (size_t)e->x.vocab_size : NULL;
+        if (r->finish_pending) {   /* ended during the pass (overlap): its rows here are dropped */
+            kvs_scheduler_finish(e, r, r->pend_why, r->pend_msg);
+            continue;
+        }
         if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
         if (want == KVS_LOGITS_ALL && score_prompt(e, r, start, c, rows) < 0) continue;
         if (r->n_computed < r->n_tokens) continue;   /* a middle chunk of a scored prompt */
@@ -641,7 +762,15 @@ static void step(struct kvs_engine *e)
             kvs_scheduler_finish(e, r, KVS_FINISH_ERROR, "sampling failed");
             continue;
         }
-        emit_token(e, r, &so, t1);
+        enum kvs_finish why;
+        int final = apply_token(e, r, so.token, t1, &why);
+        if (e->overlap && !final) {   /* its text and event during the next pass */
+            e->deferred[e->n_deferred] = r;
+            e->deferred_so[e->n_deferred++] = so;
+            r->emit_pending = 1;
+        } else {
+            emit_text(e, r, &so, final, why);
+        }
     }
     publish_stats(e);
 }
@@ -670,7 +799,8 @@ void *kvs_scheduler_main(void *arg)
         pthread_mutex_unlock(&e->mu);
         step(e);
     }
-    /* shutdown: every request the scheduler knows ends CANCELLED */
+    /* shutdown: every request the scheduler knows ends CANCELLED (after its last token) */
+    flush_deferred(e);
     while (e->n_running) kvs_scheduler_finish(e, e->running[e->n_running - 1], KVS_FINISH_CANCELLED, NULL);
     while (e->wait_head) kvs_scheduler_finish(e, e->wait_head, KVS_FINISH_CANCELLED, NULL);
     publish_stats(e);

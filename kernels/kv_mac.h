@@ -26,6 +26,9 @@
  * (q_pre, rest) into entry m mod K with tag m + 1; rows with F_APPEND but not F_MAC (prefill rows)
  * compute rest = A over [0, m - r] only and leave out alone (the policy ran attention() there).
  * No subtraction anywhere (STRATEGIES.md §3's split-tail form): nothing cancels.
+ * count: for rows with F_COUNT, the matches of layers [0, n_layers) (p from offset 0: [layer][n]
+ * [n_heads]) added to the counters (KVS_MAC_C_*) in acc, on the backend: nothing comes back to
+ * the host per step, so a step with MAC can be a recorded graph.
  *
  * Ownership: the policy's. Errors: ops return void (bad arguments are bugs); the getter
  * returns NULL with a message when a backend has no MAC kernels.
@@ -37,7 +40,14 @@
 
 #include "kernels/backend.h"
 
-enum { KVS_MAC_F_MATCH = 1, KVS_MAC_F_MAC = 2, KVS_MAC_F_APPEND = 4 };
+enum { KVS_MAC_F_MATCH = 1, KVS_MAC_F_MAC = 2, KVS_MAC_F_APPEND = 4, KVS_MAC_F_COUNT = 8 };
+
+/* The counters count() accumulates on the backend, each a uint64 held in two I32 elements of the
+ * policy's counter buffer (I32 [2 * KVS_MAC_N_COUNTS], zeroed at create): lookups (q heads of
+ * F_MATCH rows), hits, q-head attends, the skipped fraction s / (m + 1) summed in units of
+ * 2^-24 (KVS_MAC_SKIP_ONE), and the positions the KV groups read (each group's union span). */
+enum { KVS_MAC_C_LOOKUPS, KVS_MAC_C_HITS, KVS_MAC_C_HEADS, KVS_MAC_C_SKIP, KVS_MAC_C_READ, KVS_MAC_N_COUNTS };
+#define KVS_MAC_SKIP_ONE 16777216.0
 
 struct kvs_mac_call {
     int layer, n_layers, K, band;
@@ -63,6 +73,7 @@ struct kvs_mac_kernels {
     size_t (*work_elems)(int max_rows, int n_heads, int head_dim);
     void (*match)(struct kvs_backend *b, const struct kvs_mac_call *c);
     void (*attend)(struct kvs_backend *b, const struct kvs_mac_call *c);
+    void (*count)(struct kvs_backend *b, const struct kvs_mac_call *c, struct kvs_dbuf *acc);
 };
 
 #ifdef __cplusplus

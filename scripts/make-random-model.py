@@ -31,6 +31,10 @@ SHAPES = {
                          max_position_embeddings=131072, rope_theta=500000.0,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # SmolLM2-135M(-Instruct): 30 layers, hidden 576, 9/3 heads of 64, FFN 1536, tied embeddings, 8K context
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0),
     # Qwen3-8B (its config.json: q/k RMSNorm per head, rms_norm_eps 1e-6, untied head)
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False,

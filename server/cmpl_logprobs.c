@@ -11,7 +11,7 @@
 
 char *kvs_token_str(struct kvs_server *s, int as_ids, int32_t id)
 {
-    if (as_ids) {
+    if (as_ids || !s->tok) {   /* a token-id-only model has no token strings */
         char buf[32];
         snprintf(buf, sizeof buf, "token_id:%d", (int)id);
         return kvs_xstrdup(buf);
@@ -52,7 +52,7 @@ void kvs_cmpl_lp_add(struct kvs_server *s, const struct call *c, cJSON *o, const
 void kvs_echo_begin(struct kvs_server *s, struct call *c, struct choice *ch, const char *text, const int32_t *ids,
                     int n)
 {
-    char *t = text ? kvs_xstrdup(text) : kvs_tokenizer_decode(s->tok, ids, n, 0);
+    char *t = text ? kvs_xstrdup(text) : s->tok ? kvs_tokenizer_decode(s->tok, ids, n, 0) : NULL;
     if (!t) t = kvs_xstrdup("");
     kvs_sbuf_append(&ch->text, t, strlen(t));
     free(t);

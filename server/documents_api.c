@@ -45,6 +45,10 @@ int kvs_docs_create(struct kvs_server *s, struct call *c)
     int32_t *ids = NULL;
     int n;
     char *text;
+    if (r.text && !s->tok) {
+        kvs_api_request_free(&r);
+        return kvs_call_no_tokenizer(c, "text");
+    }
     if (r.text) {
         /* document text is content, never instructions: special tokens stay plain text */
         n = kvs_tokenizer_encode_alloc(s->tok, r.text, 0, 0, &ids);
@@ -59,7 +63,7 @@ int kvs_docs_create(struct kvs_server *s, struct call *c)
         n = r.n_tokens;
         ids = r.tokens;
         r.tokens = NULL;
-        text = kvs_tokenizer_decode(s->tok, ids, n, 0);
+        text = s->tok ? kvs_tokenizer_decode(s->tok, ids, n, 0) : NULL;
         if (!text) text = kvs_xstrdup("");
     }
     if (n >= s->max_context) {   /* it could never be cited: nothing would be left for the question */

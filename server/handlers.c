@@ -207,8 +207,16 @@ static int h_model_one(struct kvs_server *s, struct call *c, const char *id)
     return kvs_call_respond_json(c, 200, model_card(s));
 }
 
+int kvs_call_no_tokenizer(struct call *c, const char *param)
+{
+    return kvs_call_error(c, 400, "invalid_request_error", "no_tokenizer", param,
+                          "this model has no tokenizer (no tokenizer.json in its directory): it takes and "
+                          "returns token ids only");
+}
+
 static int h_tokenize(struct kvs_server *s, struct call *c)
 {
+    if (!s->tok) return kvs_call_no_tokenizer(c, "prompt");
     struct kvs_api_request r;
     int parse_rc;
     if (kvs_call_parse_body(s, c, KVS_API_TOKENIZE, 1, &r, &parse_rc)) return parse_rc;
@@ -248,6 +256,7 @@ static int h_tokenize(struct kvs_server *s, struct call *c)
 
 static int h_detokenize(struct kvs_server *s, struct call *c)
 {
+    if (!s->tok) return kvs_call_no_tokenizer(c, "tokens");
     struct kvs_api_request r;
     int parse_rc;
     if (kvs_call_parse_body(s, c, KVS_API_DETOKENIZE, 0, &r, &parse_rc)) return parse_rc;

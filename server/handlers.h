@@ -141,6 +141,8 @@ int kvs_docs_list(struct kvs_server *s, struct call *c);
 int kvs_docs_one(struct kvs_server *s, struct call *c, const char *id);
 int kvs_call_resumed(struct kvs_server *s, struct call *c);
 /* Queues an OpenAI-shaped error response. */
+/* The 400 for a text input (param) to a model served by token ids only (s->tok NULL). */
+int kvs_call_no_tokenizer(struct call *c, const char *param);
 int kvs_call_error(struct call *c, int status, const char *type, const char *code, const char *param,
                    const char *fmt, ...) __attribute__((format(printf, 6, 7)));
 /* Drains engine events of a call into its output; resumes the connection when there is news. */

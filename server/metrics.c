@@ -154,6 +154,22 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
     counter(o, "kvserve:argmax_tokens_total",
             "Generation tokens of plain greedy requests picked on the device (no logits download, no sampler).", model,
             (double)es->argmax_tokens);
+    counter(o, "kvserve:engine_steps_total", "Scheduler steps that ran a forward pass.", model, (double)es->steps);
+    counter(o, "kvserve:engine_forward_seconds_total", "Time in forward passes (the device's share of a step).", model,
+            es->busy_s);
+    counter(o, "kvserve:engine_step_seconds_total", "Wall time of steps: forward plus the scheduler's host work.",
+            model, es->step_s);
+    counter(o, "kvserve:engine_schedule_seconds_total",
+            "Of the step wall time, the host work before the forward pass (reap, schedule, batch).", model, es->sched_s);
+    counter(o, "kvserve:engine_launch_seconds_total",
+            "Of the forward time, until the step was queued on the device (the runner's host work).", model,
+            es->launch_s);
+    counter(o, "kvserve:engine_decode_steps_total", "Steps in which every sequence decoded one token.", model,
+            (double)es->decode_steps);
+    counter(o, "kvserve:engine_decode_rows_total", "Sequences of those decode-only steps.", model,
+            (double)es->decode_rows);
+    counter(o, "kvserve:engine_decode_forward_seconds_total", "Forward time of those decode-only steps.", model,
+            es->decode_busy_s);
     /* the KV strategies' own counters, under the names they give (engine/kv/kv.h) */
     for (int i = 0; i < es->n_kv_counters; i++) {
         const struct kvs_kv_counter *k = &es->kv_counters[i];

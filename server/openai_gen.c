@@ -205,9 +205,11 @@ static void on_token(struct kvs_server *s, struct call *c, struct choice *ch, co
                 lp = kvs_cmpl_lp_new();
                 kvs_cmpl_lp_add(s, c, lp, ev, ch->text_offset);
             }
-        } else if (!*text) {
+        } else if (!*text && s->tok) {
             return; /* an incomplete UTF-8 sequence: nothing to show yet */
         }
+        /* a token-id-only model (no tokenizer) has no text at all: one chunk per token still,
+         * so that streaming clients see each token arrive (ITL, as vLLM does without detokenizing) */
         /* chat: the role goes with the first token, as in vLLM (clients time the first chunk) */
         emit_choice_chunk(c, ch, text, c->chat && !ch->sent_role, NULL, lp);
         ch->sent_role = 1;
@@ -357,6 +359,14 @@ static int context_error(struct call *c, int ctx, int n_prompt, int max_tokens)
 static int build_prompts(struct kvs_server *s, struct call *c, const struct kvs_api_request *r,
                          struct kvs_prompt_set *ps, int *mhd_rc)
 {
+    if (!s->tok) {   /* token-id-only model: text inputs cannot be tokenized */
+        int text = r->n_messages > 0 || c->chat;
+        for (int p = 0; p < r->n_prompts; p++) text |= r->prompts[p].text != NULL;
+        if (text) {
+            *mhd_rc = kvs_call_no_tokenizer(c, c->chat ? "messages" : "prompt");
+            return -1;
+        }
+    }
     const struct kvs_doc *docs[KVS_API_MAX_DOCS];
     struct kvs_prompt_doc pd[KVS_API_MAX_DOCS];
     for (int i = 0; i < r->n_documents; i++) {

@@ -36,6 +36,8 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <errno.h>
 #include <uv.h>
 
 static void run_mhd(struct kvs_server *s);
@@ -43,12 +45,29 @@ static void run_mhd(struct kvs_server *s);
 /* ------------------------------------------------------------------------------------------ */
 /* loading                                                                                     */
 
+/* A model directory without tokenizer.json (random-weight benchmark models from
+ * scripts/make-random-model.py, the tiny test models) is served by token ids: *tok stays NULL,
+ * prompts must be token-id arrays, and every text input is refused with a 400 that says so
+ * (kvs_server_no_tokenizer). A tokenizer.json that exists but does not load is still an error. */
 static int load_tokenizer(const struct kvs_config *cfg, struct kvs_tokenizer **tok, char *err, size_t errlen)
 {
     char why[480];
     int rc = kvs_tokenizer_load(cfg->model_path, tok, why, sizeof why);
+    if (rc == -ENOENT) {
+        char path[4096];
+        struct stat st;
+        int n = snprintf(path, sizeof path, "%s/tokenizer.json", cfg->model_path);
+        if (n > 0 && n < (int)sizeof path && stat(cfg->model_path, &st) == 0 && S_ISDIR(st.st_mode) &&
+            stat(path, &st) != 0 && errno == ENOENT) {
+            kvs_log(KVS_LOG_INFO, "model.path '%s' has no tokenizer.json: serving token ids only "
+                                  "(prompts must be arrays of token ids; text is refused)", cfg->model_path);
+            *tok = NULL;
+            return 0;
+        }
+    }
     return rc ? kvs_err(err, errlen, rc, "model.path '%s': %s", cfg->model_path, why) : 0;
 }
+
 
 int kvs_server_load_model(const struct kvs_config *cfg, struct kvs_model **model, struct kvs_tokenizer **tok,
                            char *err, size_t errlen)
@@ -77,6 +96,7 @@ static void *loader_main(void *arg)
         memset(&x, 0, sizeof x);
         rc = s->make_exec(cfg, s->tok, &x, s->load_err, sizeof s->load_err);
         if (!rc) {
+            s->vocab_size = x.vocab_size;
             rc = kvs_engine_create_exec(cfg, &x, &s->engine, s->load_err, sizeof s->load_err);
             if (rc && x.destroy) x.destroy(x.ctx);   /* server.h: ours once make_exec succeeded */
         }
@@ -84,7 +104,8 @@ static void *loader_main(void *arg)
         rc = kvs_engine_create(cfg, s->model, s->tok, &s->engine, s->load_err, sizeof s->load_err);
     }
     if (!rc) {
-        s->vocab_size = kvs_tokenizer_vocab_size(s->tok);
+        if (s->tok) s->vocab_size = kvs_tokenizer_vocab_size(s->tok);
+        else if (s->model) s->vocab_size = kvs_model_config(s->model)->vocab_size;
         s->max_context = kvs_engine_max_context(s->engine);
         kvs_log(KVS_LOG_INFO, "loaded %s in %.2fs (max context %d tokens, vocab %d)", s->model_name,
                 kvs_now() - t0, s->max_context, s->vocab_size);

@@ -94,8 +94,24 @@ int kvs_eval_teacher_forced(const struct kvs_config *ref_cfg, const struct kvs_c
 
 /* ---- retrieval probes (eval_retrieval.c) -------------------------------------------------- */
 
+/* Text probe formats (plain English; the wording of each is in eval_retrieval.c). */
+enum kvs_eval_format {
+    KVS_EVAL_FACT = 0,            /* "The secret code of <Name> is <NNNN>." early, two distractors */
+    KVS_EVAL_PASSKEY = 1,         /* "The pass key is <NNNNN>. Remember it. ..." at any depth */
+    KVS_EVAL_KV = 2,              /* a block of "<word>-<NNN>: <NNNN>" records at any depth */
+    KVS_EVAL_N_FORMATS = 3,
+    KVS_EVAL_IDS = KVS_EVAL_N_FORMATS   /* id probes (no tokenizer) */
+};
+#define KVS_EVAL_ALL_FORMATS ((1u << KVS_EVAL_N_FORMATS) - 1)
+
+/* "fact", "passkey", "kv" ("ids" for id probes); NULL when out of range */
+const char *kvs_eval_format_name(int format);
+/* Parses a comma-separated list of format names into a bit mask (1 << format); 0 or -EINVAL. */
+int kvs_eval_parse_formats(const char *list, unsigned *mask);
+
 struct kvs_eval_probe {
     int length;                   /* target context length (the bucket) */
+    int format;                   /* enum kvs_eval_format */
     int32_t *ids;                 /* [n] prompt */
     int n;
     int32_t *answer_ids;          /* [n_answer] expected greedy continuation (id probes) */
@@ -107,14 +123,22 @@ struct kvs_eval_probes {
     struct kvs_eval_probe *p;
     int n;
     int text;                     /* 1: text probes (tokenizer), 0: token-id probes */
+    double timeout_s;             /* per probe, from submission to its last token (0: 600 s) */
 };
 
 /* Text probes: facts ("The secret code of Alice is 4821.") stated early inside filler lines,
  * asked about at the end ("Question: What is the secret code of Alice?\nAnswer:"); the answer
- * must be the value. filler: text whose lines are used in order from a random start. */
+ * must be the value. filler: text whose lines are used in order from a random start. Only the
+ * fact format (what this function always made); kvs_eval_probes_text_formats picks formats. */
 int kvs_eval_probes_text(const struct kvs_tokenizer *tok, const char *filler, size_t filler_len,
                          const int *lengths, int n_lengths, int per_length, uint64_t seed,
                          struct kvs_eval_probes *out, char *err, size_t errlen);
+/* The same with the formats of `formats` (a mask of 1 << enum kvs_eval_format): probe k of a
+ * length has the k-th format of the mask, round robin, so per_length stays the count per
+ * length (each format gets per_length / n_formats, the first ones one more). */
+int kvs_eval_probes_text_formats(const struct kvs_tokenizer *tok, const char *filler, size_t filler_len,
+                                 const int *lengths, int n_lengths, int per_length, unsigned formats,
+                                 uint64_t seed, struct kvs_eval_probes *out, char *err, size_t errlen);
 /* Token-id probes for models without a tokenizer: random filler ids, a key -> value id
  * pattern stated early, the key repeated at the end; the answer is the value ids. */
 int kvs_eval_probes_ids(int vocab, const int *lengths, int n_lengths, int per_length, uint64_t seed,
@@ -125,6 +149,7 @@ struct kvs_eval_retrieval_result {
     int n_lengths;
     int lengths[16];
     int total[16], correct[16];
+    int fmt_total[16][KVS_EVAL_N_FORMATS + 1], fmt_correct[16][KVS_EVAL_N_FORMATS + 1];  /* by format */
     double seconds;
     struct kvs_eval_counters counters;   /* reuse hits from the engine */
     char example[160];            /* one generated answer (for the log) */

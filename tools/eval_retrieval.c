@@ -1,12 +1,17 @@
 /* eval_retrieval.c: long-context retrieval probes for the quality harness (eval.h).
  *
  * Text probes (the model has a tokenizer): lines of filler text from a random starting line,
- * with fact lines "The secret code of <Name> is <NNNN>.\n" spliced in (the asked fact in the
- * first quarter of the lines, two distractor facts anywhere), then
- * "Question: What is the secret code of <Name>?\nAnswer:". Names come from the demo model's
- * held-out evaluation names, never seen in its training facts. Greedy decoding must produce the
- * value: the generated text, leading spaces stripped, starts with it and is not followed by
- * another digit or letter.
+ * with lines of one of three plain-English formats spliced in, then a question:
+ *   fact     "The secret code of <Name> is <NNNN>.\n" (the asked fact in the first quarter of
+ *            the lines, two distractor facts anywhere), "Question: What is the secret code of
+ *            <Name>?\nAnswer:"; names from the demo model's held-out evaluation names, never
+ *            seen in its training facts;
+ *   passkey  "The pass key is <NNNNN>. Remember it. <NNNNN> is the pass key.\n" at any depth,
+ *            "Question: What is the pass key?\nAnswer:";
+ *   kv       a block of 8 records "<word>-<NNN>: <NNNN>\n" at any depth, "Question: What is
+ *            the value of <word>-<NNN>?\nAnswer:".
+ * Greedy decoding must produce the value: the first number of the answer's first line (a bare
+ * " 4821" or a sentence such as "The secret code of Alfred is 4821.") equals it.
  * Id probes (no tokenizer): random filler ids with a 3-id key followed by a 3-id value in the
  * first quarter, the key again at the end; the next 3 generated ids must equal the value.
  *
@@ -31,7 +36,6 @@ static const char *const NAMES[] = {"Alfred", "Bianca",  "Cyrus",   "Delia",  "E
                                     "Orla",   "Perry",   "Quentin", "Rosalind", "Silas",  "Thea",  "Ulric",
                                     "Vera",   "Wilbur",  "Yara",    "Zane"};
 #define N_NAMES ((int)(sizeof NAMES / sizeof NAMES[0]))
-#define N_FACTS 3
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -85,12 +89,118 @@ static int encode(const struct kvs_tokenizer *tok, const char *s, size_t n, int 
     return m;
 }
 
+/* Plain words for the keys of the key-value format ("river-482: 7391"). */
+static const char *const KEY_WORDS[] = {"river", "lamp",  "garden", "window", "silver", "candle", "harbor", "meadow",
+                                        "copper", "orchard", "lantern", "pepper", "marble", "thunder", "violet", "anchor"};
+#define N_KEY_WORDS ((int)(sizeof KEY_WORDS / sizeof KEY_WORDS[0]))
+#define N_KV 8                    /* records in the key-value block */
+#define MAX_ITEMS 3               /* inserted pieces of one probe */
+
+static const char *const FORMAT_NAMES[KVS_EVAL_N_FORMATS + 1] = {"fact", "passkey", "kv", "ids"};
+
+const char *kvs_eval_format_name(int format)
+{
+    return format >= 0 && format <= KVS_EVAL_N_FORMATS ? FORMAT_NAMES[format] : NULL;
+}
+
+int kvs_eval_parse_formats(const char *list, unsigned *mask)
+{
+    *mask = 0;
+    const char *p = list;
+    while (p && *p) {
+        const char *e = strchr(p, ',');
+        size_t n = e ? (size_t)(e - p) : strlen(p);
+        int f;
+        for (f = 0; f < KVS_EVAL_N_FORMATS; f++)
+            if (strlen(FORMAT_NAMES[f]) == n && !strncmp(p, FORMAT_NAMES[f], n)) break;
+        if (f == KVS_EVAL_N_FORMATS) return -EINVAL;
+        *mask |= 1u << f;
+        p = e ? e + 1 : NULL;
+    }
+    return *mask ? 0 : -EINVAL;
+}
+
+/* One probe's pieces: the lines spliced into the filler (item), the line index each goes
+ * before (slot; the first quarter or anywhere, decided once the filler's line count is known),
+ * the question at the end and the expected answer. */
+struct probe_spec {
+    char item[MAX_ITEMS][N_KV * 24 + 8];
+    int n_items;
+    int early[MAX_ITEMS];         /* 1: slot in the first quarter of the lines */
+    char question[160];
+    char answer[16];
+};
+
+static void make_spec(int format, uint64_t *seed, struct probe_spec *sp)
+{
+    memset(sp, 0, sizeof *sp);
+    if (format == KVS_EVAL_PASSKEY) {
+        /* the classic passkey test (one value, anywhere, nothing like it in the filler) */
+        snprintf(sp->answer, sizeof sp->answer, "%d", 10000 + rng_int(seed, 90000));
+        snprintf(sp->item[0], sizeof sp->item[0], "The pass key is %s. Remember it. %s is the pass key.\n", sp->answer,
+                 sp->answer);
+        sp->n_items = 1;
+        snprintf(sp->question, sizeof sp->question, "Question: What is the pass key?\nAnswer:");
+    } else if (format == KVS_EVAL_KV) {
+        /* a block of N_KV records with distinct keys at any depth; one of them is asked */
+        char key[N_KV][32];
+        size_t n = 0;
+        int asked = rng_int(seed, N_KV);
+        for (int i = 0; i < N_KV; i++) {
+            int dup;
+            do {
+                snprintf(key[i], sizeof key[i], "%s-%d", KEY_WORDS[rng_int(seed, N_KEY_WORDS)], 10 + rng_int(seed, 990));
+                dup = 0;
+                for (int j = 0; j < i; j++) dup |= !strcmp(key[i], key[j]);
+            } while (dup);
+            char val[8];
+            snprintf(val, sizeof val, "%d", 1000 + rng_int(seed, 9000));
+            if (i == asked) snprintf(sp->answer, sizeof sp->answer, "%s", val);
+            n += (size_t)snprintf(sp->item[0] + n, sizeof sp->item[0] - n, "%s: %s\n", key[i], val);
+        }
+        sp->n_items = 1;
+        snprintf(sp->question, sizeof sp->question, "Question: What is the value of %s?\nAnswer:", key[asked]);
+    } else {
+        /* the asked fact early, two distractor facts about other names anywhere */
+        int used[3];
+        for (int f = 0; f < 3; f++) {
+            int nm, dup;
+            do {
+                nm = rng_int(seed, N_NAMES);
+                dup = 0;
+                for (int g = 0; g < f; g++) dup |= used[g] == nm;
+            } while (dup);
+            used[f] = nm;
+            char code[8];
+            snprintf(code, sizeof code, "%d", 1000 + rng_int(seed, 9000));
+            if (f == 0) snprintf(sp->answer, sizeof sp->answer, "%s", code);
+            snprintf(sp->item[f], sizeof sp->item[f], "The secret code of %s is %s.\n", NAMES[nm], code);
+        }
+        sp->n_items = 3;
+        sp->early[0] = 1;
+        snprintf(sp->question, sizeof sp->question, "Question: What is the secret code of %s?\nAnswer:", NAMES[used[0]]);
+    }
+}
+
 int kvs_eval_probes_text(const struct kvs_tokenizer *tok, const char *filler, size_t filler_len,
                          const int *lengths, int n_lengths, int per_length, uint64_t seed,
                          struct kvs_eval_probes *out, char *err, size_t errlen)
 {
+    return kvs_eval_probes_text_formats(tok, filler, filler_len, lengths, n_lengths, per_length, 1u << KVS_EVAL_FACT,
+                                        seed, out, err, errlen);
+}
+
+int kvs_eval_probes_text_formats(const struct kvs_tokenizer *tok, const char *filler, size_t filler_len,
+                                 const int *lengths, int n_lengths, int per_length, unsigned formats,
+                                 uint64_t seed, struct kvs_eval_probes *out, char *err, size_t errlen)
+{
     memset(out, 0, sizeof *out);
     out->text = 1;
+    int fmt_list[KVS_EVAL_N_FORMATS], n_fmt = 0;
+    for (int f = 0; f < KVS_EVAL_N_FORMATS; f++)
+        if (formats & (1u << f)) fmt_list[n_fmt++] = f;
+    if (!n_fmt || (formats & ~(unsigned)KVS_EVAL_ALL_FORMATS))
+        return kvs_err(err, errlen, -EINVAL, "eval: bad probe format mask 0x%x", formats);
     /* filler lines (non-blank) */
     struct line *lines = NULL;
     int n_lines = 0, cap_lines = 0;
@@ -118,24 +228,12 @@ int kvs_eval_probes_text(const struct kvs_tokenizer *tok, const char *filler, si
     out->p = kvs_xcalloc((size_t)n_lengths * per_length, sizeof *out->p);
     for (int li = 0; li < n_lengths; li++) {
         for (int k = 0; k < per_length; k++) {
-            int L = lengths[li];
-            char fact[N_FACTS][96], code[N_FACTS][8], question[128];
-            int used[N_FACTS];
-            for (int f = 0; f < N_FACTS; f++) {
-                int nm, dup;
-                do {
-                    nm = rng_int(&seed, N_NAMES);
-                    dup = 0;
-                    for (int g = 0; g < f; g++) dup |= used[g] == nm;
-                } while (dup);
-                used[f] = nm;
-                snprintf(code[f], sizeof code[f], "%d", 1000 + rng_int(&seed, 9000));
-                snprintf(fact[f], sizeof fact[f], "The secret code of %s is %s.\n", NAMES[nm], code[f]);
-            }
-            snprintf(question, sizeof question, "Question: What is the secret code of %s?\nAnswer:", NAMES[used[0]]);
-            int fixed = encode(tok, question, strlen(question), add_bos, &ids, &ids_cap);
-            for (int f = 0; f < N_FACTS && fixed >= 0; f++) {
-                int m = encode(tok, fact[f], strlen(fact[f]), 0, &ids, &ids_cap);
+            int L = lengths[li], format = fmt_list[k % n_fmt];
+            struct probe_spec sp;
+            make_spec(format, &seed, &sp);
+            int fixed = encode(tok, sp.question, strlen(sp.question), add_bos, &ids, &ids_cap);
+            for (int f = 0; f < sp.n_items && fixed >= 0; f++) {
+                int m = encode(tok, sp.item[f], strlen(sp.item[f]), 0, &ids, &ids_cap);
                 fixed = m < 0 ? m : fixed + m;
             }
             if (fixed < 0) {
@@ -161,23 +259,22 @@ int kvs_eval_probes_text(const struct kvs_tokenizer *tok, const char *filler, si
                 rc = kvs_err(err, errlen, -EINVAL, "eval: probe length %d is too short for the filler lines", L);
                 goto out;
             }
-            int slot[N_FACTS];
-            slot[0] = rng_int(&seed, nl / 4 + 1);
-            for (int f = 1; f < N_FACTS; f++) slot[f] = rng_int(&seed, nl + 1);
+            int slot[MAX_ITEMS];
+            for (int f = 0; f < sp.n_items; f++) slot[f] = rng_int(&seed, (sp.early[f] ? nl / 4 : nl) + 1);
             /* assemble; cut filler lines from the end while the encoding is over L */
             int n;
             for (;;) {
                 sb.n = 0;
                 for (int i = 0; i <= nl; i++) {
-                    for (int f = 0; f < N_FACTS; f++)
-                        if (slot[f] == i || (i == nl && slot[f] > nl)) sb_add(&sb, fact[f], strlen(fact[f]));
+                    for (int f = 0; f < sp.n_items; f++)
+                        if (slot[f] == i || (i == nl && slot[f] > nl)) sb_add(&sb, sp.item[f], strlen(sp.item[f]));
                     if (i < nl) {
                         struct line *ln = &lines[(start + i) % n_lines];
                         sb_add(&sb, ln->s, (size_t)ln->len);
                         if (ln->s[ln->len - 1] != '\n') sb_add(&sb, "\n", 1);
                     }
                 }
-                sb_add(&sb, question, strlen(question));
+                sb_add(&sb, sp.question, strlen(sp.question));
                 n = encode(tok, sb.s, sb.n, add_bos, &ids, &ids_cap);
                 if (n < 0) {
                     rc = kvs_err(err, errlen, n, "eval: tokenizer failed on a probe");
@@ -188,10 +285,11 @@ int kvs_eval_probes_text(const struct kvs_tokenizer *tok, const char *filler, si
             }
             struct kvs_eval_probe *p = &out->p[out->n++];
             p->length = L;
+            p->format = format;
             p->n = n;
             p->ids = kvs_xmalloc((size_t)n * sizeof *p->ids);
             memcpy(p->ids, ids, (size_t)n * sizeof *ids);
-            p->answer_text = kvs_xstrdup(code[0]);
+            p->answer_text = kvs_xstrdup(sp.answer);
         }
     }
 out:
@@ -218,6 +316,7 @@ int kvs_eval_probes_ids(int vocab, const int *lengths, int n_lengths, int per_le
         for (int k = 0; k < per_length; k++) {
             struct kvs_eval_probe *p = &out->p[out->n++];
             p->length = L;
+            p->format = KVS_EVAL_IDS;
             p->n = L;
             p->ids = kvs_xmalloc((size_t)L * sizeof *p->ids);
             p->answer_ids = kvs_xmalloc(3 * sizeof *p->answer_ids);
@@ -235,17 +334,33 @@ int kvs_eval_probes_ids(int vocab, const int *lengths, int n_lengths, int per_le
     return 0;
 }
 
+/* A text probe is answered when the first number of the answer's first line is the value: a
+ * bare "4821", or a sentence as instruction-tuned models give ("The secret code of Alfred is
+ * 4821."). A number is a maximal run of digits; one right after '-' is part of a key
+ * ("river-482") that the answer may repeat, not a number. */
 static int text_matches(const char *gen, const char *want)
 {
-    while (*gen == ' ' || *gen == '\t') gen++;
     size_t n = strlen(want);
-    return strncmp(gen, want, n) == 0 && !isalnum((unsigned char)gen[n]);
+    for (const char *p = gen; *p && *p != '\n'; p++) {
+        if (!isdigit((unsigned char)*p)) continue;
+        const char *e = p;
+        while (isdigit((unsigned char)*e)) e++;
+        if (p > gen && p[-1] == '-') {
+            p = e - 1;
+            continue;
+        }
+        return (size_t)(e - p) == n && !strncmp(p, want, n);
+    }
+    return 0;
 }
+
+/* room for a sentence answer with one token per digit ("The pass key is 83870.") */
+#define TEXT_ANSWER_TOKENS 24
 
 struct job {
     struct kvs_request *r;
     int done, ok, n_gen;
-    int32_t gen[16];
+    int32_t gen[16];              /* id probes: the first ids (n_answer <= 16) */
     struct sbuf text;
     char error[256];
 };
@@ -306,7 +421,7 @@ int kvs_eval_retrieval(const struct kvs_config *cfg, const struct kvs_model *mod
             memset(&rp, 0, sizeof rp);
             rp.prompt = p->ids + off;
             rp.n_prompt = n;
-            rp.max_tokens = probes->text ? 8 : p->n_answer;
+            rp.max_tokens = probes->text ? TEXT_ANSWER_TOKENS : p->n_answer;
             rp.sampling.temperature = 0;
             rp.sampling.top_p = 1;
             rp.sampling.repetition_penalty = 1;
@@ -327,10 +442,13 @@ int kvs_eval_retrieval(const struct kvs_config *cfg, const struct kvs_model *mod
         }
         for (int j = 0; j < submitted; j++) {
             if (!rc) {
-                int crc = collect(&jobs[j], 600.0);
-                if (crc) {
-                    rc = kvs_err(err, errlen, crc, "eval: probe failed: %s",
-                                 crc == -ETIMEDOUT ? "no answer within 600 s" : jobs[j].error);
+                double tmo = probes->timeout_s > 0 ? probes->timeout_s : 600.0;
+                int crc = collect(&jobs[j], tmo);
+                if (crc == -ETIMEDOUT) {
+                    rc = kvs_err(err, errlen, crc, "eval: probe failed: no answer within %.0f s (--probe-timeout; "
+                                 "fewer at once: --set scheduler.max_running=N)", tmo);
+                } else if (crc) {
+                    rc = kvs_err(err, errlen, crc, "eval: probe failed: %s", jobs[j].error);
                 } else {
                     const struct kvs_eval_probe *p = &probes->p[b0 + j];
                     int ok;
@@ -344,6 +462,8 @@ int kvs_eval_retrieval(const struct kvs_config *cfg, const struct kvs_model *mod
                     while (res->lengths[li] != p->length) li++;
                     res->total[li]++;
                     res->correct[li] += ok;
+                    res->fmt_total[li][p->format]++;
+                    res->fmt_correct[li][p->format] += ok;
                     if (!res->example[0] && probes->text)
                         snprintf(res->example, sizeof res->example, "want \"%s\", got \"%s\"", p->answer_text,
                                  jobs[j].text.s ? jobs[j].text.s : "");

@@ -12,7 +12,8 @@
 
 extern const struct kvs_kv_storage_ops kvs_kv_storage_auto, kvs_kv_storage_f32, kvs_kv_storage_bf16, kvs_kv_storage_lean;
 extern const struct kvs_kv_reuse_ops kvs_kv_reuse_none, kvs_kv_reuse_prefix, kvs_kv_reuse_lazy;
-extern const struct kvs_kv_decode_ops kvs_kv_decode_full, kvs_kv_decode_quest, kvs_kv_decode_mac;
+extern const struct kvs_kv_decode_ops kvs_kv_decode_full, kvs_kv_decode_quest, kvs_kv_decode_mac,
+    kvs_kv_decode_paris;
 extern const struct kvs_kv_decode_ops kvs_kv_decode_retro;
 
 struct row {
@@ -35,7 +36,8 @@ static const struct row REGISTRY[] = {
     {"decode", "quest", &kvs_kv_decode_quest, "Quest: top pages by min/max key digests"},
     {"decode", "retro", &kvs_kv_decode_retro, "RetroAttention: Quest plus retrospective updates"},
     {"decode", "mac", &kvs_kv_decode_mac, "MAC: reuse of attention summaries of similar recent queries"},
-    {"decode", "paris", NULL, "ParisKV: top-k retrieval with host offload"},
+    {"decode", "paris", &kvs_kv_decode_paris,
+     "ParisKV: top-k retrieval from a 4-bit key index (host offload not built yet)"},
 };
 #define N_REGISTRY ((int)(sizeof REGISTRY / sizeof REGISTRY[0]))
 

@@ -11,8 +11,11 @@
  * State: the rings live on the backend, one per request slot (max_slots), allocated at create
  * and checked against kv.decode_state_bytes; the runner's host arena slot holds the request's
  * flag, and seq_init (admission, preemption included) empties the slot's rings. The bytes of
- * both show in /metrics. The match result of every layer comes back once per step (one
- * download at the last layer) for the counters, so steps run eagerly (KVS_KV_NO_GRAPHS).
+ * both show in /metrics. The counters accumulate on the backend (the kernels' count(), once a
+ * step after the last layer) and come back only when /metrics or the eval reads them (at most
+ * one download per step that ran), so decode steps keep the runner's recorded graphs: in a
+ * decode-only step every row (padding rows too) runs MAC's kernels, the host decisions of
+ * attend() are the same for every such step, and everything per step is in the uploaded rows.
  * Errors: create returns -ENOSYS (no kernels on the backend), -ENOMEM with a message.
  */
 #include "engine/kv/kv.h"
@@ -39,11 +42,14 @@ struct mac {
     double ring_bytes;
     struct kvs_dbuf *d_rows, *d_p, *d_lse, *work;
     size_t work_n;   /* I32 [max_rows][4], I32 [L][max_rows][nh], F32 [max_rows][nh] */
-    int32_t *h_rows, *h_p;
+    int32_t *h_rows;
     /* this step */
-    int n_rows, n_mac, n_work, any_full;
-    /* counters */
-    double lookups, hits, skip_sum, heads, bytes_read;
+    int n_rows, n_work, any_full;
+    /* counters: accumulated on the backend (I32 [2 * KVS_MAC_N_COUNTS], kernels/kv_mac.h), the
+     * host copy refreshed when read after a step ran */
+    struct kvs_dbuf *d_count;
+    uint64_t counts[KVS_MAC_N_COUNTS];
+    int count_dirty;
 };
 
 static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
@@ -98,13 +104,14 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
     s->work_n = k->work_elems(env->max_rows, env->n_heads, env->head_dim);
     if (s->work_n) s->work = o->alloc(env->be, KVS_BUF_F32, s->work_n);
     s->h_rows = calloc(rows * 4, sizeof *s->h_rows);
-    s->h_p = calloc(L * rows * nh, sizeof *s->h_p);
+    s->d_count = o->alloc(env->be, KVS_BUF_I32, 2 * KVS_MAC_N_COUNTS);
     *state = s;   /* destroy() frees a partial state */
     if (!s->ring_q || !s->ring_o || !s->ring_lse || !s->ring_tag || !s->d_rows || !s->d_p || !s->d_lse || (s->work_n && !s->work) || !s->h_rows ||
-        !s->h_p)
+        !s->d_count)
         return kvs_err(err, errlen, -ENOMEM, "mac: no memory for rings of %.0f bytes (%zu request slots)", s->ring_bytes,
                        slots);
     o->zero(env->be, s->ring_tag, 0, entries);
+    o->zero(env->be, s->d_count, 0, 2 * KVS_MAC_N_COUNTS);
     return 0;
 }
 
@@ -112,10 +119,10 @@ static void mac_destroy(void *state)
 {
     struct mac *s = state;
     const struct kvs_backend_ops *o = s->env.o;
-    struct kvs_dbuf *bs[] = {s->ring_q, s->ring_o, s->ring_lse, s->ring_tag, s->d_rows, s->d_p, s->d_lse, s->work};
+    struct kvs_dbuf *bs[] = {s->ring_q, s->ring_o, s->ring_lse, s->ring_tag, s->d_rows, s->d_p, s->d_lse, s->work,
+                             s->d_count};
     for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(s->env.be, bs[i]);
     free(s->h_rows);
-    free(s->h_p);
     free(s);
 }
 
@@ -140,7 +147,7 @@ static int mac_plan(void *state, const struct kvs_kv_step *st)
 {
     struct mac *s = state;
     s->n_rows = st->n_rows;
-    s->n_mac = s->n_work = s->any_full = 0;
+    s->n_work = s->any_full = 0;
     for (int q = 0; q < st->n_seqs; q++) {
         const int q0 = st->h_q_start[q], q1 = st->h_q_start[q + 1];
         const int slot = st->h_slot[q] >= 0 && st->h_slot[q] < s->env.max_slots ? st->h_slot[q] : -1;
@@ -148,13 +155,16 @@ static int mac_plan(void *state, const struct kvs_kv_step *st)
             const int m = st->h_pos[q] + (t - q0);
             int flags = 0;
             if (slot >= 0) {
-                if (st->h_decode[q]) flags |= KVS_MAC_F_MAC;
+                if (st->h_decode[q]) flags |= KVS_MAC_F_MAC | KVS_MAC_F_COUNT;
                 if (st->h_decode[q] && s->matching && m + 1 >= s->gen_min) flags |= KVS_MAC_F_MATCH;
                 if (t >= q1 - s->K) flags |= KVS_MAC_F_APPEND;   /* the last K rows: the ring keeps those */
             }
+            /* any other one-row sequence (a one-token prompt, a graph's padding row): attention
+             * over [0, m] through the same kernel (no match: p = -1), so that a decode-only step
+             * never needs the backend's attention() and every such step issues the same work */
+            if (q1 - q0 == 1) flags |= KVS_MAC_F_MAC;
             int32_t *r = s->h_rows + (size_t)t * 4;
             r[0] = q, r[1] = slot, r[2] = m, r[3] = flags;
-            s->n_mac += (flags & KVS_MAC_F_MAC) != 0;
             s->n_work += (flags & (KVS_MAC_F_MAC | KVS_MAC_F_APPEND)) != 0;
             s->any_full |= !(flags & KVS_MAC_F_MAC);
         }
@@ -186,48 +196,41 @@ static void mac_attend(void *state, int layer, const struct kvs_kv_attend *a)
     s->k->attend(s->env.be, &c);
 }
 
-/* After the last layer: every layer's matches, once per step, for the counters. */
+/* After the last layer: every layer's matches added to the backend's counters (no download). */
 static void mac_finish(void *state, int layer, const struct kvs_kv_step *st)
 {
     struct mac *s = state;
-    if (layer != s->env.n_layers - 1 || !s->n_mac) return;
-    const int L = s->env.n_layers, nh = s->env.n_heads, nkv = s->env.n_kv_heads, n = st->n_rows;
-    const int G = nh / nkv;
-    s->env.o->download(s->env.be, s->h_p, s->d_p, 0, (size_t)L * n * nh);
-    const double per_pos = (double)s->env.kv_bytes_per_token / ((double)L * nkv);   /* one layer, one KV head */
-    for (int t = 0; t < n; t++) {
-        const int32_t *r = s->h_rows + (size_t)t * 4;
-        if (!(r[3] & KVS_MAC_F_MAC)) continue;
-        const int m = r[2];
-        for (int l = 0; l < L; l++) {
-            const int32_t *p = s->h_p + ((size_t)l * n + t) * nh;
-            for (int g = 0; g < nkv; g++) {
-                int min_s = m + 1;
-                for (int h = g * G; h < (g + 1) * G; h++) {
-                    const int st0 = p[h] >= 0 ? (p[h] - s->band + 1 > 0 ? p[h] - s->band + 1 : 0) : 0;
-                    if (st0 < min_s) min_s = st0;
-                    s->hits += p[h] >= 0;
-                    s->lookups += (r[3] & KVS_MAC_F_MATCH) != 0;
-                    s->skip_sum += (double)st0 / (double)(m + 1);
-                    s->heads += 1;
-                }
-                s->bytes_read += (double)(m + 1 - min_s) * per_pos;   /* the group's union span */
-            }
-        }
-    }
+    if (layer != s->env.n_layers - 1 || !s->n_work) return;
+    const struct kvs_mac_call c = {
+        .n_layers = s->env.n_layers, .K = s->K, .band = s->band, .n = st->n_rows, .n_heads = s->env.n_heads,
+        .n_kv_heads = s->env.n_kv_heads, .head_dim = s->env.head_dim, .rows = s->d_rows, .p = s->d_p,
+    };
+    s->k->count(s->env.be, &c, s->d_count);
+    s->count_dirty = 1;
 }
 
 static int mac_counters(void *state, struct kvs_kv_counter *out, int cap)
 {
     struct mac *s = state;
+    if (s->count_dirty) {   /* one download per step that ran, only when someone reads */
+        int32_t raw[2 * KVS_MAC_N_COUNTS];
+        s->env.o->download(s->env.be, raw, s->d_count, 0, 2 * KVS_MAC_N_COUNTS);
+        memcpy(s->counts, raw, sizeof s->counts);
+        s->count_dirty = 0;
+    }
+    const uint64_t *v = s->counts;
+    const double per_pos = (double)s->env.kv_bytes_per_token / ((double)s->env.n_layers * s->env.n_kv_heads);
     const struct kvs_kv_counter c[] = {
-        {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read.", 1, s->bytes_read, NULL, NULL},
+        {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read.", 1,
+         (double)v[KVS_MAC_C_READ] * per_pos, NULL, NULL},
         {"kvserve:kv_mac_lookups_total", "MAC ring lookups (decode rows x layers x q heads past gen_min).", 1,
-         s->lookups, NULL, NULL},
-        {"kvserve:kv_mac_hits_total", "MAC ring hits (q heads that reused a cached summary).", 1, s->hits, NULL, NULL},
+         (double)v[KVS_MAC_C_LOOKUPS], NULL, NULL},
+        {"kvserve:kv_mac_hits_total", "MAC ring hits (q heads that reused a cached summary).", 1,
+         (double)v[KVS_MAC_C_HITS], NULL, NULL},
         {"kvserve:kv_mac_skip_sum", "Sum over decode q-head attends of the fraction of the context skipped.", 1,
-         s->skip_sum, NULL, NULL},
-        {"kvserve:kv_mac_skip_count", "Decode q-head attends (the skip fraction's count).", 1, s->heads, NULL, NULL},
+         (double)v[KVS_MAC_C_SKIP] / KVS_MAC_SKIP_ONE, NULL, NULL},
+        {"kvserve:kv_mac_skip_count", "Decode q-head attends (the skip fraction's count).", 1,
+         (double)v[KVS_MAC_C_HEADS], NULL, NULL},
         {"kvserve:kv_mac_ring_bytes", "Bytes of the MAC rings on the backend (all request slots).", 0, s->ring_bytes,
          NULL, NULL},
     };
@@ -239,7 +242,7 @@ static int mac_counters(void *state, struct kvs_kv_counter *out, int cap)
 const struct kvs_kv_decode_ops kvs_kv_decode_mac = {
     .name = "mac",
     .exact = 0,
-    .needs = KVS_KV_NEEDS_PRE_ROPE_Q | KVS_KV_NO_GRAPHS,
+    .needs = KVS_KV_NEEDS_PRE_ROPE_Q,
     .rows_per_seq = 1,
     .create = mac_create,
     .destroy = mac_destroy,

@@ -166,6 +166,34 @@ static void cpu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
     kvs_cpu_pool_run(b->pool, c->n * c->n_heads, attend_task, (void *)c);
 }
 
+static void cpu_count(struct kvs_backend *b, const struct kvs_mac_call *c, struct kvs_dbuf *acc)
+{
+    (void)b;
+    uint64_t v[KVS_MAC_N_COUNTS];
+    memcpy(v, I(acc), sizeof v);
+    const int G = c->n_heads / c->n_kv_heads;
+    for (int t = 0; t < c->n; t++) {
+        const int32_t *r = I(c->rows) + (size_t)t * 4;
+        if (!(r[3] & KVS_MAC_F_COUNT)) continue;
+        const int m = r[2];
+        for (int l = 0; l < c->n_layers; l++)
+            for (int g = 0; g < c->n_kv_heads; g++) {
+                const int32_t *p = I(c->p) + ((size_t)l * c->n + t) * c->n_heads + (size_t)g * G;
+                int min_s = m + 1;
+                for (int h = 0; h < G; h++) {
+                    const int s0 = p[h] >= 0 ? (p[h] - c->band + 1 > 0 ? p[h] - c->band + 1 : 0) : 0;
+                    if (s0 < min_s) min_s = s0;
+                    v[KVS_MAC_C_LOOKUPS] += (r[3] & KVS_MAC_F_MATCH) != 0;
+                    v[KVS_MAC_C_HITS] += p[h] >= 0;
+                    v[KVS_MAC_C_HEADS] += 1;
+                    v[KVS_MAC_C_SKIP] += (uint64_t)((double)s0 * KVS_MAC_SKIP_ONE / (double)(m + 1) + 0.5);
+                }
+                v[KVS_MAC_C_READ] += (uint64_t)(m + 1 - min_s);
+            }
+    }
+    memcpy(I(acc), v, sizeof v);
+}
+
 static int cpu_supports(int n_heads, int n_kv_heads, int head_dim, char *err, size_t errlen)
 {
     if (head_dim > MAX_HEAD_DIM || n_kv_heads <= 0 || n_heads % n_kv_heads)
@@ -180,4 +208,5 @@ static size_t cpu_work_elems(int max_rows, int n_heads, int head_dim)
     return 0;
 }
 
-const struct kvs_mac_kernels kvs_mac_kernels_cpu = {cpu_supports, cpu_work_elems, cpu_match, cpu_attend};
+const struct kvs_mac_kernels kvs_mac_kernels_cpu = {cpu_supports, cpu_work_elems, cpu_match, cpu_attend,
+                                                    cpu_count};

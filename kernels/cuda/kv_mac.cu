@@ -1,34 +1,47 @@
 /* kv_mac.cu: MAC-Attention's kernels on the CUDA backend (kernels/kv_mac.h; the CPU reference
  * is kernels/cpu/kv_mac.c and tests/gpu/test_cuda_kv_mac.c compares the two).
  *
- *   k_mac_match    one block per (row, q head), a thread per ring entry: bf16 entry loads (16
- *                  bytes at a time), the query rounded to bf16 alike, fp32 sums; the block's
- *                  minimum with ties to the lower entry.
- *   k_mac_span     one block per (row, KV head, split): the group's q heads read each key and
- *                  value once over the union of their spans [min s, end) (the paper's KV-group
- *                  CTA), each head keeping its own online softmax for A = [s_h, split_h) and
- *                  B = [split_h, m] (a head skips positions before its own s_h). Splits cut the
- *                  union span so that small batches still fill the GPU; 4 warps split a block's
- *                  range in contiguous parts. Deferred-RoPE blocks (rot_offsets) rotate the
- *                  group's queries backward when the offset changes; padding slots are skipped.
+ *   match (default) k_mac_match_part + k_mac_match_fin: blocks of (row, run of ring entries)
+ *                  reading the ring's contiguous [entry][head][dim] bf16 rows coalesced, per-head
+ *                  minima per block, then the minimum over blocks, ties to the lower entry (the
+ *                  section below). KVS_MAC_MATCH=0: k_mac_match, one block per (row, q head), a
+ *                  thread per ring entry.
+ *   span (default) k_mac_span_tc: one warp a block per (row, KV head, split), the group's A and B
+ *                  parts as the rows of a tensor-core m-tile over 32-key tiles of the union span
+ *                  (flash decoding with the paged attention's pieces, cuda_attn_device.cuh; the
+ *                  section below). KVS_MAC_SPAN=0: k_mac_span, the first kernel: one block per
+ *                  (row, KV head, split), the group's q heads reading each key and value once,
+ *                  4 warps splitting the range, one position per warp step (latency-bound: a
+ *                  miss ran 6x slower than full attention, bench/RESULTS.md).
  *   k_mac_combine  one block per (row, q head), a thread per dimension: cached (o, lse) merged
- *                  with the A partials (the rectified summary), stored in the ring for F_APPEND
- *                  rows, then merged with the B partials into out / lse (attn_merge's formula).
+ *                  with the A partials of the splits (the rectified summary), stored in the ring
+ *                  for F_APPEND rows, then merged with the B partials into out / lse.
+ *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
  * Head shapes: head_dim 64 or 128, 1, 2, 4 or 8 q heads per KV head (others: -ENOSYS).
- * Launched on the backend's stream, in order with its ops. Uses only the backend's structs
- * (cuda_internal.cuh), no function of its objects: the KV registry reaches this table from
- * programs that link no backend (kernels/kv_mac_pick.c).
+ * Launched on the backend's stream, in order with its ops; nothing is synchronized or
+ * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
+ * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
+ * function of its objects: the KV registry reaches this table from programs that link no backend
+ * (kernels/kv_mac_pick.c).
  */
 #include <errno.h>
 
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/cuda/kv_mac_cuda.h"
 #include "kernels/kv_mac.h"
 
 #define MATCH_THREADS 256
 #define SPAN_WARPS 4
-#define MAX_SPLITS 32
+#define MAX_SPLITS 64
 #define MIN_SPLIT_POS 256     /* positions a split should have before another one pays */
+#define WORK_ROWS 512         /* rows of split partials the scratch holds at least (decode steps split) */
+#define SPAN_TC_ST 2          /* K/V tiles in flight per block of the tiled span kernel */
+#define MATCH2_THREADS 256
+#define MATCH2_EPB_MIN 8      /* ring entries per block of the coalesced match (at least) */
 
 /* One block per (row, q head), a thread per ring entry (MATCH_THREADS entries at a time): each
  * thread sums its entry's squared distance over 16-byte loads (8 bf16 each, all in flight at
@@ -249,6 +262,274 @@ __global__ void __launch_bounds__(SPAN_WARPS * 32) k_mac_span(span_args a)
     }
 }
 
+/* ---- coalesced match (the default): k_mac_match_part + k_mac_match_fin ----------------------
+ *
+ * The ring of a (slot, layer) is [K][n_heads][HD]: entry j's queries of all heads are one
+ * contiguous run of n_heads x HD bf16. A block takes (row, a run of EPB entries) and reads that
+ * run front to back: HD / 8 lanes a (entry, head) pair, 16 bytes each (a 256-byte row per pair at
+ * head_dim 128, coalesced), U pairs' loads in flight per lane group; each pair's squared distance
+ * is an fp32 sum over the lanes' 8-element partials (a tree, where the CPU reference sums in
+ * order: equal distances stay equal, so ties still go to the lower entry). The block keeps, per
+ * head, its minimum over its entries (strict <, ascending: the lower entry on ties) and writes
+ * (distance, entry) to the scratch; k_mac_match_fin takes, per (row, head), the minimum over the
+ * blocks in ascending order (again the lower entry on ties), applies the threshold and writes the
+ * matched position. Versus one block per (row, head) with a thread per entry (k_mac_match,
+ * KVS_MAC_MATCH=0), the reads are coalesced and a batch-1 step has K / EPB x more blocks. */
+template <int HD>
+__global__ void __launch_bounds__(MATCH2_THREADS) k_mac_match_part(const float *__restrict__ q_pre, const bf16 *__restrict__ ring_q,
+                                                                  const int32_t *__restrict__ tags, const int32_t *__restrict__ rows,
+                                                                  float *__restrict__ part, int nh, int K, int layer, int n_layers,
+                                                                  int EPB)
+{
+    constexpr int LPP = HD / 8, NG = MATCH2_THREADS / LPP, U = 4;   /* lanes a pair, pair groups, unroll */
+    extern __shared__ float sm2[];
+    float *s_q = sm2, *s_d = sm2 + nh * HD;   /* [nh][HD] query (bf16-rounded), [EPB][nh] distances */
+    const int t = blockIdx.x, kb = blockIdx.y, KB = gridDim.y;
+    const int32_t *row = rows + (size_t)t * 4;
+    const int flags = row[3], slot = row[1], m = row[2];
+    if (!(flags & KVS_MAC_F_MATCH) || slot < 0) return;   /* k_mac_match_fin writes -1 */
+    const int j0 = kb * EPB, j1 = min(j0 + EPB, K), ne = max(j1 - j0, 0);
+    for (int i = threadIdx.x; i < nh * HD; i += MATCH2_THREADS)
+        s_q[i] = __bfloat162float(__float2bfloat16(q_pre[(size_t)t * nh * HD + i]));
+    __syncthreads();
+    const size_t base = ((size_t)slot * n_layers + layer) * K;
+    const int grp = threadIdx.x / LPP, l = threadIdx.x % LPP, pairs = ne * nh;
+    const uint4 *run = (const uint4 *)(ring_q + (base + j0) * nh * HD);   /* pair pr's row: run + pr * LPP */
+    for (int b0 = 0; b0 < pairs; b0 += NG * U) {   /* warp-uniform trip count: the shuffles below */
+        const int p0 = b0 + grp;
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int pr = p0 + u * NG;
+            if (pr < pairs) v[u] = run[(size_t)pr * LPP + l];
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int pr = p0 + u * NG;
+            float s = 0.0f;
+            if (pr < pairs) {
+                const bf16 *b8 = (const bf16 *)&v[u];
+                const float *qh = s_q + (pr % nh) * HD + l * 8;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const float d = qh[i] - __bfloat162float(b8[i]);
+                    s += d * d;
+                }
+            }
+#pragma unroll
+            for (int o = LPP / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (pr < pairs && l == 0) {
+                const int tag = tags[base + j0 + pr / nh];
+                s_d[pr] = tag <= 0 || tag - 1 >= m ? INFINITY : s;   /* empty, or not older than m */
+            }
+        }
+    }
+    __syncthreads();
+    for (int h = threadIdx.x; h < nh; h += MATCH2_THREADS) {
+        float best = INFINITY;
+        int bj = -1;
+        for (int e = 0; e < ne; e++) {
+            const float d = s_d[e * nh + h];
+            if (d < best) best = d, bj = j0 + e;   /* ascending, strict: the lower entry on ties */
+        }
+        float *w = part + (((size_t)t * nh + h) * KB + kb) * 2;
+        w[0] = best;
+        w[1] = __int_as_float(bj);
+    }
+}
+
+__global__ void k_mac_match_fin(const float *__restrict__ part, const int32_t *__restrict__ tags,
+                                const int32_t *__restrict__ rows, int32_t *__restrict__ p_out, int nh, int K, int KB,
+                                int layer, int n_layers, float thresh2)
+{
+    const int t = blockIdx.x;
+    const int32_t *row = rows + (size_t)t * 4;
+    const int flags = row[3], slot = row[1];
+    const int on = (flags & KVS_MAC_F_MATCH) && slot >= 0;
+    const size_t base = on ? ((size_t)slot * n_layers + layer) * K : 0;
+    for (int h = threadIdx.x; h < nh; h += blockDim.x) {
+        int p = -1;
+        if (on) {
+            float best = INFINITY;
+            int bj = -1;
+            const float *w = part + ((size_t)t * nh + h) * KB * 2;
+            for (int kb = 0; kb < KB; kb++) {
+                const int j = __float_as_int(w[2 * kb + 1]);
+                if (j >= 0 && (bj < 0 || w[2 * kb] < best)) best = w[2 * kb], bj = j;
+            }
+            if (bj >= 0 && best < thresh2) p = tags[base + bj] - 1;
+        }
+        p_out[(size_t)t * nh + h] = p;
+    }
+}
+
+/* ---- the position-tiled span kernel (the default): k_mac_span_tc ----------------------------
+ *
+ * Flash-decoding on tensor cores with the paged attention's pieces (cuda_attn_device.cuh): one
+ * warp a block owns (row t, KV head g, split z); its 16 m-tile rows are (head i, part) pairs,
+ * row i the A part [s_i, split_i) of q head g G + i and row G + i its B part [split_i, end_i)
+ * (G <= 8: 2 G rows live). The block walks the union of its heads' ranges (from min s_i rounded
+ * down to a multiple of 32, to max end_i) in 32-key tiles staged with cp.async, SPAN_TC_ST tiles
+ * in flight and the block table looked up a tile ahead; every K/V byte is read once for the
+ * group and serves all 2 G rows (QK on mma.sync, bf16 q, fp32 scores), each row masking the keys
+ * outside its own range before the online softmax. The union is cut into Z splits of equal tile
+ * counts; each block writes its rows' normalized partials (o, lse) to the scratch as
+ * k_mac_span did, and k_mac_combine merges them. Deferred RoPE: the q fragments rotate backward
+ * at document boundaries (rot_table + rotate_frags), padded slots are zero-filled and masked. */
+struct span_tc_args {
+    at_args a;                    /* q, kc, vc, bt, rot, valid, inv_freq, max_blocks, n_heads, n_kv, bs, G, scale */
+    const int32_t *rows, *p;
+    float *work;
+    int band, Z;
+};
+
+template <int HD, bool ROT>
+struct span_tc_cfg {
+    static constexpr int KST = HD + 8;
+    static constexpr size_t kv_elems = (size_t)SPAN_TC_ST * AT_TILE * KST;
+    static constexpr size_t smem = 2 * kv_elems * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
+                                   (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);
+};
+
+template <int HD, int G, bool ROT>
+__global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span_tc_args x)
+{
+    typedef span_tc_cfg<HD, ROT> C;
+    constexpr int KST = C::KST, ST = SPAN_TC_ST;
+    const at_args &a = x.a;
+    extern __shared__ __align__(16) unsigned char smraw[];
+    bf16 *sk = (bf16 *)smraw;
+    bf16 *sv = sk + C::kv_elems;
+    float *rtab = (float *)(sv + C::kv_elems);
+    int *soff = (int *)(rtab + (ROT ? HD : 0));
+    const int t = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int32_t *row = x.rows + (size_t)t * 4;
+    const int flags = row[3], seq = row[0], slot = row[1], m = row[2];
+    if (!(flags & (KVS_MAC_F_MAC | KVS_MAC_F_APPEND)) || ((flags & KVS_MAC_F_APPEND) && slot < 0)) return;
+    const int mac = (flags & KVS_MAC_F_MAC) != 0;
+    /* the union of the group's ranges, and the ranges of this thread's rows g and g + 8 */
+    int lo_all = INT_MAX, hi_all = 0, rlo[2] = {0, 0}, rhi[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < G; i++) {
+        int s, split, end;
+        head_range(mac ? x.p[(size_t)t * a.n_heads + kvh * G + i] : -1, m, x.band, mac, &s, &split, &end);
+        if (end > s) lo_all = min(lo_all, s), hi_all = max(hi_all, end);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = g + 8 * h;
+            if (r == i) rlo[h] = s, rhi[h] = split;
+            if (r == G + i) rlo[h] = split, rhi[h] = end;
+        }
+    }
+    const int kbase = hi_all > lo_all ? lo_all & ~(AT_TILE - 1) : 0;
+    const int ntot = hi_all > lo_all ? (hi_all - kbase + AT_TILE - 1) / AT_TILE : 0;
+    const int per = (ntot + x.Z - 1) / x.Z;
+    const int k0 = kbase + z * per * AT_TILE, k1 = min(hi_all, k0 + per * AT_TILE);
+    const int ntiles = k1 > k0 ? (k1 - k0 + AT_TILE - 1) / AT_TILE : 0;
+    const int32_t *bt = a.bt + (size_t)seq * a.max_blocks;
+    const int32_t *vt = a.valid ? a.valid + (size_t)seq * a.max_blocks : nullptr;
+    const int32_t *rt = ROT ? a.rot + (size_t)seq * a.max_blocks : nullptr;
+
+    auto lookup = [&](int it) { return tile_lookup<HD>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, nullptr); };
+    auto issue = [&](const tile_meta &tm, int it) {
+        const size_t so = (size_t)(it % ST) * AT_TILE;
+        tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+    };
+#pragma unroll
+    for (int st = 0; st < ST - 1; st++) {
+        if (st < ntiles) issue(lookup(st), st);
+        cp_async_commit();
+    }
+    tile_meta next = lookup(ST - 1);
+
+    /* q fragments: row r is head r % G's query (rows past 2 G zero), scaled, bf16 */
+    uint32_t qa[1][HD / 16][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = g + 8 * h;
+        const float *qr = r < 2 * G ? a.q + ((size_t)t * a.n_heads + (size_t)kvh * G + r % G) * HD : nullptr;
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int d = ks * 16 + 2 * tq + 8 * e;
+                const float v0 = qr ? q_dim<HD>(qr, d, a.scale, nullptr) : 0.0f;
+                const float v1 = qr ? q_dim<HD>(qr, d + 1, a.scale, nullptr) : 0.0f;
+                qa[0][ks][h + 2 * e] = pack_bf16(v0, v1);
+            }
+    }
+    int cur_rot = 0;
+    uint32_t q0[ROT ? 1 : 1][HD / 16][4];
+    if (ROT) {
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) q0[0][ks][j] = qa[0][ks][j];
+    }
+    float mm[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[1][HD / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[0][nd][e] = 0.0f;
+    const int lim[2] = {rhi[0] - 1, rhi[1] - 1};   /* last key of each row (-1: none) */
+
+    for (int it = 0; it < ntiles; it++) {
+        if (it + ST - 1 < ntiles) issue(next, it + ST - 1);
+        cp_async_commit();
+        next = lookup(it + ST);
+        cp_async_wait<ST - 1>();
+        __syncthreads();
+        const bf16 *tk = sk + (size_t)(it % ST) * AT_TILE * KST;
+        const bf16 *tv = sv + (size_t)(it % ST) * AT_TILE * KST;
+        const int kb = k0 + it * AT_TILE;
+        const int *ko = soff + (it % ST) * AT_TILE;
+        float sc[1][4][4];
+        if constexpr (!ROT) {
+            qk_tc<HD, 1>(tk, qa, sc, lane);
+        } else {
+            const int myoff = ko[lane];
+            if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
+                qk_tc<HD, 1>(tk, qa, sc, lane);
+            } else {
+                qk_by_offset<HD, 1>(tk, ko, myoff, cur_rot, [&](int ofs) {
+                    rot_table(rtab, HD, ofs, a.inv_freq);
+                    rotate_frags<HD, 1>(q0, rtab, lane, qa);
+                }, qa, sc, lane);
+            }
+        }
+        /* keys before a row's first: masked here; past its last: softmax_tile's lim */
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int e = 0; e < 2; e++)
+                    if (kb + j * 8 + 2 * tq + e < rlo[h]) sc[0][j][2 * h + e] = -INFINITY;
+        uint32_t pa[1][2][4];
+        softmax_tile<HD, true>(sc[0], ko, kb, lim, mm, l, o[0], pa[0], lane);
+        pv_tile<HD, 1>(tv, KST, pa, o, lane);
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float ls = l[h];
+        ls += __shfl_xor_sync(FULL, ls, 1);
+        ls += __shfl_xor_sync(FULL, ls, 2);
+        const int r = g + 8 * h;
+        if (r >= 2 * G) continue;
+        const int i = r % G, part = r / G;
+        float *w = x.work + ((((size_t)t * a.n_heads + (size_t)kvh * G + i) * x.Z + z) * 2 + part) * (HD + 1);
+        const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            w[nd * 8 + 2 * tq] = o[0][nd][2 * h] * inv;
+            w[nd * 8 + 2 * tq + 1] = o[0][nd][2 * h + 1] * inv;
+        }
+        if (tq == 0) w[HD] = ls > 0.0f ? mm[h] + logf(ls) : -INFINITY;
+    }
+}
+
 /* (o, la) merged with (ob, lb): backend.h attn_merge */
 static __device__ __forceinline__ void merge(float &o, float &la, float ob, float lb)
 {
@@ -259,6 +540,28 @@ static __device__ __forceinline__ void merge(float &o, float &la, float ob, floa
     const float mx = fmaxf(la, lb), ea = __expf(la - mx), eb = __expf(lb - mx), inv = 1.0f / (ea + eb);
     o = ea * inv * o + eb * inv * ob;
     la = mx + logf(ea + eb);
+}
+
+/* the Z splits' partials of one part (0: A, 1: B) at dimension d as one (o, lse): one pass with
+ * the largest lse as the reference (Z merges in a row would cost Z exp + log each); empty
+ * splits carry lse -inf and weigh 0 */
+template <int HD>
+static __device__ __forceinline__ void splits(const float *w, int part, int Z, int d, float *o, float *lse)
+{
+    float M = -INFINITY;
+    for (int z = 0; z < Z; z++) M = fmaxf(M, w[(z * 2 + part) * (HD + 1) + HD]);
+    *o = 0.0f;
+    *lse = -INFINITY;
+    if (M == -INFINITY) return;
+    float L = 0.0f, acc = 0.0f;
+    for (int z = 0; z < Z; z++) {
+        const float *pz = w + (z * 2 + part) * (HD + 1);
+        const float f = __expf(pz[HD] - M);
+        L += f;
+        acc += f * pz[d];
+    }
+    *o = acc / L;
+    *lse = M + logf(L);
 }
 
 struct combine_args {
@@ -287,7 +590,9 @@ __global__ void k_mac_combine(combine_args a)
         L = a.ring_lse[e];
     }
     const float *w = a.work + ((size_t)t * a.nh + h) * a.Z * 2 * (HD + 1);
-    for (int z = 0; z < a.Z; z++) merge(o, L, w[(z * 2) * (HD + 1) + d], w[(z * 2) * (HD + 1) + HD]);
+    float ob, lb;
+    splits<HD>(w, 0, a.Z, d, &ob, &lb);
+    merge(o, L, ob, lb);
     if (flags & KVS_MAC_F_APPEND) {
         const size_t j = ring0 + m % a.K, e = j * a.nh + h;
         a.ring_q[e * HD + d] = __float2bfloat16(a.q_pre[((size_t)t * a.nh + h) * HD + d]);
@@ -296,9 +601,41 @@ __global__ void k_mac_combine(combine_args a)
         if (d == 0 && h == 0) a.ring_tag[j] = m + 1;
     }
     if (mac) {
-        for (int z = 0; z < a.Z; z++) merge(o, L, w[(z * 2 + 1) * (HD + 1) + d], w[(z * 2 + 1) * (HD + 1) + HD]);
+        splits<HD>(w, 1, a.Z, d, &ob, &lb);
+        merge(o, L, ob, lb);
         a.out[((size_t)t * a.nh + h) * HD + d] = o;
         if (d == 0) a.lse[(size_t)t * a.nh + h] = L;
+    }
+}
+
+/* count (kernels/kv_mac.h): (row, layer, KV group) items over the grid, sums per thread, then
+ * per warp, one atomic add per warp and counter */
+__global__ void k_mac_count(const int32_t *__restrict__ rows, const int32_t *__restrict__ p,
+                            unsigned long long *__restrict__ acc, int n, int L, int nh, int nkv, int band)
+{
+    const int G = nh / nkv, items = n * L * nkv;
+    unsigned long long v[KVS_MAC_N_COUNTS] = {0, 0, 0, 0, 0};
+    for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < items; idx += gridDim.x * blockDim.x) {
+        const int t = idx / (L * nkv), l = (idx / nkv) % L, g = idx % nkv;
+        const int32_t *r = rows + (size_t)t * 4;
+        if (!(r[3] & KVS_MAC_F_COUNT)) continue;
+        const int m = r[2];
+        const int32_t *ph = p + ((size_t)l * n + t) * nh + (size_t)g * G;
+        int min_s = m + 1;
+        for (int h = 0; h < G; h++) {
+            const int s0 = ph[h] >= 0 ? max(ph[h] - band + 1, 0) : 0;
+            min_s = min(min_s, s0);
+            v[KVS_MAC_C_LOOKUPS] += (r[3] & KVS_MAC_F_MATCH) != 0;
+            v[KVS_MAC_C_HITS] += ph[h] >= 0;
+            v[KVS_MAC_C_HEADS] += 1;
+            v[KVS_MAC_C_SKIP] += (unsigned long long)((double)s0 * KVS_MAC_SKIP_ONE / (double)(m + 1) + 0.5);
+        }
+        v[KVS_MAC_C_READ] += (unsigned long long)(m + 1 - min_s);
+    }
+#pragma unroll
+    for (int k = 0; k < KVS_MAC_N_COUNTS; k++) {
+        for (int o = 16; o > 0; o >>= 1) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
+        if ((threadIdx.x & 31) == 0 && v[k]) atomicAdd(acc + k, v[k]);
     }
 }
 
@@ -312,24 +649,53 @@ static int cu_supports(int n_heads, int n_kv_heads, int head_dim, char *err, siz
     return 0;
 }
 
-/* one split per row is always possible; small steps get up to MAX_SPLITS within the same bytes */
+/* Rows of split partials: the step's rows, and at least WORK_ROWS so that decode steps of few rows
+ * still split their spans (the coalesced match's per-block minima use the same scratch). */
 static size_t cu_work_elems(int max_rows, int n_heads, int head_dim)
 {
-    const size_t rows = max_rows > MAX_SPLITS ? (size_t)max_rows : MAX_SPLITS;
+    const size_t rows = max_rows > WORK_ROWS ? (size_t)max_rows : WORK_ROWS;
     return rows * (size_t)n_heads * 2 * (size_t)(head_dim + 1);
 }
 
 #define P(buf) ((buf)->d)
 
+/* KVS_MAC_MATCH=0 / KVS_MAC_SPAN=0: the first kernels (one block per (row, head) match; the
+ * warp-per-position span kernel), kept for comparison (bench/RESULTS.md) */
+static int env_off(const char *name)
+{
+    const char *e = getenv(name);
+    return e && strcmp(e, "0") == 0;
+}
+
 static void cu_match(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     cudaStream_t st = b->stream;
-    const dim3 grid(c->n, c->n_heads);
     const float *q = (const float *)P(c->q_pre);
     const bf16 *rq = (const bf16 *)P(c->ring_q);
     const int32_t *tags = (const int32_t *)P(c->ring_tag), *rows = (const int32_t *)P(c->rows);
     int32_t *p = (int32_t *)P(c->p) + c->p_off;
-    if (c->head_dim == 64)
+    const int nh = c->n_heads, hd = c->head_dim;
+    /* the coalesced match: K / EPB blocks a row, their minima in the scratch */
+    int KB = (c->K + MATCH2_EPB_MIN - 1) / MATCH2_EPB_MIN;
+    const size_t cap = c->work ? c->work_n / ((size_t)c->n * nh * 2) : 0;
+    if ((size_t)KB > cap) KB = (int)cap;
+    const int EPB = KB > 0 ? (c->K + KB - 1) / KB : 0;
+    const size_t smem = ((size_t)nh * hd + (size_t)EPB * nh) * sizeof(float);
+    if (KB > 0 && smem <= 48 * 1024 && !env_off("KVS_MAC_MATCH")) {
+        KB = (c->K + EPB - 1) / EPB;
+        float *part = (float *)P(c->work);
+        const dim3 grid(c->n, KB);
+        if (hd == 64)
+            k_mac_match_part<64><<<grid, MATCH2_THREADS, smem, st>>>(q, rq, tags, rows, part, nh, c->K, c->layer, c->n_layers, EPB);
+        else
+            k_mac_match_part<128><<<grid, MATCH2_THREADS, smem, st>>>(q, rq, tags, rows, part, nh, c->K, c->layer, c->n_layers, EPB);
+        CUDA_CHECK(cudaGetLastError());
+        k_mac_match_fin<<<c->n, 128, 0, st>>>(part, tags, rows, p, nh, c->K, KB, c->layer, c->n_layers, c->thresh2);
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+    const dim3 grid(c->n, c->n_heads);
+    if (hd == 64)
         k_mac_match<64><<<grid, MATCH_THREADS, 0, st>>>(q, rq, tags, rows, p, c->n_heads, c->K, c->layer,
                                                            c->n_layers, c->thresh2);
     else
@@ -349,32 +715,80 @@ static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
     }
 }
 
+template <int HD, bool ROT>
+static void launch_span_tc_rot(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
+{
+    const size_t smem = span_tc_cfg<HD, ROT>::smem;   /* under 48 KB: no opt-in needed */
+    static_assert(span_tc_cfg<HD, ROT>::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
+    switch (G) {
+    case 1: k_mac_span_tc<HD, 1, ROT><<<grid, 32, smem, st>>>(x); break;
+    case 2: k_mac_span_tc<HD, 2, ROT><<<grid, 32, smem, st>>>(x); break;
+    case 4: k_mac_span_tc<HD, 4, ROT><<<grid, 32, smem, st>>>(x); break;
+    default: k_mac_span_tc<HD, 8, ROT><<<grid, 32, smem, st>>>(x); break;
+    }
+}
+
+template <int HD>
+static void launch_span_tc(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
+{
+    if (x.a.rot) launch_span_tc_rot<HD, true>(G, grid, st, x);
+    else launch_span_tc_rot<HD, false>(G, grid, st, x);
+}
+
 static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     cudaStream_t st = b->stream;
     const int G = c->n_heads / c->n_kv_heads, hd = c->head_dim;
-    /* splits: enough blocks for two waves, at most one per MIN_SPLIT_POS positions of the
-     * longest context, within the scratch */
-    const int sms = b->n_sms;
-    int Z = (2 * sms + c->n * c->n_kv_heads - 1) / (c->n * c->n_kv_heads);
-    Z = Z < (c->m->max_ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS ? Z : (c->m->max_ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS;
+    const int tiled = !env_off("KVS_MAC_SPAN");
+    /* splits: enough blocks for several resident waves of one-warp blocks (tiled) or two waves of
+     * 4-warp blocks, at most one per MIN_SPLIT_POS positions of the longest context (the plan
+     * bound of a recorded step, whose contexts grow), within the scratch */
+    const int sms = b->n_sms, pairs = c->n * c->n_kv_heads;
+    const int ctx = c->m->plan_ctx > c->m->max_ctx ? c->m->plan_ctx : c->m->max_ctx;
+    int Z = ((tiled ? 6 : 2) * sms + pairs - 1) / pairs;
+    Z = Z < (ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS ? Z : (ctx + MIN_SPLIT_POS - 1) / MIN_SPLIT_POS;
     const size_t per_split = (size_t)c->n * c->n_heads * 2 * (size_t)(hd + 1);
     if ((size_t)Z * per_split > c->work_n) Z = (int)(c->work_n / per_split);
     if (Z > MAX_SPLITS) Z = MAX_SPLITS;
     if (Z < 1) Z = 1;
     KVS_ASSERT(per_split <= c->work_n);
     const struct kvs_attn_meta *m = c->m;
-    span_args a = {
-        (const float *)P(c->q), (const bf16 *)P(c->kc), (const bf16 *)P(c->vc), (const int32_t *)P(c->rows),
-        (const int32_t *)P(c->p) + c->p_off, (const int32_t *)P(m->block_tables),
-        m->rot_offsets ? (const int32_t *)P(m->rot_offsets) : NULL,
-        m->block_valid ? (const int32_t *)P(m->block_valid) : NULL,
-        m->inv_freq ? (const float *)P(m->inv_freq) : NULL, (float *)P(c->work),
-        m->max_blocks, c->n_heads, c->n_kv_heads, c->block_size, c->band, Z, c->scale,
-    };
     const dim3 grid(c->n, c->n_kv_heads, Z);
-    if (hd == 64) launch_span<64>(G, grid, st, a);
-    else launch_span<128>(G, grid, st, a);
+    if (tiled) {
+        span_tc_args x;
+        memset(&x, 0, sizeof x);
+        x.a.q = (const float *)P(c->q);
+        x.a.kc = (const bf16 *)P(c->kc);
+        x.a.vc = (const bf16 *)P(c->vc);
+        x.a.bt = (const int32_t *)P(m->block_tables);
+        x.a.rot = m->rot_offsets ? (const int32_t *)P(m->rot_offsets) : NULL;
+        x.a.valid = m->block_valid ? (const int32_t *)P(m->block_valid) : NULL;
+        x.a.inv_freq = m->inv_freq ? (const float *)P(m->inv_freq) : NULL;
+        x.a.max_blocks = m->max_blocks;
+        x.a.n_heads = c->n_heads;
+        x.a.n_kv = c->n_kv_heads;
+        x.a.bs = c->block_size;
+        x.a.G = G;
+        x.a.scale = c->scale;
+        x.rows = (const int32_t *)P(c->rows);
+        x.p = (const int32_t *)P(c->p) + c->p_off;
+        x.work = (float *)P(c->work);
+        x.band = c->band;
+        x.Z = Z;
+        if (hd == 64) launch_span_tc<64>(G, grid, st, x);
+        else launch_span_tc<128>(G, grid, st, x);
+    } else {
+        span_args a = {
+            (const float *)P(c->q), (const bf16 *)P(c->kc), (const bf16 *)P(c->vc), (const int32_t *)P(c->rows),
+            (const int32_t *)P(c->p) + c->p_off, (const int32_t *)P(m->block_tables),
+            m->rot_offsets ? (const int32_t *)P(m->rot_offsets) : NULL,
+            m->block_valid ? (const int32_t *)P(m->block_valid) : NULL,
+            m->inv_freq ? (const float *)P(m->inv_freq) : NULL, (float *)P(c->work),
+            m->max_blocks, c->n_heads, c->n_kv_heads, c->block_size, c->band, Z, c->scale,
+        };
+        if (hd == 64) launch_span<64>(G, grid, st, a);
+        else launch_span<128>(G, grid, st, a);
+    }
     CUDA_CHECK(cudaGetLastError());
     combine_args ca = {
         (const int32_t *)P(c->rows), (const int32_t *)P(c->p) + c->p_off, (const float *)P(c->q_pre),
@@ -388,4 +802,17 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
     CUDA_CHECK(cudaGetLastError());
 }
 
-extern "C" const struct kvs_mac_kernels kvs_mac_kernels_cuda = {cu_supports, cu_work_elems, cu_match, cu_attend};
+static void cu_count(struct kvs_backend *b, const struct kvs_mac_call *c, struct kvs_dbuf *acc)
+{
+    const int items = c->n * c->n_layers * c->n_kv_heads;
+    int blocks = (items + 255) / 256;
+    if (blocks > 64) blocks = 64;
+    if (blocks < 1) blocks = 1;
+    k_mac_count<<<blocks, 256, 0, b->stream>>>((const int32_t *)P(c->rows), (const int32_t *)P(c->p),
+                                               (unsigned long long *)P(acc), c->n, c->n_layers, c->n_heads,
+                                               c->n_kv_heads, c->band);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+extern "C" const struct kvs_mac_kernels kvs_mac_kernels_cuda = {cu_supports, cu_work_elems, cu_match, cu_attend,
+                                                                  cu_count};

@@ -6,10 +6,16 @@
  * repeats one query (every step hits, the lowest entry), 1 draws large random queries (every
  * step misses), 2 alternates two queries, 3 repeats its last prefill query. The matched
  * positions must be equal, outputs within the bf16 tolerance (rel-L2 <= 2e-2; the CUDA rings
- * hold bf16), log-sum-exps within 2e-2. */
+ * hold bf16), log-sum-exps within 2e-2. The same at ~6K-token contexts (several splits of the
+ * tiled span kernel, bands across tile boundaries, a ring of 40 entries). KVS_MAC_MATCH=0 /
+ * KVS_MAC_SPAN=0 run the first kernels through the same checks. */
 #include <stdio.h>
 
+#include "base/util.h"
+#include "engine/config.h"
 #include "kernels/cuda/cuda_backend.h"
+#include "models/model.h"
+#include "tests/unit/kv_engine_run.h"
 #include "tests/unit/kv_mac_case.h"
 #include "tests/unit/test_util.h"
 
@@ -20,11 +26,14 @@ static double rel_l2(const float *a, const float *b, size_t n)
     return sqrt(num / (den > 0 ? den : 1));
 }
 
+/* far > 0: contexts of ~6K tokens (400 blocks a sequence): the tiled span kernel's several
+ * splits of many 32-key tiles, bands crossing tile and split boundaries, and the coalesced
+ * match over a ring of K = 40 (several entry blocks) */
 static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, int nkv, int hd, int use_rot,
-                      double *worst)
+                      double *worst, int far)
 {
     struct mc c, g;
-    const int S = 4, K = 16, band = 24, bs = 16, max_blocks = 48;
+    const int S = 4, K = far ? 40 : 16, band = far ? 300 : 24, bs = 16, max_blocks = far ? 400 : 48;
     mc_rng = 0xabcdef12u + (uint64_t)(nh * 131 + hd + use_rot);
     mc_init(&c, &kvs_cpu_backend, cpu, S, nh, nkv, hd, bs, max_blocks, K, band, use_rot);
     mc_rng = 0xabcdef12u + (uint64_t)(nh * 131 + hd + use_rot);
@@ -35,6 +44,7 @@ static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
     for (size_t i = 0; i < 3 * qd; i++) fixed[i] = 3.0f * mc_frand();   /* far from the small prefill queries */
     /* prefill: 16 rows per sequence, appended */
     int pos[4] = {300, 420, 511, 377}, nr[4] = {16, 16, 16, 16}, fl[4];
+    for (int s = 0; far && s < S; s++) pos[s] += 5600 + 37 * s;
     for (int s = 0; s < S; s++) fl[s] = KVS_MAC_F_APPEND;
     for (size_t i = 0; i < 16 * S * qd; i++) q[i] = mc_frand();
     for (int s = 0; s < S; s++) memcpy(q + ((size_t)s * 16 + 15) * qd, s == 3 ? fixed + 2 * qd : q, qd * 4);
@@ -65,10 +75,101 @@ static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
     }
     CHECK(p_same && hits > 0 && misses > 0, "heads %d/%d hd %d rot %d: matches equal %d (%d hits, %d misses)", nh,
           nkv, hd, use_rot, p_same, hits, misses);
-    printf("ok cuda mac heads %d/%d head_dim %d %s: 40 steps x 4 sequences, %d hits / %d misses, matches equal, "
-           "worst rel-L2 so far %.2e\n", nh, nkv, hd, use_rot ? "lazy layout" : "plain", hits, misses, *worst);
+    printf("ok cuda mac heads %d/%d head_dim %d %s%s: 40 steps x 4 sequences, %d hits / %d misses, matches equal, "
+           "worst rel-L2 so far %.2e\n", nh, nkv, hd, use_rot ? "lazy layout" : "plain", far ? " at ~6K context" : "", hits, misses, *worst);
     free(fixed), free(q);
     mc_free(&c), mc_free(&g);
+}
+
+/* count() on the device equals the CPU reference's on the same inputs */
+static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu)
+{
+    struct mc c, g;
+    mc_init(&c, &kvs_cpu_backend, cpu, 4, 32, 8, 128, 16, 8, 16, 256, 0);
+    mc_init(&g, &kvs_cuda_backend, gpu, 4, 32, 8, 128, 16, 8, 16, 256, 0);
+    int32_t rows[5 * 4], p[3 * 5 * 32];
+    uint64_t a[KVS_MAC_N_COUNTS], b[KVS_MAC_N_COUNTS];
+    mc_count(&c, rows, p, a);
+    mc_count(&g, rows, p, b);
+    CHECK(!memcmp(a, b, sizeof a) && a[KVS_MAC_C_HITS] > 0, "count: cuda %llu %llu %llu %llu %llu vs cpu %llu %llu %llu %llu %llu",
+          (unsigned long long)b[0], (unsigned long long)b[1], (unsigned long long)b[2], (unsigned long long)b[3],
+          (unsigned long long)b[4], (unsigned long long)a[0], (unsigned long long)a[1], (unsigned long long)a[2],
+          (unsigned long long)a[3], (unsigned long long)a[4]);
+    printf("ok cuda mac count: counters equal the CPU reference's\n");
+    mc_free(&c), mc_free(&g);
+}
+
+/* Through the engine on CUDA (the demo model: head_dim 64, 4/1 heads): MAC at tau = 0 (hits from
+ * the first lookups) with the runner's recorded decode graphs (its default) and eagerly
+ * (KVS_GRAPHS=0): both must finish every request and count lookups and hits (in the graph run
+ * the count kernel is part of the replayed step: nothing is downloaded per step). The token
+ * agreement of the two runs, and of MAC at tau = 1 against full attention (both with graphs), is
+ * printed, not checked: the graphs pad the batch and plan for a larger context, which changes
+ * the span kernel's split count and so the summation order (not bitwise), and at tau = 0 a match
+ * near the threshold can then flip and the sequences diverge. */
+#define EJ 5
+#define EGEN 24
+static int engine_run(const char *decode, double tau, int graphs, int32_t (*got)[EGEN], struct kvs_engine_stats *st,
+                      const struct kvs_model *model)
+{
+    static int32_t prompt[EJ][64];
+    struct kvs_test_job tj[EJ];
+    uint64_t rng = 99;
+    for (int i = 0; i < EJ; i++) {
+        const int n = 30 + (int)(kvs_test_xorshift(&rng) % 30);
+        for (int t = 0; t < n; t++) prompt[i][t] = 1 + (int32_t)(kvs_test_xorshift(&rng) % 200);
+        tj[i] = (struct kvs_test_job){prompt[i], n, NULL, 0, got[i], 0, KVS_FINISH_NONE};
+    }
+    memset(st, 0, sizeof *st);
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device), c.device = kvs_xstrdup("cuda");
+    free(c.kv_decode), c.kv_decode = kvs_xstrdup(decode);
+    c.kv_block_size = 16, c.kv_memory_bytes = 8 << 20, c.max_batch_tokens = 128, c.max_running = 4;
+    c.max_waiting = 64, c.max_model_len = 256;
+    c.mac_tau = tau, c.mac_gen_min = 16, c.mac_ring_size = 32, c.mac_band = 4;
+    if (graphs) unsetenv("KVS_GRAPHS");
+    else setenv("KVS_GRAPHS", "0", 1);
+    char err[256];
+    int rc = kvs_test_engine_run(&c, model, tj, EJ, EGEN, st, err, sizeof err);
+    unsetenv("KVS_GRAPHS");
+    kvs_config_free(&c);
+    CHECK(rc == 0, "engine %s: %s", decode, err);
+    int ok = rc == 0;
+    for (int i = 0; i < EJ; i++) ok &= tj[i].n_got == EGEN;
+    return ok;
+}
+
+static double agree(int32_t (*a)[EGEN], int32_t (*b)[EGEN])
+{
+    int same = 0;
+    for (int i = 0; i < EJ; i++)
+        for (int t = 0; t < EGEN; t++) same += a[i][t] == b[i][t];
+    return (double)same / (EJ * EGEN);
+}
+
+static void run_engine(void)
+{
+    char dir[1024], err[256];
+    snprintf(dir, sizeof dir, "%s/models/demo", kvs_test_root());
+    struct kvs_model *model = NULL;
+    REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
+    static int32_t g0[EJ][EGEN], e0[EJ][EGEN], g1[EJ][EGEN], f1[EJ][EGEN];
+    struct kvs_engine_stats sg, se, s1, sf;
+    const int okg = engine_run("mac", 0.0, 1, g0, &sg, model), oke = engine_run("mac", 0.0, 0, e0, &se, model);
+    const int ok1 = engine_run("mac", 1.0, 1, g1, &s1, model), okf = engine_run("full", 1.0, 1, f1, &sf, model);
+    const double lg = okg ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_lookups_total") : 0;
+    const double hg = okg ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_hits_total") : 0;
+    const double le = oke ? kvs_engine_kv_counter(&se, "kvserve:kv_mac_lookups_total") : 0;
+    const double he = oke ? kvs_engine_kv_counter(&se, "kvserve:kv_mac_hits_total") : 0;
+    const double l1 = ok1 ? kvs_engine_kv_counter(&s1, "kvserve:kv_mac_lookups_total") : -1;
+    CHECK(okg && oke && ok1 && okf && lg > 0 && hg > 0 && le > 0 && he > 0 && l1 == 0,
+          "engine: runs ok %d %d %d %d, graphs lookups %g hits %g, eager lookups %g hits %g, tau 1 lookups %g", okg, oke,
+          ok1, okf, lg, hg, le, he, l1);
+    printf("ok cuda mac through the engine (demo model): graphs %g/%g hits/lookups, eager %g/%g; tokens agree "
+           "graphs/eager %.0f%%, tau 1 vs full %.0f%% (printed, not checked)\n", hg, lg, he, le, 100 * agree(g0, e0),
+           100 * agree(g1, f1));
+    kvs_model_free(model);
 }
 
 int main(void)
@@ -82,7 +183,12 @@ int main(void)
     const int shapes[][3] = {{8, 2, 128}, {4, 1, 64}, {8, 8, 64}, {16, 2, 128}, {32, 8, 128}};
     double worst = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
-        for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, shapes[i][0], shapes[i][1], shapes[i][2], rot, &worst);
+        for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, shapes[i][0], shapes[i][1], shapes[i][2], rot, &worst, 0);
+    /* long contexts: the same checks where splits and many tiles matter */
+    for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, 8, 2, 128, rot, &worst, 1);
+    run_shape(cpu, gpu, 8, 8, 64, 1, &worst, 1);
+    run_count(cpu, gpu);
+    run_engine();
     kvs_cpu_backend.free(cpu);
     kvs_cuda_backend.free(gpu);
     return kvs_test_summary("test_cuda_kv_mac");

@@ -11,6 +11,7 @@
   accuracy at 2K with full attention is reported.
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -162,7 +163,7 @@ def main():
         os.symlink(os.path.join(MODELS, "llama", fn), os.path.join(mdir, fn))
     dump = os.path.join(tmp, "probes.jsonl")
     run(["--model", mdir, "--filler", os.path.join(ROOT, "tests", "data", "eval", "filler.txt"), "--lengths",
-         "256,480", "--probes", "4", "--dump-probes", dump])
+         "256,480", "--probes", "4", "--formats", "fact", "--dump-probes", dump])
     tok = Tokenizer.from_file(os.path.join(mdir, "tokenizer.json"))
     probes = [json.loads(l) for l in open(dump)]
     check(len(probes) == 8, "8 text probes dumped")
@@ -177,6 +178,35 @@ def main():
         check(ok, "text probe of %d/%d tokens: fact early, question at the end (answer %s)" %
               (len(pr["ids"]), pr["length"], pr["answer_text"]))
 
+    # 6b. every format (the default), round robin per length: the passkey sentence once with
+    #     its value, the key-value block holds the asked key once with the value; plain English
+    #     questions
+    run(["--model", mdir, "--filler", os.path.join(ROOT, "tests", "data", "eval", "filler.txt"),
+         "--lengths", "240,480", "--probes", "6", "--dump-probes", dump])
+    probes = [json.loads(l) for l in open(dump)]
+    check([p["format"] for p in probes] == ["fact", "passkey", "kv"] * 4, "formats round robin: %s" %
+          [p["format"] for p in probes])
+    for pr in probes:
+        text, v = tok.decode(pr["ids"]), pr["answer_text"]
+        fits = pr["length"] * 0.8 <= len(pr["ids"]) <= pr["length"]
+        if pr["format"] == "passkey":
+            ok = re.fullmatch(r"\d{5}", v) is not None and text.endswith("Question: What is the pass key?\nAnswer:") \
+                and text.count("The pass key is %s. Remember it. %s is the pass key.\n" % (v, v)) == 1 \
+                and text.count("pass key") == 3
+        elif pr["format"] == "kv":
+            m = re.search(r"Question: What is the value of ([a-z]+-\d+)\?\nAnswer:$", text)
+            recs = re.findall(r"^[a-z]+-\d+: \d{4}$", text, re.M)
+            ok = m is not None and len(recs) == 8 and len(set(r.split(":")[0] for r in recs)) == 8 \
+                and "%s: %s" % (m.group(1), v) in recs
+        else:
+            m = re.search(r"Question: What is the secret code of (\w+)\?\nAnswer:$", text)
+            ok = m is not None and text.count("The secret code of %s is %s.\n" % (m.group(1), v)) == 1
+        check(ok and fits, "%s probe of %d/%d tokens: value %s stated once, question at the end" %
+              (pr["format"], len(pr["ids"]), pr["length"], v))
+    p = run(["--model", mdir, "--filler", os.path.join(ROOT, "tests", "data", "eval", "filler.txt"), "--lengths",
+             "256", "--formats", "fact,bogus", "--dump-probes", dump], expect_rc=2)
+    check("--formats" in p.stderr, "unknown probe format refused: %s" % p.stderr.strip()[:120])
+
     # 7. the demo model: retrieval at 2K with full attention is reported
     demo = os.path.join(ROOT, "models", "demo")
     filler = os.path.join(ROOT, "tests", "data", "eval", "filler.txt")
@@ -187,6 +217,12 @@ def main():
         check(r["probes"] == "text" and r["lengths"][0]["length"] == 2048 and r["lengths"][0]["n"] == (1 if SAN else 4),
               "demo model: retrieval@2048 reported: %.0f%% (example: %s)" % (100 * r["lengths"][0]["acc_ref"],
                                                                             r["example_cfg"]))
+        # the held-out English text (scripts/make-heldout-english.py): tokenized and scored
+        j = run_json(["--model", demo, "--text", os.path.join(ROOT, "tests", "data", "eval", "heldout-english.txt"),
+                      "--seq-len", "64", "--n-seqs", "2", "--no-retrieval", "--set", "kv.reuse=none"])
+        t = j["teacher_forced"]
+        check(t["positions"] == 126 and t["kl_mean"] == 0 and math.isfinite(t["ppl_ref"]) and t["ppl_ref"] > 1,
+              "demo model on held-out English: %d positions scored, ppl %.1f" % (t["positions"], t["ppl_ref"]))
     else:
         print("note: models/demo has no weights in this tree; the demo retrieval check runs once it does")
 

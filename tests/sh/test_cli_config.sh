@@ -9,7 +9,13 @@ ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; fail=1; }
 
 for f in config/*.json; do
-  if "$KVS" --check-config "$f" >"$tmp/out" 2>"$tmp/err"; then ok "$f validates"; else bad "$f: $(cat "$tmp/err")"; fi
+  # the long-context fidelity model is trained on a GPU (scripts/train-longctx-model.py), never
+  # fetched: where it is not built, its config's keys are still checked, against the demo model
+  over=()
+  if [ "$f" = config/longctx.json ] && [ ! -f models/cache/longctx/config.json ]; then
+    over=(--set model.path=models/demo); echo "note: models/cache/longctx not built here: $f checked with the demo model"
+  fi
+  if "$KVS" --check-config "$f" "${over[@]}" >"$tmp/out" 2>"$tmp/err"; then ok "$f validates"; else bad "$f: $(cat "$tmp/err")"; fi
 done
 grep -q '"port":[[:space:]]*8000' < <("$KVS" --check-config config/default.json 2>/dev/null) && ok "effective config printed" || bad "no effective config"
 # `make run` (config/default.json) keeps posted documents across restarts, where the README says
@@ -36,10 +42,16 @@ mkdir -p "$tmp/broken" && cp models/demo/* "$tmp/broken/" && echo '{"architectur
 "$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
 [ $rc -eq 1 ] && grep -q "config.json" "$tmp/err" && ok "--check-config: broken config.json fails" \
   || bad "--check-config accepted a broken config.json (rc=$rc): $(cat "$tmp/err")"
-cp models/demo/config.json "$tmp/broken/" && rm "$tmp/broken/tokenizer.json"
+cp models/demo/config.json "$tmp/broken/" && echo '{"model": {' >"$tmp/broken/tokenizer.json"
 "$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
-[ $rc -eq 1 ] && grep -qi "tokenizer" "$tmp/err" && ok "--check-config: missing tokenizer fails" \
-  || bad "--check-config accepted a model without tokenizer (rc=$rc): $(cat "$tmp/err")"
+[ $rc -eq 1 ] && grep -qi "tokenizer" "$tmp/err" && ok "--check-config: broken tokenizer.json fails" \
+  || bad "--check-config accepted a broken tokenizer.json (rc=$rc): $(cat "$tmp/err")"
+# no tokenizer.json at all: a token-id-only model directory (random-weight benchmark models),
+# served by token ids, and the log says so
+rm "$tmp/broken/tokenizer.json"
+"$KVS" --check-config config/default.json --set model.path="$tmp/broken" >/dev/null 2>"$tmp/err"; rc=$?
+[ $rc -eq 0 ] && grep -q "serving token ids only" "$tmp/err" && ok "--check-config: no tokenizer.json = token ids only" \
+  || bad "--check-config on a model without tokenizer.json (rc=$rc): $(cat "$tmp/err")"
 timeout 10 "$KVS" --config config/default.json --set model.path="$tmp/none" --port 0 >"$tmp/out" 2>"$tmp/err"; rc=$?
 [ $rc -eq 1 ] && ! grep -q "listening on" "$tmp/err" "$tmp/out" && ok "daemon: bad model fails before listening" \
   || bad "daemon with a bad model (rc=$rc): $(cat "$tmp/err" "$tmp/out")"

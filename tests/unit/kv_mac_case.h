@@ -166,6 +166,40 @@ static inline void mc_step(struct mc *c, const int *pos_end, const int *nrows, c
     c->o->download(c->be, c->o_p, c->p, 0, (size_t)n * c->nh);
 }
 
+/* count() on a fixed scenario: n = 5 rows x L = 3 layers of matches (rows 0, 2, 3 counted, rows 0
+ * and 3 matching; hits and misses mixed within KV groups), run twice (the counters accumulate).
+ * h_rows [n][4] and h_p [L][n][nh] receive the inputs; out [KVS_MAC_N_COUNTS] the counters. */
+static inline void mc_count(struct mc *c, int32_t *h_rows, int32_t *h_p, uint64_t *out)
+{
+    const int n = 5, L = 3, nh = c->nh;
+    for (int t = 0; t < n; t++) {
+        int32_t *r = h_rows + 4 * t;
+        r[0] = t % c->S, r[1] = t % c->S, r[2] = 500 + 97 * t;
+        r[3] = (t == 0 || t == 2 || t == 3 ? KVS_MAC_F_COUNT | KVS_MAC_F_MAC : KVS_MAC_F_MAC) |
+               (t == 0 || t == 3 ? KVS_MAC_F_MATCH : 0);
+    }
+    for (int l = 0; l < L; l++)
+        for (int t = 0; t < n; t++)
+            for (int h = 0; h < nh; h++) {
+                const int v = (l * 31 + t * 7 + h * 3) % 5;
+                h_p[((size_t)l * n + t) * nh + h] = v == 0 ? -1 : h_rows[4 * t + 2] - 10 - 60 * v * (h + 1);
+            }
+    c->o->upload(c->be, c->rows, 0, h_rows, (size_t)n * 4);
+    c->o->upload(c->be, c->p, 0, h_p, (size_t)L * n * nh);
+    struct kvs_dbuf *acc = c->o->alloc(c->be, KVS_BUF_I32, 2 * KVS_MAC_N_COUNTS);
+    c->o->zero(c->be, acc, 0, 2 * KVS_MAC_N_COUNTS);
+    const struct kvs_mac_call call = {
+        .n_layers = L, .K = c->K, .band = c->band, .n = n, .n_heads = nh, .n_kv_heads = c->nkv, .head_dim = c->hd,
+        .rows = c->rows, .p = c->p,
+    };
+    c->k->count(c->be, &call, acc);
+    c->k->count(c->be, &call, acc);
+    int32_t raw[2 * KVS_MAC_N_COUNTS];
+    c->o->download(c->be, raw, acc, 0, 2 * KVS_MAC_N_COUNTS);
+    memcpy(out, raw, sizeof raw);
+    c->o->free_buf(c->be, acc);
+}
+
 /* Reads ring entry j of sequence slot s, head h: (o [hd], lse); returns its tag. */
 static inline int32_t mc_ring(struct mc *c, int s, int j, int h, float *o, float *lse)
 {

@@ -338,6 +338,46 @@ struct job {
     int n_prompt, n_got;
 };
 
+/* count(): the counters against a recount in double from the same inputs */
+static void test_count(struct kvs_backend *b)
+{
+    struct mc c;
+    mc_init(&c, O, b, 4, 8, 2, 64, 16, 48, 16, 100, 0);
+    int32_t rows[5 * 4], p[3 * 5 * 8];
+    uint64_t got[KVS_MAC_N_COUNTS];
+    mc_count(&c, rows, p, got);
+    double want[KVS_MAC_N_COUNTS] = {0};
+    for (int t = 0; t < 5; t++) {
+        const int32_t *r = rows + 4 * t;
+        if (!(r[3] & KVS_MAC_F_COUNT)) continue;
+        for (int l = 0; l < 3; l++)
+            for (int g = 0; g < 2; g++) {
+                double lo = r[2] + 1;
+                for (int h = g * 4; h < g * 4 + 4; h++) {
+                    const int ph = p[(l * 5 + t) * 8 + h];
+                    const double s0 = ph >= 0 ? fmax(ph - 100 + 1, 0) : 0;
+                    lo = fmin(lo, s0);
+                    want[KVS_MAC_C_LOOKUPS] += (r[3] & KVS_MAC_F_MATCH) ? 1 : 0;
+                    want[KVS_MAC_C_HITS] += ph >= 0;
+                    want[KVS_MAC_C_HEADS] += 1;
+                    want[KVS_MAC_C_SKIP] += s0 / (r[2] + 1);
+                }
+                want[KVS_MAC_C_READ] += r[2] + 1 - lo;
+            }
+    }
+    int ok = 1;
+    for (int k = 0; k < KVS_MAC_N_COUNTS; k++) {
+        const double g = k == KVS_MAC_C_SKIP ? (double)got[k] / KVS_MAC_SKIP_ONE : (double)got[k];
+        ok &= fabs(g - 2 * want[k]) <= (k == KVS_MAC_C_SKIP ? 1e-5 * (1 + want[k]) : 0);
+    }
+    CHECK(ok && want[KVS_MAC_C_HITS] > 0 && want[KVS_MAC_C_LOOKUPS] > 0, "count: lookups %llu (%g) hits %llu (%g) heads %llu "
+          "(%g) skip %g (%g) read %llu (%g)", (unsigned long long)got[0], 2 * want[0], (unsigned long long)got[1],
+          2 * want[1], (unsigned long long)got[2], 2 * want[2], (double)got[3] / KVS_MAC_SKIP_ONE, 2 * want[3],
+          (unsigned long long)got[4], 2 * want[4]);
+    printf("ok count: two calls accumulate lookups, hits, heads, skip and the groups' read spans on the backend\n");
+    mc_free(&c);
+}
+
 static void base_cfg(struct kvs_config *c, const char *decode)
 {
     kvs_config_init(c);
@@ -466,6 +506,7 @@ int main(void)
     test_match(b);
     test_lazy_layout(b);
     test_prefill_append(b);
+    test_count(b);
     O->free(b);
     char dir[1024];
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());

@@ -114,6 +114,7 @@ static const struct {
     /* the default min_budget of 256 tokens covers these contexts (at most 104): every page */
     {"quest", NULL},
     {"mac", NULL},   /* kv.mac.gen_min (2048) is above every context here: no lookup */
+    {"paris", NULL}, /* kv.paris.dense_threshold (2000) is above every context here: dense */
     /* Quest's budget covers every page (as above) and w = 2 re-runs each request's previous
      * token: no supplement, and the re-run reproduces the same states (kv_decode_retro.c) */
     {"retro", NULL},

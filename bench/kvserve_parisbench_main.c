@@ -1,0 +1,301 @@
+/* kvserve_parisbench_main.c: ParisKV's decode attention phase (kv.decode=paris: kernels/kv_paris.h
+ * on the CUDA backend plus attention_spans) against full attention() on the same data, ->
+ * build/kvserve-parisbench.
+ *
+ * One layer of the Llama-3.1-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16
+ * K/V in a paged pool of 16-slot blocks dealt at random), B decode rows (one per sequence, at
+ * the context's last position). Keys are uniform random with 100 needles per (sequence, KV
+ * head) planted along the group's mean query; the index is built by the real encoder over the
+ * retrieval zone (context - sink 4 - local 64 - a half-full update buffer of 256). ParisKV's
+ * phase is what the policy runs per layer in a decode step: select (prep: qbar + SRHT + tiers;
+ * vote; keep the top ceil(beta n) by vote; rerank by the 4-bit estimate; top-k + spans) and
+ * attention_spans over sink + top-k + tail; no gather (the retrieval zone is in the GPU pool:
+ * host offload is not built, so the spans address it directly). Each call sequence is timed
+ * alone with the L2 flushed before it, median of --reps; the phase split comes from events
+ * inside select (one profiled run). Encode: the time to encode one update interval (512
+ * positions per sequence), amortized over the 512 steps it covers. Recall@k of the selection
+ * against the exact top-k of qbar.k is printed per shape. The last columns scale one layer to
+ * 32 layers (attention phase only: weights and the rest of the step are not in it).
+ *
+ * Usage: kvserve-parisbench [--batches 1,8] [--contexts 131072,1048576] [--topk 100] [--reps 10]
+ *                           [--max-tokens 1048576]
+ * Shapes with more than --max-tokens positions in all, or whose K/V + index do not fit, are
+ * skipped with a note.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/bench_util.h"
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "kernels/kv_paris.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+
+#define NH 32
+#define NKV 8
+#define HD 128
+#define BS 16
+#define SINK 4
+#define TAIL 320
+#define NEEDLES 100
+#define FLUSH_FLOATS ((size_t)64 << 20)
+
+static const struct kvs_backend_ops *O = &kvs_cuda_backend;
+static const struct kvs_paris_kernels *K;
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
+{
+    struct kvs_dbuf *d = O->alloc(b, kind, n);
+    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
+    return d;
+}
+
+struct shape {
+    int B, ctx, topk;
+    struct kvs_dbuf *kc, *vc, *q, *out, *lse, *signs, *codes, *w, *counts, *rows, *jobs, *nsp, *sp, *sel, *exact;
+    int32_t *h_rows, *h_jobs;
+    struct kvs_attn_meta m;
+    struct kvs_span_list sl;
+};
+
+enum { OP_FULL, OP_PARIS, OP_SELECT, OP_SPANS, OP_ENCODE };
+
+static void run_op(struct kvs_backend *b, struct shape *S, int op)
+{
+    const float scale = 0.08838834764831845f;
+    if (op == OP_FULL) {
+        O->attention(b, S->q, S->kc, S->vc, &S->m, S->B, NH, NKV, HD, BS, scale, S->out);
+        return;
+    }
+    if (op == OP_ENCODE) {
+        K->encode(b, S->kc, &S->m, S->jobs, S->h_jobs, S->B, 0, 1, NKV, HD, BS, S->signs, S->codes, S->w, S->counts);
+        return;
+    }
+    if (op != OP_SPANS)
+        K->select(b, S->q, &S->m, S->rows, S->h_rows, S->B, 0, 1, NH, NKV, HD, BS, S->signs, S->codes, S->w, S->counts,
+                  S->topk + 2, S->topk, S->nsp, S->sp, NULL, NULL);
+    if (op != OP_SELECT)
+        O->attention_spans(b, S->q, S->kc, S->vc, &S->m, &S->sl, S->B, NH, NKV, HD, BS, scale, S->out, S->lse);
+}
+
+static float time_op(struct kvs_backend *b, struct shape *S, int op, int reps, struct kvs_dbuf *flush)
+{
+    float *t = kvs_xmalloc((size_t)reps * sizeof(float));
+    for (int r = -2; r < reps; r++) {
+        O->zero(b, flush, 0, FLUSH_FLOATS);
+        kvs_cuda_timer_start(b);
+        run_op(b, S, op);
+        const float ms = kvs_cuda_timer_stop_ms(b);
+        if (r >= 0) t[r] = ms;
+    }
+    qsort(t, (size_t)reps, sizeof t[0], bench_cmp_float);
+    const float med = t[reps / 2];
+    free(t);
+    return med;
+}
+
+static double urand(void) { return (double)bench_rnd(&rng) / 4294967296.0 * 2 - 1; }
+
+/* 100 needles per (sequence, KV head): noise + s |noise| qbar / |qbar|, s in [0.3, 0.8) */
+static void plant_needles(struct kvs_backend *b, struct shape *S, const int32_t *bt, int nblk)
+{
+    float *q = kvs_xmalloc((size_t)S->B * NH * HD * sizeof *q), row[HD];
+    O->download(b, q, S->q, 0, (size_t)S->B * NH * HD);
+    const int G = NH / NKV, n_r = S->ctx - SINK - TAIL;
+    for (int s = 0; s < S->B; s++)
+        for (int g = 0; g < NKV; g++) {
+            double qb[HD], n2 = 0;
+            for (int i = 0; i < HD; i++) {
+                qb[i] = 0;
+                for (int h = g * G; h < (g + 1) * G; h++) qb[i] += q[((size_t)s * NH + h) * HD + i] / G;
+                n2 += qb[i] * qb[i];
+            }
+            for (int t = 0; t < NEEDLES; t++) {
+                const int p = SINK + (int)(bench_rnd(&rng) % (uint32_t)n_r);
+                double nn = 0;
+                for (int i = 0; i < HD; i++) row[i] = (float)urand(), nn += (double)row[i] * row[i];
+                const double st = 0.3 + 0.5 * t / NEEDLES;
+                for (int i = 0; i < HD; i++) row[i] = (float)(row[i] + st * sqrt(nn) * qb[i] / sqrt(n2));
+                const size_t off = (((size_t)bt[(size_t)s * nblk + p / BS] * NKV + g) * BS + p % BS) * HD;
+                O->upload(b, S->kc, off, row, HD);
+            }
+        }
+    free(q);
+}
+
+int main(int argc, char **argv)
+{
+    int batches[8] = {1, 8}, nb = 2, contexts[8] = {131072, 1048576}, nc = 2, reps = 10, topk = 100;
+    long max_tokens = 1048576;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
+        else if (!strcmp(argv[i], "--contexts") && v) nc = bench_parse_list(argv[++i], contexts, 8);
+        else if (!strcmp(argv[i], "--topk") && v) topk = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-tokens") && v) max_tokens = atol(argv[++i]);
+        else {
+            fprintf(stderr, "usage: %s [--batches 1,8] [--contexts 131072,1048576] [--topk 100] [--reps 10] "
+                            "[--max-tokens 1048576]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (nb <= 0 || nc <= 0 || reps <= 0 || topk <= 0) {
+        fprintf(stderr, "%s: bad list, --topk or --reps\n", argv[0]);
+        return 2;
+    }
+    char err[256], desc[256];
+    struct kvs_backend *b = O->create(0, err, sizeof err);
+    if (!b) {
+        fprintf(stderr, "cuda backend unavailable: %s\n", err);
+        return 1;
+    }
+    if (!(K = kvs_paris_kernels_for(O, err, sizeof err)) || !O->attention_spans) {
+        fprintf(stderr, "%s\n", K ? "the cuda backend has no attention_spans" : err);
+        return 1;
+    }
+    kvs_cuda_device_desc(b, desc, sizeof desc);
+    printf("device: %s\nshape: %d query heads, %d KV heads, head_dim %d, blocks of %d; one layer, decode rows; sink %d, "
+           "tail %d, topk %d, adaptive beta/rho; %d needles per sequence and KV head\n",
+           desc, NH, NKV, HD, BS, SINK, TAIL, topk, NEEDLES);
+    printf("%6s %8s %9s %9s %9s %9s | %7s %7s %7s %7s %7s | %9s %8s %9s | %10s %10s\n", "batch", "context", "full ms",
+           "paris ms", "select", "spans", "prep", "vote", "keep", "rerank", "topk", "full/paris", "recall", "enc us/st",
+           "32L full", "32L paris");
+    struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
+    float sg[HD];
+    kvs_paris_signs(KVS_PARIS_SEED, HD, sg);
+    const int W = kvs_paris_words(HD), NB = HD / 8;
+    for (int bi = 0; bi < nb; bi++)
+        for (int ci = 0; ci < nc; ci++) {
+            struct shape S;
+            memset(&S, 0, sizeof S);
+            const int B = batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS, n_r = ctx - SINK - TAIL;
+            S.B = B, S.ctx = ctx, S.topk = topk;
+            const size_t pool_blocks = (size_t)B * nblk, slots = pool_blocks * BS, kv_elems = slots * NKV * HD;
+            const size_t index_bytes = slots * NKV * (size_t)(W + NB) * 4, scratch = (size_t)B * NKV * ctx * 14;
+            if ((long)B * ctx > max_tokens || n_r < 2 * topk) {
+                printf("%6d %8d   skipped: over --max-tokens or too short\n", B, ctx);
+                continue;
+            }
+            if (2 * kv_elems * 2 + index_bytes + scratch + ((size_t)1 << 30) > O->mem_available(b)) {
+                printf("%6d %8d   skipped: %.1f GB of K/V + %.1f GB of index do not fit\n", B, ctx, 4.0 * kv_elems / 1e9,
+                       index_bytes / 1e9);
+                continue;
+            }
+            S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
+            kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
+            S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
+            S.out = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.lse = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NH);
+            S.signs = alloc_or_die(b, KVS_BUF_F32, HD);
+            O->upload(b, S.signs, 0, sg, HD);
+            S.codes = alloc_or_die(b, KVS_BUF_I32, slots * NKV * W);
+            S.w = alloc_or_die(b, KVS_BUF_F32, slots * NKV * NB);
+            S.counts = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * NB * KVS_PARIS_NC);
+            O->zero(b, S.counts, 0, (size_t)B * NKV * NB * KVS_PARIS_NC);
+            S.rows = alloc_or_die(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_ROW_N);
+            S.jobs = alloc_or_die(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_JOB_N);
+            S.nsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
+            S.sp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * (topk + 2) * 2);
+            S.sel = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * topk);
+            S.exact = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * topk);
+            int32_t *perm = kvs_xmalloc(pool_blocks * 4);
+            for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
+            for (size_t i = pool_blocks - 1; i > 0; i--) {
+                const size_t j = bench_rnd(&rng) % (i + 1);
+                const int32_t t = perm[i];
+                perm[i] = perm[j], perm[j] = t;
+            }
+            plant_needles(b, &S, perm, nblk);
+            int32_t *h_qs = kvs_xmalloc((size_t)(B + 1) * 4), *h_pos = kvs_xmalloc((size_t)B * 4);
+            struct kvs_dbuf *qs = alloc_or_die(b, KVS_BUF_I32, (size_t)B + 1), *pos = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
+            struct kvs_dbuf *bt = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+            O->upload(b, bt, 0, perm, pool_blocks);
+            for (int s = 0; s <= B; s++) h_qs[s] = s;
+            for (int s = 0; s < B; s++) h_pos[s] = ctx - 1;
+            O->upload(b, qs, 0, h_qs, (size_t)B + 1);
+            O->upload(b, pos, 0, h_pos, (size_t)B);
+            S.m = (struct kvs_attn_meta){.n_seqs = B, .max_blocks = nblk, .q_start = qs, .pos = pos, .block_tables = bt,
+                                         .h_q_start = h_qs, .h_pos = h_pos, .max_ctx = ctx};
+            /* the index of the retrieval zone (untimed), then the selection rows */
+            double beta, rho;
+            kvs_paris_adaptive(n_r, &beta, &rho);
+            S.h_rows = kvs_xcalloc((size_t)B * KVS_PARIS_ROW_N, 4);
+            S.h_jobs = kvs_xcalloc((size_t)B * KVS_PARIS_JOB_N, 4);
+            const int keep = (int)ceil(beta * n_r);
+            for (int s = 0; s < B; s++) {
+                int32_t *R = S.h_rows + s * KVS_PARIS_ROW_N, *J = S.h_jobs + s * KVS_PARIS_JOB_N;
+                R[KVS_PARIS_ROW_SLOT] = s, R[KVS_PARIS_ROW_NR] = n_r, R[KVS_PARIS_ROW_SINK] = SINK;
+                R[KVS_PARIS_ROW_CTX] = ctx, R[KVS_PARIS_ROW_KEEP] = keep, R[KVS_PARIS_ROW_TOPK] = topk < keep ? topk : keep;
+                for (int t = 0; t < KVS_PARIS_TIERS; t++)
+                    R[KVS_PARIS_ROW_T0 + t] = (int32_t)ceil(n_r * rho * KVS_PARIS_TIER_FRAC[t]);
+                J[KVS_PARIS_JOB_SEQ] = s, J[KVS_PARIS_JOB_SLOT] = s, J[KVS_PARIS_JOB_FROM] = SINK;
+                J[KVS_PARIS_JOB_TO] = SINK + n_r;
+            }
+            O->upload(b, S.rows, 0, S.h_rows, (size_t)B * KVS_PARIS_ROW_N);
+            O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
+            K->encode(b, S.kc, &S.m, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.signs, S.codes, S.w, S.counts);
+            /* launch planning copies: one span with the kept keys' bound */
+            int32_t *h_n = kvs_xmalloc((size_t)B * NKV * 4), *h_sp = kvs_xcalloc((size_t)B * NKV * (topk + 2) * 2, 4);
+            for (int i = 0; i < B * NKV; i++) h_n[i] = 1, h_sp[(size_t)i * (topk + 2) * 2 + 1] = SINK + topk + TAIL;
+            S.sl = (struct kvs_span_list){topk + 2, S.nsp, S.sp, h_n, h_sp};
+            /* recall of one selection against the exact top-k */
+            K->select(b, S.q, &S.m, S.rows, S.h_rows, B, 0, 1, NH, NKV, HD, BS, S.signs, S.codes, S.w, S.counts, topk + 2,
+                      topk, S.nsp, S.sp, S.sel, NULL);
+            K->exact_topk(b, S.q, S.kc, &S.m, S.h_rows, B, NH, NKV, HD, BS, topk, S.exact);
+            int32_t *hs = kvs_xmalloc((size_t)B * NKV * topk * 4), *he = kvs_xmalloc((size_t)B * NKV * topk * 4);
+            O->download(b, hs, S.sel, 0, (size_t)B * NKV * topk);
+            O->download(b, he, S.exact, 0, (size_t)B * NKV * topk);
+            double hits = 0, tot = 0;
+            for (int t = 0; t < B * NKV; t++)
+                for (int i = 0; i < topk && he[t * topk + i] >= 0; i++) {
+                    tot++;
+                    for (int j = 0; j < topk && hs[t * topk + j] >= 0; j++) hits += hs[t * topk + j] == he[t * topk + i];
+                }
+            const float full = time_op(b, &S, OP_FULL, reps, flush);
+            const float paris = time_op(b, &S, OP_PARIS, reps, flush);
+            const float sel = time_op(b, &S, OP_SELECT, reps, flush);
+            const float spans = time_op(b, &S, OP_SPANS, reps, flush);
+            float ph[5] = {0};
+            kvs_paris_cuda_profile(1);
+            O->zero(b, flush, 0, FLUSH_FLOATS);
+            run_op(b, &S, OP_SELECT);
+            kvs_paris_cuda_last_phases(ph);
+            kvs_paris_cuda_profile(0);
+            /* encode one update interval (512 positions per sequence), amortized over 512 steps */
+            for (int s = 0; s < B; s++) {
+                S.h_jobs[s * KVS_PARIS_JOB_N + KVS_PARIS_JOB_FROM] = SINK + n_r - 512;
+                S.h_jobs[s * KVS_PARIS_JOB_N + KVS_PARIS_JOB_TO] = SINK + n_r;
+            }
+            O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
+            const float enc = time_op(b, &S, OP_ENCODE, reps, flush);
+            printf("%6d %8d %9.3f %9.3f %9.3f %9.3f | %7.3f %7.3f %7.3f %7.3f %7.3f | %9.2fx %7.1f%% %9.2f | %10.2f "
+                   "%10.2f\n",
+                   B, ctx, full, paris, sel, spans, ph[0], ph[1], ph[2], ph[3], ph[4], full / paris, 100 * hits / tot,
+                   1000.0 * enc / 512, 32 * full, 32 * (paris + enc / 512));
+            fflush(stdout);
+            struct kvs_dbuf *all[] = {S.kc, S.vc, S.q, S.out, S.lse, S.signs, S.codes, S.w, S.counts, S.rows, S.jobs,
+                                      S.nsp, S.sp, S.sel, S.exact, qs, pos, bt};
+            for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) O->free_buf(b, all[i]);
+            free(perm), free(h_qs), free(h_pos), free(h_n), free(h_sp), free(hs), free(he), free(S.h_rows), free(S.h_jobs);
+        }
+    O->free_buf(b, flush);
+    O->free(b);
+    return 0;
+}
+#else
+int main(void)
+{
+    fprintf(stderr, "kvserve-parisbench: built without CUDA (nvcc not found)\n");
+    return 1;
+}
+#endif

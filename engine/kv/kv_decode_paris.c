@@ -1,0 +1,408 @@
+/* kv_decode_paris.c: kv.decode=paris (ParisKV, drift-robust top-k KV retrieval; notes in
+ * docs/STRATEGIES.md §2, kernels in kernels/kv_paris.h). A decode row attends exactly over
+ * sink U top-k U local window U update buffer; the top-k comes from a compact index of the
+ * retrieval zone.
+ *
+ * Zones, per request, layer and KV head (positions of the request):
+ *   [0, sink)                     sink, always attended;
+ *   [sink, sink + n_enc)          retrieval zone: encoded in the index, attended only at the
+ *                                 top-k positions that the selection picks;
+ *   [sink + n_enc, ctx)           local window + update buffer, always attended.
+ * n_enc is per request (the arena slot), the same for every layer and head. A decode row of
+ * context ctx >= max(dense_threshold, sink + local + 1) builds the index the first time
+ * (n_enc = 0: the end of prefill, on the first decode step: encode [sink, ctx - local)), and
+ * later encodes again when the tail holds local + update_interval positions (encode the ones
+ * that slid out of the local window). Encoding is per request and per layer (each layer encodes
+ * in its own attend(), right before it selects): never a flush of the batch, and no layer waits
+ * for another. Below the threshold the row attends densely (bitwise full attention on the CPU).
+ *
+ * Index memory: kernels/kv_paris.h layout, per physical KV slot (so it is paged exactly like
+ * the K/V it describes, and preemption, prefix sharing and block reuse need nothing: a request
+ * (re)encodes all its own retrieval positions from n_enc = 0, and the encoding is a pure
+ * function of the key), plus per-request-slot cluster counts. All allocated at create on the
+ * backend, sized by the pool (n_pool_blocks) and max_slots, and shown in /metrics
+ * (kvserve:kv_paris_index_bytes). seq_init zeroes its slot's counts and n_enc; seq_free marks
+ * the slot dead: a cancelled request leaves nothing behind (its index slots belong to the
+ * blocks, which go back to the pool with them).
+ *
+ * Rows: as Quest (kv_decode_quest.c), selection runs for the leading one-row sequences of the
+ * step; a step that also holds other rows runs attention() over all rows first and the lead
+ * rows' outputs are then replaced by attention_spans over the selected spans. A decode row
+ * outside the lead attends densely and is counted (kvserve:kv_paris_dense_rows_total).
+ *
+ * Host offload of the retrieval zone (kv.paris.offload) is not built: the retrieval zone's K/V
+ * stays in the paged pool, and offload = true is refused at create with -ENOSYS. How it plugs
+ * in (docs/STRATEGIES.md, "ParisKV in kvserve"): a storage-side pinned host page pool holding
+ * the K/V of blocks wholly inside every owner's retrieval zone, and a gather of the selected
+ * positions over UVA into a small device staging area of sink + topk + tail positions per row,
+ * which the spans then address; the index and the spans stay as here.
+ *
+ * Errors: create returns -EINVAL (head_dim not a power of two in [8, 1024], bad setting),
+ * -ENOSYS (no kernels, no attention_spans, a storage format of its own, offload), -ENOMEM,
+ * each with a message.
+ */
+#include "engine/kv/kv.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "engine/config.h"
+#include "kernels/kv_paris.h"
+
+struct paris_seq {
+    int32_t live;                 /* 1 between seq_init and seq_free */
+    int32_t n_enc;                /* retrieval-zone positions encoded: [sink, sink + n_enc) */
+};
+
+struct paris {
+    struct kvs_kv_decode_env env;
+    const struct kvs_paris_kernels *k;
+    int topk, sink, local, interval, threshold, recall_every;
+    double beta, rho;             /* 0: adaptive */
+    int B, W, rows, max_spans;
+    struct paris_seq **seq;       /* [max_slots] arena slots (NULL: free) */
+    struct kvs_dbuf **codes, **w, *counts, *signs;
+    struct kvs_dbuf *d_rows, *d_jobs, *d_n_spans, *d_spans, *d_sel, *d_coarse, *d_exact;
+    int32_t *h_rows, *h_jobs, *h_n_spans, *h_spans, *h_sel, *h_coarse, *h_exact, *zeros;
+    size_t counts_per_slot;
+    double index_bytes;
+    int live;                     /* requests between seq_init and seq_free */
+    /* this step */
+    int n_lead, n_jobs, any_sel, skip, recall_now;
+    uint64_t steps;
+    /* counters */
+    double bytes_read, sparse_rows, dense_rows, encoded, hits, coarse_hits, recall_total;
+};
+
+static void paris_destroy(void *state)
+{
+    struct paris *s = state;
+    if (!s) return;
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    for (int l = 0; l < s->env.n_layers; l++) {
+        if (s->codes) o->free_buf(be, s->codes[l]);
+        if (s->w) o->free_buf(be, s->w[l]);
+    }
+    free(s->codes);
+    free(s->w);
+    struct kvs_dbuf *bufs[] = {s->counts, s->signs, s->d_rows, s->d_jobs, s->d_n_spans, s->d_spans, s->d_sel,
+                               s->d_coarse, s->d_exact};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free_buf(be, bufs[i]);
+    free(s->seq);
+    free(s->h_rows);
+    free(s->h_jobs);
+    free(s->h_n_spans);
+    free(s->h_spans);
+    free(s->h_sel);
+    free(s->h_coarse);
+    free(s->h_exact);
+    free(s->zeros);
+    free(s);
+}
+
+static int paris_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
+{
+    const struct kvs_config *c = env->cfg;
+    const struct kvs_backend_ops *o = env->o;
+    const int d = env->head_dim;
+    if (c && c->paris_offload)
+        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.paris.offload': host offload of the retrieval zone is "
+                       "not built in this version (the retrieval zone stays in the KV pool); set it to false");
+    if (env->storage_fmt)
+        return kvs_err(err, errlen, -ENOSYS, "config keys 'kv.decode' = \"paris\" and 'kv.storage' = \"%s\": ParisKV's "
+                       "encoder reads the plain K pool", env->storage_fmt);
+    if (d < 8 || d > 1024 || (d & (d - 1)))
+        return kvs_err(err, errlen, -EINVAL, "kv.decode \"paris\": head_dim %d is not a power of two in [8, 1024] (the "
+                       "SRHT and the blocks of 8 need one)", d);
+    if (env->n_heads % env->n_kv_heads)
+        return kvs_err(err, errlen, -EINVAL, "kv.decode \"paris\": %d query heads are not a multiple of %d KV heads",
+                       env->n_heads, env->n_kv_heads);
+    if (!o->attention_spans)
+        return kvs_err(err, errlen, -ENOSYS, "kv.decode \"paris\": backend %s has no attention_spans", o->name);
+    const struct kvs_paris_kernels *k = kvs_paris_kernels_for(o, err, errlen);
+    if (!k) return -ENOSYS;
+    if (k->supports) {
+        int rc = k->supports(d, err, errlen);
+        if (rc) return rc;
+    }
+
+    struct paris *s = kvs_xcalloc(1, sizeof *s);
+    s->env = *env;
+    s->k = k;
+    s->topk = c ? c->paris_topk : 100;
+    s->sink = c ? c->paris_sink : 4;
+    s->local = c ? c->paris_local : 64;
+    s->interval = c ? c->paris_update_interval : 512;
+    s->threshold = c ? c->paris_dense_threshold : 2000;
+    s->recall_every = c ? c->paris_recall_every : 0;
+    s->beta = c ? c->paris_beta : 0;
+    s->rho = c ? c->paris_rho : 0;
+    if (s->topk < 1 || s->sink < 0 || s->local < 0 || s->interval < 1 || s->beta < 0 || s->beta > 1 || s->rho < 0 ||
+        s->rho > 1) {
+        int rc = kvs_err(err, errlen, -EINVAL, "kv.paris: topk %d, sink %d, local %d, update_interval %d, beta %g, rho %g "
+                       "out of range", s->topk, s->sink, s->local, s->interval, s->beta, s->rho);
+        paris_destroy(s);
+        return rc;
+    }
+    s->B = d / KVS_PARIS_M;
+    s->W = kvs_paris_words(d);
+    s->max_spans = s->topk + 2;
+    s->rows = env->max_slots < env->max_rows ? env->max_slots : env->max_rows;
+    const size_t L = (size_t)env->n_layers, nkv = (size_t)env->n_kv_heads, rows = (size_t)s->rows;
+    const size_t slots = (size_t)env->n_pool_blocks * (size_t)env->block_size;
+    s->counts_per_slot = L * nkv * (size_t)s->B * KVS_PARIS_NC;
+    int failed = slots == 0;
+    s->codes = kvs_xcalloc(L, sizeof *s->codes);
+    s->w = kvs_xcalloc(L, sizeof *s->w);
+    for (size_t l = 0; l < L && !failed; l++) {
+        s->codes[l] = o->alloc(env->be, KVS_BUF_I32, slots * nkv * (size_t)s->W);
+        s->w[l] = o->alloc(env->be, KVS_BUF_F32, slots * nkv * (size_t)s->B);
+        failed = !s->codes[l] || !s->w[l];
+    }
+    if (!failed) {
+        s->counts = o->alloc(env->be, KVS_BUF_I32, (size_t)env->max_slots * s->counts_per_slot);
+        s->signs = o->alloc(env->be, KVS_BUF_F32, (size_t)d);
+        s->d_rows = o->alloc(env->be, KVS_BUF_I32, rows * KVS_PARIS_ROW_N);
+        s->d_jobs = o->alloc(env->be, KVS_BUF_I32, rows * KVS_PARIS_JOB_N);
+        s->d_n_spans = o->alloc(env->be, KVS_BUF_I32, rows * nkv);
+        s->d_spans = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_spans * 2);
+        failed = !s->counts || !s->signs || !s->d_rows || !s->d_jobs || !s->d_n_spans || !s->d_spans;
+        if (!failed && s->recall_every) {
+            s->d_sel = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->topk);
+            s->d_coarse = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->topk);
+            s->d_exact = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->topk);
+            failed = !s->d_sel || !s->d_coarse || !s->d_exact;
+        }
+    }
+    s->index_bytes = (double)L * (double)slots * (double)nkv * (double)(s->W + s->B) * 4.0 +
+                     (double)env->max_slots * (double)s->counts_per_slot * 4.0;
+    if (failed) {
+        paris_destroy(s);
+        return kvs_err(err, errlen, -ENOMEM, "kv.decode \"paris\": no backend memory for the index (%.1f MiB for %zu "
+                       "KV slots x %zu layers) and selection buffers", s->index_bytes / 1048576.0, slots, L);
+    }
+    float sg[1024];
+    kvs_paris_signs(KVS_PARIS_SEED, d, sg);
+    o->upload(env->be, s->signs, 0, sg, (size_t)d);
+    s->seq = kvs_xcalloc((size_t)env->max_slots, sizeof *s->seq);
+    s->h_rows = kvs_xcalloc(rows * KVS_PARIS_ROW_N, sizeof *s->h_rows);
+    s->h_jobs = kvs_xcalloc(rows * KVS_PARIS_JOB_N, sizeof *s->h_jobs);
+    s->h_n_spans = kvs_xcalloc(rows * nkv, sizeof *s->h_n_spans);
+    s->h_spans = kvs_xcalloc(rows * nkv * (size_t)s->max_spans * 2, sizeof *s->h_spans);
+    s->zeros = kvs_xcalloc(s->counts_per_slot, sizeof *s->zeros);
+    if (s->recall_every) {
+        s->h_sel = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_sel);
+        s->h_coarse = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_coarse);
+        s->h_exact = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_exact);
+    }
+    *state = s;
+    return 0;
+}
+
+static size_t paris_seq_bytes(void *state)
+{
+    (void)state;
+    return sizeof(struct paris_seq);
+}
+
+static int paris_seq_init(void *state, int slot, void *mem)
+{
+    struct paris *s = state;
+    if (slot < 0 || slot >= s->env.max_slots || !mem) return -EINVAL;
+    struct paris_seq *q = mem;
+    /* the runner zeroes the arena slot before seq_init, so whether the slot was live is kept here */
+    if (!s->seq[slot]) s->live++;
+    q->live = 1, q->n_enc = 0;
+    s->seq[slot] = q;
+    s->env.o->upload(s->env.be, s->counts, (size_t)slot * s->counts_per_slot, s->zeros, s->counts_per_slot);
+    return 0;
+}
+
+static void paris_seq_free(void *state, int slot)
+{
+    struct paris *s = state;
+    if (slot < 0 || slot >= s->env.max_slots || !s->seq[slot]) return;
+    s->live--;
+    s->seq[slot]->live = 0;
+    s->seq[slot]->n_enc = 0;
+    s->seq[slot] = NULL;
+}
+
+static int paris_plan(void *state, const struct kvs_kv_step *st)
+{
+    struct paris *s = state;
+    s->steps++;
+    const int L = s->env.n_layers, nkv = s->env.n_kv_heads;
+    const double per_layer = (double)s->env.kv_bytes_per_token / (double)L;
+    const double idx_token = (double)nkv * (double)(s->W + s->B) * 4.0;   /* index bytes per token, one layer */
+    /* the paper's code also asks for sink + local + 2 topk; that binds only for thresholds under
+     * 2 topk + sink + local (not the defaults), and would keep k >= n_r (the exactness test) from
+     * ever selecting, so the retrieval zone only has to be non-empty here */
+    const int dense_min = s->threshold > s->sink + s->local + 1 ? s->threshold : s->sink + s->local + 1;
+    s->skip = st->m->rot_offsets != NULL || st->m->block_valid != NULL;
+    s->n_lead = s->n_jobs = s->any_sel = 0;
+    while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows &&
+           st->h_q_start[s->n_lead + 1] - st->h_q_start[s->n_lead] == 1)
+        s->n_lead++;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int ctx = st->h_pos[q] + 1, slot = st->h_slot[q];
+        struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
+        const int sel = q < s->n_lead && st->h_decode[q] && sq && sq->live && ctx >= dense_min;
+        int32_t *R = q < s->n_lead ? s->h_rows + (size_t)q * KVS_PARIS_ROW_N : NULL;
+        if (R) {
+            memset(R, 0, KVS_PARIS_ROW_N * sizeof *R);
+            R[KVS_PARIS_ROW_CTX] = ctx;
+            R[KVS_PARIS_ROW_SLOT] = slot;
+        }
+        if (!sel) {
+            if (st->h_decode[q]) {
+                s->dense_rows++;
+                s->bytes_read += (double)ctx * per_layer * L;
+            }
+            continue;
+        }
+        const int tail = ctx - (s->sink + sq->n_enc);
+        if (sq->n_enc == 0 || tail >= s->local + s->interval) {
+            int32_t *J = s->h_jobs + (size_t)s->n_jobs++ * KVS_PARIS_JOB_N;
+            J[KVS_PARIS_JOB_SEQ] = q, J[KVS_PARIS_JOB_SLOT] = slot;
+            J[KVS_PARIS_JOB_FROM] = s->sink + sq->n_enc, J[KVS_PARIS_JOB_TO] = ctx - s->local;
+            s->encoded += J[KVS_PARIS_JOB_TO] - J[KVS_PARIS_JOB_FROM];
+            sq->n_enc = ctx - s->local - s->sink;
+        }
+        const int n_r = sq->n_enc;
+        double beta = s->beta, rho = s->rho, ab, ar;
+        kvs_paris_adaptive(n_r, &ab, &ar);
+        if (beta <= 0) beta = ab;
+        if (rho <= 0) rho = ar;
+        int keep = (int)ceil(beta * n_r);
+        if (keep < 1) keep = 1;
+        if (keep > n_r) keep = n_r;
+        const int topk = s->topk < keep ? s->topk : keep;
+        R[KVS_PARIS_ROW_NR] = n_r;
+        R[KVS_PARIS_ROW_SINK] = s->sink;
+        R[KVS_PARIS_ROW_KEEP] = keep;
+        R[KVS_PARIS_ROW_TOPK] = topk;
+        for (int t = 0; t < KVS_PARIS_TIERS; t++)
+            R[KVS_PARIS_ROW_T0 + t] = (int32_t)ceil((double)n_r * rho * KVS_PARIS_TIER_FRAC[t]);
+        s->any_sel = 1;
+        s->sparse_rows++;
+        /* K/V of sink + top-k + tail, and the index scanned (all of it for the vote) */
+        s->bytes_read += L * (per_layer * (double)(s->sink + topk + ctx - s->sink - n_r) + idx_token * n_r);
+    }
+    if (!s->any_sel) return 0;
+    s->recall_now = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0;
+    /* launch planning: one span per (row, head) with at least as many keys as selected */
+    for (int q = 0; q < s->n_lead; q++) {
+        const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
+        const int ctx = R[KVS_PARIS_ROW_CTX];
+        const int bound = R[KVS_PARIS_ROW_NR] ? ctx - R[KVS_PARIS_ROW_NR] + R[KVS_PARIS_ROW_TOPK] : ctx;
+        for (int g = 0; g < nkv; g++) {
+            s->h_n_spans[q * nkv + g] = 1;
+            int32_t *sp = s->h_spans + ((size_t)q * nkv + g) * s->max_spans * 2;
+            sp[0] = 0, sp[1] = bound;
+        }
+    }
+    s->env.o->upload(s->env.be, s->d_rows, 0, s->h_rows, (size_t)s->n_lead * KVS_PARIS_ROW_N);
+    if (s->n_jobs) s->env.o->upload(s->env.be, s->d_jobs, 0, s->h_jobs, (size_t)s->n_jobs * KVS_PARIS_JOB_N);
+    return 0;
+}
+
+/* recall@k of the step's selecting rows against the exact top-k of qbar.k (sampled steps) */
+static void count_recall(struct paris *s, int layer, const struct kvs_kv_attend *a, const struct kvs_attn_meta *sub)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    const int nkv = a->n_kv_heads, K = s->topk;
+    const size_t n = (size_t)s->n_lead * nkv * K;
+    (void)layer;
+    s->k->exact_topk(s->env.be, a->q, a->kv.k, sub, s->h_rows, s->n_lead, a->n_heads, nkv, a->head_dim,
+                     a->block_size, K, s->d_exact);
+    o->download(s->env.be, s->h_sel, s->d_sel, 0, n);
+    o->download(s->env.be, s->h_coarse, s->d_coarse, 0, n);
+    o->download(s->env.be, s->h_exact, s->d_exact, 0, n);
+    for (size_t t = 0; t < (size_t)s->n_lead * nkv; t++) {
+        const int32_t *ex = s->h_exact + t * K, *se = s->h_sel + t * K, *co = s->h_coarse + t * K;
+        /* all three lists are ascending with -1 past their end */
+        for (int i = 0; i < K && ex[i] >= 0; i++) {
+            s->recall_total++;
+            for (int j = 0; j < K && se[j] >= 0; j++) s->hits += se[j] == ex[i];
+            for (int j = 0; j < K && co[j] >= 0; j++) s->coarse_hits += co[j] == ex[i];
+        }
+    }
+}
+
+static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
+{
+    struct paris *s = state;
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const struct kvs_kv_step *st = a->step;
+    if (!s->any_sel || st->n_rows > s->n_lead) {
+        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, a->out);
+        if (!s->any_sel) return;
+    }
+    /* the lead rows as a step of their own: the same tables, the first n_lead sequences */
+    struct kvs_attn_meta sub = *st->m;
+    sub.n_seqs = s->n_lead;
+    sub.max_ctx = 0;
+    for (int q = 0; q < s->n_lead; q++)
+        if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
+    if (s->n_jobs)
+        s->k->encode(be, a->kv.k, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers, a->n_kv_heads,
+                     a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts);
+    s->k->select(be, a->q, &sub, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers, a->n_heads, a->n_kv_heads,
+                 a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts, s->max_spans,
+                 s->topk, s->d_n_spans, s->d_spans, s->recall_now ? s->d_sel : NULL,
+                 s->recall_now ? s->d_coarse : NULL);
+    if (s->recall_now) count_recall(s, layer, a, &sub);
+    const struct kvs_span_list sp = {s->max_spans, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};
+    o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                       a->block_size, a->scale, a->out, a->lse);
+}
+
+static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
+{
+    struct paris *s = state;
+    const struct kvs_kv_counter c[] = {
+        {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read for decode rows (ParisKV: the index "
+         "scanned included).", 1, s->bytes_read, NULL, NULL},
+        {"kvserve:kv_paris_sparse_rows_total", "Decode rows that attended sink + top-k + local + buffer.", 1,
+         s->sparse_rows, NULL, NULL},
+        {"kvserve:kv_paris_dense_rows_total", "Decode rows that attended densely (below the threshold, or not in the "
+         "step's leading decode rows).", 1, s->dense_rows, NULL, NULL},
+        {"kvserve:kv_paris_encoded_tokens_total", "Positions encoded into the index (per request; every layer and KV "
+         "head).", 1, s->encoded, NULL, NULL},
+        {"kvserve:kv_paris_index_bytes", "Bytes of the ParisKV index (codes, weights, cluster counts) on the backend.",
+         0, s->index_bytes, NULL, NULL},
+        {"kvserve:kv_paris_live_requests", "Requests holding ParisKV state (zones, cluster counts).", 0, s->live, NULL,
+         NULL},
+        {"kvserve:kv_paris_recall_total", "Exact top-k positions checked (kv.paris.recall_every steps, every layer and "
+         "KV head).", 1, s->recall_total, NULL, NULL},
+        {"kvserve:kv_paris_recall_hits_total", "Of those, positions the final top-k kept (recall@k end to end).", 1,
+         s->hits, NULL, NULL},
+        {"kvserve:kv_paris_recall_coarse_hits_total", "Of those, positions the top-k by vote alone kept (coarse "
+         "recall@k).", 1, s->coarse_hits, NULL, NULL},
+    };
+    int n = 0;
+    for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];
+    return n;
+}
+
+const struct kvs_kv_decode_ops kvs_kv_decode_paris = {
+    .name = "paris",
+    .exact = 0,
+    .needs = KVS_KV_NEEDS_LSE | KVS_KV_NO_GRAPHS,
+    .rows_per_seq = 1,
+    .create = paris_create,
+    .destroy = paris_destroy,
+    .seq_bytes = paris_seq_bytes,
+    .seq_init = paris_seq_init,
+    .seq_free = paris_seq_free,
+    .plan = paris_plan,
+    .attend = paris_attend,
+    .counters = paris_counters,
+};

@@ -1,0 +1,43 @@
+/* sched_policy.c: the adaptive prefill budget (sched_policy.h). */
+#include "engine/sched_policy.h"
+
+#include <math.h>
+
+/* starting budget before any mixed step was measured: a few hundred tokens ride along with a
+ * decode step almost free on a GPU; the controller corrects it within a few steps elsewhere */
+#define START_BUDGET 256
+
+void kvs_prefill_ctl_init(struct kvs_prefill_ctl *c, double ratio, int min, int max)
+{
+    c->ratio = ratio;
+    c->max = max > 1 ? max : 1;
+    c->min = min < 1 ? 1 : min > c->max ? c->max : min;
+    c->t_dec = 0;
+    c->budget = START_BUDGET < c->min ? c->min : START_BUDGET > c->max ? c->max : START_BUDGET;
+}
+
+int kvs_prefill_ctl_budget(const struct kvs_prefill_ctl *c, int n_decode)
+{
+    if (c->ratio <= 0 || n_decode == 0) return c->max;
+    return c->budget;
+}
+
+void kvs_prefill_ctl_observe(struct kvs_prefill_ctl *c, int n_decode, int n_prefill, double step_s)
+{
+    if (c->ratio <= 0 || n_decode == 0 || step_s <= 0) return;
+    if (n_prefill == 0) {   /* decode-only: the reference, averaged over the last ~8 */
+        c->t_dec = c->t_dec > 0 ? c->t_dec + (step_s - c->t_dec) / 8 : step_s;
+        return;
+    }
+    if (c->t_dec <= 0) return;   /* nothing to compare with yet */
+    double excess = step_s / c->t_dec - 1, want = c->ratio - 1;
+    /* too slow: shrink whatever the step carried; fast enough: grow only when the step used
+     * most of the budget (fewer prompts than budget say nothing about a bigger one) */
+    if (excess <= want && n_prefill < c->budget / 2) return;
+    /* the square root damps it: a full correction overshoots where the cost bends */
+    double f = excess > 0 ? sqrt(want / excess) : 2;
+    if (f > 1.25) f = 1.25;
+    if (f < 0.5) f = 0.5;
+    double b = c->budget * f;
+    c->budget = b < c->min ? c->min : b > c->max ? c->max : (int)b;
+}

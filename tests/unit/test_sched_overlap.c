@@ -1,0 +1,186 @@
+/* test_sched_overlap.c: scheduler.overlap (the previous step's text and events emitted while
+ * the runner's next step runs, engine/scheduler.c) changes no output. The full engine on the
+ * tiny Llama test model runs the same 24 requests with overlap on and off and must give the same
+ * token ids, finish reasons and token counts for each:
+ *   - greedy requests (device argmax) and seeded sampled ones (host logits, temperature 0.9),
+ *     with logprobs on some;
+ *   - stop ids that end requests mid-stream (a request ending while the next step holding it is
+ *     already queued: its token there is dropped, not emitted);
+ *   - a KV pool small enough to force preemption and recompute, and chunked prefill;
+ * and the runs end with every block free. The stop-string path (text that ends a request while
+ * its next step runs) is test_engine_text's, which runs with the default, overlap on. */
+#include "engine/config.h"
+#include "engine/engine.h"
+#include "engine/runner.h"
+#include "base/util.h"
+#include "models/model.h"
+#include "tests/unit/test_util.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define NJ 24
+#define GEN 40
+
+struct job {
+    int32_t prompt[64];
+    int n_prompt;
+    int32_t stop_id;
+    int sampled, logprobs;
+    int32_t got[GEN];
+    float lp[GEN];
+    int n_got;
+    enum kvs_finish finish;
+};
+
+static void run(const struct kvs_config *cfg, const struct kvs_model *m, struct job *jobs, struct kvs_engine_stats *st)
+{
+    struct kvs_engine *e;
+    struct kvs_request *r[NJ];
+    char err[256];
+    REQUIRE(kvs_engine_create(cfg, m, NULL, &e, err, sizeof err) == 0, "%s", err);
+    for (int i = 0; i < NJ; i++) {
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = jobs[i].prompt;
+        p.n_prompt = jobs[i].n_prompt;
+        p.max_tokens = GEN;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.sampling.temperature = jobs[i].sampled ? 0.9f : 0.0f;
+        p.sampling.seed = 1000 + (uint64_t)i;
+        p.sampling.has_seed = 1;
+        p.sampling.logprobs = jobs[i].logprobs;
+        p.ignore_eos = 1;
+        if (jobs[i].stop_id >= 0) {
+            p.stop_ids = &jobs[i].stop_id;
+            p.n_stop_ids = 1;
+        }
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i], "request_new");
+        REQUIRE(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit: %s", err);
+        jobs[i].n_got = 0;
+        jobs[i].finish = KVS_FINISH_NONE;
+    }
+    for (int i = 0; i < NJ; i++) {
+        struct kvs_event ev[16];
+        while (jobs[i].finish == KVS_FINISH_NONE) {
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN) {
+                    REQUIRE(jobs[i].n_got < GEN, "request %d: too many tokens", i);
+                    jobs[i].lp[jobs[i].n_got] = ev[q].logprob;
+                    jobs[i].got[jobs[i].n_got++] = ev[q].token;
+                } else {
+                    REQUIRE(ev[q].type == KVS_EV_DONE, "request %d: error %s", i, ev[q].error ? ev[q].error : "");
+                    jobs[i].finish = ev[q].finish;
+                    REQUIRE(ev[q].n_completion_tokens == jobs[i].n_got, "request %d: usage %d tokens, events %d", i,
+                            ev[q].n_completion_tokens, jobs[i].n_got);
+                }
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        kvs_request_unref(r[i]);
+    }
+    kvs_engine_stats(e, st);
+    REQUIRE(st->kv_blocks_used == 0, "blocks still used: %d", st->kv_blocks_used);
+    kvs_engine_free(e);
+}
+
+int main(void)
+{
+    kvs_log_set_level(KVS_LOG_WARN);
+    char dir[1024], err[256];
+    snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
+    struct kvs_model *m;
+    REQUIRE(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
+    int vocab = kvs_model_config(m)->vocab_size;
+
+    static struct job on[NJ], off[NJ], ref[NJ];
+    uint64_t rng = 0x9E3779B97F4A7C15ULL;
+    for (int i = 0; i < NJ; i++) {
+        struct job *j = &ref[i];
+        memset(j, 0, sizeof *j);
+        j->n_prompt = 3 + (int)(kvs_test_xorshift(&rng) % 60);
+        for (int t = 0; t < j->n_prompt; t++) j->prompt[t] = (int32_t)(kvs_test_xorshift(&rng) % (uint32_t)vocab);
+        j->sampled = i % 3 == 1;
+        j->logprobs = i % 4 == 3;
+        j->stop_id = -1;
+    }
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device);
+    c.device = kvs_xstrdup("cpu");
+    c.cpu_threads = 2;
+    c.max_running = 16;
+    c.max_waiting = 64;
+    c.max_model_len = 128;
+    c.max_batch_tokens = 64;
+    c.prefill_chunk = 16;
+    struct kvs_engine_stats st;
+
+    /* the stop ids: for every other request, a token its unstopped run emits in the middle */
+    memcpy(on, ref, sizeof on);
+    run(&c, m, on, &st);
+    for (int i = 0; i < NJ; i += 2) ref[i].stop_id = on[i].got[GEN / 3 + i % 7];
+
+    for (int pool = 0; pool < 2; pool++) {
+        /* pool 1: 10 blocks of 16 tokens for 16 running requests of up to 103 tokens */
+        c.kv_memory_bytes = pool ? 0 : 8 << 20;
+        if (pool) {
+            struct kvs_runner *rn;
+            REQUIRE(kvs_runner_create(&c, m, &rn, err, sizeof err) == 0, "%s", err);
+            c.kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
+            kvs_runner_free(rn);
+        }
+        memcpy(on, ref, sizeof on);
+        memcpy(off, ref, sizeof off);
+        c.sched_overlap = 1;
+        run(&c, m, on, &st);
+        uint64_t preempt_on = st.num_preemptions;
+        c.sched_overlap = 0;
+        run(&c, m, off, &st);
+        int stopped = 0;
+        for (int i = 0; i < NJ; i++) {
+            REQUIRE(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got,
+                    "pool %d request %d: overlap finish %d after %d tokens, without %d after %d", pool, i, on[i].finish,
+                    on[i].n_got, off[i].finish, off[i].n_got);
+            REQUIRE(memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got) == 0,
+                    "pool %d request %d: tokens differ with overlap", pool, i);
+            REQUIRE(memcmp(on[i].lp, off[i].lp, (size_t)on[i].n_got * sizeof *on[i].lp) == 0,
+                    "pool %d request %d: logprobs differ with overlap", pool, i);
+            if (ref[i].stop_id >= 0) {
+                REQUIRE(on[i].finish == KVS_FINISH_STOP && on[i].got[on[i].n_got - 1] == ref[i].stop_id,
+                        "pool %d request %d: did not end at its stop id", pool, i);
+                stopped++;
+            } else {
+                REQUIRE(on[i].finish == KVS_FINISH_LENGTH && on[i].n_got == GEN, "pool %d request %d: %d tokens",
+                        pool, i, on[i].n_got);
+            }
+        }
+        if (pool) REQUIRE(preempt_on > 0 && st.num_preemptions > 0, "the small pool did not preempt");
+        printf("pool %s: %d requests (%d ended by stop ids, %d sampled), overlap on == off (tokens, logprobs, "
+               "finish); preemptions %llu / %llu\n", pool ? "small" : "roomy", NJ, stopped, (NJ + 1) / 3,
+               (unsigned long long)preempt_on, (unsigned long long)st.num_preemptions);
+    }
+    /* 24 greedy rows in one step: the LM head's one pass over more rows than its 16-row host
+     * chunks (runner.c argmax_chunk) picks the same ids as 16 running requests did (the CPU
+     * backend is batch invariant) */
+    c.kv_memory_bytes = 8 << 20;
+    c.sched_overlap = 1;
+    for (int i = 0; i < NJ; i++) ref[i].sampled = ref[i].logprobs = 0;   /* all greedy: device argmax rows */
+    memcpy(off, ref, sizeof off);
+    run(&c, m, off, &st);
+    c.max_running = 24;
+    memcpy(on, ref, sizeof on);
+    run(&c, m, on, &st);
+    for (int i = 0; i < NJ; i++)
+        REQUIRE(on[i].n_got == off[i].n_got && !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+                "request %d: 24 running requests gave other tokens than 16", i);
+    REQUIRE(st.argmax_tokens == st.generation_tokens, "not all on the device argmax path");
+    printf("24 running greedy requests (one LM head pass for their rows) == 16 running requests\n");
+    kvs_config_free(&c);
+    kvs_model_free(m);
+    return kvs_test_summary("test_sched_overlap");
+}
