@@ -301,42 +301,36 @@ AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, co
     }
 }
 
-/* The same tiles on weight blocks: the W rows a tile needs are rebuilt in fp32 on the stack
- * (kvs_cpu_qb_row: bitwise the fp32 copy) right before the row tiles pass over them, so each
- * (row, output) gets exactly the fp32 kernel's bits; W streams from memory at 0.75 (4-bit) or
- * 1.125 (8-bit) bytes per weight instead of 4. */
+/* The same tiles on weight blocks. A task is one tile of ob outputs over ALL rows: its W rows
+ * are rebuilt in fp32 on the stack once (kvs_cpu_qb_row: bitwise the fp32 copy; at most
+ * QB_BUF_FLOATS, which stays in L2), then the row blocks pass over them as in avx2_tiles, so the
+ * rebuild is paid once per weight and call, and each (row, output) gets exactly the fp32
+ * kernel's bits. W streams from memory at 0.75 (4-bit) or 1.125 (8-bit) bytes per weight
+ * instead of 4. */
+#define QB_BUF_FLOATS 32768
 AVX2 static inline ALWAYS void qb_tiles(const struct gemm_job *j, int task, const int fm)
 {
     const int in = j->in, out = j->out, k8 = in / 8 * 8;
-    const int rbi = task % j->n_rb, obi = task / j->n_rb;
-    const int t0 = rbi * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
-    const int o0 = obi * j->ob, o1 = o0 + j->ob < out ? o0 + j->ob : out;
-    const int t4 = t0 + (t1 - t0) / 4 * 4;
-    float wbuf[4 * KVS_CPU_Q4_MAX_COLS] __attribute__((aligned(32)));
+    const int o0 = task * j->ob, o1 = o0 + j->ob < out ? o0 + j->ob : out;
+    float wbuf[QB_BUF_FLOATS] __attribute__((aligned(32)));
+    for (int o = o0; o < o1; o++) kvs_cpu_qb_row(j->qb, in, (size_t)o, wbuf + (size_t)(o - o0) * in);
     const float *x = j->x;
-    int o = o0;
-    if (t4 > t0) {
-        for (; o + 2 <= o1; o += 2) {
-            kvs_cpu_qb_row(j->qb, in, (size_t)o, wbuf);
-            kvs_cpu_qb_row(j->qb, in, (size_t)(o + 1), wbuf + in);
+    for (int t0 = 0; t0 < j->n; t0 += j->rb) {
+        const int t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n, t4 = t0 + (t1 - t0) / 4 * 4;
+        int o = o0;
+        for (; o + 2 <= o1; o += 2)
             for (int t = t0; t < t4; t += 4)
-                tile4x2(x + (size_t)t * in, wbuf, in, k8, j->y + (size_t)t * out, out, j->bias, o, 0, fm);
-        }
-        for (; o < o1; o++) {
-            kvs_cpu_qb_row(j->qb, in, (size_t)o, wbuf);
+                tile4x2(x + (size_t)t * in, wbuf + (size_t)(o - o0) * in, in, k8, j->y + (size_t)t * out, out, j->bias,
+                        o, 0, fm);
+        for (; o < o1; o++)
             for (int t = t0; t < t4; t++)
-                tile1x1(x + (size_t)t * in, wbuf, in, k8, j->y + (size_t)t * out, j->bias, o, 0, fm);
-        }
-    }
-    if (t4 < t1) {
-        for (o = o0; o + 4 <= o1; o += 4) {
-            for (int r = 0; r < 4; r++)
-                kvs_cpu_qb_row(j->qb, in, (size_t)(o + r), wbuf + (size_t)r * in);
-            for (int t = t4; t < t1; t++) tile1x4(x + (size_t)t * in, wbuf, in, k8, j->y + (size_t)t * out, j->bias, o, 0, fm);
-        }
-        for (; o < o1; o++) {
-            kvs_cpu_qb_row(j->qb, in, (size_t)o, wbuf);
-            for (int t = t4; t < t1; t++) tile1x1(x + (size_t)t * in, wbuf, in, k8, j->y + (size_t)t * out, j->bias, o, 0, fm);
+                tile1x1(x + (size_t)t * in, wbuf + (size_t)(o - o0) * in, in, k8, j->y + (size_t)t * out, j->bias, o, 0,
+                        fm);
+        for (int t = t4; t < t1; t++) {
+            const float *xr = x + (size_t)t * in;
+            float *yr = j->y + (size_t)t * out;
+            for (o = o0; o + 4 <= o1; o += 4) tile1x4(xr, wbuf + (size_t)(o - o0) * in, in, k8, yr, j->bias, o, 0, fm);
+            for (; o < o1; o++) tile1x1(xr, wbuf + (size_t)(o - o0) * in, in, k8, yr, j->bias, o, 0, fm);
         }
     }
 }
@@ -402,15 +396,14 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
     KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT && in % KVS_CPU_Q4_BLOCK == 0 &&
                in <= KVS_CPU_Q4_MAX_COLS);
 #if KVS_CPU_X86
-    /* the task shapes of kvs_cpu_gemm's AVX2 / FMA path */
+    /* row blocks as kvs_cpu_gemm's AVX2 / FMA path; one task per output tile (qb_tiles) */
     struct gemm_job j = {.x = x, .qb = qb, .bias = bias, .y = y, .n = n, .in = in, .out = out};
     int rb = (int)(RB_BYTES / ((size_t)in * sizeof(float))) / 4 * 4;
     j.rb = rb < 4 ? 4 : rb > 256 ? 256 : rb;
-    j.ob = OB_AVX2;
-    j.n_ob = (out + j.ob - 1) / j.ob;
-    j.n_rb = (n + j.rb - 1) / j.rb;
-    kvs_cpu_pool_run_sized(pool, j.n_rb * j.n_ob, (double)n * in * out, k->isa == KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task,
-                           &j);
+    int ob = QB_BUF_FLOATS / in / 2 * 2;
+    j.ob = ob > OB_AVX2 ? OB_AVX2 : ob;
+    kvs_cpu_pool_run_sized(pool, (out + j.ob - 1) / j.ob, (double)n * in * out,
+                           k->isa == KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task, &j);
 #else
     (void)pool, (void)x, (void)qb, (void)bias, (void)in, (void)y;
     KVS_ASSERT(!"4-bit weights need the AVX2 kernels");
