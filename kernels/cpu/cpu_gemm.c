@@ -239,6 +239,60 @@ AVX2 static inline ALWAYS void tile4x2(const float *x, const void *w, int in, in
     y[2 * so + o] = r[0], y[2 * so + o + 1] = r[1], y[3 * so + o] = r[2], y[3 * so + o + 1] = r[3];
 }
 
+/* 4 rows x 3 outputs: 12 accumulators, 7 loads per 12 multiply-adds (tile4x2: 6 per 8); each
+ * (row, output) the same lanes, tree, tail and bias as every other tile */
+AVX2 static inline ALWAYS void tile4x3(const float *x, const void *w, int in, int k8, float *y, int out,
+                                       const float *bias, int o, const int bf, const int fm)
+{
+    const size_t s = (size_t)in;
+    const float *x0 = x, *x1 = x + s, *x2 = x + 2 * s, *x3 = x + 3 * s;
+    const void *w0 = w, *w1 = wrow(w, 1, s, bf), *w2 = wrow(w, 2, s, bf);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+    for (int i = 0; i < k8; i += 8) {
+        const __m256 b0 = loadw(w0, (size_t)i, bf), b1 = loadw(w1, (size_t)i, bf), b2 = loadw(w2, (size_t)i, bf);
+        __m256 v = _mm256_loadu_ps(x0 + i);
+        MADD(a00, v, b0);
+        MADD(a01, v, b1);
+        MADD(a02, v, b2);
+        v = _mm256_loadu_ps(x1 + i);
+        MADD(a10, v, b0);
+        MADD(a11, v, b1);
+        MADD(a12, v, b2);
+        v = _mm256_loadu_ps(x2 + i);
+        MADD(a20, v, b0);
+        MADD(a21, v, b1);
+        MADD(a22, v, b2);
+        v = _mm256_loadu_ps(x3 + i);
+        MADD(a30, v, b0);
+        MADD(a31, v, b1);
+        MADD(a32, v, b2);
+    }
+    const size_t so = (size_t)out;
+    float r[4];
+    {
+        const int oo[4] = {o, o + 1, o + 2, o};
+        const void *wr[4] = {w0, w1, w2, w0};
+        const float *xr[4] = {x0, x0, x0, x1};
+        finish4(reduce4(a00, a01, a02, a10), xr, wr, k8, in, bias, oo, r, bf);
+        y[o] = r[0], y[o + 1] = r[1], y[o + 2] = r[2], y[so + o] = r[3];
+    }
+    {
+        const int oo[4] = {o + 1, o + 2, o, o + 1};
+        const void *wr[4] = {w1, w2, w0, w1};
+        const float *xr[4] = {x1, x1, x2, x2};
+        finish4(reduce4(a11, a12, a20, a21), xr, wr, k8, in, bias, oo, r, bf);
+        y[so + o + 1] = r[0], y[so + o + 2] = r[1], y[2 * so + o] = r[2], y[2 * so + o + 1] = r[3];
+    }
+    {
+        const int oo[4] = {o + 2, o, o + 1, o + 2};
+        const void *wr[4] = {w2, w0, w1, w2};
+        const float *xr[4] = {x2, x3, x3, x3};
+        finish4(reduce4(a22, a30, a31, a32), xr, wr, k8, in, bias, oo, r, bf);
+        y[2 * so + o + 2] = r[0], y[3 * so + o] = r[1], y[3 * so + o + 1] = r[2], y[3 * so + o + 2] = r[3];
+    }
+}
+
 AVX2 static inline ALWAYS void tile1x4(const float *x, const void *w, int in, int k8, float *y, const float *bias,
                                        int o, const int bf, const int fm)
 {
@@ -285,6 +339,10 @@ AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, co
     const float *x = j->x;
     const void *w = bf ? (const void *)j->wb : (const void *)j->w;
     int o = o0;
+    for (; o + 3 <= o1; o += 3)
+        for (int t = t0; t < t4; t += 4)
+            tile4x3(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, out,
+                    j->bias, o, bf, fm);
     for (; o + 2 <= o1; o += 2)
         for (int t = t0; t < t4; t += 4)
             tile4x2(x + (size_t)t * in, wrow(w, (size_t)o, (size_t)in, bf), in, k8, j->y + (size_t)t * out, out,
@@ -318,6 +376,10 @@ AVX2 static inline ALWAYS void qb_tiles(const struct gemm_job *j, int task, cons
     for (int t0 = 0; t0 < j->n; t0 += j->rb) {
         const int t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n, t4 = t0 + (t1 - t0) / 4 * 4;
         int o = o0;
+        for (; o + 3 <= o1; o += 3)
+            for (int t = t0; t < t4; t += 4)
+                tile4x3(x + (size_t)t * in, wbuf + (size_t)(o - o0) * in, in, k8, j->y + (size_t)t * out, out, j->bias,
+                        o, 0, fm);
         for (; o + 2 <= o1; o += 2)
             for (int t = t0; t < t4; t += 4)
                 tile4x2(x + (size_t)t * in, wbuf + (size_t)(o - o0) * in, in, k8, j->y + (size_t)t * out, out, j->bias,
