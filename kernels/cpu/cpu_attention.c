@@ -12,7 +12,10 @@
  * rounding of the reference, batch invariant (a pair's steps depend on nothing but its own row
  * and the cache), and attention_spans() over one full span gives the same bits. Tiles are
  * shaped per call (one head per tile when there are too few tiles to keep the threads busy,
- * e.g. a single decode row); that changes which thread computes a pair, never its bits. */
+ * e.g. a single decode row); that changes which thread computes a pair, never its bits. Pairs
+ * that read every key of a full key tile (prefill rows below the diagonal) share register
+ * tiles (cpu_attn_tile.h: 3 queries x 4 keys for the scores, 2 pairs x 32 elements for the
+ * values), with exactly the one-pair steps' bits, so the grouping never shows in a result. */
 #include <math.h>
 #include <string.h>
 
