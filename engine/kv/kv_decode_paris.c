@@ -294,6 +294,10 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
             paris_destroy(s);
             return rc;
         }
+        /* said, not silently accepted: the data path (write-out, UVA gather) is exact, but the
+         * GPU copy of the retrieval zone is still held, so nothing is saved yet */
+        kvs_log(KVS_LOG_WARN, "kv.paris.offload: the retrieval zone is mirrored to host pages and the top-k gathered "
+                "from them, but its GPU blocks are not released yet: no GPU memory is saved (issue 19)");
     }
     *state = s;
     return 0;
