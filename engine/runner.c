@@ -113,6 +113,8 @@ struct kvs_runner {
     int vocab_lo, vocab_n;                              /* LM-head rows [vocab_lo, vocab_lo + vocab_n) */
     struct kvs_tp *tp;                                  /* the group (every rank points to it) */
     size_t kv_bytes_total;                              /* all ranks' bytes per token */
+    struct kvs_config cfg_rank;                         /* a group's rank: the config its decode policy
+                                                         * sees (kv.decode_state_bytes / N); shallow */
     int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
     int argmax_chunk;                                   /* ARGMAX rows per LM head pass (>= LOGIT_CHUNK) */
     /* kvs_runner_forward_begin's step whose argmax ids are still on the backend (end fetches
@@ -461,6 +463,13 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     int rc, failed = 0;
     r->tp = tp;
     r->n_blocks = (int)nb;
+    if (r->n_ranks > 1) {
+        /* kv.decode_state_bytes budgets the group: each rank holds its heads' share of every
+         * request's state, so each checks its share against 1/N of the budget */
+        r->cfg_rank = *cfg;
+        r->cfg_rank.kv_decode_state_bytes = cfg->kv_decode_state_bytes / r->n_ranks;
+        cfg = &r->cfg_rank;
+    }
     if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) return rc;
     if (r->rank == 0)
         kvs_log(KVS_LOG_INFO, "runner: %s backend%s, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB%s (%zu "
@@ -488,8 +497,8 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
         int64_t cap = cfg->kv_decode_state_bytes;
         if (cap > 0 && (int64_t)(r->slot_bytes * (size_t)r->cap_seqs) > cap)
             return kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': %s needs %zu bytes per request x "
-                           "%d requests, over the budget of %lld bytes", dp->name, r->slot_bytes, r->cap_seqs,
-                           (long long)cap);
+                           "%d requests, over the budget of %lld bytes%s", dp->name, r->slot_bytes, r->cap_seqs,
+                           (long long)cap, r->n_ranks > 1 ? " (a tensor-parallel rank's share)" : "");
         r->slot_mem = calloc((size_t)r->cap_seqs, r->slot_bytes);
         if (!r->slot_mem)
             return kvs_err(err, errlen, -ENOMEM, "runner: no memory for %d request states of %s", r->cap_seqs, dp->name);
@@ -498,6 +507,7 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     r->h_slot = kvs_xmalloc((S + 1) * sizeof(int32_t));
     r->h_decode = kvs_xmalloc((S + 1) * sizeof(int32_t));
     if ((rc = kvs_fidelity_init(&r->fid, cfg->kv_fidelity_sample_every, ops, r->be, T, qd, err, errlen))) return rc;
+    r->fid.defer = r->n_ranks > 1;   /* kvs_runner_rank_fidelity_merge buckets the group's rows */
     if (failed) return kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the decode policy's workspaces");
     return 0;
 }
@@ -1061,6 +1071,20 @@ void kvs_runner_seq_end(struct kvs_runner *r, int slot)
 
 void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot) { r->dp->seq_free(r->dp_state, slot); }
 
+void kvs_runner_rank_fidelity_merge(struct kvs_runner *const *ranks, int n)
+{
+    struct kvs_fidelity *f0 = &ranks[0]->fid;
+    for (int k = 0; k < f0->n_pend; k++) {
+        double num = 0, den = 0;
+        for (int i = 0; i < n; i++) {
+            const struct kvs_fidelity *f = &ranks[i]->fid;
+            if (k < f->n_pend) num += f->pend[2 * k], den += f->pend[2 * k + 1];
+        }
+        kvs_fidelity_add(f0, num, den);
+    }
+    for (int i = 0; i < n; i++) ranks[i]->fid.n_pend = 0;
+}
+
 struct kvs_backend *kvs_runner_rank_backend(const struct kvs_runner *r, const struct kvs_backend_ops **ops)
 {
     *ops = r->ops;
@@ -1077,6 +1101,11 @@ void kvs_runner_rank_warm(struct kvs_runner *r)
 }
 
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
+{
+    return r->n_ranks > 1 ? kvs_tp_kv_counters(r->tp, out, cap) : kvs_runner_rank_kv_counters(r, out, cap);
+}
+
+int kvs_runner_rank_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
 {
     int n = r->dp->counters ? r->dp->counters(r->dp_state, out, cap) : 0;
     if (r->st->counters) n += r->st->counters(r->st_state, out + n, cap - n);

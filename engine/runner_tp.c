@@ -16,10 +16,13 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 #include "engine/runner.h"
 #include "kernels/backend.h"
 
-enum job_kind { JOB_CREATE = 1, JOB_WARM, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE };
+enum job_kind {
+    JOB_CREATE = 1, JOB_WARM, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE, JOB_COUNTERS
+};
 
 struct rank_slot {
     struct kvs_tp *tp;
@@ -30,6 +33,8 @@ struct rank_slot {
     size_t n_blocks;              /* phase 1: the blocks this rank's budget holds */
     int rc;
     char err[256];
+    struct kvs_kv_counter cnt[KVS_KV_MAX_COUNTERS]; /* JOB_COUNTERS: this rank's */
+    int n_cnt;
 };
 
 struct kvs_tp {
@@ -78,6 +83,10 @@ static void run_job(struct kvs_tp *tp, struct rank_slot *s)
     case JOB_FREE:
         kvs_runner_rank_free(s->r);
         s->r = NULL;
+        break;
+    case JOB_COUNTERS:
+        /* on the rank's thread: a policy may download its counters from the rank's device */
+        s->n_cnt = kvs_runner_rank_kv_counters(s->r, s->cnt, tp->a);
         break;
     }
 }
@@ -231,6 +240,12 @@ int kvs_tp_forward(struct kvs_tp *tp, const struct kvs_batch *b, float *logits)
     int rc = run_all(tp, JOB_FORWARD, NULL);
     tp->batch = NULL;
     tp->logits = NULL;
+    if (rc == 0) {
+        struct kvs_runner *ranks[16], **rs = tp->n <= 16 ? ranks : kvs_xcalloc((size_t)tp->n, sizeof *rs);
+        for (int i = 0; i < tp->n; i++) rs[i] = tp->slots[i].r;
+        kvs_runner_rank_fidelity_merge(rs, tp->n);
+        if (rs != ranks) free(rs);
+    }
     if (rc < 0 || !b->argmax) return rc;
     /* greedy rows: the largest of the ranks' picks; a lower rank (lower ids) wins a tie */
     struct kvs_rank_picks p0;
@@ -263,4 +278,61 @@ void kvs_tp_seq_end(struct kvs_tp *tp, int slot)
 {
     tp->a = slot;
     run_all(tp, JOB_SEQ_END, NULL);
+}
+
+/* Counters whose value covers only a rank's heads, so that the group's is the sum over the
+ * ranks: every byte count (bytes read, held or per token: each rank reads and holds its heads'
+ * share) and the per-head tallies below. Any other counter (rows, requests, pages per row,
+ * ratios) is the same on every rank and reported from rank 0. A strategy adding a per-head
+ * tally adds its name here (tests/unit/test_tp_kv.c checks that every counter at TP N equals
+ * TP 1's). */
+static int per_rank(const struct kvs_kv_counter *c)
+{
+    static const char *const heads[] = {
+        "kvserve:kv_mac_lookups_total",          "kvserve:kv_mac_hits_total",
+        "kvserve:kv_mac_skip_sum",               "kvserve:kv_mac_skip_count",
+        "kvserve:kv_retro_keys_own_total",       "kvserve:kv_retro_keys_supplement_total",
+        "kvserve:kv_paris_recall_total",         "kvserve:kv_paris_recall_hits_total",
+        "kvserve:kv_paris_recall_coarse_hits_total", "kvserve:kv_quest_stale_digests_total",
+    };
+    if (c->family) return 0;   /* the fidelity histogram: merged per row (runner_tp.h) */
+    if (strstr(c->name, "bytes")) return 1;
+    for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++)
+        if (!strcmp(c->name, heads[i])) return 1;
+    return 0;
+}
+
+int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap)
+{
+    tp->a = cap < KVS_KV_MAX_COUNTERS ? cap : KVS_KV_MAX_COUNTERS;
+    if (tp->a <= 0) return 0;
+    run_all(tp, JOB_COUNTERS, NULL);
+    /* every rank runs the same policy and storage with the same settings, so their lists name
+     * the same counters in the same order; a per-rank value (its heads' share) is summed, any
+     * other is rank 0's */
+    const struct rank_slot *s0 = &tp->slots[0];
+    const int n = s0->n_cnt;
+    memcpy(out, s0->cnt, (size_t)n * sizeof *out);
+    for (int i = 1; i < tp->n; i++) {
+        const struct rank_slot *s = &tp->slots[i];
+        for (int k = 0; k < n; k++) {
+            if (!per_rank(&out[k])) continue;
+            if (k >= s->n_cnt || strcmp(s->cnt[k].name, out[k].name) ||
+                (s->cnt[k].le != out[k].le && (!s->cnt[k].le || !out[k].le || strcmp(s->cnt[k].le, out[k].le)))) {
+                kvs_log(KVS_LOG_WARN, "runner: rank %d reports other KV counters than rank 0 (%s)", i, out[k].name);
+                continue;
+            }
+            out[k].value += s->cnt[k].value;
+        }
+    }
+    /* a ratio of per-head sums is the ratio of the group's sums, not rank 0's */
+    int eb = -1, own = -1, sup = -1;
+    for (int k = 0; k < n; k++) {
+        if (!strcmp(out[k].name, "kvserve:kv_retro_effective_budget")) eb = k;
+        if (!strcmp(out[k].name, "kvserve:kv_retro_keys_own_total")) own = k;
+        if (!strcmp(out[k].name, "kvserve:kv_retro_keys_supplement_total")) sup = k;
+    }
+    if (eb >= 0 && own >= 0 && sup >= 0 && out[own].value > 0)
+        out[eb].value = (out[own].value + out[sup].value) / out[own].value;
+    return n;
 }
