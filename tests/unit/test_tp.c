@@ -19,6 +19,7 @@
  *    approximate sliding window with sinks, lse scratch, no graphs) and test_spans: greedy
  *    continuations of 6 requests (pairs share a prompt prefix) equal at TP 1 and TP 2.
  * Refusals: N not dividing the KV heads (-EINVAL, message).
+ * The real KV strategies (quest, retro, mac, paris, lean, lazy) under TP: test_tp_kv.c.
  */
 #include <cjson/cJSON.h>
 #include <errno.h>
