@@ -1036,7 +1036,10 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     }
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
     int rc = r->dp->plan ? r->dp->plan(r->dp_state, &step) : 0;
-    if ((rc = agree(r, rc < 0 ? rc : 0)) < 0) return rc;
+    /* a group also agrees on the step's rows: a policy's multi-row decode (recompute) decided
+     * per rank must widen the batch alike everywhere, or the all-reduces would not match */
+    rc = r->n_ranks > 1 ? kvs_tp_agree_rows(r->tp, r->rank, rc < 0 ? rc : 0, n) : rc;
+    if (rc < 0) return rc;
     /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
     for (int s = 0; s < S; s++)
         if (r->h_decode[s])   /* the newest row's context (a multi-row decode's last row) */

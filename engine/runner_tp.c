@@ -33,6 +33,7 @@ struct rank_slot {
     size_t n_blocks;              /* phase 1: the blocks this rank's budget holds */
     int rc;
     char err[256];
+    int rows;                     /* kvs_tp_agree_rows: this rank's rows of the step */
     struct kvs_kv_counter cnt[KVS_KV_MAX_COUNTERS]; /* JOB_COUNTERS: this rank's */
     int n_cnt;
 };
@@ -147,6 +148,23 @@ int kvs_tp_agree(struct kvs_tp *tp, int rc)
     rc = tp->agree_rc;
     pthread_mutex_unlock(&tp->agree_mu);
     return rc;
+}
+
+int kvs_tp_agree_rows(struct kvs_tp *tp, int rank, int rc, int n_rows)
+{
+    /* written before the barrier, read after it; the next write is a later step's, after
+     * every rank has reported this job done */
+    tp->slots[rank].rows = n_rows;
+    if ((rc = kvs_tp_agree(tp, rc)) < 0) return rc;
+    for (int i = 1; i < tp->n; i++)
+        if (tp->slots[i].rows != tp->slots[0].rows) {
+            if (rank == 0)
+                kvs_log(KVS_LOG_ERROR, "runner: tensor-parallel ranks disagree on the step's rows (rank 0: %d, "
+                        "rank %d: %d): the decode policy's recompute() differs between ranks; step refused",
+                        tp->slots[0].rows, i, tp->slots[i].rows);
+            return -EPROTO;
+        }
+    return 0;
 }
 
 /* frees every rank (each on its own thread), joins the threads, frees the group */

@@ -52,6 +52,9 @@ int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap);
 /* Called by every rank at the same point of a step with its own status: returns the first
  * rank's negative one, or 0 when all are 0 (a barrier). */
 int kvs_tp_agree(struct kvs_tp *tp, int rc);
+/* kvs_tp_agree, and then every rank must have the same n_rows (the step's rows after a decode
+ * policy's recompute widened it): -EPROTO on every rank when they differ (logged). */
+int kvs_tp_agree_rows(struct kvs_tp *tp, int rank, int rc, int n_rows);
 
 /* ---- one rank (runner.c) ---------------------------------------------------------------- */
 /* Phase 1: backend, this rank's weights, workspaces; *n_blocks: the KV blocks its share of the

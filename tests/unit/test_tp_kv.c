@@ -23,6 +23,9 @@
  *      tokens equal at TP 2 and TP 1 (tiny Llama) and TP 4 (random model), document hits > 0.
  *   3. kv.decode_state_bytes budgets the group: a budget that holds TP 1's arena holds TP 2's
  *      (each rank checks its half), and one under it is refused at both.
+ *   4. Ranks that disagree on a decode step's rows (a policy whose recompute() differs between
+ *      ranks: test_rankskew below, which alternates k = 0 / 1 call by call) get -EPROTO on the
+ *      step instead of mismatched all-reduces; the same policy alone (TP 1) runs.
  */
 #include <errno.h>
 #include <math.h>
@@ -32,6 +35,7 @@
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/kv/kv.h"
 #include "engine/runner.h"
 #include "models/model.h"
 #include "tests/unit/kv_engine_run.h"
@@ -348,6 +352,86 @@ static void check_state_budget(const char *dir)
     kvs_model_free(m);
 }
 
+/* ---- 4. ranks disagreeing on the step's rows ------------------------------------------- */
+
+static int skew_calls;
+
+static int skew_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
+{
+    (void)err, (void)errlen;
+    struct kvs_kv_decode_env *e = kvs_xmalloc(sizeof *e);
+    *e = *env;
+    *state = e;
+    return 0;
+}
+
+static void skew_destroy(void *state) { free(state); }
+
+static void skew_attend(void *state, int layer, const struct kvs_kv_attend *a)
+{
+    (void)layer;
+    const struct kvs_kv_decode_env *e = state;
+    kvs_kv_attention(e->o, e->be, a, a->out);
+}
+
+static int skew_max_recompute(const struct kvs_config *cfg)
+{
+    (void)cfg;
+    return 1;
+}
+
+/* every call flips: two ranks asking about the same slot in one step get 0 and 1 */
+static int skew_recompute(void *state, int slot)
+{
+    (void)state, (void)slot;
+    return __atomic_fetch_add(&skew_calls, 1, __ATOMIC_SEQ_CST) % 2;
+}
+
+static const struct kvs_kv_decode_ops skew_ops = {
+    .name = "test_rankskew", .exact = 1, .rows_per_seq = 1, .create = skew_create, .destroy = skew_destroy,
+    .attend = skew_attend, .max_recompute = skew_max_recompute, .recompute = skew_recompute,
+};
+
+static void check_rank_skew(const char *dir)
+{
+    char err[512];
+    struct kvs_model *m;
+    REQUIRE(kvs_model_load(dir, &m, err, sizeof err) == 0, "%s", err);
+    REQUIRE(kvs_kv_register_decode(&skew_ops) == 0, "register test_rankskew");
+    int got[3] = {1, 1, 1};
+    for (int tp = 1; tp <= 2; tp++) {
+        const struct setting st = {"skew", "auto", "test_rankskew", NULL, NULL, 0};
+        struct kvs_config c;
+        setting_cfg(&c, &st, tp);
+        struct kvs_runner *r = NULL;
+        int rc = kvs_runner_create(&c, m, &r, err, sizeof err);
+        kvs_config_free(&c);
+        REQUIRE(rc == 0, "test_rankskew tp %d: %s", tp, err);
+        int32_t toks[24], bt[NB], id = -1;
+        for (int i = 0; i < 24; i++) toks[i] = 5 + i;
+        for (int j = 0; j < NB; j++) bt[j] = j;
+        struct kvs_batch_seq q = {.tokens = toks, .n_tokens = 20, .pos = 0, .block_table = bt, .n_blocks = NB,
+                                  .want_logits = KVS_LOGITS_ARGMAX, .slot = 0, .slot_fresh = 1};
+        struct kvs_batch b = {&q, 1, &id};
+        REQUIRE(kvs_runner_forward(r, &b, NULL) == 0, "test_rankskew tp %d: prefill", tp);
+        /* decode steps: at TP 1 every k is fine; at TP 2 the ranks' k differ on the first one */
+        int worst = 0;
+        for (int s = 0; s < 3; s++) {
+            q = (struct kvs_batch_seq){.tokens = toks + 20 + s, .n_tokens = 1, .pos = 20 + s, .block_table = bt,
+                                       .n_blocks = NB, .want_logits = KVS_LOGITS_ARGMAX, .slot = 0};
+            rc = kvs_runner_forward(r, &b, NULL);
+            if (rc < worst) worst = rc;
+        }
+        got[tp] = worst;
+        kvs_runner_free(r);
+    }
+    printf("ranks disagreeing on a step's rows: tp 1 steps rc %d, tp 2 steps rc %d (-EPROTO = %d)\n", got[1], got[2],
+           -EPROTO);
+    CHECK(got[1] == 0, "test_rankskew at tp 1: rc %d", got[1]);
+    CHECK(got[2] == -EPROTO, "test_rankskew at tp 2: rc %d, want -EPROTO", got[2]);
+    kvs_model_free(m);
+}
+
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
@@ -362,6 +446,7 @@ int main(void)
     check_lazy(llama, "llama", 2);
     check_lazy(dir, "rand-qwen2", 4);
     check_state_budget(dir);
+    check_rank_skew(dir);
     kvs_test_rmtree(tmp);
     return kvs_test_summary("test_tp_kv");
 }
