@@ -28,6 +28,12 @@
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
+ * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
+ * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
+ * write and the LeanKV attention (the runner's ops for that storage); the pool, bytes and
+ * floor count the format's bytes per token. --max-batch runs, at each context, the largest
+ * batch whose KV fits the pool (sized from all free memory but a reserve for activations), the
+ * "largest batch that fits" of a memory-bound throughput comparison (issue 20).
  * --mac K [--mac-thresh X] [--mac-band r]: each decode shape is also timed with MAC-Attention's
  * kernels (kernels/kv_mac.h: match + band/tail attention, rings of K entries per sequence and
  * layer allocated before the pool) in place of the attention op, in the same graph, and the
@@ -46,6 +52,7 @@
 
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/kv_lean.h"
 #include "kernels/kv_mac.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
@@ -60,12 +67,17 @@
 #define VOCAB 128256
 /* KV block size (tokens): --block-size, 16 by default (config/default.json's kv.block_size) */
 static int BS = 16;
+/* --lean FMT: LeanKV pages (lean_on) of this format instead of bf16 K/V */
+static int lean_on;
+static struct kvs_lean_fmt lean_fmt;
+static const struct kvs_lean_kernels *LK;
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 
 struct layer {
     struct kvs_dweight *wq, *wk, *wv, *wo, *wg, *wu, *wd, *n1, *n2;
-    struct kvs_dbuf *kc, *vc;
+    struct kvs_dbuf *kc, *vc;     /* bf16 K/V, or (--lean) NULL */
+    struct kvs_dbuf *pages;       /* --lean: the layer's LeanKV pages */
 };
 
 static int parse_list(const char *s, int *out, int max)
@@ -141,7 +153,17 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
     for (int l = 0; l < B->n_layers; l++) {
         struct layer *L = &B->L[l];
         const struct kvs_dweight *w[3] = {L->wq, L->wk, L->wv};
-        if (which == OPS_ALL) {
+        if (lean_on) {
+            /* kv.storage = lean: the q/k/v GEMM, RoPE of q and k, the quantized page write */
+            const int outs[3] = {DIM, NKV * HD, NKV * HD};
+            struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
+            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (other) {
+                O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
+                O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
+                LK->write(b, lean_fmt, B->k, B->v, B->slots, nb, NKV, HD, BS, L->pages);
+            }
+        } else if (which == OPS_ALL) {
             /* the runner's op: the q/k/v GEMM straight into the RoPE and the cache write */
             O->matmul_rope_kv_write(b, B->h, w, NULL, nb, DIM, B->q, B->k, B->v, B->pos, B->invf, B->slots, NH, NKV, HD,
                                     BS, L->kc, L->vc);
@@ -153,7 +175,8 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
             if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         }
-        if (attn && MAC.on) mac_attention(B, l, nb, m);
+        if (attn && lean_on) LK->attention(b, lean_fmt, B->q, L->pages, m, nb, NH, NKV, HD, BS, scale, B->att);
+        else if (attn && MAC.on) mac_attention(B, l, nb, m);
         else if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
         if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
@@ -272,7 +295,7 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -286,6 +309,14 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
         else if (!strcmp(argv[i], "--no-fuse")) fuse = 0;
+        else if (!strcmp(argv[i], "--max-batch")) max_batch = 1;
+        else if (!strcmp(argv[i], "--lean") && i + 1 < argc) {
+            if (kvs_lean_fmt_parse(argv[++i], &lean_fmt) < 0) {
+                fprintf(stderr, "--lean: K8V8, K8V4, K4V4 or K16V16\n");
+                return 2;
+            }
+            lean_on = 1;
+        }
         else if (!strcmp(argv[i], "--mac") && i + 1 < argc) MAC.K = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mac-band") && i + 1 < argc) MAC.band = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--mac-thresh") && i + 1 < argc) MAC.thresh2 = (float)atof(argv[++i]);
@@ -293,7 +324,7 @@ int main(int argc, char **argv)
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
                             "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
-                            "[--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
+                            "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
             return 2;
         }
     }
@@ -312,10 +343,29 @@ int main(int argc, char **argv)
         return 1;
     }
     B->n_layers = n_layers;
+    if (lean_on) {
+        LK = kvs_lean_kernels_for(O, err, sizeof err);
+        if (!LK || !LK->supports(lean_fmt, NH, NKV, HD)) {
+            fprintf(stderr, "--lean: the cuda backend does not take K%dV%d here (%s)\n", lean_fmt.kbits, lean_fmt.vbits,
+                    LK ? "supports()" : err);
+            return 1;
+        }
+        if (attn_variants || nsweep || MAC.K > 0) {
+            fprintf(stderr, "--lean: not with --attn-variants, --gemm-sweep or --mac (bf16 K/V only)\n");
+            return 2;
+        }
+    }
+    if (max_batch && MAC.K > 0) {
+        fprintf(stderr, "--max-batch: not with --mac\n");
+        return 2;
+    }
     kvs_cuda_device_desc(b, desc, sizeof desc);
     double bw = kvs_cuda_copy_bandwidth(b, (size_t)2 << 30);
     printf("device: %s\ncopy bandwidth (read+write, 2 GiB cudaMemcpy D2D, median of 15): %.0f GB/s\n", desc, bw / 1e9);
 
+    /* --max-batch: the rows the activations are sized for (the batches come from the pool) */
+    const int max_batch_rows = 512;
+    if (max_batch) batches[0] = max_batch_rows, nbatch = 1;
     int max_rows = 0;
     for (int i = 0; i < nbatch; i++) if (batches[i] > max_rows) max_rows = batches[i];
     for (int i = 0; i < npre; i++) if (prefills[i] > max_rows) max_rows = prefills[i];
@@ -408,17 +458,44 @@ int main(int argc, char **argv)
     for (int i = 0; i < nsweep; i++) /* a sweep's step: one block per sequence */
         if ((size_t)sweep[i] * BS > need_tokens) need_tokens = (size_t)sweep[i] * BS;
     size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
+    if (lean_on) per_token = (size_t)n_layers * NKV * kvs_lean_token_bytes(lean_fmt, HD);
     size_t avail = O->mem_available(b);
-    size_t cap_tokens = avail > ((size_t)1 << 30) ? (avail - ((size_t)1 << 30)) / per_token : 0;
-    if (cap_tokens > need_tokens) cap_tokens = need_tokens;
+    /* the reserve: 1 GiB (--max-batch: 2 GiB, for the graphs and workspaces of large batches) */
+    const size_t reserve = (size_t)(max_batch ? 2 : 1) << 30;
+    size_t cap_tokens = avail > reserve ? (avail - reserve) / per_token : 0;
+    if (cap_tokens > need_tokens && !max_batch) cap_tokens = need_tokens;
     int n_blocks = (int)(cap_tokens / BS);
-    printf("weights %.2f GB (bf16), KV pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9, n_blocks, BS,
-           (double)n_blocks * BS * per_token / 1e9);
-    for (int l = 0; l < n_layers; l++) {
-        L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
-        L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
-        kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
-        kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+    printf("weights %.2f GB (bf16), KV %s: %zu bytes/token, pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9,
+           lean_on ? "LeanKV pages" : "bf16", per_token, n_blocks, BS, (double)n_blocks * BS * per_token / 1e9);
+    if (lean_on) {
+        /* pages quantized from random K/V (uniform [-1, 1)), CHUNK tokens a write */
+        enum { CHUNK = 16384 };
+        const size_t page_bytes = kvs_lean_page_bytes(lean_fmt, HD, BS) * NKV * (size_t)n_blocks;
+        struct kvs_dbuf *ck = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD), *cv = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD);
+        struct kvs_dbuf *cs = xalloc(b, KVS_BUF_I32, CHUNK);
+        int32_t *hs = kvs_xmalloc(CHUNK * 4);
+        kvs_cuda_fill_random(b, ck, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
+        kvs_cuda_fill_random(b, cv, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
+        for (int l = 0; l < n_layers; l++) {
+            L[l].pages = LK->alloc_pages(b, page_bytes);
+            if (!L[l].pages) kvs_panic(__FILE__, __LINE__, "out of device memory for the LeanKV pages");
+            for (size_t t0 = 0; t0 < (size_t)n_blocks * BS; t0 += CHUNK) {
+                const int n = (size_t)n_blocks * BS - t0 < CHUNK ? (int)((size_t)n_blocks * BS - t0) : CHUNK;
+                for (int i = 0; i < n; i++) hs[i] = (int32_t)(t0 + i);
+                O->upload(b, cs, 0, hs, (size_t)n);
+                LK->write(b, lean_fmt, ck, cv, cs, n, NKV, HD, BS, L[l].pages);
+            }
+        }
+        O->sync(b);
+        O->free_buf(b, ck), O->free_buf(b, cv), O->free_buf(b, cs);
+        free(hs);
+    } else {
+        for (int l = 0; l < n_layers; l++) {
+            L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+            kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
+        }
     }
     float inv[HD / 2];
     for (int i = 0; i < HD / 2; i++) inv[i] = (float)(1.0 / pow(500000.0, 2.0 * i / HD));
@@ -499,6 +576,11 @@ int main(int argc, char **argv)
         for (int ci = 0; ci < nctx; ci++) {
             int nb = batches[bi], ctx = ctxs[ci];
             int bps = (ctx + BS - 1) / BS;
+            if (max_batch) {
+                /* the largest batch whose KV fits the pool (at most the rows the activations take) */
+                nb = n_blocks / bps < max_batch_rows ? n_blocks / bps : max_batch_rows;
+                if (nb < 1) nb = 1;
+            }
             if ((size_t)nb * bps > (size_t)n_blocks) {
                 printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
                        (double)nb * bps * BS * per_token / 1e9);

@@ -11,9 +11,11 @@
  *    in the same run on the same positions. Each call timed alone after an L2 flush, median of
  *    --reps; printed: ms, GB/s of K/V read, and the time ratio bf16 / lean (>1: lean faster;
  *    the byte ratio is the ideal).
+ * 3. Chunked prefill over quantized history (--prefill P, 0: skipped): one sequence whose last P
+ *    tokens are the query rows (a prefill chunk at context C), same comparison.
  *
  * Usage: kvserve-leanbench [--batches 8,32] [--contexts 8192,32768] [--formats K8V8,K8V4,K4V4]
- *                          [--reps 20]
+ *                          [--reps 20] [--prefill 512]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -52,7 +54,8 @@ struct shape {
     int32_t *h_qs, *h_pos, *h_bt;
 };
 
-/* median ms of reps calls (fmt NULL: attention() over kc / vc; else the lean kernels over pool) */
+/* median ms of reps calls (fmt NULL: attention() over kc / vc; else the lean kernels over pool), B
+ * query rows */
 static float time_op(struct kvs_backend *b, struct shape *S, int B, const struct kvs_lean_fmt *fmt,
                      struct kvs_dbuf *kc, struct kvs_dbuf *vc, struct kvs_dbuf *pool, int reps, struct kvs_dbuf *flush)
 {
@@ -75,7 +78,7 @@ static float time_op(struct kvs_backend *b, struct shape *S, int B, const struct
 
 int main(int argc, char **argv)
 {
-    int batches[8] = {8, 32}, nb = 2, contexts[8] = {8192, 32768}, nc = 2, reps = 20;
+    int batches[8] = {8, 32}, nb = 2, contexts[8] = {8192, 32768}, nc = 2, reps = 20, prefill = 512;
     struct kvs_lean_fmt fmts[8] = {{8, 8}, {8, 4}, {4, 4}};
     int nf = 3;
     for (int i = 1; i < argc; i++) {
@@ -83,6 +86,7 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--contexts") && v) nc = bench_parse_list(argv[++i], contexts, 8);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--prefill") && v) prefill = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--formats") && v) {
             char buf[128];
             snprintf(buf, sizeof buf, "%s", argv[++i]);
@@ -90,12 +94,12 @@ int main(int argc, char **argv)
             for (char *tok = strtok(buf, ","); tok && nf < 8; tok = strtok(NULL, ","))
                 if (kvs_lean_fmt_parse(tok, &fmts[nf++]) < 0) nf = -100;
         } else {
-            fprintf(stderr, "usage: %s [--batches 8,32] [--contexts 8192,32768] [--formats K8V8,K8V4,K4V4] [--reps 20]\n",
+            fprintf(stderr, "usage: %s [--batches 8,32] [--contexts 8192,32768] [--formats K8V8,K8V4,K4V4] [--reps 20] [--prefill 512]\n",
                     argv[0]);
             return 2;
         }
     }
-    if (nb <= 0 || nc <= 0 || nf <= 0 || reps <= 0) {
+    if (nb <= 0 || nc <= 0 || nf <= 0 || reps <= 0 || prefill < 0) {
         fprintf(stderr, "%s: bad list, format or --reps\n", argv[0]);
         return 2;
     }
@@ -133,9 +137,22 @@ int main(int argc, char **argv)
     for (int f = 0; f < nf; f++) printf("   K%dV%d ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits);
     printf("\n");
     struct kvs_dbuf *flush = need(O->alloc(b, KVS_BUF_F32, FLUSH_FLOATS), FLUSH_FLOATS);
-    for (int bi = 0; bi < nb; bi++)
+    /* pass 0: decode rows of each batch; pass 1: one prefill chunk of `prefill` rows per context */
+    int prefill_header = 0;
+    for (int pass = 0; pass < 2; pass++)
+    for (int bi = 0; bi < (pass ? 1 : nb); bi++)
         for (int ci = 0; ci < nc; ci++) {
-            const int B = batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
+            if (pass && (!prefill || prefill > contexts[ci])) continue;
+            if (pass && !prefill_header) {
+                prefill_header = 1;
+                printf("\nchunked prefill over quantized history, one sequence, %d query rows at the end of the context:\n",
+                       prefill);
+                printf("%6s %8s %10s %9s", "rows", "context", "bf16 ms", "GB/s");
+                for (int f = 0; f < nf; f++) printf("   K%dV%d ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits);
+                printf("\n");
+            }
+            const int B = pass ? 1 : batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
+            const int rows = pass ? prefill : B; /* query rows */
             const size_t blocks = (size_t)B * nblk, kv_elems = blocks * NKV * BS * HD;
             if (2.0 * kv_elems * 2 * 2 + 1e9 > (double)O->mem_available(b)) {
                 printf("%6d %8d   skipped: %.1f GB of bf16 K/V does not fit beside the lean pages\n", B, ctx,
@@ -148,9 +165,9 @@ int main(int argc, char **argv)
             struct kvs_dbuf *vc = need(O->alloc(b, KVS_BUF_KV, kv_elems), kv_elems);
             kvs_cuda_fill_random(b, kc, 0, kv_elems, 1.0f, 11);
             kvs_cuda_fill_random(b, vc, 0, kv_elems, 1.0f, 12);
-            S.q = need(O->alloc(b, KVS_BUF_ACT, (size_t)B * NH * HD), 0);
-            kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
-            S.out = need(O->alloc(b, KVS_BUF_ACT, (size_t)B * NH * HD), 0);
+            S.q = need(O->alloc(b, KVS_BUF_ACT, (size_t)rows * NH * HD), 0);
+            kvs_cuda_fill_random(b, S.q, 0, (size_t)rows * NH * HD, 1.0f, 13);
+            S.out = need(O->alloc(b, KVS_BUF_ACT, (size_t)rows * NH * HD), 0);
             S.h_bt = kvs_xmalloc(blocks * 4);
             for (size_t i = 0; i < blocks; i++) S.h_bt[i] = (int32_t)i;
             for (size_t i = blocks - 1; i > 0; i--) {
@@ -160,8 +177,8 @@ int main(int argc, char **argv)
             }
             S.h_qs = kvs_xmalloc((size_t)(B + 1) * 4);
             S.h_pos = kvs_xmalloc((size_t)B * 4);
-            for (int s = 0; s <= B; s++) S.h_qs[s] = s;
-            for (int s = 0; s < B; s++) S.h_pos[s] = ctx - 1;
+            for (int s = 0; s <= B; s++) S.h_qs[s] = pass ? s * rows : s;
+            for (int s = 0; s < B; s++) S.h_pos[s] = ctx - rows;
             S.qs = need(O->alloc(b, KVS_BUF_I32, (size_t)B + 1), 0);
             S.pos = need(O->alloc(b, KVS_BUF_I32, (size_t)B), 0);
             S.bt = need(O->alloc(b, KVS_BUF_I32, blocks), 0);
@@ -170,9 +187,9 @@ int main(int argc, char **argv)
             O->upload(b, S.bt, 0, S.h_bt, blocks);
             S.m = (struct kvs_attn_meta){.n_seqs = B, .max_blocks = nblk, .q_start = S.qs, .pos = S.pos,
                                          .block_tables = S.bt, .h_q_start = S.h_qs, .h_pos = S.h_pos, .max_ctx = ctx};
-            const float dense_ms = time_op(b, &S, B, NULL, kc, vc, NULL, reps, flush);
+            const float dense_ms = time_op(b, &S, rows, NULL, kc, vc, NULL, reps, flush);
             const double dense_bytes = 2.0 * B * NKV * (double)ctx * HD * 2;
-            printf("%6d %8d %10.3f %9.0f", B, ctx, dense_ms, dense_bytes / (dense_ms * 1e6));
+            printf("%6d %8d %10.3f %9.0f", rows, ctx, dense_ms, dense_bytes / (dense_ms * 1e6));
             fflush(stdout);
             /* the lean pages: written from random K/V, CHUNK tokens a launch, every slot */
             struct kvs_dbuf *ck = need(O->alloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD), 0);
@@ -190,7 +207,7 @@ int main(int argc, char **argv)
                     O->upload(b, cs, 0, hs, (size_t)n);
                     kn->write(b, fmts[f], ck, cv, cs, n, NKV, HD, BS, pool);
                 }
-                const float ms = time_op(b, &S, B, &fmts[f], NULL, NULL, pool, reps, flush);
+                const float ms = time_op(b, &S, rows, &fmts[f], NULL, NULL, pool, reps, flush);
                 const double bytes = (double)B * NKV * ctx * kvs_lean_token_bytes(fmts[f], HD);
                 printf("   %9.3f %7.0f %9.2fx", ms, bytes / (ms * 1e6), dense_ms / ms);
                 fflush(stdout);

@@ -8,17 +8,23 @@
  * requests decoding from context n on: every step asks the policy how many past rows each
  * request re-runs (kv.h recompute), builds the step (k + 1 rows per request at the context's
  * last positions) with fresh random queries (untimed), and runs the policy's plan, the layer's
- * attend and finish, as the runner does; the K/V are not rewritten (random data). Timed: the host wall clock of plan + attend +
+ * attend and finish, as the runner does; the K/V are not rewritten (random data); the page
+ * digests of the whole context are made once before the steps (kvs_retro_refresh_digests). Timed: the host wall clock of plan + attend +
  * finish + a device sync, mean over --steps steps after --warm steps (so windows are full);
- * this includes Retro's host work and its two host syncs per layer (selection and lse
- * downloads). Not included: the GEMMs of the re-run rows (o_proj, MLP, the next layer's q/k/v),
- * which a w-row step also pays. Printed per shape: full ms (attention() of the newest rows),
+ * this includes the policy's host work (plan's uploads; the device path has no sync inside
+ * attend). Not included: the GEMMs of the re-run rows (o_proj, MLP, the next layer's q/k/v),
+ * which a w-row step also pays. Plan (once a step) and attend + finish (once a layer) are timed
+ * apart; the last columns give w=2's plan and attend, its attend over Quest's, and the ratio for a
+ * 32-layer model with layers 0-1 dense (1 plan + 30 selecting layers). Printed per shape: full ms (attention() of the newest rows),
  * Quest ms, Retro ms for each w, Retro / Quest, and the effective budget (union of keys seen per
  * query / keys of its own step; random queries pick near-random pages, so this is an upper-end
  * figure, not the paper's trained-model measurement).
  *
+ * --spans adds a column: w=2 with the fused kernel off (KVS_RETRO_FUSED=0: the device path's
+ * attention_spans over the selection and the supplements, each page read once per row).
+ *
  * Usage: kvserve-retrobench [--batches 1,8,32] [--contexts 8192,32768] [--windows 2,4,8]
- *                           [--ratio 0.15] [--steps 20] [--warm 10] [--markdown FILE]
+ *                           [--ratio 0.15] [--steps 20] [--warm 10] [--spans] [--markdown FILE]
  * A shape whose KV does not fit in free device memory is skipped with a note.
  */
 #include <math.h>
@@ -32,6 +38,7 @@
 #include "bench/bench_util.h"
 #include "engine/config.h"
 #include "engine/kv/kv.h"
+#include "engine/kv/kv_decode_retro.h"
 #include "kernels/backend.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
@@ -80,7 +87,7 @@ struct world {
 
 /* ms per step of policy `decode` with window w (1 for quest / full); *eff its effective budget */
 static double run_policy(struct kvs_backend *b, struct world *W, const char *decode, int w, double ratio, int warm,
-                         int steps, double *eff)
+                         int steps, double *eff, double *plan_ms)
 {
     const struct kvs_kv_decode_ops *dp = kvs_kv_find_decode(decode);
     if (!dp) kvs_panic(__FILE__, __LINE__, "no decode policy %s", decode);
@@ -99,9 +106,22 @@ static double run_policy(struct kvs_backend *b, struct world *W, const char *dec
     const size_t sb = dp->seq_bytes ? dp->seq_bytes(st) : 0;
     unsigned char *arena = sb ? kvs_xcalloc((size_t)W->B, sb) : NULL;
     for (int s = 0; s < W->B && dp->seq_init; s++) dp->seq_init(st, s, arena + (size_t)s * sb);
+    if (!strcmp(decode, "retro")) {
+        /* the page digests of the whole context, as its writing would have left them (untimed;
+         * without them every score ties and the selection never changes: no supplements) */
+        int32_t *hq = kvs_xmalloc(((size_t)W->B + 1) * sizeof *hq), *hp = kvs_xcalloc((size_t)W->B, sizeof *hp);
+        for (int s = 0; s <= W->B; s++) hq[s] = s * W->ctx;
+        O->upload(b, W->qs, 0, hq, (size_t)W->B + 1);
+        O->upload(b, W->pos, 0, hp, (size_t)W->B);
+        const struct kvs_attn_meta pm = {.n_seqs = W->B, .max_blocks = W->mb, .q_start = W->qs, .pos = W->pos,
+                                         .block_tables = W->bt, .h_q_start = hq, .h_pos = hp, .max_ctx = W->ctx};
+        kvs_retro_refresh_digests(st, W->kc, &pm);
+        O->sync(b);
+        free(hq), free(hp);
+    }
     int32_t *qs = kvs_xmalloc(((size_t)W->B + 1) * sizeof *qs), *pos = kvs_xmalloc((size_t)W->B * sizeof *pos);
     int32_t *slot = kvs_xmalloc((size_t)W->B * sizeof *slot), *dec = kvs_xmalloc((size_t)W->B * sizeof *dec);
-    double total = 0;
+    double total = 0, plan = 0;
     for (int it = 0; it < warm + steps; it++) {
         const int newest = W->ctx - 1 - (warm + steps) + it;   /* contexts grow by one a step */
         qs[0] = 0;
@@ -124,10 +144,12 @@ static double run_policy(struct kvs_backend *b, struct world *W, const char *dec
         O->sync(b);
         const double t0 = now_ms();
         if (dp->plan && dp->plan(st, &step)) kvs_panic(__FILE__, __LINE__, "plan");
+        O->sync(b);   /* plan is once a step, attend once a layer: timed apart */
+        const double t1 = now_ms();
         dp->attend(st, 0, &a);
         if (dp->finish) dp->finish(st, 0, &step);
         O->sync(b);
-        if (it >= warm) total += now_ms() - t0;
+        if (it >= warm) total += now_ms() - t0, plan += t1 - t0;
     }
     *eff = 1.0;
     struct kvs_kv_counter c[32];
@@ -138,6 +160,7 @@ static double run_policy(struct kvs_backend *b, struct world *W, const char *dec
     dp->destroy(st);
     free(arena), free(qs), free(pos), free(slot), free(dec);
     kvs_config_free(&cfg);
+    if (plan_ms) *plan_ms = plan / steps;
     return total / steps;
 }
 
@@ -147,6 +170,7 @@ int main(int argc, char **argv)
     int steps = 20, warm = 10;
     double ratio = 0.15;
     const char *md = NULL;
+    int spans_col = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) n_b = bench_parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--contexts") && i + 1 < argc) n_c = bench_parse_list(argv[++i], contexts, 8);
@@ -155,9 +179,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--warm") && i + 1 < argc) warm = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--spans")) spans_col = 1;
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768] [--windows 2,4,8] [--ratio 0.15] "
-                    "[--steps 20] [--warm 10] [--markdown FILE]\n", argv[0]);
+                    "[--steps 20] [--warm 10] [--spans] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
@@ -176,14 +201,22 @@ int main(int argc, char **argv)
     }
     FILE *mf = md ? fopen(md, "w") : NULL;
     printf("retro per-layer attention step (plan + attend + finish + sync), ms; budget max(256, %.2f n)\n", ratio);
-    char head[512];
+    char head[1024];
     int hl = snprintf(head, sizeof head, "| batch | context | full ms | Quest ms |");
     for (int i = 0; i < n_w; i++) hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest | w=%d eff. budget |",
                                                  windows[i], windows[i], windows[i]);
+    if (spans_col) hl += snprintf(head + hl, sizeof head - hl, " w=2 unfused ms | w=2 unfused / Quest |");
+    int w2col = 0;
+    for (int i = 0; i < n_w; i++) w2col |= windows[i] == 2;
+    if (w2col)
+        hl += snprintf(head + hl, sizeof head - hl, " w=2 plan / attend ms | w=2 / Quest attend | w=2 / Quest, 1 plan + 30 "
+                       "layers |");
     printf("%s\n", head);
     if (mf) {
         fprintf(mf, "%s\n|---|---|---|---|", head);
         for (int i = 0; i < n_w; i++) fprintf(mf, "---|---|---|");
+        if (spans_col) fprintf(mf, "---|---|");
+        if (w2col) fprintf(mf, "---|---|---|");
         fprintf(mf, "\n");
     }
     for (int bi = 0; bi < n_b; bi++)
@@ -198,8 +231,8 @@ int main(int argc, char **argv)
             }
             W.kc = alloc_or_die(b, KVS_BUF_KV, kv);
             W.vc = alloc_or_die(b, KVS_BUF_KV, kv);
-            fill_random(b, W.kc, kv, 1.0f);
-            fill_random(b, W.vc, kv, 1.0f);
+            kvs_cuda_fill_random(b, W.kc, 0, kv, 1.0f, 11);   /* on the device: 128K contexts fill in ms */
+            kvs_cuda_fill_random(b, W.vc, 0, kv, 1.0f, 12);
             const size_t rows = (size_t)W.B * MAXW;
             W.q = alloc_or_die(b, KVS_BUF_ACT, rows * NH * HD);
             fill_random(b, W.q, rows * NH * HD, 2.0f);
@@ -215,14 +248,28 @@ int main(int argc, char **argv)
                 W.h_bt[i] = W.h_bt[j], W.h_bt[j] = t;
             }
             O->upload(b, W.bt, 0, W.h_bt, (size_t)W.n_blocks);
-            double eff;
-            const double full = run_policy(b, &W, "full", 1, ratio, warm, steps, &eff);
-            const double quest = run_policy(b, &W, "retro", 1, ratio, warm, steps, &eff);
-            char line[512];
+            double eff, qplan, wplan = 0, w2 = 0;
+            const double full = run_policy(b, &W, "full", 1, ratio, warm, steps, &eff, NULL);
+            const double quest = run_policy(b, &W, "retro", 1, ratio, warm, steps, &eff, &qplan);
+            char line[1024];
             int ll = snprintf(line, sizeof line, "| %d | %d | %.3f | %.3f |", W.B, W.ctx, full, quest);
             for (int i = 0; i < n_w; i++) {
-                const double t = run_policy(b, &W, "retro", windows[i], ratio, warm, steps, &eff);
+                double pl;
+                const double t = run_policy(b, &W, "retro", windows[i], ratio, warm, steps, &eff, &pl);
+                if (windows[i] == 2) w2 = t, wplan = pl;
                 ll += snprintf(line + ll, sizeof line - ll, " %.3f | %.2f | %.3f |", t, t / quest, eff);
+            }
+            if (spans_col) {
+                setenv("KVS_RETRO_FUSED", "0", 1);
+                const double t = run_policy(b, &W, "retro", 2, ratio, warm, steps, &eff, NULL);
+                unsetenv("KVS_RETRO_FUSED");
+                ll += snprintf(line + ll, sizeof line - ll, " %.3f | %.2f |", t, t / quest);
+            }
+            if (w2 > 0) {
+                /* a 32-layer model, layers 0-1 dense: one plan and 30 selecting layers */
+                const double qa = quest - qplan, wa = w2 - wplan;
+                ll += snprintf(line + ll, sizeof line - ll, " %.3f / %.3f | %.2f | %.2f |", wplan, wa, wa / qa,
+                               (wplan + 30 * wa) / (qplan + 30 * qa));
             }
             printf("%s\n", line);
             if (mf) fprintf(mf, "%s\n", line);

@@ -143,12 +143,12 @@ static const struct key_def KEYS[] = {
      "Quest/Retro: tokens per page digest (0: kv.block_size; must divide kv.block_size)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
 
-    {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|K16V16|K8V8|K8V4|K4V4", NULL,
-     "LeanKV: dynamic (tiers by importance, pruning: not built yet) or one static format for every token, no "
-     "pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
-    {"kv.lean.high", T_ENUM, F(lean_high), 0, 0, "K8V4", "K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the high tier's format"},
-    {"kv.lean.low", T_ENUM, F(lean_low), 0, 0, "K4V2", "K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the low tier's format"},
-    {"kv.lean.window", T_INT, F(lean_window), 0, 1048576, "64", NULL, NULL,
+    {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|adaptive|K16V16|K8V8|K8V4|K4V4", NULL,
+     "LeanKV: dynamic (= adaptive: tiers kv.lean.high / low by importance, pruning, a full-precision window; cpu "
+     "only) or one static format for every token, no pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
+    {"kv.lean.high", T_ENUM, F(lean_high), 0, 0, "K8V4", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the high tier's format"},
+    {"kv.lean.low", T_ENUM, F(lean_low), 0, 0, "K4V2", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the low tier's format"},
+    {"kv.lean.window", T_INT, F(lean_window), 1, 1048576, "64", NULL, NULL,
      "LeanKV dynamic: recent tokens kept at full precision before their tier is chosen"},
     {"kv.lean.alpha_h", T_DOUBLE, F(lean_alpha_h), 0, 100, "1", NULL, NULL,
      "LeanKV dynamic: a token is high when its score >= alpha_h / N"},

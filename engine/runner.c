@@ -414,7 +414,8 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     free(inv);
     /* KV pool: sized after weights and workspaces so "free memory" means what is left; the
      * storage strategy says what a block costs and owns the bytes */
-    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg, r->nh};
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg, r->nh,
+                                       r->cap_seqs, r->cap_tokens, r->max_ctx};
     size_t kb = 0, vb = 0;
     st->block_bytes(&shape, ops, r->be, &kb, &vb);
     size_t block_bytes = kb + vb;
@@ -457,7 +458,8 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     const struct kvs_backend_ops *ops = r->ops;
     const struct kvs_kv_storage_ops *st = r->st;
     const struct kvs_kv_decode_ops *dp = r->dp;
-    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg, r->nh};
+    const struct kvs_kv_shape shape = {r->n_layers, r->nkv, r->hd, r->block_size, cfg, r->nh,
+                                       r->cap_seqs, r->cap_tokens, r->max_ctx};
     const size_t T = (size_t)r->cap_tokens, S = (size_t)r->cap_seqs, qd = (size_t)r->nh * r->hd;
     const size_t block_bytes = r->kv_bytes_per_token * (size_t)r->block_size;
     int rc, failed = 0;
@@ -980,6 +982,10 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
             int rc = r->dp->seq_init(r->dp_state, q->slot, mem);
             if (rc < 0) return agree(r, rc);
         }
+        if (q->slot >= 0 && q->slot < r->cap_seqs && q->slot_fresh && r->st->seq_init) {
+            int rc = r->st->seq_init(r->st_state, q->slot);
+            if (rc < 0) return agree(r, rc);
+        }
     }
     const struct kvs_batch *b0 = b;
     struct kvs_batch wide;
@@ -1035,7 +1041,8 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         n_decode += r->h_decode[s];
     }
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
-    int rc = r->dp->plan ? r->dp->plan(r->dp_state, &step) : 0;
+    int rc = r->st->step ? r->st->step(r->st_state, &step) : 0;
+    if (rc == 0 && r->dp->plan) rc = r->dp->plan(r->dp_state, &step);
     /* a group also agrees on the step's rows: a policy's multi-row decode (recompute) decided
      * per rank must widen the batch alike everywhere, or the all-reduces would not match */
     rc = r->n_ranks > 1 ? kvs_tp_agree_rows(r->tp, r->rank, rc < 0 ? rc : 0, n) : rc;
@@ -1067,12 +1074,16 @@ void kvs_runner_rank_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)
 
 void kvs_runner_seq_end(struct kvs_runner *r, int slot)
 {
-    if (slot < 0 || slot >= r->cap_seqs || !r->dp->seq_free) return;
+    if (slot < 0 || slot >= r->cap_seqs || (!r->dp->seq_free && !r->st->seq_free)) return;
     if (r->n_ranks > 1) kvs_tp_seq_end(r->tp, slot);
     else kvs_runner_rank_seq_end(r, slot);
 }
 
-void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot) { r->dp->seq_free(r->dp_state, slot); }
+void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot)
+{
+    if (r->dp->seq_free) r->dp->seq_free(r->dp_state, slot);
+    if (r->st->seq_free) r->st->seq_free(r->st_state, slot);
+}
 
 void kvs_runner_rank_fidelity_merge(struct kvs_runner *const *ranks, int n)
 {

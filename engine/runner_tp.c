@@ -298,26 +298,56 @@ void kvs_tp_seq_end(struct kvs_tp *tp, int slot)
     run_all(tp, JOB_SEQ_END, NULL);
 }
 
-/* Counters whose value covers only a rank's heads, so that the group's is the sum over the
- * ranks: every byte count (bytes read, held or per token: each rank reads and holds its heads'
- * share) and the per-head tallies below. Any other counter (rows, requests, pages per row,
- * ratios) is the same on every rank and reported from rank 0. A strategy adding a per-head
- * tally adds its name here (tests/unit/test_tp_kv.c checks that every counter at TP N equals
- * TP 1's). */
-static int per_rank(const struct kvs_kv_counter *c)
+/* How a counter of the ranks merges into the group's (kvs_tp_kv_counters):
+ *   MERGE_SUM   it covers only the rank's heads, so the group's is the sum: every byte count
+ *               (read, held or per token: each rank reads and holds its heads' share), per-head
+ *               tallies and pages (each rank has its own page manager: LeanKV dynamic);
+ *   MERGE_MEAN  a fraction over (token, layer, KV head): every rank has the same number of
+ *               heads, so the group's is the mean of the ranks';
+ *   MERGE_RANK0 the same on every rank (rows, requests, page counts per row): rank 0's;
+ * and the ratios of summed counters are recomputed from the sums (RATIOS). The fidelity
+ * histogram is merged per row before it is counted (runner_tp.h). A strategy adding a per-head
+ * tally or fraction names it here; tests/unit/test_tp_kv.c checks every counter at TP N against
+ * TP 1's. */
+enum { MERGE_RANK0 = 0, MERGE_SUM, MERGE_MEAN };
+
+static int merge_kind(const struct kvs_kv_counter *c)
 {
-    static const char *const heads[] = {
+    static const char *const sums[] = {
         "kvserve:kv_mac_lookups_total",          "kvserve:kv_mac_hits_total",
         "kvserve:kv_mac_skip_sum",               "kvserve:kv_mac_skip_count",
         "kvserve:kv_retro_keys_own_total",       "kvserve:kv_retro_keys_supplement_total",
         "kvserve:kv_paris_recall_total",         "kvserve:kv_paris_recall_hits_total",
         "kvserve:kv_paris_recall_coarse_hits_total", "kvserve:kv_quest_stale_digests_total",
+        "kvserve:kv_storage_pages_used",         "kvserve:kv_storage_pages_total",
     };
-    if (c->family) return 0;   /* the fidelity histogram: merged per row (runner_tp.h) */
-    if (strstr(c->name, "bytes")) return 1;
-    for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++)
-        if (!strcmp(c->name, heads[i])) return 1;
-    return 0;
+    static const char *const means[] = {
+        "kvserve:kv_storage_high_fraction", "kvserve:kv_storage_low_fraction", "kvserve:kv_storage_pruned_fraction",
+    };
+    if (c->family) return MERGE_RANK0;
+    if (strstr(c->name, "bytes")) return MERGE_SUM;
+    for (size_t i = 0; i < sizeof sums / sizeof sums[0]; i++)
+        if (!strcmp(c->name, sums[i])) return MERGE_SUM;
+    for (size_t i = 0; i < sizeof means / sizeof means[0]; i++)
+        if (!strcmp(c->name, means[i])) return MERGE_MEAN;
+    return MERGE_RANK0;
+}
+
+/* ratio = (num + add) / den of the group's sums (add: -1 when none) */
+static const struct {
+    const char *ratio, *num, *add, *den;
+} RATIOS[] = {
+    {"kvserve:kv_retro_effective_budget", "kvserve:kv_retro_keys_own_total", "kvserve:kv_retro_keys_supplement_total",
+     "kvserve:kv_retro_keys_own_total"},
+    {"kvserve:kv_storage_compression_ratio", "kvserve:kv_storage_bf16_bytes_per_token", NULL,
+     "kvserve:kv_storage_bytes_per_token"},
+};
+
+static int find_counter(const struct kvs_kv_counter *c, int n, const char *name)
+{
+    for (int k = 0; name && k < n; k++)
+        if (!strcmp(c[k].name, name) && !c[k].le) return k;
+    return -1;
 }
 
 int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap)
@@ -326,31 +356,28 @@ int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap)
     if (tp->a <= 0) return 0;
     run_all(tp, JOB_COUNTERS, NULL);
     /* every rank runs the same policy and storage with the same settings, so their lists name
-     * the same counters in the same order; a per-rank value (its heads' share) is summed, any
-     * other is rank 0's */
+     * the same counters in the same order */
     const struct rank_slot *s0 = &tp->slots[0];
     const int n = s0->n_cnt;
     memcpy(out, s0->cnt, (size_t)n * sizeof *out);
-    for (int i = 1; i < tp->n; i++) {
-        const struct rank_slot *s = &tp->slots[i];
-        for (int k = 0; k < n; k++) {
-            if (!per_rank(&out[k])) continue;
-            if (k >= s->n_cnt || strcmp(s->cnt[k].name, out[k].name) ||
-                (s->cnt[k].le != out[k].le && (!s->cnt[k].le || !out[k].le || strcmp(s->cnt[k].le, out[k].le)))) {
+    for (int k = 0; k < n; k++) {
+        const int kind = merge_kind(&out[k]);
+        if (kind == MERGE_RANK0) continue;
+        for (int i = 1; i < tp->n; i++) {
+            const struct rank_slot *s = &tp->slots[i];
+            if (k >= s->n_cnt || strcmp(s->cnt[k].name, out[k].name)) {
                 kvs_log(KVS_LOG_WARN, "runner: rank %d reports other KV counters than rank 0 (%s)", i, out[k].name);
                 continue;
             }
             out[k].value += s->cnt[k].value;
         }
+        if (kind == MERGE_MEAN) out[k].value /= tp->n;
     }
-    /* a ratio of per-head sums is the ratio of the group's sums, not rank 0's */
-    int eb = -1, own = -1, sup = -1;
-    for (int k = 0; k < n; k++) {
-        if (!strcmp(out[k].name, "kvserve:kv_retro_effective_budget")) eb = k;
-        if (!strcmp(out[k].name, "kvserve:kv_retro_keys_own_total")) own = k;
-        if (!strcmp(out[k].name, "kvserve:kv_retro_keys_supplement_total")) sup = k;
+    for (size_t i = 0; i < sizeof RATIOS / sizeof RATIOS[0]; i++) {
+        const int r = find_counter(out, n, RATIOS[i].ratio), a = find_counter(out, n, RATIOS[i].num);
+        const int b = find_counter(out, n, RATIOS[i].add), d = find_counter(out, n, RATIOS[i].den);
+        if (r >= 0 && a >= 0 && d >= 0 && (b >= 0 || !RATIOS[i].add) && out[d].value > 0)
+            out[r].value = (out[a].value + (b >= 0 ? out[b].value : 0)) / out[d].value;
     }
-    if (eb >= 0 && own >= 0 && sup >= 0 && out[own].value > 0)
-        out[eb].value = (out[own].value + out[sup].value) / out[own].value;
     return n;
 }

@@ -2,6 +2,8 @@
  * Plain C over host arrays; the quantizer is the format's (kernels/kv_lean_format.c). */
 #include "kernels/kv_lean_alg1.h"
 
+#include "kernels/cpu/cpu_kernels.h"  /* kvs_cpu_dot: the engine's dynamic mode uses the same dot, so its scores equal these bitwise */
+
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -133,9 +135,7 @@ static void attend(const struct kvs_lean_head *hc, const float *q, float scale, 
         const float *qg = q + (size_t)g * hd;
         float *lg = probs ? probs + (size_t)g * n : h->logit + (size_t)g * n, mx = -INFINITY, sum = 0;
         for (int i = 0; i < n; i++) {
-            float d = 0;
-            for (int e = 0; e < hd; e++) d += qg[e] * h->sk[(size_t)i * hd + e];
-            lg[i] = d * scale;
+            lg[i] = kvs_cpu_dot(qg, h->sk + (size_t)i * hd, hd) * scale;
             if (lg[i] > mx) mx = lg[i];
         }
         for (int i = 0; i < n; i++) sum += lg[i] = expf(lg[i] - mx);

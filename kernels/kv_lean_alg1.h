@@ -1,6 +1,7 @@
 /* kv_lean_alg1.h: a CPU reference of LeanKV's Algorithm 1 (STRATEGIES.md §5) for one
  * (request, layer, KV head): the token tiers by importance, pruning and demotion. The dynamic
- * mode's kernels (not built yet) are to match it step by step; it is not wired into the engine.
+ * mode as the engine runs it (kernels/kv_lean_dyn.h, CPU) matches it step by step, bitwise
+ * (tests/unit/test_kv_lean_dyn.c); it uses the CPU kernels' fixed-order dot product for that.
  *
  * State. A high section (format `high`, K8V4 by default), a low section (`low`, K4V2) and a
  * recent window of `window` tokens at full precision (fp32 here; the engine would keep the

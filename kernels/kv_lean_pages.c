@@ -90,6 +90,16 @@ void kvs_lean_pm_release(struct kvs_lean_pm *pm, int first, int n)
     }
 }
 
+void kvs_lean_pm_trim(struct kvs_lean_pm *pm, int head, int keep_high, int keep_low)
+{
+    if (head < 0 || head >= pm->n_heads) return;
+    const int32_t *t = pm->tables + (size_t)head * pm->table_len;
+    while (pm->n_high[head] > keep_high && pm->n_high[head] > 0)
+        pm->ring[pm->tail++ % pm->n_pages] = t[--pm->n_high[head]];
+    while (pm->n_low[head] > keep_low && pm->n_low[head] > 0)
+        pm->ring[pm->tail++ % pm->n_pages] = t[pm->table_len - pm->n_low[head]--];
+}
+
 const int32_t *kvs_lean_pm_table(const struct kvs_lean_pm *pm, int head, int *n_high, int *n_low)
 {
     *n_high = pm->n_high[head];

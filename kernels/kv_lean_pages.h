@@ -42,6 +42,12 @@ int kvs_lean_pm_alloc(struct kvs_lean_pm *pm, const int32_t *need_high, const in
  * cancelled): high pages then low pages of each head, in table order, to the tail. */
 void kvs_lean_pm_release(struct kvs_lean_pm *pm, int first, int n);
 
+/* Gives back head i's pages beyond its first keep_high high and keep_low low ones (the last
+ * taken, innermost first) to the tail: what a round took for a worst case that did not happen
+ * (a prefill allocates as if every token could land in either section, then keeps what its
+ * sections reached). */
+void kvs_lean_pm_trim(struct kvs_lean_pm *pm, int head, int keep_high, int keep_low);
+
 /* Head i's tables: *n_high high pages at table[0 ..), *n_low low pages at table[table_len - 1]
  * downward. The pointer is the manager's (valid until the next call). */
 const int32_t *kvs_lean_pm_table(const struct kvs_lean_pm *pm, int head, int *n_high, int *n_low);

@@ -51,9 +51,13 @@ struct kvs_kv_shape {
     int n_layers, n_kv_heads, head_dim, block_size;
     const struct kvs_config *cfg; /* the storage's config section (kv.lean.*); NULL = its defaults */
     int n_heads;                  /* query heads (a format's attention may depend on the group) */
+    /* the runner's limits (0 = unknown: tools and tests that build a storage by hand): request
+     * slots, rows per step, tokens per request; a storage with per-request state sizes it by them */
+    int max_slots, max_rows, max_ctx;
 };
 
 struct kvs_kv_storage_ops;
+struct kvs_kv_step;
 
 /* What the kernels read: one layer's K and V.
  * - A storage whose bytes are the backend's plain KV pool (plain_view = 1) sets k and v to that
@@ -104,6 +108,16 @@ struct kvs_kv_storage_ops {
                             int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse);
     /* Optional: the storage's own counters and gauges (bytes per token against bf16, ...), or 0. */
     int (*counters)(void *state, struct kvs_kv_counter *out, int cap);
+    /* Optional (NULL: the storage keeps nothing per request; all three or none): per-request
+     * state of a storage whose contents depend on the request (LeanKV's dynamic mode keeps each
+     * request's tokens in tiers of its own pages, not at its block-table slots). seq_init when
+     * a request (re)starts on a slot (before its first step, after a preemption too); step once
+     * per step before the layers, with the step's sequences and their request slots (the same
+     * meta that write / attention then get); seq_free when the request ends, is preempted or
+     * cancelled. Errors: 0 / negative errno (the step fails). */
+    int (*seq_init)(void *state, int slot);
+    int (*step)(void *state, const struct kvs_kv_step *step);
+    void (*seq_free)(void *state, int slot);
 };
 
 /* ---- decode policy (runner side) --------------------------------------------------------- */

@@ -13,8 +13,7 @@
  *              row of each decoding request, in layers kv.quest.dense_layers and up; past rows
  *              never select. Layers below are dense for every row.
  *   mask       per request, layer and KV head, A[page] = the last decode step (of this request)
- *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step, on the host after
- *              the selection is downloaded).
+ *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step).
  *   supplement past query t' is shown the selected pages with M[p] < t', clipped to its own
  *              position (kvs_retro_supplement). One attention_spans call runs every row of the
  *              leading decode sequences: the newest over its selection, each past row over its
@@ -26,14 +25,25 @@
  *              it had (gather_rows), so no scatter into per-request storage is needed. Sized by
  *              the request slots (min(slots, rows per step) x w rows), counted in
  *              kvserve:kv_retro_cache_bytes and against kv.decode_state_bytes with the arena.
- *   arena      per request (kv.h seq_bytes): the window bookkeeping and the masks A
+ *   arena      per request (kv.h seq_bytes): the window bookkeeping and (host path) the masks A
  *              [sparse layers][n_kv_heads][max pages] int32.
  *
- * Not done here (said so in the report): the paper's one kernel reading the selected pages
- * once for all w queries; the supplements are a second read of the pages by attention_spans
- * (counted in kvserve:kv_decode_bytes_read_total). Each sparse layer downloads the selection
- * and the merged lse (two host syncs a layer on a GPU). Steps whose blocks carry rotation
- * offsets or partial blocks (cached documents) never select and restart every window.
+ * Two paths. Host path (the CPU backend: the reference): the selection is downloaded, masks and
+ * supplements are made on the host (kvs_retro_mask_step / kvs_retro_supplement) and uploaded, the
+ * merged lse is downloaded into a host cache. Device path (a backend with a Retro kernel table,
+ * kernels/kv_retro.h: CUDA; the CPU with kv_decode_retro.h's hook): the masks live on the device
+ * (A [slots][sparse layers][n_kv_heads][max pages]), one kernel makes the mask step and every lead
+ * row's spans and M (the page's last load before this step) from the device selection; the
+ * table's fused attend (the paper's kernel) reads each selected page once for every row of the
+ * request, a past row seeing only the keys of its supplement (a shape it does not take, or
+ * KVS_RETRO_FUSED=0: attention_spans over every lead row's spans, planned from the host bound of
+ * plan()); one kernel merges the past rows with the cached (o, lse) and writes the next cache
+ * (two caches per layer, alternating by step): a selecting layer issues device work only. Its
+ * keys counters accumulate on the device and are read by counters() (one download).
+ *
+ * kvserve:kv_decode_bytes_read_total counts the supplements as a second read where they are one
+ * (the host path, the unfused device path: as of its last layer), not under the fused kernel. Steps whose blocks carry
+ * rotation offsets or partial blocks (cached documents) never select and restart every window.
  *
  * Prefix caching: the rewritten K/V of the last w - 1 positions of a request may sit in a full
  * block that kv.reuse=prefix registered; a request sharing it then reads the re-embedded K/V
@@ -53,8 +63,13 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/kv/kv_decode_retro.h"
 #include "kernels/kv_quest.h"
 #include "kernels/kv_retro.h"
+
+static int table_on_cpu;   /* kv_decode_retro.h */
+
+void kvs_retro_set_table_on_cpu(int on) { table_on_cpu = on; }
 
 struct rseq {
     uint64_t last_step;   /* plan index of the last step whose cache holds this request's rows */
@@ -67,6 +82,7 @@ struct rseq {
 struct retro {
     struct kvs_kv_decode_env env;
     const struct kvs_quest_kernels *k;
+    const struct kvs_retro_kernels *rk;   /* the device path (NULL: the host path) */
     double ratio;
     int min_budget, dense_layers, ps, w;
     int max_pages, max_spans;
@@ -85,6 +101,14 @@ struct retro {
     int32_t *h_keep, *h_npos, *h_nqs, *h_nrows, *h_cidx;
     int32_t *h_sel_n, *h_sel, *h_n_spans, *h_spans, *h_pages, *h_m, *h_plan_n, *h_plan_sp;
     float *h_lb;
+    /* device path */
+    struct kvs_dbuf *d_A, *d_req, *d_keys, *d_M;
+    int fused;                          /* the table's attend (KVS_RETRO_FUSED=0: attention_spans) */
+    long long bound_max;                /* this step: the most keys a newest row selects */
+    int unfused;                        /* the last device-path layer ran attention_spans */
+    struct kvs_dbuf **oc[2], **lc[2];   /* [n_layers] caches of o ACT [lrows][qd] and lse F32 [lrows][nh] */
+    int32_t *h_req;
+    size_t a_slot;                      /* entries of A per slot */
     /* this step (plan) */
     uint64_t steps;
     int n_lead, n_lrows, any_sparse, any_past, skip;
@@ -109,6 +133,17 @@ static void retro_destroy(void *state)
         if (s->cache) o->free_buf(be, s->cache[l]);
         if (s->h_lse) free(s->h_lse[l]);
     }
+    for (int i = 0; i < 2; i++)
+        for (int l = 0; l < s->env.n_layers; l++) {
+            if (s->oc[i]) o->free_buf(be, s->oc[i][l]);
+            if (s->lc[i]) o->free_buf(be, s->lc[i][l]);
+        }
+    for (int i = 0; i < 2; i++) free(s->oc[i]), free(s->lc[i]);
+    o->free_buf(be, s->d_A);
+    o->free_buf(be, s->d_req);
+    o->free_buf(be, s->d_keys);
+    o->free_buf(be, s->d_M);
+    free(s->h_req);
     free(s->dig);
     free(s->cache);
     free(s->h_lse);
@@ -171,7 +206,9 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->rows = env->max_slots < env->max_rows ? env->max_slots : env->max_rows;
     s->lrows = s->rows * w < env->max_rows ? s->rows * w : env->max_rows;
     const int L = env->n_layers, nkv = env->n_kv_heads, qd = env->n_heads * env->head_dim;
-    s->seq_bytes = sizeof(struct rseq) + (size_t)sparse_layers(s) * nkv * s->max_pages * sizeof(int32_t);
+    if (w > 1 && (strcmp(o->name, "cpu") || table_on_cpu)) s->rk = kvs_retro_kernels_for(o);
+    s->a_slot = (size_t)sparse_layers(s) * nkv * s->max_pages;
+    s->seq_bytes = sizeof(struct rseq) + (s->rk ? 0 : s->a_slot * sizeof(int32_t));
     const size_t rows = (size_t)s->rows, lrows = (size_t)s->lrows, ms = (size_t)s->max_spans;
     const size_t pages = (size_t)env->n_pool_blocks * (size_t)(env->block_size / ps);
     size_t cache_bytes = 0;
@@ -181,7 +218,14 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->h_lse = kvs_xcalloc((size_t)L, sizeof *s->h_lse);
     for (int l = dense; l < L && !failed; l++) {
         failed = !(s->dig[l] = o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
-        if (w > 1 && !failed) {
+        if (w > 1 && !failed && s->rk) {
+            for (int i = 0; i < 2 && !failed; i++) {
+                if (!s->oc[i]) s->oc[i] = kvs_xcalloc((size_t)L, sizeof **s->oc), s->lc[i] = kvs_xcalloc((size_t)L, sizeof **s->lc);
+                failed = !(s->oc[i][l] = o->alloc(env->be, KVS_BUF_ACT, lrows * qd)) ||
+                         !(s->lc[i][l] = o->alloc(env->be, KVS_BUF_F32, lrows * env->n_heads));
+                cache_bytes += lrows * qd * o->elem_size(env->be, KVS_BUF_ACT) + lrows * env->n_heads * sizeof(float);
+            }
+        } else if (w > 1 && !failed) {
             failed = !(s->cache[l] = o->alloc(env->be, KVS_BUF_ACT, (lrows + 1) * qd));
             if (!failed) o->zero(env->be, s->cache[l], 0, (lrows + 1) * qd);
             s->h_lse[l] = kvs_xcalloc(lrows * env->n_heads, sizeof(float));
@@ -205,6 +249,18 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_lb = o->alloc(env->be, KVS_BUF_F32, lrows * env->n_heads);
         failed = !s->d_scores || !s->d_keep || !s->d_npos || !s->d_nqs || !s->d_nrows || !s->d_qn || !s->d_sel_n ||
                  !s->d_sel || !s->d_n_spans || !s->d_spans || !s->d_cidx || !s->d_iota || !s->d_ob || !s->d_lb;
+    }
+    if (!failed && s->rk) {
+        /* the masks count as request state (they replace the arena's) */
+        s->d_A = o->alloc(env->be, KVS_BUF_I32, s->a_slot * (size_t)env->max_slots + 1);
+        s->d_req = o->alloc(env->be, KVS_BUF_I32, rows * 5);
+        s->d_keys = o->alloc(env->be, KVS_BUF_I32, 4);
+        const char *fe = getenv("KVS_RETRO_FUSED");
+        s->fused = s->rk->attend && !(fe && !strcmp(fe, "0"));
+        if (s->fused) s->d_M = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_pages);
+        failed = !s->d_A || !s->d_req || !s->d_keys || (s->fused && !s->d_M);
+        if (!failed) o->zero(env->be, s->d_keys, 0, 4);
+        cache_bytes += s->a_slot * (size_t)env->max_slots * sizeof(int32_t);
     }
     if (failed) {
         retro_destroy(s);
@@ -233,6 +289,7 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->h_pages = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
     s->h_m = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
     s->h_lb = kvs_xcalloc(lrows * env->n_heads, sizeof(float));
+    s->h_req = kvs_xcalloc(rows * 5, sizeof(int32_t));
     s->slot = kvs_xcalloc((size_t)env->max_slots, sizeof *s->slot);
     int32_t *iota = kvs_xmalloc(lrows * sizeof *iota);
     for (size_t i = 0; i < lrows; i++) iota[i] = (int32_t)i;
@@ -250,8 +307,9 @@ static int retro_seq_init(void *state, int slot, void *mem)
     struct retro *s = state;
     if (slot < 0 || slot >= s->env.max_slots || !mem) return -EINVAL;
     struct rseq *q = mem;
-    const size_t n = (size_t)sparse_layers(s) * s->env.n_kv_heads * s->max_pages;
-    for (size_t i = 0; i < n; i++) q->A[i] = -1;   /* never loaded */
+    if (s->rk) s->rk->reset(s->env.be, s->d_A, (size_t)slot * s->a_slot, s->a_slot);   /* never loaded */
+    else
+        for (size_t i = 0; i < s->a_slot; i++) q->A[i] = -1;
     q->last_step = 0, q->t = 0, q->n_win = 0;
     s->slot[slot] = q;
     return 0;
@@ -336,6 +394,8 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
         s->h_npos[q] = pos;
         s->h_nqs[q] = q;
         s->h_nrows[q] = st->h_q_start[q + 1] - 1;
+        s->h_req[5 * q] = st->h_q_start[q], s->h_req[5 * q + 1] = rows, s->h_req[5 * q + 2] = pos;
+        s->h_req[5 * q + 3] = s->slot[st->h_slot[q]]->t, s->h_req[5 * q + 4] = st->h_slot[q];
         s->any_sparse |= keep <= cur;
         /* where each past row's cached output sits in the last step's layout; the newest rows
          * read the zero row */
@@ -346,6 +406,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
         }
         /* launch planning for the selection: one span bounding the kept keys */
         const int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
+        if (q == 0 || bound > s->bound_max) s->bound_max = bound;
         for (int j = 0; j < rows; j++)
             for (int g = 0; g < nkv; g++) {
                 const size_t t = (size_t)(st->h_q_start[q] + j) * nkv + g;
@@ -372,6 +433,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
             o->upload(be, s->d_nqs, 0, s->h_nqs, (size_t)s->n_lead + 1);
             o->upload(be, s->d_nrows, 0, s->h_nrows, (size_t)s->n_lead);
             o->upload(be, s->d_cidx, 0, s->h_cidx, (size_t)s->n_lrows);
+            if (s->rk) o->upload(be, s->d_req, 0, s->h_req, (size_t)s->n_lead * 5);
         }
     }
     return 0;
@@ -423,6 +485,13 @@ static int spans_to_pages(const int32_t *sp, int n, int ps, int32_t *pages)
     return np;
 }
 
+void kvs_retro_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
+{
+    struct retro *s = state;
+    for (int l = s->dense_layers; l < s->env.n_layers; l++)
+        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+}
+
 static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     struct retro *s = state;
@@ -456,6 +525,28 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     s->k->score(be, s->d_qn, s->dig[layer], &nm, s->d_keep, nl, nh, nkv, a->head_dim, a->block_size, s->ps,
                 s->max_pages, s->d_scores);
     s->k->select(be, s->d_scores, &nm, s->d_keep, nl, nkv, s->ps, s->max_pages, ms, s->d_sel_n, s->d_sel);
+    struct kvs_attn_meta sub = *st->m;
+    sub.n_seqs = nl;
+    sub.max_ctx = nm.max_ctx;
+    if (s->rk) {
+        /* device path: mask and spans, every lead row's attention, merge and next cache */
+        s->rk->spans(be, s->d_sel_n, s->d_sel, s->d_req, nl, nkv, ms, s->ps, s->d_A, sparse_layers(s), sl,
+                     s->max_pages, s->d_n_spans, s->d_spans, s->d_keys, s->fused ? s->d_M : NULL);
+        int rc = -ENOSYS;
+        if (s->fused)
+            rc = s->rk->attend(be, a->q, a->kv.k, a->kv.v, &sub, s->d_sel_n, s->d_sel, ms, s->d_req, s->d_M, s->max_pages,
+                               s->ps, nl, nh, nkv, a->head_dim, a->block_size, a->scale, s->bound_max, a->out, a->lse);
+        s->unfused = rc != 0;
+        if (rc) {
+            const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_plan_n, s->h_plan_sp};
+            o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size,
+                               a->scale, a->out, a->lse);
+        }
+        const int cur = (int)(s->steps & 1);
+        s->rk->merge(be, a->out, a->lse, s->d_cidx, nr, nh, a->head_dim, s->oc[cur ^ 1][layer], s->lc[cur ^ 1][layer],
+                     s->lrows, s->oc[cur][layer], s->lc[cur][layer]);
+        return;
+    }
     o->download(be, s->h_sel_n, s->d_sel_n, 0, (size_t)nl * nkv);
     o->download(be, s->h_sel, s->d_sel, 0, (size_t)nl * nkv * ms * 2);
     /* 2. the mask and every lead row's spans: newest = selection, past = supplement */
@@ -493,9 +584,6 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     o->upload(be, s->d_n_spans, 0, s->h_n_spans, (size_t)nr * nkv);
     o->upload(be, s->d_spans, 0, s->h_spans, (size_t)nr * nkv * ms * 2);
     /* 3. one spans call for every lead row (the lead sequences as a step of their own) */
-    struct kvs_attn_meta sub = *st->m;
-    sub.n_seqs = nl;
-    sub.max_ctx = nm.max_ctx;
     const struct kvs_span_list sp = {ms, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};
     o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size, a->scale,
                        a->out, a->lse);
@@ -519,10 +607,18 @@ static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
     struct retro *s = state;
     int live = 0;
     for (int i = 0; i < s->env.max_slots; i++) live += s->slot[i] != NULL;
+    /* the device path's keys: one download (counters are read between steps) */
+    double own = s->keys_own, sup = s->keys_sup, read = s->bytes_read;
+    if (s->rk) {
+        uint64_t k[2];
+        s->env.o->download(s->env.be, k, s->d_keys, 0, 4);
+        own += (double)k[0], sup += (double)k[1];
+        if (s->unfused)   /* the fused kernel reads the supplements with the selection */
+            read += (double)k[1] * s->env.kv_bytes_per_token / (double)s->env.n_layers / s->env.n_kv_heads;
+    }
     const struct kvs_kv_counter c[] = {
         {"kvserve:kv_decode_bytes_read_total", "KV bytes the decode policy read for decode rows (Retro: Quest's for "
-         "the newest rows, the past rows' dense layers, and their supplements read a second time).", 1, s->bytes_read,
-         NULL, NULL},
+         "the newest rows, the past rows' dense layers, and their supplements read a second time).", 1, read, NULL, NULL},
         {"kvserve:kv_retro_sparse_rows_total", "Newest decode rows that attended selected pages.", 1, s->sparse_rows,
          NULL, NULL},
         {"kvserve:kv_retro_dense_rows_total", "Decode rows over the budget that attended densely (not in the step's "
@@ -530,11 +626,11 @@ static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
         {"kvserve:kv_retro_past_rows_total", "Past queries re-run in a window (recomputed rows).", 1, s->past_rows,
          NULL, NULL},
         {"kvserve:kv_retro_keys_own_total", "Keys the newest queries attended in their own step (sparse layers, per "
-         "KV head).", 1, s->keys_own, NULL, NULL},
+         "KV head).", 1, own, NULL, NULL},
         {"kvserve:kv_retro_keys_supplement_total", "Keys added to past queries by retrospective supplements (sparse "
-         "layers, per KV head).", 1, s->keys_sup, NULL, NULL},
+         "layers, per KV head).", 1, sup, NULL, NULL},
         {"kvserve:kv_retro_effective_budget", "Union of keys seen per query over keys of its own step: (own + "
-         "supplement) / own (1 = Quest).", 0, s->keys_own > 0 ? (s->keys_own + s->keys_sup) / s->keys_own : 1.0, NULL,
+         "supplement) / own (1 = Quest).", 0, own > 0 ? (own + sup) / own : 1.0, NULL,
          NULL},
         {"kvserve:kv_retro_window_resets_total", "Windows restarted because a request missed a step or attended "
          "densely.", 1, s->windows_reset, NULL, NULL},

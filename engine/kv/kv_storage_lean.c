@@ -12,10 +12,12 @@
  * shared, as the composition matrix allows; with kv.decode = mac the static modes are the
  * "quantization only" the matrix asks for.
  *
- * Not built (refused at startup with -ENOSYS and a message): kv.lean.mode = dynamic (the high /
- * low tiers by importance score, pruning, the full-precision window and the page manager: CPU
- * references exist, kernels/kv_lean_alg1.h and kv_lean_pages.h, not wired in), a backend
- * without LeanKV kernels, and head shapes a backend's kernels do not take.
+ * kv.lean.mode = dynamic (or adaptive): the high / low tiers by importance score, pruning and
+ * the full-precision window, in per-head pages of the page manager: kv_storage_lean_dyn.c,
+ * which the ops below call when the mode is dynamic (CPU backend only; it refuses the rest).
+ *
+ * Refused at startup with -ENOSYS and a message: a backend without LeanKV kernels, head shapes
+ * a backend's kernels do not take, and the dynamic mode off the CPU.
  *
  * Ownership: the storage owns its page buffers (one per layer); errors as kv.h. */
 #include "engine/kv/kv.h"
@@ -25,6 +27,7 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/kv/kv_storage_lean_dyn.h"
 #include "kernels/kv_lean.h"
 
 extern const struct kvs_kv_storage_ops kvs_kv_storage_lean;
@@ -37,6 +40,7 @@ struct lean {
     struct kvs_kv_shape sh;
     size_t layer_block_bytes;     /* one block of one layer: n_kv_heads pages */
     struct kvs_dbuf **pages;      /* [n_layers] */
+    struct kvs_lean_dyn_store *dyn; /* kv.lean.mode = dynamic (then none of the above but sh) */
 };
 
 static const char *mode_of(const struct kvs_kv_shape *sh)
@@ -44,11 +48,13 @@ static const char *mode_of(const struct kvs_kv_shape *sh)
     return sh->cfg && sh->cfg->lean_mode && *sh->cfg->lean_mode ? sh->cfg->lean_mode : "K8V4";
 }
 
+static int is_dynamic(const char *mode) { return !strcmp(mode, "dynamic") || !strcmp(mode, "adaptive"); }
+
 /* the format a block is sized for: the static mode's, or the high tier's for dynamic */
 static int block_fmt(const struct kvs_kv_shape *sh, struct kvs_lean_fmt *f)
 {
     const char *mode = mode_of(sh);
-    if (!strcmp(mode, "dynamic"))
+    if (is_dynamic(mode))
         return kvs_lean_fmt_parse(sh->cfg && sh->cfg->lean_high ? sh->cfg->lean_high : "K8V4", f);
     return kvs_lean_fmt_parse(mode, f);
 }
@@ -57,6 +63,10 @@ static void lean_block_bytes(const struct kvs_kv_shape *sh, const struct kvs_bac
                              size_t *k_bytes, size_t *v_bytes)
 {
     (void)o, (void)be;
+    if (is_dynamic(mode_of(sh))) {
+        kvs_lean_dyn_block_bytes(sh, k_bytes, v_bytes);
+        return;
+    }
     struct kvs_lean_fmt f = {8, 4};
     if (block_fmt(sh, &f) < 0) f = (struct kvs_lean_fmt){8, 4};   /* create() refuses it */
     const size_t per = (size_t)sh->n_layers * sh->n_kv_heads * sh->block_size;
@@ -68,6 +78,7 @@ static void lean_destroy(void *state)
 {
     struct lean *s = state;
     if (!s) return;
+    kvs_lean_dyn_destroy(s->dyn);
     for (int l = 0; s->pages && l < s->sh.n_layers; l++) s->o->free_buf(s->be, s->pages[l]);
     free(s->pages);
     free(s);
@@ -77,10 +88,19 @@ static int lean_create(const struct kvs_kv_shape *sh, const struct kvs_backend_o
                        int n_blocks, void **state, char *err, size_t errlen)
 {
     const char *mode = mode_of(sh);
-    if (!strcmp(mode, "dynamic"))
-        return kvs_err(err, errlen, -ENOSYS,
-                       "config key 'kv.lean.mode': \"dynamic\" (importance tiers, pruning, the full-precision window "
-                       "and the page manager) is not built yet; use a static mode (K16V16, K8V8, K8V4, K4V4)");
+    if (is_dynamic(mode)) {
+        struct lean *s = calloc(1, sizeof *s);
+        if (!s) return kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
+        s->o = o, s->be = be, s->sh = *sh;
+        s->sh.cfg = NULL;
+        int rc = kvs_lean_dyn_create(sh, o, be, n_blocks, &s->dyn, err, errlen);
+        if (rc) {
+            free(s);
+            return rc;
+        }
+        *state = s;
+        return 0;
+    }
     struct kvs_lean_fmt f;
     if (kvs_lean_fmt_parse(mode, &f) < 0)
         return kvs_err(err, errlen, -EINVAL, "config key 'kv.lean.mode': \"%s\" is not a LeanKV format", mode);
@@ -112,6 +132,10 @@ static void lean_write(void *state, int layer, const struct kvs_dbuf *k, const s
                        const struct kvs_dbuf *slots, int n)
 {
     struct lean *s = state;
+    if (s->dyn) {
+        kvs_lean_dyn_write(s->dyn, layer, k, v, n);
+        return;
+    }
     s->kn->write(s->be, s->fmt, k, v, slots, n, s->sh.n_kv_heads, s->sh.head_dim, s->sh.block_size, s->pages[layer]);
 }
 
@@ -123,6 +147,7 @@ static void lean_view(void *state, int layer, struct kvs_kv_view *out)
 static void lean_copy_block(void *state, int32_t src, int32_t dst)
 {
     struct lean *s = state;
+    KVS_ASSERT(!s->dyn);   /* copies serve shared prefixes: dynamic refuses kv.reuse */
     for (int l = 0; l < s->sh.n_layers; l++) s->kn->copy_block(s->be, s->pages[l], src, dst, s->layer_block_bytes);
 }
 
@@ -130,6 +155,11 @@ static void lean_attention(void *state, int layer, const struct kvs_dbuf *q, con
                            int n_heads, int n_kv_heads, int head_dim, int block_size, float scale, struct kvs_dbuf *out)
 {
     struct lean *s = state;
+    if (s->dyn) {
+        (void)n_heads, (void)n_kv_heads, (void)head_dim, (void)block_size;
+        kvs_lean_dyn_attention(s->dyn, layer, q, m, n, scale, out);
+        return;
+    }
     s->kn->attention(s->be, s->fmt, q, s->pages[layer], m, n, n_heads, n_kv_heads, head_dim, block_size, scale, out);
 }
 
@@ -138,6 +168,9 @@ static void lean_attention_spans(void *state, int layer, const struct kvs_dbuf *
                                  int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse)
 {
     struct lean *s = state;
+    /* spans come from decode policies other than full and from the fidelity meter, which the
+     * dynamic mode refuses at create */
+    KVS_ASSERT(!s->dyn);
     s->kn->attention_spans(s->be, s->fmt, q, s->pages[layer], m, sp, n, n_heads, n_kv_heads, head_dim, block_size,
                            scale, out, lse);
 }
@@ -147,6 +180,7 @@ static void lean_attention_spans(void *state, int layer, const struct kvs_dbuf *
 static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
 {
     struct lean *s = state;
+    if (s->dyn) return kvs_lean_dyn_counters(s->dyn, out, cap);
     if (cap < 3) return 0;
     const double heads = (double)s->sh.n_layers * s->sh.n_kv_heads;
     const double bytes = heads * (double)kvs_lean_token_bytes(s->fmt, s->sh.head_dim);
@@ -161,6 +195,27 @@ static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
     return 3;
 }
 
+struct kvs_lean_dyn_store *kvs_kv_storage_lean_dyn_of(void *state) { return ((struct lean *)state)->dyn; }
+
+/* per-request state: the dynamic mode's only (static modes store at block-table slots) */
+static int lean_seq_init(void *state, int slot)
+{
+    struct lean *s = state;
+    return s->dyn ? kvs_lean_dyn_seq_init(s->dyn, slot) : 0;
+}
+
+static int lean_step(void *state, const struct kvs_kv_step *step)
+{
+    struct lean *s = state;
+    return s->dyn ? kvs_lean_dyn_step(s->dyn, step) : 0;
+}
+
+static void lean_seq_free(void *state, int slot)
+{
+    struct lean *s = state;
+    if (s->dyn) kvs_lean_dyn_seq_free(s->dyn, slot);
+}
+
 const struct kvs_kv_storage_ops kvs_kv_storage_lean = {
     .name = "lean",
     .block_bytes = lean_block_bytes,
@@ -173,4 +228,7 @@ const struct kvs_kv_storage_ops kvs_kv_storage_lean = {
     .attention = lean_attention,
     .attention_spans = lean_attention_spans,
     .counters = lean_counters,
+    .seq_init = lean_seq_init,
+    .step = lean_step,
+    .seq_free = lean_seq_free,
 };

@@ -6,28 +6,25 @@
  * the same order, with no contraction), so the codes are bitwise the CPU reference's; the codes
  * go through shared memory and are packed a byte per lane.
  *
- * attention: one block of 4 warps per (query row, KV head); the G query heads of the group
- * share every K/V byte read. Warp w takes the selected positions p with p % 4 == w (spans
- * clipped to the row: causal; slots past a block's valid count skipped); lane l holds elements
- * [l E, l E + E) of a vector (E = head_dim / 32): it dequantizes its K elements
- * (x^ = s * code - z, rounded as the host does), each group head's dot product is a warp
- * all-reduce, the online softmax (fp32) keeps a max, a sum and E accumulators per head in
- * registers. Deferred RoPE: q is rotated backward by a block's offset (kvs_cpu_rotate_back's
- * formula) into the warp's shared copy when the offset changes. The four warps' partials are
- * merged in shared memory; out = acc / sum, lse = max + ln(sum) (no key: 0 and -inf).
- * Straightforward rather than tuned: bytes read are what shrink, the arithmetic is not.
+ * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
+ * query rows (16 / G tokens of a sequence, or one row over its spans) x a KV head x a split of
+ * the keys; the G query heads of the group share every K/V byte staged; 32 keys a step staged
+ * with 16-byte cp.async (3 tiles in flight), dequantized from shared memory into tensor-core
+ * fragments (fp16), QK and PV on mma.sync with fp32 accumulation, the online softmax in fp32;
+ * splits merged by a second kernel. Deferred RoPE: q rotated backward by a block's offset at
+ * document boundaries (rot_table, cuda_attn_device.cuh).
  *
- * Shapes: head_dim a multiple of 32 up to 256, G <= 16 and G * head_dim <= 2048 (else the
- * launch aborts with a message: the storage refuses such models first via supports()), and the
- * 16-bit formats (K16V16) are refused: their pages did not match the CPU reference in the GPU test.
+ * Shapes: head_dim 64 or 128, G <= 16, block sizes whose pages are a multiple of 16 bytes, the
+ * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest, and K16V16 until
+ * its pages are verified on a GPU; the launch aborts with a message if reached anyway).
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK). */
+#include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
 
 extern "C" {
 #include "kernels/kv_lean.h"
 }
 
-#define LEAN_WARPS 4
 #define LEAN_FULL 0xffffffffu
 #define LEAN_MAXG 16
 
@@ -75,25 +72,6 @@ __device__ __forceinline__ void lean_token(const lean_geom &g, uint8_t *pool, in
     if (g.vbits < 16) *vsz = meta + off * 4;
 }
 
-/* element i of a vector at `bits` (s, z already decoded), as the host dequantizes it */
-__device__ __forceinline__ float lean_elem(const uint8_t *codes, int i, int bits, float s, float z)
-{
-    if (bits == 16) return lean_h2f((uint16_t)(codes[2 * i] | codes[2 * i + 1] << 8));
-    const int per = 8 / bits;
-    const int q = codes[i / per] >> (bits * (i % per)) & ((1 << bits) - 1);
-    return __fsub_rn(__fmul_rn(s, (float)q), z);
-}
-
-__device__ __forceinline__ void lean_sz(const uint8_t *p, float *s, float *z)
-{
-    if (!p) {
-        *s = *z = 0.0f;
-        return;
-    }
-    *s = lean_h2f((uint16_t)(p[0] | p[1] << 8));
-    *z = lean_h2f((uint16_t)(p[2] | p[3] << 8));
-}
-
 /* ---- write ---------------------------------------------------------------------------------- */
 
 /* quantizes x (hd floats, lane-strided reads) to bits into codes / sz, as kvs_lean_quantize */
@@ -101,10 +79,13 @@ __device__ void lean_quantize_warp(const float *x, int hd, int bits, uint8_t *co
 {
     const int lane = threadIdx.x & 31;
     if (bits == 16) {
-        for (int i = lane; i < hd; i += 32) {
-            const uint16_t h = __half_as_ushort(__float2half_rn(lean_sat_half(x[i])));
-            codes[2 * i] = (uint8_t)h, codes[2 * i + 1] = (uint8_t)(h >> 8);
-        }
+        /* one 16-bit store per value (codes is 2-byte aligned: even page and vector sizes). The
+         * former two byte stores came out wrong on the H100 build: the low byte held the value
+         * converted to an unsigned 8-bit integer (0 for 0.027 or -1.5, 1 for 1.09, 2 for 2.48;
+         * the high byte right), as if the u8 store of the fp16 register converted it: the
+         * K16V16 pages' mismatch (tests/gpu/test_cuda_kv_lean.c, bench/RESULTS.md) */
+        uint16_t *out = reinterpret_cast<uint16_t *>(codes);
+        for (int i = lane; i < hd; i += 32) out[i] = __half_as_ushort(__float2half_rn(lean_sat_half(x[i])));
         return;
     }
     float mn = INFINITY, mx = -INFINITY;
@@ -171,156 +152,712 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
 
 /* ---- attention ------------------------------------------------------------------------------ */
 
-struct lean_attn_args {
+#define LEAN_ST 3                 /* tiles in flight */
+#ifndef LEAN_MIN_BLOCKS
+#define LEAN_MIN_BLOCKS 1         /* __launch_bounds__ minimum blocks per SM (occupancy experiments) */
+#endif
+#define LEAN_MIN_TILES 4          /* tiles (of AT_TILE keys) a split is planned with at least */
+#define LEAN_MAX_SPLITS 256
+
+struct lean_fd_args {
     lean_geom g;
     const float *q, *inv_freq;
     const uint8_t *pool;
-    float *out, *lse;             /* lse may be NULL */
+    float *out, *lse, *part;      /* lse may be NULL; part: [n][n_heads][n_splits][hd + 2] */
     const int32_t *q_start, *pos, *bt, *rot, *valid, *n_spans, *spans; /* spans NULL: [0, ctx) */
     int n_seqs, max_blocks, max_spans, n_heads, G;
+    int qt;                       /* tokens of a sequence per tile (spans: 1) */
+    int chunk, n_splits;          /* tiles per split, splits */
     float scale;
 };
 
-template <int E, int MG>
-__global__ void __launch_bounds__(LEAN_WARPS * 32) k_lean_attn(const __grid_constant__ lean_attn_args a)
+__device__ __forceinline__ void lean_cp16(void *dst, const void *src, int bytes)
 {
-    extern __shared__ float lean_sm[];   /* [LEAN_WARPS][G][hd] q (rotated), then the partials */
-    const lean_geom &g = a.g;
-    const int hd = g.hd, G = a.G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row = blockIdx.x / g.n_kv, kvh = blockIdx.x % g.n_kv;
-    int s = 0;
-    {
-        int lo = 0, hi = a.n_seqs - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) >> 1;
-            if (a.q_start[mid] <= row) lo = mid; else hi = mid - 1;
-        }
-        s = lo;
-    }
-    const int ctx = a.pos[s] + (row - a.q_start[s]) + 1;
-    const int32_t *bt = a.bt + (long long)s * a.max_blocks;
-    const int32_t *rot = a.rot ? a.rot + (long long)s * a.max_blocks : NULL;
-    const int32_t *valid = a.valid ? a.valid + (long long)s * a.max_blocks : NULL;
-    int ns = 1;
-    const int32_t *sp = NULL;
-    if (a.spans) {
-        const long long sl = (long long)row * g.n_kv + kvh;
-        ns = a.n_spans[sl];
-        sp = a.spans + sl * a.max_spans * 2;
-    }
-    float *qs = lean_sm + (long long)warp * G * hd;
-    const float *q0 = a.q + ((long long)row * a.n_heads + (long long)kvh * G) * hd;
-    for (int i = lane; i < G * hd; i += 32) qs[i] = q0[i];
-    __syncwarp();
-    int cur_rot = 0;
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(src), "r"(bytes));
+}
 
-    float m[MG], l[MG], acc[MG][E];
+__device__ __forceinline__ void lean_cp4(void *dst, const void *src, int bytes)
+{
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sa), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ __half2 lean_u2h(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
+__device__ __forceinline__ uint32_t lean_h2u(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+
+__device__ __forceinline__ uint32_t lean_pack_f16(float lo, float hi)
+{
+    return lean_h2u(__floats2half2_rn(lo, hi));
+}
+
+__device__ __forceinline__ void lean_mma(float *c, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* The codes are fed to the tensor cores raw, as fp16 1024 + code (exact: a byte permute puts
+ * the code under the exponent of 1024), and the scale and zero are applied per key outside the
+ * products: q . k^ = s (q . (1024 + c)) - (1024 s + z) sum(q), and sum_k p_k v^_k =
+ * sum_k (p_k s_k) (1024 + c_k) - sum_k (1024 p_k s_k + p_k z_k) (the second sum per row, fp32).
+ * So dequantizing costs a permute per two elements (plus a mask at 4 and 2 bits); at 16 bits
+ * the word is two fp16 values, taken as they are.
+ * A word of packed K codes at B bits gives NPW half2: output m holds the word's elements e0(m)
+ * and e0(m) + STEP. */
+template <int B> struct lean_w {
+    static constexpr int EPW = B == 16 ? 2 : 32 / B;   /* elements per word */
+    static constexpr int NPW = EPW / 2;                /* half2 outputs per word */
+    static constexpr int STEP = B == 16 ? 1 : 8 / B;   /* second element of an output: first + STEP */
+    static __host__ __device__ constexpr int e0(int m) { return B == 16 ? 0 : (8 / B) * 2 * (m % 2) + m / 2; }
+};
+
+template <int B>
+__device__ __forceinline__ void lean_raw(uint32_t x, uint32_t *out)
+{
+    if constexpr (B == 16) {
+        out[0] = x;
+    } else {
+        constexpr int per = 8 / B;
 #pragma unroll
-    for (int h = 0; h < MG; h++) {
-        m[h] = -INFINITY, l[h] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; e++) acc[h][e] = 0.0f;
-    }
-    for (int j = 0; j < ns; j++) {
-        const int p0 = sp ? max(sp[2 * j], 0) : 0, p1 = sp ? min(sp[2 * j + 1], ctx) : ctx;
-        /* this warp's positions: p % LEAN_WARPS == warp */
-        for (int p = p0 + ((warp - p0 % LEAN_WARPS) + LEAN_WARPS) % LEAN_WARPS; p < p1; p += LEAN_WARPS) {
-            const int bi = p / g.bs, off = p - bi * g.bs;
-            if (valid && off >= valid[bi]) continue;
-            const int r = rot ? rot[bi] : 0;
-            if (r != cur_rot) {
-                /* q rotated backward by r (kvs_cpu_rotate_back) into the warp's copy */
-                __syncwarp();
-                const int half = hd / 2;
-                for (int idx = lane; idx < G * half; idx += 32) {
-                    const int h = idx / half, i = idx % half;
-                    const float ang = (float)r * a.inv_freq[i];
-                    float sn, cs;
-                    sincosf(ang, &sn, &cs);
-                    const float x = q0[h * hd + i], y = q0[h * hd + i + half];
-                    qs[h * hd + i] = x * cs + y * sn;
-                    qs[h * hd + i + half] = -x * sn + y * cs;
-                }
-                __syncwarp();
-                cur_rot = r;
-            }
-            uint8_t *kcp, *vcp, *ksz, *vsz;
-            lean_token(g, (uint8_t *)a.pool, bt[bi], kvh, off, &kcp, &vcp, &ksz, &vsz);
-            float ks, kz, vs, vz, kx[E], vx[E];
-            lean_sz(ksz, &ks, &kz);
-            lean_sz(vsz, &vs, &vz);
-#pragma unroll
-            for (int e = 0; e < E; e++) {
-                kx[e] = lean_elem(kcp, lane * E + e, g.kbits, ks, kz);
-                vx[e] = lean_elem(vcp, lane * E + e, g.vbits, vs, vz);
-            }
-#pragma unroll
-            for (int h = 0; h < MG; h++) {
-                if (h >= G) break;
-                float d = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; e++) d += qs[h * hd + lane * E + e] * kx[e];
-                for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(LEAN_FULL, d, o);
-                const float sc = d * a.scale;
-                if (sc > m[h]) {
-                    const float corr = __expf(m[h] - sc);
-                    l[h] *= corr;
-#pragma unroll
-                    for (int e = 0; e < E; e++) acc[h][e] *= corr;
-                    m[h] = sc;
-                }
-                const float w = __expf(sc - m[h]);
-                l[h] += w;
-#pragma unroll
-                for (int e = 0; e < E; e++) acc[h][e] += w * vx[e];
-            }
+        for (int j = 0; j < per; j++) {
+            const uint32_t y = B == 8 ? x : (x >> (B * j)) & (B == 4 ? 0x0f0f0f0fu : 0x03030303u);
+            out[2 * j] = __byte_perm(y, 0x64646464u, 0x4140);
+            out[2 * j + 1] = __byte_perm(y, 0x64646464u, 0x4342);
         }
-    }
-    /* merge the warps: partials to shared memory (over the q copies) */
-    __syncthreads();
-    float *pacc = lean_sm;                                     /* [LEAN_WARPS][G][hd] */
-    float *pml = lean_sm + (long long)LEAN_WARPS * G * hd;     /* [LEAN_WARPS][G][2] */
-#pragma unroll
-    for (int h = 0; h < MG; h++) {
-        if (h >= G) break;
-#pragma unroll
-        for (int e = 0; e < E; e++) pacc[((long long)warp * G + h) * hd + lane * E + e] = acc[h][e];
-        if (lane == 0) pml[(warp * G + h) * 2] = m[h], pml[(warp * G + h) * 2 + 1] = l[h];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < G * hd; idx += blockDim.x) {
-        const int h = idx / hd, i = idx % hd;
-        float M = -INFINITY;
-        for (int w = 0; w < LEAN_WARPS; w++) M = fmaxf(M, pml[(w * G + h) * 2]);
-        float L = 0.0f, o = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < LEAN_WARPS; w++) {
-                const float mw = pml[(w * G + h) * 2];
-                if (mw == -INFINITY) continue;
-                const float c = __expf(mw - M);
-                L += pml[(w * G + h) * 2 + 1] * c;
-                o += pacc[((long long)w * G + h) * hd + i] * c;
-            }
-        const long long orow = (long long)row * a.n_heads + (long long)kvh * G + h;
-        a.out[orow * hd + i] = L > 0.0f ? o / L : 0.0f;
-        if (a.lse && i == 0) a.lse[orow] = L > 0.0f ? M + logf(L) : -INFINITY;
     }
 }
 
-template <int MG>
-static void launch_e(const lean_attn_args &a, int n, cudaStream_t st)
+/* NB bytes of shared memory (NB a power of two, aligned to min(NB, 16)) into w[max(1, NB / 4)] */
+template <int NB>
+__device__ __forceinline__ void lean_lds(const uint8_t *p, uint32_t *w)
 {
-    const int hd = a.g.hd;
-    const size_t smem = ((size_t)LEAN_WARPS * a.G * hd + (size_t)LEAN_WARPS * a.G * 2) * sizeof(float);
-    const dim3 grid(n * a.g.n_kv), block(LEAN_WARPS * 32);
-    switch (hd / 32) {
-    case 1: k_lean_attn<1, MG><<<grid, block, smem, st>>>(a); break;
-    case 2: k_lean_attn<2, MG><<<grid, block, smem, st>>>(a); break;
-    case 4: k_lean_attn<4, MG><<<grid, block, smem, st>>>(a); break;
-    case 8: k_lean_attn<8, MG><<<grid, block, smem, st>>>(a); break;
-    default: kvs_panic(__FILE__, __LINE__, "lean attention: head_dim %d not 32, 64, 128 or 256", hd);
+    if constexpr (NB >= 16) {
+#pragma unroll
+        for (int i = 0; i < NB / 16; i++) {
+            const uint4 v = reinterpret_cast<const uint4 *>(p)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (NB == 8) {
+        const uint2 v = *reinterpret_cast<const uint2 *>(p);
+        w[0] = v.x, w[1] = v.y;
+    } else if constexpr (NB == 4) {
+        w[0] = *reinterpret_cast<const uint32_t *>(p);
+    } else {
+        static_assert(NB == 2, "lean_lds: 2, 4, 8 or a multiple of 16 bytes");
+        w[0] = *reinterpret_cast<const uint16_t *>(p);
     }
+}
+
+/* Which dimension of the head each fragment element holds. QK contracts over dimensions, so
+ * they may be dealt in any order that q and K share: lane quad t owns dims [t HD/4, (t+1) HD/4)
+ * of every key (its K codes are contiguous bytes: vector loads), k-step ks of the mma takes
+ * the lane's decode outputs 2 ks (slots 2t, 2t+1) and 2 ks + 1 (slots 2t+8, 2t+9). */
+template <int HD, int KB>
+__host__ __device__ constexpr int lean_kdim(int t, int qi, int c)
+{
+    using W = lean_w<KB>;
+    return t * (HD / 4) + (qi / W::NPW) * W::EPW + W::e0(qi % W::NPW) + c * W::STEP;
+}
+
+/* the q fragments of the warp's 16 rows (qr[h]: row g + 8h's q, or NULL for a padding row),
+ * scaled, rotated backward by cs_sn (or not: NULL) and rounded to fp16 (saturated) */
+template <int HD, int KB>
+__device__ __forceinline__ void lean_qfrags(const float *const *qr, float scale, const float *cs_sn, int lane,
+                                            uint32_t (*qa)[4], float *qsum)
+{
+    const int t = lane & 3;
+    qsum[0] = qsum[1] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+        for (int e = 0; e < 2; e++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float v0 = 0.0f, v1 = 0.0f;
+                if (qr[h]) {
+                    v0 = q_dim<HD>(qr[h], lean_kdim<HD, KB>(t, 2 * ks + e, 0), scale, cs_sn);
+                    v1 = q_dim<HD>(qr[h], lean_kdim<HD, KB>(t, 2 * ks + e, 1), scale, cs_sn);
+                }
+                qa[ks][h + 2 * e] = lean_pack_f16(fminf(fmaxf(v0, -65504.0f), 65504.0f),
+                                                  fminf(fmaxf(v1, -65504.0f), 65504.0f));
+                const float2 qf = __half22float2(lean_u2h(qa[ks][h + 2 * e]));
+                qsum[h] += qf.x + qf.y;
+            }
+    /* the quad's lanes hold a row's dims between them */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        qsum[h] += __shfl_xor_sync(FULL, qsum[h], 1);
+        qsum[h] += __shfl_xor_sync(FULL, qsum[h], 2);
+    }
+}
+
+/* staged tile of AT_TILE keys: K codes [32][KS], V codes [32][VS] (rows padded by 16 bytes
+ * against bank conflicts), K (s, z) [32][4], V (s, z) [32][4], key info [32] */
+template <int HD, int KB, int VB>
+struct lean_stage {
+    static constexpr int KC = HD * KB / 8, VC = HD * VB / 8, KS = KC + 16, VS = VC + 16;
+    static constexpr int K_OFF = 0, V_OFF = AT_TILE * KS, KSZ_OFF = V_OFF + AT_TILE * VS, VSZ_OFF = KSZ_OFF + 128,
+                         KO_OFF = VSZ_OFF + 128, BYTES = KO_OFF + 128;
+};
+
+/* one key of a tile, looked up by its lane: byte offsets in the pool (-1: not read) */
+struct lean_key {
+    long long k, v, ksz, vsz;
+    int info;
+};
+
+template <int HD, int KB, int VB>
+__device__ __forceinline__ lean_key lean_lookup(const lean_fd_args &a, int p, int kvh, const int32_t *bt,
+                                                const int32_t *vt, const int32_t *rt)
+{
+    const lean_geom &g = a.g;
+    lean_key k;
+    k.k = k.v = k.ksz = k.vsz = -1;
+    k.info = KEY_PAD;
+    if (p >= 0) {
+        const int pb = p / g.bs, sl = p - pb * g.bs;
+        if (!vt || sl < vt[pb]) {
+            const long long page = ((long long)bt[pb] * g.n_kv + kvh) * g.page;
+            const long long meta = page + (long long)g.bs * (g.kc + g.vc);
+            k.k = page + (long long)sl * g.kc;
+            k.v = page + (long long)g.bs * g.kc + (long long)sl * g.vc;
+            if (KB < 16) k.ksz = meta + sl * 4;
+            if (VB < 16) k.vsz = meta + (KB < 16 ? g.bs * 4 : 0) + sl * 4;
+            k.info = rt ? rt[pb] : 0;
+        }
+    }
+    return k;
+}
+
+/* cp.async of the tile that lane l's key describes (key l) into stage stg; keys not read get
+ * zero-filled codes and (s, z), so they dequantize to 0 (their probability is 0 as well) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_issue(const uint8_t *pool, const lean_key &k, uint8_t *stg, int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    constexpr int CHK = S::KC / 16, CHV = S::VC / 16;
+    reinterpret_cast<int *>(stg + S::KO_OFF)[lane] = k.info;
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CHK; idx += 32) {
+        const int j = idx / CHK, c = idx % CHK;
+        const long long o = __shfl_sync(FULL, k.k, j);
+        lean_cp16(stg + S::K_OFF + j * S::KS + c * 16, o >= 0 ? pool + o + c * 16 : pool, o >= 0 ? 16 : 0);
+    }
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CHV; idx += 32) {
+        const int j = idx / CHV, c = idx % CHV;
+        const long long o = __shfl_sync(FULL, k.v, j);
+        lean_cp16(stg + S::V_OFF + j * S::VS + c * 16, o >= 0 ? pool + o + c * 16 : pool, o >= 0 ? 16 : 0);
+    }
+    if (KB < 16) lean_cp4(stg + S::KSZ_OFF + lane * 4, k.ksz >= 0 ? pool + k.ksz : pool, k.ksz >= 0 ? 4 : 0);
+    if (VB < 16) lean_cp4(stg + S::VSZ_OFF + lane * 4, k.vsz >= 0 ? pool + k.vsz : pool, k.vsz >= 0 ? 4 : 0);
+}
+
+/* (s, z) of key r at side offset OFF of the stage, as floats */
+__device__ __forceinline__ float2 lean_sz(const uint8_t *stg, int off, int r)
+{
+    return __half22float2(lean_u2h(*reinterpret_cast<const uint32_t *>(stg + off + r * 4)));
+}
+
+/* S^T of the warp's 16 rows against the staged 32 keys: s[n-tile of 8 keys][4] (row g + 8h, key
+ * j 8 + 2t + e in s[j][2h + e]); qsum[h]: sum of row g + 8h's fp16 q */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)[4], const float *qsum, float (*s)[4],
+                                        int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    using W = lean_w<KB>;
+    constexpr int NB = HD * KB / 32, NW = NB >= 4 ? NB / 4 : 1;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        const int r = j * 8 + g;
+        uint32_t w[NW];
+        lean_lds<NB>(stg + S::K_OFF + r * S::KS + t * NB, w);
+        uint32_t hk[NW * W::NPW];
+#pragma unroll
+        for (int i = 0; i < NW; i++) lean_raw<KB>(w[i], hk + i * W::NPW);
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) lean_mma(s[j], qa[ks], hk[2 * ks], hk[2 * ks + 1]);
+    }
+    if constexpr (KB < 16) {
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float2 sz = lean_sz(stg, S::KSZ_OFF, j * 8 + 2 * t + e);
+                const float off = fmaf(1024.0f, sz.x, sz.y);
+#pragma unroll
+                for (int h = 0; h < 2; h++) s[j][2 * h + e] = fmaf(sz.x, s[j][2 * h + e], -off * qsum[h]);
+            }
+    }
+}
+
+/* O += P' . (1024 + C): the k dimension is the tile's keys (as the P fragments order them), the
+ * n dimension dims: n-tile nd, slot g is dim g HD/8 + nd (the lane's own contiguous codes).
+ * A B register pairs keys 2t, 2t+1 (or 2t+8, 2t+9) at one dim: the two keys' code bytes are
+ * interleaved by a permute, then each pair gets the 1024 exponent by another. */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)[4], float (*o)[4], int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    constexpr int NB = HD * VB / 64, NW = NB >= 4 ? NB / 4 : 1, ND = HD / 8;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        uint32_t b[2][ND];
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int r = kk * 16 + hh * 8 + 2 * t;
+            uint32_t wa[NW], wb[NW];
+            lean_lds<NB>(stg + S::V_OFF + r * S::VS + g * NB, wa);
+            lean_lds<NB>(stg + S::V_OFF + (r + 1) * S::VS + g * NB, wb);
+#pragma unroll
+            for (int i = 0; i < NW; i++) {
+                if constexpr (VB == 16) {
+                    b[hh][2 * i] = __byte_perm(wa[i], wb[i], 0x5410);
+                    b[hh][2 * i + 1] = __byte_perm(wa[i], wb[i], 0x7632);
+                } else {
+                    constexpr int per = 8 / VB;
+#pragma unroll
+                    for (int x = 0; x < 2; x++) {
+                        /* bytes 2x, 2x + 1 of both keys: [a, b, a', b'] */
+                        const uint32_t xb = __byte_perm(wa[i], wb[i], x ? 0x7362 : 0x5140);
+#pragma unroll
+                        for (int j = 0; j < per; j++) {
+                            const uint32_t y = VB == 8 ? xb : (xb >> (VB * j)) & (VB == 4 ? 0x0f0f0f0fu : 0x03030303u);
+                            const int L = i * 4 * per + x * 2 * per + j;
+                            if (L < ND) b[hh][L] = __byte_perm(y, 0x64646464u, 0x4140);
+                            if (L + per < ND) b[hh][L + per] = __byte_perm(y, 0x64646464u, 0x4342);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) lean_mma(o[nd], pa[kk], b[0][nd], b[1][nd]);
+    }
+}
+
+/* softmax_tile (cuda_attn_device.cuh) on fp32 scores, then the A fragments of P' = p s_v (fp16)
+ * and the rows' correction corr += 1024 p' + p z_v (the V side of lean_raw's identity) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4], const int *ko, int kb, const int *lim,
+                                             float *m, float *l, float *corr, float (*o)[4], uint32_t (*pa)[4],
+                                             int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    const int t = lane & 3;
+    float alpha[2];
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = kb + j * 8 + 2 * t + e;
+                const bool ok = ko[j * 8 + 2 * t + e] != KEY_PAD && key <= lim[h];
+                const float v = ok ? sc[j][2 * h + e] : -INFINITY;
+                sc[j][2 * h + e] = v;
+                mx = fmaxf(mx, v);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+        const float mn = fmaxf(m[h], mx);
+        alpha[h] = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mn);
+        moved |= m[h] != -INFINITY && mn != m[h];
+        m[h] = mn;
+        float ps = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float v = sc[j][2 * h + e];
+                const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
+                sc[j][2 * h + e] = pr;
+                ps += pr;
+            }
+        l[h] = l[h] * alpha[h] + ps;
+        corr[h] *= alpha[h];
+    }
+    if (__any_sync(FULL, moved)) {
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            o[nd][0] *= alpha[0];
+            o[nd][1] *= alpha[0];
+            o[nd][2] *= alpha[1];
+            o[nd][3] *= alpha[1];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float2 sz0 = make_float2(1.0f, 0.0f), sz1 = sz0;
+        if constexpr (VB < 16) {
+            sz0 = lean_sz(stg, S::VSZ_OFF, j * 8 + 2 * t);
+            sz1 = lean_sz(stg, S::VSZ_OFF, j * 8 + 2 * t + 1);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float p0 = sc[j][2 * h], p1 = sc[j][2 * h + 1];
+            const __half2 ph = __floats2half2_rn(p0 * sz0.x, p1 * sz1.x);
+            pa[j / 2][(j & 1) * 2 + h] = lean_h2u(ph);
+            if constexpr (VB < 16) {
+                const float2 pf = __half22float2(ph);
+                corr[h] += 1024.0f * (pf.x + pf.y) + p0 * sz0.y + p1 * sz1.y;
+            }
+        }
+    }
+}
+
+/* the span walk of kv_span.cu: span j clipped to the row, [lo, lo + len) */
+__device__ __forceinline__ int lean_span_len(const int32_t *sp, int j, int last, int *lo)
+{
+    const int a = max(sp[2 * j], 0), b = min(sp[2 * j + 1], last + 1);
+    *lo = a;
+    return b > a ? b - a : 0;
+}
+
+/* the position of the key k keys after cursor (j, o), or -1 past the last span */
+__device__ __forceinline__ int lean_key_after(const int32_t *sp, int ns, int last, int j, int o)
+{
+    while (j < ns) {
+        int lo;
+        const int len = lean_span_len(sp, j, last, &lo);
+        if (o < len) return lo + o;
+        o -= len;
+        j++;
+    }
+    return -1;
+}
+
+__device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, int last, int &j, int &o, int k)
+{
+    o += k;
+    while (j < ns) {
+        int lo;
+        const int len = lean_span_len(sp, j, last, &lo);
+        if (o < len) break;
+        o -= len;
+        j++;
+    }
+}
+
+/* Flash decoding over LeanKV pages, one warp a block: block (tile, KV head, split). A tile is
+ * qt consecutive query tokens of one sequence (spans: one row); its rows are tokens x the G
+ * query heads of the KV head (at most 16: one m-tile), so every K/V byte staged serves them
+ * all. Keys come 32 a tile: each lane looks one key up (the tile after next: its page loads
+ * overlap compute), the warp stages the tile's packed codes and (s, z) with 16-byte cp.async,
+ * LEAN_ST tiles in flight; QK and PV run on tensor cores (mma m16n8k16, fp16 in, fp32
+ * accumulate) with K and V dequantized from shared memory into fragments in registers (x^ =
+ * s code - z as one fp16 fma: fp16 keeps 3 more mantissa bits than the bf16 K/V of the
+ * dense kernel), q and p rounded to fp16; the softmax and every sum stay fp32. Splits cut the
+ * key tiles over the grid's y; their partials are merged by k_lean_merge. */
+template <int HD, int KB, int VB>
+__global__ void __launch_bounds__(32, LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
+{
+    using S = lean_stage<HD, KB, VB>;
+    extern __shared__ __align__(16) uint8_t lean_smem[];
+    float *cs_sn = reinterpret_cast<float *>(lean_smem + LEAN_ST * S::BYTES); /* [HD]: rotation table */
+    const lean_geom &g = a.g;
+    const int lane = threadIdx.x, gq = lane >> 2, t = lane & 3;
+    const int tile = blockIdx.x / g.n_kv, kvh = blockIdx.x % g.n_kv, split = blockIdx.y;
+    const bool spans = a.spans != nullptr;
+
+    /* the tile's sequence s and first row r0 within it */
+    int s = 0, r0 = 0;
+    if (a.qt == 1) {
+        int lo = 0, hi = a.n_seqs - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (a.q_start[mid] <= tile) lo = mid; else hi = mid - 1;
+        }
+        s = lo;
+        r0 = tile - a.q_start[s];
+    } else {
+        int base = 0;
+        bool found = false;
+        for (int c = 0; c < a.n_seqs && !found; c += 32) {
+            const int sc = c + lane;
+            const int cnt = sc < a.n_seqs ? (a.q_start[sc + 1] - a.q_start[sc] + a.qt - 1) / a.qt : 0;
+            int inc = cnt;
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(FULL, inc, o);
+                if (lane >= o) inc += v;
+            }
+            const int total = __shfl_sync(FULL, inc, 31);
+            if (tile < base + total) {
+                const unsigned mk = __ballot_sync(FULL, cnt > 0 && tile >= base + inc - cnt && tile < base + inc);
+                const int src = __ffs((int)mk) - 1;
+                s = c + src;
+                r0 = (tile - base - __shfl_sync(FULL, inc - cnt, src)) * a.qt;
+                found = true;
+            }
+            base += total;
+        }
+        if (!found) return; /* cannot happen: the grid has exactly the tiles */
+    }
+    const int qs = a.q_start[s], rows_s = a.q_start[s + 1] - qs;
+    const int nt = min(a.qt, rows_s - r0), nr = nt * a.G;
+    const int first = a.pos[s] + r0, last = first + nt - 1; /* the tile's tokens' positions */
+    const int32_t *bt = a.bt + (long long)s * a.max_blocks;
+    const int32_t *vt = a.valid ? a.valid + (long long)s * a.max_blocks : nullptr;
+    const int32_t *rt = a.rot ? a.rot + (long long)s * a.max_blocks : nullptr;
+    int ns = 0;
+    const int32_t *sp = nullptr;
+    long long total;
+    if (spans) {
+        const long long pr = (long long)(qs + r0) * g.n_kv + kvh;
+        ns = a.n_spans[pr];
+        sp = a.spans + pr * a.max_spans * 2;
+        long long sum = 0;
+        for (int j = lane; j < ns; j += 32) {
+            int lo;
+            sum += lean_span_len(sp, j, last, &lo);
+        }
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+        total = sum;
+    } else {
+        total = last + 1;
+    }
+    const long long n_tiles_all = (total + AT_TILE - 1) / AT_TILE;
+    const long long w0 = (long long)split * a.chunk;
+    const long long w1 = split == a.n_splits - 1 ? n_tiles_all : min(n_tiles_all, w0 + a.chunk);
+    const int ntiles = w1 > w0 ? (int)(w1 - w0) : 0;
+
+    /* the next tile's key cursor: position (no spans), or span j, offset o */
+    int cj = 0, co = 0;
+    long long cpos = w0 * AT_TILE;
+    if (spans && ntiles > 0) {
+        /* skip whole spans up to key w0 * AT_TILE (a split starts once per block) */
+        long long k = w0 * AT_TILE;
+        while (cj < ns) {
+            int lo;
+            const int len = lean_span_len(sp, cj, last, &lo);
+            if (k < len) break;
+            k -= len;
+            cj++;
+        }
+        co = (int)k;
+    }
+    auto lookup = [&]() {
+        int p;
+        if (spans) {
+            p = lean_key_after(sp, ns, last, cj, co + lane);
+            lean_cursor_advance(sp, ns, last, cj, co, AT_TILE);
+        } else {
+            p = cpos + lane <= last ? (int)(cpos + lane) : -1;
+            cpos += AT_TILE;
+        }
+        return lean_lookup<HD, KB, VB>(a, p, kvh, bt, vt, rt);
+    };
+
+    lean_key nxt = lookup();
+#pragma unroll
+    for (int st = 0; st < LEAN_ST - 1; st++) {
+        if (st < ntiles) {
+            lean_issue<HD, KB, VB>(a.pool, nxt, lean_smem + st * S::BYTES, lane);
+            nxt = lookup();
+        }
+        cp_async_commit();
+    }
+
+    /* the rows: g + 8h of the m-tile is token (g + 8h) / G, head (g + 8h) % G */
+    const float *qr[2];
+    int lim[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = gq + 8 * h;
+        qr[h] = nullptr;
+        lim[h] = -1;
+        if (r < nr) {
+            qr[h] = a.q + ((long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G) * HD;
+            lim[h] = spans ? INT_MAX : first + r / a.G;
+        }
+    }
+    uint32_t qa[HD / 16][4];
+    float qsum[2];
+    lean_qfrags<HD, KB>(qr, a.scale, nullptr, lane, qa, qsum);
+    int cur_rot = 0;
+
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, corr[2] = {0.0f, 0.0f}, o[HD / 8][4];
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+
+    for (int it = 0; it < ntiles; it++) {
+        if (it + LEAN_ST - 1 < ntiles) {
+            lean_issue<HD, KB, VB>(a.pool, nxt, lean_smem + ((it + LEAN_ST - 1) % LEAN_ST) * S::BYTES, lane);
+            nxt = lookup(); /* its loads overlap this tile's wait and compute */
+        }
+        cp_async_commit();
+        cp_async_wait<LEAN_ST - 1>();
+        __syncwarp();
+        const uint8_t *stg = lean_smem + (it % LEAN_ST) * S::BYTES;
+        const int *ko = reinterpret_cast<const int *>(stg + S::KO_OFF);
+        float sc[4][4];
+        const int myoff = ko[lane];
+        if (!rt || __all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
+            lean_qk<HD, KB, VB>(stg, qa, qsum, sc, lane);
+        } else {
+            /* a document boundary: one QK pass per rotation offset in the tile */
+#pragma unroll
+            for (int j = 0; j < 4; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+            unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
+            while (todo) {
+                const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
+                if (ofs != cur_rot) {
+                    if (ofs) rot_table(cs_sn, HD, ofs, a.inv_freq);
+                    lean_qfrags<HD, KB>(qr, a.scale, ofs ? cs_sn : nullptr, lane, qa, qsum);
+                    cur_rot = ofs;
+                }
+                float sr[4][4];
+                lean_qk<HD, KB, VB>(stg, qa, qsum, sr, lane);
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[j][e] = sr[j][e];
+                todo &= __ballot_sync(FULL, myoff != ofs);
+            }
+        }
+        const int kb = spans ? 0 : (int)((w0 + it) * AT_TILE);
+        uint32_t pa[2][4];
+        lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
+        lean_pv<HD, KB, VB>(stg, pa, o, lane);
+        __syncwarp(); /* the stage is reloaded */
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float ls = l[h], cr = corr[h];
+        ls += __shfl_xor_sync(FULL, ls, 1);
+        ls += __shfl_xor_sync(FULL, ls, 2);
+        cr += __shfl_xor_sync(FULL, cr, 1);
+        cr += __shfl_xor_sync(FULL, cr, 2);
+        const int r = gq + 8 * h;
+        if (r >= nr) continue;
+        const long long orow = (long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G;
+        /* o[nd][2h + c] is dim (2t + c) HD/8 + nd */
+        if (a.n_splits == 1) {
+            const float inv = ls > 0.0f ? 1.0f / ls : 0.0f; /* no key: out = 0, lse = -inf */
+            float *op = a.out + orow * HD;
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                op[(2 * t) * (HD / 8) + nd] = (o[nd][2 * h] - cr) * inv;
+                op[(2 * t + 1) * (HD / 8) + nd] = (o[nd][2 * h + 1] - cr) * inv;
+            }
+            if (a.lse && t == 0) a.lse[orow] = ls > 0.0f ? m[h] + logf(ls) : -INFINITY;
+        } else {
+            float *pp = a.part + (orow * a.n_splits + split) * (long long)(HD + 2);
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                pp[(2 * t) * (HD / 8) + nd] = o[nd][2 * h] - cr;
+                pp[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1] - cr;
+            }
+            if (t == 0) {
+                pp[HD] = ls > 0.0f ? m[h] : -INFINITY;
+                pp[HD + 1] = ls;
+            }
+        }
+    }
+}
+
+/* the splits' partials of each (row, head) (block) into out and lse (may be NULL), in split order */
+__global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out, float *lse)
+{
+    const long long rh = blockIdx.x;
+    const float *pp = part + rh * n_splits * (long long)(hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(long long)s * (hd + 2) + hd]);
+    float L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = 0; s < n_splits; s++) {
+            const float *q = pp + (long long)s * (hd + 2);
+            if (q[hd] != -INFINITY) L += q[hd + 1] * __expf(q[hd] - M);
+        }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float A = 0.0f;
+        if (M != -INFINITY)
+            for (int s = 0; s < n_splits; s++) {
+                const float *q = pp + (long long)s * (hd + 2);
+                if (q[hd] != -INFINITY) A += q[d] * __expf(q[hd] - M);
+            }
+        out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
+    }
+    if (lse && threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
+}
+
+/* splits: the longest walk (w_max tiles) cut so the grid fills every SM with resident blocks
+ * (one warp each), at least LEAN_MIN_TILES tiles a split, the partials within the workspace */
+static void lean_plan(lean_fd_args &x, long long pairs, int resident, int n_sms, long long w_max, long long by_ws)
+{
+    long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
+    const long long by_len = (w_max + LEAN_MIN_TILES - 1) / LEAN_MIN_TILES;
+    if (ns > by_len) ns = by_len;
+    if (ns > by_ws) ns = by_ws;
+    if (ns > LEAN_MAX_SPLITS) ns = LEAN_MAX_SPLITS;
+    if (ns < 1) ns = 1;
+    x.chunk = (int)((w_max + ns - 1) / ns);
+    if (x.chunk < 1) x.chunk = 1;
+    x.n_splits = (int)((w_max + x.chunk - 1) / x.chunk);
+    if (x.n_splits < 1) x.n_splits = 1;
+}
+
+template <int HD, int KB, int VB>
+static void lean_launch(lean_fd_args &x, long long n_tiles, long long w_max, long long by_ws, int n_sms, cudaStream_t st)
+{
+    static kvs_cu_resident resident_all;
+    int &resident = *kvs_cu_resident_here(resident_all);
+    const size_t smem = (size_t)LEAN_ST * lean_stage<HD, KB, VB>::BYTES + HD * sizeof(float);
+    if (!resident) {
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)smem));
+        int nb = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_fd<HD, KB, VB>, 32, smem));
+        if (nb < 1) kvs_panic(__FILE__, __LINE__, "lean attention: kernel does not fit an SM (%zu bytes)", smem);
+        resident = nb;
+    }
+    lean_plan(x, n_tiles * x.g.n_kv, resident, n_sms, w_max, by_ws);
+    const dim3 grid((unsigned)(n_tiles * x.g.n_kv), (unsigned)x.n_splits);
+    k_lean_fd<HD, KB, VB><<<grid, 32, smem, st>>>(x);
     LAUNCH_CHECK();
+}
+
+/* the formats the kernel is built for (a K/V bit pair: static modes, LeanKV's tiers, K16V16) */
+#define LEAN_FMTS(X) X(8, 8) X(8, 4) X(4, 4) X(4, 2) X(2, 2) X(16, 16)
+
+static bool lean_fmt_built(struct kvs_lean_fmt f)
+{
+#define LEAN_IS(K, V) if (f.kbits == K && f.vbits == V) return true;
+    LEAN_FMTS(LEAN_IS)
+#undef LEAN_IS
+    return false;
+}
+
+template <int HD>
+static void lean_launch_hd(lean_fd_args &x, long long n_tiles, long long w_max, long long by_ws, int n_sms, cudaStream_t st)
+{
+#define LEAN_GO(K, V)                                                                                                  \
+    if (x.g.kbits == K && x.g.vbits == V) return lean_launch<HD, K, V>(x, n_tiles, w_max, by_ws, n_sms, st);
+    LEAN_FMTS(LEAN_GO)
+#undef LEAN_GO
+    kvs_panic(__FILE__, __LINE__, "lean attention: format K%dV%d not built", x.g.kbits, x.g.vbits);
+}
+
+static long long lean_host_tiles(const int32_t *sp, int ns, int last)
+{
+    long long k = 0;
+    for (int j = 0; j < ns; j++) {
+        const int lo = sp[2 * j] > 0 ? sp[2 * j] : 0, hi = sp[2 * j + 1] < last + 1 ? sp[2 * j + 1] : last + 1;
+        if (hi > lo) k += hi - lo;
+    }
+    return (k + AT_TILE - 1) / AT_TILE;
 }
 
 static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q, const struct kvs_dbuf *pool,
@@ -329,15 +866,21 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
 {
     if (n <= 0) return;
     const int G = n_heads / n_kv_heads;
-    if (G > LEAN_MAXG || G * head_dim > 2048 || head_dim % 32)
-        kvs_panic(__FILE__, __LINE__, "lean attention: group %d x head_dim %d not supported", G, head_dim);
-    lean_attn_args a;
+    if (G < 1 || G > LEAN_MAXG || n_heads % n_kv_heads || (head_dim != 64 && head_dim != 128) || !lean_fmt_built(f))
+        kvs_panic(__FILE__, __LINE__, "lean attention: K%dV%d, group %d x head_dim %d not supported", f.kbits, f.vbits, G,
+                  head_dim);
+    if (m->rot_offsets && !m->inv_freq) kvs_panic(__FILE__, __LINE__, "lean attention: rotation offsets without inv_freq");
+    lean_fd_args a;
+    memset(&a, 0, sizeof a);
     a.g = make_geom(f, head_dim, block_size, n_kv_heads);
+    if (a.g.page % 16) kvs_panic(__FILE__, __LINE__, "lean attention: block size %d gives pages of %lld bytes, not a multiple of 16",
+                                 block_size, a.g.page);
     a.q = (const float *)q->d;
     a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : NULL;
     a.pool = (const uint8_t *)pool->d;
     a.out = (float *)out->d;
     a.lse = lse ? (float *)lse->d : NULL;
+    a.part = b->attn_ws;
     a.q_start = (const int32_t *)m->q_start->d;
     a.pos = (const int32_t *)m->pos->d;
     a.bt = (const int32_t *)m->block_tables->d;
@@ -347,10 +890,38 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
     a.spans = sp ? (const int32_t *)sp->spans->d : NULL;
     a.n_seqs = m->n_seqs, a.max_blocks = m->max_blocks, a.max_spans = sp ? sp->max_spans : 0;
     a.n_heads = n_heads, a.G = G, a.scale = scale;
-    if (G <= 1) launch_e<1>(a, n, b->stream);
-    else if (G <= 4) launch_e<4>(a, n, b->stream);
-    else if (G <= 8) launch_e<8>(a, n, b->stream);
-    else launch_e<16>(a, n, b->stream);
+    /* spans: one row a tile; else 16 / G tokens of a sequence (a prefill chunk shares each K/V tile) */
+    a.qt = sp ? 1 : 16 / G;
+    /* the plan from the host copies: tiles, and the longest walk in key tiles */
+    long long n_tiles = 0, w_max = 0;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+        if (rows <= 0) continue;
+        if (!sp) {
+            n_tiles += (rows + a.qt - 1) / a.qt;
+            const long long w = ((long long)m->h_pos[s] + rows + AT_TILE - 1) / AT_TILE;
+            if (w > w_max) w_max = w;
+            continue;
+        }
+        n_tiles += rows;
+        for (int t = m->h_q_start[s]; t < m->h_q_start[s + 1]; t++) {
+            const int last = m->h_pos[s] + t - m->h_q_start[s];
+            for (int g = 0; g < n_kv_heads; g++) {
+                const size_t pair = (size_t)t * n_kv_heads + g;
+                const long long w = lean_host_tiles(sp->h_spans + pair * (size_t)sp->max_spans * 2, sp->h_n_spans[pair], last);
+                if (w > w_max) w_max = w;
+            }
+        }
+    }
+    if (n_tiles == 0) return;
+    long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
+    if (head_dim == 64) lean_launch_hd<64>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+    else lean_launch_hd<128>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+    if (a.n_splits > 1) {
+        k_lean_merge<<<(unsigned)((size_t)n * n_heads), head_dim, 0, b->stream>>>(a.part, a.n_splits, head_dim, a.out,
+                                                                                 a.lse);
+        LAUNCH_CHECK();
+    }
 }
 
 static void cu_lean_attention_spans(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q,
@@ -358,6 +929,8 @@ static void cu_lean_attention_spans(struct kvs_backend *b, struct kvs_lean_fmt f
                                     const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim,
                                     int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse)
 {
+    xh_forget(b, out->d);
+    xh_forget(b, lse->d);
     run_attn(b, f, q, pool, m, sp, n, n_heads, n_kv_heads, head_dim, block_size, scale, out, lse);
 }
 
@@ -365,6 +938,7 @@ static void cu_lean_attention(struct kvs_backend *b, struct kvs_lean_fmt f, cons
                               const struct kvs_dbuf *pool, const struct kvs_attn_meta *m, int n, int n_heads,
                               int n_kv_heads, int head_dim, int block_size, float scale, struct kvs_dbuf *out)
 {
+    xh_forget(b, out->d);
     run_attn(b, f, q, pool, m, NULL, n, n_heads, n_kv_heads, head_dim, block_size, scale, out, NULL);
 }
 
@@ -383,12 +957,14 @@ static void cu_lean_copy_block(struct kvs_backend *b, struct kvs_dbuf *pool, int
                                cudaMemcpyDeviceToDevice, b->stream));
 }
 
-/* 16-bit formats are refused: their pages did not match the CPU reference's in the GPU test
- * (tests/gpu/test_cuda_kv_lean.c, bench/RESULTS.md), a bug not found yet; the quantized ones do */
+/* the attention kernel's shapes: head_dim 64 or 128, groups of up to 16 query heads, the formats
+ * of LEAN_FMTS (the write kernel takes any) but the 16-bit ones: their pages did not match the
+ * CPU's on the GPU (low bytes wrong, see k_lean_write's 16-bit store); the fix is not yet
+ * verified on a GPU, so K16V16 stays refused until test_cuda_kv_lean's K16V16 cases pass */
 static int cu_lean_supports(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim)
 {
-    const int G = n_kv_heads > 0 ? n_heads / n_kv_heads : 0;
-    return f.kbits < 16 && f.vbits < 16 && head_dim % 32 == 0 && head_dim <= 256 && G >= 1 && G <= LEAN_MAXG && G * head_dim <= 2048;
+    return n_kv_heads > 0 && n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= LEAN_MAXG &&
+           (head_dim == 64 || head_dim == 128) && lean_fmt_built(f) && f.kbits < 16 && f.vbits < 16;
 }
 
 extern "C" const struct kvs_lean_kernels kvs_lean_kernels_cuda = {

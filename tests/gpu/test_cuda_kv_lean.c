@@ -2,12 +2,18 @@
  * reference (kernels/cpu/kv_lean.c), on fresh random inputs each run (seed from the clock,
  * printed; replay with KVS_SEED=<seed>).
  *   - write: the pages the CUDA kernel writes are byte for byte the CPU kernel's (same codes,
- *     same fp16 scale / zero), for K8V4, K4V2, K8V8, K4V4, K2V2 (16-bit formats are refused on
- *     this backend: their pages did not match the CPU's, bug not found);
- *   - attention and attention_spans over the same pages: relative L2 error < 1e-2 against the
- *     CPU (lse within 1e-2, -inf where the CPU has it), with GQA groups 1 / 4 / 8, head_dim
- *     64 / 128, block sizes 16 and 8, decode rows mixed with a prefill chunk, deferred-RoPE
- *     offsets, partial valid counts, spans (some empty);
+ *     same fp16 scale / zero), for K8V4, K4V2, K8V8, K4V4, K2V2, K16V16 (a mismatch prints its
+ *     first byte: page, token, side);
+ *   - attention and attention_spans over the same pages (the flash-decoding kernel: tensor cores
+ *     with fp16 q / x^ / p, fp32 sums): relative L2 error < 1e-2 against the CPU (lse within
+ *     1e-2, -inf where the CPU has it), with GQA groups 1 / 4 / 8 / 16, head_dim 64 / 128, block
+ *     sizes 16 and 8, decode rows mixed with a prefill chunk (tiles of 16 / G tokens), a
+ *     1,500-token sequence (context splits and their merge), deferred-RoPE offsets, partial
+ *     valid counts, spans (some empty);
+ *   - K16V16 equals dense attention (issue 20's exactness test, CUDA bf16 tolerance): the
+ *     LeanKV pages at 16 bits against the backend's attention() over bf16 K/V and the CPU's over
+ *     fp32 K/V, rel-L2 < 1e-2 (K16V16 is refused by supports() until these cases pass on a GPU:
+ *     the 2026-11-24 run failed them on the pages' low bytes, since changed, see kv_lean.cu);
  *   - copy_block copies a block's pages.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
@@ -72,9 +78,9 @@ static void run_case(const struct cfg *c)
 {
     const struct kvs_lean_kernels *kc = kvs_lean_kernels_for(C, NULL, 0), *kg = kvs_lean_kernels_for(G, NULL, 0);
     const int nkv = c->nkv, nh = nkv * c->grp, hd = c->hd, bs = c->bs;
-    /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5 and 250 */
-    enum { NS = 4 };
-    const int pos[NS] = {37, 100, 5, 250}, rows[NS] = {7, 1, 1, 1};
+    /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5, 250 and 1500 (splits) */
+    enum { NS = 5 };
+    const int pos[NS] = {37, 100, 5, 250, 1500}, rows[NS] = {7, 1, 1, 1, 1};
     int max_blocks = 0, n_rows = 0, n_tok = 0;
     for (int s = 0; s < NS; s++) {
         const int nb = (pos[s] + rows[s] + bs - 1) / bs;
@@ -127,10 +133,32 @@ static void run_case(const struct cfg *c)
     int32_t *pc = malloc(pool_words * 4), *pg = malloc(pool_words * 4);
     C->download(bc, pc, pool.c, 0, pool_words);
     G->download(bg, pg, pool.g, 0, pool_words);
-    CHECK(memcmp(pc, pg, blockb * nblocks) == 0, "K%dV%d hd %d: CUDA pages differ from the CPU's", c->f.kbits, c->f.vbits,
-          hd);
+    if (memcmp(pc, pg, blockb * nblocks) != 0) {
+        size_t i = 0;
+        while (((uint8_t *)pc)[i] == ((uint8_t *)pg)[i]) i++;
+        const size_t in_page = i % page, kc_b = (size_t)hd * c->f.kbits / 8, vc_b = (size_t)hd * c->f.vbits / 8;
+        const char *side = in_page < bs * kc_b ? "K codes" : in_page < bs * (kc_b + vc_b) ? "V codes" : "(s, z)";
+        CHECK(0, "K%dV%d hd %d: CUDA pages differ from the CPU's: first at byte %zu (block %zu, head %zu, %s, byte %zu "
+                 "of the page): cpu 0x%02x cuda 0x%02x", c->f.kbits, c->f.vbits, hd, i, i / blockb, (i % blockb) / page,
+              side, in_page, ((uint8_t *)pc)[i], ((uint8_t *)pg)[i]);
+        /* the page's first slot: which token was written there, its first K values, both pages' first bytes */
+        const size_t blk = i / blockb, hh = (i % blockb) / page;
+        int tok = -1;
+        for (int t = 0; t < n_tok; t++)
+            if ((size_t)slots[t] == blk * bs) tok = t;
+        printf("  diag: block %zu head %zu slot 0 <- token %d; K[0..3] =", blk, hh, tok);
+        for (int d = 0; d < 4 && tok >= 0; d++) printf(" %g", hk[((size_t)tok * nkv + hh) * hd + d]);
+        printf("\n  diag: cpu bytes");
+        for (int d = 0; d < 16; d++) printf(" %02x", ((uint8_t *)pc)[blk * blockb + hh * page + d]);
+        printf("\n  diag: gpu bytes");
+        for (int d = 0; d < 16; d++) printf(" %02x", ((uint8_t *)pg)[blk * blockb + hh * page + d]);
+        size_t nd = 0;
+        for (size_t b2 = 0; b2 < blockb * nblocks; b2++) nd += ((uint8_t *)pc)[b2] != ((uint8_t *)pg)[b2];
+        printf("\n  diag: %zu of %zu bytes differ\n", nd, blockb * nblocks);
+    }
     CHECK(memcmp((uint8_t *)pg + (size_t)spare * blockb, (uint8_t *)pg + (size_t)bt[max_blocks] * blockb, blockb) == 0,
           "copy_block");
+    const int spare_src = bt[max_blocks];
     bt[max_blocks] = spare;
 
     struct pair dq = mk(KVS_BUF_ACT, qn, hq), dqs = mk(KVS_BUF_I32, NS + 1, q_start), dpos = mk(KVS_BUF_I32, NS, pos);
@@ -138,7 +166,7 @@ static void run_case(const struct cfg *c)
     struct pair dval = mk(KVS_BUF_I32, (size_t)NS * max_blocks, valid), dinv = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
     struct kvs_attn_meta mc = {.n_seqs = NS, .max_blocks = max_blocks, .q_start = dqs.c, .pos = dpos.c,
                                .block_tables = dbt.c, .rot_offsets = drot.c, .block_valid = dval.c, .inv_freq = dinv.c,
-                               .h_q_start = q_start, .h_pos = pos, .max_ctx = 251};
+                               .h_q_start = q_start, .h_pos = pos, .max_ctx = 1501};
     struct kvs_attn_meta mg = mc;
     mg.q_start = dqs.g, mg.pos = dpos.g, mg.block_tables = dbt.g, mg.rot_offsets = drot.g, mg.block_valid = dval.g;
     mg.inv_freq = dinv.g;
@@ -152,6 +180,32 @@ static void run_case(const struct cfg *c)
     G->download(bg, og, out.g, 0, qn);
     const double e1 = rel_l2(og, oc, qn);
     CHECK(e1 < 1e-2, "K%dV%d G %d hd %d bs %d: attention rel-L2 %g", c->f.kbits, c->f.vbits, c->grp, hd, bs, e1);
+    double ed_g = -1, ed_c = -1;
+    if (c->f.kbits == 16 && c->f.vbits == 16) {
+        /* dense attention over the same K/V: bf16 K/V on the GPU, fp32 on the CPU */
+        const size_t kve = (size_t)nblocks * nkv * bs * hd;
+        struct pair kcd = mk(KVS_BUF_KV, kve, NULL), vcd = mk(KVS_BUF_KV, kve, NULL), dout = mk(KVS_BUF_ACT, qn, NULL);
+        float *dz = calloc(kve, 4), *od = malloc(qn * 4);
+        C->upload(bc, kcd.c, 0, dz, kve), C->upload(bc, vcd.c, 0, dz, kve);
+        G->upload(bg, kcd.g, 0, dz, kve), G->upload(bg, vcd.g, 0, dz, kve);
+        /* the slots of sequence 1's first block were written before its copy to the spare block */
+        int32_t *sl2 = malloc((size_t)n_tok * 4);
+        for (int i = 0; i < n_tok; i++) sl2[i] = slots[i] / bs == spare_src ? spare * bs + slots[i] % bs : slots[i];
+        struct pair ds2 = mk(KVS_BUF_I32, (size_t)n_tok, sl2);
+        C->kv_write(bc, dk.c, dv.c, ds2.c, n_tok, nkv, hd, bs, kcd.c, vcd.c);
+        G->kv_write(bg, dk.g, dv.g, ds2.g, n_tok, nkv, hd, bs, kcd.g, vcd.g);
+        G->attention(bg, dq.g, kcd.g, vcd.g, &mg, n_rows, nh, nkv, hd, bs, scale, dout.g);
+        G->download(bg, od, dout.g, 0, qn);
+        ed_g = rel_l2(og, od, qn);
+        C->attention(bc, dq.c, kcd.c, vcd.c, &mc, n_rows, nh, nkv, hd, bs, scale, dout.c);
+        C->download(bc, od, dout.c, 0, qn);
+        ed_c = rel_l2(og, od, qn);
+        CHECK(ed_g < 1e-2 && ed_c < 1e-2, "K16V16 G %d hd %d bs %d: vs dense attention rel-L2 %g (cuda bf16), %g (cpu f32)",
+              c->grp, hd, bs, ed_g, ed_c);
+        struct pair dd[] = {kcd, vcd, dout, ds2};
+        for (size_t i = 0; i < sizeof dd / sizeof dd[0]; i++) drop(&dd[i]);
+        free(dz), free(od), free(sl2);
+    }
 
     /* spans: up to 3 per (row, KV head), some empty or past the row */
     const int ms = 3;
@@ -178,8 +232,10 @@ static void run_case(const struct cfg *c)
         lse_bad += isinf(lc[i]) ? !(isinf(lg[i]) && lg[i] < 0) : !(fabsf(lc[i] - lg[i]) < 1e-2f);
     CHECK(e2 < 1e-2 && lse_bad == 0, "K%dV%d G %d hd %d bs %d: spans rel-L2 %g, %d lse off", c->f.kbits, c->f.vbits,
           c->grp, hd, bs, e2, lse_bad);
-    printf("ok K%dV%d G %d hd %d bs %d: pages bytewise equal, attention rel-L2 %.1e, spans %.1e\n", c->f.kbits,
+    printf("ok K%dV%d G %d hd %d bs %d: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
            c->f.vbits, c->grp, hd, bs, e1, e2);
+    if (ed_g >= 0) printf(", vs dense %.1e (cuda bf16) %.1e (cpu f32)", ed_g, ed_c);
+    printf("\n");
 
     struct pair all[] = {pool, dk, dv, ds, dq, dqs, dpos, dbt, drot, dval, dinv, out, lse, dn, dsp};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) drop(&all[i]);
@@ -200,14 +256,22 @@ int main(void)
         return 1;
     }
     REQUIRE(kvs_lean_kernels_for(G, NULL, 0), "the cuda backend has LeanKV kernels");
-    /* 16-bit formats: refused on this backend (kv_lean.cu supports()), so not tested here */
-    static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}};
-    CHECK(!kvs_lean_kernels_for(G, NULL, 0)->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128), "K16V16 refused on cuda");
+    static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}, {16, 16}};
+    const struct kvs_lean_kernels *kg = kvs_lean_kernels_for(G, NULL, 0);
+    /* K16V16's kernels run below even so: once its cases pass on a GPU, cu_lean_supports may take it
+     * (and this check flips) */
+    CHECK(!kg->supports((struct kvs_lean_fmt){16, 16}, 32, 8, 128) && kg->supports((struct kvs_lean_fmt){8, 4}, 16, 1, 64),
+          "K16V16 refused on cuda (its pages are not verified yet); G 16 taken");
+    CHECK(!kg->supports((struct kvs_lean_fmt){8, 16}, 32, 8, 128) && !kg->supports((struct kvs_lean_fmt){8, 4}, 32, 8, 96) &&
+              !kg->supports((struct kvs_lean_fmt){8, 4}, 64, 2, 128),
+          "cuda refuses formats, head_dims and groups its attention kernel is not built for");
     for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
         struct cfg c = {fmts[i], 2, 4, 128, 16};
         run_case(&c);
     }
-    struct cfg more[] = {{{8, 4}, 4, 1, 64, 16}, {{8, 4}, 1, 8, 128, 8}, {{4, 2}, 2, 8, 64, 16}, {{8, 8}, 8, 4, 128, 16}};
+    struct cfg more[] = {{{8, 4}, 4, 1, 64, 16},  {{8, 4}, 1, 8, 128, 8},  {{4, 2}, 2, 8, 64, 16},
+                         {{8, 8}, 8, 4, 128, 16}, {{16, 16}, 2, 1, 64, 8}, {{16, 16}, 1, 8, 128, 16},
+                         {{4, 4}, 1, 16, 64, 16}, {{2, 2}, 2, 1, 64, 8},  {{8, 4}, 2, 16, 128, 8}};
     for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) run_case(&more[i]);
     C->free(bc);
     G->free(bg);

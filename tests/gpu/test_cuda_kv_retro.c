@@ -208,6 +208,286 @@ static void test_step(int round)
     free(oc), free(og), free(lcp), free(lg);
 }
 
+/* ---- the device table (kernels/kv_retro.h): CUDA against the CPU's ----------------------------- */
+
+#define TQ 5        /* requests a step */
+#define TSLOTS 7
+#define TLAYERS 2
+#define TPS 16
+#define TPAGES 512  /* max pages: contexts up to 8192 */
+#define TMS TPAGES
+
+/* a Quest-format selection for a row at pos: random full pages (density 1/dens) plus the current
+ * one, as merged spans, the last ending at pos + 1 */
+static int rand_selection(int pos, int dens, int32_t *sp)
+{
+    const int cur = pos / TPS;
+    int n = 0;
+    for (int p = 0; p <= cur; p++) {
+        if (p < cur && kvs_test_xorshift(&rng) % (uint32_t)dens) continue;
+        const int lo = p * TPS, hi = p == cur ? pos + 1 : lo + TPS;
+        if (n && sp[2 * n - 1] == lo) sp[2 * n - 1] = hi;
+        else sp[2 * n] = lo, sp[2 * n + 1] = hi, n++;
+    }
+    return n;
+}
+
+static void test_table(void)
+{
+    const struct kvs_retro_kernels *kc = kvs_retro_kernels_for(C), *kg = kvs_retro_kernels_for(G);
+    REQUIRE(kc && kg && kg != kc, "no retro tables");
+    const size_t a_n = (size_t)TSLOTS * TLAYERS * NKV * TPAGES, nsp = (size_t)TQ * MAXW * NKV;
+    const size_t nspans = nsp * TMS * 2, nsel = (size_t)TQ * NKV * TMS * 2;
+    struct kvs_dbuf *cA = C->alloc(bc, KVS_BUF_I32, a_n), *gA = G->alloc(bg, KVS_BUF_I32, a_n);
+    struct kvs_dbuf *cn = C->alloc(bc, KVS_BUF_I32, nsp), *gn = G->alloc(bg, KVS_BUF_I32, nsp);
+    struct kvs_dbuf *cs = C->alloc(bc, KVS_BUF_I32, nspans), *gs = G->alloc(bg, KVS_BUF_I32, nspans);
+    struct kvs_dbuf *csn = C->alloc(bc, KVS_BUF_I32, TQ * NKV), *gsn = G->alloc(bg, KVS_BUF_I32, TQ * NKV);
+    struct kvs_dbuf *csel = C->alloc(bc, KVS_BUF_I32, nsel), *gsel = G->alloc(bg, KVS_BUF_I32, nsel);
+    struct kvs_dbuf *creq = C->alloc(bc, KVS_BUF_I32, TQ * 5), *greq = G->alloc(bg, KVS_BUF_I32, TQ * 5);
+    struct kvs_dbuf *ck = C->alloc(bc, KVS_BUF_I32, 4), *gk = G->alloc(bg, KVS_BUF_I32, 4);
+    REQUIRE(cA && gA && cn && gn && cs && gs && csn && gsn && csel && gsel && creq && greq && ck && gk, "alloc");
+    kc->reset(bc, cA, 0, a_n);
+    kg->reset(bg, gA, 0, a_n);
+    C->zero(bc, ck, 0, 4);
+    G->zero(bg, gk, 0, 4);
+    int32_t *hsn = kvs_xcalloc(TQ * NKV, 4), *hsel = kvs_xcalloc(nsel, 4), req[TQ * 5];
+    int32_t *n1 = kvs_xmalloc(nsp * 4), *n2 = kvs_xmalloc(nsp * 4), *s1 = kvs_xmalloc(nspans * 4);
+    int32_t *s2 = kvs_xmalloc(nspans * 4), *A1 = kvs_xmalloc(a_n * 4), *A2 = kvs_xmalloc(a_n * 4);
+    int pos[TSLOTS], t[TSLOTS];
+    for (int i = 0; i < TSLOTS; i++) pos[i] = 64 + (int)(kvs_test_xorshift(&rng) % 6000), t[i] = 0;
+    int bad = 0, sup_rows = 0, rows_all = 0;
+    for (int step = 0; step < 40 && !bad; step++) {
+        /* TQ distinct slots; a slot sometimes restarts (reset), sometimes jumps ahead */
+        int used[TSLOTS] = {0}, row0 = 0;
+        for (int q = 0; q < TQ; q++) {
+            int slot;
+            do slot = (int)(kvs_test_xorshift(&rng) % TSLOTS); while (used[slot]);
+            used[slot] = 1;
+            if (kvs_test_xorshift(&rng) % 16 == 0) {
+                kc->reset(bc, cA, (size_t)slot * TLAYERS * NKV * TPAGES, (size_t)TLAYERS * NKV * TPAGES);
+                kg->reset(bg, gA, (size_t)slot * TLAYERS * NKV * TPAGES, (size_t)TLAYERS * NKV * TPAGES);
+                t[slot] = 0;
+            }
+            pos[slot] += 1 + (kvs_test_xorshift(&rng) % 8 == 0 ? (int)(kvs_test_xorshift(&rng) % 40) : 0);
+            if (pos[slot] >= TPAGES * TPS - 1) pos[slot] = 64 + (int)(kvs_test_xorshift(&rng) % 64);
+            const int rows = 1 + (int)(kvs_test_xorshift(&rng) % (uint32_t)(t[slot] < MAXW - 1 ? t[slot] + 1 : MAXW));
+            req[5 * q] = row0, req[5 * q + 1] = rows, req[5 * q + 2] = pos[slot], req[5 * q + 3] = t[slot]++;
+            req[5 * q + 4] = slot;
+            row0 += rows;
+            const int dens = 2 + (int)(kvs_test_xorshift(&rng) % 8);
+            for (int g = 0; g < NKV; g++)
+                hsn[q * NKV + g] = rand_selection(pos[slot], dens, hsel + ((size_t)q * NKV + g) * TMS * 2);
+        }
+        const int layer = (int)(kvs_test_xorshift(&rng) % TLAYERS);
+        C->upload(bc, csn, 0, hsn, TQ * NKV), G->upload(bg, gsn, 0, hsn, TQ * NKV);
+        C->upload(bc, csel, 0, hsel, nsel), G->upload(bg, gsel, 0, hsel, nsel);
+        C->upload(bc, creq, 0, req, TQ * 5), G->upload(bg, greq, 0, req, TQ * 5);
+        kc->spans(bc, csn, csel, creq, TQ, NKV, TMS, TPS, cA, TLAYERS, layer, TPAGES, cn, cs, ck, NULL);
+        kg->spans(bg, gsn, gsel, greq, TQ, NKV, TMS, TPS, gA, TLAYERS, layer, TPAGES, gn, gs, gk, NULL);
+        C->download(bc, n1, cn, 0, (size_t)row0 * NKV), G->download(bg, n2, gn, 0, (size_t)row0 * NKV);
+        C->download(bc, s1, cs, 0, nspans), G->download(bg, s2, gs, 0, nspans);
+        for (int r = 0; r < row0 * NKV && !bad; r++) {
+            bad |= n1[r] != n2[r] || memcmp(s1 + (size_t)r * TMS * 2, s2 + (size_t)r * TMS * 2, (size_t)n1[r] * 8);
+            sup_rows += n1[r] > 0;
+            if (bad) fprintf(stderr, "step %d pair %d: %d spans (cpu) vs %d (cuda)\n", step, r, n1[r], n2[r]);
+        }
+        rows_all += row0 * NKV;
+    }
+    C->download(bc, A1, cA, 0, a_n), G->download(bg, A2, gA, 0, a_n);
+    uint64_t k1[2], k2[2];
+    C->download(bc, k1, ck, 0, 4), G->download(bg, k2, gk, 0, 4);
+    CHECK(!bad && !memcmp(A1, A2, a_n * 4) && k1[0] == k2[0] && k1[1] == k2[1] && k1[1] > 0,
+          "retro spans table: cuda differs from cpu (spans %d, masks %d, keys %llu/%llu vs %llu/%llu)", bad,
+          memcmp(A1, A2, a_n * 4) != 0, (unsigned long long)k2[0], (unsigned long long)k2[1],
+          (unsigned long long)k1[0], (unsigned long long)k1[1]);
+    printf("ok retro spans table on cuda = cpu over 40 random steps (%d (row, head) span lists, %d non-empty; masks "
+           "and keys %llu own / %llu supplement equal)\n", rows_all, sup_rows, (unsigned long long)k1[0],
+           (unsigned long long)k1[1]);
+
+    /* merge: random partials, some rows without a cached entry, against the CPU table */
+    const int n = 23, prev = 19, qd = NH * HD;
+    float *o = kvs_xmalloc((size_t)n * qd * 4), *l = kvs_xmalloc((size_t)n * NH * 4);
+    float *op = kvs_xmalloc((size_t)prev * qd * 4), *lp = kvs_xmalloc((size_t)prev * NH * 4);
+    int32_t ci[23];
+    for (int i = 0; i < n * qd; i++) o[i] = frand();
+    for (int i = 0; i < prev * qd; i++) op[i] = frand();
+    for (int i = 0; i < n * NH; i++) l[i] = i % 7 == 0 ? -INFINITY : 4 * frand();
+    for (int i = 0; i < prev * NH; i++) lp[i] = i % 5 == 0 ? -INFINITY : 4 * frand();
+    for (int i = 0; i < n; i++) ci[i] = i % 4 == 3 ? prev : (int)(kvs_test_xorshift(&rng) % prev);
+    float *ro[2], *rl[2], *rn[2], *rln[2];
+    for (int k = 0; k < 2; k++) {
+        const struct kvs_backend_ops *B = k ? G : C;
+        struct kvs_backend *bb = k ? bg : bc;
+        const struct kvs_retro_kernels *T = k ? kg : kc;
+        struct kvs_dbuf *d_o = B->alloc(bb, KVS_BUF_ACT, (size_t)n * qd), *d_l = B->alloc(bb, KVS_BUF_F32, (size_t)n * NH);
+        struct kvs_dbuf *d_op = B->alloc(bb, KVS_BUF_ACT, (size_t)prev * qd);
+        struct kvs_dbuf *d_lp = B->alloc(bb, KVS_BUF_F32, (size_t)prev * NH), *d_ci = B->alloc(bb, KVS_BUF_I32, n);
+        struct kvs_dbuf *d_on = B->alloc(bb, KVS_BUF_ACT, (size_t)n * qd), *d_ln = B->alloc(bb, KVS_BUF_F32, (size_t)n * NH);
+        REQUIRE(d_o && d_l && d_op && d_lp && d_ci && d_on && d_ln, "alloc");
+        B->upload(bb, d_o, 0, o, (size_t)n * qd), B->upload(bb, d_l, 0, l, (size_t)n * NH);
+        B->upload(bb, d_op, 0, op, (size_t)prev * qd), B->upload(bb, d_lp, 0, lp, (size_t)prev * NH);
+        B->upload(bb, d_ci, 0, ci, n);
+        T->merge(bb, d_o, d_l, d_ci, n, NH, HD, d_op, d_lp, prev, d_on, d_ln);
+        ro[k] = kvs_xmalloc((size_t)n * qd * 4), rn[k] = kvs_xmalloc((size_t)n * qd * 4);
+        rl[k] = kvs_xmalloc((size_t)n * NH * 4), rln[k] = kvs_xmalloc((size_t)n * NH * 4);
+        B->download(bb, ro[k], d_o, 0, (size_t)n * qd), B->download(bb, rn[k], d_on, 0, (size_t)n * qd);
+        B->download(bb, rl[k], d_l, 0, (size_t)n * NH), B->download(bb, rln[k], d_ln, 0, (size_t)n * NH);
+        struct kvs_dbuf *bs[] = {d_o, d_l, d_op, d_lp, d_ci, d_on, d_ln};
+        for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) B->free_buf(bb, bs[i]);
+    }
+    double eo = 0, el = 0;
+    int same_next = !memcmp(ro[1], rn[1], (size_t)n * qd * 4) && !memcmp(rl[1], rln[1], (size_t)n * NH * 4);
+    for (int i = 0; i < n * qd; i++) eo = fmax(eo, fabs((double)ro[0][i] - ro[1][i]));
+    for (int i = 0; i < n * NH; i++)
+        el = isinf(rl[0][i]) || isinf(rl[1][i]) ? (rl[0][i] == rl[1][i] ? el : INFINITY)
+                                                : fmax(el, fabs((double)rl[0][i] - rl[1][i]));
+    CHECK(eo < 1e-5 && el < 1e-5 && same_next, "retro merge table: cuda vs cpu out %.3g, lse %.3g, next cache %s", eo,
+          el, same_next ? "ok" : "differs");
+    printf("ok retro merge table on cuda (%d rows, %d without a cached entry): out within %.2e, lse within %.2e of the "
+           "cpu; next cache = merged rows\n", n, n / 4, eo, el);
+    for (int k = 0; k < 2; k++) free(ro[k]), free(rl[k]), free(rn[k]), free(rln[k]);
+    free(o), free(l), free(op), free(lp);
+    free(hsn), free(hsel), free(n1), free(n2), free(s1), free(s2), free(A1), free(A2);
+    struct kvs_dbuf *cb[] = {cA, cn, cs, csn, csel, creq, ck}, *gb[] = {gA, gn, gs, gsn, gsel, greq, gk};
+    for (int i = 0; i < 7; i++) C->free_buf(bc, cb[i]), G->free_buf(bg, gb[i]);
+}
+
+/* The fused attention (the table's attend) against the CPU: the CPU table's spans (selection for
+ * the newest row, supplements for the past rows, after a few earlier random steps built the
+ * masks) through the CPU attention_spans, vs the CUDA table's spans (its M) and attend. */
+static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
+{
+    enum { NR = 5, STEPS = 6 };
+    const int bs = 16, mb = maxctx / bs, mp = mb, ms = mp, qd = nh * hd;
+    const struct kvs_retro_kernels *kc = kvs_retro_kernels_for(C), *kg = kvs_retro_kernels_for(G);
+    REQUIRE(kg->attend, "the CUDA table has no fused attend");
+    const size_t n_kv = (size_t)NR * mb * nkv * bs * hd;
+    float *k = kvs_xmalloc(n_kv * 4), *v = kvs_xmalloc(n_kv * 4);
+    for (size_t i = 0; i < n_kv; i++) k[i] = frand(), v[i] = frand();
+    int32_t *bt = kvs_xmalloc((size_t)NR * mb * 4), *perm = kvs_xmalloc((size_t)NR * mb * 4);
+    for (int i = 0; i < NR * mb; i++) perm[i] = i;
+    for (int i = NR * mb - 1; i > 0; i--) {
+        const int j = (int)(kvs_test_xorshift(&rng) % (uint32_t)(i + 1)), x = perm[i];
+        perm[i] = perm[j], perm[j] = x;
+    }
+    memcpy(bt, perm, (size_t)NR * mb * 4);
+    int32_t qs[NR + 1], pos[NR], req[NR * 5], newest[NR];
+    qs[0] = 0;
+    for (int r = 0; r < NR; r++) {
+        const int w = 1 + (int)(kvs_test_xorshift(&rng) % MAXW);
+        newest[r] = 40 + (int)(kvs_test_xorshift(&rng) % (uint32_t)(maxctx - 41 - STEPS));
+        qs[r + 1] = qs[r] + w;
+    }
+    const int n = qs[NR];
+    const size_t a_n = (size_t)NR * nkv * mp, nsel = (size_t)NR * nkv * ms * 2;
+    struct kvs_dbuf *cA = C->alloc(bc, KVS_BUF_I32, a_n), *gA = G->alloc(bg, KVS_BUF_I32, a_n);
+    struct kvs_dbuf *csn = C->alloc(bc, KVS_BUF_I32, NR * nkv), *gsn = G->alloc(bg, KVS_BUF_I32, NR * nkv);
+    struct kvs_dbuf *csel = C->alloc(bc, KVS_BUF_I32, nsel), *gsel = G->alloc(bg, KVS_BUF_I32, nsel);
+    struct kvs_dbuf *creq = C->alloc(bc, KVS_BUF_I32, NR * 5), *greq = G->alloc(bg, KVS_BUF_I32, NR * 5);
+    struct kvs_dbuf *cn = C->alloc(bc, KVS_BUF_I32, (size_t)n * nkv), *gn = G->alloc(bg, KVS_BUF_I32, (size_t)n * nkv);
+    struct kvs_dbuf *cs = C->alloc(bc, KVS_BUF_I32, (size_t)n * nkv * ms * 2);
+    struct kvs_dbuf *gs = G->alloc(bg, KVS_BUF_I32, (size_t)n * nkv * ms * 2);
+    struct kvs_dbuf *ck = C->alloc(bc, KVS_BUF_I32, 4), *gk = G->alloc(bg, KVS_BUF_I32, 4);
+    struct kvs_dbuf *gm = G->alloc(bg, KVS_BUF_I32, a_n);
+    REQUIRE(cA && gA && csn && gsn && csel && gsel && creq && greq && cn && gn && cs && gs && ck && gk && gm, "alloc");
+    kc->reset(bc, cA, 0, a_n), kg->reset(bg, gA, 0, a_n);
+    C->zero(bc, ck, 0, 4), G->zero(bg, gk, 0, 4);
+    int32_t *hsn = kvs_xcalloc((size_t)NR * nkv, 4), *hsel = kvs_xcalloc(nsel, 4);
+    long long max_keys = 0;
+    /* earlier one-row steps build the masks (t = 0 .. STEPS - 1; the window's rows are the last) */
+    for (int step = 0; step <= STEPS; step++) {
+        int row0 = 0;
+        for (int r = 0; r < NR; r++) {
+            const int w = qs[r + 1] - qs[r], rows = step == STEPS ? w : 1;
+            const int p = newest[r] - STEPS + step;
+            req[5 * r] = step == STEPS ? qs[r] : row0, req[5 * r + 1] = rows, req[5 * r + 2] = p;
+            req[5 * r + 3] = step, req[5 * r + 4] = r;
+            row0 += rows;
+            const int dens = 1 + (int)(kvs_test_xorshift(&rng) % (uint32_t)dens_max);
+            for (int g = 0; g < nkv; g++) {
+                int32_t *sp = hsel + ((size_t)r * nkv + g) * ms * 2;
+                const int cur = p / bs;
+                int ns = 0;
+                for (int pg = 0; pg <= cur; pg++) {
+                    if (pg < cur && kvs_test_xorshift(&rng) % (uint32_t)dens) continue;
+                    const int lo = pg * bs, hi = pg == cur ? p + 1 : lo + bs;
+                    if (ns && sp[2 * ns - 1] == lo) sp[2 * ns - 1] = hi;
+                    else sp[2 * ns] = lo, sp[2 * ns + 1] = hi, ns++;
+                }
+                hsn[r * nkv + g] = ns;
+                long long keys = 0;
+                for (int i = 0; i < ns; i++) keys += sp[2 * i + 1] - sp[2 * i];
+                if (step == STEPS && keys > max_keys) max_keys = keys;
+            }
+        }
+        C->upload(bc, csn, 0, hsn, (size_t)NR * nkv), G->upload(bg, gsn, 0, hsn, (size_t)NR * nkv);
+        C->upload(bc, csel, 0, hsel, nsel), G->upload(bg, gsel, 0, hsel, nsel);
+        C->upload(bc, creq, 0, req, NR * 5), G->upload(bg, greq, 0, req, NR * 5);
+        kc->spans(bc, csn, csel, creq, NR, nkv, ms, bs, cA, 1, 0, mp, cn, cs, ck, NULL);
+        kg->spans(bg, gsn, gsel, greq, NR, nkv, ms, bs, gA, 1, 0, mp, gn, gs, gk, gm);
+    }
+    for (int r = 0; r < NR; r++) pos[r] = newest[r] - (qs[r + 1] - qs[r] - 1);
+    float *q = kvs_xmalloc((size_t)n * qd * 4);
+    for (int i = 0; i < n * qd; i++) q[i] = 2 * frand();
+    float *oc = kvs_xmalloc((size_t)n * qd * 4), *og = kvs_xmalloc((size_t)n * qd * 4);
+    float *lc = kvs_xmalloc((size_t)n * nh * 4), *lg = kvs_xmalloc((size_t)n * nh * 4);
+    int32_t *h_n = kvs_xmalloc((size_t)n * nkv * 4), *h_s = kvs_xmalloc((size_t)n * nkv * ms * 2 * 4);
+    C->download(bc, h_n, cn, 0, (size_t)n * nkv), C->download(bc, h_s, cs, 0, (size_t)n * nkv * ms * 2);
+    for (int k2 = 0; k2 < 2; k2++) {
+        const struct kvs_backend_ops *B = k2 ? G : C;
+        struct kvs_backend *bb = k2 ? bg : bc;
+        struct kvs_dbuf *d_q = B->alloc(bb, KVS_BUF_ACT, (size_t)n * qd), *d_k = B->alloc(bb, KVS_BUF_KV, n_kv);
+        struct kvs_dbuf *d_v = B->alloc(bb, KVS_BUF_KV, n_kv), *d_o = B->alloc(bb, KVS_BUF_ACT, (size_t)n * qd);
+        struct kvs_dbuf *d_l = B->alloc(bb, KVS_BUF_F32, (size_t)n * nh), *d_qs = B->alloc(bb, KVS_BUF_I32, NR + 1);
+        struct kvs_dbuf *d_pos = B->alloc(bb, KVS_BUF_I32, NR), *d_bt = B->alloc(bb, KVS_BUF_I32, (size_t)NR * mb);
+        REQUIRE(d_q && d_k && d_v && d_o && d_l && d_qs && d_pos && d_bt, "alloc");
+        B->upload(bb, d_q, 0, q, (size_t)n * qd), B->upload(bb, d_k, 0, k, n_kv), B->upload(bb, d_v, 0, v, n_kv);
+        B->upload(bb, d_qs, 0, qs, NR + 1), B->upload(bb, d_pos, 0, pos, NR), B->upload(bb, d_bt, 0, bt, (size_t)NR * mb);
+        const struct kvs_attn_meta m = {.n_seqs = NR, .max_blocks = mb, .q_start = d_qs, .pos = d_pos,
+                                        .block_tables = d_bt, .h_q_start = qs, .h_pos = pos, .max_ctx = maxctx};
+        const float scale = 1.0f / sqrtf((float)hd);
+        if (!k2) {
+            const struct kvs_span_list sl = {ms, cn, cs, h_n, h_s};
+            C->attention_spans(bc, d_q, d_k, d_v, &m, &sl, n, nh, nkv, hd, bs, scale, d_o, d_l);
+        } else {
+            const int rc = kg->attend(bg, d_q, d_k, d_v, &m, gsn, gsel, ms, greq, gm, mp, bs, NR, nh, nkv, hd, bs, scale,
+                                      max_keys, d_o, d_l);
+            REQUIRE(rc == 0, "cuda retro attend: %d", rc);
+        }
+        B->download(bb, k2 ? og : oc, d_o, 0, (size_t)n * qd), B->download(bb, k2 ? lg : lc, d_l, 0, (size_t)n * nh);
+        struct kvs_dbuf *bs2[] = {d_q, d_k, d_v, d_o, d_l, d_qs, d_pos, d_bt};
+        for (size_t i = 0; i < sizeof bs2 / sizeof bs2[0]; i++) B->free_buf(bb, bs2[i]);
+    }
+    double worst = 0, worst_lse = 0;
+    int empty = 0, inf_bad = 0;
+    for (int r = 0; r < n; r++) {
+        int any = 0;
+        for (int g = 0; g < nkv; g++) any |= h_n[(size_t)r * nkv + g] > 0;
+        empty += !any;
+        const double e = rel_l2(og + (size_t)r * qd, oc + (size_t)r * qd, qd);
+        worst = e > worst || e != e ? e : worst;
+        for (int h = 0; h < nh; h++) {
+            const double a = lc[r * nh + h], b = lg[r * nh + h];
+            if (isinf(a) || isinf(b)) {
+                inf_bad += a != b;
+                continue;
+            }
+            const double d = fabs(a - b) / (fabs(a) > 1 ? fabs(a) : 1);
+            worst_lse = d > worst_lse || d != d ? d : worst_lse;
+        }
+    }
+    CHECK(worst < 1e-2 && worst_lse < 1e-2 && !inf_bad, "fused attend %d/%d heads hd %d ctx %d: out rel-L2 %.3g, lse "
+          "%.3g, %d -inf mismatches", nh, nkv, hd, maxctx, worst, worst_lse, inf_bad);
+    printf("ok retro fused attend on cuda, %d q / %d kv heads, head_dim %d, contexts < %d (%d rows, %d without a "
+           "supplement, max %lld keys): out rel-L2 %.2e, lse %.2e vs cpu spans\n", nh, nkv, hd, maxctx, n, empty,
+           max_keys, worst, worst_lse);
+    struct kvs_dbuf *cb[] = {cA, csn, csel, creq, cn, cs, ck}, *gb[] = {gA, gsn, gsel, greq, gn, gs, gk, gm};
+    for (size_t i = 0; i < 7; i++) C->free_buf(bc, cb[i]);
+    for (size_t i = 0; i < 8; i++) G->free_buf(bg, gb[i]);
+    free(k), free(v), free(bt), free(perm), free(hsn), free(hsel), free(q), free(oc), free(og), free(lc), free(lg);
+    free(h_n), free(h_s);
+}
+
 #define NJ 6
 #define GEN 16
 
@@ -322,6 +602,12 @@ int main(void)
     if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
     REQUIRE(G->attention_spans && G->attn_merge && G->gather_rows, "the CUDA backend lacks a Retro primitive");
     for (int i = 0; i < 4; i++) test_step(i);
+    test_table();
+    static const int SH[][3] = {{8, 8, 64}, {8, 2, 128}, {32, 4, 128}, {16, 2, 64}, {8, 1, 128}, {32, 8, 128}, {4, 2, 16}};
+    for (size_t i = 0; i < sizeof SH / sizeof SH[0]; i++) {
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8);   /* splits */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 256, 3);    /* short: one split */
+    }
     C->free(bc);
     G->free(bg);
     test_engine();

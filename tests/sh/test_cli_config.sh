@@ -9,7 +9,13 @@ ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; fail=1; }
 
 for f in config/*.json; do
-  if "$KVS" --check-config "$f" >"$tmp/out" 2>"$tmp/err"; then ok "$f validates"; else bad "$f: $(cat "$tmp/err")"; fi
+  # the long-context fidelity model is trained on a GPU (scripts/train-longctx-model.py), never
+  # fetched: where it is not built, its config's keys are still checked, against the demo model
+  over=()
+  if [ "$f" = config/longctx.json ] && [ ! -f models/cache/longctx/config.json ]; then
+    over=(--set model.path=models/demo); echo "note: models/cache/longctx not built here: $f checked with the demo model"
+  fi
+  if "$KVS" --check-config "$f" "${over[@]}" >"$tmp/out" 2>"$tmp/err"; then ok "$f validates"; else bad "$f: $(cat "$tmp/err")"; fi
 done
 grep -q '"port":[[:space:]]*8000' < <("$KVS" --check-config config/default.json 2>/dev/null) && ok "effective config printed" || bad "no effective config"
 # `make run` (config/default.json) keeps posted documents across restarts, where the README says

@@ -439,6 +439,49 @@ static void test_engine_model(const char *name)
                "(%.2fx less than bf16), %d blocks in the pool where f32 has %d\n", name, modes[mi], same, NJ * GEN, bpt,
                ratio, st.kv_blocks_total, dense_blocks);
     }
+    /* the dynamic mode through the engine (kv.reuse none: its tiers are per request), with a
+     * small window so that tokens leave it: K16V16 tiers at alpha 0 keep every token (the
+     * greedy tokens of full attention up to fp16 rounding), the default tiers and alphas
+     * quantize, demote and prune (at these short requests and tiny heads the ratio is mostly
+     * page rounding and the window: the figures are kvserve-eval's); every request completes,
+     * and when all have ended (preempted ones included) no page is held */
+    for (int dm = 0; dm < 3; dm++) {
+        memcpy(got, ref, sizeof got);
+        base_cfg(&c, "lean", "dynamic");
+        set_str(&c.kv_reuse, "none");
+        c.lean_window = 8;
+        if (dm == 2) {   /* a pool of 12 blocks (at the high tier): requests wait and are preempted */
+            const size_t hd = (size_t)mc->head_dim;
+            c.kv_memory_bytes = (int64_t)(12 * 16 * (size_t)mc->n_layers * mc->n_kv_heads * (8 + hd + 4 + hd / 2 + 4));
+        }
+        if (dm == 0) {
+            set_str(&c.lean_high, "K16V16"), set_str(&c.lean_low, "K16V16");
+            c.lean_alpha_h = c.lean_alpha_l = 0;
+        }
+        REQUIRE(run(&c, model, got, &st, err, sizeof err) == 0, "%s dynamic: %s", name, err);
+        kvs_config_free(&c);
+        int same = 0, all = 1;
+        for (int i = 0; i < NJ; i++) {
+            all &= got[i].n_got == GEN;
+            for (int t = 0; t < GEN && t < got[i].n_got && got[i].got[t] == ref[i].got[t]; t++) same++;
+        }
+        const double used = kvs_engine_kv_counter(&st, "kvserve:kv_storage_pages_used");
+        const double ratio = kvs_engine_kv_counter(&st, "kvserve:kv_storage_compression_ratio");
+        const double low = kvs_engine_kv_counter(&st, "kvserve:kv_storage_low_fraction");
+        const double pruned = kvs_engine_kv_counter(&st, "kvserve:kv_storage_pruned_fraction");
+        CHECK(all && used == 0 && ratio > 0, "%s dynamic %d: complete %d, %g pages held after the end, ratio %g", name,
+              dm, all, used, ratio);
+        if (dm == 0)
+            CHECK(low == 0 && pruned == 0 && same >= NJ * GEN * 3 / 4, "%s dynamic K16V16 alpha 0: low %g pruned %g, "
+                  "%d/%d greedy tokens", name, low, pruned, same, NJ * GEN);
+        else if (dm == 1)
+            CHECK(low > 0 && ratio > 1.0, "%s dynamic default: low fraction %g, %.2fx", name, low, ratio);
+        printf("ok %s lean dynamic (%s, window 8): %d/%d greedy tokens as full attention, %.2fx less than bf16 at the "
+               "requests' end, low %.2f pruned %.2f, %llu preemptions, no page held after the end\n", name,
+               dm == 0 ? "K16V16 tiers, alpha 0" : dm == 1 ? "K8V4 + K4V2, alpha 1 / 0.02" : "defaults, 12 blocks", same, NJ * GEN, ratio, low, pruned,
+               (unsigned long long)st.num_preemptions);
+    }
+
     /* neutral within fp16 rounding: teacher-forced logits of K16V16 against the dense storage,
      * and more bits never worse than fewer (K8V8 against K4V4) */
     const int vocab = mc->vocab_size;
@@ -534,10 +577,11 @@ static void test_refusals(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     struct kvs_config c;
-    base_cfg(&c, "lean", "dynamic");
+    base_cfg(&c, "lean", "dynamic");   /* with kv.reuse = prefix: shared blocks are not demoted per request */
     struct kvs_engine *e = NULL;
     int rc = kvs_engine_create(&c, model, NULL, &e, err, sizeof err);
-    CHECK(rc == -ENOSYS && strstr(err, "kv.lean.mode") && strstr(err, "dynamic"), "dynamic: rc %d (%s)", rc, err);
+    CHECK(rc == -EINVAL && strstr(err, "kv.lean.mode") && strstr(err, "dynamic") && strstr(err, "kv.reuse"),
+          "dynamic with prefix reuse: rc %d (%s)", rc, err);
     if (e) kvs_engine_free(e);
     kvs_config_free(&c);
     kvs_model_free(model);
@@ -549,13 +593,13 @@ static void test_refusals(void)
     REQUIRE(be, "%s", err);
     const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
     REQUIRE(st, "lean is registered");
-    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL, 4};
+    const struct kvs_kv_shape sh = {2, 2, 16, 16, NULL, 4, 4, 64, 256};
     void *state = NULL;
     rc = st->create(&sh, &bare, be, 4, &state, err, sizeof err);
     CHECK(rc == -ENOSYS && strstr(err, "bare") && strstr(err, "lean"), "no kernels: rc %d (%s)", rc, err);
     if (state) st->destroy(state);
     bare.free(be);
-    printf("ok refused at startup: kv.lean.mode dynamic (not built), a backend without LeanKV kernels\n");
+    printf("ok refused at startup: kv.lean.mode dynamic with prefix reuse, a backend without LeanKV kernels\n");
 }
 
 int main(void)

@@ -1,5 +1,5 @@
-/* test_kv_lean_dynamic.c: the CPU references of LeanKV's dynamic mode (not wired into the engine
- * yet): Algorithm 1 for one head (kernels/kv_lean_alg1.h) and the page manager
+/* test_kv_lean_dynamic.c: the CPU references of LeanKV's dynamic mode (the engine's version,
+ * kernels/kv_lean_dyn.h, is checked against them in test_kv_lean_dyn.c): Algorithm 1 for one head (kernels/kv_lean_alg1.h) and the page manager
  * (kernels/kv_lean_pages.h).
  *   1. neutral: K16V16 tiers with alpha_h = alpha_l = 0 keep every token (all high) and equal
  *      dense attention within fp16 rounding;

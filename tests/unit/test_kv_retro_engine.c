@@ -20,6 +20,7 @@
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/kv/kv.h"
+#include "engine/kv/kv_decode_retro.h"
 #include "engine/runner.h"
 #include "models/model.h"
 #include "tests/unit/kv_engine_run.h"
@@ -248,6 +249,25 @@ static void test_runner(void)
         printf("ok retro w=%d at min budget 32: effective budget %.3fx Quest's, mean KL vs full %.3g (quest %.3g)\n",
                W[i], retro.eff, mean_kl(&full, &retro), kq);
     }
+
+    /* 5. the device path (kernels/kv_retro.h's table: masks, spans, merge and output cache as
+     * device work; here the CPU's table, kv_decode_retro.h) gives the host path's logits and
+     * counters bitwise */
+    for (int i = 0; i < 3; i++) {
+        static struct out dev;
+        base_cfg(&c, "retro");
+        c.quest_min_budget = 32;
+        c.retro_window = W[i];
+        run_seqs(&c, &retro);
+        kvs_retro_set_table_on_cpu(1);
+        run_seqs(&c, &dev);
+        kvs_retro_set_table_on_cpu(0);
+        kvs_config_free(&c);
+        CHECK(max_diff(&retro, &dev) == 0 && dev.sup > 0 && dev.sup == retro.sup && dev.eff == retro.eff &&
+              dev.past == retro.past, "retro w=%d device path: logits differ from the host path by %g, supplement "
+              "keys %g vs %g", W[i], max_diff(&retro, &dev), dev.sup, retro.sup);
+        printf("ok retro w=%d device path (CPU table) = host path bitwise (%g supplement keys)\n", W[i], dev.sup);
+    }
 }
 
 /* ---- 5. the engine ------------------------------------------------------------------------- */
@@ -368,6 +388,9 @@ int main(void)
     test_runner();
     test_engine_tokens();
     stress("retro");
+    kvs_retro_set_table_on_cpu(1);   /* the device path's slots, resets and caches under churn */
+    stress("retro");
+    kvs_retro_set_table_on_cpu(0);
     stress("quest");
     stress("full");
     kvs_model_free(model);

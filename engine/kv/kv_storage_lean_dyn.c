@@ -1,0 +1,342 @@
+/* kv_storage_lean_dyn.c: LeanKV's dynamic mode, storage side (kv_storage_lean_dyn.h). */
+#include "engine/kv/kv_storage_lean_dyn.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/util.h"
+#include "engine/config.h"
+#include "kernels/kv_lean_dyn.h"
+#include "kernels/kv_lean_pages.h"
+
+struct slot {
+    int live;
+    int32_t next_pos;             /* the position the request's next row must have */
+    void *mem;                    /* the heads' windows */
+    struct kvs_lean_dyn_head *heads; /* [n_layers][n_kv_heads] */
+};
+
+struct kvs_lean_dyn_store {
+    const struct kvs_backend_ops *o;
+    struct kvs_backend *be;
+    struct kvs_lean_dyn_cfg c;
+    int n_layers, n_kv_heads, n_heads, max_slots, max_rows;
+    struct kvs_lean_pm *pm;
+    int n_pages, table_len;
+    uint8_t *pages;               /* [n_pages][page_bytes] */
+    struct slot *slots;           /* [max_slots] */
+    int n_seqs;                   /* the step's */
+    int32_t *seq_slot;            /* [max_slots + 1] */
+    float *sk, *sv;               /* the step's K/V rows [max_rows][n_kv_heads][head_dim] */
+    struct kvs_lean_dyn_head **job_heads; /* [max_slots + 1][n_kv_heads] */
+    struct kvs_lean_dyn_pages *job_pages;
+    int32_t *need_hi, *need_lo;   /* [max_slots * n_layers * n_kv_heads], zero between rounds */
+    float *scratch;
+    int n_scratch;
+    /* requests that ended: their bytes and tokens at the end, tier counts */
+    double end_bytes, end_tokens, end_high, end_low, end_pruned;
+};
+
+static int head_id(const struct kvs_lean_dyn_store *d, int slot, int layer, int g)
+{
+    return (slot * d->n_layers + layer) * d->n_kv_heads + g;
+}
+
+static void cfg_fmts(const struct kvs_config *cfg, struct kvs_lean_fmt *hi, struct kvs_lean_fmt *lo)
+{
+    *hi = (struct kvs_lean_fmt){8, 4}, *lo = (struct kvs_lean_fmt){4, 2};
+    if (cfg && cfg->lean_high && kvs_lean_fmt_parse(cfg->lean_high, hi) < 0) *hi = (struct kvs_lean_fmt){8, 4};
+    if (cfg && cfg->lean_low && kvs_lean_fmt_parse(cfg->lean_low, lo) < 0) *lo = (struct kvs_lean_fmt){4, 2};
+}
+
+void kvs_lean_dyn_block_bytes(const struct kvs_kv_shape *sh, size_t *k_bytes, size_t *v_bytes)
+{
+    struct kvs_lean_fmt hi, lo;
+    cfg_fmts(sh->cfg, &hi, &lo);
+    const size_t per = (size_t)sh->n_layers * sh->n_kv_heads * sh->block_size;
+    /* a page entry carries the token's position and score (8 bytes), counted on the K side */
+    *k_bytes = per * (kvs_lean_vec_bytes(hi.kbits, sh->head_dim) + 8);
+    *v_bytes = per * kvs_lean_vec_bytes(hi.vbits, sh->head_dim);
+}
+
+void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
+{
+    if (!d) return;
+    for (int s = 0; d->slots && s < d->max_slots; s++) free(d->slots[s].mem), free(d->slots[s].heads);
+    kvs_lean_pm_free(d->pm);
+    free(d->pages), free(d->slots), free(d->seq_slot), free(d->sk), free(d->sv), free(d->job_heads);
+    free(d->job_pages), free(d->need_hi), free(d->need_lo), free(d->scratch);
+    free(d);
+}
+
+int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
+                        int n_blocks, struct kvs_lean_dyn_store **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    const struct kvs_config *cfg = sh->cfg;
+    if (strcmp(o->name, "cpu"))
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config key 'kv.lean.mode': \"dynamic\" (importance tiers, pruning, the full-precision window) "
+                       "runs on the cpu backend only; its %s kernels are not built: use a static mode (K8V8, K8V4, "
+                       "K4V4) on %s", o->name, o->name);
+    if (cfg && cfg->kv_reuse && strcmp(cfg->kv_reuse, "none"))
+        return kvs_err(err, errlen, -EINVAL,
+                       "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.reuse = %s: shared blocks "
+                       "(cached documents, prefixes) cannot be demoted or pruned per request; use a static mode "
+                       "(cached documents are then stored in it and shared) or kv.reuse = none", cfg->kv_reuse);
+    if (cfg && cfg->kv_decode && strcmp(cfg->kv_decode, "full"))
+        return kvs_err(err, errlen, -EINVAL,
+                       "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.decode = %s: the policy's "
+                       "scores and pruning need every decode query to attend over every kept token; use a static mode "
+                       "(quantization only) with %s", cfg->kv_decode, cfg->kv_decode);
+    if (cfg && cfg->kv_fidelity_sample_every > 0)
+        return kvs_err(err, errlen, -EINVAL,
+                       "config key 'kv.fidelity.sample_every': the fidelity meter re-runs a layer's attention, which "
+                       "in kv.lean.mode = dynamic also updates scores and evicts; measure it with kvserve-eval instead");
+    /* parallel.tensor > 1: each rank's store holds its KV heads, with a page manager of its own
+     * (tests/unit/test_tp_kv.c: the same tokens as one rank) */
+    if (sh->max_slots <= 0 || sh->max_rows <= 0 || sh->max_ctx <= 0)
+        return kvs_err(err, errlen, -EINVAL, "kv.lean.mode = dynamic needs the runner's limits (slots, rows, context)");
+    struct kvs_lean_fmt hi, lo;
+    cfg_fmts(cfg, &hi, &lo);
+    const int window = cfg && cfg->lean_window > 0 ? cfg->lean_window : 64;
+    const double ah = cfg ? cfg->lean_alpha_h : 1.0, al = cfg ? cfg->lean_alpha_l : 0.02;
+    struct kvs_lean_dyn_store *d = calloc(1, sizeof *d);
+    if (!d) return kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
+    if (kvs_lean_dyn_cfg_init(&d->c, hi, lo, sh->head_dim, sh->n_heads / sh->n_kv_heads, window, ah, al,
+                              sh->block_size, sh->max_ctx) < 0 ||
+        d->c.group > 8) {
+        free(d);
+        return kvs_err(err, errlen, -ENOSYS, "kv.lean.mode = dynamic: head_dim %d with %d query heads per KV head is "
+                       "not supported (head_dim %% 4 == 0, at most 8 per group)", sh->head_dim,
+                       sh->n_heads / sh->n_kv_heads);
+    }
+    d->o = o, d->be = be;
+    d->n_layers = sh->n_layers, d->n_kv_heads = sh->n_kv_heads, d->n_heads = sh->n_heads;
+    d->max_slots = sh->max_slots, d->max_rows = sh->max_rows;
+    const int H = sh->n_kv_heads, LH = sh->n_layers * H;
+    /* pages: the pool's blocks at the high tier (a high page is one block of one head and
+     * layer), doubled because a demoted token is counted by both sections' peaks, plus one
+     * partial page per section and head of every request, plus one layer's transient worst
+     * case of a step (every row of every request could land in either section) */
+    const int64_t np = 2 * (int64_t)n_blocks * LH + 2 * (int64_t)sh->max_slots * LH +
+                       2 * (int64_t)H * ((int64_t)sh->max_rows / d->c.tp_hi + 2 * sh->max_slots + 1);
+    if (np > INT32_MAX / 2) {
+        free(d);
+        return kvs_err(err, errlen, -E2BIG, "kv.lean.mode = dynamic: %lld pages are too many", (long long)np);
+    }
+    d->n_pages = (int)np;
+    d->table_len = (sh->max_ctx + d->c.tp_hi - 1) / d->c.tp_hi + (sh->max_ctx + d->c.tp_lo - 1) / d->c.tp_lo;
+    int rc = kvs_lean_pm_create(d->n_pages, sh->max_slots * LH, d->table_len, &d->pm);
+    d->n_scratch = kvs_lean_dyn_cpu_threads(be);
+    if (d->n_scratch < 1) d->n_scratch = 1;
+    d->pages = malloc((size_t)d->n_pages * d->c.page_bytes);
+    d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);
+    d->seq_slot = calloc((size_t)sh->max_slots + 1, sizeof *d->seq_slot);
+    d->sk = malloc((size_t)sh->max_rows * H * sh->head_dim * sizeof(float));
+    d->sv = malloc((size_t)sh->max_rows * H * sh->head_dim * sizeof(float));
+    d->job_heads = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->job_heads);
+    d->job_pages = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->job_pages);
+    d->need_hi = calloc((size_t)sh->max_slots * LH, sizeof *d->need_hi);
+    d->need_lo = calloc((size_t)sh->max_slots * LH, sizeof *d->need_lo);
+    d->scratch = malloc((size_t)d->n_scratch * kvs_lean_dyn_scratch_floats(&d->c) * sizeof(float));
+    if (rc || !d->pages || !d->slots || !d->seq_slot || !d->sk || !d->sv || !d->job_heads || !d->job_pages ||
+        !d->need_hi || !d->need_lo || !d->scratch) {
+        kvs_lean_dyn_destroy(d);
+        return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate %d pages of %zu bytes", (int)np,
+                       d->c.page_bytes);
+    }
+    *out = d;
+    return 0;
+}
+
+/* the request's tokens and the bytes its heads hold now: pages, the window at bf16 */
+static void slot_usage(const struct kvs_lean_dyn_store *d, int s, double *bytes, double *tokens, double *high,
+                       double *low, double *pruned)
+{
+    const struct slot *sl = &d->slots[s];
+    *bytes = *tokens = *high = *low = *pruned = 0;
+    if (!sl->live) return;
+    for (int l = 0; l < d->n_layers; l++)
+        for (int g = 0; g < d->n_kv_heads; g++) {
+            int nh, nl;
+            kvs_lean_pm_table(d->pm, head_id(d, s, l, g), &nh, &nl);
+            const struct kvs_lean_dyn_head *h = &sl->heads[l * d->n_kv_heads + g];
+            *bytes += (double)(nh + nl) * (double)d->c.page_bytes + (double)h->w_n * 4.0 * d->c.head_dim;
+            *high += h->n_high, *low += h->n_low, *pruned += h->pruned;
+        }
+    *tokens = (double)sl->heads[0].seen;
+}
+
+void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot)
+{
+    if (slot < 0 || slot >= d->max_slots || !d->slots[slot].live) return;
+    double b, t, h, l, p;
+    slot_usage(d, slot, &b, &t, &h, &l, &p);
+    d->end_bytes += b, d->end_tokens += t, d->end_high += h, d->end_low += l, d->end_pruned += p;
+    kvs_lean_pm_release(d->pm, head_id(d, slot, 0, 0), d->n_layers * d->n_kv_heads);
+    struct slot *sl = &d->slots[slot];
+    free(sl->mem), free(sl->heads);
+    *sl = (struct slot){0};
+}
+
+int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot)
+{
+    if (slot < 0 || slot >= d->max_slots) return -EINVAL;
+    kvs_lean_dyn_seq_free(d, slot);   /* a slot reused without an end (never in the engine) */
+    const int LH = d->n_layers * d->n_kv_heads;
+    const size_t hm = kvs_lean_dyn_head_mem(&d->c);
+    struct slot *sl = &d->slots[slot];
+    sl->mem = malloc(hm * LH);
+    sl->heads = calloc((size_t)LH, sizeof *sl->heads);
+    if (!sl->mem || !sl->heads) {
+        free(sl->mem), free(sl->heads);
+        *sl = (struct slot){0};
+        return -ENOMEM;
+    }
+    for (int i = 0; i < LH; i++) kvs_lean_dyn_head_init(&d->c, &sl->heads[i], (uint8_t *)sl->mem + hm * i);
+    sl->live = 1, sl->next_pos = 0;
+    return 0;
+}
+
+int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st)
+{
+    if (st->n_seqs > d->max_slots + 1 || st->n_rows > d->max_rows) return -E2BIG;
+    d->n_seqs = st->n_seqs;
+    for (int s = 0; s < st->n_seqs; s++) {
+        const int slot = st->h_slot[s], rows = st->h_q_start[s + 1] - st->h_q_start[s];
+        d->seq_slot[s] = slot;
+        /* a sequence with no request slot (a side prefill, a runner driven by hand) has no
+         * tiers to keep its tokens in (the CPU records no padded steps) */
+        struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
+        /* rows must continue the request: the tiers hold every earlier token exactly once */
+        if (!sl || !sl->live || st->h_pos[s] != sl->next_pos) {
+            kvs_log(KVS_LOG_ERROR, "kv storage lean (dynamic): slot %d runs position %d, expected %d", slot,
+                    st->h_pos[s], sl ? sl->next_pos : -1);
+            return -EINVAL;
+        }
+        sl->next_pos += rows;
+    }
+    return 0;
+}
+
+void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                        int n)
+{
+    (void)layer;
+    const size_t e = (size_t)n * d->n_kv_heads * d->c.head_dim;
+    d->o->download(d->be, d->sk, k, 0, e);
+    d->o->download(d->be, d->sv, v, 0, e);
+}
+
+void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *q,
+                            const struct kvs_attn_meta *m, int n, float scale, struct kvs_dbuf *out)
+{
+    const int H = d->n_kv_heads;
+    KVS_ASSERT(m->n_seqs == d->n_seqs && m->h_q_start[m->n_seqs] == n);
+    /* one allocation round: every head of the step's requests, the worst case of its rows */
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int slot = d->seq_slot[s];
+        if (slot < 0) continue;
+        for (int g = 0; g < H; g++) {
+            const int id = head_id(d, slot, layer, g);
+            int nh, nl;
+            kvs_lean_pm_table(d->pm, id, &nh, &nl);
+            kvs_lean_dyn_head_need(&d->c, &d->slots[slot].heads[layer * H + g], m->h_q_start[s + 1] - m->h_q_start[s],
+                                   nh, nl, &d->need_hi[id], &d->need_lo[id]);
+        }
+    }
+    /* the pool holds a layer's worst case beyond every request's kept pages (create) */
+    const int rc = kvs_lean_pm_alloc(d->pm, d->need_hi, d->need_lo);
+    KVS_ASSERT(rc == 0);
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int slot = d->seq_slot[s];
+        for (int g = 0; g < H; g++) {
+            const int pair = s * H + g;
+            d->job_heads[pair] = NULL;
+            if (slot < 0) continue;
+            const int id = head_id(d, slot, layer, g);
+            d->need_hi[id] = d->need_lo[id] = 0;
+            struct kvs_lean_dyn_pages *pg = &d->job_pages[pair];
+            pg->base = d->pages, pg->table_len = d->table_len;
+            pg->table = kvs_lean_pm_table(d->pm, id, &pg->n_high_pages, &pg->n_low_pages);
+            d->job_heads[pair] = &d->slots[slot].heads[layer * H + g];
+        }
+    }
+    const struct kvs_lean_dyn_job j = {&d->c, m->n_seqs, d->n_heads, H, m->h_q_start, m->h_pos, d->job_heads,
+                                       d->job_pages, d->sk, d->sv, q, out, scale, d->scratch, d->n_scratch};
+    kvs_lean_dyn_cpu_attend(d->be, &j);
+    /* what the sections did not reach goes back */
+    for (int s = 0; s < m->n_seqs; s++)
+        for (int g = 0; g < H && d->seq_slot[s] >= 0; g++) {
+            int kh, kl;
+            kvs_lean_dyn_head_keep(&d->c, d->job_heads[s * H + g], &kh, &kl);
+            kvs_lean_pm_trim(d->pm, head_id(d, d->seq_slot[s], layer, g), kh, kl);
+        }
+}
+
+int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *out, int cap)
+{
+    if (cap < 8) return 0;
+    double bytes = 0, tokens = 0, high = 0, low = 0, pruned = 0;
+    for (int s = 0; s < d->max_slots; s++) {
+        double b, t, h, l, p;
+        slot_usage(d, s, &b, &t, &h, &l, &p);
+        bytes += b, tokens += t, high += h, low += l, pruned += p;
+    }
+    if (tokens == 0) bytes = d->end_bytes, tokens = d->end_tokens, high = d->end_high, low = d->end_low,
+                     pruned = d->end_pruned;
+    const double heads = (double)d->n_layers * d->n_kv_heads, bf16 = heads * 4.0 * d->c.head_dim;
+    const double bpt = tokens > 0 ? bytes / tokens : 0, ht = tokens > 0 ? tokens * heads : 1;
+    out[0] = (struct kvs_kv_counter){"kvserve:kv_storage_bytes_per_token",
+                                     "KV bytes per token the requests hold now (when none: the ended requests at their "
+                                     "end): pages (quantization metadata, position and score included) and the "
+                                     "full-precision window at bf16; all layers, K and V.", 0, bpt, NULL, NULL};
+    out[1] = (struct kvs_kv_counter){"kvserve:kv_storage_bf16_bytes_per_token",
+                                     "KV bytes one token would take in bf16 (all layers, K and V).", 0, bf16, NULL, NULL};
+    out[2] = (struct kvs_kv_counter){"kvserve:kv_storage_compression_ratio",
+                                     "bf16 KV bytes per token over the storage's (same requests as bytes_per_token).", 0,
+                                     bpt > 0 ? bf16 / bpt : 0, NULL, NULL};
+    out[3] = (struct kvs_kv_counter){"kvserve:kv_storage_high_fraction",
+                                     "Fraction of (token, layer, KV head) in LeanKV's high tier.", 0, high / ht, NULL,
+                                     NULL};
+    out[4] = (struct kvs_kv_counter){"kvserve:kv_storage_low_fraction",
+                                     "Fraction of (token, layer, KV head) in LeanKV's low tier.", 0, low / ht, NULL, NULL};
+    out[5] = (struct kvs_kv_counter){"kvserve:kv_storage_pruned_fraction",
+                                     "Fraction of (token, layer, KV head) LeanKV pruned.", 0, pruned / ht, NULL, NULL};
+    out[6] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_used",
+                                     "LeanKV pages (mixed precision) held by requests now.", 0,
+                                     (double)(d->n_pages - kvs_lean_pm_n_free(d->pm)), NULL, NULL};
+    out[7] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_total", "LeanKV pages in the pool.", 0,
+                                     (double)d->n_pages, NULL, NULL};
+    return 8;
+}
+
+int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char *msg, size_t msglen)
+{
+    int rc = kvs_lean_pm_check(d->pm, msg, msglen);
+    if (rc) return rc;
+    *pages_held = d->n_pages - kvs_lean_pm_n_free(d->pm);
+    for (int s = 0; s < d->max_slots; s++)
+        for (int l = 0; l < d->n_layers; l++)
+            for (int g = 0; g < d->n_kv_heads; g++) {
+                int nh, nl;
+                kvs_lean_pm_table(d->pm, head_id(d, s, l, g), &nh, &nl);
+                if (!d->slots[s].live) {
+                    if (nh || nl) {
+                        snprintf(msg, msglen, "slot %d (ended) still holds %d + %d pages", s, nh, nl);
+                        return -EFAULT;
+                    }
+                    continue;
+                }
+                int kh, kl;
+                kvs_lean_dyn_head_keep(&d->c, &d->slots[s].heads[l * d->n_kv_heads + g], &kh, &kl);
+                if (nh != kh || nl != kl) {
+                    snprintf(msg, msglen, "slot %d layer %d head %d holds %d + %d pages, its sections reached %d + %d",
+                             s, l, g, nh, nl, kh, kl);
+                    return -EFAULT;
+                }
+            }
+    return 0;
+}

@@ -1,0 +1,48 @@
+/* kv_storage_lean_dyn.h: kv.storage = lean with kv.lean.mode = dynamic (the storage side of
+ * kernels/kv_lean_dyn.h), called by kv_storage_lean.c's ops when the mode is dynamic: per
+ * request, per layer and KV head, the recent window, the high and low sections in pages of the
+ * page manager (kernels/kv_lean_pages.h), and Algorithm 1 run inside attention.
+ *
+ * The block pool still hands out block-table slots (positions of a request), but the dynamic
+ * storage does not store tokens at them: write() stages the step's K/V and attention() appends
+ * each row to its request's heads, attends and applies the policy, row by row. Pages come from
+ * the page manager in one round per layer and step (every head of the step's requests asks
+ * for the worst case of its rows; what the sections did not reach goes back at once); a
+ * request's pages go back when it ends, is preempted or cancelled (seq_free).
+ *
+ * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than the CPU, reuse
+ * other than none (cached documents and prefix blocks are shared; demotion and pruning are
+ * per request), a decode policy other than full, the fidelity meter (it would run the
+ * policy's attention twice). Under tensor parallelism each rank's store holds its KV heads
+ * and has a page manager of its own.
+ *
+ * Ownership: create allocates what destroy releases. Errors: 0 / negative errno + message. */
+#ifndef KVS_KV_STORAGE_LEAN_DYN_H
+#define KVS_KV_STORAGE_LEAN_DYN_H
+
+#include "engine/kv/kv.h"
+
+struct kvs_lean_dyn_store;
+
+/* Block bytes for the pool's sizing: every token counted at the high tier (the paper's
+ * conservative admission), K and V apart. */
+void kvs_lean_dyn_block_bytes(const struct kvs_kv_shape *sh, size_t *k_bytes, size_t *v_bytes);
+int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
+                        int n_blocks, struct kvs_lean_dyn_store **out, char *err, size_t errlen);
+void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d);
+int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot);
+void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot);
+int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *step);
+void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                        int n);
+void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *q,
+                            const struct kvs_attn_meta *m, int n, float scale, struct kvs_dbuf *out);
+int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *out, int cap);
+
+/* Tests: the page manager's invariant (every page id once across free list and tables) plus
+ * each live head's pages covering its sections, and the pages held now. 0 or -EFAULT + msg. */
+/* The dynamic store of a lean storage state (kv_storage_lean.c), NULL in a static mode. */
+struct kvs_lean_dyn_store *kvs_kv_storage_lean_dyn_of(void *lean_state);
+int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char *msg, size_t msglen);
+
+#endif

@@ -1,0 +1,628 @@
+/* kv_retro.cu: the CUDA table of Retro's device bookkeeping (kernels/kv_retro.h), tested against the
+ * CPU table and reference (kernels/cpu/kv_retro.c) by tests/gpu/test_cuda_kv_retro.c.
+ *
+ * reset   A[off .. off + n) = -1, one thread an entry.
+ * spans   one block of RS_THREADS threads per (request, KV head). The newest row's spans are the
+ *         selection, copied. The pages 0 .. cur are walked RS_THREADS at a time, a thread a page:
+ *         whether it is selected (a binary search over the selection's spans), m = its A before
+ *         this step (cur: t - 1), then A = t (each page belongs to one thread: no hazard). For each
+ *         past row, a page is in the supplement when selected, m < t' and its first position <=
+ *         pos'; a run of such pages is one span (the reference merges adjacent pages the same
+ *         way): a page whose predecessor is out opens a span at the index a block scan gives it,
+ *         every page of the run raises the span's end with atomicMax (ends grow with the page,
+ *         so the last page's clipped end wins: the same spans as kvs_retro_supplement).
+ *         The keys counted (own, supplement) go to two uint64 with one atomicAdd a block.
+ * merge   one block per (row, head): attn_merge's arithmetic (kv_span.cu k_attn_merge2) with the
+ *         cached row cidx[t] of the previous step's cache, then the row is copied to the next
+ *         cache (the caches alternate by step: the gather is never overwritten while read).
+ *
+ * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
+ * grid dependency before it reads what earlier kernels (Quest's select, attention_spans) wrote.
+ */
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/cuda/cuda_attn_device.cuh"
+#include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/kv_retro.h"
+
+#define RS_THREADS 256
+
+__global__ void k_retro_reset(int32_t *a, size_t n)
+{
+    grid_dep_wait();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i] = -1;
+}
+
+static void cu_retro_reset(struct kvs_backend *b, struct kvs_dbuf *A, size_t off, size_t n)
+{
+    KVS_ASSERT(off + n <= A->n);
+    if (!n) return;
+    CUDA_CHECK(kvs_cu_launch(k_retro_reset, (unsigned)((n + 255) / 256), 256, 0, b->stream, (int32_t *)A->d + off, n));
+}
+
+/* whether page p (first position p * ps) lies in one of the ascending spans sp[0 .. ns) */
+__device__ __forceinline__ bool in_spans(const int32_t *sp, int ns, int lo)
+{
+    int a = 0, z = ns - 1, j = -1;
+    while (a <= z) {   /* the last span starting at or before lo */
+        const int mid = (a + z) >> 1;
+        if (sp[2 * mid] <= lo) j = mid, a = mid + 1;
+        else z = mid - 1;
+    }
+    return j >= 0 && lo < sp[2 * j + 1];
+}
+
+__global__ void __launch_bounds__(RS_THREADS)
+k_retro_spans(const int32_t *__restrict__ sel_n, const int32_t *__restrict__ sel, const int32_t *__restrict__ req,
+              int n_kv, int ms, int ps, int32_t *__restrict__ A, int a_layers, int a_layer, int max_pages,
+              int32_t *__restrict__ n_spans, int32_t *__restrict__ spans, unsigned long long *__restrict__ keys,
+              int32_t *__restrict__ m_out)
+{
+    typedef cub::BlockScan<int, RS_THREADS> scan_t;
+    typedef cub::BlockReduce<long long, RS_THREADS> red_t;
+    __shared__ union {
+        typename scan_t::TempStorage scan;
+        typename red_t::TempStorage red;
+    } tmp;
+    __shared__ int s_inc[RS_THREADS];
+    __shared__ int s_base[64], s_carry[64];   /* per past row: spans opened, whether the last page was in */
+    grid_dep_wait();
+    const int q = blockIdx.x / n_kv, g = blockIdx.x % n_kv, tid = threadIdx.x;
+    const int row0 = req[5 * q], rows = req[5 * q + 1], pos = req[5 * q + 2], t = req[5 * q + 3], slot = req[5 * q + 4];
+    const size_t ms2 = (size_t)ms * 2;
+    const int32_t *sp = sel + ((size_t)q * n_kv + g) * ms2;
+    const int nsel = sel_n[q * n_kv + g];
+    int32_t *a = A + (((size_t)slot * a_layers + a_layer) * n_kv + g) * max_pages;
+    const int cur = pos / ps, past = rows - 1;
+    /* the newest row: the selection */
+    const size_t tn = (size_t)(row0 + rows - 1) * n_kv + g;
+    long long own = 0;
+    for (int i = tid; i < 2 * nsel; i += RS_THREADS) spans[tn * ms2 + i] = sp[i];
+    for (int i = tid; i < nsel; i += RS_THREADS) own += sp[2 * i + 1] - sp[2 * i];
+    own = red_t(tmp.red).Sum(own);
+    if (tid == 0) {
+        n_spans[tn] = nsel;
+        atomicAdd(&keys[0], (unsigned long long)own);
+    }
+    for (int j = tid; j < 64; j += RS_THREADS) s_base[j] = 0, s_carry[j] = 0;
+    __syncthreads();   /* tmp and the row states */
+    long long sup = 0;
+    for (int c0 = 0; c0 <= cur; c0 += RS_THREADS) {
+        const int p = c0 + tid;
+        const bool in = p <= cur && in_spans(sp, nsel, p * ps);
+        /* the current page was loaded by the previous step's query (kvs_retro_mask_step) */
+        const int m = !in ? 0 : p == cur ? t - 1 : a[p];
+        if (in) a[p] = t;
+        else if (p == cur) a[p] = t - 1;
+        if (in && m_out) m_out[((size_t)q * n_kv + g) * max_pages + p] = m;
+        for (int j = 0; j < past; j++) {
+            const int back = past - j, tp = t - back, posp = pos - back;
+            const int inc = in && m < tp && p * ps <= posp;
+            s_inc[tid] = inc;
+            __syncthreads();   /* s_inc; the row's state */
+            const int prev = tid > 0 ? s_inc[tid - 1] : s_carry[j];
+            const int start = inc && !prev;
+            int idx, total;
+            scan_t(tmp.scan).ExclusiveSum(start, idx, total);
+            const int base = s_base[j];
+            int32_t *out = spans + ((size_t)(row0 + j) * n_kv + g) * ms2;
+            const int hi = min((p + 1) * ps, posp + 1);
+            if (start && base + idx < ms) out[2 * (base + idx)] = p * ps, out[2 * (base + idx) + 1] = hi;
+            __syncthreads();   /* the opened spans are visible before their ends are raised; s_base read */
+            const int k = base + idx + start - 1;
+            if (inc && !start && k >= 0 && k < ms) atomicMax(&out[2 * k + 1], hi);
+            if (inc) sup += hi - p * ps;
+            if (tid == RS_THREADS - 1) s_base[j] = base + total, s_carry[j] = inc;
+            __syncthreads();   /* s_inc, tmp and the row's state are rewritten next */
+        }
+    }
+    if (past > 0) {
+        sup = red_t(tmp.red).Sum(sup);
+        if (tid == 0) atomicAdd(&keys[1], (unsigned long long)sup);
+    }
+    for (int j = tid; j < past; j += RS_THREADS) n_spans[(size_t)(row0 + j) * n_kv + g] = min(s_base[j], ms);
+}
+
+static void cu_retro_spans(struct kvs_backend *b, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel,
+                           const struct kvs_dbuf *req, int n_req, int n_kv_heads, int max_spans, int page_size,
+                           struct kvs_dbuf *A, int a_layers, int a_layer, int max_pages, struct kvs_dbuf *n_spans,
+                           struct kvs_dbuf *spans, struct kvs_dbuf *keys, struct kvs_dbuf *m_out)
+{
+    if (n_req <= 0) return;
+    KVS_ASSERT(keys->n >= 4);
+    CUDA_CHECK(kvs_cu_launch(k_retro_spans, (unsigned)(n_req * n_kv_heads), RS_THREADS, 0, b->stream,
+                             (const int32_t *)sel_n->d, (const int32_t *)sel->d, (const int32_t *)req->d, n_kv_heads,
+                             max_spans, page_size, (int32_t *)A->d, a_layers, a_layer, max_pages,
+                             (int32_t *)n_spans->d, (int32_t *)spans->d, (unsigned long long *)keys->d,
+                             m_out ? (int32_t *)m_out->d : nullptr));
+}
+
+__global__ void k_retro_merge(float *__restrict__ out, float *__restrict__ lse, const int32_t *__restrict__ cidx,
+                              int n_heads, int hd, const float *__restrict__ o_prev, const float *__restrict__ l_prev,
+                              int prev_rows, float *__restrict__ o_next, float *__restrict__ l_next)
+{
+    grid_dep_wait();   /* out and lse are attention_spans' */
+    const size_t rh = blockIdx.x;
+    const int t = (int)(rh / n_heads), h = (int)(rh % n_heads);
+    const int c = cidx[t];
+    float *oa = out + rh * hd;
+    float *on = o_next + rh * hd;
+    const float a = lse[rh];
+    if (c < 0 || c >= prev_rows) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) on[d] = oa[d];
+        if (threadIdx.x == 0) l_next[rh] = a;
+        return;
+    }
+    const size_t crh = (size_t)c * n_heads + h;
+    const float bl = l_prev[crh];
+    const float *ob = o_prev + crh * hd;
+    const float mx = fmaxf(a, bl);
+    float wa = 0.0f, wb = 0.0f, l = -INFINITY;
+    if (mx != -INFINITY) {
+        const float ea = a == -INFINITY ? 0.0f : expf(a - mx), eb = bl == -INFINITY ? 0.0f : expf(bl - mx);
+        const float sum = ea + eb;
+        wa = ea / sum;
+        wb = eb / sum;
+        l = mx + logf(sum);
+    }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float v = (wa != 0.0f ? wa * oa[d] : 0.0f) + (wb != 0.0f ? wb * ob[d] : 0.0f);
+        oa[d] = v;
+        on[d] = v;
+    }
+    __syncthreads();   /* every thread has read lse[rh] */
+    if (threadIdx.x == 0) lse[rh] = l, l_next[rh] = l;
+}
+
+static void cu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct kvs_dbuf *lse,
+                           const struct kvs_dbuf *cidx, int n, int n_heads, int head_dim, const struct kvs_dbuf *o_prev,
+                           const struct kvs_dbuf *l_prev, int prev_rows, struct kvs_dbuf *o_next,
+                           struct kvs_dbuf *l_next)
+{
+    if (n <= 0) return;
+    const size_t qd = (size_t)n_heads * head_dim;
+    KVS_ASSERT((size_t)n * qd <= out->n && (size_t)n * qd <= o_next->n && (size_t)n * n_heads <= l_next->n);
+    KVS_ASSERT((size_t)prev_rows * qd <= o_prev->n && (size_t)prev_rows * n_heads <= l_prev->n);
+    xh_forget(b, out->d);
+    xh_forget(b, lse->d);
+    xh_forget(b, o_next->d);
+    xh_forget(b, l_next->d);
+    CUDA_CHECK(kvs_cu_launch(k_retro_merge, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
+                             b->stream, (float *)out->d, (float *)lse->d, (const int32_t *)cidx->d, n_heads, head_dim,
+                             (const float *)o_prev->d, (const float *)l_prev->d, prev_rows, (float *)o_next->d,
+                             (float *)l_next->d));
+}
+
+/* ---- the fused attention ----------------------------------------------------------------------
+ * The span walk of attention_spans (kv_span.cu: the selected keys taken in span order, 32 a tile,
+ * cp.async stages, tensor-core QK and PV, splits over grid y merged by k_retro_splits), with the
+ * helpers below copied from there (static in that file). What differs: a block's m-tiles hold the
+ * G heads of every row of the request (row-major: row r of the tile = window row r / G, head
+ * r % G; grid z takes 32 rows at a time where the window has more), and each staged key carries
+ * b = min(t - M[page] - 1, pos - position): the largest "back" (rows before the newest) that may
+ * see it, so a tile row of window row j sees the key iff rows - 1 - j <= b (the newest: b >= 0
+ * always; past row t': M < t' and position <= pos'). Scores of unseen keys become -inf before the
+ * online softmax, which leaves a row that sees no key at 0 / -inf. */
+namespace {
+/* The selected keys of a (row, KV head): span j clipped to the row, [lo, hi) with hi <= last + 1
+ * (causal), concatenated in span order. A cursor names a key of that list: span j, offset o. */
+struct span_cursor {
+    int j, o;
+};
+
+/* span j's clipped start and length (0: empty) */
+__device__ __forceinline__ int span_len(const int32_t *sp, int j, int last, int *lo)
+{
+    const int a = max(sp[2 * j], 0), b = min(sp[2 * j + 1], last + 1);
+    *lo = a;
+    return b > a ? b - a : 0;
+}
+
+/* the position of the key k keys after c (k >= 0), or -1 past the last span */
+__device__ __forceinline__ int key_after(const int32_t *sp, int ns, int last, span_cursor c, int k)
+{
+    int j = c.j, o = c.o + k;
+    while (j < ns) {
+        int lo;
+        const int len = span_len(sp, j, last, &lo);
+        if (o < len) return lo + o;
+        o -= len;
+        j++;
+    }
+    return -1;
+}
+
+/* c moved k keys on (past the end: j = ns) */
+__device__ __forceinline__ void cursor_advance(const int32_t *sp, int ns, int last, span_cursor &c, int k)
+{
+    int j = c.j, o = c.o + k;
+    while (j < ns) {
+        int lo;
+        const int len = span_len(sp, j, last, &lo);
+        if (o < len) break;
+        o -= len;
+        j++;
+    }
+    c.j = j;
+    c.o = o;
+}
+
+/* the cursor of key k (k < the total): a warp scan over the span lengths, 32 spans at a time
+ * (every lane ends with the same cursor) */
+__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
+{
+    const int lane = threadIdx.x & 31;
+    long long base = 0;
+    for (int c0 = 0; c0 < ns; c0 += 32) {
+        int lo;
+        const int len = c0 + lane < ns ? span_len(sp, c0 + lane, last, &lo) : 0;
+        long long inc = len;
+        for (int o = 1; o < 32; o <<= 1) {
+            const long long v = __shfl_up_sync(FULL, inc, o);
+            if (lane >= o) inc += v;
+        }
+        const long long total = __shfl_sync(FULL, inc, 31);
+        if (k < base + total) {
+            const unsigned m = __ballot_sync(FULL, len > 0 && k >= base + inc - len && k < base + inc);
+            const int src = __ffs((int)m) - 1;
+            span_cursor c;
+            c.j = c0 + src;
+            c.o = (int)(k - base - __shfl_sync(FULL, inc - len, src));
+            return c;
+        }
+        base += total;
+    }
+    span_cursor c;
+    c.j = ns;
+    c.o = 0;
+    return c;
+}
+
+/* selected keys of a (row, KV head) */
+__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
+{
+    const int lane = threadIdx.x & 31;
+    long long sum = 0;
+    for (int j = lane; j < ns; j += 32) {
+        int lo;
+        sum += span_len(sp, j, last, &lo);
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    return sum;
+}
+
+/* What the copies of the tile of the 32 selected keys from cursor c need (tile_lookup's contract,
+ * cuda_attn_device.cuh): lane l's key (its row, or -1 past the list or in a block's invalid tail;
+ * its rotation offset, or KEY_PAD). contig: the 32 keys are consecutive positions from a multiple
+ * of 16 in blocks of a multiple of 16 slots, where tile_issue's two-pointer copies apply (base0,
+ * base1: the rows of the tile's first and 17th key); else the copies take each key's own row. */
+template <int HD>
+__device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t *sp, int ns, int last,
+                                                 span_cursor c, int kvh, const int32_t *bt, const int32_t *vt,
+                                                 const int32_t *rt, bool *contig)
+{
+    const int lane = threadIdx.x & 31;
+    const int p = key_after(sp, ns, last, c, lane);
+    tile_meta m;
+    m.row = -1;
+    m.info = KEY_PAD;
+    long long brow = 0;
+    if (p >= 0) {
+        const int pb = p / a.bs, sl = p - pb * a.bs;
+        brow = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
+        if (!vt || sl < vt[pb]) {
+            m.row = brow;
+            m.info = rt ? rt[pb] : 0;
+        }
+    }
+    const int p0 = __shfl_sync(FULL, p, 0);
+    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == p0 + lane || p < 0) &&
+              __shfl_sync(FULL, p, 16) >= 0;
+    m.base0 = __shfl_sync(FULL, brow, 0);
+    m.base1 = __shfl_sync(FULL, brow, 16);
+    return m;
+}
+
+/* tile_issue's general copies (each key's row from the lane that looked it up): gathered keys */
+template <int HD>
+__device__ __forceinline__ void gather_issue(const at_args &a, const tile_meta &m, bf16 *dk, bf16 *dv, int kst, int *ko)
+{
+    constexpr int CH = HD / 8;
+    ko[threadIdx.x & 31] = m.info;
+#pragma unroll
+    for (int idx = threadIdx.x & 31; idx < AT_TILE * CH; idx += 32) {
+        const int j = idx / CH, c = idx % CH;
+        const long long r = __shfl_sync(FULL, m.row, j);
+        const bool ok = r >= 0;
+        cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
+        cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
+    }
+}
+
+}  // namespace
+
+#define RF_ST 2
+#define RF_MIN_TILES 4
+#define RF_MAX_SPLITS 256
+
+struct fused_args {
+    at_args a;                     /* q, kc, vc, q_start, pos, bt, n_seqs, max_blocks, n_heads, n_kv, bs, G, scale, part */
+    const int32_t *sel_n, *sel;    /* the newest rows' selections [n_req][n_kv](x max_spans x 2) */
+    const int32_t *req, *msel;     /* kvs_retro_kernels: req [n_req][5]; M [n_req][n_kv][max_pages] */
+    int max_spans, max_pages, ps;
+    int chunk, n_splits;
+    float *out, *lse;
+};
+
+template <int HD, int MT>
+__global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fused_args fa)
+{
+    constexpr int KST = HD + 8, ST = RF_ST;
+    const at_args &a = fa.a;
+    extern __shared__ __align__(16) unsigned char smraw[];
+    bf16 *sk = (bf16 *)smraw;
+    bf16 *sv = sk + (size_t)ST * AT_TILE * KST;
+    int *soff = (int *)(sv + (size_t)ST * AT_TILE * KST); /* [ST][AT_TILE] KEY_PAD or 0 */
+    int *sb = soff + ST * AT_TILE;                         /* [ST][AT_TILE] the key's b */
+
+    const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+    const int q = blockIdx.x / a.n_kv, kvh = blockIdx.x % a.n_kv, split = blockIdx.y, wrow = blockIdx.z * MT * 16;
+    grid_dep_wait();
+    const int qs = a.q_start[q], rows = a.q_start[q + 1] - qs, nr = rows * a.G;
+    if (wrow >= nr) return;
+    const int last = a.pos[q] + rows - 1, t = fa.req[5 * q + 3];
+    const int32_t *bt = a.bt + (size_t)q * a.max_blocks;
+    const size_t pair = (size_t)q * a.n_kv + kvh;
+    const int ns = fa.sel_n[pair];
+    const int32_t *sp = fa.sel + pair * (size_t)fa.max_spans * 2;
+    const int32_t *mq = fa.msel + pair * (size_t)fa.max_pages;
+    const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
+    const long long w0 = (long long)split * fa.chunk;
+    const long long w1 = split == fa.n_splits - 1 ? n_tiles_all : min(n_tiles_all, w0 + fa.chunk);
+    const int ntiles = w1 > w0 ? (int)(w1 - w0) : 0;
+
+    span_cursor cur;
+    cur.j = ns;
+    cur.o = 0;
+    if (ntiles > 0) cur = cursor_seek(sp, ns, last, w0 * AT_TILE);
+    bool nxt_contig = false;
+    int nxt_b = 0;
+    auto lookup = [&]() {
+        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, nullptr, nullptr, &nxt_contig);
+        const int p = key_after(sp, ns, last, cur, lane);
+        nxt_b = p >= 0 ? min(t - mq[p / fa.ps] - 1, last - p) : -1;
+        cursor_advance(sp, ns, last, cur, AT_TILE);
+        return tm;
+    };
+    auto issue = [&](const tile_meta &tm, bool contig, int b, int it) {
+        const int st = it % ST;
+        bf16 *dk = sk + (size_t)st * AT_TILE * KST, *dv = sv + (size_t)st * AT_TILE * KST;
+        sb[st * AT_TILE + lane] = b;
+        if (contig) tile_issue<HD, 32>(a, tm, dk, dv, KST, soff + st * AT_TILE);
+        else gather_issue<HD>(a, tm, dk, dv, KST, soff + st * AT_TILE);
+    };
+
+    tile_meta nxt = lookup();
+#pragma unroll
+    for (int st = 0; st < ST - 1; st++) {
+        if (st < ntiles) {
+            issue(nxt, nxt_contig, nxt_b, st);
+            nxt = lookup();
+        }
+        cp_async_commit();
+    }
+
+    uint32_t qa[MT][HD / 16][4];
+    q_frags<HD, MT>(a, qs, 0, kvh, nr, wrow, lane, nullptr, qa);
+    float m[MT][2], l[MT][2], o[MT][HD / 8][4];
+    int lim[MT][2], back[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = wrow + mt * 16 + g + 8 * h;
+            m[mt][h] = -INFINITY;
+            l[mt][h] = 0.0f;
+            lim[mt][h] = r < nr ? INT_MAX : -1;
+            back[mt][h] = r < nr ? rows - 1 - r / a.G : INT_MAX;
+        }
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[mt][nd][e] = 0.0f;
+    }
+
+    for (int it = 0; it < ntiles; it++) {
+        if (it + ST - 1 < ntiles) {
+            issue(nxt, nxt_contig, nxt_b, it + ST - 1);
+            nxt = lookup();
+        }
+        cp_async_commit();
+        cp_async_wait<ST - 1>();
+        __syncwarp();
+        const int st = it % ST;
+        const bf16 *tk = sk + (size_t)st * AT_TILE * KST;
+        const bf16 *tv = sv + (size_t)st * AT_TILE * KST;
+        const int *ko = soff + st * AT_TILE, *kb = sb + st * AT_TILE;
+        float sc[MT][4][4];
+        qk_tc<HD, MT>(tk, qa, sc, lane);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int bk = kb[j * 8 + 2 * t4 + e];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        if (back[mt][h] > bk) sc[mt][j][2 * h + e] = -INFINITY;
+            }
+        uint32_t pa[MT][2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) softmax_tile<HD, true>(sc[mt], ko, 0, lim[mt], m[mt], l[mt], o[mt], pa[mt], lane);
+        pv_tile<HD, MT>(tv, KST, pa, o, lane);
+        __syncwarp();
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ls = l[mt][h];
+            ls += __shfl_xor_sync(FULL, ls, 1);
+            ls += __shfl_xor_sync(FULL, ls, 2);
+            const int r = wrow + mt * 16 + g + 8 * h;
+            if (r >= nr) continue;
+            const size_t orow = (size_t)(qs + r / a.G) * a.n_heads + (size_t)kvh * a.G + r % a.G;
+            if (fa.n_splits == 1) {
+                const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+                float *op = fa.out + orow * HD + 2 * t4;
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    op[nd * 8] = o[mt][nd][2 * h] * inv;
+                    op[nd * 8 + 1] = o[mt][nd][2 * h + 1] * inv;
+                }
+                if (t4 == 0) fa.lse[orow] = ls > 0.0f ? m[mt][h] + logf(ls) : -INFINITY;
+            } else {
+                float *pp = a.part + (orow * fa.n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    pp[nd * 8 + 2 * t4] = o[mt][nd][2 * h];
+                    pp[nd * 8 + 2 * t4 + 1] = o[mt][nd][2 * h + 1];
+                }
+                if (t4 == 0) {
+                    pp[HD] = ls > 0.0f ? m[mt][h] : -INFINITY;
+                    pp[HD + 1] = ls;
+                }
+            }
+        }
+}
+
+/* the splits' partials of each (row, head) (block) into out and lse, in split order (kv_span.cu's
+ * k_spans_merge) */
+__global__ void k_retro_splits(const float *part, int n_splits, int hd, float *out, float *lse)
+{
+    grid_dep_wait();
+    const size_t rh = blockIdx.x;
+    const float *pp = part + rh * n_splits * (size_t)(hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
+    float L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = 0; s < n_splits; s++) {
+            const float *q = pp + (size_t)s * (hd + 2);
+            if (q[hd] != -INFINITY) L += q[hd + 1] * __expf(q[hd] - M);
+        }
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float A = 0.0f;
+        if (M != -INFINITY)
+            for (int s = 0; s < n_splits; s++) {
+                const float *q = pp + (size_t)s * (hd + 2);
+                if (q[hd] != -INFINITY) A += q[d] * __expf(q[hd] - M);
+            }
+        out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
+    }
+    if (threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
+}
+
+template <int HD, int MT>
+static void launch_fused(fused_args &x, int n_req, int zgroups, cudaStream_t st, int n_sms, long long w_max,
+                         long long by_ws)
+{
+    static kvs_cu_resident resident_all;
+    int &resident = *kvs_cu_resident_here(resident_all);
+    const size_t smem = 2 * (size_t)RF_ST * AT_TILE * (HD + 8) * sizeof(bf16) + 2 * (size_t)RF_ST * AT_TILE * sizeof(int);
+    if (!resident) {
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_retro_fused<HD, MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)smem));
+        int nb = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_retro_fused<HD, MT>, 32, smem));
+        if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda retro attend: kernel does not fit an SM (%zu bytes)", smem);
+        resident = nb;
+    }
+    /* splits as attention_spans plans them (kv_span.cu plan_splits) */
+    const long long pairs = (long long)n_req * x.a.n_kv * zgroups;
+    long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
+    const long long by_len = (w_max + RF_MIN_TILES - 1) / RF_MIN_TILES;
+    if (ns > by_len) ns = by_len;
+    if (ns > by_ws) ns = by_ws;
+    if (ns > RF_MAX_SPLITS) ns = RF_MAX_SPLITS;
+    if (ns < 1) ns = 1;
+    x.chunk = (int)((w_max + ns - 1) / ns);
+    if (x.chunk < 1) x.chunk = 1;
+    x.n_splits = (int)((w_max + x.chunk - 1) / x.chunk);
+    if (x.n_splits < 1) x.n_splits = 1;
+    const dim3 grid((unsigned)((size_t)n_req * x.a.n_kv), (unsigned)x.n_splits, (unsigned)zgroups);
+    CUDA_CHECK(kvs_cu_launch(k_retro_fused<HD, MT>, grid, 32, smem, st, x));
+}
+
+template <int HD>
+static void launch_fused_hd(fused_args &x, int n_req, int rows_max, cudaStream_t st, int n_sms, long long w_max,
+                            long long by_ws)
+{
+    const int nr = rows_max * x.a.G;
+    if (nr <= 16) launch_fused<HD, 1>(x, n_req, 1, st, n_sms, w_max, by_ws);
+    else launch_fused<HD, 2>(x, n_req, (nr + 31) / 32, st, n_sms, w_max, by_ws);
+}
+
+static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
+                           const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req,
+                           const struct kvs_dbuf *m_sel, int max_pages, int page_size, int n_req, int n_heads,
+                           int n_kv_heads, int head_dim, int block_size, float scale, long long max_keys,
+                           struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    if (n_req <= 0) return 0;
+    if (head_dim != 16 && head_dim != 64 && head_dim != 128) return -ENOSYS;
+    if (!kvs_cu_attention_supported(n_heads, n_kv_heads, head_dim) || m->rot_offsets || m->block_valid) return -ENOSYS;
+    int rows_max = 0;
+    for (int s = 0; s < n_req; s++)
+        rows_max = m->h_q_start[s + 1] - m->h_q_start[s] > rows_max ? m->h_q_start[s + 1] - m->h_q_start[s] : rows_max;
+    const int n = m->h_q_start[n_req];
+    KVS_ASSERT((size_t)n * n_heads * head_dim <= out->n && (size_t)n * n_heads <= lse->n);
+    xh_forget(b, out->d);
+    xh_forget(b, lse->d);
+    fused_args x;
+    memset(&x, 0, sizeof x);
+    at_args &a = x.a;
+    a.q = (const float *)q->d;
+    a.kc = (const bf16 *)kc->d;
+    a.vc = (const bf16 *)vc->d;
+    a.q_start = (const int32_t *)m->q_start->d;
+    a.pos = (const int32_t *)m->pos->d;
+    a.bt = (const int32_t *)m->block_tables->d;
+    a.n_seqs = n_req;
+    a.max_blocks = m->max_blocks;
+    a.n_heads = n_heads;
+    a.n_kv = n_kv_heads;
+    a.bs = block_size;
+    a.G = n_heads / n_kv_heads;
+    a.scale = scale;
+    a.part = b->attn_ws;
+    x.sel_n = (const int32_t *)sel_n->d;
+    x.sel = (const int32_t *)sel->d;
+    x.req = (const int32_t *)req->d;
+    x.msel = (const int32_t *)m_sel->d;
+    x.max_spans = max_spans;
+    x.max_pages = max_pages;
+    x.ps = page_size;
+    x.out = (float *)out->d;
+    x.lse = (float *)lse->d;
+    const long long w_max = (max_keys + AT_TILE - 1) / AT_TILE;
+    const long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
+    switch (head_dim) {
+    case 16: launch_fused_hd<16>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
+    case 64: launch_fused_hd<64>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
+    default: launch_fused_hd<128>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
+    }
+    if (x.n_splits > 1)
+        CUDA_CHECK(kvs_cu_launch(k_retro_splits, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
+                                 b->stream, (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));
+    return 0;
+}
+
+extern "C" const struct kvs_retro_kernels kvs_retro_kernels_cuda = {"cuda", cu_retro_reset, cu_retro_spans,
+                                                                    cu_retro_attend, cu_retro_merge};
