@@ -469,7 +469,9 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
         /* kv.decode_state_bytes budgets the group: each rank holds its heads' share of every
          * request's state, so each checks its share against 1/N of the budget */
         r->cfg_rank = *cfg;
-        r->cfg_rank.kv_decode_state_bytes = cfg->kv_decode_state_bytes / r->n_ranks;
+        if (cfg->kv_decode_state_bytes > 0)   /* 0 = no budget stays 0 */
+            r->cfg_rank.kv_decode_state_bytes =
+                cfg->kv_decode_state_bytes / r->n_ranks > 0 ? cfg->kv_decode_state_bytes / r->n_ranks : 1;
         cfg = &r->cfg_rank;
     }
     if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) return rc;

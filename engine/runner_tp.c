@@ -258,7 +258,7 @@ int kvs_tp_forward(struct kvs_tp *tp, const struct kvs_batch *b, float *logits)
     int rc = run_all(tp, JOB_FORWARD, NULL);
     tp->batch = NULL;
     tp->logits = NULL;
-    if (rc == 0) {
+    {   /* the rows the fidelity meter sampled (none when the step failed before its layers) */
         struct kvs_runner *ranks[16], **rs = tp->n <= 16 ? ranks : kvs_xcalloc((size_t)tp->n, sizeof *rs);
         for (int i = 0; i < tp->n; i++) rs[i] = tp->slots[i].r;
         kvs_runner_rank_fidelity_merge(rs, tp->n);
