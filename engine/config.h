@@ -82,6 +82,7 @@ struct kvs_config {
     double paris_beta;           /* 0: adaptive */
     double paris_rho;            /* 0: adaptive */
     int paris_recall_every;      /* 0: off */
+    int64_t paris_host_bytes;    /* offload host page pool; 0: auto (one page per KV pool block) */
 
     /* kv.quest (Quest page selection; RetroAttention builds on it) */
     double quest_budget_ratio;

@@ -117,6 +117,38 @@ struct kvs_paris_kernels {
     void (*exact_topk)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                        const struct kvs_attn_meta *m, const int32_t *h_rows, int n, int n_heads, int n_kv_heads,
                        int head_dim, int block_size, int max_topk, struct kvs_dbuf *out);
+    /* ---- host offload of the retrieval zone (kv.paris.offload) ------------------------------
+     * Host pages: page p holds block_size positions of one request for every layer, K and V
+     * apart, in the KV pool's element type (kv_elem_bytes: CPU fp32, CUDA bf16), laid out as
+     * the pool: host_k[p][layer][n_kv_heads][block_size][head_dim] (host_v alike). A request's
+     * page table pages[slot][j] (I32 [max_slots][page_stride], -1: none) names the page of its
+     * positions [j block_size, (j + 1) block_size). */
+    int kv_elem_bytes;
+    /* Host memory the kernels read and write in place (CUDA: cudaHostAlloc, mapped and portable;
+     * with unified addressing the host pointer is the device pointer, read over PCIe/NVLink:
+     * UVA), or NULL with a message. CPU: plain memory (the same memory). */
+    void *(*host_alloc)(struct kvs_backend *b, size_t bytes, char *err, size_t errlen);
+    void (*host_free)(struct kvs_backend *b, void *p);
+    /* Writes layer `layer`'s K/V of each job's positions [from, to) (read from kc / vc through
+     * m's block tables) to the pages of the job's slot; positions whose page is -1 are skipped. */
+    void (*write_out)(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
+                      const struct kvs_attn_meta *m, const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs,
+                      int layer, int n_layers, int n_kv_heads, int head_dim, int block_size,
+                      const struct kvs_dbuf *pages, int page_stride, void *host_k, void *host_v);
+    /* The gather: for rows 0 .. n-1 and each KV head, the positions of the spans (n_spans /
+     * spans as select wrote them, ascending) are copied in order to the row's staging positions
+     * 0, 1, ...: staging block r * stage_blocks + i of stage_k / stage_v (the pool's layout)
+     * holds staging positions [i block_size, (i + 1) block_size). A position of the retrieval
+     * zone [sink, sink + n_r) whose page (pages[slot][p / block_size]) is not -1 is read from
+     * the host page (over UVA on CUDA), every other from the pool. The caller makes sure the
+     * positions fit (stage_blocks block_size per row) and gives attention_spans the staging
+     * block tables and spans [0, count). */
+    void (*gather)(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
+                   const struct kvs_attn_meta *m, const struct kvs_dbuf *rows, const int32_t *h_rows, int n, int layer,
+                   int n_layers, int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *n_spans,
+                   const struct kvs_dbuf *spans, int max_spans, const struct kvs_dbuf *pages, int page_stride,
+                   const void *host_k, const void *host_v, struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v,
+                   int stage_blocks);
 };
 
 /* Total order of floats for selection (as kvs_quest_order_key). */

@@ -30,12 +30,18 @@
  * rows' outputs are then replaced by attention_spans over the selected spans. A decode row
  * outside the lead attends densely and is counted (kvserve:kv_paris_dense_rows_total).
  *
- * Host offload of the retrieval zone (kv.paris.offload) is not built: the retrieval zone's K/V
- * stays in the paged pool, and offload = true is refused at create with -ENOSYS. How it plugs
- * in (docs/STRATEGIES.md, "ParisKV in kvserve"): a storage-side pinned host page pool holding
- * the K/V of blocks wholly inside every owner's retrieval zone, and a gather of the selected
- * positions over UVA into a small device staging area of sink + topk + tail positions per row,
- * which the spans then address; the index and the spans stay as here.
+ * Host offload (kv.paris.offload), the data path: a host page pool (kernels' host_alloc: pinned
+ * and mapped on CUDA; kv.paris.host_bytes, 0: one page per pool block), per request a page table
+ * (policy memory, not the arena: a re-initialised slot gives its pages back first); an encode job
+ * also writes its positions' K/V of the layer out to the request's pages (write_out), and a
+ * selecting step gathers each lead row's attended positions (sink, chosen top-k from the host
+ * pages over UVA, tail from the pool) in order into a per-row staging area, whose attention over
+ * one span [0, count) is then the row's output: the same keys in the same order, so at beta = 1
+ * it is bitwise offload off (tests/unit/test_kv_paris.c). seq_init / seq_free give the pages
+ * back (cancellation, preemption). NOT YET: the pool blocks of the written-out zone are not
+ * released (the GPU still holds the whole context: no GPU memory is saved yet), admission does
+ * not count host pages, and no 400 names the limit; that needs the storage to map block ids to
+ * GPU frames or host pages (a kv.h storage op), which is the next step.
  *
  * Errors: create returns -EINVAL (head_dim not a power of two in [8, 1024], bad setting),
  * -ENOSYS (no kernels, no attention_spans, a storage format of its own, offload), -ENOMEM,
@@ -75,7 +81,34 @@ struct paris {
     uint64_t steps;
     /* counters */
     double bytes_read, sparse_rows, dense_rows, encoded, hits, coarse_hits, recall_total;
+    /* host offload (kv.paris.offload; NULL / 0 when off) */
+    int offload;
+    void *host_k, *host_v;        /* the host page pool (kernels/kv_paris.h layout) */
+    size_t page_bytes;            /* one page, every layer, K + V */
+    int n_pages, n_free_pages;
+    int32_t *free_pages;          /* [n_pages] free stack */
+    int32_t *h_pages;             /* [max_slots][max_blocks]: page of a request's block, -1 none */
+    struct kvs_dbuf *d_pages;
+    int stage_blocks, stage_pos;  /* staging blocks / positions per lead row */
+    struct kvs_dbuf *stage_k, *stage_v, *stage_bt, *d_stage_n, *d_stage_sp;
+    int32_t *h_stage_n, *h_stage_sp;
+    double host_fallback, host_read;
 };
+
+/* ---- the host page pool (offload) ----------------------------------------------------------- */
+static int page_alloc(struct paris *s) { return s->n_free_pages ? s->free_pages[--s->n_free_pages] : -1; }
+
+/* gives back every page of the request slot (seq_init of a reused slot, seq_free) */
+static void pages_release(struct paris *s, int slot)
+{
+    if (!s->offload) return;
+    int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
+    for (int j = 0; j < s->env.max_blocks; j++)
+        if (pt[j] >= 0) {
+            s->free_pages[s->n_free_pages++] = pt[j];
+            pt[j] = -1;
+        }
+}
 
 static void paris_destroy(void *state)
 {
@@ -101,7 +134,66 @@ static void paris_destroy(void *state)
     free(s->h_coarse);
     free(s->h_exact);
     free(s->zeros);
+    if (s->host_k) s->k->host_free(be, s->host_k);
+    if (s->host_v) s->k->host_free(be, s->host_v);
+    struct kvs_dbuf *obufs[] = {s->d_pages, s->stage_k, s->stage_v, s->stage_bt, s->d_stage_n, s->d_stage_sp};
+    for (size_t i = 0; i < sizeof obufs / sizeof obufs[0]; i++) o->free_buf(be, obufs[i]);
+    free(s->free_pages);
+    free(s->h_pages);
+    free(s->h_stage_n);
+    free(s->h_stage_sp);
     free(s);
+}
+
+/* The host page pool (host_bytes, 0: one page per pool block: GPU first, the host mirrors what
+ * leaves the GPU window), the page tables and the staging area (per lead row: sink + topk +
+ * local + update interval, or the dense threshold when larger, at most a whole context). */
+static int offload_create(struct paris *s, int64_t host_bytes, char *err, size_t errlen)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const int bs = s->env.block_size, nkv = s->env.n_kv_heads, d = s->env.head_dim;
+    if (!s->k->host_alloc || !s->k->write_out || !s->k->gather)
+        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.paris.offload': backend %s has no ParisKV gather", o->name);
+    s->offload = 1;
+    s->page_bytes = (size_t)s->env.n_layers * nkv * bs * d * (size_t)s->k->kv_elem_bytes * 2;
+    const int64_t pages = host_bytes > 0 ? host_bytes / (int64_t)s->page_bytes : s->env.n_pool_blocks;
+    if (pages < 1 || pages > INT32_MAX / 2)
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.paris.host_bytes' = %lld holds no page of %zu bytes",
+                       (long long)host_bytes, s->page_bytes);
+    s->n_pages = s->n_free_pages = (int)pages;
+    s->free_pages = kvs_xmalloc((size_t)pages * sizeof *s->free_pages);
+    for (int i = 0; i < s->n_pages; i++) s->free_pages[i] = s->n_pages - 1 - i;
+    const size_t half = (size_t)pages * (s->page_bytes / 2);
+    if (!(s->host_k = s->k->host_alloc(be, half, err, errlen)) || !(s->host_v = s->k->host_alloc(be, half, err, errlen)))
+        return -ENOMEM;
+    const size_t pt = (size_t)s->env.max_slots * s->env.max_blocks;
+    s->h_pages = kvs_xmalloc(pt * sizeof *s->h_pages);
+    for (size_t i = 0; i < pt; i++) s->h_pages[i] = -1;
+    long stage = (long)s->sink + s->topk + s->local + s->interval;
+    if (stage < s->threshold) stage = s->threshold;
+    if (stage > (long)s->env.max_blocks * bs) stage = (long)s->env.max_blocks * bs;
+    s->stage_blocks = (int)((stage + bs - 1) / bs);
+    s->stage_pos = s->stage_blocks * bs;
+    const size_t rows = (size_t)s->rows, per = (size_t)s->stage_blocks * nkv * bs * d;
+    s->d_pages = o->alloc(be, KVS_BUF_I32, pt);
+    s->stage_k = o->alloc(be, KVS_BUF_KV, rows * per);
+    s->stage_v = o->alloc(be, KVS_BUF_KV, rows * per);
+    s->stage_bt = o->alloc(be, KVS_BUF_I32, rows * s->env.max_blocks);
+    s->d_stage_n = o->alloc(be, KVS_BUF_I32, rows * nkv);
+    s->d_stage_sp = o->alloc(be, KVS_BUF_I32, rows * nkv * 2);
+    if (!s->d_pages || !s->stage_k || !s->stage_v || !s->stage_bt || !s->d_stage_n || !s->d_stage_sp)
+        return kvs_err(err, errlen, -ENOMEM, "kv.paris.offload: no backend memory for the staging area (%d rows x %d "
+                       "positions)", s->rows, s->stage_pos);
+    o->upload(be, s->d_pages, 0, s->h_pages, pt);
+    int32_t *bt = kvs_xcalloc(rows * s->env.max_blocks, sizeof *bt);
+    for (size_t r = 0; r < rows; r++)
+        for (int j = 0; j < s->stage_blocks; j++) bt[r * s->env.max_blocks + j] = (int32_t)(r * s->stage_blocks + j);
+    o->upload(be, s->stage_bt, 0, bt, rows * s->env.max_blocks);
+    free(bt);
+    s->h_stage_n = kvs_xcalloc(rows * nkv, sizeof *s->h_stage_n);
+    s->h_stage_sp = kvs_xcalloc(rows * nkv * 2, sizeof *s->h_stage_sp);
+    return 0;
 }
 
 static int paris_create(const struct kvs_kv_decode_env *env, void **state, char *err, size_t errlen)
@@ -109,9 +201,6 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
     const struct kvs_config *c = env->cfg;
     const struct kvs_backend_ops *o = env->o;
     const int d = env->head_dim;
-    if (c && c->paris_offload)
-        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.paris.offload': host offload of the retrieval zone is "
-                       "not built in this version (the retrieval zone stays in the KV pool); set it to false");
     if (env->storage_fmt)
         return kvs_err(err, errlen, -ENOSYS, "config keys 'kv.decode' = \"paris\" and 'kv.storage' = \"%s\": ParisKV's "
                        "encoder reads the plain K pool", env->storage_fmt);
@@ -199,6 +288,17 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->h_coarse = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_coarse);
         s->h_exact = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_exact);
     }
+    if (c && c->paris_offload) {
+        int rc = offload_create(s, c->paris_host_bytes, err, errlen);
+        if (rc) {
+            paris_destroy(s);
+            return rc;
+        }
+        /* said, not silently accepted: the data path (write-out, UVA gather) is exact, but the
+         * GPU copy of the retrieval zone is still held, so nothing is saved yet */
+        kvs_log(KVS_LOG_WARN, "kv.paris.offload: the retrieval zone is mirrored to host pages and the top-k gathered "
+                "from them, but its GPU blocks are not released yet: no GPU memory is saved (issue 19)");
+    }
     *state = s;
     return 0;
 }
@@ -217,6 +317,11 @@ static int paris_seq_init(void *state, int slot, void *mem)
     /* the runner zeroes the arena slot before seq_init, so whether the slot was live is kept here */
     if (!s->seq[slot]) s->live++;
     q->live = 1, q->n_enc = 0;
+    if (s->offload) {
+        pages_release(s, slot);
+        s->env.o->upload(s->env.be, s->d_pages, (size_t)slot * s->env.max_blocks,
+                         s->h_pages + (size_t)slot * s->env.max_blocks, (size_t)s->env.max_blocks);
+    }
     s->seq[slot] = q;
     s->env.o->upload(s->env.be, s->counts, (size_t)slot * s->counts_per_slot, s->zeros, s->counts_per_slot);
     return 0;
@@ -227,9 +332,28 @@ static void paris_seq_free(void *state, int slot)
     struct paris *s = state;
     if (slot < 0 || slot >= s->env.max_slots || !s->seq[slot]) return;
     s->live--;
+    pages_release(s, slot);
     s->seq[slot]->live = 0;
     s->seq[slot]->n_enc = 0;
     s->seq[slot] = NULL;
+}
+
+/* pages for a request's positions [from, to) as they are written out; a block that gets no page
+ * (the pool is full: more requests hold pages than pool blocks, e.g. shared prefixes) keeps its
+ * positions in the KV pool, where the gather reads them (counted) */
+static void pages_for(struct paris *s, int slot, int from, int to)
+{
+    const int bs = s->env.block_size;
+    if (to <= from) return;
+    int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
+    const int j0 = from / bs, j1 = (to - 1) / bs;
+    for (int j = j0; j <= j1; j++)
+        if (pt[j] < 0 && (pt[j] = page_alloc(s)) < 0) {
+            const int a = j * bs > from ? j * bs : from, b = (j + 1) * bs < to ? (j + 1) * bs : to;
+            s->host_fallback += b - a;
+        }
+    s->env.o->upload(s->env.be, s->d_pages, (size_t)slot * s->env.max_blocks + (size_t)j0, pt + j0,
+                     (size_t)(j1 - j0 + 1));
 }
 
 static int paris_plan(void *state, const struct kvs_kv_step *st)
@@ -248,6 +372,13 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows &&
            st->h_q_start[s->n_lead + 1] - st->h_q_start[s->n_lead] == 1)
         s->n_lead++;
+    /* offload: a lead row that does not select gathers its whole context into the staging area,
+     * so the lead ends before one whose context does not fit there (it attends densely) */
+    for (int q = 0; s->offload && q < s->n_lead; q++) {
+        const int ctx = st->h_pos[q] + 1, slot = st->h_slot[q];
+        const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
+        if (!(st->h_decode[q] && sq && sq->live && ctx >= dense_min) && ctx > s->stage_pos) s->n_lead = q;
+    }
     for (int q = 0; q < st->n_seqs; q++) {
         const int ctx = st->h_pos[q] + 1, slot = st->h_slot[q];
         struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
@@ -271,6 +402,7 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
             J[KVS_PARIS_JOB_SEQ] = q, J[KVS_PARIS_JOB_SLOT] = slot;
             J[KVS_PARIS_JOB_FROM] = s->sink + sq->n_enc, J[KVS_PARIS_JOB_TO] = ctx - s->local;
             s->encoded += J[KVS_PARIS_JOB_TO] - J[KVS_PARIS_JOB_FROM];
+            if (s->offload) pages_for(s, slot, J[KVS_PARIS_JOB_FROM], J[KVS_PARIS_JOB_TO]);
             sq->n_enc = ctx - s->local - s->sink;
         }
         const int n_r = sq->n_enc;
@@ -305,6 +437,22 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
             int32_t *sp = s->h_spans + ((size_t)q * nkv + g) * s->max_spans * 2;
             sp[0] = 0, sp[1] = bound;
         }
+    }
+    /* offload: the staging area holds each lead row's attended positions in order, one span */
+    for (int q = 0; s->offload && q < s->n_lead; q++) {
+        const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
+        const int ctx = R[KVS_PARIS_ROW_CTX], n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK];
+        const int cnt = n_r ? sink + R[KVS_PARIS_ROW_TOPK] + ctx - sink - n_r : ctx;
+        for (int g = 0; g < nkv; g++) {
+            s->h_stage_n[q * nkv + g] = 1;
+            s->h_stage_sp[(q * nkv + g) * 2] = 0, s->h_stage_sp[(q * nkv + g) * 2 + 1] = cnt;
+        }
+        if (n_r)
+            s->host_read += (double)R[KVS_PARIS_ROW_TOPK] * nkv * s->env.head_dim * s->k->kv_elem_bytes * 2.0 * L;
+    }
+    if (s->offload) {
+        s->env.o->upload(s->env.be, s->d_stage_n, 0, s->h_stage_n, (size_t)s->n_lead * nkv);
+        s->env.o->upload(s->env.be, s->d_stage_sp, 0, s->h_stage_sp, (size_t)s->n_lead * nkv * 2);
     }
     s->env.o->upload(s->env.be, s->d_rows, 0, s->h_rows, (size_t)s->n_lead * KVS_PARIS_ROW_N);
     if (s->n_jobs) s->env.o->upload(s->env.be, s->d_jobs, 0, s->h_jobs, (size_t)s->n_jobs * KVS_PARIS_JOB_N);
@@ -354,11 +502,30 @@ static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
     if (s->n_jobs)
         s->k->encode(be, a->kv.k, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers, a->n_kv_heads,
                      a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts);
+    if (s->n_jobs && s->offload)
+        s->k->write_out(be, a->kv.k, a->kv.v, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers,
+                        a->n_kv_heads, a->head_dim, a->block_size, s->d_pages, s->env.max_blocks, s->host_k, s->host_v);
     s->k->select(be, a->q, &sub, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers, a->n_heads, a->n_kv_heads,
                  a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts, s->max_spans,
                  s->topk, s->d_n_spans, s->d_spans, s->recall_now ? s->d_sel : NULL,
                  s->recall_now ? s->d_coarse : NULL);
     if (s->recall_now) count_recall(s, layer, a, &sub);
+    if (s->offload) {
+        /* the gather (host pages over UVA, the rest from the pool), then the exact attention over
+         * the staging area: the same positions in the same order */
+        s->k->gather(be, a->kv.k, a->kv.v, &sub, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers,
+                     a->n_kv_heads, a->head_dim, a->block_size, s->d_n_spans, s->d_spans, s->max_spans, s->d_pages,
+                     s->env.max_blocks, s->host_k, s->host_v, s->stage_k, s->stage_v, s->stage_blocks);
+        struct kvs_attn_meta stm = sub;
+        stm.block_tables = s->stage_bt;
+        stm.max_blocks = s->env.max_blocks;   /* the staging tables' stride (the step's may be shorter) */
+        stm.rot_offsets = stm.block_valid = stm.block_words = NULL;
+        stm.plan_ctx = 0;
+        const struct kvs_span_list ssp = {1, s->d_stage_n, s->d_stage_sp, s->h_stage_n, s->h_stage_sp};
+        o->attention_spans(be, a->q, s->stage_k, s->stage_v, &stm, &ssp, s->n_lead, a->n_heads, a->n_kv_heads,
+                           a->head_dim, a->block_size, a->scale, a->out, a->lse);
+        return;
+    }
     const struct kvs_span_list sp = {s->max_spans, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};
     o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
                        a->block_size, a->scale, a->out, a->lse);
@@ -386,6 +553,14 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
          s->hits, NULL, NULL},
         {"kvserve:kv_paris_recall_coarse_hits_total", "Of those, positions the top-k by vote alone kept (coarse "
          "recall@k).", 1, s->coarse_hits, NULL, NULL},
+        {"kvserve:kv_paris_host_bytes", "Bytes of host KV pages that requests hold (kv.paris.offload: the retrieval "
+         "zone's K/V written out).", 0, (double)(s->n_pages - s->n_free_pages) * (double)s->page_bytes, NULL, NULL},
+        {"kvserve:kv_paris_host_pool_bytes", "Bytes of the host KV page pool (kv.paris.offload).", 0,
+         (double)s->n_pages * (double)s->page_bytes, NULL, NULL},
+        {"kvserve:kv_paris_host_read_bytes_total", "K/V bytes the gather read from host pages (the chosen top-k).", 1,
+         s->host_read, NULL, NULL},
+        {"kvserve:kv_paris_host_fallback_total", "Retrieval positions not written out for lack of host pages (read "
+         "from the KV pool instead).", 1, s->host_fallback, NULL, NULL},
     };
     int n = 0;
     for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];

@@ -684,10 +684,31 @@ static void cu_exact_topk(struct kvs_backend *b, const struct kvs_dbuf *q, const
     CUDA_CHECK(cudaFreeAsync(keys, st));
 }
 
+/* kernels/cuda/kv_paris_host.cu */
+extern "C" void *kvs_paris_cuda_host_alloc(struct kvs_backend *b, size_t bytes, char *err, size_t errlen);
+extern "C" void kvs_paris_cuda_host_free(struct kvs_backend *b, void *p);
+extern "C" void kvs_paris_cuda_write_out(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
+                                         const struct kvs_attn_meta *m, const struct kvs_dbuf *jobs,
+                                         const int32_t *h_jobs, int n_jobs, int layer, int n_layers, int n_kv_heads,
+                                         int head_dim, int block_size, const struct kvs_dbuf *pages, int page_stride,
+                                         void *host_k, void *host_v);
+extern "C" void kvs_paris_cuda_gather(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
+                                      const struct kvs_attn_meta *m, const struct kvs_dbuf *rows,
+                                      const int32_t *h_rows, int n, int layer, int n_layers, int n_kv_heads,
+                                      int head_dim, int block_size, const struct kvs_dbuf *n_spans,
+                                      const struct kvs_dbuf *spans, int max_spans, const struct kvs_dbuf *pages,
+                                      int page_stride, const void *host_k, const void *host_v,
+                                      struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v, int stage_blocks);
+
 extern "C" const struct kvs_paris_kernels kvs_paris_kernels_cuda = {
     "cuda",
     paris_supports,
     cu_encode,
     cu_select,
     cu_exact_topk,
+    2,
+    kvs_paris_cuda_host_alloc,
+    kvs_paris_cuda_host_free,
+    kvs_paris_cuda_write_out,
+    kvs_paris_cuda_gather,
 };

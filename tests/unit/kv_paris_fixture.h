@@ -206,3 +206,116 @@ static int overlap(const int32_t *a, const int32_t *b, int n)
 
 
 #endif
+
+/* The offload path of one layer (of n_layers 2, layer 1): the retrieval zones written out to
+ * host pages (write_out; one block of each zone gets no page and stays in the pool), then the
+ * gather of spans [0, sink) + every 5th zone position + [sink + n_r, ctx) per (seq, KV head)
+ * into the staging area. stage_k / stage_v (fp32 [S][stage_blocks][nkv][bs][d]) come back, and
+ * the number of positions each (seq, head) holds; v is the V pool (same layout as c->k). */
+static void gather_run(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct kvs_paris_kernels *k,
+                       const struct pool_case *c, const float *v, int stage_blocks, float *stage_k, float *stage_v,
+                       int32_t *count)
+{
+    const int S = c->S, nkv = c->nkv, d = c->d, bs = c->bs, L = 2, layer = 1;
+    const size_t slots = (size_t)c->n_blocks * bs;
+    int max_spans = 0;
+    for (int s = 0; s < S; s++) max_spans = c->n_r[s] / 5 + 3 > max_spans ? c->n_r[s] / 5 + 3 : max_spans;
+    int32_t qs[9], pos[8], rows[8 * KVS_PARIS_ROW_N], jobs[8 * KVS_PARIS_JOB_N];
+    int32_t *pages = kvs_xmalloc((size_t)S * c->max_blocks * sizeof *pages);
+    int32_t *ns = kvs_xcalloc((size_t)S * nkv, sizeof *ns), *sp = kvs_xcalloc((size_t)S * nkv * max_spans * 2, sizeof *sp);
+    int n_pages = 0;
+    for (int s = 0; s <= S; s++) qs[s] = s;
+    for (int s = 0; s < S; s++) {
+        pos[s] = c->ctx[s] - 1;
+        int32_t *R = rows + s * KVS_PARIS_ROW_N;
+        memset(R, 0, KVS_PARIS_ROW_N * sizeof *R);
+        R[KVS_PARIS_ROW_SLOT] = s, R[KVS_PARIS_ROW_NR] = c->n_r[s], R[KVS_PARIS_ROW_SINK] = c->sink;
+        R[KVS_PARIS_ROW_CTX] = c->ctx[s];
+        int32_t *J = jobs + s * KVS_PARIS_JOB_N;
+        J[KVS_PARIS_JOB_SEQ] = s, J[KVS_PARIS_JOB_SLOT] = s, J[KVS_PARIS_JOB_FROM] = c->sink;
+        J[KVS_PARIS_JOB_TO] = c->sink + c->n_r[s];
+        const int skip = (c->sink + c->n_r[s] / 2) / bs;   /* this zone block stays in the pool */
+        for (int j = 0; j < c->max_blocks; j++) {
+            const int in_zone = j * bs < c->sink + c->n_r[s] && (j + 1) * bs > c->sink;
+            /* pages in reverse block order: the page ids are not the block ids */
+            pages[s * c->max_blocks + j] = in_zone && j != skip ? 1000 - n_pages++ : -1;
+        }
+        for (int g = 0; g < nkv; g++) {
+            int32_t *o2 = sp + ((size_t)s * nkv + g) * max_spans * 2;
+            int n = 0;
+            o2[2 * n] = 0, o2[2 * n + 1] = c->sink, n++;
+            for (int p = c->sink + g; p < c->sink + c->n_r[s]; p += 5) o2[2 * n] = p, o2[2 * n + 1] = p + 1, n++;
+            o2[2 * n] = c->sink + c->n_r[s], o2[2 * n + 1] = c->ctx[s], n++;
+            ns[s * nkv + g] = n;
+            int cnt = 0;
+            for (int i = 0; i < n; i++) cnt += o2[2 * i + 1] - o2[2 * i];
+            count[s * nkv + g] = cnt;
+        }
+    }
+    char err[256];
+    const size_t page_elems = (size_t)L * nkv * bs * d;
+    void *hk = k->host_alloc(be, 1001 * page_elems * k->kv_elem_bytes, err, sizeof err);
+    void *hv = k->host_alloc(be, 1001 * page_elems * k->kv_elem_bytes, err, sizeof err);
+    REQUIRE(hk && hv, "%s", err);
+    struct kvs_dbuf *kc = up(o, be, KVS_BUF_KV, slots * nkv * d, c->k), *vc = up(o, be, KVS_BUF_KV, slots * nkv * d, v);
+    struct kvs_dbuf *d_qs = up(o, be, KVS_BUF_I32, S + 1, qs), *d_pos = up(o, be, KVS_BUF_I32, S, pos);
+    struct kvs_dbuf *d_bt = up(o, be, KVS_BUF_I32, (size_t)S * c->max_blocks, c->bt);
+    struct kvs_dbuf *d_rows = up(o, be, KVS_BUF_I32, S * KVS_PARIS_ROW_N, rows), *d_jobs = up(o, be, KVS_BUF_I32, S * KVS_PARIS_JOB_N, jobs);
+    struct kvs_dbuf *d_pages = up(o, be, KVS_BUF_I32, (size_t)S * c->max_blocks, pages);
+    struct kvs_dbuf *d_ns = up(o, be, KVS_BUF_I32, (size_t)S * nkv, ns), *d_sp = up(o, be, KVS_BUF_I32, (size_t)S * nkv * max_spans * 2, sp);
+    const size_t st = (size_t)S * stage_blocks * nkv * bs * d;
+    float *zeros = kvs_xcalloc(st, sizeof *zeros);
+    struct kvs_dbuf *sk = up(o, be, KVS_BUF_KV, st, zeros), *sv = up(o, be, KVS_BUF_KV, st, zeros);
+    free(zeros);
+    struct kvs_attn_meta m = {.n_seqs = S, .max_blocks = c->max_blocks, .q_start = d_qs, .pos = d_pos,
+                              .block_tables = d_bt, .h_q_start = qs, .h_pos = pos, .max_ctx = c->ctx[S - 1]};
+    k->write_out(be, kc, vc, &m, d_jobs, jobs, S, layer, L, nkv, d, bs, d_pages, c->max_blocks, hk, hv);
+    /* the pool's zone positions are overwritten: what the gather reads from a paged block must
+     * come from the host page (the unpaged block keeps its keys) */
+    float *junk = kvs_xmalloc(slots * nkv * d * sizeof *junk);
+    memcpy(junk, c->k, slots * nkv * d * sizeof *junk);
+    for (int s = 0; s < S; s++)
+        for (int j = 0; j < c->max_blocks; j++)
+            if (pages[s * c->max_blocks + j] >= 0)
+                for (size_t i = 0; i < (size_t)nkv * bs * d; i++) {
+                    const size_t at = (size_t)c->bt[s * c->max_blocks + j] * nkv * bs * d + i;
+                    const size_t p = j * bs + (i / d) % bs;
+                    if (p >= (size_t)c->sink && p < (size_t)(c->sink + c->n_r[s])) junk[at] = 7.0f;
+                }
+    o->upload(be, kc, 0, junk, slots * nkv * d);
+    free(junk);
+    k->gather(be, kc, vc, &m, d_rows, rows, S, layer, L, nkv, d, bs, d_ns, d_sp, max_spans, d_pages, c->max_blocks, hk,
+              hv, sk, sv, stage_blocks);
+    o->download(be, stage_k, sk, 0, st);
+    o->download(be, stage_v, sv, 0, st);
+    struct kvs_dbuf *all[] = {kc, vc, d_qs, d_pos, d_bt, d_rows, d_jobs, d_pages, d_ns, d_sp, sk, sv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) o->free_buf(be, all[i]);
+    k->host_free(be, hk);
+    k->host_free(be, hv);
+    free(pages), free(ns), free(sp);
+}
+
+/* The index-select reference of gather_run: the same positions straight from the pools. Returns
+ * the number of staged values that differ (bitwise). */
+static size_t gather_check(const struct pool_case *c, const float *v, int stage_blocks, const float *stage_k,
+                           const float *stage_v)
+{
+    const int nkv = c->nkv, d = c->d, bs = c->bs;
+    size_t bad = 0;
+    for (int s = 0; s < c->S; s++)
+        for (int g = 0; g < nkv; g++) {
+            int at = 0;
+            for (int p = 0; p < c->ctx[s]; p++) {
+                const int zone = p >= c->sink && p < c->sink + c->n_r[s];
+                if (zone && (p - c->sink - g) % 5 != 0) continue;
+                if (zone && p - c->sink < g) continue;
+                const size_t src = (((size_t)c->bt[s * c->max_blocks + p / bs] * nkv + g) * bs + p % bs) * d;
+                const size_t dst = ((((size_t)s * stage_blocks + at / bs) * nkv + g) * bs + at % bs) * d;
+                for (int i = 0; i < d; i++)
+                    bad += memcmp(&stage_k[dst + i], &c->k[src + i], sizeof(float)) != 0 ||
+                           memcmp(&stage_v[dst + i], &v[src + i], sizeof(float)) != 0;
+                at++;
+            }
+        }
+    return bad;
+}

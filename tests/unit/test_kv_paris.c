@@ -262,6 +262,35 @@ static void test_pool(void)
 #define GEN 24
 #define MAXP 240
 
+/* the offload gather (write_out to host pages, then the gather into the staging area) equals an
+ * index-select of the same positions from the pools, bitwise; a zone block with no page is read
+ * from the pool, the paged ones only from their pages */
+static void test_gather(void)
+{
+    const struct kvs_backend_ops *o = &kvs_cpu_backend;
+    char err[256];
+    struct kvs_backend *be = o->create(2, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    const struct kvs_paris_kernels *k = kvs_paris_kernels_for(o, err, sizeof err);
+    REQUIRE(k, "%s", err);
+    struct pool_case c;
+    pool_make(&c, 3, 500, 0, 8, 2, 64, 0);
+    const size_t n = (size_t)c.n_blocks * c.nkv * c.bs * c.d;
+    float *v = kvs_xmalloc(n * sizeof *v);
+    for (size_t i = 0; i < n; i++) v[i] = (float)gauss();
+    const int stage_blocks = c.ctx[c.S - 1] / c.bs + 1;
+    const size_t st = (size_t)c.S * stage_blocks * c.nkv * c.bs * c.d;
+    float *sk = kvs_xmalloc(st * sizeof *sk), *sv = kvs_xmalloc(st * sizeof *sv);
+    int32_t count[16];
+    gather_run(o, be, k, &c, v, stage_blocks, sk, sv, count);
+    const size_t bad = gather_check(&c, v, stage_blocks, sk, sv);
+    CHECK(bad == 0, "gather: %zu staged values differ from the index-select", bad);
+    printf("ok offload gather (host pages + pool) equals an index-select: %d positions for seq 0 head 0\n", count[0]);
+    free(sk), free(sv), free(v);
+    pool_free(&c);
+    o->free(be);
+}
+
 static struct kvs_model *model;
 
 static void set_str(char **f, const char *v)
@@ -395,26 +424,61 @@ static void test_engine(void)
     printf("ok topk 8 (adaptive beta, rho): recall@8 %.3f end to end, %.3f coarse on the test model\n", h2 / t2, c2 / t2);
     kvs_config_free(&c);
 
-    /* offload is not built: refused, named */
+    /* offload: beta = 1, topk >= n_r: the zone written out, gathered back from host pages:
+     * bitwise full attention's tokens (= offload off), every page back at the end */
+    memcpy(got, ref, sizeof got);
+    base_cfg(&c, "prefix", "paris");
+    small_zones(&c);
+    c.paris_beta = 1, c.paris_topk = 600, c.paris_offload = 1;
+    REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+    const double hread = counter(&st, "kvserve:kv_paris_host_read_bytes_total");
+    CHECK(same(ref, got) && counter(&st, "kvserve:kv_paris_sparse_rows_total") == NJ * GEN - NJ && hread > 0 &&
+          counter(&st, "kvserve:kv_paris_host_bytes") == 0 && counter(&st, "kvserve:kv_paris_host_pool_bytes") > 0,
+          "offload, beta = 1: tokens %s, host read %g, host bytes held %g", same(ref, got) ? "equal" : "DIFFER", hread,
+          counter(&st, "kvserve:kv_paris_host_bytes"));
+    printf("ok offload, beta = 1: full attention's tokens bitwise, %g host bytes gathered, no page held at the end\n",
+           hread);
+    kvs_config_free(&c);
+
+    /* offload at a sparse setting: the same tokens as offload off (same positions, same order) */
+    static struct job off[NJ];
+    memcpy(off, ref, sizeof off);
+    base_cfg(&c, "prefix", "paris");
+    small_zones(&c);
+    c.paris_topk = 8;
+    REQUIRE(run(&c, off, &st, err, sizeof err) == 0, "%s", err);
+    kvs_config_free(&c);
+    memcpy(got, ref, sizeof got);
+    base_cfg(&c, "prefix", "paris");
+    small_zones(&c);
+    c.paris_topk = 8, c.paris_offload = 1;
+    REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+    CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0, "offload, topk 8: tokens %s",
+          same(off, got) ? "equal to offload off" : "DIFFER from offload off");
+    printf("ok offload, topk 8: offload off's tokens\n");
+    kvs_config_free(&c);
+
+    /* a host pool too small for one page: refused, naming the key */
     base_cfg(&c, "none", "paris");
-    c.paris_offload = 1;
+    c.paris_offload = 1, c.paris_host_bytes = 1024;
     struct kvs_engine *e = NULL;
     int rc = kvs_engine_create(&c, model, NULL, &e, err, sizeof err);
-    CHECK(rc == -ENOSYS && strstr(err, "kv.paris.offload"), "offload = true: rc %d (%s)", rc, err);
+    CHECK(rc == -EINVAL && strstr(err, "kv.paris.host_bytes"), "host_bytes 1024: rc %d (%s)", rc, err);
     if (e) kvs_engine_free(e);
     kvs_config_free(&c);
-    printf("ok kv.paris.offload = true is refused: %s\n", err);
+    printf("ok kv.paris.host_bytes too small is refused: %s\n", err);
 }
 
 /* 300 requests, random lengths, shared prefixes, random cancellations, a pool that preempts:
  * every request ends, every block comes back, no request state is left */
-static void test_stress(void)
+static void test_stress(int offload)
 {
     enum { N = 300, GL = 12 };
     struct kvs_config c;
     base_cfg(&c, "prefix", "paris");
     small_zones(&c);
     c.paris_topk = 8;
+    c.paris_offload = offload;
     c.kv_memory_bytes = 24 * 8192;
     c.max_waiting = N;
     char err[256];
@@ -474,8 +538,11 @@ static void test_stress(void)
     CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && live == 0 && rows > 0 && st.num_preemptions > 0,
           "blocks used %d, running %d, live paris states %g, sparse rows %g, preemptions %llu", st.kv_blocks_used,
           st.num_running, live, rows, (unsigned long long)st.num_preemptions);
-    printf("ok stress: %d requests (%d cancelled), %llu preemptions, %g sparse rows, all blocks free, no live state\n",
-           N, cancelled, (unsigned long long)st.num_preemptions, rows);
+    const double host = counter(&st, "kvserve:kv_paris_host_bytes");
+    CHECK(offload ? host == 0 && counter(&st, "kvserve:kv_paris_host_read_bytes_total") > 0 : host == 0,
+          "offload %d: host bytes held at the end %g", offload, host);
+    printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, all blocks free, no live state\n",
+           offload, N, cancelled, (unsigned long long)st.num_preemptions, rows);
     kvs_engine_free(e);
     kvs_config_free(&c);
 }
@@ -485,11 +552,13 @@ int main(void)
     kvs_log_set_level(KVS_LOG_WARN);
     test_math();
     test_pool();
+    test_gather();
     char dir[1024], err[256];
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     test_engine();
-    test_stress();
+    test_stress(0);
+    test_stress(1);
     kvs_model_free(model);
     return kvs_test_summary("test_kv_paris");
 }
