@@ -114,7 +114,7 @@ struct kvs_runner {
     struct kvs_tp *tp;                                  /* the group (every rank points to it) */
     size_t kv_bytes_total;                              /* all ranks' bytes per token */
     struct kvs_config cfg_rank;                         /* a group's rank: the config its decode policy
-                                                         * sees (kv.decode_state_bytes / N); shallow */
+                                                         * sees (budgets / N); shallow */
     int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
     int argmax_chunk;                                   /* ARGMAX rows per LM head pass (>= LOGIT_CHUNK) */
     /* kvs_runner_forward_begin's step whose argmax ids are still on the backend (end fetches
@@ -466,9 +466,13 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     r->tp = tp;
     r->n_blocks = (int)nb;
     if (r->n_ranks > 1) {
-        /* kv.decode_state_bytes budgets the group: each rank holds its heads' share of every
-         * request's state, so each checks its share against 1/N of the budget */
+        /* kv.decode_state_bytes and kv.paris.host_bytes budget the group (as kv.memory_bytes
+         * does): each rank holds its heads' share of every request's state and host page, so
+         * each gets 1/N of the budget */
         r->cfg_rank = *cfg;
+        if (cfg->paris_host_bytes > 0)
+            r->cfg_rank.paris_host_bytes =
+                cfg->paris_host_bytes / r->n_ranks > 0 ? cfg->paris_host_bytes / r->n_ranks : 1;
         if (cfg->kv_decode_state_bytes > 0)   /* 0 = no budget stays 0 */
             r->cfg_rank.kv_decode_state_bytes =
                 cfg->kv_decode_state_bytes / r->n_ranks > 0 ? cfg->kv_decode_state_bytes / r->n_ranks : 1;

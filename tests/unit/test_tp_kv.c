@@ -12,7 +12,9 @@
  *      Settings (each must show in its counters that it acted): quest (budget 16 tokens = 2
  *      pages of 8, one dense layer), retro (the same, window 3: recomputed rows), mac (tau 0.2,
  *      gen_min 0, band 4: ring hits), paris (threshold 32, sink 4, local 8, top-k 8, recall
- *      checked), lean static K8V8 / K8V4 / K4V4 (compression > 1) with full and with mac, and
+ *      checked), paris with host offload (a host pool of a few pages, the group's: 1/N a rank,
+ *      so that the same positions fall back to the KV pool), lean static K8V8 / K8V4 / K4V4
+ *      (compression > 1) with full and with mac, and
  *      lean dynamic (window 8, its own page manager per rank; its fractions averaged and its
  *      compression ratio recomputed over the ranks). A setting this build refuses with -ENOSYS
  *      (lean + mac on the CPU) is skipped with the reason printed. The fidelity meter runs
@@ -63,18 +65,22 @@ struct setting {
     const char *name, *storage, *decode, *lean_mode;
     const char *acted;            /* the counter that shows the strategy acted */
     double acted_above;
+    int64_t paris_host_bytes;     /* > 0: kv.paris.offload with this host pool (the group's) */
 };
 
 static const struct setting SETTINGS[] = {
-    {"quest", "auto", "quest", NULL, "kvserve:kv_quest_sparse_rows_total", 0},
-    {"retro w3", "auto", "retro", NULL, "kvserve:kv_retro_past_rows_total", 0},
-    {"mac", "auto", "mac", NULL, "kvserve:kv_mac_hits_total", 0},
-    {"paris", "auto", "paris", NULL, "kvserve:kv_paris_sparse_rows_total", 0},
-    {"lean K8V8", "lean", "full", "K8V8", "kvserve:kv_storage_compression_ratio", 1},
-    {"lean K8V4", "lean", "full", "K8V4", "kvserve:kv_storage_compression_ratio", 1},
-    {"lean K4V4", "lean", "full", "K4V4", "kvserve:kv_storage_compression_ratio", 1},
-    {"lean K8V4+mac", "lean", "mac", "K8V4", "kvserve:kv_mac_hits_total", 0},
-    {"lean dynamic", "lean", "full", "dynamic", "kvserve:kv_storage_compression_ratio", 1},
+    {"quest", "auto", "quest", NULL, "kvserve:kv_quest_sparse_rows_total", 0, 0},
+    {"retro w3", "auto", "retro", NULL, "kvserve:kv_retro_past_rows_total", 0, 0},
+    {"mac", "auto", "mac", NULL, "kvserve:kv_mac_hits_total", 0, 0},
+    {"paris", "auto", "paris", NULL, "kvserve:kv_paris_sparse_rows_total", 0, 0},
+    /* host offload with a pool of 5 (random model) / 7 (tiny Llama) pages: some positions fall
+     * back to the KV pool, and only the same number of pages per rank gives the same ones */
+    {"paris offload", "auto", "paris", NULL, "kvserve:kv_paris_host_read_bytes_total", 0, 61440},
+    {"lean K8V8", "lean", "full", "K8V8", "kvserve:kv_storage_compression_ratio", 1, 0},
+    {"lean K8V4", "lean", "full", "K8V4", "kvserve:kv_storage_compression_ratio", 1, 0},
+    {"lean K4V4", "lean", "full", "K4V4", "kvserve:kv_storage_compression_ratio", 1, 0},
+    {"lean K8V4+mac", "lean", "mac", "K8V4", "kvserve:kv_mac_hits_total", 0, 0},
+    {"lean dynamic", "lean", "full", "dynamic", "kvserve:kv_storage_compression_ratio", 1, 0},
 };
 #define N_SETTINGS ((int)(sizeof SETTINGS / sizeof SETTINGS[0]))
 
@@ -115,6 +121,8 @@ static void setting_cfg(struct kvs_config *c, const struct setting *s, int tp)
     c->paris_update_interval = 8;
     c->paris_topk = 8;
     c->paris_recall_every = 2;
+    c->paris_offload = s->paris_host_bytes > 0;
+    c->paris_host_bytes = s->paris_host_bytes;
 }
 
 struct result {
@@ -258,6 +266,10 @@ static void check_settings(const char *dir, const char *mname, const int *sizes,
             printf("%-10s %-14s tp %d vs 1: %d greedy tokens %s, %d counters %s (%s = %g)\n", mname, st->name, N,
                    P * (STEPS + 1), same ? "equal" : "DIFFER", got.n_cnt, cnt_ok ? "equal" : "DIFFER", st->acted,
                    acted);
+            if (st->paris_host_bytes)
+                printf("%-10s %-14s   host-pool fallbacks %g at tp %d, %g at tp 1\n", mname, st->name,
+                       counter(&got, "kvserve:kv_paris_host_fallback_total"), N,
+                       counter(&base, "kvserve:kv_paris_host_fallback_total"));
             CHECK(same, "%s %s: tp %d greedy tokens differ from tp 1", mname, st->name, N);
             CHECK(cnt_ok, "%s %s: tp %d counters differ from tp 1", mname, st->name, N);
         }
@@ -411,7 +423,7 @@ static void check_rank_skew(const char *dir)
     REQUIRE(kvs_kv_register_decode(&skew_ops) == 0, "register test_rankskew");
     int got[3] = {1, 1, 1};
     for (int tp = 1; tp <= 2; tp++) {
-        const struct setting st = {"skew", "auto", "test_rankskew", NULL, NULL, 0};
+        const struct setting st = {"skew", "auto", "test_rankskew", NULL, NULL, 0, 0};
         struct kvs_config c;
         setting_cfg(&c, &st, tp);
         struct kvs_runner *r = NULL;
