@@ -7,7 +7,8 @@
  *
  * For each strategy at a setting where it approximates on these contexts (quest / retro: a
  * 64-token budget over one dense layer; mac: tau 0.2 from context 0; paris: from context 64 with
- * a top-k of 16; lean: K8V4 pages), the steps of test_cuda_tp.c: four prompts (192, 50, 17, 100
+ * a top-k of 16, and the same with host offload (a 16 MiB host pool, the group's); lean: K8V4
+ * pages), the steps of test_cuda_tp.c: four prompts (192, 50, 17, 100
  * ids) prefilled together, then 12 decode steps of all four, each with LAST logits and device
  * argmax ids; TP 2 is fed TP 1's tokens (teacher forcing). Checks, per row:
  *   - relative L2 of TP 2's logits vs TP 1's under TOL (bf16; a page or top-k choice that flips
@@ -42,7 +43,7 @@ static const int plen[P] = {192, 50, 17, 100};
 
 struct strat {
     const char *name;
-    const char *keys[8];          /* config settings, NULL-terminated */
+    const char *keys[10];         /* config settings, NULL-terminated */
     const char *acted;            /* the counter that shows it acted (> 0; the ratio: > 1) */
 };
 
@@ -59,6 +60,11 @@ static const struct strat STRATS[] = {
      {"kv.decode=paris", "kv.paris.dense_threshold=64", "kv.paris.sink=4", "kv.paris.local=16", "kv.paris.topk=16",
       "kv.paris.update_interval=16"},
      "kvserve:kv_paris_sparse_rows_total"},
+    /* the host pool is the group's (each rank gets half): 64 pages of the 8B shape's 4 layers */
+    {"paris host",
+     {"kv.decode=paris", "kv.paris.dense_threshold=64", "kv.paris.sink=4", "kv.paris.local=16", "kv.paris.topk=16",
+      "kv.paris.update_interval=16", "kv.paris.offload=true", "kv.paris.host_bytes=16777216"},
+     "kvserve:kv_paris_host_read_bytes_total"},
     {"lean K8V4", {"kv.storage=lean", "kv.lean.mode=K8V4"}, "kvserve:kv_storage_compression_ratio"},
 };
 #define N_STRATS ((int)(sizeof STRATS / sizeof STRATS[0]))
