@@ -113,6 +113,8 @@ struct kvs_runner {
     int vocab_lo, vocab_n;                              /* LM-head rows [vocab_lo, vocab_lo + vocab_n) */
     struct kvs_tp *tp;                                  /* the group (every rank points to it) */
     size_t kv_bytes_total;                              /* all ranks' bytes per token */
+    struct kvs_config cfg_rank;                         /* a group's rank: the config its decode policy
+                                                         * sees (budgets / N); shallow */
     int n_picks;                                        /* argmax rows of the last step (h_ids, h_vals) */
     int argmax_chunk;                                   /* ARGMAX rows per LM head pass (>= LOGIT_CHUNK) */
     /* kvs_runner_forward_begin's step whose argmax ids are still on the backend (end fetches
@@ -463,6 +465,19 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     int rc, failed = 0;
     r->tp = tp;
     r->n_blocks = (int)nb;
+    if (r->n_ranks > 1) {
+        /* kv.decode_state_bytes and kv.paris.host_bytes budget the group (as kv.memory_bytes
+         * does): each rank holds its heads' share of every request's state and host page, so
+         * each gets 1/N of the budget */
+        r->cfg_rank = *cfg;
+        if (cfg->paris_host_bytes > 0)
+            r->cfg_rank.paris_host_bytes =
+                cfg->paris_host_bytes / r->n_ranks > 0 ? cfg->paris_host_bytes / r->n_ranks : 1;
+        if (cfg->kv_decode_state_bytes > 0)   /* 0 = no budget stays 0 */
+            r->cfg_rank.kv_decode_state_bytes =
+                cfg->kv_decode_state_bytes / r->n_ranks > 0 ? cfg->kv_decode_state_bytes / r->n_ranks : 1;
+        cfg = &r->cfg_rank;
+    }
     if ((rc = st->create(&shape, ops, r->be, r->n_blocks, &r->st_state, err, errlen))) return rc;
     if (r->rank == 0)
         kvs_log(KVS_LOG_INFO, "runner: %s backend%s, KV pool %d blocks x %d tokens = %d tokens, %.1f MiB%s (%zu "
@@ -490,8 +505,8 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
         int64_t cap = cfg->kv_decode_state_bytes;
         if (cap > 0 && (int64_t)(r->slot_bytes * (size_t)r->cap_seqs) > cap)
             return kvs_err(err, errlen, -ENOMEM, "config key 'kv.decode_state_bytes': %s needs %zu bytes per request x "
-                           "%d requests, over the budget of %lld bytes", dp->name, r->slot_bytes, r->cap_seqs,
-                           (long long)cap);
+                           "%d requests, over the budget of %lld bytes%s", dp->name, r->slot_bytes, r->cap_seqs,
+                           (long long)cap, r->n_ranks > 1 ? " (a tensor-parallel rank's share)" : "");
         r->slot_mem = calloc((size_t)r->cap_seqs, r->slot_bytes);
         if (!r->slot_mem)
             return kvs_err(err, errlen, -ENOMEM, "runner: no memory for %d request states of %s", r->cap_seqs, dp->name);
@@ -500,6 +515,7 @@ int kvs_runner_rank_finish(struct kvs_runner *r, const struct kvs_config *cfg, s
     r->h_slot = kvs_xmalloc((S + 1) * sizeof(int32_t));
     r->h_decode = kvs_xmalloc((S + 1) * sizeof(int32_t));
     if ((rc = kvs_fidelity_init(&r->fid, cfg->kv_fidelity_sample_every, ops, r->be, T, qd, err, errlen))) return rc;
+    r->fid.defer = r->n_ranks > 1;   /* kvs_runner_rank_fidelity_merge buckets the group's rows */
     if (failed) return kvs_err(err, errlen, -ENOMEM, "runner: out of memory for the decode policy's workspaces");
     return 0;
 }
@@ -1033,7 +1049,10 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
     int rc = r->st->step ? r->st->step(r->st_state, &step) : 0;
     if (rc == 0 && r->dp->plan) rc = r->dp->plan(r->dp_state, &step);
-    if ((rc = agree(r, rc < 0 ? rc : 0)) < 0) return rc;
+    /* a group also agrees on the step's rows: a policy's multi-row decode (recompute) decided
+     * per rank must widen the batch alike everywhere, or the all-reduces would not match */
+    rc = r->n_ranks > 1 ? kvs_tp_agree_rows(r->tp, r->rank, rc < 0 ? rc : 0, n) : rc;
+    if (rc < 0) return rc;
     /* KV bytes full attention reads for the decode rows (the policy reports what it read) */
     for (int s = 0; s < S; s++)
         if (r->h_decode[s])   /* the newest row's context (a multi-row decode's last row) */
@@ -1072,6 +1091,20 @@ void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot)
     if (r->st->seq_free) r->st->seq_free(r->st_state, slot);
 }
 
+void kvs_runner_rank_fidelity_merge(struct kvs_runner *const *ranks, int n)
+{
+    struct kvs_fidelity *f0 = &ranks[0]->fid;
+    for (int k = 0; k < f0->n_pend; k++) {
+        double num = 0, den = 0;
+        for (int i = 0; i < n; i++) {
+            const struct kvs_fidelity *f = &ranks[i]->fid;
+            if (k < f->n_pend) num += f->pend[2 * k], den += f->pend[2 * k + 1];
+        }
+        kvs_fidelity_add(f0, num, den);
+    }
+    for (int i = 0; i < n; i++) ranks[i]->fid.n_pend = 0;
+}
+
 struct kvs_backend *kvs_runner_rank_backend(const struct kvs_runner *r, const struct kvs_backend_ops **ops)
 {
     *ops = r->ops;
@@ -1088,6 +1121,11 @@ void kvs_runner_rank_warm(struct kvs_runner *r)
 }
 
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
+{
+    return r->n_ranks > 1 ? kvs_tp_kv_counters(r->tp, out, cap) : kvs_runner_rank_kv_counters(r, out, cap);
+}
+
+int kvs_runner_rank_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap)
 {
     int n = r->dp->counters ? r->dp->counters(r->dp_state, out, cap) : 0;
     if (r->st->counters) n += r->st->counters(r->st_state, out + n, cap - n);

@@ -16,10 +16,13 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/engine.h"
 #include "engine/runner.h"
 #include "kernels/backend.h"
 
-enum job_kind { JOB_CREATE = 1, JOB_WARM, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE };
+enum job_kind {
+    JOB_CREATE = 1, JOB_WARM, JOB_FINISH, JOB_FORWARD, JOB_COPY_BLOCK, JOB_SEQ_END, JOB_FREE, JOB_COUNTERS
+};
 
 struct rank_slot {
     struct kvs_tp *tp;
@@ -30,6 +33,9 @@ struct rank_slot {
     size_t n_blocks;              /* phase 1: the blocks this rank's budget holds */
     int rc;
     char err[256];
+    int rows;                     /* kvs_tp_agree_rows: this rank's rows of the step */
+    struct kvs_kv_counter cnt[KVS_KV_MAX_COUNTERS]; /* JOB_COUNTERS: this rank's */
+    int n_cnt;
 };
 
 struct kvs_tp {
@@ -78,6 +84,10 @@ static void run_job(struct kvs_tp *tp, struct rank_slot *s)
     case JOB_FREE:
         kvs_runner_rank_free(s->r);
         s->r = NULL;
+        break;
+    case JOB_COUNTERS:
+        /* on the rank's thread: a policy may download its counters from the rank's device */
+        s->n_cnt = kvs_runner_rank_kv_counters(s->r, s->cnt, tp->a);
         break;
     }
 }
@@ -138,6 +148,23 @@ int kvs_tp_agree(struct kvs_tp *tp, int rc)
     rc = tp->agree_rc;
     pthread_mutex_unlock(&tp->agree_mu);
     return rc;
+}
+
+int kvs_tp_agree_rows(struct kvs_tp *tp, int rank, int rc, int n_rows)
+{
+    /* written before the barrier, read after it; the next write is a later step's, after
+     * every rank has reported this job done */
+    tp->slots[rank].rows = n_rows;
+    if ((rc = kvs_tp_agree(tp, rc)) < 0) return rc;
+    for (int i = 1; i < tp->n; i++)
+        if (tp->slots[i].rows != tp->slots[0].rows) {
+            if (rank == 0)
+                kvs_log(KVS_LOG_ERROR, "runner: tensor-parallel ranks disagree on the step's rows (rank 0: %d, "
+                        "rank %d: %d): the decode policy's recompute() differs between ranks; step refused",
+                        tp->slots[0].rows, i, tp->slots[i].rows);
+            return -EPROTO;
+        }
+    return 0;
 }
 
 /* frees every rank (each on its own thread), joins the threads, frees the group */
@@ -231,6 +258,12 @@ int kvs_tp_forward(struct kvs_tp *tp, const struct kvs_batch *b, float *logits)
     int rc = run_all(tp, JOB_FORWARD, NULL);
     tp->batch = NULL;
     tp->logits = NULL;
+    {   /* the rows the fidelity meter sampled (none when the step failed before its layers) */
+        struct kvs_runner *ranks[16], **rs = tp->n <= 16 ? ranks : kvs_xcalloc((size_t)tp->n, sizeof *rs);
+        for (int i = 0; i < tp->n; i++) rs[i] = tp->slots[i].r;
+        kvs_runner_rank_fidelity_merge(rs, tp->n);
+        if (rs != ranks) free(rs);
+    }
     if (rc < 0 || !b->argmax) return rc;
     /* greedy rows: the largest of the ranks' picks; a lower rank (lower ids) wins a tie */
     struct kvs_rank_picks p0;
@@ -263,4 +296,88 @@ void kvs_tp_seq_end(struct kvs_tp *tp, int slot)
 {
     tp->a = slot;
     run_all(tp, JOB_SEQ_END, NULL);
+}
+
+/* How a counter of the ranks merges into the group's (kvs_tp_kv_counters):
+ *   MERGE_SUM   it covers only the rank's heads, so the group's is the sum: every byte count
+ *               (read, held or per token: each rank reads and holds its heads' share), per-head
+ *               tallies and pages (each rank has its own page manager: LeanKV dynamic);
+ *   MERGE_MEAN  a fraction over (token, layer, KV head): every rank has the same number of
+ *               heads, so the group's is the mean of the ranks';
+ *   MERGE_RANK0 the same on every rank (rows, requests, page counts per row): rank 0's;
+ * and the ratios of summed counters are recomputed from the sums (RATIOS). The fidelity
+ * histogram is merged per row before it is counted (runner_tp.h). A strategy adding a per-head
+ * tally or fraction names it here; tests/unit/test_tp_kv.c checks every counter at TP N against
+ * TP 1's. */
+enum { MERGE_RANK0 = 0, MERGE_SUM, MERGE_MEAN };
+
+static int merge_kind(const struct kvs_kv_counter *c)
+{
+    static const char *const sums[] = {
+        "kvserve:kv_mac_lookups_total",          "kvserve:kv_mac_hits_total",
+        "kvserve:kv_mac_skip_sum",               "kvserve:kv_mac_skip_count",
+        "kvserve:kv_retro_keys_own_total",       "kvserve:kv_retro_keys_supplement_total",
+        "kvserve:kv_paris_recall_total",         "kvserve:kv_paris_recall_hits_total",
+        "kvserve:kv_paris_recall_coarse_hits_total", "kvserve:kv_quest_stale_digests_total",
+        "kvserve:kv_storage_pages_used",         "kvserve:kv_storage_pages_total",
+    };
+    static const char *const means[] = {
+        "kvserve:kv_storage_high_fraction", "kvserve:kv_storage_low_fraction", "kvserve:kv_storage_pruned_fraction",
+    };
+    if (c->family) return MERGE_RANK0;
+    if (strstr(c->name, "bytes")) return MERGE_SUM;
+    for (size_t i = 0; i < sizeof sums / sizeof sums[0]; i++)
+        if (!strcmp(c->name, sums[i])) return MERGE_SUM;
+    for (size_t i = 0; i < sizeof means / sizeof means[0]; i++)
+        if (!strcmp(c->name, means[i])) return MERGE_MEAN;
+    return MERGE_RANK0;
+}
+
+/* ratio = (num + add) / den of the group's sums (add: -1 when none) */
+static const struct {
+    const char *ratio, *num, *add, *den;
+} RATIOS[] = {
+    {"kvserve:kv_retro_effective_budget", "kvserve:kv_retro_keys_own_total", "kvserve:kv_retro_keys_supplement_total",
+     "kvserve:kv_retro_keys_own_total"},
+    {"kvserve:kv_storage_compression_ratio", "kvserve:kv_storage_bf16_bytes_per_token", NULL,
+     "kvserve:kv_storage_bytes_per_token"},
+};
+
+static int find_counter(const struct kvs_kv_counter *c, int n, const char *name)
+{
+    for (int k = 0; name && k < n; k++)
+        if (!strcmp(c[k].name, name) && !c[k].le) return k;
+    return -1;
+}
+
+int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap)
+{
+    tp->a = cap < KVS_KV_MAX_COUNTERS ? cap : KVS_KV_MAX_COUNTERS;
+    if (tp->a <= 0) return 0;
+    run_all(tp, JOB_COUNTERS, NULL);
+    /* every rank runs the same policy and storage with the same settings, so their lists name
+     * the same counters in the same order */
+    const struct rank_slot *s0 = &tp->slots[0];
+    const int n = s0->n_cnt;
+    memcpy(out, s0->cnt, (size_t)n * sizeof *out);
+    for (int k = 0; k < n; k++) {
+        const int kind = merge_kind(&out[k]);
+        if (kind == MERGE_RANK0) continue;
+        for (int i = 1; i < tp->n; i++) {
+            const struct rank_slot *s = &tp->slots[i];
+            if (k >= s->n_cnt || strcmp(s->cnt[k].name, out[k].name)) {
+                kvs_log(KVS_LOG_WARN, "runner: rank %d reports other KV counters than rank 0 (%s)", i, out[k].name);
+                continue;
+            }
+            out[k].value += s->cnt[k].value;
+        }
+        if (kind == MERGE_MEAN) out[k].value /= tp->n;
+    }
+    for (size_t i = 0; i < sizeof RATIOS / sizeof RATIOS[0]; i++) {
+        const int r = find_counter(out, n, RATIOS[i].ratio), a = find_counter(out, n, RATIOS[i].num);
+        const int b = find_counter(out, n, RATIOS[i].add), d = find_counter(out, n, RATIOS[i].den);
+        if (r >= 0 && a >= 0 && d >= 0 && (b >= 0 || !RATIOS[i].add) && out[d].value > 0)
+            out[r].value = (out[a].value + (b >= 0 ? out[b].value : 0)) / out[d].value;
+    }
+    return n;
 }

@@ -17,7 +17,8 @@ int kvs_fidelity_init(struct kvs_fidelity *f, int every, const struct kvs_backen
     f->ref = o->alloc(be, KVS_BUF_ACT, max_rows * (size_t)qd);
     f->h_pol = malloc((size_t)qd * sizeof *f->h_pol);
     f->h_ref = malloc((size_t)qd * sizeof *f->h_ref);
-    if (!f->ref || !f->h_pol || !f->h_ref) {
+    f->pend = malloc(max_rows * 2 * sizeof *f->pend);
+    if (!f->ref || !f->h_pol || !f->h_ref || !f->pend) {
         kvs_fidelity_free(f);
         return kvs_err(err, errlen, -ENOMEM, "kv.fidelity: out of memory for the reference attention");
     }
@@ -29,7 +30,9 @@ void kvs_fidelity_free(struct kvs_fidelity *f)
     if (f->ref) f->o->free_buf(f->be, f->ref);
     free(f->h_pol);
     free(f->h_ref);
+    free(f->pend);
     f->ref = NULL, f->h_pol = f->h_ref = NULL;
+    f->pend = NULL;
 }
 
 int kvs_fidelity_pick_layer(struct kvs_fidelity *f, int n_layers)
@@ -56,13 +59,23 @@ void kvs_fidelity_measure(struct kvs_fidelity *f, const struct kvs_kv_attend *a)
             num += d * d;
             den += (double)f->h_ref[i] * (double)f->h_ref[i];
         }
-        const double e = den > 0 ? sqrt(num / den) : sqrt(num);
-        int b = 0;
-        for (double ub = 1e-6; b < KVS_FID_BUCKETS - 1 && !(e <= ub); ub *= 10) b++;
-        f->bucket[b]++;
-        f->sum += e;
-        f->samples++;
+        if (f->defer) {
+            f->pend[2 * f->n_pend] = num, f->pend[2 * f->n_pend + 1] = den;
+            f->n_pend++;
+        } else {
+            kvs_fidelity_add(f, num, den);
+        }
     }
+}
+
+void kvs_fidelity_add(struct kvs_fidelity *f, double num, double den)
+{
+    const double e = den > 0 ? sqrt(num / den) : sqrt(num);
+    int b = 0;
+    for (double ub = 1e-6; b < KVS_FID_BUCKETS - 1 && !(e <= ub); ub *= 10) b++;
+    f->bucket[b]++;
+    f->sum += e;
+    f->samples++;
 }
 
 int kvs_fidelity_counters(const struct kvs_fidelity *f, double bytes_read, struct kvs_kv_counter *out, int cap)

@@ -31,6 +31,12 @@ struct kvs_fidelity {
     uint64_t bucket[KVS_FID_BUCKETS];
     double sum;                   /* of rel-L2 */
     double full_bytes;            /* KV bytes full attention reads for the decode rows (runner) */
+    /* tensor parallelism: a rank sees only its heads, so with defer set measure() keeps each
+     * row's squared error and squared norm in pend (n_pend rows) and the runner sums them over
+     * the ranks before kvs_fidelity_add buckets the row (rank 0's meter) */
+    int defer;
+    double *pend;                 /* [max_rows][2] */
+    int n_pend;
 };
 
 int kvs_fidelity_init(struct kvs_fidelity *f, int every, const struct kvs_backend_ops *o, struct kvs_backend *be,
@@ -43,6 +49,8 @@ int kvs_fidelity_pick_layer(struct kvs_fidelity *f, int n_layers);
 void kvs_fidelity_measure(struct kvs_fidelity *f, const struct kvs_kv_attend *a);
 /* Counters: the histogram, its sum and count, and bytes read (bytes_read < 0: the policy
  * reports its own) against full_bytes. Returns how many were written. */
+/* One measured row: its squared error num and squared reference norm den, into the histogram. */
+void kvs_fidelity_add(struct kvs_fidelity *f, double num, double den);
 int kvs_fidelity_counters(const struct kvs_fidelity *f, double bytes_read, struct kvs_kv_counter *out, int cap);
 
 #endif

@@ -28,6 +28,14 @@
  * kernels/cuda/kv_<name>.cu. A backend that lacks what a strategy needs makes its create()
  * fail with -ENOSYS and a message; the daemon then refuses the config at startup.
  *
+ * Tensor parallelism (parallel.tensor, engine/runner_tp.h): every rank creates its own storage
+ * and decode policy over its heads (n_kv_heads / n_heads in the env and shape are the rank's),
+ * with the same steps. A strategy's decisions must therefore be per head or per KV group
+ * (never a statistic over all heads), and recompute() must give every rank the same k (the
+ * runner refuses a step whose ranks disagree, -EPROTO). Counters are merged over the ranks by
+ * name (runner_tp.c merge_kind: bytes and per-head tallies summed, fractions averaged, the rest
+ * rank 0's); tests/unit/test_tp_kv.c runs every strategy at TP 2 / 3 / 4 against TP 1.
+ *
  * Ownership: kvs_kv_init allocates the engine-side state (the reuse strategy's tables) that
  * kvs_kv_free releases; the block pool is borrowed. Runner-side states (storage, decode) are
  * created and destroyed by the runner through the ops. Threads: the scheduler thread only.

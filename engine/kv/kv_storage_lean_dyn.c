@@ -94,9 +94,8 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
         return kvs_err(err, errlen, -EINVAL,
                        "config key 'kv.fidelity.sample_every': the fidelity meter re-runs a layer's attention, which "
                        "in kv.lean.mode = dynamic also updates scores and evicts; measure it with kvserve-eval instead");
-    if (cfg && cfg->tensor_parallel > 1)
-        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.lean.mode': \"dynamic\" is not built for "
-                       "parallel.tensor > 1 (one page manager per rank)");
+    /* parallel.tensor > 1: each rank's store holds its KV heads, with a page manager of its own
+     * (tests/unit/test_tp_kv.c: the same tokens as one rank) */
     if (sh->max_slots <= 0 || sh->max_rows <= 0 || sh->max_ctx <= 0)
         return kvs_err(err, errlen, -EINVAL, "kv.lean.mode = dynamic needs the runner's limits (slots, rows, context)");
     struct kvs_lean_fmt hi, lo;

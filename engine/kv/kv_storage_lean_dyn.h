@@ -13,7 +13,8 @@
  * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than the CPU, reuse
  * other than none (cached documents and prefix blocks are shared; demotion and pruning are
  * per request), a decode policy other than full, the fidelity meter (it would run the
- * policy's attention twice), tensor parallelism.
+ * policy's attention twice). Under tensor parallelism each rank's store holds its KV heads
+ * and has a page manager of its own.
  *
  * Ownership: create allocates what destroy releases. Errors: 0 / negative errno + message. */
 #ifndef KVS_KV_STORAGE_LEAN_DYN_H
