@@ -15,8 +15,8 @@
  * document boundaries (rot_table, cuda_attn_device.cuh).
  *
  * Shapes: head_dim 64 or 128, G <= 16, block sizes whose pages are a multiple of 16 bytes, the
- * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest, and K16V16 until
- * its pages are verified on a GPU; the launch aborts with a message if reached anyway).
+ * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest; the launch aborts
+ * with a message if reached anyway).
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK). */
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
@@ -958,13 +958,13 @@ static void cu_lean_copy_block(struct kvs_backend *b, struct kvs_dbuf *pool, int
 }
 
 /* the attention kernel's shapes: head_dim 64 or 128, groups of up to 16 query heads, the formats
- * of LEAN_FMTS (the write kernel takes any) but the 16-bit ones: their pages did not match the
- * CPU's on the GPU (low bytes wrong, see k_lean_write's 16-bit store); the fix is not yet
- * verified on a GPU, so K16V16 stays refused until test_cuda_kv_lean's K16V16 cases pass */
+ * of LEAN_FMTS (the write kernel takes any); 16 bits only as K16V16 (LeanKV's neutral setting),
+ * whose pages match the CPU's since k_lean_write's 16-bit store (test_cuda_kv_lean) */
 static int cu_lean_supports(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim)
 {
     return n_kv_heads > 0 && n_heads % n_kv_heads == 0 && n_heads / n_kv_heads <= LEAN_MAXG &&
-           (head_dim == 64 || head_dim == 128) && lean_fmt_built(f) && f.kbits < 16 && f.vbits < 16;
+           (head_dim == 64 || head_dim == 128) && lean_fmt_built(f) &&
+           ((f.kbits < 16 && f.vbits < 16) || (f.kbits == 16 && f.vbits == 16));
 }
 
 extern "C" const struct kvs_lean_kernels kvs_lean_kernels_cuda = {
