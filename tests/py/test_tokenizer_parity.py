@@ -20,7 +20,8 @@ ROOT = os.environ.get("KVS_ROOT", os.path.dirname(os.path.dirname(os.path.dirnam
 BUILD = os.environ.get("KVS_BUILD", "build")
 if not os.path.isabs(BUILD):
     BUILD = os.path.join(ROOT, BUILD)
-TOKDIR = os.path.join(ROOT, "..", "shared", "tokenizers")
+# the real tokenizer tarballs (CONTRIBUTING.md): $KVS_TOKENIZERS, else shared/tokenizers beside the checkout
+TOKDIR = os.environ.get("KVS_TOKENIZERS") or os.path.join(ROOT, "..", "shared", "tokenizers")
 NAMES = ["qwen3", "llama3", "llama2"]
 
 LATIN = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "It's a beautiful day; isn't it?",

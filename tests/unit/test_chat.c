@@ -186,7 +186,7 @@ static void test_detect(void)
     for (int i = 0; i < 3; i++) {
         snprintf(member, sizeof member, "%s/tokenizer_config.json", names[i]);
         int rc = kvs_test_unpack_tokenizer(names[i], tmp, member);
-        CHECK(rc == 0, "cannot unpack %s tokenizer (shared/tokenizers missing?)", names[i]);
+        CHECK(rc == 0, "cannot unpack %s tokenizer from %s (set KVS_TOKENIZERS, CONTRIBUTING.md)", names[i], kvs_test_tokenizer_dir());
         snprintf(dir, sizeof dir, "%s/%s", tmp, names[i]);
         enum kvs_chat_format f = kvs_chat_detect(dir);
         CHECK(f == want[i], "detect %s: got %s", names[i], kvs_chat_format_name(f));

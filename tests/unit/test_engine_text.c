@@ -80,7 +80,7 @@ int main(void)
     char tmp[512];
     REQUIRE(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-engine-text") == 0, "mkdtemp");
     char dir[1100], err[256];
-    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack %s/../shared/tokenizers/qwen3.tar.xz", root);
+    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack %s/qwen3.tar.xz (set KVS_TOKENIZERS, CONTRIBUTING.md)", kvs_test_tokenizer_dir());
     snprintf(dir, sizeof dir, "%s/qwen3", tmp);
     struct kvs_tokenizer *tok;
     REQUIRE(kvs_tokenizer_load(dir, &tok, err, sizeof err) == 0, "%s", err);

@@ -4,7 +4,7 @@
  *    with both merge formats, SentencePiece-style with byte fallback, TemplateProcessing, added
  *    tokens, BOS/EOS from configs).
  * 2. Malformed files: every one must fail with a message naming the field, never crash.
- * 3. The real Qwen3 / Llama-3 / Llama-2 files (unpacked from $KVS_ROOT/../shared/tokenizers):
+ * 3. The real Qwen3 / Llama-3 / Llama-2 files (unpacked from $KVS_TOKENIZERS, CONTRIBUTING.md):
  *    reference ids from Hugging Face tokenizers for a few strings, and streaming decode of
  *    multilingual text with emoji: every piece is complete UTF-8 and the pieces concatenate to
  *    the full decode, which equals the input.
@@ -279,8 +279,8 @@ struct ref {
 
 static void test_real(void)
 {
-    char tokdir[1024], tmp[512];
-    snprintf(tokdir, sizeof tokdir, "%s/../shared/tokenizers", kvs_test_root());
+    char tokdir[4096], tmp[512];
+    snprintf(tokdir, sizeof tokdir, "%s", kvs_test_tokenizer_dir());
     if (kvs_test_mkdtemp(tmp, sizeof tmp, "kvs_tok") != 0) {
         CHECK(0, "mkdtemp");
         return;

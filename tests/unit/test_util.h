@@ -9,7 +9,7 @@
  *   kvs_test_xorshift(&s)    the xorshift64 generator the tests draw reproducible inputs from.
  *   kvs_test_mkdtemp(buf, cap, tag)  makes a fresh directory /tmp/<tag>-XXXXXX (under $TMPDIR
  *                            when set) into buf; kvs_test_rmtree(dir) removes it again.
- *   kvs_test_unpack_tokenizer(name, dst, member)  unpacks one of ../shared/tokenizers/ into dst.
+ *   kvs_test_unpack_tokenizer(name, dst, member)  unpacks one of the tokenizer tarballs into dst.
  * Nothing here allocates; the counters are per program (static). */
 #ifndef KVS_TEST_UTIL_H
 #define KVS_TEST_UTIL_H
@@ -124,13 +124,24 @@ static inline int kvs_test_rmtree(const char *dir)
     return nftw(dir, kvs_test_rm_cb_, 16, FTW_DEPTH | FTW_PHYS) == 0 ? 0 : -1;
 }
 
-/* Unpacks $KVS_ROOT/../shared/tokenizers/<name>.tar.xz into dst (only `member` when not NULL);
+/* The folder of the real tokenizer tarballs (qwen3/llama3/llama2.tar.xz, CONTRIBUTING.md):
+ * $KVS_TOKENIZERS, else shared/tokenizers beside the checkout (where CI keeps them). */
+static inline const char *kvs_test_tokenizer_dir(void)
+{
+    static char dir[4096];
+    const char *env = getenv("KVS_TOKENIZERS");
+    if (env && *env) return env;
+    snprintf(dir, sizeof dir, "%s/../shared/tokenizers", kvs_test_root());
+    return dir;
+}
+
+/* Unpacks <kvs_test_tokenizer_dir()>/<name>.tar.xz into dst (only `member` when not NULL);
  * the exit status of tar, 0 on success. */
 static inline int kvs_test_unpack_tokenizer(const char *name, const char *dst, const char *member)
 {
-    char cmd[4096];
-    int n = snprintf(cmd, sizeof cmd, "tar xJf '%s/../shared/tokenizers/%s.tar.xz' -C '%s' %s", kvs_test_root(),
-                     name, dst, member ? member : "");
+    char cmd[8192];
+    int n = snprintf(cmd, sizeof cmd, "tar xJf '%s/%s.tar.xz' -C '%s' %s", kvs_test_tokenizer_dir(), name, dst,
+                     member ? member : "");
     if (n < 0 || (size_t)n >= sizeof cmd) return -1;
     return system(cmd);
 }
