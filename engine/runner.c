@@ -150,6 +150,10 @@ struct kvs_runner {
     int bt_stride;
     size_t bt_synced, bt_dirty_lo, bt_dirty_hi;
     struct kvs_runner_step_info info;                   /* the last step's (kvs_runner_step_info) */
+    /* host time of the steps since the last report (span_log): stage, uploads, the decode
+     * policy's hooks, the layers' launch (graph or eager), the LM head; rows, steps */
+    double span_s[5], span_rows;
+    int span_steps;
 };
 
 /* ---- weights ---------------------------------------------------------------------------- */
@@ -1030,8 +1034,31 @@ static int widen_batch(struct kvs_runner *r, const struct kvs_batch *b, struct k
     return 0;
 }
 
+/* Host time per step, logged every SPAN_STEPS steps at info level: what the scheduler thread
+ * spends in the runner before the device has the step (clock_gettime spans; a profile of the
+ * serving daemon's step without perf). */
+#define SPAN_STEPS 1024
+static void span_log(struct kvs_runner *r, const double *t, int rows)
+{
+    for (int i = 0; i < 5; i++) r->span_s[i] += t[i + 1] - t[i];
+    r->span_rows += rows;
+    if (++r->span_steps < SPAN_STEPS) return;
+    const double k = 1e6 / r->span_steps;
+    if (r->rank == 0)
+        kvs_log(KVS_LOG_INFO,
+                "runner: host us per step over %d steps (%.1f rows): stage %.1f, uploads %.1f, policy %.1f, "
+                "layers launch %.1f, LM head %.1f",
+                r->span_steps, r->span_rows / r->span_steps, r->span_s[0] * k, r->span_s[1] * k, r->span_s[2] * k,
+                r->span_s[3] * k, r->span_s[4] * k);
+    memset(r->span_s, 0, sizeof r->span_s);
+    r->span_rows = 0;
+    r->span_steps = 0;
+}
+
 int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
+    double ts[6];
+    ts[0] = kvs_now();
     /* fresh slots reset before anything asks the policy about them (host state only) */
     for (int s = 0; b && b->seqs && s < b->n_seqs && s < r->cap_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
@@ -1060,6 +1087,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
                         &any_rot, &any_valid);
     if (n >= 0 && n_host > 0 && !logits) n = -EINVAL;
     if (n < 0) return agree(r, n);
+    ts[1] = kvs_now();
     /* a rank's embedding rows are its vocabulary's, then one zero row for every other token */
     for (int i = 0; r->n_ranks > 1 && i < n; i++) {
         const int t = r->h_tokens[i] - r->vocab_lo;
@@ -1080,6 +1108,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
                                                                r->block_size, r->h_words) == 0;
     if (words) o->upload(be, r->d_words, 0, r->h_words, (size_t)S * stride * 2);
 
+    ts[2] = kvs_now();
     int max_ctx = 0;
     for (int s = 0; s < S; s++) {
         int c = r->h_seqpos[s] + (r->h_qstart[s + 1] - r->h_qstart[s]);
@@ -1112,9 +1141,13 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
             r->fid.full_bytes += (double)(r->h_seqpos[s] + r->h_qstart[s + 1] - r->h_qstart[s]) *
                                  (double)r->kv_bytes_per_token;
     const int fid_layer = n_decode ? kvs_fidelity_pick_layer(&r->fid, r->n_layers) : -1;
+    ts[3] = kvs_now();
     if (fid_layer >= 0 || !cap || run_layers_graph(r, n, &step, cap, any_rot, any_valid | words << 1) != 0)
         run_layers(r, n, &step, fid_layer);
+    ts[4] = kvs_now();
     lm_head(r, b, n_logits, n_host, logits);
+    ts[5] = kvs_now();
+    span_log(r, ts, n);
     return 0;
 }
 
