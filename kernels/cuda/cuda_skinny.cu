@@ -283,9 +283,8 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * KVS_SKINNY_VARIANT_DEFAULT): bit 1 keeps two groups of K chunks in flight at 9+ rows too (1-8
  * rows always do), bit 2 the L2::256B fetch hint. Neither changes the order of the additions, so
  * results are bitwise the same whatever the variant. */
-/* default 2, the L2::256B hint: the step's GEMMs at 2 / 4 / 8 rows read 2656 / 2637 / 2531 GB/s
- * without it and 2737 / 2720 / 2582 with it; two groups in flight above 8 rows (bit 1) was no
- * faster at 16 / 32 rows and slower at 32 (bench/RESULTS.md, issue 22 section) */
+/* default 2, the L2::256B hint: faster at 2-8 rows, the same at 1 (the GEMV does not use it); two
+ * groups in flight above 8 rows (bit 1) was not faster (bench/RESULTS.md, issue 22 section) */
 #define KVS_SKINNY_VARIANT_DEFAULT 2
 static int sk_variant = -1;
 

@@ -1,10 +1,11 @@
 /* cuda_skinny.h: the decode GEMM of the CUDA backend (internal to kernels/cuda/; cuda_gemm.cu
  * calls it for matmuls of at most KVS_SKINNY_MAX_N rows).
  *
- * y[t][o] = <x[t], W[o]> for n <= KVS_SKINNY_MAX_N (128) token rows (the backend uses it up to
- * skinny_max rows, 8 by default: above ~12 rows cuBLASLt reads the weights faster, and at 32-128
- * rows this kernel is 1.4-4x slower, bound by every block re-reading x from L2; the wider
- * instantiations are there to measure and for KVS_CUDA_SKINNY_MAX experiments): a decode step multiplies a few rows by every
+ * y[t][o] = <x[t], W[o]> for n <= KVS_SKINNY_MAX_N (128) token rows. The backend uses it up to
+ * skinny_max rows (8 by default): past ~12 rows cuBLASLt reads the weights faster and at 32-128
+ * rows this kernel falls far behind (bench/RESULTS.md, issue 22; every block re-reads all of x,
+ * the likely limit, not profiled); the wide instantiations serve measurements and
+ * KVS_CUDA_SKINNY_MAX experiments. A decode step multiplies a few rows by every
  * weight matrix of the model once, so it is bound by reading W. The kernel streams W with 16-byte
  * loads, not cached in L1, and multiplies it on the tensor cores (mma m16n8k16, bf16 in, fp32
  * accumulate) with W as the 16-row operand and the tokens as the 8-wide one; the K dimension of
