@@ -229,6 +229,13 @@ static void check_digests(struct quest *s, int layer, const struct kvs_kv_attend
     free(bt);
 }
 
+void kvs_quest_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
+{
+    struct quest *s = state;
+    for (int l = s->dense_layers; l < s->env.n_layers; l++)
+        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+}
+
 static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     struct quest *s = state;
