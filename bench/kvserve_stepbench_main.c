@@ -13,8 +13,11 @@
  * each request re-runs (kv.h recompute: Retro's window) and runs k + 1 rows per request at its
  * last positions, rewriting their K/V. Timed: host wall clock from plan to a device sync after
  * the LM head, mean of --steps steps after the warm-up (max(3, w + 1) steps, so Retro's windows
- * are full). Full attention is timed eagerly (the same method) and also as a recorded graph of
- * the same step (how the runner runs it: "full graph").
+ * are full). Full attention and Quest are timed eagerly (the same method) and also as a recorded
+ * graph of the step replayed after each step's plan (how the runner runs one-token steps: the
+ * attention meta carries the context capacity, plan_ctx = the context rounded up to 1024; the
+ * eager runs leave it 0, as a policy that declares KVS_KV_NO_GRAPHS sees it). Retro's steps
+ * have k + 1 rows per request, which the runner never records.
  *
  * Data: random K/V (uniform [-1, 1)) for the whole context, made on the device; the decode
  * policies' page digests of it made before the steps (kvs_quest_refresh_digests,
@@ -162,7 +165,8 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
         O->sync(b);
     }
     double total = 0, graph = 0;
-    for (int it = 0; it < warm + steps + (strcmp(decode, "full") ? 0 : 1); it++) {
+    const int graphed = !strcmp(decode, "full") || !strcmp(decode, "quest");
+    for (int it = 0; it < warm + steps + graphed; it++) {
         const int pnew = ctx - 1 - (warm + steps) + (it < warm + steps ? it : warm + steps - 1);
         qs[0] = 0;
         for (int s = 0; s < nb; s++) {
@@ -185,13 +189,15 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
         O->upload(b, M->slots, 0, rslot, (size_t)n);
         O->upload(b, M->tok, 0, rtok, (size_t)n);
         O->upload(b, M->newest, 0, newest, (size_t)nb);
+        const int cap = (pnew + 1 + 1023) / 1024 * 1024;
         const struct kvs_attn_meta m = {.n_seqs = nb, .max_blocks = mb, .q_start = M->qs, .pos = M->sp,
                                         .block_tables = M->bt, .inv_freq = M->invf, .h_q_start = qs, .h_pos = sp,
-                                        .max_ctx = pnew + 1};
+                                        .max_ctx = pnew + 1, .plan_ctx = it == warm + steps ? cap : 0};
         const struct kvs_kv_step step = {nb, n, qs, sp, slot, dec, &m};
         O->sync(b);
         if (it == warm + steps) {
-            /* full only: the same step recorded once and replayed (the runner's graphs) */
+            /* the same step recorded once and replayed after its plan (the runner's graphs) */
+            if (dp->plan && dp->plan(st, &step)) kvs_panic(__FILE__, __LINE__, "%s: plan", decode);
             O->graph_begin(b);
             run_step(M, dp, st, &step, nb);
             struct kvs_graph *gr = O->graph_end(b, err, sizeof err);
@@ -199,7 +205,10 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
             O->graph_launch(b, gr);
             O->sync(b);
             const double t0 = now_ms();
-            for (int r = 0; r < steps; r++) O->graph_launch(b, gr);
+            for (int r = 0; r < steps; r++) {
+                if (dp->plan && dp->plan(st, &step)) kvs_panic(__FILE__, __LINE__, "%s: plan", decode);
+                O->graph_launch(b, gr);
+            }
             O->sync(b);
             graph = (now_ms() - t0) / steps;
             O->graph_free(b, gr);
@@ -308,13 +317,14 @@ int main(int argc, char **argv)
     printf("decode step, %d layers (0-1 dense), ms (host wall clock: plan + layers + LM head + sync); budget "
            "max(256, %.2f n)\n", n_layers, ratio);
     char head[1024];
-    int hl = snprintf(head, sizeof head, "| batch | context | full graph ms | full ms | Quest ms | full / Quest |");
+    int hl = snprintf(head, sizeof head, "| batch | context | full graph ms | full ms | Quest graph ms | Quest ms | "
+                      "full / Quest, graphs | full / Quest, eager |");
     for (int i = 0; i < n_w; i++)
-        hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest | w=%d eff. budget |", windows[i],
+        hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest eager | w=%d eff. budget |", windows[i],
                        windows[i], windows[i]);
     printf("%s\n", head);
     if (mf) {
-        fprintf(mf, "%s\n|---|---|---|---|---|---|", head);
+        fprintf(mf, "%s\n|---|---|---|---|---|---|---|---|", head);
         for (int i = 0; i < n_w; i++) fprintf(mf, "---|---|---|");
         fprintf(mf, "\n");
     }
@@ -347,8 +357,9 @@ int main(int argc, char **argv)
             const struct result full = run_policy(M, "full", 1, ratio, nb, ctx, mb, steps);
             const struct result quest = run_policy(M, "quest", 1, ratio, nb, ctx, mb, steps);
             char line[1024];
-            int ll = snprintf(line, sizeof line, "| %d | %d | %.2f | %.2f | %.2f | %.2f |", nb, ctx, full.graph_ms,
-                              full.ms, quest.ms, full.ms / quest.ms);
+            int ll = snprintf(line, sizeof line, "| %d | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", nb, ctx,
+                              full.graph_ms, full.ms, quest.graph_ms, quest.ms, full.graph_ms / quest.graph_ms,
+                              full.ms / quest.ms);
             for (int i = 0; i < n_w; i++) {
                 const struct result r = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
                 ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.3f |", r.ms, r.ms / quest.ms, r.eff);
