@@ -28,6 +28,9 @@
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
+ * --pre-attn-variants also times each prefill's attention (all layers, median of 3) with each
+ * prefill kernel forced (kvs_cuda_set_pre_attn: 1 mma.sync, 2 / 3 wgmma with 128- / 64-key tiles,
+ * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -300,7 +303,7 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0, pre_variants = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -310,6 +313,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
+        else if (!strcmp(argv[i], "--pre-attn-variants")) pre_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
@@ -328,7 +332,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--pre-attn-variants] [--gemm-sweep 1,8,16,32] "
                             "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
             return 2;
         }
@@ -717,11 +721,14 @@ int main(int argc, char **argv)
         }
     /* prefill: one sequence, the whole prompt in one step, logits for its last row */
     if (npre > 0) {
-        printf("\n%8s %9s %10s %9s %12s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms");
+        printf("\n%8s %9s %10s %9s %12s %14s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms",
+               "attn TFLOP/s");
         if (mf) {
             fprintf(mf, "\nPrefill (one sequence, the whole prompt in one step; FLOPs = 2 x parameters x tokens + "
-                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2):\n\n");
-            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms |\n| ---: | ---: | ---: | ---: | ---: |\n");
+                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2; attention TFLOP/s counts the "
+                        "causal attention FLOPs over the attention alone):\n\n");
+            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms | attention TFLOP/s |\n"
+                        "| ---: | ---: | ---: | ---: | ---: | ---: |\n");
         }
     }
     for (int pi = 0; pi < npre; pi++) {
@@ -746,9 +753,33 @@ int main(int argc, char **argv)
         kvs_cuda_timer_start(b);
         enqueue_step(B, P, &m, OPS_ATTN, 1);
         float ta = kvs_cuda_timer_stop_ms(b);
-        double flops = 2.0 * params * P + 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
-        printf("%8d %9.2f %10.0f %9.1f %12.2f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
-        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f |\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        const double aflops = 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
+        double flops = 2.0 * params * P + aflops;
+        printf("%8d %9.2f %10.0f %9.1f %12.2f %14.1f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta,
+               aflops / (ta * 1e-3) / 1e12);
+        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f | %.1f |\n", P, ms, P / (ms * 1e-3),
+                        flops / (ms * 1e-3) / 1e12, ta, aflops / (ta * 1e-3) / 1e12);
+        if (pre_variants) {
+            /* the attention alone with each prefill kernel forced: median of 3 after a warm-up */
+            static const char *const names[] = {"", "1 mma.sync (k_attn_tc)", "2 wgmma, 128-key tiles",
+                                                "3 wgmma, 64-key tiles", "4 wgmma, 128-key, overlapped",
+                                                "5 wgmma, 64-key, overlapped", "6 wgmma, 64-key, 2 blocks/SM"};
+            for (int kind = 1; kind <= 6; kind++) {
+                kvs_cuda_set_pre_attn(kind);
+                float tv[4];
+                for (int it = 0; it < 4; it++) {
+                    kvs_cuda_timer_start(b);
+                    enqueue_step(B, P, &m, OPS_ATTN, 1);
+                    tv[it] = kvs_cuda_timer_stop_ms(b);
+                }
+                qsort(tv + 1, 3, sizeof(float), cmp_float);
+                printf("%8d   prefill attention, kind %-24s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
+                       kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+                if (mf) fprintf(mf, "| %d | attention only, kind %s (took %d) | | | %.2f | %.1f |\n", P, names[kind],
+                                kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+            }
+            kvs_cuda_set_pre_attn(-1);
+        }
         free_shape(B, &S);
     }
     free(t);
