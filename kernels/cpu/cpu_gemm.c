@@ -56,15 +56,24 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
         }
     }
     e = getenv("KVS_CPU_GEMM");
-    k->gemm = KVS_CPU_GEMM_INVARIANT;
-    if (e && *e) {
-        if (strcmp(e, "blas") == 0)
+    /* panels need FMA; the other sets keep the dot-product tiles ("invariant": bitwise their
+     * references) */
+    k->gemm = k->isa == KVS_CPU_ISA_FMA ? KVS_CPU_GEMM_PANEL : KVS_CPU_GEMM_INVARIANT;
+    if (e && *e && strcmp(e, "auto") != 0) {
+        if (strcmp(e, "blas") == 0) {
             k->gemm = KVS_CPU_GEMM_BLAS;
-        else if (strcmp(e, "invariant") != 0)
-            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want invariant or blas", e);
+        } else if (strcmp(e, "invariant") == 0 || strcmp(e, "dot") == 0) {
+            k->gemm = KVS_CPU_GEMM_INVARIANT;
+        } else if (strcmp(e, "panel") == 0) {
+            if (k->isa != KVS_CPU_ISA_FMA)
+                return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=panel needs the fma kernel set (AVX2 + FMA)");
+            k->gemm = KVS_CPU_GEMM_PANEL;
+        } else {
+            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want auto, panel, invariant (dot) or blas", e);
+        }
     }
     e = getenv("KVS_CPU_WEIGHTS");
-    k->bf16_weights = k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT;
+    k->bf16_weights = k->isa != KVS_CPU_ISA_REF && k->gemm != KVS_CPU_GEMM_BLAS;
     if (e && *e) {
         if (strcmp(e, "f32") == 0)
             k->bf16_weights = 0;

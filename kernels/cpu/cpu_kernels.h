@@ -51,7 +51,7 @@
 #include "kernels/cpu/cpu_pool.h"
 
 enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1, KVS_CPU_ISA_FMA = 2 };
-enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1 };
+enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1, KVS_CPU_GEMM_PANEL = 2 };
 
 #define KVS_CPU_BLAS_MIN_ROWS 8   /* below this the hand kernel wins even in BLAS mode */
 #define KVS_CPU_MAX_HEAD_DIM 1024
@@ -127,8 +127,48 @@ struct kvs_cpu_qblocks {
 int kvs_cpu_q4_pack(const float *w, int64_t rows, int64_t cols, uint8_t *nib, float *dm);
 int kvs_cpu_q8_pack(const float *w, int64_t rows, int64_t cols, int8_t *q, float *d);
 void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out);
+/* columns [c0, c1) of one row (both multiples of KVS_CPU_Q4_BLOCK): kvs_cpu_qb_row's values */
+void kvs_cpu_qb_row_range(const struct kvs_cpu_qblocks *w, int cols, size_t row, int c0, int c1, float *out);
 void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x,
                      const struct kvs_cpu_qblocks *w, const float *bias, int n, int in, int out, float *y);
+
+/* Panel-packed weights (cpu_gemm_panel.c; GEMM mode KVS_CPU_GEMM_PANEL, the default with FMA).
+ * A matrix W [rows][cols] is stored as ceil(rows / 16) panels, panel p = [cols][16] holding
+ * W[16p + j][k] at k * 16 + j, zero-padded past the last row; fp32 or bf16 bits (f32 or bf16
+ * non-NULL). The GEMM broadcasts one x value against 16 outputs' weights (an outer-product
+ * register tile of up to 6 rows x 16 outputs: 12 accumulators, 2 weight loads + 6 broadcasts per
+ * 12 fused multiply-adds, no horizontal sums), so each y[t][o] is one chain of fused
+ * multiply-adds over k in increasing order from 0, then + bias: kvs_cpu_dot_seq (below), for
+ * every tile shape, row block, thread count and weight format (bf16 widens exactly; 4- / 8-bit
+ * blocks are rebuilt bitwise, then packed). So it is bitwise kvs_cpu_dot_seq and batch
+ * invariant; against the reference (8 lanes + tree) it differs by fp32 rounding (the tests bound
+ * it). */
+#define KVS_CPU_PANEL 16
+struct kvs_cpu_panels {
+    const float *f32;             /* [ceil(rows / 16)][cols][16] or NULL */
+    const uint16_t *bf16;         /* the same layout, bf16 bits, or NULL */
+};
+/* elements of the packed array for a rows x cols matrix */
+size_t kvs_cpu_panels_elems(int64_t rows, int64_t cols);
+/* packs w [rows][cols] (fp32, or bf16 bits) into dst (kvs_cpu_panels_elems elements) */
+void kvs_cpu_panels_pack_f32(const float *w, int64_t rows, int64_t cols, float *dst);
+void kvs_cpu_panels_pack_bf16(const uint16_t *w, int64_t rows, int64_t cols, uint16_t *dst);
+/* one row of the matrix back (exact), e.g. an embedding row */
+void kvs_cpu_panels_row(const struct kvs_cpu_panels *p, int64_t cols, int64_t row, float *out);
+
+/* the panel GEMM's order in plain C: one fused multiply-add chain over k from 0 */
+static inline float kvs_cpu_dot_seq(const float *a, const float *b, int n)
+{
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks (qb; p NULL, in a
+ * multiple of KVS_CPU_Q4_BLOCK, rebuilt and packed per task): shapes as kvs_cpu_gemm. Needs the
+ * FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per element. Runs on the pool. */
+void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
+                        const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
 
 /* bf16 bits -> fp32 (exact) */
 static inline float kvs_cpu_bf16(uint16_t h)
