@@ -159,7 +159,17 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
                 _mm256_storeu_ps(scs + (size_t)i * KT + k8,
                                  _mm256_mul_ps(kt_dot8(pr[i].q, keys.k + k8, hd, fm), _mm256_set1_ps(j->scale)));
         int pend = -1;   /* a pair waiting for a partner of kt_pv2 */
-        for (i = i_full; i < np; i++) {
+        i = i_full;
+        if (hd % 32 == 0)
+            /* eight pairs at a time, one per lane (kt_softmax8: the same bits as one by one) */
+            for (; i + 8 <= np; i += 8) {
+                struct kt_pair *p8[8];
+                float pwT[KT * 8];
+                for (int q = 0; q < 8; q++) p8[q] = &pr[i + q];
+                if (!kt_softmax8(p8, scs + (size_t)i * KT, pwT, hd)) break;
+                for (int q = 0; q < 8; q += 2) kt_pv2(pr[i + q].acc, pr[i + q + 1].acc, &keys, pwT + q, pwT + q + 1, hd, fm, 8);
+            }
+        for (; i < np; i++) {
             const float *s_i = scs + (size_t)i * KT;
             float *pw_i = pws + (size_t)i * KT;
             if (!kt_softmax(&pr[i], s_i, pw_i, hd)) continue;
@@ -170,7 +180,7 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
             } else if (pend < 0) {
                 pend = i;
             } else {
-                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm);
+                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm, 1);
                 pend = -1;
             }
         }
