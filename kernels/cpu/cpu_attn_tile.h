@@ -51,8 +51,9 @@ static inline void kt_fill(struct kt_keys *t, const float *kc, const float *vc, 
                            const int32_t *valid, int n_kv_heads, int g, int bs, int hd, int p0, int nk)
 {
     t->nk = nk;
-    for (int i = 0; i < nk; i++) {
-        const int p = p0 + i, bi = p / bs, off = p % bs;
+    int bi = p0 / bs, off = p0 % bs;   /* one division per tile, not per key */
+    for (int i = 0; i < nk; i++, off++) {
+        if (off == bs) bi++, off = 0;
         t->rot[i] = rot ? rot[bi] : 0;
         if (valid && off >= valid[bi]) {
             t->k[i] = t->v[i] = NULL;

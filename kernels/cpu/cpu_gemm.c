@@ -338,8 +338,8 @@ AVX2 static inline ALWAYS void tile1x1(const float *x, const void *w, int in, in
 AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, const int bf, const int fm)
 {
     const int in = j->in, out = j->out, k8 = in / 8 * 8;
-    /* output tile first: a thread's contiguous tasks keep one block of W rows (in L2) while the
-     * row tiles pass, so W streams from memory once per call (the row-tile-first order streamed
+    /* output tile first: consecutive tasks (claimed in order by the threads) keep one block of W
+     * rows in cache while the row tiles pass, so W streams from memory once per call (the row-tile-first order streamed
      * it once per row tile: 2.3x slower on SmolLM2's LM head at 16 rows, bench/RESULTS.md) */
     const int rbi = task % j->n_rb, obi = task / j->n_rb;
     const int t0 = rbi * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
