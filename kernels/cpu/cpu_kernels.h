@@ -170,6 +170,10 @@ static inline float kvs_cpu_dot_seq(const float *a, const float *b, int n)
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
 
+/* y[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n with a vector exp (cpu_act.c; AVX2 + FMA
+ * sets): within a few ulp of the libm form the reference set uses. y may alias g or u. */
+void kvs_cpu_swiglu_row(const float *g, const float *u, int n, float *y);
+
 /* bf16 bits -> fp32 (exact) */
 static inline float kvs_cpu_bf16(uint16_t h)
 {
