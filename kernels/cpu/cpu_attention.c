@@ -96,6 +96,7 @@ struct tile_plan {
     int ht;                       /* query heads per tile (divides the GQA group) */
     int n_hchunks;                /* n_heads / ht */
     int fm;                       /* FMA kernel set */
+    int n_tasks;
 };
 
 /* One tile: pairs i = (row r0 + i / nh, head h0 + i % nh) of one sequence and kv head walk the
@@ -206,6 +207,10 @@ static void tile_task(void *c, int task)
 {
     const struct tile_plan *pl = c;
     const struct kvs_cpu_attn_args *a = pl->a;
+    /* the last tasks first: the pool hands tasks out in increasing order, and the last query
+     * tiles of a sequence read the most keys, so the long ones start first and the short ones
+     * fill in at the end (a causal prefill otherwise ends on one thread's longest tile) */
+    task = pl->n_tasks - 1 - task;
     int hc = task % pl->n_hchunks, qtile = task / pl->n_hchunks;
     int s = 0;
     for (;; s++) {
@@ -247,7 +252,8 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
             const double rows = a->q_start[s + 1] - a->q_start[s];
             work += rows * (a->pos[s] + (rows + 1) / 2) * 2.0 * a->n_heads * a->head_dim;
         }
-        kvs_cpu_pool_run_sized(pool, n_qtiles * pl.n_hchunks, work, tile_task, &pl);
+        pl.n_tasks = n_qtiles * pl.n_hchunks;
+        kvs_cpu_pool_run_sized(pool, pl.n_tasks, work, tile_task, &pl);
         return;
     }
 #else
