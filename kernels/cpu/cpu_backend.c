@@ -4,7 +4,9 @@
  * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
  * and are widened (exactly) inside the matmul and embed, and fp32 matrices that are exactly 4-bit
  * affine or 8-bit blocks (GGUF Q4_1 / Q8_0, dequantized by the loader), which stay as those blocks
- * and are rebuilt bitwise in the kernel (cpu_qblocks.c). Ops are split into independent tasks on a small pthread pool
+ * and are rebuilt bitwise in the kernel (cpu_qblocks.c). With the FMA set's default panel GEMM,
+ * the other matrices are stored as 16-output panels (fp32, or bf16 for bf16 checkpoints;
+ * cpu_gemm_panel.c) and embed reads its rows back from them. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
  * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
@@ -371,9 +373,11 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    if (b->kern.gemm == KVS_CPU_GEMM_PANEL && (w->qb.q || w->pn.f32 || w->pn.bf16))
-        kvs_cpu_gemm_panel(b->pool, F(x), w->qb.q ? NULL : &w->pn, w->qb.q ? &w->qb : NULL, bias ? bias->data : NULL, n,
-                           in, out, F(y));
+    /* 4- / 8-bit blocks stay on the dot-product tiles even in panel mode: the panel GEMM would
+     * rebuild and transpose 16 rows per task, which costs SmolLM2 3.6x its decode step
+     * (bench/RESULTS.md) */
+    if (w->pn.f32 || w->pn.bf16)
+        kvs_cpu_gemm_panel(b->pool, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q)
         kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else

@@ -464,7 +464,7 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
                      const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y)
 {
     if (n <= 0 || out <= 0) return;
-    KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT && in % KVS_CPU_Q4_BLOCK == 0 &&
+    KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm != KVS_CPU_GEMM_BLAS && in % KVS_CPU_Q4_BLOCK == 0 &&
                in <= KVS_CPU_Q4_MAX_COLS);
 #if KVS_CPU_X86
     /* row blocks as kvs_cpu_gemm's AVX2 / FMA path; one task per output tile (qb_tiles) */

@@ -21,7 +21,11 @@
  *   same per-pair steps, so one full span still gives attention()'s bits exactly.
  *   No AVX-512 kernels: the machines this was measured on have none (an AVX-512 CPU runs FMA).
  *
- * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_INVARIANT (default) runs the kernels above.
+ * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA): weights packed as
+ * 16-output panels at upload, an outer-product FMA tile, one fma chain per element in k order
+ * (kvs_cpu_dot_seq; see "Panel-packed weights" below); batch invariant, within rounding of the
+ * reference. KVS_CPU_GEMM_INVARIANT (KVS_CPU_GEMM=invariant or dot; the default of the avx2 and
+ * ref sets, and always for 4- / 8-bit block matrices) runs the dot-product tiles above.
  * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
  * single-threaded inside the backend's own pool: no second set of threads). OpenBLAS is NOT
  * batch invariant: a row's result depends on n and on the row's place in OpenBLAS's register
@@ -38,7 +42,7 @@
  * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
  *
  * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma),
- * KVS_CPU_GEMM (invariant | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
+ * KVS_CPU_GEMM (auto | panel | invariant = dot | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
  * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
  * except the BLAS path inside OpenBLAS. */
 #ifndef KVS_CPU_KERNELS_H
@@ -166,7 +170,9 @@ static inline float kvs_cpu_dot_seq(const float *a, const float *b, int n)
 
 /* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks (qb; p NULL, in a
  * multiple of KVS_CPU_Q4_BLOCK, rebuilt and packed per task): shapes as kvs_cpu_gemm. Needs the
- * FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per element. Runs on the pool. */
+ * FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per element. Runs on the pool. The backend sends
+ * blocks to kvs_cpu_gemm_qb instead (the rebuild + transpose per task cost more than it saves:
+ * bench/RESULTS.md); the qb form here is tested, for a panel-ordered block format to build on. */
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
 
