@@ -85,7 +85,7 @@ struct kvs_test_stress {
     struct kvs_engine_stats st;
 };
 
-static void kvs_test_engine_stress(struct kvs_engine *e, int n, int gen, int min_len, int len_span, uint64_t seed,
+static inline void kvs_test_engine_stress(struct kvs_engine *e, int n, int gen, int min_len, int len_span, uint64_t seed,
                                    struct kvs_test_stress *out)
 {
     enum { MAXP = 200 };
