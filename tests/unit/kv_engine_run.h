@@ -86,7 +86,7 @@ struct kvs_test_stress {
 };
 
 static inline void kvs_test_engine_stress(struct kvs_engine *e, int n, int gen, int min_len, int len_span, uint64_t seed,
-                                   struct kvs_test_stress *out)
+                                          struct kvs_test_stress *out)
 {
     enum { MAXP = 200 };
     REQUIRE(min_len + len_span <= MAXP && n > 0 && gen > 0, "stress shape");
