@@ -4,7 +4,8 @@
  * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
  * and are widened (exactly) inside the matmul and embed, and fp32 matrices that are exactly 4-bit
  * affine or 8-bit blocks (GGUF Q4_1 / Q8_0, dequantized by the loader), which stay as those blocks
- * and are rebuilt bitwise in the kernel (cpu_qblocks.c). With the FMA set's default panel GEMM,
+ * and are rebuilt bitwise in the kernel (cpu_qblocks.c; reordered into 16-output panels for the
+ * panel GEMM, which rebuilds them in its register tile). With the FMA set's default panel GEMM,
  * the other matrices are stored as 16-output panels (fp32, or bf16 for bf16 checkpoints;
  * cpu_gemm_panel.c) and embed reads its rows back from them. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
@@ -228,6 +229,26 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
                 free(dm);
             }
         }
+        if (w->qb.q && b->kern.gemm == KVS_CPU_GEMM_PANEL) {
+            /* the panel GEMM reads blocks in panel order (cpu_kernels.h): same bytes, reordered */
+            const int bits = w->qb.bits;
+            uint8_t *pq = NULL;
+            float *pdm = NULL;
+            if (posix_memalign((void **)&pq, 64, kvs_cpu_qpanels_qbytes(bits, rows, cols)) != 0 ||
+                posix_memalign((void **)&pdm, 64, kvs_cpu_qpanels_dmfloats(bits, rows, cols) * sizeof(float)) != 0) {
+                free(pq);
+                free((void *)w->qb.q);
+                free((void *)w->qb.dm);
+                free(w);
+                kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
+                        (long long)cols);
+                return NULL;
+            }
+            kvs_cpu_qblocks_to_panels(&w->qb, rows, cols, pq, pdm);
+            free((void *)w->qb.q);
+            free((void *)w->qb.dm);
+            w->qb = (struct kvs_cpu_qblocks){.bits = bits, .panel = 1, .q = pq, .dm = pdm};
+        }
         if (w->qb.q) {
             w->rows = rows;
             w->cols = cols;
@@ -373,11 +394,12 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    /* 4- / 8-bit blocks stay on the dot-product tiles even in panel mode: the panel GEMM would
-     * rebuild and transpose 16 rows per task, which costs SmolLM2 3.6x its decode step
-     * (bench/RESULTS.md) */
+    /* 4- / 8-bit blocks go to the panel GEMM in panel order (rebuilt in its tile), else to the
+     * dot-product tiles */
     if (w->pn.f32 || w->pn.bf16)
         kvs_cpu_gemm_panel(b->pool, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
+    else if (w->qb.q && w->qb.panel)
+        kvs_cpu_gemm_panel(b->pool, F(x), NULL, &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q)
         kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else

@@ -463,6 +463,7 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
 void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x,
                      const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y)
 {
+    KVS_ASSERT(!qb->panel);   /* panel order is the panel GEMM's */
     if (n <= 0 || out <= 0) return;
     KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm != KVS_CPU_GEMM_BLAS && in % KVS_CPU_Q4_BLOCK == 0 &&
                in <= KVS_CPU_Q4_MAX_COLS);

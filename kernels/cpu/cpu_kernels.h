@@ -25,7 +25,8 @@
  * 16-output panels at upload, an outer-product FMA tile, one fma chain per element in k order
  * (kvs_cpu_dot_seq; see "Panel-packed weights" below); batch invariant, within rounding of the
  * reference. KVS_CPU_GEMM_INVARIANT (KVS_CPU_GEMM=invariant or dot; the default of the avx2 and
- * ref sets, and always for 4- / 8-bit block matrices) runs the dot-product tiles above.
+ * ref sets; 4- / 8-bit block matrices take it too unless the GEMM mode is panel, where they are
+ * stored in panel order) runs the dot-product tiles above.
  * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
  * single-threaded inside the backend's own pool: no second set of threads). OpenBLAS is NOT
  * batch invariant: a row's result depends on n and on the row's place in OpenBLAS's register
@@ -125,14 +126,13 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
 #define KVS_CPU_Q4_MAX_COLS 8192
 struct kvs_cpu_qblocks {
     int bits;                     /* 4 or 8 */
+    int panel;                    /* 0: the row form above; 1: panel order (kvs_cpu_qblocks_to_panels) */
     const uint8_t *q;
     const float *dm;
 };
 int kvs_cpu_q4_pack(const float *w, int64_t rows, int64_t cols, uint8_t *nib, float *dm);
 int kvs_cpu_q8_pack(const float *w, int64_t rows, int64_t cols, int8_t *q, float *d);
 void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out);
-/* columns [c0, c1) of one row (both multiples of KVS_CPU_Q4_BLOCK): kvs_cpu_qb_row's values */
-void kvs_cpu_qb_row_range(const struct kvs_cpu_qblocks *w, int cols, size_t row, int c0, int c1, float *out);
 void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x,
                      const struct kvs_cpu_qblocks *w, const float *bias, int n, int in, int out, float *y);
 
@@ -144,7 +144,7 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
  * 12 fused multiply-adds, no horizontal sums), so each y[t][o] is one chain of fused
  * multiply-adds over k in increasing order from 0, then + bias: kvs_cpu_dot_seq (below), for
  * every tile shape, row block, thread count and weight format (bf16 widens exactly; 4- / 8-bit
- * blocks are rebuilt bitwise, then packed). So it is bitwise kvs_cpu_dot_seq and batch
+ * blocks in panel order are rebuilt bitwise in the tile). So it is bitwise kvs_cpu_dot_seq and batch
  * invariant; against the reference (8 lanes + tree) it differs by fp32 rounding (the tests bound
  * it). */
 #define KVS_CPU_PANEL 16
@@ -168,11 +168,25 @@ static inline float kvs_cpu_dot_seq(const float *a, const float *b, int n)
     return s;
 }
 
-/* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks (qb; p NULL, in a
- * multiple of KVS_CPU_Q4_BLOCK, rebuilt and packed per task): shapes as kvs_cpu_gemm. Needs the
- * FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per element. Runs on the pool. The backend sends
- * blocks to kvs_cpu_gemm_qb instead (the rebuild + transpose per task cost more than it saves:
- * bench/RESULTS.md); the qb form here is tested, for a panel-ordered block format to build on. */
+/* Blocks in panel order, for the panel GEMM (qb->panel = 1). For panel p (outputs 16p..16p+15,
+ * rows past the end q = d = m = 0) and block b (k in 32b..32b+31), pb = p * (cols / 32) + b:
+ *   bits 8: q int8 at ((pb * 32 + i) * 16 + j) for element k = 32b + i of output 16p + j;
+ *           dm = d at pb * 16 + j.
+ *   bits 4: q byte ((pb * 16 + i / 2) * 16 + j), element i in its low nibble for even i, high
+ *           for odd i; dm = d at (2 pb) * 16 + j, m at (2 pb + 1) * 16 + j.
+ * One k step's 16 weights are 16 consecutive bytes (bits 8) or nibbles of 16 bytes shared with
+ * the next step (bits 4): the tile widens them with two 8-byte loads and rebuilds fl(q * d)
+ * (+ m) with the row form's multiply and add, so the values are bitwise the fp32 matrix's.
+ * Sizes: kvs_cpu_qpanels_qbytes bytes of q, kvs_cpu_qpanels_dmfloats floats of dm. */
+size_t kvs_cpu_qpanels_qbytes(int bits, int64_t rows, int64_t cols);
+size_t kvs_cpu_qpanels_dmfloats(int bits, int64_t rows, int64_t cols);
+/* src (row form) -> q, dm in panel order (the caller sets .panel = 1 on the result) */
+void kvs_cpu_qblocks_to_panels(const struct kvs_cpu_qblocks *src, int64_t rows, int64_t cols, uint8_t *q, float *dm);
+
+/* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks in panel order (qb;
+ * p NULL, in a multiple of KVS_CPU_Q4_BLOCK; the tile rebuilds each k step's 16 weights in
+ * registers): shapes as kvs_cpu_gemm. Needs the FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per
+ * element, whatever the weight format. Runs on the pool. */
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
 

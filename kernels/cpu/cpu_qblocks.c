@@ -203,21 +203,82 @@ static void q4_row(const uint8_t *nib, const float *dm, int cols, float *out)
     }
 }
 
+/* Panel order (cpu_kernels.h): block b of panel p holds, for each k step of the block, the 16
+ * outputs' q side by side, so the panel GEMM's tile reads one k step's 16 weights with two
+ * 8-byte loads and rebuilds them with the same multiply (and add) as the row form. */
+size_t kvs_cpu_qpanels_qbytes(int bits, int64_t rows, int64_t cols)
+{
+    return (size_t)((rows + KVS_CPU_PANEL - 1) / KVS_CPU_PANEL) * KVS_CPU_PANEL * (size_t)cols * (size_t)bits / 8;
+}
+
+size_t kvs_cpu_qpanels_dmfloats(int bits, int64_t rows, int64_t cols)
+{
+    return (size_t)((rows + KVS_CPU_PANEL - 1) / KVS_CPU_PANEL) * KVS_CPU_PANEL * (size_t)(cols / KVS_CPU_Q4_BLOCK) *
+           (bits == 4 ? 2 : 1);
+}
+
+/* q of element (r, k) and the block's d, m in the row form */
+static int row_q(const struct kvs_cpu_qblocks *w, int64_t cols, int64_t r, int64_t k)
+{
+    if (w->bits == 8) return ((const int8_t *)w->q)[r * cols + k];
+    const int64_t b = k / KVS_CPU_Q4_BLOCK, i = k % KVS_CPU_Q4_BLOCK;
+    const uint8_t byte = w->q[(r * cols + b * KVS_CPU_Q4_BLOCK) / 2 + i % (KVS_CPU_Q4_BLOCK / 2)];
+    return i < KVS_CPU_Q4_BLOCK / 2 ? byte & 15 : byte >> 4;
+}
+
+void kvs_cpu_qblocks_to_panels(const struct kvs_cpu_qblocks *src, int64_t rows, int64_t cols, uint8_t *q, float *dm)
+{
+    KVS_ASSERT(!src->panel && cols % KVS_CPU_Q4_BLOCK == 0);
+    const int64_t np = (rows + KVS_CPU_PANEL - 1) / KVS_CPU_PANEL, nb = cols / KVS_CPU_Q4_BLOCK;
+    const int nd = src->bits == 4 ? 2 : 1;
+    for (int64_t p = 0; p < np; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t pb = p * nb + b;
+            for (int j = 0; j < KVS_CPU_PANEL; j++) {
+                const int64_t r = p * KVS_CPU_PANEL + j;
+                for (int e = 0; e < nd; e++)   /* rows past the end: d = m = 0, q = 0 (value +0) */
+                    dm[(pb * nd + e) * KVS_CPU_PANEL + j] = r < rows ? src->dm[(r * nb + b) * nd + e] : 0.0f;
+                for (int i = 0; i < KVS_CPU_Q4_BLOCK; i++) {
+                    const int qv = r < rows ? row_q(src, cols, r, b * KVS_CPU_Q4_BLOCK + i) : 0;
+                    if (src->bits == 8) {
+                        ((int8_t *)q)[(pb * KVS_CPU_Q4_BLOCK + i) * KVS_CPU_PANEL + j] = (int8_t)qv;
+                    } else {
+                        uint8_t *byte = q + (pb * (KVS_CPU_Q4_BLOCK / 2) + i / 2) * KVS_CPU_PANEL + j;
+                        *byte = (uint8_t)(i % 2 ? (*byte & 15) | qv << 4 : qv);
+                    }
+                }
+            }
+        }
+}
+
+/* one row rebuilt from the panel order (embedding lookups: one row per token, plain C) */
+static void qpanel_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out)
+{
+    const size_t nb = (size_t)cols / KVS_CPU_Q4_BLOCK, p = row / KVS_CPU_PANEL, j = row % KVS_CPU_PANEL;
+    for (size_t b = 0; b < nb; b++) {
+        const size_t pb = p * nb + b;
+        for (int i = 0; i < KVS_CPU_Q4_BLOCK; i++) {
+            float v;
+            if (w->bits == 8) {
+                v = (float)((const int8_t *)w->q)[(pb * KVS_CPU_Q4_BLOCK + (size_t)i) * KVS_CPU_PANEL + j] *
+                    w->dm[pb * KVS_CPU_PANEL + j];
+            } else {
+                const uint8_t byte = w->q[(pb * (KVS_CPU_Q4_BLOCK / 2) + (size_t)i / 2) * KVS_CPU_PANEL + j];
+                v = q4_value(i % 2 ? byte >> 4 : byte & 15, w->dm[pb * 2 * KVS_CPU_PANEL + j],
+                             w->dm[(pb * 2 + 1) * KVS_CPU_PANEL + j]);
+            }
+            out[b * KVS_CPU_Q4_BLOCK + (size_t)i] = v;
+        }
+    }
+}
+
 void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out)
 {
     const size_t nb = (size_t)cols / KVS_CPU_Q4_BLOCK;
-    if (w->bits == 4)
+    if (w->panel)
+        qpanel_row(w, cols, row, out);
+    else if (w->bits == 4)
         q4_row(w->q + row * (size_t)cols / 2, w->dm + row * nb * 2, cols, out);
     else
         q8_row((const int8_t *)w->q + row * (size_t)cols, w->dm + row * nb, cols, out);
-}
-
-void kvs_cpu_qb_row_range(const struct kvs_cpu_qblocks *w, int cols, size_t row, int c0, int c1, float *out)
-{
-    KVS_ASSERT(c0 % KVS_CPU_Q4_BLOCK == 0 && c1 % KVS_CPU_Q4_BLOCK == 0 && 0 <= c0 && c0 <= c1 && c1 <= cols);
-    const size_t nb = (size_t)cols / KVS_CPU_Q4_BLOCK, b0 = (size_t)c0 / KVS_CPU_Q4_BLOCK;
-    if (w->bits == 4)
-        q4_row(w->q + (row * (size_t)cols + (size_t)c0) / 2, w->dm + (row * nb + b0) * 2, c1 - c0, out);
-    else
-        q8_row((const int8_t *)w->q + row * (size_t)cols + (size_t)c0, w->dm + row * nb + b0, c1 - c0, out);
 }

@@ -8,8 +8,10 @@
  *     reference's magnitude bound (fp32 rounding: another summation order);
  *   - bf16 panels (random bits): bitwise the mirror on the widened fp32 copy, on both paths
  *     (rows widened in the tile, and chunks widened once per task);
- *   - GGUF Q4_1 / Q8_0 blocks (the loader's dequantization) through the panel GEMM: bitwise
- *     the fp32 panels of the same values;
+ *   - GGUF Q4_1 / Q8_0 blocks (the loader's dequantization) reordered into panel order (the
+ *     backend's form): every row rebuilds to the fp32 row bitwise, and the panel GEMM on them
+ *     (weights rebuilt in its tile; the one-row four-panel kernel, 6-row tiles, short tiles,
+ *     partial panels, k chunks) is bitwise the fp32 panels of the same values, 1 and 3 threads;
  *   - kvs_cpu_panels_row gives every row back exactly (embedding lookups). */
 #include <math.h>
 #include <stdio.h>
@@ -162,7 +164,18 @@ static void test_blocks(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                         "dequantize: %s", err);
                 const int packed = bits == 4 ? kvs_cpu_q4_pack(w, out, in, q, dm) : kvs_cpu_q8_pack(w, out, in, (int8_t *)q, dm);
                 REQUIRE(packed == 1, "%d-bit pack %d x %d failed", bits, out, in);
-                const struct kvs_cpu_qblocks qb = {.bits = bits, .q = q, .dm = dm};
+                /* the backend's form: the blocks reordered into panels (rows past out zero) */
+                const struct kvs_cpu_qblocks qr = {.bits = bits, .q = q, .dm = dm};
+                uint8_t *pq = kvs_xmalloc(kvs_cpu_qpanels_qbytes(bits, out, in));
+                float *pdm = kvs_xmalloc(kvs_cpu_qpanels_dmfloats(bits, out, in) * 4), *row = kvs_xmalloc((size_t)in * 4);
+                kvs_cpu_qblocks_to_panels(&qr, out, in, pq, pdm);
+                const struct kvs_cpu_qblocks qb = {.bits = bits, .panel = 1, .q = pq, .dm = pdm};
+                for (int o = 0; o < out; o++) {
+                    kvs_cpu_qb_row(&qb, in, (size_t)o, row);
+                    CHECK(memcmp(row, w + (size_t)o * in, (size_t)in * 4) == 0, "%d-bit panel-order row %d of %d x %d: not the fp32 row",
+                          bits, o, out, in);
+                }
+                free(row);
                 kvs_cpu_panels_pack_f32(w, out, in, pf);
                 const struct kvs_cpu_panels pnf = {.f32 = pf};
                 float *bias = rnd((size_t)out, 0.5f);
@@ -180,9 +193,9 @@ static void test_blocks(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     }
                     free(x), free(y0), free(y1);
                 }
-                free(raw), free(q), free(w), free(dm), free(pf), free(bias);
+                free(raw), free(q), free(w), free(dm), free(pf), free(bias), free(pq), free(pdm);
             }
-    printf("ok panel gemm on Q4_1 / Q8_0 blocks: bitwise the fp32 panels (%d cases, 1 and 3 threads)\n", cases);
+    printf("ok panel gemm on Q4_1 / Q8_0 blocks in panel order: rows rebuild bitwise, gemm bitwise the fp32 panels (%d cases, 1 and 3 threads)\n", cases);
 }
 
 int main(void)
