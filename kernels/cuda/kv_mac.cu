@@ -13,7 +13,8 @@
  *                  (row, KV head, split), the group's q heads reading each key and value once,
  *                  4 warps splitting the range, one position per warp step (latency-bound: a
  *                  miss ran 6x slower than full attention, bench/RESULTS.md).
- *   k_mac_combine  one block per (row, q head), a thread per dimension: cached (o, lse) merged
+ *   k_mac_combine  one block per (row, q head), a thread per dimension (the splits' weights once per
+ *                  block, split_weights; KVS_MAC_COMBINE=0: per dimension): cached (o, lse) merged
  *                  with the A partials of the splits (the rectified summary), stored in the ring
  *                  for F_APPEND rows, then merged with the B partials into out / lse.
  *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
@@ -606,13 +607,50 @@ static __device__ __forceinline__ void splits(const float *w, int part, int Z, i
     *lse = M + logf(L);
 }
 
+/* k_mac_combine's split weights, computed once per block instead of per dimension: warp `part` (0: A,
+ * 1: B) takes the Z <= MAX_SPLITS = 64 splits' lse, two per lane, and leaves f_z = exp(lse_z - M)
+ * in f[part][z] (0 past Z and for empty splits), M and L = sum f_z in ml[part]; the per-dimension
+ * pass (split_sum) then reads independent loads (the serial splits() chained Z dependent L2 reads
+ * per dimension and part, about half of a batch-1 attend, bench/RESULTS.md) */
+template <int HD>
+static __device__ __forceinline__ void split_weights(const float *w, int part, int Z, int lane, float (*f)[MAX_SPLITS],
+                                                     float (*ml)[2])
+{
+    const float l0 = lane < Z ? w[(lane * 2 + part) * (HD + 1) + HD] : -INFINITY;
+    const float l1 = lane + 32 < Z ? w[((lane + 32) * 2 + part) * (HD + 1) + HD] : -INFINITY;
+    float M = fmaxf(l0, l1);
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float f0 = M == -INFINITY ? 0.0f : __expf(l0 - M), f1 = M == -INFINITY ? 0.0f : __expf(l1 - M);
+    float L = f0 + f1;
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    f[part][lane] = f0, f[part][lane + 32] = f1;
+    if (lane == 0) ml[part][0] = M, ml[part][1] = L;
+}
+
+/* the splits' partials of one part at dimension d as one (o, lse), from split_weights' f and ml:
+ * splits()'s result, the sum of L in a tree */
+template <int HD>
+static __device__ __forceinline__ void split_sum(const float *w, int part, int Z, int d, const float (*f)[MAX_SPLITS],
+                                                 const float (*ml)[2], float *o, float *lse)
+{
+    const float M = ml[part][0], L = ml[part][1];
+    *o = 0.0f;
+    *lse = -INFINITY;
+    if (M == -INFINITY) return;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int z = 0; z < Z; z++) acc += f[part][z] * w[(z * 2 + part) * (HD + 1) + d];
+    *o = acc / L;
+    *lse = M + logf(L);
+}
+
 struct combine_args {
     const int32_t *rows, *p;
     const float *q_pre, *work;
     bf16 *ring_q, *ring_o;
     float *ring_lse, *out, *lse;
     int32_t *ring_tag;
-    int nh, K, layer, n_layers, band, Z;
+    int nh, K, layer, n_layers, band, Z, serial;
 };
 
 template <int HD>
@@ -633,7 +671,15 @@ __global__ void k_mac_combine(combine_args a)
     }
     const float *w = a.work + ((size_t)t * a.nh + h) * a.Z * 2 * (HD + 1);
     float ob, lb;
-    splits<HD>(w, 0, a.Z, d, &ob, &lb);
+    __shared__ float s_f[2][MAX_SPLITS], s_ml[2][2];
+    const int fast = !a.serial;   /* KVS_MAC_COMBINE=0: the serial splits() per dimension (comparison) */
+    if (fast) {
+        if (d < 64) split_weights<HD>(w, d / 32, a.Z, d % 32, s_f, s_ml);   /* HD >= 64: warps 0 and 1 */
+        __syncthreads();
+        split_sum<HD>(w, 0, a.Z, d, s_f, s_ml, &ob, &lb);
+    } else {
+        splits<HD>(w, 0, a.Z, d, &ob, &lb);
+    }
     merge(o, L, ob, lb);
     if (flags & KVS_MAC_F_APPEND) {
         const size_t j = ring0 + m % a.K, e = j * a.nh + h;
@@ -643,7 +689,8 @@ __global__ void k_mac_combine(combine_args a)
         if (d == 0 && h == 0) a.ring_tag[j] = m + 1;
     }
     if (mac) {
-        splits<HD>(w, 1, a.Z, d, &ob, &lb);
+        if (fast) split_sum<HD>(w, 1, a.Z, d, s_f, s_ml, &ob, &lb);
+        else splits<HD>(w, 1, a.Z, d, &ob, &lb);
         merge(o, L, ob, lb);
         a.out[((size_t)t * a.nh + h) * HD + d] = o;
         if (d == 0) a.lse[(size_t)t * a.nh + h] = L;
@@ -841,7 +888,7 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         (const int32_t *)P(c->rows), (const int32_t *)P(c->p) + c->p_off, (const float *)P(c->q_pre),
         (const float *)P(c->work), (bf16 *)P(c->ring_q), (bf16 *)P(c->ring_o), (float *)P(c->ring_lse),
         (float *)P(c->out), (float *)P(c->lse), (int32_t *)P(c->ring_tag),
-        c->n_heads, c->K, c->layer, c->n_layers, c->band, Z,
+        c->n_heads, c->K, c->layer, c->n_layers, c->band, Z, env_off("KVS_MAC_COMBINE"),
     };
     const dim3 g2(c->n, c->n_heads);
     if (hd == 64) k_mac_combine<64><<<g2, 64, 0, st>>>(ca);
