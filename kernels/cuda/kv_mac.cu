@@ -4,8 +4,9 @@
  *   match (default) k_mac_match_part + k_mac_match_fin: blocks of (row, run of ring entries)
  *                  reading the ring's contiguous [entry][head][dim] bf16 rows coalesced, per-head
  *                  minima per block, then the minimum over blocks, ties to the lower entry (the
- *                  section below). KVS_MAC_MATCH=0: k_mac_match, one block per (row, q head), a
- *                  thread per ring entry.
+ *                  section below; runs of 2-8 entries, the shorter at batch 1-3, where
+ *                  KVS_MAC_MATCH_SMALL=0 keeps 8). KVS_MAC_MATCH=0: k_mac_match, one block per
+ *                  (row, q head), a thread per ring entry.
  *   span (default) k_mac_span_tc: one warp a block per (row, KV head, split), the group's A and B
  *                  parts as the rows of a tensor-core m-tile over 32-key tiles of the union span
  *                  (flash decoding with the paged attention's pieces, cuda_attn_device.cuh; the
