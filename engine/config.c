@@ -114,7 +114,7 @@ static const struct key_def KEYS[] = {
 
     {"kv.mac.ring_size", T_INT, F(mac_ring_size), 1, 65536, "1024", NULL, NULL, "MAC: recent queries kept (K)"},
     {"kv.mac.band", T_INT, F(mac_band), 1, 65536, "256", NULL, NULL, "MAC: recomputed band r"},
-    {"kv.mac.tau", T_DOUBLE, F(mac_tau), 0, 2, "0.45", NULL, NULL, "MAC: match threshold (>= 1 never matches)"},
+    {"kv.mac.tau", T_DOUBLE, F(mac_tau), 0, 2, "0.75", NULL, NULL, "MAC: match threshold (>= 1 never matches)"},
     {"kv.mac.gen_min", T_INT, F(mac_gen_min), 0, 16777216, "2048", NULL, NULL, "MAC: context length before matching starts"},
 
     {"kv.paris.topk", T_INT, F(paris_topk), 1, 1048576, "100", NULL, NULL, "ParisKV: keys attended after rerank"},
