@@ -74,7 +74,7 @@ static void run_op(struct kvs_backend *b, struct shape *S, int op)
         return;
     }
     if (op == OP_ENCODE) {
-        K->encode(b, S->kc, &S->m, S->jobs, S->h_jobs, S->B, 0, 1, NKV, HD, BS, S->signs, S->codes, S->w, S->counts);
+        K->encode(b, S->kc, &S->m, NULL, S->jobs, S->h_jobs, S->B, 0, 1, NKV, HD, BS, S->signs, S->codes, S->w, S->counts);
         return;
     }
     if (op != OP_SPANS)
@@ -243,7 +243,7 @@ int main(int argc, char **argv)
             }
             O->upload(b, S.rows, 0, S.h_rows, (size_t)B * KVS_PARIS_ROW_N);
             O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
-            K->encode(b, S.kc, &S.m, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.signs, S.codes, S.w, S.counts);
+            K->encode(b, S.kc, &S.m, NULL, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.signs, S.codes, S.w, S.counts);
             /* launch planning copies: one span with the kept keys' bound */
             int32_t *h_n = kvs_xmalloc((size_t)B * NKV * 4), *h_sp = kvs_xcalloc((size_t)B * NKV * (topk + 2) * 2, 4);
             for (int i = 0; i < B * NKV; i++) h_n[i] = 1, h_sp[(size_t)i * (topk + 2) * 2 + 1] = SINK + topk + TAIL;

@@ -75,8 +75,8 @@ __device__ void encode_block(const float *x, float kn, uint8_t *cid, uint8_t *co
 /* ---- encode -------------------------------------------------------------------------------- */
 
 template <int E>
-__global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__restrict__ bts, int max_blocks,
-                               const int32_t *__restrict__ jobs, int layer, int n_layers, int nkv, int bs,
+__global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__restrict__ bts,
+                               const int32_t *__restrict__ its, int max_blocks, const int32_t *__restrict__ jobs, int layer, int n_layers, int nkv, int bs,
                                const float *__restrict__ signs, int W, uint8_t *__restrict__ codes,
                                float *__restrict__ wout, int32_t *__restrict__ counts)
 {
@@ -123,7 +123,7 @@ __global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__res
 #pragma unroll
     for (int e = 0; e < E; e++) sx[warp][lane * E + e] = x[e];
     __syncwarp();
-    const size_t slot = p_slot(bt, p, bs);
+    const size_t slot = p_slot(its ? its + (size_t)J[KVS_PARIS_JOB_SEQ] * max_blocks : bt, p, bs);
     uint8_t *row = codes + (slot * nkv + g) * (size_t)W * 4;
     float *wr = wout + (slot * nkv + g) * (size_t)B;
     int32_t *cnt = counts + (((size_t)J[KVS_PARIS_JOB_SLOT] * n_layers + layer) * nkv + g) * B * KVS_PARIS_NC;
@@ -143,7 +143,7 @@ static int paris_supports(int head_dim, char *err, size_t errlen)
 }
 
 static void cu_encode(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
-                      const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
+                      const struct kvs_dbuf *idx_tables, const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
                       int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *signs,
                       struct kvs_dbuf *codes, struct kvs_dbuf *w, struct kvs_dbuf *counts)
 {
@@ -161,6 +161,7 @@ static void cu_encode(struct kvs_backend *b, const struct kvs_dbuf *kc, const st
     const int W = kvs_paris_words(head_dim);
 #define ENC(E)                                                                                                    \
     k_paris_encode<E><<<grid, 256, 0, b->stream>>>((const bf16 *)kc->d, (const int32_t *)m->block_tables->d,       \
+                                                   idx_tables ? (const int32_t *)idx_tables->d : nullptr,          \
                                                    m->max_blocks, (const int32_t *)jobs->d, layer, n_layers,       \
                                                    n_kv_heads, block_size, (const float *)signs->d, W,             \
                                                    (uint8_t *)codes->d, (float *)w->d, (int32_t *)counts->d)
