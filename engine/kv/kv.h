@@ -11,7 +11,7 @@
  *            (work the step runs for the strategy, e.g. documents), commit and release, and
  *            the per-block attention metadata of a sequence (rotation offsets, valid slots).
  *   decode   how a decode row reads the cache (kv_decode_full.c, kv_decode_quest.c,
- *            kv_decode_mac.c, kv_decode_retro.c; paris next). Runner side: `needs`, per-request state (seq_init / seq_free, from a
+ *            kv_decode_mac.c, kv_decode_retro.c, kv_decode_paris.c). Runner side: `needs`, per-request state (seq_init / seq_free, from a
  *            budgeted arena), plan once per step, attend per layer (replaces the attention
  *            call), finish after the layer, counters.
  *
