@@ -56,6 +56,13 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
  * KVS_CUDA_DEC_ATTN if set, else automatic. */
 void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
 
+/* Forces the layout of the LeanKV attention kernel (kernels/cuda/kv_lean.cu; tests, benchmark
+ * comparisons) for every backend of the process: 1 query rows on the mma's M side (tiles of up to
+ * 16 rows), 2 keys on M (tiles of up to 8 rows; taken only where a group has at most 8 query
+ * heads); 0 (or any other value) restores the automatic choice (keys on M for decode rows and
+ * spans, rows on M for prefill chunks). */
+void kvs_cuda_set_lean_layout(int layout);
+
 /* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */
