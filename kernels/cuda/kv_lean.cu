@@ -157,13 +157,18 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
 /* ---- attention ------------------------------------------------------------------------------ */
 
 #ifndef LEAN_ST
-#define LEAN_ST 3                 /* stages: tiles in flight + the one computed */
+/* stages: tiles in flight + the one computed. 2, not 3: a block's shared memory (3 stages: 23 KB
+ * at K8V4, 29 KB at K8V8) held it to 7-9 resident warps an SM, below what the registers allow;
+ * with 2, K8V8 at 32K went from 1.20-1.25x to 1.38-1.50x bf16 (bench/RESULTS.md, 2026-11-24) */
+#define LEAN_ST 2
 #endif
 #ifndef LEAN_MIN_BLOCKS
 #define LEAN_MIN_BLOCKS 1         /* __launch_bounds__ minimum blocks per SM (occupancy experiments) */
 #endif
 #ifndef LEAN_KT_MIN_BLOCKS
-#define LEAN_KT_MIN_BLOCKS 1      /* the same for the keys-on-M layout */
+/* the same for the keys-on-M layout: 16 caps it at 128 registers (ptxas spills 100-320 bytes at
+ * K8V8 / K8V4, head_dim 128), the fastest of 1 / 12 / 16 at 32K (bench/RESULTS.md) */
+#define LEAN_KT_MIN_BLOCKS 16
 #endif
 #define LEAN_MIN_TILES 4          /* tiles (of AT_TILE keys) a split is planned with at least */
 #define LEAN_MAX_SPLITS 256
