@@ -28,7 +28,20 @@
  * is one span per (row, head) with at least as many keys as the selection keeps; the CUDA
  * attention_spans only sizes its splits from it.
  *
- * No per-request state; graphs off (the step's keep counts are host work). Errors: create()
+ * Step graphs (engine/runner.c: a step of one-token sequences, padded with dummy sequences to a
+ * size bucket, recorded once per (sequences, context capacity m->plan_ctx) and replayed while the
+ * contexts grow). Everything a layer reads that changes between replays is device data that
+ * plan() uploads before the replay (keep counts, the digest refresh's row starts); every launch
+ * shape comes from the capacity, never from this step's positions: the score grid, the span
+ * plan (one span of keep(capacity) pages, the rows' positions taken as capacity - 1) and the
+ * sparse-or-dense choice (sparse when a row at the capacity would select; a row that keeps every
+ * page then attends over one span [0, ctx), exact up to rounding on CUDA). The runner's dummy
+ * sequences (no request slot, position 0 of block 0, no KV write) get no rows in the digest
+ * refresh, which would otherwise recompute block 0's first page from its slot 0 alone (with
+ * Quest, no step has a slot-less sequence of its own: those are cached-document jobs, which
+ * the composition matrix refuses). The digest check (kv_decode_quest.h) runs in eager steps only.
+ *
+ * No per-request state. Errors: create()
  * returns -EINVAL (bad page size), -ENOSYS (no Quest kernels or no attention_spans on the
  * backend), -ENOMEM, with a message.
  */
@@ -57,8 +70,10 @@ struct quest {
     struct kvs_dbuf **dig;            /* [n_layers] KV [n_pages][nkv][2][hd] */
     struct kvs_dbuf *d_scores, *d_keep, *d_n_spans, *d_spans;
     int32_t *h_keep, *h_n_spans, *h_spans;
+    struct kvs_dbuf *d_wqs;           /* I32 [max_rows + 1]: the digest refresh's row starts (graph steps) */
+    int32_t *h_wqs, *h_cap_pos;       /* [max_rows + 1]; [rows]: capacity - 1 (graph steps' launch plans) */
     /* this step (plan) */
-    int n_lead, any_sparse, skip;
+    int n_lead, any_sparse, skip, graph;
     uint64_t steps;
     /* counters */
     double stale_pages, bytes_read, dense_rows, sparse_rows, pages_kept, pages_total;
@@ -76,6 +91,9 @@ static void quest_destroy(void *state)
     o->free_buf(s->env.be, s->d_keep);
     o->free_buf(s->env.be, s->d_n_spans);
     o->free_buf(s->env.be, s->d_spans);
+    o->free_buf(s->env.be, s->d_wqs);
+    free(s->h_wqs);
+    free(s->h_cap_pos);
     free(s->h_keep);
     free(s->h_n_spans);
     free(s->h_spans);
@@ -130,7 +148,8 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_keep = o->alloc(env->be, KVS_BUF_I32, rows);
         s->d_n_spans = o->alloc(env->be, KVS_BUF_I32, rows * nkv);
         s->d_spans = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_spans * 2);
-        failed = !s->d_scores || !s->d_keep || !s->d_n_spans || !s->d_spans;
+        s->d_wqs = o->alloc(env->be, KVS_BUF_I32, (size_t)env->max_rows + 1);
+        failed = !s->d_scores || !s->d_keep || !s->d_n_spans || !s->d_spans || !s->d_wqs;
     }
     if (failed) {
         quest_destroy(s);
@@ -140,6 +159,8 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->h_keep = kvs_xcalloc(rows, sizeof *s->h_keep);
     s->h_n_spans = kvs_xcalloc(rows * nkv, sizeof *s->h_n_spans);
     s->h_spans = kvs_xcalloc(rows * nkv * (size_t)s->max_spans * 2, sizeof *s->h_spans);
+    s->h_wqs = kvs_xcalloc((size_t)env->max_rows + 1, sizeof *s->h_wqs);
+    s->h_cap_pos = kvs_xcalloc(rows, sizeof *s->h_cap_pos);
     *state = s;
     return 0;
 }
@@ -154,6 +175,9 @@ static int quest_plan(void *state, const struct kvs_kv_step *st)
     s->skip = st->m->rot_offsets != NULL || st->m->block_valid != NULL;
     s->n_lead = 0;
     s->any_sparse = 0;
+    /* a step the runner may record (module comment): launch shapes from the capacity */
+    const int cap = st->m->plan_ctx;
+    s->graph = cap > 0 && st->n_seqs <= s->env.max_rows;
     while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows &&
            st->h_q_start[s->n_lead + 1] - st->h_q_start[s->n_lead] == 1)
         s->n_lead++;
@@ -179,13 +203,28 @@ static int quest_plan(void *state, const struct kvs_kv_step *st)
         if (keep > cur + 1) keep = cur + 1;
         s->h_keep[q] = keep;
         s->any_sparse |= keep <= cur;
-        /* launch planning: one span with at least the kept keys (kernels/kv_quest.h) */
-        const int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
+        /* launch planning: one span with at least the kept keys (kernels/kv_quest.h); in a graph
+         * step, as many as a row at the capacity keeps (keep_pages grows with the context) */
+        int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
+        if (s->graph) {
+            const int kc = keep_pages(s, cap);
+            bound = kc * s->ps < cap ? kc * s->ps : cap;
+            s->h_cap_pos[q] = cap - 1;
+        }
         for (int g = 0; g < nkv; g++) {
             s->h_n_spans[q * nkv + g] = 1;
             int32_t *sp = s->h_spans + ((size_t)q * nkv + g) * s->max_spans * 2;
             sp[0] = 0, sp[1] = bound;
         }
+    }
+    if (s->graph) {
+        /* the same path for every replay of a recording: sparse when a row at the capacity selects */
+        s->any_sparse = s->n_lead > 0 && keep_pages(s, cap) <= (cap - 1) / s->ps;
+        /* the digest refresh skips the runner's dummy sequences (no slot): zero rows */
+        s->h_wqs[0] = 0;
+        for (int q = 0; q < st->n_seqs; q++)
+            s->h_wqs[q + 1] = s->h_wqs[q] + (st->h_slot[q] < 0 ? 0 : st->h_q_start[q + 1] - st->h_q_start[q]);
+        s->env.o->upload(s->env.be, s->d_wqs, 0, s->h_wqs, (size_t)st->n_seqs + 1);
     }
     if (s->any_sparse) s->env.o->upload(s->env.be, s->d_keep, 0, s->h_keep, (size_t)s->n_lead);
     return 0;
@@ -229,14 +268,24 @@ static void check_digests(struct quest *s, int layer, const struct kvs_kv_attend
     free(bt);
 }
 
+void kvs_quest_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
+{
+    struct quest *s = state;
+    for (int l = s->dense_layers; l < s->env.n_layers; l++)
+        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+}
+
 static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     struct quest *s = state;
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (layer >= s->dense_layers && !s->skip && !(check_mode == 2 && s->steps % 2 == 0))
-        s->k->digest_update(be, a->kv.k, st->m, a->n_kv_heads, a->head_dim, a->block_size, s->ps, s->dig[layer]);
+    if (layer >= s->dense_layers && !s->skip && !(check_mode == 2 && s->steps % 2 == 0)) {
+        struct kvs_attn_meta wm = *st->m;   /* graph steps: without the dummy sequences' rows */
+        if (s->graph) wm.q_start = s->d_wqs, wm.h_q_start = s->h_wqs;
+        s->k->digest_update(be, a->kv.k, &wm, a->n_kv_heads, a->head_dim, a->block_size, s->ps, s->dig[layer]);
+    }
     if (layer < s->dense_layers || !s->any_sparse) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
@@ -251,7 +300,8 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
     sub.max_ctx = 0;
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
-    if (check_mode) check_digests(s, layer, a, &sub);
+    if (check_mode && !s->graph) check_digests(s, layer, a, &sub);
+    if (s->graph) sub.h_pos = s->h_cap_pos, sub.max_ctx = st->m->plan_ctx;   /* launch shapes (module comment) */
     s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
                 a->block_size, s->ps, s->max_pages, s->d_scores);
     s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
@@ -285,7 +335,7 @@ static int quest_counters(void *state, struct kvs_kv_counter *out, int cap)
 const struct kvs_kv_decode_ops kvs_kv_decode_quest = {
     .name = "quest",
     .exact = 0,
-    .needs = KVS_KV_NEEDS_LSE | KVS_KV_NO_GRAPHS,
+    .needs = KVS_KV_NEEDS_LSE,
     .rows_per_seq = 1,
     .create = quest_create,
     .destroy = quest_destroy,

@@ -1,4 +1,4 @@
-/* kv_decode_quest.h: the test hook of kv.decode=quest (kv_decode_quest.c). With the check on,
+/* kv_decode_quest.h: the test and benchmark hooks of kv.decode=quest (kv_decode_quest.c). With the check on,
  * every layer that selects first recomputes, on the host, the min/max of every candidate page of
  * its rows from the cache and counts pages whose digest differs
  * (kvserve:kv_quest_stale_digests_total): tests run preemption, prefix sharing and block reuse
@@ -10,5 +10,13 @@
 
 /* 0 off (default), 1 check, 2 check and skip every other step's refresh */
 void kvs_quest_set_check(int mode);
+
+struct kvs_dbuf;
+struct kvs_attn_meta;
+
+/* Benchmarks (kvserve-stepbench): the digests of every selecting layer refreshed for the pages
+ * that m's rows cover (h_q_start / h_pos: positions pos .. pos + rows - 1 of each sequence)
+ * from the cache kc, as if every layer had written kc there. state: a quest policy's. */
+void kvs_quest_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m);
 
 #endif

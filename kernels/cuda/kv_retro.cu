@@ -3,12 +3,13 @@
  *
  * reset   A[off .. off + n) = -1, one thread an entry.
  * spans   one block of RS_THREADS threads per (request, KV head). The newest row's spans are the
- *         selection, copied. The pages 0 .. cur are walked RS_THREADS at a time, a thread a page:
- *         whether it is selected (a binary search over the selection's spans), m = its A before
- *         this step (cur: t - 1), then A = t (each page belongs to one thread: no hazard). For each
- *         past row, a page is in the supplement when selected, m < t' and its first position <=
- *         pos'; a run of such pages is one span (the reference merges adjacent pages the same
- *         way): a page whose predecessor is out opens a span at the index a block scan gives it,
+ *         selection, copied. Only the selected pages are walked (about 15% of the context), in
+ *         ascending order, RS_THREADS at a time, a thread a page (a scan numbers the pages of a
+ *         chunk of spans): m = its A before this step (cur: t - 1), then A = t (each page belongs
+ *         to one thread: no hazard); an unselected current page gets A = t - 1. For each past
+ *         row, a page is in the supplement when m < t' and its first position <= pos'; a run of
+ *         adjacent such pages is one span (the reference merges adjacent pages the same way): a
+ *         page whose predecessor (page p - 1) is out or unselected opens a span at the index a block scan gives it,
  *         every page of the run raises the span's end with atomicMax (ends grow with the page,
  *         so the last page's clipped end wins: the same spans as kvs_retro_supplement).
  *         The keys counted (own, supplement) go to two uint64 with one atomicAdd a block.
@@ -24,6 +25,7 @@
 
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/cuda/cuda_span_walk.cuh"
 #include "kernels/kv_retro.h"
 
 #define RS_THREADS 256
@@ -68,6 +70,8 @@ k_retro_spans(const int32_t *__restrict__ sel_n, const int32_t *__restrict__ sel
     } tmp;
     __shared__ int s_inc[RS_THREADS];
     __shared__ int s_base[64], s_carry[64];   /* per past row: spans opened, whether the last page was in */
+    __shared__ int s_cum[RS_THREADS], s_first[RS_THREADS];   /* a chunk of spans: page offsets, first pages */
+    __shared__ int s_page[RS_THREADS], s_lastp;               /* the walk's pages; the last one walked */
     grid_dep_wait();
     const int q = blockIdx.x / n_kv, g = blockIdx.x % n_kv, tid = threadIdx.x;
     const int row0 = req[5 * q], rows = req[5 * q + 1], pos = req[5 * q + 2], t = req[5 * q + 3], slot = req[5 * q + 4];
@@ -87,37 +91,70 @@ k_retro_spans(const int32_t *__restrict__ sel_n, const int32_t *__restrict__ sel
         atomicAdd(&keys[0], (unsigned long long)own);
     }
     for (int j = tid; j < 64; j += RS_THREADS) s_base[j] = 0, s_carry[j] = 0;
+    if (tid == 0) s_lastp = -2;
     __syncthreads();   /* tmp and the row states */
     long long sup = 0;
-    for (int c0 = 0; c0 <= cur; c0 += RS_THREADS) {
-        const int p = c0 + tid;
-        const bool in = p <= cur && in_spans(sp, nsel, p * ps);
-        /* the current page was loaded by the previous step's query (kvs_retro_mask_step) */
-        const int m = !in ? 0 : p == cur ? t - 1 : a[p];
-        if (in) a[p] = t;
-        else if (p == cur) a[p] = t - 1;
-        if (in && m_out) m_out[((size_t)q * n_kv + g) * max_pages + p] = m;
-        for (int j = 0; j < past; j++) {
-            const int back = past - j, tp = t - back, posp = pos - back;
-            const int inc = in && m < tp && p * ps <= posp;
-            s_inc[tid] = inc;
-            __syncthreads();   /* s_inc; the row's state */
-            const int prev = tid > 0 ? s_inc[tid - 1] : s_carry[j];
-            const int start = inc && !prev;
-            int idx, total;
-            scan_t(tmp.scan).ExclusiveSum(start, idx, total);
-            const int base = s_base[j];
-            int32_t *out = spans + ((size_t)(row0 + j) * n_kv + g) * ms2;
-            const int hi = min((p + 1) * ps, posp + 1);
-            if (start && base + idx < ms) out[2 * (base + idx)] = p * ps, out[2 * (base + idx) + 1] = hi;
-            __syncthreads();   /* the opened spans are visible before their ends are raised; s_base read */
-            const int k = base + idx + start - 1;
-            if (inc && !start && k >= 0 && k < ms) atomicMax(&out[2 * k + 1], hi);
-            if (inc) sup += hi - p * ps;
-            if (tid == RS_THREADS - 1) s_base[j] = base + total, s_carry[j] = inc;
-            __syncthreads();   /* s_inc, tmp and the row's state are rewritten next */
+    /* the selected pages in ascending order: the spans RS_THREADS at a time, their pages (those
+     * whose first position lies in the span, as in_spans has it) numbered by a scan, then walked
+     * RS_THREADS at a time, a thread a page (found by a binary search over the chunk's offsets) */
+    for (int i0 = 0; i0 < nsel; i0 += RS_THREADS) {
+        const int i = i0 + tid;
+        int np = 0, first = 0;
+        if (i < nsel) {
+            const int lo = max(sp[2 * i], 0), hi = min(sp[2 * i + 1], pos + 1);
+            first = (lo + ps - 1) / ps;
+            np = max((hi + ps - 1) / ps - first, 0);
+        }
+        int off, T;
+        scan_t(tmp.scan).ExclusiveSum(np, off, T);
+        s_cum[tid] = off;
+        s_first[tid] = first;
+        __syncthreads();   /* s_cum, s_first; tmp */
+        const int n_in = min(RS_THREADS, nsel - i0);
+        for (int k0 = 0; k0 < T; k0 += RS_THREADS) {
+            const int k = k0 + tid, last = min(RS_THREADS, T - k0) - 1;
+            const bool in = k < T;
+            int p = -1;
+            if (in) {   /* the last span of the chunk whose offset is <= k (it has pages: k < T) */
+                int a0 = 0, z = n_in - 1;
+                while (a0 < z) {
+                    const int mid = (a0 + z + 1) >> 1;
+                    if (s_cum[mid] <= k) a0 = mid; else z = mid - 1;
+                }
+                p = s_first[a0] + (k - s_cum[a0]);
+            }
+            /* the current page was loaded by the previous step's query (kvs_retro_mask_step) */
+            const int m = !in ? 0 : p == cur ? t - 1 : a[p];
+            if (in) a[p] = t;
+            if (in && m_out) m_out[((size_t)q * n_kv + g) * max_pages + p] = m;
+            s_page[tid] = p;
+            for (int j = 0; j < past; j++) {
+                const int back = past - j, tp = t - back, posp = pos - back;
+                const int inc = in && m < tp && p * ps <= posp;
+                s_inc[tid] = inc;
+                __syncthreads();   /* s_inc, s_page; the row's state */
+                /* a span opens at an included page whose page before is not included (or not selected) */
+                const int prev = tid > 0 ? s_inc[tid - 1] && s_page[tid - 1] == p - 1 : s_carry[j] && s_lastp == p - 1;
+                const int start = inc && !prev;
+                int idx, total;
+                scan_t(tmp.scan).ExclusiveSum(start, idx, total);
+                const int base = s_base[j];
+                int32_t *out = spans + ((size_t)(row0 + j) * n_kv + g) * ms2;
+                const int hi = min((p + 1) * ps, posp + 1);
+                if (start && base + idx < ms) out[2 * (base + idx)] = p * ps, out[2 * (base + idx) + 1] = hi;
+                __syncthreads();   /* the opened spans are visible before their ends are raised; s_base read */
+                const int kk = base + idx + start - 1;
+                if (inc && !start && kk >= 0 && kk < ms) atomicMax(&out[2 * kk + 1], hi);
+                if (inc) sup += hi - p * ps;
+                if (tid == last) s_base[j] = base + total, s_carry[j] = inc;
+                __syncthreads();   /* s_inc, tmp and the row's state are rewritten next */
+            }
+            if (tid == last) s_lastp = p;
+            __syncthreads();   /* s_lastp; s_page and the chunk's offsets are rewritten next */
         }
     }
+    /* the current page, when not selected, was still loaded by the previous step's query */
+    if (tid == 0 && !in_spans(sp, nsel, cur * ps)) a[cur] = t - 1;
     if (past > 0) {
         sup = red_t(tmp.red).Sum(sup);
         if (tid == 0) atomicAdd(&keys[1], (unsigned long long)sup);
@@ -198,150 +235,13 @@ static void cu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct k
 /* ---- the fused attention ----------------------------------------------------------------------
  * The span walk of attention_spans (kv_span.cu: the selected keys taken in span order, 32 a tile,
  * cp.async stages, tensor-core QK and PV, splits over grid y merged by k_retro_splits), with the
- * helpers below copied from there (static in that file). What differs: a block's m-tiles hold the
+ * same cursor, lookup and gather helpers (cuda_span_walk.cuh). What differs: a block's m-tiles hold the
  * G heads of every row of the request (row-major: row r of the tile = window row r / G, head
  * r % G; grid z takes 32 rows at a time where the window has more), and each staged key carries
  * b = min(t - M[page] - 1, pos - position): the largest "back" (rows before the newest) that may
  * see it, so a tile row of window row j sees the key iff rows - 1 - j <= b (the newest: b >= 0
  * always; past row t': M < t' and position <= pos'). Scores of unseen keys become -inf before the
  * online softmax, which leaves a row that sees no key at 0 / -inf. */
-namespace {
-/* The selected keys of a (row, KV head): span j clipped to the row, [lo, hi) with hi <= last + 1
- * (causal), concatenated in span order. A cursor names a key of that list: span j, offset o. */
-struct span_cursor {
-    int j, o;
-};
-
-/* span j's clipped start and length (0: empty) */
-__device__ __forceinline__ int span_len(const int32_t *sp, int j, int last, int *lo)
-{
-    const int a = max(sp[2 * j], 0), b = min(sp[2 * j + 1], last + 1);
-    *lo = a;
-    return b > a ? b - a : 0;
-}
-
-/* the position of the key k keys after c (k >= 0), or -1 past the last span */
-__device__ __forceinline__ int key_after(const int32_t *sp, int ns, int last, span_cursor c, int k)
-{
-    int j = c.j, o = c.o + k;
-    while (j < ns) {
-        int lo;
-        const int len = span_len(sp, j, last, &lo);
-        if (o < len) return lo + o;
-        o -= len;
-        j++;
-    }
-    return -1;
-}
-
-/* c moved k keys on (past the end: j = ns) */
-__device__ __forceinline__ void cursor_advance(const int32_t *sp, int ns, int last, span_cursor &c, int k)
-{
-    int j = c.j, o = c.o + k;
-    while (j < ns) {
-        int lo;
-        const int len = span_len(sp, j, last, &lo);
-        if (o < len) break;
-        o -= len;
-        j++;
-    }
-    c.j = j;
-    c.o = o;
-}
-
-/* the cursor of key k (k < the total): a warp scan over the span lengths, 32 spans at a time
- * (every lane ends with the same cursor) */
-__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
-{
-    const int lane = threadIdx.x & 31;
-    long long base = 0;
-    for (int c0 = 0; c0 < ns; c0 += 32) {
-        int lo;
-        const int len = c0 + lane < ns ? span_len(sp, c0 + lane, last, &lo) : 0;
-        long long inc = len;
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long v = __shfl_up_sync(FULL, inc, o);
-            if (lane >= o) inc += v;
-        }
-        const long long total = __shfl_sync(FULL, inc, 31);
-        if (k < base + total) {
-            const unsigned m = __ballot_sync(FULL, len > 0 && k >= base + inc - len && k < base + inc);
-            const int src = __ffs((int)m) - 1;
-            span_cursor c;
-            c.j = c0 + src;
-            c.o = (int)(k - base - __shfl_sync(FULL, inc - len, src));
-            return c;
-        }
-        base += total;
-    }
-    span_cursor c;
-    c.j = ns;
-    c.o = 0;
-    return c;
-}
-
-/* selected keys of a (row, KV head) */
-__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
-{
-    const int lane = threadIdx.x & 31;
-    long long sum = 0;
-    for (int j = lane; j < ns; j += 32) {
-        int lo;
-        sum += span_len(sp, j, last, &lo);
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-    return sum;
-}
-
-/* What the copies of the tile of the 32 selected keys from cursor c need (tile_lookup's contract,
- * cuda_attn_device.cuh): lane l's key (its row, or -1 past the list or in a block's invalid tail;
- * its rotation offset, or KEY_PAD). contig: the 32 keys are consecutive positions from a multiple
- * of 16 in blocks of a multiple of 16 slots, where tile_issue's two-pointer copies apply (base0,
- * base1: the rows of the tile's first and 17th key); else the copies take each key's own row. */
-template <int HD>
-__device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t *sp, int ns, int last,
-                                                 span_cursor c, int kvh, const int32_t *bt, const int32_t *vt,
-                                                 const int32_t *rt, bool *contig)
-{
-    const int lane = threadIdx.x & 31;
-    const int p = key_after(sp, ns, last, c, lane);
-    tile_meta m;
-    m.row = -1;
-    m.info = KEY_PAD;
-    long long brow = 0;
-    if (p >= 0) {
-        const int pb = p / a.bs, sl = p - pb * a.bs;
-        brow = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
-        if (!vt || sl < vt[pb]) {
-            m.row = brow;
-            m.info = rt ? rt[pb] : 0;
-        }
-    }
-    const int p0 = __shfl_sync(FULL, p, 0);
-    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == p0 + lane || p < 0) &&
-              __shfl_sync(FULL, p, 16) >= 0;
-    m.base0 = __shfl_sync(FULL, brow, 0);
-    m.base1 = __shfl_sync(FULL, brow, 16);
-    return m;
-}
-
-/* tile_issue's general copies (each key's row from the lane that looked it up): gathered keys */
-template <int HD>
-__device__ __forceinline__ void gather_issue(const at_args &a, const tile_meta &m, bf16 *dk, bf16 *dv, int kst, int *ko)
-{
-    constexpr int CH = HD / 8;
-    ko[threadIdx.x & 31] = m.info;
-#pragma unroll
-    for (int idx = threadIdx.x & 31; idx < AT_TILE * CH; idx += 32) {
-        const int j = idx / CH, c = idx % CH;
-        const long long r = __shfl_sync(FULL, m.row, j);
-        const bool ok = r >= 0;
-        cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
-        cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
-    }
-}
-
-}  // namespace
 
 #define RF_ST 2
 #define RF_MIN_TILES 4

@@ -27,6 +27,7 @@
  */
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/cuda/cuda_span_walk.cuh"
 
 #define SPAN_ST 2          /* tiles in flight */
 #define SPAN_MIN_TILES 4   /* tiles a split is planned with at least (128 keys) */
@@ -43,141 +44,6 @@ struct span_args {
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
-
-/* The selected keys of a (row, KV head): span j clipped to the row, [lo, hi) with hi <= last + 1
- * (causal), concatenated in span order. A cursor names a key of that list: span j, offset o. */
-struct span_cursor {
-    int j, o;
-};
-
-/* span j's clipped start and length (0: empty) */
-__device__ __forceinline__ int span_len(const int32_t *sp, int j, int last, int *lo)
-{
-    const int a = max(sp[2 * j], 0), b = min(sp[2 * j + 1], last + 1);
-    *lo = a;
-    return b > a ? b - a : 0;
-}
-
-/* the position of the key k keys after c (k >= 0), or -1 past the last span */
-__device__ __forceinline__ int key_after(const int32_t *sp, int ns, int last, span_cursor c, int k)
-{
-    int j = c.j, o = c.o + k;
-    while (j < ns) {
-        int lo;
-        const int len = span_len(sp, j, last, &lo);
-        if (o < len) return lo + o;
-        o -= len;
-        j++;
-    }
-    return -1;
-}
-
-/* c moved k keys on (past the end: j = ns) */
-__device__ __forceinline__ void cursor_advance(const int32_t *sp, int ns, int last, span_cursor &c, int k)
-{
-    int j = c.j, o = c.o + k;
-    while (j < ns) {
-        int lo;
-        const int len = span_len(sp, j, last, &lo);
-        if (o < len) break;
-        o -= len;
-        j++;
-    }
-    c.j = j;
-    c.o = o;
-}
-
-/* the cursor of key k (k < the total): a warp scan over the span lengths, 32 spans at a time
- * (every lane ends with the same cursor) */
-__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
-{
-    const int lane = threadIdx.x & 31;
-    long long base = 0;
-    for (int c0 = 0; c0 < ns; c0 += 32) {
-        int lo;
-        const int len = c0 + lane < ns ? span_len(sp, c0 + lane, last, &lo) : 0;
-        long long inc = len;
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long v = __shfl_up_sync(FULL, inc, o);
-            if (lane >= o) inc += v;
-        }
-        const long long total = __shfl_sync(FULL, inc, 31);
-        if (k < base + total) {
-            const unsigned m = __ballot_sync(FULL, len > 0 && k >= base + inc - len && k < base + inc);
-            const int src = __ffs((int)m) - 1;
-            span_cursor c;
-            c.j = c0 + src;
-            c.o = (int)(k - base - __shfl_sync(FULL, inc - len, src));
-            return c;
-        }
-        base += total;
-    }
-    span_cursor c;
-    c.j = ns;
-    c.o = 0;
-    return c;
-}
-
-/* selected keys of a (row, KV head) */
-__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
-{
-    const int lane = threadIdx.x & 31;
-    long long sum = 0;
-    for (int j = lane; j < ns; j += 32) {
-        int lo;
-        sum += span_len(sp, j, last, &lo);
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-    return sum;
-}
-
-/* What the copies of the tile of the 32 selected keys from cursor c need (tile_lookup's contract,
- * cuda_attn_device.cuh): lane l's key (its row, or -1 past the list or in a block's invalid tail;
- * its rotation offset, or KEY_PAD). contig: the 32 keys are consecutive positions from a multiple
- * of 16 in blocks of a multiple of 16 slots, where tile_issue's two-pointer copies apply (base0,
- * base1: the rows of the tile's first and 17th key); else the copies take each key's own row. */
-template <int HD>
-__device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t *sp, int ns, int last,
-                                                 span_cursor c, int kvh, const int32_t *bt, const int32_t *vt,
-                                                 const int32_t *rt, bool *contig)
-{
-    const int lane = threadIdx.x & 31;
-    const int p = key_after(sp, ns, last, c, lane);
-    tile_meta m;
-    m.row = -1;
-    m.info = KEY_PAD;
-    long long brow = 0;
-    if (p >= 0) {
-        const int pb = p / a.bs, sl = p - pb * a.bs;
-        brow = (((long long)bt[pb] * a.n_kv + kvh) * a.bs + sl) * HD;
-        if (!vt || sl < vt[pb]) {
-            m.row = brow;
-            m.info = rt ? rt[pb] : 0;
-        }
-    }
-    const int p0 = __shfl_sync(FULL, p, 0);
-    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == p0 + lane || p < 0) &&
-              __shfl_sync(FULL, p, 16) >= 0;
-    m.base0 = __shfl_sync(FULL, brow, 0);
-    m.base1 = __shfl_sync(FULL, brow, 16);
-    return m;
-}
-
-/* tile_issue's general copies (each key's row from the lane that looked it up): gathered keys */
-template <int HD>
-__device__ __forceinline__ void gather_issue(const at_args &a, const tile_meta &m, bf16 *dk, bf16 *dv, int kst, int *ko)
-{
-    constexpr int CH = HD / 8;
-    ko[threadIdx.x & 31] = m.info;
-#pragma unroll
-    for (int idx = threadIdx.x & 31; idx < AT_TILE * CH; idx += 32) {
-        const int j = idx / CH, c = idx % CH;
-        const long long r = __shfl_sync(FULL, m.row, j);
-        const bool ok = r >= 0;
-        cp_async16(dk + j * kst + c * 8, ok ? a.kc + r + c * 8 : a.kc, ok ? 16 : 0);
-        cp_async16(dv + j * kst + c * 8, ok ? a.vc + r + c * 8 : a.vc, ok ? 16 : 0);
-    }
-}
 
 template <int HD, int MT, bool ROT>
 __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_args sa)

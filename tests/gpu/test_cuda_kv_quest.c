@@ -13,7 +13,9 @@
  *   sizes     one 128K-token row (8192 candidate pages) and equal scores (the lowest pages);
  *   engine    the tiny Llama on device cuda with kv.decode=quest at budget >= context gives the
  *             same greedy tokens as full attention on cuda for most requests (bf16 rounding may
- *             flip a near-tie), and at a small budget serves every request and reads less.
+ *             flip a near-tie), and at a small budget serves every request and reads less; the
+ *             same with step graphs off (KVS_GRAPHS=0) gives the graphed run's tokens for most
+ *             requests and the same sparse rows.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
 #include <stdint.h>
@@ -246,6 +248,21 @@ static void test_engine(void)
     printf("ok engine on cuda: quest at budget >= context equals full for %d/%d requests; at 15%% (min 32) %g sparse "
            "rows read %.1f%% of full\n",
            same, NJ, rows, 100 * rd / fb);
+    /* the same run with the runner's step graphs off: Quest's recorded steps (launch shapes from
+     * the context capacity, dummy sequences kept out of the digest refresh: 4 slots, 6 requests,
+     * so batches of 3 are padded) select as its eager ones do */
+    static int32_t eager[NJ][GEN];
+    struct kvs_engine_stats st_e;
+    setenv("KVS_GRAPHS", "0", 1);
+    run_engine(model, "quest", 0.15, 32, eager, &st_e);
+    unsetenv("KVS_GRAPHS");
+    int same_e = 0;
+    for (int i = 0; i < NJ; i++) same_e += !memcmp(sparse[i], eager[i], sizeof sparse[i]);
+    const double rows_e = kvs_engine_kv_counter(&st_e, "kvserve:kv_quest_sparse_rows_total");
+    CHECK(same_e >= NJ - 1 && rows_e == rows, "quest at 15%% on cuda, graphs vs eager: %d of %d requests equal, sparse "
+          "rows %g vs %g", same_e, NJ, rows, rows_e);
+    printf("ok engine on cuda: quest with step graphs equals eager for %d/%d requests (%g sparse rows each)\n", same_e,
+           NJ, rows);
     kvs_model_free(model);
 }
 

@@ -155,7 +155,9 @@ def main():
     #    with Hugging Face tokenizers: the asked fact early, the question at the end, length fits
     import tarfile
     from tokenizers import Tokenizer
-    tb = os.path.join(ROOT, "..", "shared", "tokenizers", "qwen3.tar.xz")
+    import tokenizer_files
+    tb = tokenizer_files.tarball("qwen3")
+    check(tb is not None, "qwen3.tar.xz found in " + tokenizer_files.PLACES)
     with tarfile.open(tb) as tf:
         tf.extractall(tmp, filter="data")
     mdir = os.path.join(tmp, "qwen3")

@@ -10,6 +10,7 @@
 #define KVS_TEST_KV_ENGINE_RUN_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine/engine.h"
@@ -70,6 +71,76 @@ static int kvs_test_engine_run(const struct kvs_config *cfg, const struct kvs_mo
     kvs_engine_stats(e, st);
     kvs_engine_free(e);
     return 0;
+}
+
+/* The strategies' cancellation stress: n greedy requests of gen tokens on an engine the caller
+ * built (a small pool, so that it preempts), prompts of min_len + [0, len_span) random tokens whose
+ * first part is shared within three families (prefix sharing), a quarter of them cancelled at a
+ * random token (at submit for token 0). Waits for every request to end, then fills out->st.
+ * Fails the test if a request cannot be submitted or stays silent for 60 s. */
+struct kvs_test_stress {
+    int finished;   /* ended by length */
+    int cancelled;  /* ended by cancellation */
+    int n_cancel;   /* cancellations asked for */
+    struct kvs_engine_stats st;
+};
+
+static inline void kvs_test_engine_stress(struct kvs_engine *e, int n, int gen, int min_len, int len_span, uint64_t seed,
+                                          struct kvs_test_stress *out)
+{
+    enum { MAXP = 200 };
+    REQUIRE(min_len + len_span <= MAXP && n > 0 && gen > 0, "stress shape");
+    int32_t *prompts = calloc((size_t)n * MAXP, sizeof *prompts);
+    struct kvs_request **r = calloc((size_t)n, sizeof *r);
+    int *cancel_at = calloc((size_t)n, sizeof *cancel_at);
+    REQUIRE(prompts && r && cancel_at, "out of memory");
+    uint64_t rng = seed, fam = 0xFA11ull;
+    int32_t family[3][MAXP];
+    char err[256];
+    for (int f = 0; f < 3; f++)
+        for (int t = 0; t < MAXP; t++) family[f][t] = 1 + (int32_t)(kvs_test_xorshift(&fam) % 1000);
+    memset(out, 0, sizeof *out);
+    for (int i = 0; i < n; i++) {
+        int32_t *pr = prompts + (size_t)i * MAXP;
+        const int len = min_len + (int)(kvs_test_xorshift(&rng) % (unsigned)len_span);
+        const int shared = (int)(kvs_test_xorshift(&rng) % (unsigned)len);
+        for (int t = 0; t < len; t++) pr[t] = t < shared ? family[i % 3][t] : 1 + (int32_t)(kvs_test_xorshift(&rng) % 1000);
+        cancel_at[i] = kvs_test_xorshift(&rng) % 4 == 0 ? (int)(kvs_test_xorshift(&rng) % (unsigned)gen) : -1;
+        out->n_cancel += cancel_at[i] >= 0;
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = pr;
+        p.n_prompt = len;
+        p.max_tokens = gen;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        r[i] = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit %d: %s", i, err);
+        if (cancel_at[i] == 0) kvs_request_cancel(r[i]);
+    }
+    for (int i = 0; i < n; i++) {
+        int got = 0, done = 0;
+        struct kvs_event ev[16];
+        while (!done) {
+            int k = kvs_request_wait(r[i], ev, 16, 60.0);
+            REQUIRE(k > 0, "no event for 60 s");
+            for (int q = 0; q < k; q++) {
+                if (ev[q].type == KVS_EV_TOKEN && ++got == cancel_at[i]) kvs_request_cancel(r[i]);
+                if (ev[q].type != KVS_EV_TOKEN) {
+                    done = 1;
+                    out->finished += ev[q].finish == KVS_FINISH_LENGTH;
+                    out->cancelled += ev[q].finish == KVS_FINISH_CANCELLED;
+                }
+                kvs_event_clear(&ev[q]);
+            }
+        }
+        kvs_request_unref(r[i]);
+    }
+    kvs_engine_stats(e, &out->st);
+    free(prompts);
+    free(r);
+    free(cancel_at);
 }
 
 #endif

@@ -185,8 +185,9 @@ static void test_detect(void)
     enum kvs_chat_format want[] = {KVS_CHAT_QWEN3, KVS_CHAT_LLAMA3, KVS_CHAT_UNKNOWN};
     for (int i = 0; i < 3; i++) {
         snprintf(member, sizeof member, "%s/tokenizer_config.json", names[i]);
+        if (kvs_test_tokenizer_skip(names[i])) continue;
         int rc = kvs_test_unpack_tokenizer(names[i], tmp, member);
-        CHECK(rc == 0, "cannot unpack %s tokenizer from %s (set KVS_TOKENIZERS, CONTRIBUTING.md)", names[i], kvs_test_tokenizer_dir());
+        CHECK(rc == 0, "cannot unpack the %s tokenizer from %s", names[i], kvs_test_tokenizer_places);
         snprintf(dir, sizeof dir, "%s/%s", tmp, names[i]);
         enum kvs_chat_format f = kvs_chat_detect(dir);
         CHECK(f == want[i], "detect %s: got %s", names[i], kvs_chat_format_name(f));

@@ -1,6 +1,6 @@
 /* test_engine_text.c: text deltas and stop strings through the full engine with a real
  * tokenizer: the tiny Qwen3 test model generates ids below 1024, which the real Qwen3 tokenizer
- * (../shared/tokenizers/qwen3.tar.xz, unpacked into a temp dir) maps to byte-level pieces,
+ * (qwen3.tar.xz, committed under tests/data/tokenizers, unpacked into a temp dir) maps to byte-level pieces,
  * including partial UTF-8 sequences. Checks, for several concurrent requests:
  *   - the concatenated TOKEN text deltas equal kvs_tokenizer_decode of the generated ids;
  *   - with a stop string taken from that text, the output is the text before its first
@@ -80,7 +80,7 @@ int main(void)
     char tmp[512];
     REQUIRE(kvs_test_mkdtemp(tmp, sizeof tmp, "kvs-engine-text") == 0, "mkdtemp");
     char dir[1100], err[256];
-    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack %s/qwen3.tar.xz (set KVS_TOKENIZERS, CONTRIBUTING.md)", kvs_test_tokenizer_dir());
+    REQUIRE(kvs_test_unpack_tokenizer("qwen3", tmp, NULL) == 0, "cannot unpack qwen3.tar.xz from %s", kvs_test_tokenizer_places);
     snprintf(dir, sizeof dir, "%s/qwen3", tmp);
     struct kvs_tokenizer *tok;
     REQUIRE(kvs_tokenizer_load(dir, &tok, err, sizeof err) == 0, "%s", err);

@@ -316,53 +316,10 @@ static void stress(const char *decode)
     char err[256];
     struct kvs_engine *e;
     REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
-    static int32_t prompts[N][200];
-    static struct kvs_request *r[N];
-    static int cancel_at[N];
-    uint64_t rng = 0xC0FFEEull, fam = 0xFA11ull;
-    int32_t family[3][200];
-    for (int f = 0; f < 3; f++)
-        for (int t = 0; t < 200; t++) family[f][t] = 1 + (int32_t)(kvs_test_xorshift(&fam) % 1000);
-    int n_cancel = 0;
-    for (int i = 0; i < N; i++) {
-        const int n = 40 + (int)(kvs_test_xorshift(&rng) % 150), shared = (int)(kvs_test_xorshift(&rng) % (unsigned)n);
-        for (int t = 0; t < n; t++)
-            prompts[i][t] = t < shared ? family[i % 3][t] : 1 + (int32_t)(kvs_test_xorshift(&rng) % 1000);
-        cancel_at[i] = kvs_test_xorshift(&rng) % 4 == 0 ? (int)(kvs_test_xorshift(&rng) % GL) : -1;
-        n_cancel += cancel_at[i] >= 0;
-        struct kvs_request_params p;
-        memset(&p, 0, sizeof p);
-        p.prompt = prompts[i];
-        p.n_prompt = n;
-        p.max_tokens = GL;
-        p.sampling.top_p = 1;
-        p.sampling.repetition_penalty = 1;
-        p.ignore_eos = 1;
-        r[i] = kvs_request_new(&p, NULL, NULL);
-        REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit %d: %s", i, err);
-        if (cancel_at[i] == 0) kvs_request_cancel(r[i]);
-    }
-    int finished = 0, cancelled = 0;
-    for (int i = 0; i < N; i++) {
-        int n = 0, done = 0;
-        struct kvs_event ev[16];
-        while (!done) {
-            int k = kvs_request_wait(r[i], ev, 16, 60.0);
-            REQUIRE(k > 0, "no event for 60 s");
-            for (int q = 0; q < k; q++) {
-                if (ev[q].type == KVS_EV_TOKEN && ++n == cancel_at[i]) kvs_request_cancel(r[i]);
-                if (ev[q].type != KVS_EV_TOKEN) {
-                    done = 1;
-                    finished += ev[q].finish == KVS_FINISH_LENGTH;
-                    cancelled += ev[q].finish == KVS_FINISH_CANCELLED;
-                }
-                kvs_event_clear(&ev[q]);
-            }
-        }
-        kvs_request_unref(r[i]);
-    }
-    struct kvs_engine_stats st;
-    kvs_engine_stats(e, &st);
+    struct kvs_test_stress sr;
+    kvs_test_engine_stress(e, N, GL, 40, 150, 0xC0FFEEull, &sr);
+    const struct kvs_engine_stats st = sr.st;
+    const int finished = sr.finished, cancelled = sr.cancelled, n_cancel = sr.n_cancel;
     CHECK(finished + cancelled == N && cancelled <= n_cancel && finished >= N - n_cancel, "%s: %d finished, %d cancelled",
           decode, finished, cancelled);
     CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && st.num_waiting == 0, "%s: blocks used %d, running %d",
