@@ -9,7 +9,7 @@
  * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
  * query rows (16 / G tokens of a sequence, or one row over its spans) x a KV head x a split of
  * the keys; the G query heads of the group share every K/V byte staged; 32 keys a step staged
- * with 16-byte cp.async (3 tiles in flight), dequantized from shared memory into tensor-core
+ * with 16-byte cp.async (LEAN_ST stages), dequantized from shared memory into tensor-core
  * fragments (fp16), QK and PV on mma.sync with fp32 accumulation, the online softmax in fp32;
  * splits merged by a second kernel. Deferred RoPE: q rotated backward by a block's offset at
  * document boundaries (rot_table, cuda_attn_device.cuh). Two layouts of the mma: query rows on
@@ -717,7 +717,7 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * query heads of the KV head (at most 16: one m-tile), so every K/V byte staged serves them
  * all. Keys come 32 a tile: each lane looks one key up (the tile after next: its page loads
  * overlap compute), the warp stages the tile's packed codes and (s, z) with 16-byte cp.async,
- * LEAN_ST tiles in flight; QK and PV run on tensor cores (mma m16n8k16, fp16 in, fp32
+ * LEAN_ST stages; QK and PV run on tensor cores (mma m16n8k16, fp16 in, fp32
  * accumulate) with K and V dequantized from shared memory into fragments in registers (x^ =
  * s code - z as one fp16 fma: fp16 keeps 3 more mantissa bits than the bf16 K/V of the
  * dense kernel), q and p rounded to fp16; the softmax and every sum stay fp32. Splits cut the
