@@ -22,11 +22,15 @@
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
- * default), and the decode GEMM (at most 32 rows).
+ * default), and the decode GEMM (at most 128 rows); then each weight shape alone on the default
+ * path (q/k/v, o, gate/up + down, LM head) with its GB/s.
  * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
+ * --pre-attn-variants also times each prefill's attention (all layers, median of 3) with each
+ * prefill kernel forced (kvs_cuda_set_pre_attn: 1 mma.sync, 2 / 3 wgmma with 128- / 64-key tiles,
+ * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -139,6 +143,10 @@ static void mac_attention(struct bench *B, int l, int nb, const struct kvs_attn_
 
 /* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
 enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
+/* --gemm-sweep's per-shape columns: with OPS_GEMM, only this weight shape's GEMMs (0: all) */
+enum { SHAPE_ALL, SHAPE_QKV, SHAPE_O, SHAPE_FFN, SHAPE_HEAD, SHAPE_COUNT };
+static int gemm_only = SHAPE_ALL;
+#define GEMM_OF(k) (gemm && (gemm_only == SHAPE_ALL || gemm_only == (k)))
 
 /* Enqueues one forward step of nb rows (the runner's layer loop written with the backend's ops);
  * logits for every row (decode) or only the last (prefill). */
@@ -157,7 +165,7 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
             /* kv.storage = lean: the q/k/v GEMM, RoPE of q and k, the quantized page write */
             const int outs[3] = {DIM, NKV * HD, NKV * HD};
             struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
-            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (GEMM_OF(SHAPE_QKV)) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) {
                 O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
                 O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
@@ -172,21 +180,21 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
              * write with the other ops (their sum exceeds the fused op by the split of q/k/v) */
             const int outs[3] = {DIM, NKV * HD, NKV * HD};
             struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
-            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (GEMM_OF(SHAPE_QKV)) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         }
         if (attn && lean_on) LK->attention(b, lean_fmt, B->q, L->pages, m, nb, NH, NKV, HD, BS, scale, B->att);
         else if (attn && MAC.on) mac_attention(B, l, nb, m);
         else if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
-        if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
+        if (GEMM_OF(SHAPE_O)) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
-        if (gemm) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
+        if (GEMM_OF(SHAPE_FFN)) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, l + 1 < B->n_layers ? B->L[l + 1].n1 : B->fnorm, 1e-5f, nb, DIM, B->h);
     }
     if (last_only) {
         if (other) O->gather_rows(b, B->h, B->lastrow, 1, DIM, B->last);
-        if (gemm) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
-    } else if (gemm) {
+        if (GEMM_OF(SHAPE_HEAD)) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
+    } else if (GEMM_OF(SHAPE_HEAD)) {
         O->matmul(b, B->h, B->head, NULL, nb, DIM, VOCAB, B->logits);
     }
 }
@@ -295,7 +303,7 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0, pre_variants = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -305,6 +313,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
+        else if (!strcmp(argv[i], "--pre-attn-variants")) pre_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
@@ -323,7 +332,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--pre-attn-variants] [--gemm-sweep 1,8,16,32] "
                             "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
             return 2;
         }
@@ -507,7 +516,7 @@ int main(int argc, char **argv)
         return 1;
     }
     /* the GEMMs of a decode step alone: cublasGemmEx, cuBLASLt's first pick, cuBLASLt's timed pick,
-     * the decode GEMM (cuda_skinny.h; it takes at most 32 rows) */
+     * the decode GEMM (cuda_skinny.h; it takes at most 128 rows) */
     if (nsweep > 0) {
         printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %18s %18s %18s %8s %9s %9s\n", "rows",
                "GemmEx ms (GB/s)", "Lt first ms (GB/s)", "Lt tuned ms (GB/s)", "decode ms (GB/s)", "Ex/tuned",
@@ -537,11 +546,15 @@ int main(int argc, char **argv)
             enqueue_step(B, rows, &m, OPS_GEMM, 0);
             O->sync(b);
             float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
-            float ts = 0.0f;
-            if (rows <= 32) {
-                kvs_cuda_set_skinny_max(b, 32);
-                ts = time_graph(B, rows, &m, OPS_GEMM, iters);
+            /* the decode GEMM at each variant (cuda_skinny.cu; same results, other speeds) */
+            float tsv[4] = {0};
+            for (int v = 0; v < 4 && rows <= 128; v++) {
+                kvs_cuda_set_skinny_max(b, 128);
+                kvs_cuda_set_skinny_variant(b, v);
+                tsv[v] = time_graph(B, rows, &m, OPS_GEMM, iters);
             }
+            float ts = tsv[0];
+            for (int v = 1; v < 4; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
             char dec[48] = "-", ratio[24] = "-";
             if (ts > 0.0f) {
                 snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
@@ -550,11 +563,43 @@ int main(int argc, char **argv)
             printf("%6d %9.3f (%6.0f) %9.3f (%6.0f) %9.3f (%6.0f) %18s %8.3f %9.3f %9s\n", rows, te,
                    gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
                    gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
-            fflush(stdout);
             if (mf)
                 fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %s | %.3f | %.3f | %s |\n", rows, te,
                         gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
                         gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
+            if (rows <= 128) {
+                printf("%6s decode GEMM by variant (1: 2 groups in flight at 9+ rows, 2: L2::256B), GB/s:", "");
+                for (int v = 0; v < 4; v++) printf(" v%d %.0f", v, gemm_bytes / (tsv[v] * 1e-3) / 1e9);
+                printf("\n");
+            }
+            /* each weight shape alone: cuBLASLt tuned, then the decode GEMM at each variant, so
+             * the GB/s of a slow shape shows and the switch-over can be set per shape */
+            const double sbytes[SHAPE_COUNT] = {
+                gemm_bytes, (double)n_layers * 2.0 * ((double)DIM * DIM + 2.0 * NKV * HD * DIM),
+                (double)n_layers * 2.0 * DIM * DIM, (double)n_layers * 2.0 * 3.0 * FF * DIM, 2.0 * VOCAB * DIM};
+            const char *sname[SHAPE_COUNT] = {"all", "qkv", "o", "gate/up+down", "lm head"};
+            for (int k = 1; k < SHAPE_COUNT; k++) {
+                char line[400];
+                gemm_only = k;
+                kvs_cuda_set_skinny_max(b, 0);
+                float tk = time_graph(B, rows, &m, OPS_GEMM, iters);
+                int off = snprintf(line, sizeof line, "%6d %-13s GB/s: cuBLASLt %.0f", rows, sname[k],
+                                   sbytes[k] / (tk * 1e-3) / 1e9);
+                for (int v = 0; v < 4 && rows <= 128; v++) {
+                    kvs_cuda_set_skinny_max(b, 128);
+                    kvs_cuda_set_skinny_variant(b, v);
+                    float tv = time_graph(B, rows, &m, OPS_GEMM, iters);
+                    off += snprintf(line + off, sizeof line - (size_t)off, " | decode v%d %.0f", v,
+                                    sbytes[k] / (tv * 1e-3) / 1e9);
+                }
+                printf("%s\n", line);
+                if (mf) fprintf(mf, "|  | %s | | | | | | |\n", line);
+            }
+            gemm_only = SHAPE_ALL;
+            kvs_cuda_set_skinny_variant(b, -1);
+            kvs_cuda_set_skinny_max(b, -1);
+            kvs_cuda_set_gemm(b, -1);
+            fflush(stdout);
             free_shape(B, &S);
         }
         kvs_cuda_set_skinny_max(b, -1);
@@ -676,11 +721,14 @@ int main(int argc, char **argv)
         }
     /* prefill: one sequence, the whole prompt in one step, logits for its last row */
     if (npre > 0) {
-        printf("\n%8s %9s %10s %9s %12s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms");
+        printf("\n%8s %9s %10s %9s %12s %14s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms",
+               "attn TFLOP/s");
         if (mf) {
             fprintf(mf, "\nPrefill (one sequence, the whole prompt in one step; FLOPs = 2 x parameters x tokens + "
-                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2):\n\n");
-            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms |\n| ---: | ---: | ---: | ---: | ---: |\n");
+                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2; attention TFLOP/s counts the "
+                        "causal attention FLOPs over the attention alone):\n\n");
+            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms | attention TFLOP/s |\n"
+                        "| ---: | ---: | ---: | ---: | ---: | ---: |\n");
         }
     }
     for (int pi = 0; pi < npre; pi++) {
@@ -705,9 +753,33 @@ int main(int argc, char **argv)
         kvs_cuda_timer_start(b);
         enqueue_step(B, P, &m, OPS_ATTN, 1);
         float ta = kvs_cuda_timer_stop_ms(b);
-        double flops = 2.0 * params * P + 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
-        printf("%8d %9.2f %10.0f %9.1f %12.2f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
-        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f |\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        const double aflops = 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
+        double flops = 2.0 * params * P + aflops;
+        printf("%8d %9.2f %10.0f %9.1f %12.2f %14.1f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta,
+               aflops / (ta * 1e-3) / 1e12);
+        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f | %.1f |\n", P, ms, P / (ms * 1e-3),
+                        flops / (ms * 1e-3) / 1e12, ta, aflops / (ta * 1e-3) / 1e12);
+        if (pre_variants) {
+            /* the attention alone with each prefill kernel forced: median of 3 after a warm-up */
+            static const char *const names[] = {"", "1 mma.sync (k_attn_tc)", "2 wgmma, 128-key tiles",
+                                                "3 wgmma, 64-key tiles", "4 wgmma, 128-key, overlapped",
+                                                "5 wgmma, 64-key, overlapped", "6 wgmma, 64-key, 2 blocks/SM"};
+            for (int kind = 1; kind <= 6; kind++) {
+                kvs_cuda_set_pre_attn(kind);
+                float tv[4];
+                for (int it = 0; it < 4; it++) {
+                    kvs_cuda_timer_start(b);
+                    enqueue_step(B, P, &m, OPS_ATTN, 1);
+                    tv[it] = kvs_cuda_timer_stop_ms(b);
+                }
+                qsort(tv + 1, 3, sizeof(float), cmp_float);
+                printf("%8d   prefill attention, kind %-24s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
+                       kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+                if (mf) fprintf(mf, "| %d | attention only, kind %s (took %d) | | | %.2f | %.1f |\n", P, names[kind],
+                                kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+            }
+            kvs_cuda_set_pre_attn(-1);
+        }
         free_shape(B, &S);
     }
     free(t);

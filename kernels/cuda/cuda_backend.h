@@ -63,10 +63,25 @@ void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
  * spans, rows on M for prefill chunks). */
 void kvs_cuda_set_lean_layout(int layout);
 
+/* Picks the prefill attention kernel, process-wide (tests, benchmark comparisons): 1 the
+ * FlashAttention-2-style mma.sync kernel (k_attn_tc), 2 the Hopper wgmma kernel (k_attn_wg) with
+ * 128-key tiles, 3 with 64-key tiles, 4 / 5 the same with the softmax overlapping the P.V product
+ * (128- / 64-key tiles), 6 64-key tiles with two blocks an SM (2 to 6: head_dim 64 / 128 without
+ * rotation offsets on an sm_90 GPU; other
+ * launches take 1); -1 (or any other value) restores the default:
+ * KVS_CUDA_PRE_ATTN if set, else kind 6 where the wgmma kernel applies. */
+void kvs_cuda_set_pre_attn(int kind);
+/* The prefill kernel a launch of this head_dim (rot: with rotation offsets) takes now, on the
+ * current device: 1 to 6 as above. */
+int kvs_cuda_pre_attn_kind(int head_dim, int rot);
+
 /* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
+/* The decode GEMM's variant (cuda_skinny.cu: bit 1 two K groups in flight at 9+ rows, bit 2 the
+ * L2::256B hint; bitwise the same results), for benchmarks; -1: the default. Process-wide. */
+void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v);
 
 /* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */
 enum kvs_cuda_gemm {
