@@ -56,6 +56,13 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
  * KVS_CUDA_DEC_ATTN if set, else automatic. */
 void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
 
+/* Forces the layout of the LeanKV attention kernel (kernels/cuda/kv_lean.cu; tests, benchmark
+ * comparisons) for every backend of the process: 1 query rows on the mma's M side (tiles of up to
+ * 16 rows), 2 keys on M (tiles of up to 8 rows; taken only where a group has at most 8 query
+ * heads); 0 (or any other value) restores the automatic choice (keys on M for decode rows and
+ * spans, rows on M for prefill chunks). */
+void kvs_cuda_set_lean_layout(int layout);
+
 /* Picks the prefill attention kernel, process-wide (tests, benchmark comparisons): 1 the
  * FlashAttention-2-style mma.sync kernel (k_attn_tc), 2 the Hopper wgmma kernel (k_attn_wg) with
  * 128-key tiles, 3 with 64-key tiles, 4 / 5 the same with the softmax overlapping the P.V product
