@@ -165,6 +165,7 @@ KVS_QD_FN float kvs_qd_value(uint32_t c, float lo, float scale) { return fmaf((f
 KVS_QD_FN uint32_t kvs_qd_params(float lo, float hi, int levels)
 {
     if (!(lo >= -65504.0f && hi <= 65504.0f && lo <= hi)) return KVS_QD_UNBOUNDED;
+    lo = lo + 0.0f;   /* -0 as +0: both backends' reductions may pick either zero */
     const uint32_t l16 = kvs_qd_f16_down(lo);
     const float l = kvs_qd_f16_to_f32(l16);
     uint32_t s16 = kvs_qd_f16_up((hi - l) / (float)levels);

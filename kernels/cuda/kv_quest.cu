@@ -17,9 +17,9 @@
  *                first into Qp = sum of max(q, 0) and Qn = sum of min(q, 0) per dimension
  *                (max(q a, q b) = max(q, 0) b + min(q, 0) a for a <= b: one pass over the
  *                digest for the whole group), each lane one 16-byte load of min codes and one of
- *                max codes (32 / 16 dimensions at 4 / 8 bits), codes decoded as the CPU's
- *                fmaf(c, scale, lo) (c made a float through its bits), fp32 sums (another order
- *                than the CPU's, as for bf16).
+ *                max codes (32 / 16 dimensions at 4 / 8 bits; the lane's Qp / Qn in registers),
+ *                the grid's affine map taken out of the sum (one fma per code, q_code_1c),
+ *                fp32 sums (another order and form than the CPU's: equal up to rounding).
  * select         one block of 1024 threads per (row, KV head): a radix select (4 passes of
  *                8-bit digits, MSB first, over kvs_quest_order_key) finds the k-th largest
  *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
@@ -278,12 +278,20 @@ template <> struct q_words<4> { typedef uint4 T; };
 template <> struct q_words<2> { typedef uint2 T; };
 template <> struct q_words<1> { typedef uint32_t T; };
 
-/* code c (c < 2^23) as a float, through its bits: 2^23 + c exactly, minus 2^23 */
-__device__ __forceinline__ float q_code_f(uint32_t w, int shift, uint32_t mask)
+/* code k of word w as the float 1 + c / 2^BITS (c placed under the exponent of 1.0: one shift,
+ * one and-or): exact, and no integer-to-float conversion */
+template <int BITS>
+__device__ __forceinline__ float q_code_1c(uint32_t w, int k)
 {
-    return __uint_as_float(((w >> shift) & mask) | 0x4B000000u) - 8388608.0f;
+    const int sh = 23 - BITS - k * BITS;
+    const uint32_t x = sh >= 0 ? w << sh : w >> -sh;
+    return __uint_as_float((x & (((1u << BITS) - 1) << (23 - BITS))) | 0x3F800000u);
 }
 
+/* score = sum_i Qp_i dmax_i + Qn_i dmin_i with d = lo + c scale, computed as
+ * lo sum_i (Qp_i + Qn_i) + scale 2^BITS sum_i (Qp_i (1 + cmax_i / 2^BITS) + Qn_i (1 + cmin_i / 2^BITS) - Qp_i - Qn_i):
+ * one fma per code; each lane's own sum of Qp + Qn is taken off before the lanes' reduction (the
+ * terms it cancels are of the lane's size). Equal to the CPU's up to rounding. */
 template <int HD, int BITS>
 __global__ void __launch_bounds__(32 * QS_WARPS)
 k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, size_t n_pages,
@@ -294,7 +302,6 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
     constexpr int L = NW / V, P = 32 / L;         /* lanes per page, pages per warp step */
     constexpr int PER = 32 / BITS, DL = V * PER;  /* dimensions per word, per lane */
-    constexpr uint32_t MASK = (1u << BITS) - 1;
     typedef typename q_words<V>::T vec;
     __shared__ float sqp[HD], sqn[HD];
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
@@ -313,6 +320,13 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
+    /* a lane always scores the same dimensions: its Qp / Qn live in registers */
+    float rp[DL], rn[DL], rq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DL; j++) rp[j] = sqp[l * DL + j], rn[j] = sqn[l * DL + j], rq += rp[j] + rn[j];
+    float qsum = rq;
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
     const int32_t *bt = bts + (size_t)row * max_blocks;
     const uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * NW;
     float *out = scores + ((size_t)row * n_kv + g) * max_pages;
@@ -335,7 +349,6 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
-            const float lo = kvs_qd_f16_to_f32(par[u] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[u] >> 16);
             const uint32_t *wn = (const uint32_t *)&mn[u], *wx = (const uint32_t *)&mx[u];
             float acc = 0.0f;
             if (pg < pg1 && par[u] != KVS_QD_UNBOUNDED) {
@@ -343,15 +356,17 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
                 for (int w = 0; w < V; w++)
 #pragma unroll
                     for (int k = 0; k < PER; k++) {
-                        const int i = l * DL + w * PER + k;
-                        const float a = fmaf(q_code_f(wn[w], k * BITS, MASK), sc, lo);
-                        const float c = fmaf(q_code_f(wx[w], k * BITS, MASK), sc, lo);
-                        acc = fmaf(sqp[i], c, fmaf(sqn[i], a, acc));
+                        acc = fmaf(rp[w * PER + k], q_code_1c<BITS>(wx[w], k), acc);
+                        acc = fmaf(rn[w * PER + k], q_code_1c<BITS>(wn[w], k), acc);
                     }
+                acc -= rq;
             }
 #pragma unroll
             for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (l == 0 && pg < pg1) out[pg] = par[u] == KVS_QD_UNBOUNDED ? INFINITY : acc;
+            if (l == 0 && pg < pg1) {
+                const float lo = kvs_qd_f16_to_f32(par[u] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[u] >> 16);
+                out[pg] = par[u] == KVS_QD_UNBOUNDED ? INFINITY : fmaf(lo, qsum, sc * (float)(1 << BITS) * acc);
+            }
         }
     }
 }
@@ -376,11 +391,11 @@ static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const str
         CUDA_CHECK(kvs_cu_launch(k_quest_qscore<H, B>, QQ_ARGS));                  \
         return;                                                               \
     }
-    QQ_CASE(32, 4); QQ_CASE(64, 4); QQ_CASE(128, 4); QQ_CASE(256, 4);
+    QQ_CASE(16, 4); QQ_CASE(32, 4); QQ_CASE(64, 4); QQ_CASE(128, 4); QQ_CASE(256, 4);
     QQ_CASE(16, 8); QQ_CASE(32, 8); QQ_CASE(64, 8); QQ_CASE(128, 8); QQ_CASE(256, 8);
 #undef QQ_CASE
 #undef QQ_ARGS
-    kvs_panic(__FILE__, __LINE__, "cuda Quest quantized scores: head_dim %d at %d bits (32-256 at 4, 16-256 at 8)",
+    kvs_panic(__FILE__, __LINE__, "cuda Quest quantized scores: head_dim %d at %d bits (16, 32, 64, 128 or 256)",
               head_dim, bits);
 }
 
