@@ -22,7 +22,8 @@
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
- * default), and the decode GEMM (at most 32 rows).
+ * default), and the decode GEMM (at most 128 rows); then each weight shape alone on the default
+ * path (q/k/v, o, gate/up + down, LM head) with its GB/s.
  * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
@@ -139,6 +140,10 @@ static void mac_attention(struct bench *B, int l, int nb, const struct kvs_attn_
 
 /* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
 enum { OPS_ALL, OPS_GEMM, OPS_ATTN, OPS_OTHER };
+/* --gemm-sweep's per-shape columns: with OPS_GEMM, only this weight shape's GEMMs (0: all) */
+enum { SHAPE_ALL, SHAPE_QKV, SHAPE_O, SHAPE_FFN, SHAPE_HEAD, SHAPE_COUNT };
+static int gemm_only = SHAPE_ALL;
+#define GEMM_OF(k) (gemm && (gemm_only == SHAPE_ALL || gemm_only == (k)))
 
 /* Enqueues one forward step of nb rows (the runner's layer loop written with the backend's ops);
  * logits for every row (decode) or only the last (prefill). */
@@ -157,7 +162,7 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
             /* kv.storage = lean: the q/k/v GEMM, RoPE of q and k, the quantized page write */
             const int outs[3] = {DIM, NKV * HD, NKV * HD};
             struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
-            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (GEMM_OF(SHAPE_QKV)) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) {
                 O->rope(b, B->q, B->pos, NULL, B->invf, nb, NH, HD);
                 O->rope(b, B->k, B->pos, NULL, B->invf, nb, NKV, HD);
@@ -172,21 +177,21 @@ static void enqueue_step(struct bench *B, int nb, const struct kvs_attn_meta *m,
              * write with the other ops (their sum exceeds the fused op by the split of q/k/v) */
             const int outs[3] = {DIM, NKV * HD, NKV * HD};
             struct kvs_dbuf *y[3] = {B->q, B->k, B->v};
-            if (gemm) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
+            if (GEMM_OF(SHAPE_QKV)) O->matmul_multi(b, B->h, 3, w, NULL, nb, DIM, outs, y);
             if (other) O->rope_kv_write(b, B->q, B->k, B->v, B->pos, B->invf, B->slots, nb, NH, NKV, HD, BS, L->kc, L->vc);
         }
         if (attn && lean_on) LK->attention(b, lean_fmt, B->q, L->pages, m, nb, NH, NKV, HD, BS, scale, B->att);
         else if (attn && MAC.on) mac_attention(B, l, nb, m);
         else if (attn) O->attention(b, B->q, L->kc, L->vc, m, nb, NH, NKV, HD, BS, scale, B->att);
-        if (gemm) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
+        if (GEMM_OF(SHAPE_O)) O->matmul(b, B->att, L->wo, NULL, nb, DIM, DIM, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, L->n2, 1e-5f, nb, DIM, B->h);
-        if (gemm) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
+        if (GEMM_OF(SHAPE_FFN)) O->matmul_swiglu_down(b, B->h, L->wg, L->wu, L->wd, nb, DIM, FF, B->g, B->u, B->o);
         if (other) O->add_rmsnorm(b, B->x, B->o, l + 1 < B->n_layers ? B->L[l + 1].n1 : B->fnorm, 1e-5f, nb, DIM, B->h);
     }
     if (last_only) {
         if (other) O->gather_rows(b, B->h, B->lastrow, 1, DIM, B->last);
-        if (gemm) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
-    } else if (gemm) {
+        if (GEMM_OF(SHAPE_HEAD)) O->matmul(b, B->last, B->head, NULL, 1, DIM, VOCAB, B->logits);
+    } else if (GEMM_OF(SHAPE_HEAD)) {
         O->matmul(b, B->h, B->head, NULL, nb, DIM, VOCAB, B->logits);
     }
 }
@@ -507,7 +512,7 @@ int main(int argc, char **argv)
         return 1;
     }
     /* the GEMMs of a decode step alone: cublasGemmEx, cuBLASLt's first pick, cuBLASLt's timed pick,
-     * the decode GEMM (cuda_skinny.h; it takes at most 32 rows) */
+     * the decode GEMM (cuda_skinny.h; it takes at most 128 rows) */
     if (nsweep > 0) {
         printf("\nGEMMs of one decode step (every weight matrix once):\n%6s %18s %18s %18s %18s %8s %9s %9s\n", "rows",
                "GemmEx ms (GB/s)", "Lt first ms (GB/s)", "Lt tuned ms (GB/s)", "decode ms (GB/s)", "Ex/tuned",
@@ -537,11 +542,15 @@ int main(int argc, char **argv)
             enqueue_step(B, rows, &m, OPS_GEMM, 0);
             O->sync(b);
             float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
-            float ts = 0.0f;
-            if (rows <= 32) {
-                kvs_cuda_set_skinny_max(b, 32);
-                ts = time_graph(B, rows, &m, OPS_GEMM, iters);
+            /* the decode GEMM at each variant (cuda_skinny.cu; same results, other speeds) */
+            float tsv[4] = {0};
+            for (int v = 0; v < 4 && rows <= 128; v++) {
+                kvs_cuda_set_skinny_max(b, 128);
+                kvs_cuda_set_skinny_variant(b, v);
+                tsv[v] = time_graph(B, rows, &m, OPS_GEMM, iters);
             }
+            float ts = tsv[0];
+            for (int v = 1; v < 4; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
             char dec[48] = "-", ratio[24] = "-";
             if (ts > 0.0f) {
                 snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
@@ -550,11 +559,43 @@ int main(int argc, char **argv)
             printf("%6d %9.3f (%6.0f) %9.3f (%6.0f) %9.3f (%6.0f) %18s %8.3f %9.3f %9s\n", rows, te,
                    gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
                    gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
-            fflush(stdout);
             if (mf)
                 fprintf(mf, "| %d | %.3f (%.0f) | %.3f (%.0f) | %.3f (%.0f) | %s | %.3f | %.3f | %s |\n", rows, te,
                         gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
                         gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
+            if (rows <= 128) {
+                printf("%6s decode GEMM by variant (1: 2 groups in flight at 9+ rows, 2: L2::256B), GB/s:", "");
+                for (int v = 0; v < 4; v++) printf(" v%d %.0f", v, gemm_bytes / (tsv[v] * 1e-3) / 1e9);
+                printf("\n");
+            }
+            /* each weight shape alone: cuBLASLt tuned, then the decode GEMM at each variant, so
+             * the GB/s of a slow shape shows and the switch-over can be set per shape */
+            const double sbytes[SHAPE_COUNT] = {
+                gemm_bytes, (double)n_layers * 2.0 * ((double)DIM * DIM + 2.0 * NKV * HD * DIM),
+                (double)n_layers * 2.0 * DIM * DIM, (double)n_layers * 2.0 * 3.0 * FF * DIM, 2.0 * VOCAB * DIM};
+            const char *sname[SHAPE_COUNT] = {"all", "qkv", "o", "gate/up+down", "lm head"};
+            for (int k = 1; k < SHAPE_COUNT; k++) {
+                char line[400];
+                gemm_only = k;
+                kvs_cuda_set_skinny_max(b, 0);
+                float tk = time_graph(B, rows, &m, OPS_GEMM, iters);
+                int off = snprintf(line, sizeof line, "%6d %-13s GB/s: cuBLASLt %.0f", rows, sname[k],
+                                   sbytes[k] / (tk * 1e-3) / 1e9);
+                for (int v = 0; v < 4 && rows <= 128; v++) {
+                    kvs_cuda_set_skinny_max(b, 128);
+                    kvs_cuda_set_skinny_variant(b, v);
+                    float tv = time_graph(B, rows, &m, OPS_GEMM, iters);
+                    off += snprintf(line + off, sizeof line - (size_t)off, " | decode v%d %.0f", v,
+                                    sbytes[k] / (tv * 1e-3) / 1e9);
+                }
+                printf("%s\n", line);
+                if (mf) fprintf(mf, "|  | %s | | | | | | |\n", line);
+            }
+            gemm_only = SHAPE_ALL;
+            kvs_cuda_set_skinny_variant(b, -1);
+            kvs_cuda_set_skinny_max(b, -1);
+            kvs_cuda_set_gemm(b, -1);
+            fflush(stdout);
             free_shape(B, &S);
         }
         kvs_cuda_set_skinny_max(b, -1);

@@ -26,6 +26,14 @@ rate measured in the same run: the prefill-aware ceiling). ratio = measured outp
 that ceiling. It also prints the mean decode-only step time and batch (decode steps / rows)
 and the host share (W - F) / W. --step-ms B=MS,... adds an external ceiling (batch B / MS, e.g.
 kvserve-gpubench's graph replay step time at that batch and context).
+Prefill-aware ceiling (issue 22's yardstick for prompt-heavy traffic): the output rate of an
+ideal server that prefills every prompt at the measured prefill rate P (--prefill-tok-s, e.g.
+kvserve-gpubench's prefill tokens/s in the same device call; default: the daemon's prompt
+tokens / forward seconds of the steps that carried prefill, which counts decode rows riding in
+those steps as prefill time) and decodes at a full batch of `concurrency` rows at the step time
+S (--step-ms for that level, else the daemon's mean decode-only step):
+    T = in_tokens / P + (out_tokens / concurrency) * S,   ceiling = out_tokens / T.
+pf ratio = measured output tok/s / that ceiling.
 
   python3 bench/serve_bench.py --url http://127.0.0.1:8000 --vocab 128256 \\
       --workload decode --concurrency 1,16,64,128,256 --markdown out.md
@@ -189,7 +197,7 @@ async def run_level(url, model, reqs, conc, timeout):
     return results, time.perf_counter() - t0
 
 
-def summarize(workload, conc, results, dur, m0, m1, step_ms):
+def summarize(workload, conc, results, dur, m0, m1, step_ms, prefill_tok_s=0.0):
     ok = [r for r in results if r["err"] is None]
     bad = [r for r in results if r["err"] is not None]
     ttft = [(r["times"][0] - r["t0"]) * 1e3 for r in ok if r["times"]]
@@ -230,6 +238,14 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
     }
     row["ratio"] = row["out_tok_s"] / row["ceiling"] if row["ceiling"] > 0 else float("nan")
     ext = step_ms.get(conc)
+    # prefill-aware ceiling (module docstring): prefill at P, decode at a full batch
+    prompt_tok = d.get("vllm:prompt_tokens_total", 0.0) or in_tok
+    pf_rate = prefill_tok_s if prefill_tok_s > 0 else (prompt_tok / (fwd - dfwd) if fwd > dfwd else float("nan"))
+    step_s = (ext if ext else row["dstep_ms"]) / 1e3
+    t_ideal = in_tok / pf_rate + out_tok / max(1, min(conc, len(ok) or 1)) * step_s
+    row["pf_rate"] = pf_rate
+    row["pf_ceiling"] = out_tok / t_ideal if t_ideal > 0 else float("nan")
+    row["pf_ratio"] = row["out_tok_s"] / row["pf_ceiling"] if row["pf_ceiling"] > 0 else float("nan")
     row["ext_ceiling"] = conc / (ext / 1e3) if ext else float("nan")
     row["ext_ratio"] = row["out_tok_s"] / row["ext_ceiling"] if ext else float("nan")
     p = print
@@ -262,6 +278,8 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
     if ext:
         p("%-40s %.2f (%.2f ms/step), ratio %.3f" % ("External ceiling (batch/step):", row["ext_ceiling"], ext,
                                                       row["ext_ratio"]))
+    p("%-40s %.2f (prefill %.0f tok/s), ratio %.3f" % ("Prefill-aware ceiling (tok/s):", row["pf_ceiling"],
+                                                        row["pf_rate"], row["pf_ratio"]))
     p("=" * 50)
     sys.stdout.flush()
     return row
@@ -269,15 +287,16 @@ def summarize(workload, conc, results, dur, m0, m1, step_ms):
 
 def markdown(rows):
     lines = ["| workload | conc | ok | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms"
-             " | ceiling tok/s | ratio | host share | decode step ms @ batch | ext. ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             " | ceiling tok/s | ratio | host share | decode step ms @ batch | ext. ratio | prefill-aware ceiling (ratio) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append("| %s | %d | %d%s | %.2f | %.0f | %.0f / %.0f | %.1f / %.1f | %.1f / %.1f | %.0f | %.3f | %.3f "
-                     "| %.2f @ %.1f | %s |" % (
+                     "| %.2f @ %.1f | %s | %.0f (%.3f) |" % (
                          r["workload"], r["conc"], r["ok"], " (%d failed)" % r["failed"] if r["failed"] else "",
                          r["req_s"], r["out_tok_s"], r["ttft_p50"], r["ttft_p99"], r["tpot_p50"], r["tpot_p99"],
                          r["itl_p50"], r["itl_p99"], r["ceiling"], r["ratio"], r["host_share"], r["dstep_ms"],
-                         r["dbatch"], "%.3f" % r["ext_ratio"] if r["ext_ratio"] == r["ext_ratio"] else "-"))
+                         r["dbatch"], "%.3f" % r["ext_ratio"] if r["ext_ratio"] == r["ext_ratio"] else "-",
+                         r["pf_ceiling"], r["pf_ratio"]))
     return "\n".join(lines) + "\n"
 
 
@@ -298,6 +317,8 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent before the first level")
     ap.add_argument("--step-ms", default="", help="external step times: B=MS,... (ceiling B / MS)")
+    ap.add_argument("--prefill-tok-s", type=float, default=0.0,
+                    help="measured prefill rate for the prefill-aware ceiling (default: the daemon's)")
     ap.add_argument("--markdown", help="append the summary table to this file")
     ap.add_argument("--min-ok-ratio", type=float, default=1.0,
                     help="exit 1 when fewer than this fraction of the requests succeed")
@@ -320,7 +341,7 @@ def main():
             m0 = scrape(args.url)
             results, dur = asyncio.run(run_level(args.url, model, reqs, c, args.timeout))
             m1 = scrape(args.url)
-            row = summarize(w, c, results, dur, m0, m1, step_ms)
+            row = summarize(w, c, results, dur, m0, m1, step_ms, args.prefill_tok_s)
             rows.append(row)
             worst = min(worst, row["ok"] / max(1, len(results)))
     table = markdown(rows)

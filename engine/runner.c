@@ -35,6 +35,7 @@
 #include "engine/runner.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -140,6 +141,19 @@ struct kvs_runner {
     int32_t *h_lrows;                                   /* [cap_tokens] rows wanting logits: host rows first */
     int32_t *h_lout;                                    /* [cap_tokens] each one's logits row in batch order */
     int32_t *h_ids;                                     /* [cap_tokens] downloaded argmax ids */
+
+    /* Incremental block tables: h_bt holds what d_bt holds in its first bt_synced entries (laid
+     * out bt_stride entries a row); a step rewrites only the entries that changed and uploads
+     * one span [bt_dirty_lo, bt_dirty_hi) instead of every row (a decode step of 128 sequences
+     * at 1K context changes ~8 of its 8,192 entries: the blocks that sequences just entered).
+     * The span survives a step that fails after staging, so the next upload still carries it. */
+    int bt_stride;
+    size_t bt_synced, bt_dirty_lo, bt_dirty_hi;
+    struct kvs_runner_step_info info;                   /* the last step's (kvs_runner_step_info) */
+    /* host time of the steps since the last report (span_log): stage, uploads, the decode
+     * policy's hooks, the layers' launch (graph or eager), the LM head; rows, steps */
+    double span_s[5], span_rows;
+    int span_steps;
 };
 
 /* ---- weights ---------------------------------------------------------------------------- */
@@ -600,6 +614,49 @@ static int seq_logit_rows(const struct kvs_batch_seq *q)
     return q->want_logits == KVS_LOGITS_ALL ? q->n_tokens : q->want_logits != KVS_LOGITS_NONE;
 }
 
+/* Writes row s of the step's block table (stride entries: table[0 .. need), then zeros) into
+ * h_bt where it differs, widening the span to upload (bt_* fields). A new stride re-lays every
+ * row, so nothing of d_bt counts as current then. */
+static void bt_stage_row(struct kvs_runner *r, int s, int stride, const int32_t *table, int need)
+{
+    if (stride != r->bt_stride) {
+        r->bt_stride = stride;
+        r->bt_synced = 0;
+        r->bt_dirty_lo = r->bt_dirty_hi = 0;
+    }
+    const size_t base = (size_t)s * stride;
+    int32_t *bt = r->h_bt + base;
+    size_t lo = SIZE_MAX, hi = 0;
+    for (int j = 0; j < stride; j++) {
+        const int32_t v = j < need ? table[j] : 0;
+        /* entries past bt_synced were never uploaded at this stride: always part of the span */
+        if (bt[j] != v || base + (size_t)j >= r->bt_synced) {
+            bt[j] = v;
+            if (lo == SIZE_MAX) lo = base + (size_t)j;
+            hi = base + (size_t)j + 1;
+        }
+    }
+    if (lo == SIZE_MAX) return;
+    if (r->bt_dirty_hi == r->bt_dirty_lo) {
+        r->bt_dirty_lo = lo;
+        r->bt_dirty_hi = hi;
+    } else {
+        if (lo < r->bt_dirty_lo) r->bt_dirty_lo = lo;
+        if (hi > r->bt_dirty_hi) r->bt_dirty_hi = hi;
+    }
+}
+
+/* Uploads the changed span of the block table (bt_stage_row); the rows [0, n_entries) are then
+ * current on the device. Returns the entries uploaded. */
+static size_t bt_upload(struct kvs_runner *r, size_t n_entries)
+{
+    size_t lo = r->bt_dirty_lo, hi = r->bt_dirty_hi;
+    if (hi > lo) r->ops->upload(r->be, r->d_bt, lo, r->h_bt + lo, hi - lo);
+    r->bt_dirty_lo = r->bt_dirty_hi = 0;
+    if (n_entries > r->bt_synced) r->bt_synced = n_entries;
+    return hi - lo;
+}
+
 /* Validates the batch and fills the host staging arrays (block-table rows of at least
  * min_stride entries; padded with one-token dummy sequences up to pad_seqs sequences: token 0
  * at position 0 of block 0, no KV slot, no logits); returns the token count or -EINVAL.
@@ -643,9 +700,9 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
         r->h_qstart[s] = n;
         r->h_seqpos[s] = q->pos;
-        int32_t *bt = r->h_bt + (size_t)s * stride, *ro = r->h_rot + (size_t)s * stride;
+        int32_t *ro = r->h_rot + (size_t)s * stride;
         int32_t *va = r->h_valid + (size_t)s * stride;
-        for (int j = 0; j < stride; j++) bt[j] = j < need ? q->block_table[j] : 0;
+        bt_stage_row(r, s, stride, q->block_table, need);
         /* the rotation and valid-slot tables only when some sequence has them (cached documents):
          * they are as big as the block table (S x stride, 1 MB at batch 128 x 32K context) */
         for (int j = 0; (rot || val) && j < stride; j++) {
@@ -669,8 +726,8 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
     for (int s = b->n_seqs; s < pad_seqs; s++) {
         r->h_qstart[s] = n;
         r->h_seqpos[s] = 0;
+        bt_stage_row(r, s, stride, NULL, 0);
         for (int j = 0; j < stride; j++) {
-            r->h_bt[(size_t)s * stride + j] = 0;
             if (!rot && !val) continue;
             r->h_rot[(size_t)s * stride + j] = 0;
             r->h_valid[(size_t)s * stride + j] = r->block_size;
@@ -977,8 +1034,31 @@ static int widen_batch(struct kvs_runner *r, const struct kvs_batch *b, struct k
     return 0;
 }
 
+/* Host time per step, logged every SPAN_STEPS steps at info level: what the scheduler thread
+ * spends in the runner before the device has the step (clock_gettime spans; a profile of the
+ * serving daemon's step without perf). */
+#define SPAN_STEPS 1024
+static void span_log(struct kvs_runner *r, const double *t, int rows)
+{
+    for (int i = 0; i < 5; i++) r->span_s[i] += t[i + 1] - t[i];
+    r->span_rows += rows;
+    if (++r->span_steps < SPAN_STEPS) return;
+    const double k = 1e6 / r->span_steps;
+    if (r->rank == 0)
+        kvs_log(KVS_LOG_INFO,
+                "runner: host us per step over %d steps (%.1f rows): stage %.1f, uploads %.1f, policy %.1f, "
+                "layers launch %.1f, LM head %.1f",
+                r->span_steps, r->span_rows / r->span_steps, r->span_s[0] * k, r->span_s[1] * k, r->span_s[2] * k,
+                r->span_s[3] * k, r->span_s[4] * k);
+    memset(r->span_s, 0, sizeof r->span_s);
+    r->span_rows = 0;
+    r->span_steps = 0;
+}
+
 int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
+    double ts[6];
+    ts[0] = kvs_now();
     /* fresh slots reset before anything asks the policy about them (host state only) */
     for (int s = 0; b && b->seqs && s < b->n_seqs && s < r->cap_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
@@ -1007,6 +1087,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
                         &any_rot, &any_valid);
     if (n >= 0 && n_host > 0 && !logits) n = -EINVAL;
     if (n < 0) return agree(r, n);
+    ts[1] = kvs_now();
     /* a rank's embedding rows are its vocabulary's, then one zero row for every other token */
     for (int i = 0; r->n_ranks > 1 && i < n; i++) {
         const int t = r->h_tokens[i] - r->vocab_lo;
@@ -1019,7 +1100,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
     o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);
     o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
-    o->upload(be, r->d_bt, 0, r->h_bt, (size_t)S * stride);
+    r->info = (struct kvs_runner_step_info){S, stride, bt_upload(r, (size_t)S * stride)};
     if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
     if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
     /* cached documents: the same tables packed one word per block as well (backend.h) */
@@ -1027,6 +1108,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
                                                                r->block_size, r->h_words) == 0;
     if (words) o->upload(be, r->d_words, 0, r->h_words, (size_t)S * stride * 2);
 
+    ts[2] = kvs_now();
     int max_ctx = 0;
     for (int s = 0; s < S; s++) {
         int c = r->h_seqpos[s] + (r->h_qstart[s + 1] - r->h_qstart[s]);
@@ -1059,10 +1141,28 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
             r->fid.full_bytes += (double)(r->h_seqpos[s] + r->h_qstart[s + 1] - r->h_qstart[s]) *
                                  (double)r->kv_bytes_per_token;
     const int fid_layer = n_decode ? kvs_fidelity_pick_layer(&r->fid, r->n_layers) : -1;
+    ts[3] = kvs_now();
     if (fid_layer >= 0 || !cap || run_layers_graph(r, n, &step, cap, any_rot, any_valid | words << 1) != 0)
         run_layers(r, n, &step, fid_layer);
+    ts[4] = kvs_now();
     lm_head(r, b, n_logits, n_host, logits);
+    ts[5] = kvs_now();
+    span_log(r, ts, n);
     return 0;
+}
+
+void kvs_runner_last_step(const struct kvs_runner *r, struct kvs_runner_step_info *out)
+{
+    *out = r->info;
+}
+
+int kvs_runner_block_tables(struct kvs_runner *r, int32_t *out, size_t cap)
+{
+    const size_t n = (size_t)r->info.n_seqs * (size_t)r->info.stride;
+    if (n == 0) return 0;
+    if (n > cap) return -ENOSPC;
+    r->ops->download(r->be, out, r->d_bt, 0, n);
+    return (int)n;
 }
 
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst)

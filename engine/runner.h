@@ -98,6 +98,19 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
 int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
 int kvs_runner_forward_end(struct kvs_runner *r);
 
+/* The last step's layout and what it sent: n_seqs rows (padding included) of stride block-table
+ * entries each; bt_uploaded of them went to the backend (only the entries that changed since
+ * the step before: the runner keeps the table on the backend and patches it). */
+struct kvs_runner_step_info {
+    int n_seqs, stride;
+    size_t bt_uploaded;
+};
+void kvs_runner_last_step(const struct kvs_runner *r, struct kvs_runner_step_info *out);
+/* Reads the block table the last step ran with back from the backend into out (n_seqs x
+ * stride, row-major, zeros past each sequence's blocks); returns the entries, or -ENOSPC when
+ * cap is smaller. For tests: the patched table must equal one built from scratch. */
+int kvs_runner_block_tables(struct kvs_runner *r, int32_t *out, size_t cap);
+
 /* Copies block src to block dst in every layer (copy-on-write for shared prefix blocks). */
 int kvs_runner_copy_block(struct kvs_runner *r, int32_t src, int32_t dst);
 

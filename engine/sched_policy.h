@@ -10,8 +10,11 @@
  * prefill tokens is not linear on a GPU (a few hundred ride along almost free; beyond that the
  * GEMMs turn compute-bound), so the budget follows the measured ratio multiplicatively (a damped
  * step, at most x1.25 or /2) instead of fitting a line; it never drops below prefill_min, so prompts
- * always progress (TTFT), and the decode-only step time it compares with is an average over
- * recent decode-only steps.
+ * always progress (TTFT). The decode-only step time it compares a mixed step with is that of a
+ * decode-only step at the mixed step's decode batch: a line t(D) = a + b D fitted (exponentially
+ * weighted least squares, ~the last 16 decode-only steps) to recent decode-only steps, so a
+ * mixed step of 128 decoders is not judged against decode-only steps of 8 (on a GPU those take
+ * ~5.7 vs ~9 ms at the Llama-3.1-8B shape); with one batch size seen, their average.
  *
  * Plain struct, no allocation, no errors; one scheduler thread owns it.
  */
@@ -22,10 +25,15 @@ struct kvs_prefill_ctl {
     double ratio;      /* target mixed / decode-only step time; 0: off (budget = max always) */
     int min, max;      /* budget bounds: scheduler.prefill_min, scheduler.max_batch_tokens */
     double t_dec;      /* moving average of decode-only step seconds (0: none seen yet) */
+    /* exponentially weighted sums over decode-only steps (D = decode rows, t = seconds): weight,
+     * D, t, D^2, D t; for t(D) = a + b D */
+    double w, sd, st, sdd, sdt;
     int budget;        /* prefill tokens a step with decoders may carry now */
 };
 
 void kvs_prefill_ctl_init(struct kvs_prefill_ctl *c, double ratio, int min, int max);
+/* Seconds a decode-only step of n_decode rows takes, from the recent ones (0: none seen yet). */
+double kvs_prefill_ctl_decode_time(const struct kvs_prefill_ctl *c, int n_decode);
 /* Prefill tokens the next step may carry when n_decode requests decode in it. */
 int kvs_prefill_ctl_budget(const struct kvs_prefill_ctl *c, int n_decode);
 /* A step ran: n_decode decode rows, n_prefill other tokens, step_s seconds of forward pass. */

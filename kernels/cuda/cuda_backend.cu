@@ -587,6 +587,12 @@ extern "C" void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n)
     b->skinny_max = max_n >= 0 ? max_n : b->skinny_default;
 }
 
+extern "C" void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v)
+{
+    (void)b;
+    kvs_cu_skinny_set_variant(v);
+}
+
 extern "C" void kvs_cuda_set_gemm(struct kvs_backend *b, int mode)
 {
     KVS_ASSERT(mode >= -1 && mode <= KVS_CUDA_GEMM_EX);

@@ -60,6 +60,9 @@ void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
+/* The decode GEMM's variant (cuda_skinny.cu: bit 1 two K groups in flight at 9+ rows, bit 2 the
+ * L2::256B hint; bitwise the same results), for benchmarks; -1: the default. Process-wide. */
+void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v);
 
 /* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */
 enum kvs_cuda_gemm {

@@ -9,8 +9,8 @@
  * just have to use the same one: MMA 0 sees columns (8q, 8q+1 | 8q+2, 8q+3) as its k pairs
  * (2q, 2q+1 | 2q+8, 2q+9), MMA 1 sees 8q+4 .. 8q+7. No shuffles, no shared memory in the loop.
  *
- * Memory: every weight byte is read once (ld.global.nc, L1::no_allocate, two groups in flight
- * per lane); x (at most 32 x in bf16) stays in L1/L2. The first group is loaded before the grid
+ * Memory: every weight byte is read once (ld.global.nc, L1::no_allocate, by default with the
+ * L2::256B fetch hint, two groups in flight per lane); x (at most 128 x in bf16) stays in L1/L2. The first group is loaded before the grid
  * dependency wait (cuda_launch.h): weights never depend on the previous kernel.
  * A single row (batch-1 decode) takes k_gemv1 instead: a warp per output row, which streamed the
  * weights faster than any tiling of the MMA kernel that was tried (bench/RESULTS.md).
@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels/cuda/cuda_launch.h"
 #include "kernels/cuda/cuda_skinny.h"
@@ -46,6 +47,23 @@ __device__ __forceinline__ uint4 sk_ld_stream(const uint4 *p)
     return r;
 }
 
+/* the same load asking L2 to fetch the whole 256-byte piece around it: a warp reads 64 bytes of
+ * each of 16 rows per load and the block's warps read neighbouring pieces, so one 256-byte DRAM
+ * fetch serves two warps' loads (variant bit 2, KVS_CUDA_SKINNY_VARIANT) */
+__device__ __forceinline__ uint4 sk_ld_stream256(const uint4 *p)
+{
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+template <bool H256> __device__ __forceinline__ uint4 sk_ld(const uint4 *p)
+{
+    return H256 ? sk_ld_stream256(p) : sk_ld_stream(p);
+}
+
 __device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                          unsigned b1)
 {
@@ -56,14 +74,14 @@ __device__ __forceinline__ void mma16816(float c[4], unsigned a0, unsigned a1, u
 }
 
 /* loads chunks c .. c + SK_U - 1 (those below c1) of the lane's two rows */
-template <int SK_U>
+template <int SK_U, bool H256>
 __device__ __forceinline__ void sk_load(const uint4 *lo, const uint4 *hi, int c, int c1, uint4 *wa, uint4 *wb)
 {
 #pragma unroll
     for (int u = 0; u < SK_U; u++)
         if (c + u < c1) {
-            wa[u] = sk_ld_stream(lo + (size_t)(c + u) * 4);
-            wb[u] = sk_ld_stream(hi + (size_t)(c + u) * 4);
+            wa[u] = sk_ld<H256>(lo + (size_t)(c + u) * 4);
+            wb[u] = sk_ld<H256>(hi + (size_t)(c + u) * 4);
         }
 }
 
@@ -85,10 +103,15 @@ __device__ __forceinline__ void sk_mma(const uint4 *xg, int xs, int valid_t, int
     }
 }
 
-template <int NT, int SK_WARPS, int SK_U, bool DB>
+/* partial sums of up to RED_T token groups per round of the cross-warp reduction: 16 warps x 16
+ * groups (128 tokens) would need 120 KB of shared memory at once */
+#define RED_T 4
+
+template <int NT, int SK_WARPS, int SK_U, bool DB, bool H256>
 __global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
 {
-    __shared__ float red[SK_WARPS > 1 ? SK_WARPS - 1 : 1][NT * 4][32];
+    constexpr int RT = NT < RED_T ? NT : RED_T;
+    __shared__ float red[SK_WARPS > 1 ? SK_WARPS - 1 : 1][RT * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int in = p.in;
 
@@ -121,38 +144,44 @@ __global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
     for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
 
     uint4 wa0[SK_U], wb0[SK_U];
-    sk_load<SK_U>(lo, hi, c0, c1, wa0, wb0);     /* before the wait: weights are constant */
+    sk_load<SK_U, H256>(lo, hi, c0, c1, wa0, wb0);     /* before the wait: weights are constant */
     grid_dep_wait();                             /* cuda_launch.h: x is ready */
     if (DB) {
         /* two groups in flight: the next group loads while this one multiplies */
         uint4 wa1[SK_U], wb1[SK_U];
         for (int c = c0; c < c1; c += 2 * step) {
-            sk_load<SK_U>(lo, hi, c + step, c1, wa1, wb1);
+            sk_load<SK_U, H256>(lo, hi, c + step, c1, wa1, wb1);
             sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
-            sk_load<SK_U>(lo, hi, c + 2 * step, c1, wa0, wb0);
+            sk_load<SK_U, H256>(lo, hi, c + 2 * step, c1, wa0, wb0);
             sk_mma<NT, SK_U>(xg, xs, valid_t, c + step, c1, wa1, wb1, acc);
         }
     } else {
         /* one group (more x fragments leave fewer registers); the same chunks in the same order */
         for (int c = c0; c < c1; c += step) {
-            if (c != c0) sk_load<SK_U>(lo, hi, c, c1, wa0, wb0);
+            if (c != c0) sk_load<SK_U, H256>(lo, hi, c, c1, wa0, wb0);
             sk_mma<NT, SK_U>(xg, xs, valid_t, c, c1, wa0, wb0, acc);
         }
     }
 
-    /* add the warps' partial sums in warp order */
-    if (warp > 0)
+    /* add the warps' partial sums in warp order, RT token groups a round (the same order of
+     * additions for every round size: batch invariance) */
 #pragma unroll
-        for (int t = 0; t < NT; t++)
+    for (int t0 = 0; t0 < NT; t0 += RT) {
+        if (t0 > 0) __syncthreads();             /* warp 0 has read the previous round */
+        if (warp > 0)
 #pragma unroll
-            for (int i = 0; i < 4; i++) red[warp - 1][t * 4 + i][lane] = acc[t][i];
-    __syncthreads();
+            for (int t = 0; t < RT; t++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) red[warp - 1][t * 4 + i][lane] = acc[t0 + t][i];
+        __syncthreads();
+        if (warp == 0)
+            for (int w = 0; w < SK_WARPS - 1; w++)
+#pragma unroll
+                for (int t = 0; t < RT; t++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) acc[t0 + t][i] += red[w][t * 4 + i][lane];
+    }
     if (warp > 0) return;
-    for (int w = 0; w < SK_WARPS - 1; w++)
-#pragma unroll
-        for (int t = 0; t < NT; t++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[t][i] += red[w][t * 4 + i][lane];
 
     /* acc[t]: (row g, tokens 2q, 2q+1 of group t), (row g + 8, the same tokens) */
 #pragma unroll
@@ -250,6 +279,58 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
     if (lane == 0) p.y[part][row] = p.bias[part] ? a + p.bias[part][row] : a;
 }
 
+/* The variant (kvs_cu_skinny_set_variant; at first use KVS_CUDA_SKINNY_VARIANT, else
+ * KVS_SKINNY_VARIANT_DEFAULT): bit 1 keeps two groups of K chunks in flight at 9+ rows too (1-8
+ * rows always do), bit 2 the L2::256B fetch hint. Neither changes the order of the additions, so
+ * results are bitwise the same whatever the variant. */
+/* default 2, the L2::256B hint: faster at 2-8 rows, the same at 1 (the GEMV does not use it); two
+ * groups in flight above 8 rows (bit 1) was not faster (bench/RESULTS.md, issue 22 section) */
+#define KVS_SKINNY_VARIANT_DEFAULT 2
+static int sk_variant = -1;
+
+static int kvs_cu_skinny_variant()
+{
+    if (sk_variant < 0) {
+        const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
+        sk_variant = e ? atoi(e) & 3 : KVS_SKINNY_VARIANT_DEFAULT;
+    }
+    return sk_variant;
+}
+
+void kvs_cu_skinny_set_variant(int v)
+{
+    sk_variant = v < 0 ? -1 : v & 3;
+}
+
+template <int NT, bool DB>
+static cudaError_t sk_launch_h(bool h256, dim3 grid, dim3 blk, cudaStream_t stream, const sk_params &p)
+{
+    if (h256) return kvs_cu_launch(k_skinny<NT, 16, 2, DB, true>, grid, blk, 0, stream, p);
+    return kvs_cu_launch(k_skinny<NT, 16, 2, DB, false>, grid, blk, 0, stream, p);
+}
+
+template <int NT>
+static cudaError_t sk_launch_db(bool db, bool h256, dim3 grid, dim3 blk, cudaStream_t stream, const sk_params &p)
+{
+    return db ? sk_launch_h<NT, true>(h256, grid, blk, stream, p) : sk_launch_h<NT, false>(h256, grid, blk, stream, p);
+}
+
+/* 16 warps a block hide the load latency best, with groups of two chunks (measured on the
+ * Llama-3.1-8B GEMMs of a step: bench/RESULTS.md). Every n deals K the same way, so a row's sum
+ * is the same whatever the batch (batch invariance). 1-8 rows keep two groups in flight; above,
+ * the x fragments take registers, and whether two groups still pay is variant bit 1. */
+static cudaError_t sk_launch_nt(int nt, bool db, bool h256, dim3 grid, dim3 blk, cudaStream_t stream,
+                                const sk_params &p)
+{
+    switch (nt) {
+    case 1: return sk_launch_h<1, true>(h256, grid, blk, stream, p);
+    case 2: return sk_launch_db<2>(db, h256, grid, blk, stream, p);
+    case 4: return sk_launch_db<4>(db, h256, grid, blk, stream, p);
+    case 8: return sk_launch_db<8>(db, h256, grid, blk, stream, p);
+    default: return sk_launch_db<16>(db, h256, grid, blk, stream, p);
+    }
+}
+
 int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swiglu)
 {
     if (n < 1 || n > KVS_SKINNY_MAX_N || in <= 0 || in % 32 != 0) return 0;
@@ -285,12 +366,8 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         if (a->swiglu) rows = (unsigned)a->out[0];
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
-    /* 16 warps a block hide the load latency best, with groups of two chunks (measured on the
-     * Llama-3.1-8B GEMMs of a step: bench/RESULTS.md). Every n deals K
-     * the same way, so a row's sum is the same whatever the batch (batch invariance); above 8 rows
-     * one group is in flight instead of two, where the x fragments take the registers. */
     const dim3 grid(blocks), blk(16 * 32);
-    if (a->n <= 8) return kvs_cu_launch(k_skinny<1, 16, 2, true>, grid, blk, 0, stream, p);
-    if (a->n <= 16) return kvs_cu_launch(k_skinny<2, 16, 2, false>, grid, blk, 0, stream, p);
-    return kvs_cu_launch(k_skinny<4, 16, 2, false>, grid, blk, 0, stream, p);
+    const int v = kvs_cu_skinny_variant();
+    const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;
+    return sk_launch_nt(nt, (v & 1) != 0, (v & 2) != 0, grid, blk, stream, p);
 }

@@ -293,13 +293,17 @@ static void test_argmax(void)
     }
 }
 
+static float *dl(struct pair *y, size_t n);
+static void expect_same(const char *what, const float *a, const float *b, size_t n);
+
 static void test_embed_matmul(void)
 {
     char what[160];
     const enum kvs_dtype dts[] = {KVS_DTYPE_F32, KVS_DTYPE_BF16, KVS_DTYPE_F16};
     const char *dtn[] = {"f32", "bf16", "f16"};
-    /* n = 1 .. 32: the decode GEMM (in % 32 == 0, out % 16 == 0) or its fallback; n > 32: cuBLAS */
-    struct { int n, in, out, bias; } cases[] = {{1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
+    /* n = 1 .. 128: the decode GEMM (in % 32 == 0, out % 16 == 0) or its fallback; n > 128: cuBLAS */
+    struct { int n, in, out, bias; } cases[] = {{100, 512, 256, 1}, {128, 4096, 512, 0}, {57, 1024, 1024, 1},
+                                                 {200, 256, 128, 0}, {1, 256, 384, 0}, {7, 512, 96, 1}, {64, 1024, 2048, 0}, {3, 4096, 1024, 1},
                                                  {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1},
                                                  {5, 14336, 200, 0}, {1, 14336, 304, 1}, {1, 4104, 33, 0},
                                                  {16, 4096, 1024, 0}, {17, 1024, 512, 1}, {32, 2048, 256, 0},
@@ -314,14 +318,30 @@ static void test_embed_matmul(void)
         C->matmul(bc, x.c, w.c, cases[c].bias ? b.c : NULL, n, in, out, y.c);
         /* both CUDA paths: cuBLAS (skinny_max 0) and the decode GEMM where it takes the shape */
         for (int sk = 0; sk < 2; sk++) {
-            kvs_cuda_set_skinny_max(bg, sk ? 32 : 0);
+            kvs_cuda_set_skinny_max(bg, sk ? 128 : 0);
             poison(&y);
             G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
             snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d %s", dtn[c % 3], n, in, out,
-                     cases[c].bias, sk ? "skinny_max=32" : "cublas");
+                     cases[c].bias, sk ? "skinny_max=128" : "cublas");
             check(what, &y, 1e-2);
         }
-        kvs_cuda_set_skinny_max(bg, 32);
+        /* the decode GEMM's variants (two K groups in flight, the L2::256B hint) change no bit */
+        if (n <= 128) {
+            kvs_cuda_set_skinny_max(bg, 128);
+            float *ref = dl(&y, (size_t)n * out);
+            for (int v = 1; v < 4; v++) {
+                kvs_cuda_set_skinny_variant(bg, v);
+                poison(&y);
+                G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+                float *got = dl(&y, (size_t)n * out);
+                snprintf(what, sizeof what, "matmul n=%d in=%d out=%d skinny variant %d vs 0", n, in, out, v);
+                expect_same(what, got, ref, (size_t)n * out);
+                free(got);
+            }
+            kvs_cuda_set_skinny_variant(bg, -1);
+            free(ref);
+        }
+        kvs_cuda_set_skinny_max(bg, 128);
         /* embed: the weight as a [vocab=out][dim=in] table */
         int32_t *tok = kvs_xmalloc((size_t)n * 4);
         for (int i = 0; i < n; i++) tok[i] = irand(out);
@@ -366,7 +386,7 @@ static void expect_close(const char *what, const float *a, const float *r, size_
 static void test_fused_gemm(void)
 {
     char what[200];
-    kvs_cuda_set_skinny_max(bg, 32);
+    kvs_cuda_set_skinny_max(bg, 128);
     struct { int n, in, q, kv, ff, bias; } cases[] = {{1, 4096, 4096, 1024, 14336, 0}, {8, 512, 512, 128, 1376, 1},
                                                        {13, 256, 256, 64, 688, 1}, {32, 1024, 2048, 256, 2816, 0},
                                                        {40, 256, 256, 64, 512, 1}, {3, 96, 96, 48, 200, 0},
@@ -404,7 +424,7 @@ static void test_fused_gemm(void)
         }
         /* batch invariance of the decode GEMM: each row in a batch of two (with its neighbour) gives
          * the same bits as in the whole batch (n = 1 takes the single-row kernel, another order) */
-        if (n > 2 && n <= 32) {
+        if (n > 2 && n <= 128) {
             float *all = dl(&y[0], (size_t)n * outs[0]);
             struct pair x1 = mk(KVS_BUF_ACT, (size_t)2 * in, NULL), o1 = mk(KVS_BUF_ACT, (size_t)2 * outs[0], NULL);
             int bad = 0;

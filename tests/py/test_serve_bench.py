@@ -7,7 +7,8 @@ so that the benchmark and the token-id-only serving path cannot rot:
   - /metrics carries the step timing the benchmark's ceiling is computed from, consistent with
     the tokens generated;
   - the benchmark runs a few requests at two concurrency levels and two workloads, exits 0, and
-    its table has every request successful and a finite ceiling and ratio.
+    its table has every request successful and a finite ceiling and ratio, and a finite
+    prefill-aware ceiling (prefill at the daemon's measured rate, decode at a full batch).
 """
 import json
 import math
@@ -81,6 +82,10 @@ def main():
             # the client cannot get tokens faster than the engine's forward passes make them
             check(0 < ratio <= 1.05, f"{wl} at {conc}: ratio {ratio}")
             check((r[12].strip() != "-") == (conc == 4), f"external ceiling only where --step-ms names the batch: {r}")
+            # prefill-aware ceiling "C (R)": prefill at the daemon's own rate, decode at a full batch
+            pf, pr = r[13].strip().rstrip(")").split(" (")
+            check(math.isfinite(float(pf)) and float(pf) > 0 and math.isfinite(float(pr)) and float(pr) > 0,
+                  f"{wl} at {conc}: prefill-aware ceiling {r[13]}")
     print("serve_bench: token-id-only daemon refuses text, streams one chunk per token; benchmark ran 4 levels")
 
 

@@ -76,6 +76,31 @@ static void test_controller(void)
     REQUIRE(kvs_prefill_ctl_budget(&u, 8) == 128, "a slow step: budget %d, want halved", kvs_prefill_ctl_budget(&u, 8));
     printf("controller: no limit without decoders or with itl_ratio 0; steep cost stops at prefill_min; "
            "under-used steps do not grow it\n");
+
+    /* the decode-only reference follows the decode batch: decode-only steps alternate between 8
+     * rows (6 ms) and 128 rows (9 ms); mixed steps at 128 rows must settle at ratio x 9 ms, not
+     * at ratio x the 7.5 ms average (which would keep them at 1.25x instead of 1.5x) */
+    struct kvs_prefill_ctl f;
+    kvs_prefill_ctl_init(&f, 1.5, 32, 8192);
+    for (int it = 0; it < 40; it++) {
+        kvs_prefill_ctl_observe(&f, 8, 0, 0.006);
+        kvs_prefill_ctl_observe(&f, 128, 0, 0.009);
+    }
+    double t8 = kvs_prefill_ctl_decode_time(&f, 8), t128 = kvs_prefill_ctl_decode_time(&f, 128);
+    REQUIRE(t8 > 0.0059 && t8 < 0.0061 && t128 > 0.0089 && t128 < 0.0091, "fitted decode-only steps %.4f / %.4f s",
+            t8, t128);
+    double mixed = 0;
+    for (int it = 0; it < 60; it++) {
+        kvs_prefill_ctl_observe(&f, it % 2 ? 128 : 8, 0, it % 2 ? 0.009 : 0.006);
+        int b = kvs_prefill_ctl_budget(&f, 128);
+        mixed = 0.009 + b * 20e-6;   /* 20 us per prefill token */
+        kvs_prefill_ctl_observe(&f, 128, b, mixed);
+    }
+    /* 1.5 x 9 ms = 13.5 ms: 225 tokens at 20 us */
+    REQUIRE(mixed / 0.009 > 1.35 && mixed / 0.009 < 1.6, "mixed steps at 128 decoders settle at %.2fx their decode-only "
+            "step (budget %d)", mixed / 0.009, kvs_prefill_ctl_budget(&f, 128));
+    printf("controller: decode-only reference fitted to the decode batch (8 rows %.1f ms, 128 rows %.1f ms); mixed "
+           "steps at 128 settle at %.2fx\n", t8 * 1e3, t128 * 1e3, mixed / 0.009);
 }
 
 /* ---- 2. step composition in the engine -------------------------------------------------------- */
