@@ -16,7 +16,7 @@
  *   build/kvserve-cpubench [--model models/demo] [--threads 0] [--reps 3] [--prefill 2000]
  *                          [--batch 16] [--ctx 256] [--decode-steps 32] [--gemms 1]
  * (--gemms 0 skips parts 1 and 2; --sets 0134 runs only those kernel sets of part 3; --clock cpu
- * times part 2 in process CPU time, which other load moves much less: use with --threads 1.)
+ * times parts 2 and 3 in process CPU time, which other load moves much less: use with --threads 1.)
  */
 #include "engine/config.h"
 #include "engine/runner.h"
@@ -110,16 +110,26 @@ static double peak_gflops(struct kvs_cpu_pool *pool, int fma)
 
 /* ---- 2. GEMMs -------------------------------------------------------------------------------- */
 
+/* pn != NULL: the panel GEMM on those panels (k unused) */
+static void one_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
+                     const uint16_t *wb, const struct kvs_cpu_panels *pn, int n, int in, int out, float *y)
+{
+    if (pn)
+        kvs_cpu_gemm_panel(pool, x, pn, NULL, NULL, n, in, out, y);
+    else
+        kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
+}
+
 static double time_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x, const float *w,
-                        const uint16_t *wb, int n, int in, int out, float *y)
+                        const uint16_t *wb, const struct kvs_cpu_panels *pn, int n, int in, int out, float *y)
 {
     double flop = 2.0 * n * in * out, best = 1e30;
     int inner = (int)(2e8 / flop) + 1;   /* ~0.1 s of work per repetition at 2 GFLOP/s */
     if (inner > 1000) inner = 1000;
-    kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
+    one_gemm(pool, k, x, w, wb, pn, n, in, out, y);
     for (int r = 0; r < g_reps; r++) {
         double t0 = gemm_clock();
-        for (int i = 0; i < inner; i++) kvs_cpu_gemm(pool, k, x, wb ? NULL : w, wb, NULL, n, in, out, y);
+        for (int i = 0; i < inner; i++) one_gemm(pool, k, x, w, wb, pn, n, in, out, y);
         double t = (gemm_clock() - t0) / inner;
         if (t < best) best = t;
     }
@@ -142,9 +152,9 @@ static void bench_gemms(struct kvs_cpu_pool *pool, const struct kvs_model_config
     const struct kvs_cpu_kernels kb = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_BLAS, 0};
     printf("## GEMM y = x W^T, fp32, GFLOP/s (best of %d%s)\n\n", g_reps,
            g_cpu_clock ? "; GFLOP per CPU-second of the process: per thread only with --threads 1" : "");
-    printf("| shape | n x in x out | ref | avx2 | fma | fma bf16 W | blas | fma/ref | fma/avx2 | fma/blas | fma %% of peak "
-           "|\n");
-    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    printf("| shape | n x in x out | ref | avx2 | fma dot | fma dot bf16 W | panel | panel bf16 W | blas | panel/fma dot | "
+           "panel/blas | panel %% of peak |\n");
+    printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
         for (int ni = 0; ni < 4; ni++) {
             int n = ns[ni], in = shapes[si].in, out = shapes[si].out;
@@ -156,13 +166,22 @@ static void bench_gemms(struct kvs_cpu_pool *pool, const struct kvs_model_config
                 w[i] = (float)((i * 104729) % 1000) / 2000.0f - 0.25f;
                 memcpy(&wb[i], (char *)&w[i] + 2, 2);   /* the high half: bf16 by truncation */
             }
-            double gr = time_gemm(pool, &kr, x, w, NULL, n, in, out, y), ga = time_gemm(pool, &ka, x, w, NULL, n, in, out, y);
-            double gf = time_gemm(pool, &kf, x, w, NULL, n, in, out, y), gh = time_gemm(pool, &kf, x, NULL, wb, n, in, out, y);
-            double gb = time_gemm(pool, &kb, x, w, NULL, n, in, out, y);
-            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.2f | %.0f%% |\n",
-                   shapes[si].name, n, in, out, gr, ga, gf, gh, gb, gf / gr, gf / ga, gf / gb, 100.0 * gf / peak);
+            float *pf = kvs_xmalloc(kvs_cpu_panels_elems(out, in) * 4);
+            uint16_t *pb = kvs_xmalloc(kvs_cpu_panels_elems(out, in) * 2);
+            kvs_cpu_panels_pack_f32(w, out, in, pf);
+            kvs_cpu_panels_pack_bf16(wb, out, in, pb);
+            const struct kvs_cpu_panels pnf = {.f32 = pf}, pnb = {.bf16 = pb};
+            double gr = time_gemm(pool, &kr, x, w, NULL, NULL, n, in, out, y);
+            double ga = time_gemm(pool, &ka, x, w, NULL, NULL, n, in, out, y);
+            double gf = time_gemm(pool, &kf, x, w, NULL, NULL, n, in, out, y);
+            double gh = time_gemm(pool, &kf, x, NULL, wb, NULL, n, in, out, y);
+            double gp = time_gemm(pool, NULL, x, NULL, NULL, &pnf, n, in, out, y);
+            double gq = time_gemm(pool, NULL, x, NULL, NULL, &pnb, n, in, out, y);
+            double gb = time_gemm(pool, &kb, x, w, NULL, NULL, n, in, out, y);
+            printf("| %s | %d x %d x %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.0f%% |\n",
+                   shapes[si].name, n, in, out, gr, ga, gf, gh, gp, gq, gb, gp / gf, gp / gb, 100.0 * gp / peak);
             fflush(stdout);
-            free(x), free(w), free(y), free(wb);
+            free(x), free(w), free(y), free(wb), free(pf), free(pb);
         }
     printf("\n(blas falls back to the hand kernel of the set below %d rows.)\n\n", KVS_CPU_BLAS_MIN_ROWS);
 }
@@ -198,13 +217,13 @@ static int run_model(struct kvs_runner *r, int prefill, int batch, int ctx, int 
         struct kvs_batch_seq s0 = {.tokens = toks, .n_tokens = prefill, .pos = 0, .block_table = bt,
                                    .n_blocks = per_long, .want_logits = KVS_LOGITS_LAST};
         struct kvs_batch b = {.seqs = &s0, .n_seqs = 1, .argmax = argmax};
-        double t0 = kvs_now();
+        double t0 = gemm_clock();
         rc = kvs_runner_forward(r, &b, logits);
-        double t = kvs_now() - t0;
+        double t = gemm_clock() - t0;
         if (rc < 0) break;
         if (prefill / t > res->prefill_tok_s) res->prefill_tok_s = prefill / t;
         int32_t tok = argmax[0];
-        t0 = kvs_now();
+        t0 = gemm_clock();
         for (int i = 0; i < steps && rc == 0; i++) {
             struct kvs_batch_seq d = {.tokens = &tok, .n_tokens = 1, .pos = prefill + i, .block_table = bt,
                                       .n_blocks = per_long, .want_logits = KVS_LOGITS_ARGMAX};
@@ -212,7 +231,7 @@ static int run_model(struct kvs_runner *r, int prefill, int batch, int ctx, int 
             rc = kvs_runner_forward(r, &db, NULL);
             tok = argmax[0];
         }
-        t = (kvs_now() - t0) / steps * 1e3;
+        t = (gemm_clock() - t0) / steps * 1e3;
         if (rc < 0) break;
         if (res->decode_ms == 0 || t < res->decode_ms) res->decode_ms = t;
         /* batched decode: batch sequences of ctx tokens (prefilled together), then steps of 1 each */
@@ -225,7 +244,7 @@ static int run_model(struct kvs_runner *r, int prefill, int batch, int ctx, int 
         if (rc < 0) break;
         int32_t *next = kvs_xmalloc((size_t)batch * 4);
         memcpy(next, argmax, (size_t)batch * 4);
-        t0 = kvs_now();
+        t0 = gemm_clock();
         for (int i = 0; i < steps && rc == 0; i++) {
             for (int s = 0; s < batch; s++) {
                 seqs[s].tokens = next + s;
@@ -235,7 +254,7 @@ static int run_model(struct kvs_runner *r, int prefill, int batch, int ctx, int 
             rc = kvs_runner_forward(r, &pb, NULL);
             memcpy(next, argmax, (size_t)batch * 4);
         }
-        t = kvs_now() - t0;
+        t = gemm_clock() - t0;
         free(next);
         if (rc < 0) break;
         if ((double)batch * steps / t > res->batch_tok_s) res->batch_tok_s = (double)batch * steps / t;
@@ -303,10 +322,12 @@ int main(int argc, char **argv)
     /* the model with each kernel set; the environment is how a backend picks them */
     const char *sets[][4] = {{"ref", "ref", "invariant", "f32"},
                              {"avx2 (mul + add), bf16 weights kept", "avx2", "invariant", "auto"},
-                             {"fma, fp32 weights", "fma", "invariant", "f32"},
-                             {"fma (default: bf16 weights kept)", "fma", "invariant", "auto"},
-                             {"fma + blas (opt-in)", "fma", "blas", "f32"}};
-    enum { N_SETS = 5 };
+                             {"fma dot tiles, fp32 weights", "fma", "invariant", "f32"},
+                             {"fma panels (default: bf16 weights kept)", "fma", "panel", "auto"},
+                             {"fma + blas (opt-in)", "fma", "blas", "f32"},
+                             {"fma dot tiles, bf16 kept (before panels)", "fma", "invariant", "auto"},
+                             {"fma panels, fp32 weights", "fma", "panel", "f32"}};
+    enum { N_SETS = 7 };
     struct model_result res[N_SETS] = {{0}};
     struct kvs_runner *runners[N_SETS] = {NULL};
     int use[N_SETS];

@@ -28,6 +28,9 @@
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
+ * --pre-attn-variants also times each prefill's attention (all layers, median of 3) with each
+ * prefill kernel forced (kvs_cuda_set_pre_attn: 1 mma.sync, 2 / 3 wgmma with 128- / 64-key tiles,
+ * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -42,7 +45,10 @@
  * reads at most K + r positions); the match runs on the post-RoPE q (the bench has no pre-RoPE
  * copy: the same bytes and work). X is the squared-distance threshold: 2 d (1 - tau)^2 by
  * default with tau 0.45 (random weights: the hit rate is what the queries give, printed), "inf"
- * pins every lookup to a hit on its nearest entry.
+ * pins every lookup to a hit on its nearest entry. --mac-parts also times the match alone and
+ * attend (span + combine) alone, all layers each in its own graph. --share-kv: every layer uses
+ * layer 0's K/V pool (the same bytes read per layer, see main), so batch 8 at 128K fits with 32
+ * layers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -134,8 +140,8 @@ static void mac_attention(struct bench *B, int l, int nb, const struct kvs_attn_
         .p_off = (size_t)l * nb * NH, .ring_q = MAC.rq, .ring_o = MAC.ro, .ring_lse = MAC.rl, .ring_tag = MAC.rt,
         .out = B->att, .lse = MAC.lse, .work = MAC.work, .work_n = MAC.work_n,
     };
-    MAC.k->match(B->b, &c);
-    MAC.k->attend(B->b, &c);
+    if (MAC.on != 3) MAC.k->match(B->b, &c);    /* --mac-parts: 2 = the match alone, 3 = attend alone */
+    if (MAC.on != 2) MAC.k->attend(B->b, &c);
 }
 
 /* which ops a timed graph holds: the whole step, or one class of ops alone (for the breakdown) */
@@ -300,7 +306,8 @@ int main(int argc, char **argv)
 {
     int batches[16] = {1, 8, 32, 128}, nbatch = 4, ctxs[16] = {1024, 8192, 32768}, nctx = 3, iters = 20;
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
-    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0;
+    int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0, pre_variants = 0, share_kv = 0;
+    int mac_parts = 0;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -310,11 +317,14 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
+        else if (!strcmp(argv[i], "--pre-attn-variants")) pre_variants = 1;
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
         else if (!strcmp(argv[i], "--no-fuse")) fuse = 0;
         else if (!strcmp(argv[i], "--max-batch")) max_batch = 1;
+        else if (!strcmp(argv[i], "--share-kv")) share_kv = 1;
+        else if (!strcmp(argv[i], "--mac-parts")) mac_parts = 1;
         else if (!strcmp(argv[i], "--lean") && i + 1 < argc) {
             if (kvs_lean_fmt_parse(argv[++i], &lean_fmt) < 0) {
                 fprintf(stderr, "--lean: K8V8, K8V4, K4V4 or K16V16\n");
@@ -328,8 +338,9 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--gemm-sweep 1,8,16,32] "
-                            "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf]]\n", argv[0]);
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--pre-attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf] [--mac-parts]] "
+                            "[--share-kv]\n", argv[0]);
             return 2;
         }
     }
@@ -464,14 +475,24 @@ int main(int argc, char **argv)
         if ((size_t)sweep[i] * BS > need_tokens) need_tokens = (size_t)sweep[i] * BS;
     size_t per_token = (size_t)n_layers * 2 * NKV * HD * 2;
     if (lean_on) per_token = (size_t)n_layers * NKV * kvs_lean_token_bytes(lean_fmt, HD);
+    /* --share-kv: every layer reads and writes layer 0's K/V pool, so that long contexts at batch > 1
+     * fit with all layers (batch 8 x 128K x 32 layers is 137 GB). The traffic is the same: each
+     * layer's attention reads its whole context from memory (GBs against a 50 MB L2), only the
+     * values are shared. */
+    const size_t pool_per_token = share_kv ? per_token / (size_t)n_layers : per_token;
+    if (share_kv && lean_on) {
+        fprintf(stderr, "--share-kv: not with --lean\n");
+        return 2;
+    }
     size_t avail = O->mem_available(b);
     /* the reserve: 1 GiB (--max-batch: 2 GiB, for the graphs and workspaces of large batches) */
     const size_t reserve = (size_t)(max_batch ? 2 : 1) << 30;
-    size_t cap_tokens = avail > reserve ? (avail - reserve) / per_token : 0;
+    size_t cap_tokens = avail > reserve ? (avail - reserve) / pool_per_token : 0;
     if (cap_tokens > need_tokens && !max_batch) cap_tokens = need_tokens;
     int n_blocks = (int)(cap_tokens / BS);
-    printf("weights %.2f GB (bf16), KV %s: %zu bytes/token, pool %d blocks of %d tokens = %.2f GB\n", w_bytes / 1e9,
-           lean_on ? "LeanKV pages" : "bf16", per_token, n_blocks, BS, (double)n_blocks * BS * per_token / 1e9);
+    printf("weights %.2f GB (bf16), KV %s: %zu bytes/token, pool %d blocks of %d tokens = %.2f GB%s\n", w_bytes / 1e9,
+           lean_on ? "LeanKV pages" : "bf16", per_token, n_blocks, BS, (double)n_blocks * BS * pool_per_token / 1e9,
+           share_kv ? " (--share-kv: one pool for all layers)" : "");
     if (lean_on) {
         /* pages quantized from random K/V (uniform [-1, 1)), CHUNK tokens a write */
         enum { CHUNK = 16384 };
@@ -496,6 +517,10 @@ int main(int argc, char **argv)
         free(hs);
     } else {
         for (int l = 0; l < n_layers; l++) {
+            if (share_kv && l > 0) {
+                L[l].kc = L[0].kc, L[l].vc = L[0].vc;
+                continue;
+            }
             L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
             L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
             kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
@@ -666,6 +691,13 @@ int main(int argc, char **argv)
                 MAC.on = 1;
                 const float ms_mac = time_graph(B, nb, &m, OPS_ALL, iters);
                 const float ta_mac = time_graph(B, nb, &m, OPS_ATTN, iters);
+                float ta_match = 0, ta_attend = 0;
+                if (mac_parts) {
+                    MAC.on = 2;
+                    ta_match = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    MAC.on = 3;
+                    ta_attend = time_graph(B, nb, &m, OPS_ATTN, iters);
+                }
                 MAC.on = 0;
                 const float ta_full = time_graph(B, nb, &m, OPS_ATTN, iters);
                 int32_t *hp = kvs_xmalloc((size_t)n_layers * nb * NH * 4);
@@ -680,6 +712,10 @@ int main(int argc, char **argv)
                 printf("%6s %8s   mac: %9.3f ms/step (%.2fx), TPOT %.3f ms; attention of all layers %.3f ms vs full %.3f ms "
                        "(%.2fx); hits %.1f%%, q heads read %.2f%% of the context\n", "", "", ms_mac, ms / ms_mac,
                        ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq, 100.0 * read / nq);
+                if (mac_parts)
+                    printf("%6s %8s   mac parts (all layers, each its own graph): match %.3f ms, attend (span + combine) "
+                           "%.3f ms, sum %.3f ms vs together %.3f ms; non-attention work %.3f ms\n", "", "", ta_match,
+                           ta_attend, ta_match + ta_attend, ta_mac, ms_mac - ta_mac);
                 if (mf)
                     fprintf(mf, "| %d | %d | mac %.3f (full %.3f, %.2fx) | attention %.3f vs %.3f (%.2fx) | hits %.1f%% | read %.2f%% |\n",
                             nb, ctx, ms_mac, ms, ms / ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq,
@@ -717,11 +753,14 @@ int main(int argc, char **argv)
         }
     /* prefill: one sequence, the whole prompt in one step, logits for its last row */
     if (npre > 0) {
-        printf("\n%8s %9s %10s %9s %12s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms");
+        printf("\n%8s %9s %10s %9s %12s %14s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms",
+               "attn TFLOP/s");
         if (mf) {
             fprintf(mf, "\nPrefill (one sequence, the whole prompt in one step; FLOPs = 2 x parameters x tokens + "
-                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2):\n\n");
-            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms |\n| ---: | ---: | ---: | ---: | ---: |\n");
+                        "causal attention 4 x layers x heads x head_dim x tokens^2 / 2; attention TFLOP/s counts the "
+                        "causal attention FLOPs over the attention alone):\n\n");
+            fprintf(mf, "| prompt tokens | ms | tokens/s | TFLOP/s | attention ms | attention TFLOP/s |\n"
+                        "| ---: | ---: | ---: | ---: | ---: | ---: |\n");
         }
     }
     for (int pi = 0; pi < npre; pi++) {
@@ -746,9 +785,33 @@ int main(int argc, char **argv)
         kvs_cuda_timer_start(b);
         enqueue_step(B, P, &m, OPS_ATTN, 1);
         float ta = kvs_cuda_timer_stop_ms(b);
-        double flops = 2.0 * params * P + 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
-        printf("%8d %9.2f %10.0f %9.1f %12.2f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
-        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f |\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta);
+        const double aflops = 4.0 * n_layers * NH * HD * (double)P * P / 2.0;
+        double flops = 2.0 * params * P + aflops;
+        printf("%8d %9.2f %10.0f %9.1f %12.2f %14.1f\n", P, ms, P / (ms * 1e-3), flops / (ms * 1e-3) / 1e12, ta,
+               aflops / (ta * 1e-3) / 1e12);
+        if (mf) fprintf(mf, "| %d | %.2f | %.0f | %.1f | %.2f | %.1f |\n", P, ms, P / (ms * 1e-3),
+                        flops / (ms * 1e-3) / 1e12, ta, aflops / (ta * 1e-3) / 1e12);
+        if (pre_variants) {
+            /* the attention alone with each prefill kernel forced: median of 3 after a warm-up */
+            static const char *const names[] = {"", "1 mma.sync (k_attn_tc)", "2 wgmma, 128-key tiles",
+                                                "3 wgmma, 64-key tiles", "4 wgmma, 128-key, overlapped",
+                                                "5 wgmma, 64-key, overlapped", "6 wgmma, 64-key, 2 blocks/SM"};
+            for (int kind = 1; kind <= 6; kind++) {
+                kvs_cuda_set_pre_attn(kind);
+                float tv[4];
+                for (int it = 0; it < 4; it++) {
+                    kvs_cuda_timer_start(b);
+                    enqueue_step(B, P, &m, OPS_ATTN, 1);
+                    tv[it] = kvs_cuda_timer_stop_ms(b);
+                }
+                qsort(tv + 1, 3, sizeof(float), cmp_float);
+                printf("%8d   prefill attention, kind %-24s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
+                       kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+                if (mf) fprintf(mf, "| %d | attention only, kind %s (took %d) | | | %.2f | %.1f |\n", P, names[kind],
+                                kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+            }
+            kvs_cuda_set_pre_attn(-1);
+        }
         free_shape(B, &S);
     }
     free(t);

@@ -14,8 +14,13 @@
  * 3. Chunked prefill over quantized history (--prefill P, 0: skipped): one sequence whose last P
  *    tokens are the query rows (a prefill chunk at context C), same comparison.
  *
+ * --layouts rows,keys times each format under each named layout of the attention kernel
+ * (kvs_cuda_set_lean_layout: rows = query rows on the mma's M side, keys = keys on M; default
+ * auto, the kernel's own choice). The device-to-device copy bandwidth is printed first: the
+ * yardstick for the GB/s columns.
+ *
  * Usage: kvserve-leanbench [--batches 8,32] [--contexts 8192,32768] [--formats K8V8,K8V4,K4V4]
- *                          [--reps 20] [--prefill 512]
+ *                          [--reps 20] [--prefill 512] [--layouts auto|rows|keys,...]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -80,13 +85,24 @@ int main(int argc, char **argv)
 {
     int batches[8] = {8, 32}, nb = 2, contexts[8] = {8192, 32768}, nc = 2, reps = 20, prefill = 512;
     struct kvs_lean_fmt fmts[8] = {{8, 8}, {8, 4}, {4, 4}};
-    int nf = 3;
+    int nf = 3, layouts[3] = {0}, nl = 1;
+    static const char *const layout_name[3] = {"", "/rows", "/keys"};
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--contexts") && v) nc = bench_parse_list(argv[++i], contexts, 8);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--prefill") && v) prefill = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--layouts") && v) {
+            char buf[64];
+            snprintf(buf, sizeof buf, "%s", argv[++i]);
+            nl = 0;
+            for (char *tok = strtok(buf, ","); tok && nl >= 0 && nl < 3; tok = strtok(NULL, ",")) {
+                const int l = !strcmp(tok, "auto") ? 0 : !strcmp(tok, "rows") ? 1 : !strcmp(tok, "keys") ? 2 : -1;
+                if (l < 0) nl = -1; /* reported below */
+                else layouts[nl++] = l;
+            }
+        }
         else if (!strcmp(argv[i], "--formats") && v) {
             char buf[128];
             snprintf(buf, sizeof buf, "%s", argv[++i]);
@@ -99,8 +115,8 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (nb <= 0 || nc <= 0 || nf <= 0 || reps <= 0 || prefill < 0) {
-        fprintf(stderr, "%s: bad list, format or --reps\n", argv[0]);
+    if (nb <= 0 || nc <= 0 || nf <= 0 || nl <= 0 || reps <= 0 || prefill < 0) {
+        fprintf(stderr, "%s: bad list, format, layout or --reps\n", argv[0]);
         return 2;
     }
     char err[256], desc[256];
@@ -116,7 +132,9 @@ int main(int argc, char **argv)
     }
     kvs_cuda_device_desc(b, desc, sizeof desc);
     const double free_bytes = (double)O->mem_available(b);
-    printf("device: %s, %.1f GB free\n\n", desc, free_bytes / 1e9);
+    printf("device: %s, %.1f GB free\n", desc, free_bytes / 1e9);
+    printf("device-to-device copy (bytes read + written / time): %.0f GB/s\n\n",
+           kvs_cuda_copy_bandwidth(b, (size_t)1 << 30) / 1e9);
 
     /* 1. capacity */
     printf("capacity, Llama-3.1-8B shape (%d layers x %d KV heads x head_dim %d), after %.2f GB of weights:\n", NL, NKV,
@@ -134,7 +152,9 @@ int main(int argc, char **argv)
     /* 2. decode attention, one layer */
     printf("\ndecode attention, one layer (%d query heads), median of %d calls after an L2 flush:\n", NH, reps);
     printf("%6s %8s %10s %9s", "batch", "context", "bf16 ms", "GB/s");
-    for (int f = 0; f < nf; f++) printf("   K%dV%d ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits);
+    for (int f = 0; f < nf; f++)
+        for (int li = 0; li < nl; li++)
+            printf("   K%dV%d%s ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits, layout_name[layouts[li]]);
     printf("\n");
     struct kvs_dbuf *flush = need(O->alloc(b, KVS_BUF_F32, FLUSH_FLOATS), FLUSH_FLOATS);
     /* pass 0: decode rows of each batch; pass 1: one prefill chunk of `prefill` rows per context */
@@ -148,7 +168,9 @@ int main(int argc, char **argv)
                 printf("\nchunked prefill over quantized history, one sequence, %d query rows at the end of the context:\n",
                        prefill);
                 printf("%6s %8s %10s %9s", "rows", "context", "bf16 ms", "GB/s");
-                for (int f = 0; f < nf; f++) printf("   K%dV%d ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits);
+                for (int f = 0; f < nf; f++)
+        for (int li = 0; li < nl; li++)
+            printf("   K%dV%d%s ms    GB/s  bf16/lean", fmts[f].kbits, fmts[f].vbits, layout_name[layouts[li]]);
                 printf("\n");
             }
             const int B = pass ? 1 : batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
@@ -207,10 +229,14 @@ int main(int argc, char **argv)
                     O->upload(b, cs, 0, hs, (size_t)n);
                     kn->write(b, fmts[f], ck, cv, cs, n, NKV, HD, BS, pool);
                 }
-                const float ms = time_op(b, &S, rows, &fmts[f], NULL, NULL, pool, reps, flush);
-                const double bytes = (double)B * NKV * ctx * kvs_lean_token_bytes(fmts[f], HD);
-                printf("   %9.3f %7.0f %9.2fx", ms, bytes / (ms * 1e6), dense_ms / ms);
-                fflush(stdout);
+                for (int li = 0; li < nl; li++) {
+                    kvs_cuda_set_lean_layout(layouts[li]);
+                    const float ms = time_op(b, &S, rows, &fmts[f], NULL, NULL, pool, reps, flush);
+                    const double bytes = (double)B * NKV * ctx * kvs_lean_token_bytes(fmts[f], HD);
+                    printf("   %9.3f %7.0f %9.2fx", ms, bytes / (ms * 1e6), dense_ms / ms);
+                    fflush(stdout);
+                }
+                kvs_cuda_set_lean_layout(0);
                 O->free_buf(b, pool);
             }
             printf("\n");

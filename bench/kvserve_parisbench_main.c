@@ -9,8 +9,11 @@
  * retrieval zone (context - sink 4 - local 64 - a half-full update buffer of 256). ParisKV's
  * phase is what the policy runs per layer in a decode step: select (prep: qbar + SRHT + tiers;
  * vote; keep the top ceil(beta n) by vote; rerank by the 4-bit estimate; top-k + spans) and
- * attention_spans over sink + top-k + tail; no gather (the retrieval zone is in the GPU pool:
- * host offload is not built, so the spans address it directly). Each call sequence is timed
+ * attention_spans over sink + top-k + tail addressing the pool directly. "offload" is the same
+ * step with kv.paris.offload's data path: select, then the gather of sink + top-k (from pinned
+ * host pages over UVA: the retrieval zone written out by write_out, one page per pool block) +
+ * tail (from the pool) into a per-row staging area, then attention_spans over it; "gather" is
+ * that copy alone. Each call sequence is timed
  * alone with the L2 flushed before it, median of --reps; the phase split comes from events
  * inside select (one profiled run). Encode: the time to encode one update interval (512
  * positions per sequence), amortized over the 512 steps it covers. Recall@k of the selection
@@ -59,12 +62,18 @@ static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind ki
 struct shape {
     int B, ctx, topk;
     struct kvs_dbuf *kc, *vc, *q, *out, *lse, *signs, *codes, *w, *counts, *rows, *jobs, *nsp, *sp, *sel, *exact;
+    /* offload: host pages, page table, staging area and its one-span list */
+    void *hk, *hv;
+    struct kvs_dbuf *pages, *stk, *stv, *stbt, *stn, *stsp;
+    int stage_blocks, nblk;
+    struct kvs_attn_meta stm;
+    struct kvs_span_list stl;
     int32_t *h_rows, *h_jobs;
     struct kvs_attn_meta m;
     struct kvs_span_list sl;
 };
 
-enum { OP_FULL, OP_PARIS, OP_SELECT, OP_SPANS, OP_ENCODE };
+enum { OP_FULL, OP_PARIS, OP_SELECT, OP_SPANS, OP_ENCODE, OP_OFFLOAD, OP_GATHER };
 
 static void run_op(struct kvs_backend *b, struct shape *S, int op)
 {
@@ -74,7 +83,17 @@ static void run_op(struct kvs_backend *b, struct shape *S, int op)
         return;
     }
     if (op == OP_ENCODE) {
-        K->encode(b, S->kc, &S->m, S->jobs, S->h_jobs, S->B, 0, 1, NKV, HD, BS, S->signs, S->codes, S->w, S->counts);
+        K->encode(b, S->kc, &S->m, NULL, S->jobs, S->h_jobs, S->B, 0, 1, NKV, HD, BS, S->signs, S->codes, S->w, S->counts);
+        return;
+    }
+    if (op == OP_GATHER || op == OP_OFFLOAD) {
+        if (op == OP_OFFLOAD)
+            K->select(b, S->q, &S->m, S->rows, S->h_rows, S->B, 0, 1, NH, NKV, HD, BS, S->signs, S->codes, S->w,
+                      S->counts, S->topk + 2, S->topk, S->nsp, S->sp, NULL, NULL);
+        K->gather(b, S->kc, S->vc, &S->m, S->rows, S->h_rows, S->B, 0, 1, NKV, HD, BS, S->nsp, S->sp, S->topk + 2,
+                  S->pages, S->nblk, S->hk, S->hv, S->stk, S->stv, S->stage_blocks);
+        if (op == OP_OFFLOAD)
+            O->attention_spans(b, S->q, S->stk, S->stv, &S->stm, &S->stl, S->B, NH, NKV, HD, BS, scale, S->out, S->lse);
         return;
     }
     if (op != OP_SPANS)
@@ -164,9 +183,9 @@ int main(int argc, char **argv)
     printf("device: %s\nshape: %d query heads, %d KV heads, head_dim %d, blocks of %d; one layer, decode rows; sink %d, "
            "tail %d, topk %d, adaptive beta/rho; %d needles per sequence and KV head\n",
            desc, NH, NKV, HD, BS, SINK, TAIL, topk, NEEDLES);
-    printf("%6s %8s %9s %9s %9s %9s | %7s %7s %7s %7s %7s | %9s %8s %9s | %10s %10s\n", "batch", "context", "full ms",
-           "paris ms", "select", "spans", "prep", "vote", "keep", "rerank", "topk", "full/paris", "recall", "enc us/st",
-           "32L full", "32L paris");
+    printf("%6s %8s %9s %9s %9s %9s | %7s %7s %7s %7s %7s | %9s %8s %9s | %10s %10s | %9s %8s %10s %11s\n", "batch",
+           "context", "full ms", "paris ms", "select", "spans", "prep", "vote", "keep", "rerank", "topk", "full/paris",
+           "recall", "enc us/st", "32L full", "32L paris", "offload", "gather", "full/offl", "32L offload");
     struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
     float sg[HD];
     kvs_paris_signs(KVS_PARIS_SEED, HD, sg);
@@ -243,7 +262,7 @@ int main(int argc, char **argv)
             }
             O->upload(b, S.rows, 0, S.h_rows, (size_t)B * KVS_PARIS_ROW_N);
             O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
-            K->encode(b, S.kc, &S.m, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.signs, S.codes, S.w, S.counts);
+            K->encode(b, S.kc, &S.m, NULL, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.signs, S.codes, S.w, S.counts);
             /* launch planning copies: one span with the kept keys' bound */
             int32_t *h_n = kvs_xmalloc((size_t)B * NKV * 4), *h_sp = kvs_xcalloc((size_t)B * NKV * (topk + 2) * 2, 4);
             for (int i = 0; i < B * NKV; i++) h_n[i] = 1, h_sp[(size_t)i * (topk + 2) * 2 + 1] = SINK + topk + TAIL;
@@ -278,10 +297,53 @@ int main(int argc, char **argv)
             }
             O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
             const float enc = time_op(b, &S, OP_ENCODE, reps, flush);
+            /* offload: one host page per pool block (page = block id), the zone written out */
+            float offl = -1, gat = -1;
+            const size_t half = pool_blocks * (size_t)NKV * BS * HD * 2;   /* bf16 */
+            S.nblk = nblk;
+            S.stage_blocks = (SINK + topk + TAIL + BS - 1) / BS;
+            S.hk = K->host_alloc(b, half, err, sizeof err);
+            S.hv = S.hk ? K->host_alloc(b, half, err, sizeof err) : NULL;
+            if (S.hv) {
+                S.pages = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+                O->upload(b, S.pages, 0, perm, pool_blocks);
+                for (int s = 0; s < B; s++) {
+                    S.h_jobs[s * KVS_PARIS_JOB_N + KVS_PARIS_JOB_FROM] = SINK;
+                    S.h_jobs[s * KVS_PARIS_JOB_N + KVS_PARIS_JOB_TO] = SINK + n_r;
+                }
+                O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
+                K->write_out(b, S.kc, S.vc, &S.m, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.pages, nblk, S.hk, S.hv);
+                const size_t st_elems = (size_t)B * S.stage_blocks * NKV * BS * HD;
+                S.stk = alloc_or_die(b, KVS_BUF_KV, st_elems);
+                S.stv = alloc_or_die(b, KVS_BUF_KV, st_elems);
+                int32_t *sbt = kvs_xmalloc((size_t)B * S.stage_blocks * 4), *sn = kvs_xmalloc((size_t)B * NKV * 4);
+                int32_t *ssp = kvs_xmalloc((size_t)B * NKV * 8);
+                for (int i = 0; i < B * S.stage_blocks; i++) sbt[i] = i;
+                for (int i = 0; i < B * NKV; i++) sn[i] = 1, ssp[2 * i] = 0, ssp[2 * i + 1] = SINK + topk + TAIL;
+                S.stbt = alloc_or_die(b, KVS_BUF_I32, (size_t)B * S.stage_blocks);
+                S.stn = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
+                S.stsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * 2);
+                O->upload(b, S.stbt, 0, sbt, (size_t)B * S.stage_blocks);
+                O->upload(b, S.stn, 0, sn, (size_t)B * NKV);
+                O->upload(b, S.stsp, 0, ssp, (size_t)B * NKV * 2);
+                S.stm = S.m;
+                S.stm.block_tables = S.stbt, S.stm.max_blocks = S.stage_blocks;
+                S.stl = (struct kvs_span_list){1, S.stn, S.stsp, sn, ssp};
+                offl = time_op(b, &S, OP_OFFLOAD, reps, flush);
+                gat = time_op(b, &S, OP_GATHER, reps, flush);
+                struct kvs_dbuf *ob[] = {S.pages, S.stk, S.stv, S.stbt, S.stn, S.stsp};
+                for (size_t i = 0; i < sizeof ob / sizeof ob[0]; i++) O->free_buf(b, ob[i]);
+                free(sbt), free(sn), free(ssp);
+            } else {
+                fprintf(stderr, "offload column skipped: %s\n", err);
+            }
+            if (S.hk) K->host_free(b, S.hk);
+            if (S.hv) K->host_free(b, S.hv);
             printf("%6d %8d %9.3f %9.3f %9.3f %9.3f | %7.3f %7.3f %7.3f %7.3f %7.3f | %9.2fx %7.1f%% %9.2f | %10.2f "
-                   "%10.2f\n",
+                   "%10.2f | %9.3f %8.3f %9.2fx %11.2f\n",
                    B, ctx, full, paris, sel, spans, ph[0], ph[1], ph[2], ph[3], ph[4], full / paris, 100 * hits / tot,
-                   1000.0 * enc / 512, 32 * full, 32 * (paris + enc / 512));
+                   1000.0 * enc / 512, 32 * full, 32 * (paris + enc / 512), offl, gat, full / offl,
+                   32 * (offl + enc / 512));
             fflush(stdout);
             struct kvs_dbuf *all[] = {S.kc, S.vc, S.q, S.out, S.lse, S.signs, S.codes, S.w, S.counts, S.rows, S.jobs,
                                       S.nsp, S.sp, S.sel, S.exact, qs, pos, bt};

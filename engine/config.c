@@ -114,7 +114,7 @@ static const struct key_def KEYS[] = {
 
     {"kv.mac.ring_size", T_INT, F(mac_ring_size), 1, 65536, "1024", NULL, NULL, "MAC: recent queries kept (K)"},
     {"kv.mac.band", T_INT, F(mac_band), 1, 65536, "256", NULL, NULL, "MAC: recomputed band r"},
-    {"kv.mac.tau", T_DOUBLE, F(mac_tau), 0, 2, "0.45", NULL, NULL, "MAC: match threshold (>= 1 never matches)"},
+    {"kv.mac.tau", T_DOUBLE, F(mac_tau), 0, 2, "0.75", NULL, NULL, "MAC: match threshold (>= 1 never matches)"},
     {"kv.mac.gen_min", T_INT, F(mac_gen_min), 0, 16777216, "2048", NULL, NULL, "MAC: context length before matching starts"},
 
     {"kv.paris.topk", T_INT, F(paris_topk), 1, 1048576, "100", NULL, NULL, "ParisKV: keys attended after rerank"},
@@ -125,7 +125,7 @@ static const struct key_def KEYS[] = {
     {"kv.paris.dense_threshold", T_INT, F(paris_dense_threshold), 0, 16777216, "2000", NULL, NULL,
      "ParisKV: below this context, dense attention"},
     {"kv.paris.offload", T_BOOL, F(paris_offload), 0, 1, "false", NULL, NULL,
-     "ParisKV: write the retrieval zone's K/V to a host page pool and gather the chosen top-k from it over UVA (partial: the GPU blocks are not released yet, so it saves no GPU memory; logged at startup)"},
+     "ParisKV: write the retrieval zone's K/V to a host page pool, give its KV pool blocks back (not with parallel.tensor > 1) and gather the chosen top-k from the host over UVA; prompts still prefill in the pool"},
     {"kv.paris.host_bytes", T_INT64, F(paris_host_bytes), 0, I64MAX, "0", NULL, NULL,
      "ParisKV offload: bytes of the (pinned) host page pool; 0: one page per KV pool block"},
     {"kv.paris.beta", T_DOUBLE, F(paris_beta), 0, 1, "0", NULL, NULL,

@@ -53,6 +53,12 @@ static int real_kv_counters(void *ctx, struct kvs_kv_counter *out, int cap)
     return kvs_runner_kv_counters(x->runner, out, cap);
 }
 
+static int real_kv_offloaded(void *ctx, int slot, int *lo, int *hi)
+{
+    struct real_exec *x = ctx;
+    return kvs_runner_kv_offloaded(x->runner, slot, lo, hi);
+}
+
 static int real_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id)
 {
     struct real_exec *x = ctx;
@@ -168,6 +174,7 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.forward_end = real_forward_end;
     x.seq_end = real_seq_end;
     x.kv_counters = real_kv_counters;
+    x.kv_offloaded = real_kv_offloaded;
     x.sampler_state_size = sizeof(struct kvs_sampler);
     x.sampler_init = real_sampler_init;
     x.sample = real_sample;

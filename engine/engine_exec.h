@@ -85,6 +85,10 @@ struct kvs_engine_exec {
     /* The executor's KV counters (decode policy, fidelity meter) into out[0..cap); returns how
      * many. May be NULL. */
     int (*kv_counters)(void *ctx, struct kvs_kv_counter *out, int cap);
+    /* The decode policy's `offloaded` (kv.h): after a successful step, logical blocks [*lo, *hi)
+     * of the request in slot that the policy moved off the pool; the scheduler gives them back
+     * to the block pool. Returns hi - lo (0: none). May be NULL (nothing is ever released). */
+    int (*kv_offloaded)(void *ctx, int slot, int *lo, int *hi);
 
     void (*destroy)(void *ctx);   /* may be NULL */
 };

@@ -1128,7 +1128,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         r->h_decode[s] = q && q->n_tokens == 1 && q->pos > 0;
         n_decode += r->h_decode[s];
     }
-    const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta};
+    const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta, r->h_bt};
     int rc = r->st->step ? r->st->step(r->st_state, &step) : 0;
     if (rc == 0 && r->dp->plan) rc = r->dp->plan(r->dp_state, &step);
     /* a group also agrees on the step's rows: a policy's multi-row decode (recompute) decided
@@ -1183,6 +1183,12 @@ void kvs_runner_seq_end(struct kvs_runner *r, int slot)
     if (slot < 0 || slot >= r->cap_seqs || (!r->dp->seq_free && !r->st->seq_free)) return;
     if (r->n_ranks > 1) kvs_tp_seq_end(r->tp, slot);
     else kvs_runner_rank_seq_end(r, slot);
+}
+
+int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi)
+{
+    if (slot < 0 || slot >= r->cap_seqs || r->n_ranks > 1 || !r->dp->offloaded) return 0;
+    return r->dp->offloaded(r->dp_state, slot, lo, hi);
 }
 
 void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot)

@@ -120,5 +120,9 @@ void kvs_runner_seq_end(struct kvs_runner *r, int slot);
  * into out[0..cap); returns how many. */
 struct kvs_kv_counter;
 int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int cap);
+/* The decode policy's `offloaded` (engine/kv/kv.h) for the request in slot: logical blocks
+ * [*lo, *hi) it moved off the pool since the last call; returns hi - lo (0: none; always 0 with
+ * tensor parallelism, whose ranks keep their blocks). */
+int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi);
 
 #endif

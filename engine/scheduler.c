@@ -738,6 +738,10 @@ static void step_body(struct kvs_engine *e, double now)
         r->n_computed += r->sched_tokens;
         r->sched_tokens = 0;
         if (e->kv.reuse->commit) e->kv.reuse->commit(&e->kv, &r->kvrq, r->tokens, r->n_computed, &r->table);
+        /* blocks the decode policy moved off the pool (kv.h `offloaded`) go back to it */
+        int off_lo, off_hi;
+        if (e->x.kv_offloaded && r->slot >= 0 && e->x.kv_offloaded(e->x.ctx, r->slot, &off_lo, &off_hi) > 0)
+            kvs_block_table_offload(&r->table, &e->pool, off_lo, off_hi);
         if (!want && !r->finish_pending) continue;
         /* an ALL chunk's rows are its tokens'; the last one is the sampling row */
         int n_rows = want == KVS_LOGITS_ALL ? c : want != KVS_LOGITS_NONE;

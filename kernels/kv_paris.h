@@ -94,12 +94,17 @@ struct kvs_paris_kernels {
     /* 0, or -ENOSYS with a message when these kernels cannot take head_dim (NULL: any). */
     int (*supports)(int head_dim, char *err, size_t errlen);
     /* Encodes, for each job, the keys of positions [from, to) of its sequence (kc: one layer's
-     * K pool, read through m's block tables) into codes / w at their slots, and adds them to
-     * counts[slot][layer]. h_jobs: host copy of jobs. signs F32 [head_dim]. */
+     * K pool, read through m's block tables) into codes / w at their index slots, and adds them
+     * to counts[slot][layer]. The index slot of position p is it[p / block_size] * block_size +
+     * p % block_size with it the sequence's row of idx_tables (I32 [n_seqs][m->max_blocks]), or
+     * of m's block tables when idx_tables is NULL (the index paged like the pool; with host
+     * offload the policy pages it by host page instead, so that it outlives the pool blocks, and
+     * select then gets a meta whose block tables are the same index tables). h_jobs: host copy
+     * of jobs. signs F32 [head_dim]. */
     void (*encode)(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
-                   const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
-                   int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *signs, struct kvs_dbuf *codes,
-                   struct kvs_dbuf *w, struct kvs_dbuf *counts);
+                   const struct kvs_dbuf *idx_tables, const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs,
+                   int layer, int n_layers, int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *signs,
+                   struct kvs_dbuf *codes, struct kvs_dbuf *w, struct kvs_dbuf *counts);
     /* Selection for rows 0 .. n-1 (rows: I32 [n][KVS_PARIS_ROW_N], h_rows its host copy; q ACT
      * [.][n_heads][head_dim], row r's query is q row r). Writes n_spans I32 [n][n_kv_heads],
      * spans I32 [n][n_kv_heads][max_spans][2] (max_spans >= topk + 2), and, when sel / coarse are

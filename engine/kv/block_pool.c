@@ -199,8 +199,23 @@ int kvs_block_table_reserve(struct kvs_block_table *t, struct kvs_block_pool *p,
     return 0;
 }
 
+int kvs_block_table_offload(struct kvs_block_table *t, struct kvs_block_pool *p, int lo, int hi)
+{
+    KVS_ASSERT(lo >= 1 && lo <= hi && hi <= t->n);
+    KVS_ASSERT(t->off_lo == t->off_hi || lo == t->off_hi);
+    if (t->off_lo == t->off_hi) t->off_lo = t->off_hi = lo;
+    for (int i = lo; i < hi; i++) {
+        kvs_block_pool_unref(p, t->ids[i]);
+        t->ids[i] = t->ids[0];
+    }
+    t->off_hi = hi;
+    return hi - lo;
+}
+
 void kvs_block_table_release(struct kvs_block_table *t, struct kvs_block_pool *p)
 {
-    for (int i = t->n - 1; i >= 0; i--) kvs_block_pool_unref(p, t->ids[i]);
+    for (int i = t->n - 1; i >= 0; i--)
+        if (i < t->off_lo || i >= t->off_hi) kvs_block_pool_unref(p, t->ids[i]);
     t->n = 0;
+    t->off_lo = t->off_hi = 0;
 }

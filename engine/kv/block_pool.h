@@ -82,6 +82,12 @@ struct kvs_block_table {
     int32_t *ids;                 /* [cap] */
     int n;
     int cap;
+    /* Offloaded range [off_lo, off_hi) (kvs_block_table_offload; empty when equal): those
+     * blocks' K/V live elsewhere (a decode policy's host pages) and their references went back
+     * to the pool; their entries alias ids[0] so that a kernel that reads the table stays inside
+     * the pool (what it reads there is meaningless, and the policy that offloaded them never
+     * uses it). Release skips them. */
+    int off_lo, off_hi;
 };
 
 /* Allocates a table able to cover max_tokens positions. 0 or -ENOMEM. */
@@ -92,8 +98,15 @@ void kvs_block_table_free(struct kvs_block_table *t);
 int kvs_block_table_reserve(struct kvs_block_table *t, struct kvs_block_pool *p, int n_tokens);
 /* Blocks still needed to cover n_tokens positions. */
 int kvs_block_table_blocks_needed(const struct kvs_block_table *t, int block_size, int n_tokens);
-/* Unrefs every block, last block first (so that a prefix's tail is evicted before its head),
- * and empties the table. */
+/* Gives the references of blocks [lo, hi) back to the pool (their K/V were moved off the pool
+ * by the decode policy, kv.h `offloaded`) and makes the entries alias ids[0]. The range must
+ * extend the offloaded one (lo == off_hi, or the first range) with 1 <= lo <= hi <= n (block 0
+ * is never offloaded: it is the alias). Returns the blocks released. */
+int kvs_block_table_offload(struct kvs_block_table *t, struct kvs_block_pool *p, int lo, int hi);
+/* Blocks of the table that hold references (n minus the offloaded range). */
+static inline int kvs_block_table_held(const struct kvs_block_table *t) { return t->n - (t->off_hi - t->off_lo); }
+/* Unrefs every block it holds (not the offloaded range), last block first (so that a prefix's
+ * tail is evicted before its head), and empties the table. */
 void kvs_block_table_release(struct kvs_block_table *t, struct kvs_block_pool *p);
 
 #endif

@@ -37,7 +37,7 @@ static const struct row REGISTRY[] = {
     {"decode", "retro", &kvs_kv_decode_retro, "RetroAttention: Quest plus retrospective updates"},
     {"decode", "mac", &kvs_kv_decode_mac, "MAC: reuse of attention summaries of similar recent queries"},
     {"decode", "paris", &kvs_kv_decode_paris,
-     "ParisKV: top-k retrieval from a 4-bit key index (host offload not built yet)"},
+     "ParisKV: top-k retrieval from a 4-bit key index, optional host offload of the retrieval zone"},
 };
 #define N_REGISTRY ((int)(sizeof REGISTRY / sizeof REGISTRY[0]))
 

@@ -11,7 +11,7 @@
  *            (work the step runs for the strategy, e.g. documents), commit and release, and
  *            the per-block attention metadata of a sequence (rotation offsets, valid slots).
  *   decode   how a decode row reads the cache (kv_decode_full.c, kv_decode_quest.c,
- *            kv_decode_mac.c, kv_decode_retro.c; paris next). Runner side: `needs`, per-request state (seq_init / seq_free, from a
+ *            kv_decode_mac.c, kv_decode_retro.c, kv_decode_paris.c). Runner side: `needs`, per-request state (seq_init / seq_free, from a
  *            budgeted arena), plan once per step, attend per layer (replaces the attention
  *            call), finish after the layer, counters.
  *
@@ -162,6 +162,8 @@ struct kvs_kv_step {
     int n_seqs, n_rows;
     const int32_t *h_q_start, *h_pos, *h_slot, *h_decode;
     const struct kvs_attn_meta *m;
+    const int32_t *h_block_tables;  /* host copy of m->block_tables (stride m->max_blocks), or NULL
+                                     * where the caller has none (a policy that needs it fails) */
 };
 
 struct kvs_kv_attend {
@@ -209,6 +211,21 @@ struct kvs_kv_decode_ops {
      * rows it got from h_q_start. */
     int (*max_recompute)(const struct kvs_config *cfg);
     int (*recompute)(void *state, int slot);
+    /* Optional (NULL: the policy reads every block of its requests from the pool). Releasing
+     * GPU memory (ParisKV's host offload): after each successful step the scheduler asks, for
+     * every request of the step, whether the policy has moved logical blocks [*lo, *hi) of the
+     * request in `slot` off the pool (their K/V are in memory of its own) and will never read
+     * them from the pool again; returns hi - lo (0: nothing new). The ranges a request reports
+     * are contiguous and ascending (lo is the previous hi after the first), 1 <= lo, and only
+     * cover blocks of positions the step had computed. The scheduler then gives those blocks
+     * back to the block pool (kvs_block_table_offload: the entries alias block 0 of the table,
+     * so a kernel that reads them stays in bounds; the policy must not use what it reads there:
+     * from then on every row of that request must be one the policy attends from its own
+     * memory, and plan() fails the step, -EIO, when that cannot hold). The request's own
+     * memory is freed by seq_free (end, cancellation, preemption: a preempted request recomputes
+     * its whole context into fresh blocks). A tensor-parallel runner does not release (it does
+     * not ask). */
+    int (*offloaded)(void *state, int slot, int *lo, int *hi);
 };
 
 /* Attention of the step's rows over a's view (every row, the backend's attention() contract),

@@ -38,13 +38,22 @@
  * pages over UVA, tail from the pool) in order into a per-row staging area, whose attention over
  * one span [0, count) is then the row's output: the same keys in the same order, so at beta = 1
  * it is bitwise offload off (tests/unit/test_kv_paris.c). seq_init / seq_free give the pages
- * back (cancellation, preemption). NOT YET: the pool blocks of the written-out zone are not
- * released (the GPU still holds the whole context: no GPU memory is saved yet), admission does
- * not count host pages, and no 400 names the limit; that needs the storage to map block ids to
- * GPU frames or host pages (a kv.h storage op), which is the next step.
+ * back (cancellation, preemption).
+ * Releasing the pool (kv.h `offloaded`): after each step the scheduler asks which whole blocks
+ * of a request's retrieval zone are in host pages ([rel_first, first block without a page or
+ * past sink + n_enc)) and gives them back to the block pool; the table's entries then alias its
+ * block 0. The index of a position lives at its host page's index slot when it has a page
+ * (index slots = pool slots + page slots; the step's index tables map block j to its page, else
+ * to n_pages + its pool block), so it outlives the pool block; encode and select address it
+ * through those tables. From then on the request's rows must select (plan fails the step, -EIO,
+ * otherwise), recall is not sampled for steps with such rows (exact_topk reads the pool), and
+ * the live fidelity meter is refused with offload. A block whose earlier positions found no page
+ * stays in the pool. With tensor parallelism nothing is released (the runner does not ask).
+ * NOT YET: write-out during prefill (a prompt longer than the pool cannot be admitted), admission
+ * counting host pages and a 400 that names the host limit.
  *
  * Errors: create returns -EINVAL (head_dim not a power of two in [8, 1024], bad setting),
- * -ENOSYS (no kernels, no attention_spans, a storage format of its own, offload), -ENOMEM,
+ * -ENOSYS (no kernels, no attention_spans, a storage format of its own), -ENOMEM,
  * each with a message.
  */
 #include "engine/kv/kv.h"
@@ -61,6 +70,8 @@
 struct paris_seq {
     int32_t live;                 /* 1 between seq_init and seq_free */
     int32_t n_enc;                /* retrieval-zone positions encoded: [sink, sink + n_enc) */
+    int32_t rel_lo, rel_hi;       /* offload: logical blocks [rel_lo, rel_hi) reported to the
+                                   * scheduler as off the pool (kv.h `offloaded`); equal: none */
 };
 
 struct paris {
@@ -89,10 +100,16 @@ struct paris {
     int32_t *free_pages;          /* [n_pages] free stack */
     int32_t *h_pages;             /* [max_slots][max_blocks]: page of a request's block, -1 none */
     struct kvs_dbuf *d_pages;
+    struct kvs_dbuf *d_idx;       /* the step's index tables, I32 [rows][step stride] (kv_paris.h encode) */
+    int32_t *h_idx;
     int stage_blocks, stage_pos;  /* staging blocks / positions per lead row */
     struct kvs_dbuf *stage_k, *stage_v, *stage_bt, *d_stage_n, *d_stage_sp;
     int32_t *h_stage_n, *h_stage_sp;
     double host_fallback, host_read;
+    double blocks_released;       /* blocks reported off the pool, all time */
+    double recall_skipped;        /* sampled steps whose recall was not measured (offloaded rows) */
+    int blocks_off;               /* of live requests, now */
+    int rel_first;                /* first block that may leave the pool: after block 0 and the sink */
 };
 
 /* ---- the host page pool (offload) ----------------------------------------------------------- */
@@ -136,7 +153,8 @@ static void paris_destroy(void *state)
     free(s->zeros);
     if (s->host_k) s->k->host_free(be, s->host_k);
     if (s->host_v) s->k->host_free(be, s->host_v);
-    struct kvs_dbuf *obufs[] = {s->d_pages, s->stage_k, s->stage_v, s->stage_bt, s->d_stage_n, s->d_stage_sp};
+    free(s->h_idx);
+    struct kvs_dbuf *obufs[] = {s->d_idx, s->d_pages, s->stage_k, s->stage_v, s->stage_bt, s->d_stage_n, s->d_stage_sp};
     for (size_t i = 0; i < sizeof obufs / sizeof obufs[0]; i++) o->free_buf(be, obufs[i]);
     free(s->free_pages);
     free(s->h_pages);
@@ -241,8 +259,30 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->W = kvs_paris_words(d);
     s->max_spans = s->topk + 2;
     s->rows = env->max_slots < env->max_rows ? env->max_slots : env->max_rows;
+    if (c && c->paris_offload) {
+        /* the live fidelity meter runs exact attention over the pool, which no longer holds a
+         * written-out zone */
+        int rc = c->kv_fidelity_sample_every > 0
+                     ? kvs_err(err, errlen, -EINVAL, "config keys 'kv.paris.offload' and 'kv.fidelity.sample_every': the "
+                               "meter's exact attention reads the retrieval zone from the KV pool, which offload releases")
+                     : offload_create(s, c->paris_host_bytes, err, errlen);
+        if (rc) {
+            paris_destroy(s);
+            return rc;
+        }
+        s->d_idx = env->o->alloc(env->be, KVS_BUF_I32, (size_t)s->rows * env->max_blocks);
+        s->h_idx = kvs_xcalloc((size_t)s->rows * env->max_blocks, sizeof *s->h_idx);
+        if (!s->d_idx) {
+            paris_destroy(s);
+            return kvs_err(err, errlen, -ENOMEM, "kv.paris.offload: no backend memory for the index tables");
+        }
+        s->rel_first = (s->sink + env->block_size - 1) / env->block_size;
+        if (s->rel_first < 1) s->rel_first = 1;
+    }
     const size_t L = (size_t)env->n_layers, nkv = (size_t)env->n_kv_heads, rows = (size_t)s->rows;
-    const size_t slots = (size_t)env->n_pool_blocks * (size_t)env->block_size;
+    /* index slots: one per pool slot, and with offload one per host page slot too (the index of
+     * a written-out position lives at its page, so it outlives the pool block) */
+    const size_t slots = ((size_t)env->n_pool_blocks + (size_t)s->n_pages) * (size_t)env->block_size;
     s->counts_per_slot = L * nkv * (size_t)s->B * KVS_PARIS_NC;
     int failed = slots == 0;
     s->codes = kvs_xcalloc(L, sizeof *s->codes);
@@ -288,17 +328,6 @@ static int paris_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->h_coarse = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_coarse);
         s->h_exact = kvs_xcalloc(rows * nkv * (size_t)s->topk, sizeof *s->h_exact);
     }
-    if (c && c->paris_offload) {
-        int rc = offload_create(s, c->paris_host_bytes, err, errlen);
-        if (rc) {
-            paris_destroy(s);
-            return rc;
-        }
-        /* said, not silently accepted: the data path (write-out, UVA gather) is exact, but the
-         * GPU copy of the retrieval zone is still held, so nothing is saved yet */
-        kvs_log(KVS_LOG_WARN, "kv.paris.offload: the retrieval zone is mirrored to host pages and the top-k gathered "
-                "from them, but its GPU blocks are not released yet: no GPU memory is saved (issue 19)");
-    }
     *state = s;
     return 0;
 }
@@ -316,7 +345,9 @@ static int paris_seq_init(void *state, int slot, void *mem)
     struct paris_seq *q = mem;
     /* the runner zeroes the arena slot before seq_init, so whether the slot was live is kept here */
     if (!s->seq[slot]) s->live++;
+    else s->blocks_off -= s->seq[slot]->rel_hi - s->seq[slot]->rel_lo;
     q->live = 1, q->n_enc = 0;
+    q->rel_lo = q->rel_hi = 0;
     if (s->offload) {
         pages_release(s, slot);
         s->env.o->upload(s->env.be, s->d_pages, (size_t)slot * s->env.max_blocks,
@@ -333,8 +364,10 @@ static void paris_seq_free(void *state, int slot)
     if (slot < 0 || slot >= s->env.max_slots || !s->seq[slot]) return;
     s->live--;
     pages_release(s, slot);
+    s->blocks_off -= s->seq[slot]->rel_hi - s->seq[slot]->rel_lo;
     s->seq[slot]->live = 0;
     s->seq[slot]->n_enc = 0;
+    s->seq[slot]->rel_lo = s->seq[slot]->rel_hi = 0;
     s->seq[slot] = NULL;
 }
 
@@ -347,13 +380,39 @@ static void pages_for(struct paris *s, int slot, int from, int to)
     if (to <= from) return;
     int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
     const int j0 = from / bs, j1 = (to - 1) / bs;
-    for (int j = j0; j <= j1; j++)
-        if (pt[j] < 0 && (pt[j] = page_alloc(s)) < 0) {
+    for (int j = j0; j <= j1; j++) {
+        /* a block whose earlier retrieval positions found no page stays in the pool as a whole
+         * (its page would lack them, and its index entries are at its pool slots) */
+        const int first = j * bs > s->sink ? j * bs : s->sink;
+        if (pt[j] < 0 && (first < from || (pt[j] = page_alloc(s)) < 0)) {
             const int a = j * bs > from ? j * bs : from, b = (j + 1) * bs < to ? (j + 1) * bs : to;
             s->host_fallback += b - a;
         }
+    }
     s->env.o->upload(s->env.be, s->d_pages, (size_t)slot * s->env.max_blocks + (size_t)j0, pt + j0,
                      (size_t)(j1 - j0 + 1));
+}
+
+/* kv.h `offloaded`: the whole blocks of the retrieval zone whose K/V are in host pages (written
+ * out by the step's encode jobs in every layer) leave the pool. Contiguous from rel_first up to
+ * the first block without a page (host pool full: that block and the later ones stay). From then
+ * on the request's rows must all select (plan checks), and the gather reads them from the host. */
+static int paris_offloaded(void *state, int slot, int *lo, int *hi)
+{
+    struct paris *s = state;
+    if (!s->offload || slot < 0 || slot >= s->env.max_slots || !s->seq[slot]) return 0;
+    struct paris_seq *q = s->seq[slot];
+    const int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
+    const int end = (s->sink + q->n_enc) / s->env.block_size;   /* blocks wholly encoded and written out */
+    int from = q->rel_hi > q->rel_lo ? q->rel_hi : s->rel_first, to = from;
+    while (to < end && pt[to] >= 0) to++;
+    if (to <= from) return 0;
+    if (q->rel_hi == q->rel_lo) q->rel_lo = from;
+    q->rel_hi = to;
+    *lo = from, *hi = to;
+    s->blocks_released += to - from;
+    s->blocks_off += to - from;
+    return to - from;
 }
 
 static int paris_plan(void *state, const struct kvs_kv_step *st)
@@ -425,8 +484,27 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
         /* K/V of sink + top-k + tail, and the index scanned (all of it for the vote) */
         s->bytes_read += L * (per_layer * (double)(s->sink + topk + ctx - s->sink - n_r) + idx_token * n_r);
     }
+    /* a request whose retrieval zone left the pool can only be attended from the host pages: its
+     * row must be one that selected (the dense attention over all rows reads the aliased entries) */
+    int released_lead = 0;
+    for (int q = 0; s->offload && q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q];
+        const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
+        if (!sq || sq->rel_hi == sq->rel_lo) continue;
+        const int32_t *R = q < s->n_lead ? s->h_rows + (size_t)q * KVS_PARIS_ROW_N : NULL;
+        if (!R || !R[KVS_PARIS_ROW_NR] || st->h_q_start[q + 1] - st->h_q_start[q] != 1) {
+            kvs_log(KVS_LOG_ERROR, "kv.paris.offload: the request in slot %d has blocks %d..%d in host pages only, "
+                    "but its row at position %d is not a selecting decode row (step of %d sequences, %d leading)",
+                    slot, sq->rel_lo, sq->rel_hi - 1, st->h_pos[q], st->n_seqs, s->n_lead);
+            return -EIO;
+        }
+        released_lead = 1;
+    }
     if (!s->any_sel) return 0;
-    s->recall_now = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0;
+    /* recall reads the retrieval zone from the pool (exact_topk): not for a step with a row whose
+     * zone left it */
+    s->recall_now = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && !released_lead;
+    if (s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && released_lead) s->recall_skipped++;
     /* launch planning: one span per (row, head) with at least as many keys as selected */
     for (int q = 0; q < s->n_lead; q++) {
         const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
@@ -451,6 +529,22 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
             s->host_read += (double)R[KVS_PARIS_ROW_TOPK] * nkv * s->env.head_dim * s->k->kv_elem_bytes * 2.0 * L;
     }
     if (s->offload) {
+        /* index tables: a position's index slot is at its host page, or at its pool block when it
+         * has none (kv_paris.h encode) */
+        const int stride = st->m->max_blocks, bs = s->env.block_size;
+        if (!st->h_block_tables || stride > s->env.max_blocks) {
+            kvs_log(KVS_LOG_ERROR, "kv.paris.offload: the step has no host block tables (stride %d)", stride);
+            return -ENOSYS;
+        }
+        for (int q = 0; q < s->n_lead; q++) {
+            const int nb = (s->h_rows[(size_t)q * KVS_PARIS_ROW_N + KVS_PARIS_ROW_CTX] + bs - 1) / bs;
+            const int32_t *bt = st->h_block_tables + (size_t)q * stride;
+            const int slot = st->h_slot[q];
+            const int32_t *pt = slot >= 0 && slot < s->env.max_slots ? s->h_pages + (size_t)slot * s->env.max_blocks : NULL;
+            int32_t *it = s->h_idx + (size_t)q * stride;
+            for (int j = 0; j < stride; j++) it[j] = j < nb && pt && pt[j] >= 0 ? pt[j] : s->n_pages + (j < nb ? bt[j] : 0);
+        }
+        s->env.o->upload(s->env.be, s->d_idx, 0, s->h_idx, (size_t)s->n_lead * stride);
         s->env.o->upload(s->env.be, s->d_stage_n, 0, s->h_stage_n, (size_t)s->n_lead * nkv);
         s->env.o->upload(s->env.be, s->d_stage_sp, 0, s->h_stage_sp, (size_t)s->n_lead * nkv * 2);
     }
@@ -500,12 +594,14 @@ static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
     if (s->n_jobs)
-        s->k->encode(be, a->kv.k, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers, a->n_kv_heads,
+        s->k->encode(be, a->kv.k, &sub, s->offload ? s->d_idx : NULL, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers, a->n_kv_heads,
                      a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts);
     if (s->n_jobs && s->offload)
         s->k->write_out(be, a->kv.k, a->kv.v, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers,
                         a->n_kv_heads, a->head_dim, a->block_size, s->d_pages, s->env.max_blocks, s->host_k, s->host_v);
-    s->k->select(be, a->q, &sub, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers, a->n_heads, a->n_kv_heads,
+    struct kvs_attn_meta selm = sub;   /* select reads the index through the index tables */
+    if (s->offload) selm.block_tables = s->d_idx;
+    s->k->select(be, a->q, &selm, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers, a->n_heads, a->n_kv_heads,
                  a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts, s->max_spans,
                  s->topk, s->d_n_spans, s->d_spans, s->recall_now ? s->d_sel : NULL,
                  s->recall_now ? s->d_coarse : NULL);
@@ -561,6 +657,12 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
          s->host_read, NULL, NULL},
         {"kvserve:kv_paris_host_fallback_total", "Retrieval positions not written out for lack of host pages (read "
          "from the KV pool instead).", 1, s->host_fallback, NULL, NULL},
+        {"kvserve:kv_paris_gpu_blocks_released_total", "KV pool blocks of written-out retrieval zones given back to the "
+         "pool (kv.paris.offload).", 1, s->blocks_released, NULL, NULL},
+        {"kvserve:kv_paris_gpu_blocks_offloaded", "KV pool blocks that live requests hold in host pages instead of the "
+         "pool now (kv.paris.offload).", 0, s->blocks_off, NULL, NULL},
+        {"kvserve:kv_paris_recall_skipped_total", "Sampled steps (kv.paris.recall_every) whose recall was not measured "
+         "because a row's retrieval zone had left the pool.", 1, s->recall_skipped, NULL, NULL},
     };
     int n = 0;
     for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];
@@ -580,4 +682,5 @@ const struct kvs_kv_decode_ops kvs_kv_decode_paris = {
     .plan = paris_plan,
     .attend = paris_attend,
     .counters = paris_counters,
+    .offloaded = paris_offloaded,
 };

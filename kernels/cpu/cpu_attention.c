@@ -96,6 +96,7 @@ struct tile_plan {
     int ht;                       /* query heads per tile (divides the GQA group) */
     int n_hchunks;                /* n_heads / ht */
     int fm;                       /* FMA kernel set */
+    int n_tasks;
 };
 
 /* One tile: pairs i = (row r0 + i / nh, head h0 + i % nh) of one sequence and kv head walk the
@@ -159,7 +160,17 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
                 _mm256_storeu_ps(scs + (size_t)i * KT + k8,
                                  _mm256_mul_ps(kt_dot8(pr[i].q, keys.k + k8, hd, fm), _mm256_set1_ps(j->scale)));
         int pend = -1;   /* a pair waiting for a partner of kt_pv2 */
-        for (i = i_full; i < np; i++) {
+        i = i_full;
+        if (hd % 32 == 0)
+            /* eight pairs at a time, one per lane (kt_softmax8: the same bits as one by one) */
+            for (; i + 8 <= np; i += 8) {
+                struct kt_pair *p8[8];
+                float pwT[KT * 8];
+                for (int q = 0; q < 8; q++) p8[q] = &pr[i + q];
+                if (!kt_softmax8(p8, scs + (size_t)i * KT, pwT, hd)) break;
+                for (int q = 0; q < 8; q += 2) kt_pv2(pr[i + q].acc, pr[i + q + 1].acc, &keys, pwT + q, pwT + q + 1, hd, fm, 8);
+            }
+        for (; i < np; i++) {
             const float *s_i = scs + (size_t)i * KT;
             float *pw_i = pws + (size_t)i * KT;
             if (!kt_softmax(&pr[i], s_i, pw_i, hd)) continue;
@@ -170,7 +181,7 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
             } else if (pend < 0) {
                 pend = i;
             } else {
-                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm);
+                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm, 1);
                 pend = -1;
             }
         }
@@ -196,6 +207,10 @@ static void tile_task(void *c, int task)
 {
     const struct tile_plan *pl = c;
     const struct kvs_cpu_attn_args *a = pl->a;
+    /* the last tasks first: the pool hands tasks out in increasing order, and the last query
+     * tiles of a sequence read the most keys, so the long ones start first and the short ones
+     * fill in at the end (a causal prefill otherwise ends on one thread's longest tile) */
+    task = pl->n_tasks - 1 - task;
     int hc = task % pl->n_hchunks, qtile = task / pl->n_hchunks;
     int s = 0;
     for (;; s++) {
@@ -237,7 +252,8 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
             const double rows = a->q_start[s + 1] - a->q_start[s];
             work += rows * (a->pos[s] + (rows + 1) / 2) * 2.0 * a->n_heads * a->head_dim;
         }
-        kvs_cpu_pool_run_sized(pool, n_qtiles * pl.n_hchunks, work, tile_task, &pl);
+        pl.n_tasks = n_qtiles * pl.n_hchunks;
+        kvs_cpu_pool_run_sized(pool, pl.n_tasks, work, tile_task, &pl);
         return;
     }
 #else

@@ -51,8 +51,9 @@ static inline void kt_fill(struct kt_keys *t, const float *kc, const float *vc, 
                            const int32_t *valid, int n_kv_heads, int g, int bs, int hd, int p0, int nk)
 {
     t->nk = nk;
-    for (int i = 0; i < nk; i++) {
-        const int p = p0 + i, bi = p / bs, off = p % bs;
+    int bi = p0 / bs, off = p0 % bs;   /* one division per tile, not per key */
+    for (int i = 0; i < nk; i++, off++) {
+        if (off == bs) bi++, off = 0;
         t->rot[i] = rot ? rot[bi] : 0;
         if (valid && off >= valid[bi]) {
             t->k[i] = t->v[i] = NULL;
@@ -283,11 +284,90 @@ ATT_AVX2 ATT_INLINE void kt_scores3(const float *q0, const float *q1, const floa
     }
 }
 
+/* 8 x 8 transpose: r[i] lane j <- r[j] lane i */
+ATT_AVX2 ATT_INLINE void kt_transpose8(__m256 r[8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* kt_softmax of eight pairs p[0..7] at once, one pair per lane (their scores sc[q * KT + k]
+ * come in per pair and are transposed to key-major), every score finite: the same operations
+ * per pair as kt_softmax (max, libm expf rescale when the max grows, kt_exp per score, the
+ * weights summed in key order from 0), so the same bits. Writes the weights key-major:
+ * pwT[k * 8 + q]. Returns 0 (nothing changed) when some score is -inf: the caller takes the
+ * one-pair steps then. */
+ATT_AVX2 ATT_INLINE int kt_softmax8(struct kt_pair *const p[8], const float *sc, float *pwT, int hd)
+{
+    __m256 lo[8], hi[8];
+    for (int q = 0; q < 8; q++) {
+        lo[q] = _mm256_loadu_ps(sc + (size_t)q * KT);
+        hi[q] = _mm256_loadu_ps(sc + (size_t)q * KT + 8);
+    }
+    kt_transpose8(lo);   /* lo[k]: key k of the eight pairs */
+    kt_transpose8(hi);   /* hi[k]: key 8 + k */
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    __m256 m = _mm256_max_ps(lo[0], hi[0]), bad = _mm256_or_ps(_mm256_cmp_ps(lo[0], ninf, _CMP_EQ_OQ),
+                                                                 _mm256_cmp_ps(hi[0], ninf, _CMP_EQ_OQ));
+    for (int k = 1; k < 8; k++) {
+        m = _mm256_max_ps(m, _mm256_max_ps(lo[k], hi[k]));
+        bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(lo[k], ninf, _CMP_EQ_OQ), _mm256_cmp_ps(hi[k], ninf, _CMP_EQ_OQ)));
+    }
+    if (_mm256_movemask_ps(bad)) return 0;
+    float tmax[8];
+    _mm256_storeu_ps(tmax, m);
+    const int hd8 = hd / 8 * 8;
+    float mxs[8], ls[8];
+    for (int q = 0; q < 8; q++) {
+        struct kt_pair *pq = p[q];
+        if (tmax[q] > pq->mx) {
+            const float corr = pq->mx == -INFINITY ? 0.0f : expf(pq->mx - tmax[q]);
+            pq->l *= corr;
+            const __m256 c8 = _mm256_set1_ps(corr);
+            float *ac = pq->acc;
+            int e = 0;
+            for (; e < hd8; e += 8) _mm256_storeu_ps(ac + e, _mm256_mul_ps(_mm256_loadu_ps(ac + e), c8));
+            for (; e < hd; e++) ac[e] *= corr;
+            pq->mx = tmax[q];
+        }
+        mxs[q] = pq->mx;
+        ls[q] = pq->l;
+    }
+    const __m256 mb = _mm256_loadu_ps(mxs);
+    __m256 lsum = _mm256_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        const __m256 w = kt_exp(_mm256_sub_ps(lo[k], mb));
+        _mm256_storeu_ps(pwT + (size_t)k * 8, w);
+        lsum = _mm256_add_ps(lsum, w);
+    }
+    for (int k = 0; k < 8; k++) {
+        const __m256 w = kt_exp(_mm256_sub_ps(hi[k], mb));
+        _mm256_storeu_ps(pwT + (size_t)(8 + k) * 8, w);
+        lsum = _mm256_add_ps(lsum, w);
+    }
+    _mm256_storeu_ps(ls, _mm256_add_ps(_mm256_loadu_ps(ls), lsum));
+    for (int q = 0; q < 8; q++) p[q]->l = ls[q];
+    return 1;
+}
+
 /* kt_pv of two pairs over all KT keys of a tile (every score finite, hd a multiple of 32):
  * 2 pairs x 32 elements in 8 accumulators, 6 loads per 8 multiply-adds where kt_pv spends 5
- * per 4. */
+ * per 4. The weights of key i: pwA[i * ws], pwB[i * ws]. */
 ATT_AVX2 ATT_INLINE void kt_pv2(float *acA, float *acB, const struct kt_keys *t, const float *pwA, const float *pwB,
-                                int hd, const int fm)
+                                int hd, const int fm, const int ws)
 {
     for (int e = 0; e < hd; e += 32) {
         __m256 a0 = _mm256_loadu_ps(acA + e), a1 = _mm256_loadu_ps(acA + e + 8);
@@ -298,7 +378,7 @@ ATT_AVX2 ATT_INLINE void kt_pv2(float *acA, float *acB, const struct kt_keys *t,
             const float *v = t->v[i] + e;
             const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
             const __m256 v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
-            const __m256 wa = _mm256_set1_ps(pwA[i]), wb = _mm256_set1_ps(pwB[i]);
+            const __m256 wa = _mm256_set1_ps(pwA[i * ws]), wb = _mm256_set1_ps(pwB[i * ws]);
             a0 = KT_MADD(a0, wa, v0), a1 = KT_MADD(a1, wa, v1), a2 = KT_MADD(a2, wa, v2), a3 = KT_MADD(a3, wa, v3);
             b0 = KT_MADD(b0, wb, v0), b1 = KT_MADD(b1, wb, v1), b2 = KT_MADD(b2, wb, v2), b3 = KT_MADD(b3, wb, v3);
         }

@@ -4,7 +4,9 @@
  * copies of the model's tensors, except bf16 matrices with the AVX2 kernels, which stay bf16
  * and are widened (exactly) inside the matmul and embed, and fp32 matrices that are exactly 4-bit
  * affine or 8-bit blocks (GGUF Q4_1 / Q8_0, dequantized by the loader), which stay as those blocks
- * and are rebuilt bitwise in the kernel (cpu_qblocks.c). Ops are split into independent tasks on a small pthread pool
+ * and are rebuilt bitwise in the kernel (cpu_qblocks.c). With the FMA set's default panel GEMM,
+ * the other matrices are stored as 16-output panels (fp32, or bf16 for bf16 checkpoints;
+ * cpu_gemm_panel.c) and embed reads its rows back from them. Ops are split into independent tasks on a small pthread pool
  * (cpu_pool.h); each output element is computed by one task with a fixed summation order, so
  * results do not depend on the thread count, on n, or on which other rows share the step
  * (batch invariance). The matmul and attention kernels live in cpu_gemm.c / cpu_attention.c
@@ -41,7 +43,9 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
     kvs_log(KVS_LOG_INFO,
             "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
-            b->kern.gemm == KVS_CPU_GEMM_BLAS ? kvs_cpu_blas_name() : "batch-invariant",
+            b->kern.gemm == KVS_CPU_GEMM_BLAS    ? kvs_cpu_blas_name()
+            : b->kern.gemm == KVS_CPU_GEMM_PANEL ? "batch-invariant, 16-output panels"
+                                                 : "batch-invariant, dot-product tiles",
             b->kern.bf16_weights ? "as bf16" : "as fp32 copies",
             b->kern.bf16_weights ? ", exact 4- / 8-bit blocks (GGUF Q4_1 / Q8_0) kept as blocks" : "");
     return b;
@@ -130,6 +134,41 @@ static void cpu_zero(struct kvs_backend *b, struct kvs_dbuf *buf, size_t off, si
     memset((char *)buf->data + off * 4, 0, n * 4);
 }
 
+/* A matrix for the panel GEMM: exact 4- / 8-bit blocks stay blocks (packed per task in the
+ * kernel), bf16 becomes bf16 panels (with kern.bf16_weights), anything else fp32 panels. 1: w
+ * filled; 0: not taken (the caller continues); -ENOMEM + message. */
+static int upload_panels(struct kvs_backend *b, const struct kvs_tensor_view *t, struct kvs_dweight *w, int64_t rows,
+                         int64_t cols, char *err, size_t errlen)
+{
+    const size_t n = (size_t)rows * (size_t)cols, np = kvs_cpu_panels_elems(rows, cols);
+    if (t->dtype == KVS_DTYPE_F32 && t->nbytes == n * 4 && b->kern.bf16_weights && cols % KVS_CPU_Q4_BLOCK == 0 &&
+        cols <= KVS_CPU_Q4_MAX_COLS)
+        return 0;   /* the block check below, then fp32 panels if the matrix is not blocks */
+    if (b->kern.bf16_weights && t->dtype == KVS_DTYPE_BF16 && t->nbytes == n * 2) {
+        uint16_t *pb = NULL;
+        if (posix_memalign((void **)&pb, 64, np * sizeof(uint16_t)) != 0)
+            return kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight",
+                           (long long)rows, (long long)cols);
+        kvs_cpu_panels_pack_bf16(t->data, rows, cols, pb);
+        w->pn.bf16 = pb;
+    } else {
+        float *tmp = NULL, *pf = NULL;
+        if (posix_memalign((void **)&pf, 64, np * sizeof(float)) != 0 ||
+            posix_memalign((void **)&tmp, 64, n * sizeof(float)) != 0) {
+            free(pf);
+            return kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight",
+                           (long long)rows, (long long)cols);
+        }
+        kvs_tensor_to_f32(t, tmp, 0, n);
+        kvs_cpu_panels_pack_f32(tmp, rows, cols, pf);
+        free(tmp);
+        w->pn.f32 = pf;
+    }
+    w->rows = rows;
+    w->cols = cols;
+    return 1;
+}
+
 static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct kvs_tensor_view *t, char *err,
                                              size_t errlen)
 {
@@ -145,6 +184,14 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
     }
     struct kvs_dweight *w = calloc(1, sizeof *w);
     size_t n = (size_t)rows * (size_t)cols;
+    if (w && b->kern.gemm == KVS_CPU_GEMM_PANEL && t->ndim == 2 && rows > 1) {
+        int rc = upload_panels(b, t, w, rows, cols, err, errlen);
+        if (rc < 0) {
+            free(w);
+            return NULL;
+        }
+        if (rc > 0) return w;
+    }
     if (w && b->kern.bf16_weights && t->ndim == 2 && t->dtype == KVS_DTYPE_BF16 && t->nbytes == n * 2) {
         /* kept as bf16: the matmul widens it in registers (exact), embed row by row */
         if (posix_memalign((void **)&w->bf16, 64, n * sizeof(uint16_t)) != 0) {
@@ -186,6 +233,21 @@ static struct kvs_dweight *cpu_upload_weight(struct kvs_backend *b, const struct
             w->cols = cols;
             return w;
         }
+        if (b->kern.gemm == KVS_CPU_GEMM_PANEL) {
+            /* not blocks: fp32 panels (bf16_weights off skips straight there) */
+            float *pf = NULL;
+            if (posix_memalign((void **)&pf, 64, kvs_cpu_panels_elems(rows, cols) * sizeof(float)) != 0) {
+                free(w);
+                kvs_err(err, errlen, -ENOMEM, "cpu backend: out of memory for a %lld x %lld weight", (long long)rows,
+                        (long long)cols);
+                return NULL;
+            }
+            kvs_cpu_panels_pack_f32(t->data, rows, cols, pf);
+            w->pn.f32 = pf;
+            w->rows = rows;
+            w->cols = cols;
+            return w;
+        }
     }
     if (!w || posix_memalign((void **)&w->data, 64, n * sizeof(float)) != 0) {
         free(w);
@@ -205,6 +267,8 @@ static void cpu_free_weight(struct kvs_backend *b, struct kvs_dweight *w)
     if (!w) return;
     free(w->data);
     free(w->bf16);
+    free((void *)w->pn.f32);
+    free((void *)w->pn.bf16);
     free((void *)w->qb.q);
     free((void *)w->qb.dm);
     free(w);
@@ -229,6 +293,8 @@ static void embed_task(void *c, int t)
     float *y = j->y + (size_t)t * j->d0;
     if (j->weight && j->weight->qb.q) {
         kvs_cpu_qb_row(&j->weight->qb, j->d0, (size_t)j->i0[t], y);
+    } else if (j->weight && (j->weight->pn.f32 || j->weight->pn.bf16)) {
+        kvs_cpu_panels_row(&j->weight->pn, j->d0, j->i0[t], y);
     } else if (j->wb) {
         const uint16_t *row = j->wb + (size_t)j->i0[t] * j->d0;
         for (int i = 0; i < j->d0; i++) y[i] = kvs_cpu_bf16(row[i]);
@@ -307,7 +373,12 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->rows == out && w->cols == in);
     KVS_ASSERT(!bias || bias->rows * bias->cols == out);
-    if (w->qb.q)
+    /* 4- / 8-bit blocks stay on the dot-product tiles even in panel mode: the panel GEMM would
+     * rebuild and transpose 16 rows per task, which costs SmolLM2 3.6x its decode step
+     * (bench/RESULTS.md) */
+    if (w->pn.f32 || w->pn.bf16)
+        kvs_cpu_gemm_panel(b->pool, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
+    else if (w->qb.q)
         kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else
         kvs_cpu_gemm(b->pool, &b->kern, F(x), w->data, w->bf16, bias ? bias->data : NULL, n, in, out, F(y));
@@ -409,11 +480,19 @@ static void swiglu_task(void *c, int t)
     }
 }
 
+static void swiglu_vec_task(void *c, int t)
+{
+    struct job *j = c;
+    size_t o = (size_t)t * j->d0;
+    kvs_cpu_swiglu_row(j->x + o, j->x2 + o, j->d0, j->y + o);
+}
+
 static void cpu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const struct kvs_dbuf *up, int n, int ff,
                        struct kvs_dbuf *out)
 {
     struct job j = {.x = F(gate), .x2 = F(up), .y = F(out), .d0 = ff};
-    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * ff, swiglu_task, &j);   /* an expf per element */
+    /* an exp per element: libm's in the reference set, a vector one (cpu_act.c) otherwise */
+    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * ff, b->kern.isa == KVS_CPU_ISA_FMA ? swiglu_vec_task : swiglu_task, &j);
 }
 
 static void cpu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dbuf *rows, int m, int dim,

@@ -56,15 +56,24 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
         }
     }
     e = getenv("KVS_CPU_GEMM");
-    k->gemm = KVS_CPU_GEMM_INVARIANT;
-    if (e && *e) {
-        if (strcmp(e, "blas") == 0)
+    /* panels need FMA; the other sets keep the dot-product tiles ("invariant": bitwise their
+     * references) */
+    k->gemm = k->isa == KVS_CPU_ISA_FMA ? KVS_CPU_GEMM_PANEL : KVS_CPU_GEMM_INVARIANT;
+    if (e && *e && strcmp(e, "auto") != 0) {
+        if (strcmp(e, "blas") == 0) {
             k->gemm = KVS_CPU_GEMM_BLAS;
-        else if (strcmp(e, "invariant") != 0)
-            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want invariant or blas", e);
+        } else if (strcmp(e, "invariant") == 0 || strcmp(e, "dot") == 0) {
+            k->gemm = KVS_CPU_GEMM_INVARIANT;
+        } else if (strcmp(e, "panel") == 0) {
+            if (k->isa != KVS_CPU_ISA_FMA)
+                return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=panel needs the fma kernel set (AVX2 + FMA)");
+            k->gemm = KVS_CPU_GEMM_PANEL;
+        } else {
+            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=%s: want auto, panel, invariant (dot) or blas", e);
+        }
     }
     e = getenv("KVS_CPU_WEIGHTS");
-    k->bf16_weights = k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT;
+    k->bf16_weights = k->isa != KVS_CPU_ISA_REF && k->gemm != KVS_CPU_GEMM_BLAS;
     if (e && *e) {
         if (strcmp(e, "f32") == 0)
             k->bf16_weights = 0;
@@ -329,8 +338,8 @@ AVX2 static inline ALWAYS void tile1x1(const float *x, const void *w, int in, in
 AVX2 static inline ALWAYS void avx2_tiles(const struct gemm_job *j, int task, const int bf, const int fm)
 {
     const int in = j->in, out = j->out, k8 = in / 8 * 8;
-    /* output tile first: a thread's contiguous tasks keep one block of W rows (in L2) while the
-     * row tiles pass, so W streams from memory once per call (the row-tile-first order streamed
+    /* output tile first: consecutive tasks (claimed in order by the threads) keep one block of W
+     * rows in cache while the row tiles pass, so W streams from memory once per call (the row-tile-first order streamed
      * it once per row tile: 2.3x slower on SmolLM2's LM head at 16 rows, bench/RESULTS.md) */
     const int rbi = task % j->n_rb, obi = task / j->n_rb;
     const int t0 = rbi * j->rb, t1 = t0 + j->rb < j->n ? t0 + j->rb : j->n;
@@ -455,7 +464,7 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
                      const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y)
 {
     if (n <= 0 || out <= 0) return;
-    KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm == KVS_CPU_GEMM_INVARIANT && in % KVS_CPU_Q4_BLOCK == 0 &&
+    KVS_ASSERT(k->isa != KVS_CPU_ISA_REF && k->gemm != KVS_CPU_GEMM_BLAS && in % KVS_CPU_Q4_BLOCK == 0 &&
                in <= KVS_CPU_Q4_MAX_COLS);
 #if KVS_CPU_X86
     /* row blocks as kvs_cpu_gemm's AVX2 / FMA path; one task per output tile (qb_tiles) */

@@ -25,6 +25,8 @@ struct kvs_dweight {
     uint16_t *bf16;               /* [rows][cols] bf16 bits (bf16 matrices, kern.bf16_weights), or NULL */
     struct kvs_cpu_qblocks qb;    /* qb.q != NULL: 4- or 8-bit blocks (kvs_cpu_q4_pack / q8_pack: fp32
                                    * matrices that are exactly such blocks, kern.bf16_weights); data NULL */
+    struct kvs_cpu_panels pn;     /* pn.f32 or pn.bf16 != NULL: the matrix as 16-output panels (GEMM mode
+                                   * KVS_CPU_GEMM_PANEL; cpu_gemm_panel.c); data and bf16 NULL */
 };
 
 struct kvs_backend {

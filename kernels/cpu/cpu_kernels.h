@@ -21,7 +21,11 @@
  *   same per-pair steps, so one full span still gives attention()'s bits exactly.
  *   No AVX-512 kernels: the machines this was measured on have none (an AVX-512 CPU runs FMA).
  *
- * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_INVARIANT (default) runs the kernels above.
+ * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA): weights packed as
+ * 16-output panels at upload, an outer-product FMA tile, one fma chain per element in k order
+ * (kvs_cpu_dot_seq; see "Panel-packed weights" below); batch invariant, within rounding of the
+ * reference. KVS_CPU_GEMM_INVARIANT (KVS_CPU_GEMM=invariant or dot; the default of the avx2 and
+ * ref sets, and always for 4- / 8-bit block matrices) runs the dot-product tiles above.
  * KVS_CPU_GEMM_BLAS sends matmuls of >= KVS_CPU_BLAS_MIN_ROWS rows to OpenBLAS (cblas_sgemm,
  * single-threaded inside the backend's own pool: no second set of threads). OpenBLAS is NOT
  * batch invariant: a row's result depends on n and on the row's place in OpenBLAS's register
@@ -38,7 +42,7 @@
  * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
  *
  * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma),
- * KVS_CPU_GEMM (invariant | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
+ * KVS_CPU_GEMM (auto | panel | invariant = dot | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
  * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
  * except the BLAS path inside OpenBLAS. */
 #ifndef KVS_CPU_KERNELS_H
@@ -51,7 +55,7 @@
 #include "kernels/cpu/cpu_pool.h"
 
 enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1, KVS_CPU_ISA_FMA = 2 };
-enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1 };
+enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1, KVS_CPU_GEMM_PANEL = 2 };
 
 #define KVS_CPU_BLAS_MIN_ROWS 8   /* below this the hand kernel wins even in BLAS mode */
 #define KVS_CPU_MAX_HEAD_DIM 1024
@@ -127,8 +131,54 @@ struct kvs_cpu_qblocks {
 int kvs_cpu_q4_pack(const float *w, int64_t rows, int64_t cols, uint8_t *nib, float *dm);
 int kvs_cpu_q8_pack(const float *w, int64_t rows, int64_t cols, int8_t *q, float *d);
 void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float *out);
+/* columns [c0, c1) of one row (both multiples of KVS_CPU_Q4_BLOCK): kvs_cpu_qb_row's values */
+void kvs_cpu_qb_row_range(const struct kvs_cpu_qblocks *w, int cols, size_t row, int c0, int c1, float *out);
 void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const float *x,
                      const struct kvs_cpu_qblocks *w, const float *bias, int n, int in, int out, float *y);
+
+/* Panel-packed weights (cpu_gemm_panel.c; GEMM mode KVS_CPU_GEMM_PANEL, the default with FMA).
+ * A matrix W [rows][cols] is stored as ceil(rows / 16) panels, panel p = [cols][16] holding
+ * W[16p + j][k] at k * 16 + j, zero-padded past the last row; fp32 or bf16 bits (f32 or bf16
+ * non-NULL). The GEMM broadcasts one x value against 16 outputs' weights (an outer-product
+ * register tile of up to 6 rows x 16 outputs: 12 accumulators, 2 weight loads + 6 broadcasts per
+ * 12 fused multiply-adds, no horizontal sums), so each y[t][o] is one chain of fused
+ * multiply-adds over k in increasing order from 0, then + bias: kvs_cpu_dot_seq (below), for
+ * every tile shape, row block, thread count and weight format (bf16 widens exactly; 4- / 8-bit
+ * blocks are rebuilt bitwise, then packed). So it is bitwise kvs_cpu_dot_seq and batch
+ * invariant; against the reference (8 lanes + tree) it differs by fp32 rounding (the tests bound
+ * it). */
+#define KVS_CPU_PANEL 16
+struct kvs_cpu_panels {
+    const float *f32;             /* [ceil(rows / 16)][cols][16] or NULL */
+    const uint16_t *bf16;         /* the same layout, bf16 bits, or NULL */
+};
+/* elements of the packed array for a rows x cols matrix */
+size_t kvs_cpu_panels_elems(int64_t rows, int64_t cols);
+/* packs w [rows][cols] (fp32, or bf16 bits) into dst (kvs_cpu_panels_elems elements) */
+void kvs_cpu_panels_pack_f32(const float *w, int64_t rows, int64_t cols, float *dst);
+void kvs_cpu_panels_pack_bf16(const uint16_t *w, int64_t rows, int64_t cols, uint16_t *dst);
+/* one row of the matrix back (exact), e.g. an embedding row */
+void kvs_cpu_panels_row(const struct kvs_cpu_panels *p, int64_t cols, int64_t row, float *out);
+
+/* the panel GEMM's order in plain C: one fused multiply-add chain over k from 0 */
+static inline float kvs_cpu_dot_seq(const float *a, const float *b, int n)
+{
+    float s = 0.0f;
+    for (int i = 0; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks (qb; p NULL, in a
+ * multiple of KVS_CPU_Q4_BLOCK, rebuilt and packed per task): shapes as kvs_cpu_gemm. Needs the
+ * FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per element. Runs on the pool. The backend sends
+ * blocks to kvs_cpu_gemm_qb instead (the rebuild + transpose per task cost more than it saves:
+ * bench/RESULTS.md); the qb form here is tested, for a panel-ordered block format to build on. */
+void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
+                        const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
+
+/* y[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n with a vector exp (cpu_act.c; AVX2 + FMA
+ * sets): within a few ulp of the libm form the reference set uses. y may alias g or u. */
+void kvs_cpu_swiglu_row(const float *g, const float *u, int n, float *y);
 
 /* bf16 bits -> fp32 (exact) */
 static inline float kvs_cpu_bf16(uint16_t h)

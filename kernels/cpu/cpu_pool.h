@@ -2,8 +2,10 @@
  *
  * kvs_cpu_pool_run(pool, n_tasks, fn, ctx) calls fn(ctx, task) once for every task in
  * [0, n_tasks) spread over the workers and the calling thread, and returns when all are done.
- * Tasks are split into contiguous static ranges, but nothing may depend on that: every op
- * computes each task's output independently, so results never depend on the thread count.
+ * Threads claim tasks in increasing order, one at a time, from a shared counter (so uneven tasks
+ * and a descheduled thread balance out), but nothing may depend on which thread runs a task:
+ * every op computes each task's output independently, so results never depend on the thread
+ * count or the schedule.
  *
  * Ownership: create/free pair; the pool is used by one caller thread at a time (the runner's).
  * Errors: create returns NULL + message when a thread cannot be started.

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "base/util.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -209,4 +210,14 @@ void kvs_cpu_qb_row(const struct kvs_cpu_qblocks *w, int cols, size_t row, float
         q4_row(w->q + row * (size_t)cols / 2, w->dm + row * nb * 2, cols, out);
     else
         q8_row((const int8_t *)w->q + row * (size_t)cols, w->dm + row * nb, cols, out);
+}
+
+void kvs_cpu_qb_row_range(const struct kvs_cpu_qblocks *w, int cols, size_t row, int c0, int c1, float *out)
+{
+    KVS_ASSERT(c0 % KVS_CPU_Q4_BLOCK == 0 && c1 % KVS_CPU_Q4_BLOCK == 0 && 0 <= c0 && c0 <= c1 && c1 <= cols);
+    const size_t nb = (size_t)cols / KVS_CPU_Q4_BLOCK, b0 = (size_t)c0 / KVS_CPU_Q4_BLOCK;
+    if (w->bits == 4)
+        q4_row(w->q + (row * (size_t)cols + (size_t)c0) / 2, w->dm + (row * nb + b0) * 2, c1 - c0, out);
+    else
+        q8_row((const int8_t *)w->q + row * (size_t)cols + (size_t)c0, w->dm + row * nb + b0, c1 - c0, out);
 }

@@ -161,14 +161,14 @@ void kvs_paris_adaptive(int n_r, double *beta, double *rho)
 static inline size_t pos_slot(const int32_t *bt, int p, int bs) { return (size_t)bt[p / bs] * bs + (size_t)(p % bs); }
 
 static void cpu_encode(struct kvs_backend *be, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
-                       const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
+                       const struct kvs_dbuf *idx_tables, const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
                        int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *signs,
                        struct kvs_dbuf *codes, struct kvs_dbuf *w, struct kvs_dbuf *counts)
 {
     (void)be, (void)h_jobs;
     const int d = head_dim, B = d / KVS_PARIS_M, W = kvs_paris_words(d), nkv = n_kv_heads;
     const float *k = F(kc), *sg = F(signs);
-    const int32_t *jb = I(jobs), *bts = I(m->block_tables);
+    const int32_t *jb = I(jobs), *bts = I(m->block_tables), *its = idx_tables ? I(idx_tables) : bts;
     uint8_t *cw = (uint8_t *)I(codes);
     float *wf = F(w);
     int32_t *cnt = I(counts);
@@ -176,8 +176,9 @@ static void cpu_encode(struct kvs_backend *be, const struct kvs_dbuf *kc, const 
     for (int j = 0; j < n_jobs; j++) {
         const int32_t *J = jb + (size_t)j * KVS_PARIS_JOB_N;
         const int32_t *bt = bts + (size_t)J[KVS_PARIS_JOB_SEQ] * m->max_blocks;
+        const int32_t *it = its + (size_t)J[KVS_PARIS_JOB_SEQ] * m->max_blocks;
         for (int p = J[KVS_PARIS_JOB_FROM]; p < J[KVS_PARIS_JOB_TO]; p++) {
-            const size_t slot = pos_slot(bt, p, block_size);
+            const size_t slot = pos_slot(it, p, block_size);
             for (int g = 0; g < nkv; g++) {
                 const float *kr = k + (((size_t)bt[p / block_size] * nkv + g) * block_size + p % block_size) * d;
                 uint8_t *row = cw + (slot * nkv + g) * (size_t)W * 4;

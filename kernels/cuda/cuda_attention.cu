@@ -6,6 +6,10 @@
  *                          share every staged K/V tile; with one warp a block it also takes decode
  *                          launches that k_attn_fd does not (groups of more than 16 heads, head_dim
  *                          16 / 32, KVS_CUDA_DEC_ATTN=2 / 3);
+ *   cuda_attn_prefill_wg.cu k_attn_wg, the Hopper prefill kernel (wgmma, 128 rows a block, 64-key
+ *                          tiles, two blocks an SM by default), for prefill launches on sm_90 at
+ *                          head_dim 64 / 128 without rotation offsets (those stay on k_attn_tc);
+ *                          KVS_CUDA_PRE_ATTN / kvs_cuda_set_pre_attn pick either kernel;
  *   cuda_attn_decode.cu    k_attn_fd for decode rows (one query row per sequence): 4 warps a block
  *                          that owns one sequence, one KV head and one split, 128-key tiles (a
  *                          32-key sub-tile per warp), K and V staged separately (by the copy
@@ -39,6 +43,7 @@
 
 #include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/cuda_attn_device.cuh"
+#include "kernels/cuda/cuda_attn_wgmma.cuh"
 
 int kvs_cu_attention_supported(int n_heads, int n_kv, int head_dim)
 {
@@ -149,7 +154,9 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     const int G = a->n_heads / a->n_kv;
     /* plan both launches from the host copies: decode sequences (one row) and prefill tiles */
     int n_dec = 0, n_pre_tiles = 0, ctx_dec = 1, ctx_pre = 1;
-    const int qt_pre = PRE_WARPS * 16 / G; /* prefill tokens per tile: the tensor-core kernel's rows */
+    /* prefill tokens per tile: the rows of the kernel the launch takes (k_attn_tc or k_attn_wg) */
+    const int pre_kind = kvs_cu_attn_prefill_kind(a->hd, a->rot != NULL);
+    const int qt_pre = kvs_cu_attn_prefill_qt(pre_kind, G);
     for (int s = 0; s < a->n_seqs; s++) {
         int ns = a->h_q_start[s + 1] - a->h_q_start[s], ctx = a->h_pos[s] + ns;
         if (ns == 1) {
@@ -191,7 +198,9 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         x.qt = pass == 0 ? 1 : qt_pre;
         const int max_ctx = pass == 0 ? ctx_dec : ctx_pre;
         const bool pre = pass == 1;
-        if (pre) kvs_cu_attn_prefill(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
+        if (pre && pre_kind >= 2)
+            kvs_cu_attn_prefill_wg(x, pre_kind, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
+        else if (pre) kvs_cu_attn_prefill(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
         else kvs_cu_attn_decode(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force);
     }
 }

@@ -401,17 +401,17 @@ __device__ __forceinline__ void qk_by_offset(const bf16 *tk, const int *ko, int 
 /* One online-softmax step for one m-tile of 16 rows against a 32-key tile starting at key kb:
  * masks keys that are not read (ko[key] == KEY_PAD) or past the row's last visible key (lim[h]
  * for the thread's rows g and g + 8; -1: a padding row, which sees nothing), updates the running
- * max m and sum l (row statistics shared by the 4 lanes of a quad), rescales o, and returns the
- * probabilities as A fragments pa[k-step of 16 keys][4]. VOTE: o is rescaled only when a row's
+ * max m and sum l (row statistics shared by the 4 lanes of a quad), rescales o, and leaves the
+ * probabilities (fp32) in sc and each row's rescale factor in alpha[h] (0 before the row had a
+ * key), for a caller that forms its own P fragments (kv_lean.cu: P scaled by the keys' V scales,
+ * and its dequantization correction rescaled by alpha). VOTE: o is rescaled only when a row's
  * max moved after it had keys (before, o is zero), which past the first tiles is rare, so the
- * warp mostly skips the HD / 4 multiplies (decode; prefill blocks measured slower with the vote).
- * Shared by k_attn_tc and k_attn_fd. */
+ * warp mostly skips the HD / 4 multiplies (decode; prefill blocks measured slower with the vote). */
 template <int HD, bool VOTE>
-__device__ __forceinline__ void softmax_tile(float (*sc)[4], const int *ko, int kb, const int *lim, float *m, float *l,
-                                             float (*o)[4], uint32_t (*pa)[4], int lane)
+__device__ __forceinline__ void softmax_stats(float (*sc)[4], const int *ko, int kb, const int *lim, float *m, float *l,
+                                              float (*o)[4], float *alpha, int lane)
 {
     const int t = lane & 3;
-    float alpha[2];
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
@@ -453,6 +453,16 @@ __device__ __forceinline__ void softmax_tile(float (*sc)[4], const int *ko, int 
             o[nd][3] *= alpha[1];
         }
     }
+}
+
+/* softmax_stats, then the probabilities as bf16 A fragments pa[k-step of 16 keys][4].
+ * Shared by k_attn_tc and k_attn_fd (and the span kernels). */
+template <int HD, bool VOTE>
+__device__ __forceinline__ void softmax_tile(float (*sc)[4], const int *ko, int kb, const int *lim, float *m, float *l,
+                                             float (*o)[4], uint32_t (*pa)[4], int lane)
+{
+    float alpha[2];
+    softmax_stats<HD, VOTE>(sc, ko, kb, lim, m, l, o, alpha, lane);
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
         pa[kk][0] = pack_bf16(sc[2 * kk][0], sc[2 * kk][1]);

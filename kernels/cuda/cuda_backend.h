@@ -56,6 +56,25 @@ void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
  * KVS_CUDA_DEC_ATTN if set, else automatic. */
 void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind);
 
+/* Forces the layout of the LeanKV attention kernel (kernels/cuda/kv_lean.cu; tests, benchmark
+ * comparisons) for every backend of the process: 1 query rows on the mma's M side (tiles of up to
+ * 16 rows), 2 keys on M (tiles of up to 8 rows; taken only where a group has at most 8 query
+ * heads); 0 (or any other value) restores the automatic choice (keys on M for decode rows and
+ * spans, rows on M for prefill chunks). */
+void kvs_cuda_set_lean_layout(int layout);
+
+/* Picks the prefill attention kernel, process-wide (tests, benchmark comparisons): 1 the
+ * FlashAttention-2-style mma.sync kernel (k_attn_tc), 2 the Hopper wgmma kernel (k_attn_wg) with
+ * 128-key tiles, 3 with 64-key tiles, 4 / 5 the same with the softmax overlapping the P.V product
+ * (128- / 64-key tiles), 6 64-key tiles with two blocks an SM (2 to 6: head_dim 64 / 128 without
+ * rotation offsets on an sm_90 GPU; other
+ * launches take 1); -1 (or any other value) restores the default:
+ * KVS_CUDA_PRE_ATTN if set, else kind 6 where the wgmma kernel applies. */
+void kvs_cuda_set_pre_attn(int kind);
+/* The prefill kernel a launch of this head_dim (rot: with rotation offsets) takes now, on the
+ * current device: 1 to 6 as above. */
+int kvs_cuda_pre_attn_kind(int head_dim, int rot);
+
 /* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
  * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
  * create). */

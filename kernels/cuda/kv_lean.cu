@@ -9,10 +9,14 @@
  * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
  * query rows (16 / G tokens of a sequence, or one row over its spans) x a KV head x a split of
  * the keys; the G query heads of the group share every K/V byte staged; 32 keys a step staged
- * with 16-byte cp.async (3 tiles in flight), dequantized from shared memory into tensor-core
+ * with 16-byte cp.async (LEAN_ST stages), dequantized from shared memory into tensor-core
  * fragments (fp16), QK and PV on mma.sync with fp32 accumulation, the online softmax in fp32;
  * splits merged by a second kernel. Deferred RoPE: q rotated backward by a block's offset at
- * document boundaries (rot_table, cuda_attn_device.cuh).
+ * document boundaries (rot_table, cuda_attn_device.cuh). Two layouts of the mma: query rows on
+ * its 16-row M side (tiles of 16 / G tokens: prefill chunks), or keys on M with the rows as its
+ * 8 columns (decode rows and spans of G <= 8: half the tensor-core work and accumulators per key,
+ * so more warps resident; bench/RESULTS.md has the measurements); kvs_cuda_set_lean_layout
+ * (cuda_backend.h) forces one for tests and benchmarks.
  *
  * Shapes: head_dim 64 or 128, G <= 16, block sizes whose pages are a multiple of 16 bytes, the
  * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest; the launch aborts
@@ -152,9 +156,19 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
 
 /* ---- attention ------------------------------------------------------------------------------ */
 
-#define LEAN_ST 3                 /* tiles in flight */
+#ifndef LEAN_ST
+/* stages: tiles in flight + the one computed. 2, not 3: a block's shared memory (3 stages: 23 KB
+ * at K8V4, 29 KB at K8V8) held it to 7-9 resident warps an SM, below what the registers allow;
+ * with 2, K8V8 at 32K went from 1.20-1.25x to 1.38-1.50x bf16 (bench/RESULTS.md, 2026-11-24) */
+#define LEAN_ST 2
+#endif
 #ifndef LEAN_MIN_BLOCKS
 #define LEAN_MIN_BLOCKS 1         /* __launch_bounds__ minimum blocks per SM (occupancy experiments) */
+#endif
+#ifndef LEAN_KT_MIN_BLOCKS
+/* the same for the keys-on-M layout: 16 caps it at 128 registers (ptxas spills 100-320 bytes at
+ * K8V8 / K8V4, head_dim 128), the fastest of 1 / 12 / 16 at 32K (bench/RESULTS.md) */
+#define LEAN_KT_MIN_BLOCKS 16
 #endif
 #define LEAN_MIN_TILES 4          /* tiles (of AT_TILE keys) a split is planned with at least */
 #define LEAN_MAX_SPLITS 256
@@ -362,6 +376,21 @@ __device__ __forceinline__ float2 lean_sz(const uint8_t *stg, int off, int r)
     return __half22float2(lean_u2h(*reinterpret_cast<const uint32_t *>(stg + off + r * 4)));
 }
 
+/* key r's staged codes as lane quad t's tensor-core words (lean_kdim's order): hk[2 ks] and
+ * hk[2 ks + 1] are k-step ks's slots (2t, 2t + 1) and (2t + 8, 2t + 9) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_kwords(const uint8_t *stg, int r, int t, uint32_t *hk)
+{
+    using S = lean_stage<HD, KB, VB>;
+    using W = lean_w<KB>;
+    constexpr int NB = HD * KB / 32, NW = NB >= 4 ? NB / 4 : 1;
+    static_assert(NW * W::NPW == HD / 8, "lean_kwords: HD / 8 words a key");
+    uint32_t w[NW];
+    lean_lds<NB>(stg + S::K_OFF + r * S::KS + t * NB, w);
+#pragma unroll
+    for (int i = 0; i < NW; i++) lean_raw<KB>(w[i], hk + i * W::NPW);
+}
+
 /* S^T of the warp's 16 rows against the staged 32 keys: s[n-tile of 8 keys][4] (row g + 8h, key
  * j 8 + 2t + e in s[j][2h + e]); qsum[h]: sum of row g + 8h's fp16 q */
 template <int HD, int KB, int VB>
@@ -369,18 +398,12 @@ __device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)
                                         int lane)
 {
     using S = lean_stage<HD, KB, VB>;
-    using W = lean_w<KB>;
-    constexpr int NB = HD * KB / 32, NW = NB >= 4 ? NB / 4 : 1;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        const int r = j * 8 + g;
-        uint32_t w[NW];
-        lean_lds<NB>(stg + S::K_OFF + r * S::KS + t * NB, w);
-        uint32_t hk[NW * W::NPW];
-#pragma unroll
-        for (int i = 0; i < NW; i++) lean_raw<KB>(w[i], hk + i * W::NPW);
+        uint32_t hk[HD / 8];
+        lean_kwords<HD, KB, VB>(stg, j * 8 + g, t, hk);
 #pragma unroll
         for (int ks = 0; ks < HD / 16; ks++) lean_mma(s[j], qa[ks], hk[2 * ks], hk[2 * ks + 1]);
     }
@@ -397,19 +420,17 @@ __device__ __forceinline__ void lean_qk(const uint8_t *stg, const uint32_t (*qa)
     }
 }
 
-/* O += P' . (1024 + C): the k dimension is the tile's keys (as the P fragments order them), the
- * n dimension dims: n-tile nd, slot g is dim g HD/8 + nd (the lane's own contiguous codes).
- * A B register pairs keys 2t, 2t+1 (or 2t+8, 2t+9) at one dim: the two keys' code bytes are
- * interleaved by a permute, then each pair gets the 1024 exponent by another. */
+/* The V codes of k-step kk (keys 16 kk .. 16 kk + 15) as tensor-core words: b[hh][L] pairs keys
+ * 16 kk + 8 hh + 2t and the next (low half, high half) at dim g HD/8 + L (the lane's own
+ * contiguous codes): the two keys' code bytes are interleaved by a permute, then each pair gets
+ * the 1024 exponent by another. lean_pv takes them as B fragments (O += P' . (1024 + C), n-tile
+ * nd = dims g HD/8 + nd), lean_pv_kt as A fragments of V^T. */
 template <int HD, int KB, int VB>
-__device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)[4], float (*o)[4], int lane)
+__device__ __forceinline__ void lean_vwords(const uint8_t *stg, int kk, int lane, uint32_t (*b)[HD / 8])
 {
     using S = lean_stage<HD, KB, VB>;
     constexpr int NB = HD * VB / 64, NW = NB >= 4 ? NB / 4 : 1, ND = HD / 8;
     const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        uint32_t b[2][ND];
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
             const int r = kk * 16 + hh * 8 + 2 * t;
@@ -438,13 +459,23 @@ __device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)
                 }
             }
         }
+}
+
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)[4], float (*o)[4], int lane)
+{
 #pragma unroll
-        for (int nd = 0; nd < ND; nd++) lean_mma(o[nd], pa[kk], b[0][nd], b[1][nd]);
+    for (int kk = 0; kk < 2; kk++) {
+        uint32_t b[2][HD / 8];
+        lean_vwords<HD, KB, VB>(stg, kk, lane, b);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) lean_mma(o[nd], pa[kk], b[0][nd], b[1][nd]);
     }
 }
 
-/* softmax_tile (cuda_attn_device.cuh) on fp32 scores, then the A fragments of P' = p s_v (fp16)
- * and the rows' correction corr += 1024 p' + p z_v (the V side of lean_raw's identity) */
+/* softmax_stats (cuda_attn_device.cuh, the dense kernels' online softmax) on fp32 scores, then the
+ * A fragments of P' = p s_v (fp16) and the rows' correction corr += 1024 p' + p z_v (the V side
+ * of lean_raw's identity), rescaled with o */
 template <int HD, int KB, int VB>
 __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4], const int *ko, int kb, const int *lim,
                                              float *m, float *l, float *corr, float (*o)[4], uint32_t (*pa)[4],
@@ -453,48 +484,9 @@ __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4],
     using S = lean_stage<HD, KB, VB>;
     const int t = lane & 3;
     float alpha[2];
-    bool moved = false;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int key = kb + j * 8 + 2 * t + e;
-                const bool ok = ko[j * 8 + 2 * t + e] != KEY_PAD && key <= lim[h];
-                const float v = ok ? sc[j][2 * h + e] : -INFINITY;
-                sc[j][2 * h + e] = v;
-                mx = fmaxf(mx, v);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-        const float mn = fmaxf(m[h], mx);
-        alpha[h] = m[h] == -INFINITY ? 0.0f : __expf(m[h] - mn);
-        moved |= m[h] != -INFINITY && mn != m[h];
-        m[h] = mn;
-        float ps = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float v = sc[j][2 * h + e];
-                const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
-                sc[j][2 * h + e] = pr;
-                ps += pr;
-            }
-        l[h] = l[h] * alpha[h] + ps;
-        corr[h] *= alpha[h];
-    }
-    if (__any_sync(FULL, moved)) {
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) {
-            o[nd][0] *= alpha[0];
-            o[nd][1] *= alpha[0];
-            o[nd][2] *= alpha[1];
-            o[nd][3] *= alpha[1];
-        }
-    }
+    softmax_stats<HD, true>(sc, ko, kb, lim, m, l, o, alpha, lane);
+    corr[0] *= alpha[0];
+    corr[1] *= alpha[1];
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         float2 sz0 = make_float2(1.0f, 0.0f), sz1 = sz0;
@@ -513,6 +505,178 @@ __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4],
             }
         }
     }
+}
+
+/* ---- keys on the mma's M side (KT): tiles of at most 8 query rows (decode, G <= 8) ----------
+ * S^T = K q^T and O^T = V^T P^T: keys (then dims) fill the mma's 16-row side and the tile's
+ * query rows its 8 columns, so a decode tile of G <= 8 heads pads to 8 rows instead of 16. Half
+ * the mma of the row layout per key, half its accumulator registers (o^T: HD/16 x 4 floats),
+ * half the exponentials; P^T's B fragments come from the S^T accumulators by movmatrix (an 8x8
+ * transpose in registers). Lane (g, t) holds S^T for keys 16 mt + g (+ 8) x rows 2t, 2t + 1,
+ * o^T for dims g HD/8 + 2x (+ 1) x rows 2t, 2t + 1; the softmax sums l and corr are the lane's
+ * partials (its keys), summed over the 8 lanes of a column at the end. */
+__device__ __forceinline__ uint32_t lean_movt(uint32_t x)
+{
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+/* q of the lane's column row g (qrow, or NULL: a padding row) as B fragments qb[ks][2] (scaled,
+ * rotated backward by cs_sn or not, fp16), and the fp16 sums of rows 2t and 2t + 1 in qcol */
+template <int HD, int KB>
+__device__ __forceinline__ void lean_qfrags_kt(const float *qrow, float scale, const float *cs_sn, int lane,
+                                               uint32_t (*qb)[2], float *qcol)
+{
+    const int t = lane & 3;
+    float qs = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            float v0 = 0.0f, v1 = 0.0f;
+            if (qrow) {
+                v0 = q_dim<HD>(qrow, lean_kdim<HD, KB>(t, 2 * ks + e, 0), scale, cs_sn);
+                v1 = q_dim<HD>(qrow, lean_kdim<HD, KB>(t, 2 * ks + e, 1), scale, cs_sn);
+            }
+            qb[ks][e] = lean_pack_f16(fminf(fmaxf(v0, -65504.0f), 65504.0f), fminf(fmaxf(v1, -65504.0f), 65504.0f));
+            const float2 qf = __half22float2(lean_u2h(qb[ks][e]));
+            qs += qf.x + qf.y;
+        }
+    qs += __shfl_xor_sync(FULL, qs, 1);
+    qs += __shfl_xor_sync(FULL, qs, 2);
+    /* row r's sum is in quad r */
+    qcol[0] = __shfl_sync(FULL, qs, 8 * t);
+    qcol[1] = __shfl_sync(FULL, qs, 8 * t + 4);
+}
+
+/* S^T of the 32 staged keys against the tile's rows: s[mt][2 hh + e] is key 16 mt + 8 hh + g,
+ * row 2t + e */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_qk_kt(const uint8_t *stg, const uint32_t (*qb)[2], const float *qcol,
+                                           float (*s)[4], int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        s[mt][0] = s[mt][1] = s[mt][2] = s[mt][3] = 0.0f;
+        uint32_t ha[HD / 8], hb[HD / 8];
+        lean_kwords<HD, KB, VB>(stg, mt * 16 + g, t, ha);
+        lean_kwords<HD, KB, VB>(stg, mt * 16 + 8 + g, t, hb);
+#pragma unroll
+        for (int ks = 0; ks < HD / 16; ks++) {
+            const uint32_t a[4] = {ha[2 * ks], hb[2 * ks], ha[2 * ks + 1], hb[2 * ks + 1]};
+            lean_mma(s[mt], a, qb[ks][0], qb[ks][1]);
+        }
+    }
+    if constexpr (KB < 16) {
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const float2 sz = lean_sz(stg, S::KSZ_OFF, mt * 16 + 8 * hh + g);
+                const float off = fmaf(1024.0f, sz.x, sz.y);
+#pragma unroll
+                for (int e = 0; e < 2; e++) s[mt][2 * hh + e] = fmaf(sz.x, s[mt][2 * hh + e], -off * qcol[e]);
+            }
+    }
+}
+
+/* the online softmax over S^T (columns: rows 2t + e; lim[e] their last visible key, -1 padding):
+ * m is the column's max (reduced over its 8 lanes), l and corr the lane's partials; then P'^T =
+ * (p s_v)^T as B fragments pb[k-step][2] and corr += 1024 p' + p z_v, as lean_softmax */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_softmax_kt(const uint8_t *stg, float (*sc)[4], const int *ko, int kb,
+                                                const int *lim, float *m, float *l, float *corr, float (*o)[4],
+                                                uint32_t (*pb)[2], int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    const int g = lane >> 2;
+    float alpha[2];
+    bool moved = false;
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const int r = mt * 16 + 8 * hh + g;
+                const bool ok = ko[r] != KEY_PAD && kb + r <= lim[e];
+                const float v = ok ? sc[mt][2 * hh + e] : -INFINITY;
+                sc[mt][2 * hh + e] = v;
+                mx = fmaxf(mx, v);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
+        const float mn = fmaxf(m[e], mx);
+        alpha[e] = m[e] == -INFINITY ? 0.0f : __expf(m[e] - mn);
+        moved |= m[e] != -INFINITY && mn != m[e];
+        m[e] = mn;
+        float ps = 0.0f;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hh = 0; hh < 2; hh++) {
+                const float v = sc[mt][2 * hh + e];
+                const float pr = v == -INFINITY ? 0.0f : __expf(v - mn);
+                sc[mt][2 * hh + e] = pr;
+                ps += pr;
+            }
+        l[e] = l[e] * alpha[e] + ps;
+        corr[e] *= alpha[e];
+    }
+    if (__any_sync(FULL, moved)) {
+#pragma unroll
+        for (int x = 0; x < HD / 16; x++) {
+            o[x][0] *= alpha[0];
+            o[x][1] *= alpha[1];
+            o[x][2] *= alpha[0];
+            o[x][3] *= alpha[1];
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        float2 v0 = make_float2(1.0f, 0.0f), v1 = v0;
+        if constexpr (VB < 16) {
+            v0 = lean_sz(stg, S::VSZ_OFF, mt * 16 + g);
+            v1 = lean_sz(stg, S::VSZ_OFF, mt * 16 + 8 + g);
+        }
+        /* rows of the 8x8 blocks: keys 16 mt + g and 16 mt + 8 + g; columns: rows 2t, 2t + 1 */
+        const __half2 h0 = __floats2half2_rn(sc[mt][0] * v0.x, sc[mt][1] * v0.x);
+        const __half2 h1 = __floats2half2_rn(sc[mt][2] * v1.x, sc[mt][3] * v1.x);
+        if constexpr (VB < 16) {
+            const float2 f0 = __half22float2(h0), f1 = __half22float2(h1);
+            corr[0] += 1024.0f * (f0.x + f1.x) + sc[mt][0] * v0.y + sc[mt][2] * v1.y;
+            corr[1] += 1024.0f * (f0.y + f1.y) + sc[mt][1] * v0.y + sc[mt][3] * v1.y;
+        }
+        pb[mt][0] = lean_movt(lean_h2u(h0));
+        pb[mt][1] = lean_movt(lean_h2u(h1));
+    }
+}
+
+/* O^T += V'^T . P'^T: m-tile x holds dims g HD/8 + 2x (row g) and g HD/8 + 2x + 1 (row g + 8) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_pv_kt(const uint8_t *stg, const uint32_t (*pb)[2], float (*o)[4], int lane)
+{
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        uint32_t b[2][HD / 8];
+        lean_vwords<HD, KB, VB>(stg, kk, lane, b);
+#pragma unroll
+        for (int x = 0; x < HD / 16; x++) {
+            const uint32_t a[4] = {b[0][2 * x], b[0][2 * x + 1], b[1][2 * x], b[1][2 * x + 1]};
+            lean_mma(o[x], a, pb[kk][0], pb[kk][1]);
+        }
+    }
+}
+
+/* the key (of the staged 32) that score slot sc[j][e] of the lane holds, in either layout */
+template <bool KT> __device__ __forceinline__ int lean_sc_key(int j, int e, int lane)
+{
+    return KT ? j * 16 + 8 * (e >> 1) + (lane >> 2) : j * 8 + 2 * (lane & 3) + (e & 1);
 }
 
 /* the span walk of kv_span.cu: span j clipped to the row, [lo, lo + len) */
@@ -553,13 +717,14 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * query heads of the KV head (at most 16: one m-tile), so every K/V byte staged serves them
  * all. Keys come 32 a tile: each lane looks one key up (the tile after next: its page loads
  * overlap compute), the warp stages the tile's packed codes and (s, z) with 16-byte cp.async,
- * LEAN_ST tiles in flight; QK and PV run on tensor cores (mma m16n8k16, fp16 in, fp32
+ * LEAN_ST stages; QK and PV run on tensor cores (mma m16n8k16, fp16 in, fp32
  * accumulate) with K and V dequantized from shared memory into fragments in registers (x^ =
  * s code - z as one fp16 fma: fp16 keeps 3 more mantissa bits than the bf16 K/V of the
  * dense kernel), q and p rounded to fp16; the softmax and every sum stay fp32. Splits cut the
- * key tiles over the grid's y; their partials are merged by k_lean_merge. */
-template <int HD, int KB, int VB>
-__global__ void __launch_bounds__(32, LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
+ * key tiles over the grid's y; their partials are merged by k_lean_merge.
+ * KT: the keys-on-M layout (above): tiles of at most 8 rows (qt = 8 / G tokens, G <= 8). */
+template <int HD, int KB, int VB, bool KT>
+__global__ void __launch_bounds__(32, KT ? LEAN_KT_MIN_BLOCKS : LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
 {
     using S = lean_stage<HD, KB, VB>;
     extern __shared__ __align__(16) uint8_t lean_smem[];
@@ -667,27 +832,38 @@ __global__ void __launch_bounds__(32, LEAN_MIN_BLOCKS) k_lean_fd(const __grid_co
         cp_async_commit();
     }
 
-    /* the rows: g + 8h of the m-tile is token (g + 8h) / G, head (g + 8h) % G */
+    /* the rows: row r of the tile is token r / G, head r % G. Rows: the thread's q rows are g
+     * and g + 8, its score rows the same; KT: its q row (B column) is g, its score columns 2t
+     * and 2t + 1 */
+    auto qrow = [&](int r) {
+        return r < nr ? a.q + ((long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G) * HD
+                      : nullptr;
+    };
     const float *qr[2];
     int lim[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int r = gq + 8 * h;
-        qr[h] = nullptr;
-        lim[h] = -1;
-        if (r < nr) {
-            qr[h] = a.q + ((long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G) * HD;
-            lim[h] = spans ? INT_MAX : first + r / a.G;
-        }
+        const int r = KT ? 2 * t + h : gq + 8 * h;
+        qr[h] = KT ? (h ? nullptr : qrow(gq)) : qrow(r);
+        lim[h] = r < nr ? (spans ? INT_MAX : first + r / a.G) : -1;
     }
-    uint32_t qa[HD / 16][4];
+    constexpr int QW = KT ? 2 : 4, NO = KT ? HD / 16 : HD / 8, NJ = KT ? 2 : 4;
+    uint32_t qa[HD / 16][QW];
     float qsum[2];
-    lean_qfrags<HD, KB>(qr, a.scale, nullptr, lane, qa, qsum);
+    auto qfrags = [&](const float *cs) {
+        if constexpr (KT) lean_qfrags_kt<HD, KB>(qr[0], a.scale, cs, lane, qa, qsum);
+        else lean_qfrags<HD, KB>(qr, a.scale, cs, lane, qa, qsum);
+    };
+    auto qk = [&](const uint8_t *stg, float (*sc)[4]) {
+        if constexpr (KT) lean_qk_kt<HD, KB, VB>(stg, qa, qsum, sc, lane);
+        else lean_qk<HD, KB, VB>(stg, qa, qsum, sc, lane);
+    };
+    qfrags(nullptr);
     int cur_rot = 0;
 
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, corr[2] = {0.0f, 0.0f}, o[HD / 8][4];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, corr[2] = {0.0f, 0.0f}, o[NO][4];
 #pragma unroll
-    for (int nd = 0; nd < HD / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+    for (int nd = 0; nd < NO; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
 
     for (int it = 0; it < ntiles; it++) {
         if (it + LEAN_ST - 1 < ntiles) {
@@ -699,70 +875,112 @@ __global__ void __launch_bounds__(32, LEAN_MIN_BLOCKS) k_lean_fd(const __grid_co
         __syncwarp();
         const uint8_t *stg = lean_smem + (it % LEAN_ST) * S::BYTES;
         const int *ko = reinterpret_cast<const int *>(stg + S::KO_OFF);
-        float sc[4][4];
+        float sc[NJ][4];
         const int myoff = ko[lane];
         if (!rt || __all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-            lean_qk<HD, KB, VB>(stg, qa, qsum, sc, lane);
+            qk(stg, sc);
         } else {
             /* a document boundary: one QK pass per rotation offset in the tile */
 #pragma unroll
-            for (int j = 0; j < 4; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+            for (int j = 0; j < NJ; j++) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
             unsigned todo = __ballot_sync(FULL, myoff != KEY_PAD);
             while (todo) {
                 const int ofs = __shfl_sync(FULL, myoff, __ffs((int)todo) - 1);
                 if (ofs != cur_rot) {
                     if (ofs) rot_table(cs_sn, HD, ofs, a.inv_freq);
-                    lean_qfrags<HD, KB>(qr, a.scale, ofs ? cs_sn : nullptr, lane, qa, qsum);
+                    qfrags(ofs ? cs_sn : nullptr);
                     cur_rot = ofs;
                 }
-                float sr[4][4];
-                lean_qk<HD, KB, VB>(stg, qa, qsum, sr, lane);
+                float sr[NJ][4];
+                qk(stg, sr);
 #pragma unroll
-                for (int j = 0; j < 4; j++)
+                for (int j = 0; j < NJ; j++)
 #pragma unroll
                     for (int e = 0; e < 4; e++)
-                        if (ko[j * 8 + 2 * t + (e & 1)] == ofs) sc[j][e] = sr[j][e];
+                        if (ko[lean_sc_key<KT>(j, e, lane)] == ofs) sc[j][e] = sr[j][e];
                 todo &= __ballot_sync(FULL, myoff != ofs);
             }
         }
         const int kb = spans ? 0 : (int)((w0 + it) * AT_TILE);
-        uint32_t pa[2][4];
-        lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
-        lean_pv<HD, KB, VB>(stg, pa, o, lane);
+        if constexpr (KT) {
+            uint32_t pb[2][2];
+            lean_softmax_kt<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pb, lane);
+            lean_pv_kt<HD, KB, VB>(stg, pb, o, lane);
+        } else {
+            uint32_t pa[2][4];
+            lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
+            lean_pv<HD, KB, VB>(stg, pa, o, lane);
+        }
         __syncwarp(); /* the stage is reloaded */
     }
     cp_async_wait<0>();
 
+    if constexpr (KT) {
+        /* column e of the lane is row 2t + e; l and corr summed over the column's 8 lanes */
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float ls = l[h], cr = corr[h];
-        ls += __shfl_xor_sync(FULL, ls, 1);
-        ls += __shfl_xor_sync(FULL, ls, 2);
-        cr += __shfl_xor_sync(FULL, cr, 1);
-        cr += __shfl_xor_sync(FULL, cr, 2);
-        const int r = gq + 8 * h;
-        if (r >= nr) continue;
-        const long long orow = (long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G;
-        /* o[nd][2h + c] is dim (2t + c) HD/8 + nd */
-        if (a.n_splits == 1) {
-            const float inv = ls > 0.0f ? 1.0f / ls : 0.0f; /* no key: out = 0, lse = -inf */
-            float *op = a.out + orow * HD;
+        for (int e = 0; e < 2; e++) {
+            float ls = l[e], cr = corr[e];
 #pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                op[(2 * t) * (HD / 8) + nd] = (o[nd][2 * h] - cr) * inv;
-                op[(2 * t + 1) * (HD / 8) + nd] = (o[nd][2 * h + 1] - cr) * inv;
+            for (int x = 4; x < 32; x <<= 1) {
+                ls += __shfl_xor_sync(FULL, ls, x);
+                cr += __shfl_xor_sync(FULL, cr, x);
             }
-            if (a.lse && t == 0) a.lse[orow] = ls > 0.0f ? m[h] + logf(ls) : -INFINITY;
-        } else {
-            float *pp = a.part + (orow * a.n_splits + split) * (long long)(HD + 2);
+            const int r = 2 * t + e;
+            if (r >= nr) continue;
+            const long long orow = (long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G;
+            /* o[x][e] is dim g HD/8 + 2x, o[x][2 + e] the next */
+            if (a.n_splits == 1) {
+                const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+                float2 *op = reinterpret_cast<float2 *>(a.out + orow * HD + gq * (HD / 8));
 #pragma unroll
-            for (int nd = 0; nd < HD / 8; nd++) {
-                pp[(2 * t) * (HD / 8) + nd] = o[nd][2 * h] - cr;
-                pp[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1] - cr;
+                for (int x = 0; x < HD / 16; x++) op[x] = make_float2((o[x][e] - cr) * inv, (o[x][2 + e] - cr) * inv);
+                if (a.lse && gq == 0) a.lse[orow] = ls > 0.0f ? m[e] + logf(ls) : -INFINITY;
+            } else {
+                float *pp = a.part + (orow * a.n_splits + split) * (long long)(HD + 2);
+#pragma unroll
+                for (int x = 0; x < HD / 16; x++) {
+                    pp[gq * (HD / 8) + 2 * x] = o[x][e] - cr;
+                    pp[gq * (HD / 8) + 2 * x + 1] = o[x][2 + e] - cr;
+                }
+                if (gq == 0) {
+                    pp[HD] = ls > 0.0f ? m[e] : -INFINITY;
+                    pp[HD + 1] = ls;
+                }
             }
-            if (t == 0) {
-                pp[HD] = ls > 0.0f ? m[h] : -INFINITY;
-                pp[HD + 1] = ls;
+        }
+        return;
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ls = l[h], cr = corr[h];
+            ls += __shfl_xor_sync(FULL, ls, 1);
+            ls += __shfl_xor_sync(FULL, ls, 2);
+            cr += __shfl_xor_sync(FULL, cr, 1);
+            cr += __shfl_xor_sync(FULL, cr, 2);
+            const int r = gq + 8 * h;
+            if (r >= nr) continue;
+            const long long orow = (long long)(qs + r0 + r / a.G) * a.n_heads + (long long)kvh * a.G + r % a.G;
+            /* o[nd][2h + c] is dim (2t + c) HD/8 + nd */
+            if (a.n_splits == 1) {
+                const float inv = ls > 0.0f ? 1.0f / ls : 0.0f; /* no key: out = 0, lse = -inf */
+                float *op = a.out + orow * HD;
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    op[(2 * t) * (HD / 8) + nd] = (o[nd][2 * h] - cr) * inv;
+                    op[(2 * t + 1) * (HD / 8) + nd] = (o[nd][2 * h + 1] - cr) * inv;
+                }
+                if (a.lse && t == 0) a.lse[orow] = ls > 0.0f ? m[h] + logf(ls) : -INFINITY;
+            } else {
+                float *pp = a.part + (orow * a.n_splits + split) * (long long)(HD + 2);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    pp[(2 * t) * (HD / 8) + nd] = o[nd][2 * h] - cr;
+                    pp[(2 * t + 1) * (HD / 8) + nd] = o[nd][2 * h + 1] - cr;
+                }
+                if (t == 0) {
+                    pp[HD] = ls > 0.0f ? m[h] : -INFINITY;
+                    pp[HD + 1] = ls;
+                }
             }
         }
     }
@@ -809,23 +1027,23 @@ static void lean_plan(lean_fd_args &x, long long pairs, int resident, int n_sms,
     if (x.n_splits < 1) x.n_splits = 1;
 }
 
-template <int HD, int KB, int VB>
+template <int HD, int KB, int VB, bool KT>
 static void lean_launch(lean_fd_args &x, long long n_tiles, long long w_max, long long by_ws, int n_sms, cudaStream_t st)
 {
     static kvs_cu_resident resident_all;
     int &resident = *kvs_cu_resident_here(resident_all);
     const size_t smem = (size_t)LEAN_ST * lean_stage<HD, KB, VB>::BYTES + HD * sizeof(float);
     if (!resident) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)smem));
         int nb = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_fd<HD, KB, VB>, 32, smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_fd<HD, KB, VB, KT>, 32, smem));
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "lean attention: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
     }
     lean_plan(x, n_tiles * x.g.n_kv, resident, n_sms, w_max, by_ws);
     const dim3 grid((unsigned)(n_tiles * x.g.n_kv), (unsigned)x.n_splits);
-    k_lean_fd<HD, KB, VB><<<grid, 32, smem, st>>>(x);
+    k_lean_fd<HD, KB, VB, KT><<<grid, 32, smem, st>>>(x);
     LAUNCH_CHECK();
 }
 
@@ -840,14 +1058,23 @@ static bool lean_fmt_built(struct kvs_lean_fmt f)
     return false;
 }
 
-template <int HD>
+template <int HD, bool KT>
 static void lean_launch_hd(lean_fd_args &x, long long n_tiles, long long w_max, long long by_ws, int n_sms, cudaStream_t st)
 {
 #define LEAN_GO(K, V)                                                                                                  \
-    if (x.g.kbits == K && x.g.vbits == V) return lean_launch<HD, K, V>(x, n_tiles, w_max, by_ws, n_sms, st);
+    if (x.g.kbits == K && x.g.vbits == V) return lean_launch<HD, K, V, KT>(x, n_tiles, w_max, by_ws, n_sms, st);
     LEAN_FMTS(LEAN_GO)
 #undef LEAN_GO
     kvs_panic(__FILE__, __LINE__, "lean attention: format K%dV%d not built", x.g.kbits, x.g.vbits);
+}
+
+/* the attention layout forced for every launch of the process (kvs_cuda_set_lean_layout): 0 the
+ * automatic choice, 1 rows on M, 2 keys on M (where G <= 8) */
+static int lean_layout;
+
+extern "C" void kvs_cuda_set_lean_layout(int layout)
+{
+    lean_layout = layout == 1 || layout == 2 ? layout : 0;
 }
 
 static long long lean_host_tiles(const int32_t *sp, int ns, int last)
@@ -890,8 +1117,15 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
     a.spans = sp ? (const int32_t *)sp->spans->d : NULL;
     a.n_seqs = m->n_seqs, a.max_blocks = m->max_blocks, a.max_spans = sp ? sp->max_spans : 0;
     a.n_heads = n_heads, a.G = G, a.scale = scale;
-    /* spans: one row a tile; else 16 / G tokens of a sequence (a prefill chunk shares each K/V tile) */
-    a.qt = sp ? 1 : 16 / G;
+    /* the layout: keys on M (KT) where every tile fits 8 rows (decode rows and spans of G <= 8),
+     * rows on M where a sequence has more (a prefill chunk shares each K/V tile among 16 rows);
+     * kvs_cuda_set_lean_layout forces either (KT only where G <= 8) */
+    int max_rows = 0;
+    for (int s = 0; s < m->n_seqs; s++)
+        if (m->h_q_start[s + 1] - m->h_q_start[s] > max_rows) max_rows = m->h_q_start[s + 1] - m->h_q_start[s];
+    const bool kt = G <= 8 && (lean_layout == 2 || (lean_layout == 0 && (sp || max_rows * G <= 8)));
+    /* spans: one row a tile; else 16 / G (KT: 8 / G) tokens of a sequence */
+    a.qt = sp ? 1 : (kt ? 8 : 16) / G;
     /* the plan from the host copies: tiles, and the longest walk in key tiles */
     long long n_tiles = 0, w_max = 0;
     for (int s = 0; s < m->n_seqs; s++) {
@@ -915,8 +1149,13 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
     }
     if (n_tiles == 0) return;
     long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
-    if (head_dim == 64) lean_launch_hd<64>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
-    else lean_launch_hd<128>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+    if (head_dim == 64) {
+        if (kt) lean_launch_hd<64, true>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+        else lean_launch_hd<64, false>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+    } else {
+        if (kt) lean_launch_hd<128, true>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+        else lean_launch_hd<128, false>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
+    }
     if (a.n_splits > 1) {
         k_lean_merge<<<(unsigned)((size_t)n * n_heads), head_dim, 0, b->stream>>>(a.part, a.n_splits, head_dim, a.out,
                                                                                  a.lse);

@@ -4,8 +4,9 @@
  *   match (default) k_mac_match_part + k_mac_match_fin: blocks of (row, run of ring entries)
  *                  reading the ring's contiguous [entry][head][dim] bf16 rows coalesced, per-head
  *                  minima per block, then the minimum over blocks, ties to the lower entry (the
- *                  section below). KVS_MAC_MATCH=0: k_mac_match, one block per (row, q head), a
- *                  thread per ring entry.
+ *                  section below; runs of 2-8 entries, the shorter at batch 1-3, where
+ *                  KVS_MAC_MATCH_SMALL=0 keeps 8). KVS_MAC_MATCH=0: k_mac_match, one block per
+ *                  (row, q head), a thread per ring entry.
  *   span (default) k_mac_span_tc: one warp a block per (row, KV head, split), the group's A and B
  *                  parts as the rows of a tensor-core m-tile over 32-key tiles of the union span
  *                  (flash decoding with the paged attention's pieces, cuda_attn_device.cuh; the
@@ -13,11 +14,13 @@
  *                  (row, KV head, split), the group's q heads reading each key and value once,
  *                  4 warps splitting the range, one position per warp step (latency-bound: a
  *                  miss ran 6x slower than full attention, bench/RESULTS.md).
- *   k_mac_combine  one block per (row, q head), a thread per dimension: cached (o, lse) merged
+ *   k_mac_combine  one block per (row, q head), a thread per dimension (the splits' weights once per
+ *                  block, split_weights; KVS_MAC_COMBINE=0: per dimension): cached (o, lse) merged
  *                  with the A partials of the splits (the rectified summary), stored in the ring
  *                  for F_APPEND rows, then merged with the B partials into out / lse.
  *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
- * Head shapes: head_dim 64 or 128, 1, 2, 4 or 8 q heads per KV head (others: -ENOSYS).
+ * Head shapes: head_dim 64 or 128, 1 to 16 q heads per KV head (others: -ENOSYS); the first span
+ * kernel (KVS_MAC_SPAN=0) only for 1, 2, 4 or 8 (other group sizes take the tiled one).
  * Launched on the backend's stream, in order with its ops; nothing is synchronized or
  * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
  * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
@@ -41,7 +44,8 @@
 #define WORK_ROWS 512         /* rows of split partials the scratch holds at least (decode steps split) */
 #define SPAN_TC_ST 2          /* K/V tiles in flight per block of the tiled span kernel */
 #define MATCH2_THREADS 256
-#define MATCH2_EPB_MIN 8      /* ring entries per block of the coalesced match (at least) */
+#define MATCH2_EPB_MIN 8      /* ring entries per block of the coalesced match (at least, from 4 rows up) */
+#define MATCH2_EPB_SMALL 2    /* ... and at least, for steps of 1-3 rows: more blocks in flight (~4 per SM) */
 
 /* One block per (row, q head), a thread per ring entry (MATCH_THREADS entries at a time): each
  * thread sums its entry's squared distance over 16-byte loads (8 bf16 each, all in flight at
@@ -338,37 +342,52 @@ __global__ void __launch_bounds__(MATCH2_THREADS) k_mac_match_part(const float *
     }
 }
 
+/* one warp per (row, head) at a time: each lane the minimum over its blocks kb = lane, lane + 32,
+ * ... (ascending, strict: the lower entry on ties, the blocks' entry runs being ascending in kb),
+ * then the warp's minimum, ties to the lower entry: the serial scan's result */
 __global__ void k_mac_match_fin(const float *__restrict__ part, const int32_t *__restrict__ tags,
                                 const int32_t *__restrict__ rows, int32_t *__restrict__ p_out, int nh, int K, int KB,
                                 int layer, int n_layers, float thresh2)
 {
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     const int32_t *row = rows + (size_t)t * 4;
     const int flags = row[3], slot = row[1];
-    const int on = (flags & KVS_MAC_F_MATCH) && slot >= 0;
+    const int on = (flags & KVS_MAC_F_MATCH) && slot >= 0;   /* block-uniform: the shuffles below */
     const size_t base = on ? ((size_t)slot * n_layers + layer) * K : 0;
-    for (int h = threadIdx.x; h < nh; h += blockDim.x) {
+    for (int h = warp; h < nh; h += nw) {
         int p = -1;
         if (on) {
             float best = INFINITY;
             int bj = -1;
-            const float *w = part + ((size_t)t * nh + h) * KB * 2;
-            for (int kb = 0; kb < KB; kb++) {
-                const int j = __float_as_int(w[2 * kb + 1]);
-                if (j >= 0 && (bj < 0 || w[2 * kb] < best)) best = w[2 * kb], bj = j;
+            const float2 *w = (const float2 *)(part + ((size_t)t * nh + h) * KB * 2);
+            for (int k0 = lane; k0 < KB; k0 += 4 * 32) {   /* 4 loads in flight, then the updates */
+                float2 v[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) v[u] = k0 + 32 * u < KB ? w[k0 + 32 * u] : make_float2(INFINITY, __int_as_float(-1));
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int j = __float_as_int(v[u].y);
+                    if (j >= 0 && (bj < 0 || v[u].x < best)) best = v[u].x, bj = j;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                const int oj = __shfl_xor_sync(0xffffffffu, bj, o);
+                if (oj >= 0 && (bj < 0 || ob < best || (ob == best && oj < bj))) best = ob, bj = oj;
             }
             if (bj >= 0 && best < thresh2) p = tags[base + bj] - 1;
         }
-        p_out[(size_t)t * nh + h] = p;
+        if (lane == 0) p_out[(size_t)t * nh + h] = p;
     }
 }
 
 /* ---- the position-tiled span kernel (the default): k_mac_span_tc ----------------------------
  *
  * Flash-decoding on tensor cores with the paged attention's pieces (cuda_attn_device.cuh): one
- * warp a block owns (row t, KV head g, split z); its 16 m-tile rows are (head i, part) pairs,
- * row i the A part [s_i, split_i) of q head g G + i and row G + i its B part [split_i, end_i)
- * (G <= 8: 2 G rows live). The block walks the union of its heads' ranges (from min s_i rounded
+ * warp a block owns (row t, KV head g, split z); the rows of its MT m-tiles of 16 are (head i,
+ * part) pairs, row i the A part [s_i, split_i) of q head g G + i and row G + i its B part
+ * [split_i, end_i): 2 G rows live, MT = 1 for G <= 8, 2 for G <= 16 (G is a runtime argument:
+ * any group size, odd ones like SmolLM2's 3 included; only the m-tile count is a template). The block walks the union of its heads' ranges (from min s_i rounded
  * down to a multiple of 32, to max end_i) in 32-key tiles staged with cp.async, SPAN_TC_ST tiles
  * in flight and the block table looked up a tile ahead; every K/V byte is read once for the
  * group and serves all 2 G rows (QK on mma.sync, bf16 q, fp32 scores), each row masking the keys
@@ -391,12 +410,13 @@ struct span_tc_cfg {
                                    (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);
 };
 
-template <int HD, int G, bool ROT>
+template <int HD, int MT, bool ROT>
 __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span_tc_args x)
 {
     typedef span_tc_cfg<HD, ROT> C;
     constexpr int KST = C::KST, ST = SPAN_TC_ST;
     const at_args &a = x.a;
+    const int G = a.G;   /* q heads per KV head, 2 G <= 16 MT rows */
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
     bf16 *sv = sk + C::kv_elems;
@@ -407,20 +427,30 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     const int flags = row[3], seq = row[0], slot = row[1], m = row[2];
     if (!(flags & (KVS_MAC_F_MAC | KVS_MAC_F_APPEND)) || ((flags & KVS_MAC_F_APPEND) && slot < 0)) return;
     const int mac = (flags & KVS_MAC_F_MAC) != 0;
-    /* the union of the group's ranges, and the ranges of this thread's rows g and g + 8 */
-    int lo_all = INT_MAX, hi_all = 0, rlo[2] = {0, 0}, rhi[2] = {0, 0};
-#pragma unroll
+    const int32_t *ph = x.p + (size_t)t * a.n_heads + (size_t)kvh * G;
+    /* the union of the group's ranges */
+    int lo_all = INT_MAX, hi_all = 0;
     for (int i = 0; i < G; i++) {
         int s, split, end;
-        head_range(mac ? x.p[(size_t)t * a.n_heads + kvh * G + i] : -1, m, x.band, mac, &s, &split, &end);
+        head_range(mac ? ph[i] : -1, m, x.band, mac, &s, &split, &end);
         if (end > s) lo_all = min(lo_all, s), hi_all = max(hi_all, end);
+    }
+    /* the ranges of this thread's rows (m-tile mt, rows g and g + 8): row R = 16 mt + g + 8 h is
+     * the A part of head R (R < G), the B part of head R - G (R < 2 G), or nothing */
+    int rlo[MT][2], rhi[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int r = g + 8 * h;
-            if (r == i) rlo[h] = s, rhi[h] = split;
-            if (r == G + i) rlo[h] = split, rhi[h] = end;
+            const int R = 16 * mt + g + 8 * h;
+            rlo[mt][h] = rhi[mt][h] = 0;
+            if (R < 2 * G) {
+                int s, split, end;
+                head_range(mac ? ph[R % G] : -1, m, x.band, mac, &s, &split, &end);
+                rlo[mt][h] = R < G ? s : split;
+                rhi[mt][h] = R < G ? split : end;
+            }
         }
-    }
     const int kbase = hi_all > lo_all ? lo_all & ~(AT_TILE - 1) : 0;
     const int ntot = hi_all > lo_all ? (hi_all - kbase + AT_TILE - 1) / AT_TILE : 0;
     const int per = (ntot + x.Z - 1) / x.Z;
@@ -442,36 +472,45 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     }
     tile_meta next = lookup(ST - 1);
 
-    /* q fragments: row r is head r % G's query (rows past 2 G zero), scaled, bf16 */
-    uint32_t qa[1][HD / 16][4];
+    /* q fragments: row R is head R % G's query (rows past 2 G zero), scaled, bf16 */
+    uint32_t qa[MT][HD / 16][4];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int r = g + 8 * h;
-        const float *qr = r < 2 * G ? a.q + ((size_t)t * a.n_heads + (size_t)kvh * G + r % G) * HD : nullptr;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++)
+        for (int h = 0; h < 2; h++) {
+            const int R = 16 * mt + g + 8 * h;
+            const float *qr = R < 2 * G ? a.q + ((size_t)t * a.n_heads + (size_t)kvh * G + R % G) * HD : nullptr;
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int d = ks * 16 + 2 * tq + 8 * e;
-                const float v0 = qr ? q_dim<HD>(qr, d, a.scale, nullptr) : 0.0f;
-                const float v1 = qr ? q_dim<HD>(qr, d + 1, a.scale, nullptr) : 0.0f;
-                qa[0][ks][h + 2 * e] = pack_bf16(v0, v1);
-            }
-    }
+            for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int d = ks * 16 + 2 * tq + 8 * e;
+                    const float v0 = qr ? q_dim<HD>(qr, d, a.scale, nullptr) : 0.0f;
+                    const float v1 = qr ? q_dim<HD>(qr, d + 1, a.scale, nullptr) : 0.0f;
+                    qa[mt][ks][h + 2 * e] = pack_bf16(v0, v1);
+                }
+        }
     int cur_rot = 0;
-    uint32_t q0[ROT ? 1 : 1][HD / 16][4];
+    uint32_t q0[ROT ? MT : 1][HD / 16][4];
     if (ROT) {
 #pragma unroll
-        for (int ks = 0; ks < HD / 16; ks++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int j = 0; j < 4; j++) q0[0][ks][j] = qa[0][ks][j];
+            for (int ks = 0; ks < HD / 16; ks++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) q0[mt][ks][j] = qa[mt][ks][j];
     }
-    float mm[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, o[1][HD / 8][4];
+    float mm[MT][2], l[MT][2], o[MT][HD / 8][4];
+    int lim[MT][2];   /* last key of each row (-1: none) */
 #pragma unroll
-    for (int nd = 0; nd < HD / 8; nd++)
+    for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) o[0][nd][e] = 0.0f;
-    const int lim[2] = {rhi[0] - 1, rhi[1] - 1};   /* last key of each row (-1: none) */
+        for (int h = 0; h < 2; h++) mm[mt][h] = -INFINITY, l[mt][h] = 0.0f, lim[mt][h] = rhi[mt][h] - 1;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[mt][nd][e] = 0.0f;
+    }
 
     for (int it = 0; it < ntiles; it++) {
         if (it + ST - 1 < ntiles) issue(next, it + ST - 1);
@@ -483,51 +522,56 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
         const bf16 *tv = sv + (size_t)(it % ST) * AT_TILE * KST;
         const int kb = k0 + it * AT_TILE;
         const int *ko = soff + (it % ST) * AT_TILE;
-        float sc[1][4][4];
+        float sc[MT][4][4];
         if constexpr (!ROT) {
-            qk_tc<HD, 1>(tk, qa, sc, lane);
+            qk_tc<HD, MT>(tk, qa, sc, lane);
         } else {
             const int myoff = ko[lane];
             if (__all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
-                qk_tc<HD, 1>(tk, qa, sc, lane);
+                qk_tc<HD, MT>(tk, qa, sc, lane);
             } else {
-                qk_by_offset<HD, 1>(tk, ko, myoff, cur_rot, [&](int ofs) {
+                qk_by_offset<HD, MT>(tk, ko, myoff, cur_rot, [&](int ofs) {
                     rot_table(rtab, HD, ofs, a.inv_freq);
-                    rotate_frags<HD, 1>(q0, rtab, lane, qa);
+                    rotate_frags<HD, MT>(q0, rtab, lane, qa);
                 }, qa, sc, lane);
             }
         }
         /* keys before a row's first: masked here; past its last: softmax_tile's lim */
+        uint32_t pa[MT][2][4];
 #pragma unroll
-        for (int h = 0; h < 2; h++)
+        for (int mt = 0; mt < MT; mt++) {
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++)
 #pragma unroll
-                for (int e = 0; e < 2; e++)
-                    if (kb + j * 8 + 2 * tq + e < rlo[h]) sc[0][j][2 * h + e] = -INFINITY;
-        uint32_t pa[1][2][4];
-        softmax_tile<HD, true>(sc[0], ko, kb, lim, mm, l, o[0], pa[0], lane);
-        pv_tile<HD, 1>(tv, KST, pa, o, lane);
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++)
+                        if (kb + j * 8 + 2 * tq + e < rlo[mt][h]) sc[mt][j][2 * h + e] = -INFINITY;
+            softmax_tile<HD, true>(sc[mt], ko, kb, lim[mt], mm[mt], l[mt], o[mt], pa[mt], lane);
+        }
+        pv_tile<HD, MT>(tv, KST, pa, o, lane);
         __syncthreads();
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float ls = l[h];
-        ls += __shfl_xor_sync(FULL, ls, 1);
-        ls += __shfl_xor_sync(FULL, ls, 2);
-        const int r = g + 8 * h;
-        if (r >= 2 * G) continue;
-        const int i = r % G, part = r / G;
-        float *w = x.work + ((((size_t)t * a.n_heads + (size_t)kvh * G + i) * x.Z + z) * 2 + part) * (HD + 1);
-        const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) {
-            w[nd * 8 + 2 * tq] = o[0][nd][2 * h] * inv;
-            w[nd * 8 + 2 * tq + 1] = o[0][nd][2 * h + 1] * inv;
+        for (int h = 0; h < 2; h++) {
+            float ls = l[mt][h];
+            ls += __shfl_xor_sync(FULL, ls, 1);
+            ls += __shfl_xor_sync(FULL, ls, 2);
+            const int R = 16 * mt + g + 8 * h;
+            if (R >= 2 * G) continue;
+            const int i = R % G, part = R / G;
+            float *w = x.work + ((((size_t)t * a.n_heads + (size_t)kvh * G + i) * x.Z + z) * 2 + part) * (HD + 1);
+            const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                w[nd * 8 + 2 * tq] = o[mt][nd][2 * h] * inv;
+                w[nd * 8 + 2 * tq + 1] = o[mt][nd][2 * h + 1] * inv;
+            }
+            if (tq == 0) w[HD] = ls > 0.0f ? mm[mt][h] + logf(ls) : -INFINITY;
         }
-        if (tq == 0) w[HD] = ls > 0.0f ? mm[h] + logf(ls) : -INFINITY;
-    }
 }
 
 /* (o, la) merged with (ob, lb): backend.h attn_merge */
@@ -564,13 +608,50 @@ static __device__ __forceinline__ void splits(const float *w, int part, int Z, i
     *lse = M + logf(L);
 }
 
+/* k_mac_combine's split weights, computed once per block instead of per dimension: warp `part` (0: A,
+ * 1: B) takes the Z <= MAX_SPLITS = 64 splits' lse, two per lane, and leaves f_z = exp(lse_z - M)
+ * in f[part][z] (0 past Z and for empty splits), M and L = sum f_z in ml[part]; the per-dimension
+ * pass (split_sum) then reads independent loads (the serial splits() chained Z dependent L2 reads
+ * per dimension and part, about half of a batch-1 attend, bench/RESULTS.md) */
+template <int HD>
+static __device__ __forceinline__ void split_weights(const float *w, int part, int Z, int lane, float (*f)[MAX_SPLITS],
+                                                     float (*ml)[2])
+{
+    const float l0 = lane < Z ? w[(lane * 2 + part) * (HD + 1) + HD] : -INFINITY;
+    const float l1 = lane + 32 < Z ? w[((lane + 32) * 2 + part) * (HD + 1) + HD] : -INFINITY;
+    float M = fmaxf(l0, l1);
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float f0 = M == -INFINITY ? 0.0f : __expf(l0 - M), f1 = M == -INFINITY ? 0.0f : __expf(l1 - M);
+    float L = f0 + f1;
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    f[part][lane] = f0, f[part][lane + 32] = f1;
+    if (lane == 0) ml[part][0] = M, ml[part][1] = L;
+}
+
+/* the splits' partials of one part at dimension d as one (o, lse), from split_weights' f and ml:
+ * splits()'s result, the sum of L in a tree */
+template <int HD>
+static __device__ __forceinline__ void split_sum(const float *w, int part, int Z, int d, const float (*f)[MAX_SPLITS],
+                                                 const float (*ml)[2], float *o, float *lse)
+{
+    const float M = ml[part][0], L = ml[part][1];
+    *o = 0.0f;
+    *lse = -INFINITY;
+    if (M == -INFINITY) return;
+    float acc = 0.0f;
+#pragma unroll 8
+    for (int z = 0; z < Z; z++) acc += f[part][z] * w[(z * 2 + part) * (HD + 1) + d];
+    *o = acc / L;
+    *lse = M + logf(L);
+}
+
 struct combine_args {
     const int32_t *rows, *p;
     const float *q_pre, *work;
     bf16 *ring_q, *ring_o;
     float *ring_lse, *out, *lse;
     int32_t *ring_tag;
-    int nh, K, layer, n_layers, band, Z;
+    int nh, K, layer, n_layers, band, Z, serial;
 };
 
 template <int HD>
@@ -591,7 +672,15 @@ __global__ void k_mac_combine(combine_args a)
     }
     const float *w = a.work + ((size_t)t * a.nh + h) * a.Z * 2 * (HD + 1);
     float ob, lb;
-    splits<HD>(w, 0, a.Z, d, &ob, &lb);
+    __shared__ float s_f[2][MAX_SPLITS], s_ml[2][2];
+    const int fast = !a.serial;   /* KVS_MAC_COMBINE=0: the serial splits() per dimension (comparison) */
+    if (fast) {
+        if (d < 64) split_weights<HD>(w, d / 32, a.Z, d % 32, s_f, s_ml);   /* HD >= 64: warps 0 and 1 */
+        __syncthreads();
+        split_sum<HD>(w, 0, a.Z, d, s_f, s_ml, &ob, &lb);
+    } else {
+        splits<HD>(w, 0, a.Z, d, &ob, &lb);
+    }
     merge(o, L, ob, lb);
     if (flags & KVS_MAC_F_APPEND) {
         const size_t j = ring0 + m % a.K, e = j * a.nh + h;
@@ -601,7 +690,8 @@ __global__ void k_mac_combine(combine_args a)
         if (d == 0 && h == 0) a.ring_tag[j] = m + 1;
     }
     if (mac) {
-        splits<HD>(w, 1, a.Z, d, &ob, &lb);
+        if (fast) split_sum<HD>(w, 1, a.Z, d, s_f, s_ml, &ob, &lb);
+        else splits<HD>(w, 1, a.Z, d, &ob, &lb);
         merge(o, L, ob, lb);
         a.out[((size_t)t * a.nh + h) * HD + d] = o;
         if (d == 0) a.lse[(size_t)t * a.nh + h] = L;
@@ -642,9 +732,9 @@ __global__ void k_mac_count(const int32_t *__restrict__ rows, const int32_t *__r
 static int cu_supports(int n_heads, int n_kv_heads, int head_dim, char *err, size_t errlen)
 {
     const int G = n_kv_heads > 0 && n_heads % n_kv_heads == 0 ? n_heads / n_kv_heads : 0;
-    if ((head_dim != 64 && head_dim != 128) || (G != 1 && G != 2 && G != 4 && G != 8))
+    if ((head_dim != 64 && head_dim != 128) || G < 1 || G > 16)
         return kvs_err(err, errlen, -ENOSYS,
-                       "config key 'kv.decode': the CUDA mac kernels take head_dim 64 or 128 and 1, 2, 4 or 8 query "
+                       "config key 'kv.decode': the CUDA mac kernels take head_dim 64 or 128 and 1 to 16 query "
                        "heads per KV head (model: heads %d/%d, head_dim %d)", n_heads, n_kv_heads, head_dim);
     return 0;
 }
@@ -675,8 +765,15 @@ static void cu_match(struct kvs_backend *b, const struct kvs_mac_call *c)
     const int32_t *tags = (const int32_t *)P(c->ring_tag), *rows = (const int32_t *)P(c->rows);
     int32_t *p = (int32_t *)P(c->p) + c->p_off;
     const int nh = c->n_heads, hd = c->head_dim;
-    /* the coalesced match: K / EPB blocks a row, their minima in the scratch */
-    int KB = (c->K + MATCH2_EPB_MIN - 1) / MATCH2_EPB_MIN;
+    /* the coalesced match: K / EPB blocks a row, their minima in the scratch. A step of few rows
+     * takes smaller runs (down to MATCH2_EPB_SMALL entries) so that ~4 blocks per SM are in
+     * flight: at batch 1 and K = 1024 a run of 8 gave 128 blocks on 132 SMs, each a chain of
+     * dependent load rounds (latency-bound, bench/RESULTS.md) */
+    const int want = (4 * b->n_sms + c->n - 1) / c->n;
+    int EPB0 = (c->K + want - 1) / want;
+    EPB0 = EPB0 < MATCH2_EPB_SMALL ? MATCH2_EPB_SMALL : EPB0 > MATCH2_EPB_MIN ? MATCH2_EPB_MIN : EPB0;
+    if (env_off("KVS_MAC_MATCH_SMALL")) EPB0 = MATCH2_EPB_MIN;
+    int KB = (c->K + EPB0 - 1) / EPB0;
     const size_t cap = c->work ? c->work_n / ((size_t)c->n * nh * 2) : 0;
     if ((size_t)KB > cap) KB = (int)cap;
     const int EPB = KB > 0 ? (c->K + KB - 1) / KB : 0;
@@ -690,7 +787,8 @@ static void cu_match(struct kvs_backend *b, const struct kvs_mac_call *c)
         else
             k_mac_match_part<128><<<grid, MATCH2_THREADS, smem, st>>>(q, rq, tags, rows, part, nh, c->K, c->layer, c->n_layers, EPB);
         CUDA_CHECK(cudaGetLastError());
-        k_mac_match_fin<<<c->n, 128, 0, st>>>(part, tags, rows, p, nh, c->K, KB, c->layer, c->n_layers, c->thresh2);
+        const int fin_threads = 32 * (nh < 32 ? nh : 32);   /* a warp per head (the scan is latency-bound) */
+        k_mac_match_fin<<<c->n, fin_threads, 0, st>>>(part, tags, rows, p, nh, c->K, KB, c->layer, c->n_layers, c->thresh2);
         CUDA_CHECK(cudaGetLastError());
         return;
     }
@@ -707,11 +805,12 @@ static void cu_match(struct kvs_backend *b, const struct kvs_mac_call *c)
 template <int HD>
 static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
 {
-    switch (G) {
+    switch (G) {   /* cu_attend sends only these group sizes here */
     case 1: k_mac_span<HD, 1><<<grid, SPAN_WARPS * 32, 0, st>>>(a); break;
     case 2: k_mac_span<HD, 2><<<grid, SPAN_WARPS * 32, 0, st>>>(a); break;
     case 4: k_mac_span<HD, 4><<<grid, SPAN_WARPS * 32, 0, st>>>(a); break;
-    default: k_mac_span<HD, 8><<<grid, SPAN_WARPS * 32, 0, st>>>(a); break;
+    case 8: k_mac_span<HD, 8><<<grid, SPAN_WARPS * 32, 0, st>>>(a); break;
+    default: KVS_ASSERT(!"k_mac_span: group size not instantiated");
     }
 }
 
@@ -720,12 +819,8 @@ static void launch_span_tc_rot(int G, dim3 grid, cudaStream_t st, const span_tc_
 {
     const size_t smem = span_tc_cfg<HD, ROT>::smem;   /* under 48 KB: no opt-in needed */
     static_assert(span_tc_cfg<HD, ROT>::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
-    switch (G) {
-    case 1: k_mac_span_tc<HD, 1, ROT><<<grid, 32, smem, st>>>(x); break;
-    case 2: k_mac_span_tc<HD, 2, ROT><<<grid, 32, smem, st>>>(x); break;
-    case 4: k_mac_span_tc<HD, 4, ROT><<<grid, 32, smem, st>>>(x); break;
-    default: k_mac_span_tc<HD, 8, ROT><<<grid, 32, smem, st>>>(x); break;
-    }
+    if (G <= 8) k_mac_span_tc<HD, 1, ROT><<<grid, 32, smem, st>>>(x);
+    else k_mac_span_tc<HD, 2, ROT><<<grid, 32, smem, st>>>(x);
 }
 
 template <int HD>
@@ -739,7 +834,7 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     cudaStream_t st = b->stream;
     const int G = c->n_heads / c->n_kv_heads, hd = c->head_dim;
-    const int tiled = !env_off("KVS_MAC_SPAN");
+    const int tiled = !env_off("KVS_MAC_SPAN") || (G != 1 && G != 2 && G != 4 && G != 8);
     /* splits: enough blocks for several resident waves of one-warp blocks (tiled) or two waves of
      * 4-warp blocks, at most one per MIN_SPLIT_POS positions of the longest context (the plan
      * bound of a recorded step, whose contexts grow), within the scratch */
@@ -794,7 +889,7 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         (const int32_t *)P(c->rows), (const int32_t *)P(c->p) + c->p_off, (const float *)P(c->q_pre),
         (const float *)P(c->work), (bf16 *)P(c->ring_q), (bf16 *)P(c->ring_o), (float *)P(c->ring_lse),
         (float *)P(c->out), (float *)P(c->lse), (int32_t *)P(c->ring_tag),
-        c->n_heads, c->K, c->layer, c->n_layers, c->band, Z,
+        c->n_heads, c->K, c->layer, c->n_layers, c->band, Z, env_off("KVS_MAC_COMBINE"),
     };
     const dim3 g2(c->n, c->n_heads);
     if (hd == 64) k_mac_combine<64><<<g2, 64, 0, st>>>(ca);

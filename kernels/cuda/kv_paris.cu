@@ -23,10 +23,14 @@
  *          the chosen positions ranked by position, spans built by one thread.
  * kvs_paris_cuda_profile(1) makes select record events around its kernels (the bench's breakdown:
  * prep, vote, keep, rerank, top-k), read back by kvs_paris_cuda_last_phases.
- * Scratch comes from cudaMallocAsync on the backend's stream (stream-ordered, pooled by the
- * driver); plain launches (stream order), so nothing here relies on programmatic dependence.
+ * Scratch: one cudaMallocAsync block per backend, kept between calls and grown (stream-ordered
+ * free + alloc) when a call needs more (batch-1 selection is launch-bound: seven allocations
+ * and frees per layer cost more than some of the kernels); kept for the process (one table
+ * entry per backend, found under a mutex since tensor-parallel ranks select concurrently).
+ * Plain launches (stream order), so nothing here relies on programmatic dependence.
  */
 #include <cub/block/block_scan.cuh>
+#include <pthread.h>
 
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/kv_paris.h"
@@ -75,8 +79,8 @@ __device__ void encode_block(const float *x, float kn, uint8_t *cid, uint8_t *co
 /* ---- encode -------------------------------------------------------------------------------- */
 
 template <int E>
-__global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__restrict__ bts, int max_blocks,
-                               const int32_t *__restrict__ jobs, int layer, int n_layers, int nkv, int bs,
+__global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__restrict__ bts,
+                               const int32_t *__restrict__ its, int max_blocks, const int32_t *__restrict__ jobs, int layer, int n_layers, int nkv, int bs,
                                const float *__restrict__ signs, int W, uint8_t *__restrict__ codes,
                                float *__restrict__ wout, int32_t *__restrict__ counts)
 {
@@ -123,7 +127,7 @@ __global__ void k_paris_encode(const bf16 *__restrict__ kc, const int32_t *__res
 #pragma unroll
     for (int e = 0; e < E; e++) sx[warp][lane * E + e] = x[e];
     __syncwarp();
-    const size_t slot = p_slot(bt, p, bs);
+    const size_t slot = p_slot(its ? its + (size_t)J[KVS_PARIS_JOB_SEQ] * max_blocks : bt, p, bs);
     uint8_t *row = codes + (slot * nkv + g) * (size_t)W * 4;
     float *wr = wout + (slot * nkv + g) * (size_t)B;
     int32_t *cnt = counts + (((size_t)J[KVS_PARIS_JOB_SLOT] * n_layers + layer) * nkv + g) * B * KVS_PARIS_NC;
@@ -143,7 +147,7 @@ static int paris_supports(int head_dim, char *err, size_t errlen)
 }
 
 static void cu_encode(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
-                      const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
+                      const struct kvs_dbuf *idx_tables, const struct kvs_dbuf *jobs, const int32_t *h_jobs, int n_jobs, int layer, int n_layers,
                       int n_kv_heads, int head_dim, int block_size, const struct kvs_dbuf *signs,
                       struct kvs_dbuf *codes, struct kvs_dbuf *w, struct kvs_dbuf *counts)
 {
@@ -161,6 +165,7 @@ static void cu_encode(struct kvs_backend *b, const struct kvs_dbuf *kc, const st
     const int W = kvs_paris_words(head_dim);
 #define ENC(E)                                                                                                    \
     k_paris_encode<E><<<grid, 256, 0, b->stream>>>((const bf16 *)kc->d, (const int32_t *)m->block_tables->d,       \
+                                                   idx_tables ? (const int32_t *)idx_tables->d : nullptr,          \
                                                    m->max_blocks, (const int32_t *)jobs->d, layer, n_layers,       \
                                                    n_kv_heads, block_size, (const float *)signs->d, W,             \
                                                    (uint8_t *)codes->d, (float *)w->d, (int32_t *)counts->d)
@@ -184,6 +189,30 @@ struct sel_scratch {
     int32_t *hist, *cand;
     unsigned long long *keys;
 };
+
+/* the per-backend scratch block (see the file comment) */
+#define SCRATCH_SLOTS 16
+static struct { const struct kvs_backend *b; char *p; size_t cap; } g_scratch[SCRATCH_SLOTS];
+static pthread_mutex_t g_scratch_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static char *scratch_get(struct kvs_backend *b, size_t bytes)
+{
+    pthread_mutex_lock(&g_scratch_mu);
+    int i = 0;
+    while (i < SCRATCH_SLOTS && g_scratch[i].b && g_scratch[i].b != b) i++;
+    if (i == SCRATCH_SLOTS) kvs_panic(__FILE__, __LINE__, "kv_paris: more than %d CUDA backends", SCRATCH_SLOTS);
+    g_scratch[i].b = b;
+    pthread_mutex_unlock(&g_scratch_mu);
+    if (g_scratch[i].cap < bytes) {
+        if (g_scratch[i].p) CUDA_CHECK(cudaFreeAsync(g_scratch[i].p, b->stream));
+        g_scratch[i].cap = bytes + bytes / 4;
+        CUDA_CHECK(cudaMallocAsync((void **)&g_scratch[i].p, g_scratch[i].cap, b->stream));
+    }
+    return g_scratch[i].p;
+}
+
+/* bytes rounded to 256 (the carve's alignment) */
+static inline size_t al256(size_t x) { return (x + 255) / 256 * 256; }
 
 /* qbar, its rotation (recomputed by each block: a few hundred flops) and the tiers of block b;
  * one block of 256 threads per (row x head, b): all SMs busy even at batch 1 */
@@ -404,6 +433,7 @@ k_paris_coarse(const int32_t *__restrict__ rows, int nkv, int D, int max_nr, con
                  R[KVS_PARIS_ROW_SINK], coarse + (size_t)task * max_topk, &s_thr, &s_gt, tmp);
 }
 
+#define RERANK_CHUNK 128   /* candidates per block, one a thread: the estimate is a serial chain */
 __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *__restrict__ bts, int max_blocks,
                                int nkv, int D, int bs, int W, const uint8_t *__restrict__ codes,
                                const float *__restrict__ wts, const float *__restrict__ qt,
@@ -414,13 +444,13 @@ __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *
     const int task = blockIdx.x, r = task / nkv, g = task % nkv, B = D / 8;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR], keep = min(R[KVS_PARIS_ROW_KEEP], n_r);
-    const int i0 = (int)blockIdx.y * 1024;
+    const int i0 = (int)blockIdx.y * RERANK_CHUNK;
     if (n_r <= 0 || i0 >= keep) return;
     for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = qt[(size_t)task * D + i];
     __syncthreads();
     const int32_t *bt = bts + (size_t)r * max_blocks;
     const int vec = (W * 4) % 16 == 0 && B % 16 == 0;   /* 16-byte aligned code rows */
-    for (int i = i0 + threadIdx.x; i < keep && i < i0 + 1024; i += blockDim.x) {
+    for (int i = i0 + threadIdx.x; i < keep && i < i0 + RERANK_CHUNK; i += blockDim.x) {
         const int p = cand[(size_t)task * max_nr + i];
         const size_t slot = p_slot(bt, p, bs);
         const uint8_t *row = codes + (slot * nkv + g) * (size_t)W * 4 + B;
@@ -569,14 +599,25 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const str
     if (coarse) xh_forget(b, coarse->d);
     cudaStream_t st = b->stream;
     sel_scratch s;
-    CUDA_CHECK(cudaMallocAsync((void **)&s.qt, (size_t)T * D * 4, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.qn, (size_t)T * 4, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.tier, (size_t)T * B * KVS_PARIS_NC, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.vote, (size_t)T * max_nr * 2, st));
     const int n_chunks = (max_nr + VOTE_CHUNK - 1) / VOTE_CHUNK;
-    CUDA_CHECK(cudaMallocAsync((void **)&s.hist, ((size_t)T * (maxv + 1) * (1 + n_chunks) + T) * 4, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.cand, (size_t)T * max_nr * 4, st));
-    CUDA_CHECK(cudaMallocAsync((void **)&s.keys, (size_t)T * max_nr * 8, st));
+    const size_t b_qt = al256((size_t)T * D * 4), b_qn = al256((size_t)T * 4), b_tier = al256((size_t)T * B * KVS_PARIS_NC);
+    const size_t b_vote = al256((size_t)T * max_nr * 2), b_cand = al256((size_t)T * max_nr * 4);
+    const size_t b_hist = al256(((size_t)T * (maxv + 1) * (1 + n_chunks) + T) * 4), b_keys = al256((size_t)T * max_nr * 8);
+    char *sp0 = scratch_get(b, b_keys + b_qt + b_qn + b_tier + b_vote + b_hist + b_cand);
+    s.keys = (unsigned long long *)sp0, sp0 += b_keys;
+    s.qt = (float *)sp0, sp0 += b_qt;
+    s.qn = (float *)sp0, sp0 += b_qn;
+    s.tier = (uint8_t *)sp0, sp0 += b_tier;
+    s.vote = (uint16_t *)sp0, sp0 += b_vote;
+    s.hist = (int32_t *)sp0, sp0 += b_hist;
+    s.cand = (int32_t *)sp0;
+    /* the rerank's grid: candidates are at most the largest keep */
+    int max_keep = 1;
+    for (int r = 0; r < n; r++) {
+        const int32_t *R = h_rows + r * KVS_PARIS_ROW_N;
+        const int k = R[KVS_PARIS_ROW_KEEP] < R[KVS_PARIS_ROW_NR] ? R[KVS_PARIS_ROW_KEEP] : R[KVS_PARIS_ROW_NR];
+        max_keep = k > max_keep ? k : max_keep;
+    }
     /* hist [T][maxv + 1], then n_cand [T], then the chunk histograms [T][n_chunks][maxv + 1] */
     int32_t *n_cand = s.hist + (size_t)T * (maxv + 1), *chist = n_cand + T;
     CUDA_CHECK(cudaMemsetAsync(s.hist, 0, ((size_t)T * (maxv + 1) + T) * 4, st));
@@ -596,7 +637,7 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const str
         k_paris_coarse<<<T, PK_THREADS, 0, st>>>(d_rows, n_kv_heads, D, max_nr, s.vote, s.hist, (int32_t *)coarse->d,
                                                  max_topk);
     PROF(3);
-    k_paris_rerank<<<dim3(T, (max_nr + 1023) / 1024), 256, 0, st>>>(d_rows, bts, m->max_blocks, n_kv_heads, D,
+    k_paris_rerank<<<dim3(T, (max_keep + RERANK_CHUNK - 1) / RERANK_CHUNK), RERANK_CHUNK, 0, st>>>(d_rows, bts, m->max_blocks, n_kv_heads, D,
                                                                     block_size, W, (const uint8_t *)codes->d,
                                                                     (const float *)w->d, s.qt, s.qn, max_nr, s.cand,
                                                                     s.keys);
@@ -606,8 +647,6 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const str
                                                                   (int32_t *)spans->d, sel ? (int32_t *)sel->d : NULL);
     PROF(5);
     CUDA_CHECK(cudaGetLastError());
-    void *f[] = {s.qt, s.qn, s.tier, s.vote, s.hist, s.cand, s.keys};
-    for (void *p : f) CUDA_CHECK(cudaFreeAsync(p, st));
 }
 
 /* ---- exact top-k (the recall reference) ------------------------------------------------------ */

@@ -6,15 +6,18 @@
  * CUDA platform) the host pointer is valid in kernels, so write_out stores to host memory and
  * the gather loads from it over the bus (UVA), with no copy engine and no host work.
  * write_out  a thread per 16-byte chunk of a (position, KV head) row, grid-stride over each job.
- * gather     a block per (row x KV head, group of 8 spans), a warp per span: the span's offset
- *            in the staging area is the sum of the lengths of the spans before it (summed by the
- *            block, then by the warp), and the warp's lanes copy 16-byte chunks of its positions
- *            from the host page (retrieval zone, page present) or the pool.
+ * gather     a block per (row x KV head, group of 8 spans, piece of 32 positions), a warp per
+ *            span: the span's offset in the staging area is the sum of the lengths of the spans
+ *            before it (summed by the block, then by the warp), and the warp's lanes copy 16-byte
+ *            chunks of its piece of the span from the host page (retrieval zone, page present) or
+ *            the pool. Pieces, because the tail span (local window + buffer, hundreds of
+ *            positions) copied by one warp was the whole gather's latency at batch 1.
  */
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/kv_paris.h"
 
 #define GATHER_WARPS 8
+#define GATHER_PIECE 32
 
 static void *cu_host_alloc(struct kvs_backend *b, size_t bytes, char *err, size_t errlen)
 {
@@ -122,8 +125,11 @@ k_paris_gather(const bf16 *__restrict__ kc, const bf16 *__restrict__ vc, const i
     if (i >= ns) return;
     int off = base;
     for (int j = first; j < i; j++) off += span_len(sp, j, ctx);
-    const int p0 = sp[2 * i], n = span_len(sp, i, ctx), C = D / 8;
-    for (int t = lane; t < n * C; t += 32) {
+    const int z0 = (int)blockIdx.z * GATHER_PIECE, n = span_len(sp, i, ctx) - z0, C = D / 8;
+    if (n <= 0) return;
+    const int p0 = sp[2 * i] + z0, mpos = n < GATHER_PIECE ? n : GATHER_PIECE;
+    off += z0;
+    for (int t = lane; t < mpos * C; t += 32) {
         const int p = p0 + t / C, c = t % C, at = off + t / C;
         const int page = p >= sink && p < sink + n_r ? pt[p / bs] : -1;
         const bf16 *ks, *vs;
@@ -147,9 +153,17 @@ static void cu_gather(struct kvs_backend *b, const struct kvs_dbuf *kc, const st
                       const struct kvs_dbuf *pages, int page_stride, const void *host_k, const void *host_v,
                       struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v, int stage_blocks)
 {
-    (void)h_rows;
     if (n <= 0) return;
-    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((max_spans + GATHER_WARPS - 1) / GATHER_WARPS));
+    /* a span holds at most the row's attended positions (sink + top-k + tail, or the context) */
+    int most = 1;
+    for (int r = 0; r < n; r++) {
+        const int32_t *R = h_rows + (size_t)r * KVS_PARIS_ROW_N;
+        const int cnt = R[KVS_PARIS_ROW_NR] ? R[KVS_PARIS_ROW_CTX] - R[KVS_PARIS_ROW_NR] + R[KVS_PARIS_ROW_TOPK]
+                                            : R[KVS_PARIS_ROW_CTX];
+        most = cnt > most ? cnt : most;
+    }
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((max_spans + GATHER_WARPS - 1) / GATHER_WARPS),
+                    (unsigned)((most + GATHER_PIECE - 1) / GATHER_PIECE));
     k_paris_gather<<<grid, GATHER_WARPS * 32, 0, b->stream>>>(
         (const bf16 *)kc->d, (const bf16 *)vc->d, (const int32_t *)m->block_tables->d, m->max_blocks,
         (const int32_t *)rows->d, layer, n_layers, n_kv_heads, block_size, head_dim, (const int32_t *)n_spans->d,

@@ -5,7 +5,8 @@
  *     same fp16 scale / zero), for K8V4, K4V2, K8V8, K4V4, K2V2, K16V16 (a mismatch prints its
  *     first byte: page, token, side);
  *   - attention and attention_spans over the same pages (the flash-decoding kernel: tensor cores
- *     with fp16 q / x^ / p, fp32 sums): relative L2 error < 1e-2 against the CPU (lse within
+ *     with fp16 q / x^ / p, fp32 sums; each case in both layouts, kvs_cuda_set_lean_layout: query
+ *     rows on the mma's M side, and keys on M with 8-row tiles): relative L2 error < 1e-2 against the CPU (lse within
  *     1e-2, -inf where the CPU has it), with GQA groups 1 / 4 / 8 / 16, head_dim 64 / 128, block
  *     sizes 16 and 8, decode rows mixed with a prefill chunk (tiles of 16 / G tokens), a
  *     1,500-token sequence (context splits and their merge), deferred-RoPE offsets, partial
@@ -74,8 +75,9 @@ struct cfg {
     int nkv, grp, hd, bs;
 };
 
-static void run_case(const struct cfg *c)
+static void run_case(const struct cfg *c, int layout)
 {
+    kvs_cuda_set_lean_layout(layout);
     const struct kvs_lean_kernels *kc = kvs_lean_kernels_for(C, NULL, 0), *kg = kvs_lean_kernels_for(G, NULL, 0);
     const int nkv = c->nkv, nh = nkv * c->grp, hd = c->hd, bs = c->bs;
     /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5, 250 and 1500 (splits) */
@@ -232,8 +234,8 @@ static void run_case(const struct cfg *c)
         lse_bad += isinf(lc[i]) ? !(isinf(lg[i]) && lg[i] < 0) : !(fabsf(lc[i] - lg[i]) < 1e-2f);
     CHECK(e2 < 1e-2 && lse_bad == 0, "K%dV%d G %d hd %d bs %d: spans rel-L2 %g, %d lse off", c->f.kbits, c->f.vbits,
           c->grp, hd, bs, e2, lse_bad);
-    printf("ok K%dV%d G %d hd %d bs %d: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
-           c->f.vbits, c->grp, hd, bs, e1, e2);
+    printf("ok K%dV%d G %d hd %d bs %d %s: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
+           c->f.vbits, c->grp, hd, bs, layout == 2 && c->grp <= 8 ? "keys on M" : "rows on M", e1, e2);
     if (ed_g >= 0) printf(", vs dense %.1e (cuda bf16) %.1e (cpu f32)", ed_g, ed_c);
     printf("\n");
 
@@ -265,14 +267,19 @@ int main(void)
     CHECK(!kg->supports((struct kvs_lean_fmt){8, 16}, 32, 8, 128) && !kg->supports((struct kvs_lean_fmt){8, 4}, 32, 8, 96) &&
               !kg->supports((struct kvs_lean_fmt){8, 4}, 64, 2, 128),
           "cuda refuses formats, head_dims and groups its attention kernel is not built for");
-    for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
-        struct cfg c = {fmts[i], 2, 4, 128, 16};
-        run_case(&c);
-    }
+    /* each case in both layouts of the attention kernel: 1 rows on the mma's M side, 2 keys on M
+     * (a group of 16 takes rows either way) */
+    for (int layout = 1; layout <= 2; layout++)
+        for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
+            struct cfg c = {fmts[i], 2, 4, 128, 16};
+            run_case(&c, layout);
+        }
     struct cfg more[] = {{{8, 4}, 4, 1, 64, 16},  {{8, 4}, 1, 8, 128, 8},  {{4, 2}, 2, 8, 64, 16},
                          {{8, 8}, 8, 4, 128, 16}, {{16, 16}, 2, 1, 64, 8}, {{16, 16}, 1, 8, 128, 16},
                          {{4, 4}, 1, 16, 64, 16}, {{2, 2}, 2, 1, 64, 8},  {{8, 4}, 2, 16, 128, 8}};
-    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) run_case(&more[i]);
+    for (int layout = 1; layout <= 2; layout++)
+        for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) run_case(&more[i], layout);
+    kvs_cuda_set_lean_layout(0);
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean");

@@ -1,6 +1,8 @@
 /* test_cuda_kv_mac.c (GPU): MAC-Attention's CUDA kernels (kernels/cuda/kv_mac.cu) against the CPU
  * reference (kernels/cpu/kv_mac.c) on the same scenario (tests/unit/kv_mac_case.h): per head
- * shape (head_dim 64 / 128; 1, 2, 4 and 8 q heads per KV head) and per layout (plain; the
+ * shape (head_dim 64 / 128; 1, 2, 4 and 8 q heads per KV head, and the odd or wide groups 3 (SmolLM2's
+ * 9/3), 5, 12 and 16, where the span kernel's m-tile rows do not fill evenly or take two m-tiles) and
+ * per layout (plain; the
  * LazyAttention one with rotation offsets and padded blocks), four sequences append a 16-row
  * prefill chunk and then decode 40 steps through a ring of K = 16 (it wraps): sequence 0
  * repeats one query (every step hits, the lowest entry), 1 draws large random queries (every
@@ -81,12 +83,12 @@ static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
     mc_free(&c), mc_free(&g);
 }
 
-/* count() on the device equals the CPU reference's on the same inputs */
-static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu)
+/* count() on the device equals the CPU reference's on the same inputs (heads nh / nkv, nh <= 32) */
+static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, int nkv, int hd)
 {
     struct mc c, g;
-    mc_init(&c, &kvs_cpu_backend, cpu, 4, 32, 8, 128, 16, 8, 16, 256, 0);
-    mc_init(&g, &kvs_cuda_backend, gpu, 4, 32, 8, 128, 16, 8, 16, 256, 0);
+    mc_init(&c, &kvs_cpu_backend, cpu, 4, nh, nkv, hd, 16, 8, 16, 256, 0);
+    mc_init(&g, &kvs_cuda_backend, gpu, 4, nh, nkv, hd, 16, 8, 16, 256, 0);
     int32_t rows[5 * 4], p[3 * 5 * 32];
     uint64_t a[KVS_MAC_N_COUNTS], b[KVS_MAC_N_COUNTS];
     mc_count(&c, rows, p, a);
@@ -95,7 +97,7 @@ static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu)
           (unsigned long long)b[0], (unsigned long long)b[1], (unsigned long long)b[2], (unsigned long long)b[3],
           (unsigned long long)b[4], (unsigned long long)a[0], (unsigned long long)a[1], (unsigned long long)a[2],
           (unsigned long long)a[3], (unsigned long long)a[4]);
-    printf("ok cuda mac count: counters equal the CPU reference's\n");
+    printf("ok cuda mac count (heads %d/%d): counters equal the CPU reference's\n", nh, nkv);
     mc_free(&c), mc_free(&g);
 }
 
@@ -180,14 +182,18 @@ int main(void)
     struct kvs_backend *cpu = kvs_cpu_backend.create(4, err, sizeof err);
     REQUIRE(cpu, "%s", err);
     REQUIRE(kvs_mac_kernels_for(&kvs_cuda_backend, err, sizeof err), "%s", err);
-    const int shapes[][3] = {{8, 2, 128}, {4, 1, 64}, {8, 8, 64}, {16, 2, 128}, {32, 8, 128}};
+    const int shapes[][3] = {{8, 2, 128}, {4, 1, 64}, {8, 8, 64}, {16, 2, 128}, {32, 8, 128},
+                             {9, 3, 64}, {6, 2, 128}, {15, 3, 128}, {12, 1, 64}, {16, 1, 128}};
     double worst = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, shapes[i][0], shapes[i][1], shapes[i][2], rot, &worst, 0);
     /* long contexts: the same checks where splits and many tiles matter */
     for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, 8, 2, 128, rot, &worst, 1);
     run_shape(cpu, gpu, 8, 8, 64, 1, &worst, 1);
-    run_count(cpu, gpu);
+    for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, 9, 3, 64, rot, &worst, 1);   /* SmolLM2's 9/3 */
+    run_shape(cpu, gpu, 16, 1, 128, 1, &worst, 1);
+    run_count(cpu, gpu, 32, 8, 128);
+    run_count(cpu, gpu, 9, 3, 64);
     run_engine();
     kvs_cpu_backend.free(cpu);
     kvs_cuda_backend.free(gpu);

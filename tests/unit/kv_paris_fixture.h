@@ -168,7 +168,7 @@ static void pool_run(const struct kvs_backend_ops *o, struct kvs_backend *be, co
     struct kvs_dbuf *ex = up(o, be, KVS_BUF_I32, (size_t)S * nkv * topk, NULL);
     struct kvs_attn_meta m = {.n_seqs = S, .max_blocks = c->max_blocks, .q_start = d_qs, .pos = d_pos,
                               .block_tables = d_bt, .h_q_start = qs, .h_pos = pos, .max_ctx = max_ctx};
-    k->encode(be, kc, &m, d_jobs, jobs, S, 0, 1, nkv, d, c->bs, signs, codes, w, counts);
+    k->encode(be, kc, &m, NULL, d_jobs, jobs, S, 0, 1, nkv, d, c->bs, signs, codes, w, counts);
     k->select(be, q, &m, d_rows, rows, S, 0, 1, c->nh, nkv, d, c->bs, signs, codes, w, counts, max_spans, topk, ns, sp,
               sel, co);
     k->exact_topk(be, q, kc, &m, rows, S, c->nh, nkv, d, c->bs, topk, ex);

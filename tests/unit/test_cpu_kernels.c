@@ -395,6 +395,29 @@ static void test_q4(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
            "(%d cases, 1 and 3 threads); random fp32 does not pack\n", cases);
 }
 
+/* the vector SwiGLU (cpu_act.c) against the libm form in double, over the whole fp32 range of
+ * a gate: relative 1e-6, or an absolute 1e-30 where the true value underflows (g < -87) */
+static void test_swiglu(void)
+{
+    enum { N = 4099 };
+    float *g = kvs_xmalloc(N * 4), *u = kvs_xmalloc(N * 4), *y = kvs_xmalloc(N * 4);
+    for (int i = 0; i < N; i++) {
+        g[i] = i < 64 ? (float)(i - 32) * 4.0f : frand() * (i % 3 == 0 ? 120.0f : 8.0f);
+        u[i] = frand() * 2.0f;
+    }
+    g[0] = 0.0f, g[1] = -0.0f, g[2] = 1e-30f, g[3] = -1e-30f, g[4] = 88.7f, g[5] = -88.7f, g[6] = 3e38f, g[7] = -3e38f;
+    kvs_cpu_swiglu_row(g, u, N, y);
+    double worst = 0;
+    for (int i = 0; i < N; i++) {
+        const double ref = (double)g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        const double e = fabs(y[i] - ref) / (fabs(ref) + 1e-30 / 1e-6);
+        CHECK(isfinite(y[i]) && e < 1e-6, "swiglu g=%g u=%g: %g vs %g", g[i], u[i], y[i], ref);
+        if (e > worst) worst = e;
+    }
+    free(g), free(u), free(y);
+    printf("ok swiglu (vector exp): within %.1e relative of the libm form in double (gates over +-3e38)\n", worst);
+}
+
 int main(void)
 {
     /* every job through the workers, however small (cpu_pool.h runs small ones inline by
@@ -409,6 +432,7 @@ int main(void)
     test_attention(p1, p3);
     test_blas(p1, p3);
     test_q4(p1, p3);
+    test_swiglu();
     kvs_cpu_pool_free(p1);
     kvs_cpu_pool_free(p3);
     return kvs_test_summary("test_cpu_kernels");

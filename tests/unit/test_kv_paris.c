@@ -11,8 +11,10 @@
  *      documented floors (random keys without needles: printed only);
  *   3. through the engine (tests/data/models/llama, CPU): default settings (contexts below the
  *      threshold) and beta = 1 with topk >= n_r give full attention's greedy tokens bitwise, while
- *      the index is built and grown; a sparse setting runs with recall counters; offload = true
- *      is refused; 300 requests with cancellations and preemption leave no live state. */
+ *      the index is built and grown; a sparse setting runs with recall counters; with offload the
+ *      written-out zone's pool blocks go back to the pool (counted) while the tokens stay those
+ *      of offload off; 300 requests with cancellations and preemption leave no live state, no
+ *      host page and no pool block behind (offload on and off). */
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -432,12 +434,16 @@ static void test_engine(void)
     c.paris_beta = 1, c.paris_topk = 600, c.paris_offload = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
     const double hread = counter(&st, "kvserve:kv_paris_host_read_bytes_total");
+    const double released = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+    CHECK(released > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 && st.kv_blocks_used == 0,
+          "offload: %g pool blocks released, %g still off the pool at the end", released,
+          counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
     CHECK(same(ref, got) && counter(&st, "kvserve:kv_paris_sparse_rows_total") == NJ * GEN - NJ && hread > 0 &&
           counter(&st, "kvserve:kv_paris_host_bytes") == 0 && counter(&st, "kvserve:kv_paris_host_pool_bytes") > 0,
           "offload, beta = 1: tokens %s, host read %g, host bytes held %g", same(ref, got) ? "equal" : "DIFFER", hread,
           counter(&st, "kvserve:kv_paris_host_bytes"));
-    printf("ok offload, beta = 1: full attention's tokens bitwise, %g host bytes gathered, no page held at the end\n",
-           hread);
+    printf("ok offload, beta = 1: full attention's tokens bitwise with %g pool blocks released to the pool, %g host "
+           "bytes gathered, no page held at the end\n", released, hread);
     kvs_config_free(&c);
 
     /* offload at a sparse setting: the same tokens as offload off (same positions, same order) */
@@ -453,7 +459,8 @@ static void test_engine(void)
     small_zones(&c);
     c.paris_topk = 8, c.paris_offload = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
-    CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0, "offload, topk 8: tokens %s",
+    CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
+          counter(&st, "kvserve:kv_paris_gpu_blocks_released_total") > 0, "offload, topk 8: tokens %s",
           same(off, got) ? "equal to offload off" : "DIFFER from offload off");
     printf("ok offload, topk 8: offload off's tokens\n");
     kvs_config_free(&c);
@@ -467,6 +474,16 @@ static void test_engine(void)
     if (e) kvs_engine_free(e);
     kvs_config_free(&c);
     printf("ok kv.paris.host_bytes too small is refused: %s\n", err);
+
+    /* the live fidelity meter reads the pool's copy of the zone, which offload gives back */
+    base_cfg(&c, "none", "paris");
+    c.paris_offload = 1, c.kv_fidelity_sample_every = 4;
+    e = NULL;
+    rc = kvs_engine_create(&c, model, NULL, &e, err, sizeof err);
+    CHECK(rc == -EINVAL && strstr(err, "kv.fidelity.sample_every"), "offload + fidelity meter: rc %d (%s)", rc, err);
+    if (e) kvs_engine_free(e);
+    kvs_config_free(&c);
+    printf("ok kv.paris.offload with the fidelity meter is refused: %s\n", err);
 }
 
 /* 300 requests, random lengths, shared prefixes, random cancellations, a pool that preempts:
@@ -479,7 +496,8 @@ static void test_stress(int offload)
     small_zones(&c);
     c.paris_topk = 8;
     c.paris_offload = offload;
-    c.kv_memory_bytes = 24 * 8192;
+    /* offload gives blocks back early, so its pool is smaller for preemptions to happen too */
+    c.kv_memory_bytes = (offload ? 14 : 24) * 8192;
     c.max_waiting = N;
     char err[256];
     struct kvs_engine *e;
@@ -498,8 +516,13 @@ static void test_stress(int offload)
     const double host = counter(&st, "kvserve:kv_paris_host_bytes");
     CHECK(offload ? host == 0 && counter(&st, "kvserve:kv_paris_host_read_bytes_total") > 0 : host == 0,
           "offload %d: host bytes held at the end %g", offload, host);
-    printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, all blocks free, no live state\n",
-           offload, N, cancelled, (unsigned long long)st.num_preemptions, rows);
+    const double rel = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+    CHECK(offload ? rel > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 : rel == 0,
+          "offload %d: %g pool blocks released, %g off the pool at the end", offload, rel,
+          counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
+    printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, %g pool blocks released "
+           "early, all blocks and pages free, no live state\n", offload, N, cancelled,
+           (unsigned long long)st.num_preemptions, rows, rel);
     kvs_engine_free(e);
     kvs_config_free(&c);
 }

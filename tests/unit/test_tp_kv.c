@@ -100,7 +100,8 @@ static void setting_cfg(struct kvs_config *c, const struct setting *s, int tp)
     c->tensor_parallel = tp;
     c->kv_memory_bytes = 0;       /* the CPU's by need: max_running x max_model_len */
     /* every step (lean dynamic refuses the meter: a re-run attention would score and evict) */
-    c->kv_fidelity_sample_every = s->lean_mode && !strcmp(s->lean_mode, "dynamic") ? 0 : 1;
+    /* the meter reads the pool's copy of the zone that paris offload gives back (refused with it) */
+    c->kv_fidelity_sample_every = (s->lean_mode && !strcmp(s->lean_mode, "dynamic")) || s->paris_host_bytes > 0 ? 0 : 1;
     /* quest / retro: 16 tokens = 2 pages of 8 from contexts of 33 .. 94, layer 1 sparse */
     c->quest_budget_ratio = 0.01;
     c->quest_min_budget = 16;

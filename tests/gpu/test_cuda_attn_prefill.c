@@ -1,0 +1,273 @@
+/* test_cuda_attn_prefill.c: the prefill attention kernels of the CUDA backend (kind 1: k_attn_tc,
+ * mma.sync; 2 / 3: k_attn_wg, the Hopper wgmma kernel with 128- / 64-key tiles) against the fp32
+ * CPU backend, on fresh random inputs each run (seed printed; replay with KVS_SEED=<seed>).
+ *
+ * Cases: prompts of up to 2,000 tokens whose lengths are not multiples of any tile, prompts after
+ * a cached prefix, several sequences in one launch (with a decode row beside them), GQA 1 / 2 / 4
+ * / 7 (a group that leaves padding rows) / 16, head_dim 64 and 128, random block tables with
+ * blocks of 5, 8, 16 and 32 slots, partially valid blocks (block_valid, as a cached document's
+ * tail), the block table passed as separate arrays and as packed words, automatic and forced 3
+ * context splits (the merge of partials). Slots no query may read hold NaN on the GPU. Scores
+ * are made peaked (q x 3) so that a wrong mask or running max shows. Tolerance: relative L2 error
+ * under 1e-2 (Q, K, V and P enter the products as bf16). On an sm_90 GPU the wgmma kinds must
+ * actually be taken (kvs_cuda_pre_attn_kind). Needs a GPU: exits 1 with a message when none.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "models/model.h"
+#include "tests/unit/test_util.h"
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+
+static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
+static struct kvs_backend *bc, *bg;
+static uint64_t rng;
+
+static uint64_t next_u64(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+static float frand(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+static int irand(int n) { return (int)(next_u64() % (uint64_t)n); }
+
+static float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+struct pair {
+    struct kvs_dbuf *c, *g;
+};
+
+static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
+{
+    struct pair p = {C->alloc(bc, kind, n), G->alloc(bg, kind, n)};
+    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
+    if (host) {
+        C->upload(bc, p.c, 0, host, n);
+        G->upload(bg, p.g, 0, host, n);
+    }
+    return p;
+}
+
+static void drop(struct pair *p)
+{
+    C->free_buf(bc, p->c);
+    G->free_buf(bg, p->g);
+}
+
+struct pcase {
+    int n_heads, n_kv, hd, bs, n_seqs;
+    int pos[4], ntok[4];
+    int use_valid; /* some blocks before a sequence's last hold fewer valid slots */
+};
+
+/* relative L2 error of the GPU output against the CPU one over rows [r0, r0 + nrows) */
+static double rel_err(const float *a, const float *r, size_t off, size_t n, size_t *nonfinite)
+{
+    double num = 0, den = 0;
+    for (size_t i = off; i < off + n; i++) {
+        if (!isfinite(a[i])) {
+            (*nonfinite)++;
+            continue;
+        }
+        const double d = (double)a[i] - r[i];
+        num += d * d;
+        den += (double)r[i] * r[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void run_case(const struct pcase *pc)
+{
+    const int nh = pc->n_heads, nkv = pc->n_kv, hd = pc->hd, bs = pc->bs, S = pc->n_seqs;
+    int max_blocks = 0, total_blocks = 0, n = 0, max_ctx = 0;
+    int32_t q_start[5], pos[4];
+    for (int s = 0; s < S; s++) {
+        const int ctx = pc->pos[s] + pc->ntok[s], nb = (ctx + bs - 1) / bs;
+        if (nb > max_blocks) max_blocks = nb;
+        total_blocks += nb;
+        if (ctx > max_ctx) max_ctx = ctx;
+        q_start[s] = n;
+        pos[s] = pc->pos[s];
+        n += pc->ntok[s];
+    }
+    q_start[S] = n;
+    const int mb = max_blocks;
+    const int n_blocks = total_blocks + 2; /* spare blocks stay unused (NaN) */
+    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        const int j = irand(i + 1);
+        const int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int32_t *bt = kvs_xcalloc((size_t)S * mb, 4), *valid = kvs_xcalloc((size_t)S * mb, 4);
+    const size_t per_block = (size_t)nkv * bs * hd, cache_n = (size_t)n_blocks * per_block;
+    float *kv = kvs_xmalloc(cache_n * 4), *vv = kvs_xmalloc(cache_n * 4);
+    for (size_t i = 0; i < cache_n; i++) {
+        kv[i] = bf16_round(frand());
+        vv[i] = bf16_round(frand());
+    }
+    /* the GPU copies: every slot no query reads is NaN (a kernel that read one, or multiplied its V
+     * by a zero probability, would give NaN) */
+    float *kg = kvs_xmalloc(cache_n * 4), *vg = kvs_xmalloc(cache_n * 4);
+    for (size_t i = 0; i < cache_n; i++) kg[i] = vg[i] = NAN;
+    int used = 0;
+    for (int s = 0; s < S; s++) {
+        const int ctx = pc->pos[s] + pc->ntok[s], nb = (ctx + bs - 1) / bs;
+        for (int j = 0; j < nb; j++) {
+            /* keys keep their positions (block j holds j x bs ...); a short block's tail is skipped */
+            const int blk = perm[used++];
+            int v = bs;
+            if (pc->use_valid && j % 3 == 1) v = 1 + irand(bs); /* a cached document's short tail */
+            if (v > ctx - j * bs) v = ctx - j * bs;
+            bt[s * mb + j] = blk;
+            valid[s * mb + j] = pc->use_valid ? v : bs;
+            for (int h = 0; h < nkv; h++) {
+                const size_t off = ((size_t)blk * nkv + h) * bs * hd;
+                memcpy(kg + off, kv + off, (size_t)v * hd * 4);
+                memcpy(vg + off, vv + off, (size_t)v * hd * 4);
+            }
+        }
+    }
+    struct pair kc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n)};
+    struct pair vc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n)};
+    REQUIRE(kc.c && kc.g && vc.c && vc.g, ": KV allocation");
+    C->upload(bc, kc.c, 0, kv, cache_n);
+    C->upload(bc, vc.c, 0, vv, cache_n);
+    G->upload(bg, kc.g, 0, kg, cache_n);
+    G->upload(bg, vc.g, 0, vg, cache_n);
+
+    const size_t qn = (size_t)n * nh * hd;
+    float *qv = kvs_xmalloc(qn * 4);
+    for (size_t i = 0; i < qn; i++) qv[i] = 3.0f * frand();
+    float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+    for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd); /* unused: no rot offsets */
+    int32_t *words = kvs_xmalloc((size_t)S * mb * 2 * 4);
+    REQUIRE(kvs_pack_block_words(bt, NULL, valid, (size_t)S * mb, bs, words) == 0, ": pack block words");
+    struct pair q = mk(KVS_BUF_ACT, qn, qv), out = mk(KVS_BUF_ACT, qn, NULL);
+    struct pair qs = mk(KVS_BUF_I32, S + 1, q_start), ps = mk(KVS_BUF_I32, S, pos);
+    struct pair bts = mk(KVS_BUF_I32, (size_t)S * mb, bt), vts = mk(KVS_BUF_I32, (size_t)S * mb, valid);
+    struct pair wds = mk(KVS_BUF_I32, (size_t)S * mb * 2, words), fq = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
+    struct kvs_attn_meta mc = {.n_seqs = S, .max_blocks = mb, .q_start = qs.c, .pos = ps.c, .block_tables = bts.c,
+                               .block_valid = pc->use_valid ? vts.c : NULL, .inv_freq = fq.c, .h_q_start = q_start,
+                               .h_pos = pos, .max_ctx = max_ctx};
+    const float scale = 1.0f / sqrtf((float)hd);
+    C->attention(bc, q.c, kc.c, vc.c, &mc, n, nh, nkv, hd, bs, scale, out.c);
+    float *ref = kvs_xmalloc(qn * 4), *got = kvs_xmalloc(qn * 4), *nanv = kvs_xmalloc(qn * 4);
+    C->download(bc, ref, out.c, 0, qn);
+    for (size_t i = 0; i < qn; i++) nanv[i] = NAN;
+
+    static const int kinds[] = {1, 2, 3, 4, 5, 6}, splits[] = {0, 3};
+    for (int ki = 0; ki < 6; ki++)
+        for (int si = 0; si < 2; si++)
+            for (int packed = 0; packed < 2; packed++) {
+                kvs_cuda_set_pre_attn(kinds[ki]);
+                kvs_cuda_set_attn_splits(bg, splits[si]);
+                struct kvs_attn_meta mg = mc;
+                mg.q_start = qs.g;
+                mg.pos = ps.g;
+                mg.block_tables = bts.g;
+                mg.block_valid = pc->use_valid ? vts.g : NULL;
+                mg.inv_freq = fq.g;
+                mg.block_words = packed ? wds.g : NULL;
+                G->upload(bg, out.g, 0, nanv, qn);
+                G->attention(bg, q.g, kc.g, vc.g, &mg, n, nh, nkv, hd, bs, scale, out.g);
+                G->download(bg, got, out.g, 0, qn);
+                size_t nf = 0;
+                const double e = rel_err(got, ref, 0, qn, &nf);
+                double worst = 0;
+                for (int s = 0; s < S; s++) {
+                    size_t nf2 = 0;
+                    const double es = rel_err(got, ref, (size_t)q_start[s] * nh * hd, (size_t)pc->ntok[s] * nh * hd, &nf2);
+                    if (es > worst) worst = es;
+                }
+                const int taken = kvs_cuda_pre_attn_kind(hd, 0);
+                CHECK(nf == 0 && e < 1e-2 && worst < 1e-2,
+                      ": heads %d/%d hd %d bs %d seqs %d rows %d ctx<=%d valid %d: kind %d splits %d packed %d: "
+                      "rel_l2 %.3e (worst sequence %.3e), %zu non-finite",
+                      nh, nkv, hd, bs, S, n, max_ctx, pc->use_valid, kinds[ki], splits[si], packed, e, worst, nf);
+                printf("%s heads %2d/%d hd %3d bs %2d seqs %d rows %4d ctx<=%4d valid %d | kind %d (took %d) splits %s "
+                       "words %d | rel_l2 %.2e worst seq %.2e\n",
+                       nf == 0 && e < 1e-2 && worst < 1e-2 ? "ok  " : "FAIL", nh, nkv, hd, bs, S, n, max_ctx,
+                       pc->use_valid, kinds[ki], taken, splits[si] ? "3" : "auto", packed, e, worst);
+            }
+    kvs_cuda_set_pre_attn(-1);
+    kvs_cuda_set_attn_splits(bg, 0);
+
+    drop(&kc); drop(&vc); drop(&q); drop(&out); drop(&qs); drop(&ps); drop(&bts); drop(&vts); drop(&wds); drop(&fq);
+    free(perm); free(bt); free(valid); free(kv); free(vv); free(kg); free(vg); free(qv); free(inv); free(words);
+    free(ref); free(got); free(nanv);
+}
+
+int main(void)
+{
+    const char *es = getenv("KVS_SEED");
+    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
+    if (!seed) seed = 1;
+    rng = seed;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
+    char err[256];
+    bc = C->create(4, err, sizeof err);
+    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
+    bg = G->create(0, err, sizeof err);
+    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+
+    /* on Hopper the wgmma kinds are taken where they apply, and rot offsets keep k_attn_tc */
+    kvs_cuda_set_pre_attn(4);
+    const int sm90 = kvs_cuda_pre_attn_kind(128, 0) == 4;
+    printf("wgmma prefill kernel %s on this GPU\n", sm90 ? "available" : "NOT available (not sm_90): kind 1 only");
+    CHECK(kvs_cuda_pre_attn_kind(128, 1) == 1, ": rot offsets take k_attn_tc");
+    CHECK(kvs_cuda_pre_attn_kind(256, 0) == 1, ": head_dim 256 takes k_attn_tc");
+    kvs_cuda_set_pre_attn(-1);
+
+    /* lengths vary by a few tokens each run around the listed ones (tile edges move) */
+    const int j1 = irand(9), j2 = irand(9);
+    const struct pcase cases[] = {
+        /* Llama-3.1-8B shape: one prompt from position 0, and a longer one */
+        {32, 8, 128, 16, 1, {0}, {1000 + j1}, 0},
+        {32, 8, 128, 16, 1, {0}, {2000 - j2}, 0},
+        /* several sequences, blocks of 5 slots: a prompt, one after a cached prefix, a 2-token one,
+         * and a decode row beside them */
+        {32, 8, 128, 5, 4, {0, 700 + j2, 2, 500}, {300 + j1, 129, 2, 1}, 0},
+        /* partially valid blocks (cached documents' tails), blocks of 16 and 8 */
+        {32, 8, 128, 16, 2, {0, 300}, {600 + j1, 77}, 1},
+        {16, 4, 64, 8, 2, {0, 41}, {257, 300 + j2}, 1},
+        /* GQA 1 and 2 at head_dim 64 (the long cached prefix with few tokens takes context splits) */
+        {8, 8, 64, 16, 2, {0, 100}, {513 + j2, 64}, 0},
+        {8, 4, 64, 32, 1, {1500 + j1, 0}, {40, 0}, 0},
+        /* GQA 7 (padding rows in every tile) and GQA 16 */
+        {28, 4, 128, 16, 2, {0, 37 + j1}, {200, 90}, 0},
+        {16, 1, 128, 32, 1, {0}, {257 + j2}, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+    G->free(bg);
+    C->free(bc);
+    return kvs_test_summary("test_cuda_attn_prefill");
+}
+
+#else
+int main(void)
+{
+    fprintf(stderr, "test_cuda_attn_prefill: built without CUDA (nvcc not found)\n");
+    return 1;
+}
+#endif
