@@ -15,7 +15,9 @@
  *   7. KVS_KV_NEEDS_PRE_ROPE_Q: a test policy sees q_pre with RoPE(q_pre) == q bitwise;
  *   8. tau >= 1, or gen_min above the context: greedy tokens equal full attention's; an
  *      approximate setting counts lookups, hits, skip and bytes read; preemption; the rings'
- *      budget is refused at startup naming kv.decode_state_bytes. */
+ *      budget is refused at startup naming kv.decode_state_bytes;
+ *   9. 500 requests at an approximate setting with shared prefixes, random cancellations and a
+ *      pool that preempts: every request ends, every block comes back, MAC still hits. */
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -494,6 +496,33 @@ static void test_engine(void)
     kvs_config_free(&c);
 }
 
+static void test_stress(void)
+{
+    struct kvs_config c;
+    base_cfg(&c, "mac");
+    free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("prefix");
+    c.mac_tau = 0.0, c.mac_gen_min = 16, c.mac_ring_size = 32, c.mac_band = 4;
+    c.kv_memory_bytes = 20 * 8192;
+    c.max_waiting = 500;
+    char err[256];
+    struct kvs_engine *e;
+    REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
+    struct kvs_test_stress sr;
+    kvs_test_engine_stress(e, 500, 12, 40, 150, 0xC0FFEEull, &sr);
+    const double look = kvs_engine_kv_counter(&sr.st, "kvserve:kv_mac_lookups_total");
+    const double hits = kvs_engine_kv_counter(&sr.st, "kvserve:kv_mac_hits_total");
+    CHECK(sr.finished + sr.cancelled == 500 && sr.cancelled <= sr.n_cancel && sr.finished >= 500 - sr.n_cancel,
+          "%d finished, %d cancelled", sr.finished, sr.cancelled);
+    CHECK(sr.st.kv_blocks_used == 0 && sr.st.num_running == 0 && sr.st.num_waiting == 0,
+          "blocks used %d, running %d, waiting %d", sr.st.kv_blocks_used, sr.st.num_running, sr.st.num_waiting);
+    CHECK(sr.st.num_preemptions > 0 && look > 0 && hits > 0, "preemptions %llu, lookups %g, hits %g",
+          (unsigned long long)sr.st.num_preemptions, look, hits);
+    printf("ok stress mac: 500 requests (%d cancelled), %llu preemptions, %g hits of %g lookups, all blocks free\n",
+           sr.cancelled, (unsigned long long)sr.st.num_preemptions, hits, look);
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+}
+
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
@@ -512,6 +541,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     test_engine();
+    test_stress();
     kvs_model_free(model);
     return kvs_test_summary("test_kv_mac");
 }
