@@ -11,10 +11,13 @@
  * before it (the first kernel's launch waits for the flush, so launches stay out of the timing),
  * median of --reps. Printed per shape: pages kept per row, full ms, Quest ms, of which selection
  * (digest + score + select) ms (and digest + score alone), the attention over the spans alone, full / Quest, the selection's
- * share of Quest's time, and the layer mix of a 32-layer model with layers 0-1 dense.
+ * share of Quest's time, and the layer mix of a 32-layer model with layers 0-1 dense; one row
+ * per --digest-bits value (kv.quest.digest_bits: 16 bf16 digests, 8 / 4 quantized), and the K/V
+ * bandwidth of full attention and of the attention over the kept pages (bytes of the keys and
+ * values each reads, over its time).
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
- *                           [--reps 20] [--markdown FILE]
+ *                           [--reps 20] [--digest-bits 16,8,4] [--markdown FILE]
  * A shape whose KV does not fit in free device memory is skipped with a note.
  */
 #include <math.h>
@@ -49,8 +52,9 @@ static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind ki
 }
 
 struct shape {
-    int B, ctx, max_pages, max_spans;
-    struct kvs_dbuf *kc, *vc, *dig, *q, *out, *lse, *keep, *scores, *nsp, *sp;
+    int B, ctx, max_pages, max_spans, bits;
+    size_t n_pages;
+    struct kvs_dbuf *kc, *vc, *dig, *qdig8, *qdig4, *q, *out, *lse, *keep, *scores, *nsp, *sp;
     struct kvs_attn_meta m;
     struct kvs_span_list sl;
 };
@@ -65,8 +69,15 @@ static void run_op(struct kvs_backend *b, struct shape *S, int op)
         return;
     }
     if (op != OP_SPANS) {
-        K->digest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->dig);
-        K->score(b, S->q, S->dig, &S->m, S->keep, S->B, NH, NKV, HD, BS, BS, S->max_pages, S->scores);
+        if (S->bits < 16) {
+            struct kvs_dbuf *qd = S->bits == 8 ? S->qdig8 : S->qdig4;
+            K->qdigest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->bits, S->n_pages, qd);
+            K->qscore(b, S->q, qd, &S->m, S->keep, S->B, NH, NKV, HD, BS, BS, S->bits, S->n_pages, S->max_pages,
+                      S->scores);
+        } else {
+            K->digest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->dig);
+            K->score(b, S->q, S->dig, &S->m, S->keep, S->B, NH, NKV, HD, BS, BS, S->max_pages, S->scores);
+        }
         if (op == OP_SCORE) return;
         K->select(b, S->scores, &S->m, S->keep, S->B, NKV, BS, S->max_pages, S->max_spans, S->nsp, S->sp);
     }
@@ -95,6 +106,7 @@ int main(int argc, char **argv)
 {
     int batches[8] = {1, 8, 32}, nb = 3, contexts[8] = {8192, 32768, 131072}, nc = 3, reps = 20;
     double ratio = 0.15;
+    int dbits[4] = {16, 8, 4}, nd = 3;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -103,14 +115,17 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--ratio") && v) ratio = atof(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && v) md = argv[++i];
+        else if (!strcmp(argv[i], "--digest-bits") && v) nd = bench_parse_list(argv[++i], dbits, 4);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15] [--reps 20] "
-                            "[--markdown FILE]\n", argv[0]);
+                            "[--digest-bits 16,8,4] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
-    if (nb <= 0 || nc <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
-        fprintf(stderr, "%s: bad list, --ratio or --reps\n", argv[0]);
+    for (int i = 0; i < nd; i++)
+        if (dbits[i] != 16 && dbits[i] != 8 && dbits[i] != 4) nd = -1;
+    if (nb <= 0 || nc <= 0 || nd <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
+        fprintf(stderr, "%s: bad list, --ratio, --reps or --digest-bits (16, 8, 4)\n", argv[0]);
         return 2;
     }
     char err[256], desc[256];
@@ -132,11 +147,12 @@ int main(int argc, char **argv)
         return 1;
     }
     if (mf)
-        fprintf(mf, "| batch | context | pages kept | full ms | Quest ms | selection ms | of which digests + scores ms | "
-                    "spans ms | full / Quest | selection share | 32 layers, 0-1 dense: full / Quest |\n"
-                    "|---|---|---|---|---|---|---|---|---|---|---|\n");
-    printf("%6s %8s %11s %9s %9s %9s %9s %9s %10s %9s %10s\n", "batch", "context", "kept/pages", "full ms", "quest ms",
-           "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio");
+        fprintf(mf, "| batch | context | digest bits | pages kept | full ms | Quest ms | selection ms | of which digests + "
+                    "scores ms | spans ms | full / Quest | selection share | 32 layers, 0-1 dense: full / Quest | full "
+                    "TB/s | spans TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("%6s %8s %4s %11s %9s %9s %9s %9s %9s %10s %9s %10s %8s %8s\n", "batch", "context", "bits", "kept/pages",
+           "full ms", "quest ms", "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio", "full TB/s",
+           "span TB/s");
     struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
     for (int bi = 0; bi < nb; bi++)
         for (int ci = 0; ci < nc; ci++) {
@@ -145,7 +161,7 @@ int main(int argc, char **argv)
             const int B = batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
             S.B = B, S.ctx = ctx, S.max_pages = nblk;
             const size_t pool_blocks = (size_t)B * nblk, kv_elems = pool_blocks * NKV * BS * HD;
-            if (2 * kv_elems * 2 + kv_elems / BS * 2 * 2 + ((size_t)512 << 20) > O->mem_available(b)) {
+            if (2 * kv_elems * 2 + kv_elems / BS * 2 * 2 * 2 + ((size_t)512 << 20) > O->mem_available(b)) {
                 printf("%6d %8d   skipped: %.1f GB of K/V does not fit\n", B, ctx, 4.0 * kv_elems / 1e9);
                 continue;
             }
@@ -156,7 +172,10 @@ int main(int argc, char **argv)
             S.max_spans = keep;
             S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
             S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.n_pages = pool_blocks;
             S.dig = alloc_or_die(b, KVS_BUF_KV, pool_blocks * NKV * 2 * HD);
+            S.qdig8 = alloc_or_die(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 8));
+            S.qdig4 = alloc_or_die(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 4));
             kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
             kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
             S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
@@ -189,6 +208,8 @@ int main(int argc, char **argv)
             S.m = (struct kvs_attn_meta){.n_seqs = B, .max_blocks = nblk, .q_start = qs, .pos = pos, .block_tables = bt,
                                          .h_q_start = h_qs, .h_pos = h_pos, .max_ctx = ctx};
             K->digest_update(b, S.kc, &S.m, NKV, HD, BS, BS, S.dig);
+            K->qdigest_update(b, S.kc, &S.m, NKV, HD, BS, BS, 8, S.n_pages, S.qdig8);
+            K->qdigest_update(b, S.kc, &S.m, NKV, HD, BS, BS, 4, S.n_pages, S.qdig4);
             /* the decode step: one row per sequence at the last position */
             for (int s = 0; s <= B; s++) h_qs[s] = s;
             for (int s = 0; s < B; s++) h_pos[s] = ctx - 1;
@@ -202,18 +223,28 @@ int main(int argc, char **argv)
             }
             S.sl = (struct kvs_span_list){S.max_spans, S.nsp, S.sp, h_n, h_sp};
             const float full = time_op(b, &S, OP_FULL, reps, flush);
-            const float quest = time_op(b, &S, OP_QUEST, reps, flush);
-            const float sel = time_op(b, &S, OP_SELECT, reps, flush);
+            S.bits = 16;
+            run_op(b, &S, OP_SELECT);   /* the spans the attention below reads */
             const float spans = time_op(b, &S, OP_SPANS, reps, flush);
-            const float score = time_op(b, &S, OP_SCORE, reps, flush);
-            const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
-            printf("%6d %8d %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f\n", B, ctx, keep, nblk, full, quest,
-                   sel, score, spans, full / quest, 100.0 * sel / quest, model);
-            fflush(stdout);
-            if (mf)
-                fprintf(mf, "| %d | %d | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f |\n", B, ctx,
-                        keep, nblk, full, quest, sel, score, spans, full / quest, 100.0 * sel / quest, model);
-            struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
+            /* K and V bytes: every position for full; the kept pages (the last one partial: ctx) */
+            const double kvb = 2.0 * NKV * HD * 2, kept_pos = keep * BS < ctx ? (double)(keep - 1) * BS + (ctx - (nblk - 1) * BS) : ctx;
+            const double full_tbs = (double)B * ctx * kvb / (full * 1e9), span_tbs = (double)B * kept_pos * kvb / (spans * 1e9);
+            for (int di = 0; di < nd; di++) {
+                S.bits = dbits[di];
+                const float quest = time_op(b, &S, OP_QUEST, reps, flush);
+                const float sel = time_op(b, &S, OP_SELECT, reps, flush);
+                const float score = time_op(b, &S, OP_SCORE, reps, flush);
+                const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
+                printf("%6d %8d %4d %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f %8.2f %8.2f\n", B, ctx,
+                       S.bits, keep, nblk, full, quest, sel, score, spans, full / quest, 100.0 * sel / quest, model,
+                       full_tbs, span_tbs);
+                fflush(stdout);
+                if (mf)
+                    fprintf(mf, "| %d | %d | %d | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f | %.2f | "
+                            "%.2f |\n", B, ctx, S.bits, keep, nblk, full, quest, sel, score, spans, full / quest,
+                            100.0 * sel / quest, model, full_tbs, span_tbs);
+            }
+            struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.qdig8, S.qdig4, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
             for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
             free(perm);
             free(h_qs);

@@ -29,8 +29,11 @@
  * Effective budget: Retro's counter (union of keys seen per query / keys of its own step, sparse
  * layers; random weights: near-random picks, an upper-end figure).
  *
+ * --digest-bits 8,4 adds, per value, Quest with kv.quest.digest_bits = that value (graphed and
+ * eager); the other Quest / Retro columns use 16. --windows 0: no Retro columns.
+ *
  * Usage: kvserve-stepbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8]
- *                          [--layers 32] [--ratio 0.15] [--steps 6] [--markdown FILE]
+ *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--markdown FILE]
  * A shape whose K/V, digests and weights do not fit in device memory is skipped with a note.
  */
 #include <math.h>
@@ -124,6 +127,8 @@ struct result {
 };
 
 /* ms per step of `decode` with window w over nb requests at context ctx (mb blocks each) */
+static int digest_bits = 16;   /* kv.quest.digest_bits of the next run_policy */
+
 static struct result run_policy(struct model *M, const char *decode, int w, double ratio, int nb, int ctx, int mb,
                                 int steps)
 {
@@ -134,6 +139,7 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
     kvs_config_init(&cfg);
     cfg.quest_budget_ratio = ratio;
     cfg.retro_window = w;
+    cfg.quest_digest_bits = digest_bits;
     const int n_blocks = nb * mb;
     const struct kvs_kv_decode_env env = {O, b, &cfg, M->n_layers, NH, NKV, HD, BS, nb, nb * MAXW, mb,
                                           (size_t)M->n_layers * 2 * NKV * HD * 2, n_blocks, NULL};
@@ -235,29 +241,37 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
 int main(int argc, char **argv)
 {
     int batches[8] = {1, 8, 32}, n_b = 3, contexts[8] = {8192, 32768, 131072}, n_c = 3, windows[8] = {2, 4, 8}, n_w = 3;
+    int dbits[4] = {0}, n_d = 0;
     int steps = 6, n_layers = 32;
     double ratio = 0.15;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) n_b = bench_parse_list(argv[++i], batches, 8);
         else if (!strcmp(argv[i], "--contexts") && i + 1 < argc) n_c = bench_parse_list(argv[++i], contexts, 8);
-        else if (!strcmp(argv[i], "--windows") && i + 1 < argc) n_w = bench_parse_list(argv[++i], windows, 8);
+        else if (!strcmp(argv[i], "--windows") && i + 1 < argc)
+            n_w = !strcmp(argv[i + 1], "0") ? (i++, 0) : bench_parse_list(argv[++i], windows, 8);
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) n_layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) ratio = atof(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--digest-bits") && i + 1 < argc) n_d = bench_parse_list(argv[++i], dbits, 4);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8] "
-                    "[--layers 32] [--ratio 0.15] [--steps 6] [--markdown FILE]\n", argv[0]);
+                    "[--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
+    for (int i = 0; i < n_d; i++)
+        if (dbits[i] != 16 && dbits[i] != 8 && dbits[i] != 4) {
+            fprintf(stderr, "digest bits are 16, 8 or 4\n");
+            return 2;
+        }
     for (int i = 0; i < n_w; i++)
         if (windows[i] < 1 || windows[i] > MAXW) {
             fprintf(stderr, "windows are 1..%d\n", MAXW);
             return 2;
         }
-    if (steps < 1 || n_b <= 0 || n_c <= 0 || n_w <= 0 || n_layers < 3 || n_layers > 256 || !(ratio > 0)) {
+    if (steps < 1 || n_b <= 0 || n_c <= 0 || n_w < 0 || n_d < 0 || n_layers < 3 || n_layers > 256 || !(ratio > 0)) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
@@ -316,16 +330,19 @@ int main(int argc, char **argv)
     FILE *mf = md ? fopen(md, "w") : NULL;
     printf("decode step, %d layers (0-1 dense), ms (host wall clock: plan + layers + LM head + sync); budget "
            "max(256, %.2f n)\n", n_layers, ratio);
-    char head[1024];
+    char head[2048];
     int hl = snprintf(head, sizeof head, "| batch | context | full graph ms | full ms | Quest graph ms | Quest ms | "
                       "full / Quest, graphs | full / Quest, eager |");
+    for (int i = 0; i < n_d; i++)
+        hl += snprintf(head + hl, sizeof head - hl, " Quest %d-bit graph ms | Quest %d-bit ms | full / Quest %d-bit, "
+                       "graphs |", dbits[i], dbits[i], dbits[i]);
     for (int i = 0; i < n_w; i++)
         hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest eager | w=%d eff. budget |", windows[i],
                        windows[i], windows[i]);
     printf("%s\n", head);
     if (mf) {
         fprintf(mf, "%s\n|---|---|---|---|---|---|---|---|", head);
-        for (int i = 0; i < n_w; i++) fprintf(mf, "---|---|---|");
+        for (int i = 0; i < n_w + n_d; i++) fprintf(mf, "---|---|---|");
         fprintf(mf, "\n");
     }
     uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -356,10 +373,17 @@ int main(int argc, char **argv)
             free(bt);
             const struct result full = run_policy(M, "full", 1, ratio, nb, ctx, mb, steps);
             const struct result quest = run_policy(M, "quest", 1, ratio, nb, ctx, mb, steps);
-            char line[1024];
+            char line[2048];
             int ll = snprintf(line, sizeof line, "| %d | %d | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |", nb, ctx,
                               full.graph_ms, full.ms, quest.graph_ms, quest.ms, full.graph_ms / quest.graph_ms,
                               full.ms / quest.ms);
+            for (int i = 0; i < n_d; i++) {
+                digest_bits = dbits[i];
+                const struct result r = run_policy(M, "quest", 1, ratio, nb, ctx, mb, steps);
+                digest_bits = 16;
+                ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.2f | %.2f |", r.graph_ms, r.ms,
+                               full.graph_ms / r.graph_ms);
+            }
             for (int i = 0; i < n_w; i++) {
                 const struct result r = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
                 ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.3f |", r.ms, r.ms / quest.ms, r.eff);

@@ -89,6 +89,7 @@ struct kvs_config {
     int quest_min_budget;
     int quest_dense_layers;
     int quest_page_size;         /* 0: kv.block_size */
+    int quest_digest_bits;       /* 16 (bf16 min/max), 8 or 4 (codes on a per-page grid) */
 
     /* kv.retro (RetroAttention on Quest) */
     int retro_window;

@@ -31,6 +31,31 @@
  * gives the single span [0, ctx), which attention_spans computes as attention() does (bitwise
  * on the CPU). At most max_spans spans per (row, KV head): the caller sizes it >= max keep.
  *
+ * Quantized digests (kv.quest.digest_bits 8 or 4: bits = 8 or 4 below). The same exact min and
+ * max of each page and KV head, coded on one grid per (page, KV head): value(c) = fmaf(c, scale,
+ * lo) in fp32, c in 0 .. levels = 2^bits - 1, lo = the smallest kmin rounded down to fp16,
+ * scale = (largest kmax - lo) / levels rounded up to fp16 (and raised until value(levels) >= the
+ * largest kmax). Rounded outward: a kmin's code is the floor, a kmax's the ceiling, each then
+ * corrected in value()'s own arithmetic, so value(code of kmin[i]) <= kmin[i] and
+ * value(code of kmax[i]) >= kmax[i] hold exactly for every coordinate i. The coding functions
+ * below are shared by both backends (IEEE division, floor, ceil and fmaf only): the codes are
+ * bitwise the same on CPU and CUDA. A page whose range fp16 cannot hold (a key beyond +-65504,
+ * or NaN) gets the parameters KVS_QD_UNBOUNDED and scores +inf (an upper bound that keeps it a
+ * candidate). State: none beyond the codes; digest_update recomputes a written page's exact
+ * min/max from its slots in the cache (as for bf16 digests), so a partial page's codes follow
+ * its keys, and a full page's never change again.
+ * Layout (KVS_BUF_I32, kvs_quest_qdig_words): codes [n_pages][n_kv_heads][2][hd * bits / 32]
+ * words (min vector, then max vector; dimension j in word j / (32 / bits), at bit
+ * (j % (32 / bits)) * bits), then params [n_pages][n_kv_heads] words (lo's fp16 bits in the low
+ * half, scale's in the high half). head_dim * bits must be a multiple of 32.
+ * Quantized scores are the formula above over the decoded values. What holds: (1) every decoded
+ * min <= the page's kmin and every decoded max >= its kmax; (2) so each product term
+ * max(q dmin, q dmax) >= max(q kmin, q kmax) (rounding to nearest is monotone), and the CPU
+ * reference, which sums both in the same order, gives quantized score >= exact-digest score in
+ * fp32 exactly (the CUDA kernel sums in another order: equal up to rounding); (3) both bound
+ * sum_h q_h . k for every key k of the page (in exact arithmetic). Looser bounds rank pages
+ * differently: the selection is not the exact digests' selection.
+ *
  * Ownership: the tables are static; the buffers are the caller's. Errors: ops return void (bad
  * arguments are bugs); kvs_quest_kernels_for returns NULL with a message (-ENOSYS: the backend
  * has no Quest kernels).
@@ -38,6 +63,7 @@
 #ifndef KVS_KV_QUEST_H
 #define KVS_KV_QUEST_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -65,7 +91,127 @@ struct kvs_quest_kernels {
     void (*select)(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
                    const struct kvs_dbuf *keep, int n, int n_kv_heads, int page_size, int max_pages, int max_spans,
                    struct kvs_dbuf *n_spans, struct kvs_dbuf *spans);
+    /* digest_update and score on quantized digests (bits 8 or 4; qdig: one layer's
+     * kvs_quest_qdig_words I32 words, over n_pages pages) */
+    void (*qdigest_update)(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
+                           int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                           struct kvs_dbuf *qdig);
+    void (*qscore)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
+                   const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                   int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
+                   struct kvs_dbuf *scores);
 };
+
+/* ---- quantized digests: sizes and the coding shared by both backends ---- */
+
+#ifdef __CUDACC__
+#define KVS_QD_FN static __host__ __device__ __forceinline__
+#else
+#define KVS_QD_FN static inline
+#endif
+
+#define KVS_QD_UNBOUNDED 0x7C00FC00u   /* lo = -inf, scale = +inf: the page scores +inf */
+
+/* words of one (page, KV head)'s min (or max) code vector; of a layer's buffer */
+KVS_QD_FN size_t kvs_quest_qdig_vec_words(int head_dim, int bits) { return (size_t)head_dim * (size_t)bits / 32; }
+KVS_QD_FN size_t kvs_quest_qdig_words(size_t n_pages, int n_kv_heads, int head_dim, int bits)
+{
+    return n_pages * (size_t)n_kv_heads * (2 * kvs_quest_qdig_vec_words(head_dim, bits) + 1);
+}
+
+KVS_QD_FN float kvs_qd_f16_to_f32(uint32_t h)
+{
+    const uint32_t s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0) {   /* zero or subnormal: m x 2^-24, exact */
+        const float f = (float)m * 5.9604644775390625e-8f;
+        return s ? -f : f;
+    }
+    const uint32_t u = s | (e == 31 ? 0x7F800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp16 bits of x rounded toward zero (beyond 65504: 65504; inf and NaN kept) */
+KVS_QD_FN uint32_t kvs_qd_f16_rz(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t s = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu, e = a >> 23;
+    if (a > 0x7F800000u) return s | 0x7E00u;
+    if (a == 0x7F800000u) return s | 0x7C00u;
+    if (a >= 0x47800000u) return s | 0x7BFFu;
+    if (e >= 113) return s | ((e - 112) << 10) | ((a >> 13) & 0x3FFu);
+    if (e <= 102) return s;
+    return s | (((a & 0x7FFFFFu) | 0x800000u) >> (126 - e));
+}
+
+/* fp16 bits of x rounded down / up (toward -inf / +inf) */
+KVS_QD_FN uint32_t kvs_qd_f16_down(float x)
+{
+    const uint32_t h = kvs_qd_f16_rz(x);
+    return x < 0 && kvs_qd_f16_to_f32(h) != x ? h + 1 : h;
+}
+KVS_QD_FN uint32_t kvs_qd_f16_up(float x)
+{
+    const uint32_t h = kvs_qd_f16_rz(x);
+    return x > 0 && kvs_qd_f16_to_f32(h) != x ? h + 1 : h;
+}
+
+/* the decoded value of code c */
+KVS_QD_FN float kvs_qd_value(uint32_t c, float lo, float scale) { return fmaf((float)c, scale, lo); }
+
+/* the params word of a page whose smallest kmin is lo and largest kmax is hi */
+KVS_QD_FN uint32_t kvs_qd_params(float lo, float hi, int levels)
+{
+    if (!(lo >= -65504.0f && hi <= 65504.0f && lo <= hi)) return KVS_QD_UNBOUNDED;
+    lo = lo + 0.0f;   /* -0 as +0: both backends' reductions may pick either zero */
+    const uint32_t l16 = kvs_qd_f16_down(lo);
+    const float l = kvs_qd_f16_to_f32(l16);
+    uint32_t s16 = kvs_qd_f16_up((hi - l) / (float)levels);
+    while (s16 < 0x7C00u && kvs_qd_value((uint32_t)levels, l, kvs_qd_f16_to_f32(s16)) < hi) s16++;
+    return s16 >= 0x7C00u ? KVS_QD_UNBOUNDED : l16 | s16 << 16;
+}
+
+/* the largest code whose value is <= x (the smallest whose value is >= x), for lo <= x <= the
+ * page's hi; scale 0 means every value of the page is lo */
+KVS_QD_FN uint32_t kvs_qd_code_down(float x, float lo, float scale, int levels)
+{
+    if (!(scale > 0)) return 0;
+    const float t = floorf((x - lo) / scale);
+    uint32_t c = t <= 0 ? 0u : t >= (float)levels ? (uint32_t)levels : (uint32_t)t;
+    while (c > 0 && kvs_qd_value(c, lo, scale) > x) c--;
+    return c;
+}
+KVS_QD_FN uint32_t kvs_qd_code_up(float x, float lo, float scale, int levels)
+{
+    if (!(scale > 0)) return 0;
+    const float t = ceilf((x - lo) / scale);
+    uint32_t c = t <= 0 ? 0u : t >= (float)levels ? (uint32_t)levels : (uint32_t)t;
+    while (c < (uint32_t)levels && kvs_qd_value(c, lo, scale) < x) c++;
+    return c;
+}
+
+/* codes (vec_words each) and the returned params word of one (page, KV head) whose exact
+ * element-wise min and max are mn, mx [hd] (the host's encoder: the CPU kernel and checks) */
+KVS_QD_FN uint32_t kvs_qd_encode(const float *mn, const float *mx, int hd, int bits, uint32_t *cmin, uint32_t *cmax)
+{
+    const int levels = (1 << bits) - 1, per = 32 / bits;
+    float lo = mn[0], hi = mx[0];
+    for (int i = 1; i < hd; i++) {
+        lo = mn[i] < lo ? mn[i] : lo;
+        hi = mx[i] > hi ? mx[i] : hi;
+    }
+    const uint32_t par = kvs_qd_params(lo, hi, levels);
+    const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+    for (int w = 0; w < hd / per; w++) cmin[w] = cmax[w] = 0;
+    if (par != KVS_QD_UNBOUNDED)
+        for (int i = 0; i < hd; i++) {
+            cmin[i / per] |= kvs_qd_code_down(mn[i], l, sc, levels) << (i % per * bits);
+            cmax[i / per] |= kvs_qd_code_up(mx[i], l, sc, levels) << (i % per * bits);
+        }
+    return par;
+}
 
 /* The total order of scores that selection uses: the float's bits mapped so that unsigned
  * comparison orders them as numbers (-0 just below +0; NaN, which scores never are, above +inf

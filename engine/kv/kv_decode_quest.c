@@ -15,6 +15,10 @@
  *              top keep - 1 full pages plus the current one (kernels/kv_quest.h), in layers
  *              dense_layers and up; layers below attend densely.
  *   attention  exact attention over the kept pages: the backend's attention_spans.
+ *   digest_bits kv.quest.digest_bits 16 keeps the min/max as stored (KV type); 8 or 4 keeps them
+ *              as codes on a per-(page, KV head) fp16 grid, rounded outward (kernels/kv_quest.h):
+ *              still an upper bound, read at 2x / 4x fewer bytes, refreshed by the same step
+ *              (from the page's slots in the cache: no running min/max is kept).
  *
  * Rows. The scheduler puts decode rows first (one row per sequence): selection runs for the
  * leading one-row sequences of the step ("lead"), the spans kernel on just those rows. A step
@@ -65,9 +69,10 @@ struct quest {
     struct kvs_kv_decode_env env;
     const struct kvs_quest_kernels *k;
     double ratio;
-    int min_budget, dense_layers, ps;
+    int min_budget, dense_layers, ps, bits;   /* bits: kv.quest.digest_bits */
+    size_t n_pages;                           /* physical pages of the pool */
     int max_pages, max_spans, rows;   /* rows: selection rows a step can have (request slots) */
-    struct kvs_dbuf **dig;            /* [n_layers] KV [n_pages][nkv][2][hd] */
+    struct kvs_dbuf **dig;            /* [n_layers] KV [n_pages][nkv][2][hd], or I32 codes (bits < 16) */
     struct kvs_dbuf *d_scores, *d_keep, *d_n_spans, *d_spans;
     int32_t *h_keep, *h_n_spans, *h_spans;
     struct kvs_dbuf *d_wqs;           /* I32 [max_rows + 1]: the digest refresh's row starts (graph steps) */
@@ -115,13 +120,20 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     const double ratio = c ? c->quest_budget_ratio : 0.15;
     const int min_budget = c ? c->quest_min_budget : 256, dense = c ? c->quest_dense_layers : 2;
     const int ps = c && c->quest_page_size > 0 ? c->quest_page_size : env->block_size;
+    const int bits = c && c->quest_digest_bits ? c->quest_digest_bits : 16;
     if (ps <= 0 || env->block_size % ps)
         return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.page_size': %d does not divide kv.block_size %d", ps,
                        env->block_size);
+    if ((bits != 16 && bits != 8 && bits != 4) || (bits < 16 && env->head_dim * bits % 32))
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.digest_bits': %d (16, 8 or 4; 8 and 4 need "
+                       "head_dim x bits a multiple of 32, head_dim is %d)", bits, env->head_dim);
     if (!env->o->attention_spans)
         return kvs_err(err, errlen, -ENOSYS, "kv.decode \"quest\": backend %s has no attention_spans", env->o->name);
     const struct kvs_quest_kernels *k = kvs_quest_kernels_for(env->o, err, errlen);
     if (!k) return -ENOSYS;
+    if (bits < 16 && (!k->qdigest_update || !k->qscore))
+        return kvs_err(err, errlen, -ENOSYS, "kv.quest.digest_bits %d: backend %s has no quantized digest kernels", bits,
+                       env->o->name);
     if (ratio <= 0 || min_budget < 0 || dense < 0)
         return kvs_err(err, errlen, -EINVAL, "kv.quest: budget_ratio %g, min_budget %d, dense_layers %d out of range",
                        ratio, min_budget, dense);
@@ -129,7 +141,7 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     struct quest *s = kvs_xcalloc(1, sizeof *s);
     s->env = *env;
     s->k = k;
-    s->ratio = ratio, s->min_budget = min_budget, s->dense_layers = dense, s->ps = ps;
+    s->ratio = ratio, s->min_budget = min_budget, s->dense_layers = dense, s->ps = ps, s->bits = bits;
     s->max_pages = env->max_blocks * (env->block_size / ps);
     s->max_spans = keep_pages(s, env->max_blocks * env->block_size);
     if (s->max_spans > s->max_pages) s->max_spans = s->max_pages;
@@ -139,10 +151,13 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     const size_t nkv = (size_t)env->n_kv_heads, rows = (size_t)s->rows;
     const size_t pages = (size_t)env->n_pool_blocks * (size_t)(env->block_size / ps);
     int failed = pages == 0;
+    s->n_pages = pages;
     s->dig = kvs_xcalloc((size_t)env->n_layers, sizeof *s->dig);
     /* dense layers never select: their digests are never kept */
     for (int l = dense; l < env->n_layers && !failed; l++)
-        failed = !(s->dig[l] = o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
+        failed = !(s->dig[l] = bits < 16 ? o->alloc(env->be, KVS_BUF_I32,
+                                                    kvs_quest_qdig_words(pages, env->n_kv_heads, env->head_dim, bits))
+                                         : o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
     if (!failed) {
         s->d_scores = o->alloc(env->be, KVS_BUF_F32, rows * nkv * (size_t)s->max_pages);
         s->d_keep = o->alloc(env->be, KVS_BUF_I32, rows);
@@ -194,8 +209,9 @@ static int quest_plan(void *state, const struct kvs_kv_step *st)
         s->sparse_rows++;
         s->pages_kept += keep;
         s->pages_total += cur + 1;
-        /* a digest (min and max rows of K) costs what one position's K and V cost */
-        s->bytes_read += per_layer * ((double)ctx * dense_l + (double)(kept + cur) * (L - dense_l));
+        /* a bf16 digest (min and max rows of K) costs what one position's K and V cost; a
+         * quantized one bits / 16 of it (the params word left out) */
+        s->bytes_read += per_layer * ((double)ctx * dense_l + ((double)kept + cur * s->bits / 16.0) * (L - dense_l));
     }
     for (int q = 0; q < s->n_lead; q++) {
         const int ctx = st->h_pos[q] + 1, cur = st->h_pos[q] / s->ps;
@@ -237,10 +253,15 @@ static void check_digests(struct quest *s, int layer, const struct kvs_kv_attend
     const struct kvs_backend_ops *o = s->env.o;
     const int nkv = a->n_kv_heads, hd = a->head_dim, bs = a->block_size, ps = s->ps;
     const size_t nk = (size_t)s->env.n_pool_blocks * nkv * bs * hd, nd = nk / ps * 2;
-    float *k = kvs_xmalloc(nk * sizeof *k), *d = kvs_xmalloc(nd * sizeof *d);
+    const size_t vw = s->bits < 16 ? kvs_quest_qdig_vec_words(hd, s->bits) : 0;
+    const size_t nq = s->bits < 16 ? kvs_quest_qdig_words(s->n_pages, nkv, hd, s->bits) : 0;
+    float *k = kvs_xmalloc(nk * sizeof *k), *d = s->bits < 16 ? NULL : kvs_xmalloc(nd * sizeof *d);
+    float *mm = kvs_xmalloc(2 * (size_t)hd * sizeof *mm);
+    uint32_t *qd = s->bits < 16 ? kvs_xmalloc(nq * sizeof *qd) : NULL, *want = kvs_xmalloc((2 * vw + 1) * sizeof *want);
     int32_t *bt = kvs_xmalloc((size_t)m->n_seqs * m->max_blocks * sizeof *bt);
     o->download(s->env.be, k, a->kv.k, 0, nk);
-    o->download(s->env.be, d, s->dig[layer], 0, nd);
+    if (qd) o->download(s->env.be, qd, s->dig[layer], 0, nq);
+    else o->download(s->env.be, d, s->dig[layer], 0, nd);
     o->download(s->env.be, bt, m->block_tables, 0, (size_t)m->n_seqs * m->max_blocks);
     for (int q = 0; q < m->n_seqs; q++) {
         const int cur = m->h_pos[q] / ps;
@@ -249,30 +270,49 @@ static void check_digests(struct quest *s, int layer, const struct kvs_kv_attend
             const int32_t blk = bt[(size_t)q * m->max_blocks + pg * ps / bs];
             const size_t pp = (size_t)blk * (bs / ps) + (size_t)(pg * ps % bs) / ps;
             int stale = 0;
-            for (int g = 0; g < nkv && !stale; g++)
-                for (int i = 0; i < hd && !stale; i++) {
+            for (int g = 0; g < nkv && !stale; g++) {
+                for (int i = 0; i < hd; i++) {
                     float mn = INFINITY, mx = -INFINITY;
                     for (int p = pg * ps; p < (pg + 1) * ps; p++) {
                         const float x = k[(((size_t)blk * nkv + g) * bs + p % bs) * hd + i];
                         mn = x < mn ? x : mn;
                         mx = x > mx ? x : mx;
                     }
-                    const float *dg = d + (pp * nkv + g) * 2 * hd;
-                    stale = dg[i] != mn || dg[hd + i] != mx;
+                    mm[i] = mn, mm[hd + i] = mx;
                 }
+                if (qd) {   /* the codes must be the encoding of the keys' min/max, bitwise */
+                    want[2 * vw] = kvs_qd_encode(mm, mm + hd, hd, s->bits, want, want + vw);
+                    stale = memcmp(want, qd + (pp * nkv + g) * 2 * vw, 2 * vw * sizeof *want) ||
+                            want[2 * vw] != qd[s->n_pages * nkv * 2 * vw + pp * nkv + g];
+                } else {
+                    stale = memcmp(d + (pp * nkv + g) * 2 * hd, mm, 2 * (size_t)hd * sizeof *mm) != 0;
+                }
+            }
             s->stale_pages += stale;
         }
     }
     free(k);
     free(d);
+    free(mm);
+    free(qd);
+    free(want);
     free(bt);
+}
+
+/* refreshes one layer's digests (either kind) for the pages m's rows wrote */
+static void refresh(struct quest *s, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m, struct kvs_dbuf *dig)
+{
+    const struct kvs_kv_decode_env *e = &s->env;
+    if (s->bits < 16)
+        s->k->qdigest_update(e->be, kc, m, e->n_kv_heads, e->head_dim, e->block_size, s->ps, s->bits, s->n_pages, dig);
+    else
+        s->k->digest_update(e->be, kc, m, e->n_kv_heads, e->head_dim, e->block_size, s->ps, dig);
 }
 
 void kvs_quest_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
 {
     struct quest *s = state;
-    for (int l = s->dense_layers; l < s->env.n_layers; l++)
-        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+    for (int l = s->dense_layers; l < s->env.n_layers; l++) refresh(s, kc, m, s->dig[l]);
 }
 
 static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
@@ -284,7 +324,7 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
     if (layer >= s->dense_layers && !s->skip && !(check_mode == 2 && s->steps % 2 == 0)) {
         struct kvs_attn_meta wm = *st->m;   /* graph steps: without the dummy sequences' rows */
         if (s->graph) wm.q_start = s->d_wqs, wm.h_q_start = s->h_wqs;
-        s->k->digest_update(be, a->kv.k, &wm, a->n_kv_heads, a->head_dim, a->block_size, s->ps, s->dig[layer]);
+        refresh(s, a->kv.k, &wm, s->dig[layer]);
     }
     if (layer < s->dense_layers || !s->any_sparse) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
@@ -302,8 +342,12 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
     if (check_mode && !s->graph) check_digests(s, layer, a, &sub);
     if (s->graph) sub.h_pos = s->h_cap_pos, sub.max_ctx = st->m->plan_ctx;   /* launch shapes (module comment) */
-    s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
-                a->block_size, s->ps, s->max_pages, s->d_scores);
+    if (s->bits < 16)
+        s->k->qscore(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
+    else
+        s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                    a->block_size, s->ps, s->max_pages, s->d_scores);
     s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
                  s->d_n_spans, s->d_spans);
     const struct kvs_span_list sp = {s->max_spans, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};

@@ -186,6 +186,9 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     if (ratio <= 0 || min_budget < 0 || dense < 0)
         return kvs_err(err, errlen, -EINVAL, "kv.quest: budget_ratio %g, min_budget %d, dense_layers %d out of range",
                        ratio, min_budget, dense);
+    if (c && c->quest_digest_bits && c->quest_digest_bits != 16)
+        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.quest.digest_bits': kv.decode \"retro\" takes 16 only "
+                       "(quantized digests are built for kv.decode \"quest\"), got %d", c->quest_digest_bits);
     if (!o->attention_spans || !o->attn_merge || !o->gather_rows)
         return kvs_err(err, errlen, -ENOSYS, "kv.decode \"retro\": backend %s lacks attention_spans, attn_merge or "
                        "gather_rows", o->name);

@@ -5,6 +5,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/util.h"
 #include "kernels/cpu/cpu_internal.h"
@@ -150,9 +151,113 @@ static void cpu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, con
     kvs_cpu_pool_run(b->pool, n * n_kv_heads, select_task, &j);
 }
 
+/* ---- quantized digests (kernels/kv_quest.h) ---- */
+
+static void cpu_qdigest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
+                               int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                               struct kvs_dbuf *qdig)
+{
+    (void)b;
+    const float *k = F(kc);
+    uint32_t *codes = (uint32_t *)I(qdig);
+    const size_t vw = kvs_quest_qdig_vec_words(head_dim, bits);
+    uint32_t *params = codes + n_pages * (size_t)n_kv_heads * 2 * vw;
+    const int32_t *qs = I(m->q_start), *pos = I(m->pos), *bts = I(m->block_tables);
+    const int bs = block_size, ps = page_size, hd = head_dim;
+    float *mn = kvs_xmalloc(2 * (size_t)hd * sizeof *mn), *mx = mn + hd;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int n = qs[s + 1] - qs[s];
+        if (n <= 0) continue;
+        const int p0 = pos[s], p1 = pos[s] + n;
+        const int32_t *bt = bts + (size_t)s * m->max_blocks;
+        for (int pg = p0 / ps; pg * ps < p1; pg++) {
+            const int first = pg * ps, end = (pg + 1) * ps < p1 ? (pg + 1) * ps : p1;
+            const size_t pp = phys_page(bt, first, bs, ps);
+            for (int g = 0; g < n_kv_heads; g++) {
+                /* the exact min / max of the slots written so far (as cpu_digest_update) */
+                for (int p = first; p < end; p++) {
+                    const float *kr = k + (((size_t)bt[p / bs] * n_kv_heads + g) * bs + p % bs) * hd;
+                    for (int i = 0; i < hd; i++) {
+                        if (p == first || kr[i] < mn[i]) mn[i] = kr[i];
+                        if (p == first || kr[i] > mx[i]) mx[i] = kr[i];
+                    }
+                }
+                uint32_t *cmin = codes + (pp * n_kv_heads + g) * 2 * vw;
+                const uint32_t par = kvs_qd_encode(mn, mx, hd, bits, cmin, cmin + vw);
+                params[pp * n_kv_heads + g] = par;
+            }
+        }
+    }
+    free(mn);
+}
+
+struct qscore_job {
+    const float *q;
+    const uint32_t *codes, *params;
+    float *scores;
+    const int32_t *pos, *bts, *keep;
+    int max_blocks, n_heads, n_kv_heads, hd, bs, ps, max_pages, bits;
+    size_t vw;
+};
+
+/* score_task's formula over the decoded values, in the same order (kernels/kv_quest.h: so the
+ * quantized score is >= the exact digest's score in fp32) */
+static void qscore_task(void *c, int task)
+{
+    const struct qscore_job *j = c;
+    const int s = task / j->n_kv_heads, g = task % j->n_kv_heads, G = j->n_heads / j->n_kv_heads, hd = j->hd;
+    const int cur = j->pos[s] / j->ps, per = 32 / j->bits;
+    const uint32_t mask = (1u << j->bits) - 1;
+    if (j->keep[s] > cur) return;
+    const int32_t *bt = j->bts + (size_t)s * j->max_blocks;
+    float *out = j->scores + ((size_t)s * j->n_kv_heads + g) * j->max_pages;
+    float *mn = kvs_xmalloc(2 * (size_t)hd * sizeof *mn), *mx = mn + hd;
+    for (int pg = 0; pg < cur; pg++) {
+        const size_t pp = phys_page(bt, pg * j->ps, j->bs, j->ps);
+        const uint32_t par = j->params[pp * j->n_kv_heads + g];
+        if (par == KVS_QD_UNBOUNDED) {
+            out[pg] = INFINITY;
+            continue;
+        }
+        const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+        const uint32_t *cmin = j->codes + (pp * j->n_kv_heads + g) * 2 * j->vw, *cmax = cmin + j->vw;
+        for (int i = 0; i < hd; i++) {
+            mn[i] = kvs_qd_value(cmin[i / per] >> (i % per * j->bits) & mask, l, sc);
+            mx[i] = kvs_qd_value(cmax[i / per] >> (i % per * j->bits) & mask, l, sc);
+        }
+        float sum = 0.0f;
+        for (int h = g * G; h < (g + 1) * G; h++) {
+            const float *q = j->q + ((size_t)s * j->n_heads + h) * hd;
+            float hs = 0.0f;
+            for (int i = 0; i < hd; i++) {
+                const float a = q[i] * mn[i], bb = q[i] * mx[i];
+                hs += a > bb ? a : bb;
+            }
+            sum += hs;
+        }
+        out[pg] = sum;
+    }
+    free(mn);
+}
+
+static void cpu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
+                       const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                       int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
+                       struct kvs_dbuf *scores)
+{
+    const size_t vw = kvs_quest_qdig_vec_words(head_dim, bits);
+    const uint32_t *codes = (const uint32_t *)I(qdig);
+    struct qscore_job j = {F(q), codes, codes + n_pages * (size_t)n_kv_heads * 2 * vw, F(scores), I(m->pos),
+                           I(m->block_tables), I(keep), m->max_blocks, n_heads, n_kv_heads, head_dim, block_size,
+                           page_size, max_pages, bits, vw};
+    kvs_cpu_pool_run(b->pool, n * n_kv_heads, qscore_task, &j);
+}
+
 const struct kvs_quest_kernels kvs_quest_kernels_cpu = {
     .name = "cpu",
     .digest_update = cpu_digest_update,
     .score = cpu_score,
     .select = cpu_select,
+    .qdigest_update = cpu_qdigest_update,
+    .qscore = cpu_qscore,
 };

@@ -10,6 +10,16 @@
  *                per warp; fp32 sums reduced over the lanes (another order than the CPU's:
  *                rounding-level differences, so near-ties may rank differently; the test allows
  *                exactly that).
+ * qdigest_update as digest_update, then the page's grid (kernels/kv_quest.h: the shared coding
+ *                functions, so the codes are bitwise the CPU's): a block min / max reduction,
+ *                one thread's params, every thread its dimension's two codes, packed by words.
+ * qscore         the score's blocks and lanes over the codes: the group's query heads folded
+ *                first into Qp = sum of max(q, 0) and Qn = sum of min(q, 0) per dimension
+ *                (max(q a, q b) = max(q, 0) b + min(q, 0) a for a <= b: one pass over the
+ *                digest for the whole group), each lane one 16-byte load of min codes and one of
+ *                max codes (32 / 16 dimensions at 4 / 8 bits; the lane's Qp / Qn in registers),
+ *                the grid's affine map taken out of the sum (one fma per code, q_code_1c),
+ *                fp32 sums (another order and form than the CPU's: equal up to rounding).
  * select         one block of 1024 threads per (row, KV head): a radix select (4 passes of
  *                8-bit digits, MSB first, over kvs_quest_order_key) finds the k-th largest
  *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
@@ -179,6 +189,216 @@ static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const stru
 #undef QS_ARGS
 }
 
+/* ---- quantized digests ------------------------------------------------------------------------ */
+
+__global__ void k_quest_qdigest(const bf16 *__restrict__ kc, const int32_t *__restrict__ q_start,
+                                const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, int max_blocks,
+                                int n_kv, int hd, int bs, int ps, int bits, size_t n_pages, uint32_t *__restrict__ qdig)
+{
+    __shared__ float red[2][32];
+    __shared__ uint32_t s_par;
+    extern __shared__ uint8_t codes[];   /* [2][hd] */
+    grid_dep_wait();
+    const int s = blockIdx.x, g = blockIdx.y, i = threadIdx.x, lane = i & 31, warp = i >> 5;
+    const int n = q_start[s + 1] - q_start[s];
+    if (n <= 0) return;   /* block-uniform */
+    const int levels = (1 << bits) - 1, per = 32 / bits, vw = hd * bits / 32, nw = (int)(blockDim.x >> 5);
+    const int p0 = pos[s], p1 = pos[s] + n;
+    const int32_t *bt = bts + (size_t)s * max_blocks;
+    uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * vw;
+    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z) {
+        const int first = pg * ps, end = min((pg + 1) * ps, p1);
+        float mn = INFINITY, mx = -INFINITY;
+        if (i < hd)
+            for (int p = first; p < end; p++) {
+                const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
+                mn = fminf(mn, x);
+                mx = fmaxf(mx, x);
+            }
+        /* the page's lo / hi: min and max are exact, so any reduction order gives the CPU's */
+        float lo = mn, hi = mx;
+        for (int o = 16; o > 0; o >>= 1) {
+            lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+            hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        }
+        if (lane == 0) red[0][warp] = lo, red[1][warp] = hi;
+        __syncthreads();
+        if (i == 0) {
+            for (int w = 1; w < nw; w++) lo = fminf(lo, red[0][w]), hi = fmaxf(hi, red[1][w]);
+            s_par = kvs_qd_params(lo, hi, levels);
+        }
+        __syncthreads();
+        const uint32_t par = s_par;
+        const size_t ph = q_phys_page(bt, first, bs, ps) * n_kv + g;
+        if (i < hd) {
+            const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+            const bool ok = par != KVS_QD_UNBOUNDED;
+            codes[i] = ok ? (uint8_t)kvs_qd_code_down(mn, l, sc, levels) : 0;
+            codes[hd + i] = ok ? (uint8_t)kvs_qd_code_up(mx, l, sc, levels) : 0;
+        }
+        __syncthreads();
+        if (i < 2 * vw) {   /* word i of the min then max vectors */
+            const int v = i / vw, w = i % vw;
+            uint32_t word = 0;
+            for (int k = 0; k < per; k++) word |= (uint32_t)codes[v * hd + w * per + k] << (k * bits);
+            qdig[ph * 2 * vw + i] = word;
+        }
+        if (i == 0) params[ph] = par;
+        __syncthreads();   /* codes and red are reused by the next page */
+    }
+}
+
+static void cu_qdigest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
+                              int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                              struct kvs_dbuf *qdig)
+{
+    int most = 0;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int n = m->h_q_start[s + 1] - m->h_q_start[s];
+        if (n <= 0) continue;
+        const int pages = (m->h_pos[s] + n - 1) / page_size - m->h_pos[s] / page_size + 1;
+        most = pages > most ? pages : most;
+    }
+    if (!most) return;
+    if (head_dim > 1024 || 2 * (head_dim * bits / 32) > 1024)
+        kvs_panic(__FILE__, __LINE__, "cuda Quest quantized digests: head_dim %d", head_dim);
+    xh_forget(b, qdig->d);
+    const dim3 grid((unsigned)m->n_seqs, (unsigned)n_kv_heads, (unsigned)(most < 32 ? most : 32));
+    int threads = (head_dim + 31) / 32 * 32;
+    const int words = 2 * head_dim * bits / 32;
+    if (threads < words) threads = (words + 31) / 32 * 32;
+    CUDA_CHECK(kvs_cu_launch(k_quest_qdigest, grid, threads, (size_t)2 * head_dim, b->stream, (const bf16 *)kc->d,
+                             (const int32_t *)m->q_start->d, (const int32_t *)m->pos->d,
+                             (const int32_t *)m->block_tables->d, m->max_blocks, n_kv_heads, head_dim, block_size,
+                             page_size, bits, n_pages, (uint32_t *)qdig->d));
+}
+
+template <int V> struct q_words;
+template <> struct q_words<4> { typedef uint4 T; };
+template <> struct q_words<2> { typedef uint2 T; };
+template <> struct q_words<1> { typedef uint32_t T; };
+
+/* code k of word w as the float 1 + c / 2^BITS (c placed under the exponent of 1.0: one shift,
+ * one and-or): exact, and no integer-to-float conversion */
+template <int BITS>
+__device__ __forceinline__ float q_code_1c(uint32_t w, int k)
+{
+    const int sh = 23 - BITS - k * BITS;
+    const uint32_t x = sh >= 0 ? w << sh : w >> -sh;
+    return __uint_as_float((x & (((1u << BITS) - 1) << (23 - BITS))) | 0x3F800000u);
+}
+
+/* score = sum_i Qp_i dmax_i + Qn_i dmin_i with d = lo + c scale, computed as
+ * lo sum_i (Qp_i + Qn_i) + scale 2^BITS sum_i (Qp_i (1 + cmax_i / 2^BITS) + Qn_i (1 + cmin_i / 2^BITS) - Qp_i - Qn_i):
+ * one fma per code; each lane's own sum of Qp + Qn is taken off before the lanes' reduction (the
+ * terms it cancels are of the lane's size). Equal to the CPU's up to rounding. */
+template <int HD, int BITS>
+__global__ void __launch_bounds__(32 * QS_WARPS)
+k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, size_t n_pages,
+               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
+               int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, float *__restrict__ scores)
+{
+    constexpr int NW = HD * BITS / 32;            /* words per code vector */
+    constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
+    constexpr int L = NW / V, P = 32 / L;         /* lanes per page, pages per warp step */
+    constexpr int PER = 32 / BITS, DL = V * PER;  /* dimensions per word, per lane */
+    typedef typename q_words<V>::T vec;
+    __shared__ float sqp[HD], sqn[HD];
+    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
+    grid_dep_wait();
+    const int cur = pos[row] / ps;
+    const int pg0 = (int)blockIdx.y * QS_PAGES;
+    if (keep[row] > cur || pg0 >= cur) return;
+    for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        float p = 0.0f, n = 0.0f;
+        for (int h = 0; h < G; h++) {
+            const float x = q[((size_t)row * n_heads + g * G + h) * HD + i];
+            p += fmaxf(x, 0.0f);
+            n += fminf(x, 0.0f);
+        }
+        sqp[i] = p, sqn[i] = n;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
+    /* a lane always scores the same dimensions: its Qp / Qn live in registers */
+    float rp[DL], rn[DL], rq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DL; j++) rp[j] = sqp[l * DL + j], rn[j] = sqn[l * DL + j], rq += rp[j] + rn[j];
+    float qsum = rq;
+#pragma unroll
+    for (int o = L / 2; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    const uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * NW;
+    float *out = scores + ((size_t)row * n_kv + g) * max_pages;
+    const int pg1 = min(pg0 + QS_PAGES, cur);
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += QS_WARPS * P * QS_UNROLL) {
+        vec mn[QS_UNROLL], mx[QS_UNROLL];
+        uint32_t par[QS_UNROLL];
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            par[u] = KVS_QD_UNBOUNDED;
+            if (pg < pg1) {
+                const size_t ph = q_phys_page(bt, pg * ps, bs, ps) * n_kv + g;
+                const vec *d = (const vec *)(qdig + ph * 2 * NW);
+                mn[u] = d[l];
+                mx[u] = d[L + l];
+                par[u] = params[ph];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < QS_UNROLL; u++) {
+            const int pg = base + u * P + sub;
+            const uint32_t *wn = (const uint32_t *)&mn[u], *wx = (const uint32_t *)&mx[u];
+            float acc = 0.0f;
+            if (pg < pg1 && par[u] != KVS_QD_UNBOUNDED) {
+#pragma unroll
+                for (int w = 0; w < V; w++)
+#pragma unroll
+                    for (int k = 0; k < PER; k++) {
+                        acc = fmaf(rp[w * PER + k], q_code_1c<BITS>(wx[w], k), acc);
+                        acc = fmaf(rn[w * PER + k], q_code_1c<BITS>(wn[w], k), acc);
+                    }
+                acc -= rq;
+            }
+#pragma unroll
+            for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (l == 0 && pg < pg1) {
+                const float lo = kvs_qd_f16_to_f32(par[u] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[u] >> 16);
+                out[pg] = par[u] == KVS_QD_UNBOUNDED ? INFINITY : fmaf(lo, qsum, sc * (float)(1 << BITS) * acc);
+            }
+        }
+    }
+}
+
+static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
+                      const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                      int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
+                      struct kvs_dbuf *scores)
+{
+    if (n <= 0) return;
+    int most = 0;
+    for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
+    if (!most) return;
+    xh_forget(b, scores->d);
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + QS_PAGES - 1) / QS_PAGES));
+#define QQ_ARGS                                                                                                 \
+    grid, 32 * QS_WARPS, 0, b->stream, (const float *)q->d, (const uint32_t *)qdig->d, n_pages,                \
+        (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, \
+        n_heads, n_kv_heads, block_size, page_size, max_pages, (float *)scores->d
+#define QQ_CASE(H, B)                                                        \
+    if (head_dim == H && bits == B) {                                         \
+        CUDA_CHECK(kvs_cu_launch(k_quest_qscore<H, B>, QQ_ARGS));                  \
+        return;                                                               \
+    }
+    QQ_CASE(16, 4); QQ_CASE(32, 4); QQ_CASE(64, 4); QQ_CASE(128, 4); QQ_CASE(256, 4);
+    QQ_CASE(16, 8); QQ_CASE(32, 8); QQ_CASE(64, 8); QQ_CASE(128, 8); QQ_CASE(256, 8);
+#undef QQ_CASE
+#undef QQ_ARGS
+    kvs_panic(__FILE__, __LINE__, "cuda Quest quantized scores: head_dim %d at %d bits (16, 32, 64, 128 or 256)",
+              head_dim, bits);
+}
+
 /* ---- top-k and spans ------------------------------------------------------------------------- */
 
 typedef cub::BlockScan<int, SEL_THREADS> sel_scan;
@@ -317,4 +537,6 @@ extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
     cu_digest_update,
     cu_score,
     cu_select,
+    cu_qdigest_update,
+    cu_qscore,
 };

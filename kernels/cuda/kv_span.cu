@@ -265,7 +265,10 @@ __global__ void k_attn_merge2(float *oa, float *la, const float *ob, const float
  * SM busy), at least SPAN_MIN_TILES tiles a split, the partials within the workspace (by_ws). */
 static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, long long w_max, long long by_ws)
 {
-    long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
+    /* as many splits as fit in ONE wave (rounded down): rounding up left a second wave of a few
+     * blocks (e.g. 32 rows x 8 heads x 4 splits = 1024 blocks on 792 slots), in which the GPU
+     * reads at a fraction of its bandwidth */
+    long long ns = (long long)resident * n_sms / pairs;
     const long long by_len = (w_max + SPAN_MIN_TILES - 1) / SPAN_MIN_TILES;
     if (ns > by_len) ns = by_len;
     if (ns > by_ws) ns = by_ws;

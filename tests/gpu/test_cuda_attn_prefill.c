@@ -27,49 +27,7 @@
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
 
-static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
-static struct kvs_backend *bc, *bg;
-static uint64_t rng;
-
-static uint64_t next_u64(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
-static float frand(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
-static int irand(int n) { return (int)(next_u64() % (uint64_t)n); }
-
-static float bf16_round(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-struct pair {
-    struct kvs_dbuf *c, *g;
-};
-
-static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
-{
-    struct pair p = {C->alloc(bc, kind, n), G->alloc(bg, kind, n)};
-    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
-    if (host) {
-        C->upload(bc, p.c, 0, host, n);
-        G->upload(bg, p.g, 0, host, n);
-    }
-    return p;
-}
-
-static void drop(struct pair *p)
-{
-    C->free_buf(bc, p->c);
-    G->free_buf(bg, p->g);
-}
+#include "tests/gpu/cuda_pair.h"
 
 struct pcase {
     int n_heads, n_kv, hd, bs, n_seqs;
@@ -147,8 +105,8 @@ static void run_case(const struct pcase *pc)
             }
         }
     }
-    struct pair kc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n)};
-    struct pair vc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n)};
+    struct pair kc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
+    struct pair vc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
     REQUIRE(kc.c && kc.g && vc.c && vc.g, ": KV allocation");
     C->upload(bc, kc.c, 0, kv, cache_n);
     C->upload(bc, vc.c, 0, vv, cache_n);
@@ -219,17 +177,7 @@ static void run_case(const struct pcase *pc)
 
 int main(void)
 {
-    const char *es = getenv("KVS_SEED");
-    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
-    if (!seed) seed = 1;
-    rng = seed;
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
-    char err[256];
-    bc = C->create(4, err, sizeof err);
-    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
-    bg = G->create(0, err, sizeof err);
-    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+    if (cuda_pair_open(4)) return 1;
 
     /* on Hopper the wgmma kinds are taken where they apply, and rot offsets keep k_attn_tc */
     kvs_cuda_set_pre_attn(4);

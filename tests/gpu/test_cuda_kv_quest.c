@@ -51,7 +51,10 @@ static void compare(const struct qf_case *c, const struct qf_out *rc, const stru
     const size_t nd = (size_t)rc->n_pages * nkv * 2 * hd;
     /* digests of pages no sequence owns hold the junk both were given: compare everything */
     size_t bad_dig = 0;
-    for (size_t i = 0; i < nd; i++) bad_dig += rc->dig[i] != rg->dig[i];
+    if (rc->qdig)   /* quantized: every word (codes and params) bitwise */
+        for (size_t i = 0; i < rc->nq; i++) bad_dig += rc->qdig[i] != rg->qdig[i];
+    else
+        for (size_t i = 0; i < nd; i++) bad_dig += rc->dig[i] != rg->dig[i];
     double score_err = 0;
     int bad_sel = 0, near = 0, bad_spans = 0, needles = 0, found = 0, sparse = 0;
     unsigned char *kc = kvs_xmalloc((size_t)rc->max_pages), *kg = kvs_xmalloc((size_t)rc->max_pages);
@@ -133,14 +136,20 @@ static void test_kernels(uint64_t seed)
         {1, 32, 8, 128, 16, 16, 131072, 131072, 0.15, 256, 1, "one 128K row (8192 pages)"},
         {3, 64, 8, 256, 16, 16, 1000, 3000, 0.1, 64, 1, "G8 hd256"},
     };
-    for (size_t i = 0; i < sizeof CASES / sizeof CASES[0]; i++) {
+    /* each case with bf16 digests, then 8- and 4-bit ones (kv.quest.digest_bits) */
+    for (size_t i = 0; i < 3 * (sizeof CASES / sizeof CASES[0]); i++) {
+        const size_t ci = i % (sizeof CASES / sizeof CASES[0]);
+        const int bits = i < sizeof CASES / sizeof CASES[0] ? 16 : i < 2 * (sizeof CASES / sizeof CASES[0]) ? 8 : 4;
         struct qf_case c;
         struct qf_out rc, rg;
-        qf_make(&c, seed + i, CASES[i].S, CASES[i].nh, CASES[i].nkv, CASES[i].hd, CASES[i].bs, CASES[i].ps, CASES[i].lo,
-                CASES[i].hi, CASES[i].ratio, CASES[i].min_budget, CASES[i].needles);
+        char what[160];
+        qf_make(&c, seed + ci, CASES[ci].S, CASES[ci].nh, CASES[ci].nkv, CASES[ci].hd, CASES[ci].bs, CASES[ci].ps,
+                CASES[ci].lo, CASES[ci].hi, CASES[ci].ratio, CASES[ci].min_budget, CASES[ci].needles);
+        c.bits = bits;
+        snprintf(what, sizeof what, "%s, %d-bit digests", CASES[ci].what, bits);
         qf_run(C, bc, kc, &c, &rc);
         qf_run(G, bg, kg, &c, &rg);
-        compare(&c, &rc, &rg, CASES[i].what);
+        compare(&c, &rc, &rg, what);
         qf_out_free(&rc);
         qf_out_free(&rg);
         qf_free(&c);
@@ -170,6 +179,8 @@ static void test_kernels(uint64_t seed)
 #define NJ 6
 #define GEN 16
 
+static int eng_bits = 16;   /* kv.quest.digest_bits of the next run_engine */
+
 static void run_engine(struct kvs_model *model, const char *decode, double ratio, int min_budget, int32_t out[NJ][GEN],
                        struct kvs_engine_stats *st)
 {
@@ -186,6 +197,7 @@ static void run_engine(struct kvs_model *model, const char *decode, double ratio
     c.quest_dense_layers = 0;
     c.quest_budget_ratio = ratio;
     c.quest_min_budget = min_budget;
+    c.quest_digest_bits = eng_bits;
     char err[256];
     struct kvs_engine *e;
     REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
@@ -263,6 +275,29 @@ static void test_engine(void)
           "rows %g vs %g", same_e, NJ, rows, rows_e);
     printf("ok engine on cuda: quest with step graphs equals eager for %d/%d requests (%g sparse rows each)\n", same_e,
            NJ, rows);
+    /* 4-bit digests: budget >= context equals full (one span), and at 15% every request is
+     * served with sparse rows, graphed and eager alike */
+    static int32_t all4[NJ][GEN], sparse4[NJ][GEN], eager4[NJ][GEN];
+    struct kvs_engine_stats st4, st4e;
+    eng_bits = 4;
+    run_engine(model, "quest", 1.0, 0, all4, &st4);
+    int same4 = 0;
+    for (int i = 0; i < NJ; i++) same4 += !memcmp(full[i], all4[i], sizeof full[i]);
+    CHECK(same4 >= NJ - 1, "quest 4-bit at budget >= context on cuda: %d of %d requests equal to full", same4, NJ);
+    run_engine(model, "quest", 0.15, 32, sparse4, &st4);
+    setenv("KVS_GRAPHS", "0", 1);
+    run_engine(model, "quest", 0.15, 32, eager4, &st4e);
+    unsetenv("KVS_GRAPHS");
+    eng_bits = 16;
+    const double rows4 = kvs_engine_kv_counter(&st4, "kvserve:kv_quest_sparse_rows_total");
+    int same4e = 0, same416 = 0;
+    for (int i = 0; i < NJ; i++)
+        same4e += !memcmp(sparse4[i], eager4[i], sizeof sparse4[i]), same416 += !memcmp(sparse4[i], sparse[i], sizeof sparse4[i]);
+    CHECK(rows4 > 0 && same4e >= NJ - 1 && rows4 == kvs_engine_kv_counter(&st4e, "kvserve:kv_quest_sparse_rows_total"),
+          "quest 4-bit at 15%% on cuda: %g sparse rows, graphs vs eager %d of %d equal", rows4, same4e, NJ);
+    printf("ok engine on cuda: quest with 4-bit digests: budget >= context equals full for %d/%d; at 15%% %g sparse "
+           "rows, graphs = eager for %d/%d, same tokens as bf16 digests for %d/%d\n",
+           same4, NJ, rows4, same4e, NJ, same416, NJ);
     kvs_model_free(model);
 }
 

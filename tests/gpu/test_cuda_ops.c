@@ -29,67 +29,13 @@
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
 
-static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
-static struct kvs_backend *bc, *bg;
-static uint64_t rng;
-
-static uint64_t next_u64(void)
-{
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
-static float frand(void) { return (float)((next_u64() >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
-static int irand(int n) { return (int)(next_u64() % (uint64_t)n); }
-
-/* round to bf16 (nearest even), so both backends hold the same values where CUDA stores bf16 */
-static float bf16_round(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
+#include "tests/gpu/cuda_pair.h"
 
 static float *rand_vec(size_t n, float scale, int round_bf16)
 {
     float *v = kvs_xmalloc(n * sizeof(float));
     for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? bf16_round(frand() * scale) : frand() * scale;
     return v;
-}
-
-/* a buffer on both backends */
-struct pair {
-    struct kvs_dbuf *c, *g;
-    enum kvs_buf_kind kind;
-    size_t n;
-};
-
-static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
-{
-    struct pair p = {C->alloc(bc, kind, n), G->alloc(bg, kind, n), kind, n};
-    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
-    if (host) {
-        C->upload(bc, p.c, 0, host, n);
-        G->upload(bg, p.g, 0, host, n);
-    }
-    return p;
-}
-
-static void poison(struct pair *p)
-{
-    float *nan = kvs_xmalloc(p->n * sizeof(float));
-    memset(nan, 0xff, p->n * sizeof(float)); /* all-ones: a NaN as fp32, and as bf16 after conversion */
-    G->upload(bg, p->g, 0, nan, p->n);
-    free(nan);
-}
-
-static void drop(struct pair *p)
-{
-    C->free_buf(bc, p->c);
-    G->free_buf(bg, p->g);
 }
 
 /* relative L2 error of the CUDA result against the CPU one over [off, off+n) */
@@ -1176,17 +1122,7 @@ static void test_attention(void)
 
 int main(void)
 {
-    const char *es = getenv("KVS_SEED");
-    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
-    if (!seed) seed = 1;
-    rng = seed;
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
-    char err[256];
-    bc = C->create(2, err, sizeof err);
-    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
-    bg = G->create(0, err, sizeof err);
-    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+    if (cuda_pair_open(2)) return 1;
     test_rows();
     test_argmax();
     test_embed_matmul();

@@ -30,66 +30,7 @@
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
 
-static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
-static struct kvs_backend *bc, *bg;
-static uint64_t rng;
-
-static int irand(int n) { return (int)(kvs_test_xorshift(&rng) % (uint32_t)n); }
-static float frand(void) { return (float)(kvs_test_xorshift(&rng) >> 8) * (1.0f / 8388608.0f) - 1.0f; }
-
-/* round to bf16 (nearest even), so both backends hold the same K/V values */
-static float bf16_round(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-/* a buffer on both backends */
-struct pair {
-    struct kvs_dbuf *c, *g;
-    size_t n;
-};
-
-static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
-{
-    struct pair p = {C->alloc(bc, kind, n ? n : 1), G->alloc(bg, kind, n ? n : 1), n};
-    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
-    if (host && n) {
-        C->upload(bc, p.c, 0, host, n);
-        G->upload(bg, p.g, 0, host, n);
-    }
-    return p;
-}
-
-static void drop(struct pair *p)
-{
-    C->free_buf(bc, p->c);
-    G->free_buf(bg, p->g);
-}
-
-static void poison_g(struct pair *p)
-{
-    float *nan = kvs_xmalloc(p->n * sizeof(float));
-    for (size_t i = 0; i < p->n; i++) nan[i] = NAN;
-    G->upload(bg, p->g, 0, nan, p->n);
-    free(nan);
-}
-
-static float *dl_c(struct pair *p)
-{
-    float *h = kvs_xmalloc(p->n * sizeof(float));
-    C->download(bc, h, p->c, 0, p->n);
-    return h;
-}
-static float *dl_g(struct pair *p)
-{
-    float *h = kvs_xmalloc(p->n * sizeof(float));
-    G->download(bg, h, p->g, 0, p->n);
-    return h;
-}
+#include "tests/gpu/cuda_pair.h"
 
 /* relative L2 error of got against ref; any non-finite value in got fails */
 static void check_out(const char *what, const float *got, const float *ref, size_t n)
@@ -304,8 +245,8 @@ static void test_case(const struct span_case *sc)
             }
         }
     spans_upload(&mix, pairs);
-    poison_g(&out);
-    poison_g(&lse);
+    poison(&out);
+    poison(&lse);
     C->attention_spans(bc, q.c, kc.c, vc.c, &mc, &mix.lc, n, nh, nkv, hd, bs, scale, out.c, lse.c);
     G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &mix.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
     float *oc = dl_c(&out), *og = dl_g(&out), *lc = dl_c(&lse), *lg = dl_g(&lse);
@@ -344,8 +285,8 @@ static void test_case(const struct span_case *sc)
         spans_upload(&ha, pairs);
         spans_upload(&hb, pairs);
         struct pair ob = mk(KVS_BUF_ACT, on, NULL), lb = mk(KVS_BUF_F32, ln, NULL);
-        poison_g(&out);
-        poison_g(&lse);
+        poison(&out);
+        poison(&lse);
         G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &ha.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
         G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &hb.lg, n, nh, nkv, hd, bs, scale, ob.g, lb.g);
         G->attn_merge(bg, out.g, lse.g, ob.g, lb.g, n, nh, hd);
@@ -378,8 +319,8 @@ static void test_case(const struct span_case *sc)
                 }
         spans_upload(&full, pairs);
         struct pair att = mk(KVS_BUF_ACT, on, NULL);
-        poison_g(&out);
-        poison_g(&lse);
+        poison(&out);
+        poison(&lse);
         C->attention_spans(bc, q.c, kc.c, vc.c, &mc, &full.lc, n, nh, nkv, hd, bs, scale, out.c, lse.c);
         G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &full.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
         C->attention(bc, q.c, kc.c, vc.c, &mc, n, nh, nkv, hd, bs, scale, att.c);
@@ -438,17 +379,7 @@ static void test_merge(int n, int nh, int hd)
 
 int main(void)
 {
-    const char *es = getenv("KVS_SEED");
-    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
-    if (!seed) seed = 1;
-    rng = seed;
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
-    char err[256];
-    bc = C->create(2, err, sizeof err);
-    if (!bc) { fprintf(stderr, "cpu backend: %s\n", err); return 1; }
-    bg = G->create(0, err, sizeof err);
-    if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
+    if (cuda_pair_open(2)) return 1;
     REQUIRE(C->attention_spans && C->attn_merge, "the CPU backend has no attention_spans / attn_merge (the reference)");
     REQUIRE(G->attention_spans && G->attn_merge, "the CUDA backend has no attention_spans / attn_merge");
     static const struct span_case cases[] = {

@@ -22,6 +22,7 @@
 
 struct qf_case {
     int n_seqs, nh, nkv, hd, bs, ps, n_blocks, max_blocks;
+    int bits;                     /* digest bits: 0 or 16 bf16 digests, 8 or 4 quantized (set after qf_make) */
     int ctx[QF_MAX_SEQS];         /* context after the step */
     int step_rows[QF_MAX_SEQS];   /* rows the step writes: positions ctx - step_rows .. ctx - 1 */
     int keep[QF_MAX_SEQS];
@@ -108,7 +109,9 @@ static void qf_free(struct qf_case *c)
 
 /* The outputs of a case on one backend. */
 struct qf_out {
-    float *dig;                   /* [n_pages][nkv][2][hd] */
+    float *dig;                   /* [n_pages][nkv][2][hd] (bf16 digests) */
+    uint32_t *qdig;               /* kvs_quest_qdig_words (quantized digests); nq words */
+    size_t nq;
     float *scores;                /* [n_seqs][nkv][max_pages] */
     int32_t *n_spans, *spans;     /* [n_seqs][nkv], [n_seqs][nkv][max_spans][2] */
     float *out, *lse;             /* attention_spans over the spans: [n_seqs][nh][hd], [n_seqs][nh] */
@@ -169,26 +172,37 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
         if (kp > r->max_spans) r->max_spans = kp;
     }
     const size_t nk = (size_t)c->n_blocks * nkv * c->bs * hd, nd = (size_t)r->n_pages * nkv * 2 * hd;
+    const int quant = c->bits == 8 || c->bits == 4;
+    const size_t nq = quant ? kvs_quest_qdig_words((size_t)r->n_pages, nkv, hd, c->bits) : 0;
     struct kvs_dbuf *kc = o->alloc(be, KVS_BUF_KV, nk), *vc = o->alloc(be, KVS_BUF_KV, nk);
-    struct kvs_dbuf *dig = o->alloc(be, KVS_BUF_KV, nd);
+    struct kvs_dbuf *dig = quant ? o->alloc(be, KVS_BUF_I32, nq) : o->alloc(be, KVS_BUF_KV, nd);
     KVS_ASSERT(kc && vc && dig);
     o->upload(be, kc, 0, c->k, nk);
     o->upload(be, vc, 0, c->v, nk);
     /* stale garbage everywhere: only what digest_update writes may be read */
-    float *junk = kvs_xmalloc(nd * sizeof *junk);
-    for (size_t i = 0; i < nd; i++) junk[i] = (i & 1) ? 8192.0f : -8192.0f;   /* bf16-exact */
-    o->upload(be, dig, 0, junk, nd);
-    free(junk);
+    if (quant) {
+        int32_t *junk = kvs_xmalloc(nq * sizeof *junk);
+        for (size_t i = 0; i < nq; i++) junk[i] = (int32_t)(0x5A5A5A5Au ^ (uint32_t)i);
+        o->upload(be, dig, 0, junk, nq);
+        free(junk);
+    } else {
+        float *junk = kvs_xmalloc(nd * sizeof *junk);
+        for (size_t i = 0; i < nd; i++) junk[i] = (i & 1) ? 8192.0f : -8192.0f;   /* bf16-exact */
+        o->upload(be, dig, 0, junk, nd);
+        free(junk);
+    }
 
     int rows[QF_MAX_SEQS] = {0}, end[QF_MAX_SEQS] = {0};
     struct qf_meta qm;
     for (int s = 0; s < S; s++) rows[s] = c->ctx[s] - c->step_rows[s], end[s] = c->ctx[s] - c->step_rows[s];
     qf_meta_make(o, be, c, rows, end, &qm);
-    k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
+    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
     qf_meta_free(o, be, &qm);
     for (int s = 0; s < S; s++) rows[s] = c->step_rows[s], end[s] = c->ctx[s];
     qf_meta_make(o, be, c, rows, end, &qm);
-    k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
+    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
     qf_meta_free(o, be, &qm);
 
     /* the decode query of each sequence */
@@ -212,7 +226,11 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     float *zero = kvs_xcalloc((size_t)S * nkv * r->max_pages, sizeof *zero);
     o->upload(be, sc, 0, zero, (size_t)S * nkv * r->max_pages);
     free(zero);
-    k->score(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, r->max_pages, sc);
+    if (quant)
+        k->qscore(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, r->max_pages,
+                  sc);
+    else
+        k->score(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, r->max_pages, sc);
     k->select(be, sc, &qm.m, keep, S, nkv, c->ps, r->max_pages, r->max_spans, ns, sp);
     /* launch planning copies: one span holding at least the kept keys (as the policy does) */
     int32_t *hn = kvs_xmalloc((size_t)S * nkv * sizeof *hn);
@@ -226,8 +244,14 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     const struct kvs_span_list sl = {r->max_spans, ns, sp, hn, hs};
     o->attention_spans(be, q, kc, vc, &qm.m, &sl, S, c->nh, nkv, hd, c->bs, 1.0f / sqrtf((float)hd), out, lse);
 
-    r->dig = kvs_xmalloc(nd * sizeof *r->dig);
-    o->download(be, r->dig, dig, 0, nd);
+    if (quant) {
+        r->nq = nq;
+        r->qdig = kvs_xmalloc(nq * sizeof *r->qdig);
+        o->download(be, (int32_t *)r->qdig, dig, 0, nq);
+    } else {
+        r->dig = kvs_xmalloc(nd * sizeof *r->dig);
+        o->download(be, r->dig, dig, 0, nd);
+    }
     r->scores = kvs_xmalloc((size_t)S * nkv * r->max_pages * sizeof *r->scores);
     o->download(be, r->scores, sc, 0, (size_t)S * nkv * r->max_pages);
     r->n_spans = kvs_xmalloc((size_t)S * nkv * sizeof *r->n_spans);
@@ -248,6 +272,7 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
 static void qf_out_free(struct qf_out *r)
 {
     free(r->dig);
+    free(r->qdig);
     free(r->scores);
     free(r->n_spans);
     free(r->spans);

@@ -184,6 +184,188 @@ static void test_kernels(void)
     o->free(be);
 }
 
+/* ---- 1b. quantized digests (kv.quest.digest_bits 8 / 4) -------------------------------------- */
+
+/* the shared coding functions: fp16 rounding toward -inf / +inf against double, and the grid's
+ * bound on edge cases (one value, zeros, a single huge key, subnormal ranges) */
+static void test_qd_coding(void)
+{
+    uint64_t r = 0xD16E57ull;
+    int bad = 0;
+    for (int t = 0; t < 200000; t++) {
+        const int e = (int)(kvs_test_xorshift(&r) % 50) - 30;
+        const float x = ldexpf(qf_rand(&r), e) * (t % 1000 == 0 ? 1e6f : 1.0f);
+        const float d = kvs_qd_f16_to_f32(kvs_qd_f16_down(x)), u = kvs_qd_f16_to_f32(kvs_qd_f16_up(x));
+        /* the result bounds x, and no fp16 lies strictly between (its neighbour crosses x) */
+        bad += !(d <= x && u >= x);
+        if (fabsf(x) <= 65504.0f) {
+            const uint32_t hd = kvs_qd_f16_down(x), hu = kvs_qd_f16_up(x);
+            bad += d != x && kvs_qd_f16_to_f32(hd < 0x8000u ? hd + 1 : hd - 1) <= x && hd != 0x8000u;
+            bad += u != x && kvs_qd_f16_to_f32(hu >= 0x8000u ? hu + 1 : hu - 1) >= x && hu != 0u;
+        }
+    }
+    CHECK(bad == 0, "fp16 directed rounding: %d errors", bad);
+    /* grids: every value of a vector bounded by its codes' values */
+    static const float edge[][4] = {
+        {0.5f, 0.5f, 0.5f, 0.5f}, {0.0f, -0.0f, 0.0f, 0.0f}, {-3.0f, 7.25f, 1e-6f, -1e-6f},
+        {1e-7f, 2e-7f, 3e-7f, 1e-7f}, {65000.0f, -65000.0f, 1.0f, 2.0f}, {-1.5f, -1.25f, -1.0f, -1.75f},
+    };
+    int bad_grid = 0;
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int t = 0; t < 2000 + (int)(sizeof edge / sizeof edge[0]); t++) {
+            float mn[8], mx[8];
+            uint32_t cmin[2], cmax[2];
+            for (int i = 0; i < 8; i++) {
+                float a, b;
+                if (t < (int)(sizeof edge / sizeof edge[0])) a = edge[t][i % 4], b = edge[t][(i + 1) % 4];
+                else a = ldexpf(qf_rand(&r), (int)(kvs_test_xorshift(&r) % 20) - 10), b = a + fabsf(qf_rand(&r)) * ldexpf(1, t % 7 - 3);
+                mn[i] = a < b ? a : b, mx[i] = a < b ? b : a;
+            }
+            const uint32_t par = kvs_qd_encode(mn, mx, 8, bits, cmin, cmax);
+            bad_grid += par == KVS_QD_UNBOUNDED;
+            const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+            const int per = 32 / bits;
+            for (int i = 0; i < 8; i++) {
+                const uint32_t a = cmin[i / per] >> (i % per * bits) & ((1u << bits) - 1);
+                const uint32_t b = cmax[i / per] >> (i % per * bits) & ((1u << bits) - 1);
+                bad_grid += !(kvs_qd_value(a, l, sc) <= mn[i] && kvs_qd_value(b, l, sc) >= mx[i]);
+            }
+        }
+    CHECK(bad_grid == 0, "quantized digest grids: %d bound violations", bad_grid);
+    /* beyond fp16's range: the page is unbounded (scores +inf) */
+    float big_mn[8] = {0}, big_mx[8] = {0};
+    big_mx[3] = 1e5f;
+    uint32_t w[2], w2[2];
+    CHECK(kvs_qd_encode(big_mn, big_mx, 8, 4, w, w2) == KVS_QD_UNBOUNDED, "a key of 1e5 gave a bounded grid");
+    printf("ok quantized digest coding: fp16 rounding down / up, grids bound every value (4 and 8 bits)\n");
+}
+
+/* quantized against bf16 digests on the same cases: every decoded min / max bounds the page's
+ * keys, the codes are the encoding of the pages' exact min / max, each quantized score is >= the
+ * exact digest's score in fp32 (same order) and equals a double evaluation over the decoded
+ * values; the selection is the brute-force ranking of the quantized scores; needles are found */
+static void test_quantized_kernels(void)
+{
+    const struct kvs_backend_ops *o = &kvs_cpu_backend;
+    char err[256];
+    struct kvs_backend *be = o->create(2, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, sizeof err);
+    REQUIRE(k, "%s", err);
+    static const struct {
+        int S, nh, nkv, hd, bs, ps, lo, hi;
+        double ratio;
+        int min_budget, needles, bits;
+    } CASES[] = {
+        {6, 8, 2, 32, 16, 16, 340, 700, 0.15, 32, 1, 4}, {6, 8, 2, 32, 16, 16, 340, 700, 0.15, 32, 1, 8},
+        {5, 4, 4, 16, 16, 8, 20, 400, 0.2, 16, 1, 8},    {4, 16, 2, 64, 32, 16, 300, 1200, 0.1, 64, 1, 4},
+        {7, 8, 2, 32, 16, 16, 1, 90, 0.15, 48, 0, 4},     {3, 8, 2, 32, 16, 16, 100, 300, 0, 0, 0, 4},
+    };
+    for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++) {
+        struct qf_case c;
+        struct qf_out r16, rq;
+        qf_make(&c, 177 + ci, CASES[ci].S, CASES[ci].nh, CASES[ci].nkv, CASES[ci].hd, CASES[ci].bs, CASES[ci].ps,
+                CASES[ci].lo, CASES[ci].hi, CASES[ci].ratio, CASES[ci].min_budget, CASES[ci].needles);
+        qf_run(o, be, k, &c, &r16);
+        c.bits = CASES[ci].bits;
+        qf_run(o, be, k, &c, &rq);
+        const int nkv = c.nkv, hd = c.hd, G = c.nh / nkv, bits = c.bits, per = 32 / bits;
+        const size_t vw = kvs_quest_qdig_vec_words(hd, bits);
+        const uint32_t *params = rq.qdig + (size_t)rq.n_pages * nkv * 2 * vw;
+        int bad_bound = 0, bad_code = 0, below = 0, bad_sel = 0, bad_spans = 0, needles = 0, found = 0, sparse = 0;
+        double score_err = 0, loose = 0;
+        int n_loose = 0;
+        unsigned char *kept = kvs_xmalloc((size_t)rq.max_pages);
+        float *mn = kvs_xmalloc(2 * (size_t)hd * sizeof *mn), *mx = mn + hd, *dmn = kvs_xmalloc(2 * (size_t)hd * sizeof *dmn), *dmx = dmn + hd;
+        uint32_t *want = kvs_xmalloc(2 * vw * sizeof *want);
+        for (int s = 0; s < c.n_seqs; s++) {
+            const int ctx = c.ctx[s], cur = (ctx - 1) / c.ps;
+            const int32_t *bt = c.bt + (size_t)s * c.max_blocks;
+            for (int g = 0; g < nkv; g++) {
+                for (int pg = 0; pg <= cur; pg++) {
+                    const int p0 = pg * c.ps, p1 = p0 + c.ps < ctx ? p0 + c.ps : ctx;
+                    const size_t pp = (size_t)bt[p0 / c.bs] * (c.bs / c.ps) + (size_t)(p0 % c.bs) / c.ps;
+                    for (int i = 0; i < hd; i++) {
+                        mn[i] = INFINITY, mx[i] = -INFINITY;
+                        for (int p = p0; p < p1; p++) {
+                            const float x = c.k[(((size_t)bt[p / c.bs] * nkv + g) * c.bs + p % c.bs) * hd + i];
+                            mn[i] = x < mn[i] ? x : mn[i];
+                            mx[i] = x > mx[i] ? x : mx[i];
+                        }
+                    }
+                    const uint32_t par = params[pp * nkv + g];
+                    const uint32_t *cw = rq.qdig + (pp * nkv + g) * 2 * vw;
+                    const uint32_t wp = kvs_qd_encode(mn, mx, hd, bits, want, want + vw);
+                    bad_code += wp != par || memcmp(want, cw, 2 * vw * sizeof *want);
+                    const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+                    for (int i = 0; i < hd; i++) {
+                        dmn[i] = kvs_qd_value(cw[i / per] >> (i % per * bits) & ((1u << bits) - 1), l, sc);
+                        dmx[i] = kvs_qd_value(cw[vw + i / per] >> (i % per * bits) & ((1u << bits) - 1), l, sc);
+                        bad_bound += !(dmn[i] <= mn[i] && dmx[i] >= mx[i]);
+                    }
+                    if (pg == cur || c.keep[s] - 1 >= cur) continue;
+                    const float s16 = r16.scores[((size_t)s * nkv + g) * r16.max_pages + pg];
+                    const float sq = rq.scores[((size_t)s * nkv + g) * rq.max_pages + pg];
+                    below += !(sq >= s16);
+                    double ref = 0, mag = 0;
+                    for (int h = g * G; h < (g + 1) * G; h++)
+                        for (int i = 0; i < hd; i++) {
+                            const double qi = c.q[((size_t)s * c.nh + h) * hd + i];
+                            const double a = qi * dmn[i], b = qi * dmx[i];
+                            ref += a > b ? a : b;
+                            mag += fabs(a) + fabs(b);
+                        }
+                    const double e = fabs(sq - ref) / (mag > 0 ? mag : 1);
+                    score_err = e > score_err ? e : score_err;
+                    loose += (sq - s16) / (mag > 0 ? mag : 1), n_loose++;
+                }
+                const int n = qf_kept_pages(&c, &rq, s, g, kept);
+                if (n < 0) {
+                    bad_spans++;
+                    continue;
+                }
+                const int top = c.keep[s] - 1;
+                if (top >= cur) {
+                    bad_spans += rq.n_spans[s * nkv + g] != 1 || n != cur + 1;
+                    continue;
+                }
+                sparse++;
+                const float *scq = rq.scores + ((size_t)s * nkv + g) * rq.max_pages;
+                for (int pg = 0; pg < cur; pg++) {
+                    int ahead = 0;
+                    const uint32_t kp = kvs_quest_order_key(scq[pg]);
+                    for (int p2 = 0; p2 < cur; p2++) {
+                        const uint32_t k2 = kvs_quest_order_key(scq[p2]);
+                        ahead += k2 > kp || (k2 == kp && p2 < pg);
+                    }
+                    bad_sel += kept[pg] != (ahead < top);
+                }
+                bad_sel += n != top + 1 || !kept[cur];
+                for (int kk = 0; kk < QF_NEEDLES; kk++)
+                    if (c.needle[s][g][kk] >= 0 && top >= QF_NEEDLES) needles++, found += kept[c.needle[s][g][kk]];
+            }
+        }
+        CHECK(bad_bound == 0 && bad_code == 0, "%d bits case %zu: %d decoded values outside the keys' min/max, %d "
+              "(page, head) codes differ from the encoding", bits, ci, bad_bound, bad_code);
+        CHECK(below == 0, "%d bits case %zu: %d quantized scores below the exact digest's", bits, ci, below);
+        CHECK(score_err < 1e-5, "%d bits case %zu: score error %g", bits, ci, score_err);
+        CHECK(bad_sel == 0 && bad_spans == 0, "%d bits case %zu: %d selection errors, %d malformed span lists", bits,
+              ci, bad_sel, bad_spans);
+        CHECK(found == needles, "%d bits case %zu: %d of %d needles kept", bits, ci, found, needles);
+        printf("ok %d-bit digests, case %zu: bounds and codes exact, scores >= exact digest's (mean looseness %.3g of "
+               "the terms' size), %d sparse selections = brute force, %d/%d needles\n",
+               bits, ci, n_loose ? loose / n_loose : 0.0, sparse, found, needles);
+        free(kept);
+        free(mn);
+        free(dmn);
+        free(want);
+        qf_out_free(&r16);
+        qf_out_free(&rq);
+        qf_free(&c);
+    }
+    o->free(be);
+}
+
 /* ---- 2. through the engine ------------------------------------------------------------------- */
 
 #define NJ 6
@@ -280,6 +462,17 @@ static void test_engine(void)
     kvs_config_free(&c);
     CHECK(same_tokens(ref, got), "quest with budget >= context: greedy tokens differ from full attention");
     printf("ok quest with budget >= context (all layers selecting): %d x %d greedy tokens equal to full\n", NJ, GEN);
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        base_cfg(&c, "none", "quest");
+        c.quest_budget_ratio = 1.0;
+        c.quest_min_budget = 0;
+        c.quest_digest_bits = bits;
+        REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+        kvs_config_free(&c);
+        CHECK(same_tokens(ref, got), "quest, %d-bit digests, budget >= context: tokens differ from full", bits);
+        printf("ok quest with %d-bit digests at budget >= context: %d x %d greedy tokens equal to full\n", bits, NJ,
+               GEN);
+    }
 
     /* a small budget: fewer bytes, other outputs, exact digests under sharing and preemption */
     base_cfg(&c, "prefix", "quest");
@@ -304,6 +497,37 @@ static void test_engine(void)
     printf("ok quest at 15%% (min 32): %g sparse rows, KV read %.1f%% of full, pages kept %.1f%%, mean rel-L2 %.3g, "
            "%llu preemptions, 0 stale digests\n",
            rows, 100 * rd / full, 100 * kept / pages, l2, (unsigned long long)st.num_preemptions);
+    kvs_config_free(&c);
+
+    /* 4-bit digests: codes exact (the policy's check re-encodes the cache's keys) under prefix
+     * sharing and preemption; the check's negative control catches skipped refreshes */
+    for (int mode = 1; mode <= 2; mode++) {
+        base_cfg(&c, mode == 1 ? "prefix" : "none", "quest");
+        c.quest_budget_ratio = 0.15;
+        c.quest_min_budget = 32;
+        c.quest_digest_bits = 4;
+        if (mode == 1) c.kv_memory_bytes = 18 * 8192;
+        kvs_quest_set_check(mode);
+        REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+        kvs_quest_set_check(0);
+        const double st4 = counter(&st, "kvserve:kv_quest_stale_digests_total");
+        const double rows4 = counter(&st, "kvserve:kv_quest_sparse_rows_total");
+        if (mode == 1)
+            CHECK(st4 == 0 && rows4 > 0 && st.num_preemptions > 0, "4-bit digests: %g stale, %g sparse rows, %llu "
+                  "preemptions", st4, rows4, (unsigned long long)st.num_preemptions);
+        else
+            CHECK(st4 > 0, "4-bit digests: the check saw no stale page when refreshes were skipped");
+        kvs_config_free(&c);
+    }
+    printf("ok quest with 4-bit digests at 15%%: codes exact under sharing and preemption; skipped refreshes caught\n");
+    base_cfg(&c, "none", "quest");
+    c.quest_digest_bits = 6;
+    {
+        struct kvs_engine *e6 = NULL;
+        const int rc6 = kvs_engine_create(&c, model, NULL, &e6, err, sizeof err);
+        CHECK(rc6 == -EINVAL && strstr(err, "kv.quest.digest_bits"), "digest_bits 6: rc %d (%s)", rc6, err);
+        if (e6) kvs_engine_free(e6);
+    }
     kvs_config_free(&c);
 
     /* the check's negative control: refreshes skipped every other step leave stale digests */
@@ -382,6 +606,8 @@ int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
     test_kernels();
+    test_qd_coding();
+    test_quantized_kernels();
     char dir[1024], err[256];
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);

@@ -1,0 +1,113 @@
+/* cuda_pair.h: what the CUDA-against-CPU tests share (test_cuda_ops, test_cuda_span,
+ * test_cuda_attn_prefill). Header-only (static); one copy per test program.
+ *   C, G, bc, bg      the CPU (reference) and CUDA backends' ops and instances; the test's main
+ *                     creates bc and bg with cuda_pair_open and frees them.
+ *   rng, frand, irand fresh random inputs from a seed printed at start (cuda_pair_open: KVS_SEED
+ *                     replays a run); frand is uniform in [-1, 1).
+ *   bf16_round        rounds to bf16 (nearest even), so both backends hold the same values where
+ *                     CUDA stores bf16 (weights, KV).
+ *   struct pair       one buffer on each backend with the same elements (mk, drop); poison fills
+ *                     the CUDA side with NaN so an output the kernel failed to write shows;
+ *                     dl_c / dl_g download a side (the caller frees).
+ * Allocation failures panic (a test has nothing to recover). */
+#ifndef KVS_TEST_CUDA_PAIR_H
+#define KVS_TEST_CUDA_PAIR_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/util.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "tests/unit/test_util.h"
+
+static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
+static struct kvs_backend *bc, *bg;
+static uint64_t rng;
+
+static inline float frand(void) { return (float)(kvs_test_xorshift(&rng) >> 8) * (1.0f / 8388608.0f) - 1.0f; }
+static inline int irand(int n) { return (int)(kvs_test_xorshift(&rng) % (uint32_t)n); }
+
+static inline float bf16_round(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+struct pair {
+    struct kvs_dbuf *c, *g;
+    enum kvs_buf_kind kind;
+    size_t n;
+};
+
+static inline struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
+{
+    struct pair p = {C->alloc(bc, kind, n ? n : 1), G->alloc(bg, kind, n ? n : 1), kind, n};
+    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
+    if (host && n) {
+        C->upload(bc, p.c, 0, host, n);
+        G->upload(bg, p.g, 0, host, n);
+    }
+    return p;
+}
+
+static inline void drop(struct pair *p)
+{
+    C->free_buf(bc, p->c);
+    G->free_buf(bg, p->g);
+}
+
+static inline void poison(struct pair *p)
+{
+    if (!p->n) return;
+    float *nan = kvs_xmalloc(p->n * sizeof(float));
+    memset(nan, 0xff, p->n * sizeof(float)); /* all-ones: a NaN as fp32, and as bf16 after conversion */
+    G->upload(bg, p->g, 0, nan, p->n);
+    free(nan);
+}
+
+static inline float *dl_c(struct pair *p)
+{
+    float *h = kvs_xmalloc((p->n ? p->n : 1) * sizeof(float));
+    C->download(bc, h, p->c, 0, p->n);
+    return h;
+}
+
+static inline float *dl_g(struct pair *p)
+{
+    float *h = kvs_xmalloc((p->n ? p->n : 1) * sizeof(float));
+    G->download(bg, h, p->g, 0, p->n);
+    return h;
+}
+
+/* Seeds rng (KVS_SEED, else the clock; printed), then creates bc with cpu_threads threads and
+ * bg; 0, or 1 after a message on stderr (no GPU: the test exits 1). */
+static inline int cuda_pair_open(int cpu_threads)
+{
+    const char *es = getenv("KVS_SEED");
+    uint64_t seed = es ? strtoull(es, NULL, 10) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)clock();
+    if (!seed) seed = 1;
+    rng = seed;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("seed %llu (replay with KVS_SEED=%llu)\n", (unsigned long long)seed, (unsigned long long)seed);
+    char err[256];
+    bc = C->create(cpu_threads, err, sizeof err);
+    if (!bc) {
+        fprintf(stderr, "cpu backend: %s\n", err);
+        return 1;
+    }
+    bg = G->create(0, err, sizeof err);
+    if (!bg) {
+        fprintf(stderr, "cuda backend unavailable: %s\n", err);
+        return 1;
+    }
+    return 0;
+}
+
+#endif
