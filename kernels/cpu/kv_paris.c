@@ -9,6 +9,7 @@
 #include "base/util.h"
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_pool.h"
+#include "kernels/cpu/kv_paris_host.h"
 
 void kvs_paris_signs(uint32_t seed, int d, float *signs)
 {
@@ -368,20 +369,6 @@ static void cpu_exact_topk(struct kvs_backend *be, const struct kvs_dbuf *q, con
                           head_dim, block_size, max_topk};
     kvs_cpu_pool_run(be->pool, n * n_kv_heads, exact_task, &j);
 }
-
-/* kernels/cpu/kv_paris_host.c */
-void *kvs_paris_cpu_host_alloc(struct kvs_backend *b, size_t bytes, char *err, size_t errlen);
-void kvs_paris_cpu_host_free(struct kvs_backend *b, void *p);
-void kvs_paris_cpu_write_out(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
-                             const struct kvs_attn_meta *m, const struct kvs_dbuf *jobs, const int32_t *h_jobs,
-                             int n_jobs, int layer, int n_layers, int n_kv_heads, int head_dim, int block_size,
-                             const struct kvs_dbuf *pages, int page_stride, void *host_k, void *host_v);
-void kvs_paris_cpu_gather(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
-                          const struct kvs_attn_meta *m, const struct kvs_dbuf *rows, const int32_t *h_rows, int n,
-                          int layer, int n_layers, int n_kv_heads, int head_dim, int block_size,
-                          const struct kvs_dbuf *n_spans, const struct kvs_dbuf *spans, int max_spans,
-                          const struct kvs_dbuf *pages, int page_stride, const void *host_k, const void *host_v,
-                          struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v, int stage_blocks);
 
 const struct kvs_paris_kernels kvs_paris_kernels_cpu = {
     .name = "cpu",
