@@ -145,6 +145,42 @@ __device__ __forceinline__ void gather_issue(const at_args &a, const tile_meta &
     }
 }
 
+/* Stores one finished row of a span kernel's m-tile half h: lane (g, t) holds the row's columns
+ * 2t, 2t + 1 of each 8-wide slice of o, mx its running max and ls its (quad-reduced) sum. With one
+ * split: out = o / ls and lse (no key: 0 and -inf, backend.h). With several: the unnormalized
+ * partial (o, max, sum) at part[orow * n_splits + split][HD + 2], which k_spans_merge combines. */
+template <int HD>
+__device__ __forceinline__ void span_store_row(const float (&o)[HD / 8][4], int h, float mx, float ls, int t,
+                                               size_t orow, int n_splits, int split, float *out, float *lse,
+                                               float *part)
+{
+    if (n_splits == 1) {
+        const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
+        float *op = out + orow * HD + 2 * t;
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            op[nd * 8] = o[nd][2 * h] * inv;
+            op[nd * 8 + 1] = o[nd][2 * h + 1] * inv;
+        }
+        if (t == 0) lse[orow] = ls > 0.0f ? mx + logf(ls) : -INFINITY;
+    } else {
+        float *pp = part + (orow * n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+        for (int nd = 0; nd < HD / 8; nd++) {
+            pp[nd * 8 + 2 * t] = o[nd][2 * h];
+            pp[nd * 8 + 2 * t + 1] = o[nd][2 * h + 1];
+        }
+        if (t == 0) {
+            pp[HD] = ls > 0.0f ? mx : -INFINITY;
+            pp[HD + 1] = ls;
+        }
+    }
+}
+
 }  // namespace
+
+/* The splits' partials of each (row, head) (one block each) into out and lse, in split order;
+ * defined in kv_span.cu, launched by attention_spans and Retro's fused attend. */
+__global__ void k_spans_merge(const float *part, int n_splits, int hd, float *out, float *lse);
 
 #endif

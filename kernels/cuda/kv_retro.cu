@@ -234,7 +234,7 @@ static void cu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct k
 
 /* ---- the fused attention ----------------------------------------------------------------------
  * The span walk of attention_spans (kv_span.cu: the selected keys taken in span order, 32 a tile,
- * cp.async stages, tensor-core QK and PV, splits over grid y merged by k_retro_splits), with the
+ * cp.async stages, tensor-core QK and PV, splits over grid y merged by k_spans_merge), with the
  * same cursor, lookup and gather helpers (cuda_span_walk.cuh). What differs: a block's m-tiles hold the
  * G heads of every row of the request (row-major: row r of the tile = window row r / G, head
  * r % G; grid z takes 32 rows at a time where the window has more), and each staged key carries
@@ -377,55 +377,8 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
             const int r = wrow + mt * 16 + g + 8 * h;
             if (r >= nr) continue;
             const size_t orow = (size_t)(qs + r / a.G) * a.n_heads + (size_t)kvh * a.G + r % a.G;
-            if (fa.n_splits == 1) {
-                const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
-                float *op = fa.out + orow * HD + 2 * t4;
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    op[nd * 8] = o[mt][nd][2 * h] * inv;
-                    op[nd * 8 + 1] = o[mt][nd][2 * h + 1] * inv;
-                }
-                if (t4 == 0) fa.lse[orow] = ls > 0.0f ? m[mt][h] + logf(ls) : -INFINITY;
-            } else {
-                float *pp = a.part + (orow * fa.n_splits + split) * (size_t)(HD + 2);
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    pp[nd * 8 + 2 * t4] = o[mt][nd][2 * h];
-                    pp[nd * 8 + 2 * t4 + 1] = o[mt][nd][2 * h + 1];
-                }
-                if (t4 == 0) {
-                    pp[HD] = ls > 0.0f ? m[mt][h] : -INFINITY;
-                    pp[HD + 1] = ls;
-                }
-            }
+            span_store_row<HD>(o[mt], h, m[mt][h], ls, t4, orow, fa.n_splits, split, fa.out, fa.lse, a.part);
         }
-}
-
-/* the splits' partials of each (row, head) (block) into out and lse, in split order (kv_span.cu's
- * k_spans_merge) */
-__global__ void k_retro_splits(const float *part, int n_splits, int hd, float *out, float *lse)
-{
-    grid_dep_wait();
-    const size_t rh = blockIdx.x;
-    const float *pp = part + rh * n_splits * (size_t)(hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = 0; s < n_splits; s++) {
-            const float *q = pp + (size_t)s * (hd + 2);
-            if (q[hd] != -INFINITY) L += q[hd + 1] * __expf(q[hd] - M);
-        }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float A = 0.0f;
-        if (M != -INFINITY)
-            for (int s = 0; s < n_splits; s++) {
-                const float *q = pp + (size_t)s * (hd + 2);
-                if (q[hd] != -INFINITY) A += q[d] * __expf(q[hd] - M);
-            }
-        out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
-    }
-    if (threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
 }
 
 template <int HD, int MT>
@@ -519,7 +472,7 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     default: launch_fused_hd<128>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
     }
     if (x.n_splits > 1)
-        CUDA_CHECK(kvs_cu_launch(k_retro_splits, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
+        CUDA_CHECK(kvs_cu_launch(k_spans_merge, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
                                  b->stream, (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));
     return 0;
 }

@@ -183,32 +183,11 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
             const int r = mt * 16 + g + 8 * h;
             if (r >= nr) continue;
             const size_t orow = (size_t)row * a.n_heads + (size_t)kvh * a.G + r;
-            if (sa.n_splits == 1) {
-                /* no key: out = 0, lse = -inf (backend.h) */
-                const float inv = ls > 0.0f ? 1.0f / ls : 0.0f;
-                float *op = sa.out + orow * HD + 2 * t;
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    op[nd * 8] = o[mt][nd][2 * h] * inv;
-                    op[nd * 8 + 1] = o[mt][nd][2 * h + 1] * inv;
-                }
-                if (t == 0) sa.lse[orow] = ls > 0.0f ? m[mt][h] + logf(ls) : -INFINITY;
-            } else {
-                float *pp = a.part + (orow * sa.n_splits + split) * (size_t)(HD + 2);
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    pp[nd * 8 + 2 * t] = o[mt][nd][2 * h];
-                    pp[nd * 8 + 2 * t + 1] = o[mt][nd][2 * h + 1];
-                }
-                if (t == 0) {
-                    pp[HD] = ls > 0.0f ? m[mt][h] : -INFINITY;
-                    pp[HD + 1] = ls;
-                }
-            }
+            span_store_row<HD>(o[mt], h, m[mt][h], ls, t, orow, sa.n_splits, split, sa.out, sa.lse, a.part);
         }
 }
 
-/* the splits' partials of each (row, head) (block) into out and lse, in split order */
+/* cuda_span_walk.cuh declares it (Retro launches it too) */
 __global__ void k_spans_merge(const float *part, int n_splits, int hd, float *out, float *lse)
 {
     grid_dep_wait(); /* cuda_launch.h: the partials are written */
