@@ -6,6 +6,7 @@
  *                     replays a run); frand is uniform in [-1, 1).
  *   bf16_round        rounds to bf16 (nearest even), so both backends hold the same values where
  *                     CUDA stores bf16 (weights, KV).
+ *   batch_layout      rows, positions and a scattered block order for a test batch.
  *   struct pair       one buffer on each backend with the same elements (mk, drop); poison fills
  *                     the CUDA side with NaN so an output the kernel failed to write shows;
  *                     dl_c / dl_g download a side (the caller frees).
@@ -84,6 +85,43 @@ static inline float *dl_g(struct pair *p)
     float *h = kvs_xmalloc((p->n ? p->n : 1) * sizeof(float));
     G->download(bg, h, p->g, 0, p->n);
     return h;
+}
+
+/* A test batch of S (<= 4) sequences, sequence s with pos[s] cached tokens and ntok[s] new rows,
+ * in blocks of bs slots: the rows' q_start, the positions, the longest block table (max_blocks),
+ * the longest context, and perm, a random permutation of n_blocks = every block the batch uses
+ * plus 2 spares; tables draw their blocks from perm in order, so they are scattered over the
+ * cache and two blocks stay unread. perm is the caller's to free. */
+struct batch_layout {
+    int n, max_blocks, n_blocks, max_ctx;
+    int32_t q_start[5], pos[4];
+    int32_t *perm;
+};
+
+static inline void batch_layout_make(int S, int bs, const int *pos, const int *ntok, struct batch_layout *b)
+{
+    REQUIRE(S >= 1 && S <= 4, "batch_layout: %d sequences", S);
+    int total_blocks = 0;
+    b->n = b->max_blocks = b->max_ctx = 0;
+    for (int s = 0; s < S; s++) {
+        const int ctx = pos[s] + ntok[s], nb = (ctx + bs - 1) / bs;
+        if (nb > b->max_blocks) b->max_blocks = nb;
+        total_blocks += nb;
+        if (ctx > b->max_ctx) b->max_ctx = ctx;
+        b->q_start[s] = b->n;
+        b->pos[s] = pos[s];
+        b->n += ntok[s];
+    }
+    b->q_start[S] = b->n;
+    b->n_blocks = total_blocks + 2;
+    b->perm = kvs_xmalloc((size_t)b->n_blocks * sizeof *b->perm);
+    for (int i = 0; i < b->n_blocks; i++) b->perm[i] = i;
+    for (int i = b->n_blocks - 1; i > 0; i--) {
+        const int j = irand(i + 1);
+        const int32_t t = b->perm[i];
+        b->perm[i] = b->perm[j];
+        b->perm[j] = t;
+    }
 }
 
 /* Seeds rng (KVS_SEED, else the clock; printed), then creates bc with cpu_threads threads and

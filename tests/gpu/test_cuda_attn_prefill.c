@@ -54,28 +54,11 @@ static double rel_err(const float *a, const float *r, size_t off, size_t n, size
 static void run_case(const struct pcase *pc)
 {
     const int nh = pc->n_heads, nkv = pc->n_kv, hd = pc->hd, bs = pc->bs, S = pc->n_seqs;
-    int max_blocks = 0, total_blocks = 0, n = 0, max_ctx = 0;
-    int32_t q_start[5], pos[4];
-    for (int s = 0; s < S; s++) {
-        const int ctx = pc->pos[s] + pc->ntok[s], nb = (ctx + bs - 1) / bs;
-        if (nb > max_blocks) max_blocks = nb;
-        total_blocks += nb;
-        if (ctx > max_ctx) max_ctx = ctx;
-        q_start[s] = n;
-        pos[s] = pc->pos[s];
-        n += pc->ntok[s];
-    }
-    q_start[S] = n;
+    struct batch_layout L;
+    batch_layout_make(S, bs, pc->pos, pc->ntok, &L); /* two spare blocks: they stay unused (NaN) */
+    const int n = L.n, max_blocks = L.max_blocks, n_blocks = L.n_blocks, max_ctx = L.max_ctx;
+    int32_t *q_start = L.q_start, *pos = L.pos, *perm = L.perm;
     const int mb = max_blocks;
-    const int n_blocks = total_blocks + 2; /* spare blocks stay unused (NaN) */
-    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
-    for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
-        const int j = irand(i + 1);
-        const int32_t t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
     int32_t *bt = kvs_xcalloc((size_t)S * mb, 4), *valid = kvs_xcalloc((size_t)S * mb, 4);
     const size_t per_block = (size_t)nkv * bs * hd, cache_n = (size_t)n_blocks * per_block;
     float *kv = kvs_xmalloc(cache_n * 4), *vv = kvs_xmalloc(cache_n * 4);

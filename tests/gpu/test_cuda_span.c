@@ -155,27 +155,10 @@ static void test_case(const struct span_case *sc)
 {
     char what[256];
     const int nh = sc->n_heads, nkv = sc->n_kv, hd = sc->hd, bs = sc->bs, S = sc->n_seqs;
-    int max_blocks = 0, total_blocks = 0, n = 0, max_ctx = 0;
-    int32_t q_start[5], pos[4];
-    for (int s = 0; s < S; s++) {
-        const int ctx = sc->pos[s] + sc->ntok[s], nb = (ctx + bs - 1) / bs;
-        if (nb > max_blocks) max_blocks = nb;
-        total_blocks += nb;
-        if (ctx > max_ctx) max_ctx = ctx;
-        q_start[s] = n;
-        pos[s] = sc->pos[s];
-        n += sc->ntok[s];
-    }
-    q_start[S] = n;
-    const int n_blocks = total_blocks + 2; /* spare blocks: never read */
-    int32_t *perm = kvs_xmalloc((size_t)n_blocks * 4);
-    for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
-        const int j = irand(i + 1);
-        const int32_t t = perm[i];
-        perm[i] = perm[j];
-        perm[j] = t;
-    }
+    struct batch_layout L;
+    batch_layout_make(S, bs, sc->pos, sc->ntok, &L); /* two spare blocks: never read */
+    const int n = L.n, max_blocks = L.max_blocks, n_blocks = L.n_blocks, max_ctx = L.max_ctx;
+    int32_t *q_start = L.q_start, *pos = L.pos, *perm = L.perm;
     int32_t *bt = kvs_xcalloc((size_t)S * max_blocks, 4), *rot = kvs_xcalloc((size_t)S * max_blocks, 4);
     int32_t *valid = kvs_xmalloc((size_t)S * max_blocks * 4);
     char *readable = kvs_xcalloc((size_t)n_blocks * bs, 1); /* slot may be read by some query */
