@@ -22,6 +22,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "models/gguf.h"
 #include "models/gguf_quant.h"
+#include "tests/unit/cpu_gemm_ref.h"
 #include "tests/unit/test_util.h"
 
 static uint64_t g_rng = 0x243f6a8885a308d3ull;
@@ -34,30 +35,6 @@ static float *rnd(size_t n, float scale)
 }
 
 static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
-
-static void mirror(const float *x, const float *w, const float *bias, int n, int in, int out, float *y)
-{
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++) {
-            const float s = kvs_cpu_dot_seq(x + (size_t)t * in, w + (size_t)o * in, in);
-            y[(size_t)t * out + o] = bias ? s + bias[o] : s;
-        }
-}
-
-/* worst |a - b| over the element's magnitude bound sum_k |x w| + |bias| */
-static double gemm_err(const float *x, const float *w, const float *bias, int n, int in, int out, const float *a,
-                       const float *b)
-{
-    double worst = 0;
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++) {
-            double mag = bias ? fabs(bias[o]) : 0.0;
-            for (int k = 0; k < in; k++) mag += fabs((double)x[(size_t)t * in + k] * w[(size_t)o * in + k]);
-            double e = fabs((double)a[(size_t)t * out + o] - b[(size_t)t * out + o]) / (mag > 0 ? mag : 1.0);
-            if (!(e <= worst)) worst = e;
-        }
-    return worst;
-}
 
 static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -93,7 +70,7 @@ static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                 }
                 for (int with_bias = 0; with_bias < 2; with_bias++) {
                     const float *bb = with_bias ? bias : NULL;
-                    mirror(x, w, bb, n, in, out, ym);
+                    gemm_mirror(kvs_cpu_dot_seq, x, w, bb, n, in, out, ym);
                     kvs_cpu_gemm_panel(p3, x, &pnf, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(ym, ya, (size_t)n * out * 4) == 0, "panel %dx%dx%d bias=%d: != its mirror", n, in, out,
                           with_bias);
@@ -108,7 +85,7 @@ static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     if (e > worst) worst = e;
                     CHECK(e < 1e-5, "panel %dx%dx%d: vs ref %g of the magnitude bound", n, in, out, e);
                     /* bf16 panels: the mirror on the widened copy */
-                    mirror(x, wf, bb, n, in, out, ym);
+                    gemm_mirror(kvs_cpu_dot_seq, x, wf, bb, n, in, out, ym);
                     kvs_cpu_gemm_panel(p3, x, &pnb, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(ym, ya, (size_t)n * out * 4) == 0, "panel bf16 %dx%dx%d bias=%d: != its mirror", n, in,
                           out, with_bias);

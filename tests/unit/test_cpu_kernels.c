@@ -32,6 +32,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "models/gguf.h"
 #include "models/gguf_quant.h"
+#include "tests/unit/cpu_gemm_ref.h"
 #include "tests/unit/test_util.h"
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
@@ -47,32 +48,6 @@ static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVAR
 static const struct kvs_cpu_kernels K_AVX2 = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT, 1};
 static const struct kvs_cpu_kernels K_FMA = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_INVARIANT, 1};
 static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_BLAS, 0};
-
-/* the FMA kernels' order in plain C: kvs_cpu_dot_fma per element, then the bias */
-static void gemm_fma_mirror(const float *x, const float *w, const float *bias, int n, int in, int out, float *y)
-{
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++) {
-            float s = kvs_cpu_dot_fma(x + (size_t)t * in, w + (size_t)o * in, in);
-            y[(size_t)t * out + o] = bias ? s + bias[o] : s;
-        }
-}
-
-/* worst |a - b| over the element's magnitude bound sum_k |x w| + |bias| (fp32 rounding of a
- * length-in sum stays far below 1e-5 of it) */
-static double gemm_err(const float *x, const float *w, const float *bias, int n, int in, int out, const float *a,
-                       const float *b)
-{
-    double worst = 0;
-    for (int t = 0; t < n; t++)
-        for (int o = 0; o < out; o++) {
-            double mag = bias ? fabs(bias[o]) : 0.0;
-            for (int k = 0; k < in; k++) mag += fabs((double)x[(size_t)t * in + k] * w[(size_t)o * in + k]);
-            double e = fabs((double)a[(size_t)t * out + o] - b[(size_t)t * out + o]) / (mag > 0 ? mag : 1.0);
-            if (!(e <= worst)) worst = e;
-        }
-    return worst;
-}
 
 static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -118,7 +93,7 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                           "gemm %dx%dx%d: bf16, row %d alone != in the batch", n, in, out, t);
                     /* FMA: bitwise the plain-C fmaf mirror, within rounding of the reference,
                      * thread-count and batch invariant, bf16 weights as their fp32 widening */
-                    gemm_fma_mirror(x, w, bb, n, in, out, yr);
+                    gemm_mirror(kvs_cpu_dot_fma, x, w, bb, n, in, out, yr);
                     kvs_cpu_gemm(p3, &K_FMA, x, w, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: fma != its mirror", n, in,
                           out, with_bias);
@@ -131,7 +106,7 @@ static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     kvs_cpu_gemm(p3, &K_FMA, x + (size_t)t * in, w, NULL, bb, 1, in, out, y1);
                     CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
                           "gemm %dx%dx%d: fma, row %d alone != in the batch", n, in, out, t);
-                    gemm_fma_mirror(x, wf, bb, n, in, out, yr);
+                    gemm_mirror(kvs_cpu_dot_fma, x, wf, bb, n, in, out, yr);
                     kvs_cpu_gemm(p3, &K_FMA, x, NULL, wb, bb, n, in, out, ya);
                     CHECK(memcmp(yr, ya, (size_t)n * out * 4) == 0, "gemm %dx%dx%d bias=%d: fma bf16 != its mirror", n,
                           in, out, with_bias);
