@@ -1191,6 +1191,13 @@ int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi)
     return r->dp->offloaded(r->dp_state, slot, lo, hi);
 }
 
+int kvs_runner_kv_footprint(struct kvs_runner *r, int n_tokens, int chunk, int host_avail, int *host_pages,
+                            int *host_free, int *host_total)
+{
+    if (r->n_ranks > 1 || !r->dp->footprint) return -ENOSYS;
+    return r->dp->footprint(r->dp_state, n_tokens, chunk, host_avail, host_pages, host_free, host_total);
+}
+
 void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot)
 {
     if (r->dp->seq_free) r->dp->seq_free(r->dp_state, slot);

@@ -124,5 +124,9 @@ int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int
  * [*lo, *hi) it moved off the pool since the last call; returns hi - lo (0: none; always 0 with
  * tensor parallelism, whose ranks keep their blocks). */
 int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi);
+/* The decode policy's `footprint` (engine/kv/kv.h); -ENOSYS without one (and with tensor
+ * parallelism, which releases nothing). */
+int kvs_runner_kv_footprint(struct kvs_runner *r, int n_tokens, int chunk, int host_avail, int *host_pages,
+                            int *host_free, int *host_total);
 
 #endif

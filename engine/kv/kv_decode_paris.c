@@ -527,6 +527,36 @@ static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
     o->upload(s->env.be, s->pf_hbt, 0, s->h_pf_hbt, (size_t)st->n_seqs * stride);
 }
 
+/* the shortest context whose decode rows select (see paris_plan) */
+static int dense_min_of(const struct paris *s)
+{
+    return s->threshold > s->sink + s->local + 1 ? s->threshold : s->sink + s->local + 1;
+}
+
+/* kv.h `footprint`: a request of n positions alone. Once a chunk ends at or past the dense
+ * threshold, its finished zone goes to host pages (prefill_job) and whole blocks leave the pool,
+ * so the pool holds block 0 .. rel_first, the window + update buffer or the chunk being prefilled
+ * (plus partial blocks at both ends), or up to the chunk that crosses the threshold; the zone's
+ * blocks that find no page (host_avail short) stay in the pool. */
+static int paris_footprint(void *state, int n, int chunk, int host_avail, int *host_pages, int *host_free,
+                           int *host_total)
+{
+    struct paris *s = state;
+    if (!s->offload) return -ENOSYS;
+    const long bs = s->env.block_size, blocks = (n + bs - 1) / bs, dmin = dense_min_of(s);
+    *host_free = s->n_free_pages, *host_total = s->n_pages, *host_pages = 0;
+    if (host_avail < 0) host_avail = s->n_free_pages;
+    if (n < dmin || n - s->local <= s->sink) return (int)blocks;
+    const long zone = (n - s->local + bs - 1) / bs - s->sink / bs;   /* pages the zone takes (pages_for) */
+    const long pages = zone < host_avail ? zone : host_avail;
+    const long run = chunk > s->interval + 1 ? chunk : s->interval + 1;
+    long ws = s->rel_first + (s->local + run + bs - 1) / bs + 3;
+    if ((dmin + chunk + bs - 1) / bs + 1 > ws) ws = (dmin + chunk + bs - 1) / bs + 1;
+    long peak = ws + zone - pages;
+    *host_pages = (int)pages;
+    return (int)(peak < blocks ? peak : blocks);
+}
+
 static int paris_plan(void *state, const struct kvs_kv_step *st)
 {
     struct paris *s = state;
@@ -537,7 +567,7 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     /* the paper's code also asks for sink + local + 2 topk; that binds only for thresholds under
      * 2 topk + sink + local (not the defaults), and would keep k >= n_r (the exactness test) from
      * ever selecting, so the retrieval zone only has to be non-empty here */
-    const int dense_min = s->threshold > s->sink + s->local + 1 ? s->threshold : s->sink + s->local + 1;
+    const int dense_min = dense_min_of(s);
     s->skip = st->m->rot_offsets != NULL || st->m->block_valid != NULL;
     s->n_lead = s->n_jobs = s->any_sel = 0;
     while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows &&
@@ -840,4 +870,5 @@ const struct kvs_kv_decode_ops kvs_kv_decode_paris = {
     .attend = paris_attend,
     .counters = paris_counters,
     .offloaded = paris_offloaded,
+    .footprint = paris_footprint,
 };
