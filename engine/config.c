@@ -125,7 +125,7 @@ static const struct key_def KEYS[] = {
     {"kv.paris.dense_threshold", T_INT, F(paris_dense_threshold), 0, 16777216, "2000", NULL, NULL,
      "ParisKV: below this context, dense attention"},
     {"kv.paris.offload", T_BOOL, F(paris_offload), 0, 1, "false", NULL, NULL,
-     "ParisKV: write the retrieval zone's K/V to a host page pool, give its KV pool blocks back (not with parallel.tensor > 1) and gather the chosen top-k from the host over UVA; prompts still prefill in the pool"},
+     "ParisKV: write the retrieval zone's K/V to a host page pool, give its KV pool blocks back (not with parallel.tensor > 1) and gather the chosen top-k from the host over UVA; chunked prefill writes the zone out as it goes, so a prompt may exceed the pool (the context limit counts host pages)"},
     {"kv.paris.host_bytes", T_INT64, F(paris_host_bytes), 0, I64MAX, "0", NULL, NULL,
      "ParisKV offload: bytes of the (pinned) host page pool; 0: one page per KV pool block"},
     {"kv.paris.beta", T_DOUBLE, F(paris_beta), 0, 1, "0", NULL, NULL,

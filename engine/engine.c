@@ -63,8 +63,8 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
                 else hi = mid - 1;
             }
             if (lo < e->max_context)
-                snprintf(e->ctx_note, sizeof e->ctx_note, " That is what one request's KV fits in with "
-                         "kv.paris.offload: its retrieval zone in the host KV pool (%d pages of %d tokens, "
+                snprintf(e->ctx_note, sizeof e->ctx_note, " The KV memory sets this limit with "
+                         "kv.paris.offload: a request keeps its retrieval zone in the host KV pool (%d pages of %d tokens, "
                          "kv.paris.host_bytes) and the rest in the GPU KV pool (%d blocks of %d tokens).",
                          ht, x->block_size, x->n_blocks, x->block_size);
         }

@@ -49,8 +49,13 @@
  * otherwise), recall is not sampled for steps with such rows (exact_topk reads the pool), and
  * the live fidelity meter is refused with offload. A block whose earlier positions found no page
  * stays in the pool. With tensor parallelism nothing is released (the runner does not ask).
- * NOT YET: write-out during prefill (a prompt longer than the pool cannot be admitted), admission
- * counting host pages and a 400 that names the host limit.
+ * Chunked prefill (prefill_job, host_prefill_plan): a prefill chunk that ends at or past the dense
+ * threshold writes out the zone it finished, whose whole blocks then leave the pool as above; a
+ * later chunk of that request attends over the pool's spans and over the host pages (kv_paris.h
+ * host_view: attention_spans reads them as a KV buffer), merged with attn_merge; the first
+ * selecting decode row catches the zone up to ctx - local (offload off's zone, so beta 1 stays
+ * full attention's tokens). `footprint` tells the engine a request's peak in the pool, so the
+ * context limit and admission count host pages (a prompt longer than the pool is served).
  *
  * Errors: create returns -EINVAL (head_dim not a power of two in [8, 1024], bad setting),
  * -ENOSYS (no kernels, no attention_spans, a storage format of its own), -ENOMEM,
