@@ -408,13 +408,15 @@ static int min3(int a, int b, int c)
 
 /* Pool blocks request r still needs for all of its n_tokens: need (its blocks without offload),
  * or less when the decode policy keeps part of it in host pages (kv_footprint: its peak in the
- * pool with the host pages free now, an upper bound of what it still takes) */
+ * pool with the host pages free now, less the blocks it holds) */
 static int peak_need(struct kvs_engine *e, const struct kvs_request *r, int need)
 {
     int hp, hf, ht;
     if (!e->x.kv_footprint || need <= 0) return need;
     int peak = e->x.kv_footprint(e->x.ctx, r->n_tokens, e->prefill_chunk, -1, &hp, &hf, &ht);
-    return peak >= 0 && peak < need ? peak : need;
+    if (peak < 0) return need;
+    peak -= kvs_block_table_held(&r->table);
+    return peak < 0 ? 0 : peak < need ? peak : need;
 }
 
 /* Chooses this step's batch into e->sched; returns its size. */
