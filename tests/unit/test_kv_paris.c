@@ -498,6 +498,7 @@ static void test_stress(int offload)
     c.paris_offload = offload;
     /* offload gives blocks back early, so its pool is smaller for preemptions to happen too */
     c.kv_memory_bytes = (offload ? 14 : 24) * 8192;
+    c.prefill_chunk = offload ? 32 : 0;   /* offload: later chunks attend over host pages */
     c.max_waiting = N;
     char err[256];
     struct kvs_engine *e;
@@ -520,9 +521,11 @@ static void test_stress(int offload)
     CHECK(offload ? rel > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 : rel == 0,
           "offload %d: %g pool blocks released, %g off the pool at the end", offload, rel,
           counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
+    const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+    CHECK(offload ? hrows > 0 : hrows == 0, "offload %d: %g prefill rows over host pages", offload, hrows);
     printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, %g pool blocks released "
-           "early, all blocks and pages free, no live state\n", offload, N, cancelled,
-           (unsigned long long)st.num_preemptions, rows, rel);
+           "early, %g prefill rows over host pages, all blocks and pages free, no live state\n", offload, N, cancelled,
+           (unsigned long long)st.num_preemptions, rows, rel, hrows);
     kvs_engine_free(e);
     kvs_config_free(&c);
 }
