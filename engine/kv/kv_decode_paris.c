@@ -45,9 +45,10 @@
  * block 0. The index of a position lives at its host page's index slot when it has a page
  * (index slots = pool slots + page slots; the step's index tables map block j to its page, else
  * to n_pages + its pool block), so it outlives the pool block; encode and select address it
- * through those tables. From then on the request's rows must select (plan fails the step, -EIO,
- * otherwise), recall is not sampled for steps with such rows (exact_topk reads the pool), and
- * the live fidelity meter is refused with offload. A block whose earlier positions found no page
+ * through those tables. From then on the request's rows must select or take the prefill path
+ * below (plan fails the step, -EIO, otherwise); recall's exact top-k reads the zone from the host
+ * pages (host_tables; a sampled step where some zone block found no page is not measured, counted
+ * as skipped), and the live fidelity meter is refused with offload. A block whose earlier positions found no page
  * stays in the pool. With tensor parallelism nothing is released (the runner does not ask).
  * Chunked prefill (prefill_job, host_prefill_plan): a prefill chunk that ends at or past the dense
  * threshold writes out the zone it finished, whose whole blocks then leave the pool as above; a
@@ -502,9 +503,6 @@ static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
         const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
         const int rel = q >= s->n_lead && sq && sq->rel_hi > sq->rel_lo;
         const int lo = rel ? sq->rel_lo * bs : 0, hi = rel ? sq->rel_hi * bs : 0;
-        int32_t *hb = s->h_pf_hbt + (size_t)q * stride;
-        const int32_t *pt = rel ? s->h_pages + (size_t)slot * s->env.max_blocks : NULL;
-        for (int j = 0; j < stride; j++) hb[j] = rel && j >= sq->rel_lo && j < sq->rel_hi ? pt[j] * s->env.n_layers : 0;
         for (int t = st->h_q_start[q]; t < st->h_q_start[q + 1]; t++) {
             const int ctx = st->h_pos[q] + (t - st->h_q_start[q]) + 1;
             for (int g = 0; g < nkv; g++) {
@@ -529,7 +527,37 @@ static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
     o->upload(s->env.be, s->pf_spa, 0, s->h_pf_spa, n * 4);
     o->upload(s->env.be, s->pf_nb, 0, s->h_pf_nb, n);
     o->upload(s->env.be, s->pf_spb, 0, s->h_pf_spb, n * 4);
-    o->upload(s->env.be, s->pf_hbt, 0, s->h_pf_hbt, (size_t)st->n_seqs * stride);
+    (void)stride;
+}
+
+/* offload: the step's host block tables (view block page L of each block with a page, else 0),
+ * read through the host views by the prefill path's part B and by recall's exact top-k */
+static void host_tables(struct paris *s, const struct kvs_kv_step *st)
+{
+    const int stride = st->m->max_blocks;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q];
+        const int32_t *pt = slot >= 0 && slot < s->env.max_slots ? s->h_pages + (size_t)slot * s->env.max_blocks : NULL;
+        int32_t *hb = s->h_pf_hbt + (size_t)q * stride;
+        for (int j = 0; j < stride; j++) hb[j] = pt && pt[j] >= 0 ? pt[j] * s->env.n_layers : 0;
+    }
+    s->env.o->upload(s->env.be, s->pf_hbt, 0, s->h_pf_hbt, (size_t)st->n_seqs * stride);
+}
+
+/* offload: every lead row's retrieval zone is in host pages (no block fell back to the pool), so
+ * recall's exact top-k can read it there through the host view */
+static int zone_paged(const struct paris *s, const struct kvs_kv_step *st)
+{
+    const int bs = s->env.block_size;
+    for (int q = 0; q < s->n_lead; q++) {
+        const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
+        const int slot = st->h_slot[q], n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK];
+        if (!n_r) continue;
+        const int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
+        for (int j = sink / bs; j <= (sink + n_r - 1) / bs; j++)
+            if (pt[j] < 0) return 0;
+    }
+    return 1;
 }
 
 /* the shortest context whose decode rows select (see paris_plan) */
@@ -665,12 +693,18 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
         s->host_pf_rows += st->h_q_start[q + 1] - st->h_q_start[q];
     }
     if (s->host_pf) host_prefill_plan(s, st);
+    if (s->host_pf || (s->offload && s->recall_every > 0)) host_tables(s, st);
     if (!s->any_sel && !s->n_jobs) return 0;
     if (!s->any_sel) goto tables;
     /* recall reads the retrieval zone from the pool (exact_topk): not for a step with a row whose
      * zone left it */
-    s->recall_now = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && !released_lead;
-    if (s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && released_lead) s->recall_skipped++;
+    /* recall reads the retrieval zone: from the host pages with offload (where all of it is), else
+     * from the pool */
+    const int sampled = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0;
+    const int readable = !s->offload || zone_paged(s, st);
+    (void)released_lead;
+    s->recall_now = sampled && readable;
+    if (sampled && !readable) s->recall_skipped++;
     /* launch planning: one span per (row, head) with at least as many keys as selected */
     for (int q = 0; q < s->n_lead; q++) {
         const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
@@ -729,9 +763,11 @@ static void count_recall(struct paris *s, int layer, const struct kvs_kv_attend 
     const struct kvs_backend_ops *o = s->env.o;
     const int nkv = a->n_kv_heads, K = s->topk;
     const size_t n = (size_t)s->n_lead * nkv * K;
-    (void)layer;
-    s->k->exact_topk(s->env.be, a->q, a->kv.k, sub, s->h_rows, s->n_lead, a->n_heads, nkv, a->head_dim,
-                     a->block_size, K, s->d_exact);
+    /* with offload the zone is read from the host pages (zone_paged held at plan) */
+    struct kvs_attn_meta hm = *sub;
+    if (s->offload) hm.block_tables = s->pf_hbt, hm.rot_offsets = hm.block_valid = hm.block_words = NULL;
+    s->k->exact_topk(s->env.be, a->q, s->offload ? s->hv_k[layer] : a->kv.k, &hm, s->h_rows, s->n_lead, a->n_heads, nkv,
+                     a->head_dim, a->block_size, K, s->d_exact);
     o->download(s->env.be, s->h_sel, s->d_sel, 0, n);
     o->download(s->env.be, s->h_coarse, s->d_coarse, 0, n);
     o->download(s->env.be, s->h_exact, s->d_exact, 0, n);
@@ -854,7 +890,7 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
         {"kvserve:kv_paris_prefill_written_tokens_total", "Retrieval-zone positions written out to host pages by prefill "
          "steps (kv.paris.offload), per request.", 1, s->prefill_written, NULL, NULL},
         {"kvserve:kv_paris_recall_skipped_total", "Sampled steps (kv.paris.recall_every) whose recall was not measured "
-         "because a row's retrieval zone had left the pool.", 1, s->recall_skipped, NULL, NULL},
+         "(kv.paris.offload: a row's retrieval zone was not wholly in host pages).", 1, s->recall_skipped, NULL, NULL},
     };
     int n = 0;
     for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];

@@ -451,14 +451,22 @@ static void test_engine(void)
     memcpy(off, ref, sizeof off);
     base_cfg(&c, "prefix", "paris");
     small_zones(&c);
-    c.paris_topk = 8;
+    c.paris_topk = 8, c.paris_recall_every = 1;
     REQUIRE(run(&c, off, &st, err, sizeof err) == 0, "%s", err);
+    const double off_tot = counter(&st, "kvserve:kv_paris_recall_total");
+    const double off_hits = counter(&st, "kvserve:kv_paris_recall_hits_total");
     kvs_config_free(&c);
     memcpy(got, ref, sizeof got);
     base_cfg(&c, "prefix", "paris");
     small_zones(&c);
-    c.paris_topk = 8, c.paris_offload = 1;
+    c.paris_topk = 8, c.paris_offload = 1, c.paris_recall_every = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+    /* recall's exact top-k reads the zone from the host pages: the same keys, the same counts */
+    CHECK(off_tot > 0 && counter(&st, "kvserve:kv_paris_recall_total") == off_tot &&
+          counter(&st, "kvserve:kv_paris_recall_hits_total") == off_hits &&
+          counter(&st, "kvserve:kv_paris_recall_skipped_total") == 0, "offload recall %g / %g (skipped %g) vs off %g / %g",
+          counter(&st, "kvserve:kv_paris_recall_hits_total"), counter(&st, "kvserve:kv_paris_recall_total"),
+          counter(&st, "kvserve:kv_paris_recall_skipped_total"), off_hits, off_tot);
     CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
           counter(&st, "kvserve:kv_paris_gpu_blocks_released_total") > 0, "offload, topk 8: tokens %s",
           same(off, got) ? "equal to offload off" : "DIFFER from offload off");
@@ -572,6 +580,9 @@ static void test_long_prompt(void)
                   counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 &&
                   counter(&st, "kvserve:kv_paris_live_requests") == 0, "leak: %d blocks, %g host bytes held",
                   st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
+            const double rt = counter(&st, "kvserve:kv_paris_recall_total");
+            CHECK(rt > 0 && counter(&st, "kvserve:kv_paris_recall_hits_total") == rt,
+                  "beta 1 recall from host pages: %g / %g", counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
             CHECK(!memcmp(ref, got, sizeof ref), "prompts of %d tokens through a %d-token pool: tokens %s", LP,
                   POOL * 16, memcmp(ref, got, sizeof ref) ? "DIFFER from full attention's" : "equal");
             printf("ok offload, chunked prefill: %d prompts of %d tokens through a pool of %d tokens give full "
