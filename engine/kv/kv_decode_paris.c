@@ -497,7 +497,7 @@ static void prefill_job(struct paris *s, const struct kvs_kv_step *st, int q, in
  * attend merges the two: exact attention over the whole context for every row. */
 static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
 {
-    const int nkv = s->env.n_kv_heads, bs = s->env.block_size, stride = st->m->max_blocks;
+    const int nkv = s->env.n_kv_heads, bs = s->env.block_size;
     for (int q = 0; q < st->n_seqs; q++) {
         const int slot = st->h_slot[q];
         const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
@@ -527,7 +527,6 @@ static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
     o->upload(s->env.be, s->pf_spa, 0, s->h_pf_spa, n * 4);
     o->upload(s->env.be, s->pf_nb, 0, s->h_pf_nb, n);
     o->upload(s->env.be, s->pf_spb, 0, s->h_pf_spb, n * 4);
-    (void)stride;
 }
 
 /* offload: the step's host block tables (view block page L of each block with a page, else 0),
@@ -671,17 +670,13 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     }
     /* a request whose retrieval zone left the pool can only be attended from the host pages: its
      * row must be one that selected (the dense attention over all rows reads the aliased entries) */
-    int released_lead = 0;
     s->host_pf = 0;
     for (int q = 0; s->offload && q < st->n_seqs; q++) {
         const int slot = st->h_slot[q];
         const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
         if (!sq || sq->rel_hi == sq->rel_lo) continue;
         const int32_t *R = q < s->n_lead ? s->h_rows + (size_t)q * KVS_PARIS_ROW_N : NULL;
-        if (R && R[KVS_PARIS_ROW_NR] && st->h_q_start[q + 1] - st->h_q_start[q] == 1) {
-            released_lead = 1;
-            continue;
-        }
+        if (R && R[KVS_PARIS_ROW_NR] && st->h_q_start[q + 1] - st->h_q_start[q] == 1) continue;   /* selects */
         if (R || s->skip) {
             kvs_log(KVS_LOG_ERROR, "kv.paris.offload: the request in slot %d has blocks %d..%d in host pages only, "
                     "but its row at position %d is %s (step of %d sequences, %d leading)", slot, sq->rel_lo,
@@ -702,7 +697,6 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
      * from the pool */
     const int sampled = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0;
     const int readable = !s->offload || zone_paged(s, st);
-    (void)released_lead;
     s->recall_now = sampled && readable;
     if (sampled && !readable) s->recall_skipped++;
     /* launch planning: one span per (row, head) with at least as many keys as selected */
