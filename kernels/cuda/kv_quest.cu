@@ -5,7 +5,7 @@
  *                page the step wrote is recomputed from its written slots (bf16 min/max are
  *                bf16 values: stored exactly, equal to the CPU's on the same keys).
  * score          one block per (row, KV head, slice of candidate pages), four warps, the slice
- *                sized for about four blocks per SM (score_pages_per_block); the group's
+ *                sized for about eight blocks per SM (score_pages_per_block); the group's
  *                queries staged in shared memory; head_dim / 8 lanes score a page, each over 8
  *                dimensions (16-byte loads of kmin and kmax), four page groups' loads in flight
  *                per warp; fp32 sums reduced over the lanes (another order than the CPU's:
@@ -42,7 +42,7 @@
 
 #define QS_WARPS 4
 #define QS_MIN_PAGES 64      /* candidate pages per score block: at least, and a multiple of */
-#define QS_BLOCKS_PER_SM 4   /* score blocks the grid aims at per SM */
+#define QS_BLOCKS_PER_SM 8   /* score blocks the grid aims at per SM (the sweep in bench/RESULTS.md, quest5) */
 #define SEL_THREADS 1024
 #define SEL_STAGED_MAX (160 * 1024)   /* shared bytes up to which select stages the keys */
 
