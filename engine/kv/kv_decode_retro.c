@@ -8,10 +8,14 @@
  *              pages are refreshed by the layer's digest update, which covers every row), with
  *              k = min(w - 1, cached past outputs). Prompt tokens never enter the window: a
  *              request's first decode step has k = 0. A request that missed a step (or attended
- *              densely in one) restarts its window.
- *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys) for the newest
- *              row of each decoding request, in layers kv.quest.dense_layers and up; past rows
- *              never select. Layers below are dense for every row.
+ *              densely in one) restarts its window. On the CPU a re-run row is bitwise its first
+ *              run where nothing was supplemented; on CUDA it is not (other row counts and
+ *              kernels round bf16 differently), a noise floor that shows in the fidelity of
+ *              near-lossless models (bench/RESULTS.md, quest5).
+ *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys, digest_bits
+ *              16 / 8 / 4 included) for the newest row of each decoding request, in layers
+ *              kv.quest.dense_layers and up; past rows never select. Layers below are dense for
+ *              every row.
  *   mask       per request, layer and KV head, A[page] = the last decode step (of this request)
  *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step).
  *   supplement past query t' is shown the selected pages with M[p] < t', clipped to its own
