@@ -143,9 +143,10 @@ static const struct key_def KEYS[] = {
      "Quest/Retro: first layers that attend densely"},
     {"kv.quest.page_size", T_INT, F(quest_page_size), 0, 1024, "0", NULL, NULL,
      "Quest/Retro: tokens per page digest (0: kv.block_size; must divide kv.block_size)"},
-    {"kv.quest.digest_bits", T_INT, F(quest_digest_bits), 4, 16, "16", NULL, NULL,
-     "Quest: bits per page-digest element: 16 (the keys' min/max as stored), 8 or 4 (codes on a per-page fp16 grid, "
-     "rounded outward so the score stays an upper bound; 4x / 2x fewer digest bytes read per step; Retro takes 16 only)"},
+    {"kv.quest.digest_bits", T_INT, F(quest_digest_bits), 4, 16, "8", NULL, NULL,
+     "Quest/Retro: bits per page-digest element: 16 (the keys' min/max as stored), 8 or 4 (codes on a per-page fp16 "
+     "grid, rounded outward so the score stays an upper bound; 2x / 4x fewer digest bytes read per step; 8 and 4 need "
+     "head_dim x bits a multiple of 32)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
 
     {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|adaptive|K16V16|K8V8|K8V4|K4V4", NULL,
