@@ -89,7 +89,7 @@ static const struct key_def KEYS[] = {
 
     {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
     {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,
-     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most context x scheduler.max_running tokens)"},
+     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most scheduler.max_running requests x the context in whole blocks, and 4 GiB)"},
     {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
      "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
     /* kv.storage / kv.reuse / kv.decode: which names exist, which are built and which pairs
