@@ -93,9 +93,18 @@ __device__ __forceinline__ float dyn_deq(const uint8_t *codes, int cbytes, int b
 __device__ void dyn_quant(const float *x, int d, int bits, uint8_t *codes)
 {
     if (bits == 16) {
+        /* one 16-bit store per value: byte stores of the fp16 bits came out as the value
+         * converted to an integer in the H100 build (2026-11-24: test_cuda_kv_lean_dyn's K16V16
+         * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
+         * entries are (even entry and page sizes), else the bits go through an opaque move */
         for (int i = 0; i < d; i++) {
-            const uint16_t h = dyn_f2h(dyn_sat(x[i]));
-            codes[2 * i] = (uint8_t)(h & 0xff), codes[2 * i + 1] = (uint8_t)(h >> 8);
+            unsigned h = dyn_f2h(dyn_sat(x[i]));
+            if (!((uintptr_t)codes & 1)) {
+                reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
+                continue;
+            }
+            asm volatile("mov.b32 %0, %0;" : "+r"(h));
+            codes[2 * i] = (uint8_t)(h & 0xffu), codes[2 * i + 1] = (uint8_t)(h >> 8);
         }
         return;
     }
