@@ -159,7 +159,8 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
         d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);
         d->seq_slot = calloc((size_t)sh->max_slots + 1, sizeof *d->seq_slot);
         d->jobs = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->jobs);
-        int rc = d->slots && d->seq_slot && d->jobs ? 0 : kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
+        int rc = d->slots && d->seq_slot && d->jobs ? 0
+                                                    : kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
 #if DYN_CUDA
         if (!rc)
             rc = kvs_lean_dyn_cuda_create(be, &d->c, sh->max_slots * LH, sh->n_heads, H, d->n_pages, d->table_len,
@@ -279,7 +280,8 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
         struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
         /* on cuda, the dummy sequences that pad a recorded step to its size are jobs that do nothing */
         if (d->gpu && slot < 0) {
-            for (int g = 0; g < d->n_kv_heads; g++) d->jobs[s * d->n_kv_heads + g] = (struct kvs_lean_dyn_cuda_job){-1, g, 0, 0, 0};
+            for (int g = 0; g < d->n_kv_heads; g++)
+                d->jobs[s * d->n_kv_heads + g] = (struct kvs_lean_dyn_cuda_job){-1, g, 0, 0, 0};
             continue;
         }
         /* rows must continue the request: the tiers hold every earlier token exactly once */
