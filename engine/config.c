@@ -151,7 +151,7 @@ static const struct key_def KEYS[] = {
 
     {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|adaptive|K16V16|K8V8|K8V4|K4V4", NULL,
      "LeanKV: dynamic (= adaptive: tiers kv.lean.high / low by importance, pruning, a full-precision window; cpu "
-     "only) or one static format for every token, no pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
+     "and cuda) or one static format for every token, no pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
     {"kv.lean.high", T_ENUM, F(lean_high), 0, 0, "K8V4", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the high tier's format"},
     {"kv.lean.low", T_ENUM, F(lean_low), 0, 0, "K4V2", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the low tier's format"},
     {"kv.lean.window", T_INT, F(lean_window), 1, 1048576, "64", NULL, NULL,
