@@ -50,8 +50,8 @@ struct dg_params {
     float *y[KVS_SKINNY_MAX_PARTS];
     bf16 *yh;
     int splits, atoms;                     /* K splits; K atoms = in / 64 */
-    float *ws;                             /* splits > 1: [grid][128][NB] partial tiles */
-    unsigned *sem;                         /* splits > 1: a zeroed counter per tile */
+    float *ws;                             /* splits > 1: [tile][split][128][NB] partial tiles */
+    unsigned *sem;                         /* splits > 1: two zeroed counters per unit (arrived, left) */
 };
 
 /* a block: MW tiles of 128 A rows (MW = 1: each warpgroup 64 rows of the tile; MW = 2: each
