@@ -715,11 +715,12 @@ static void async_begun(struct kvs_engine *e, int n, int rc, int lookahead, doub
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
         const struct kvs_batch_seq *q = &e->seqs[k];
-        r->n_inflight++;
         r->n_computed += r->sched_tokens;
         r->sched_tokens = 0;
         r->slot_fresh = 0;
-        if (q->want_logits != KVS_LOGITS_NONE && r->n_computed == r->n_tokens && r->max_tokens > 0) {
+        /* (n_inflight was counted at the begin; a request the step before ended is dropped) */
+        if (q->want_logits != KVS_LOGITS_NONE && r->n_computed == r->n_tokens && r->max_tokens > 0 &&
+            !r->finish_pending) {
             KVS_ASSERT(!r->tok_pending && r->n_tokens < r->n_full_prompt + r->max_tokens);
             r->tok_idx = r->n_tokens;
             r->tokens[r->n_tokens++] = 0;
@@ -849,6 +850,8 @@ static void step_async(struct kvs_engine *e, double now)
     int rc = e->x.forward_begin(e->x.ctx, &batch, e->logits);
     e->counters.launch_s += kvs_now() - t0;
     e->counters.async_steps += e->p_on;
+    /* in flight from now: a request that the step before ends is kept until this one is back */
+    for (int k = 0; k < n; k++) e->sched[k]->n_inflight++;
     if (e->p_on) async_end(e);   /* the step before, while this one runs */
     async_begun(e, n, rc, n_host == 0 && e->n_jobs == 0, t0);
 }

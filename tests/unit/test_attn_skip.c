@@ -84,6 +84,8 @@ static void attn_case(const char *kernels)
     printf("ok KVS_CPU_KERNELS=%s: skip_lead 1-3 leaves the skipped decode rows untouched, other rows bitwise equal\n",
            kernels);
     free(kc), free(vc), free(q), free(o0), free(o1), free(sentinel);
+    struct kvs_dbuf *bufs[] = {Kc, Vc, Q, Out, Qs, Ps, Bt};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
     O->free(b);
 }
 
@@ -107,6 +109,9 @@ static void async_ops(void)
     O->fetch_end(b, 0, a0, 6);
     CHECK(memcmp(a0, ids, sizeof ids) == 0 && memcmp(a1, want, sizeof want) == 0, "fetch areas mixed up");
     printf("ok ids_to_tokens (negative picks become 0), two fetch areas\n");
+    O->free_buf(b, I);
+    O->free_buf(b, P);
+    O->free_buf(b, T);
     O->free(b);
 }
 
