@@ -125,6 +125,10 @@ static struct kvs_backend *cu_create_device(int device, int n_threads, char *err
     b->tune = (struct gemm_tuning *)kvs_xcalloc(1, sizeof *b->tune);
     for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventCreate(&b->tune->ev[i]));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaMallocHost((void **)&b->fetch[i], KVS_FETCH_MAX * sizeof(int32_t)));
+        CUDA_CHECK(cudaEventCreateWithFlags(&b->fetch_ev[i], cudaEventDisableTiming));
+    }
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
@@ -193,6 +197,10 @@ static void cu_free(struct kvs_backend *b)
     CUDA_CHECK(cudaEventDestroy(b->ev1));
     for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventDestroy(b->tune->ev[i]));
     free(b->tune);
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaEventDestroy(b->fetch_ev[i]));
+        CUDA_CHECK(cudaFreeHost(b->fetch[i]));
+    }
     CUDA_CHECK(cudaStreamDestroy(b->stream));
     free(b->bounce);
     free(b);
@@ -444,6 +452,22 @@ static void cu_graph_free(struct kvs_backend *b, struct kvs_graph *g)
     free(g);
 }
 
+/* backend.h fetch_begin / fetch_end: a device-to-host copy into pinned memory that the host
+ * waits for by its event, so that steps queued behind it keep the device busy meanwhile */
+static void cu_fetch_begin(struct kvs_backend *b, const struct kvs_dbuf *src, size_t n, int slot)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && n <= src->n && src->kind == KVS_BUF_I32 && (slot == 0 || slot == 1));
+    CUDA_CHECK(cudaMemcpyAsync(b->fetch[slot], src->d, n * sizeof(int32_t), cudaMemcpyDeviceToHost, b->stream));
+    CUDA_CHECK(cudaEventRecord(b->fetch_ev[slot], b->stream));
+}
+
+static void cu_fetch_end(struct kvs_backend *b, int slot, int32_t *dst, size_t n)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && (slot == 0 || slot == 1));
+    CUDA_CHECK(cudaEventSynchronize(b->fetch_ev[slot]));
+    memcpy(dst, b->fetch[slot], n * sizeof(int32_t));
+}
+
 extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     /* name */ "cuda",
     cu_create,
@@ -487,6 +511,9 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_tp_group,
     kvs_cu_op_allreduce_sum,
     kvs_cu_op_argmax_rows_val,
+    kvs_cu_op_ids_to_tokens,
+    cu_fetch_begin,
+    cu_fetch_end,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

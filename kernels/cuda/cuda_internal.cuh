@@ -189,6 +189,8 @@ struct kvs_backend {
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
     void *tp_comm;                /* tensor parallelism: this rank's NCCL communicator (cuda_tp.cu) or NULL */
+    int32_t *fetch[2];            /* pinned host fetch areas [KVS_FETCH_MAX] (backend.h fetch_begin) */
+    cudaEvent_t fetch_ev[2];      /* recorded behind each area's copy */
 };
 template <typename T> static inline void list_add(T **head, T *x)
 {
@@ -326,6 +328,8 @@ void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits,
                            struct kvs_dbuf *out, size_t out_off);
 void kvs_cu_op_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                                struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
+void kvs_cu_op_ids_to_tokens(struct kvs_backend *b, const struct kvs_dbuf *ids, const struct kvs_dbuf *pairs, int n,
+                             struct kvs_dbuf *tokens);
 
 /* ---- kv_span.cu (backend.h's KV-strategy primitives) ---- */
 void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
