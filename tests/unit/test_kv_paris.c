@@ -19,6 +19,7 @@
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/kv/kv_decode_paris.h"
 #include "kernels/backend.h"
 #include "kernels/kv_paris.h"
 #include "models/model.h"
@@ -587,10 +588,11 @@ static void test_stress(int offload)
 
 /* kv.paris.offload, chunked prefill: prompts several times the GPU pool stream through it (each
  * chunk's finished retrieval zone goes to host pages and its blocks back to the pool; later
- * chunks attend over the pool and the host pages); beta = 1, topk >= n_r gives full attention's
- * greedy tokens (a big pool, offload off) within the split attention's rounding (the merge of
- * two partials is not attention()'s bits, so "equal tokens", not bitwise); nothing leaks; a
- * request past what the pool and the host pages hold is refused naming both. */
+ * chunks attend over a staging copy of their contexts, or with a 1-byte staging limit over the
+ * pool's and the host pages' spans merged); beta = 1, topk >= n_r gives full attention's greedy
+ * tokens (a big pool, offload off) on both paths (the merge of two partials is not attention()'s
+ * bits, so "equal tokens", not bitwise, is what is asked); nothing leaks; a request past what the
+ * pool and the host pages hold is refused naming both. */
 static void test_long_prompt(void)
 {
     enum { NL = 3, LP = 440, LG = 16, POOL = 10 };
@@ -603,7 +605,10 @@ static void test_long_prompt(void)
     struct kvs_engine_stats st;
     struct kvs_config c;
     char err[512];
-    for (int pass = 0; pass < 2; pass++) {
+    /* pass 1: the staged path (a device copy of the contexts, attention()); pass 2: a staging
+     * limit of 1 byte, the spans path (pool + host pages, merged) */
+    for (int pass = 0; pass < 3; pass++) {
+        kvs_paris_set_stage_limit(pass == 2 ? 1 : 0);
         base_cfg(&c, "none", pass ? "paris" : "full");
         c.prefill_chunk = 32;
         if (pass) {
@@ -632,12 +637,18 @@ static void test_long_prompt(void)
                   "beta 1 recall from host pages: %g / %g", counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
             CHECK(!memcmp(ref, got, sizeof ref), "prompts of %d tokens through a %d-token pool: tokens %s", LP,
                   POOL * 16, memcmp(ref, got, sizeof ref) ? "DIFFER from full attention's" : "equal");
-            printf("ok offload, chunked prefill: %d prompts of %d tokens through a pool of %d tokens give full "
-                   "attention's greedy tokens; %g positions written out during prefill, %g prefill rows over host "
-                   "pages, %g blocks released, nothing held at the end\n", NL, LP, POOL * 16, written, hrows, rel);
+            const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
+            const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
+            CHECK(pass == 1 ? staged > 0 && spans == 0 : staged == 0 && spans > 0,
+                  "pass %d: %g staged steps, %g spans steps", pass, staged, spans);
+            printf("ok offload, chunked prefill (%s path: %g steps): %d prompts of %d tokens through a pool of %d "
+                   "tokens give full attention's greedy tokens; %g positions written out during prefill, %g prefill "
+                   "rows over host pages, %g blocks released, nothing held at the end\n",
+                   pass == 1 ? "staged" : "spans", pass == 1 ? staged : spans, NL, LP, POOL * 16, written, hrows, rel);
         }
         kvs_config_free(&c);
     }
+    kvs_paris_set_stage_limit(0);
 
     /* the limit: the pool's working set + the host pages; past it submit fails naming both */
     base_cfg(&c, "none", "paris");
