@@ -14,9 +14,10 @@
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
- * Results are deterministic but not bitwise batch invariant as backend.h asks: cuBLAS picks its
- * kernel by n, and the context split of the attention depends on the batch (differences are at
- * bf16 rounding level); GEMM picks are timed (cuda_gemm.cu), so across runs results are
+ * Results are deterministic but not bitwise batch invariant as backend.h asks: the GEMM path
+ * depends on n (the GEMV at 1 row, the decode GEMM up to 8 or 32, cuBLAS above, each batch
+ * invariant within its own range of n; cuBLAS picks its kernel by n), and the context split of
+ * the attention depends on the batch (differences are at bf16 rounding level); GEMM picks are timed (cuda_gemm.cu), so across runs results are
  * reproducible only with KVS_CUDA_GEMM_TUNE=0.
  *
  * Memory: plain cudaMalloc, only in create, alloc, upload_weight and fuse_weights (the matmul's
@@ -36,9 +37,10 @@
 
 #include "kernels/cuda/cuda_internal.cuh"
 
-/* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS: the
- * decode GEMM reads the weights faster up to 8 rows, cuBLAS from 12 (bench/RESULTS.md) */
-#define SKINNY_MAX_DEFAULT 8
+/* matmuls of at most this many rows may use the decode GEMM (cuda_skinny.h), larger ones cuBLAS:
+ * on Hopper its wgmma kernel reads gate/up and the LM head faster than cuBLAS up to 32 rows, not
+ * at 64-128 (the other launches leave it above 8 rows: kvs_cu_skinny_takes; bench/RESULTS.md) */
+#define SKINNY_MAX_DEFAULT 32
 
 /* ---- fills (cuda_backend.h's random data) ------------------------------------------------- */
 
@@ -110,6 +112,14 @@ static struct kvs_backend *cu_create_device(int device, int n_threads, char *err
     /* cuBLASLt shares blas_ws: both run on the one stream, so their uses never overlap */
     CUBLAS_CHECK(cublasLtCreate(&b->lt));
     CUDA_CHECK(cudaMalloc((void **)&b->attn_ws, ATTN_WS_BYTES));
+    if (prop.major == 9) { /* the wgmma decode GEMM (sm_90a code) and its split-K scratch */
+        b->dg.n_sms = b->n_sms;
+        b->dg.floats = kvs_cu_dgemm_ws_floats(b->n_sms);
+        b->dg.n_sems = 4 * b->n_sms;
+        CUDA_CHECK(cudaMalloc((void **)&b->dg.ws, b->dg.floats * sizeof(float)));
+        CUDA_CHECK(cudaMalloc((void **)&b->dg.sem, (size_t)b->dg.n_sems * sizeof(unsigned)));
+        CUDA_CHECK(cudaMemset(b->dg.sem, 0, (size_t)b->dg.n_sems * sizeof(unsigned)));
+    }
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->tune = (struct gemm_tuning *)kvs_xcalloc(1, sizeof *b->tune);
@@ -178,6 +188,8 @@ static void cu_free(struct kvs_backend *b)
     CUDA_CHECK(cudaFree(b->xh_buf[0]));
     CUDA_CHECK(cudaFree(b->xh_buf[1]));
     CUDA_CHECK(cudaFree(b->attn_ws));
+    CUDA_CHECK(cudaFree(b->dg.ws));
+    CUDA_CHECK(cudaFree(b->dg.sem));
     CUDA_CHECK(cudaFree(b->blas_ws));
     CUBLAS_CHECK(cublasDestroy(b->blas));
     CUBLAS_CHECK(cublasLtDestroy(b->lt));

@@ -180,6 +180,8 @@ struct kvs_backend {
     int skinny_max;               /* matmuls of n <= skinny_max rows use the decode GEMM (cuda_skinny.h),
                                    * larger ones cuBLAS; KVS_CUDA_SKINNY_MAX (0: cuBLAS always) */
     int skinny_default;           /* skinny_max at create */
+    struct kvs_cu_dgemm_ws dg;    /* the wgmma decode GEMM's split-K scratch (allocated at create on
+                                   * compute 9.x devices; dg.ws NULL elsewhere: that kernel is not used) */
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
     int dec_attn;                 /* decode attention kernel forced (kvs_cuda_set_dec_attn); -1 =
