@@ -605,7 +605,9 @@ static void attend_kept(struct retro *s, int layer, const struct kvs_kv_attend *
     struct kvs_backend *be = s->env.be;
     const int nh = a->n_heads, hd = a->head_dim, qd = nh * hd, nl = s->n_lead, nr = s->n_lrows;
     o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
-    o->attention(be, s->d_qn, a->kv.k, a->kv.v, nm, nl, nh, a->n_kv_heads, hd, a->block_size, a->scale, s->d_on);
+    struct kvs_attn_meta km = *nm;
+    km.plan_ctx = a->step->decode_plan_ctx;   /* full attention's launch shape (a graph's, where it records) */
+    o->attention(be, s->d_qn, a->kv.k, a->kv.v, &km, nl, nh, a->n_kv_heads, hd, a->block_size, a->scale, s->d_on);
     o->gather_rows(be, s->d_on, s->d_pidx, nr, qd, a->out);
     o->gather_rows(be, s->d_lsrc, s->d_lia, nr, nh, a->lse);
     if (s->rk) {
