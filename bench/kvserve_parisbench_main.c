@@ -24,7 +24,18 @@
  *                           [--max-tokens 1048576]
  * Shapes with more than --max-tokens positions in all, or whose K/V + index do not fit, are
  * skipped with a note.
+ *
+ * Fit (printed after the table, per context): the largest batch of the whole Llama-3.1-8B (32
+ * layers, 16.06 GB of bf16 weights) that fits this GPU (its free memory at start, less 2 GiB for
+ * activations and workspace) and this host (MemTotal less 8 GiB): full attention keeps all K/V on
+ * the GPU (128 KiB a token); ParisKV with kv.paris.offload keeps the index (144 B a token, layer
+ * and KV head, as kv_decode_paris.c allocates it) plus a working set of sink + local 64 + update
+ * interval 512 + a 2048-token prefill chunk on the GPU and the retrieval zone's K/V in host pages.
+ * For each measured batch at that context: step = 32 x the layer's time (full / offload column)
+ * + the weights read at the rate full attention's largest measured row read its K/V (measured in
+ * this run; a proxy for streaming the weights), and tokens/s = batch / step.
  */
+#include <unistd.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -190,6 +201,9 @@ int main(int argc, char **argv)
     float sg[HD];
     kvs_paris_signs(KVS_PARIS_SEED, HD, sg);
     const int W = kvs_paris_words(HD), NB = HD / 8;
+    const double gpu_free0 = (double)O->mem_available(b);
+    double fit_full[64], fit_offl[64], read_rate = 0;   /* ms per (batch, context) row; bytes/ms */
+    for (int i = 0; i < 64; i++) fit_full[i] = fit_offl[i] = -1;
     for (int bi = 0; bi < nb; bi++)
         for (int ci = 0; ci < nc; ci++) {
             struct shape S;
@@ -345,6 +359,9 @@ int main(int argc, char **argv)
                    1000.0 * enc / 512, 32 * full, 32 * (paris + enc / 512), offl, gat, full / offl,
                    32 * (offl + enc / 512));
             fflush(stdout);
+            fit_full[bi * 8 + ci] = full, fit_offl[bi * 8 + ci] = offl >= 0 ? offl + enc / 512 : -1;
+            const double kv_read = (double)B * ctx * NKV * HD * 2 * 2;
+            if (kv_read / full > read_rate) read_rate = kv_read / full;
             struct kvs_dbuf *all[] = {S.kc, S.vc, S.q, S.out, S.lse, S.signs, S.codes, S.w, S.counts, S.rows, S.jobs,
                                       S.nsp, S.sp, S.sel, S.exact, qs, pos, bt};
             for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) O->free_buf(b, all[i]);
@@ -352,6 +369,44 @@ int main(int argc, char **argv)
         }
     O->free_buf(b, flush);
     O->free(b);
+    /* the fit of the whole 8B model (see the header) */
+    const double GiB = 1073741824.0, weights = 16.06e9, kv_tok = 32.0 * NKV * HD * 2 * 2;
+    const double host = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGE_SIZE);
+    const double gpu_room = gpu_free0 - 2 * GiB - weights, host_room = host - 8 * GiB;
+    const double idx_tok = 32.0 * NKV * (kvs_paris_words(HD) + HD / 8) * 4;
+    const double counts = 32.0 * NKV * (HD / 8) * KVS_PARIS_NC * 4;
+    printf("\nfit of Llama-3.1-8B (32 layers, bf16 weights 16.06 GB): GPU %.1f GiB free at start - 2 GiB - weights; "
+           "host %.1f GiB - 8 GiB; weights read at %.0f GB/s (full attention's best K/V read rate here)\n",
+           gpu_free0 / GiB, host / GiB, read_rate / 1e6);
+    printf("%8s %11s %9s | %14s %15s %9s %9s | %6s %10s %10s %12s %12s\n", "context", "full GB/seq", "full max",
+           "paris GPU/seq", "paris host/seq", "GPU-bound", "paris max", "batch", "step full", "step offl",
+           "tok/s full", "tok/s offl");
+    for (int ci = 0; ci < nc; ci++) {
+        const double ctx = contexts[ci], full_seq = ctx * kv_tok;
+        const double par_gpu = ctx * idx_tok + (SINK + 64 + 512 + 2048) * kv_tok + counts;
+        const double par_host = ceil((ctx - SINK - 64) / BS) * BS * kv_tok;
+        const int full_max = gpu_room > 0 ? (int)(gpu_room / full_seq) : 0;
+        const int gpu_max = gpu_room > 0 ? (int)(gpu_room / par_gpu) : 0, host_max = (int)(host_room / par_host);
+        const int par_max = gpu_max < host_max ? gpu_max : host_max;
+        const double wms = read_rate > 0 ? weights / read_rate : 0;
+        int printed = 0;
+        for (int bi = 0; bi < nb; bi++) {
+            const double f = fit_full[bi * 8 + ci], o = fit_offl[bi * 8 + ci];
+            if (f < 0) continue;
+            const int B = batches[bi];
+            const double sf = 32 * f + wms, so = o >= 0 ? 32 * o + wms : -1;
+            printf("%8.0f %11.2f %9d | %14.2f %15.2f %9d %9d | %6d %10.2f %10.2f %12s %12s\n", ctx, full_seq / 1e9,
+                   full_max, par_gpu / 1e9, par_host / 1e9, gpu_max, par_max, B, sf, so, "", "");
+            /* tokens/s only where the batch fits that way */
+            printf("%8s %11s %9s | %14s %15s %9s %9s | %6s %10s %10s %12.1f %12.1f\n", "", "", "", "", "", "", "", "",
+                   B <= full_max ? "fits" : "no fit", so >= 0 && B <= par_max ? "fits" : "no fit",
+                   B <= full_max ? 1000.0 * B / sf : 0.0, so >= 0 && B <= par_max ? 1000.0 * B / so : 0.0);
+            printed = 1;
+        }
+        if (!printed)
+            printf("%8.0f %11.2f %9d | %14.2f %15.2f %9d %9d | (no measured batch)\n", ctx, full_seq / 1e9, full_max,
+                   par_gpu / 1e9, par_host / 1e9, gpu_max, par_max);
+    }
     return 0;
 }
 #else

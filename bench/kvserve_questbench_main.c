@@ -16,8 +16,12 @@
  * bandwidth of full attention and of the attention over the kept pages (bytes of the keys and
  * values each reads, over its time).
  *
+ * --score-shapes sweeps the score kernels' launch shape (kvs_quest_cuda_score_shape): each entry
+ * d (the default rule), bN (pages per block sized for N blocks per SM) or pN (N pages per block)
+ * gives its own row per digest width (column "shape").
+ *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
- *                           [--reps 20] [--digest-bits 16,8,4] [--markdown FILE]
+ *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128] [--markdown FILE]
  * A shape whose KV does not fit in free device memory is skipped with a note.
  */
 #include <math.h>
@@ -108,6 +112,8 @@ int main(int argc, char **argv)
     double ratio = 0.15;
     int dbits[4] = {16, 8, 4}, nd = 3;
     const char *md = NULL;
+    char shapes[16][8] = {"d"};
+    int nshape = 1;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
@@ -116,16 +122,30 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && v) md = argv[++i];
         else if (!strcmp(argv[i], "--digest-bits") && v) nd = bench_parse_list(argv[++i], dbits, 4);
-        else {
+        else if (!strcmp(argv[i], "--score-shapes") && v) {
+            nshape = 0;
+            for (const char *t = argv[++i]; *t && nshape < 16;) {
+                const size_t n = strcspn(t, ",");
+                if (!n || n >= sizeof shapes[0] || (t[0] != 'd' && t[0] != 'b' && t[0] != 'p') ||
+                    (t[0] != 'd' && atoi(t + 1) <= 0)) {
+                    nshape = -1;
+                    break;
+                }
+                memcpy(shapes[nshape], t, n);
+                shapes[nshape++][n] = 0;
+                t += n + (t[n] == ',');
+            }
+        } else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15] [--reps 20] "
-                            "[--digest-bits 16,8,4] [--markdown FILE]\n", argv[0]);
+                            "[--digest-bits 16,8,4] [--score-shapes d,b8,p128] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
     for (int i = 0; i < nd; i++)
         if (dbits[i] != 16 && dbits[i] != 8 && dbits[i] != 4) nd = -1;
-    if (nb <= 0 || nc <= 0 || nd <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
-        fprintf(stderr, "%s: bad list, --ratio, --reps or --digest-bits (16, 8, 4)\n", argv[0]);
+    if (nb <= 0 || nc <= 0 || nd <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
+        fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4) or --score-shapes (d, bN, pN)\n",
+                argv[0]);
         return 2;
     }
     char err[256], desc[256];
@@ -147,10 +167,11 @@ int main(int argc, char **argv)
         return 1;
     }
     if (mf)
-        fprintf(mf, "| batch | context | digest bits | pages kept | full ms | Quest ms | selection ms | of which digests + "
+        fprintf(mf, "| batch | context | digest bits | shape | pages kept | full ms | Quest ms | selection ms | of which digests + "
                     "scores ms | spans ms | full / Quest | selection share | 32 layers, 0-1 dense: full / Quest | full "
-                    "TB/s | spans TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    printf("%6s %8s %4s %11s %9s %9s %9s %9s %9s %10s %9s %10s %8s %8s\n", "batch", "context", "bits", "kept/pages",
+                    "TB/s | spans TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("%6s %8s %4s %5s %11s %9s %9s %9s %9s %9s %10s %9s %10s %8s %8s\n", "batch", "context", "bits", "shape",
+           "kept/pages",
            "full ms", "quest ms", "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio", "full TB/s",
            "span TB/s");
     struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
@@ -229,21 +250,24 @@ int main(int argc, char **argv)
             /* K and V bytes: every position for full; the kept pages (the last one partial: ctx) */
             const double kvb = 2.0 * NKV * HD * 2, kept_pos = keep * BS < ctx ? (double)(keep - 1) * BS + (ctx - (nblk - 1) * BS) : ctx;
             const double full_tbs = (double)B * ctx * kvb / (full * 1e9), span_tbs = (double)B * kept_pos * kvb / (spans * 1e9);
-            for (int di = 0; di < nd; di++) {
-                S.bits = dbits[di];
+            for (int di = 0; di < nd * nshape; di++) {
+                const char *sh = shapes[di % nshape];
+                kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
+                S.bits = dbits[di / nshape];
                 const float quest = time_op(b, &S, OP_QUEST, reps, flush);
                 const float sel = time_op(b, &S, OP_SELECT, reps, flush);
                 const float score = time_op(b, &S, OP_SCORE, reps, flush);
                 const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
-                printf("%6d %8d %4d %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f %8.2f %8.2f\n", B, ctx,
-                       S.bits, keep, nblk, full, quest, sel, score, spans, full / quest, 100.0 * sel / quest, model,
+                printf("%6d %8d %4d %5s %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f %8.2f %8.2f\n", B,
+                       ctx, S.bits, sh, keep, nblk, full, quest, sel, score, spans, full / quest, 100.0 * sel / quest, model,
                        full_tbs, span_tbs);
                 fflush(stdout);
                 if (mf)
-                    fprintf(mf, "| %d | %d | %d | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f | %.2f | "
-                            "%.2f |\n", B, ctx, S.bits, keep, nblk, full, quest, sel, score, spans, full / quest,
+                    fprintf(mf, "| %d | %d | %d | %s | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f | %.2f | "
+                            "%.2f |\n", B, ctx, S.bits, sh, keep, nblk, full, quest, sel, score, spans, full / quest,
                             100.0 * sel / quest, model, full_tbs, span_tbs);
             }
+            kvs_quest_cuda_score_shape(0, 0);
             struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.qdig8, S.qdig4, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
             for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
             free(perm);

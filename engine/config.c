@@ -89,7 +89,7 @@ static const struct key_def KEYS[] = {
 
     {"kv.block_size", T_INT, F(kv_block_size), 1, 1024, "16", NULL, NULL, "tokens per KV block"},
     {"kv.memory_bytes", T_INT64, F(kv_memory_bytes), 0, I64MAX, "0", NULL, NULL,
-     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most context x scheduler.max_running tokens)"},
+     "KV pool size in bytes (0: kv.memory_fraction of free device memory; on the CPU at most scheduler.max_running requests x the context in whole blocks, and 4 GiB)"},
     {"kv.memory_fraction", T_DOUBLE, F(kv_memory_fraction), 0.01, 0.99, "0.5", NULL, NULL,
      "share of free memory (after weights) for the KV pool when kv.memory_bytes is 0"},
     /* kv.storage / kv.reuse / kv.decode: which names exist, which are built and which pairs
@@ -125,7 +125,7 @@ static const struct key_def KEYS[] = {
     {"kv.paris.dense_threshold", T_INT, F(paris_dense_threshold), 0, 16777216, "2000", NULL, NULL,
      "ParisKV: below this context, dense attention"},
     {"kv.paris.offload", T_BOOL, F(paris_offload), 0, 1, "false", NULL, NULL,
-     "ParisKV: write the retrieval zone's K/V to a host page pool, give its KV pool blocks back (not with parallel.tensor > 1) and gather the chosen top-k from the host over UVA; prompts still prefill in the pool"},
+     "ParisKV: write the retrieval zone's K/V to a host page pool, give its KV pool blocks back (not with parallel.tensor > 1) and gather the chosen top-k from the host over UVA; chunked prefill writes the zone out as it goes, so a prompt may exceed the pool (the context limit counts host pages)"},
     {"kv.paris.host_bytes", T_INT64, F(paris_host_bytes), 0, I64MAX, "0", NULL, NULL,
      "ParisKV offload: bytes of the (pinned) host page pool; 0: one page per KV pool block"},
     {"kv.paris.beta", T_DOUBLE, F(paris_beta), 0, 1, "0", NULL, NULL,
@@ -143,14 +143,15 @@ static const struct key_def KEYS[] = {
      "Quest/Retro: first layers that attend densely"},
     {"kv.quest.page_size", T_INT, F(quest_page_size), 0, 1024, "0", NULL, NULL,
      "Quest/Retro: tokens per page digest (0: kv.block_size; must divide kv.block_size)"},
-    {"kv.quest.digest_bits", T_INT, F(quest_digest_bits), 4, 16, "16", NULL, NULL,
-     "Quest: bits per page-digest element: 16 (the keys' min/max as stored), 8 or 4 (codes on a per-page fp16 grid, "
-     "rounded outward so the score stays an upper bound; 4x / 2x fewer digest bytes read per step; Retro takes 16 only)"},
+    {"kv.quest.digest_bits", T_INT, F(quest_digest_bits), 4, 16, "8", NULL, NULL,
+     "Quest/Retro: bits per page-digest element: 16 (the keys' min/max as stored), 8 or 4 (codes on a per-page fp16 "
+     "grid, rounded outward so the score stays an upper bound; 2x / 4x fewer digest bytes read per step; 8 and 4 need "
+     "head_dim x bits a multiple of 32)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
 
     {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|adaptive|K16V16|K8V8|K8V4|K4V4", NULL,
      "LeanKV: dynamic (= adaptive: tiers kv.lean.high / low by importance, pruning, a full-precision window; cpu "
-     "only) or one static format for every token, no pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
+     "and cuda) or one static format for every token, no pruning (KxVy: x key bits, y value bits; K16V16 stores fp16)"},
     {"kv.lean.high", T_ENUM, F(lean_high), 0, 0, "K8V4", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the high tier's format"},
     {"kv.lean.low", T_ENUM, F(lean_low), 0, 0, "K4V2", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the low tier's format"},
     {"kv.lean.window", T_INT, F(lean_window), 1, 1048576, "64", NULL, NULL,

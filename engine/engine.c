@@ -52,7 +52,24 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     int64_t pool_tokens = (int64_t)x->n_blocks * x->block_size;
     e->max_context = x->max_context;
     if (cfg->max_model_len > 0 && cfg->max_model_len < e->max_context) e->max_context = cfg->max_model_len;
-    if (pool_tokens < e->max_context) e->max_context = (int)pool_tokens;
+    if (pool_tokens < e->max_context) {
+        /* a decode policy that keeps part of a request in memory of its own (kv.paris.offload)
+         * bounds it by its peak in the pool instead: the longest context whose peak fits */
+        int hp = 0, hf = 0, ht = 0, lo = (int)pool_tokens, hi = e->max_context;
+        if (x->kv_footprint && x->kv_footprint(x->ctx, lo, e->prefill_chunk, -1, &hp, &hf, &ht) >= 0) {
+            while (lo < hi) {
+                int mid = lo + (hi - lo + 1) / 2;
+                if (x->kv_footprint(x->ctx, mid, e->prefill_chunk, ht, &hp, &hf, &ht) <= x->n_blocks) lo = mid;
+                else hi = mid - 1;
+            }
+            if (lo < e->max_context)
+                snprintf(e->ctx_note, sizeof e->ctx_note, " The KV memory sets this limit with "
+                         "kv.paris.offload: a request keeps its retrieval zone in the host KV pool (%d pages of %d tokens, "
+                         "kv.paris.host_bytes) and the rest in the GPU KV pool (%d blocks of %d tokens).",
+                         ht, x->block_size, x->n_blocks, x->block_size);
+        }
+        e->max_context = lo;
+    }
     /* keep ~1% of the pool for running decodes when admitting new prompts (fewer preemptions) */
     e->watermark_blocks = x->n_blocks / 100;
     e->overlap = cfg->sched_overlap;
@@ -158,6 +175,7 @@ void kvs_engine_drain(struct kvs_engine *e)
 }
 
 int kvs_engine_max_context(const struct kvs_engine *e) { return e->max_context; }
+const char *kvs_engine_context_note(const struct kvs_engine *e) { return e->ctx_note; }
 
 void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out)
 {
@@ -304,9 +322,9 @@ static int submit(struct kvs_engine *e, struct kvs_request *r, char *err, size_t
     if (full + r->max_tokens > e->max_context)
         return kvs_err(err, errlen, -E2BIG,
                        "This model's maximum context length is %d tokens. However, you requested %lld tokens "
-                       "(%lld in the messages%s, %d in the completion).",
+                       "(%lld in the messages%s, %d in the completion).%s",
                        e->max_context, (long long)full + r->max_tokens, (long long)full,
-                       full != real ? " and documents, padded to KV blocks" : "", r->max_tokens);
+                       full != real ? " and documents, padded to KV blocks" : "", r->max_tokens, e->ctx_note);
     r->n_full_prompt = (int)full;
     r->n_real_prompt = (int)real;
     /* cheap checks under the lock first so that a full queue answers at once */

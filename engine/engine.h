@@ -167,6 +167,9 @@ void kvs_engine_free(struct kvs_engine *e);
 /* Stops admitting (submit returns -ESHUTDOWN); running requests go on. */
 void kvs_engine_drain(struct kvs_engine *e);
 int kvs_engine_max_context(const struct kvs_engine *e);
+/* "" or, when KV memory outside the GPU pool sets max_context (kv.paris.offload), a sentence
+ * naming the memories that bound it (for the context-length error). */
+const char *kvs_engine_context_note(const struct kvs_engine *e);
 void kvs_engine_stats(struct kvs_engine *e, struct kvs_engine_stats *out);
 /* How the KV reuse strategy wants a request's documents (engine/prompt_layout.h): 1 as segments
  * of their own, each padded to *align slots (the block size), 0 inline (*align = 1). */

@@ -59,6 +59,13 @@ static int real_kv_offloaded(void *ctx, int slot, int *lo, int *hi)
     return kvs_runner_kv_offloaded(x->runner, slot, lo, hi);
 }
 
+static int real_kv_footprint(void *ctx, int n_tokens, int chunk, int host_avail, int *host_pages, int *host_free,
+                             int *host_total)
+{
+    struct real_exec *x = ctx;
+    return kvs_runner_kv_footprint(x->runner, n_tokens, chunk, host_avail, host_pages, host_free, host_total);
+}
+
 static int real_sampler_init(void *ctx, void *state, const struct kvs_sampling *p, uint64_t request_id)
 {
     struct real_exec *x = ctx;
@@ -175,6 +182,7 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.seq_end = real_seq_end;
     x.kv_counters = real_kv_counters;
     x.kv_offloaded = real_kv_offloaded;
+    x.kv_footprint = real_kv_footprint;
     x.sampler_state_size = sizeof(struct kvs_sampler);
     x.sampler_init = real_sampler_init;
     x.sample = real_sample;

@@ -89,6 +89,11 @@ struct kvs_engine_exec {
      * of the request in slot that the policy moved off the pool; the scheduler gives them back
      * to the block pool. Returns hi - lo (0: none). May be NULL (nothing is ever released). */
     int (*kv_offloaded)(void *ctx, int slot, int *lo, int *hi);
+    /* The decode policy's `footprint` (kv.h): pool blocks a request of n_tokens holds at its peak
+     * with host_avail pages of the policy's memory (< 0: those free now), or -ENOSYS. May be NULL
+     * (the pool bounds a request). The engine's context limit and admission use it. */
+    int (*kv_footprint)(void *ctx, int n_tokens, int chunk, int host_avail, int *host_pages, int *host_free,
+                        int *host_total);
 
     void (*destroy)(void *ctx);   /* may be NULL */
 };

@@ -98,6 +98,9 @@ struct kvs_engine {
     /* scheduler knobs (copied from the config) */
     int max_batch_tokens, max_running, max_waiting, prefill_chunk, max_context;
     int watermark_blocks;
+    /* set when the decode policy's host memory (kv_footprint) lifts max_context past the pool:
+     * appended to the context-length error, naming both memories */
+    char ctx_note[320];
     int overlap;                             /* scheduler.overlap */
     struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 

@@ -442,13 +442,15 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
         double frac = cfg->kv_memory_fraction > 0 ? cfg->kv_memory_fraction : 0.5;
         budget = (size_t)((double)ops->mem_available(r->be) * frac);
         if (ops == &kvs_cpu_backend && budget > CPU_KV_CAP_BYTES) budget = CPU_KV_CAP_BYTES;
-        /* on the CPU by need: every running request at the full context (a share of free RAM
-         * reserved GiBs for a 7M-parameter model); a GPU keeps its share for the prefix cache */
-        int ctx = cfg->max_model_len > 0 && cfg->max_model_len < c->max_position_embeddings ? cfg->max_model_len
-                                                                                             : c->max_position_embeddings;
-        size_t need = (size_t)(ctx > 0 ? ctx : 0) * (size_t)(cfg->max_running > 0 ? cfg->max_running : 1) *
-                      r->kv_bytes_per_token;
-        if (ops == &kvs_cpu_backend && need > 0 && budget > need) budget = need;
+        /* on the CPU by need: every running request at the full context, in whole blocks (a
+         * share of free RAM reserved GiBs for a 7M-parameter model; tokens rather than blocks
+         * left the last request a block short when the context is not a multiple of the block
+         * size); a GPU keeps its share for the prefix cache */
+        if (ops == &kvs_cpu_backend && block_bytes > 0) {
+            size_t need_blocks = kvs_runner_kv_need_blocks(
+                r->max_ctx, r->block_size, cfg->max_running > 0 ? cfg->max_running : r->cap_seqs);
+            if (need_blocks > 0 && budget / block_bytes > need_blocks) budget = need_blocks * block_bytes;
+        }
     }
     size_t nb = block_bytes ? budget / block_bytes : 0;
     if (nb > INT32_MAX / 2) nb = INT32_MAX / 2;
@@ -595,6 +597,14 @@ void kvs_runner_rank_free(struct kvs_runner *r)
     free(r->x_seqs);
     free(r->x_tokens);
     free(r);
+}
+
+size_t kvs_runner_kv_need_blocks(int ctx, int block_size, int max_running)
+{
+    if (ctx <= 0 || block_size <= 0 || max_running <= 0) return 0;
+    const size_t per_req = ((size_t)ctx + (size_t)block_size - 1) / (size_t)block_size;
+    if (per_req > SIZE_MAX / (size_t)max_running) return 0;
+    return per_req * (size_t)max_running;
 }
 
 int kvs_runner_num_blocks(const struct kvs_runner *r) { return r->n_blocks; }
@@ -1189,6 +1199,13 @@ int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi)
 {
     if (slot < 0 || slot >= r->cap_seqs || r->n_ranks > 1 || !r->dp->offloaded) return 0;
     return r->dp->offloaded(r->dp_state, slot, lo, hi);
+}
+
+int kvs_runner_kv_footprint(struct kvs_runner *r, int n_tokens, int chunk, int host_avail, int *host_pages,
+                            int *host_free, int *host_total)
+{
+    if (r->n_ranks > 1 || !r->dp->footprint) return -ENOSYS;
+    return r->dp->footprint(r->dp_state, n_tokens, chunk, host_avail, host_pages, host_free, host_total);
 }
 
 void kvs_runner_rank_seq_end(struct kvs_runner *r, int slot)

@@ -70,6 +70,12 @@ int kvs_runner_create(const struct kvs_config *cfg, const struct kvs_model *mode
                       struct kvs_runner **out, char *err, size_t errlen);
 void kvs_runner_free(struct kvs_runner *r);
 
+/* The CPU KV pool's need in blocks: max_running requests, each at the full context ctx in
+ * whole blocks of block_size tokens (ceil(ctx / block_size) each); 0 when an argument is not
+ * positive or the count overflows. With kv.memory_bytes 0 the CPU pool is the smaller of this,
+ * kv.memory_fraction of available memory and 4 GiB. */
+size_t kvs_runner_kv_need_blocks(int ctx, int block_size, int max_running);
+
 int kvs_runner_num_blocks(const struct kvs_runner *r);
 int kvs_runner_block_size(const struct kvs_runner *r);
 int kvs_runner_vocab_size(const struct kvs_runner *r);
@@ -124,5 +130,9 @@ int kvs_runner_kv_counters(struct kvs_runner *r, struct kvs_kv_counter *out, int
  * [*lo, *hi) it moved off the pool since the last call; returns hi - lo (0: none; always 0 with
  * tensor parallelism, whose ranks keep their blocks). */
 int kvs_runner_kv_offloaded(struct kvs_runner *r, int slot, int *lo, int *hi);
+/* The decode policy's `footprint` (engine/kv/kv.h); -ENOSYS without one (and with tensor
+ * parallelism, which releases nothing). */
+int kvs_runner_kv_footprint(struct kvs_runner *r, int n_tokens, int chunk, int host_avail, int *host_pages,
+                            int *host_free, int *host_total);
 
 #endif

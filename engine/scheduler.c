@@ -406,6 +406,19 @@ static int min3(int a, int b, int c)
     return m < c ? m : c;
 }
 
+/* Pool blocks request r still needs for all of its n_tokens: need (its blocks without offload),
+ * or less when the decode policy keeps part of it in host pages (kv_footprint: its peak in the
+ * pool with the host pages free now, less the blocks it holds) */
+static int peak_need(struct kvs_engine *e, const struct kvs_request *r, int need)
+{
+    int hp, hf, ht;
+    if (!e->x.kv_footprint || need <= 0) return need;
+    int peak = e->x.kv_footprint(e->x.ctx, r->n_tokens, e->prefill_chunk, -1, &hp, &hf, &ht);
+    if (peak < 0) return need;
+    peak -= kvs_block_table_held(&r->table);
+    return peak < 0 ? 0 : peak < need ? peak : need;
+}
+
 /* Chooses this step's batch into e->sched; returns its size. */
 static int schedule(struct kvs_engine *e, double now)
 {
@@ -468,7 +481,7 @@ static int schedule(struct kvs_engine *e, double now)
     int promised = 0;
     for (int i = 0; !preempted && i < e->n_running; i++) {
         struct kvs_request *r = e->running[i];
-        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        promised += peak_need(e, r, kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens));
     }
     while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0 && pbudget > 0) {
         struct kvs_request *r = e->wait_head;
@@ -489,7 +502,7 @@ static int schedule(struct kvs_engine *e, double now)
         int need = kvs_block_table_blocks_needed(&r->table, bs, r->n_computed + c);
         int avail = kvs_block_pool_available(&e->pool);
         int reserve = e->n_running > 0 ? e->watermark_blocks + promised : 0;
-        int need_all = kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        int need_all = peak_need(e, r, kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens));
         if (e->n_running > 0 && need_all + reserve > avail) {
             release_kv(e, r);
             r->n_computed = 0;
@@ -524,7 +537,7 @@ static int schedule(struct kvs_engine *e, double now)
                 e->counters.cache_hits += (uint64_t)matched;
             }
         }
-        promised += kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens);
+        promised += peak_need(e, r, kvs_block_table_blocks_needed(&r->table, bs, r->n_tokens));
         if (!kv_ready(e, r)) continue;   /* runs once the strategy's side prefills are in */
         r->sched_tokens = c;
         e->sched[n_sched++] = r;

@@ -83,6 +83,13 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
                             const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
                             int32_t pos, float scale, float *out, float *scratch, struct kvs_lean_event *ev);
 
+/* Step 3 of kvs_lean_dyn_head_step alone (it ends with this call): when the window holds more
+ * than `window` tokens, its oldest leaves by the rule (high / low / pruned, then the section's
+ * victim), from the scores as they stand. The CUDA policy (kernels/kv_lean_dyn_cuda.h) is held
+ * to it bitwise on the same state (tests/gpu/test_cuda_kv_lean_dyn.c). ev may be NULL. */
+void kvs_lean_dyn_head_exit(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                            const struct kvs_lean_dyn_pages *pg, struct kvs_lean_event *ev);
+
 /* Token i of the head in attention order (high, low, window oldest first): position, score,
  * tier (KVS_LEAN_HIGH, KVS_LEAN_LOW, KVS_LEAN_KEPT) and dequantized k, v [head_dim]. */
 int kvs_lean_dyn_head_tokens(const struct kvs_lean_dyn_head *h);

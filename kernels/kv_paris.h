@@ -154,6 +154,15 @@ struct kvs_paris_kernels {
                    const struct kvs_dbuf *spans, int max_spans, const struct kvs_dbuf *pages, int page_stride,
                    const void *host_k, const void *host_v, struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v,
                    int stage_blocks);
+    /* A KV buffer (the pool's element type) over host memory the kernels read in place: elements
+     * [off, off + n) of host (from host_alloc), so that the backend's attention_spans can read host
+     * pages through block tables (block b of the view = elements [b E, (b + 1) E) from off, E =
+     * n_kv_heads block_size head_dim: with off = layer E, page p of that layer is block p n_layers).
+     * Chunked prefill of a request whose retrieval zone already left the pool attends over it
+     * this way. The view does not own the memory: host_view_free frees only the view. NULL when
+     * the backend cannot (the policy then refuses offload at create). */
+    struct kvs_dbuf *(*host_view)(struct kvs_backend *b, void *host, size_t off, size_t n);
+    void (*host_view_free)(struct kvs_backend *b, struct kvs_dbuf *view);
 };
 
 /* Total order of floats for selection (as kvs_quest_order_key). */

@@ -104,6 +104,11 @@ struct kvs_quest_kernels {
 
 /* ---- quantized digests: sizes and the coding shared by both backends ---- */
 
+/* kv.quest.digest_bits when no config says otherwise (engine/config.c's default too): 8-bit
+ * codes read half of bf16 digests' bytes per step at the same fidelity (bench/RESULTS.md, quest4
+ * and quest5); 4 bits cost SmolLM2 clearly. */
+#define KVS_QUEST_DIGEST_BITS_DEFAULT 8
+
 #ifdef __CUDACC__
 #define KVS_QD_FN static __host__ __device__ __forceinline__
 #else
@@ -226,6 +231,12 @@ static inline uint32_t kvs_quest_order_key(float x)
 /* The CPU reference (always built) and the CUDA kernels (KVS_HAVE_CUDA builds). */
 extern const struct kvs_quest_kernels kvs_quest_kernels_cpu;
 extern const struct kvs_quest_kernels kvs_quest_kernels_cuda;
+
+/* CUDA builds only (kernels/cuda/kv_quest.cu), for the benchmark's sweep (kvserve-questbench
+ * --score-shapes): the score kernels' pages per block, fixed (pages_per_block > 0, rounded up to
+ * a multiple of 64) or sized for blocks_per_sm blocks per SM (pages_per_block 0; blocks_per_sm
+ * <= 0: the default). Process-wide; the daemon never calls it. */
+void kvs_quest_cuda_score_shape(int pages_per_block, int blocks_per_sm);
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);

@@ -344,14 +344,16 @@ static ssize_t stream_reader(void *cls, uint64_t pos, char *buf, size_t max)
     return 0;
 }
 
-static int context_error(struct call *c, int ctx, int n_prompt, int max_tokens)
+static int context_error(struct kvs_server *s, struct call *c, int ctx, int n_prompt, int max_tokens)
 {
+    /* the engine's note names the KV memories when they, not the model, set the limit */
     return kvs_call_error(c, 400, "invalid_request_error", "context_length_exceeded",
                           c->chat ? "messages" : "prompt",
                           "This model's maximum context length is %d tokens. However, you requested %d tokens "
                           "(%d in the messages, %d in the completion). Please reduce the length of the messages "
-                          "or completion.",
-                          ctx, n_prompt + max_tokens, n_prompt, max_tokens);
+                          "or completion.%s",
+                          ctx, n_prompt + max_tokens, n_prompt, max_tokens,
+                          s->engine ? kvs_engine_context_note(s->engine) : "");
 }
 
 /* Builds the token ids of every prompt, laid out for the engine's KV reuse strategy
@@ -459,7 +461,7 @@ int kvs_openai_generate(struct kvs_server *s, struct call *c)
             if (mt < 1) mt = 1;
         }
         if ((int64_t)plen + mt > ctx) {
-            int rc = context_error(c, ctx, plen, mt);
+            int rc = context_error(s, c, ctx, plen, mt);
             free(max_tokens);
             kvs_prompt_set_free(&ps);
             kvs_api_request_free(&r);

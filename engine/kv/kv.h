@@ -226,6 +226,15 @@ struct kvs_kv_decode_ops {
      * its whole context into fresh blocks). A tensor-parallel runner does not release (it does
      * not ask). */
     int (*offloaded)(void *state, int slot, int *lo, int *hi);
+    /* Optional, with offloaded (NULL: the pool bounds a request). What one request of n_tokens
+     * positions (prompt + generated), prefilled in chunks of at most `chunk` tokens, needs when
+     * host_avail of the policy's own pages are free for it (< 0: as many as are free now): returns
+     * the pool blocks it holds at its peak (<= its blocks without offload) and sets *host_pages to
+     * the pages it then takes (<= host_avail); *host_free / *host_total: the policy's pages free
+     * now / in all. -ENOSYS when the policy keeps nothing outside the pool (offload off). The
+     * engine bounds a request's context by it and counts it at admission (scheduler.c). */
+    int (*footprint)(void *state, int n_tokens, int chunk, int host_avail, int *host_pages, int *host_free,
+                     int *host_total);
 };
 
 /* Attention of the step's rows over a's view (every row, the backend's attention() contract),

@@ -45,12 +45,18 @@
  * block 0. The index of a position lives at its host page's index slot when it has a page
  * (index slots = pool slots + page slots; the step's index tables map block j to its page, else
  * to n_pages + its pool block), so it outlives the pool block; encode and select address it
- * through those tables. From then on the request's rows must select (plan fails the step, -EIO,
- * otherwise), recall is not sampled for steps with such rows (exact_topk reads the pool), and
- * the live fidelity meter is refused with offload. A block whose earlier positions found no page
+ * through those tables. From then on the request's rows must select or take the prefill path
+ * below (plan fails the step, -EIO, otherwise); recall's exact top-k reads the zone from the host
+ * pages (host_tables; a sampled step where some zone block found no page is not measured, counted
+ * as skipped), and the live fidelity meter is refused with offload. A block whose earlier positions found no page
  * stays in the pool. With tensor parallelism nothing is released (the runner does not ask).
- * NOT YET: write-out during prefill (a prompt longer than the pool cannot be admitted), admission
- * counting host pages and a 400 that names the host limit.
+ * Chunked prefill (prefill_job, host_prefill_plan): a prefill chunk that ends at or past the dense
+ * threshold writes out the zone it finished, whose whole blocks then leave the pool as above; a
+ * later chunk of that request attends over the pool's spans and over the host pages (kv_paris.h
+ * host_view: attention_spans reads them as a KV buffer), merged with attn_merge; the first
+ * selecting decode row catches the zone up to ctx - local (offload off's zone, so beta 1 stays
+ * full attention's tokens). `footprint` tells the engine a request's peak in the pool, so the
+ * context limit and admission count host pages (a prompt longer than the pool is served).
  *
  * Errors: create returns -EINVAL (head_dim not a power of two in [8, 1024], bad setting),
  * -ENOSYS (no kernels, no attention_spans, a storage format of its own), -ENOMEM,
@@ -72,6 +78,8 @@ struct paris_seq {
     int32_t n_enc;                /* retrieval-zone positions encoded: [sink, sink + n_enc) */
     int32_t rel_lo, rel_hi;       /* offload: logical blocks [rel_lo, rel_hi) reported to the
                                    * scheduler as off the pool (kv.h `offloaded`); equal: none */
+    int32_t decoded;              /* a decode row of it has selected (offload: the first one
+                                   * catches the zone up to ctx - local, as offload off does) */
 };
 
 struct paris {
@@ -110,6 +118,15 @@ struct paris {
     double recall_skipped;        /* sampled steps whose recall was not measured (offloaded rows) */
     int blocks_off;               /* of live requests, now */
     int rel_first;                /* first block that may leave the pool: after block 0 and the sink */
+    /* offload, chunked prefill over a zone that left the pool: per layer, views of the host pages
+     * as KV buffers (kv_paris.h host_view); per step row, spans over the pool (part A) and over
+     * the host pages (part B), merged: every row of the step attends exactly */
+    struct kvs_dbuf **hv_k, **hv_v;
+    struct kvs_dbuf *pf_na, *pf_spa, *pf_nb, *pf_spb, *pf_hbt, *pf_out, *pf_lse;
+    int32_t *h_pf_na, *h_pf_spa, *h_pf_nb, *h_pf_spb, *h_pf_hbt;
+    int host_pf;                  /* this step has rows attending over host pages (part B) */
+    double host_pf_rows;          /* rows that did, all time */
+    double prefill_written;       /* positions written out by prefill steps, all time */
 };
 
 /* ---- the host page pool (offload) ----------------------------------------------------------- */
@@ -160,6 +177,19 @@ static void paris_destroy(void *state)
     free(s->h_pages);
     free(s->h_stage_n);
     free(s->h_stage_sp);
+    for (int l = 0; l < s->env.n_layers; l++) {
+        if (s->hv_k && s->hv_k[l]) s->k->host_view_free(be, s->hv_k[l]);
+        if (s->hv_v && s->hv_v[l]) s->k->host_view_free(be, s->hv_v[l]);
+    }
+    free(s->hv_k);
+    free(s->hv_v);
+    struct kvs_dbuf *pbufs[] = {s->pf_na, s->pf_spa, s->pf_nb, s->pf_spb, s->pf_hbt, s->pf_out, s->pf_lse};
+    for (size_t i = 0; i < sizeof pbufs / sizeof pbufs[0]; i++) o->free_buf(be, pbufs[i]);
+    free(s->h_pf_na);
+    free(s->h_pf_spa);
+    free(s->h_pf_nb);
+    free(s->h_pf_spb);
+    free(s->h_pf_hbt);
     free(s);
 }
 
@@ -171,7 +201,7 @@ static int offload_create(struct paris *s, int64_t host_bytes, char *err, size_t
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const int bs = s->env.block_size, nkv = s->env.n_kv_heads, d = s->env.head_dim;
-    if (!s->k->host_alloc || !s->k->write_out || !s->k->gather)
+    if (!s->k->host_alloc || !s->k->write_out || !s->k->gather || !s->k->host_view || !s->k->host_view_free)
         return kvs_err(err, errlen, -ENOSYS, "config key 'kv.paris.offload': backend %s has no ParisKV gather", o->name);
     s->offload = 1;
     s->page_bytes = (size_t)s->env.n_layers * nkv * bs * d * (size_t)s->k->kv_elem_bytes * 2;
@@ -211,6 +241,30 @@ static int offload_create(struct paris *s, int64_t host_bytes, char *err, size_t
     free(bt);
     s->h_stage_n = kvs_xcalloc(rows * nkv, sizeof *s->h_stage_n);
     s->h_stage_sp = kvs_xcalloc(rows * nkv * 2, sizeof *s->h_stage_sp);
+    /* chunked prefill over host pages: layer l's view starts at its rows of page 0, so page p is
+     * view block p L (kv_paris.h host_view); spans per step row (max_rows: prefill rows too) */
+    const size_t L = (size_t)s->env.n_layers, E = (size_t)nkv * bs * d, T = (size_t)s->env.max_rows;
+    s->hv_k = kvs_xcalloc(L, sizeof *s->hv_k);
+    s->hv_v = kvs_xcalloc(L, sizeof *s->hv_v);
+    for (size_t l = 0; l < L; l++) {
+        s->hv_k[l] = s->k->host_view(be, s->host_k, l * E, ((size_t)pages * L - l) * E);
+        s->hv_v[l] = s->k->host_view(be, s->host_v, l * E, ((size_t)pages * L - l) * E);
+    }
+    s->pf_na = o->alloc(be, KVS_BUF_I32, T * nkv);
+    s->pf_spa = o->alloc(be, KVS_BUF_I32, T * nkv * 4);
+    s->pf_nb = o->alloc(be, KVS_BUF_I32, T * nkv);
+    s->pf_spb = o->alloc(be, KVS_BUF_I32, T * nkv * 4);
+    s->pf_hbt = o->alloc(be, KVS_BUF_I32, pt);
+    s->pf_out = o->alloc(be, KVS_BUF_ACT, T * s->env.n_heads * d);
+    s->pf_lse = o->alloc(be, KVS_BUF_F32, T * s->env.n_heads);
+    if (!s->pf_na || !s->pf_spa || !s->pf_nb || !s->pf_spb || !s->pf_hbt || !s->pf_out || !s->pf_lse)
+        return kvs_err(err, errlen, -ENOMEM, "kv.paris.offload: no backend memory for prefill over host pages (%zu "
+                       "rows)", T);
+    s->h_pf_na = kvs_xcalloc(T * nkv, sizeof *s->h_pf_na);
+    s->h_pf_spa = kvs_xcalloc(T * nkv * 4, sizeof *s->h_pf_spa);
+    s->h_pf_nb = kvs_xcalloc(T * nkv, sizeof *s->h_pf_nb);
+    s->h_pf_spb = kvs_xcalloc(T * nkv * 4, sizeof *s->h_pf_spb);
+    s->h_pf_hbt = kvs_xcalloc(pt, sizeof *s->h_pf_hbt);
     return 0;
 }
 
@@ -346,7 +400,7 @@ static int paris_seq_init(void *state, int slot, void *mem)
     /* the runner zeroes the arena slot before seq_init, so whether the slot was live is kept here */
     if (!s->seq[slot]) s->live++;
     else s->blocks_off -= s->seq[slot]->rel_hi - s->seq[slot]->rel_lo;
-    q->live = 1, q->n_enc = 0;
+    q->live = 1, q->n_enc = 0, q->decoded = 0;
     q->rel_lo = q->rel_hi = 0;
     if (s->offload) {
         pages_release(s, slot);
@@ -415,6 +469,126 @@ static int paris_offloaded(void *state, int slot, int *lo, int *hi)
     return to - from;
 }
 
+/* offload, a prefill sequence q (rows that do not select): once its chunk ends at or past the
+ * dense threshold (so every later decode row of the request selects), the retrieval zone it has
+ * finished, [sink + n_enc, end - local), is encoded and written out to host pages in this step,
+ * and paris_offloaded then gives its whole blocks back: a prompt longer than the pool streams
+ * through it chunk by chunk */
+static void prefill_job(struct paris *s, const struct kvs_kv_step *st, int q, int dense_min)
+{
+    const int slot = st->h_slot[q];
+    struct paris_seq *sq = s->seq[slot];
+    const int end = st->h_pos[q] + st->h_q_start[q + 1] - st->h_q_start[q];
+    const int from = s->sink + sq->n_enc, to = end - s->local;
+    if (end < dense_min || to <= from) return;
+    int32_t *J = s->h_jobs + (size_t)s->n_jobs++ * KVS_PARIS_JOB_N;
+    J[KVS_PARIS_JOB_SEQ] = q, J[KVS_PARIS_JOB_SLOT] = slot;
+    J[KVS_PARIS_JOB_FROM] = from, J[KVS_PARIS_JOB_TO] = to;
+    s->encoded += to - from;
+    s->prefill_written += to - from;
+    pages_for(s, slot, from, to);
+    sq->n_enc = to - s->sink;
+}
+
+/* offload, rows of requests whose zone left the pool and that do not select (prefill chunks):
+ * part A = spans over the pool ([0, rel_lo bs) and [rel_hi bs, ctx)), part B = the released
+ * blocks [rel_lo bs, rel_hi bs) over the host pages (block tables: page p L, the host view's
+ * block of page p); every other row: part A = [0, ctx) (attention()'s bits on the CPU), no B.
+ * attend merges the two: exact attention over the whole context for every row. */
+static void host_prefill_plan(struct paris *s, const struct kvs_kv_step *st)
+{
+    const int nkv = s->env.n_kv_heads, bs = s->env.block_size;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q];
+        const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
+        const int rel = q >= s->n_lead && sq && sq->rel_hi > sq->rel_lo;
+        const int lo = rel ? sq->rel_lo * bs : 0, hi = rel ? sq->rel_hi * bs : 0;
+        for (int t = st->h_q_start[q]; t < st->h_q_start[q + 1]; t++) {
+            const int ctx = st->h_pos[q] + (t - st->h_q_start[q]) + 1;
+            for (int g = 0; g < nkv; g++) {
+                const size_t i = (size_t)t * nkv + g;
+                int32_t *a = s->h_pf_spa + i * 4, *b = s->h_pf_spb + i * 4;
+                int na = 0;
+                if (!rel) {
+                    a[0] = 0, a[1] = ctx, na = 1;
+                } else {
+                    if (lo > 0) a[2 * na] = 0, a[2 * na + 1] = lo, na++;
+                    if (ctx > hi) a[2 * na] = hi, a[2 * na + 1] = ctx, na++;
+                    b[0] = lo, b[1] = hi;
+                }
+                s->h_pf_na[i] = na;
+                s->h_pf_nb[i] = rel;
+            }
+        }
+    }
+    const struct kvs_backend_ops *o = s->env.o;
+    const size_t n = (size_t)st->n_rows * nkv;
+    o->upload(s->env.be, s->pf_na, 0, s->h_pf_na, n);
+    o->upload(s->env.be, s->pf_spa, 0, s->h_pf_spa, n * 4);
+    o->upload(s->env.be, s->pf_nb, 0, s->h_pf_nb, n);
+    o->upload(s->env.be, s->pf_spb, 0, s->h_pf_spb, n * 4);
+}
+
+/* offload: the step's host block tables (view block page L of each block with a page, else 0),
+ * read through the host views by the prefill path's part B and by recall's exact top-k */
+static void host_tables(struct paris *s, const struct kvs_kv_step *st)
+{
+    const int stride = st->m->max_blocks;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q];
+        const int32_t *pt = slot >= 0 && slot < s->env.max_slots ? s->h_pages + (size_t)slot * s->env.max_blocks : NULL;
+        int32_t *hb = s->h_pf_hbt + (size_t)q * stride;
+        for (int j = 0; j < stride; j++) hb[j] = pt && pt[j] >= 0 ? pt[j] * s->env.n_layers : 0;
+    }
+    s->env.o->upload(s->env.be, s->pf_hbt, 0, s->h_pf_hbt, (size_t)st->n_seqs * stride);
+}
+
+/* offload: every lead row's retrieval zone is in host pages (no block fell back to the pool), so
+ * recall's exact top-k can read it there through the host view */
+static int zone_paged(const struct paris *s, const struct kvs_kv_step *st)
+{
+    const int bs = s->env.block_size;
+    for (int q = 0; q < s->n_lead; q++) {
+        const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
+        const int slot = st->h_slot[q], n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK];
+        if (!n_r) continue;
+        const int32_t *pt = s->h_pages + (size_t)slot * s->env.max_blocks;
+        for (int j = sink / bs; j <= (sink + n_r - 1) / bs; j++)
+            if (pt[j] < 0) return 0;
+    }
+    return 1;
+}
+
+/* the shortest context whose decode rows select (see paris_plan) */
+static int dense_min_of(const struct paris *s)
+{
+    return s->threshold > s->sink + s->local + 1 ? s->threshold : s->sink + s->local + 1;
+}
+
+/* kv.h `footprint`: a request of n positions alone. Once a chunk ends at or past the dense
+ * threshold, its finished zone goes to host pages (prefill_job) and whole blocks leave the pool,
+ * so the pool holds block 0 .. rel_first, the window + update buffer or the chunk being prefilled
+ * (plus partial blocks at both ends), or up to the chunk that crosses the threshold; the zone's
+ * blocks that find no page (host_avail short) stay in the pool. */
+static int paris_footprint(void *state, int n, int chunk, int host_avail, int *host_pages, int *host_free,
+                           int *host_total)
+{
+    struct paris *s = state;
+    if (!s->offload) return -ENOSYS;
+    const long bs = s->env.block_size, blocks = (n + bs - 1) / bs, dmin = dense_min_of(s);
+    *host_free = s->n_free_pages, *host_total = s->n_pages, *host_pages = 0;
+    if (host_avail < 0) host_avail = s->n_free_pages;
+    if (n < dmin || n - s->local <= s->sink) return (int)blocks;
+    const long zone = (n - s->local + bs - 1) / bs - s->sink / bs;   /* pages the zone takes (pages_for) */
+    const long pages = zone < host_avail ? zone : host_avail;
+    const long run = chunk > s->interval + 1 ? chunk : s->interval + 1;
+    long ws = s->rel_first + (s->local + run + bs - 1) / bs + 3;
+    if ((dmin + chunk + bs - 1) / bs + 1 > ws) ws = (dmin + chunk + bs - 1) / bs + 1;
+    long peak = ws + zone - pages;
+    *host_pages = (int)pages;
+    return (int)(peak < blocks ? peak : blocks);
+}
+
 static int paris_plan(void *state, const struct kvs_kv_step *st)
 {
     struct paris *s = state;
@@ -425,7 +599,7 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     /* the paper's code also asks for sink + local + 2 topk; that binds only for thresholds under
      * 2 topk + sink + local (not the defaults), and would keep k >= n_r (the exactness test) from
      * ever selecting, so the retrieval zone only has to be non-empty here */
-    const int dense_min = s->threshold > s->sink + s->local + 1 ? s->threshold : s->sink + s->local + 1;
+    const int dense_min = dense_min_of(s);
     s->skip = st->m->rot_offsets != NULL || st->m->block_valid != NULL;
     s->n_lead = s->n_jobs = s->any_sel = 0;
     while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows &&
@@ -436,7 +610,12 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     for (int q = 0; s->offload && q < s->n_lead; q++) {
         const int ctx = st->h_pos[q] + 1, slot = st->h_slot[q];
         const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
-        if (!(st->h_decode[q] && sq && sq->live && ctx >= dense_min) && ctx > s->stage_pos) s->n_lead = q;
+        /* a request whose zone left the pool attends over the host pages from outside the lead
+         * unless its row selects (attend's prefill path: the lead's dense gather would read the
+         * pool's aliased entries) */
+        if (!(st->h_decode[q] && sq && sq->live && ctx >= dense_min) &&
+            (ctx > s->stage_pos || (sq && sq->rel_hi > sq->rel_lo)))
+            s->n_lead = q;
     }
     for (int q = 0; q < st->n_seqs; q++) {
         const int ctx = st->h_pos[q] + 1, slot = st->h_slot[q];
@@ -452,11 +631,15 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
             if (st->h_decode[q]) {
                 s->dense_rows++;
                 s->bytes_read += (double)ctx * per_layer * L;
+            } else if (s->offload && !s->skip && sq && sq->live) {
+                prefill_job(s, st, q, dense_min);
             }
             continue;
         }
         const int tail = ctx - (s->sink + sq->n_enc);
-        if (sq->n_enc == 0 || tail >= s->local + s->interval) {
+        /* the first selecting row encodes up to ctx - local (offload off's zone: a zone the prefill
+         * wrote out ends up to one position earlier) */
+        if (sq->n_enc == 0 || tail >= s->local + s->interval || (!sq->decoded && tail > s->local)) {
             int32_t *J = s->h_jobs + (size_t)s->n_jobs++ * KVS_PARIS_JOB_N;
             J[KVS_PARIS_JOB_SEQ] = q, J[KVS_PARIS_JOB_SLOT] = slot;
             J[KVS_PARIS_JOB_FROM] = s->sink + sq->n_enc, J[KVS_PARIS_JOB_TO] = ctx - s->local;
@@ -464,6 +647,7 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
             if (s->offload) pages_for(s, slot, J[KVS_PARIS_JOB_FROM], J[KVS_PARIS_JOB_TO]);
             sq->n_enc = ctx - s->local - s->sink;
         }
+        sq->decoded = 1;
         const int n_r = sq->n_enc;
         double beta = s->beta, rho = s->rho, ab, ar;
         kvs_paris_adaptive(n_r, &ab, &ar);
@@ -486,25 +670,35 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
     }
     /* a request whose retrieval zone left the pool can only be attended from the host pages: its
      * row must be one that selected (the dense attention over all rows reads the aliased entries) */
-    int released_lead = 0;
+    s->host_pf = 0;
     for (int q = 0; s->offload && q < st->n_seqs; q++) {
         const int slot = st->h_slot[q];
         const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
         if (!sq || sq->rel_hi == sq->rel_lo) continue;
         const int32_t *R = q < s->n_lead ? s->h_rows + (size_t)q * KVS_PARIS_ROW_N : NULL;
-        if (!R || !R[KVS_PARIS_ROW_NR] || st->h_q_start[q + 1] - st->h_q_start[q] != 1) {
+        if (R && R[KVS_PARIS_ROW_NR] && st->h_q_start[q + 1] - st->h_q_start[q] == 1) continue;   /* selects */
+        if (R || s->skip) {
             kvs_log(KVS_LOG_ERROR, "kv.paris.offload: the request in slot %d has blocks %d..%d in host pages only, "
-                    "but its row at position %d is not a selecting decode row (step of %d sequences, %d leading)",
-                    slot, sq->rel_lo, sq->rel_hi - 1, st->h_pos[q], st->n_seqs, s->n_lead);
+                    "but its row at position %d is %s (step of %d sequences, %d leading)", slot, sq->rel_lo,
+                    sq->rel_hi - 1, st->h_pos[q], s->skip ? "in a step with per-block rotations or validity" :
+                    "a leading row that does not select", st->n_seqs, s->n_lead);
             return -EIO;
         }
-        released_lead = 1;
+        s->host_pf = 1;   /* its rows attend over the pool and the host pages (attend) */
+        s->host_pf_rows += st->h_q_start[q + 1] - st->h_q_start[q];
     }
-    if (!s->any_sel) return 0;
+    if (s->host_pf) host_prefill_plan(s, st);
+    if (s->host_pf || (s->offload && s->recall_every > 0)) host_tables(s, st);
+    if (!s->any_sel && !s->n_jobs) return 0;
+    if (!s->any_sel) goto tables;
     /* recall reads the retrieval zone from the pool (exact_topk): not for a step with a row whose
      * zone left it */
-    s->recall_now = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && !released_lead;
-    if (s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0 && released_lead) s->recall_skipped++;
+    /* recall reads the retrieval zone: from the host pages with offload (where all of it is), else
+     * from the pool */
+    const int sampled = s->recall_every > 0 && s->steps % (uint64_t)s->recall_every == 0;
+    const int readable = !s->offload || zone_paged(s, st);
+    s->recall_now = sampled && readable;
+    if (sampled && !readable) s->recall_skipped++;
     /* launch planning: one span per (row, head) with at least as many keys as selected */
     for (int q = 0; q < s->n_lead; q++) {
         const int32_t *R = s->h_rows + (size_t)q * KVS_PARIS_ROW_N;
@@ -528,27 +722,31 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
         if (n_r)
             s->host_read += (double)R[KVS_PARIS_ROW_TOPK] * nkv * s->env.head_dim * s->k->kv_elem_bytes * 2.0 * L;
     }
+tables:
     if (s->offload) {
         /* index tables: a position's index slot is at its host page, or at its pool block when it
-         * has none (kv_paris.h encode) */
+         * has none (kv_paris.h encode), for every sequence of the step (prefill write-out jobs too) */
         const int stride = st->m->max_blocks, bs = s->env.block_size;
         if (!st->h_block_tables || stride > s->env.max_blocks) {
             kvs_log(KVS_LOG_ERROR, "kv.paris.offload: the step has no host block tables (stride %d)", stride);
             return -ENOSYS;
         }
-        for (int q = 0; q < s->n_lead; q++) {
-            const int nb = (s->h_rows[(size_t)q * KVS_PARIS_ROW_N + KVS_PARIS_ROW_CTX] + bs - 1) / bs;
+        for (int q = 0; q < st->n_seqs; q++) {
+            const int end = st->h_pos[q] + st->h_q_start[q + 1] - st->h_q_start[q];
+            const int nb = (end + bs - 1) / bs;
             const int32_t *bt = st->h_block_tables + (size_t)q * stride;
             const int slot = st->h_slot[q];
             const int32_t *pt = slot >= 0 && slot < s->env.max_slots ? s->h_pages + (size_t)slot * s->env.max_blocks : NULL;
             int32_t *it = s->h_idx + (size_t)q * stride;
             for (int j = 0; j < stride; j++) it[j] = j < nb && pt && pt[j] >= 0 ? pt[j] : s->n_pages + (j < nb ? bt[j] : 0);
         }
-        s->env.o->upload(s->env.be, s->d_idx, 0, s->h_idx, (size_t)s->n_lead * stride);
-        s->env.o->upload(s->env.be, s->d_stage_n, 0, s->h_stage_n, (size_t)s->n_lead * nkv);
-        s->env.o->upload(s->env.be, s->d_stage_sp, 0, s->h_stage_sp, (size_t)s->n_lead * nkv * 2);
+        s->env.o->upload(s->env.be, s->d_idx, 0, s->h_idx, (size_t)st->n_seqs * stride);
+        if (s->any_sel) {
+            s->env.o->upload(s->env.be, s->d_stage_n, 0, s->h_stage_n, (size_t)s->n_lead * nkv);
+            s->env.o->upload(s->env.be, s->d_stage_sp, 0, s->h_stage_sp, (size_t)s->n_lead * nkv * 2);
+        }
     }
-    s->env.o->upload(s->env.be, s->d_rows, 0, s->h_rows, (size_t)s->n_lead * KVS_PARIS_ROW_N);
+    if (s->any_sel) s->env.o->upload(s->env.be, s->d_rows, 0, s->h_rows, (size_t)s->n_lead * KVS_PARIS_ROW_N);
     if (s->n_jobs) s->env.o->upload(s->env.be, s->d_jobs, 0, s->h_jobs, (size_t)s->n_jobs * KVS_PARIS_JOB_N);
     return 0;
 }
@@ -559,9 +757,11 @@ static void count_recall(struct paris *s, int layer, const struct kvs_kv_attend 
     const struct kvs_backend_ops *o = s->env.o;
     const int nkv = a->n_kv_heads, K = s->topk;
     const size_t n = (size_t)s->n_lead * nkv * K;
-    (void)layer;
-    s->k->exact_topk(s->env.be, a->q, a->kv.k, sub, s->h_rows, s->n_lead, a->n_heads, nkv, a->head_dim,
-                     a->block_size, K, s->d_exact);
+    /* with offload the zone is read from the host pages (zone_paged held at plan) */
+    struct kvs_attn_meta hm = *sub;
+    if (s->offload) hm.block_tables = s->pf_hbt, hm.rot_offsets = hm.block_valid = hm.block_words = NULL;
+    s->k->exact_topk(s->env.be, a->q, s->offload ? s->hv_k[layer] : a->kv.k, &hm, s->h_rows, s->n_lead, a->n_heads, nkv,
+                     a->head_dim, a->block_size, K, s->d_exact);
     o->download(s->env.be, s->h_sel, s->d_sel, 0, n);
     o->download(s->env.be, s->h_coarse, s->d_coarse, 0, n);
     o->download(s->env.be, s->h_exact, s->d_exact, 0, n);
@@ -582,23 +782,40 @@ static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (!s->any_sel || st->n_rows > s->n_lead) {
+    if (s->host_pf) {
+        /* host_prefill_plan's two parts and their merge, for every row */
+        const struct kvs_span_list spa = {2, s->pf_na, s->pf_spa, s->h_pf_na, s->h_pf_spa};
+        const struct kvs_span_list spb = {2, s->pf_nb, s->pf_spb, s->h_pf_nb, s->h_pf_spb};
+        struct kvs_attn_meta hm = *st->m;
+        hm.block_tables = s->pf_hbt;
+        hm.rot_offsets = hm.block_valid = hm.block_words = NULL;
+        hm.plan_ctx = 0;
+        o->attention_spans(be, a->q, a->kv.k, a->kv.v, st->m, &spa, st->n_rows, a->n_heads, a->n_kv_heads,
+                           a->head_dim, a->block_size, a->scale, a->out, a->lse);
+        o->attention_spans(be, a->q, s->hv_k[layer], s->hv_v[layer], &hm, &spb, st->n_rows, a->n_heads, a->n_kv_heads,
+                           a->head_dim, a->block_size, a->scale, s->pf_out, s->pf_lse);
+        o->attn_merge(be, a->out, a->lse, s->pf_out, s->pf_lse, st->n_rows, a->n_heads, a->head_dim);
+    } else if (!s->any_sel || st->n_rows > s->n_lead) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
-        if (!s->any_sel) return;
     }
+    if (s->n_jobs) {
+        /* jobs of lead rows and of prefill sequences (write-out during prefill): the whole step */
+        s->k->encode(be, a->kv.k, st->m, s->offload ? s->d_idx : NULL, s->d_jobs, s->h_jobs, s->n_jobs, layer,
+                     s->env.n_layers, a->n_kv_heads, a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer],
+                     s->counts);
+        if (s->offload)
+            s->k->write_out(be, a->kv.k, a->kv.v, st->m, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers,
+                            a->n_kv_heads, a->head_dim, a->block_size, s->d_pages, s->env.max_blocks, s->host_k,
+                            s->host_v);
+    }
+    if (!s->any_sel) return;
     /* the lead rows as a step of their own: the same tables, the first n_lead sequences */
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = s->n_lead;
     sub.max_ctx = 0;
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
-    if (s->n_jobs)
-        s->k->encode(be, a->kv.k, &sub, s->offload ? s->d_idx : NULL, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers, a->n_kv_heads,
-                     a->head_dim, a->block_size, s->signs, s->codes[layer], s->w[layer], s->counts);
-    if (s->n_jobs && s->offload)
-        s->k->write_out(be, a->kv.k, a->kv.v, &sub, s->d_jobs, s->h_jobs, s->n_jobs, layer, s->env.n_layers,
-                        a->n_kv_heads, a->head_dim, a->block_size, s->d_pages, s->env.max_blocks, s->host_k, s->host_v);
     struct kvs_attn_meta selm = sub;   /* select reads the index through the index tables */
     if (s->offload) selm.block_tables = s->d_idx;
     s->k->select(be, a->q, &selm, s->d_rows, s->h_rows, s->n_lead, layer, s->env.n_layers, a->n_heads, a->n_kv_heads,
@@ -661,8 +878,13 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
          "pool (kv.paris.offload).", 1, s->blocks_released, NULL, NULL},
         {"kvserve:kv_paris_gpu_blocks_offloaded", "KV pool blocks that live requests hold in host pages instead of the "
          "pool now (kv.paris.offload).", 0, s->blocks_off, NULL, NULL},
+        {"kvserve:kv_paris_host_prefill_rows_total", "Prefill rows that attended over a retrieval zone in host pages "
+         "(kv.paris.offload: chunked prefill of a prompt whose earlier chunks were written out).", 1, s->host_pf_rows,
+         NULL, NULL},
+        {"kvserve:kv_paris_prefill_written_tokens_total", "Retrieval-zone positions written out to host pages by prefill "
+         "steps (kv.paris.offload), per request.", 1, s->prefill_written, NULL, NULL},
         {"kvserve:kv_paris_recall_skipped_total", "Sampled steps (kv.paris.recall_every) whose recall was not measured "
-         "because a row's retrieval zone had left the pool.", 1, s->recall_skipped, NULL, NULL},
+         "(kv.paris.offload: a row's retrieval zone was not wholly in host pages).", 1, s->recall_skipped, NULL, NULL},
     };
     int n = 0;
     for (size_t i = 0; i < sizeof c / sizeof c[0] && n < cap; i++) out[n++] = c[i];
@@ -683,4 +905,5 @@ const struct kvs_kv_decode_ops kvs_kv_decode_paris = {
     .attend = paris_attend,
     .counters = paris_counters,
     .offloaded = paris_offloaded,
+    .footprint = paris_footprint,
 };

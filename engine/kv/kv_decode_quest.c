@@ -15,7 +15,7 @@
  *              top keep - 1 full pages plus the current one (kernels/kv_quest.h), in layers
  *              dense_layers and up; layers below attend densely.
  *   attention  exact attention over the kept pages: the backend's attention_spans.
- *   digest_bits kv.quest.digest_bits 16 keeps the min/max as stored (KV type); 8 or 4 keeps them
+ *   digest_bits kv.quest.digest_bits (default 8) 16 keeps the min/max as stored (KV type); 8 or 4 keeps them
  *              as codes on a per-(page, KV head) fp16 grid, rounded outward (kernels/kv_quest.h):
  *              still an upper bound, read at 2x / 4x fewer bytes, refreshed by the same step
  *              (from the page's slots in the cache: no running min/max is kept).
@@ -120,7 +120,7 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     const double ratio = c ? c->quest_budget_ratio : 0.15;
     const int min_budget = c ? c->quest_min_budget : 256, dense = c ? c->quest_dense_layers : 2;
     const int ps = c && c->quest_page_size > 0 ? c->quest_page_size : env->block_size;
-    const int bits = c && c->quest_digest_bits ? c->quest_digest_bits : 16;
+    const int bits = c && c->quest_digest_bits ? c->quest_digest_bits : KVS_QUEST_DIGEST_BITS_DEFAULT;
     if (ps <= 0 || env->block_size % ps)
         return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.page_size': %d does not divide kv.block_size %d", ps,
                        env->block_size);

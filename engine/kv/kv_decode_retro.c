@@ -8,10 +8,14 @@
  *              pages are refreshed by the layer's digest update, which covers every row), with
  *              k = min(w - 1, cached past outputs). Prompt tokens never enter the window: a
  *              request's first decode step has k = 0. A request that missed a step (or attended
- *              densely in one) restarts its window.
- *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys) for the newest
- *              row of each decoding request, in layers kv.quest.dense_layers and up; past rows
- *              never select. Layers below are dense for every row.
+ *              densely in one) restarts its window. On the CPU a re-run row is bitwise its first
+ *              run where nothing was supplemented; on CUDA it is not (other row counts and
+ *              kernels round bf16 differently), a noise floor that shows in the fidelity of
+ *              near-lossless models (bench/RESULTS.md, quest5).
+ *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys, digest_bits
+ *              16 / 8 / 4 included) for the newest row of each decoding request, in layers
+ *              kv.quest.dense_layers and up; past rows never select. Layers below are dense for
+ *              every row.
  *   mask       per request, layer and KV head, A[page] = the last decode step (of this request)
  *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step).
  *   supplement past query t' is shown the selected pages with M[p] < t', clipped to its own
@@ -85,6 +89,8 @@ struct retro {
     const struct kvs_retro_kernels *rk;   /* the device path (NULL: the host path) */
     double ratio;
     int min_budget, dense_layers, ps, w;
+    int bits;                         /* kv.quest.digest_bits: 16 (KV type) or 8 / 4 (kernels/kv_quest.h codes) */
+    size_t n_pages;                   /* physical pages of the pool (the digests' extent) */
     int max_pages, max_spans;
     int rows;                         /* leading decode sequences a step can have */
     int lrows;                        /* their rows (window included) */
@@ -186,9 +192,10 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     if (ratio <= 0 || min_budget < 0 || dense < 0)
         return kvs_err(err, errlen, -EINVAL, "kv.quest: budget_ratio %g, min_budget %d, dense_layers %d out of range",
                        ratio, min_budget, dense);
-    if (c && c->quest_digest_bits && c->quest_digest_bits != 16)
-        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.quest.digest_bits': kv.decode \"retro\" takes 16 only "
-                       "(quantized digests are built for kv.decode \"quest\"), got %d", c->quest_digest_bits);
+    const int bits = c && c->quest_digest_bits ? c->quest_digest_bits : KVS_QUEST_DIGEST_BITS_DEFAULT;
+    if ((bits != 16 && bits != 8 && bits != 4) || (bits < 16 && env->head_dim * bits % 32))
+        return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.digest_bits': %d (16, 8 or 4; 8 and 4 need "
+                       "head_dim x bits a multiple of 32, head_dim is %d)", bits, env->head_dim);
     if (!o->attention_spans || !o->attn_merge || !o->gather_rows)
         return kvs_err(err, errlen, -ENOSYS, "kv.decode \"retro\": backend %s lacks attention_spans, attn_merge or "
                        "gather_rows", o->name);
@@ -197,10 +204,14 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
                        "kv.storage \"%s\"", env->storage_fmt);
     const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, errlen);
     if (!k) return -ENOSYS;
+    if (bits < 16 && (!k->qdigest_update || !k->qscore))
+        return kvs_err(err, errlen, -ENOSYS, "kv.quest.digest_bits %d: backend %s has no quantized digest kernels", bits,
+                       o->name);
 
     struct retro *s = kvs_xcalloc(1, sizeof *s);
     s->env = *env;
     s->k = k;
+    s->bits = bits;
     s->ratio = ratio, s->min_budget = min_budget, s->dense_layers = dense, s->ps = ps, s->w = w;
     s->max_pages = env->max_blocks * (env->block_size / ps);
     s->max_spans = keep_pages(s, env->max_blocks * env->block_size);
@@ -216,11 +227,14 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     const size_t pages = (size_t)env->n_pool_blocks * (size_t)(env->block_size / ps);
     size_t cache_bytes = 0;
     int failed = pages == 0;
+    s->n_pages = pages;
     s->dig = kvs_xcalloc((size_t)L, sizeof *s->dig);
     s->cache = kvs_xcalloc((size_t)L, sizeof *s->cache);
     s->h_lse = kvs_xcalloc((size_t)L, sizeof *s->h_lse);
     for (int l = dense; l < L && !failed; l++) {
-        failed = !(s->dig[l] = o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
+        failed = !(s->dig[l] = bits < 16 ? o->alloc(env->be, KVS_BUF_I32,
+                                                    kvs_quest_qdig_words(pages, nkv, env->head_dim, bits))
+                                         : o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
         if (w > 1 && !failed && s->rk) {
             for (int i = 0; i < 2 && !failed; i++) {
                 if (!s->oc[i]) s->oc[i] = kvs_xcalloc((size_t)L, sizeof **s->oc), s->lc[i] = kvs_xcalloc((size_t)L, sizeof **s->lc);
@@ -450,6 +464,29 @@ static void retro_finish(void *state, int layer, const struct kvs_kv_step *st)
     for (int q = 0; q < s->n_lead; q++) s->slot[st->h_slot[q]]->t++;
 }
 
+/* Quest's digest refresh and scores at the digests' width (kv.quest.digest_bits) */
+static void retro_digest_update(struct retro *s, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m, int layer)
+{
+    const struct kvs_kv_decode_env *e = &s->env;
+    if (s->bits < 16)
+        s->k->qdigest_update(e->be, kc, m, e->n_kv_heads, e->head_dim, e->block_size, s->ps, s->bits, s->n_pages,
+                             s->dig[layer]);
+    else
+        s->k->digest_update(e->be, kc, m, e->n_kv_heads, e->head_dim, e->block_size, s->ps, s->dig[layer]);
+}
+
+static void retro_score(struct retro *s, const struct kvs_dbuf *q, int layer, const struct kvs_attn_meta *m, int n,
+                        int n_heads)
+{
+    const struct kvs_kv_decode_env *e = &s->env;
+    if (s->bits < 16)
+        s->k->qscore(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim, e->block_size,
+                     s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
+    else
+        s->k->score(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim, e->block_size,
+                    s->ps, s->max_pages, s->d_scores);
+}
+
 /* The w = 1 path: Quest's attend (kv_decode_quest.c), over the lead sequences. */
 static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend *a)
 {
@@ -464,8 +501,7 @@ static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend 
     sub.max_ctx = 0;
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
-    s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
-                a->block_size, s->ps, s->max_pages, s->d_scores);
+    retro_score(s, a->q, layer, &sub, s->n_lead, a->n_heads);
     s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
                  s->d_sel_n, s->d_sel);
     const struct kvs_span_list sp = {s->max_spans, s->d_sel_n, s->d_sel, s->h_plan_n, s->h_plan_sp};
@@ -491,8 +527,7 @@ static int spans_to_pages(const int32_t *sp, int n, int ps, int32_t *pages)
 void kvs_retro_refresh_digests(void *state, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m)
 {
     struct retro *s = state;
-    for (int l = s->dense_layers; l < s->env.n_layers; l++)
-        s->k->digest_update(s->env.be, kc, m, s->env.n_kv_heads, s->env.head_dim, s->env.block_size, s->ps, s->dig[l]);
+    for (int l = s->dense_layers; l < s->env.n_layers; l++) retro_digest_update(s, kc, m, l);
 }
 
 static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
@@ -502,7 +537,7 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
     if (layer >= s->dense_layers && !s->skip)   /* every written page, prefill steps too */
-        s->k->digest_update(be, a->kv.k, st->m, a->n_kv_heads, a->head_dim, a->block_size, s->ps, s->dig[layer]);
+        retro_digest_update(s, a->kv.k, st->m, layer);
     if (layer < s->dense_layers || s->skip || !s->n_lead || (s->w == 1 && !s->any_sparse)) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
@@ -525,8 +560,7 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     nm.max_ctx = 0;
     for (int q = 0; q < nl; q++)
         if (s->h_npos[q] + 1 > nm.max_ctx) nm.max_ctx = s->h_npos[q] + 1;
-    s->k->score(be, s->d_qn, s->dig[layer], &nm, s->d_keep, nl, nh, nkv, a->head_dim, a->block_size, s->ps,
-                s->max_pages, s->d_scores);
+    retro_score(s, s->d_qn, layer, &nm, nl, nh);
     s->k->select(be, s->d_scores, &nm, s->d_keep, nl, nkv, s->ps, s->max_pages, ms, s->d_sel_n, s->d_sel);
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = nl;

@@ -14,10 +14,10 @@
  *
  * kv.lean.mode = dynamic (or adaptive): the high / low tiers by importance score, pruning and
  * the full-precision window, in per-head pages of the page manager: kv_storage_lean_dyn.c,
- * which the ops below call when the mode is dynamic (CPU backend only; it refuses the rest).
+ * which the ops below call when the mode is dynamic (cpu and cuda backends; it refuses the rest).
  *
  * Refused at startup with -ENOSYS and a message: a backend without LeanKV kernels, head shapes
- * a backend's kernels do not take, and the dynamic mode off the CPU.
+ * a backend's kernels do not take, and the dynamic mode on a backend other than cpu and cuda.
  *
  * Ownership: the storage owns its page buffers (one per layer); errors as kv.h. */
 #include "engine/kv/kv.h"

@@ -8,7 +8,15 @@
 #include "base/util.h"
 #include "engine/config.h"
 #include "kernels/kv_lean_dyn.h"
+#include "kernels/kv_lean_dyn_cuda.h"
 #include "kernels/kv_lean_pages.h"
+
+/* the CUDA side exists only in builds with nvcc (kernels/cuda/kv_lean_dyn.cu) */
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#define DYN_CUDA 1
+#else
+#define DYN_CUDA 0
+#endif
 
 struct slot {
     int live;
@@ -34,6 +42,12 @@ struct kvs_lean_dyn_store {
     int32_t *need_hi, *need_lo;   /* [max_slots * n_layers * n_kv_heads], zero between rounds */
     float *scratch;
     int n_scratch;
+    /* device = cuda: the heads, pages and page manager live on the GPU (kernels/kv_lean_dyn_cuda.h);
+     * the host keeps the slots' positions and the step's jobs only */
+    struct kvs_lean_dyn_cuda *gpu;
+    struct kvs_lean_dyn_cuda_job *jobs; /* [(max_slots + 1) * n_kv_heads] */
+    int n_jobs;
+    const struct kvs_dbuf *gk, *gv;    /* the step's K/V rows (write) for attention */
     /* requests that ended: their bytes and tokens at the end, tier counts */
     double end_bytes, end_tokens, end_high, end_low, end_pruned;
 };
@@ -64,6 +78,10 @@ void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
 {
     if (!d) return;
     for (int s = 0; d->slots && s < d->max_slots; s++) free(d->slots[s].mem), free(d->slots[s].heads);
+#if DYN_CUDA
+    kvs_lean_dyn_cuda_free(d->gpu);
+#endif
+    free(d->jobs);
     kvs_lean_pm_free(d->pm);
     free(d->pages), free(d->slots), free(d->seq_slot), free(d->sk), free(d->sv), free(d->job_heads);
     free(d->job_pages), free(d->need_hi), free(d->need_lo), free(d->scratch);
@@ -75,11 +93,12 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
 {
     *out = NULL;
     const struct kvs_config *cfg = sh->cfg;
-    if (strcmp(o->name, "cpu"))
+    const int on_cuda = !strcmp(o->name, "cuda");
+    if (strcmp(o->name, "cpu") && (!on_cuda || !DYN_CUDA))
         return kvs_err(err, errlen, -ENOSYS,
                        "config key 'kv.lean.mode': \"dynamic\" (importance tiers, pruning, the full-precision window) "
-                       "runs on the cpu backend only; its %s kernels are not built: use a static mode (K8V8, K8V4, "
-                       "K4V4) on %s", o->name, o->name);
+                       "runs on the cpu and cuda backends only (cuda in builds with nvcc); %s has no kernels for it: "
+                       "use a static mode (K8V8, K8V4, K4V4)", o->name);
     if (cfg && cfg->kv_reuse && strcmp(cfg->kv_reuse, "none"))
         return kvs_err(err, errlen, -EINVAL,
                        "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.reuse = %s: shared blocks "
@@ -128,6 +147,32 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
     }
     d->n_pages = (int)np;
     d->table_len = (sh->max_ctx + d->c.tp_hi - 1) / d->c.tp_hi + (sh->max_ctx + d->c.tp_lo - 1) / d->c.tp_lo;
+    if (on_cuda && (hi.kbits == 16 || hi.vbits == 16 || lo.kbits == 16 || lo.vbits == 16)) {
+        kvs_lean_dyn_destroy(d);
+        return kvs_err(err, errlen, -ENOSYS,
+                       "kv.lean.mode = dynamic on cuda: 16-bit tiers (kv.lean.high / low = K16V16) are not enabled: "
+                       "their GPU quantizer failed test_cuda_kv_lean_dyn on the H100 (2026-11-24) and its fix has not "
+                       "run on a GPU yet; use 2- to 8-bit tiers (the defaults K8V4 / K4V2)");
+    }
+    if (on_cuda) {
+        /* the same pages and tables, on the GPU; a job per (sequence, KV head) of a step */
+        d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);
+        d->seq_slot = calloc((size_t)sh->max_slots + 1, sizeof *d->seq_slot);
+        d->jobs = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->jobs);
+        int rc = d->slots && d->seq_slot && d->jobs ? 0
+                                                    : kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
+#if DYN_CUDA
+        if (!rc)
+            rc = kvs_lean_dyn_cuda_create(be, &d->c, sh->max_slots * LH, sh->n_heads, H, d->n_pages, d->table_len,
+                                          (sh->max_slots + 1) * H, H, &d->gpu, err, errlen);
+#endif
+        if (rc) {
+            kvs_lean_dyn_destroy(d);
+            return rc;
+        }
+        *out = d;
+        return 0;
+    }
     int rc = kvs_lean_pm_create(d->n_pages, sh->max_slots * LH, d->table_len, &d->pm);
     d->n_scratch = kvs_lean_dyn_cpu_threads(be);
     if (d->n_scratch < 1) d->n_scratch = 1;
@@ -158,6 +203,15 @@ static void slot_usage(const struct kvs_lean_dyn_store *d, int s, double *bytes,
     const struct slot *sl = &d->slots[s];
     *bytes = *tokens = *high = *low = *pruned = 0;
     if (!sl->live) return;
+#if DYN_CUDA
+    if (d->gpu) {
+        double pages, window;
+        kvs_lean_dyn_cuda_usage(d->gpu, head_id(d, s, 0, 0), d->n_layers * d->n_kv_heads, &pages, high, low, &window,
+                                pruned, tokens);
+        *bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
+        return;
+    }
+#endif
     for (int l = 0; l < d->n_layers; l++)
         for (int g = 0; g < d->n_kv_heads; g++) {
             int nh, nl;
@@ -175,8 +229,18 @@ void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot)
     double b, t, h, l, p;
     slot_usage(d, slot, &b, &t, &h, &l, &p);
     d->end_bytes += b, d->end_tokens += t, d->end_high += h, d->end_low += l, d->end_pruned += p;
-    kvs_lean_pm_release(d->pm, head_id(d, slot, 0, 0), d->n_layers * d->n_kv_heads);
     struct slot *sl = &d->slots[slot];
+#if DYN_CUDA
+    if (d->gpu) {
+        /* the pool holds every request's worst case (create), so a round cannot fail; say so if it did */
+        const int rc = kvs_lean_dyn_cuda_error(d->gpu);
+        if (rc) kvs_log(KVS_LOG_ERROR, "kv storage lean (dynamic, cuda): a page round failed (%d)", rc);
+        kvs_lean_dyn_cuda_release(d->gpu, head_id(d, slot, 0, 0), d->n_layers * d->n_kv_heads);
+        *sl = (struct slot){0};
+        return;
+    }
+#endif
+    kvs_lean_pm_release(d->pm, head_id(d, slot, 0, 0), d->n_layers * d->n_kv_heads);
     free(sl->mem), free(sl->heads);
     *sl = (struct slot){0};
 }
@@ -186,6 +250,10 @@ int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot)
     if (slot < 0 || slot >= d->max_slots) return -EINVAL;
     kvs_lean_dyn_seq_free(d, slot);   /* a slot reused without an end (never in the engine) */
     const int LH = d->n_layers * d->n_kv_heads;
+    if (d->gpu) {   /* heads start empty: created so, and released so */
+        d->slots[slot].live = 1, d->slots[slot].next_pos = 0;
+        return 0;
+    }
     const size_t hm = kvs_lean_dyn_head_mem(&d->c);
     struct slot *sl = &d->slots[slot];
     sl->mem = malloc(hm * LH);
@@ -210,6 +278,12 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
         /* a sequence with no request slot (a side prefill, a runner driven by hand) has no
          * tiers to keep its tokens in (the CPU records no padded steps) */
         struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
+        /* on cuda, the dummy sequences that pad a recorded step to its size are jobs that do nothing */
+        if (d->gpu && slot < 0) {
+            for (int g = 0; g < d->n_kv_heads; g++)
+                d->jobs[s * d->n_kv_heads + g] = (struct kvs_lean_dyn_cuda_job){-1, g, 0, 0, 0};
+            continue;
+        }
         /* rows must continue the request: the tiers hold every earlier token exactly once */
         if (!sl || !sl->live || st->h_pos[s] != sl->next_pos) {
             kvs_log(KVS_LOG_ERROR, "kv storage lean (dynamic): slot %d runs position %d, expected %d", slot,
@@ -217,7 +291,16 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
             return -EINVAL;
         }
         sl->next_pos += rows;
+        for (int g = 0; d->gpu && g < d->n_kv_heads; g++)
+            d->jobs[s * d->n_kv_heads + g] =
+                (struct kvs_lean_dyn_cuda_job){head_id(d, slot, 0, g), g, st->h_q_start[s], rows, st->h_pos[s]};
     }
+#if DYN_CUDA
+    if (d->gpu) {
+        d->n_jobs = st->n_seqs * d->n_kv_heads;
+        return kvs_lean_dyn_cuda_set_jobs(d->gpu, d->jobs, d->n_jobs);
+    }
+#endif
     return 0;
 }
 
@@ -225,6 +308,10 @@ void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kv
                         int n)
 {
     (void)layer;
+    if (d->gpu) {   /* attention reads them where they are */
+        d->gk = k, d->gv = v;
+        return;
+    }
     const size_t e = (size_t)n * d->n_kv_heads * d->c.head_dim;
     d->o->download(d->be, d->sk, k, 0, e);
     d->o->download(d->be, d->sv, v, 0, e);
@@ -235,6 +322,12 @@ void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struc
 {
     const int H = d->n_kv_heads;
     KVS_ASSERT(m->n_seqs == d->n_seqs && m->h_q_start[m->n_seqs] == n);
+#if DYN_CUDA
+    if (d->gpu) {   /* the page round, the rows' steps and the trim: three launches, no host round trip */
+        kvs_lean_dyn_cuda_step(d->gpu, d->n_jobs, layer, q, d->gk, d->gv, scale, out, KVS_LEAN_DYN_ALL);
+        return;
+    }
+#endif
     /* one allocation round: every head of the step's requests, the worst case of its rows */
     for (int s = 0; s < m->n_seqs; s++) {
         const int slot = d->seq_slot[s];
@@ -307,7 +400,13 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
                                      "Fraction of (token, layer, KV head) LeanKV pruned.", 0, pruned / ht, NULL, NULL};
     out[6] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_used",
                                      "LeanKV pages (mixed precision) held by requests now.", 0,
-                                     (double)(d->n_pages - kvs_lean_pm_n_free(d->pm)), NULL, NULL};
+                                     (double)(d->n_pages - (d->pm ? kvs_lean_pm_n_free(d->pm) :
+#if DYN_CUDA
+                                                            kvs_lean_dyn_cuda_n_free(d->gpu)
+#else
+                                                            0
+#endif
+                                                            )), NULL, NULL};
     out[7] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_total", "LeanKV pages in the pool.", 0,
                                      (double)d->n_pages, NULL, NULL};
     return 8;
@@ -315,6 +414,10 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
 
 int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char *msg, size_t msglen)
 {
+    if (d->gpu) {
+        snprintf(msg, msglen, "the cuda page manager is checked by tests/gpu/test_cuda_kv_lean_dyn.c, not here");
+        return -ENOSYS;
+    }
     int rc = kvs_lean_pm_check(d->pm, msg, msglen);
     if (rc) return rc;
     *pages_held = d->n_pages - kvs_lean_pm_n_free(d->pm);

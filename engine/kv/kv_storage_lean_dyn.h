@@ -10,7 +10,13 @@
  * for the worst case of its rows; what the sections did not reach goes back at once); a
  * request's pages go back when it ends, is preempted or cancelled (seq_free).
  *
- * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than the CPU, reuse
+ * On the cuda backend the heads, pages and page manager live on the GPU (kernels/kv_lean_dyn_cuda.h):
+ * write() keeps the step's K/V buffers, attention() launches the page round, the rows' steps
+ * (attention with in-kernel scores, the window exit) and the trim; the jobs are uploaded once
+ * per step (step()), so a recorded decode step replays it; usage is read back only for the
+ * counters and at a request's end.
+ *
+ * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than cpu and cuda, reuse
  * other than none (cached documents and prefix blocks are shared; demotion and pruning are
  * per request), a decode policy other than full, the fidelity meter (it would run the
  * policy's attention twice). Under tensor parallelism each rank's store holds its KV heads

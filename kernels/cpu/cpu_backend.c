@@ -306,6 +306,7 @@ struct job {
     int n, d0, d1, d2;
     float eps;
     const struct kvs_dweight *weight;
+    int vec;                      /* FMA set: vector rows (cpu_act.c) */
 };
 
 static void embed_task(void *c, int t)
@@ -341,18 +342,24 @@ static void rmsnorm_row(const float *x, const float *w, float eps, int dim, floa
     for (int i = 0; i < dim; i++) out[i] = w[i] * (x[i] * inv);
 }
 
+/* the reference's serial row, or the FMA set's 16-lane sum of squares (within 1 ulp) */
+static void norm_row(const struct job *j, const float *x, int dim, float *out)
+{
+    (j->vec ? kvs_cpu_rmsnorm_row : rmsnorm_row)(x, j->w, j->eps, dim, out);
+}
+
 static void rmsnorm_task(void *c, int t)
 {
     struct job *j = c;
     size_t o = (size_t)t * j->d0;
-    rmsnorm_row(j->x + o, j->w, j->eps, j->d0, j->y + o);
+    norm_row(j, j->x + o, j->d0, j->y + o);
 }
 
 static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                         int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
-    struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
+    struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim, .vec = b->kern.isa == KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * dim, rmsnorm_task, &j);
 }
 
@@ -363,14 +370,15 @@ static void add_rmsnorm_task(void *c, int t)
     float *res = j->y2 + o;
     const float *d = j->x + o;
     for (int i = 0; i < j->d0; i++) res[i] += d[i];
-    rmsnorm_row(res, j->w, j->eps, j->d0, j->y + o);
+    norm_row(j, res, j->d0, j->y + o);
 }
 
 static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const struct kvs_dbuf *delta,
                             const struct kvs_dweight *w, float eps, int n, int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
-    struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim};
+    struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim,
+                    .vec = b->kern.isa == KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 3.0 * n * dim, add_rmsnorm_task, &j);
 }
 
@@ -378,14 +386,15 @@ static void head_rmsnorm_task(void *c, int t)
 {
     struct job *j = c;
     float *row = j->y + (size_t)t * j->d0 * j->d1;
-    for (int h = 0; h < j->d0; h++) rmsnorm_row(row + (size_t)h * j->d1, j->w, j->eps, j->d1, row + (size_t)h * j->d1);
+    for (int h = 0; h < j->d0; h++) norm_row(j, row + (size_t)h * j->d1, j->d1, row + (size_t)h * j->d1);
 }
 
 static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const struct kvs_dweight *w, float eps, int n,
                              int n_heads, int head_dim)
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
-    struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim};
+    struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim,
+                    .vec = b->kern.isa == KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * n_heads * head_dim, head_rmsnorm_task, &j);
 }
 

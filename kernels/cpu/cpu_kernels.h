@@ -194,6 +194,11 @@ void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct 
  * sets): within a few ulp of the libm form the reference set uses. y may alias g or u. */
 void kvs_cpu_swiglu_row(const float *g, const float *u, int n, float *y);
 
+/* out[i] = w[i] * (x[i] * inv), inv = 1 / sqrt(sum x^2 / dim + eps), the sum of squares in
+ * double in 16 lanes (cpu_act.c; AVX2 + FMA sets): within 1 ulp of the reference set's serial
+ * double sum (the same roundings after the sum). out may alias x. */
+void kvs_cpu_rmsnorm_row(const float *x, const float *w, float eps, int dim, float *out);
+
 /* bf16 bits -> fp32 (exact) */
 static inline float kvs_cpu_bf16(uint16_t h)
 {

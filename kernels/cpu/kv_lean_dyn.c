@@ -188,8 +188,7 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
                             const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
                             int32_t pos, float scale, float *out, float *scratch, struct kvs_lean_event *ev)
 {
-    const int hd = c->head_dim, G = c->group, W = c->window;
-    struct kvs_lean_event e = {-1, -1, 0, -1, -1, 0, 0};
+    const int hd = c->head_dim, G = c->group;
     /* 1. the new token joins the window */
     const int w = wslot(c, h, h->w_n++);
     memcpy(h->wk + (size_t)w * hd, k, (size_t)hd * sizeof(float));
@@ -251,6 +250,14 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
         const float inv = 1.0f / l[g];
         for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
     }
+    kvs_lean_dyn_head_exit(c, h, pg, ev);
+}
+
+void kvs_lean_dyn_head_exit(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                            const struct kvs_lean_dyn_pages *pg, struct kvs_lean_event *ev)
+{
+    const int hd = c->head_dim, W = c->window;
+    struct kvs_lean_event e = {-1, -1, 0, -1, -1, 0, 0};
     /* 3. the oldest window token leaves: high, low or pruned; then the section's victim */
     if (h->w_n > W) {
         const int cw = h->w_start;

@@ -381,4 +381,6 @@ const struct kvs_paris_kernels kvs_paris_kernels_cpu = {
     .host_free = kvs_paris_cpu_host_free,
     .write_out = kvs_paris_cpu_write_out,
     .gather = kvs_paris_cpu_gather,
+    .host_view = kvs_paris_cpu_host_view,
+    .host_view_free = kvs_paris_cpu_host_view_free,
 };

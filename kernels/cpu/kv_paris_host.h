@@ -21,5 +21,7 @@ void kvs_paris_cpu_gather(struct kvs_backend *b, const struct kvs_dbuf *kc, cons
                           const struct kvs_dbuf *n_spans, const struct kvs_dbuf *spans, int max_spans,
                           const struct kvs_dbuf *pages, int page_stride, const void *host_k, const void *host_v,
                           struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v, int stage_blocks);
+struct kvs_dbuf *kvs_paris_cpu_host_view(struct kvs_backend *b, void *host, size_t off, size_t n);
+void kvs_paris_cpu_host_view_free(struct kvs_backend *b, struct kvs_dbuf *view);
 
 #endif

@@ -739,6 +739,9 @@ extern "C" void kvs_paris_cuda_gather(struct kvs_backend *b, const struct kvs_db
                                       int page_stride, const void *host_k, const void *host_v,
                                       struct kvs_dbuf *stage_k, struct kvs_dbuf *stage_v, int stage_blocks);
 
+extern "C" struct kvs_dbuf *kvs_paris_cuda_host_view(struct kvs_backend *b, void *host, size_t off, size_t n);
+extern "C" void kvs_paris_cuda_host_view_free(struct kvs_backend *b, struct kvs_dbuf *view);
+
 extern "C" const struct kvs_paris_kernels kvs_paris_kernels_cuda = {
     "cuda",
     paris_supports,
@@ -750,4 +753,6 @@ extern "C" const struct kvs_paris_kernels kvs_paris_kernels_cuda = {
     kvs_paris_cuda_host_free,
     kvs_paris_cuda_write_out,
     kvs_paris_cuda_gather,
+    kvs_paris_cuda_host_view,
+    kvs_paris_cuda_host_view_free,
 };

@@ -197,3 +197,21 @@ extern "C" void kvs_paris_cuda_gather(struct kvs_backend *b, const struct kvs_db
     cu_gather(b, kc, vc, m, rows, h_rows, n, layer, n_layers, n_kv_heads, head_dim, block_size, n_spans, spans,
               max_spans, pages, page_stride, host_k, host_v, stage_k, stage_v, stage_blocks);
 }
+
+/* kernels/kv_paris.h host_view: the mapped pinned pages' host pointer is their device pointer
+ * (checked at host_alloc), so the view is a buffer that is not on the backend's list (its
+ * free_buf must never see it: host_view_free frees the struct only) */
+extern "C" struct kvs_dbuf *kvs_paris_cuda_host_view(struct kvs_backend *b, void *host, size_t off, size_t n)
+{
+    (void)b;
+    struct kvs_dbuf *v = (struct kvs_dbuf *)kvs_xcalloc(1, sizeof *v);
+    v->kind = KVS_BUF_KV;
+    v->n = n;
+    v->d = (bf16 *)host + off;
+    return v;
+}
+extern "C" void kvs_paris_cuda_host_view_free(struct kvs_backend *b, struct kvs_dbuf *view)
+{
+    (void)b;
+    free(view);
+}

@@ -4,7 +4,8 @@
  * digest_update  one block per (sequence, KV head, page slice), one thread per dimension: each
  *                page the step wrote is recomputed from its written slots (bf16 min/max are
  *                bf16 values: stored exactly, equal to the CPU's on the same keys).
- * score          one block per (row, KV head, 128 candidate pages), four warps; the group's
+ * score          one block per (row, KV head, slice of candidate pages), four warps, the slice
+ *                sized for about eight blocks per SM (score_pages_per_block); the group's
  *                queries staged in shared memory; head_dim / 8 lanes score a page, each over 8
  *                dimensions (16-byte loads of kmin and kmax), four page groups' loads in flight
  *                per warp; fp32 sums reduced over the lanes (another order than the CPU's:
@@ -20,8 +21,10 @@
  *                max codes (32 / 16 dimensions at 4 / 8 bits; the lane's Qp / Qn in registers),
  *                the grid's affine map taken out of the sum (one fma per code, q_code_1c),
  *                fp32 sums (another order and form than the CPU's: equal up to rounding).
- * select         one block of 1024 threads per (row, KV head): a radix select (4 passes of
- *                8-bit digits, MSB first, over kvs_quest_order_key) finds the k-th largest
+ * select         one block of 1024 threads per (row, KV head): the row's order keys
+ *                (kvs_quest_order_key) made once into shared memory where they fit (up to
+ *                SEL_STAGED_MAX bytes: 128K-token rows and more), then a radix select (4 passes of
+ *                8-bit digits, MSB first) finds the k-th largest
  *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
  *                above it and the lowest-indexed ones equal to it are kept (a
  *                block scan over contiguous chunks ranks the ties in page order); the kept
@@ -38,8 +41,10 @@
 #include "kernels/kv_quest.h"
 
 #define QS_WARPS 4
-#define QS_PAGES 128         /* candidate pages per score block */
+#define QS_MIN_PAGES 64      /* candidate pages per score block: at least, and a multiple of */
+#define QS_BLOCKS_PER_SM 8   /* score blocks the grid aims at per SM (the sweep in bench/RESULTS.md, quest5) */
 #define SEL_THREADS 1024
+#define SEL_STAGED_MAX (160 * 1024)   /* shared bytes up to which select stages the keys */
 
 __device__ __forceinline__ uint32_t q_okey(float x)
 {
@@ -100,6 +105,45 @@ static void cu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, c
 
 /* ---- scores -------------------------------------------------------------------------------- */
 
+/* Candidate pages per score block: as many as give about QS_BLOCKS_PER_SM blocks per SM over the
+ * (row, KV head) pairs, at least QS_MIN_PAGES. Each block stages (or folds) its group's queries
+ * before its first load, and a block of a few pages is mostly that: 128 pages per block (two
+ * loop iterations at 8 bits) left the quantized score at a third of the bandwidth
+ * (bench/RESULTS.md, quest4); fewer, longer blocks keep every warp's loads streaming. The shape
+ * depends only on (pairs, most), both fixed by the step's plan, so a recorded graph replays it. */
+static int qs_fixed_pages, qs_blocks_per_sm = QS_BLOCKS_PER_SM;   /* kvs_quest_cuda_score_shape */
+
+extern "C" void kvs_quest_cuda_score_shape(int pages_per_block, int blocks_per_sm)
+{
+    qs_fixed_pages = pages_per_block > 0 ? (pages_per_block + QS_MIN_PAGES - 1) / QS_MIN_PAGES * QS_MIN_PAGES : 0;
+    qs_blocks_per_sm = blocks_per_sm > 0 ? blocks_per_sm : QS_BLOCKS_PER_SM;
+}
+
+static int score_pages_per_block(const struct kvs_backend *b, int pairs, int most)
+{
+    if (qs_fixed_pages) return qs_fixed_pages;
+    const long target = (long)(b->n_sms > 0 ? b->n_sms : 1) * qs_blocks_per_sm;
+    long chunks = (target + pairs - 1) / pairs;
+    if (chunks < 1) chunks = 1;
+    long ppb = ((long)most + chunks - 1) / chunks;
+    ppb = (ppb + QS_MIN_PAGES - 1) / QS_MIN_PAGES * QS_MIN_PAGES;
+    return ppb < QS_MIN_PAGES ? QS_MIN_PAGES : (int)ppb;
+}
+
+/* The physical pages of pages first + u P (u < U) that are below end (0 for the others): the
+ * block-table reads of the next loop iteration, issued before this iteration's sums so that each
+ * iteration waits on one memory round trip (the digests), not two (the table, then the digests). */
+template <int U, int P>
+__device__ __forceinline__ void q_phys_ahead(size_t *ph, const int32_t *__restrict__ bt, int first, int end, int bs,
+                                             int ps)
+{
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const int pg = first + u * P;
+        ph[u] = pg < end ? q_phys_page(bt, pg * ps, bs, ps) : 0;
+    }
+}
+
 /* L = hd / 8 lanes score a page, each over 8 dimensions read as one 16-byte load of kmin and one of
  * kmax; a warp scores 32 / L pages at a time, QS_UNROLL such groups with their loads issued
  * first (the digests are read once, so the kernel is bound by how many loads are in flight) */
@@ -119,32 +163,36 @@ template <int HD>
 __global__ void __launch_bounds__(32 * QS_WARPS)
 k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
               const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
-              int n_kv, int bs, int ps, int max_pages, float *__restrict__ scores)
+              int n_kv, int bs, int ps, int max_pages, int ppb, float *__restrict__ scores)
 {
     constexpr int L = HD / 8, P = 32 / L;   /* lanes per page, pages per warp step */
     extern __shared__ float sq[];           /* [G][HD] */
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
     grid_dep_wait();
     const int cur = pos[row] / ps;
-    const int pg0 = (int)blockIdx.y * QS_PAGES;
+    const int pg0 = (int)blockIdx.y * ppb;
     if (keep[row] > cur || pg0 >= cur) return;
     for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
     const int32_t *bt = bts + (size_t)row * max_blocks;
     float *out = scores + ((size_t)row * n_kv + g) * max_pages;
-    const int pg1 = min(pg0 + QS_PAGES, cur);
-    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += QS_WARPS * P * QS_UNROLL) {
+    const int pg1 = min(pg0 + ppb, cur);
+    constexpr int STEP = QS_WARPS * P * QS_UNROLL;
+    size_t ph[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
+    q_phys_ahead<QS_UNROLL, P>(ph, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += STEP) {
         uint4 mn[QS_UNROLL] = {}, mx[QS_UNROLL] = {};
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
             if (pg < pg1) {
-                const uint4 *d = (const uint4 *)(dig + (q_phys_page(bt, pg * ps, bs, ps) * n_kv + g) * 2 * HD);
+                const uint4 *d = (const uint4 *)(dig + (ph[u] * n_kv + g) * 2 * HD);
                 mn[u] = d[l];
                 mx[u] = d[L + l];
             }
         }
+        q_phys_ahead<QS_UNROLL, P>(ph, bt, base + STEP + sub, pg1, bs, ps);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
@@ -172,12 +220,13 @@ static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const stru
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
     if (!most) return;
     xh_forget(b, scores->d);
-    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + QS_PAGES - 1) / QS_PAGES));
+    const int ppb = score_pages_per_block(b, n * n_kv_heads, most);
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb));
     const size_t smem = (size_t)(n_heads / n_kv_heads) * head_dim * sizeof(float);
 #define QS_ARGS                                                                                                   \
     grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d, (const bf16 *)dig->d, (const int32_t *)m->pos->d, \
         (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads,       \
-        block_size, page_size, max_pages, (float *)scores->d
+        block_size, page_size, max_pages, ppb, (float *)scores->d
     switch (head_dim) {
     case 16: CUDA_CHECK(kvs_cu_launch(k_quest_score<16>, QS_ARGS)); break;
     case 32: CUDA_CHECK(kvs_cu_launch(k_quest_score<32>, QS_ARGS)); break;
@@ -296,7 +345,8 @@ template <int HD, int BITS>
 __global__ void __launch_bounds__(32 * QS_WARPS)
 k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, size_t n_pages,
                const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
-               int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, float *__restrict__ scores)
+               int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, int ppb,
+               float *__restrict__ scores)
 {
     constexpr int NW = HD * BITS / 32;            /* words per code vector */
     constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
@@ -307,7 +357,7 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
     grid_dep_wait();
     const int cur = pos[row] / ps;
-    const int pg0 = (int)blockIdx.y * QS_PAGES;
+    const int pg0 = (int)blockIdx.y * ppb;
     if (keep[row] > cur || pg0 >= cur) return;
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float p = 0.0f, n = 0.0f;
@@ -330,8 +380,11 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     const int32_t *bt = bts + (size_t)row * max_blocks;
     const uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * NW;
     float *out = scores + ((size_t)row * n_kv + g) * max_pages;
-    const int pg1 = min(pg0 + QS_PAGES, cur);
-    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += QS_WARPS * P * QS_UNROLL) {
+    const int pg1 = min(pg0 + ppb, cur);
+    constexpr int STEP = QS_WARPS * P * QS_UNROLL;
+    size_t php[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
+    q_phys_ahead<QS_UNROLL, P>(php, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += STEP) {
         vec mn[QS_UNROLL], mx[QS_UNROLL];
         uint32_t par[QS_UNROLL];
 #pragma unroll
@@ -339,13 +392,14 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
             const int pg = base + u * P + sub;
             par[u] = KVS_QD_UNBOUNDED;
             if (pg < pg1) {
-                const size_t ph = q_phys_page(bt, pg * ps, bs, ps) * n_kv + g;
+                const size_t ph = php[u] * n_kv + g;
                 const vec *d = (const vec *)(qdig + ph * 2 * NW);
                 mn[u] = d[l];
                 mx[u] = d[L + l];
                 par[u] = params[ph];
             }
         }
+        q_phys_ahead<QS_UNROLL, P>(php, bt, base + STEP + sub, pg1, bs, ps);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
@@ -381,11 +435,12 @@ static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const str
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
     if (!most) return;
     xh_forget(b, scores->d);
-    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + QS_PAGES - 1) / QS_PAGES));
+    const int ppb = score_pages_per_block(b, n * n_kv_heads, most);
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb));
 #define QQ_ARGS                                                                                                 \
     grid, 32 * QS_WARPS, 0, b->stream, (const float *)q->d, (const uint32_t *)qdig->d, n_pages,                \
         (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, \
-        n_heads, n_kv_heads, block_size, page_size, max_pages, (float *)scores->d
+        n_heads, n_kv_heads, block_size, page_size, max_pages, ppb, (float *)scores->d
 #define QQ_CASE(H, B)                                                        \
     if (head_dim == H && bits == B) {                                         \
         CUDA_CHECK(kvs_cu_launch(k_quest_qscore<H, B>, QQ_ARGS));                  \
@@ -405,6 +460,10 @@ typedef cub::BlockScan<int, SEL_THREADS> sel_scan;
 
 __device__ __forceinline__ bool bit_at(const uint32_t *bits, int j) { return (bits[j >> 5] >> (j & 31)) & 1u; }
 
+/* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
+ * max_pages words), so the radix passes and the tie ranking read shared memory instead of
+ * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
+template <bool STAGED>
 __global__ void __launch_bounds__(SEL_THREADS)
 k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
                int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
@@ -413,7 +472,7 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     __shared__ int hist[256];
     __shared__ int s_sel[2];               /* the digit's bin, keys still to take inside it */
     __shared__ typename sel_scan::TempStorage scan_tmp;
-    extern __shared__ uint32_t bits[];     /* kept pages 0 .. cur */
+    extern __shared__ uint32_t bits[];     /* kept pages 0 .. cur; STAGED: then the keys [max_pages] */
     const int pair = blockIdx.x, row = pair / n_kv, tid = threadIdx.x;
     grid_dep_wait();
     const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
@@ -428,6 +487,12 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     const float *sc = scores + (size_t)pair * max_pages;
     const int words = (cur + 1 + 31) / 32;
     for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
+    uint32_t *sk = bits + (max_pages + 1 + 31) / 32;
+    if (STAGED) {
+        for (int j = tid; j < cur; j += SEL_THREADS) sk[j] = q_okey(sc[j]);
+        __syncthreads();
+    }
+#define SEL_KEY(j) (STAGED ? sk[j] : q_okey(sc[j]))
 
     /* radix select of the top-th largest key: prefix / mask hold the digits fixed so far */
     uint32_t prefix = 0, mask = 0;
@@ -442,7 +507,7 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
                 const int j = j0 + tid;
                 int bin = -1;
                 if (j < cur) {
-                    const uint32_t k = q_okey(sc[j]);
+                    const uint32_t k = SEL_KEY(j);
                     if ((k & mask) == prefix) bin = (int)((k >> shift) & 255);
                 }
                 const unsigned same = __match_any_sync(0xffffffffu, bin);
@@ -478,13 +543,13 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     const int j0 = min(tid * chunk, cur), j1 = min(j0 + chunk, cur);
     int eq = 0;
     if (top > 0)
-        for (int j = j0; j < j1; j++) eq += q_okey(sc[j]) == prefix;
+        for (int j = j0; j < j1; j++) eq += SEL_KEY(j) == prefix;
     int eq_before;
     sel_scan(scan_tmp).ExclusiveSum(eq, eq_before);
     __syncthreads();
     if (top > 0)
         for (int j = j0; j < j1; j++) {
-            const uint32_t k = q_okey(sc[j]);
+            const uint32_t k = SEL_KEY(j);
             bool take = k > prefix;
             if (k == prefix) take = eq_before++ < remaining;
             if (take) atomicOr(&bits[j >> 5], 1u << (j & 31));
@@ -510,6 +575,7 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
         idx++;
     }
     if (tid == 0) n_spans[pair] = min(total, max_spans);
+#undef SEL_KEY
 }
 
 static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
@@ -519,16 +585,26 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, cons
     if (n <= 0) return;
     xh_forget(b, n_spans->d);
     xh_forget(b, spans->d);
-    const size_t smem = (size_t)(max_pages + 1 + 31) / 32 * sizeof(uint32_t);
-    static int attr_set;
-    if (!attr_set && smem > 48 * 1024) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_quest_select, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)(smem < 160 * 1024 ? 160 * 1024 : smem)));
-        attr_set = 1;
+    const size_t bits_bytes = (size_t)(max_pages + 1 + 31) / 32 * sizeof(uint32_t);
+    const size_t staged = bits_bytes + (size_t)max_pages * sizeof(uint32_t);
+    const bool stage = staged <= SEL_STAGED_MAX;
+    const size_t smem = stage ? staged : bits_bytes;
+    static int attr_set[2];
+    if (!attr_set[stage] && smem > 48 * 1024) {
+        const void *fn = stage ? (const void *)k_quest_select<true> : (const void *)k_quest_select<false>;
+        CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)(smem < SEL_STAGED_MAX ? SEL_STAGED_MAX : smem)));
+        attr_set[stage] = 1;
     }
-    CUDA_CHECK(kvs_cu_launch(k_quest_select, (unsigned)(n * n_kv_heads), SEL_THREADS, smem, b->stream,
-                             (const float *)scores->d, (const int32_t *)m->pos->d, (const int32_t *)keep->d, n_kv_heads,
-                             page_size, max_pages, max_spans, (int32_t *)n_spans->d, (int32_t *)spans->d));
+#define SEL_ARGS                                                                                                  \
+    (unsigned)(n * n_kv_heads), SEL_THREADS, smem, b->stream, (const float *)scores->d, (const int32_t *)m->pos->d, \
+        (const int32_t *)keep->d, n_kv_heads, page_size, max_pages, max_spans, (int32_t *)n_spans->d,            \
+        (int32_t *)spans->d
+    if (stage)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<true>, SEL_ARGS));
+    else
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<false>, SEL_ARGS));
+#undef SEL_ARGS
     (void)m;
 }
 

@@ -135,6 +135,10 @@ static double counter(const struct kvs_engine_stats *st, const char *name)
     return -1;
 }
 
+/* 1: run_engine uses kv.paris.offload with a 16-block pool (256 tokens; the demo model's bf16 block is
+ * 32 KiB) and 64-token prefill chunks, so the 300-600-token prompts stream through it */
+static int g_offload;
+
 static int run_engine(struct kvs_model *model, const char *decode, double beta, int topk, int32_t out[NJ][GEN],
                       struct kvs_engine_stats *st, char *err, size_t errlen)
 {
@@ -149,6 +153,12 @@ static int run_engine(struct kvs_model *model, const char *decode, double beta, 
     c.max_model_len = 1024;
     c.paris_dense_threshold = 100, c.paris_local = 16, c.paris_update_interval = 16;
     c.paris_beta = beta, c.paris_topk = topk, c.paris_recall_every = 1;
+    if (g_offload) {
+        c.kv_memory_bytes = 16 * 32768;
+        c.prefill_chunk = 64;
+        c.paris_offload = 1;
+        c.paris_host_bytes = 160 * 32768;
+    }
     struct kvs_engine *e;
     int rc = kvs_engine_create(&c, model, NULL, &e, err, errlen);
     if (rc) {
@@ -233,6 +243,22 @@ static void test_engine(void)
     const double rows1 = counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(same >= NJ - 1 && rows1 > 0, "paris at beta 1, topk >= n_r on cuda: %d of %d equal to full, %g sparse rows",
           same, NJ, rows1);
+    /* offload, chunked prefill through a 256-token pool: host pages read over UVA by
+     * attention_spans (kv_paris.h host_view) for the later chunks; beta 1 equals full */
+    g_offload = 1;
+    REQUIRE(run_engine(model, "paris", 1.0, 1000, all, &st, err, sizeof err) == 0, "%s", err);
+    g_offload = 0;
+    int same_off = 0;
+    for (int i = 0; i < NJ; i++) same_off += !memcmp(full[i], all[i], sizeof full[i]);
+    const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
+    const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+    CHECK(same_off >= NJ - 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
+          counter(&st, "kvserve:kv_paris_host_bytes") == 0, "offload through a 16-block pool on cuda: %d of %d equal "
+          "to full, %g positions written out in prefill, %g prefill rows over host pages, pool %d, %d blocks and %g "
+          "host bytes held at the end", same_off, NJ, written, hrows, st.kv_blocks_total, st.kv_blocks_used,
+          counter(&st, "kvserve:kv_paris_host_bytes"));
+    printf("ok engine on cuda, offload with chunked prefill through a 256-token pool: %d/%d equal to full; %g prefill "
+           "rows attended over host pages\n", same_off, NJ, hrows);
     REQUIRE(run_engine(model, "paris", 0, 16, sparse, &st, err, sizeof err) == 0, "%s", err);
     const double t = counter(&st, "kvserve:kv_paris_recall_total"), h = counter(&st, "kvserve:kv_paris_recall_hits_total");
     const double rows = counter(&st, "kvserve:kv_paris_sparse_rows_total");

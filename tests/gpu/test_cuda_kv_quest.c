@@ -10,7 +10,9 @@
  *             sorted, merged and end at the context;
  *   attention attention_spans over the CUDA spans: out and lse against the CPU op over the same
  *             spans (out relative L2 < 1e-2, lse within 1e-2 relative: bf16 K/V and q);
- *   sizes     one 128K-token row (8192 candidate pages) and equal scores (the lowest pages);
+ *   sizes     one 128K-token row (8192 candidate pages), 1024 (row, KV head) pairs (one score
+ *             block per pair: its pages in several loop iterations), and equal scores (the
+ *             lowest pages);
  *   engine    the tiny Llama on device cuda with kv.decode=quest at budget >= context gives the
  *             same greedy tokens as full attention on cuda for most requests (bf16 rounding may
  *             flip a near-tie), and at a small budget serves every request and reads less; the
@@ -135,6 +137,9 @@ static void test_kernels(uint64_t seed)
         {4, 32, 8, 128, 16, 16, 1, 300, 0.15, 256, 0, "short (every page: one span)"},
         {1, 32, 8, 128, 16, 16, 131072, 131072, 0.15, 256, 1, "one 128K row (8192 pages)"},
         {3, 64, 8, 256, 16, 16, 1000, 3000, 0.1, 64, 1, "G8 hd256"},
+        /* 1024 (row, KV head) pairs: one score block per pair over all its candidates (more
+         * pages per block than one loop iteration of its warps) */
+        {16, 64, 64, 64, 16, 16, 2000, 3000, 0.15, 64, 1, "MHA 64 heads hd64, 16 rows: one long score block each"},
     };
     /* each case with bf16 digests, then 8- and 4-bit ones (kv.quest.digest_bits) */
     for (size_t i = 0; i < 3 * (sizeof CASES / sizeof CASES[0]); i++) {

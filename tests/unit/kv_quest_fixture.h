@@ -19,6 +19,7 @@
 
 #define QF_MAX_SEQS 16
 #define QF_NEEDLES 3
+#define QF_MAX_KV 64      /* KV heads of a case, at most */
 
 struct qf_case {
     int n_seqs, nh, nkv, hd, bs, ps, n_blocks, max_blocks;
@@ -26,7 +27,7 @@ struct qf_case {
     int ctx[QF_MAX_SEQS];         /* context after the step */
     int step_rows[QF_MAX_SEQS];   /* rows the step writes: positions ctx - step_rows .. ctx - 1 */
     int keep[QF_MAX_SEQS];
-    int needle[QF_MAX_SEQS][8][QF_NEEDLES]; /* planted pages per (seq, kv head); -1 none */
+    int needle[QF_MAX_SEQS][QF_MAX_KV][QF_NEEDLES]; /* planted pages per (seq, kv head); -1 none */
     int32_t *bt;                  /* [n_seqs][max_blocks] */
     float *k, *v;                 /* [n_blocks][nkv][bs][hd] */
     float *q;                     /* [n_seqs][nh][hd]: the decode query of each sequence */
@@ -48,6 +49,7 @@ static void qf_make(struct qf_case *c, uint64_t seed, int n_seqs, int nh, int nk
                     int hi, double ratio, int min_budget, int needles)
 {
     uint64_t r = seed;
+    if (n_seqs > QF_MAX_SEQS || nkv > QF_MAX_KV) kvs_panic(__FILE__, __LINE__, "qf_make: %d seqs, %d KV heads", n_seqs, nkv);
     memset(c, 0, sizeof *c);
     c->n_seqs = n_seqs, c->nh = nh, c->nkv = nkv, c->hd = hd, c->bs = bs, c->ps = ps;
     c->max_blocks = (hi + bs - 1) / bs;

@@ -393,6 +393,46 @@ static void test_swiglu(void)
     printf("ok swiglu (vector exp): within %.1e relative of the libm form in double (gates over +-3e38)\n", worst);
 }
 
+/* The FMA set's RMSNorm row (16 double lanes) against the reference's serial double sum,
+ * same roundings after it: within 1 ulp per element; dims with and without tails, aliasing */
+static float ulp_of(float v) { return nextafterf(fabsf(v), INFINITY) - fabsf(v); }
+
+static void test_rmsnorm_row(void)
+{
+    if (kvs_cpu_isa_best() != KVS_CPU_ISA_FMA) {
+        printf("SKIP: rmsnorm row: no FMA on this CPU (the vector row is not used)\n");
+        return;
+    }
+    static const int dims[] = {1, 13, 16, 64, 72, 256, 576, 2048, 4099};
+    int rows = 0, equal = 0;
+    for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        const int d = dims[di];
+        float *x = malloc(d * sizeof *x), *w = malloc(d * sizeof *w), *y = malloc(d * sizeof *y);
+        float *r = malloc(d * sizeof *r), *xa = malloc(d * sizeof *xa);
+        for (int rep = 0; rep < 20; rep++) {
+            const float scale = rep % 4 == 0 ? 1e-3f : rep % 4 == 1 ? 1e3f : 1.0f;
+            for (int i = 0; i < d; i++) x[i] = scale * frand(), w[i] = 1.0f + 0.5f * frand();
+            double ss = 0.0;
+            for (int i = 0; i < d; i++) ss += (double)x[i] * (double)x[i];
+            const float inv = (float)(1.0 / sqrt(ss / d + 1e-6));
+            for (int i = 0; i < d; i++) r[i] = w[i] * (x[i] * inv);
+            kvs_cpu_rmsnorm_row(x, w, 1e-6f, d, y);
+            memcpy(xa, x, d * sizeof *x);
+            kvs_cpu_rmsnorm_row(xa, w, 1e-6f, d, xa);   /* in place, as head_rmsnorm runs it */
+            int same = 1;
+            for (int i = 0; i < d; i++) {
+                CHECK(fabsf(y[i] - r[i]) <= ulp_of(r[i]), "rmsnorm d=%d i=%d: %.9g vs %.9g", d, i, y[i], r[i]);
+                CHECK(xa[i] == y[i], "rmsnorm in place differs at d=%d i=%d", d, i);
+                same &= y[i] == r[i];
+            }
+            rows++, equal += same;
+        }
+        free(x), free(w), free(y), free(r), free(xa);
+    }
+    printf("ok rmsnorm row (16 double lanes): within 1 ulp of the serial sum; %d of %d rows bitwise equal\n", equal,
+           rows);
+}
+
 int main(void)
 {
     /* every job through the workers, however small (cpu_pool.h runs small ones inline by
@@ -408,6 +448,7 @@ int main(void)
     test_blas(p1, p3);
     test_q4(p1, p3);
     test_swiglu();
+    test_rmsnorm_row();
     kvs_cpu_pool_free(p1);
     kvs_cpu_pool_free(p3);
     return kvs_test_summary("test_cpu_kernels");

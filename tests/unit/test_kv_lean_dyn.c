@@ -12,7 +12,7 @@
  *      end, are preempted or cancelled (seq_free) at random; after every step every page id is
  *      exactly once across the free list and the tables, each live head holds exactly the pages
  *      its sections reached, and when all requests are gone no page is held;
- *   5. refusals: the dynamic mode off the CPU (bare backend), with kv.reuse prefix / lazy,
+ *   5. refusals: the dynamic mode on a backend without its kernels (neither cpu nor cuda), with kv.reuse prefix / lazy,
  *      kv.decode mac, the fidelity meter. */
 #include "base/util.h"
 #include "engine/config.h"
@@ -394,7 +394,7 @@ static void test_refusals(void)
         {"kv.reuse", "lazy", "kv.reuse = lazy", -EINVAL},
         {"kv.decode", "mac", "kv.decode = mac", -EINVAL},
         {"kv.fidelity.sample_every", "4", "kv.fidelity.sample_every", -EINVAL},
-        {"device", "bare", "cpu backend only", -ENOSYS},
+        {"device", "bare", "cpu and cuda backends only", -ENOSYS},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct kvs_config c;
@@ -403,7 +403,7 @@ static void test_refusals(void)
         if (!strcmp(cases[i].key, "kv.reuse")) set_str(&c.kv_reuse, cases[i].value);
         if (!strcmp(cases[i].key, "kv.decode")) set_str(&c.kv_decode, cases[i].value);
         if (!strcmp(cases[i].key, "kv.fidelity.sample_every")) c.kv_fidelity_sample_every = 4;
-        if (!strcmp(cases[i].key, "device")) bare.name = "cuda";
+        if (!strcmp(cases[i].key, "device")) bare.name = "metal";   /* a backend without the kernels */
         const struct kvs_kv_shape sh = {2, 2, 16, 4, &c, 4, 4, 32, 64};
         void *state = NULL;
         err[0] = 0;
@@ -413,7 +413,7 @@ static void test_refusals(void)
         if (state) st->destroy(state);
         kvs_config_free(&c);
     }
-    printf("ok dynamic mode refused with a reason: on cuda, with kv.reuse prefix / lazy, kv.decode mac, the fidelity "
+    printf("ok dynamic mode refused with a reason: on a backend without its kernels, with kv.reuse prefix / lazy, kv.decode mac, the fidelity "
            "meter\n");
     o->free(be);
 }

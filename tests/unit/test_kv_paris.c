@@ -451,14 +451,22 @@ static void test_engine(void)
     memcpy(off, ref, sizeof off);
     base_cfg(&c, "prefix", "paris");
     small_zones(&c);
-    c.paris_topk = 8;
+    c.paris_topk = 8, c.paris_recall_every = 1;
     REQUIRE(run(&c, off, &st, err, sizeof err) == 0, "%s", err);
+    const double off_tot = counter(&st, "kvserve:kv_paris_recall_total");
+    const double off_hits = counter(&st, "kvserve:kv_paris_recall_hits_total");
     kvs_config_free(&c);
     memcpy(got, ref, sizeof got);
     base_cfg(&c, "prefix", "paris");
     small_zones(&c);
-    c.paris_topk = 8, c.paris_offload = 1;
+    c.paris_topk = 8, c.paris_offload = 1, c.paris_recall_every = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+    /* recall's exact top-k reads the zone from the host pages: the same keys, the same counts */
+    CHECK(off_tot > 0 && counter(&st, "kvserve:kv_paris_recall_total") == off_tot &&
+          counter(&st, "kvserve:kv_paris_recall_hits_total") == off_hits &&
+          counter(&st, "kvserve:kv_paris_recall_skipped_total") == 0, "offload recall %g / %g (skipped %g) vs off %g / %g",
+          counter(&st, "kvserve:kv_paris_recall_hits_total"), counter(&st, "kvserve:kv_paris_recall_total"),
+          counter(&st, "kvserve:kv_paris_recall_skipped_total"), off_hits, off_tot);
     CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
           counter(&st, "kvserve:kv_paris_gpu_blocks_released_total") > 0, "offload, topk 8: tokens %s",
           same(off, got) ? "equal to offload off" : "DIFFER from offload off");
@@ -498,6 +506,7 @@ static void test_stress(int offload)
     c.paris_offload = offload;
     /* offload gives blocks back early, so its pool is smaller for preemptions to happen too */
     c.kv_memory_bytes = (offload ? 14 : 24) * 8192;
+    c.prefill_chunk = offload ? 32 : 0;   /* offload: later chunks attend over host pages */
     c.max_waiting = N;
     char err[256];
     struct kvs_engine *e;
@@ -520,9 +529,116 @@ static void test_stress(int offload)
     CHECK(offload ? rel > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 : rel == 0,
           "offload %d: %g pool blocks released, %g off the pool at the end", offload, rel,
           counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
+    const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+    CHECK(offload ? hrows > 0 : hrows == 0, "offload %d: %g prefill rows over host pages", offload, hrows);
     printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, %g pool blocks released "
-           "early, all blocks and pages free, no live state\n", offload, N, cancelled,
-           (unsigned long long)st.num_preemptions, rows, rel);
+           "early, %g prefill rows over host pages, all blocks and pages free, no live state\n", offload, N, cancelled,
+           (unsigned long long)st.num_preemptions, rows, rel, hrows);
+    kvs_engine_free(e);
+    kvs_config_free(&c);
+}
+
+/* kv.paris.offload, chunked prefill: prompts several times the GPU pool stream through it (each
+ * chunk's finished retrieval zone goes to host pages and its blocks back to the pool; later
+ * chunks attend over the pool and the host pages); beta = 1, topk >= n_r gives full attention's
+ * greedy tokens (a big pool, offload off) within the split attention's rounding (the merge of
+ * two partials is not attention()'s bits, so "equal tokens", not bitwise); nothing leaks; a
+ * request past what the pool and the host pages hold is refused naming both. */
+static void test_long_prompt(void)
+{
+    enum { NL = 3, LP = 440, LG = 16, POOL = 10 };
+    static int32_t prompts[NL][LP];
+    int32_t ref[NL][LG], got[NL][LG];
+    uint64_t rng = 0x10A6ull;
+    for (int i = 0; i < NL; i++)
+        for (int t = 0; t < LP; t++) prompts[i][t] = 1 + (int32_t)(kvs_test_xorshift(&rng) % 1000);
+    struct kvs_test_job tj[NL];
+    struct kvs_engine_stats st;
+    struct kvs_config c;
+    char err[512];
+    for (int pass = 0; pass < 2; pass++) {
+        base_cfg(&c, "none", pass ? "paris" : "full");
+        c.prefill_chunk = 32;
+        if (pass) {
+            small_zones(&c);
+            c.paris_beta = 1, c.paris_topk = 600, c.paris_offload = 1, c.paris_recall_every = 4;
+            c.kv_memory_bytes = POOL * 8192;            /* 10 blocks of 16 tokens: 160 tokens */
+            c.paris_host_bytes = (int64_t)NL * 32 * 8192;  /* 32 pages a request */
+        }
+        for (int i = 0; i < NL; i++)
+            tj[i] = (struct kvs_test_job){prompts[i], LP, NULL, 0, pass ? got[i] : ref[i], 0, KVS_FINISH_NONE};
+        REQUIRE(kvs_test_engine_run(&c, model, tj, NL, LG, &st, err, sizeof err) == 0, "%s", err);
+        for (int i = 0; i < NL; i++) CHECK(tj[i].n_got == LG, "pass %d request %d: %d tokens", pass, i, tj[i].n_got);
+        if (pass) {
+            const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
+            const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+            const double rel = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+            CHECK(st.kv_blocks_total == POOL && written >= NL * (LP - 8 - 4 - 32) && hrows > 0 && rel >= NL * 20,
+                  "pool %d blocks, %g positions written out by prefill, %g prefill rows over host pages, %g blocks "
+                  "released", st.kv_blocks_total, written, hrows, rel);
+            CHECK(st.kv_blocks_used == 0 && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
+                  counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 &&
+                  counter(&st, "kvserve:kv_paris_live_requests") == 0, "leak: %d blocks, %g host bytes held",
+                  st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
+            const double rt = counter(&st, "kvserve:kv_paris_recall_total");
+            CHECK(rt > 0 && counter(&st, "kvserve:kv_paris_recall_hits_total") == rt,
+                  "beta 1 recall from host pages: %g / %g", counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
+            CHECK(!memcmp(ref, got, sizeof ref), "prompts of %d tokens through a %d-token pool: tokens %s", LP,
+                  POOL * 16, memcmp(ref, got, sizeof ref) ? "DIFFER from full attention's" : "equal");
+            printf("ok offload, chunked prefill: %d prompts of %d tokens through a pool of %d tokens give full "
+                   "attention's greedy tokens; %g positions written out during prefill, %g prefill rows over host "
+                   "pages, %g blocks released, nothing held at the end\n", NL, LP, POOL * 16, written, hrows, rel);
+        }
+        kvs_config_free(&c);
+    }
+
+    /* the limit: the pool's working set + the host pages; past it submit fails naming both */
+    base_cfg(&c, "none", "paris");
+    small_zones(&c);
+    c.prefill_chunk = 32, c.paris_offload = 1;
+    c.kv_memory_bytes = POOL * 8192;
+    c.paris_host_bytes = 16 * 8192;
+    struct kvs_engine *e;
+    REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
+    const int lim = kvs_engine_max_context(e);
+    CHECK(lim > POOL * 16 && lim < 512 && strstr(kvs_engine_context_note(e), "host KV pool (16 pages"),
+          "limit %d tokens (pool %d, model 512): note '%s'", lim, POOL * 16, kvs_engine_context_note(e));
+    for (int over = 0; over < 2; over++) {
+        struct kvs_request_params p;
+        memset(&p, 0, sizeof p);
+        p.prompt = prompts[0];
+        p.n_prompt = lim - 4 + over * 5;
+        p.max_tokens = 4;
+        p.sampling.top_p = 1;
+        p.sampling.repetition_penalty = 1;
+        p.ignore_eos = 1;
+        struct kvs_request *r = kvs_request_new(&p, NULL, NULL);
+        REQUIRE(r, "request_new");
+        int rc = kvs_engine_submit(e, r, err, sizeof err);
+        if (!over) {
+            CHECK(rc == 0, "a request of exactly the limit (%d tokens): %s", lim, err);
+            int done = 0, n = 0;
+            while (rc == 0 && !done) {
+                struct kvs_event ev[16];
+                int k = kvs_request_wait(r, ev, 16, 60.0);
+                REQUIRE(k > 0, "no event for 60 s");
+                for (int q = 0; q < k; q++) {
+                    n += ev[q].type == KVS_EV_TOKEN;
+                    if (ev[q].type != KVS_EV_TOKEN) {
+                        done = 1;
+                        CHECK(ev[q].finish == KVS_FINISH_LENGTH, "finish %d", ev[q].finish);
+                    }
+                    kvs_event_clear(&ev[q]);
+                }
+            }
+            CHECK(n == 4, "%d tokens at the limit", n);
+        } else {
+            CHECK(rc == -E2BIG && strstr(err, "host KV pool") && strstr(err, "GPU KV pool"),
+                  "past the limit: rc %d (%s)", rc, err);
+            printf("ok the limit with offload: %d tokens (pool %d) served; %d refused: %s\n", lim, POOL * 16, lim + 1, err);
+        }
+        kvs_request_unref(r);
+    }
     kvs_engine_free(e);
     kvs_config_free(&c);
 }
@@ -537,6 +653,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     test_engine();
+    test_long_prompt();
     test_stress(0);
     test_stress(1);
     kvs_model_free(model);

@@ -16,7 +16,8 @@
  * own q; the cache is not rewritten). Once a query leaves the window, its merged output and lse
  * equal attention over the union of the pages Quest selected for it and for the w - 1 later
  * queries (recomputed here with Quest's CPU kernels over the same digests), clipped to its own
- * position, for w = 2, 4, 8; with w = 1 every output is that of its own selection, bitwise. */
+ * position, for w = 2, 4, 8; with w = 1 every output is that of its own selection, bitwise; each
+ * w with 16- and 8-bit digests (kv.quest.digest_bits), w = 2 also with 4-bit ones. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -205,7 +206,9 @@ static void run_window(int w)
 #define PMB ((P0 + PT + PS - 1) / PS)
 #define PMAXW 8
 
-static void run_policy(int w)
+/* bits: kv.quest.digest_bits of the policy, and of the test's own digests that recompute its
+ * selection (the same CPU kernels on the same keys: the same selection) */
+static void run_policy(int w, int bits)
 {
     const struct kvs_kv_decode_ops *dp = kvs_kv_find_decode("retro");
     REQUIRE(dp, "retro is not registered");
@@ -215,6 +218,7 @@ static void run_policy(int w)
     cfg.quest_min_budget = 48;
     cfg.quest_dense_layers = 0;
     cfg.retro_window = w;
+    cfg.quest_digest_bits = bits;
     const int nb = PS2 * PMB, max_rows = PS2 * P0;
     const size_t nkv_el = (size_t)nb * NKV * PS * HD;
     const struct kvs_kv_decode_env env = {O, be, &cfg, 1, NH, NKV, HD, PS, PS2, max_rows, PMB, 2 * NKV * HD * 4, nb, NULL};
@@ -230,7 +234,8 @@ static void run_policy(int w)
     struct kvs_dbuf *out = O->alloc(be, KVS_BUF_ACT, (size_t)max_rows * NH * HD);
     struct kvs_dbuf *lse = O->alloc(be, KVS_BUF_F32, (size_t)max_rows * NH);
     struct kvs_dbuf *d_qs = O->alloc(be, KVS_BUF_I32, PS2 + 1), *d_pos = O->alloc(be, KVS_BUF_I32, PS2);
-    struct kvs_dbuf *d_bt = O->alloc(be, KVS_BUF_I32, PS2 * PMB), *dig = O->alloc(be, KVS_BUF_KV, (size_t)nb * NKV * 2 * HD);
+    struct kvs_dbuf *d_bt = O->alloc(be, KVS_BUF_I32, PS2 * PMB), *dig = bits < 16 ? O->alloc(be, KVS_BUF_I32, kvs_quest_qdig_words((size_t)nb, NKV, HD, bits))
+                                                        : O->alloc(be, KVS_BUF_KV, (size_t)nb * NKV * 2 * HD);
     struct kvs_dbuf *d_keep = O->alloc(be, KVS_BUF_I32, PS2), *d_sc = O->alloc(be, KVS_BUF_F32, PS2 * NKV * PMB);
     struct kvs_dbuf *d_nsel = O->alloc(be, KVS_BUF_I32, PS2 * NKV), *d_sel = O->alloc(be, KVS_BUF_I32, PS2 * NKV * PMB * 2);
     struct kvs_dbuf *d_nq = O->alloc(be, KVS_BUF_I32, PS2 + 1), *d_np = O->alloc(be, KVS_BUF_I32, PS2);
@@ -283,7 +288,10 @@ static void run_policy(int w)
         REQUIRE(dp->plan(st, &sp) == 0, "plan at step %d", step);
         dp->attend(st, 0, &a);
         dp->finish(st, 0, &sp);
-        K->digest_update(be, k2, &m, NKV, HD, PS, PS, dig);   /* the test's own digests, same updates */
+        if (bits < 16)   /* the test's own digests, same updates */
+            K->qdigest_update(be, k2, &m, NKV, HD, PS, PS, bits, (size_t)nb, dig);
+        else
+            K->digest_update(be, k2, &m, NKV, HD, PS, PS, dig);
         if (!step) continue;
         /* Quest's selection of each newest query, recomputed: what every query of the window saw */
         int32_t keep[PS2], nq[PS2 + 1] = {0, 1, 2}, np[PS2];
@@ -299,7 +307,10 @@ static void run_policy(int w)
         O->upload(be, d_np, 0, np, PS2);
         struct kvs_attn_meta nm = m;
         nm.q_start = d_nq, nm.pos = d_np, nm.h_q_start = nq, nm.h_pos = np;
-        K->score(be, qn, dig, &nm, d_keep, PS2, NH, NKV, HD, PS, PS, PMB, d_sc);
+        if (bits < 16)
+            K->qscore(be, qn, dig, &nm, d_keep, PS2, NH, NKV, HD, PS, PS, bits, (size_t)nb, PMB, d_sc);
+        else
+            K->score(be, qn, dig, &nm, d_keep, PS2, NH, NKV, HD, PS, PS, PMB, d_sc);
         K->select(be, d_sc, &nm, d_keep, PS2, NKV, PS, PMB, PMB, d_nsel, d_sel);
         int32_t nsel[PS2 * NKV], sel[PS2 * NKV * PMB * 2];
         O->download(be, nsel, d_nsel, 0, PS2 * NKV);
@@ -363,12 +374,12 @@ static void run_policy(int w)
     double eff = 0;
     for (int i = 0; i < nc; i++)
         if (!strcmp(c[i].name, "kvserve:kv_retro_effective_budget")) eff = c[i].value;
-    CHECK(checked > 0 && err_max < 2e-6, "policy w=%d: merged outputs differ from attention over the union by %g", w,
-          err_max);
-    if (w == 1) CHECK(bitwise, "policy w=1: outputs are not their own selection's, bitwise");
-    if (w > 1) CHECK(eff > 1.0, "policy w=%d: effective budget %g", w, eff);
-    printf("ok policy retro w=%d, one layer, frozen q: %d queries = attention over the union of their window's "
-           "selections (max err %.1e), effective budget %.3fx\n", w, checked, err_max, eff);
+    CHECK(checked > 0 && err_max < 2e-6, "policy w=%d, %d-bit digests: merged outputs differ from attention over the "
+          "union by %g", w, bits, err_max);
+    if (w == 1) CHECK(bitwise, "policy w=1, %d-bit digests: outputs are not their own selection's, bitwise", bits);
+    if (w > 1) CHECK(eff > 1.0, "policy w=%d, %d-bit digests: effective budget %g", w, bits, eff);
+    printf("ok policy retro w=%d, %d-bit digests, one layer, frozen q: %d queries = attention over the union of their "
+           "window's selections (max err %.1e), effective budget %.3fx\n", w, bits, checked, err_max, eff);
     for (int s = 0; s < PS2; s++) dp->seq_free(st, s);
     dp->destroy(st);
     free(arena);
@@ -394,7 +405,11 @@ int main(void)
     free(h);
     static const int W[] = {1, 2, 4, 8};
     for (size_t i = 0; i < sizeof W / sizeof W[0]; i++) run_window(W[i]);
-    for (size_t i = 0; i < sizeof W / sizeof W[0]; i++) run_policy(W[i]);
+    for (size_t i = 0; i < sizeof W / sizeof W[0]; i++) {
+        run_policy(W[i], 16);
+        run_policy(W[i], 8);
+    }
+    run_policy(2, 4);
     /* malformed selections */
     int32_t A[8] = {-1, -1, -1, -1, -1, -1, -1, -1}, M[8], bad1[2] = {3, 2}, bad2[1] = {9};
     CHECK(kvs_retro_mask_step(A, 8, bad1, 2, 3, 0, M) == -EINVAL, "unsorted selection accepted");

@@ -544,6 +544,23 @@ static void test_pool_sizing(const char *root)
     CHECK(kvs_runner_num_blocks(r) > 0 && bytes <= ((size_t)4 << 30), "fraction sizing gave %d blocks",
           kvs_runner_num_blocks(r));
     kvs_runner_free(r);
+    /* by need (kv.memory_bytes 0 on the CPU): max_running requests at the full context in
+     * whole blocks, 3 x ceil(100 / 8) = 39 blocks (context x requests in tokens, 300 / 8 = 37,
+     * left the third request at 100 tokens a block short) */
+    CHECK(kvs_runner_kv_need_blocks(100, 8, 3) == 39 && kvs_runner_kv_need_blocks(96, 8, 3) == 36 &&
+              kvs_runner_kv_need_blocks(1, 16, 64) == 64 && kvs_runner_kv_need_blocks(0, 8, 3) == 0 &&
+              kvs_runner_kv_need_blocks(100, 0, 3) == 0 && kvs_runner_kv_need_blocks(100, 8, 0) == 0 &&
+              kvs_runner_kv_need_blocks(INT32_MAX, 1, INT32_MAX) == (size_t)INT32_MAX * INT32_MAX,
+          "kvs_runner_kv_need_blocks");
+    cfg.kv_memory_fraction = 0.5;
+    cfg.max_model_len = 100;
+    cfg.max_running = 3;
+    KVS_ASSERT(kvs_runner_create(&cfg, model, &r, err, sizeof err) == 0);
+    CHECK(kvs_runner_num_blocks(r) == 39, "by-need sizing gave %d blocks, want 3 x ceil(100 / 8) = 39",
+          kvs_runner_num_blocks(r));
+    kvs_runner_free(r);
+    cfg.max_model_len = 0;
+    cfg.max_running = 0;
     cfg.kv_memory_bytes = 1;
     err[0] = 0;
     CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -ENOMEM && strstr(err, "block"),
@@ -556,7 +573,7 @@ static void test_pool_sizing(const char *root)
     cfg.kv_block_size = 0;
     CHECK(kvs_runner_create(&cfg, model, &r, err, sizeof err) == -EINVAL, "block size 0 accepted");
     kvs_model_free(model);
-    printf("ok KV pool sizing (bytes, fraction of available memory, errors)\n");
+    printf("ok KV pool sizing (bytes, fraction of available memory, by need in whole blocks, errors)\n");
 }
 
 int main(void)

@@ -1,0 +1,718 @@
+/* kv_lean_dyn.cu: LeanKV's dynamic mode on the GPU (kernels/kv_lean_dyn_cuda.h): the page
+ * manager's rounds, Algorithm 1's step with its attention, the window exit.
+ *
+ * Correct first: one 128-thread block per head runs its rows in order, a thread per token for
+ * the logits and scores, a thread per dim (all the group's heads) for the output, thread 0 for the serial
+ * parts of the exit (quantizing one vector, moving an entry) and a block reduction for the
+ * section's argmin. The arithmetic that decides bytes (quantize, dequantize, the score
+ * acc / queries, the thresholds alpha / N in double) is the host's, operation for operation
+ * (__f*_rn: no contraction into fma), so the same scores give the CPU's bytes. Not tuned: the
+ * static modes' tensor-core kernel (kv_lean.cu) is the fast path; this one is what the
+ * dynamic policy needs to be right on the GPU. */
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_internal.cuh"
+
+extern "C" {
+#include "kernels/kv_lean_dyn_cuda.h"
+}
+
+#define DYN_THREADS 128
+#define DYN_SCAN 1024
+#define DYN_MAXG 8
+
+struct dyn_head {
+    int n_high, n_low, max_high, max_low, w_start, w_n, pruned, last_pos;
+    long long seen;
+};
+
+struct dyn_pm {
+    long long head, tail;         /* the ring's allocation / free pointers (monotonic) */
+    int err;                      /* sticky: 1 = -ENOSPC, 2 = -E2BIG */
+};
+
+/* what the kernels read: sizes and device arrays */
+struct dyn_dev {
+    int layer_stride;
+    int hd, G, W, kbits, vbits, lkbits, lvbits, tp_hi, tp_lo, max_ctx, table_len, n_pages, nq, nkv;
+    int kc, vc, lkc, lvc;         /* code bytes of the high / low K and V vectors */
+    long long entry_hi, entry_lo, page_bytes;
+    double alpha_h, alpha_l;
+    dyn_head *heads;
+    bf16 *wk, *wv;                /* [state][W + 1][hd] */
+    int32_t *wpos;                /* [state][W + 1] */
+    float *wacc;
+    uint8_t *pages;
+    int32_t *ring, *tables, *nhp, *nlp; /* ring [n_pages]; tables [state][table_len]; page counts [state] */
+    dyn_pm *pm;
+    struct kvs_lean_event *ev;    /* [state] */
+    struct kvs_lean_dyn_cuda_job *jobs;
+    int32_t *need_hi, *need_lo;   /* [max_jobs] */
+    long long *off;               /* [max_jobs] */
+    float *scratch;               /* [max_jobs][G][max_ctx + 1] */
+};
+
+struct kvs_lean_dyn_cuda {
+    struct kvs_backend *b;
+    struct kvs_lean_dyn_cfg c;
+    int n_states, max_jobs;
+    dyn_dev d;
+};
+
+/* ---- the host's arithmetic (kernels/kv_lean_format.c) ------------------------------------- */
+__device__ __forceinline__ float dyn_h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
+__device__ __forceinline__ uint16_t dyn_f2h(float x) { return __half_as_ushort(__float2half_rn(x)); }
+__device__ __forceinline__ float dyn_sat(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
+
+__device__ __forceinline__ uint16_t dyn_half_ceil(float x)
+{
+    if (x > 65504.0f) return 0x7bff;
+    uint16_t u = dyn_f2h(x);
+    if (dyn_h2f(u) < x) u++;
+    return u;
+}
+
+__device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+/* element i of a vector of `bits` (codes, then (s, z) at codes + code bytes below 16 bits) */
+__device__ __forceinline__ float dyn_deq(const uint8_t *codes, int cbytes, int bits, int i)
+{
+    if (bits == 16) return dyn_h2f(ld16(codes + 2 * i));
+    const float s = dyn_h2f(ld16(codes + cbytes)), z = dyn_h2f(ld16(codes + cbytes + 2));
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    const int c = codes[i / per] >> (bits * (i % per)) & mask;
+    return __fsub_rn(__fmul_rn(s, (float)c), z);
+}
+
+/* kvs_lean_quantize of x[0..d) (one thread), codes then (s, z) */
+__device__ void dyn_quant(const float *x, int d, int bits, uint8_t *codes)
+{
+    if (bits == 16) {
+        /* one 16-bit store per value: byte stores of the fp16 bits came out as the value
+         * converted to an integer in the H100 build (2026-11-24: test_cuda_kv_lean_dyn's K16V16
+         * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
+         * entries are (even entry and page sizes), else the bits go through an opaque move */
+        for (int i = 0; i < d; i++) {
+            unsigned h = dyn_f2h(dyn_sat(x[i]));
+            if (!((uintptr_t)codes & 1)) {
+                reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
+                continue;
+            }
+            asm volatile("mov.b32 %0, %0;" : "+r"(h));
+            codes[2 * i] = (uint8_t)(h & 0xffu), codes[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        return;
+    }
+    float mn = x[0], mx = x[0];
+    for (int i = 1; i < d; i++) {
+        if (x[i] < mn) mn = x[i];
+        if (x[i] > mx) mx = x[i];
+    }
+    const int top = (1 << bits) - 1;
+    const uint16_t zh = dyn_f2h(dyn_sat(-mn));
+    const float z = dyn_h2f(zh);
+    const float lo = __fadd_rn(mn, z), hi = __fadd_rn(mx, z);
+    float need = __fdiv_rn(hi, (float)top);
+    if (__fmul_rn(-2.0f, lo) > need) need = __fmul_rn(-2.0f, lo);
+    if (need < 5.9604645e-08f) need = 5.9604645e-08f;
+    const uint16_t sh = dyn_half_ceil(need);
+    const float s = dyn_h2f(sh);
+    const int per = 8 / bits, nb = d * bits / 8;
+    for (int b = 0; b < nb; b++) codes[b] = 0;
+    for (int i = 0; i < d; i++) {
+        const float c = floorf(__fadd_rn(__fdiv_rn(__fadd_rn(x[i], z), s), 0.5f));
+        const int q = c < 0.0f ? 0 : c > (float)top ? top : (int)c;
+        codes[i / per] |= (uint8_t)(q << (bits * (i % per)));
+    }
+    uint8_t *sz = codes + nb;
+    sz[0] = (uint8_t)(sh & 0xff), sz[1] = (uint8_t)(sh >> 8), sz[2] = (uint8_t)(zh & 0xff), sz[3] = (uint8_t)(zh >> 8);
+}
+
+/* ---- entries (kernels/cpu/kv_lean_dyn.c's layout) ------------------------------------------- */
+struct dyn_fmt {
+    int kbits, vbits, kc, vc;
+    long long bytes;
+};
+
+__device__ __forceinline__ dyn_fmt fmt_of(const dyn_dev &D, int high)
+{
+    return high ? dyn_fmt{D.kbits, D.vbits, D.kc, D.vc, D.entry_hi} : dyn_fmt{D.lkbits, D.lvbits, D.lkc, D.lvc, D.entry_lo};
+}
+
+__device__ __forceinline__ uint8_t *entry_at(const dyn_dev &D, int st, int high, int j)
+{
+    const int32_t *t = D.tables + (long long)st * D.table_len;
+    if (high) return D.pages + (long long)t[j / D.tp_hi] * D.page_bytes + (long long)(j % D.tp_hi) * D.entry_hi;
+    return D.pages + (long long)t[D.table_len - 1 - j / D.tp_lo] * D.page_bytes + (long long)(j % D.tp_lo) * D.entry_lo;
+}
+
+__device__ __forceinline__ int32_t e_pos(const uint8_t *e) { int32_t p; memcpy(&p, e, 4); return p; }
+__device__ __forceinline__ float e_acc(const uint8_t *e) { float a; memcpy(&a, e + 4, 4); return a; }
+__device__ __forceinline__ void e_set(uint8_t *e, int32_t pos, float acc) { memcpy(e, &pos, 4), memcpy(e + 4, &acc, 4); }
+__device__ __forceinline__ const uint8_t *e_k(const uint8_t *e) { return e + 8; }
+__device__ __forceinline__ const uint8_t *e_v(const uint8_t *e, const dyn_fmt &f)
+{
+    return e + 8 + f.kc + (f.kbits < 16 ? 4 : 0);
+}
+
+/* kv_lean_dyn.c's score: the sum over the queries since the token arrived */
+__device__ __forceinline__ float dyn_score(float acc, int32_t pos, int32_t last)
+{
+    return last >= pos ? __fdiv_rn(acc, (float)(last - pos + 1)) : 0.0f;
+}
+
+/* ---- the page round and the trim ------------------------------------------------------------ */
+typedef cub::BlockScan<long long, DYN_SCAN> dyn_scan;
+
+__device__ __forceinline__ int pages_for(int n, int per) { return (n + per - 1) / per; }
+
+__global__ void __launch_bounds__(DYN_SCAN) k_dyn_alloc(dyn_dev D, int n_jobs, int layer)
+{
+    __shared__ typename dyn_scan::TempStorage tmp;
+    __shared__ long long carry;
+    __shared__ int bad;
+    if (threadIdx.x == 0) carry = 0, bad = 0;
+    __syncthreads();
+    if (D.pm->err) return;
+    for (int base = 0; base < n_jobs; base += DYN_SCAN) {
+        const int i = base + threadIdx.x;
+        long long need = 0;
+        if (i < n_jobs && D.jobs[i].head >= 0) {
+            const int st = D.jobs[i].head + layer * D.layer_stride, rows = D.jobs[i].rows;
+            const dyn_head h = D.heads[st];
+            const int hi = min(h.n_high + rows, D.max_ctx), lo = min(h.n_low + rows, D.max_ctx);
+            const int nh = max(pages_for(hi, D.tp_hi) - D.nhp[st], 0), nl = max(pages_for(lo, D.tp_lo) - D.nlp[st], 0);
+            if (D.nhp[st] + D.nlp[st] + nh + nl > D.table_len) atomicExch(&bad, 1);
+            D.need_hi[i] = nh, D.need_lo[i] = nl;
+            need = nh + nl;
+        }
+        long long excl, tot;
+        dyn_scan(tmp).ExclusiveSum(need, excl, tot);
+        if (i < n_jobs) D.off[i] = carry + excl;
+        if (i < n_jobs && D.jobs[i].head < 0) D.need_hi[i] = D.need_lo[i] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) carry += tot;
+        __syncthreads();
+    }
+    if (bad || carry > D.pm->tail - D.pm->head) {
+        if (threadIdx.x == 0) D.pm->err = bad ? 2 : 1;
+        return;
+    }
+    const long long head = D.pm->head;
+    for (int i = threadIdx.x; i < n_jobs; i += DYN_SCAN) {
+        if (D.jobs[i].head < 0) continue;
+        const int st = D.jobs[i].head + layer * D.layer_stride;
+        int32_t *t = D.tables + (long long)st * D.table_len;
+        long long at = head + D.off[i];
+        for (int k = 0; k < D.need_hi[i]; k++) t[D.nhp[st]++] = D.ring[at++ % D.n_pages];
+        for (int k = 0; k < D.need_lo[i]; k++) t[D.table_len - 1 - D.nlp[st]++] = D.ring[at++ % D.n_pages];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) D.pm->head = head + carry;
+}
+
+__global__ void __launch_bounds__(DYN_SCAN) k_dyn_trim(dyn_dev D, int n_jobs, int layer)
+{
+    __shared__ typename dyn_scan::TempStorage tmp;
+    __shared__ long long carry;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    if (D.pm->err) return;
+    const long long tail = D.pm->tail;
+    for (int base = 0; base < n_jobs; base += DYN_SCAN) {
+        const int i = base + threadIdx.x;
+        int kh = 0, kl = 0, st = -1;
+        long long rel = 0;
+        if (i < n_jobs && D.jobs[i].head >= 0) {
+            st = D.jobs[i].head + layer * D.layer_stride;
+            kh = pages_for(D.heads[st].max_high, D.tp_hi), kl = pages_for(D.heads[st].max_low, D.tp_lo);
+            rel = max(D.nhp[st] - kh, 0) + max(D.nlp[st] - kl, 0);
+        }
+        long long excl, tot;
+        dyn_scan(tmp).ExclusiveSum(rel, excl, tot);
+        if (st >= 0) {
+            /* as kvs_lean_pm_trim: high pages last first, then low pages innermost first */
+            const int32_t *t = D.tables + (long long)st * D.table_len;
+            long long at = tail + carry + excl;
+            while (D.nhp[st] > kh && D.nhp[st] > 0) D.ring[at++ % D.n_pages] = t[--D.nhp[st]];
+            while (D.nlp[st] > kl && D.nlp[st] > 0) D.ring[at++ % D.n_pages] = t[D.table_len - D.nlp[st]--];
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) carry += tot;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) D.pm->tail = tail + carry;
+}
+
+/* heads [first, first + n) give back their pages in order (kvs_lean_pm_release) and restart */
+__global__ void k_dyn_release(dyn_dev D, int first, int n)
+{
+    long long tail = D.pm->tail;
+    for (int st = first; st < first + n; st++) {
+        const int32_t *t = D.tables + (long long)st * D.table_len;
+        for (int k = 0; k < D.nhp[st]; k++) D.ring[tail++ % D.n_pages] = t[k];
+        for (int k = 0; k < D.nlp[st]; k++) D.ring[tail++ % D.n_pages] = t[D.table_len - 1 - k];
+        D.nhp[st] = D.nlp[st] = 0;
+        D.heads[st] = dyn_head{0, 0, 0, 0, 0, 0, 0, -1, 0};
+    }
+    D.pm->tail = tail;
+}
+
+/* ---- the step ------------------------------------------------------------------------------- */
+/* block-wide reduction of v[0..G) (max or sum); every thread gets the result */
+template <bool MAX> __device__ void block_reduce(float *v, int G, float *red)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = DYN_THREADS / 32;
+    for (int g = 0; g < G; g++) {
+        float x = v[g];
+        for (int o = 16; o > 0; o >>= 1) {
+            const float y = __shfl_xor_sync(0xffffffffu, x, o);
+            x = MAX ? fmaxf(x, y) : x + y;
+        }
+        if (lane == 0) red[g * nw + warp] = x;
+    }
+    __syncthreads();
+    for (int g = 0; g < G; g++) {
+        float x = red[g * nw];
+        for (int w = 1; w < nw; w++) x = MAX ? fmaxf(x, red[g * nw + w]) : x + red[g * nw + w];
+        v[g] = x;
+    }
+    __syncthreads();
+}
+
+/* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin) */
+__device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
+{
+    float bs = 0;
+    int bj = -1;
+    for (int j = threadIdx.x; j < n; j += DYN_THREADS) {
+        const uint8_t *e = entry_at(D, st, high, j);
+        const float s = dyn_score(e_acc(e), e_pos(e), last);
+        if (bj < 0 || s < bs) bs = s, bj = j;
+    }
+    rs[threadIdx.x] = bs, ri[threadIdx.x] = bj;
+    __syncthreads();
+    for (int w = DYN_THREADS / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            const float s2 = rs[threadIdx.x + w];
+            const int j2 = ri[threadIdx.x + w];
+            const int j1 = ri[threadIdx.x];
+            if (j2 >= 0 && (j1 < 0 || s2 < rs[threadIdx.x] || (s2 == rs[threadIdx.x] && j2 < j1)))
+                rs[threadIdx.x] = s2, ri[threadIdx.x] = j2;
+        }
+        __syncthreads();
+    }
+    *best = rs[0];
+    const int j = ri[0];
+    __syncthreads();
+    return j;
+}
+
+/* thread 0: dequantize entry e (format f) into k, v */
+__device__ void e_dequant(const uint8_t *e, const dyn_fmt &f, int hd, float *k, float *v)
+{
+    for (int i = 0; i < hd; i++) k[i] = dyn_deq(e_k(e), f.kc, f.kbits, i), v[i] = dyn_deq(e_v(e, f), f.vc, f.vbits, i);
+}
+
+/* thread 0: quantize k, v into entry e */
+__device__ void e_quant(uint8_t *e, const dyn_fmt &f, int hd, const float *k, const float *v)
+{
+    dyn_quant(k, hd, f.kbits, e + 8);
+    dyn_quant(v, hd, f.vbits, e + 8 + f.kc + (f.kbits < 16 ? 4 : 0));
+}
+
+__device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes)
+{
+    if (to != from)
+        for (long long b = 0; b < bytes; b++) to[b] = from[b];
+}
+
+/* Algorithm 1's exit (kvs_lean_dyn_head_exit), thread 0 serial but for the argmin */
+__device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
+                         int *ri, int *sh_tier)
+{
+    const int hd = D.hd, W = D.W;
+    if (threadIdx.x == 0) {
+        struct kvs_lean_event e = {-1, -1, 0, -1, -1, 0, 0};
+        *sh_tier = 0;
+        if (h->w_n > W) {
+            const int cw = h->w_start;
+            const long long wo = ((long long)st * (W + 1) + cw) * hd;
+            const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
+            const float tacc = D.wacc[(long long)st * (W + 1) + cw];
+            const float s = dyn_score(tacc, tpos, h->last_pos);
+            for (int i = 0; i < hd; i++) kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
+            h->w_start = (h->w_start + 1) % (W + 1);
+            h->w_n--;
+            const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
+            e.tc_pos = tpos, e.tc_score = s, e.n_seen = N;
+            int tier = 0;
+            if (s >= th) tier = KVS_LEAN_HIGH, e.tc_dest = KVS_LEAN_HIGH;
+            else if (s >= tl) tier = KVS_LEAN_LOW, e.tc_dest = KVS_LEAN_LOW;
+            else h->pruned++, e.tc_dest = KVS_LEAN_PRUNED;
+            if (tier) {
+                const int hi = tier == KVS_LEAN_HIGH;
+                int *n_sec = hi ? &h->n_high : &h->n_low, *max_sec = hi ? &h->max_high : &h->max_low;
+                uint8_t *ne = entry_at(D, st, hi, (*n_sec)++);
+                if (*n_sec > *max_sec) *max_sec = *n_sec;
+                e_set(ne, tpos, tacc);
+                e_quant(ne, fmt_of(D, hi), hd, kx, vx);
+            }
+            *sh_tier = tier;
+        }
+        *ev = e;
+    }
+    __syncthreads();
+    const int tier = *sh_tier;
+    if (!tier) return;
+    const int hi = tier == KVS_LEAN_HIGH;
+    float sv;
+    const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
+    if (threadIdx.x == 0) {
+        const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
+        const dyn_fmt f = fmt_of(D, hi);
+        uint8_t *ve = entry_at(D, st, hi, j);
+        const int32_t vpos = e_pos(ve);
+        const float vacc = e_acc(ve);
+        int *n_sec = hi ? &h->n_high : &h->n_low;
+        ev->victim_pos = vpos, ev->victim_score = sv, ev->victim_action = KVS_LEAN_KEPT;
+        if (sv < tl) {
+            e_move(ve, entry_at(D, st, hi, --*n_sec), f.bytes);
+            h->pruned++;
+            ev->victim_action = KVS_LEAN_PRUNED;
+        } else if (hi && sv < th) {
+            e_dequant(ve, f, hd, kx, vx);
+            e_move(ve, entry_at(D, st, hi, --*n_sec), f.bytes);
+            uint8_t *le = entry_at(D, st, 0, h->n_low++);
+            if (h->n_low > h->max_low) h->max_low = h->n_low;
+            e_set(le, vpos, vacc);
+            e_quant(le, fmt_of(D, 0), hd, kx, vx);
+            ev->victim_action = KVS_LEAN_DEMOTED;
+        }
+    }
+    __syncthreads();
+}
+
+/* the key (or value, v = 1) element i of token t in attention order (high, low, window) */
+__device__ __forceinline__ float tok_elem(const dyn_dev &D, int st, const dyn_head &h, int t, int v, int i)
+{
+    const int nhl = h.n_high + h.n_low;
+    if (t < nhl) {
+        const int hi = t < h.n_high;
+        const dyn_fmt f = fmt_of(D, hi);
+        const uint8_t *e = entry_at(D, st, hi, hi ? t : t - h.n_high);
+        return v ? dyn_deq(e_v(e, f), f.vc, f.vbits, i) : dyn_deq(e_k(e), f.kc, f.kbits, i);
+    }
+    const int w = (h.w_start + t - nhl) % (D.W + 1);
+    const long long o = ((long long)st * (D.W + 1) + w) * D.hd + i;
+    return __bfloat162float(v ? D.wv[o] : D.wk[o]);
+}
+
+__global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float *q, const float *k, const float *v,
+                                                         float scale, float *out, int phases, int layer)
+{
+    extern __shared__ float sm[];
+    const int hd = D.hd, G = D.G, W = D.W;
+    float *qs = sm;                                    /* [G][hd] */
+    float *kx = qs + G * hd, *vx = kx + hd;            /* [hd] x 2: the exit's vectors */
+    float *red = vx + hd;                              /* [G][warps] */
+    float *rs = red + G * (DYN_THREADS / 32);          /* [threads] */
+    int *ri = (int *)(rs + DYN_THREADS);               /* [threads] */
+    __shared__ dyn_head h;
+    __shared__ int sh_tier;
+    if (D.pm->err) return;   /* the round failed: no job has its pages */
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    if (J.head < 0) return;   /* a padded sequence */
+    const int st = J.head + layer * D.layer_stride;
+    float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
+    if (threadIdx.x == 0) h = D.heads[st];
+    __syncthreads();
+    for (int r = 0; r < J.rows; r++) {
+        const int row = J.row0 + r;
+        if (phases & KVS_LEAN_DYN_ATTEND) {
+            /* 1. the row's K/V join the window (bf16) */
+            const int w = (h.w_start + h.w_n) % (W + 1);
+            const long long wo = ((long long)st * (W + 1) + w) * hd, ko = ((long long)row * D.nkv + J.g) * hd;
+            for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+                D.wk[wo + i] = __float2bfloat16_rn(k[ko + i]), D.wv[wo + i] = __float2bfloat16_rn(v[ko + i]);
+            const long long qo = ((long long)row * D.nq + (long long)J.g * G) * hd;
+            for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) qs[i] = q[qo + i];
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                D.wpos[(long long)st * (W + 1) + w] = J.pos0 + r, D.wacc[(long long)st * (W + 1) + w] = 0.0f;
+                h.w_n++, h.seen++, h.last_pos = J.pos0 + r;
+            }
+            __syncthreads();
+            /* 2. logits, two-pass softmax, scores, output */
+            const int n = h.n_high + h.n_low + h.w_n, nhl = h.n_high + h.n_low;
+            float m[DYN_MAXG], sum[DYN_MAXG];
+            for (int g = 0; g < G; g++) m[g] = -INFINITY, sum[g] = 0.0f;
+            for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
+                float a[DYN_MAXG];
+                for (int g = 0; g < G; g++) a[g] = 0.0f;
+                for (int i = 0; i < hd; i++) {
+                    const float x = tok_elem(D, st, h, t, 0, i);
+                    for (int g = 0; g < G; g++) a[g] = fmaf(qs[g * hd + i], x, a[g]);
+                }
+                for (int g = 0; g < G; g++) {
+                    lg[(long long)g * n + t] = a[g] * scale;
+                    m[g] = fmaxf(m[g], a[g] * scale);
+                }
+            }
+            block_reduce<true>(m, G, red);
+            for (int t = threadIdx.x; t < n; t += DYN_THREADS)
+                for (int g = 0; g < G; g++) {
+                    const float p = expf(lg[(long long)g * n + t] - m[g]);
+                    lg[(long long)g * n + t] = p;
+                    sum[g] += p;
+                }
+            block_reduce<false>(sum, G, red);
+            for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
+                float sc = 0.0f;
+                for (int g = 0; g < G; g++) {
+                    const float p = lg[(long long)g * n + t] / sum[g];
+                    lg[(long long)g * n + t] = p;
+                    sc = g ? fmaxf(sc, p) : p;
+                }
+                if (t < nhl) {
+                    const int hi = t < h.n_high;
+                    uint8_t *e = entry_at(D, st, hi, hi ? t : t - h.n_high);
+                    e_set(e, e_pos(e), e_acc(e) + sc);
+                } else {
+                    D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+                }
+            }
+            __syncthreads();
+            /* a thread per dim: each value element is dequantized once for the whole group */
+            for (int i = threadIdx.x; i < hd; i += DYN_THREADS) {
+                float o[DYN_MAXG];
+                for (int g = 0; g < G; g++) o[g] = 0.0f;
+                for (int t = 0; t < n; t++) {
+                    const float x = tok_elem(D, st, h, t, 1, i);
+                    for (int g = 0; g < G; g++) o[g] = fmaf(lg[(long long)g * n + t], x, o[g]);
+                }
+                for (int g = 0; g < G; g++) out[((long long)row * D.nq + (long long)J.g * G + g) * hd + i] = o[g];
+            }
+            __syncthreads();
+        }
+        /* 3. the oldest window token leaves */
+        if (phases & KVS_LEAN_DYN_EXIT) dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, &sh_tier);
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) D.heads[st] = h;
+}
+
+/* ---- host ----------------------------------------------------------------------------------- */
+extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
+{
+    if (!x) return;
+    void *ps[] = {x->d.heads, x->d.wk, x->d.wv, x->d.wpos, x->d.wacc, x->d.pages, x->d.ring, x->d.tables, x->d.nhp,
+                  x->d.nlp, x->d.pm, x->d.ev, x->d.jobs, x->d.need_hi, x->d.need_lo, x->d.off, x->d.scratch};
+    for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
+        if (ps[i]) cudaFree(ps[i]);
+    free(x);
+}
+
+extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_lean_dyn_cfg *c, int n_states,
+                                        int n_q_heads, int n_kv_heads, int n_pages, int table_len, int max_jobs,
+                                        int layer_stride, struct kvs_lean_dyn_cuda **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (c->group > DYN_MAXG || c->group * n_kv_heads != n_q_heads || n_states < 1 || n_pages < 1 || table_len < 1 ||
+        max_jobs < 1)
+        return kvs_err(err, errlen, -EINVAL, "lean dynamic (cuda): %d query heads per KV head (at most %d), %d states, "
+                       "%d pages", c->group, DYN_MAXG, n_states, n_pages);
+    struct kvs_lean_dyn_cuda *x = (struct kvs_lean_dyn_cuda *)calloc(1, sizeof *x);
+    if (!x) return kvs_err(err, errlen, -ENOMEM, "lean dynamic (cuda): out of memory");
+    x->b = b, x->c = *c, x->n_states = n_states, x->max_jobs = max_jobs;
+    dyn_dev &D = x->d;
+    D.layer_stride = layer_stride;
+    D.hd = c->head_dim, D.G = c->group, D.W = c->window, D.kbits = c->high.kbits, D.vbits = c->high.vbits;
+    D.lkbits = c->low.kbits, D.lvbits = c->low.vbits, D.tp_hi = c->tp_hi, D.tp_lo = c->tp_lo, D.max_ctx = c->max_ctx;
+    D.table_len = table_len, D.n_pages = n_pages, D.nq = n_q_heads, D.nkv = n_kv_heads;
+    D.kc = c->head_dim * c->high.kbits / 8, D.vc = c->head_dim * c->high.vbits / 8;
+    D.lkc = c->head_dim * c->low.kbits / 8, D.lvc = c->head_dim * c->low.vbits / 8;
+    D.entry_hi = (long long)c->entry_hi, D.entry_lo = (long long)c->entry_lo, D.page_bytes = (long long)c->page_bytes;
+    D.alpha_h = c->alpha_h, D.alpha_l = c->alpha_l;
+    const size_t W1 = (size_t)c->window + 1, S = (size_t)n_states;
+    int bad = 0;
+#define DALLOC(p, bytes) bad |= cudaMalloc((void **)&(p), (bytes)) != cudaSuccess
+    DALLOC(D.heads, S * sizeof(dyn_head));
+    DALLOC(D.wk, S * W1 * c->head_dim * sizeof(bf16));
+    DALLOC(D.wv, S * W1 * c->head_dim * sizeof(bf16));
+    DALLOC(D.wpos, S * W1 * sizeof(int32_t));
+    DALLOC(D.wacc, S * W1 * sizeof(float));
+    DALLOC(D.pages, (size_t)n_pages * c->page_bytes);
+    DALLOC(D.ring, (size_t)n_pages * sizeof(int32_t));
+    DALLOC(D.tables, S * table_len * sizeof(int32_t));
+    DALLOC(D.nhp, S * sizeof(int32_t));
+    DALLOC(D.nlp, S * sizeof(int32_t));
+    DALLOC(D.pm, sizeof(dyn_pm));
+    DALLOC(D.ev, S * sizeof(struct kvs_lean_event));
+    DALLOC(D.jobs, (size_t)max_jobs * sizeof(struct kvs_lean_dyn_cuda_job));
+    DALLOC(D.need_hi, (size_t)max_jobs * sizeof(int32_t));
+    DALLOC(D.need_lo, (size_t)max_jobs * sizeof(int32_t));
+    DALLOC(D.off, (size_t)max_jobs * sizeof(long long));
+    DALLOC(D.scratch, (size_t)max_jobs * c->group * ((size_t)c->max_ctx + 1) * sizeof(float));
+#undef DALLOC
+    if (bad) {
+        cudaGetLastError();
+        kvs_lean_dyn_cuda_free(x);
+        return kvs_err(err, errlen, -ENOMEM, "lean dynamic (cuda): cannot allocate %d pages of %zu bytes", n_pages,
+                       c->page_bytes);
+    }
+    /* the ring holds every page in id order; heads start empty (last_pos -1) */
+    int32_t *ring = (int32_t *)malloc((size_t)n_pages * sizeof(int32_t));
+    dyn_head *hs = (dyn_head *)malloc(S * sizeof(dyn_head));
+    if (!ring || !hs) {
+        free(ring), free(hs);
+        kvs_lean_dyn_cuda_free(x);
+        return kvs_err(err, errlen, -ENOMEM, "lean dynamic (cuda): out of memory");
+    }
+    for (int i = 0; i < n_pages; i++) ring[i] = i;
+    for (size_t i = 0; i < S; i++) hs[i] = dyn_head{0, 0, 0, 0, 0, 0, 0, -1, 0};
+    const dyn_pm pm = {0, n_pages, 0};
+    CUDA_CHECK(cudaMemcpy(D.ring, ring, (size_t)n_pages * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.heads, hs, S * sizeof(dyn_head), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.pm, &pm, sizeof pm, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(D.nhp, 0, S * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemset(D.nlp, 0, S * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemset(D.wacc, 0, S * W1 * sizeof(float)));
+    free(ring), free(hs);
+    *out = x;
+    return 0;
+}
+
+extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const struct kvs_lean_dyn_cuda_job *jobs,
+                                          int n_jobs)
+{
+    if (n_jobs > x->max_jobs) return -E2BIG;
+    if (n_jobs > 0)
+        CUDA_CHECK(cudaMemcpyAsync(x->d.jobs, jobs, (size_t)n_jobs * sizeof *jobs, cudaMemcpyHostToDevice, x->b->stream));
+    return 0;
+}
+
+extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, int layer, const struct kvs_dbuf *q,
+                                       const struct kvs_dbuf *k, const struct kvs_dbuf *v, float scale,
+                                       struct kvs_dbuf *out, int phases)
+{
+    if (n_jobs <= 0) return;
+    cudaStream_t s = x->b->stream;
+    if (phases & KVS_LEAN_DYN_PAGES) {
+        k_dyn_alloc<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
+        LAUNCH_CHECK();
+    }
+    const size_t smem = (size_t)(x->d.G * x->d.hd + 2 * x->d.hd + x->d.G * (DYN_THREADS / 32) + DYN_THREADS) *
+                            sizeof(float) + DYN_THREADS * sizeof(int);
+    k_dyn_step<<<n_jobs, DYN_THREADS, smem, s>>>(x->d, q ? (const float *)q->d : NULL, k ? (const float *)k->d : NULL,
+                                                  v ? (const float *)v->d : NULL, scale,
+                                                  out ? (float *)out->d : NULL, phases, layer);
+    LAUNCH_CHECK();
+    if (phases & KVS_LEAN_DYN_PAGES) {
+        k_dyn_trim<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
+        LAUNCH_CHECK();
+    }
+}
+
+extern "C" void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *x, int first, int n, double *pages, double *high,
+                                        double *low, double *window, double *pruned, double *seen_first)
+{
+    *pages = *high = *low = *window = *pruned = *seen_first = 0;
+    if (first < 0 || n <= 0 || first + n > x->n_states) return;
+    dyn_head *hs = (dyn_head *)malloc((size_t)n * sizeof *hs);
+    int32_t *np = (int32_t *)malloc(2 * (size_t)n * sizeof *np);
+    if (!hs || !np) kvs_panic(__FILE__, __LINE__, "out of memory");
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    CUDA_CHECK(cudaMemcpy(hs, x->d.heads + first, (size_t)n * sizeof *hs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(np, x->d.nhp + first, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(np + n, x->d.nlp + first, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < n; i++) {
+        *pages += np[i] + np[n + i];
+        *high += hs[i].n_high, *low += hs[i].n_low, *window += hs[i].w_n, *pruned += hs[i].pruned;
+    }
+    *seen_first = (double)hs[0].seen;
+    free(hs), free(np);
+}
+
+extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)
+{
+    if (first < 0 || n <= 0 || first + n > x->n_states) return;
+    k_dyn_release<<<1, 1, 0, x->b->stream>>>(x->d, first, n);
+    LAUNCH_CHECK();
+}
+
+extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
+{
+    dyn_pm pm;
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
+    if (!pm.err) return 0;
+    const int e = pm.err;
+    pm.err = 0;
+    CUDA_CHECK(cudaMemcpy(x->d.pm, &pm, sizeof pm, cudaMemcpyHostToDevice));
+    return e == 1 ? -ENOSPC : -E2BIG;
+}
+
+extern "C" int kvs_lean_dyn_cuda_n_free(struct kvs_lean_dyn_cuda *x)
+{
+    dyn_pm pm;
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
+    return (int)(pm.tail - pm.head);
+}
+
+extern "C" void kvs_lean_dyn_cuda_get(struct kvs_lean_dyn_cuda *x, int st, struct kvs_lean_dyn_head *h, uint8_t *pages,
+                                      int32_t *table, int *n_high_pages, int *n_low_pages, struct kvs_lean_event *ev)
+{
+    const dyn_dev &D = x->d;
+    const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    dyn_head dh;
+    CUDA_CHECK(cudaMemcpy(&dh, D.heads + st, sizeof dh, cudaMemcpyDeviceToHost));
+    h->n_high = dh.n_high, h->n_low = dh.n_low, h->max_high = dh.max_high, h->max_low = dh.max_low;
+    h->w_start = dh.w_start, h->w_n = dh.w_n, h->pruned = dh.pruned, h->last_pos = dh.last_pos, h->seen = dh.seen;
+    bf16 *w = (bf16 *)malloc(2 * W1 * hd * sizeof(bf16));
+    if (!w) kvs_panic(__FILE__, __LINE__, "out of memory");
+    CUDA_CHECK(cudaMemcpy(w, D.wk + st * W1 * hd, W1 * hd * sizeof(bf16), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(w + W1 * hd, D.wv + st * W1 * hd, W1 * hd * sizeof(bf16), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < W1 * hd; i++) h->wk[i] = __bfloat162float(w[i]), h->wv[i] = __bfloat162float(w[W1 * hd + i]);
+    free(w);
+    CUDA_CHECK(cudaMemcpy(h->wpos, D.wpos + st * W1, W1 * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(h->wacc, D.wacc + st * W1, W1 * sizeof(float), cudaMemcpyDeviceToHost));
+    if (pages) CUDA_CHECK(cudaMemcpy(pages, D.pages, (size_t)D.n_pages * D.page_bytes, cudaMemcpyDeviceToHost));
+    if (table)
+        CUDA_CHECK(cudaMemcpy(table, D.tables + (size_t)st * D.table_len, (size_t)D.table_len * sizeof(int32_t),
+                              cudaMemcpyDeviceToHost));
+    if (n_high_pages) CUDA_CHECK(cudaMemcpy(n_high_pages, D.nhp + st, sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (n_low_pages) CUDA_CHECK(cudaMemcpy(n_low_pages, D.nlp + st, sizeof(int32_t), cudaMemcpyDeviceToHost));
+    if (ev) CUDA_CHECK(cudaMemcpy(ev, D.ev + st, sizeof *ev, cudaMemcpyDeviceToHost));
+}
+
+extern "C" void kvs_lean_dyn_cuda_set(struct kvs_lean_dyn_cuda *x, int st, const struct kvs_lean_dyn_head *h,
+                                      const uint8_t *pages, const int32_t *table, int n_high_pages, int n_low_pages)
+{
+    const dyn_dev &D = x->d;
+    const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    const dyn_head dh = {h->n_high, h->n_low, h->max_high, h->max_low, h->w_start, h->w_n, h->pruned, h->last_pos,
+                         (long long)h->seen};
+    CUDA_CHECK(cudaMemcpy(D.heads + st, &dh, sizeof dh, cudaMemcpyHostToDevice));
+    bf16 *w = (bf16 *)malloc(2 * W1 * hd * sizeof(bf16));
+    if (!w) kvs_panic(__FILE__, __LINE__, "out of memory");
+    for (size_t i = 0; i < W1 * hd; i++) w[i] = __float2bfloat16_rn(h->wk[i]), w[W1 * hd + i] = __float2bfloat16_rn(h->wv[i]);
+    CUDA_CHECK(cudaMemcpy(D.wk + st * W1 * hd, w, W1 * hd * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.wv + st * W1 * hd, w + W1 * hd, W1 * hd * sizeof(bf16), cudaMemcpyHostToDevice));
+    free(w);
+    CUDA_CHECK(cudaMemcpy(D.wpos + st * W1, h->wpos, W1 * sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.wacc + st * W1, h->wacc, W1 * sizeof(float), cudaMemcpyHostToDevice));
+    if (pages) CUDA_CHECK(cudaMemcpy(D.pages, pages, (size_t)D.n_pages * D.page_bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.tables + (size_t)st * D.table_len, table, (size_t)D.table_len * sizeof(int32_t),
+                          cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.nhp + st, &n_high_pages, sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(D.nlp + st, &n_low_pages, sizeof(int32_t), cudaMemcpyHostToDevice));
+}

@@ -1,0 +1,93 @@
+/* kv_lean_dyn_cuda.h: LeanKV's dynamic mode on the GPU (kernels/cuda/kv_lean_dyn.cu): the page
+ * manager, Algorithm 1's step and its attention for a batch of (request, layer, KV head) heads,
+ * all in device memory, with no host round trip in a step.
+ *
+ * It keeps the CPU's state layout (kernels/kv_lean_dyn.h) so the two compare token for token:
+ * page entries [int32 position][fp32 score sum][K codes][K (s, z)][V codes][V (s, z)], a high /
+ * low bidirectional table per head, the circular free list of kernels/kv_lean_pages.h. The
+ * window is kept in bf16 (the GPU's KV precision; the CPU keeps fp32, so the two agree on
+ * bf16-exact inputs). One step of a batch (kvs_lean_dyn_cuda_step) is three launches on the
+ * backend's stream:
+ *   1. the allocation round: each job's head asks for the pages its rows could need (as
+ *      kvs_lean_dyn_head_need), one exclusive block scan over the jobs gives each its offset
+ *      into the ring, and each takes its pages (all or nothing; a short ring sets a sticky
+ *      error that kvs_lean_dyn_cuda_error reads, and the step then leaves every job untouched);
+ *   2. one block per job runs its rows in order: the row's K/V join the window; logits of the
+ *      group's q heads over high, low and window tokens (dequantized on the fly); two-pass
+ *      softmax; each token's score sum gets its probability (max over the group); the output
+ *      is sum_i p_i v^_i; then the oldest window token leaves by Algorithm 1 (kvs_lean_dyn_head_exit:
+ *      high / low / pruned, the section's victim demoted or pruned, holes filled by the
+ *      section's last entry). The quantizer and dequantizer are the host's IEEE operations, so
+ *      given the same scores the policy's decisions and bytes equal the CPU's bitwise; the
+ *      scores themselves differ from the CPU's by fp32 summation order (~1e-7 relative), so a
+ *      token whose score lies within that of a threshold may go the other way (the test pins
+ *      this: tests/gpu/test_cuda_kv_lean_dyn.c);
+ *   3. the trim: what the sections did not reach goes back to the ring's tail, in job order
+ *      (a second scan), as kvs_lean_pm_trim.
+ * Jobs must name distinct heads; jobs in ascending head order give the host page manager's
+ * page ids exactly.
+ *
+ * Ownership: create allocates what free releases (device memory on b). Errors: 0 / negative
+ * errno with a message where noted; kernels do not validate their jobs. Builds with nvcc only. */
+#ifndef KVS_KV_LEAN_DYN_CUDA_H
+#define KVS_KV_LEAN_DYN_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/backend.h"
+#include "kernels/kv_lean_dyn.h"
+
+struct kvs_lean_dyn_cuda;
+
+/* One job: state `head` + layer * layer_stride (create) of KV head g runs rows [row0, row0 + rows)
+ * of the step's q / k / v / out at positions pos0 ..; head < 0: nothing (a padded sequence). */
+struct kvs_lean_dyn_cuda_job {
+    int32_t head, g, row0, rows, pos0;
+};
+
+/* Phases of a step (tests run them apart): the page round and trim, join + attention + scores,
+ * the window exit. */
+enum { KVS_LEAN_DYN_PAGES = 1, KVS_LEAN_DYN_ATTEND = 2, KVS_LEAN_DYN_EXIT = 4, KVS_LEAN_DYN_ALL = 7 };
+
+/* n_states head states (requests x layers x KV heads), n_q_heads / n_kv_heads of the step's
+ * rows, n_pages pages of c->page_bytes, tables of table_len, at most max_jobs jobs a step; a
+ * job's state in layer l is its head + l * layer_stride. c->group <= 8. */
+int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_lean_dyn_cfg *c, int n_states, int n_q_heads,
+                             int n_kv_heads, int n_pages, int table_len, int max_jobs, int layer_stride,
+                             struct kvs_lean_dyn_cuda **out, char *err, size_t errlen);
+void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *d);
+
+/* The step's jobs (uploaded once per step, outside any recorded graph: the launches of
+ * kvs_lean_dyn_cuda_step read them from device memory). -E2BIG when n_jobs > max_jobs. */
+int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *d, const struct kvs_lean_dyn_cuda_job *jobs, int n_jobs);
+
+/* One layer of the step (asynchronous on b's stream; recordable into a graph): the first n_jobs
+ * jobs of set_jobs; q, out ACT [rows][n_q_heads][hd]; k, v ACT [rows][n_kv_heads][hd]. */
+void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *d, int n_jobs, int layer, const struct kvs_dbuf *q,
+                            const struct kvs_dbuf *k, const struct kvs_dbuf *v, float scale, struct kvs_dbuf *out,
+                            int phases);
+
+/* Heads [first, first + n)'s usage, summed (waits for the stream): pages held, section tokens,
+ * window tokens, pruned tokens; and the tokens seen by head `first`. */
+void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *d, int first, int n, double *pages, double *high, double *low,
+                             double *window, double *pruned, double *seen_first);
+
+/* Request end (or preemption, cancellation): heads [first, first + n) give their pages back
+ * (as kvs_lean_pm_release) and start empty. */
+void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *d, int first, int n);
+
+/* Waits for the stream; the sticky error of the rounds so far (0, -ENOSPC: the ring was short,
+ * -E2BIG: a table overflowed), cleared. */
+int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *d);
+int kvs_lean_dyn_cuda_n_free(struct kvs_lean_dyn_cuda *d);
+
+/* Tests: copies head `head`'s state out of / into the device. h's window memory is laid by
+ * kvs_lean_dyn_head_init; pages is the whole page buffer (n_pages x page_bytes; NULL: left
+ * alone); table [table_len]; ev (get only, may be NULL): the event of the head's last row. */
+void kvs_lean_dyn_cuda_get(struct kvs_lean_dyn_cuda *d, int head, struct kvs_lean_dyn_head *h, uint8_t *pages,
+                           int32_t *table, int *n_high_pages, int *n_low_pages, struct kvs_lean_event *ev);
+void kvs_lean_dyn_cuda_set(struct kvs_lean_dyn_cuda *d, int head, const struct kvs_lean_dyn_head *h,
+                           const uint8_t *pages, const int32_t *table, int n_high_pages, int n_low_pages);
+
+#endif
