@@ -1,10 +1,10 @@
 /* cuda_attn_prefill_fa3.cu: k_attn_fa3, the FlashAttention-3-style Hopper prefill attention kernel
- * (sm_90a: wgmma, the copy engine, mbarriers, setmaxnreg), kinds 7 to 12 of the prefill choice
+ * (sm_90a: wgmma, the copy engine, mbarriers, setmaxnreg), kinds 7 to 18 of the prefill choice
  * (cuda_attn_prefill_wg.cu).
  *
  * A block owns 128 (token, head) rows of one sequence and one KV head, as k_attn_wg: 128 / G
  * consecutive tokens times the G query heads of the group (GQA packing). Three warpgroups:
- *  - warpgroup 0, the producer (setmaxnreg down to 40 registers): one warp stages each 128-key tile
+ *  - warpgroup 0, the producer (setmaxnreg down to 56 registers): one warp stages each 128-key tile
  *    of K and of V into a ring of ST stages. A tile is 8 groups of 16 keys; with blocks of a
  *    multiple of 16 slots a group is 16 consecutive rows of the pool, which the copy engine moves
  *    as HD / 64 boxes of 16 rows x 64 columns (the tensor maps of k_attn_fd, 128-byte swizzle,
@@ -13,8 +13,9 @@
  *    unread keys zero-filled (0 x a NaN in the pool would poison P . V); the producer warp waits
  *    for those copies and fences them into the async proxy before it arrives. Each stage has a
  *    "full" mbarrier (the producer's arrival plus the copy engine's bytes) and an "empty" one (every
- *    consumer thread's arrival once its wgmma no longer reads the stage), for K and V apart.
- *  - warpgroups 1 and 2, the consumers (setmaxnreg up to 232), 64 rows each: Q (scaled by
+ *    consumer thread's arrival once its wgmma no longer reads the stage), for K and V apart. Kinds 13
+ *    to 15 (SP): two producer warps, K's and V's, and one "empty" arrival a consumer warp.
+ *  - warpgroups 1 and 2, the consumers (setmaxnreg up to 224), 64 rows each: Q (scaled by
  *    scale x log2 e, bf16) into shared memory, then per tile S = Q . K^T (wgmma, both from shared
  *    memory), the online softmax in registers, O += P . V (P from registers). FlashAttention-3's
  *    intra-warpgroup overlap: S(i) and P(i - 1) . V(i - 1) are issued together and the softmax of
@@ -22,37 +23,40 @@
  *    turns to issue their wgmma (named barriers, FlashAttention-3's ping-pong), so one's softmax
  *    runs under the other's products. Kind 12: persistent blocks (one an SM) walk the work items
  *    longest first, so the producer stages an item's first tiles while the consumers finish the last.
- * Causal tile skipping: a block's keys end at its last token; tiles that need no mask (wholly
- * visible to every row of a warpgroup, no unread slot) skip it. Blocks run longest first. Deferred
+ * Kind 14 stages 3 tiles (225 KB of shared memory at head_dim 128); kind 16 runs 3 consumer
+ * warpgroups (192 rows a block, 192 / G tokens) on 64-key tiles. Causal tile skipping: a block's keys
+ * end at its last token; tiles that need no mask (wholly visible to every row of a warpgroup, no
+ * unread slot) skip it. Blocks run longest first. Deferred
  * RoPE (rot offsets) stays on k_attn_tc (cuda_attn_prefill.cu), as for k_attn_wg.
- * STATUS: failed test_cuda_attn_prefill on the H100 (2026-11-24, bench/RESULTS.md) in every form,
- * the diagnostic ones (cp.async only, serial consumer) too: consumer warpgroup 1 left the first rows of
- * its Q tile unwritten (its thread index ran 128..255). Fixed after the last GPU run, not yet run on a
- * GPU: so only in the prefill choice with -DKVS_PRE_ATTN_FA3=1 (cuda_attn_prefill_wg.cu).
+ * Kind 14 is the default prefill kernel on sm_90 (cuda_attn_prefill_wg.cu; measurements in
+ * bench/RESULTS.md).
  * Ownership: nothing is allocated here (the launch goes through kvs_cu_attn_launch). Errors: CUDA
  * failures abort (CUDA_CHECK).
  */
 #include "kernels/cuda/cuda_attn_wgmma.cuh"
 
-#define FA_KN 128                 /* keys of a tile */
-#define FA_GROUPS (FA_KN / 16)    /* 16-key groups of a tile: one box (or cp.async group) each */
-#define FA_THREADS 384            /* producer warpgroup + 2 consumer warpgroups */
-#define FA_CONSUMERS 256
-#define FA_PRODUCER_REGS 40
-#define FA_CONSUMER_REGS 232      /* 40 x 128 + 232 x 256 <= 64K registers */
-#define FA_BAR_Q 1                /* named barriers 1, 2: a consumer warpgroup's Q is in shared memory */
-#define FA_BAR_TURN 3             /* named barriers 3, 4: consumer warpgroup 0's / 1's turn to issue (PP) */
+#define FA_BAR_Q 1    /* named barriers 1 .. NC: a consumer warpgroup's Q is in shared memory */
+#define FA_BAR_TURN 4 /* named barriers 4, 5: consumer warpgroup 0's / 1's turn to issue (PP) */
 
-template <int HD, int ST>
+/* NC consumer warpgroups (64 rows each) and KN keys a tile; their registers: 56 for the producer
+ * (40 spilled its loop, ptxas -v), and 224 for NC = 2 consumers (56 x 128 + 224 x 256 <= 64K), 144
+ * for NC = 3 (56 x 128 + 144 x 384 <= 64K: no spill with 64-key tiles; 32 / 160 spilled) */
+template <int HD, int ST, int NC = 2, int KN = 128>
 struct fa_cfg {
-    static constexpr int QE = WG_ROWS * HD; /* elements of the Q tile */
-    static constexpr int TE = FA_KN * HD;   /* elements of one K or V stage */
+    static constexpr int ROWS = NC * 64;                /* rows of a block */
+    static constexpr int THREADS = (NC + 1) * 128;      /* the producer warpgroup + the consumers */
+    static constexpr int CONSUMERS = NC * 128;
+    static constexpr int NG = KN / 16;                  /* 16-key groups of a tile: a box (or cp.async group) each */
+    static constexpr int PREGS = 56, CREGS = NC == 2 ? 224 : 144;
+    static_assert(PREGS * 128 + CREGS * CONSUMERS <= 65536, "registers of an SM");
+    static constexpr int QE = ROWS * HD; /* elements of the Q tile */
+    static constexpr int TE = KN * HD;   /* elements of one K or V stage */
     static constexpr size_t k_off = (size_t)QE * sizeof(bf16);
     static constexpr size_t v_off = k_off + (size_t)ST * TE * sizeof(bf16);
-    /* [ST][FA_GROUPS + 1]: the keys read of each group of the tile in the stage, then 1 if any group
+    /* [ST][NG + 1]: the keys read of each group of the tile in the stage, then 1 if any group
      * has fewer than 16 */
     static constexpr size_t gv_off = v_off + (size_t)ST * TE * sizeof(bf16);
-    static constexpr size_t mb_off = (gv_off + (size_t)ST * (FA_GROUPS + 1) * sizeof(int) + 7) / 8 * 8;
+    static constexpr size_t mb_off = (gv_off + (size_t)ST * (NG + 1) * sizeof(int) + 7) / 8 * 8;
     /* 1024: the swizzle atoms start on 1024-byte boundaries; dynamic shared memory is only known to
      * be 16-byte aligned */
     static constexpr size_t smem = 1024 + mb_off + 4 * ST * sizeof(uint64_t);
@@ -93,23 +97,23 @@ __device__ __forceinline__ void fa_bar_arrive(int id, int n)
 
 /* The producer warp stages one half (K or V) of a tile into dst: groups whose 16 keys are all read
  * (bit g of whole) by the copy engine, the others by cp.async with their unread keys zeroed. Lane
- * g < FA_GROUPS holds group g's first pool row and its keys read (row, nv). gv (K only) receives
+ * g < KN / 16 holds group g's first pool row and its keys read (row, nv). gv (K only) receives
  * each group's keys read and the tile's short flag before the arrival that publishes them. */
-template <int HD>
+template <int HD, int KN>
 static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf16 *pool, bf16 *dst, uint64_t *full,
                                                 int *gv, unsigned whole, int row, int nv, int lane)
 {
-    constexpr int CH = HD / 8; /* 16-byte chunks of a row */
-    const unsigned part = ((1u << FA_GROUPS) - 1) & ~whole;
+    constexpr int CH = HD / 8, NG = KN / 16; /* 16-byte chunks of a row, groups of a tile */
+    const unsigned part = ((1u << NG) - 1) & ~whole;
     if (part) {
         /* rare: the tile's last groups, a cached document's short block */
-        for (int g = 0; g < FA_GROUPS; g++) {
+        for (int g = 0; g < NG; g++) {
             const int grow = __shfl_sync(FULL, row, g), gnv = __shfl_sync(FULL, nv, g);
             if (!((part >> g) & 1)) continue; /* uniform across the warp */
             for (int idx = lane; idx < 16 * CH; idx += 32) {
                 const int j = idx / CH, c = idx % CH;
                 const bool ok = j < gnv;
-                cp_async16(dst + sw128<FA_KN>(g * 16 + j, c * 8), ok ? pool + (size_t)(grow + j) * HD + c * 8 : pool,
+                cp_async16(dst + sw128<KN>(g * 16 + j, c * 8), ok ? pool + (size_t)(grow + j) * HD + c * 8 : pool,
                            ok ? 16 : 0);
             }
         }
@@ -118,8 +122,8 @@ static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf
         fence_proxy_async_smem(); /* the wgmma (async proxy) reads what cp.async wrote */
     }
     if (gv) {
-        if (lane < FA_GROUPS) gv[lane] = nv;
-        if (lane == 0) gv[FA_GROUPS] = part != 0;
+        if (lane < NG) gv[lane] = nv;
+        if (lane == 0) gv[NG] = part != 0;
     }
     __syncwarp();
     const unsigned bytes = (unsigned)__popc(whole) * 16u * HD * (unsigned)sizeof(bf16);
@@ -127,13 +131,13 @@ static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fa_smem(full)), "r"(bytes)
                      : "memory");
 #pragma unroll
-    for (int g = 0; g < FA_GROUPS; g++) {
+    for (int g = 0; g < NG; g++) {
         const int grow = __shfl_sync(FULL, row, g);
         if (lane == 0 && ((whole >> g) & 1)) {
 #pragma unroll
             for (int b = 0; b < HD / 64; b++)
                 asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-                             "%3}], [%4];\n" ::"r"(fa_smem(dst + sw128<FA_KN>(g * 16, b * 64))),
+                             "%3}], [%4];\n" ::"r"(fa_smem(dst + sw128<KN>(g * 16, b * 64))),
                              "l"(map), "r"(b * 64), "r"(grow), "r"(fa_smem(full))
                              : "memory");
         }
@@ -166,7 +170,7 @@ struct fa_item {
 /* Work item w of the block: PER (persistent blocks, no context splits): item w of n_items = tiles
  * x KV heads, tile n_tiles - 1 - w / n_kv (longest first) and KV head w % n_kv; otherwise the
  * block's own (w = 0). False: no such tile. */
-template <bool PER>
+template <bool PER, int KN>
 static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n_items, fa_item &it)
 {
     int tile;
@@ -186,23 +190,24 @@ static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n
     it.nr = it.ntok * a.G;
     it.k0 = it.split * a.chunk;
     it.k1 = min(it.pos0 + it.ntok, it.k0 + a.chunk);
-    it.ntiles = it.k1 > it.k0 ? (it.k1 - it.k0 + FA_KN - 1) / FA_KN : 0;
+    it.ntiles = it.k1 > it.k0 ? (it.k1 - it.k0 + KN - 1) / KN : 0;
     return true;
 }
 
-template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL>
-__global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constant__ at_args a)
+template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER>
+__global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3(const __grid_constant__ at_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
-    typedef fa_cfg<HD, ST> C;
-    constexpr int KN = FA_KN, CH = HD / 8;
+    typedef fa_cfg<HD, ST, NC, KN> C;
+    static_assert(!PP || NC == 2, "ping-pong takes turns between two consumer warpgroups");
+    constexpr int CH = HD / 8, NG = C::NG;
     extern __shared__ __align__(16) unsigned char smraw[];
     unsigned char *base = smraw + ((1024 - (fa_smem(smraw) & 1023)) & 1023);
-    bf16 *sq = (bf16 *)base;                 /* [WG_ROWS x HD] swizzled */
+    bf16 *sq = (bf16 *)base;                 /* [ROWS x HD] swizzled */
     bf16 *sk = (bf16 *)(base + C::k_off);    /* [ST][KN x HD] swizzled */
     bf16 *sv = (bf16 *)(base + C::v_off);    /* [ST][KN x HD] swizzled */
-    int *gv = (int *)(base + C::gv_off);     /* [ST][FA_GROUPS + 1] */
+    int *gv = (int *)(base + C::gv_off);     /* [ST][NG + 1] */
     uint64_t *full_k = (uint64_t *)(base + C::mb_off), *full_v = full_k + ST, *empty_k = full_v + ST,
              *empty_v = empty_k + ST;
 
@@ -214,8 +219,8 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
         for (int i = 0; i < ST; i++) {
             fa_mbar_init(full_k + i, 1);
             fa_mbar_init(full_v + i, 1);
-            fa_mbar_init(empty_k + i, FA_CONSUMERS);
-            fa_mbar_init(empty_v + i, FA_CONSUMERS);
+            fa_mbar_init(empty_k + i, SP ? C::CONSUMERS / 32 : C::CONSUMERS);
+            fa_mbar_init(empty_v + i, SP ? C::CONSUMERS / 32 : C::CONSUMERS);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -223,17 +228,21 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
 
     if (wg == 0) {
         /* ---- producer ---- */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(FA_PRODUCER_REGS));
-        if (tid >= 32) return;
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PREGS));
+        /* SP: warp 0 stages K, warp 1 V, so that K(q + 1), which the consumers need first, never
+         * waits behind V(q)'s wait for the release of V(q - ST) (P . V of tile q - ST completes a
+         * whole softmax later than its S) */
+        if (tid >= (SP ? 64 : 32)) return;
+        const bool do_k = !SP || tid < 32, do_v = !SP || tid >= 32;
         int gt = 0; /* tiles this block staged before the item: the ring position */
         for (int w = w0; w < n_items; w += wstep) {
         fa_item I;
-        if (!fa_item_at<PER>(a, w, n_items, I)) continue;
+        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
         const int s = I.s, kvh = I.kvh, k0 = I.k0, k1 = I.k1, ntiles = I.ntiles;
         const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
         const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
         const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
-        /* lane g < FA_GROUPS: group g of tile it, its first pool row ((block x n_kv + kvh) x bs +
+        /* lane g < NG: group g of tile it, its first pool row ((block x n_kv + kvh) x bs +
          * slot; a group never straddles blocks, as bs is a multiple of 16 and tiles start on
          * multiples of 32) and its keys read (a prefix of the group: slots below the block's valid
          * count, keys below k1) */
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
             row = 0;
             nv = 0;
             const int p = k0 + it * KN + lane * 16;
-            if (lane < FA_GROUPS && p < k1) {
+            if (lane < NG && p < k1) {
                 const int pb = p / a.bs, sl = p - pb * a.bs;
                 int blk, lim = a.bs;
                 if (wt) {
@@ -262,18 +271,23 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
             const int q = gt + it, st = q % ST;
             const unsigned ph = (unsigned)(q / ST) & 1u;
             /* !TMA (a diagnostic form): every group by cp.async */
-            const unsigned whole = TMA ? __ballot_sync(FULL, lane < FA_GROUPS && nv == 16) : 0u;
-            if (q >= ST) fa_mbar_wait(empty_k + st, ph ^ 1u); /* the consumers are done with ring tile q - ST */
-            fa_stage<HD>(&a.tm_k, a.kc, sk + st * C::TE, full_k + st, gv + st * (FA_GROUPS + 1), whole, row, nv, lane);
-            if (q >= ST) fa_mbar_wait(empty_v + st, ph ^ 1u);
-            fa_stage<HD>(&a.tm_v, a.vc, sv + st * C::TE, full_v + st, nullptr, whole, row, nv, lane);
+            const unsigned whole = TMA ? __ballot_sync(FULL, lane < NG && nv == 16) : 0u;
+            if (do_k) {
+                if (q >= ST) fa_mbar_wait(empty_k + st, ph ^ 1u); /* the consumers are done with ring tile q - ST */
+                fa_stage<HD, KN>(&a.tm_k, a.kc, sk + st * C::TE, full_k + st, gv + st * (NG + 1), whole, row, nv,
+                                 lane);
+            }
+            if (do_v) {
+                if (q >= ST) fa_mbar_wait(empty_v + st, ph ^ 1u);
+                fa_stage<HD, KN>(&a.tm_v, a.vc, sv + st * C::TE, full_v + st, nullptr, whole, row, nv, lane);
+            }
             if (it + 1 < ntiles) look(it + 1, row, nv); /* its loads overlap the wait for the next stage */
         }
         gt += ntiles;
         }
     } else {
         /* ---- consumers ---- */
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(FA_CONSUMER_REGS));
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CREGS));
         const int cw = wg - 1, ctid = tid & 127, warp = ctid >> 5, g = lane >> 2, t = lane & 3;
         /* PP: the warpgroups take turns over all the block's items (a turn passed at each item's
          * start and end instead could let warpgroup 1 arrive twice at barrier 3 before warpgroup 0
@@ -282,7 +296,7 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
         int gt = 0; /* tiles this block consumed before the item: the ring position */
         for (int w = w0; w < n_items; w += wstep) {
         fa_item I;
-        if (!fa_item_at<PER>(a, w, n_items, I)) continue;
+        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
         const int kvh = I.kvh, split = I.split, qs = I.qs, r0 = I.r0, pos0 = I.pos0, nr = I.nr, k0 = I.k0,
                   ntiles = I.ntiles;
 
@@ -301,7 +315,7 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
                 v.z = pack_bf16(x1.x * qscale, x1.y * qscale);
                 v.w = pack_bf16(x1.z * qscale, x1.w * qscale);
             }
-            *(uint4 *)(sq + sw128<WG_ROWS>(r, c * 8)) = v;
+            *(uint4 *)(sq + sw128<C::ROWS>(r, c * 8)) = v;
         }
         fence_proxy_async_smem();
         fa_bar_sync(FA_BAR_Q + cw, 128);
@@ -322,12 +336,12 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
         /* the mask of tile it in stage st, read before the stage is released: the keys read of
          * each group (the producer rewrites them for tile it + ST) */
         auto mask_scores = [&](float *sc, int it, int st) {
-            const int *gs = gv + st * (FA_GROUPS + 1);
+            const int *gs = gv + st * (NG + 1);
             const int kb = k0 + it * KN;
-            if (kb + KN - 1 > wlo || gs[FA_GROUPS]) {
-                int gn[FA_GROUPS];
+            if (kb + KN - 1 > wlo || gs[NG]) {
+                int gn[NG];
 #pragma unroll
-                for (int q = 0; q < FA_GROUPS; q++) gn[q] = gs[q];
+                for (int q = 0; q < NG; q++) gn[q] = gs[q];
 #pragma unroll
                 for (int j = 0; j < KN / 8; j++)
 #pragma unroll
@@ -335,6 +349,16 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
                         const int col = j * 8 + 2 * t + (e & 1);
                         if ((col & 15) >= gn[j >> 1] || kb + col > lim[e >> 1]) sc[j * 4 + e] = -INFINITY;
                     }
+            }
+        };
+        /* a consumer's release of a stage: SP, one arrival a warp (its lanes' wgmma and mask reads
+         * are done: wgmma.wait_group, __syncwarp), else one a thread */
+        auto release = [&](uint64_t *mb) {
+            if (SP) {
+                __syncwarp();
+                if (lane == 0) fa_mbar_arrive(mb);
+            } else {
+                fa_mbar_arrive(mb);
             }
         };
         auto turn_wait = [&]() {
@@ -355,14 +379,14 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
                 fa_mbar_wait(full_v + st, ph);
                 turn_wait();
                 wg_fence();
-                qk_issue<HD, KN>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
                 wg_commit();
                 turn_pass();
                 wg_wait_group<0>();
 #pragma unroll
                 for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
                 mask_scores(sc, it, st);
-                fa_mbar_arrive(empty_k + st);
+                release(empty_k + st);
                 softmax_core<KN>(sc, m, l, alpha);
 #pragma unroll
                 for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
@@ -377,7 +401,7 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
                 wg_wait_group<0>();
 #pragma unroll
                 for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
-                fa_mbar_arrive(empty_v + st);
+                release(empty_v + st);
             }
         } else if (ntiles > 0) {
             float sc[KN / 2], alpha[2];
@@ -387,43 +411,66 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
             fa_mbar_wait(full_k + st0, (unsigned)(gt / ST) & 1u);
             turn_wait();
             wg_fence();
-            qk_issue<HD, KN>(sc, qdesc, wg_desc(sk + st0 * C::TE, 16, 1024));
+            qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st0 * C::TE, 16, 1024));
             wg_commit();
             turn_pass();
             wg_wait_group<0>();
 #pragma unroll
             for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
             mask_scores(sc, 0, st0);
-            fa_mbar_arrive(empty_k + st0);
+            release(empty_k + st0);
             softmax_core<KN>(sc, m, l, alpha);
             pack_p<KN>(sc, pa);
             for (int it = 1; it < ntiles; it++) {
                 const int q = gt + it, st = q % ST, pst = (q - 1) % ST;
                 fa_mbar_wait(full_k + st, (unsigned)(q / ST) & 1u);
-                fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
-                turn_wait();
+                if constexpr (ER) {
+                    /* FlashAttention-3's order: S(it) is issued as soon as K(it) is in, O's rescale for
+                     * tile it - 1's max runs under it (O is in no wgmma: P(it - 2) . V(it - 2) is
+                     * complete), then P(it - 1) . V(it - 1) once V(it - 1) is in */
+                    turn_wait();
+                    wg_fence();
+                    qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                    wg_commit();
 #pragma unroll
-                for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
-                wg_fence();
-                qk_issue<HD, KN>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
-                wg_commit();
-                pv_issue<HD, KN>(o, pa, wg_desc(sv + pst * C::TE, KN * 128, 1024));
-                wg_commit();
-                turn_pass();
+                    for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
+                    fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                    wg_fence();
+                    pv_issue<HD, KN>(o, pa, wg_desc(sv + pst * C::TE, KN * 128, 1024));
+                    wg_commit();
+                    turn_pass();
+                } else {
+                    fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
+                    turn_wait();
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                    wg_fence();
+                    qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                    wg_commit();
+                    pv_issue<HD, KN>(o, pa, wg_desc(sv + pst * C::TE, KN * 128, 1024));
+                    wg_commit();
+                    turn_pass();
+                }
                 wg_wait_group<1>(); /* S is done; P . V may still run */
 #pragma unroll
                 for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
                 mask_scores(sc, it, st);
-                fa_mbar_arrive(empty_k + st);
+                release(empty_k + st);
                 softmax_core<KN>(sc, m, l, alpha);
                 wg_wait_group<0>(); /* P(it - 1) . V(it - 1) is done: O and pa may change */
-                fa_mbar_arrive(empty_v + pst);
+                release(empty_v + pst);
 #pragma unroll
                 for (int i = 0; i < HD / 2; i++) {
                     wg_reg_fence(o[i]);
-                    o[i] *= alpha[(i >> 1) & 1];
+                    if constexpr (!ER) o[i] *= alpha[(i >> 1) & 1];
                 }
                 pack_p<KN>(sc, pa);
+            }
+            if constexpr (ER) {
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
             }
             const int ql = gt + ntiles - 1, lst = ql % ST;
             fa_mbar_wait(full_v + lst, (unsigned)(ql / ST) & 1u);
@@ -437,7 +484,7 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
             wg_wait_group<0>();
 #pragma unroll
             for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
-            fa_mbar_arrive(empty_v + lst);
+            release(empty_v + lst);
         }
 
 #pragma unroll
@@ -483,7 +530,8 @@ __global__ void __launch_bounds__(FA_THREADS, 1) k_attn_fa3(const __grid_constan
 #endif
 }
 
-template <int HD, int ST, bool PP, bool PER, bool TMA = true, bool OVL = true>
+template <int HD, int ST, bool PP, bool PER, bool TMA = true, bool OVL = true, bool SP = false, int NC = 2,
+          int KN = 128, bool ER = false>
 static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
@@ -496,30 +544,36 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
          * first tiles while the consumers finish the last one's */
         int *res = kvs_cu_resident_here(resident);
         if (!*res) {
-            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_fa3<HD, ST, PP, PER, TMA, OVL>,
+            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)fa_cfg<HD, ST>::smem));
+                                            (int)fa_cfg<HD, ST, NC, KN>::smem));
             *res = 1;
         }
         x.chunk = (max_ctx + AT_TILE - 1) / AT_TILE * AT_TILE;
         x.n_splits = 1;
         const long long items = (long long)n_tiles * x.n_kv;
         const unsigned grid = (unsigned)(items < n_sms ? items : n_sms);
-        CUDA_CHECK(kvs_cu_launch(k_attn_fa3<HD, ST, PP, PER, TMA, OVL>, dim3(grid), dim3(FA_THREADS),
-                                 fa_cfg<HD, ST>::smem, st, x));
+        CUDA_CHECK(kvs_cu_launch(k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>, dim3(grid),
+                                 dim3(fa_cfg<HD, ST, NC, KN>::THREADS), fa_cfg<HD, ST, NC, KN>::smem, st, x));
         CUDA_CHECK(cudaGetLastError());
         return;
     }
     static kvs_cu_resident resident_np;
-    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL>, FA_THREADS, fa_cfg<HD, ST>::smem,
+    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER>, fa_cfg<HD, ST, NC, KN>::THREADS,
+                       fa_cfg<HD, ST, NC, KN>::smem,
                        kvs_cu_resident_here(resident_np), x, n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force,
-                       FA_KN);
+                       KN);
 }
 
-/* 2 stages each. Kind 7: the FlashAttention-3 form (copy engine, overlap); 8: cp.async staging only
+/* Kind 7: the FlashAttention-3 form (copy engine, overlap, 2 stages); 8: cp.async staging only
  * (no copy engine); 9: the copy engine with the serial consumer (no overlap); 10: neither; 11:
- * kind 7 with ping-pong; 12: kind 11 with persistent blocks (where the context is not split).
- * 8 to 10 are diagnostic forms: they tell apart the staging and the consumer pipeline. */
+ * kind 7 with ping-pong; 12: kind 11 with persistent blocks (where the context is not split);
+ * 13: kind 7 with K and V staged by two producer warps (SP) and one release a consumer warp; 14:
+ * kind 13 in 3 stages; 15: kind 13 with ping-pong; 16: kind 13 with 3 consumer warpgroups (192
+ * rows a block, so each staged K / V byte serves 1.5x the rows) and 64-key tiles in 4 stages
+ * (their registers allow no more); 17 and 18: kinds 14 and 16 with FlashAttention-3's order (ER:
+ * S issued before V is waited for, O rescaled while S runs). 8 to 10 are diagnostic forms: they tell apart
+ * the staging and the consumer pipeline. */
 template <int HD>
 static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                            size_t ws_floats, int n, int force)
@@ -530,15 +584,33 @@ static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaS
     case 9: launch_fa<HD, 2, false, false, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 10: launch_fa<HD, 2, false, false, false, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 11: launch_fa<HD, 2, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
-    default: launch_fa<HD, 2, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 12: launch_fa<HD, 2, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 13: launch_fa<HD, 2, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 14: launch_fa<HD, 3, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 15: launch_fa<HD, 2, true, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 16: launch_fa<HD, 4, false, false, true, true, true, 3, 64>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    case 17:
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    default:
+        launch_fa<HD, 4, false, false, true, true, true, 3, 64, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
     }
 }
 
 bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                              size_t ws_floats, int n, int force)
 {
-    KVS_ASSERT(kind >= 7 && kind <= 12);
-    if ((hd != 64 && hd != 128) || x.bs % 16 != 0 || x.kv_rows >= INT_MAX || !fd_tma_maps(x, hd)) return false;
+    KVS_ASSERT(kind >= 7 && kind <= 18);
+    if ((hd != 64 && hd != 128) || x.bs % 16 != 0 || x.kv_rows >= INT_MAX || !fd_tma_maps(x, hd)) {
+        /* kinds 16 and 18's tiles of 192 rows have no other kernel (the plan gives them blocks of a
+         * multiple of 16 slots only); they are chosen only on request (kvs_cuda_set_pre_attn,
+         * KVS_CUDA_PRE_ATTN) */
+        if (kind == 16 || kind == 18)
+            kvs_panic(__FILE__, __LINE__, "cuda attention: prefill kind %d needs the copy engine's tensor maps", kind);
+        return false;
+    }
     if (hd == 128) launch_fa_kind<128>(x, kind, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else launch_fa_kind<64>(x, kind, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     return true;

@@ -1,6 +1,6 @@
 /* cuda_attn_prefill_wg.cu: k_attn_wg, the Hopper prefill attention kernel (sm_90a: wgmma), and the
  * choice between it, k_attn_tc (cuda_attn_prefill.cu) and k_attn_fa3 (cuda_attn_prefill_fa3.cu, kinds
- * 7 to 12, only with -DKVS_PRE_ATTN_FA3=1) for a prefill launch. The wgmma pieces both wgmma kernels
+ * 7 to 18, kind 14 the default on sm_90) for a prefill launch. The wgmma pieces both wgmma kernels
  * use (descriptors, QK / PV issue, the online softmax) are in cuda_attn_wgmma.cuh.
  *
  * A block of two warpgroups owns 128 (token, head) rows of one sequence and one KV head: 128 / G
@@ -28,13 +28,12 @@
 #include "kernels/cuda/cuda_attn_wgmma.cuh"
 
 #define WG_THREADS 256
-/* the prefill kernel without kvs_cuda_set_pre_attn / KVS_CUDA_PRE_ATTN: 64-key tiles, two blocks an
- * SM, the fastest kind at 1K, 8K and 32K on the H100 (bench/RESULTS.md, "Hopper prefill attention") */
-#define KVS_PRE_ATTN_DEFAULT 6
-#ifndef KVS_PRE_ATTN_FA3
-#define KVS_PRE_ATTN_FA3 0 /* 1: kinds 7 to 12 (k_attn_fa3) may be chosen; see kvs_cu_attn_prefill_kind */
-#endif
-#define KVS_PRE_ATTN_KINDS 12 /* kinds 1 .. 12 (7 .. 12: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
+/* the prefill kernel without kvs_cuda_set_pre_attn / KVS_CUDA_PRE_ATTN: k_attn_fa3 with K and V
+ * producer warps in 3 stages, the fastest kind at 1K and 8K on the H100 (bench/RESULTS.md,
+ * "k_attn_fa3 verified"); where k_attn_fa3 cannot take a launch (blocks of other than a multiple of
+ * 16 slots, no tensor maps) kind 6 does, whose tiles have the same 128 rows */
+#define KVS_PRE_ATTN_DEFAULT 14
+#define KVS_PRE_ATTN_KINDS 18 /* kinds 1 .. 18 (7 .. 18: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
 
 template <int HD, int KN, int ST>
 struct wg_cfg {
@@ -373,15 +372,15 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
         env_kind = v >= 1 && v <= KVS_PRE_ATTN_KINDS ? v : -1;
     }
     int kind = g_pre_kind >= 1 ? g_pre_kind : env_kind >= 1 ? env_kind : KVS_PRE_ATTN_DEFAULT;
-    /* the wgmma kernel: head_dim 64 / 128, no deferred rotation, Hopper */
-    /* k_attn_fa3 (kinds 7 to 12) failed test_cuda_attn_prefill on the H100 (bench/RESULTS.md,
-     * "FlashAttention-3-style prefill kernel"); the likely cause is fixed but not yet run on a GPU, so
-     * it runs only in builds with -DKVS_PRE_ATTN_FA3=1; elsewhere a request for it takes kind 6 */
-    if (kind >= 7 && !KVS_PRE_ATTN_FA3) kind = 6;
+    /* the wgmma kernels: head_dim 64 / 128, no deferred rotation, Hopper */
     if (kind >= 2 && (rot || (hd != 64 && hd != 128) || !device_is_sm90())) kind = 1;
     return kind;
 }
 
-int kvs_cu_attn_prefill_qt(int kind, int G) { return (kind >= 2 ? WG_ROWS : PRE_WARPS * 16) / G; }
+/* kinds 16 and 18: k_attn_fa3 with three consumer warpgroups, 192 rows a block */
+int kvs_cu_attn_prefill_qt(int kind, int G)
+{
+    return (kind == 16 || kind == 18 ? 192 : kind >= 2 ? WG_ROWS : PRE_WARPS * 16) / G;
+}
 
 extern "C" int kvs_cuda_pre_attn_kind(int head_dim, int rot) { return kvs_cu_attn_prefill_kind(head_dim, rot); }

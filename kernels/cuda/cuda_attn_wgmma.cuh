@@ -104,15 +104,15 @@ __device__ __forceinline__ void wgmma_pv(float *d, const uint32_t *a, uint64_t d
     else wgmma_rs_n64_tb(d, a, db);
 }
 
-/* S[64 x KN] = Q . K^T for the warpgroup's 64 rows: HD / 16 k-steps; a k-step of 16 columns is 32
- * bytes further along a row, a 64-column block R x 128 bytes further (in the descriptors'
- * 16-byte units: 2, R x 8) */
-template <int HD, int KN>
+/* S[64 x KN] = Q . K^T for the warpgroup's 64 rows of a Q tile of QR rows: HD / 16 k-steps; a
+ * k-step of 16 columns is 32 bytes further along a row, a 64-column block R x 128 bytes further (R:
+ * the tile's rows; in the descriptors' 16-byte units: 2, R x 8) */
+template <int HD, int KN, int QR = WG_ROWS>
 __device__ __forceinline__ void qk_issue(float *sc, uint64_t qdesc, uint64_t kdesc)
 {
 #pragma unroll
     for (int ks = 0; ks < HD / 16; ks++)
-        wgmma_qk<KN>(sc, qdesc + (uint64_t)((ks >> 2) * WG_ROWS * 8 + (ks & 3) * 2),
+        wgmma_qk<KN>(sc, qdesc + (uint64_t)((ks >> 2) * QR * 8 + (ks & 3) * 2),
                      kdesc + (uint64_t)((ks >> 2) * KN * 8 + (ks & 3) * 2), ks > 0);
 }
 
@@ -186,15 +186,15 @@ __device__ __forceinline__ void pack_p(const float *sc, uint32_t (*pa)[4])
 }
 
 /* cuda_attn_prefill_wg.cu: the prefill kernel a launch takes (1: k_attn_tc, 2 to 6: k_attn_wg's
- * variants, 7 to 12: k_attn_fa3's; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
+ * variants, 7 to 18: k_attn_fa3's; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
  * for a group of G query heads per KV head: the plan (cuda_attention.cu) and the launch agree. */
 int kvs_cu_attn_prefill_kind(int hd, int rot);
 int kvs_cu_attn_prefill_qt(int kind, int G);
-/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 12) over prefill tiles
+/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 18) over prefill tiles
  * of x.qt tokens (k_attn_wg's kind 6 where k_attn_fa3 cannot take the launch) */
 void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                             size_t ws_floats, int n, int force);
-/* cuda_attn_prefill_fa3.cu: launches k_attn_fa3 (kind 7 to 12); false (nothing launched) where it
+/* cuda_attn_prefill_fa3.cu: launches k_attn_fa3 (kind 7 to 18); false (nothing launched) where it
  * does not apply: head_dim other than 64 / 128, blocks of other than a multiple of 16 slots, no
  * tensor maps from the driver */
 bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
