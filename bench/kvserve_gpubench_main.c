@@ -30,7 +30,9 @@
  * the automatic decode kernel and with kinds 3, 4 and 5 forced (kvs_cuda_set_dec_attn).
  * --pre-attn-variants also times each prefill's attention (all layers, median of 3) with each
  * prefill kernel forced (kvs_cuda_set_pre_attn: 1 mma.sync, 2 / 3 wgmma with 128- / 64-key tiles,
- * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM).
+ * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM, 7 to 18 k_attn_fa3: copy-engine
+ * staging, producer / consumer warpgroups, diagnostic forms, ping-pong, persistent, K / V producers, 192-row blocks,
+ * FlashAttention-3's issue order; 14 the default on sm_90).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -797,8 +799,14 @@ int main(int argc, char **argv)
             /* the attention alone with each prefill kernel forced: median of 3 after a warm-up */
             static const char *const names[] = {"", "1 mma.sync (k_attn_tc)", "2 wgmma, 128-key tiles",
                                                 "3 wgmma, 64-key tiles", "4 wgmma, 128-key, overlapped",
-                                                "5 wgmma, 64-key, overlapped", "6 wgmma, 64-key, 2 blocks/SM"};
-            for (int kind = 1; kind <= 6; kind++) {
+                                                "5 wgmma, 64-key, overlapped", "6 wgmma, 64-key, 2 blocks/SM",
+                                                "7 fa3, TMA, 2 stages", "8 fa3, cp.async only",
+                                                "9 fa3, TMA, serial consumer", "10 fa3, cp.async, serial",
+                                                "11 fa3, TMA, ping-pong", "12 fa3, TMA, pp, persistent",
+                                                "13 fa3, TMA, K/V producers", "14 fa3, K/V producers, 3 st",
+                                                "15 fa3, K/V producers, pp", "16 fa3, 192 rows, 64-key",
+                                                "17 fa3, kind 14, FA3 order", "18 fa3, kind 16, FA3 order"};
+            for (int kind = 1; kind <= 18; kind++) {
                 kvs_cuda_set_pre_attn(kind);
                 float tv[4];
                 for (int it = 0; it < 4; it++) {

@@ -155,7 +155,10 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     /* plan both launches from the host copies: decode sequences (one row) and prefill tiles */
     int n_dec = 0, n_pre_tiles = 0, ctx_dec = 1, ctx_pre = 1;
     /* prefill tokens per tile: the rows of the kernel the launch takes (k_attn_tc or k_attn_wg) */
-    const int pre_kind = kvs_cu_attn_prefill_kind(a->hd, a->rot != NULL);
+    int pre_kind = kvs_cu_attn_prefill_kind(a->hd, a->rot != NULL);
+    /* k_attn_fa3's 192-row forms (kinds 16, 18) have no fallback with tiles of their size: blocks of
+     * other than a multiple of 16 slots, which they cannot stage, take kind 6 from the plan on */
+    if ((pre_kind == 16 || pre_kind == 18) && a->bs % 16 != 0) pre_kind = 6;
     const int qt_pre = kvs_cu_attn_prefill_qt(pre_kind, G);
     const int skip = a->skip_lead > 0 && a->skip_lead < a->n_seqs ? a->skip_lead : 0;
     for (int s = 0; s < a->n_seqs; s++) {

@@ -494,7 +494,8 @@ static bool tma_map(const bf16 *pool, long long rows, int hd, CUtensorMap *out)
     return true;
 }
 
-static bool fd_tma_maps(at_args &x, int hd)
+/* also k_attn_fa3's maps (declared in cuda_attn_wgmma.cuh) */
+bool fd_tma_maps(at_args &x, int hd)
 {
     return tma_map(x.kc, x.kv_rows, hd, &x.tm_k) && tma_map(x.vc, x.kv_rows, hd, &x.tm_v);
 }

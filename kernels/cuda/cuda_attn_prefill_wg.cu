@@ -1,5 +1,7 @@
 /* cuda_attn_prefill_wg.cu: k_attn_wg, the Hopper prefill attention kernel (sm_90a: wgmma), and the
- * choice between it and k_attn_tc (cuda_attn_prefill.cu) for a prefill launch.
+ * choice between it, k_attn_tc (cuda_attn_prefill.cu) and k_attn_fa3 (cuda_attn_prefill_fa3.cu, kinds
+ * 7 to 18, kind 14 the default on sm_90) for a prefill launch. The wgmma pieces both wgmma kernels
+ * use (descriptors, QK / PV issue, the online softmax) are in cuda_attn_wgmma.cuh.
  *
  * A block of two warpgroups owns 128 (token, head) rows of one sequence and one KV head: 128 / G
  * consecutive tokens times the G query heads of the group (GQA packing: every staged K/V byte
@@ -25,12 +27,13 @@
 
 #include "kernels/cuda/cuda_attn_wgmma.cuh"
 
-#define WG_ROWS 128   /* rows of a block: 2 warpgroups x 64 */
 #define WG_THREADS 256
-/* the prefill kernel without kvs_cuda_set_pre_attn / KVS_CUDA_PRE_ATTN: 64-key tiles, two blocks an
- * SM, the fastest kind at 1K, 8K and 32K on the H100 (bench/RESULTS.md, "Hopper prefill attention") */
-#define KVS_PRE_ATTN_DEFAULT 6
-#define KVS_PRE_ATTN_KINDS 6 /* kinds 1 .. 6 */
+/* the prefill kernel without kvs_cuda_set_pre_attn / KVS_CUDA_PRE_ATTN: k_attn_fa3 with K and V
+ * producer warps in 3 stages, the fastest kind at 1K and 8K on the H100 (bench/RESULTS.md,
+ * "k_attn_fa3 verified"); where k_attn_fa3 cannot take a launch (blocks of other than a multiple of
+ * 16 slots, no tensor maps) kind 6 does, whose tiles have the same 128 rows */
+#define KVS_PRE_ATTN_DEFAULT 14
+#define KVS_PRE_ATTN_KINDS 18 /* kinds 1 .. 18 (7 .. 18: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
 
 template <int HD, int KN, int ST>
 struct wg_cfg {
@@ -41,108 +44,6 @@ struct wg_cfg {
     static constexpr size_t smem = 1024 + (size_t)(QE + 2 * ST * TE) * sizeof(bf16) + (size_t)ST * KN * sizeof(int) +
                                    (size_t)ST * sizeof(int);
 };
-
-/* element offset of (row r, column d) in a tile of R rows x HD columns stored as HD / 64 blocks of
- * R rows x 64 columns, 16-byte chunk c of row r at chunk c ^ (r & 7) (the 128-byte swizzle) */
-template <int R>
-__device__ __forceinline__ int sw128(int r, int d)
-{
-    return (d >> 6) * (R * 64) + r * 64 + ((((d >> 3) & 7) ^ (r & 7)) << 3) + (d & 7);
-}
-
-__device__ __forceinline__ float ex2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_qk(float *d, uint64_t da, uint64_t db, int acc)
-{
-    if constexpr (N == 128) wgmma_ss_n128(d, da, db, acc);
-    else wgmma_ss_n64(d, da, db, acc);
-}
-template <int N>
-__device__ __forceinline__ void wgmma_pv(float *d, const uint32_t *a, uint64_t db)
-{
-    if constexpr (N == 128) wgmma_rs_n128_tb(d, a, db);
-    else wgmma_rs_n64_tb(d, a, db);
-}
-
-/* S[64 x KN] = Q . K^T for the warpgroup's 64 rows: HD / 16 k-steps; a k-step of 16 columns is 32
- * bytes further along a row, a 64-column block R x 128 bytes further (in the descriptors'
- * 16-byte units: 2, R x 8) */
-template <int HD, int KN>
-__device__ __forceinline__ void qk_issue(float *sc, uint64_t qdesc, uint64_t kdesc)
-{
-#pragma unroll
-    for (int ks = 0; ks < HD / 16; ks++)
-        wgmma_qk<KN>(sc, qdesc + (uint64_t)((ks >> 2) * WG_ROWS * 8 + (ks & 3) * 2),
-                     kdesc + (uint64_t)((ks >> 2) * KN * 8 + (ks & 3) * 2), ks > 0);
-}
-
-/* O[64 x HD] += P . V: KN / 16 k-steps of 16 keys, 2 groups of 8 V rows (2048 bytes) each; V is
- * N-major, its 64-column blocks KN x 128 bytes apart (the descriptor's lbo) */
-template <int HD, int KN>
-__device__ __forceinline__ void pv_issue(float *o, const uint32_t (*pa)[4], uint64_t vdesc)
-{
-#pragma unroll
-    for (int kk = 0; kk < KN / 16; kk++) wgmma_pv<HD>(o, pa[kk], vdesc + (uint64_t)(kk * 128));
-}
-
-/* One online-softmax step on the scores sc of a KN-key tile starting at key kb (log2 domain; the
- * m64nNk16 accumulator layout: sc[j * 4 + e] is row g + 8 (e >> 1), key 8 j + 2 t + (e & 1)):
- * masks (when mask: slots ko[] marks KEY_PAD, keys past a row's last lim[]), updates the running
- * max m and the thread's partial sum l, leaves the probabilities in sc and the factor O must be
- * rescaled by in alpha. */
-template <int KN>
-__device__ __forceinline__ void softmax_wg(float *sc, const int *ko, int kb, bool mask, const int *lim, float *m,
-                                           float *l, float *alpha, int t)
-{
-    if (mask) {
-#pragma unroll
-        for (int j = 0; j < KN / 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int col = j * 8 + 2 * t + (e & 1);
-                if (ko[col] == KEY_PAD || kb + col > lim[e >> 1]) sc[j * 4 + e] = -INFINITY;
-            }
-    }
-    float mx[2] = {-INFINITY, -INFINITY}, mu[2], ps[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < KN / 2; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL, mx[h], 2));
-        const float mn = fmaxf(m[h], mx[h]);
-        mu[h] = mn == -INFINITY ? 0.0f : mn; /* a row with nothing visible yet: exp2(-inf) = 0 */
-        alpha[h] = ex2(m[h] - mu[h]);
-        m[h] = mn;
-    }
-#pragma unroll
-    for (int i = 0; i < KN / 2; i++) {
-        const float p = ex2(sc[i] - mu[(i >> 1) & 1]);
-        sc[i] = p;
-        ps[(i >> 1) & 1] += p;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; h++) l[h] = l[h] * alpha[h] + ps[h];
-}
-
-/* P as the A fragments of each 16-key k-step (bf16) */
-template <int KN>
-__device__ __forceinline__ void pack_p(const float *sc, uint32_t (*pa)[4])
-{
-#pragma unroll
-    for (int kk = 0; kk < KN / 16; kk++) {
-        pa[kk][0] = pack_bf16(sc[8 * kk + 0], sc[8 * kk + 1]);
-        pa[kk][1] = pack_bf16(sc[8 * kk + 2], sc[8 * kk + 3]);
-        pa[kk][2] = pack_bf16(sc[8 * kk + 4], sc[8 * kk + 5]);
-        pa[kk][3] = pack_bf16(sc[8 * kk + 6], sc[8 * kk + 7]);
-    }
-}
 
 template <int HD, int KN, int ST, bool OVL, int MINB>
 __global__ void __launch_bounds__(WG_THREADS, MINB) k_attn_wg(at_args a)
@@ -430,6 +331,10 @@ void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_c
 {
     KVS_ASSERT(kind >= 2 && kind <= KVS_PRE_ATTN_KINDS);
     KVS_ASSERT(x.kv_rows < INT_MAX); /* pool rows are int in the kernel */
+    if (kind >= 7) {
+        if (kvs_cu_attn_prefill_fa3(x, kind, hd, n_tiles, max_ctx, st, n_sms, ws_floats, n, force)) return;
+        kind = 6; /* blocks of other than a multiple of 16 slots: the same tiles of 128 rows */
+    }
     if (hd == 128) launch_wg_kind<128>(x, kind, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
     else {
         KVS_ASSERT(hd == 64);
@@ -467,11 +372,15 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
         env_kind = v >= 1 && v <= KVS_PRE_ATTN_KINDS ? v : -1;
     }
     int kind = g_pre_kind >= 1 ? g_pre_kind : env_kind >= 1 ? env_kind : KVS_PRE_ATTN_DEFAULT;
-    /* the wgmma kernel: head_dim 64 / 128, no deferred rotation, Hopper */
+    /* the wgmma kernels: head_dim 64 / 128, no deferred rotation, Hopper */
     if (kind >= 2 && (rot || (hd != 64 && hd != 128) || !device_is_sm90())) kind = 1;
     return kind;
 }
 
-int kvs_cu_attn_prefill_qt(int kind, int G) { return (kind >= 2 ? WG_ROWS : PRE_WARPS * 16) / G; }
+/* kinds 16 and 18: k_attn_fa3 with three consumer warpgroups, 192 rows a block */
+int kvs_cu_attn_prefill_qt(int kind, int G)
+{
+    return (kind == 16 || kind == 18 ? 192 : kind >= 2 ? WG_ROWS : PRE_WARPS * 16) / G;
+}
 
 extern "C" int kvs_cuda_pre_attn_kind(int head_dim, int rot) { return kvs_cu_attn_prefill_kind(head_dim, rot); }

@@ -72,13 +72,135 @@ static __device__ __forceinline__ void wgmma_rs_n128_tb(float *d, const uint32_t
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-/* cuda_attn_prefill_wg.cu: the prefill kernel a launch takes (1: k_attn_tc, 2 to 5: k_attn_wg's
- * variants; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
+/* ---- the pieces both prefill kernels (k_attn_wg, k_attn_fa3) build on ---- */
+
+#define WG_ROWS 128 /* rows of a prefill block: 2 (consumer) warpgroups x 64 */
+
+/* element offset of (row r, column d) in a tile of R rows x HD columns stored as HD / 64 blocks of
+ * R rows x 64 columns, 16-byte chunk c of row r at chunk c ^ (r & 7) (the 128-byte swizzle) */
+template <int R>
+__device__ __forceinline__ int sw128(int r, int d)
+{
+    return (d >> 6) * (R * 64) + r * 64 + ((((d >> 3) & 7) ^ (r & 7)) << 3) + (d & 7);
+}
+
+static __device__ __forceinline__ float ex2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_qk(float *d, uint64_t da, uint64_t db, int acc)
+{
+    if constexpr (N == 128) wgmma_ss_n128(d, da, db, acc);
+    else wgmma_ss_n64(d, da, db, acc);
+}
+template <int N>
+__device__ __forceinline__ void wgmma_pv(float *d, const uint32_t *a, uint64_t db)
+{
+    if constexpr (N == 128) wgmma_rs_n128_tb(d, a, db);
+    else wgmma_rs_n64_tb(d, a, db);
+}
+
+/* S[64 x KN] = Q . K^T for the warpgroup's 64 rows of a Q tile of QR rows: HD / 16 k-steps; a
+ * k-step of 16 columns is 32 bytes further along a row, a 64-column block R x 128 bytes further (R:
+ * the tile's rows; in the descriptors' 16-byte units: 2, R x 8) */
+template <int HD, int KN, int QR = WG_ROWS>
+__device__ __forceinline__ void qk_issue(float *sc, uint64_t qdesc, uint64_t kdesc)
+{
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ks++)
+        wgmma_qk<KN>(sc, qdesc + (uint64_t)((ks >> 2) * QR * 8 + (ks & 3) * 2),
+                     kdesc + (uint64_t)((ks >> 2) * KN * 8 + (ks & 3) * 2), ks > 0);
+}
+
+/* O[64 x HD] += P . V: KN / 16 k-steps of 16 keys, 2 groups of 8 V rows (2048 bytes) each; V is
+ * N-major, its 64-column blocks KN x 128 bytes apart (the descriptor's lbo) */
+template <int HD, int KN>
+__device__ __forceinline__ void pv_issue(float *o, const uint32_t (*pa)[4], uint64_t vdesc)
+{
+#pragma unroll
+    for (int kk = 0; kk < KN / 16; kk++) wgmma_pv<HD>(o, pa[kk], vdesc + (uint64_t)(kk * 128));
+}
+
+/* One online-softmax step on the scores sc of a KN-key tile (log2 domain; the m64nNk16
+ * accumulator layout: sc[j * 4 + e] is row g + 8 (e >> 1), key 8 j + 2 t + (e & 1)), masked
+ * already where needed: updates the running max m and the thread's partial sum l, leaves the
+ * probabilities in sc and the factor O must be rescaled by in alpha. */
+template <int KN>
+__device__ __forceinline__ void softmax_core(float *sc, float *m, float *l, float *alpha)
+{
+    float mx[2] = {-INFINITY, -INFINITY}, mu[2], ps[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < KN / 2; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sc[i]);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL, mx[h], 2));
+        const float mn = fmaxf(m[h], mx[h]);
+        mu[h] = mn == -INFINITY ? 0.0f : mn; /* a row with nothing visible yet: exp2(-inf) = 0 */
+        alpha[h] = ex2(m[h] - mu[h]);
+        m[h] = mn;
+    }
+#pragma unroll
+    for (int i = 0; i < KN / 2; i++) {
+        const float p = ex2(sc[i] - mu[(i >> 1) & 1]);
+        sc[i] = p;
+        ps[(i >> 1) & 1] += p;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) l[h] = l[h] * alpha[h] + ps[h];
+}
+
+/* softmax_core after the masks (when mask) of a tile starting at key kb: slots ko[] marks
+ * KEY_PAD, keys past a row's last lim[] */
+template <int KN>
+__device__ __forceinline__ void softmax_wg(float *sc, const int *ko, int kb, bool mask, const int *lim, float *m,
+                                           float *l, float *alpha, int t)
+{
+    if (mask) {
+#pragma unroll
+        for (int j = 0; j < KN / 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int col = j * 8 + 2 * t + (e & 1);
+                if (ko[col] == KEY_PAD || kb + col > lim[e >> 1]) sc[j * 4 + e] = -INFINITY;
+            }
+    }
+    softmax_core<KN>(sc, m, l, alpha);
+}
+
+/* P as the A fragments of each 16-key k-step (bf16) */
+template <int KN>
+__device__ __forceinline__ void pack_p(const float *sc, uint32_t (*pa)[4])
+{
+#pragma unroll
+    for (int kk = 0; kk < KN / 16; kk++) {
+        pa[kk][0] = pack_bf16(sc[8 * kk + 0], sc[8 * kk + 1]);
+        pa[kk][1] = pack_bf16(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pa[kk][3] = pack_bf16(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+}
+
+/* cuda_attn_prefill_wg.cu: the prefill kernel a launch takes (1: k_attn_tc, 2 to 6: k_attn_wg's
+ * variants, 7 to 18: k_attn_fa3's; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
  * for a group of G query heads per KV head: the plan (cuda_attention.cu) and the launch agree. */
 int kvs_cu_attn_prefill_kind(int hd, int rot);
 int kvs_cu_attn_prefill_qt(int kind, int G);
-/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 5) over prefill tiles of x.qt tokens */
+/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 18) over prefill tiles
+ * of x.qt tokens (k_attn_wg's kind 6 where k_attn_fa3 cannot take the launch) */
 void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                             size_t ws_floats, int n, int force);
+/* cuda_attn_prefill_fa3.cu: launches k_attn_fa3 (kind 7 to 18); false (nothing launched) where it
+ * does not apply: head_dim other than 64 / 128, blocks of other than a multiple of 16 slots, no
+ * tensor maps from the driver */
+bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
+                             size_t ws_floats, int n, int force);
+/* cuda_attn_decode.cu: x.tm_k / x.tm_v, the K and V pools as 2D tensors [kv_rows][hd] for the copy
+ * engine (boxes of 16 rows x 64 columns, 128-byte swizzle); false where the driver cannot encode them */
+bool fd_tma_maps(at_args &x, int hd);
 
 #endif

@@ -1,6 +1,11 @@
-/* test_cuda_attn_prefill.c: the prefill attention kernels of the CUDA backend (kind 1: k_attn_tc,
- * mma.sync; 2 / 3: k_attn_wg, the Hopper wgmma kernel with 128- / 64-key tiles) against the fp32
- * CPU backend, on fresh random inputs each run (seed printed; replay with KVS_SEED=<seed>).
+/* test_cuda_attn_prefill.c: the prefill attention kernels of the CUDA backend (kind 0: the default
+ * choice, kind 14 on sm_90; 1: k_attn_tc, mma.sync; 2 to 6: k_attn_wg, the Hopper wgmma kernel's
+ * variants; 7 to 18: k_attn_fa3, the FlashAttention-3-style kernel with copy-engine staging,
+ * producer / consumer warpgroups and mbarriers, 8 to 10 its diagnostic forms, 12 with persistent
+ * blocks, 13 to 18 with K and V staged by two producer warps, 16 and 18 with 192 rows a block in
+ * three consumer warpgroups, 17 and 18 in FlashAttention-3's issue order; it takes blocks of 16 and
+ * 32 slots and hands blocks of 5 and 8 to kind 6) against the fp32 CPU backend, on fresh random
+ * inputs each run (seed printed; replay with KVS_SEED=<seed>).
  *
  * Cases: prompts of up to 2,000 tokens whose lengths are not multiples of any tile, prompts after
  * a cached prefix, several sequences in one launch (with a decode row beside them), GQA 1 / 2 / 4
@@ -116,11 +121,14 @@ static void run_case(const struct pcase *pc)
     C->download(bc, ref, out.c, 0, qn);
     for (size_t i = 0; i < qn; i++) nanv[i] = NAN;
 
-    static const int kinds[] = {1, 2, 3, 4, 5, 6}, splits[] = {0, 3};
-    for (int ki = 0; ki < 6; ki++)
+    static const int kinds[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18}, splits[] = {0, 3};
+    for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (int si = 0; si < 2; si++)
             for (int packed = 0; packed < 2; packed++) {
                 kvs_cuda_set_pre_attn(kinds[ki]);
+                /* kind 0: the default choice; k_attn_fa3 (7 to 18) is sm_90 only: elsewhere a request
+                 * takes kind 1, tested above */
+                if (kinds[ki] >= 7 && kvs_cuda_pre_attn_kind(hd, 0) != kinds[ki]) continue;
                 kvs_cuda_set_attn_splits(bg, splits[si]);
                 struct kvs_attn_meta mg = mc;
                 mg.q_start = qs.g;
@@ -168,7 +176,10 @@ int main(void)
     printf("wgmma prefill kernel %s on this GPU\n", sm90 ? "available" : "NOT available (not sm_90): kind 1 only");
     CHECK(kvs_cuda_pre_attn_kind(128, 1) == 1, ": rot offsets take k_attn_tc");
     CHECK(kvs_cuda_pre_attn_kind(256, 0) == 1, ": head_dim 256 takes k_attn_tc");
+
     kvs_cuda_set_pre_attn(-1);
+    if (sm90 && !getenv("KVS_CUDA_PRE_ATTN"))
+        CHECK(kvs_cuda_pre_attn_kind(128, 0) == 14, ": the default prefill kernel on sm_90 is k_attn_fa3's kind 14");
 
     /* lengths vary by a few tokens each run around the listed ones (tile edges move) */
     const int j1 = irand(9), j2 = irand(9);

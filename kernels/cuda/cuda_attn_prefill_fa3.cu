@@ -1,0 +1,617 @@
+/* cuda_attn_prefill_fa3.cu: k_attn_fa3, the FlashAttention-3-style Hopper prefill attention kernel
+ * (sm_90a: wgmma, the copy engine, mbarriers, setmaxnreg), kinds 7 to 18 of the prefill choice
+ * (cuda_attn_prefill_wg.cu).
+ *
+ * A block owns 128 (token, head) rows of one sequence and one KV head, as k_attn_wg: 128 / G
+ * consecutive tokens times the G query heads of the group (GQA packing). Three warpgroups:
+ *  - warpgroup 0, the producer (setmaxnreg down to 56 registers): one warp stages each 128-key tile
+ *    of K and of V into a ring of ST stages. A tile is 8 groups of 16 keys; with blocks of a
+ *    multiple of 16 slots a group is 16 consecutive rows of the pool, which the copy engine moves
+ *    as HD / 64 boxes of 16 rows x 64 columns (the tensor maps of k_attn_fd, 128-byte swizzle,
+ *    written in the layout wgmma reads). A group with slots that are not read (past the block's
+ *    valid slots, past the split's or the block's last key) is copied by cp.async instead, its
+ *    unread keys zero-filled (0 x a NaN in the pool would poison P . V); the producer warp waits
+ *    for those copies and fences them into the async proxy before it arrives. Each stage has a
+ *    "full" mbarrier (the producer's arrival plus the copy engine's bytes) and an "empty" one (every
+ *    consumer thread's arrival once its wgmma no longer reads the stage), for K and V apart. Kinds 13
+ *    to 15 (SP): two producer warps, K's and V's, and one "empty" arrival a consumer warp.
+ *  - warpgroups 1 and 2, the consumers (setmaxnreg up to 224), 64 rows each: Q (scaled by
+ *    scale x log2 e, bf16) into shared memory, then per tile S = Q . K^T (wgmma, both from shared
+ *    memory), the online softmax in registers, O += P . V (P from registers). FlashAttention-3's
+ *    intra-warpgroup overlap: S(i) and P(i - 1) . V(i - 1) are issued together and the softmax of
+ *    S(i) runs while the tensor cores do P . V. With PP (kinds 11, 12) the two warpgroups also take
+ *    turns to issue their wgmma (named barriers, FlashAttention-3's ping-pong), so one's softmax
+ *    runs under the other's products. Kind 12: persistent blocks (one an SM) walk the work items
+ *    longest first, so the producer stages an item's first tiles while the consumers finish the last.
+ * Kind 14 stages 3 tiles (225 KB of shared memory at head_dim 128); kind 16 runs 3 consumer
+ * warpgroups (192 rows a block, 192 / G tokens) on 64-key tiles. Causal tile skipping: a block's keys
+ * end at its last token; tiles that need no mask (wholly visible to every row of a warpgroup, no
+ * unread slot) skip it. Blocks run longest first. Deferred
+ * RoPE (rot offsets) stays on k_attn_tc (cuda_attn_prefill.cu), as for k_attn_wg.
+ * Kind 14 is the default prefill kernel on sm_90 (cuda_attn_prefill_wg.cu; measurements in
+ * bench/RESULTS.md).
+ * Ownership: nothing is allocated here (the launch goes through kvs_cu_attn_launch). Errors: CUDA
+ * failures abort (CUDA_CHECK).
+ */
+#include "kernels/cuda/cuda_attn_wgmma.cuh"
+
+#define FA_BAR_Q 1    /* named barriers 1 .. NC: a consumer warpgroup's Q is in shared memory */
+#define FA_BAR_TURN 4 /* named barriers 4, 5: consumer warpgroup 0's / 1's turn to issue (PP) */
+
+/* NC consumer warpgroups (64 rows each) and KN keys a tile; their registers: 56 for the producer
+ * (40 spilled its loop, ptxas -v), and 224 for NC = 2 consumers (56 x 128 + 224 x 256 <= 64K), 144
+ * for NC = 3 (56 x 128 + 144 x 384 <= 64K: no spill with 64-key tiles; 32 / 160 spilled) */
+template <int HD, int ST, int NC = 2, int KN = 128>
+struct fa_cfg {
+    static constexpr int ROWS = NC * 64;                /* rows of a block */
+    static constexpr int THREADS = (NC + 1) * 128;      /* the producer warpgroup + the consumers */
+    static constexpr int CONSUMERS = NC * 128;
+    static constexpr int NG = KN / 16;                  /* 16-key groups of a tile: a box (or cp.async group) each */
+    static constexpr int PREGS = 56, CREGS = NC == 2 ? 224 : 144;
+    static_assert(PREGS * 128 + CREGS * CONSUMERS <= 65536, "registers of an SM");
+    static constexpr int QE = ROWS * HD; /* elements of the Q tile */
+    static constexpr int TE = KN * HD;   /* elements of one K or V stage */
+    static constexpr size_t k_off = (size_t)QE * sizeof(bf16);
+    static constexpr size_t v_off = k_off + (size_t)ST * TE * sizeof(bf16);
+    /* [ST][NG + 1]: the keys read of each group of the tile in the stage, then 1 if any group
+     * has fewer than 16 */
+    static constexpr size_t gv_off = v_off + (size_t)ST * TE * sizeof(bf16);
+    static constexpr size_t mb_off = (gv_off + (size_t)ST * (NG + 1) * sizeof(int) + 7) / 8 * 8;
+    /* 1024: the swizzle atoms start on 1024-byte boundaries; dynamic shared memory is only known to
+     * be 16-byte aligned */
+    static constexpr size_t smem = 1024 + mb_off + 4 * ST * sizeof(uint64_t);
+};
+
+__device__ __forceinline__ unsigned fa_smem(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void fa_mbar_init(uint64_t *mb, unsigned count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(fa_smem(mb)), "r"(count) : "memory");
+}
+
+/* waits until the phase of parity `parity` of mb has completed */
+__device__ __forceinline__ void fa_mbar_wait(uint64_t *mb, unsigned parity)
+{
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(fa_smem(mb)), "r"(parity)
+                     : "memory");
+}
+
+__device__ __forceinline__ void fa_mbar_arrive(uint64_t *mb)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(fa_smem(mb)) : "memory");
+}
+
+__device__ __forceinline__ void fa_bar_sync(int id, int n)
+{
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void fa_bar_arrive(int id, int n)
+{
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+/* The producer warp stages one half (K or V) of a tile into dst: groups whose 16 keys are all read
+ * (bit g of whole) by the copy engine, the others by cp.async with their unread keys zeroed. Lane
+ * g < KN / 16 holds group g's first pool row and its keys read (row, nv). gv (K only) receives
+ * each group's keys read and the tile's short flag before the arrival that publishes them. */
+template <int HD, int KN>
+static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf16 *pool, bf16 *dst, uint64_t *full,
+                                                int *gv, unsigned whole, int row, int nv, int lane)
+{
+    constexpr int CH = HD / 8, NG = KN / 16; /* 16-byte chunks of a row, groups of a tile */
+    const unsigned part = ((1u << NG) - 1) & ~whole;
+    if (part) {
+        /* rare: the tile's last groups, a cached document's short block */
+        for (int g = 0; g < NG; g++) {
+            const int grow = __shfl_sync(FULL, row, g), gnv = __shfl_sync(FULL, nv, g);
+            if (!((part >> g) & 1)) continue; /* uniform across the warp */
+            for (int idx = lane; idx < 16 * CH; idx += 32) {
+                const int j = idx / CH, c = idx % CH;
+                const bool ok = j < gnv;
+                cp_async16(dst + sw128<KN>(g * 16 + j, c * 8), ok ? pool + (size_t)(grow + j) * HD + c * 8 : pool,
+                           ok ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async_smem(); /* the wgmma (async proxy) reads what cp.async wrote */
+    }
+    if (gv) {
+        if (lane < NG) gv[lane] = nv;
+        if (lane == 0) gv[NG] = part != 0;
+    }
+    __syncwarp();
+    const unsigned bytes = (unsigned)__popc(whole) * 16u * HD * (unsigned)sizeof(bf16);
+    if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(fa_smem(full)), "r"(bytes)
+                     : "memory");
+#pragma unroll
+    for (int g = 0; g < NG; g++) {
+        const int grow = __shfl_sync(FULL, row, g);
+        if (lane == 0 && ((whole >> g) & 1)) {
+#pragma unroll
+            for (int b = 0; b < HD / 64; b++)
+                asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+                             "%3}], [%4];\n" ::"r"(fa_smem(dst + sw128<KN>(g * 16, b * 64))),
+                             "l"(map), "r"(b * 64), "r"(grow), "r"(fa_smem(full))
+                             : "memory");
+        }
+    }
+}
+
+/* the prefill tiles of a launch (find_tile's enumeration; the same in every lane) */
+__device__ int fa_count_tiles(const at_args &a)
+{
+    const int lane = threadIdx.x & 31;
+    int total = 0;
+    for (int c = 0; c < a.n_seqs; c += 32) {
+        const int s = c + lane;
+        int cnt = 0;
+        if (s < a.n_seqs) {
+            const int ns = a.q_start[s + 1] - a.q_start[s];
+            cnt = ns > 1 ? (ns + a.qt - 1) / a.qt : 0;
+        }
+        for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(FULL, cnt, o);
+        total += cnt;
+    }
+    return total;
+}
+
+/* One work item: a prefill tile of 128 rows, one KV head, one context split (k0 .. k1). */
+struct fa_item {
+    int s, r0, kvh, split, qs, ntok, pos0, nr, k0, k1, ntiles;
+};
+
+/* Work item w of the block: PER (persistent blocks, no context splits): item w of n_items = tiles
+ * x KV heads, tile n_tiles - 1 - w / n_kv (longest first) and KV head w % n_kv; otherwise the
+ * block's own (w = 0). False: no such tile. */
+template <bool PER, int KN>
+static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n_items, fa_item &it)
+{
+    int tile;
+    if (PER) {
+        tile = n_items / a.n_kv - 1 - w / a.n_kv;
+        it.kvh = w % a.n_kv;
+        it.split = 0;
+    } else {
+        tile = (int)(gridDim.x - 1 - blockIdx.x);
+        it.kvh = blockIdx.y;
+        it.split = blockIdx.z;
+    }
+    if (!find_tile(a, tile, &it.s, &it.r0)) return false;
+    it.qs = a.q_start[it.s];
+    it.ntok = min(a.qt, a.q_start[it.s + 1] - it.qs - it.r0);
+    it.pos0 = a.pos[it.s] + it.r0;
+    it.nr = it.ntok * a.G;
+    it.k0 = it.split * a.chunk;
+    it.k1 = min(it.pos0 + it.ntok, it.k0 + a.chunk);
+    it.ntiles = it.k1 > it.k0 ? (it.k1 - it.k0 + KN - 1) / KN : 0;
+    return true;
+}
+
+template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER>
+__global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3(const __grid_constant__ at_args a)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
+    typedef fa_cfg<HD, ST, NC, KN> C;
+    static_assert(!PP || NC == 2, "ping-pong takes turns between two consumer warpgroups");
+    constexpr int CH = HD / 8, NG = C::NG;
+    extern __shared__ __align__(16) unsigned char smraw[];
+    unsigned char *base = smraw + ((1024 - (fa_smem(smraw) & 1023)) & 1023);
+    bf16 *sq = (bf16 *)base;                 /* [ROWS x HD] swizzled */
+    bf16 *sk = (bf16 *)(base + C::k_off);    /* [ST][KN x HD] swizzled */
+    bf16 *sv = (bf16 *)(base + C::v_off);    /* [ST][KN x HD] swizzled */
+    int *gv = (int *)(base + C::gv_off);     /* [ST][NG + 1] */
+    uint64_t *full_k = (uint64_t *)(base + C::mb_off), *full_v = full_k + ST, *empty_k = full_v + ST,
+             *empty_v = empty_k + ST;
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7;
+    const int n_items = PER ? fa_count_tiles(a) * a.n_kv : 1;
+    const int w0 = PER ? (int)blockIdx.x : 0, wstep = PER ? (int)gridDim.x : 1;
+
+    if (tid == 0) {
+        for (int i = 0; i < ST; i++) {
+            fa_mbar_init(full_k + i, 1);
+            fa_mbar_init(full_v + i, 1);
+            fa_mbar_init(empty_k + i, SP ? C::CONSUMERS / 32 : C::CONSUMERS);
+            fa_mbar_init(empty_v + i, SP ? C::CONSUMERS / 32 : C::CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PREGS));
+        /* SP: warp 0 stages K, warp 1 V, so that K(q + 1), which the consumers need first, never
+         * waits behind V(q)'s wait for the release of V(q - ST) (P . V of tile q - ST completes a
+         * whole softmax later than its S) */
+        if (tid >= (SP ? 64 : 32)) return;
+        const bool do_k = !SP || tid < 32, do_v = !SP || tid >= 32;
+        int gt = 0; /* tiles this block staged before the item: the ring position */
+        for (int w = w0; w < n_items; w += wstep) {
+        fa_item I;
+        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
+        const int s = I.s, kvh = I.kvh, k0 = I.k0, k1 = I.k1, ntiles = I.ntiles;
+        const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
+        const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
+        const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
+        /* lane g < NG: group g of tile it, its first pool row ((block x n_kv + kvh) x bs +
+         * slot; a group never straddles blocks, as bs is a multiple of 16 and tiles start on
+         * multiples of 32) and its keys read (a prefix of the group: slots below the block's valid
+         * count, keys below k1) */
+        auto look = [&](int it, int &row, int &nv) {
+            row = 0;
+            nv = 0;
+            const int p = k0 + it * KN + lane * 16;
+            if (lane < NG && p < k1) {
+                const int pb = p / a.bs, sl = p - pb * a.bs;
+                int blk, lim = a.bs;
+                if (wt) {
+                    const int2 w = wt[pb]; /* backend.h kvs_pack_block_words: block, offset << 11 | valid */
+                    blk = w.x;
+                    lim = w.y & 2047;
+                } else {
+                    blk = bt[pb];
+                    if (vt) lim = vt[pb];
+                }
+                nv = max(0, min(min(lim - sl, 16), k1 - p));
+                row = (blk * a.n_kv + kvh) * a.bs + sl;
+            }
+        };
+        int row, nv;
+        look(0, row, nv);
+        for (int it = 0; it < ntiles; it++) {
+            const int q = gt + it, st = q % ST;
+            const unsigned ph = (unsigned)(q / ST) & 1u;
+            /* !TMA (a diagnostic form): every group by cp.async */
+            const unsigned whole = TMA ? __ballot_sync(FULL, lane < NG && nv == 16) : 0u;
+            if (do_k) {
+                if (q >= ST) fa_mbar_wait(empty_k + st, ph ^ 1u); /* the consumers are done with ring tile q - ST */
+                fa_stage<HD, KN>(&a.tm_k, a.kc, sk + st * C::TE, full_k + st, gv + st * (NG + 1), whole, row, nv,
+                                 lane);
+            }
+            if (do_v) {
+                if (q >= ST) fa_mbar_wait(empty_v + st, ph ^ 1u);
+                fa_stage<HD, KN>(&a.tm_v, a.vc, sv + st * C::TE, full_v + st, nullptr, whole, row, nv, lane);
+            }
+            if (it + 1 < ntiles) look(it + 1, row, nv); /* its loads overlap the wait for the next stage */
+        }
+        gt += ntiles;
+        }
+    } else {
+        /* ---- consumers ---- */
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CREGS));
+        const int cw = wg - 1, ctid = tid & 127, warp = ctid >> 5, g = lane >> 2, t = lane & 3;
+        /* PP: the warpgroups take turns over all the block's items (a turn passed at each item's
+         * start and end instead could let warpgroup 1 arrive twice at barrier 3 before warpgroup 0
+         * syncs once); warpgroup 0 issues first */
+        if (PP && cw == 1) fa_bar_arrive(FA_BAR_TURN, 256);
+        int gt = 0; /* tiles this block consumed before the item: the ring position */
+        for (int w = w0; w < n_items; w += wstep) {
+        fa_item I;
+        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
+        const int kvh = I.kvh, split = I.split, qs = I.qs, r0 = I.r0, pos0 = I.pos0, nr = I.nr, k0 = I.k0,
+                  ntiles = I.ntiles;
+
+        /* Q, this warpgroup's 64 rows (its wgmma of the previous item are complete): rows past nr
+         * are zero; the scale carries log2 e, so the softmax runs on exp2 */
+        const float qscale = a.scale * 1.4426950408889634f;
+        for (int idx = ctid; idx < 64 * CH; idx += 128) {
+            const int r = cw * 64 + idx / CH, c = idx % CH;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (r < nr) {
+                const float4 *qr = (const float4 *)(a.q + (((size_t)qs + r0 + r / a.G) * a.n_heads + (size_t)kvh * a.G +
+                                                           r % a.G) * HD + c * 8);
+                const float4 x0 = __ldg(qr), x1 = __ldg(qr + 1);
+                v.x = pack_bf16(x0.x * qscale, x0.y * qscale);
+                v.y = pack_bf16(x0.z * qscale, x0.w * qscale);
+                v.z = pack_bf16(x1.x * qscale, x1.y * qscale);
+                v.w = pack_bf16(x1.z * qscale, x1.w * qscale);
+            }
+            *(uint4 *)(sq + sw128<C::ROWS>(r, c * 8)) = v;
+        }
+        fence_proxy_async_smem();
+        fa_bar_sync(FA_BAR_Q + cw, 128);
+
+        /* this thread's rows rw and rw + 8 (the accumulator layout of m64nNk16), the last key each
+         * sees (-1: a padding row, which sees nothing), and its warpgroup's first visible key limit */
+        const int rw = cw * 64 + warp * 16 + g;
+        int lim[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) lim[h] = rw + 8 * h < nr ? pos0 + (rw + 8 * h) / a.G : -1;
+        const int wlo = pos0 + (cw * 64) / a.G;
+
+        float o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) o[i] = 0.0f;
+        const uint64_t qdesc = wg_desc(sq + cw * 64 * 64, 16, 1024);
+
+        /* the mask of tile it in stage st, read before the stage is released: the keys read of
+         * each group (the producer rewrites them for tile it + ST) */
+        auto mask_scores = [&](float *sc, int it, int st) {
+            const int *gs = gv + st * (NG + 1);
+            const int kb = k0 + it * KN;
+            if (kb + KN - 1 > wlo || gs[NG]) {
+                int gn[NG];
+#pragma unroll
+                for (int q = 0; q < NG; q++) gn[q] = gs[q];
+#pragma unroll
+                for (int j = 0; j < KN / 8; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int col = j * 8 + 2 * t + (e & 1);
+                        if ((col & 15) >= gn[j >> 1] || kb + col > lim[e >> 1]) sc[j * 4 + e] = -INFINITY;
+                    }
+            }
+        };
+        /* a consumer's release of a stage: SP, one arrival a warp (its lanes' wgmma and mask reads
+         * are done: wgmma.wait_group, __syncwarp), else one a thread */
+        auto release = [&](uint64_t *mb) {
+            if (SP) {
+                __syncwarp();
+                if (lane == 0) fa_mbar_arrive(mb);
+            } else {
+                fa_mbar_arrive(mb);
+            }
+        };
+        auto turn_wait = [&]() {
+            if (PP) fa_bar_sync(FA_BAR_TURN + cw, 256);
+        };
+        auto turn_pass = [&]() {
+            if (PP) fa_bar_arrive(FA_BAR_TURN + 1 - cw, 256);
+        };
+
+        if (!OVL) {
+            /* the serial form (a diagnostic): S, softmax, P . V one after the other per tile */
+            for (int it = 0; it < ntiles; it++) {
+                const int q = gt + it, st = q % ST;
+                const unsigned ph = (unsigned)(q / ST) & 1u;
+                float sc[KN / 2], alpha[2];
+                uint32_t pa[KN / 16][4];
+                fa_mbar_wait(full_k + st, ph);
+                fa_mbar_wait(full_v + st, ph);
+                turn_wait();
+                wg_fence();
+                qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                wg_commit();
+                turn_pass();
+                wg_wait_group<0>();
+#pragma unroll
+                for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
+                mask_scores(sc, it, st);
+                release(empty_k + st);
+                softmax_core<KN>(sc, m, l, alpha);
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
+                pack_p<KN>(sc, pa);
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                turn_wait();
+                wg_fence();
+                pv_issue<HD, KN>(o, pa, wg_desc(sv + st * C::TE, KN * 128, 1024));
+                wg_commit();
+                turn_pass();
+                wg_wait_group<0>();
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                release(empty_v + st);
+            }
+        } else if (ntiles > 0) {
+            float sc[KN / 2], alpha[2];
+            uint32_t pa[KN / 16][4];
+            /* tile 0: S alone */
+            const int st0 = gt % ST;
+            fa_mbar_wait(full_k + st0, (unsigned)(gt / ST) & 1u);
+            turn_wait();
+            wg_fence();
+            qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st0 * C::TE, 16, 1024));
+            wg_commit();
+            turn_pass();
+            wg_wait_group<0>();
+#pragma unroll
+            for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
+            mask_scores(sc, 0, st0);
+            release(empty_k + st0);
+            softmax_core<KN>(sc, m, l, alpha);
+            pack_p<KN>(sc, pa);
+            for (int it = 1; it < ntiles; it++) {
+                const int q = gt + it, st = q % ST, pst = (q - 1) % ST;
+                fa_mbar_wait(full_k + st, (unsigned)(q / ST) & 1u);
+                if constexpr (ER) {
+                    /* FlashAttention-3's order: S(it) is issued as soon as K(it) is in, O's rescale for
+                     * tile it - 1's max runs under it (O is in no wgmma: P(it - 2) . V(it - 2) is
+                     * complete), then P(it - 1) . V(it - 1) once V(it - 1) is in */
+                    turn_wait();
+                    wg_fence();
+                    qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                    wg_commit();
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
+                    fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                    wg_fence();
+                    pv_issue<HD, KN>(o, pa, wg_desc(sv + pst * C::TE, KN * 128, 1024));
+                    wg_commit();
+                    turn_pass();
+                } else {
+                    fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
+                    turn_wait();
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                    wg_fence();
+                    qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st * C::TE, 16, 1024));
+                    wg_commit();
+                    pv_issue<HD, KN>(o, pa, wg_desc(sv + pst * C::TE, KN * 128, 1024));
+                    wg_commit();
+                    turn_pass();
+                }
+                wg_wait_group<1>(); /* S is done; P . V may still run */
+#pragma unroll
+                for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
+                mask_scores(sc, it, st);
+                release(empty_k + st);
+                softmax_core<KN>(sc, m, l, alpha);
+                wg_wait_group<0>(); /* P(it - 1) . V(it - 1) is done: O and pa may change */
+                release(empty_v + pst);
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) {
+                    wg_reg_fence(o[i]);
+                    if constexpr (!ER) o[i] *= alpha[(i >> 1) & 1];
+                }
+                pack_p<KN>(sc, pa);
+            }
+            if constexpr (ER) {
+#pragma unroll
+                for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
+            }
+            const int ql = gt + ntiles - 1, lst = ql % ST;
+            fa_mbar_wait(full_v + lst, (unsigned)(ql / ST) & 1u);
+            turn_wait();
+#pragma unroll
+            for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+            wg_fence();
+            pv_issue<HD, KN>(o, pa, wg_desc(sv + lst * C::TE, KN * 128, 1024));
+            wg_commit();
+            turn_pass();
+            wg_wait_group<0>();
+#pragma unroll
+            for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+            release(empty_v + lst);
+        }
+
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float ls = l[h];
+            ls += __shfl_xor_sync(FULL, ls, 1);
+            ls += __shfl_xor_sync(FULL, ls, 2);
+            const int row = rw + 8 * h;
+            if (row >= nr) continue;
+            const size_t tq = (size_t)qs + r0 + row / a.G;
+            const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
+            if (a.n_splits == 1) {
+                float *op = a.out + orow * HD + 2 * t;
+                bf16 *oh = a.outh ? a.outh + orow * HD + 2 * t : nullptr;
+                const float inv = 1.0f / ls;
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    const float v0 = o[nd * 4 + 2 * h] * inv, v1 = o[nd * 4 + 2 * h + 1] * inv;
+                    *(float2 *)(op + nd * 8) = make_float2(v0, v1);
+                    if (oh) *(__nv_bfloat162 *)(oh + nd * 8) = __floats2bfloat162_rn(v0, v1);
+                }
+            } else {
+                float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+                for (int nd = 0; nd < HD / 8; nd++) {
+                    pp[nd * 8 + 2 * t] = o[nd * 4 + 2 * h];
+                    pp[nd * 8 + 2 * t + 1] = o[nd * 4 + 2 * h + 1];
+                }
+                if (t == 0) {
+                    pp[HD] = m[h] * 0.6931471805599453f; /* the merge works in natural log */
+                    pp[HD + 1] = ls;
+                }
+            }
+        }
+        gt += ntiles;
+        }
+        /* PP: warpgroup 1's last pass (or its first, with no tiles) is taken here, so that no
+         * named barrier is left half-arrived */
+        if (PP && cw == 0) fa_bar_sync(FA_BAR_TURN, 256);
+    }
+#else
+    __trap(); /* built for another architecture: kvs_cu_attn_prefill_kind never picks it there */
+#endif
+}
+
+template <int HD, int ST, bool PP, bool PER, bool TMA = true, bool OVL = true, bool SP = false, int NC = 2,
+          int KN = 128, bool ER = false>
+static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
+                      int force)
+{
+    static kvs_cu_resident resident;
+    /* as launch_tc (cuda_attn_prefill.cu): causal tiles do unequal work, so once they cover the SMs
+     * the context is not split */
+    if (force <= 0 && (long long)n_tiles * x.n_kv >= n_sms) force = 1;
+    if (PER && force == 1) {
+        /* persistent: one block an SM walks the items, so the producer stages the next item's
+         * first tiles while the consumers finish the last one's */
+        int *res = kvs_cu_resident_here(resident);
+        if (!*res) {
+            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)fa_cfg<HD, ST, NC, KN>::smem));
+            *res = 1;
+        }
+        x.chunk = (max_ctx + AT_TILE - 1) / AT_TILE * AT_TILE;
+        x.n_splits = 1;
+        const long long items = (long long)n_tiles * x.n_kv;
+        const unsigned grid = (unsigned)(items < n_sms ? items : n_sms);
+        CUDA_CHECK(kvs_cu_launch(k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>, dim3(grid),
+                                 dim3(fa_cfg<HD, ST, NC, KN>::THREADS), fa_cfg<HD, ST, NC, KN>::smem, st, x));
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+    static kvs_cu_resident resident_np;
+    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER>, fa_cfg<HD, ST, NC, KN>::THREADS,
+                       fa_cfg<HD, ST, NC, KN>::smem,
+                       kvs_cu_resident_here(resident_np), x, n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force,
+                       KN);
+}
+
+/* Kind 7: the FlashAttention-3 form (copy engine, overlap, 2 stages); 8: cp.async staging only
+ * (no copy engine); 9: the copy engine with the serial consumer (no overlap); 10: neither; 11:
+ * kind 7 with ping-pong; 12: kind 11 with persistent blocks (where the context is not split);
+ * 13: kind 7 with K and V staged by two producer warps (SP) and one release a consumer warp; 14:
+ * kind 13 in 3 stages; 15: kind 13 with ping-pong; 16: kind 13 with 3 consumer warpgroups (192
+ * rows a block, so each staged K / V byte serves 1.5x the rows) and 64-key tiles in 4 stages
+ * (their registers allow no more); 17 and 18: kinds 14 and 16 with FlashAttention-3's order (ER:
+ * S issued before V is waited for, O rescaled while S runs). 8 to 10 are diagnostic forms: they tell apart
+ * the staging and the consumer pipeline. */
+template <int HD>
+static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
+                           size_t ws_floats, int n, int force)
+{
+    switch (kind) {
+    case 7: launch_fa<HD, 2, false, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 8: launch_fa<HD, 2, false, false, false, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 9: launch_fa<HD, 2, false, false, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 10: launch_fa<HD, 2, false, false, false, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 11: launch_fa<HD, 2, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 12: launch_fa<HD, 2, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 13: launch_fa<HD, 2, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 14: launch_fa<HD, 3, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 15: launch_fa<HD, 2, true, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
+    case 16: launch_fa<HD, 4, false, false, true, true, true, 3, 64>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    case 17:
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    default:
+        launch_fa<HD, 4, false, false, true, true, true, 3, 64, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    }
+}
+
+bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
+                             size_t ws_floats, int n, int force)
+{
+    KVS_ASSERT(kind >= 7 && kind <= 18);
+    if ((hd != 64 && hd != 128) || x.bs % 16 != 0 || x.kv_rows >= INT_MAX || !fd_tma_maps(x, hd)) {
+        /* kinds 16 and 18's tiles of 192 rows have no other kernel (the plan gives them blocks of a
+         * multiple of 16 slots only); they are chosen only on request (kvs_cuda_set_pre_attn,
+         * KVS_CUDA_PRE_ATTN) */
+        if (kind == 16 || kind == 18)
+            kvs_panic(__FILE__, __LINE__, "cuda attention: prefill kind %d needs the copy engine's tensor maps", kind);
+        return false;
+    }
+    if (hd == 128) launch_fa_kind<128>(x, kind, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    else launch_fa_kind<64>(x, kind, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+    return true;
+}
