@@ -568,14 +568,15 @@ int main(int argc, char **argv)
             O->sync(b);
             float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
             /* the decode GEMM at each variant (cuda_skinny.cu; same results, other speeds) */
-            float tsv[4] = {0};
-            for (int v = 0; v < 4 && rows <= 128; v++) {
+            static const int dvar[6] = {0, 2, 4, 5, 6, 14};
+            float tsv[6] = {0};
+            for (int v = 0; v < 6 && rows <= 128; v++) {
                 kvs_cuda_set_skinny_max(b, 128);
-                kvs_cuda_set_skinny_variant(b, v);
+                kvs_cuda_set_skinny_variant(b, dvar[v]);
                 tsv[v] = time_graph(B, rows, &m, OPS_GEMM, iters);
             }
             float ts = tsv[0];
-            for (int v = 1; v < 4; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
+            for (int v = 1; v < 6; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
             char dec[48] = "-", ratio[24] = "-";
             if (ts > 0.0f) {
                 snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
@@ -589,8 +590,9 @@ int main(int argc, char **argv)
                         gemm_bytes / (te * 1e-3) / 1e9, th, gemm_bytes / (th * 1e-3) / 1e9, tt,
                         gemm_bytes / (tt * 1e-3) / 1e9, dec, te / tt, th / tt, ratio);
             if (rows <= 128) {
-                printf("%6s decode GEMM by variant (1: 2 groups in flight at 9+ rows, 2: L2::256B), GB/s:", "");
-                for (int v = 0; v < 4; v++) printf(" v%d %.0f", v, gemm_bytes / (tsv[v] * 1e-3) / 1e9);
+                printf("%6s decode GEMM by variant (2: L2::256B; 4: wgmma, 5: wgmma split for one block per SM, 6: "
+                       "4 | 2, 14: wgmma where unsplit), GB/s:", "");
+                for (int v = 0; v < 6; v++) printf(" v%d %.0f", dvar[v], gemm_bytes / (tsv[v] * 1e-3) / 1e9);
                 printf("\n");
             }
             /* each weight shape alone: cuBLASLt tuned, then the decode GEMM at each variant, so
@@ -606,11 +608,11 @@ int main(int argc, char **argv)
                 float tk = time_graph(B, rows, &m, OPS_GEMM, iters);
                 int off = snprintf(line, sizeof line, "%6d %-13s GB/s: cuBLASLt %.0f", rows, sname[k],
                                    sbytes[k] / (tk * 1e-3) / 1e9);
-                for (int v = 0; v < 4 && rows <= 128; v++) {
+                for (int v = 0; v < 6 && rows <= 128; v++) {
                     kvs_cuda_set_skinny_max(b, 128);
-                    kvs_cuda_set_skinny_variant(b, v);
+                    kvs_cuda_set_skinny_variant(b, dvar[v]);
                     float tv = time_graph(B, rows, &m, OPS_GEMM, iters);
-                    off += snprintf(line + off, sizeof line - (size_t)off, " | decode v%d %.0f", v,
+                    off += snprintf(line + off, sizeof line - (size_t)off, " | decode v%d %.0f", dvar[v],
                                     sbytes[k] / (tv * 1e-3) / 1e9);
                 }
                 printf("%s\n", line);

@@ -80,6 +80,8 @@ static const struct key_def KEYS[] = {
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
     {"scheduler.overlap", T_BOOL, F(sched_overlap), 0, 1, "true", NULL, NULL,
      "detokenize and stream a step's tokens while the device runs the next step (greedy output is the same either way)"},
+    {"scheduler.async", T_BOOL, F(sched_async), 0, 1, "false", NULL, NULL,
+     "prepare and queue each step while the device runs the one before (greedy rows take their token from the previous step on the device; the host sees it a step later); greedy output is the same as without it on the CPU (bitwise; on CUDA steps group rows a little differently, which the GEMM and attention choices by row count may round differently, as any change of batch does); runs where the runner allows it (one GPU or the CPU, a decode policy without multi-row decode or host offload: not kv.decode=paris, not retro with a window above 1), else scheduler.overlap"},
     {"scheduler.itl_ratio", T_DOUBLE, F(itl_ratio), 0, 100, "0", NULL, NULL,
      "while requests decode, prefill tokens per step adapt so that a step carrying prefill takes about this many times a decode-only step (decoders' inter-token latency stays even, e.g. 1.5; fewer prefill tokens per step can cost throughput where prefill is expensive, as on the CPU; 0: off, steps fill up to max_batch_tokens)"},
     {"scheduler.prefill_min", T_INT, F(prefill_min), 1, 1048576, "32", NULL, NULL,

@@ -16,6 +16,8 @@ static void free_engine_memory(struct kvs_engine *e)
     free(e->running);
     free(e->sched);
     free(e->seqs);
+    free(e->p_sched);
+    free(e->p_seqs);
     free(e->jobs);
     free(e->free_slots);
     free(e->logits);
@@ -73,6 +75,10 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     /* keep ~1% of the pool for running decodes when admitting new prompts (fewer preemptions) */
     e->watermark_blocks = x->n_blocks / 100;
     e->overlap = cfg->sched_overlap;
+    e->async = cfg->sched_async && x->async_steps && x->forward_begin && x->forward_end;
+    if (cfg->sched_async && !e->async)
+        kvs_log(KVS_LOG_INFO, "engine: scheduler.async is not available with this runner (tensor parallelism, a decode "
+                "policy with multi-row decode or host offload, or a backend without the ops): scheduler.overlap runs");
     kvs_prefill_ctl_init(&e->pctl, cfg->itl_ratio, cfg->prefill_min, e->max_batch_tokens);
 
     int rc = -ENOMEM;
@@ -81,6 +87,8 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->running = calloc((size_t)e->max_running, sizeof *e->running);
     e->sched = calloc((size_t)e->max_running, sizeof *e->sched);
     e->seqs = calloc((size_t)e->max_running, sizeof *e->seqs);
+    e->p_sched = calloc((size_t)e->max_running, sizeof *e->p_sched);
+    e->p_seqs = calloc((size_t)e->max_running, sizeof *e->p_seqs);
     e->jobs = calloc((size_t)e->max_running, sizeof *e->jobs);
     e->free_slots = calloc((size_t)e->max_running, sizeof *e->free_slots);
     e->logits = malloc((size_t)(e->max_running + KVS_PROMPT_LP_ROWS) * (size_t)x->vocab_size * sizeof *e->logits);
@@ -89,7 +97,7 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->deferred_so = calloc((size_t)e->max_running, sizeof *e->deferred_so);
     e->piece_cap = 4096;
     e->piece = malloc(e->piece_cap);
-    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece ||
+    if (!e->eos_ids || !e->running || !e->sched || !e->seqs || !e->p_sched || !e->p_seqs || !e->jobs || !e->free_slots || !e->logits || !e->argmax || !e->piece ||
         !e->deferred || !e->deferred_so) {
         kvs_err(err, errlen, rc, "engine: cannot allocate scheduler buffers (max_running=%d, vocab=%d)",
                 e->max_running, x->vocab_size);

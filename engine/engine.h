@@ -152,6 +152,7 @@ struct kvs_engine_stats {
     double sched_s;               /* of step_s, before the forward pass: reap, schedule, batch */
     double launch_s;              /* of busy_s, until the executor has queued the step (forward_begin,
                                    * or all of forward without overlap): its host share */
+    uint64_t async_steps;         /* steps begun while the step before was still running (scheduler.async) */
     /* the KV strategies' own counters (kv.h: reuse, then decode policy, then fidelity meter) */
     int n_kv_counters;
     struct kvs_kv_counter kv_counters[KVS_KV_MAX_COUNTERS];

@@ -179,6 +179,7 @@ int kvs_engine_create(const struct kvs_config *cfg, const struct kvs_model *mode
     x.forward = real_forward;
     x.forward_begin = real_forward_begin;
     x.forward_end = real_forward_end;
+    x.async_steps = kvs_runner_async_ok(rx->runner);
     x.seq_end = real_seq_end;
     x.kv_counters = real_kv_counters;
     x.kv_offloaded = real_kv_offloaded;

@@ -49,6 +49,9 @@ struct kvs_engine_exec {
      * kv_counters, and seq_end for requests that are not in the step (they ended). */
     int (*forward_begin)(void *ctx, const struct kvs_batch *b, float *logits);
     int (*forward_end)(void *ctx);
+    /* 1: begin / end follow kvs_runner_async_ok's contract (two begun steps, token_on_device
+     * sequences), which scheduler.async uses; 0: one begun step at a time */
+    int async_steps;
 
     /* May be NULL. The last forward pass's duration in seconds as the executor counts it, for
      * the adaptive prefill budget (engine/sched_policy.h); NULL: the scheduler's wall clock.

@@ -86,6 +86,10 @@ struct kvs_request {
      * it is finished (pend_why, pend_msg) once that step is back, its token dropped */
     int emit_pending;
     int finish_pending;
+    /* scheduler.async: steps begun and not yet finished that hold r (0-2); tokens[tok_idx] is
+     * the placeholder of a pick still on the device (tok_pending), the request's last token
+     * when tok_final (then it runs no step until the pick is back) */
+    int n_inflight, tok_pending, tok_final, tok_idx;
     enum kvs_finish pend_why;
     const char *pend_msg;
     struct kvs_request *next, *prev;   /* incoming / waiting lists */
@@ -102,6 +106,7 @@ struct kvs_engine {
      * appended to the context-length error, naming both memories */
     char ctx_note[320];
     int overlap;                             /* scheduler.overlap */
+    int async;                               /* scheduler.async, where the executor has async_steps */
     struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 
     struct kvs_block_pool pool;
@@ -137,6 +142,14 @@ struct kvs_engine {
     struct kvs_sample_out *deferred_so;      /* [max_running] */
     int n_deferred;
     int in_flight;                           /* between forward_begin and forward_end */
+    /* scheduler.async: the begun step whose results are still to come (p_on), its batch (the
+     * arrays are swapped with sched / seqs when a step is begun), its begin time and result,
+     * whether the next step may be begun before its end (lookahead: no host logits rows, no
+     * side prefills), and when the last step's end was seen (its busy time counts from there) */
+    struct kvs_request **p_sched;            /* [max_running] */
+    struct kvs_batch_seq *p_seqs;            /* [max_running] */
+    int p_on, p_n, p_n_jobs, p_rc, p_lookahead;
+    double p_t0, last_end;
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

@@ -123,6 +123,21 @@ struct kvs_runner {
      * rows; rc of a begun group step */
     int32_t *pend_argmax;
     int pend_rows, pend_rc, pend_on;
+    /* Asynchronous steps (async_ok: the backend's ids_to_tokens / fetch ops, one rank, no
+     * multi-row decode): up to two begun steps, oldest first in pq[pq_head]; each one's picks
+     * travel to fetch area `area` behind its LM head, with a copy of its h_lout (the next step's
+     * staging rewrites h_lout). slot_pick: per request slot, the d_ids row of its ARGMAX pick in
+     * the last step run (-1: none), which a token_on_device sequence of the next step reads. */
+    int async_ok;
+    struct pend_step {
+        int32_t *argmax, *lout;                         /* caller's batch.argmax; [cap_tokens] */
+        int rows, rc, area, fetched;                    /* fetched: ids already in argmax (no area) */
+    } pq[2];
+    int pq_head, pq_n, fetch_next;
+    int32_t *slot_pick, *slot_pick_next;                /* [cap_seqs] */
+    int32_t *h_pairs;                                   /* [2 cap_seqs] (token row, d_ids row) */
+    struct kvs_dbuf *d_pairs;                           /* I32 [2 cap_seqs] */
+    int n_pairs;
     struct kvs_dbuf *d_vals;                            /* F32 [cap_tokens] argmax values (groups) */
     float *h_vals;                                      /* [cap_tokens] */
     float *h_chunk;                                     /* [LOGIT_CHUNK][vocab_n] host logits (groups) */
@@ -401,6 +416,18 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->d_lrows = xalloc(r, KVS_BUF_I32, (size_t)r->argmax_chunk, &failed);
     r->d_ids = xalloc(r, KVS_BUF_I32, T, &failed);
     r->d_inv_freq = xalloc(r, KVS_BUF_F32, (size_t)r->hd / 2, &failed);
+    /* a policy that gives pool blocks back after a step (offloaded) learns of them a step late
+     * under async steps: not covered */
+    r->async_ok = n_ranks == 1 && r->hist_cap == 0 && !dp->offloaded && ops->ids_to_tokens && ops->fetch_begin &&
+                  ops->fetch_end;
+    if (r->async_ok) {
+        r->d_pairs = xalloc(r, KVS_BUF_I32, 2 * S, &failed);
+        r->h_pairs = kvs_xmalloc(2 * S * sizeof(int32_t));
+        r->slot_pick = kvs_xmalloc(S * sizeof(int32_t));
+        r->slot_pick_next = kvs_xmalloc(S * sizeof(int32_t));
+        for (size_t i = 0; i < S; i++) r->slot_pick[i] = r->slot_pick_next[i] = -1;
+        for (int i = 0; i < 2; i++) r->pq[i].lout = kvs_xmalloc(T * sizeof(int32_t));
+    }
     if (n_ranks > 1) {
         r->d_vals = xalloc(r, KVS_BUF_F32, T, &failed);
         r->h_vals = kvs_xmalloc(T * sizeof(float));
@@ -570,7 +597,7 @@ void kvs_runner_rank_free(struct kvs_runner *r)
         struct kvs_dbuf *bs[] = {r->x,       r->xn,      r->proj,     r->q,      r->att,     r->k,
                                  r->v,       r->gate,    r->up,       r->lrows,  r->logits,  r->d_tokens,
                                  r->d_pos,   r->d_slots, r->d_qstart, r->d_seqpos, r->d_bt,  r->d_rot, r->d_valid, r->d_words,
-                                 r->d_lrows, r->d_ids, r->d_inv_freq, r->d_vals};
+                                 r->d_lrows, r->d_ids, r->d_inv_freq, r->d_vals, r->d_pairs};
         for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(r->be, bs[i]);
         o->free(r->be);
     }
@@ -596,6 +623,11 @@ void kvs_runner_rank_free(struct kvs_runner *r)
     free(r->h_hist_n);
     free(r->x_seqs);
     free(r->x_tokens);
+    free(r->h_pairs);
+    free(r->slot_pick);
+    free(r->slot_pick_next);
+    free(r->pq[0].lout);
+    free(r->pq[1].lout);
     free(r);
 }
 
@@ -688,7 +720,11 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
         if (q->n_blocks < need || need > r->max_blocks) return -EINVAL;
         for (int j = 0; j < need; j++)
             if (q->block_table[j] < 0 || q->block_table[j] >= r->n_blocks) return -EINVAL;
-        for (int i = 0; i < q->n_tokens; i++)
+        /* a token on the device (runner.h token_on_device): the slot's pick of the last step */
+        if (q->token_on_device && (!r->async_ok || q->n_tokens != 1 || q->slot < 0 || q->slot >= r->cap_seqs ||
+                                   r->slot_pick[q->slot] < 0))
+            return -EINVAL;
+        for (int i = q->token_on_device ? 1 : 0; i < q->n_tokens; i++)
             if (q->tokens[i] < 0 || q->tokens[i] >= r->vocab) return -EINVAL;
         if (need > stride) stride = need;
         if (q->block_rot_offset) rot = 1;
@@ -705,6 +741,8 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
     }
     n = 0;
     int next_host = 0, next_argmax = nh;
+    r->n_pairs = 0;
+    for (int s = 0; r->async_ok && s < r->cap_seqs; s++) r->slot_pick_next[s] = -1;
     for (int s = 0; s < b->n_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
         int need = (q->pos + q->n_tokens + r->block_size - 1) / r->block_size;
@@ -723,6 +761,12 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
             int p = q->pos + i;
             r->h_tokens[n + i] = q->tokens[i];
             r->h_pos[n + i] = p;
+            if (i == 0 && q->token_on_device) {
+                r->h_tokens[n] = 0;   /* ids_to_tokens writes the pick there */
+                r->h_pairs[2 * r->n_pairs] = n;
+                r->h_pairs[2 * r->n_pairs + 1] = r->slot_pick[q->slot];
+                r->n_pairs++;
+            }
             r->h_slots[n + i] = q->block_table[p / r->block_size] * r->block_size + p % r->block_size;
         }
         n += q->n_tokens;
@@ -731,6 +775,8 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
             int k = q->want_logits == KVS_LOGITS_ARGMAX ? next_argmax++ : next_host++;
             r->h_lrows[k] = n - rows + i;
             r->h_lout[k] = nl++;
+            if (r->async_ok && q->want_logits == KVS_LOGITS_ARGMAX && q->slot >= 0 && q->slot < r->cap_seqs)
+                r->slot_pick_next[q->slot] = k;
         }
     }
     for (int s = b->n_seqs; s < pad_seqs; s++) {
@@ -948,7 +994,19 @@ static void lm_head(struct kvs_runner *r, const struct kvs_batch *b, int n_logit
         lm_head_chunk(r, i, n_logits - i < r->argmax_chunk ? n_logits - i : r->argmax_chunk, 1);
     r->n_picks = ids ? n_logits : 0;
     if (!ids || n_logits == 0) return;
-    if (r->n_ranks == 1 && r->pend_on) {   /* kvs_runner_forward_begin: end downloads them */
+    if (r->async_ok && r->pend_on && n_logits <= KVS_FETCH_MAX) {
+        /* kvs_runner_forward_begin: the picks go to a fetch area behind the step; end waits for
+         * that copy only, so a step begun after this one keeps the device busy meanwhile */
+        struct pend_step *p = &r->pq[(r->pq_head + r->pq_n - 1) % 2];
+        p->argmax = b->argmax;
+        p->rows = n_logits;
+        p->area = r->fetch_next;
+        r->fetch_next ^= 1;
+        memcpy(p->lout, r->h_lout, (size_t)n_logits * sizeof(int32_t));
+        r->ops->fetch_begin(r->be, r->d_ids, (size_t)n_logits, p->area);
+        return;
+    }
+    if (r->n_ranks == 1 && r->pend_on && !r->async_ok) {   /* kvs_runner_forward_begin: end downloads them */
         r->pend_argmax = b->argmax;
         r->pend_rows = n_logits;
         return;
@@ -976,6 +1034,19 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
  * here and end only returns its result. */
 int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits)
 {
+    if (r->async_ok) {   /* a queue of two begun steps (runner.h) */
+        KVS_ASSERT(r->pq_n < 2);
+        struct pend_step *p = &r->pq[(r->pq_head + r->pq_n++) % 2];
+        p->argmax = NULL;
+        p->rows = 0;
+        p->fetched = 0;
+        r->pend_on = 1;   /* lm_head: fill p */
+        p->rc = kvs_runner_forward(r, b, logits);
+        r->pend_on = 0;
+        /* picks over the fetch area's size were downloaded at once (lm_head's synchronous path) */
+        if (p->rc == 0 && !p->argmax) p->fetched = 1;
+        return p->rc;
+    }
     KVS_ASSERT(!r->pend_on);
     r->pend_on = 1;
     r->pend_argmax = NULL;
@@ -986,6 +1057,16 @@ int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, fl
 
 int kvs_runner_forward_end(struct kvs_runner *r)
 {
+    if (r->async_ok) {
+        KVS_ASSERT(r->pq_n > 0);
+        struct pend_step *p = &r->pq[r->pq_head];
+        r->pq_head = (r->pq_head + 1) % 2;
+        r->pq_n--;
+        if (p->rc < 0 || p->fetched || !p->argmax) return p->rc;
+        r->ops->fetch_end(r->be, p->area, r->h_ids, (size_t)p->rows);
+        for (int k = 0; k < p->rows; k++) p->argmax[p->lout[k]] = r->h_ids[k];
+        return 0;
+    }
     KVS_ASSERT(r->pend_on);
     r->pend_on = 0;
     if (r->pend_rc < 0 || !r->pend_argmax) return r->pend_rc;
@@ -994,6 +1075,8 @@ int kvs_runner_forward_end(struct kvs_runner *r)
     r->pend_argmax = NULL;
     return 0;
 }
+
+int kvs_runner_async_ok(const struct kvs_runner *r) { return r->async_ok; }
 
 /* a group's ranks either all run the step or all refuse it: no rank may wait in an all-reduce
  * that another never reaches */
@@ -1106,6 +1189,15 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
     o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
+    if (r->n_pairs) {   /* tokens still on the device: the last step's picks (before its d_ids are rewritten) */
+        o->upload(be, r->d_pairs, 0, r->h_pairs, (size_t)r->n_pairs * 2);
+        o->ids_to_tokens(be, r->d_ids, r->d_pairs, r->n_pairs, r->d_tokens);
+    }
+    if (r->async_ok) {   /* this step's picks are the ones the next step may read */
+        int32_t *t = r->slot_pick;
+        r->slot_pick = r->slot_pick_next;
+        r->slot_pick_next = t;
+    }
     o->upload(be, r->d_pos, 0, r->h_pos, (size_t)n);
     o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
     o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);

@@ -50,6 +50,11 @@ struct kvs_batch_seq {
      * resets the slot's state). */
     int slot;
     int slot_fresh;
+    /* 1: tokens[0] is a placeholder; the token is this slot's greedy (KVS_LOGITS_ARGMAX) pick of
+     * the step run just before this one, which is still on the backend (the host learns it from
+     * that step's forward_end, possibly after this step was begun). One-token sequences with a
+     * slot only, on a runner where kvs_runner_async_ok holds; -EINVAL otherwise. */
+    int token_on_device;
 };
 
 enum { KVS_LOGITS_NONE = 0, KVS_LOGITS_LAST = 1, KVS_LOGITS_ALL = 2, KVS_LOGITS_ARGMAX = 3 };
@@ -103,6 +108,13 @@ int kvs_runner_forward(struct kvs_runner *r, const struct kvs_batch *b, float *l
  * begin's error is end's too; end must follow every begin. */
 int kvs_runner_forward_begin(struct kvs_runner *r, const struct kvs_batch *b, float *logits);
 int kvs_runner_forward_end(struct kvs_runner *r);
+/* 1 when this runner takes asynchronous steps (the backend's ids_to_tokens and fetch ops, one
+ * rank, a decode policy without multi-row decode): then up to TWO begun steps may be in flight
+ * (begin, begin, end, begin, end, ...; each end finishes the oldest and waits for that step only,
+ * not for the one queued behind it), and the later step's sequences may take their token from
+ * the earlier one's picks (kvs_batch_seq.token_on_device). The batch of each begun step must
+ * stay unchanged until its end. */
+int kvs_runner_async_ok(const struct kvs_runner *r);
 
 /* The last step's layout and what it sent: n_seqs rows (padding included) of stride block-table
  * entries each; bt_uploaded of them went to the backend (only the entries that changed since

@@ -215,7 +215,7 @@ static int apply_token(struct kvs_engine *e, struct kvs_request *r, int32_t tok,
  * emitted during that step), once the step is back; that step's token for r is dropped. */
 static void end_request(struct kvs_engine *e, struct kvs_request *r, enum kvs_finish why, const char *msg)
 {
-    if (e->in_flight && r->sched_tokens > 0) {
+    if ((e->in_flight && r->sched_tokens > 0) || r->n_inflight > 0) {   /* n_inflight: scheduler.async */
         r->finish_pending = 1;
         r->pend_why = why;
         r->pend_msg = msg;
@@ -437,6 +437,7 @@ static int schedule(struct kvs_engine *e, double now)
         for (int i = 0; i < e->n_running && budget > 0 && pbudget > 0; i++) {
             struct kvs_request *r = e->running[i];
             if (r->sched_tokens) continue;
+            if (r->tok_final || r->finish_pending) continue;   /* scheduler.async: ending */
             if (!kv_ready(e, r)) continue;   /* the strategy's side prefills are not done */
             int remaining = r->n_tokens - r->n_computed;
             KVS_ASSERT(remaining >= 1);
@@ -485,6 +486,7 @@ static int schedule(struct kvs_engine *e, double now)
     }
     while (!preempted && e->wait_head && e->n_running < e->max_running && budget > 0 && pbudget > 0) {
         struct kvs_request *r = e->wait_head;
+        if (r->n_inflight > 0) break;   /* preempted in a begun step (scheduler.async): once it is back */
         int matched = 0;
         if (r->table.n == 0) {
             /* a prompt being scored needs the logits of every position: no cache hits */
@@ -570,6 +572,11 @@ static void reap(struct kvs_engine *e, double now)
         if (cancel || timeout) {
             /* its last token's event first, as without overlap (it may end the request itself) */
             if (r->emit_pending && emit_deferred_one(e, r)) continue;
+            if (r->n_inflight > 0) {   /* scheduler.async: once its steps are back */
+                if (!r->finish_pending) end_request(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
+                i++;
+                continue;
+            }
             kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
         } else {
             i++;
@@ -581,6 +588,10 @@ static void reap(struct kvs_engine *e, double now)
         int timeout = r->timeout_s > 0 && now - r->t_submit > r->timeout_s;
         if (cancel || timeout) {
             if (r->emit_pending && emit_deferred_one(e, r)) continue;
+            if (r->n_inflight > 0) {   /* preempted while in a begun step (scheduler.async) */
+                if (!r->finish_pending) end_request(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
+                continue;
+            }
             kvs_scheduler_finish(e, r, cancel ? KVS_FINISH_CANCELLED : KVS_FINISH_TIMEOUT, NULL);
         }
     }
@@ -648,15 +659,12 @@ static void step(struct kvs_engine *e)
     }
 }
 
-static void step_body(struct kvs_engine *e, double now)
+/* The batch of the n scheduled requests and the side prefills into e->seqs; returns whether any
+ * row is an ARGMAX row, with the sequences that want host logits rows (LAST / ALL) in *n_host.
+ * A request whose token is a pick still on the device (scheduler.async) runs it from there. */
+static int build_seqs(struct kvs_engine *e, int n, int *n_host)
 {
-    reap(e, now);
-    int n = schedule(e, now);
-    if (n == 0 && e->n_jobs == 0) {
-        flush_deferred(e);
-        publish_stats(e);
-        return;
-    }
+    *n_host = 0;
     int n_logits = 0, any_argmax = 0;
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
@@ -670,6 +678,7 @@ static void step_body(struct kvs_engine *e, double now)
         if (e->kv.reuse->block_meta) e->kv.reuse->block_meta(&e->kv, &r->kvrq, &s->block_rot_offset, &s->block_valid);
         s->slot = r->slot;
         s->slot_fresh = r->slot_fresh;
+        s->token_on_device = r->tok_pending;
         int last = r->n_computed + r->sched_tokens == r->n_tokens;
         if (plp_pending(r)) {
             s->want_logits = KVS_LOGITS_ALL;   /* one row per token: the prompt is being scored */
@@ -679,6 +688,7 @@ static void step_body(struct kvs_engine *e, double now)
             n_logits += last;
         }
         any_argmax |= s->want_logits == KVS_LOGITS_ARGMAX;
+        if (s->want_logits == KVS_LOGITS_ALL || s->want_logits == KVS_LOGITS_LAST) (*n_host)++;
     }
     KVS_ASSERT(n_logits <= e->max_running + KVS_PROMPT_LP_ROWS);
     for (int j = 0; j < e->n_jobs; j++) {
@@ -693,6 +703,188 @@ static void step_body(struct kvs_engine *e, double now)
         s->want_logits = KVS_LOGITS_NONE;
         s->slot = -1;
     }
+    return any_argmax;
+}
+
+/* ---- scheduler.async ----------------------------------------------------------------------
+ * While the device runs step N (begun, "pending"), the scheduler reaps, schedules, stages and
+ * begins step N+1, and only then waits for N's picks and applies them (tokens, stop checks, text
+ * and events: a step late). A request of N whose row samples gets a placeholder token at once
+ * (async_begun); if it continues, its N+1 row takes the token from N's pick on the device
+ * (kvs_batch_seq.token_on_device). A request N ends (stop id, stop string, error) is already in
+ * N+1: its row there is dropped, never emitted (end_request's finish_pending); a request whose
+ * N token is its last by count (max_tokens, the context) runs no N+1 row (tok_final).
+ * Steps whose rows come back as host logits (sampled, logprobs, scored prompts) or that carry
+ * side prefills are ended before the next one is scheduled (no lookahead): their sampler needs
+ * the host, and the reuse strategy learns of its jobs at the end. Greedy output is the same as
+ * the synchronous path's: the same rows run with the same tokens, in other step groupings only
+ * where a request was not scheduled while its last pick was out (the backends are batch
+ * invariant). */
+
+/* A begun step's bookkeeping that needs no pick: positions advance, placeholders for the rows
+ * that sample, the step becomes the pending one (its arrays swap with the builder's). */
+static void async_begun(struct kvs_engine *e, int n, int rc, int lookahead, double t0)
+{
+    for (int k = 0; k < n; k++) {
+        struct kvs_request *r = e->sched[k];
+        const struct kvs_batch_seq *q = &e->seqs[k];
+        r->n_computed += r->sched_tokens;
+        r->sched_tokens = 0;
+        r->slot_fresh = 0;
+        /* (n_inflight was counted at the begin; a request the step before ended is dropped) */
+        if (q->want_logits != KVS_LOGITS_NONE && r->n_computed == r->n_tokens && r->max_tokens > 0 &&
+            !r->finish_pending) {
+            KVS_ASSERT(!r->tok_pending && r->n_tokens < r->n_full_prompt + r->max_tokens);
+            r->tok_idx = r->n_tokens;
+            r->tokens[r->n_tokens++] = 0;
+            r->tok_pending = 1;
+            r->tok_final = r->n_gen + 1 >= r->max_tokens || r->n_tokens >= e->max_context;
+        }
+    }
+    struct kvs_request **ts = e->p_sched;
+    e->p_sched = e->sched;
+    e->sched = ts;
+    struct kvs_batch_seq *tq = e->p_seqs;
+    e->p_seqs = e->seqs;
+    e->seqs = tq;
+    e->p_on = 1;
+    e->p_n = n;
+    e->p_n_jobs = e->n_jobs;
+    e->p_rc = rc;
+    e->p_lookahead = lookahead && rc == 0;
+    e->p_t0 = t0;
+    e->n_jobs = lookahead ? 0 : e->n_jobs;   /* jobs stay in e->jobs until async_end (no lookahead) */
+}
+
+/* Waits for the pending step and applies it: picks, stop checks, text and events, counters. */
+static void async_end(struct kvs_engine *e)
+{
+    KVS_ASSERT(e->p_on);
+    int rc_end = e->x.forward_end(e->x.ctx);
+    int rc = e->p_rc < 0 ? e->p_rc : rc_end;
+    const int n = e->p_n;
+    e->p_on = 0;
+    double t1 = kvs_now();
+    /* the device's time on this step: from its begin, or from the previous step's end when it
+     * was queued behind that one */
+    double busy = t1 - (e->p_t0 > e->last_end ? e->p_t0 : e->last_end);
+    e->last_end = t1;
+    e->counters.busy_s += busy;
+    e->counters.steps++;
+    int n_dec = 0, n_pre = 0;
+    for (int k = 0; k < n + e->p_n_jobs; k++) {
+        if (k < n && e->p_seqs[k].n_tokens == 1 && e->p_seqs[k].pos > 0) n_dec++;
+        else n_pre += e->p_seqs[k].n_tokens;
+    }
+    if (rc == 0) kvs_prefill_ctl_observe(&e->pctl, n_dec, n_pre, e->x.step_seconds ? e->x.step_seconds(e->x.ctx) : busy);
+    if (n_pre == 0) {
+        e->counters.decode_steps++;
+        e->counters.decode_rows += (uint64_t)n;
+        e->counters.decode_busy_s += busy;
+    }
+    for (int j = 0; j < e->p_n_jobs; j++) e->kv.reuse->job_done(&e->kv, e->jobs[j].handle, e->jobs[j].n_tokens, rc == 0);
+    if (e->p_n_jobs) e->n_jobs = 0;
+    e->p_n_jobs = 0;
+    int row = 0, host_row = 0;
+    for (int k = 0; k < n; k++) {
+        struct kvs_request *r = e->p_sched[k];
+        const struct kvs_batch_seq *q = &e->p_seqs[k];
+        const int want = q->want_logits, start = q->pos, c = q->n_tokens;
+        const int n_rows = want == KVS_LOGITS_ALL ? c : want != KVS_LOGITS_NONE;
+        const int32_t id = want == KVS_LOGITS_ARGMAX ? e->argmax[row] : -1;
+        row += n_rows;
+        float *rows = want == KVS_LOGITS_ARGMAX || want == KVS_LOGITS_NONE
+                          ? NULL
+                          : e->logits + (size_t)host_row * (size_t)e->x.vocab_size;
+        if (want != KVS_LOGITS_ARGMAX) host_row += n_rows;
+        r->n_inflight--;
+        const int sampled = r->tok_pending && r->tok_idx == start + c;   /* this step's pick */
+        if (sampled) r->tok_pending = r->tok_final = 0;
+        if (r->finish_pending || rc < 0) {   /* ended while in flight: its rows here are dropped */
+            if (!r->finish_pending) {
+                r->finish_pending = 1;
+                r->pend_why = KVS_FINISH_ERROR;
+                r->pend_msg = "forward pass failed";
+            }
+            if (r->n_inflight == 0) kvs_scheduler_finish(e, r, r->pend_why, r->pend_msg);
+            continue;
+        }
+        /* the reuse strategy's commit of the positions this step wrote (none were lost: a
+         * preempted request has no table) */
+        if (e->kv.reuse->commit && r->state == KVS_REQ_RUNNING && r->table.n)
+            e->kv.reuse->commit(&e->kv, &r->kvrq, r->tokens, start + c, &r->table);
+        if (want == KVS_LOGITS_NONE) continue;
+        if (atomic_load(&r->cancelled)) continue;   /* ended by the next step's reap */
+        if (want == KVS_LOGITS_ALL && score_prompt(e, r, start, c, rows) < 0) continue;
+        if (r->max_tokens == 0 && start + c == r->n_tokens) {   /* scoring only: done once the prompt is */
+            end_request(e, r, KVS_FINISH_LENGTH, NULL);
+            continue;
+        }
+        if (!sampled) continue;   /* a middle chunk of a scored prompt */
+        float *lg = rows ? rows + (size_t)(n_rows - 1) * (size_t)e->x.vocab_size : NULL;
+        struct kvs_sample_out so;
+        /* the sampler sees the sequence without the placeholder, as on the synchronous path */
+        const int n_tok = r->n_tokens;
+        r->n_tokens = r->tok_idx;
+        int prc = pick_token(e, r, id, lg, &so);
+        r->n_tokens = n_tok;
+        if (prc < 0) {
+            end_request(e, r, KVS_FINISH_ERROR, "sampling failed");
+            continue;
+        }
+        r->tokens[r->tok_idx] = so.token;
+        r->n_gen++;
+        e->counters.generation_tokens++;
+        if (r->t_first_token == 0) r->t_first_token = t1;
+        const int is_stop = is_member(r->stop_ids, r->n_stop_ids, so.token);
+        const int final = is_stop || r->n_gen >= r->max_tokens || r->tok_idx + 1 >= e->max_context;
+        /* its text and event now: the next step is already on the device */
+        emit_text(e, r, &so, final, is_stop ? KVS_FINISH_STOP : KVS_FINISH_LENGTH);
+    }
+    publish_stats(e);
+}
+
+static void step_async(struct kvs_engine *e, double now)
+{
+    if (e->p_on && !e->p_lookahead) async_end(e);   /* its results first (module comment) */
+    reap(e, now);
+    int n = schedule(e, now);
+    if (n == 0 && e->n_jobs == 0) {
+        if (e->p_on) async_end(e);   /* nothing to queue behind it */
+        publish_stats(e);
+        return;
+    }
+    int n_host;
+    int any_argmax = build_seqs(e, n, &n_host);
+    publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
+    struct kvs_batch batch = {e->seqs, n + e->n_jobs, any_argmax ? e->argmax : NULL};
+    double t0 = kvs_now();
+    e->counters.sched_s += t0 - now;
+    int rc = e->x.forward_begin(e->x.ctx, &batch, e->logits);
+    e->counters.launch_s += kvs_now() - t0;
+    e->counters.async_steps += e->p_on;
+    /* in flight from now: a request that the step before ends is kept until this one is back */
+    for (int k = 0; k < n; k++) e->sched[k]->n_inflight++;
+    if (e->p_on) async_end(e);   /* the step before, while this one runs */
+    async_begun(e, n, rc, n_host == 0 && e->n_jobs == 0, t0);
+}
+
+static void step_body(struct kvs_engine *e, double now)
+{
+    if (e->async) {
+        step_async(e, now);
+        return;
+    }
+    reap(e, now);
+    int n = schedule(e, now);
+    if (n == 0 && e->n_jobs == 0) {
+        flush_deferred(e);
+        publish_stats(e);
+        return;
+    }
+    int n_host;
+    int any_argmax = build_seqs(e, n, &n_host);
+    (void)n_host;
     publish_stats(e);   /* admissions are visible (queue limit) while the pass runs */
     struct kvs_batch batch = {e->seqs, n + e->n_jobs, any_argmax ? e->argmax : NULL};
     double t0 = kvs_now();
@@ -797,7 +989,8 @@ void *kvs_scheduler_main(void *arg)
     struct kvs_engine *e = arg;
     for (;;) {
         pthread_mutex_lock(&e->mu);
-        while (!e->stop && !e->in_head && e->n_running == 0 && !e->wait_head) pthread_cond_wait(&e->cv, &e->mu);
+        while (!e->stop && !e->in_head && e->n_running == 0 && !e->wait_head && !e->p_on)
+            pthread_cond_wait(&e->cv, &e->mu);
         if (e->stop) {
             pthread_mutex_unlock(&e->mu);
             break;
@@ -817,6 +1010,7 @@ void *kvs_scheduler_main(void *arg)
         step(e);
     }
     /* shutdown: every request the scheduler knows ends CANCELLED (after its last token) */
+    if (e->p_on) async_end(e);
     flush_deferred(e);
     while (e->n_running) kvs_scheduler_finish(e, e->running[e->n_running - 1], KVS_FINISH_CANCELLED, NULL);
     while (e->wait_head) kvs_scheduler_finish(e, e->wait_head, KVS_FINISH_CANCELLED, NULL);

@@ -97,6 +97,12 @@ struct kvs_attn_meta {
     int plan_ctx;                 /* 0, or a bound >= every decode row's context that the backend
                                    * plans its decode launch for (a recorded step graph is replayed
                                    * while contexts grow up to it) */
+    int skip_lead;                /* advisory, for attention() only: the caller overwrites the rows of
+                                   * sequences [0, skip_lead) afterwards (a sparse decode policy's
+                                   * one-row sequences in a mixed step), so a backend may leave them
+                                   * undefined and skip their work (the CPU tile plan and the CUDA
+                                   * decode pass do); every other row is computed exactly as with 0.
+                                   * 0: compute every row. Only one-row sequences may be named. */
 };
 
 /* Packs n blocks' (block id, rotation offset, valid slots) into words[2 i], words[2 i + 1] =
@@ -349,7 +355,24 @@ struct kvs_backend_ops {
      * by value (ties: the lower rank, whose ids are lower). */
     void (*argmax_rows_val)(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                             struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
+
+    /* ---- asynchronous steps (engine/runner.c kvs_runner_forward_begin; appended, optional:
+     * all three or none) ---------------------------------------------------------------------
+     * A step's greedy picks feed the next step's tokens on the device, and the host fetches the
+     * picks without waiting for the steps queued after them. */
+    /* tokens[pairs[2 i]] = ids[pairs[2 i + 1]] for i < n, or 0 where that id is negative (a row
+     * with nothing to pick: its request ends, the row is discarded). tokens, ids, pairs I32. */
+    void (*ids_to_tokens)(struct kvs_backend *b, const struct kvs_dbuf *ids, const struct kvs_dbuf *pairs, int n,
+                          struct kvs_dbuf *tokens);
+    /* Queues a copy of src[0 .. n) (I32, n <= KVS_FETCH_MAX) into the backend's host-side fetch
+     * area `slot` (0 or 1) behind the ops queued so far; returns without waiting. */
+    void (*fetch_begin)(struct kvs_backend *b, const struct kvs_dbuf *src, size_t n, int slot);
+    /* Waits for slot's copy only (not for ops queued after it), then dst[0 .. n) = its values. */
+    void (*fetch_end)(struct kvs_backend *b, int slot, int32_t *dst, size_t n);
 };
+
+/* Capacity of a fetch area (fetch_begin), in int32 elements. */
+#define KVS_FETCH_MAX 65536
 
 /* The greedy pick that argmax_rows defines, on one host row: the first maximum (lowest index
  * among equal maxima), NaN skipped; -1 when nothing is above -inf. The CPU backend's op and

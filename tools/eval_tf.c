@@ -114,7 +114,7 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
             int w = p + 1 < s->window ? p + 1 : s->window;
             /* each window is a fresh sequence: a fresh slot for the decode policy */
             s->seqs[i] = (struct kvs_batch_seq){x[i] + p + 1 - w, w, 0, s->bt[i].ids, s->bt[i].n, NULL,
-                                                KVS_LOGITS_LAST, NULL, i, 1};
+                                                KVS_LOGITS_LAST, NULL, i, 1, 0};
         }
         return side_forward(s, g, p >= prefill, s->logits);
     }
@@ -125,7 +125,7 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
                 int n = prefill - c < cap ? prefill - c : cap;
                 int last = c + n == prefill;
                 s->seqs[0] = (struct kvs_batch_seq){x[i] + c, n, c, s->bt[i].ids, s->bt[i].n, NULL,
-                                                    last ? KVS_LOGITS_LAST : KVS_LOGITS_NONE, NULL, i, c == 0};
+                                                    last ? KVS_LOGITS_LAST : KVS_LOGITS_NONE, NULL, i, c == 0, 0};
                 int rc = side_forward(s, 1, 0, s->logits + (size_t)i * kvs_runner_vocab_size(s->r));
                 if (rc) return rc;
             }
@@ -133,7 +133,7 @@ static int side_logits_at(struct side *s, const int32_t *const *x, int g, int p,
         return 0;
     }
     for (int i = 0; i < g; i++)
-        s->seqs[i] = (struct kvs_batch_seq){x[i] + p, 1, p, s->bt[i].ids, s->bt[i].n, NULL, KVS_LOGITS_LAST, NULL, i, 0};
+        s->seqs[i] = (struct kvs_batch_seq){x[i] + p, 1, p, s->bt[i].ids, s->bt[i].n, NULL, KVS_LOGITS_LAST, NULL, i, 0, 0};
     return side_forward(s, g, 1, s->logits);
 }
 

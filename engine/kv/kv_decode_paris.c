@@ -100,6 +100,7 @@ struct paris {
     uint64_t steps;
     /* counters */
     double bytes_read, sparse_rows, dense_rows, encoded, hits, coarse_hits, recall_total;
+    double skipped_rows;   /* lead rows (x layers) the dense pass of a mixed step was told to skip */
     /* host offload (kv.paris.offload; NULL / 0 when off) */
     int offload;
     void *host_k, *host_v;        /* the host page pool (kernels/kv_paris.h layout) */
@@ -796,7 +797,14 @@ static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
                            a->head_dim, a->block_size, a->scale, s->pf_out, s->pf_lse);
         o->attn_merge(be, a->out, a->lse, s->pf_out, s->pf_lse, st->n_rows, a->n_heads, a->head_dim);
     } else if (!s->any_sel || st->n_rows > s->n_lead) {
-        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+        /* with a selection, the lead rows' output is overwritten below: the dense pass may skip
+         * them (backend.h skip_lead) */
+        struct kvs_attn_meta dm = *st->m;
+        if (s->any_sel) {
+            dm.skip_lead = s->n_lead;
+            s->skipped_rows += s->n_lead;
+        }
+        o->attention(be, a->q, a->kv.k, a->kv.v, &dm, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
     }
     if (s->n_jobs) {
@@ -852,6 +860,9 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
          "scanned included).", 1, s->bytes_read, NULL, NULL},
         {"kvserve:kv_paris_sparse_rows_total", "Decode rows that attended sink + top-k + local + buffer.", 1,
          s->sparse_rows, NULL, NULL},
+        {"kvserve:kv_paris_dense_skipped_rows_total", "Lead decode rows (x layers) of mixed steps that the dense "
+         "attention pass skipped (attention meta skip_lead): the selection pass writes them.", 1, s->skipped_rows,
+         NULL, NULL},
         {"kvserve:kv_paris_dense_rows_total", "Decode rows that attended densely (below the threshold, or not in the "
          "step's leading decode rows).", 1, s->dense_rows, NULL, NULL},
         {"kvserve:kv_paris_encoded_tokens_total", "Positions encoded into the index (per request; every layer and KV "

@@ -64,6 +64,8 @@
 static int check_mode;   /* kv_decode_quest.h */
 
 void kvs_quest_set_check(int mode) { check_mode = mode; }
+static int skip_hint = 1;
+void kvs_quest_set_skip_hint(int on) { skip_hint = on; }
 
 struct quest {
     struct kvs_kv_decode_env env;
@@ -82,6 +84,7 @@ struct quest {
     uint64_t steps;
     /* counters */
     double stale_pages, bytes_read, dense_rows, sparse_rows, pages_kept, pages_total;
+    double skipped_rows;   /* lead rows (x layers) the dense pass of a mixed step was told to skip */
 };
 
 static void quest_destroy(void *state)
@@ -331,9 +334,17 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
                      a->block_size, a->scale, a->out);
         return;
     }
-    if (st->n_rows > s->n_lead)
-        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+    if (st->n_rows > s->n_lead) {
+        /* the lead rows' output is overwritten below: the dense pass may skip them (backend.h
+         * skip_lead; not in a recorded step, whose launch shapes must not depend on the lead) */
+        struct kvs_attn_meta dm = *st->m;
+        if (!s->graph && skip_hint) {
+            dm.skip_lead = s->n_lead;
+            s->skipped_rows += s->n_lead;
+        }
+        o->attention(be, a->q, a->kv.k, a->kv.v, &dm, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
+    }
     /* the lead rows as a step of their own: the same tables, the first n_lead sequences */
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = s->n_lead;
@@ -368,6 +379,9 @@ static int quest_counters(void *state, struct kvs_kv_counter *out, int cap)
         {"kvserve:kv_quest_pages_kept_total", "Pages the sparse decode rows kept (per layer and KV head).", 1,
          s->pages_kept, NULL, NULL},
         {"kvserve:kv_quest_pages_total", "Pages the sparse decode rows had.", 1, s->pages_total, NULL, NULL},
+        {"kvserve:kv_quest_dense_skipped_rows_total", "Lead decode rows (x layers) of mixed steps that the dense "
+         "attention pass skipped (attention meta skip_lead): the sparse pass writes them.", 1, s->skipped_rows, NULL,
+         NULL},
         {"kvserve:kv_quest_stale_digests_total", "Candidate pages whose digest differed from their keys (counted only "
          "under the test check, kv_decode_quest.h).", 1, s->stale_pages, NULL, NULL},
     };

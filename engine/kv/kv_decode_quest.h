@@ -10,6 +10,9 @@
 
 /* 0 off (default), 1 check, 2 check and skip every other step's refresh */
 void kvs_quest_set_check(int mode);
+/* Tests: 0 turns off the dense pass's skip_lead hint in mixed steps (default 1), so that a test
+ * can compare the outputs with and without it. Process-wide. */
+void kvs_quest_set_skip_hint(int on);
 
 struct kvs_dbuf;
 struct kvs_attn_meta;

@@ -121,6 +121,7 @@ struct retro {
     /* counters */
     double cache_bytes;
     double bytes_read, sparse_rows, dense_rows, past_rows, keys_own, keys_sup, windows_reset;
+    double skipped_rows;   /* lead rows (x layers) the dense pass of a mixed step was told to skip (w = 1) */
 };
 
 static int sparse_layers(const struct retro *s)
@@ -493,9 +494,15 @@ static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend 
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (st->n_rows > s->n_lead)
-        o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+    if (st->n_rows > s->n_lead) {
+        /* the lead rows' output is overwritten below: the dense pass may skip them (backend.h
+         * skip_lead) */
+        struct kvs_attn_meta dm = *st->m;
+        dm.skip_lead = s->n_lead;
+        s->skipped_rows += s->n_lead;
+        o->attention(be, a->q, a->kv.k, a->kv.v, &dm, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
+    }
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = s->n_lead;
     sub.max_ctx = 0;
@@ -669,6 +676,9 @@ static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
         {"kvserve:kv_retro_effective_budget", "Union of keys seen per query over keys of its own step: (own + "
          "supplement) / own (1 = Quest).", 0, own > 0 ? (own + sup) / own : 1.0, NULL,
          NULL},
+        {"kvserve:kv_retro_dense_skipped_rows_total", "Lead decode rows (x layers) of mixed steps that the dense "
+         "attention pass skipped (attention meta skip_lead; window 1): the selection pass writes them.", 1,
+         s->skipped_rows, NULL, NULL},
         {"kvserve:kv_retro_window_resets_total", "Windows restarted because a request missed a step or attended "
          "densely.", 1, s->windows_reset, NULL, NULL},
         {"kvserve:kv_retro_live_states", "Request states held (seq_init without seq_free).", 0, (double)live, NULL,

@@ -35,7 +35,7 @@
 static void ref_task(void *c, int task)
 {
     const struct kvs_cpu_attn_args *j = c;
-    int t = task / j->n_heads, h = task % j->n_heads;
+    int t = j->row0 + task / j->n_heads, h = task % j->n_heads;
     int hd = j->head_dim, bs = j->block_size;
     /* sequence of row t: q_start is increasing, n_seqs small */
     int s = 0;
@@ -259,5 +259,5 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
 #else
     (void)k;
 #endif
-    kvs_cpu_pool_run(pool, a->n * a->n_heads, ref_task, (void *)a);
+    kvs_cpu_pool_run(pool, (a->n - a->row0) * a->n_heads, ref_task, (void *)a);
 }

@@ -41,6 +41,8 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
         return NULL;
     }
     kvs_cpu_blas_init();
+    b->fetch[0] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
+    b->fetch[1] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     kvs_log(KVS_LOG_INFO,
             "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
@@ -57,6 +59,8 @@ static void cpu_free(struct kvs_backend *b)
     if (!b) return;
     kvs_cpu_tp_leave(b);
     kvs_cpu_pool_free(b->pool);
+    free(b->fetch[0]);
+    free(b->fetch[1]);
     free(b);
 }
 
@@ -490,14 +494,19 @@ static void cpu_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const
 {
     KVS_ASSERT(head_dim <= MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0);
     KVS_ASSERT(!m->rot_offsets || m->inv_freq);
+    /* skip_lead (backend.h): the sequences' tables start past the skipped ones; rows keep their
+     * absolute indices (q_start's values), so rows [0, row0) are neither read nor written */
+    const int sk = m->skip_lead > 0 && m->skip_lead < m->n_seqs ? m->skip_lead : 0;
+    const size_t so = (size_t)sk * (size_t)m->max_blocks;
     struct kvs_cpu_attn_args a = {
         .q = F(q), .kc = F(kc), .vc = F(vc), .out = F(out), .inv_freq = m->inv_freq ? F(m->inv_freq) : NULL,
-        .q_start = I(m->q_start), .pos = I(m->pos), .bt = I(m->block_tables),
-        .rot = m->rot_offsets ? I(m->rot_offsets) : NULL, .valid = m->block_valid ? I(m->block_valid) : NULL,
-        .n = n, .n_seqs = m->n_seqs, .max_blocks = m->max_blocks, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
+        .q_start = I(m->q_start) + sk, .pos = I(m->pos) + sk, .bt = I(m->block_tables) + so,
+        .rot = m->rot_offsets ? I(m->rot_offsets) + so : NULL, .valid = m->block_valid ? I(m->block_valid) + so : NULL,
+        .n = n, .n_seqs = m->n_seqs - sk, .max_blocks = m->max_blocks, .n_heads = n_heads, .n_kv_heads = n_kv_heads,
         .head_dim = head_dim, .block_size = block_size, .scale = scale,
     };
-    KVS_ASSERT(a.q_start[0] == 0 && a.q_start[m->n_seqs] == n);
+    a.row0 = a.q_start[0];
+    KVS_ASSERT(I(m->q_start)[0] == 0 && a.q_start[a.n_seqs] == n);
     kvs_cpu_attention(b->pool, &b->kern, &a);
 }
 
@@ -575,6 +584,34 @@ static void cpu_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits
     kvs_cpu_pool_run_sized(b->pool, m, (double)m * vocab, argmax_task, &j);
 }
 
+/* ---- asynchronous steps (backend.h): the CPU runs every op when it is called, so a step is
+ * complete when begin returns; the same calls keep the runner's asynchronous path one path */
+
+static void cpu_ids_to_tokens(struct kvs_backend *b, const struct kvs_dbuf *ids, const struct kvs_dbuf *pairs, int n,
+                              struct kvs_dbuf *tokens)
+{
+    (void)b;
+    const int32_t *p = I(pairs), *id = I(ids);
+    int32_t *t = I(tokens);
+    for (int i = 0; i < n; i++) {
+        KVS_ASSERT((size_t)p[2 * i] < tokens->n && (size_t)p[2 * i + 1] < ids->n);
+        const int32_t v = id[p[2 * i + 1]];
+        t[p[2 * i]] = v < 0 ? 0 : v;
+    }
+}
+
+static void cpu_fetch_begin(struct kvs_backend *b, const struct kvs_dbuf *src, size_t n, int slot)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && n <= src->n && (slot == 0 || slot == 1));
+    memcpy(b->fetch[slot], I(src), n * sizeof(int32_t));
+}
+
+static void cpu_fetch_end(struct kvs_backend *b, int slot, int32_t *dst, size_t n)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && (slot == 0 || slot == 1));
+    memcpy(dst, b->fetch[slot], n * sizeof(int32_t));
+}
+
 const struct kvs_backend_ops kvs_cpu_backend = {
     .name = "cpu",
     .create = cpu_create,
@@ -607,4 +644,7 @@ const struct kvs_backend_ops kvs_cpu_backend = {
     .tp_group = kvs_cpu_tp_group,
     .allreduce_sum = kvs_cpu_allreduce_sum,
     .argmax_rows_val = kvs_cpu_argmax_rows_val,
+    .ids_to_tokens = cpu_ids_to_tokens,
+    .fetch_begin = cpu_fetch_begin,
+    .fetch_end = cpu_fetch_end,
 };

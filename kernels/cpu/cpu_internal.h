@@ -34,6 +34,7 @@ struct kvs_backend {
     struct kvs_cpu_kernels kern;  /* kernel set, GEMM mode and weight format, fixed at create */
     struct kvs_cpu_tp_group *tp;  /* tensor-parallel group (cpu_tp.c) or NULL; shared, refcounted */
     int tp_rank;
+    int32_t *fetch[2];            /* backend.h fetch areas [KVS_FETCH_MAX] (ops run at once here) */
 };
 
 static inline float *F(const struct kvs_dbuf *b) { return (float *)b->data; }

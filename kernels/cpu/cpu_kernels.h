@@ -219,6 +219,7 @@ struct kvs_cpu_attn_args {
     const int32_t *q_start, *pos, *bt, *rot, *valid;
     int n, n_seqs, max_blocks, n_heads, n_kv_heads, head_dim, block_size;
     float scale;
+    int row0;                     /* q_start[0]: rows before it are skipped (backend.h skip_lead) */
 };
 void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, const struct kvs_cpu_attn_args *a);
 

@@ -157,8 +157,10 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     /* prefill tokens per tile: the rows of the kernel the launch takes (k_attn_tc or k_attn_wg) */
     const int pre_kind = kvs_cu_attn_prefill_kind(a->hd, a->rot != NULL);
     const int qt_pre = kvs_cu_attn_prefill_qt(pre_kind, G);
+    const int skip = a->skip_lead > 0 && a->skip_lead < a->n_seqs ? a->skip_lead : 0;
     for (int s = 0; s < a->n_seqs; s++) {
         int ns = a->h_q_start[s + 1] - a->h_q_start[s], ctx = a->h_pos[s] + ns;
+        if (ns == 1 && s < skip) continue;   /* the caller overwrites it (skip_lead) */
         if (ns == 1) {
             n_dec++;
             if (ctx > ctx_dec) ctx_dec = ctx;
@@ -198,6 +200,18 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         x.qt = pass == 0 ? 1 : qt_pre;
         const int max_ctx = pass == 0 ? ctx_dec : ctx_pre;
         const bool pre = pass == 1;
+        /* skip_lead: the decode pass sees the sequences from skip on (find_tile counts one-row
+         * sequences over n_seqs; rows keep their absolute indices from q_start); the prefill
+         * pass sees them all */
+        const int sk = pre ? 0 : skip;
+        const size_t so = (size_t)sk * (size_t)a->max_blocks;
+        x.q_start = a->q_start + sk;
+        x.pos = a->pos + sk;
+        x.bt = a->bt + so;
+        x.rot = a->rot ? a->rot + so : nullptr;
+        x.valid = a->valid ? a->valid + so : nullptr;
+        x.words = a->words ? (const int2 *)a->words + so : nullptr;
+        x.n_seqs = a->n_seqs - sk;
         if (pre && pre_kind >= 2)
             kvs_cu_attn_prefill_wg(x, pre_kind, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
         else if (pre) kvs_cu_attn_prefill(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);

@@ -25,6 +25,8 @@ struct kvs_cu_attn {
     const int32_t *h_q_start, *h_pos; /* host copies of q_start [n_seqs + 1] and pos [n_seqs] */
     int n_seqs, max_blocks, n, n_heads, n_kv, hd, bs;
     int plan_ctx;                 /* 0, or plan the decode launch for contexts up to this (graphs) */
+    int skip_lead;                /* backend.h kvs_attn_meta skip_lead: the decode pass leaves the rows of
+                                   * sequences [0, skip_lead) alone (one-row sequences only) */
     float scale;
     float *out;                   /* [n][n_heads][hd] fp32 */
     __nv_bfloat16 *outh;          /* NULL, or [n][n_heads][hd]: the bf16 copy of out, written alongside */

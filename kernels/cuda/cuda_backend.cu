@@ -14,9 +14,10 @@
  *   KVS_BUF_F32  fp32;  KVS_BUF_I32 int32;  KVS_BUF_KV bf16.
  *   weights      2-D matrices bf16 (converted at upload from bf16/f16/f32); 1-D vectors (norm
  *                weights, biases) fp32, exact.
- * Results are deterministic but not bitwise batch invariant as backend.h asks: cuBLAS picks its
- * kernel by n, and the context split of the attention depends on the batch (differences are at
- * bf16 rounding level); GEMM picks are timed (cuda_gemm.cu), so across runs results are
+ * Results are deterministic but not bitwise batch invariant as backend.h asks: the GEMM path
+ * depends on n (the GEMV at 1 row, the decode GEMM up to 8 or 32, cuBLAS above, each batch
+ * invariant within its own range of n; cuBLAS picks its kernel by n), and the context split of
+ * the attention depends on the batch (differences are at bf16 rounding level); GEMM picks are timed (cuda_gemm.cu), so across runs results are
  * reproducible only with KVS_CUDA_GEMM_TUNE=0.
  *
  * Memory: plain cudaMalloc, only in create, alloc, upload_weight and fuse_weights (the matmul's
@@ -36,9 +37,10 @@
 
 #include "kernels/cuda/cuda_internal.cuh"
 
-/* matmuls of at most this many rows use the decode GEMM (cuda_skinny.h), larger ones cuBLAS: the
- * decode GEMM reads the weights faster up to 8 rows, cuBLAS from 12 (bench/RESULTS.md) */
-#define SKINNY_MAX_DEFAULT 8
+/* matmuls of at most this many rows may use the decode GEMM (cuda_skinny.h), larger ones cuBLAS:
+ * on Hopper its wgmma kernel reads gate/up and the LM head faster than cuBLAS up to 32 rows, not
+ * at 64-128 (the other launches leave it above 8 rows: kvs_cu_skinny_takes; bench/RESULTS.md) */
+#define SKINNY_MAX_DEFAULT 32
 
 /* ---- fills (cuda_backend.h's random data) ------------------------------------------------- */
 
@@ -110,11 +112,23 @@ static struct kvs_backend *cu_create_device(int device, int n_threads, char *err
     /* cuBLASLt shares blas_ws: both run on the one stream, so their uses never overlap */
     CUBLAS_CHECK(cublasLtCreate(&b->lt));
     CUDA_CHECK(cudaMalloc((void **)&b->attn_ws, ATTN_WS_BYTES));
+    if (prop.major == 9) { /* the wgmma decode GEMM (sm_90a code) and its split-K scratch */
+        b->dg.n_sms = b->n_sms;
+        b->dg.floats = kvs_cu_dgemm_ws_floats(b->n_sms);
+        b->dg.n_sems = 4 * b->n_sms;
+        CUDA_CHECK(cudaMalloc((void **)&b->dg.ws, b->dg.floats * sizeof(float)));
+        CUDA_CHECK(cudaMalloc((void **)&b->dg.sem, (size_t)b->dg.n_sems * sizeof(unsigned)));
+        CUDA_CHECK(cudaMemset(b->dg.sem, 0, (size_t)b->dg.n_sems * sizeof(unsigned)));
+    }
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));
     b->tune = (struct gemm_tuning *)kvs_xcalloc(1, sizeof *b->tune);
     for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventCreate(&b->tune->ev[i]));
     b->bounce = kvs_xmalloc(BOUNCE_ELEMS * 6); /* fp32 chunk + bf16 chunk */
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaMallocHost((void **)&b->fetch[i], KVS_FETCH_MAX * sizeof(int32_t)));
+        CUDA_CHECK(cudaEventCreateWithFlags(&b->fetch_ev[i], cudaEventDisableTiming));
+    }
     {
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
@@ -174,6 +188,8 @@ static void cu_free(struct kvs_backend *b)
     CUDA_CHECK(cudaFree(b->xh_buf[0]));
     CUDA_CHECK(cudaFree(b->xh_buf[1]));
     CUDA_CHECK(cudaFree(b->attn_ws));
+    CUDA_CHECK(cudaFree(b->dg.ws));
+    CUDA_CHECK(cudaFree(b->dg.sem));
     CUDA_CHECK(cudaFree(b->blas_ws));
     CUBLAS_CHECK(cublasDestroy(b->blas));
     CUBLAS_CHECK(cublasLtDestroy(b->lt));
@@ -181,6 +197,10 @@ static void cu_free(struct kvs_backend *b)
     CUDA_CHECK(cudaEventDestroy(b->ev1));
     for (int i = 0; i < 2 * GEMM_TIMED; i++) CUDA_CHECK(cudaEventDestroy(b->tune->ev[i]));
     free(b->tune);
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaEventDestroy(b->fetch_ev[i]));
+        CUDA_CHECK(cudaFreeHost(b->fetch[i]));
+    }
     CUDA_CHECK(cudaStreamDestroy(b->stream));
     free(b->bounce);
     free(b);
@@ -432,6 +452,22 @@ static void cu_graph_free(struct kvs_backend *b, struct kvs_graph *g)
     free(g);
 }
 
+/* backend.h fetch_begin / fetch_end: a device-to-host copy into pinned memory that the host
+ * waits for by its event, so that steps queued behind it keep the device busy meanwhile */
+static void cu_fetch_begin(struct kvs_backend *b, const struct kvs_dbuf *src, size_t n, int slot)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && n <= src->n && src->kind == KVS_BUF_I32 && (slot == 0 || slot == 1));
+    CUDA_CHECK(cudaMemcpyAsync(b->fetch[slot], src->d, n * sizeof(int32_t), cudaMemcpyDeviceToHost, b->stream));
+    CUDA_CHECK(cudaEventRecord(b->fetch_ev[slot], b->stream));
+}
+
+static void cu_fetch_end(struct kvs_backend *b, int slot, int32_t *dst, size_t n)
+{
+    KVS_ASSERT(n <= KVS_FETCH_MAX && (slot == 0 || slot == 1));
+    CUDA_CHECK(cudaEventSynchronize(b->fetch_ev[slot]));
+    memcpy(dst, b->fetch[slot], n * sizeof(int32_t));
+}
+
 extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     /* name */ "cuda",
     cu_create,
@@ -475,6 +511,9 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_tp_group,
     kvs_cu_op_allreduce_sum,
     kvs_cu_op_argmax_rows_val,
+    kvs_cu_op_ids_to_tokens,
+    cu_fetch_begin,
+    cu_fetch_end,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */

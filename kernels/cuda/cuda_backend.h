@@ -75,12 +75,14 @@ void kvs_cuda_set_pre_attn(int kind);
  * current device: 1 to 6 as above. */
 int kvs_cuda_pre_attn_kind(int head_dim, int rot);
 
-/* Matmuls of at most max_n rows use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N),
- * larger ones cuBLAS; 0: cuBLAS always; -1: back to the default (8, or KVS_CUDA_SKINNY_MAX at
- * create). */
+/* Matmuls of at most max_n rows may use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N;
+ * which launches it takes depends on the variant), larger ones cuBLAS; 0: cuBLAS always; -1:
+ * back to the default (32, or KVS_CUDA_SKINNY_MAX at create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
 /* The decode GEMM's variant (cuda_skinny.cu: bit 1 two K groups in flight at 9+ rows, bit 2 the
- * L2::256B hint; bitwise the same results), for benchmarks; -1: the default. Process-wide. */
+ * L2::256B hint: bitwise the same results; bit 4 the wgmma kernel on Hopper, with bit 1 its K
+ * split for one block per SM, bit 8 only where it does not split: other sums, close), for
+ * benchmarks and tests; -1: the default (14). Process-wide. */
 void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v);
 
 /* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */

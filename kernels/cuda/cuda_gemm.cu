@@ -517,8 +517,9 @@ static void gemm_blas(struct kvs_backend *b, const bf16 *xh, const struct kvs_dw
 
 /* Times the picks of a new weight shape at the decode graphs' row counts (kvs_graph_buckets) up to
  * GEMM_TUNE_MAX_N on the weight itself and a random x (the
- * real x is not known yet), outside any graph. Row counts the decode GEMM takes at the default
- * skinny_max are skipped, and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
+ * real x is not known yet), outside any graph. Row counts the decode GEMM takes for every shape
+ * (up to KVS_SKINNY_ALWAYS_N) are skipped (above, it leaves the launches its wgmma kernel would
+ * split to cuBLAS: cuda_skinny.h), and so are those whose scratch would pass GEMM_PRETUNE_SCRATCH (the LM
  * head of a large vocabulary). kinds: a bit (1 << enum gemm_out) per output kind to time: fp32
  * for every weight, bf16 too for weights with more rows than columns (the [ff][dim] gate and up
  * projections, which matmul_swiglu runs with bf16 outputs; also some models' q projection).
@@ -539,7 +540,7 @@ static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int
         const int n = kvs_graph_buckets[i];
         if (n <= GEMM_TUNE_MAX_N && (size_t)n * row_bytes <= GEMM_PRETUNE_SCRATCH) max_n = n;
     }
-    if (max_n <= b->skinny_default) return;
+    if (max_n <= KVS_SKINNY_ALWAYS_N) return;
     double t0 = kvs_now();
     bf16 *x = (bf16 *)kvs_cu_dev_alloc((size_t)max_n * in * sizeof(bf16));
     float *y = x ? (float *)kvs_cu_dev_alloc((size_t)max_n * out * sizeof(float)) : NULL;
@@ -559,7 +560,7 @@ static void gemm_pretune(struct kvs_backend *b, const bf16 *w, int64_t rows, int
         if (!(kinds & (1u << kind))) continue;
         for (int i = 0; i < KVS_N_GRAPH_BUCKETS; i++) {
             const int n = kvs_graph_buckets[i];
-            if (n <= b->skinny_default || n > max_n) continue;
+            if (n <= KVS_SKINNY_ALWAYS_N || n > max_n) continue;
             const int align = gemm_align(x, w, y);
             struct gemm_plan *p = gemm_plan_slot(b, n, in, out, kind, align);
             if (!p || p->n) continue;
@@ -683,7 +684,7 @@ static const bf16 *multi_begin(struct kvs_backend *b, const struct kvs_dbuf *x, 
 /* 1 when the decode GEMM takes these parts (decode-sized batches) */
 static int multi_skinny(struct kvs_backend *b, int n_parts, int n, int in, const int *out)
 {
-    return n <= b->skinny_max && kvs_cu_skinny_supported(n, in, out, n_parts, 0);
+    return n <= b->skinny_max && kvs_cu_skinny_takes(n, in, out, n_parts, 0, b->dg.ws ? b->n_sms : 0);
 }
 
 /* 1 when parts laid out back to back (fuse_weights) run as one GEMM into the fuse_ws scratch,
@@ -710,6 +711,7 @@ void kvs_cu_op_matmul_multi(struct kvs_backend *b, const struct kvs_dbuf *x, int
     int total = 0;
     if (multi_skinny(b, n_parts, n, in, out)) {
         struct kvs_cu_skinny a = {};
+        a.ws = b->dg.ws ? &b->dg : NULL;
         a.x = xh;
         a.n = n;
         a.in = in;
@@ -763,11 +765,12 @@ static void swiglu_gemms(struct kvs_backend *b, const struct kvs_dbuf *x, const 
     if (n <= 0) return;
     const int outs[2] = {ff, ff};
     KVS_ASSERT(!wg->is_vector && wg->rows == ff && wg->cols == in && !wu->is_vector && wu->rows == ff && wu->cols == in);
-    if (n <= b->skinny_max && kvs_cu_skinny_supported(n, in, outs, 2, 1)) {
+    if (n <= b->skinny_max && kvs_cu_skinny_takes(n, in, outs, 2, 1, b->dg.ws ? b->n_sms : 0)) {
         KVS_ASSERT((size_t)n * in <= b->xh_cap);
         const bf16 *xh = kvs_cu_gemm_input(b, x, (size_t)n * in);
         xh_forget(b, up->d);
         struct kvs_cu_skinny a = {};
+        a.ws = b->dg.ws ? &b->dg : NULL;
         a.x = xh;
         a.n = n;
         a.in = in;

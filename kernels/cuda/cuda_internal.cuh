@@ -180,6 +180,8 @@ struct kvs_backend {
     int skinny_max;               /* matmuls of n <= skinny_max rows use the decode GEMM (cuda_skinny.h),
                                    * larger ones cuBLAS; KVS_CUDA_SKINNY_MAX (0: cuBLAS always) */
     int skinny_default;           /* skinny_max at create */
+    struct kvs_cu_dgemm_ws dg;    /* the wgmma decode GEMM's split-K scratch (allocated at create on
+                                   * compute 9.x devices; dg.ws NULL elsewhere: that kernel is not used) */
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
     int dec_attn;                 /* decode attention kernel forced (kvs_cuda_set_dec_attn); -1 =
@@ -187,6 +189,8 @@ struct kvs_backend {
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */
     struct kvs_dweight *weights;
     void *tp_comm;                /* tensor parallelism: this rank's NCCL communicator (cuda_tp.cu) or NULL */
+    int32_t *fetch[2];            /* pinned host fetch areas [KVS_FETCH_MAX] (backend.h fetch_begin) */
+    cudaEvent_t fetch_ev[2];      /* recorded behind each area's copy */
 };
 template <typename T> static inline void list_add(T **head, T *x)
 {
@@ -324,6 +328,8 @@ void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits,
                            struct kvs_dbuf *out, size_t out_off);
 void kvs_cu_op_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                                struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
+void kvs_cu_op_ids_to_tokens(struct kvs_backend *b, const struct kvs_dbuf *ids, const struct kvs_dbuf *pairs, int n,
+                             struct kvs_dbuf *tokens);
 
 /* ---- kv_span.cu (backend.h's KV-strategy primitives) ---- */
 void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,

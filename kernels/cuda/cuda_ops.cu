@@ -505,6 +505,7 @@ void kvs_cu_op_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.hd = head_dim;
     a.bs = block_size;
     a.plan_ctx = m->plan_ctx;
+    a.skip_lead = m->skip_lead;
     a.scale = scale;
     a.out = (float *)out->d;
     /* the o projection reads the bf16 copy, which the attention writes as it goes */
@@ -542,6 +543,27 @@ void kvs_cu_op_kv_copy_block(struct kvs_backend *b, struct kvs_dbuf *kc, struct 
                                per * sizeof(bf16), cudaMemcpyDeviceToDevice, b->stream));
     CUDA_CHECK(cudaMemcpyAsync((bf16 *)vc->d + (size_t)dst * per, (bf16 *)vc->d + (size_t)src * per,
                                per * sizeof(bf16), cudaMemcpyDeviceToDevice, b->stream));
+}
+
+/* backend.h ids_to_tokens: the previous step's greedy picks become this step's tokens */
+__global__ void k_ids_to_tokens(const int32_t *ids, const int32_t *pairs, int n, int32_t *tokens)
+{
+    grid_dep_wait(); /* cuda_launch.h: the ids are the previous kernels' output */
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int32_t v = ids[pairs[2 * i + 1]];
+    tokens[pairs[2 * i]] = v < 0 ? 0 : v;
+}
+
+void kvs_cu_op_ids_to_tokens(struct kvs_backend *b, const struct kvs_dbuf *ids, const struct kvs_dbuf *pairs, int n,
+                             struct kvs_dbuf *tokens)
+{
+    if (n <= 0) return;
+    KVS_ASSERT(ids->kind == KVS_BUF_I32 && pairs->kind == KVS_BUF_I32 && tokens->kind == KVS_BUF_I32);
+    KVS_ASSERT((size_t)n * 2 <= pairs->n);
+    CUDA_CHECK(kvs_cu_launch(k_ids_to_tokens, (n + 255) / 256, 256, 0, b->stream, (const int32_t *)ids->d,
+                             (const int32_t *)pairs->d, n, (int32_t *)tokens->d));
+    LAUNCH_CHECK();
 }
 
 void kvs_cu_op_argmax_rows(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,

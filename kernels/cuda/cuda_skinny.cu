@@ -282,24 +282,30 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
 /* The variant (kvs_cu_skinny_set_variant; at first use KVS_CUDA_SKINNY_VARIANT, else
  * KVS_SKINNY_VARIANT_DEFAULT): bit 1 keeps two groups of K chunks in flight at 9+ rows too (1-8
  * rows always do), bit 2 the L2::256B fetch hint. Neither changes the order of the additions, so
- * results are bitwise the same whatever the variant. */
-/* default 2, the L2::256B hint: faster at 2-8 rows, the same at 1 (the GEMV does not use it); two
- * groups in flight above 8 rows (bit 1) was not faster (bench/RESULTS.md, issue 22 section) */
-#define KVS_SKINNY_VARIANT_DEFAULT 2
+ * results are bitwise the same whatever the variant. Bit 4 takes the wgmma kernel (cuda_dgemm.cu)
+ * for 2..128 rows where it applies, with K split for two blocks per SM, or one with bit 1 (another
+ * order of additions: close to k_skinny's results, not equal); bit 8 keeps it to the launches it
+ * does not split (k_skinny up to 8 rows, cuBLAS above, for the others). */
+/* default 14: the wgmma kernel for the launches it does not split (2,750-2,970 GB/s at 2-32 rows,
+ * vs 2,650-2,850 for k_skinny and cuBLAS; its split launches were slower than both), else k_skinny
+ * with the L2::256B hint up to 8 rows (faster at 2-8 rows, the same at 1: the GEMV does not use
+ * it) and cuBLAS above; two groups in flight above 8 rows (bit 1) was not faster
+ * (bench/RESULTS.md, issue 22 sections) */
+#define KVS_SKINNY_VARIANT_DEFAULT 14
 static int sk_variant = -1;
 
 static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_variant = e ? atoi(e) & 3 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 15 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     return sk_variant;
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 3;
+    sk_variant = v < 0 ? -1 : v & 15;
 }
 
 template <int NT, bool DB>
@@ -341,6 +347,23 @@ int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swig
     return 1;
 }
 
+/* the wgmma kernel's split plan at variant v (bit 1: one block per SM) */
+static int sk_dg_splits(int v, int in, const int *out, int n_parts, int swiglu, int dg_sms)
+{
+    return kvs_cu_dgemm_splits(in, out, n_parts, swiglu, dg_sms, (v & 1) ? 1 : 2);
+}
+
+int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, int dg_sms)
+{
+    if (!kvs_cu_skinny_supported(n, in, out, n_parts, swiglu)) return 0;
+    const int v = kvs_cu_skinny_variant();
+    if ((v & 4) && n > 8) {
+        if (!dg_sms || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) return 0;
+        return !(v & 8) || sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) == 1;
+    }
+    return 1;
+}
+
 cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
 {
     sk_params p = {};
@@ -366,8 +389,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         if (a->swiglu) rows = (unsigned)a->out[0];
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
-    const dim3 grid(blocks), blk(16 * 32);
     const int v = kvs_cu_skinny_variant();
+    if ((v & 4) && a->ws && kvs_cu_dgemm_supported(a->n, a->in, a->out, a->n_parts, a->swiglu) &&
+        (!(v & 8) || sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) == 1))
+        return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, stream);
+    const dim3 grid(blocks), blk(16 * 32);
     const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;
     return sk_launch_nt(nt, (v & 1) != 0, (v & 2) != 0, grid, blk, stream, p);
 }

@@ -2,10 +2,10 @@
  * calls it for matmuls of at most KVS_SKINNY_MAX_N rows).
  *
  * y[t][o] = <x[t], W[o]> for n <= KVS_SKINNY_MAX_N (128) token rows. The backend uses it up to
- * skinny_max rows (8 by default): past ~12 rows cuBLASLt reads the weights faster and at 32-128
- * rows this kernel falls far behind (bench/RESULTS.md, issue 22; every block re-reads all of x,
- * the likely limit, not profiled); the wide instantiations serve measurements and
- * KVS_CUDA_SKINNY_MAX experiments. A decode step multiplies a few rows by every
+ * skinny_max rows (32 by default): k_skinny, below, past ~12 rows falls behind cuBLASLt (every
+ * block re-reads all of x); on Hopper the wgmma kernel (cuda_dgemm.cu, kvs_cu_dgemm) takes 2-32
+ * rows of the launches it does not split K for (gate/up, the LM head: 2,750-2,970 GB/s), and
+ * k_skinny (up to 8 rows) or cuBLAS (9+) the others (bench/RESULTS.md, issue 22, decode4). A decode step multiplies a few rows by every
  * weight matrix of the model once, so it is bound by reading W. The kernel streams W with 16-byte
  * loads, not cached in L1, and multiplies it on the tensor cores (mma m16n8k16, bf16 in, fp32
  * accumulate) with W as the 16-row operand and the tokens as the 8-wide one; the K dimension of
@@ -27,6 +27,9 @@
 #include <cuda_runtime.h>
 
 #define KVS_SKINNY_MAX_N 128
+/* rows the decode GEMM takes for every shape it supports at the default variant (k_skinny or the
+ * wgmma kernel); from 9 rows launches that the wgmma kernel would split go to cuBLAS */
+#define KVS_SKINNY_ALWAYS_N 8
 #define KVS_SKINNY_MAX_PARTS 3
 
 struct kvs_cu_skinny {
@@ -39,11 +42,28 @@ struct kvs_cu_skinny {
     int out[KVS_SKINNY_MAX_PARTS];
     float *y[KVS_SKINNY_MAX_PARTS];               /* [n][out[p]] fp32 */
     __nv_bfloat16 *yh;            /* swiglu: NULL or the bf16 copy of y[0] [n][out[0]] */
+    const struct kvs_cu_dgemm_ws *ws; /* NULL: never the wgmma kernel (below) */
+};
+
+/* The wgmma kernel's split-K scratch (cuda_dgemm.cu), owned by the backend: ws holds floats
+ * (kvs_cu_dgemm_ws_floats), sem n_sems counters, zeroed once (each launch leaves them zero). */
+struct kvs_cu_dgemm_ws {
+    float *ws;
+    size_t floats;
+    unsigned *sem;
+    int n_sems, n_sms;
 };
 
 /* 1 when the kernel takes this shape: 1 <= n <= KVS_SKINNY_MAX_N, in a multiple of 32, every
  * out a multiple of 16 (plain) or of 8 (swiglu). */
 int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swiglu);
+
+/* 1 when kvs_cu_skinny should run this matmul at the current variant: k_skinny's shapes, and
+ * with the wgmma kernel chosen (variant bit 4) past 8 rows only the shapes that kernel takes
+ * (dg_sms: the device's SM count where it runs that kernel, else 0: those matmuls belong to
+ * cuBLAS); with variant bit 8 also not the launches it would split (cuBLAS above 8 rows,
+ * k_skinny up to 8) */
+int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, int dg_sms);
 
 /* Variant of the kernel for later launches (benchmarks; bits in cuda_skinny.cu, results bitwise
  * the same); -1: back to KVS_CUDA_SKINNY_VARIANT or the default. Not thread-safe: set it while
@@ -52,5 +72,20 @@ void kvs_cu_skinny_set_variant(int v);
 
 /* Enqueues y = x W^T (+ bias) for every part, or the SwiGLU pair, on `stream`. */
 cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream);
+
+/* cuda_dgemm.cu: the Hopper decode GEMM (wgmma, sm_90a only; variant bit 4 of
+ * kvs_cu_skinny_set_variant picks it for 2..128 rows). Weights on the MMA's M side in 128-row
+ * tiles, K split over blocks where the tiles do not fill the GPU: the split is a function of the
+ * launch's shapes and the SM count (two blocks per SM, or one: per_sm), not of n, so a row's bits
+ * do not depend on the batch; they do depend on the launch (q alone may split K otherwise than
+ * q/k/v together: equal to ~1e-6, not bitwise). Shapes: 2 <= n <= 128, in % 64 == 0, every out
+ * a multiple of 8. */
+int kvs_cu_dgemm_supported(int n, int in, const int *out, int n_parts, int swiglu);
+/* the K splits kvs_cu_dgemm plans for this launch shape (1: none) */
+int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_sms, int per_sm);
+/* floats of split-K workspace for a device of n_sms SMs (counters: 2 a tile, 4 x n_sms will do) */
+size_t kvs_cu_dgemm_ws_floats(int n_sms);
+cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm,
+                         cudaStream_t stream);
 
 #endif

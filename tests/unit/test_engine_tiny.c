@@ -91,7 +91,7 @@ static void runner_alone(const struct kvs_config *cfg, const struct kvs_model *m
     memcpy(toks, j->prompt, (size_t)j->n_prompt * sizeof *toks);
     int n = j->n_prompt, pos = 0;
     for (int g = 0; g < GEN; g++) {
-        struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL, -1, 0};
+        struct kvs_batch_seq s = {toks + pos, n - pos, pos, bt, (n + bs - 1) / bs, NULL, KVS_LOGITS_LAST, NULL, -1, 0, 0};
         struct kvs_batch b = {&s, 1, NULL};
         rc = kvs_runner_forward(r, &b, lg);
         REQUIRE(rc == 0, "forward %d", rc);

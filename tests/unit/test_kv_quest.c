@@ -497,6 +497,23 @@ static void test_engine(void)
     printf("ok quest at 15%% (min 32): %g sparse rows, KV read %.1f%% of full, pages kept %.1f%%, mean rel-L2 %.3g, "
            "%llu preemptions, 0 stale digests\n",
            rows, 100 * rd / full, 100 * kept / pages, l2, (unsigned long long)st.num_preemptions);
+    /* mixed steps (prompts recomputed after preemption next to sparse decodes): the dense pass
+     * skips the lead decode rows (attention meta skip_lead) and the tokens are those of a run
+     * without the hint */
+    {
+        static struct job nohint[NJ];
+        memcpy(nohint, ref, sizeof nohint);
+        const double skipped = counter(&st, "kvserve:kv_quest_dense_skipped_rows_total");
+        kvs_quest_set_skip_hint(0);
+        REQUIRE(run(&c, nohint, &st, err, sizeof err) == 0, "%s", err);
+        kvs_quest_set_skip_hint(1);
+        CHECK(skipped > 0 && counter(&st, "kvserve:kv_quest_dense_skipped_rows_total") == 0,
+              "skipped lead rows: %g with the hint, %g without", skipped,
+              counter(&st, "kvserve:kv_quest_dense_skipped_rows_total"));
+        CHECK(same_tokens(got, nohint), "the skip_lead hint changed the greedy tokens");
+        printf("ok quest at 15%%, mixed steps: %g lead rows (x layers) skipped by the dense pass; tokens equal to the "
+               "run without the hint\n", skipped);
+    }
     kvs_config_free(&c);
 
     /* 4-bit digests: codes exact (the policy's check re-encodes the cache's keys) under prefix

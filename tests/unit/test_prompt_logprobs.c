@@ -41,7 +41,7 @@ static void reference(const struct kvs_config *cfg, const struct kvs_model *m, s
     int nb = (j->n + bs - 1) / bs;
     for (int i = 0; i < nb; i++) bt[i] = i;
     float *lg = kvs_xmalloc((size_t)j->n * (size_t)V * sizeof *lg);
-    struct kvs_batch_seq s = {j->prompt, j->n, 0, bt, nb, NULL, KVS_LOGITS_ALL, NULL, -1, 0};
+    struct kvs_batch_seq s = {j->prompt, j->n, 0, bt, nb, NULL, KVS_LOGITS_ALL, NULL, -1, 0, 0};
     struct kvs_batch b = {&s, 1, NULL};
     REQUIRE(kvs_runner_forward(r, &b, lg) == 0, "reference forward");
     for (int p = 1; p < j->n; p++) {

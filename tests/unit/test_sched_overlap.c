@@ -7,7 +7,9 @@
  *   - stop ids that end requests mid-stream (a request ending while the next step holding it is
  *     already queued: its token there is dropped, not emitted);
  *   - a KV pool small enough to force preemption and recompute, and chunked prefill;
- * and the runs end with every block free. The stop-string path (text that ends a request while
+ * and the runs end with every block free. scheduler.async (the next step begun before the
+ * previous step's picks are back; greedy rows take their token on the backend) must give the
+ * same too, and begin steps ahead. The stop-string path (text that ends a request while
  * its next step runs) is test_engine_text's, which runs with the default, overlap on. */
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -141,6 +143,25 @@ int main(void)
         uint64_t preempt_on = st.num_preemptions;
         c.sched_overlap = 0;
         run(&c, m, off, &st);
+        /* scheduler.async: the next step begun before the last one's picks are applied */
+        static struct job as[NJ];
+        memcpy(as, ref, sizeof as);
+        c.sched_async = 1;
+        run(&c, m, as, &st);
+        c.sched_async = 0;
+        const uint64_t async_steps = st.async_steps, preempt_as = st.num_preemptions;
+        REQUIRE(async_steps > 0, "pool %d: no step was begun ahead with scheduler.async", pool);
+        for (int i = 0; i < NJ; i++) {
+            REQUIRE(as[i].finish == off[i].finish && as[i].n_got == off[i].n_got,
+                    "pool %d request %d: async finish %d after %d tokens, sync %d after %d", pool, i, as[i].finish,
+                    as[i].n_got, off[i].finish, off[i].n_got);
+            REQUIRE(memcmp(as[i].got, off[i].got, (size_t)as[i].n_got * sizeof *as[i].got) == 0,
+                    "pool %d request %d: tokens differ with scheduler.async", pool, i);
+            REQUIRE(memcmp(as[i].lp, off[i].lp, (size_t)as[i].n_got * sizeof *as[i].lp) == 0,
+                    "pool %d request %d: logprobs differ with scheduler.async", pool, i);
+        }
+        printf("pool %s: scheduler.async == sync (tokens, logprobs, finish); %llu steps begun ahead, preemptions "
+               "%llu\n", pool ? "small" : "roomy", (unsigned long long)async_steps, (unsigned long long)preempt_as);
         int stopped = 0;
         for (int i = 0; i < NJ; i++) {
             REQUIRE(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got,
@@ -180,6 +201,37 @@ int main(void)
                 "request %d: 24 running requests gave other tokens than 16", i);
     REQUIRE(st.argmax_tokens == st.generation_tokens, "not all on the device argmax path");
     printf("24 running greedy requests (one LM head pass for their rows) == 16 running requests\n");
+    /* all greedy under scheduler.async: every decode row after the first takes its token from
+     * the step before on the backend (runner.h token_on_device); stop ids end requests whose
+     * next row is already queued */
+    for (int i = 0; i < NJ; i++) ref[i].stop_id = i % 2 ? -1 : off[i].got[GEN / 4 + i % 5];
+    const int64_t roomy = c.kv_memory_bytes;
+    for (int pool = 0; pool < 2; pool++) {
+        if (pool) {   /* 10 blocks of 16 tokens for 24 running requests: preemption while a step is out */
+            struct kvs_runner *rn;
+            REQUIRE(kvs_runner_create(&c, m, &rn, err, sizeof err) == 0, "%s", err);
+            c.kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
+            kvs_runner_free(rn);
+        }
+        memcpy(off, ref, sizeof off);
+        c.sched_async = 0;
+        run(&c, m, off, &st);
+        memcpy(on, ref, sizeof on);
+        c.sched_async = 1;
+        run(&c, m, on, &st);
+        for (int i = 0; i < NJ; i++)
+            REQUIRE(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
+                        !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+                    "pool %d request %d: greedy tokens differ with scheduler.async", pool, i);
+        REQUIRE(st.async_steps * 2 > st.steps, "only %llu of %llu steps begun ahead",
+                (unsigned long long)st.async_steps, (unsigned long long)st.steps);
+        REQUIRE(!pool || st.num_preemptions > 0, "the small pool did not preempt");
+        printf("24 greedy requests (12 ended by stop ids), %s pool, under scheduler.async == sync; %llu of %llu steps "
+               "begun ahead, preemptions %llu\n", pool ? "small" : "roomy", (unsigned long long)st.async_steps,
+               (unsigned long long)st.steps, (unsigned long long)st.num_preemptions);
+    }
+    c.kv_memory_bytes = roomy;
+    c.sched_async = 0;
     kvs_config_free(&c);
     kvs_model_free(m);
     return kvs_test_summary("test_sched_overlap");
