@@ -121,7 +121,8 @@ struct kvs_kv_counter {
      * series) and le the bucket's bound ("+Inf" last; NULL for _sum and _count); else NULL */
     const char *family, *le;
 };
-#define KVS_KV_MAX_COUNTERS 32
+/* room for the reuse strategy's, the decode policy's (ParisKV alone has over 20) and the fidelity meter's counters */
+#define KVS_KV_MAX_COUNTERS 48
 
 /* Gauges and counters for /metrics and the benchmarks (a consistent snapshot). */
 struct kvs_engine_stats {

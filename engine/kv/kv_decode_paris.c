@@ -52,7 +52,10 @@
  * stays in the pool. With tensor parallelism nothing is released (the runner does not ask).
  * Chunked prefill (prefill_job, host_prefill_plan): a prefill chunk that ends at or past the dense
  * threshold writes out the zone it finished, whose whole blocks then leave the pool as above; a
- * later chunk of that request attends over the pool's spans and over the host pages (kv_paris.h
+ * later chunk of that request attends over a device staging copy of the step's contexts (staged_plan:
+ * one gather a layer, the released blocks from the host pages, then attention(); the zone crosses
+ * the bus once a layer instead of once a row), or, when that area passes its limit (half the free
+ * memory, kv_decode_paris.h), over the pool's spans and over the host pages (kv_paris.h
  * host_view: attention_spans reads them as a KV buffer), merged with attn_merge; the first
  * selecting decode row catches the zone up to ctx - local (offload off's zone, so beta 1 stays
  * full attention's tokens). `footprint` tells the engine a request's peak in the pool, so the
@@ -63,6 +66,7 @@
  * each with a message.
  */
 #include "engine/kv/kv.h"
+#include "engine/kv/kv_decode_paris.h"
 
 #include <errno.h>
 #include <math.h>
@@ -127,6 +131,15 @@ struct paris {
     int32_t *h_pf_na, *h_pf_spa, *h_pf_nb, *h_pf_spb, *h_pf_hbt;
     int host_pf;                  /* this step has rows attending over host pages (part B) */
     double host_pf_rows;          /* rows that did, all time */
+    /* ... or, when it fits (kvs_paris_set_stage_limit), over a device staging copy of every
+     * sequence's context [0, end) (the released blocks from the host pages, the rest from the
+     * pool), one gather a layer, then attention(): the zone crosses the bus once a layer, not once
+     * a row. A leading row that selects gets a one-position stand-in (select overwrites it). */
+    int sg_on, sg_stride, sg_max_ctx;
+    size_t sg_cap;                /* elements of sg_k (and of sg_v) */
+    struct kvs_dbuf *sg_k, *sg_v, *sg_rows, *sg_n, *sg_sp, *sg_bt, *sg_pos;
+    int32_t *h_sg_rows, *h_sg_n, *h_sg_sp, *h_sg_bt, *h_sg_pos;
+    double staged_steps, spans_steps;
     double prefill_written;       /* positions written out by prefill steps, all time */
 };
 
@@ -184,13 +197,19 @@ static void paris_destroy(void *state)
     }
     free(s->hv_k);
     free(s->hv_v);
-    struct kvs_dbuf *pbufs[] = {s->pf_na, s->pf_spa, s->pf_nb, s->pf_spb, s->pf_hbt, s->pf_out, s->pf_lse};
+    struct kvs_dbuf *pbufs[] = {s->pf_na, s->pf_spa, s->pf_nb, s->pf_spb, s->pf_hbt, s->pf_out, s->pf_lse,
+                                s->sg_k, s->sg_v, s->sg_rows, s->sg_n, s->sg_sp, s->sg_bt, s->sg_pos};
     for (size_t i = 0; i < sizeof pbufs / sizeof pbufs[0]; i++) o->free_buf(be, pbufs[i]);
     free(s->h_pf_na);
     free(s->h_pf_spa);
     free(s->h_pf_nb);
     free(s->h_pf_spb);
     free(s->h_pf_hbt);
+    free(s->h_sg_rows);
+    free(s->h_sg_n);
+    free(s->h_sg_sp);
+    free(s->h_sg_bt);
+    free(s->h_sg_pos);
     free(s);
 }
 
@@ -266,6 +285,20 @@ static int offload_create(struct paris *s, int64_t host_bytes, char *err, size_t
     s->h_pf_nb = kvs_xcalloc(T * nkv, sizeof *s->h_pf_nb);
     s->h_pf_spb = kvs_xcalloc(T * nkv * 4, sizeof *s->h_pf_spb);
     s->h_pf_hbt = kvs_xcalloc(pt, sizeof *s->h_pf_hbt);
+    /* the staged path's per-sequence tables (its K/V grow when a step needs them) */
+    const size_t S = (size_t)s->env.max_slots;
+    s->sg_rows = o->alloc(be, KVS_BUF_I32, S * KVS_PARIS_ROW_N);
+    s->sg_n = o->alloc(be, KVS_BUF_I32, S * nkv);
+    s->sg_sp = o->alloc(be, KVS_BUF_I32, S * nkv * 2);
+    s->sg_bt = o->alloc(be, KVS_BUF_I32, pt);
+    s->sg_pos = o->alloc(be, KVS_BUF_I32, S);
+    if (!s->sg_rows || !s->sg_n || !s->sg_sp || !s->sg_bt || !s->sg_pos)
+        return kvs_err(err, errlen, -ENOMEM, "kv.paris.offload: no backend memory for the staged prefill tables");
+    s->h_sg_rows = kvs_xcalloc(S * KVS_PARIS_ROW_N, sizeof *s->h_sg_rows);
+    s->h_sg_n = kvs_xcalloc(S * nkv, sizeof *s->h_sg_n);
+    s->h_sg_sp = kvs_xcalloc(S * nkv * 2, sizeof *s->h_sg_sp);
+    s->h_sg_bt = kvs_xcalloc(pt, sizeof *s->h_sg_bt);
+    s->h_sg_pos = kvs_xcalloc(S, sizeof *s->h_sg_pos);
     return 0;
 }
 
@@ -491,6 +524,76 @@ static void prefill_job(struct paris *s, const struct kvs_kv_step *st, int q, in
     sq->n_enc = to - s->sink;
 }
 
+static size_t stage_limit;   /* kvs_paris_set_stage_limit */
+void kvs_paris_set_stage_limit(size_t bytes) { stage_limit = bytes; }
+
+/* offload, a step with rows over a released zone: the staged path's tables (see the state), or 0
+ * when its staging area would pass the limit or cannot be allocated (attend then takes the spans
+ * path below). Sequence q's staging blocks are q stride .. q stride + stride - 1; the gather reads
+ * its released blocks [rel_lo, rel_hi) from the host pages (the gather's "zone", all paged) and
+ * every other position from the pool. */
+static int staged_plan(struct paris *s, const struct kvs_kv_step *st)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const int nkv = s->env.n_kv_heads, bs = s->env.block_size, d = s->env.head_dim;
+    int stride = 1, max_end = 1;
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int end = st->h_pos[q] + st->h_q_start[q + 1] - st->h_q_start[q];
+        const int stand_in = s->any_sel && q < s->n_lead;
+        const int nb = stand_in ? 1 : (end + bs - 1) / bs;
+        if (nb > stride) stride = nb;
+        if (!stand_in && end > max_end) max_end = end;
+    }
+    /* the CUDA gather takes at most 65535 pieces of 32 positions a row (its grid's z) */
+    if (stride > s->env.max_blocks || (long)stride * bs > 65535L * 32) return 0;
+    const size_t need = (size_t)st->n_seqs * stride * nkv * bs * d;
+    if (need > s->sg_cap) {
+        const size_t bytes = 2 * need * (size_t)s->k->kv_elem_bytes;
+        const size_t lim = stage_limit ? stage_limit : o->mem_available(be) / 2;
+        if (bytes > lim) return 0;
+        if (s->sg_k) o->free_buf(be, s->sg_k);
+        if (s->sg_v) o->free_buf(be, s->sg_v);
+        s->sg_cap = 0;
+        s->sg_k = o->alloc(be, KVS_BUF_KV, need);
+        s->sg_v = s->sg_k ? o->alloc(be, KVS_BUF_KV, need) : NULL;
+        if (!s->sg_v) {
+            if (s->sg_k) o->free_buf(be, s->sg_k);
+            s->sg_k = NULL;
+            return 0;
+        }
+        s->sg_cap = need;
+    }
+    for (int q = 0; q < st->n_seqs; q++) {
+        const int slot = st->h_slot[q], end = st->h_pos[q] + st->h_q_start[q + 1] - st->h_q_start[q];
+        const struct paris_seq *sq = slot >= 0 && slot < s->env.max_slots ? s->seq[slot] : NULL;
+        const int stand_in = s->any_sel && q < s->n_lead, rel = !stand_in && sq && sq->rel_hi > sq->rel_lo;
+        int32_t *R = s->h_sg_rows + (size_t)q * KVS_PARIS_ROW_N;
+        memset(R, 0, KVS_PARIS_ROW_N * sizeof *R);
+        R[KVS_PARIS_ROW_SLOT] = slot >= 0 ? slot : 0;
+        R[KVS_PARIS_ROW_CTX] = stand_in ? 1 : end;
+        R[KVS_PARIS_ROW_SINK] = rel ? sq->rel_lo * bs : 0;
+        R[KVS_PARIS_ROW_NR] = rel ? (sq->rel_hi - sq->rel_lo) * bs : 0;
+        R[KVS_PARIS_ROW_TOPK] = R[KVS_PARIS_ROW_NR];   /* the gather sizes a row by ctx - n_r + topk */
+        for (int g = 0; g < nkv; g++) {
+            s->h_sg_n[(size_t)q * nkv + g] = 1;
+            s->h_sg_sp[((size_t)q * nkv + g) * 2] = 0;
+            s->h_sg_sp[((size_t)q * nkv + g) * 2 + 1] = R[KVS_PARIS_ROW_CTX];
+        }
+        s->h_sg_pos[q] = stand_in ? 0 : st->h_pos[q];
+        for (int j = 0; j < stride; j++) s->h_sg_bt[(size_t)q * stride + j] = q * stride + j;
+    }
+    const size_t n = (size_t)st->n_seqs;
+    o->upload(be, s->sg_rows, 0, s->h_sg_rows, n * KVS_PARIS_ROW_N);
+    o->upload(be, s->sg_n, 0, s->h_sg_n, n * nkv);
+    o->upload(be, s->sg_sp, 0, s->h_sg_sp, n * nkv * 2);
+    o->upload(be, s->sg_bt, 0, s->h_sg_bt, n * stride);
+    o->upload(be, s->sg_pos, 0, s->h_sg_pos, n);
+    s->sg_stride = stride;
+    s->sg_max_ctx = max_end;
+    return 1;
+}
+
 /* offload, rows of requests whose zone left the pool and that do not select (prefill chunks):
  * part A = spans over the pool ([0, rel_lo bs) and [rel_hi bs, ctx)), part B = the released
  * blocks [rel_lo bs, rel_hi bs) over the host pages (block tables: page p L, the host view's
@@ -688,7 +791,9 @@ static int paris_plan(void *state, const struct kvs_kv_step *st)
         s->host_pf = 1;   /* its rows attend over the pool and the host pages (attend) */
         s->host_pf_rows += st->h_q_start[q + 1] - st->h_q_start[q];
     }
-    if (s->host_pf) host_prefill_plan(s, st);
+    s->sg_on = s->host_pf && staged_plan(s, st);
+    if (s->sg_on) s->staged_steps++;
+    else if (s->host_pf) host_prefill_plan(s, st), s->spans_steps++;
     if (s->host_pf || (s->offload && s->recall_every > 0)) host_tables(s, st);
     if (!s->any_sel && !s->n_jobs) return 0;
     if (!s->any_sel) goto tables;
@@ -783,7 +888,19 @@ static void paris_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (s->host_pf) {
+    if (s->sg_on) {
+        /* staged_plan's copy of every context, then the dense attention over it */
+        s->k->gather(be, a->kv.k, a->kv.v, st->m, s->sg_rows, s->h_sg_rows, st->n_seqs, layer, s->env.n_layers,
+                     a->n_kv_heads, a->head_dim, a->block_size, s->sg_n, s->sg_sp, 1, s->d_pages, s->env.max_blocks,
+                     s->host_k, s->host_v, s->sg_k, s->sg_v, s->sg_stride);
+        struct kvs_attn_meta sm = *st->m;
+        sm.block_tables = s->sg_bt, sm.max_blocks = s->sg_stride;
+        sm.pos = s->sg_pos, sm.h_pos = s->h_sg_pos, sm.max_ctx = s->sg_max_ctx;
+        sm.rot_offsets = sm.block_valid = sm.block_words = NULL;
+        sm.plan_ctx = 0;
+        o->attention(be, a->q, s->sg_k, s->sg_v, &sm, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                     a->block_size, a->scale, a->out);
+    } else if (s->host_pf) {
         /* host_prefill_plan's two parts and their merge, for every row */
         const struct kvs_span_list spa = {2, s->pf_na, s->pf_spa, s->h_pf_na, s->h_pf_spa};
         const struct kvs_span_list spb = {2, s->pf_nb, s->pf_spb, s->h_pf_nb, s->h_pf_spb};
@@ -889,6 +1006,11 @@ static int paris_counters(void *state, struct kvs_kv_counter *out, int cap)
          "pool (kv.paris.offload).", 1, s->blocks_released, NULL, NULL},
         {"kvserve:kv_paris_gpu_blocks_offloaded", "KV pool blocks that live requests hold in host pages instead of the "
          "pool now (kv.paris.offload).", 0, s->blocks_off, NULL, NULL},
+        {"kvserve:kv_paris_host_prefill_staged_steps_total", "Steps whose rows over a zone in host pages attended over a "
+         "device staging copy of their contexts (one gather a layer).", 1, s->staged_steps, NULL, NULL},
+        {"kvserve:kv_paris_host_prefill_spans_steps_total", "Steps whose rows over a zone in host pages attended over "
+         "the pool's and the host pages' spans (the staging area did not fit: every row reads the zone).", 1,
+         s->spans_steps, NULL, NULL},
         {"kvserve:kv_paris_host_prefill_rows_total", "Prefill rows that attended over a retrieval zone in host pages "
          "(kv.paris.offload: chunked prefill of a prompt whose earlier chunks were written out).", 1, s->host_pf_rows,
          NULL, NULL},

@@ -147,13 +147,6 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
     }
     d->n_pages = (int)np;
     d->table_len = (sh->max_ctx + d->c.tp_hi - 1) / d->c.tp_hi + (sh->max_ctx + d->c.tp_lo - 1) / d->c.tp_lo;
-    if (on_cuda && (hi.kbits == 16 || hi.vbits == 16 || lo.kbits == 16 || lo.vbits == 16)) {
-        kvs_lean_dyn_destroy(d);
-        return kvs_err(err, errlen, -ENOSYS,
-                       "kv.lean.mode = dynamic on cuda: 16-bit tiers (kv.lean.high / low = K16V16) are not enabled: "
-                       "their GPU quantizer failed test_cuda_kv_lean_dyn on the H100 (2026-11-24) and its fix has not "
-                       "run on a GPU yet; use 2- to 8-bit tiers (the defaults K8V4 / K4V2)");
-    }
     if (on_cuda) {
         /* the same pages and tables, on the GPU; a job per (sequence, KV head) of a step */
         d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);

@@ -15,10 +15,14 @@
  * dg_splits: a function of the launch's shapes and the SM count, never of n); each block writes
  * its fp32 partial tiles to a workspace, waits for the other splits of its unit (the grid is one
  * wave, so they all run), and adds a slice of the unit's rows over the partials in split order,
- * with the epilogue (bias; SwiGLU and its bf16 copy): dg_reduce. So a row's result is the same
+ * with the epilogue (bias; SwiGLU and its bf16 copy): dg_reduce. Or (cluster, variant bit 16) a
+ * unit's splits run as one thread-block cluster: each block leaves its partials in its own shared
+ * memory, and after the cluster barrier reads the peers' (distributed shared memory) in the same
+ * order, with no workspace traffic and no counters. So a row's result is the same
  * bits whatever n (batch invariance), and deterministic. Measured (bench/RESULTS.md, decode4):
  * the unsplit launches stream at 2,750-2,970 GB/s up to 32 tokens; the split ones are slower than
- * cuBLASLt, so the default variant leaves them to k_skinny / cuBLAS (cuda_skinny.cu).
+ * cuBLASLt, so the default variant leaves them to k_skinny / cuBLAS (cuda_skinny.cu); with the
+ * cluster's reduction they were slower still from 32 tokens (part 2 there).
  *
  * The weights of the first stages are fetched before the grid dependency wait (cuda_launch.h);
  * x, the workspace and the outputs only after it.
@@ -52,6 +56,7 @@ struct dg_params {
     int splits, atoms;                     /* K splits; K atoms = in / 64 */
     float *ws;                             /* splits > 1: [tile][split][128][NB] partial tiles */
     unsigned *sem;                         /* splits > 1: two zeroed counters per unit (arrived, left) */
+    int cluster;                           /* 1: a unit's splits are one cluster, reduced on chip (dg_reduce_rows) */
 };
 
 /* a block: MW tiles of 128 A rows (MW = 1: each warpgroup 64 rows of the tile; MW = 2: each
@@ -122,11 +127,79 @@ template <int NB> __device__ __forceinline__ void dg_mma(float *acc, uint64_t da
 }
 #endif
 
-/* the reduction of a split launch: every block of a unit (its MW tiles) has written its partial,
- * then block `split` adds rows [split R / S, (split + 1) R / S) of the unit's R = MW x 128 A rows
- * over the S partials in split order and stores them (bias; SwiGLU pairs gate row m with up row
- * 64 + m of the same tile). All blocks of a launch are resident at once (the plan keeps the grid
- * within one wave), so waiting for the unit's other splits cannot deadlock. */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* the cluster's barrier (all threads of all its blocks): release / acquire orders the shared-memory
+ * partials written before it with the peers' reads after it */
+__device__ __forceinline__ void dg_cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/* the float at shared address a (this block's layout) in the shared memory of cluster block rank */
+__device__ __forceinline__ float dg_ld_peer(uint32_t a, int rank)
+{
+    uint32_t ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+#endif
+
+/* the rows of a split launch that block `split` finishes, once every block of the unit (its MW
+ * tiles) has its partial in place: rows [split R / S, (split + 1) R / S) of the unit's R = MW x 128
+ * A rows, summed over the S partials in split order, with the epilogue (bias; SwiGLU pairs gate
+ * row m with up row 64 + m of the same tile). CL: the partials are in the shared memory of the
+ * cluster's blocks (rank s = split s; layout [tile i][128][NB] from address part0), else in the
+ * workspace. The order of the additions is the same either way: the same bits. */
+template <int NB, int MW, bool CL>
+__device__ __forceinline__ void dg_reduce_rows(const dg_params &p, const dg_tile T0, const dg_tile T1, int unit,
+                                               int split, uint32_t part0)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int S = p.splits, tid = threadIdx.x;
+    const int fr = p.swiglu ? 64 : 128;                 /* output rows a tile: SwiGLU's f rows or 128 */
+    const int R = MW * fr, r0 = split * R / S, r1 = (split + 1) * R / S;
+    for (int e = r0 * NB + tid; e < r1 * NB; e += DG_THREADS) {
+        const int rr = e / NB, t = e % NB, i = rr / fr, m = rr % fr;
+        if (t >= p.n) continue;
+        /* the tile's fields by value (a reference chosen at run time would put T in local memory) */
+        const int vr0 = i ? T1.vrows[0] : T0.vrows[0], vr1 = i ? T1.vrows[1] : T0.vrows[1];
+        const int tr0 = i ? T1.r0 : T0.r0, tpart = i ? T1.part : T0.part;
+        const int tile = unit * MW + i;
+        float a = 0.0f, u = 0.0f;
+        for (int s = 0; s < S; s++) {
+            float va, vu = 0.0f;
+            if constexpr (CL) {
+                const uint32_t at = part0 + (uint32_t)(((i * DG_M + m) * NB + t) * 4);
+                va = dg_ld_peer(at, s);
+                if (p.swiglu) vu = dg_ld_peer(at + 64 * NB * 4, s);
+            } else {
+                const float *ps = p.ws + (size_t)(tile * S + s) * DG_M * NB;
+                va = __ldcg(ps + (size_t)m * NB + t);
+                if (p.swiglu) vu = __ldcg(ps + (size_t)(64 + m) * NB + t);
+            }
+            a = s ? a + va : va;
+            u = s ? u + vu : vu;
+        }
+        if (p.swiglu) {
+            if (m >= vr0) continue;
+            const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
+            const size_t f = (size_t)t * p.out[0] + tr0 + m;
+            p.y[0][f] = v;
+            if (p.yh) p.yh[f] = __float2bfloat16(v);
+        } else {
+            if (m >= (m < 64 ? vr0 : 64 + vr1)) continue;
+            const int r = tr0 + m;
+            const float *bias = p.bias[tpart];
+            p.y[tpart][(size_t)t * p.out[tpart] + r] = bias ? a + bias[r] : a;
+        }
+    }
+#endif
+}
+
+/* the reduction of a split launch through the workspace: every block of a unit has written its
+ * partial there; the blocks wait for each other (all blocks of a launch are resident at once: the
+ * plan keeps the grid within one wave, so the wait cannot deadlock), then each finishes its rows */
 template <int NB, int MW>
 __device__ __forceinline__ void dg_reduce(const dg_params &p, const dg_tile T0, const dg_tile T1, int unit, int split)
 {
@@ -143,38 +216,7 @@ __device__ __forceinline__ void dg_reduce(const dg_params &p, const dg_tile T0, 
         __threadfence();
     }
     __syncthreads();
-    const int fr = p.swiglu ? 64 : 128;                 /* output rows a tile: SwiGLU's f rows or 128 */
-    const int R = MW * fr, r0 = split * R / S, r1 = (split + 1) * R / S;
-    for (int e = r0 * NB + tid; e < r1 * NB; e += DG_THREADS) {
-        const int rr = e / NB, t = e % NB, i = rr / fr, m = rr % fr;
-        if (t >= p.n) continue;
-        /* the tile's fields by value (a reference chosen at run time would put T in local memory) */
-        const int vr0 = i ? T1.vrows[0] : T0.vrows[0], vr1 = i ? T1.vrows[1] : T0.vrows[1];
-        const int tr0 = i ? T1.r0 : T0.r0, tpart = i ? T1.part : T0.part;
-        const int tile = unit * MW + i;
-        float a = 0.0f, u = 0.0f;
-        for (int s = 0; s < S; s++) {
-            const float *ps = p.ws + (size_t)(tile * S + s) * DG_M * NB;
-            const float va = __ldcg(ps + (size_t)m * NB + t);
-            a = s ? a + va : va;
-            if (p.swiglu) {
-                const float vu = __ldcg(ps + (size_t)(64 + m) * NB + t);
-                u = s ? u + vu : vu;
-            }
-        }
-        if (p.swiglu) {
-            if (m >= vr0) continue;
-            const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
-            const size_t f = (size_t)t * p.out[0] + tr0 + m;
-            p.y[0][f] = v;
-            if (p.yh) p.yh[f] = __float2bfloat16(v);
-        } else {
-            if (m >= (m < 64 ? vr0 : 64 + vr1)) continue;
-            const int r = tr0 + m;
-            const float *bias = p.bias[tpart];
-            p.y[tpart][(size_t)t * p.out[tpart] + r] = bias ? a + bias[r] : a;
-        }
-    }
+    dg_reduce_rows<NB, MW, false>(p, T0, T1, unit, split, 0u);
     __syncthreads();
     if (tid == 0) {
         /* the last block to leave resets both counters for the next launch */
@@ -275,6 +317,30 @@ template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_
 
     /* acc[mi][4 b + 2 h + j]: row m = 16 warp + g + 8 h of the block's 64-row block (tile, half):
      * MW = 1: (0, wg); MW = 2: (wg, mi); token t = 8 b + 2 q + j */
+    if (S > 1 && p.cluster) {
+        /* the partials stay on chip: each block's in its own (pipeline) shared memory, once no
+         * warpgroup reads a stage any more; the cluster's blocks read each other's (dg_reduce_rows) */
+        static_assert(MW * DG_M * NB * 4 <= C::P * C::SLOT, "the partial tiles fit the pipeline's shared memory");
+        dg_wait_cp<0>();
+        __syncthreads();
+        float *part = (float *)(dg_smem_raw + (smem0 - (uint32_t)__cvta_generic_to_shared(dg_smem_raw)));
+#pragma unroll
+        for (int mi = 0; mi < MW; mi++) {
+            const int ti = MW == 1 ? 0 : wg, half = MW == 1 ? wg : mi;
+#pragma unroll
+            for (int b = 0; b < NB / 8; b++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int m = 64 * half + 16 * warp + g + 8 * h;
+                    *(float2 *)(part + (size_t)(ti * DG_M + m) * NB + 8 * b + 2 * q) =
+                        make_float2(acc[mi][4 * b + 2 * h], acc[mi][4 * b + 2 * h + 1]);
+                }
+        }
+        dg_cluster_sync(); /* every block's partials are written */
+        dg_reduce_rows<NB, MW, true>(p, T[0], T[MW - 1], unit, split, smem0);
+        dg_cluster_sync(); /* no block leaves (its shared memory) while a peer still reads it */
+        return;
+    }
     if (S > 1) {
 #pragma unroll
         for (int mi = 0; mi < MW; mi++) {
@@ -412,6 +478,28 @@ template <int NB> static cudaError_t dg_prepare(int *fits)
     return cudaSuccess;
 }
 
+/* kvs_cu_launch (cuda_launch.h) with clusters of cluster_x blocks along x (grid.x a multiple of
+ * it): the blocks of a cluster run at once and share their shared memory (dg_reduce_rows) */
+template <int NB>
+static cudaError_t dg_launch_cluster(dim3 grid, unsigned cluster_x, cudaStream_t stream, const dg_params &p)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(DG_THREADS);
+    cfg.dynamicSmemBytes = (size_t)dg_cfg<NB>::SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute at[2];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = cluster_x;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = kvs_cu_pdl_enabled() ? 2 : 1;
+    return cudaLaunchKernelEx(&cfg, k_dgemm<NB>, p);
+}
+
 template <int NB> static cudaError_t dg_launch(dg_params &p, int tiles, cudaStream_t stream)
 {
     int fits = 0;
@@ -420,6 +508,10 @@ template <int NB> static cudaError_t dg_launch(dg_params &p, int tiles, cudaStre
     if (!fits) p.splits = 1; /* never on an H100 / H200; waiting splits need their one wave */
     const int units = (tiles + dg_cfg<NB>::MW - 1) / dg_cfg<NB>::MW;
     const unsigned blocks = (unsigned)(units * p.splits);
+    /* a unit's splits as one cluster: at most 8 blocks (the portable cluster size) */
+    if (p.cluster && p.splits > 1 && p.splits <= 8)
+        return dg_launch_cluster<NB>(dim3(blocks), (unsigned)p.splits, stream, p);
+    p.cluster = 0;
     return kvs_cu_launch(k_dgemm<NB>, dim3(blocks), dim3(DG_THREADS), (size_t)dg_cfg<NB>::SMEM, stream, p);
 }
 
@@ -437,10 +529,11 @@ int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_s
     return dg_splits(dg_tiles(out, n_parts, swiglu), in / DG_KA, n_sms, per_sm);
 }
 
-cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm,
+cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm, int cluster,
                          cudaStream_t stream)
 {
     dg_params p = {};
+    p.cluster = cluster;
     p.x = a->x;
     p.n = a->n;
     p.in = a->in;

@@ -285,7 +285,9 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * results are bitwise the same whatever the variant. Bit 4 takes the wgmma kernel (cuda_dgemm.cu)
  * for 2..128 rows where it applies, with K split for two blocks per SM, or one with bit 1 (another
  * order of additions: close to k_skinny's results, not equal); bit 8 keeps it to the launches it
- * does not split (k_skinny up to 8 rows, cuBLAS above, for the others). */
+ * does not split (k_skinny up to 8 rows, cuBLAS above, for the others); bit 16 reduces its splits
+ * on chip (a unit's splits one thread-block cluster, partials in shared memory: the same bits;
+ * slower than the workspace at 8-128 rows on an H100, bench/RESULTS.md, decode4 part 2). */
 /* default 14: the wgmma kernel for the launches it does not split (2,750-2,970 GB/s at 2-32 rows,
  * vs 2,650-2,850 for k_skinny and cuBLAS; its split launches were slower than both), else k_skinny
  * with the L2::256B hint up to 8 rows (faster at 2-8 rows, the same at 1: the GEMV does not use
@@ -298,14 +300,14 @@ static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_variant = e ? atoi(e) & 15 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 31 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     return sk_variant;
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 15;
+    sk_variant = v < 0 ? -1 : v & 31;
 }
 
 template <int NT, bool DB>
@@ -392,7 +394,7 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
     const int v = kvs_cu_skinny_variant();
     if ((v & 4) && a->ws && kvs_cu_dgemm_supported(a->n, a->in, a->out, a->n_parts, a->swiglu) &&
         (!(v & 8) || sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) == 1))
-        return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, stream);
+        return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, stream);
     const dim3 grid(blocks), blk(16 * 32);
     const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;
     return sk_launch_nt(nt, (v & 1) != 0, (v & 2) != 0, grid, blk, stream, p);

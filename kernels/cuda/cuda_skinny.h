@@ -85,7 +85,9 @@ int kvs_cu_dgemm_supported(int n, int in, const int *out, int n_parts, int swigl
 int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_sms, int per_sm);
 /* floats of split-K workspace for a device of n_sms SMs (counters: 2 a tile, 4 x n_sms will do) */
 size_t kvs_cu_dgemm_ws_floats(int n_sms);
-cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm,
+/* cluster: 1 reduces the splits of a unit in its cluster's shared memory (at most 8 splits; more
+ * take the workspace), 0 through the workspace; the same order of additions, the same bits */
+cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm, int cluster,
                          cudaStream_t stream);
 
 #endif

@@ -2,8 +2,8 @@
  * and attention over quantized pages (the static modes of kv.storage = lean).
  *
  * write: one warp per (row, KV head). The warp reduces min / max of the vector, derives fp16 z
- * and s exactly as the host quantizer does (kernels/kv_lean_format.c: same IEEE operations, in
- * the same order, with no contraction), so the codes are bitwise the CPU reference's; the codes
+ * and s exactly as the host quantizer does (kv_lean_quant.cuh, shared with the dynamic mode: the
+ * host's IEEE operations, in the same order, with no contraction), so the codes are bitwise the CPU reference's; the codes
  * go through shared memory and are packed a byte per lane.
  *
  * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
@@ -24,6 +24,7 @@
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK). */
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/cuda/kv_lean_quant.cuh"
 
 extern "C" {
 #include "kernels/kv_lean.h"
@@ -31,18 +32,6 @@ extern "C" {
 
 #define LEAN_FULL 0xffffffffu
 #define LEAN_MAXG 16
-
-__device__ __forceinline__ float lean_sat_half(float x) { return fminf(fmaxf(x, -65504.0f), 65504.0f); }
-
-__device__ __forceinline__ uint16_t lean_half_ceil(float x)
-{
-    if (x > 65504.0f) return 0x7bff;
-    uint16_t u = __half_as_ushort(__float2half_rn(x));
-    if (__half2float(__ushort_as_half(u)) < x) u++;
-    return u;
-}
-
-__device__ __forceinline__ float lean_h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
 
 /* page addressing (kernels/kv_lean.h): K codes [bs][kc], V codes [bs][vc], K (s, z) [bs][4 bytes]
  * below 16 bits, V (s, z) likewise */
@@ -89,7 +78,7 @@ __device__ void lean_quantize_warp(const float *x, int hd, int bits, uint8_t *co
          * the high byte right), as if the u8 store of the fp16 register converted it: the
          * K16V16 pages' mismatch (tests/gpu/test_cuda_kv_lean.c, bench/RESULTS.md) */
         uint16_t *out = reinterpret_cast<uint16_t *>(codes);
-        for (int i = lane; i < hd; i += 32) out[i] = __half_as_ushort(__float2half_rn(lean_sat_half(x[i])));
+        for (int i = lane; i < hd; i += 32) out[i] = lean_f2h(lean_sat_half(x[i]));
         return;
     }
     float mn = INFINITY, mx = -INFINITY;
@@ -99,18 +88,8 @@ __device__ void lean_quantize_warp(const float *x, int hd, int bits, uint8_t *co
         mx = fmaxf(mx, __shfl_xor_sync(LEAN_FULL, mx, o));
     }
     const int top = (1 << bits) - 1;
-    const uint16_t zh = __half_as_ushort(__float2half_rn(lean_sat_half(-mn)));
-    const float z = lean_h2f(zh);
-    const float lo = __fadd_rn(mn, z), hi = __fadd_rn(mx, z);
-    float need = __fdiv_rn(hi, (float)top);
-    if (__fmul_rn(-2.0f, lo) > need) need = __fmul_rn(-2.0f, lo);
-    if (need < 5.9604645e-08f) need = 5.9604645e-08f;
-    const uint16_t sh = lean_half_ceil(need);
-    const float s = lean_h2f(sh);
-    for (int i = lane; i < hd; i += 32) {
-        const float c = floorf(__fadd_rn(__fdiv_rn(__fadd_rn(x[i], z), s), 0.5f));
-        stage[i] = (uint8_t)(c < 0.0f ? 0 : c > (float)top ? top : (int)c);
-    }
+    const lean_sz q = lean_scale_zero(mn, mx, bits);
+    for (int i = lane; i < hd; i += 32) stage[i] = (uint8_t)lean_code(x[i], q, top);
     __syncwarp();
     const int per = 8 / bits, nb = hd * bits / 8;
     for (int b = lane; b < nb; b += 32) {
@@ -118,9 +97,7 @@ __device__ void lean_quantize_warp(const float *x, int hd, int bits, uint8_t *co
         for (int j = 0; j < per; j++) byte |= (unsigned)stage[b * per + j] << (bits * j);
         codes[b] = (uint8_t)byte;
     }
-    if (lane == 0) {
-        sz[0] = (uint8_t)sh, sz[1] = (uint8_t)(sh >> 8), sz[2] = (uint8_t)zh, sz[3] = (uint8_t)(zh >> 8);
-    }
+    if (lane == 0) lean_put_sz(sz, q);
     __syncwarp();
 }
 

@@ -2,7 +2,8 @@
  * manager's rounds, Algorithm 1's step with its attention, the window exit.
  *
  * Correct first: one 128-thread block per head runs its rows in order, a thread per token for
- * the logits and scores, a thread per dim (all the group's heads) for the output, thread 0 for the serial
+ * the logits and scores (each token's entry looked up once), a thread per dim (all the group's
+ * heads) for the output (tokens looked up once per chunk, shared), thread 0 for the serial
  * parts of the exit (quantizing one vector, moving an entry) and a block reduction for the
  * section's argmin. The arithmetic that decides bytes (quantize, dequantize, the score
  * acc / queries, the thresholds alpha / N in double) is the host's, operation for operation
@@ -17,6 +18,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_internal.cuh"
+#include "kernels/cuda/kv_lean_quant.cuh"
 
 extern "C" {
 #include "kernels/kv_lean_dyn_cuda.h"
@@ -65,25 +67,13 @@ struct kvs_lean_dyn_cuda {
 };
 
 /* ---- the host's arithmetic (kernels/kv_lean_format.c) ------------------------------------- */
-__device__ __forceinline__ float dyn_h2f(uint16_t u) { return __half2float(__ushort_as_half(u)); }
-__device__ __forceinline__ uint16_t dyn_f2h(float x) { return __half_as_ushort(__float2half_rn(x)); }
-__device__ __forceinline__ float dyn_sat(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
-
-__device__ __forceinline__ uint16_t dyn_half_ceil(float x)
-{
-    if (x > 65504.0f) return 0x7bff;
-    uint16_t u = dyn_f2h(x);
-    if (dyn_h2f(u) < x) u++;
-    return u;
-}
-
 __device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
 /* element i of a vector of `bits` (codes, then (s, z) at codes + code bytes below 16 bits) */
 __device__ __forceinline__ float dyn_deq(const uint8_t *codes, int cbytes, int bits, int i)
 {
-    if (bits == 16) return dyn_h2f(ld16(codes + 2 * i));
-    const float s = dyn_h2f(ld16(codes + cbytes)), z = dyn_h2f(ld16(codes + cbytes + 2));
+    if (bits == 16) return lean_h2f(ld16(codes + 2 * i));
+    const float s = lean_h2f(ld16(codes + cbytes)), z = lean_h2f(ld16(codes + cbytes + 2));
     const int per = 8 / bits, mask = (1 << bits) - 1;
     const int c = codes[i / per] >> (bits * (i % per)) & mask;
     return __fsub_rn(__fmul_rn(s, (float)c), z);
@@ -98,7 +88,7 @@ __device__ void dyn_quant(const float *x, int d, int bits, uint8_t *codes)
          * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
          * entries are (even entry and page sizes), else the bits go through an opaque move */
         for (int i = 0; i < d; i++) {
-            unsigned h = dyn_f2h(dyn_sat(x[i]));
+            unsigned h = lean_f2h(lean_sat_half(x[i]));
             if (!((uintptr_t)codes & 1)) {
                 reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
                 continue;
@@ -114,23 +104,11 @@ __device__ void dyn_quant(const float *x, int d, int bits, uint8_t *codes)
         if (x[i] > mx) mx = x[i];
     }
     const int top = (1 << bits) - 1;
-    const uint16_t zh = dyn_f2h(dyn_sat(-mn));
-    const float z = dyn_h2f(zh);
-    const float lo = __fadd_rn(mn, z), hi = __fadd_rn(mx, z);
-    float need = __fdiv_rn(hi, (float)top);
-    if (__fmul_rn(-2.0f, lo) > need) need = __fmul_rn(-2.0f, lo);
-    if (need < 5.9604645e-08f) need = 5.9604645e-08f;
-    const uint16_t sh = dyn_half_ceil(need);
-    const float s = dyn_h2f(sh);
+    const lean_sz q = lean_scale_zero(mn, mx, bits);
     const int per = 8 / bits, nb = d * bits / 8;
     for (int b = 0; b < nb; b++) codes[b] = 0;
-    for (int i = 0; i < d; i++) {
-        const float c = floorf(__fadd_rn(__fdiv_rn(__fadd_rn(x[i], z), s), 0.5f));
-        const int q = c < 0.0f ? 0 : c > (float)top ? top : (int)c;
-        codes[i / per] |= (uint8_t)(q << (bits * (i % per)));
-    }
-    uint8_t *sz = codes + nb;
-    sz[0] = (uint8_t)(sh & 0xff), sz[1] = (uint8_t)(sh >> 8), sz[2] = (uint8_t)(zh & 0xff), sz[3] = (uint8_t)(zh >> 8);
+    for (int i = 0; i < d; i++) codes[i / per] |= (uint8_t)(lean_code(x[i], q, top) << (bits * (i % per)));
+    lean_put_sz(codes + nb, q);
 }
 
 /* ---- entries (kernels/cpu/kv_lean_dyn.c's layout) ------------------------------------------- */
@@ -398,19 +376,43 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     __syncthreads();
 }
 
-/* the key (or value, v = 1) element i of token t in attention order (high, low, window) */
-__device__ __forceinline__ float tok_elem(const dyn_dev &D, int st, const dyn_head &h, int t, int v, int i)
+/* token t's K (v = 0) or V (v = 1) vector, looked up once: the high / low entry's codes and
+ * their (s, z), or the window's bf16 row (bits 0). tv_elem(tv, i) is dyn_deq's arithmetic for
+ * element i (the same operations, so the same floats); the lookup (page table, entry, s and z)
+ * is what made a thread-per-element walk slow (bench/RESULTS.md, 2026-11-24 lean5) */
+struct dyn_tv {
+    const uint8_t *p;
+    float s, z;
+    int bits;
+};
+
+__device__ __forceinline__ dyn_tv tok_ref(const dyn_dev &D, int st, const dyn_head &h, int t, int v)
 {
     const int nhl = h.n_high + h.n_low;
+    dyn_tv r;
     if (t < nhl) {
         const int hi = t < h.n_high;
         const dyn_fmt f = fmt_of(D, hi);
         const uint8_t *e = entry_at(D, st, hi, hi ? t : t - h.n_high);
-        return v ? dyn_deq(e_v(e, f), f.vc, f.vbits, i) : dyn_deq(e_k(e), f.kc, f.kbits, i);
+        const int cb = v ? f.vc : f.kc;
+        r.p = v ? e_v(e, f) : e_k(e), r.bits = v ? f.vbits : f.kbits;
+        r.s = r.z = 0.0f;
+        if (r.bits < 16) r.s = lean_h2f(ld16(r.p + cb)), r.z = lean_h2f(ld16(r.p + cb + 2));
+        return r;
     }
     const int w = (h.w_start + t - nhl) % (D.W + 1);
-    const long long o = ((long long)st * (D.W + 1) + w) * D.hd + i;
-    return __bfloat162float(v ? D.wv[o] : D.wk[o]);
+    const long long o = ((long long)st * (D.W + 1) + w) * D.hd;
+    r.p = reinterpret_cast<const uint8_t *>((v ? D.wv : D.wk) + o), r.bits = 0, r.s = r.z = 0.0f;
+    return r;
+}
+
+__device__ __forceinline__ float tv_elem(const dyn_tv &r, int i)
+{
+    if (r.bits == 0) return __bfloat162float(reinterpret_cast<const bf16 *>(r.p)[i]);
+    if (r.bits == 16) return lean_h2f(ld16(r.p + 2 * i));
+    const int per = 8 / r.bits, mask = (1 << r.bits) - 1;
+    const int c = r.p[i / per] >> (r.bits * (i % per)) & mask;
+    return __fsub_rn(__fmul_rn(r.s, (float)c), r.z);
 }
 
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float *q, const float *k, const float *v,
@@ -425,6 +427,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
     int *ri = (int *)(rs + DYN_THREADS);               /* [threads] */
     __shared__ dyn_head h;
     __shared__ int sh_tier;
+    __shared__ dyn_tv tv[DYN_THREADS];
     if (D.pm->err) return;   /* the round failed: no job has its pages */
     const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
     if (J.head < 0) return;   /* a padded sequence */
@@ -455,8 +458,9 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
             for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
                 float a[DYN_MAXG];
                 for (int g = 0; g < G; g++) a[g] = 0.0f;
+                const dyn_tv kt = tok_ref(D, st, h, t, 0);
                 for (int i = 0; i < hd; i++) {
-                    const float x = tok_elem(D, st, h, t, 0, i);
+                    const float x = tv_elem(kt, i);
                     for (int g = 0; g < G; g++) a[g] = fmaf(qs[g * hd + i], x, a[g]);
                 }
                 for (int g = 0; g < G; g++) {
@@ -488,15 +492,25 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                 }
             }
             __syncthreads();
-            /* a thread per dim: each value element is dequantized once for the whole group */
-            for (int i = threadIdx.x; i < hd; i += DYN_THREADS) {
+            /* a thread per dim: each value element is dequantized once for the whole group; the
+             * tokens' lookups are made once per chunk of DYN_THREADS tokens (tv, shared) */
+            for (int i0 = 0; i0 < hd; i0 += DYN_THREADS) {
+                const int i = i0 + threadIdx.x;
                 float o[DYN_MAXG];
                 for (int g = 0; g < G; g++) o[g] = 0.0f;
-                for (int t = 0; t < n; t++) {
-                    const float x = tok_elem(D, st, h, t, 1, i);
-                    for (int g = 0; g < G; g++) o[g] = fmaf(lg[(long long)g * n + t], x, o[g]);
+                for (int t0 = 0; t0 < n; t0 += DYN_THREADS) {
+                    const int tn = min(DYN_THREADS, n - t0);
+                    if (threadIdx.x < tn) tv[threadIdx.x] = tok_ref(D, st, h, t0 + threadIdx.x, 1);
+                    __syncthreads();
+                    if (i < hd)
+                        for (int j = 0; j < tn; j++) {
+                            const float x = tv_elem(tv[j], i);
+                            for (int g = 0; g < G; g++) o[g] = fmaf(lg[(long long)g * n + t0 + j], x, o[g]);
+                        }
+                    __syncthreads();
                 }
-                for (int g = 0; g < G; g++) out[((long long)row * D.nq + (long long)J.g * G + g) * hd + i] = o[g];
+                if (i < hd)
+                    for (int g = 0; g < G; g++) out[((long long)row * D.nq + (long long)J.g * G + g) * hd + i] = o[g];
             }
             __syncthreads();
         }

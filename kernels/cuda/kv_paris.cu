@@ -12,15 +12,18 @@
  *          a thread per centroid counts the keys of the centroids that rank before it (score
  *          descending, lower id first): the CPU's order, no sort needed.
  * vote     grid over (row x head, position chunks): vote per retrieval position (uint16) and a
- *          histogram of votes.
+ *          histogram of votes (one shared atomic per distinct vote of a warp).
  * keep     one block per (row, head): the vote threshold from the histogram, then a block scan
  *          over contiguous chunks takes the ties in position order (the CPU's stable order) for
  *          the ceil(beta n_r) candidates and for the coarse top-k.
  * rerank   a thread per candidate: the 4-bit estimate with explicit round-to-nearest multiplies
- *          and adds (no FMA contraction), as the CPU computes it, into a 64-bit key
+ *          and adds (no FMA contraction), as the CPU computes it (the code values from shared
+ *          memory), into a 64-bit key
  *          (order key of est << 32 | ~position): unique, so the top-k has no ties.
  * topk     one block per (row, head): radix select (8 passes of 8 bits) of the k-th largest key,
- *          the chosen positions ranked by position, spans built by one thread.
+ *          the passes reading shared memory once the keys with the prefix fit TOPK_LOCAL, the
+ *          histograms one atomic per distinct digit of a warp; the chosen positions ranked by
+ *          position, spans built by one thread.
  * kvs_paris_cuda_profile(1) makes select record events around its kernels (the bench's breakdown:
  * prep, vote, keep, rerank, top-k), read back by kvs_paris_cuda_last_phases.
  * Scratch: one cudaMallocAsync block per backend, kept between calls and grown (stream-ordered
@@ -301,26 +304,34 @@ k_paris_vote(const int32_t *__restrict__ rows, const int32_t *__restrict__ bts, 
     __syncthreads();
     const int32_t *bt = bts + (size_t)r * max_blocks;
     const int vec = (W * 4) % 16 == 0 && B % 16 == 0;
-    for (int i = i0 + threadIdx.x; i < n_r && i < i0 + VOTE_CHUNK; i += blockDim.x) {
-        const uint8_t *row = codes + (p_slot(bt, sink + i, bs) * nkv + g) * (size_t)W * 4;
-        int v = 0;
-        for (int b = 0; b < B; b += 16) {
-            uint32_t w4[4];
-            if (vec) {
-                const uint4 u = *(const uint4 *)(row + b);
-                w4[0] = u.x, w4[1] = u.y, w4[2] = u.z, w4[3] = u.w;
-            } else {
-                for (int k = 0; k < 4; k++) w4[k] = b + 4 * k < B ? ((const uint32_t *)row)[b / 4 + k] : 0;
+    /* whole warps step together (the loop bound is uniform), so the vote histogram can count one
+     * atomic per distinct vote of the warp: votes crowd into a few values, and same-address
+     * shared atomics serialize (the counts are the same) */
+    for (int base = i0; base < i0 + VOTE_CHUNK; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        int v = -1;
+        if (i < n_r) {
+            const uint8_t *row = codes + (p_slot(bt, sink + i, bs) * nkv + g) * (size_t)W * 4;
+            v = 0;
+            for (int b = 0; b < B; b += 16) {
+                uint32_t w4[4];
+                if (vec) {
+                    const uint4 u = *(const uint4 *)(row + b);
+                    w4[0] = u.x, w4[1] = u.y, w4[2] = u.z, w4[3] = u.w;
+                } else {
+                    for (int k = 0; k < 4; k++) w4[k] = b + 4 * k < B ? ((const uint32_t *)row)[b / 4 + k] : 0;
+                }
+                for (int k = 0; k < 4 && b + 4 * k < B; k++) {
+                    const int bb = b + 4 * k;
+                    const uint32_t c4 = w4[k];
+                    v += st[bb * KVS_PARIS_NC + (c4 & 255)] + st[(bb + 1) * KVS_PARIS_NC + ((c4 >> 8) & 255)] +
+                         st[(bb + 2) * KVS_PARIS_NC + ((c4 >> 16) & 255)] + st[(bb + 3) * KVS_PARIS_NC + (c4 >> 24)];
+                }
             }
-            for (int k = 0; k < 4 && b + 4 * k < B; k++) {
-                const int bb = b + 4 * k;
-                const uint32_t c4 = w4[k];
-                v += st[bb * KVS_PARIS_NC + (c4 & 255)] + st[(bb + 1) * KVS_PARIS_NC + ((c4 >> 8) & 255)] +
-                     st[(bb + 2) * KVS_PARIS_NC + ((c4 >> 16) & 255)] + st[(bb + 3) * KVS_PARIS_NC + (c4 >> 24)];
-            }
+            vote[(size_t)task * max_nr + i] = (uint16_t)v;
         }
-        vote[(size_t)task * max_nr + i] = (uint16_t)v;
-        atomicAdd(sh + v, 1);
+        const unsigned same = __match_any_sync(0xffffffffu, v);
+        if (v >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(sh + v, __popc(same));
     }
     __syncthreads();
     int32_t *ch = chist + ((size_t)task * n_chunks + blockIdx.y) * (maxv + 1);
@@ -440,13 +451,16 @@ __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *
                                const float *__restrict__ qn, int max_nr, const int32_t *__restrict__ cand,
                                unsigned long long *__restrict__ keys)
 {
-    __shared__ float sq[1024];
+    __shared__ float sq[1024], s_lm[16];
     const int task = blockIdx.x, r = task / nkv, g = task % nkv, B = D / 8;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR], keep = min(R[KVS_PARIS_ROW_KEEP], n_r);
     const int i0 = (int)blockIdx.y * RERANK_CHUNK;
     if (n_r <= 0 || i0 >= keep) return;
     for (int i = threadIdx.x; i < D; i += blockDim.x) sq[i] = qt[(size_t)task * D + i];
+    /* the 16 signed code values in shared memory: constant memory serializes a warp whose lanes
+     * read different entries, as the codes of different keys do (negation is exact: same bits) */
+    for (int c = threadIdx.x; c < 16; c += blockDim.x) s_lm[c] = (c & 8) ? -c_lm_center[c & 7] : c_lm_center[c & 7];
     __syncthreads();
     const int32_t *bt = bts + (size_t)r * max_blocks;
     const int vec = (W * 4) % 16 == 0 && B % 16 == 0;   /* 16-byte aligned code rows */
@@ -471,8 +485,7 @@ __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *
                 float dot = 0;
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    const uint32_t c = (c4[k] >> (4 * j)) & 15;
-                    const float v = (c & 8) ? -c_lm_center[c & 7] : c_lm_center[c & 7];
+                    const float v = s_lm[(c4[k] >> (4 * j)) & 15];
                     dot = __fadd_rn(dot, __fmul_rn(v, sq[(b0 + k) * 8 + j]));
                 }
                 est = __fadd_rn(est, __fmul_rn(wk[k], dot));
@@ -483,29 +496,64 @@ __global__ void k_paris_rerank(const int32_t *__restrict__ rows, const int32_t *
     }
 }
 
-/* the k largest of n unique keys (radix select), their positions ascending into s_pos[0..k) */
-__device__ void select_top(const unsigned long long *keys, int n, int k, int *s_pos, int *s_hist, int *s_misc)
+#define TOPK_LOCAL 2048   /* keys a top-k block keeps in shared memory once the prefix narrows to them */
+
+/* adds the digits of the keys with the prefix to the histogram, key i by thread i mod blockDim:
+ * one atomic per distinct digit of the warp (whole warps step together: the loop bound is
+ * uniform), since the leading digits of keys of similar estimates are nearly all the same and
+ * same-address shared atomics serialize */
+__device__ __forceinline__ void radix_hist(const unsigned long long *keys, int n, unsigned long long mask,
+                                           unsigned long long prefix, int shift, int *h)
+{
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        unsigned d = 256;
+        if (i < n) {
+            const unsigned long long x = keys[i];
+            if ((x & mask) == prefix) d = (unsigned)(x >> shift) & 255;
+        }
+        const unsigned same = __match_any_sync(0xffffffffu, d);
+        if (d < 256 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(h + d, __popc(same));
+    }
+}
+
+/* the k largest of n unique keys (radix select, 8 passes of 8 bits), their positions ascending
+ * into s_pos[0..k). Once the keys that share the prefix fit TOPK_LOCAL they are copied to shared
+ * memory and the remaining passes read only them (the passes over all n keys were most of the
+ * top-k's time at a 1M context); the final collection reads all keys once more. */
+__device__ void select_top(const unsigned long long *keys, int n, int k, int *s_pos, int *s_hist, int *s_misc,
+                           unsigned long long *s_keys)
 {
     unsigned long long prefix = 0, mask = 0;
-    int remaining = k;
+    int remaining = k, n_local = -1;   /* -1: the passes read keys[0..n) */
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) s_hist[i] = 0;
         __syncthreads();
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const unsigned long long x = keys[i];
-            if ((x & mask) == prefix) atomicAdd(s_hist + ((x >> shift) & 255), 1);
-        }
+        if (n_local < 0) radix_hist(keys, n, mask, prefix, shift, s_hist);
+        else radix_hist(s_keys, n_local, mask, prefix, shift, s_hist);
         __syncthreads();
         if (threadIdx.x == 0) {
             int d = 255, cum = 0;
             while (d > 0 && cum + s_hist[d] < remaining) cum += s_hist[d--];
-            s_misc[0] = d, s_misc[1] = remaining - cum;
+            s_misc[0] = d, s_misc[1] = remaining - cum, s_misc[3] = s_hist[d];
         }
         __syncthreads();
         prefix |= (unsigned long long)s_misc[0] << shift;
         mask |= 255ull << shift;
         remaining = s_misc[1];
+        const int matching = s_misc[3];
         __syncthreads();
+        if (n_local < 0 && shift > 0 && matching <= TOPK_LOCAL) {
+            /* the keys with the new prefix (exactly `matching` of them) into shared memory */
+            if (threadIdx.x == 0) s_misc[2] = 0;
+            __syncthreads();
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const unsigned long long x = keys[i];
+                if ((x & mask) == prefix) s_keys[atomicAdd(s_misc + 2, 1)] = x;
+            }
+            n_local = matching;
+            __syncthreads();
+        }
     }
     /* prefix is now the k-th largest key: keys >= prefix are the k chosen */
     if (threadIdx.x == 0) s_misc[2] = 0;
@@ -529,6 +577,7 @@ k_paris_topk(const int32_t *__restrict__ rows, int nkv, int max_nr, const unsign
 {
     extern __shared__ int s_pos[];   /* [2 max_topk] */
     __shared__ int s_hist[256], s_misc[4];
+    __shared__ unsigned long long s_keys[TOPK_LOCAL];
     const int task = blockIdx.x, r = task / nkv;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR], sink = R[KVS_PARIS_ROW_SINK], ctx = R[KVS_PARIS_ROW_CTX];
@@ -540,7 +589,7 @@ k_paris_topk(const int32_t *__restrict__ rows, int nkv, int max_nr, const unsign
         return;
     }
     const int keep = min(R[KVS_PARIS_ROW_KEEP], n_r), topk = min(min(R[KVS_PARIS_ROW_TOPK], keep), max_topk);
-    select_top(keys + (size_t)task * max_nr, keep, topk, s_pos, s_hist, s_misc);
+    select_top(keys + (size_t)task * max_nr, keep, topk, s_pos, s_hist, s_misc, s_keys);
     if (sel)
         for (int i = threadIdx.x; i < topk; i += blockDim.x) sel[(size_t)task * max_topk + i] = s_pos[i];
     if (threadIdx.x == 0) {
@@ -580,6 +629,13 @@ extern "C" int kvs_paris_cuda_last_phases(float ms[5])
     do {                                                             \
         if (prof_on) CUDA_CHECK(cudaEventRecord(prof_ev[i], st));    \
     } while (0)
+
+/* the top-k kernels' dynamic shared memory (2 max_topk ints) past the default 48 KB less their
+ * static arrays (TOPK_LOCAL keys): opt in to the device's larger limit once a size needs it */
+template <typename F> static void topk_smem(F *kernel, size_t dyn)
+{
+    if (dyn > 16384) CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn));
+}
 
 static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_attn_meta *m,
                       const struct kvs_dbuf *rows, const int32_t *h_rows, int n, int layer, int n_layers, int n_heads,
@@ -642,6 +698,7 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *q, const str
                                                                     (const float *)w->d, s.qt, s.qn, max_nr, s.cand,
                                                                     s.keys);
     PROF(4);
+    topk_smem(k_paris_topk, (size_t)2 * max_topk * 4);
     k_paris_topk<<<T, PK_THREADS, (size_t)2 * max_topk * 4, st>>>(d_rows, n_kv_heads, max_nr, s.keys, max_spans,
                                                                   max_topk, (int32_t *)n_spans->d,
                                                                   (int32_t *)spans->d, sel ? (int32_t *)sel->d : NULL);
@@ -683,6 +740,7 @@ k_paris_exact_top(const int32_t *__restrict__ rows, int nkv, int max_nr, const u
 {
     extern __shared__ int s_pos[];
     __shared__ int s_hist[256], s_misc[4];
+    __shared__ unsigned long long s_keys[TOPK_LOCAL];
     const int task = blockIdx.x, r = task / nkv;
     const int32_t *R = rows + (size_t)r * KVS_PARIS_ROW_N;
     const int n_r = R[KVS_PARIS_ROW_NR];
@@ -690,7 +748,7 @@ k_paris_exact_top(const int32_t *__restrict__ rows, int nkv, int max_nr, const u
     if (n_r <= 0) return;
     const int topk = min(min(R[KVS_PARIS_ROW_TOPK], n_r), max_topk);
     __syncthreads();
-    select_top(keys + (size_t)task * max_nr, n_r, topk, s_pos, s_hist, s_misc);
+    select_top(keys + (size_t)task * max_nr, n_r, topk, s_pos, s_hist, s_misc, s_keys);
     for (int i = threadIdx.x; i < topk; i += blockDim.x) out[(size_t)task * max_topk + i] = s_pos[i];
 }
 
@@ -714,6 +772,7 @@ static void cu_exact_topk(struct kvs_backend *b, const struct kvs_dbuf *q, const
     k_paris_exact_score<<<dim3(T, (max_nr + 1023) / 1024), 256, 0, st>>>(
         (const float *)q->d, (const bf16 *)kc->d, d_rows, (const int32_t *)m->block_tables->d, m->max_blocks, n_heads,
         n_kv_heads, head_dim, block_size, max_nr, keys);
+    topk_smem(k_paris_exact_top, (size_t)2 * max_topk * 4);
     k_paris_exact_top<<<T, PK_THREADS, (size_t)2 * max_topk * 4, st>>>(d_rows, n_kv_heads, max_nr, keys, max_topk,
                                                                        (int32_t *)out->d);
     CUDA_CHECK(cudaGetLastError());

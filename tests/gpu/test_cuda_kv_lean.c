@@ -22,43 +22,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "base/util.h"
-#include "kernels/backend.h"
 #include "kernels/kv_lean.h"
 #include "tests/unit/test_util.h"
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
-#include "kernels/cuda/cuda_backend.h"
-
-static const struct kvs_backend_ops *C = &kvs_cpu_backend, *G = &kvs_cuda_backend;
-static struct kvs_backend *bc, *bg;
-static uint64_t rng;
-
-static float frand(void) { return (float)((double)kvs_test_xorshift(&rng) / 4294967296.0) * 2.0f - 1.0f; }
-static int irand(int n) { return (int)(kvs_test_xorshift(&rng) % (uint32_t)n); }
-
-struct pair {
-    struct kvs_dbuf *c, *g;
-};
-
-static struct pair mk(enum kvs_buf_kind kind, size_t n, const void *host)
-{
-    struct pair p = {C->alloc(bc, kind, n ? n : 1), G->alloc(bg, kind, n ? n : 1)};
-    if (!p.c || !p.g) kvs_panic(__FILE__, __LINE__, "alloc of %zu elements failed", n);
-    if (host && n) {
-        C->upload(bc, p.c, 0, host, n);
-        G->upload(bg, p.g, 0, host, n);
-    }
-    return p;
-}
-
-static void drop(struct pair *p)
-{
-    C->free_buf(bc, p->c);
-    G->free_buf(bg, p->g);
-}
+#include "tests/gpu/cuda_pair.h"
 
 static double rel_l2(const float *a, const float *ref, size_t n)
 {
@@ -90,9 +59,9 @@ static void run_case(const struct cfg *c, int layout)
         n_rows += rows[s], n_tok += pos[s] + rows[s];
     }
     const int nblocks = NS * max_blocks + 2;   /* the last one stays free: copy target */
-    int32_t q_start[NS + 1], *bt = calloc((size_t)NS * max_blocks, 4), *rot = calloc((size_t)NS * max_blocks, 4);
-    int32_t *valid = calloc((size_t)NS * max_blocks, 4), *slots = malloc((size_t)n_tok * 4);
-    int32_t *perm = malloc((size_t)(nblocks - 1) * 4);
+    int32_t q_start[NS + 1], *bt = kvs_xcalloc((size_t)NS * max_blocks, 4), *rot = kvs_xcalloc((size_t)NS * max_blocks, 4);
+    int32_t *valid = kvs_xcalloc((size_t)NS * max_blocks, 4), *slots = kvs_xmalloc((size_t)n_tok * 4);
+    int32_t *perm = kvs_xmalloc((size_t)(nblocks - 1) * 4);
     for (int i = 0; i < nblocks - 1; i++) perm[i] = i;
     for (int i = nblocks - 2; i > 0; i--) {
         int j = irand(i + 1), t = perm[i];
@@ -114,15 +83,15 @@ static void run_case(const struct cfg *c, int layout)
     }
     q_start[NS] = r0;
     const size_t kvn = (size_t)n_tok * nkv * hd, qn = (size_t)n_rows * nh * hd;
-    float *hk = malloc(kvn * 4), *hv = malloc(kvn * 4), *hq = malloc(qn * 4);
+    float *hk = kvs_xmalloc(kvn * 4), *hv = kvs_xmalloc(kvn * 4), *hq = kvs_xmalloc(qn * 4);
     for (size_t i = 0; i < kvn; i++) hk[i] = 2.0f * frand() + 0.5f, hv[i] = frand();
     for (size_t i = 0; i < qn; i++) hq[i] = 2.0f * frand();
     float inv[256];
     for (int i = 0; i < hd / 2; i++) inv[i] = powf(10000.0f, -2.0f * i / hd);
 
     const size_t page = kvs_lean_page_bytes(c->f, hd, bs), blockb = page * nkv, pool_words = (blockb * nblocks + 3) / 4;
-    struct pair pool = {kc->alloc_pages(bc, blockb * nblocks), kg->alloc_pages(bg, blockb * nblocks)};
-    int32_t *zero = calloc(pool_words, 4);
+    struct pair pool = {.c = kc->alloc_pages(bc, blockb * nblocks), .g = kg->alloc_pages(bg, blockb * nblocks)};
+    int32_t *zero = kvs_xcalloc(pool_words, 4);
     C->upload(bc, pool.c, 0, zero, pool_words);
     G->upload(bg, pool.g, 0, zero, pool_words);
     struct pair dk = mk(KVS_BUF_ACT, kvn, hk), dv = mk(KVS_BUF_ACT, kvn, hv), ds = mk(KVS_BUF_I32, (size_t)n_tok, slots);
@@ -132,7 +101,7 @@ static void run_case(const struct cfg *c, int layout)
     const int spare = nblocks - 1;
     kc->copy_block(bc, pool.c, bt[max_blocks], spare, blockb);
     kg->copy_block(bg, pool.g, bt[max_blocks], spare, blockb);
-    int32_t *pc = malloc(pool_words * 4), *pg = malloc(pool_words * 4);
+    int32_t *pc = kvs_xmalloc(pool_words * 4), *pg = kvs_xmalloc(pool_words * 4);
     C->download(bc, pc, pool.c, 0, pool_words);
     G->download(bg, pg, pool.g, 0, pool_words);
     if (memcmp(pc, pg, blockb * nblocks) != 0) {
@@ -173,7 +142,7 @@ static void run_case(const struct cfg *c, int layout)
     mg.q_start = dqs.g, mg.pos = dpos.g, mg.block_tables = dbt.g, mg.rot_offsets = drot.g, mg.block_valid = dval.g;
     mg.inv_freq = dinv.g;
     struct pair out = mk(KVS_BUF_ACT, qn, NULL), lse = mk(KVS_BUF_F32, (size_t)n_rows * nh, NULL);
-    float *oc = malloc(qn * 4), *og = malloc(qn * 4), *lc = malloc((size_t)n_rows * nh * 4), *lg = malloc((size_t)n_rows * nh * 4);
+    float *oc = kvs_xmalloc(qn * 4), *og = kvs_xmalloc(qn * 4), *lc = kvs_xmalloc((size_t)n_rows * nh * 4), *lg = kvs_xmalloc((size_t)n_rows * nh * 4);
     const float scale = 1.0f / sqrtf((float)hd);
 
     kc->attention(bc, c->f, dq.c, pool.c, &mc, n_rows, nh, nkv, hd, bs, scale, out.c);
@@ -187,11 +156,11 @@ static void run_case(const struct cfg *c, int layout)
         /* dense attention over the same K/V: bf16 K/V on the GPU, fp32 on the CPU */
         const size_t kve = (size_t)nblocks * nkv * bs * hd;
         struct pair kcd = mk(KVS_BUF_KV, kve, NULL), vcd = mk(KVS_BUF_KV, kve, NULL), dout = mk(KVS_BUF_ACT, qn, NULL);
-        float *dz = calloc(kve, 4), *od = malloc(qn * 4);
+        float *dz = kvs_xcalloc(kve, 4), *od = kvs_xmalloc(qn * 4);
         C->upload(bc, kcd.c, 0, dz, kve), C->upload(bc, vcd.c, 0, dz, kve);
         G->upload(bg, kcd.g, 0, dz, kve), G->upload(bg, vcd.g, 0, dz, kve);
         /* the slots of sequence 1's first block were written before its copy to the spare block */
-        int32_t *sl2 = malloc((size_t)n_tok * 4);
+        int32_t *sl2 = kvs_xmalloc((size_t)n_tok * 4);
         for (int i = 0; i < n_tok; i++) sl2[i] = slots[i] / bs == spare_src ? spare * bs + slots[i] % bs : slots[i];
         struct pair ds2 = mk(KVS_BUF_I32, (size_t)n_tok, sl2);
         C->kv_write(bc, dk.c, dv.c, ds2.c, n_tok, nkv, hd, bs, kcd.c, vcd.c);
@@ -211,7 +180,7 @@ static void run_case(const struct cfg *c, int layout)
 
     /* spans: up to 3 per (row, KV head), some empty or past the row */
     const int ms = 3;
-    int32_t *hn = malloc((size_t)n_rows * nkv * 4), *hsp = malloc((size_t)n_rows * nkv * ms * 2 * 4);
+    int32_t *hn = kvs_xmalloc((size_t)n_rows * nkv * 4), *hsp = kvs_xmalloc((size_t)n_rows * nkv * ms * 2 * 4);
     for (int t = 0; t < n_rows * nkv; t++) {
         int a = irand(20), k = 0, want = irand(ms + 1);
         for (; k < want; k++) {
@@ -247,16 +216,7 @@ static void run_case(const struct cfg *c, int layout)
 
 int main(void)
 {
-    char err[256];
-    const char *seed = getenv("KVS_SEED");
-    rng = seed ? strtoull(seed, NULL, 10) : (uint64_t)time(NULL);
-    printf("seed %llu\n", (unsigned long long)rng);
-    bc = C->create(4, err, sizeof err);
-    bg = G->create(0, err, sizeof err);
-    if (!bc || !bg) {
-        fprintf(stderr, "test_cuda_kv_lean: no GPU (%s)\n", err);
-        return 1;
-    }
+    if (cuda_pair_open(4)) return 1;
     REQUIRE(kvs_lean_kernels_for(G, NULL, 0), "the cuda backend has LeanKV kernels");
     static const struct kvs_lean_fmt fmts[] = {{8, 4}, {4, 2}, {8, 8}, {4, 4}, {2, 2}, {16, 16}};
     const struct kvs_lean_kernels *kg = kvs_lean_kernels_for(G, NULL, 0);

@@ -16,8 +16,8 @@
  *      other (the victim): the case then stops there and says so; any other difference fails;
  *   3. a round the ring cannot serve fails with -ENOSPC and takes nothing.
  * The K16V16 + K8V4 case failed on the first H100 run (2026-11-24T16:50Z: the 16-bit tier's codes,
- * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer now stores 16 bits at
- * once, not run on a GPU since, so the storage refuses 16-bit tiers on cuda until this passes.
+ * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer stores 16 bits at once
+ * since, and the case passes on the H100 (2026-11-24T19:32Z), so the storage takes 16-bit tiers.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
 #include <stdint.h>
@@ -60,12 +60,10 @@ static void cpu_init(struct cpu_side *s, const struct ccase *k, int max_ctx, int
     s->table_len = (max_ctx + k->tp) / k->tp + (max_ctx + s->c.tp_lo) / s->c.tp_lo + 2;
     s->n_pages = s->n_states * s->table_len;
     REQUIRE(kvs_lean_pm_create(s->n_pages, s->n_states, s->table_len, &s->pm) == 0, "pm");
-    s->pages = calloc((size_t)s->n_pages, s->c.page_bytes);
-    s->scratch = malloc(kvs_lean_dyn_scratch_floats(&s->c) * sizeof(float));
-    REQUIRE(s->pages && s->scratch, "alloc");
+    s->pages = kvs_xcalloc((size_t)s->n_pages, s->c.page_bytes);
+    s->scratch = kvs_xmalloc(kvs_lean_dyn_scratch_floats(&s->c) * sizeof(float));
     for (int i = 0; i < s->n_states; i++) {
-        s->mem[i] = calloc(1, kvs_lean_dyn_head_mem(&s->c));
-        REQUIRE(s->mem[i], "alloc");
+        s->mem[i] = kvs_xcalloc(1, kvs_lean_dyn_head_mem(&s->c));
         kvs_lean_dyn_head_init(&s->c, &s->h[i], s->mem[i]);
     }
 }
@@ -97,10 +95,9 @@ struct gpu_view {
 static void view_get(struct kvs_lean_dyn_cuda *g, const struct cpu_side *s, int st, struct gpu_view *v)
 {
     if (!v->mem) {
-        v->mem = calloc(1, kvs_lean_dyn_head_mem(&s->c));
-        v->pages = malloc((size_t)s->n_pages * s->c.page_bytes);
-        v->table = malloc((size_t)s->table_len * sizeof(int32_t));
-        REQUIRE(v->mem && v->pages && v->table, "alloc");
+        v->mem = kvs_xcalloc(1, kvs_lean_dyn_head_mem(&s->c));
+        v->pages = kvs_xmalloc((size_t)s->n_pages * s->c.page_bytes);
+        v->table = kvs_xmalloc((size_t)s->table_len * sizeof(int32_t));
     }
     kvs_lean_dyn_head_init(&s->c, &v->h, v->mem);
     kvs_lean_dyn_cuda_get(g, st, &v->h, v->pages, v->table, &v->nhp, &v->nlp, &v->ev);
@@ -171,9 +168,8 @@ static void test_policy(const struct ccase *k)
     REQUIRE(kvs_lean_dyn_cuda_create(bg, &s.c, 1, k->G, 1, s.n_pages, s.table_len, 1, 0, &g, err, sizeof err) == 0, "%s",
             err);
     const int hd = k->hd;
-    float *q = malloc((size_t)k->G * hd * 4), *kv = malloc(2 * (size_t)hd * 4), *out = malloc((size_t)k->G * hd * 4);
-    uint8_t *gpages = malloc((size_t)s.n_pages * s.c.page_bytes);
-    REQUIRE(q && kv && out && gpages, "alloc");
+    float *q = kvs_xmalloc((size_t)k->G * hd * 4), *kv = kvs_xmalloc(2 * (size_t)hd * 4), *out = kvs_xmalloc((size_t)k->G * hd * 4);
+    uint8_t *gpages = kvs_xmalloc((size_t)s.n_pages * s.c.page_bytes);
     struct gpu_view v = {0};
     struct kvs_lean_dyn_head *h = &s.h[0];
     int n_ev[5] = {0}, n_vic[5] = {0}, bad = 0, checked = 0;
@@ -264,10 +260,9 @@ static void test_steps(const struct ccase *k)
     REQUIRE(kvs_lean_dyn_cuda_create(bg, &s.c, s.n_states, nq, nkv, s.n_pages, s.table_len, s.n_states + 1, 0, &g, err,
                                      sizeof err) == 0, "%s", err);
     const int max_rows = k->pre * k->seqs * (k->seqs + 1) / 2 + k->seqs;
-    float *q = malloc((size_t)max_rows * nq * hd * 4), *kk = malloc((size_t)max_rows * nkv * hd * 4),
-          *vv = malloc((size_t)max_rows * nkv * hd * 4), *oc = malloc((size_t)max_rows * nq * hd * 4),
-          *og = malloc((size_t)max_rows * nq * hd * 4);
-    REQUIRE(q && kk && vv && oc && og, "alloc");
+    float *q = kvs_xmalloc((size_t)max_rows * nq * hd * 4), *kk = kvs_xmalloc((size_t)max_rows * nkv * hd * 4),
+          *vv = kvs_xmalloc((size_t)max_rows * nkv * hd * 4), *oc = kvs_xmalloc((size_t)max_rows * nq * hd * 4),
+          *og = kvs_xmalloc((size_t)max_rows * nq * hd * 4);
     struct pair pq = mk(KVS_BUF_ACT, (size_t)max_rows * nq * hd, NULL), pk = mk(KVS_BUF_ACT, (size_t)max_rows * nkv * hd, NULL),
                 pv = mk(KVS_BUF_ACT, (size_t)max_rows * nkv * hd, NULL), po = mk(KVS_BUF_ACT, (size_t)max_rows * nq * hd, NULL);
     int32_t next_pos[MAXS] = {0}, need_hi[MAXS], need_lo[MAXS];

@@ -12,7 +12,9 @@
  *   sizes     one 131072-token row at head_dim 128 (the bench's shape);
  *   engine    the demo model (head_dim 64) on cuda: paris at beta = 1, topk >= n_r gives full
  *             attention's greedy tokens for most requests (bf16 near-ties may flip), a sparse
- *             setting serves every request with recall counters; the tiny test model's
+ *             setting serves every request with recall counters; offload with chunked prefill
+ *             through a 16-block pool on both prefill paths (staged copy, spans over host pages);
+ *             the tiny test model's
  *             head_dim 16 is refused with -ENOSYS naming the head_dim.
  * Needs a GPU: exits 1 with a message when none. */
 #include <errno.h>
@@ -31,6 +33,7 @@
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/kv/kv_decode_paris.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "models/model.h"
 
@@ -243,22 +246,32 @@ static void test_engine(void)
     const double rows1 = counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(same >= NJ - 1 && rows1 > 0, "paris at beta 1, topk >= n_r on cuda: %d of %d equal to full, %g sparse rows",
           same, NJ, rows1);
-    /* offload, chunked prefill through a 256-token pool: host pages read over UVA by
-     * attention_spans (kv_paris.h host_view) for the later chunks; beta 1 equals full */
-    g_offload = 1;
-    REQUIRE(run_engine(model, "paris", 1.0, 1000, all, &st, err, sizeof err) == 0, "%s", err);
-    g_offload = 0;
-    int same_off = 0;
-    for (int i = 0; i < NJ; i++) same_off += !memcmp(full[i], all[i], sizeof full[i]);
-    const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
-    const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
-    CHECK(same_off >= NJ - 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
-          counter(&st, "kvserve:kv_paris_host_bytes") == 0, "offload through a 16-block pool on cuda: %d of %d equal "
-          "to full, %g positions written out in prefill, %g prefill rows over host pages, pool %d, %d blocks and %g "
-          "host bytes held at the end", same_off, NJ, written, hrows, st.kv_blocks_total, st.kv_blocks_used,
-          counter(&st, "kvserve:kv_paris_host_bytes"));
-    printf("ok engine on cuda, offload with chunked prefill through a 256-token pool: %d/%d equal to full; %g prefill "
-           "rows attended over host pages\n", same_off, NJ, hrows);
+    /* offload, chunked prefill through a 256-token pool: the later chunks attend over a device
+     * staging copy of their contexts (the released blocks gathered from the host pages over UVA,
+     * then attention()), and with a staging limit of 1 byte over the pool's spans and the host
+     * pages read by attention_spans (kv_paris.h host_view), merged; beta 1 equals full */
+    for (int path = 0; path < 2; path++) {
+        kvs_paris_set_stage_limit(path ? 1 : 0);
+        g_offload = 1;
+        REQUIRE(run_engine(model, "paris", 1.0, 1000, all, &st, err, sizeof err) == 0, "%s", err);
+        g_offload = 0;
+        int same_off = 0;
+        for (int i = 0; i < NJ; i++) same_off += !memcmp(full[i], all[i], sizeof full[i]);
+        const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
+        const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+        const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
+        const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
+        CHECK(same_off >= NJ - 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
+              counter(&st, "kvserve:kv_paris_host_bytes") == 0 && (path ? staged == 0 && spans > 0 : staged > 0 && spans == 0),
+              "offload through a 16-block pool on cuda (%s path): %d of %d equal to full, %g positions written out in "
+              "prefill, %g prefill rows over host pages, %g staged / %g spans steps, pool %d, %d blocks and %g host "
+              "bytes held at the end", path ? "spans" : "staged", same_off, NJ, written, hrows, staged, spans,
+              st.kv_blocks_total, st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
+        printf("ok engine on cuda, offload with chunked prefill through a 256-token pool (%s path, %g steps): %d/%d "
+               "equal to full; %g prefill rows attended over host pages\n", path ? "spans" : "staged",
+               path ? spans : staged, same_off, NJ, hrows);
+    }
+    kvs_paris_set_stage_limit(0);
     REQUIRE(run_engine(model, "paris", 0, 16, sparse, &st, err, sizeof err) == 0, "%s", err);
     const double t = counter(&st, "kvserve:kv_paris_recall_total"), h = counter(&st, "kvserve:kv_paris_recall_hits_total");
     const double rows = counter(&st, "kvserve:kv_paris_sparse_rows_total");

@@ -272,11 +272,12 @@ static void test_embed_matmul(void)
             check(what, &y, 1e-2);
         }
         /* k_skinny's variants (two K groups in flight, the L2::256B hint) change no bit; the wgmma
-         * kernel (variant bit 4: K split for two blocks per SM, or one with bit 1) against the CPU */
+         * kernel (variant bit 4: K split for two blocks per SM, or one with bit 1; bit 16: the split
+         * reduced in a cluster's shared memory) against the CPU */
         if (n <= 128) {
             kvs_cuda_set_skinny_max(bg, 128);
-            static const int dgv[] = {4, 5, 14};
-            for (int vi = 0; vi < 3; vi++) {
+            static const int dgv[] = {4, 5, 14, 22};
+            for (int vi = 0; vi < 4; vi++) {
                 const int v = dgv[vi];
                 kvs_cuda_set_skinny_variant(bg, v);
                 poison(&y);
@@ -284,6 +285,21 @@ static void test_embed_matmul(void)
                 snprintf(what, sizeof what, "matmul %s n=%d in=%d out=%d bias=%d skinny variant %d", dtn[c % 3], n,
                          in, out, cases[c].bias, v);
                 check(what, &y, 1e-2);
+            }
+            /* the cluster's reduction adds the partials in the workspace's order: bitwise the same */
+            for (int v = 6; v <= 7; v++) {
+                kvs_cuda_set_skinny_variant(bg, v);
+                poison(&y);
+                G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+                float *ws_y = dl(&y, (size_t)n * out);
+                kvs_cuda_set_skinny_variant(bg, v | 16);
+                poison(&y);
+                G->matmul(bg, x.g, w.g, cases[c].bias ? b.g : NULL, n, in, out, y.g);
+                float *cl_y = dl(&y, (size_t)n * out);
+                snprintf(what, sizeof what, "matmul n=%d in=%d out=%d skinny variant %d vs %d", n, in, out, v | 16, v);
+                expect_same(what, cl_y, ws_y, (size_t)n * out);
+                free(ws_y);
+                free(cl_y);
             }
             kvs_cuda_set_skinny_variant(bg, 0);
             poison(&y);
@@ -388,6 +404,20 @@ static void test_fused_gemm_at(int variant)
         const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, w[2].g}, *bg3[3] = {bs[0].g, bs[1].g, bs[2].g};
         struct kvs_dbuf *yg[3] = {y[0].g, y[1].g, y[2].g};
         G->matmul_multi(bg, x.g, 3, wg, cases[c].bias ? bg3 : NULL, n, in, outs, yg);
+        if (variant & 16) { /* the cluster's reduction: the workspace's bits (same split, same order) */
+            struct kvs_dbuf *yw[3] = {y1[0].g, y1[1].g, y1[2].g};
+            kvs_cuda_set_skinny_variant(bg, variant & ~16);
+            G->matmul_multi(bg, x.g, 3, wg, cases[c].bias ? bg3 : NULL, n, in, outs, yw);
+            kvs_cuda_set_skinny_variant(bg, variant);
+            for (int p = 0; p < 3; p++) {
+                float *a = dl(&y[p], (size_t)n * outs[p]), *b = dl(&y1[p], (size_t)n * outs[p]);
+                snprintf(what, sizeof what, "matmul_multi part %d n=%d in=%d variant %d vs %d", p, n, in, variant,
+                         variant & ~16);
+                expect_same(what, a, b, (size_t)n * outs[p]);
+                free(a);
+                free(b);
+            }
+        }
         for (int p = 0; p < 3; p++) {
             snprintf(what, sizeof what, "matmul_multi part %d n=%d in=%d out=%d bias=%d", p, n, in, outs[p], cases[c].bias);
             check(what, &y[p], 1e-2);
@@ -434,6 +464,17 @@ static void test_fused_gemm_at(int variant)
         G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
         snprintf(what, sizeof what, "matmul_swiglu n=%d in=%d ff=%d", n, in, ff);
         check(what, &gt, 1e-2);
+        if (variant & 16) { /* the cluster's reduction: the workspace's bits */
+            kvs_cuda_set_skinny_variant(bg, variant & ~16);
+            G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, g2.g, u2.g);
+            kvs_cuda_set_skinny_variant(bg, variant);
+            float *a = dl(&gt, (size_t)n * ff), *b = dl(&g2, (size_t)n * ff);
+            snprintf(what, sizeof what, "matmul_swiglu n=%d in=%d ff=%d variant %d vs %d", n, in, ff, variant,
+                     variant & ~16);
+            expect_same(what, a, b, (size_t)n * ff);
+            free(a);
+            free(b);
+        }
         /* the next GEMM reads the bf16 copy that the fused epilogue wrote: the down projection of
          * the fused result must equal the one of the composed result (bitwise on CUDA) */
         float *dv = rand_vec((size_t)in * ff, 0.05f, 0);
@@ -478,14 +519,15 @@ static void test_fused_gemm_at(int variant)
     kvs_cuda_set_skinny_variant(bg, -1);
 }
 
-/* k_skinny (variant 2) and the wgmma kernel (6: the default on Hopper; 7: split for one block per
- * SM; 14: only where it does not split K) */
+/* k_skinny (variant 2) and the wgmma kernel (6: everywhere; 7: split for one block per SM; 14:
+ * only where it does not split K; 22: 6 with the splits reduced in a cluster) */
 static void test_fused_gemm(void)
 {
     test_fused_gemm_at(2);
     test_fused_gemm_at(6);
     test_fused_gemm_at(7);
     test_fused_gemm_at(14);
+    test_fused_gemm_at(22);
 }
 
 /* relative L2 difference of two host vectors */

@@ -13,11 +13,13 @@
  *      threshold) and beta = 1 with topk >= n_r give full attention's greedy tokens bitwise, while
  *      the index is built and grown; a sparse setting runs with recall counters; with offload the
  *      written-out zone's pool blocks go back to the pool (counted) while the tokens stay those
- *      of offload off; 300 requests with cancellations and preemption leave no live state, no
- *      host page and no pool block behind (offload on and off). */
+ *      of offload off; mixed batches (requests under the dense threshold decoding beside selecting
+ *      ones) keep the short requests' tokens bitwise; 300 requests with cancellations and
+ *      preemption leave no live state, no host page and no pool block behind (offload on and off). */
 #include "base/util.h"
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/kv/kv_decode_paris.h"
 #include "kernels/backend.h"
 #include "kernels/kv_paris.h"
 #include "models/model.h"
@@ -494,6 +496,52 @@ static void test_engine(void)
     printf("ok kv.paris.offload with the fidelity meter is refused: %s\n", err);
 }
 
+/* mixed paris / full batches: three requests that stay under the dense threshold (contexts at
+ * most 104 < 120) decode in the same steps as three that select from their first decode row
+ * (prompts of 180-220). At a sparse setting (topk 8, offload off and on) the short ones keep
+ * full attention's tokens bitwise (their rows go through attention() while the long ones'
+ * select), and every decode row of the long ones is sparse; at beta = 1, topk >= n_r the whole
+ * mixed batch gives full attention's tokens. */
+static void test_mixed(void)
+{
+    static struct job ref[NJ], got[NJ];
+    static const int len[NJ] = {60, 180, 70, 200, 80, 220};
+    struct kvs_engine_stats st;
+    struct kvs_config c;
+    char err[256];
+    make_jobs(ref);
+    for (int i = 0; i < NJ; i++) ref[i].n_prompt = len[i];
+    base_cfg(&c, "prefix", "full");
+    REQUIRE(run(&c, ref, &st, err, sizeof err) == 0, "%s", err);
+    kvs_config_free(&c);
+    for (int pass = 0; pass < 3; pass++) {
+        memcpy(got, ref, sizeof got);
+        base_cfg(&c, "prefix", "paris");
+        small_zones(&c);
+        c.paris_dense_threshold = 120;
+        if (pass == 2) c.paris_beta = 1, c.paris_topk = 600;
+        else c.paris_topk = 8;
+        c.paris_offload = pass == 1;
+        REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
+        int short_same = 1, all = 1;
+        for (int i = 0; i < NJ; i++) {
+            all &= got[i].n_got == GEN;
+            if (len[i] + GEN < 120) short_same &= got[i].n_got == GEN && !memcmp(got[i].got, ref[i].got, sizeof got[i].got);
+        }
+        const double sparse = counter(&st, "kvserve:kv_paris_sparse_rows_total");
+        const double dense = counter(&st, "kvserve:kv_paris_dense_rows_total");
+        CHECK(all && short_same && sparse == 3 * (GEN - 1) && dense >= 3 * (GEN - 1) &&
+              (pass < 2 || same(ref, got)) && counter(&st, "kvserve:kv_paris_live_requests") == 0 &&
+              counter(&st, "kvserve:kv_paris_host_bytes") == 0,
+              "mixed batch, %s: all tokens %d, short requests %s, %g sparse rows (want %d), %g dense rows, whole batch %s",
+              pass == 0 ? "topk 8" : pass == 1 ? "topk 8 + offload" : "beta 1", all, short_same ? "equal" : "DIFFER",
+              sparse, 3 * (GEN - 1), dense, same(ref, got) ? "equal" : "differs");
+        kvs_config_free(&c);
+    }
+    printf("ok mixed paris / full batches: the short requests keep full attention's tokens bitwise at topk 8 (offload "
+           "off and on), the long ones select every decode row; beta 1: the whole batch bitwise\n");
+}
+
 /* 300 requests, random lengths, shared prefixes, random cancellations, a pool that preempts:
  * every request ends, every block comes back, no request state is left */
 static void test_stress(int offload)
@@ -540,10 +588,11 @@ static void test_stress(int offload)
 
 /* kv.paris.offload, chunked prefill: prompts several times the GPU pool stream through it (each
  * chunk's finished retrieval zone goes to host pages and its blocks back to the pool; later
- * chunks attend over the pool and the host pages); beta = 1, topk >= n_r gives full attention's
- * greedy tokens (a big pool, offload off) within the split attention's rounding (the merge of
- * two partials is not attention()'s bits, so "equal tokens", not bitwise); nothing leaks; a
- * request past what the pool and the host pages hold is refused naming both. */
+ * chunks attend over a staging copy of their contexts, or with a 1-byte staging limit over the
+ * pool's and the host pages' spans merged); beta = 1, topk >= n_r gives full attention's greedy
+ * tokens (a big pool, offload off) on both paths (the merge of two partials is not attention()'s
+ * bits, so "equal tokens", not bitwise, is what is asked); nothing leaks; a request past what the
+ * pool and the host pages hold is refused naming both. */
 static void test_long_prompt(void)
 {
     enum { NL = 3, LP = 440, LG = 16, POOL = 10 };
@@ -556,7 +605,10 @@ static void test_long_prompt(void)
     struct kvs_engine_stats st;
     struct kvs_config c;
     char err[512];
-    for (int pass = 0; pass < 2; pass++) {
+    /* pass 1: the staged path (a device copy of the contexts, attention()); pass 2: a staging
+     * limit of 1 byte, the spans path (pool + host pages, merged) */
+    for (int pass = 0; pass < 3; pass++) {
+        kvs_paris_set_stage_limit(pass == 2 ? 1 : 0);
         base_cfg(&c, "none", pass ? "paris" : "full");
         c.prefill_chunk = 32;
         if (pass) {
@@ -585,12 +637,18 @@ static void test_long_prompt(void)
                   "beta 1 recall from host pages: %g / %g", counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
             CHECK(!memcmp(ref, got, sizeof ref), "prompts of %d tokens through a %d-token pool: tokens %s", LP,
                   POOL * 16, memcmp(ref, got, sizeof ref) ? "DIFFER from full attention's" : "equal");
-            printf("ok offload, chunked prefill: %d prompts of %d tokens through a pool of %d tokens give full "
-                   "attention's greedy tokens; %g positions written out during prefill, %g prefill rows over host "
-                   "pages, %g blocks released, nothing held at the end\n", NL, LP, POOL * 16, written, hrows, rel);
+            const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
+            const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
+            CHECK(pass == 1 ? staged > 0 && spans == 0 : staged == 0 && spans > 0,
+                  "pass %d: %g staged steps, %g spans steps", pass, staged, spans);
+            printf("ok offload, chunked prefill (%s path: %g steps): %d prompts of %d tokens through a pool of %d "
+                   "tokens give full attention's greedy tokens; %g positions written out during prefill, %g prefill "
+                   "rows over host pages, %g blocks released, nothing held at the end\n",
+                   pass == 1 ? "staged" : "spans", pass == 1 ? staged : spans, NL, LP, POOL * 16, written, hrows, rel);
         }
         kvs_config_free(&c);
     }
+    kvs_paris_set_stage_limit(0);
 
     /* the limit: the pool's working set + the host pages; past it submit fails naming both */
     base_cfg(&c, "none", "paris");
@@ -653,6 +711,7 @@ int main(void)
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     test_engine();
+    test_mixed();
     test_long_prompt();
     test_stress(0);
     test_stress(1);
