@@ -80,10 +80,10 @@ static const struct key_def KEYS[] = {
      "largest prefill chunk of one request per step (0: max_batch_tokens)"},
     {"scheduler.overlap", T_BOOL, F(sched_overlap), 0, 1, "true", NULL, NULL,
      "detokenize and stream a step's tokens while the device runs the next step (greedy output is the same either way)"},
-    {"scheduler.async", T_BOOL, F(sched_async), 0, 1, "false", NULL, NULL,
-     "prepare and queue each step while the device runs the one before (greedy rows take their token from the previous step on the device; the host sees it a step later); greedy output is the same as without it on the CPU (bitwise; on CUDA steps group rows a little differently, which the GEMM and attention choices by row count may round differently, as any change of batch does); runs where the runner allows it (one GPU or the CPU, a decode policy without multi-row decode or host offload: not kv.decode=paris, not retro with a window above 1), else scheduler.overlap"},
+    {"scheduler.async", T_ENUM, F(sched_async), 0, 0, "auto", "auto|true|false", NULL,
+     "prepare and queue each step while the device runs the one before (greedy rows take their token from the previous step on the device; the host sees it a step later); auto: on where the backend queues work behind the host (CUDA), off on the CPU, whose backend computes each step when it is called (async would overlap nothing there and hold each step's text back a step); greedy output is the same as without it on the CPU (bitwise; on CUDA steps group rows a little differently, which the GEMM and attention choices by row count may round differently, as any change of batch does); runs where the runner allows it (one GPU or the CPU, a decode policy without multi-row decode or host offload: not kv.decode=paris, not retro with a window above 1), else scheduler.overlap"},
     {"scheduler.itl_ratio", T_DOUBLE, F(itl_ratio), 0, 100, "0", NULL, NULL,
-     "while requests decode, prefill tokens per step adapt so that a step carrying prefill takes about this many times a decode-only step (decoders' inter-token latency stays even, e.g. 1.5; fewer prefill tokens per step can cost throughput where prefill is expensive, as on the CPU; 0: off, steps fill up to max_batch_tokens)"},
+     "while requests decode, prefill tokens per step adapt so that a step carrying prefill takes about this many times a decode-only step (decoders' inter-token latency stays even, e.g. 1.5; fewer prefill tokens per step can cost throughput where prefill is expensive, as on the CPU; a step carries no prefill while no decode-only step near its decode batch was measured: the reference; 0: off, steps fill up to max_batch_tokens)"},
     {"scheduler.prefill_min", T_INT, F(prefill_min), 1, 1048576, "32", NULL, NULL,
      "prefill tokens a step may always carry next to decodes, whatever scheduler.itl_ratio says (prompts keep progressing)"},
     {"scheduler.max_tokens_default", T_INT, F(max_tokens_default), 0, 16777216, "0", NULL, NULL,
@@ -310,6 +310,9 @@ static int apply_json(struct kvs_config *cfg, const struct key_def *k, const cJS
         return apply_text(cfg, k, text, err, errlen);
     case T_STRING:
     case T_ENUM:
+        /* an auto|true|false key (scheduler.async, a bool before) takes a JSON bool too */
+        if (k->type == T_ENUM && cJSON_IsBool(v) && in_choices(k->choices, "true") && in_choices(k->choices, "false"))
+            return apply_text(cfg, k, cJSON_IsTrue(v) ? "true" : "false", err, errlen);
         if (!cJSON_IsString(v)) break;
         return apply_text(cfg, k, v->valuestring, err, errlen);
     }

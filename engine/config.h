@@ -48,7 +48,8 @@ struct kvs_config {
     int prefill_chunk;       /* max prefill tokens of one request per step; 0 = max_batch_tokens */
     int max_tokens_default;  /* max_tokens when a request gives none; 0 = up to the context */
     int sched_overlap;       /* bool: a step's text and events while the next step runs */
-    int sched_async;         /* bool: the next step is prepared and queued while the device runs one */
+    char *sched_async;       /* auto | true | false: the next step is prepared and queued while the device
+                              * runs one (auto: where the backend queues work, i.e. not the CPU) */
     double itl_ratio;        /* prefill budget target: mixed / decode-only step time; 0 = off */
     int prefill_min;         /* prefill tokens every step may carry while requests decode */
 

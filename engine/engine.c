@@ -75,8 +75,14 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     /* keep ~1% of the pool for running decodes when admitting new prompts (fewer preemptions) */
     e->watermark_blocks = x->n_blocks / 100;
     e->overlap = cfg->sched_overlap;
-    e->async = cfg->sched_async && x->async_steps && x->forward_begin && x->forward_end;
-    if (cfg->sched_async && !e->async)
+    /* auto: only where the device runs the step behind the host's back (the CPU backend computes
+     * it inside forward_begin, so there async would overlap nothing and emit each step's text a
+     * step later) */
+    const int async_forced = cfg->sched_async && !strcmp(cfg->sched_async, "true");
+    const int async_auto = cfg->sched_async && !strcmp(cfg->sched_async, "auto") && x->backend_name &&
+                           strcmp(x->backend_name, "cpu") != 0;
+    e->async = (async_forced || async_auto) && x->async_steps && x->forward_begin && x->forward_end;
+    if (async_forced && !e->async)
         kvs_log(KVS_LOG_INFO, "engine: scheduler.async is not available with this runner (tensor parallelism, a decode "
                 "policy with multi-row decode or host offload, or a backend without the ops): scheduler.overlap runs");
     kvs_prefill_ctl_init(&e->pctl, cfg->itl_ratio, cfg->prefill_min, e->max_batch_tokens);

@@ -14,12 +14,20 @@ void kvs_prefill_ctl_init(struct kvs_prefill_ctl *c, double ratio, int min, int 
     c->min = min < 1 ? 1 : min > c->max ? c->max : min;
     c->t_dec = 0;
     c->w = c->sd = c->st = c->sdd = c->sdt = 0;
+    c->d_seen = 0;
     c->budget = START_BUDGET < c->min ? c->min : START_BUDGET > c->max ? c->max : START_BUDGET;
 }
 
-int kvs_prefill_ctl_budget(const struct kvs_prefill_ctl *c, int n_decode)
+/* a decode batch this much larger than any decode-only one measured gets a probe (header) */
+#define PROBE_GROWTH 1.5
+
+int kvs_prefill_ctl_budget(struct kvs_prefill_ctl *c, int n_decode)
 {
     if (c->ratio <= 0 || n_decode == 0) return c->max;
+    if (c->d_seen == 0 || n_decode > PROBE_GROWTH * c->d_seen) {
+        c->d_seen = n_decode;   /* probed: its step is decode-only (observe keeps the largest) */
+        return 0;
+    }
     return c->budget;
 }
 
@@ -51,6 +59,7 @@ void kvs_prefill_ctl_observe(struct kvs_prefill_ctl *c, int n_decode, int n_pref
         c->st = c->st * FIT_DECAY + step_s;
         c->sdd = c->sdd * FIT_DECAY + d * d;
         c->sdt = c->sdt * FIT_DECAY + d * step_s;
+        if (n_decode > c->d_seen) c->d_seen = n_decode;
         return;
     }
     if (c->t_dec <= 0) return;   /* nothing to compare with yet */

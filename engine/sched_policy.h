@@ -15,6 +15,11 @@
  * weighted least squares, ~the last 16 decode-only steps) to recent decode-only steps, so a
  * mixed step of 128 decoders is not judged against decode-only steps of 8 (on a GPU those take
  * ~5.7 vs ~9 ms at the Llama-3.1-8B shape); with one batch size seen, their average.
+ * Probes: while prompts keep arriving every step may carry prefill, so no decode-only step would
+ * ever be measured (a burst of prompts: the budget stayed at its start value, blind). A step
+ * with decoders therefore carries no prefill when no decode-only step was seen yet, or when its
+ * decode batch is over 1.5x the largest decode-only batch measured (or probed) so far: one
+ * step's delay for the prompts, a reference for the decoders.
  *
  * Plain struct, no allocation, no errors; one scheduler thread owns it.
  */
@@ -29,13 +34,15 @@ struct kvs_prefill_ctl {
      * D, t, D^2, D t; for t(D) = a + b D */
     double w, sd, st, sdd, sdt;
     int budget;        /* prefill tokens a step with decoders may carry now */
+    int d_seen;        /* largest decode batch of a decode-only step measured or probed (0: none) */
 };
 
 void kvs_prefill_ctl_init(struct kvs_prefill_ctl *c, double ratio, int min, int max);
 /* Seconds a decode-only step of n_decode rows takes, from the recent ones (0: none seen yet). */
 double kvs_prefill_ctl_decode_time(const struct kvs_prefill_ctl *c, int n_decode);
-/* Prefill tokens the next step may carry when n_decode requests decode in it. */
-int kvs_prefill_ctl_budget(const struct kvs_prefill_ctl *c, int n_decode);
+/* Prefill tokens the next step may carry when n_decode requests decode in it; 0 for a probe
+ * (a decode-only step as the reference; counted as probed, so the next call does not probe again). */
+int kvs_prefill_ctl_budget(struct kvs_prefill_ctl *c, int n_decode);
 /* A step ran: n_decode decode rows, n_prefill other tokens, step_s seconds of forward pass. */
 void kvs_prefill_ctl_observe(struct kvs_prefill_ctl *c, int n_decode, int n_prefill, double step_s);
 

@@ -73,6 +73,14 @@ void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *d, int n_jobs, int layer, 
 void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *d, int first, int n, double *pages, double *high, double *low,
                              double *window, double *pruned, double *seen_first);
 
+/* The same sums over every live request at once, for the counters: n_groups consecutive groups
+ * of group_len heads (a request's heads), live[i] != 0 to count group i; one stream wait and
+ * three copies in all (per-group calls cost one wait and three copies each). seen_sum adds each
+ * live group's first head's seen. free_pages: the ring's free pages from the same wait. */
+void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *d, int group_len, int n_groups,
+                                    const unsigned char *live, double *pages, double *high, double *low,
+                                    double *window, double *pruned, double *seen_sum, int *free_pages);
+
 /* Request end (or preemption, cancellation): heads [first, first + n) give their pages back
  * (as kvs_lean_pm_release) and start empty. */
 void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *d, int first, int n);

@@ -50,6 +50,14 @@ struct kvs_lean_dyn_store {
     const struct kvs_dbuf *gk, *gv;    /* the step's K/V rows (write) for attention */
     /* requests that ended: their bytes and tokens at the end, tier counts */
     double end_bytes, end_tokens, end_high, end_low, end_pruned;
+    /* cuda: the live requests' sums as the counters last read them (one stream wait and four
+     * copies), kept until the next step, request start or end (gen) changes them: the scheduler
+     * reads the counters several times a step, and a wait per live request per read stalled
+     * the engine (RESULTS, LeanKV part 5) */
+    unsigned long gen, counted_gen;
+    double c_bytes, c_tokens, c_high, c_low, c_pruned;
+    int c_free_pages;
+    unsigned char *live_tmp;      /* [max_slots] */
 };
 
 static int head_id(const struct kvs_lean_dyn_store *d, int slot, int layer, int g)
@@ -84,7 +92,7 @@ void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
     free(d->jobs);
     kvs_lean_pm_free(d->pm);
     free(d->pages), free(d->slots), free(d->seq_slot), free(d->sk), free(d->sv), free(d->job_heads);
-    free(d->job_pages), free(d->need_hi), free(d->need_lo), free(d->scratch);
+    free(d->job_pages), free(d->need_hi), free(d->need_lo), free(d->scratch), free(d->live_tmp);
     free(d);
 }
 
@@ -178,9 +186,10 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
     d->job_pages = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->job_pages);
     d->need_hi = calloc((size_t)sh->max_slots * LH, sizeof *d->need_hi);
     d->need_lo = calloc((size_t)sh->max_slots * LH, sizeof *d->need_lo);
+    d->live_tmp = calloc((size_t)sh->max_slots, 1);
     d->scratch = malloc((size_t)d->n_scratch * kvs_lean_dyn_scratch_floats(&d->c) * sizeof(float));
     if (rc || !d->pages || !d->slots || !d->seq_slot || !d->sk || !d->sv || !d->job_heads || !d->job_pages ||
-        !d->need_hi || !d->need_lo || !d->scratch) {
+        !d->need_hi || !d->need_lo || !d->scratch || !d->live_tmp) {
         kvs_lean_dyn_destroy(d);
         return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate %d pages of %zu bytes", (int)np,
                        d->c.page_bytes);
@@ -219,6 +228,7 @@ static void slot_usage(const struct kvs_lean_dyn_store *d, int s, double *bytes,
 void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot)
 {
     if (slot < 0 || slot >= d->max_slots || !d->slots[slot].live) return;
+    d->gen++;
     double b, t, h, l, p;
     slot_usage(d, slot, &b, &t, &h, &l, &p);
     d->end_bytes += b, d->end_tokens += t, d->end_high += h, d->end_low += l, d->end_pruned += p;
@@ -243,6 +253,7 @@ int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot)
     if (slot < 0 || slot >= d->max_slots) return -EINVAL;
     kvs_lean_dyn_seq_free(d, slot);   /* a slot reused without an end (never in the engine) */
     const int LH = d->n_layers * d->n_kv_heads;
+    d->gen++;
     if (d->gpu) {   /* heads start empty: created so, and released so */
         d->slots[slot].live = 1, d->slots[slot].next_pos = 0;
         return 0;
@@ -265,6 +276,7 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
 {
     if (st->n_seqs > d->max_slots + 1 || st->n_rows > d->max_rows) return -E2BIG;
     d->n_seqs = st->n_seqs;
+    d->gen++;
     for (int s = 0; s < st->n_seqs; s++) {
         const int slot = st->h_slot[s], rows = st->h_q_start[s + 1] - st->h_q_start[s];
         d->seq_slot[s] = slot;
@@ -366,7 +378,23 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
 {
     if (cap < 8) return 0;
     double bytes = 0, tokens = 0, high = 0, low = 0, pruned = 0;
-    for (int s = 0; s < d->max_slots; s++) {
+    int free_pages = d->pm ? kvs_lean_pm_n_free(d->pm) : 0;
+#if DYN_CUDA
+    if (d->gpu) {
+        if (d->counted_gen != d->gen || d->gen == 0) {
+            double pages, window;
+            for (int s = 0; s < d->max_slots; s++) d->live_tmp[s] = (unsigned char)d->slots[s].live;
+            kvs_lean_dyn_cuda_usage_groups(d->gpu, d->n_layers * d->n_kv_heads, d->max_slots, d->live_tmp, &pages,
+                                           &d->c_high, &d->c_low, &window, &d->c_pruned, &d->c_tokens,
+                                           &d->c_free_pages);
+            d->c_bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
+            d->counted_gen = d->gen;
+        }
+        bytes = d->c_bytes, tokens = d->c_tokens, high = d->c_high, low = d->c_low, pruned = d->c_pruned;
+        free_pages = d->c_free_pages;
+    }
+#endif
+    for (int s = 0; !d->gpu && s < d->max_slots; s++) {
         double b, t, h, l, p;
         slot_usage(d, s, &b, &t, &h, &l, &p);
         bytes += b, tokens += t, high += h, low += l, pruned += p;
@@ -393,13 +421,7 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
                                      "Fraction of (token, layer, KV head) LeanKV pruned.", 0, pruned / ht, NULL, NULL};
     out[6] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_used",
                                      "LeanKV pages (mixed precision) held by requests now.", 0,
-                                     (double)(d->n_pages - (d->pm ? kvs_lean_pm_n_free(d->pm) :
-#if DYN_CUDA
-                                                            kvs_lean_dyn_cuda_n_free(d->gpu)
-#else
-                                                            0
-#endif
-                                                            )), NULL, NULL};
+                                     (double)(d->n_pages - free_pages), NULL, NULL};
     out[7] = (struct kvs_kv_counter){"kvserve:kv_storage_pages_total", "LeanKV pages in the pool.", 0,
                                      (double)d->n_pages, NULL, NULL};
     return 8;

@@ -653,6 +653,35 @@ extern "C" void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *x, int first, 
     free(hs), free(np);
 }
 
+extern "C" void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *x, int group_len, int n_groups,
+                                               const unsigned char *live, double *pages, double *high, double *low,
+                                               double *window, double *pruned, double *seen_sum, int *free_pages)
+{
+    *pages = *high = *low = *window = *pruned = *seen_sum = 0;
+    *free_pages = 0;
+    const int n = group_len * n_groups;
+    if (group_len <= 0 || n_groups <= 0 || n > x->n_states) return;
+    dyn_head *hs = (dyn_head *)malloc((size_t)n * sizeof *hs);
+    int32_t *np = (int32_t *)malloc(2 * (size_t)n * sizeof *np);
+    if (!hs || !np) kvs_panic(__FILE__, __LINE__, "out of memory");
+    dyn_pm pm;
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    CUDA_CHECK(cudaMemcpy(hs, x->d.heads, (size_t)n * sizeof *hs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(np, x->d.nhp, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(np + n, x->d.nlp, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
+    for (int g = 0; g < n_groups; g++) {
+        if (!live[g]) continue;
+        for (int i = g * group_len; i < (g + 1) * group_len; i++) {
+            *pages += np[i] + np[n + i];
+            *high += hs[i].n_high, *low += hs[i].n_low, *window += hs[i].w_n, *pruned += hs[i].pruned;
+        }
+        *seen_sum += (double)hs[g * group_len].seen;
+    }
+    *free_pages = (int)(pm.tail - pm.head);
+    free(hs), free(np);
+}
+
 extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)
 {
     if (first < 0 || n <= 0 || first + n > x->n_states) return;

@@ -1,6 +1,7 @@
 /* test_cuda_async.c: scheduler.async and the skip_lead hint on the CUDA backend.
  *   - The engine on the tiny Llama test model (device=cuda) runs 24 greedy requests, half of them
- *     ended by stop ids mid-stream, with scheduler.async off and on: the same token ids and finish
+ *     ended by stop ids mid-stream, with scheduler.async off and on (and, in the roomy pool, at its
+ *     default, auto, which is on for CUDA): the same token ids and finish
  *     reasons (greedy rows take their token from the previous step's pick on the device; two steps
  *     in flight), and most steps begun while the one before was still running. The CUDA backend is
  *     made batch invariant for this (KVS_CUDA_SKINNY_MAX=128: one GEMM kernel at every row count;
@@ -34,6 +35,14 @@
 
 #define NJ 24
 #define GEN 40
+
+/* scheduler.async as the config file or --set gives it (auto | true | false) */
+static void set_async(struct kvs_config *c, const char *v)
+{
+    char kv[64], err[256];
+    snprintf(kv, sizeof kv, "scheduler.async=%s", v);
+    REQUIRE(kvs_config_set(c, kv, err, sizeof err) == 0, "%s", err);
+}
 
 struct job {
     int32_t prompt[64];
@@ -119,6 +128,7 @@ static void engine_case(void)
     c.prefill_chunk = 16;
     c.kv_memory_bytes = 8 << 20;
     struct kvs_engine_stats st;
+    set_async(&c, "false");
     memcpy(on, ref, sizeof on);
     run(&c, m, on, &st);
     for (int i = 0; i < NJ; i += 2) ref[i].stop_id = on[i].got[GEN / 4 + i % 5];
@@ -130,10 +140,10 @@ static void engine_case(void)
             kvs_runner_free(rn);
         }
         memcpy(off, ref, sizeof off);
-        c.sched_async = 0;
+        set_async(&c, "false");
         run(&c, m, off, &st);
         memcpy(on, ref, sizeof on);
-        c.sched_async = 1;
+        set_async(&c, "true");
         run(&c, m, on, &st);
         int stopped = 0, differ = 0;
         for (int i = 0; i < NJ; i++) {
@@ -152,6 +162,19 @@ static void engine_case(void)
         printf("ok %s pool: 24 greedy requests (%d ended by stop ids), scheduler.async == sync; %llu of %llu steps begun "
                "ahead, %llu preemptions\n", pool ? "small" : "roomy", stopped, (unsigned long long)st.async_steps,
                (unsigned long long)st.steps, (unsigned long long)st.num_preemptions);
+        if (pool) continue;
+        /* the default, auto: on for the CUDA backend (it queues the step behind the host) */
+        set_async(&c, "auto");
+        memcpy(on, ref, sizeof on);
+        run(&c, m, on, &st);
+        for (int i = 0; i < NJ; i++)
+            CHECK(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
+                      !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+                  "roomy pool request %d: greedy tokens differ with scheduler.async=auto", i);
+        CHECK(st.async_steps * 2 > st.steps, "scheduler.async=auto on CUDA: only %llu of %llu steps begun ahead",
+              (unsigned long long)st.async_steps, (unsigned long long)st.steps);
+        printf("ok roomy pool, scheduler.async=auto (the default) on CUDA: %llu of %llu steps begun ahead, tokens == sync\n",
+               (unsigned long long)st.async_steps, (unsigned long long)st.steps);
     }
     kvs_config_free(&c);
     kvs_model_free(m);

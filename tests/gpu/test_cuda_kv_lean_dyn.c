@@ -390,6 +390,30 @@ static void test_steps(const struct ccase *k)
         if (!bad && stopped < 0) steps_done++;
     }
     CHECK(steps_done >= k->steps / 4, "%s: only %d steps compared", k->name, steps_done);
+    {
+        /* the counters' one-copy sums equal the per-range sums, live groups only (every other head) */
+        unsigned char *live = malloc((size_t)s.n_states);
+        REQUIRE(live, "oom");
+        double want[6] = {0}, got[6];
+        for (int i = 0; i < s.n_states; i++) {
+            live[i] = (unsigned char)(i % 2 == 0);
+            if (!live[i]) continue;
+            double u[6];
+            kvs_lean_dyn_cuda_usage(g, i, 1, &u[0], &u[1], &u[2], &u[3], &u[4], &u[5]);
+            for (int j = 0; j < 6; j++) want[j] += u[j];
+        }
+        int free_pages;
+        kvs_lean_dyn_cuda_usage_groups(g, 1, s.n_states, live, &got[0], &got[1], &got[2], &got[3], &got[4], &got[5],
+                                       &free_pages);
+        int same = free_pages == kvs_lean_dyn_cuda_n_free(g);
+        for (int j = 0; j < 6; j++) same = same && got[j] == want[j];
+        CHECK(same, "%s: usage_groups (pages %g high %g low %g window %g pruned %g seen %g, free %d) != per-head sums "
+              "(%g %g %g %g %g %g, free %d)", k->name, got[0], got[1], got[2], got[3], got[4], got[5], free_pages,
+              want[0], want[1], want[2], want[3], want[4], want[5], kvs_lean_dyn_cuda_n_free(g));
+        if (same) printf("ok usage %s: one-copy sums over %d live heads equal the per-head sums\n", k->name,
+                         (s.n_states + 1) / 2);
+        free(live);
+    }
     char msg[256];
     CHECK(kvs_lean_pm_check(s.pm, msg, sizeof msg) == 0, "%s: %s", k->name, msg);
     if (!bad)

@@ -47,6 +47,16 @@ int main(void)
           "load: %s", err);
     CHECK(c.port == 9001 && !strcmp(c.host, "0.0.0.0") && !strcmp(c.kv_reuse, "none"), "values applied");
     CHECK(c.kv_memory_bytes == 1048576 && c.kv_memory_fraction == 0.25 && c.access_log == 0, "typed values applied");
+    /* scheduler.async: auto by default; a JSON bool still sets it (it was a bool key), a string too */
+    CHECK(!strcmp(c.sched_async, "auto"), "default scheduler.async %s", c.sched_async);
+    CHECK(kvs_config_load_json(&c, "{\"scheduler\":{\"async\":true}}", "t", err, sizeof err) == 0 &&
+              !strcmp(c.sched_async, "true"),
+          "scheduler.async from a JSON bool: %s", err);
+    CHECK(kvs_config_load_json(&c, "{\"scheduler\":{\"async\":\"auto\"}}", "t", err, sizeof err) == 0 &&
+              !strcmp(c.sched_async, "auto"),
+          "scheduler.async from a string: %s", err);
+    expect_error("{\"scheduler\":{\"async\":1}}", "scheduler.async");
+    expect_error("{\"scheduler\":{\"overlap\":\"auto\"}}", "scheduler.overlap");
 
     /* --set */
     CHECK(kvs_config_set(&c, "kv.block_size=32", err, sizeof err) == 0, "set: %s", err);

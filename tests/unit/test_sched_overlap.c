@@ -9,7 +9,8 @@
  *   - a KV pool small enough to force preemption and recompute, and chunked prefill;
  * and the runs end with every block free. scheduler.async (the next step begun before the
  * previous step's picks are back; greedy rows take their token on the backend) must give the
- * same too, and begin steps ahead. The stop-string path (text that ends a request while
+ * same too, and begin steps ahead; at its default, auto, it is off on the CPU backend (no step
+ * begun ahead). The stop-string path (text that ends a request while
  * its next step runs) is test_engine_text's, which runs with the default, overlap on. */
 #include "engine/config.h"
 #include "engine/engine.h"
@@ -23,6 +24,14 @@
 
 #define NJ 24
 #define GEN 40
+
+/* scheduler.async as the config file or --set gives it (auto | true | false) */
+static void set_async(struct kvs_config *c, const char *v)
+{
+    char kv[64], err[256];
+    snprintf(kv, sizeof kv, "scheduler.async=%s", v);
+    REQUIRE(kvs_config_set(c, kv, err, sizeof err) == 0, "%s", err);
+}
 
 struct job {
     int32_t prompt[64];
@@ -112,6 +121,7 @@ int main(void)
     }
     struct kvs_config c;
     kvs_config_init(&c);
+    REQUIRE(c.sched_async && !strcmp(c.sched_async, "auto"), "scheduler.async defaults to %s, not auto", c.sched_async);
     free(c.device);
     c.device = kvs_xstrdup("cpu");
     c.cpu_threads = 2;
@@ -146,9 +156,9 @@ int main(void)
         /* scheduler.async: the next step begun before the last one's picks are applied */
         static struct job as[NJ];
         memcpy(as, ref, sizeof as);
-        c.sched_async = 1;
+        set_async(&c, "true");
         run(&c, m, as, &st);
-        c.sched_async = 0;
+        set_async(&c, "false");
         const uint64_t async_steps = st.async_steps, preempt_as = st.num_preemptions;
         REQUIRE(async_steps > 0, "pool %d: no step was begun ahead with scheduler.async", pool);
         for (int i = 0; i < NJ; i++) {
@@ -214,10 +224,10 @@ int main(void)
             kvs_runner_free(rn);
         }
         memcpy(off, ref, sizeof off);
-        c.sched_async = 0;
+        set_async(&c, "false");
         run(&c, m, off, &st);
         memcpy(on, ref, sizeof on);
-        c.sched_async = 1;
+        set_async(&c, "true");
         run(&c, m, on, &st);
         for (int i = 0; i < NJ; i++)
             REQUIRE(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
@@ -231,7 +241,15 @@ int main(void)
                (unsigned long long)st.steps, (unsigned long long)st.num_preemptions);
     }
     c.kv_memory_bytes = roomy;
-    c.sched_async = 0;
+    /* the default, auto, is off on the CPU backend: it computes each step inside forward_begin,
+     * so a step begun ahead would overlap nothing and only hold back the text of the one before */
+    set_async(&c, "auto");
+    memcpy(on, ref, sizeof on);
+    run(&c, m, on, &st);
+    REQUIRE(st.async_steps == 0, "scheduler.async=auto began %llu steps ahead on the CPU",
+            (unsigned long long)st.async_steps);
+    printf("scheduler.async=auto on the CPU backend: no step begun ahead\n");
+    set_async(&c, "false");
     kvs_config_free(&c);
     kvs_model_free(m);
     return kvs_test_summary("test_sched_overlap");

@@ -9,7 +9,8 @@
  *      prefill token beyond 32): 8 requests decode while 8 long prompts arrive. Every step puts
  *      the decode rows first; with itl_ratio 1.5 the steps that carry prefill next to decodes
  *      take (median) at most 1.6x and (p90) 2x a decode-only step, while with itl_ratio 0 the
- *      same traffic puts whole 256-token chunks next to the decodes (>4x). The pass times are
+ *      same traffic puts whole 256-token chunks next to the decodes (>4x). The same with all 16
+ *      requests at once (no decode-only step unless the controller probes for one). The pass times are
  *      modelled (engine_exec.h step_seconds), not slept, so the decisions are deterministic.
  */
 #include "engine/config.h"
@@ -32,7 +33,14 @@ static void test_controller(void)
     struct kvs_prefill_ctl c;
     kvs_prefill_ctl_init(&c, 1.5, 32, 8192);
     REQUIRE(kvs_prefill_ctl_budget(&c, 0) == 8192, "no decoders: the whole step");
-    REQUIRE(kvs_prefill_ctl_budget(&c, 5) == 256, "start budget %d", kvs_prefill_ctl_budget(&c, 5));
+    /* probes: decoders but no decode-only step measured yet, or a decode batch over 1.5x the
+     * largest measured or probed one: a decode-only step first */
+    const int b_probe = kvs_prefill_ctl_budget(&c, 5), b_start = kvs_prefill_ctl_budget(&c, 5);
+    REQUIRE(b_probe == 0 && b_start == 256, "first step with decoders: %d (want a probe, 0), then %d (want 256)",
+            b_probe, b_start);
+    const int b_grown = kvs_prefill_ctl_budget(&c, 8), b_near = kvs_prefill_ctl_budget(&c, 12);
+    REQUIRE(b_grown == 0 && b_near == 256, "decode batch 8 after 5: %d (want a probe), then 12: %d (want 256)", b_grown,
+            b_near);
     struct kvs_prefill_ctl off;
     kvs_prefill_ctl_init(&off, 0, 32, 8192);
     kvs_prefill_ctl_observe(&off, 8, 0, 0.01);
@@ -149,7 +157,7 @@ static int cmp_d(const void *a, const void *b)
 
 /* runs the traffic; returns the largest prefill next to decodes, *ratio the p90 and *med the
  * median mixed step time over the median decode-only one */
-static int run_traffic(double itl_ratio, double *ratio, double *med)
+static int run_traffic(double itl_ratio, int burst, double *ratio, double *med)
 {
     struct fake_model m;
     fake_model_init(&m, 1024, 16, 512, 4096);
@@ -187,7 +195,7 @@ static int run_traffic(double itl_ratio, double *ratio, double *med)
         r[i] = kvs_request_new(&p, NULL, NULL);
         REQUIRE(r[i], "request_new");
         REQUIRE(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "%s", err);
-        if (i == 7) {   /* the decoders are decoding (a few decode-only steps) when the prompts arrive */
+        if (i == 7 && !burst) {   /* the decoders are decoding (a few decode-only steps) when the prompts arrive */
             for (int got = 0; got < 3;) {
                 struct kvs_event ev[16];
                 int k = kvs_request_wait(r[7], ev, 16, 60.0);
@@ -232,8 +240,9 @@ static int run_traffic(double itl_ratio, double *ratio, double *med)
     qsort(mix, (size_t)nm, sizeof *mix, cmp_d);
     *ratio = mix[(nm * 9) / 10] / dec[nd / 2];
     *med = mix[nm / 2] / dec[nd / 2];
-    printf("itl_ratio %.1f: %d steps, %d mixed (largest prefill next to decodes %d tokens), mixed / median "
-           "decode-only step: median %.2fx, p90 %.2fx\n", itl_ratio, n_steps, nm, max_pre, *med, *ratio);
+    printf("itl_ratio %.1f%s: %d steps, %d mixed (largest prefill next to decodes %d tokens), mixed / median "
+           "decode-only step: median %.2fx, p90 %.2fx\n", itl_ratio, burst ? ", all at once" : "", n_steps, nm, max_pre,
+           *med, *ratio);
     return max_pre;
 }
 
@@ -242,8 +251,8 @@ int main(void)
     kvs_log_set_level(KVS_LOG_WARN);
     test_controller();
     double r_on, r_off, m_on, m_off;
-    int pre_on = run_traffic(1.5, &r_on, &m_on);
-    int pre_off = run_traffic(0, &r_off, &m_off);
+    int pre_on = run_traffic(1.5, 0, &r_on, &m_on);
+    int pre_off = run_traffic(0, 0, &r_off, &m_off);
     /* 1.5 on this cost: 32 + 0.5 x 2 ms / 50 us = 52 tokens; the first mixed steps start from the
      * controller's 256 and halve (a few of the mixed steps), so p90 is the bound */
     REQUIRE(pre_off >= 256, "itl_ratio 0 should fill steps with whole chunks (largest %d)", pre_off);
@@ -251,5 +260,12 @@ int main(void)
     REQUIRE(m_on <= 1.6 && r_on <= 2.0, "itl_ratio 1.5: mixed step median %.2fx, p90 %.2fx a decode-only one", m_on,
             r_on);
     REQUIRE(pre_on < pre_off, "prefill next to decodes not limited");
+    /* all 16 at once: every step after the first could carry prefill, so only the probes give the
+     * controller its decode-only reference (without them the budget stayed at its start, 256
+     * tokens: mixed steps ~6x a decode-only one) */
+    double r_b, m_b;
+    run_traffic(1.5, 1, &r_b, &m_b);
+    REQUIRE(m_b <= 1.6 && r_b <= 2.0, "itl_ratio 1.5, all at once: mixed step median %.2fx, p90 %.2fx a decode-only one",
+            m_b, r_b);
     return kvs_test_summary("test_sched_policy");
 }
