@@ -138,7 +138,7 @@ static double run_policy(struct kvs_backend *b, struct world *W, const char *dec
         O->upload(b, W->pos, 0, pos, (size_t)W->B);
         const struct kvs_attn_meta m = {.n_seqs = W->B, .max_blocks = W->mb, .q_start = W->qs, .pos = W->pos,
                                         .block_tables = W->bt, .h_q_start = qs, .h_pos = pos, .max_ctx = max_ctx};
-        const struct kvs_kv_step step = {W->B, qs[W->B], qs, pos, slot, dec, &m, NULL};
+        const struct kvs_kv_step step = {W->B, qs[W->B], qs, pos, slot, dec, &m, NULL, 0};
         const struct kvs_kv_attend a = {&step, W->q, NULL, {W->kc, W->vc, NULL, NULL, 0}, NH, NKV, HD, BS,
                                         0.08838834764831845f, W->out, W->lse};
         O->sync(b);

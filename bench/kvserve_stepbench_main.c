@@ -199,7 +199,7 @@ static struct result run_policy(struct model *M, const char *decode, int w, doub
         const struct kvs_attn_meta m = {.n_seqs = nb, .max_blocks = mb, .q_start = M->qs, .pos = M->sp,
                                         .block_tables = M->bt, .inv_freq = M->invf, .h_q_start = qs, .h_pos = sp,
                                         .max_ctx = pnew + 1, .plan_ctx = it == warm + steps ? cap : 0};
-        const struct kvs_kv_step step = {nb, n, qs, sp, slot, dec, &m, NULL};
+        const struct kvs_kv_step step = {nb, n, qs, sp, slot, dec, &m, NULL, 0};
         O->sync(b);
         if (it == warm + steps) {
             /* the same step recorded once and replayed after its plan (the runner's graphs) */

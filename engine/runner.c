@@ -1230,7 +1230,8 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         r->h_decode[s] = q && q->n_tokens == 1 && q->pos > 0;
         n_decode += r->h_decode[s];
     }
-    const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta, r->h_bt};
+    const struct kvs_kv_step step = {S, n, r->h_qstart, r->h_seqpos, r->h_slot, r->h_decode, &meta, r->h_bt,
+                                     b0 == b ? cap : graph_capacity(r, b0)};
     int rc = r->st->step ? r->st->step(r->st_state, &step) : 0;
     if (rc == 0 && r->dp->plan) rc = r->dp->plan(r->dp_state, &step);
     /* a group also agrees on the step's rows: a policy's multi-row decode (recompute) decided

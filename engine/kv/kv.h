@@ -164,6 +164,11 @@ struct kvs_kv_step {
     const struct kvs_attn_meta *m;
     const int32_t *h_block_tables;  /* host copy of m->block_tables (stride m->max_blocks), or NULL
                                      * where the caller has none (a policy that needs it fails) */
+    int decode_plan_ctx;            /* the m->plan_ctx of the scheduler's step (every decoding
+                                     * sequence one row, before recompute rows widened it): a policy
+                                     * that attends its newest rows as such a step (retro) plans
+                                     * with it, so that its launches and bits are full attention's
+                                     * (0 where the caller does not know: plan as m says) */
 };
 
 struct kvs_kv_attend {

@@ -8,14 +8,19 @@
  *              pages are refreshed by the layer's digest update, which covers every row), with
  *              k = min(w - 1, cached past outputs). Prompt tokens never enter the window: a
  *              request's first decode step has k = 0. A request that missed a step (or attended
- *              densely in one) restarts its window. On the CPU a re-run row is bitwise its first
- *              run where nothing was supplemented; on CUDA it is not (other row counts and
- *              kernels round bf16 differently), a noise floor that shows in the fidelity of
- *              near-lossless models (bench/RESULTS.md, quest5).
+ *              densely in one) restarts its window. A re-run row is bitwise its first run where
+ *              nothing was supplemented below it (on CUDA: where the step's GEMMs are
+ *              row-invariant, the decode GEMM at <= 8 rows): in a layer where every window row
+ *              keeps its whole context (the dense layers; a step where no newest row selects and
+ *              no window row selected) the newest rows run full attention's one-row decode
+ *              attention and the past rows keep their cached outputs (attend_kept). Re-running
+ *              them through an extend-shaped attention rounded bf16 differently on CUDA, a noise
+ *              floor that outweighed the supplements on near-lossless models (bench/RESULTS.md,
+ *              quest5).
  *   selection  Quest's (kv_decode_quest.c, kernels/kv_quest.h, kv.quest.* keys, digest_bits
  *              16 / 8 / 4 included) for the newest row of each decoding request, in layers
- *              kv.quest.dense_layers and up; past rows never select. Layers below are dense for
- *              every row.
+ *              kv.quest.dense_layers and up; past rows never select. In the layers below the
+ *              newest rows attend densely and the past rows keep their cached outputs.
  *   mask       per request, layer and KV head, A[page] = the last decode step (of this request)
  *              that loaded the page (kernels/kv_retro.h kvs_retro_mask_step).
  *   supplement past query t' is shown the selected pages with M[p] < t', clipped to its own
@@ -23,7 +28,7 @@
  *              leading decode sequences: the newest over its selection, each past row over its
  *              supplement (no span: lse -inf); attn_merge then merges each past row with its
  *              cached (o, lse); the newest rows merge with lse -inf and a zero row (unchanged).
- *   cache      per sparse layer, the outputs and lse of the last step's rows of the leading
+ *   cache      per layer, the outputs and lse of the last step's rows of the leading
  *              decode sequences (device ACT [rows][n_heads * head_dim] + host F32), in the
  *              last step's row layout: the next step gathers each past row's entry by the row
  *              it had (gather_rows), so no scatter into per-request storage is needed. Sized by
@@ -80,6 +85,7 @@ struct rseq {
     int t;                /* decode steps so far: the index of the next newest query */
     int n_win;            /* past outputs cached (in the last step's layout) */
     int row0, rows;       /* its rows in the last step */
+    int last_sparse;      /* the last step index t whose newest row selected (kept fewer pages than its context); -1 */
     int32_t A[];          /* [sparse layers][n_kv_heads][max_pages] */
 };
 
@@ -104,6 +110,11 @@ struct retro {
     struct kvs_dbuf *d_sel_n, *d_sel;             /* the newest rows' selection (Quest's select) */
     struct kvs_dbuf *d_n_spans, *d_spans;         /* every lead row's spans */
     struct kvs_dbuf *d_cidx, *d_iota, *d_ob, *d_lb;
+    /* the kept-rows path (attend_kept): the newest rows' dense outputs [lrows + 1][qd] (the last
+     * row stays 0), the two lse rows {0, -inf} [2][n_heads], and per lead row which d_on row and
+     * which lse row it takes (d_pidx, d_lia) and which lse its cached side gets (d_lib) */
+    struct kvs_dbuf *d_on, *d_lsrc, *d_pidx, *d_lia, *d_lib;
+    int32_t *h_pidx, *h_lia, *h_lib;
     int32_t *h_keep, *h_npos, *h_nqs, *h_nrows, *h_cidx;
     int32_t *h_sel_n, *h_sel, *h_n_spans, *h_spans, *h_pages, *h_m, *h_plan_n, *h_plan_sp;
     float *h_lb;
@@ -118,6 +129,8 @@ struct retro {
     /* this step (plan) */
     uint64_t steps;
     int n_lead, n_lrows, any_sparse, any_past, skip;
+    int kept;                           /* sparse layers take attend_kept: no newest row selects, and no
+                                         * window row selected in its own step (so none has a supplement) */
     /* counters */
     double cache_bytes;
     double bytes_read, sparse_rows, dense_rows, past_rows, keys_own, keys_sup, windows_reset;
@@ -155,10 +168,12 @@ static void retro_destroy(void *state)
     free(s->cache);
     free(s->h_lse);
     struct kvs_dbuf *bs[] = {s->d_scores, s->d_keep, s->d_npos,   s->d_nqs,  s->d_nrows, s->d_qn, s->d_sel_n,
-                             s->d_sel,    s->d_n_spans, s->d_spans, s->d_cidx, s->d_iota,  s->d_ob, s->d_lb};
+                             s->d_sel,    s->d_n_spans, s->d_spans, s->d_cidx, s->d_iota,  s->d_ob, s->d_lb,
+                             s->d_on,     s->d_lsrc, s->d_pidx, s->d_lia, s->d_lib};
     for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) o->free_buf(be, bs[i]);
     void *hs[] = {s->h_keep, s->h_npos, s->h_nqs,     s->h_nrows,   s->h_cidx,  s->h_sel_n, s->h_sel, s->h_n_spans,
-                  s->h_spans, s->h_pages, s->h_m, s->h_plan_n, s->h_plan_sp, s->h_lb,   s->slot};
+                  s->h_spans, s->h_pages, s->h_m, s->h_plan_n, s->h_plan_sp, s->h_lb,   s->slot,
+                  s->h_pidx, s->h_lia, s->h_lib};
     for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) free(hs[i]);
     free(s);
 }
@@ -232,10 +247,13 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->dig = kvs_xcalloc((size_t)L, sizeof *s->dig);
     s->cache = kvs_xcalloc((size_t)L, sizeof *s->cache);
     s->h_lse = kvs_xcalloc((size_t)L, sizeof *s->h_lse);
-    for (int l = dense; l < L && !failed; l++) {
-        failed = !(s->dig[l] = bits < 16 ? o->alloc(env->be, KVS_BUF_I32,
-                                                    kvs_quest_qdig_words(pages, nkv, env->head_dim, bits))
-                                         : o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
+    /* digests for the sparse layers; the output cache for every layer (a past row's dense-layer
+     * output is its cached one, attend_kept) */
+    for (int l = 0; l < L && !failed; l++) {
+        if (l >= dense)
+            failed = !(s->dig[l] = bits < 16 ? o->alloc(env->be, KVS_BUF_I32,
+                                                        kvs_quest_qdig_words(pages, nkv, env->head_dim, bits))
+                                             : o->alloc(env->be, KVS_BUF_KV, pages * nkv * 2 * (size_t)env->head_dim));
         if (w > 1 && !failed && s->rk) {
             for (int i = 0; i < 2 && !failed; i++) {
                 if (!s->oc[i]) s->oc[i] = kvs_xcalloc((size_t)L, sizeof **s->oc), s->lc[i] = kvs_xcalloc((size_t)L, sizeof **s->lc);
@@ -265,8 +283,21 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_iota = o->alloc(env->be, KVS_BUF_I32, lrows);
         s->d_ob = o->alloc(env->be, KVS_BUF_ACT, lrows * qd);
         s->d_lb = o->alloc(env->be, KVS_BUF_F32, lrows * env->n_heads);
+        s->d_on = o->alloc(env->be, KVS_BUF_ACT, (lrows + 1) * qd);
+        s->d_lsrc = o->alloc(env->be, KVS_BUF_F32, 2 * (size_t)env->n_heads);
+        s->d_pidx = o->alloc(env->be, KVS_BUF_I32, lrows);
+        s->d_lia = o->alloc(env->be, KVS_BUF_I32, lrows);
+        s->d_lib = o->alloc(env->be, KVS_BUF_I32, lrows);
         failed = !s->d_scores || !s->d_keep || !s->d_npos || !s->d_nqs || !s->d_nrows || !s->d_qn || !s->d_sel_n ||
-                 !s->d_sel || !s->d_n_spans || !s->d_spans || !s->d_cidx || !s->d_iota || !s->d_ob || !s->d_lb;
+                 !s->d_sel || !s->d_n_spans || !s->d_spans || !s->d_cidx || !s->d_iota || !s->d_ob || !s->d_lb ||
+                 !s->d_on || !s->d_lsrc || !s->d_pidx || !s->d_lia || !s->d_lib;
+        if (!failed) {
+            o->zero(env->be, s->d_on, 0, (lrows + 1) * qd);
+            float *ls = kvs_xcalloc(2 * (size_t)env->n_heads, sizeof *ls);
+            for (int h = 0; h < env->n_heads; h++) ls[env->n_heads + h] = -INFINITY;
+            o->upload(env->be, s->d_lsrc, 0, ls, 2 * (size_t)env->n_heads);
+            free(ls);
+        }
     }
     if (!failed && s->rk) {
         /* the masks count as request state (they replace the arena's) */
@@ -307,6 +338,9 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->h_pages = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
     s->h_m = kvs_xcalloc((size_t)s->max_pages, sizeof(int32_t));
     s->h_lb = kvs_xcalloc(lrows * env->n_heads, sizeof(float));
+    s->h_pidx = kvs_xcalloc(lrows, sizeof(int32_t));
+    s->h_lia = kvs_xcalloc(lrows, sizeof(int32_t));
+    s->h_lib = kvs_xcalloc(lrows, sizeof(int32_t));
     s->h_req = kvs_xcalloc(rows * 5, sizeof(int32_t));
     s->slot = kvs_xcalloc((size_t)env->max_slots, sizeof *s->slot);
     int32_t *iota = kvs_xmalloc(lrows * sizeof *iota);
@@ -328,7 +362,7 @@ static int retro_seq_init(void *state, int slot, void *mem)
     if (s->rk) s->rk->reset(s->env.be, s->d_A, (size_t)slot * s->a_slot, s->a_slot);   /* never loaded */
     else
         for (size_t i = 0; i < s->a_slot; i++) q->A[i] = -1;
-    q->last_step = 0, q->t = 0, q->n_win = 0;
+    q->last_step = 0, q->t = 0, q->n_win = 0, q->last_sparse = -1;
     s->slot[slot] = q;
     return 0;
 }
@@ -359,6 +393,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
     s->n_lead = 0;
     s->any_sparse = 0;
     s->any_past = 0;
+    s->kept = 1;
     while (!s->skip && s->n_lead < st->n_seqs && s->n_lead < s->rows && st->h_decode[s->n_lead] &&
            st->h_slot[s->n_lead] >= 0 && st->h_slot[s->n_lead] < s->env.max_slots && s->slot[st->h_slot[s->n_lead]] &&
            st->h_q_start[s->n_lead + 1] <= s->lrows)
@@ -415,12 +450,19 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
         s->h_req[5 * q] = st->h_q_start[q], s->h_req[5 * q + 1] = rows, s->h_req[5 * q + 2] = pos;
         s->h_req[5 * q + 3] = s->slot[st->h_slot[q]]->t, s->h_req[5 * q + 4] = st->h_slot[q];
         s->any_sparse |= keep <= cur;
+        struct rseq *rs = s->slot[st->h_slot[q]];
+        if (keep <= cur) rs->last_sparse = rs->t;
+        if (rows > 1 && rs->last_sparse >= rs->t - (rows - 1)) s->kept = 0;
         /* where each past row's cached output sits in the last step's layout; the newest rows
          * read the zero row */
-        struct rseq *rs = s->slot[st->h_slot[q]];
         for (int j = 0; j < rows; j++) {
             const int row = st->h_q_start[q] + j;
             s->h_cidx[row] = j < rows - 1 ? rs->row0 + rs->rows - (rows - 1) + j : s->lrows;
+            /* attend_kept: the newest row takes its dense output (lse 0, cached side -inf), a
+             * past row the zero row (lse -inf, cached side 0) */
+            s->h_pidx[row] = j < rows - 1 ? s->lrows : q;
+            s->h_lia[row] = j < rows - 1;
+            s->h_lib[row] = j == rows - 1;
         }
         /* launch planning for the selection: one span bounding the kept keys */
         const int bound = keep * s->ps < ctx ? keep * s->ps : ctx;
@@ -432,6 +474,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
                 s->h_plan_sp[t * ms * 2] = 0, s->h_plan_sp[t * ms * 2 + 1] = bound;
             }
     }
+    s->kept &= !s->any_sparse;
     s->h_nqs[s->n_lead] = s->n_lead;
     /* what the cache will hold after this step */
     for (int q = 0; q < s->n_lead; q++) {
@@ -451,6 +494,9 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
             o->upload(be, s->d_nqs, 0, s->h_nqs, (size_t)s->n_lead + 1);
             o->upload(be, s->d_nrows, 0, s->h_nrows, (size_t)s->n_lead);
             o->upload(be, s->d_cidx, 0, s->h_cidx, (size_t)s->n_lrows);
+            o->upload(be, s->d_pidx, 0, s->h_pidx, (size_t)s->n_lrows);
+            o->upload(be, s->d_lia, 0, s->h_lia, (size_t)s->n_lrows);
+            o->upload(be, s->d_lib, 0, s->h_lib, (size_t)s->n_lrows);
             if (s->rk) o->upload(be, s->d_req, 0, s->h_req, (size_t)s->n_lead * 5);
         }
     }
@@ -537,6 +583,53 @@ void kvs_retro_refresh_digests(void *state, const struct kvs_dbuf *kc, const str
     for (int l = s->dense_layers; l < s->env.n_layers; l++) retro_digest_update(s, kc, m, l);
 }
 
+/* The lead sequences' newest rows as a step of one-row sequences (Quest's selection and the
+ * kept-rows path run on it). */
+static void newest_meta(const struct retro *s, const struct kvs_kv_step *st, struct kvs_attn_meta *nm)
+{
+    *nm = *st->m;
+    nm->n_seqs = s->n_lead;
+    nm->q_start = s->d_nqs, nm->pos = s->d_npos, nm->h_q_start = s->h_nqs, nm->h_pos = s->h_npos;
+    nm->max_ctx = 0;
+    for (int q = 0; q < s->n_lead; q++)
+        if (s->h_npos[q] + 1 > nm->max_ctx) nm->max_ctx = s->h_npos[q] + 1;
+}
+
+/* The kept-rows path, for a layer where every newest row of the lead attends its whole context
+ * (a dense layer, or a step where no newest row selects): the newest rows run attention() as the
+ * one-row decode step that full attention runs (the same kernel and launch shape, so on CUDA the
+ * same bits as kv.decode=full), and each past row takes its cached output unchanged (it saw its
+ * whole context when it was newest: nothing can supplement it). Re-running a past row through
+ * an extend-shaped attention instead rounds bf16 differently on CUDA (other kernels, other
+ * splits), and that noise rivalled Quest's whole loss on near-lossless models (bench/RESULTS.md,
+ * quest5); with this path a past row's re-run is bitwise its first run wherever nothing was
+ * supplemented below it, on every backend whose GEMMs are row-invariant at the step's row count.
+ * Both are merges with exact weights (1 and 0): the newest rows with lse 0 against a zero row at
+ * -inf, the past rows at -inf against their cached row at 0. */
+static void attend_kept(struct retro *s, int layer, const struct kvs_kv_attend *a, const struct kvs_attn_meta *nm)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    struct kvs_backend *be = s->env.be;
+    const int nh = a->n_heads, hd = a->head_dim, qd = nh * hd, nl = s->n_lead, nr = s->n_lrows;
+    o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
+    struct kvs_attn_meta km = *nm;
+    km.plan_ctx = a->step->decode_plan_ctx;   /* full attention's launch shape (a graph's, where it records) */
+    o->attention(be, s->d_qn, a->kv.k, a->kv.v, &km, nl, nh, a->n_kv_heads, hd, a->block_size, a->scale, s->d_on);
+    o->gather_rows(be, s->d_on, s->d_pidx, nr, qd, a->out);
+    o->gather_rows(be, s->d_lsrc, s->d_lia, nr, nh, a->lse);
+    if (s->rk) {
+        const int cur = (int)(s->steps & 1);
+        s->rk->merge(be, a->out, a->lse, s->d_cidx, nr, nh, hd, s->oc[cur ^ 1][layer], s->lc[cur ^ 1][layer], s->lrows,
+                     s->oc[cur][layer], s->lc[cur][layer]);
+        return;
+    }
+    o->gather_rows(be, s->cache[layer], s->d_cidx, nr, qd, s->d_ob);
+    o->gather_rows(be, s->d_lsrc, s->d_lib, nr, nh, s->d_lb);
+    o->attn_merge(be, a->out, a->lse, s->d_ob, s->d_lb, nr, nh, hd);
+    o->gather_rows(be, a->out, s->d_iota, nr, qd, s->cache[layer]);
+    o->download(be, s->h_lse[layer], a->lse, 0, (size_t)nr * nh);
+}
+
 static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
 {
     struct retro *s = state;
@@ -545,6 +638,15 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_kv_step *st = a->step;
     if (layer >= s->dense_layers && !s->skip)   /* every written page, prefill steps too */
         retro_digest_update(s, a->kv.k, st->m, layer);
+    if (layer < s->dense_layers && s->w > 1 && !s->skip && s->n_lead) {
+        if (st->n_rows > s->n_lrows)   /* rows past the lead (prefill chunks) */
+            o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
+                         a->block_size, a->scale, a->out);
+        struct kvs_attn_meta nm;
+        newest_meta(s, st, &nm);
+        attend_kept(s, layer, a, &nm);
+        return;
+    }
     if (layer < s->dense_layers || s->skip || !s->n_lead || (s->w == 1 && !s->any_sparse)) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
@@ -561,12 +663,8 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
                      a->out);
     /* 1. Quest's selection for the newest rows, as a step of one-row sequences */
     o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
-    struct kvs_attn_meta nm = *st->m;
-    nm.n_seqs = nl;
-    nm.q_start = s->d_nqs, nm.pos = s->d_npos, nm.h_q_start = s->h_nqs, nm.h_pos = s->h_npos;
-    nm.max_ctx = 0;
-    for (int q = 0; q < nl; q++)
-        if (s->h_npos[q] + 1 > nm.max_ctx) nm.max_ctx = s->h_npos[q] + 1;
+    struct kvs_attn_meta nm;
+    newest_meta(s, st, &nm);
     retro_score(s, s->d_qn, layer, &nm, nl, nh);
     s->k->select(be, s->d_scores, &nm, s->d_keep, nl, nkv, s->ps, s->max_pages, ms, s->d_sel_n, s->d_sel);
     struct kvs_attn_meta sub = *st->m;
@@ -576,6 +674,10 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
         /* device path: mask and spans, every lead row's attention, merge and next cache */
         s->rk->spans(be, s->d_sel_n, s->d_sel, s->d_req, nl, nkv, ms, s->ps, s->d_A, sparse_layers(s), sl,
                      s->max_pages, s->d_n_spans, s->d_spans, s->d_keys, s->fused ? s->d_M : NULL);
+        if (s->kept) {   /* every window row keeps its whole context (the mask step is done) */
+            attend_kept(s, layer, a, &nm);
+            return;
+        }
         int rc = -ENOSYS;
         if (s->fused)
             rc = s->rk->attend(be, a->q, a->kv.k, a->kv.v, &sub, s->d_sel_n, s->d_sel, ms, s->d_req, s->d_M, s->max_pages,
@@ -624,6 +726,10 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
                 }
             }
         }
+    }
+    if (s->kept) {   /* every window row keeps its whole context (the masks are stepped) */
+        attend_kept(s, layer, a, &nm);
+        return;
     }
     o->upload(be, s->d_n_spans, 0, s->h_n_spans, (size_t)nr * nkv);
     o->upload(be, s->d_spans, 0, s->h_spans, (size_t)nr * nkv * ms * 2);

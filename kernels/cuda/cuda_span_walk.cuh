@@ -7,9 +7,36 @@
 #ifndef KVS_CUDA_SPAN_WALK_CUH
 #define KVS_CUDA_SPAN_WALK_CUH
 
+#include "kernels/backend.h"
 #include "kernels/cuda/cuda_attn_device.cuh"
 
 namespace {
+/* Host side: the at_args of a span walk over the first n_seqs sequences of m (rotation offsets,
+ * block_valid and inv_freq as m has them), partials in `part`: what attention_spans and the
+ * fused Retro attend both launch with (each adds its own span arguments). */
+static inline void span_at_args(at_args &a, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                                const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, int n_seqs, int n_heads,
+                                int n_kv_heads, int block_size, float scale, float *part)
+{
+    a.q = (const float *)q->d;
+    a.kc = (const bf16 *)kc->d;
+    a.vc = (const bf16 *)vc->d;
+    a.q_start = (const int32_t *)m->q_start->d;
+    a.pos = (const int32_t *)m->pos->d;
+    a.bt = (const int32_t *)m->block_tables->d;
+    a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : nullptr;
+    a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : nullptr;
+    a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : nullptr;
+    a.n_seqs = n_seqs;
+    a.max_blocks = m->max_blocks;
+    a.n_heads = n_heads;
+    a.n_kv = n_kv_heads;
+    a.bs = block_size;
+    a.G = n_heads / n_kv_heads;
+    a.scale = scale;
+    a.part = part;
+}
+
 /* The selected keys of a (row, KV head): span j clipped to the row, [lo, hi) with hi <= last + 1
  * (causal), concatenated in span order. A cursor names a key of that list: span j, offset o. */
 struct span_cursor {

@@ -441,20 +441,7 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     fused_args x;
     memset(&x, 0, sizeof x);
     at_args &a = x.a;
-    a.q = (const float *)q->d;
-    a.kc = (const bf16 *)kc->d;
-    a.vc = (const bf16 *)vc->d;
-    a.q_start = (const int32_t *)m->q_start->d;
-    a.pos = (const int32_t *)m->pos->d;
-    a.bt = (const int32_t *)m->block_tables->d;
-    a.n_seqs = n_req;
-    a.max_blocks = m->max_blocks;
-    a.n_heads = n_heads;
-    a.n_kv = n_kv_heads;
-    a.bs = block_size;
-    a.G = n_heads / n_kv_heads;
-    a.scale = scale;
-    a.part = b->attn_ws;
+    span_at_args(a, q, kc, vc, m, n_req, n_heads, n_kv_heads, block_size, scale, b->attn_ws);   /* no rotation: refused above */
     x.sel_n = (const int32_t *)sel_n->d;
     x.sel = (const int32_t *)sel->d;
     x.req = (const int32_t *)req->d;

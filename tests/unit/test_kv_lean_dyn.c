@@ -345,7 +345,7 @@ static void test_fuzz(void)
         o->upload(be, dk, 0, hk, (size_t)n * NKV * HDIM);
         o->upload(be, dv, 0, hv, (size_t)n * NKV * HDIM);
         struct kvs_attn_meta m = {.n_seqs = S, .h_q_start = qs, .h_pos = pos, .max_ctx = CTX};
-        const struct kvs_kv_step step = {S, n, qs, pos, slot, dec, &m, NULL};
+        const struct kvs_kv_step step = {S, n, qs, pos, slot, dec, &m, NULL, 0};
         REQUIRE(st->step(state, &step) == 0, "step");
         for (int l = 0; l < L; l++) {
             st->write(state, l, dk, dv, NULL, n);

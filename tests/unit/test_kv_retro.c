@@ -282,7 +282,7 @@ static void run_policy(int w, int bits)
         const struct kvs_attn_meta m = {.n_seqs = PS2, .max_blocks = PMB, .q_start = d_qs, .pos = d_pos,
                                         .block_tables = d_bt, .h_q_start = qs, .h_pos = pos,
                                         .max_ctx = pos[PS2 - 1] + qs[PS2] - qs[PS2 - 1]};
-        const struct kvs_kv_step sp = {PS2, n, qs, pos, slot, dec, &m, NULL};
+        const struct kvs_kv_step sp = {PS2, n, qs, pos, slot, dec, &m, NULL, 0};
         const struct kvs_kv_attend a = {&sp, q, NULL, {k2, v2, NULL, NULL, 0}, NH, NKV, HD, PS,
                                         1.0f / sqrtf((float)HD), out, lse};
         REQUIRE(dp->plan(st, &sp) == 0, "plan at step %d", step);

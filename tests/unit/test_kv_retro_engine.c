@@ -221,20 +221,26 @@ static void test_runner(void)
     printf("ok retro w=1 = quest bitwise (%d x %d logits rows; quest vs full max diff %.3g)\n", NS, GEN,
            max_diff(&quest, &full));
 
-    /* 3. every page: dense for any w */
+    /* 3. every page: dense for any w, with layer 0 dense or not, on the host and the device path
+     * (the kept-rows path: past rows keep their cached outputs) */
     static const int W[] = {2, 4, 8};
-    for (int i = 0; i < 3; i++) {
-        base_cfg(&c, "retro");
-        c.quest_budget_ratio = 1.0;
-        c.quest_min_budget = 0;
-        c.retro_window = W[i];
-        run_seqs(&c, &x);
-        kvs_config_free(&c);
-        CHECK(max_diff(&full, &x) == 0 && x.past > 0 && x.sup == 0,
-              "retro w=%d every page: logits differ from full by %g (%g past rows, %g supplement keys)", W[i],
-              max_diff(&full, &x), x.past, x.sup);
-        printf("ok retro w=%d with every page: %g past rows re-run, full attention's logits bitwise\n", W[i], x.past);
-    }
+    for (int v = 0; v < 4; v++)
+        for (int i = 0; i < 3; i++) {
+            base_cfg(&c, "retro");
+            c.quest_budget_ratio = 1.0;
+            c.quest_min_budget = 0;
+            c.quest_dense_layers = v & 1;
+            c.retro_window = W[i];
+            kvs_retro_set_table_on_cpu(v >> 1);
+            run_seqs(&c, &x);
+            kvs_retro_set_table_on_cpu(0);
+            kvs_config_free(&c);
+            CHECK(max_diff(&full, &x) == 0 && x.past > 0 && x.sup == 0,
+                  "retro w=%d every page (dense layers %d, %s path): logits differ from full by %g (%g past rows, %g "
+                  "supplement keys)", W[i], v & 1, v >> 1 ? "device" : "host", max_diff(&full, &x), x.past, x.sup);
+            printf("ok retro w=%d with every page (dense layers %d, %s path): %g past rows re-run, full attention's "
+                   "logits bitwise\n", W[i], v & 1, v >> 1 ? "device" : "host", x.past);
+        }
 
     /* 4. a small budget: supplements, closer to full than Quest (reported) */
     const double kq = mean_kl(&full, &quest);
@@ -253,20 +259,22 @@ static void test_runner(void)
     /* 5. the device path (kernels/kv_retro.h's table: masks, spans, merge and output cache as
      * device work; here the CPU's table, kv_decode_retro.h) gives the host path's logits and
      * counters bitwise */
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 6; i++) {
         static struct out dev;
         base_cfg(&c, "retro");
         c.quest_min_budget = 32;
-        c.retro_window = W[i];
+        c.quest_dense_layers = i / 3;   /* layer 0 dense: its past rows keep their cached outputs */
+        c.retro_window = W[i % 3];
         run_seqs(&c, &retro);
         kvs_retro_set_table_on_cpu(1);
         run_seqs(&c, &dev);
         kvs_retro_set_table_on_cpu(0);
         kvs_config_free(&c);
         CHECK(max_diff(&retro, &dev) == 0 && dev.sup > 0 && dev.sup == retro.sup && dev.eff == retro.eff &&
-              dev.past == retro.past, "retro w=%d device path: logits differ from the host path by %g, supplement "
-              "keys %g vs %g", W[i], max_diff(&retro, &dev), dev.sup, retro.sup);
-        printf("ok retro w=%d device path (CPU table) = host path bitwise (%g supplement keys)\n", W[i], dev.sup);
+              dev.past == retro.past, "retro w=%d dense layers %d device path: logits differ from the host path by "
+              "%g, supplement keys %g vs %g", W[i % 3], i / 3, max_diff(&retro, &dev), dev.sup, retro.sup);
+        printf("ok retro w=%d, dense layers %d: device path (CPU table) = host path bitwise (%g supplement keys)\n",
+               W[i % 3], i / 3, dev.sup);
     }
 }
 
