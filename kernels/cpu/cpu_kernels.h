@@ -32,7 +32,7 @@
  * batch invariant: a row's result depends on n and on the row's place in OpenBLAS's register
  * tiles (measured; bench/RESULTS.md), so that mode gives up the backend contract's batch
  * invariance for speed. It stays deterministic for the same inputs, n and thread count, and
- * within fp32 rounding of the reference (tests/unit/test_cpu_gemm.c checks both).
+ * within fp32 rounding of the reference (test_blas in tests/unit/test_cpu_kernels.c checks both).
  *
  * bf16 weights. With the AVX2 or FMA kernels and the invariant GEMM, 2-D weights that the model stores
  * as bf16 stay bf16 in memory (half the bytes to hold and to stream per decode step) and the
