@@ -142,6 +142,38 @@ static double counter(const struct kvs_engine_stats *st, const char *name)
  * 32 KiB) and 64-token prefill chunks, so the 300-600-token prompts stream through it */
 static int g_offload;
 
+/* the last run's top-2 (ids, logprobs) at every generated token, for agree() */
+static int32_t g_top_id[NJ][GEN][2];
+static float g_top_lp[NJ][GEN][2];
+
+/* Greedy tokens of a run against full attention's at bf16 tolerance: paris at beta 1 is exact
+ * attention, but its kernels (spans, staging, merge) sum in another order than full's, so a
+ * request may take another token where full's top two were within TIE nats of each other; after
+ * that the texts differ. Counts the requests equal to full and those that differ only from such
+ * a near tie (at the first differing token, each run's pick is the other's runner-up within TIE);
+ * a flip anywhere else is a real difference. */
+#define TIE 0.1f
+static void agree(const int32_t a[NJ][GEN], const int32_t at[NJ][GEN][2], const float al[NJ][GEN][2],
+                  const int32_t b[NJ][GEN], const int32_t bt[NJ][GEN][2], const float bl[NJ][GEN][2], int *same,
+                  int *ties)
+{
+    *same = *ties = 0;
+    for (int i = 0; i < NJ; i++) {
+        int j = 0;
+        while (j < GEN && a[i][j] == b[i][j]) j++;
+        if (j == GEN) {
+            (*same)++;
+            continue;
+        }
+        const int near_a = at[i][j][0] == a[i][j] && at[i][j][1] == b[i][j] && al[i][j][0] - al[i][j][1] <= TIE;
+        const int near_b = bt[i][j][0] == b[i][j] && bt[i][j][1] == a[i][j] && bl[i][j][0] - bl[i][j][1] <= TIE;
+        if (near_a && near_b) (*ties)++;
+        else
+            printf("note request %d: first difference at token %d (full %d, top-2 gap %.3g; other %d, gap %.3g)\n", i,
+                   j, a[i][j], al[i][j][0] - al[i][j][1], b[i][j], bl[i][j][0] - bl[i][j][1]);
+    }
+}
+
 static int run_engine(struct kvs_model *model, const char *decode, double beta, int topk, int32_t out[NJ][GEN],
                       struct kvs_engine_stats *st, char *err, size_t errlen)
 {
@@ -149,6 +181,10 @@ static int run_engine(struct kvs_model *model, const char *decode, double beta, 
     kvs_config_init(&c);
     free(c.device), c.device = kvs_xstrdup("cuda");
     free(c.kv_decode), c.kv_decode = kvs_xstrdup(decode);
+    /* paris steps run synchronously (scheduler.async does not take it), and on CUDA async groups
+     * rows into steps a little differently, which rounds differently: the full reference runs
+     * synchronously too, so both sides see the same steps */
+    free(c.sched_async), c.sched_async = kvs_xstrdup("false");
     c.kv_block_size = 16;
     c.kv_memory_bytes = 64 << 20;
     c.max_batch_tokens = 512;
@@ -182,6 +218,8 @@ static int run_engine(struct kvs_model *model, const char *decode, double beta, 
         p.sampling.top_p = 1;
         p.sampling.repetition_penalty = 1;
         p.ignore_eos = 1;
+        p.sampling.logprobs = 1;
+        p.sampling.top_logprobs = 2;
         r[i] = kvs_request_new(&p, NULL, NULL);
         REQUIRE(r[i] && kvs_engine_submit(e, r[i], err, errlen) == 0, "submit: %s", err);
     }
@@ -192,7 +230,13 @@ static int run_engine(struct kvs_model *model, const char *decode, double beta, 
             int k = kvs_request_wait(r[i], ev, 16, 60.0);
             REQUIRE(k > 0, "no event for 60 s");
             for (int q = 0; q < k; q++) {
-                if (ev[q].type == KVS_EV_TOKEN && n < GEN) out[i][n++] = ev[q].token;
+                if (ev[q].type == KVS_EV_TOKEN && n < GEN) {
+                    for (int t = 0; t < 2; t++) {
+                        g_top_id[i][n][t] = t < ev[q].n_top ? ev[q].top_ids[t] : -1;
+                        g_top_lp[i][n][t] = t < ev[q].n_top ? ev[q].top_logprobs[t] : 0;
+                    }
+                    out[i][n++] = ev[q].token;
+                }
                 if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
                 if (ev[q].type != KVS_EV_TOKEN) done = 1;
                 kvs_event_clear(&ev[q]);
@@ -239,13 +283,18 @@ static void test_engine(void)
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     static int32_t full[NJ][GEN], all[NJ][GEN], sparse[NJ][GEN];
     struct kvs_engine_stats st;
+    static int32_t ft[NJ][GEN][2], pt[NJ][GEN][2];
+    static float fl[NJ][GEN][2], pl[NJ][GEN][2];
     REQUIRE(run_engine(model, "full", 0, 100, full, &st, err, sizeof err) == 0, "%s", err);
+    memcpy(ft, g_top_id, sizeof ft), memcpy(fl, g_top_lp, sizeof fl);
     REQUIRE(run_engine(model, "paris", 1.0, 1000, all, &st, err, sizeof err) == 0, "%s", err);
-    int same = 0;
-    for (int i = 0; i < NJ; i++) same += !memcmp(full[i], all[i], sizeof full[i]);
+    memcpy(pt, g_top_id, sizeof pt), memcpy(pl, g_top_lp, sizeof pl);
+    int same, ties;
+    agree(full, ft, fl, all, pt, pl, &same, &ties);
     const double rows1 = counter(&st, "kvserve:kv_paris_sparse_rows_total");
-    CHECK(same >= NJ - 1 && rows1 > 0, "paris at beta 1, topk >= n_r on cuda: %d of %d equal to full, %g sparse rows",
-          same, NJ, rows1);
+    CHECK(same + ties == NJ && same >= 1 && rows1 > 0,
+          "paris at beta 1, topk >= n_r on cuda: %d of %d equal to full, %d differ from a near tie, %g sparse rows",
+          same, NJ, ties, rows1);
     /* offload, chunked prefill through a 256-token pool: the later chunks attend over a device
      * staging copy of their contexts (the released blocks gathered from the host pages over UVA,
      * then attention()), and with a staging limit of 1 byte over the pool's spans and the host
@@ -255,29 +304,30 @@ static void test_engine(void)
         g_offload = 1;
         REQUIRE(run_engine(model, "paris", 1.0, 1000, all, &st, err, sizeof err) == 0, "%s", err);
         g_offload = 0;
-        int same_off = 0;
-        for (int i = 0; i < NJ; i++) same_off += !memcmp(full[i], all[i], sizeof full[i]);
+        int same_off, ties_off;
+        memcpy(pt, g_top_id, sizeof pt), memcpy(pl, g_top_lp, sizeof pl);
+        agree(full, ft, fl, all, pt, pl, &same_off, &ties_off);
         const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
         const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
         const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
         const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
-        CHECK(same_off >= NJ - 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
+        CHECK(same_off + ties_off == NJ && same_off >= 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
               counter(&st, "kvserve:kv_paris_host_bytes") == 0 && (path ? staged == 0 && spans > 0 : staged > 0 && spans == 0),
-              "offload through a 16-block pool on cuda (%s path): %d of %d equal to full, %g positions written out in "
-              "prefill, %g prefill rows over host pages, %g staged / %g spans steps, pool %d, %d blocks and %g host "
-              "bytes held at the end", path ? "spans" : "staged", same_off, NJ, written, hrows, staged, spans,
+              "offload through a 16-block pool on cuda (%s path): %d of %d equal to full, %d from a near tie, %g "
+              "positions written out in prefill, %g prefill rows over host pages, %g staged / %g spans steps, pool %d, "
+              "%d blocks and %g host bytes held at the end", path ? "spans" : "staged", same_off, NJ, ties_off, written, hrows, staged, spans,
               st.kv_blocks_total, st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
         printf("ok engine on cuda, offload with chunked prefill through a 256-token pool (%s path, %g steps): %d/%d "
-               "equal to full; %g prefill rows attended over host pages\n", path ? "spans" : "staged",
-               path ? spans : staged, same_off, NJ, hrows);
+               "equal to full, %d from a near tie; %g prefill rows attended over host pages\n",
+               path ? "spans" : "staged", path ? spans : staged, same_off, NJ, ties_off, hrows);
     }
     kvs_paris_set_stage_limit(0);
     REQUIRE(run_engine(model, "paris", 0, 16, sparse, &st, err, sizeof err) == 0, "%s", err);
     const double t = counter(&st, "kvserve:kv_paris_recall_total"), h = counter(&st, "kvserve:kv_paris_recall_hits_total");
     const double rows = counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(rows > 0 && t > 0 && h <= t, "paris topk 16 on cuda: %g sparse rows, recall %g / %g", rows, h, t);
-    printf("ok engine on cuda (demo model): beta 1 equals full for %d/%d requests; topk 16: %g sparse rows, "
-           "recall@16 %.3f\n", same, NJ, rows, h / t);
+    printf("ok engine on cuda (demo model): beta 1 equals full for %d/%d requests (%d from a near tie); topk 16: %g "
+           "sparse rows, recall@16 %.3f\n", same, NJ, ties, rows, h / t);
     kvs_model_free(model);
     /* head_dim 16 (the tiny test model): refused */
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
