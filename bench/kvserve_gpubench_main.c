@@ -66,14 +66,8 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-/* Llama-3.1-8B */
-#define DIM 4096
-#define NH 32
-#define NKV 8
-#define HD 128
-#define FF 14336
-#define VOCAB 128256
 /* KV block size (tokens): --block-size, 16 by default (config/default.json's kv.block_size) */
 static int BS = 16;
 /* --lean FMT: LeanKV pages (lean_on) of this format instead of bf16 K/V */
@@ -106,13 +100,6 @@ static int cmp_float(const void *a, const void *b)
 {
     float x = *(const float *)a, y = *(const float *)b;
     return (x > y) - (x < y);
-}
-
-static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, k, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
 }
 
 /* the model and the step's buffers */
@@ -278,9 +265,9 @@ static void make_shape(struct bench *B, int n_blocks, int nb, int bps, int rows_
         }
     }
     S->hq[nb] = n;
-    S->btd = xalloc(b, KVS_BUF_I32, (size_t)nb * bps);
-    S->qs = xalloc(b, KVS_BUF_I32, (size_t)nb + 1);
-    S->ps = xalloc(b, KVS_BUF_I32, (size_t)nb);
+    S->btd = bench_dalloc(b, KVS_BUF_I32, (size_t)nb * bps);
+    S->qs = bench_dalloc(b, KVS_BUF_I32, (size_t)nb + 1);
+    S->ps = bench_dalloc(b, KVS_BUF_I32, (size_t)nb);
     O->upload(b, S->btd, 0, S->bt, (size_t)nb * bps);
     O->upload(b, S->qs, 0, S->hq, (size_t)nb + 1);
     O->upload(b, S->ps, 0, S->hp, (size_t)nb);
@@ -396,17 +383,8 @@ int main(int argc, char **argv)
     B->fnorm = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
     struct layer *L = B->L = kvs_xcalloc((size_t)n_layers, sizeof *L);
     for (int l = 0; l < n_layers; l++) {
-        L[l].wq = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L[l].wk = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L[l].wv = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L[l].wo = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L[l].wg = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L[l].wu = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L[l].wd = kvs_cuda_random_weight(b, DIM, FF, 0, 0.02f, seed++);
-        L[l].n1 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        L[l].n2 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        if (!L[l].wq || !L[l].wk || !L[l].wv || !L[l].wo || !L[l].wg || !L[l].wu || !L[l].wd || !L[l].n1 || !L[l].n2)
-            kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+        bench_random_layer(b, &seed, &L[l].wq, &L[l].wk, &L[l].wv, &L[l].wo, &L[l].wg,
+                           &L[l].wu, &L[l].wd, &L[l].n1, &L[l].n2);
     }
     if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     /* what the runner does after a layer's uploads: q/k/v and gate/up side by side (which times
@@ -432,15 +410,15 @@ int main(int argc, char **argv)
         if (!(MAC.k = kvs_mac_kernels_for(O, err, sizeof err))) kvs_panic(__FILE__, __LINE__, "%s", err);
         for (int i = 0; i < nbatch; i++) if (batches[i] > MAC.max_nb) MAC.max_nb = batches[i];
         const size_t ent = (size_t)MAC.max_nb * n_layers * MAC.K;
-        MAC.rq = xalloc(b, KVS_BUF_KV, ent * NH * HD);
-        MAC.ro = xalloc(b, KVS_BUF_KV, ent * NH * HD);
-        MAC.rl = xalloc(b, KVS_BUF_F32, ent * NH);
-        MAC.rt = xalloc(b, KVS_BUF_I32, ent);
-        MAC.rows = xalloc(b, KVS_BUF_I32, (size_t)MAC.max_nb * 4);
-        MAC.p = xalloc(b, KVS_BUF_I32, (size_t)n_layers * MAC.max_nb * NH);
-        MAC.lse = xalloc(b, KVS_BUF_F32, (size_t)MAC.max_nb * NH);
+        MAC.rq = bench_dalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.ro = bench_dalloc(b, KVS_BUF_KV, ent * NH * HD);
+        MAC.rl = bench_dalloc(b, KVS_BUF_F32, ent * NH);
+        MAC.rt = bench_dalloc(b, KVS_BUF_I32, ent);
+        MAC.rows = bench_dalloc(b, KVS_BUF_I32, (size_t)MAC.max_nb * 4);
+        MAC.p = bench_dalloc(b, KVS_BUF_I32, (size_t)n_layers * MAC.max_nb * NH);
+        MAC.lse = bench_dalloc(b, KVS_BUF_F32, (size_t)MAC.max_nb * NH);
         MAC.work_n = MAC.k->work_elems(MAC.max_nb, NH, HD);
-        MAC.work = xalloc(b, KVS_BUF_F32, MAC.work_n);
+        MAC.work = bench_dalloc(b, KVS_BUF_F32, MAC.work_n);
         kvs_cuda_fill_random(b, MAC.rq, 0, ent * NH * HD, 1.0f, seed++);
         kvs_cuda_fill_random(b, MAC.ro, 0, ent * NH * HD, 0.05f, seed++);
         kvs_cuda_fill_random(b, MAC.rl, 0, ent * NH, 1.0f, seed++);
@@ -450,19 +428,19 @@ int main(int argc, char **argv)
 
     /* activations for the largest step */
     size_t R = (size_t)max_rows;
-    B->x = xalloc(b, KVS_BUF_ACT, R * DIM); B->h = xalloc(b, KVS_BUF_ACT, R * DIM);
-    B->q = xalloc(b, KVS_BUF_ACT, R * DIM); B->k = xalloc(b, KVS_BUF_ACT, R * NKV * HD);
-    B->v = xalloc(b, KVS_BUF_ACT, R * NKV * HD); B->att = xalloc(b, KVS_BUF_ACT, R * DIM);
-    B->o = xalloc(b, KVS_BUF_ACT, R * DIM); B->g = xalloc(b, KVS_BUF_ACT, R * FF);
-    B->u = xalloc(b, KVS_BUF_ACT, R * FF);
+    B->x = bench_dalloc(b, KVS_BUF_ACT, R * DIM); B->h = bench_dalloc(b, KVS_BUF_ACT, R * DIM);
+    B->q = bench_dalloc(b, KVS_BUF_ACT, R * DIM); B->k = bench_dalloc(b, KVS_BUF_ACT, R * NKV * HD);
+    B->v = bench_dalloc(b, KVS_BUF_ACT, R * NKV * HD); B->att = bench_dalloc(b, KVS_BUF_ACT, R * DIM);
+    B->o = bench_dalloc(b, KVS_BUF_ACT, R * DIM); B->g = bench_dalloc(b, KVS_BUF_ACT, R * FF);
+    B->u = bench_dalloc(b, KVS_BUF_ACT, R * FF);
     size_t max_b = 0;
     for (int i = 0; i < nbatch; i++) if ((size_t)batches[i] > max_b) max_b = (size_t)batches[i];
     for (int i = 0; i < nsweep; i++) if ((size_t)sweep[i] > max_b) max_b = (size_t)sweep[i];
-    B->logits = xalloc(b, KVS_BUF_ACT, (max_b ? max_b : 1) * VOCAB);
-    B->last = xalloc(b, KVS_BUF_ACT, DIM);
-    B->tok = xalloc(b, KVS_BUF_I32, R); B->pos = xalloc(b, KVS_BUF_I32, R);
-    B->slots = xalloc(b, KVS_BUF_I32, R); B->invf = xalloc(b, KVS_BUF_F32, HD / 2);
-    B->lastrow = xalloc(b, KVS_BUF_I32, 1);
+    B->logits = bench_dalloc(b, KVS_BUF_ACT, (max_b ? max_b : 1) * VOCAB);
+    B->last = bench_dalloc(b, KVS_BUF_ACT, DIM);
+    B->tok = bench_dalloc(b, KVS_BUF_I32, R); B->pos = bench_dalloc(b, KVS_BUF_I32, R);
+    B->slots = bench_dalloc(b, KVS_BUF_I32, R); B->invf = bench_dalloc(b, KVS_BUF_F32, HD / 2);
+    B->lastrow = bench_dalloc(b, KVS_BUF_I32, 1);
 
     /* KV pool: what free memory allows (keeping 1 GiB), at most what the largest shape needs */
     size_t need_tokens = 0;
@@ -499,8 +477,8 @@ int main(int argc, char **argv)
         /* pages quantized from random K/V (uniform [-1, 1)), CHUNK tokens a write */
         enum { CHUNK = 16384 };
         const size_t page_bytes = kvs_lean_page_bytes(lean_fmt, HD, BS) * NKV * (size_t)n_blocks;
-        struct kvs_dbuf *ck = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD), *cv = xalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD);
-        struct kvs_dbuf *cs = xalloc(b, KVS_BUF_I32, CHUNK);
+        struct kvs_dbuf *ck = bench_dalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD), *cv = bench_dalloc(b, KVS_BUF_ACT, (size_t)CHUNK * NKV * HD);
+        struct kvs_dbuf *cs = bench_dalloc(b, KVS_BUF_I32, CHUNK);
         int32_t *hs = kvs_xmalloc(CHUNK * 4);
         kvs_cuda_fill_random(b, ck, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
         kvs_cuda_fill_random(b, cv, 0, (size_t)CHUNK * NKV * HD, 1.0f, seed++);
@@ -523,8 +501,8 @@ int main(int argc, char **argv)
                 L[l].kc = L[0].kc, L[l].vc = L[0].vc;
                 continue;
             }
-            L[l].kc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
-            L[l].vc = xalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            L[l].kc = bench_dalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
+            L[l].vc = bench_dalloc(b, KVS_BUF_KV, (size_t)n_blocks * NKV * BS * HD);
             kvs_cuda_fill_random(b, L[l].kc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
             kvs_cuda_fill_random(b, L[l].vc, 0, (size_t)n_blocks * NKV * BS * HD, 1.0f, seed++);
         }

@@ -34,12 +34,11 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
+
+#define BS 16 /* KV block size (tokens) */
 
 #define NL 32
-#define NH 32
-#define NKV 8
-#define HD 128
-#define BS 16
 #define WEIGHT_BYTES 16060522496.0 /* Llama-3.1-8B in bf16 */
 #define FLUSH_FLOATS ((size_t)64 << 20)
 #define CHUNK 16384                 /* tokens per write launch when filling the pages */
@@ -119,12 +118,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: bad list, format, layout or --reps\n", argv[0]);
         return 2;
     }
-    char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    char desc[256];
+    struct kvs_backend *b = bench_cuda_open();
+    if (!b) return 1;
     const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(O, NULL, 0);
     if (!kn) {
         fprintf(stderr, "the cuda backend has no LeanKV kernels\n");

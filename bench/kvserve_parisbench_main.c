@@ -49,11 +49,10 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-#define NH 32
-#define NKV 8
-#define HD 128
-#define BS 16
+#define BS 16 /* KV block size (tokens) */
+
 #define SINK 4
 #define TAIL 320
 #define NEEDLES 100
@@ -62,13 +61,6 @@
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static const struct kvs_paris_kernels *K;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, kind, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
-}
 
 struct shape {
     int B, ctx, topk;
@@ -181,11 +173,8 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    struct kvs_backend *b = bench_cuda_open();
+    if (!b) return 1;
     if (!(K = kvs_paris_kernels_for(O, err, sizeof err)) || !O->attention_spans) {
         fprintf(stderr, "%s\n", K ? "the cuda backend has no attention_spans" : err);
         return 1;
@@ -197,7 +186,7 @@ int main(int argc, char **argv)
     printf("%6s %8s %9s %9s %9s %9s | %7s %7s %7s %7s %7s | %9s %8s %9s | %10s %10s | %9s %8s %10s %11s\n", "batch",
            "context", "full ms", "paris ms", "select", "spans", "prep", "vote", "keep", "rerank", "topk", "full/paris",
            "recall", "enc us/st", "32L full", "32L paris", "offload", "gather", "full/offl", "32L offload");
-    struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
+    struct kvs_dbuf *flush = bench_dalloc(b, KVS_BUF_F32, FLUSH_FLOATS);
     float sg[HD];
     kvs_paris_signs(KVS_PARIS_SEED, HD, sg);
     const int W = kvs_paris_words(HD), NB = HD / 8;
@@ -221,26 +210,26 @@ int main(int argc, char **argv)
                        index_bytes / 1e9);
                 continue;
             }
-            S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
-            S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.kc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
+            S.vc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
             kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
             kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
-            S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.q = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
             kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
-            S.out = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
-            S.lse = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NH);
-            S.signs = alloc_or_die(b, KVS_BUF_F32, HD);
+            S.out = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.lse = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NH);
+            S.signs = bench_dalloc(b, KVS_BUF_F32, HD);
             O->upload(b, S.signs, 0, sg, HD);
-            S.codes = alloc_or_die(b, KVS_BUF_I32, slots * NKV * W);
-            S.w = alloc_or_die(b, KVS_BUF_F32, slots * NKV * NB);
-            S.counts = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * NB * KVS_PARIS_NC);
+            S.codes = bench_dalloc(b, KVS_BUF_I32, slots * NKV * W);
+            S.w = bench_dalloc(b, KVS_BUF_F32, slots * NKV * NB);
+            S.counts = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * NB * KVS_PARIS_NC);
             O->zero(b, S.counts, 0, (size_t)B * NKV * NB * KVS_PARIS_NC);
-            S.rows = alloc_or_die(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_ROW_N);
-            S.jobs = alloc_or_die(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_JOB_N);
-            S.nsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
-            S.sp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * (topk + 2) * 2);
-            S.sel = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * topk);
-            S.exact = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * topk);
+            S.rows = bench_dalloc(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_ROW_N);
+            S.jobs = bench_dalloc(b, KVS_BUF_I32, (size_t)B * KVS_PARIS_JOB_N);
+            S.nsp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV);
+            S.sp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * (topk + 2) * 2);
+            S.sel = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * topk);
+            S.exact = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * topk);
             int32_t *perm = kvs_xmalloc(pool_blocks * 4);
             for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
             for (size_t i = pool_blocks - 1; i > 0; i--) {
@@ -250,8 +239,8 @@ int main(int argc, char **argv)
             }
             plant_needles(b, &S, perm, nblk);
             int32_t *h_qs = kvs_xmalloc((size_t)(B + 1) * 4), *h_pos = kvs_xmalloc((size_t)B * 4);
-            struct kvs_dbuf *qs = alloc_or_die(b, KVS_BUF_I32, (size_t)B + 1), *pos = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
-            struct kvs_dbuf *bt = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+            struct kvs_dbuf *qs = bench_dalloc(b, KVS_BUF_I32, (size_t)B + 1), *pos = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+            struct kvs_dbuf *bt = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
             O->upload(b, bt, 0, perm, pool_blocks);
             for (int s = 0; s <= B; s++) h_qs[s] = s;
             for (int s = 0; s < B; s++) h_pos[s] = ctx - 1;
@@ -319,7 +308,7 @@ int main(int argc, char **argv)
             S.hk = K->host_alloc(b, half, err, sizeof err);
             S.hv = S.hk ? K->host_alloc(b, half, err, sizeof err) : NULL;
             if (S.hv) {
-                S.pages = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+                S.pages = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
                 O->upload(b, S.pages, 0, perm, pool_blocks);
                 for (int s = 0; s < B; s++) {
                     S.h_jobs[s * KVS_PARIS_JOB_N + KVS_PARIS_JOB_FROM] = SINK;
@@ -328,15 +317,15 @@ int main(int argc, char **argv)
                 O->upload(b, S.jobs, 0, S.h_jobs, (size_t)B * KVS_PARIS_JOB_N);
                 K->write_out(b, S.kc, S.vc, &S.m, S.jobs, S.h_jobs, B, 0, 1, NKV, HD, BS, S.pages, nblk, S.hk, S.hv);
                 const size_t st_elems = (size_t)B * S.stage_blocks * NKV * BS * HD;
-                S.stk = alloc_or_die(b, KVS_BUF_KV, st_elems);
-                S.stv = alloc_or_die(b, KVS_BUF_KV, st_elems);
+                S.stk = bench_dalloc(b, KVS_BUF_KV, st_elems);
+                S.stv = bench_dalloc(b, KVS_BUF_KV, st_elems);
                 int32_t *sbt = kvs_xmalloc((size_t)B * S.stage_blocks * 4), *sn = kvs_xmalloc((size_t)B * NKV * 4);
                 int32_t *ssp = kvs_xmalloc((size_t)B * NKV * 8);
                 for (int i = 0; i < B * S.stage_blocks; i++) sbt[i] = i;
                 for (int i = 0; i < B * NKV; i++) sn[i] = 1, ssp[2 * i] = 0, ssp[2 * i + 1] = SINK + topk + TAIL;
-                S.stbt = alloc_or_die(b, KVS_BUF_I32, (size_t)B * S.stage_blocks);
-                S.stn = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
-                S.stsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * 2);
+                S.stbt = bench_dalloc(b, KVS_BUF_I32, (size_t)B * S.stage_blocks);
+                S.stn = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV);
+                S.stsp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * 2);
                 O->upload(b, S.stbt, 0, sbt, (size_t)B * S.stage_blocks);
                 O->upload(b, S.stn, 0, sn, (size_t)B * NKV);
                 O->upload(b, S.stsp, 0, ssp, (size_t)B * NKV * 2);

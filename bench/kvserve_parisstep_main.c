@@ -61,15 +61,10 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-/* Llama-3.1-8B */
-#define DIM 4096
-#define NH 32
-#define NKV 8
-#define HD 128
-#define FF 14336
-#define VOCAB 128256
-#define BS 16
+#define BS 16 /* KV block size (tokens) */
+
 #define SINK 4
 #define LOCAL 64
 #define TAIL 320          /* local window 64 + a half-full update buffer of 256 */
@@ -78,13 +73,6 @@
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static const struct kvs_paris_kernels *K;
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-
-static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, k, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
-}
 
 struct layer {
     struct kvs_dweight *wq, *wk, *wv, *wo, *wg, *wu, *wd, *n1, *n2;
@@ -239,17 +227,8 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
     if (!B->emb || !B->head || !B->fnorm) kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
     struct layer *L = B->L = kvs_xcalloc((size_t)n_layers, sizeof *L);
     for (int l = 0; l < n_layers; l++) {
-        L[l].wq = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L[l].wk = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L[l].wv = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L[l].wo = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L[l].wg = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L[l].wu = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L[l].wd = kvs_cuda_random_weight(b, DIM, FF, 0, 0.02f, seed++);
-        L[l].n1 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        L[l].n2 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        if (!L[l].wq || !L[l].wk || !L[l].wv || !L[l].wo || !L[l].wg || !L[l].wu || !L[l].wd || !L[l].n1 || !L[l].n2)
-            kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+        bench_random_layer(b, &seed, &L[l].wq, &L[l].wk, &L[l].wv, &L[l].wo, &L[l].wg,
+                           &L[l].wu, &L[l].wd, &L[l].n1, &L[l].n2);
         struct kvs_dweight *qkv[3] = {L[l].wq, L[l].wk, L[l].wv}, *gu[2] = {L[l].wg, L[l].wu};
         if (O->fuse_weights(b, qkv, 3) || O->fuse_weights(b, gu, 2))
             kvs_panic(__FILE__, __LINE__, "fuse_weights failed (out of device memory?)");
@@ -260,21 +239,21 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
                            2.0 * VOCAB * DIM;
 
     /* activations */
-    B->x = xalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->h = xalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM);
-    B->q = xalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->k = xalloc(b, KVS_BUF_ACT, (size_t)Bn * NKV * HD);
-    B->v = xalloc(b, KVS_BUF_ACT, (size_t)Bn * NKV * HD), B->att = xalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM);
-    B->lse = xalloc(b, KVS_BUF_F32, (size_t)Bn * NH);
-    B->o = xalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->g = xalloc(b, KVS_BUF_ACT, (size_t)Bn * FF);
-    B->u = xalloc(b, KVS_BUF_ACT, (size_t)Bn * FF), B->logits = xalloc(b, KVS_BUF_ACT, (size_t)Bn * VOCAB);
-    B->tok = xalloc(b, KVS_BUF_I32, Bn), B->pos = xalloc(b, KVS_BUF_I32, Bn), B->slots = xalloc(b, KVS_BUF_I32, Bn);
-    B->invf = xalloc(b, KVS_BUF_F32, HD / 2);
+    B->x = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->h = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM);
+    B->q = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->k = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * NKV * HD);
+    B->v = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * NKV * HD), B->att = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM);
+    B->lse = bench_dalloc(b, KVS_BUF_F32, (size_t)Bn * NH);
+    B->o = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * DIM), B->g = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * FF);
+    B->u = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * FF), B->logits = bench_dalloc(b, KVS_BUF_ACT, (size_t)Bn * VOCAB);
+    B->tok = bench_dalloc(b, KVS_BUF_I32, Bn), B->pos = bench_dalloc(b, KVS_BUF_I32, Bn), B->slots = bench_dalloc(b, KVS_BUF_I32, Bn);
+    B->invf = bench_dalloc(b, KVS_BUF_F32, HD / 2);
     float inv[HD / 2];
     for (int i = 0; i < HD / 2; i++) inv[i] = (float)(1.0 / pow(500000.0, 2.0 * i / HD));
     O->upload(b, B->invf, 0, inv, HD / 2);
 
     /* the shared K/V pool, the step's metadata */
     const size_t pool_blocks = (size_t)Bn * nblk, slots = pool_blocks * BS, kv_elems = slots * NKV * HD;
-    B->kc = xalloc(b, KVS_BUF_KV, kv_elems), B->vc = xalloc(b, KVS_BUF_KV, kv_elems);
+    B->kc = bench_dalloc(b, KVS_BUF_KV, kv_elems), B->vc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
     kvs_cuda_fill_random(b, B->kc, 0, kv_elems, 1.0f, seed++);
     kvs_cuda_fill_random(b, B->vc, 0, kv_elems, 1.0f, seed++);
     int32_t *perm = deal_blocks(pool_blocks);
@@ -285,8 +264,8 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
         h_pos[s] = ctx - 1, h_tok[s] = (s * 7919) % VOCAB;
         h_slot[s] = perm[(size_t)s * nblk + (ctx - 1) / BS] * BS + (ctx - 1) % BS;
     }
-    struct kvs_dbuf *qs = xalloc(b, KVS_BUF_I32, (size_t)Bn + 1), *ps = xalloc(b, KVS_BUF_I32, Bn);
-    struct kvs_dbuf *bt = xalloc(b, KVS_BUF_I32, pool_blocks);
+    struct kvs_dbuf *qs = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn + 1), *ps = bench_dalloc(b, KVS_BUF_I32, Bn);
+    struct kvs_dbuf *bt = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
     O->upload(b, bt, 0, perm, pool_blocks);
     O->upload(b, qs, 0, h_qs, (size_t)Bn + 1);
     O->upload(b, ps, 0, h_pos, Bn);
@@ -299,11 +278,11 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
     /* every layer's index, by the real encoder over the zone */
     float sg[HD];
     kvs_paris_signs(KVS_PARIS_SEED, HD, sg);
-    B->signs = xalloc(b, KVS_BUF_F32, HD);
+    B->signs = bench_dalloc(b, KVS_BUF_F32, HD);
     O->upload(b, B->signs, 0, sg, HD);
     B->h_rows = kvs_xcalloc((size_t)Bn * KVS_PARIS_ROW_N, 4), B->h_jobs = kvs_xcalloc((size_t)Bn * KVS_PARIS_JOB_N, 4);
     fill_rows(B->h_rows, B->h_jobs, Bn, ctx, topk, SINK, SINK + n_r);
-    B->rows = xalloc(b, KVS_BUF_I32, (size_t)Bn * KVS_PARIS_ROW_N), B->jobs = xalloc(b, KVS_BUF_I32, (size_t)Bn * KVS_PARIS_JOB_N);
+    B->rows = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * KVS_PARIS_ROW_N), B->jobs = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * KVS_PARIS_JOB_N);
     O->upload(b, B->rows, 0, B->h_rows, (size_t)Bn * KVS_PARIS_ROW_N);
     O->upload(b, B->jobs, 0, B->h_jobs, (size_t)Bn * KVS_PARIS_JOB_N);
     const size_t counts_n = (size_t)Bn * NKV * NB * KVS_PARIS_NC;
@@ -320,8 +299,8 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
         K->encode(b, B->kc, &B->m, NULL, B->jobs, B->h_jobs, Bn, 0, 1, NKV, HD, BS, B->signs, L[l].codes, L[l].w,
                   L[l].counts);
     }
-    B->nsp = xalloc(b, KVS_BUF_I32, (size_t)Bn * NKV);
-    B->sp = xalloc(b, KVS_BUF_I32, (size_t)Bn * NKV * (topk + 2) * 2);
+    B->nsp = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * NKV);
+    B->sp = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * NKV * (topk + 2) * 2);
 
     /* offload: the zone written out to pinned host pages (page = pool block), the staging area */
     char err[256];
@@ -332,18 +311,18 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
         printf("skipped: host pages (%.1f GB): %s\n", 2.0 * half / 1e9, err);
         return 1;
     }
-    B->pages = xalloc(b, KVS_BUF_I32, pool_blocks);
+    B->pages = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
     O->upload(b, B->pages, 0, perm, pool_blocks);
     K->write_out(b, B->kc, B->vc, &B->m, B->jobs, B->h_jobs, Bn, 0, 1, NKV, HD, BS, B->pages, nblk, B->hk, B->hv);
     B->stage_blocks = (SINK + topk + TAIL + BS - 1) / BS;
     const size_t st_elems = (size_t)Bn * B->stage_blocks * NKV * BS * HD;
-    B->stk = xalloc(b, KVS_BUF_KV, st_elems), B->stv = xalloc(b, KVS_BUF_KV, st_elems);
+    B->stk = bench_dalloc(b, KVS_BUF_KV, st_elems), B->stv = bench_dalloc(b, KVS_BUF_KV, st_elems);
     int32_t *sbt = kvs_xmalloc((size_t)Bn * B->stage_blocks * 4), *sn = kvs_xmalloc((size_t)Bn * NKV * 4);
     int32_t *ssp = kvs_xmalloc((size_t)Bn * NKV * 8);
     for (int i = 0; i < Bn * B->stage_blocks; i++) sbt[i] = i;
     for (int i = 0; i < Bn * NKV; i++) sn[i] = 1, ssp[2 * i] = 0, ssp[2 * i + 1] = SINK + topk + TAIL;
-    struct kvs_dbuf *stbt = xalloc(b, KVS_BUF_I32, (size_t)Bn * B->stage_blocks);
-    struct kvs_dbuf *stn = xalloc(b, KVS_BUF_I32, (size_t)Bn * NKV), *stsp = xalloc(b, KVS_BUF_I32, (size_t)Bn * NKV * 2);
+    struct kvs_dbuf *stbt = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * B->stage_blocks);
+    struct kvs_dbuf *stn = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * NKV), *stsp = bench_dalloc(b, KVS_BUF_I32, (size_t)Bn * NKV * 2);
     O->upload(b, stbt, 0, sbt, (size_t)Bn * B->stage_blocks);
     O->upload(b, stn, 0, sn, (size_t)Bn * NKV);
     O->upload(b, stsp, 0, ssp, (size_t)Bn * NKV * 2);
@@ -422,17 +401,17 @@ static int chunk_mode(struct kvs_backend *b, int C, const int *ctxs, int nc, int
             continue;
         }
         const size_t E = (size_t)nblk * BS * NKV * HD;
-        struct kvs_dbuf *kc = xalloc(b, KVS_BUF_KV, E), *vc = xalloc(b, KVS_BUF_KV, E);
+        struct kvs_dbuf *kc = bench_dalloc(b, KVS_BUF_KV, E), *vc = bench_dalloc(b, KVS_BUF_KV, E);
         kvs_cuda_fill_random(b, kc, 0, E, 1.0f, 21 + ci);
         kvs_cuda_fill_random(b, vc, 0, E, 1.0f, 31 + ci);
-        struct kvs_dbuf *q = xalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
+        struct kvs_dbuf *q = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
         kvs_cuda_fill_random(b, q, 0, (size_t)C * NH * HD, 1.0f, 41 + ci);
-        struct kvs_dbuf *o1 = xalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD), *o2 = xalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
-        struct kvs_dbuf *o3 = xalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
-        struct kvs_dbuf *l2 = xalloc(b, KVS_BUF_F32, (size_t)C * NH), *lb = xalloc(b, KVS_BUF_F32, (size_t)C * NH);
-        struct kvs_dbuf *ob = xalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
+        struct kvs_dbuf *o1 = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD), *o2 = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
+        struct kvs_dbuf *o3 = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
+        struct kvs_dbuf *l2 = bench_dalloc(b, KVS_BUF_F32, (size_t)C * NH), *lb = bench_dalloc(b, KVS_BUF_F32, (size_t)C * NH);
+        struct kvs_dbuf *ob = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
         int32_t *perm = deal_blocks((size_t)nblk), hq[2] = {0, C}, hp[1] = {p0};
-        struct kvs_dbuf *bt = xalloc(b, KVS_BUF_I32, nblk), *qs = xalloc(b, KVS_BUF_I32, 2), *ps = xalloc(b, KVS_BUF_I32, 1);
+        struct kvs_dbuf *bt = bench_dalloc(b, KVS_BUF_I32, nblk), *qs = bench_dalloc(b, KVS_BUF_I32, 2), *ps = bench_dalloc(b, KVS_BUF_I32, 1);
         O->upload(b, bt, 0, perm, nblk);
         O->upload(b, qs, 0, hq, 2);
         O->upload(b, ps, 0, hp, 1);
@@ -448,8 +427,8 @@ static int chunk_mode(struct kvs_backend *b, int C, const int *ctxs, int nc, int
         hrow[KVS_PARIS_ROW_TOPK] = hi - SINK;   /* the gather sizes its grid by ctx - n_r + topk: all N */
         int32_t *hpg = kvs_xmalloc((size_t)nblk * 4);
         for (int j = 0; j < nblk; j++) hpg[j] = j >= lo / BS && j < hi / BS ? perm[j] : -1;
-        struct kvs_dbuf *pages = xalloc(b, KVS_BUF_I32, nblk), *rows = xalloc(b, KVS_BUF_I32, KVS_PARIS_ROW_N);
-        struct kvs_dbuf *jobs = xalloc(b, KVS_BUF_I32, KVS_PARIS_JOB_N);
+        struct kvs_dbuf *pages = bench_dalloc(b, KVS_BUF_I32, nblk), *rows = bench_dalloc(b, KVS_BUF_I32, KVS_PARIS_ROW_N);
+        struct kvs_dbuf *jobs = bench_dalloc(b, KVS_BUF_I32, KVS_PARIS_JOB_N);
         O->upload(b, pages, 0, hpg, nblk);
         O->upload(b, rows, 0, hrow, KVS_PARIS_ROW_N);
         O->upload(b, jobs, 0, hjob, KVS_PARIS_JOB_N);
@@ -465,24 +444,24 @@ static int chunk_mode(struct kvs_backend *b, int C, const int *ctxs, int nc, int
                 sa[i * 4] = 0, sa[i * 4 + 1] = lo, sa[i * 4 + 2] = hi, sa[i * 4 + 3] = p0 + t + 1;
                 sb[i * 4] = lo, sb[i * 4 + 1] = hi;
             }
-        struct kvs_dbuf *dna = xalloc(b, KVS_BUF_I32, (size_t)C * NKV), *dnb = xalloc(b, KVS_BUF_I32, (size_t)C * NKV);
-        struct kvs_dbuf *dsa = xalloc(b, KVS_BUF_I32, (size_t)C * NKV * 4), *dsb = xalloc(b, KVS_BUF_I32, (size_t)C * NKV * 4);
+        struct kvs_dbuf *dna = bench_dalloc(b, KVS_BUF_I32, (size_t)C * NKV), *dnb = bench_dalloc(b, KVS_BUF_I32, (size_t)C * NKV);
+        struct kvs_dbuf *dsa = bench_dalloc(b, KVS_BUF_I32, (size_t)C * NKV * 4), *dsb = bench_dalloc(b, KVS_BUF_I32, (size_t)C * NKV * 4);
         O->upload(b, dna, 0, na, (size_t)C * NKV), O->upload(b, dnb, 0, nb, (size_t)C * NKV);
         O->upload(b, dsa, 0, sa, (size_t)C * NKV * 4), O->upload(b, dsb, 0, sb, (size_t)C * NKV * 4);
         const struct kvs_span_list spa = {2, dna, dsa, na, sa}, spb = {2, dnb, dsb, nb, sb};
         /* staged: one gather row with the span [0, N) into a staging area of N positions */
-        struct kvs_dbuf *sk = xalloc(b, KVS_BUF_KV, E), *sv = xalloc(b, KVS_BUF_KV, E);
+        struct kvs_dbuf *sk = bench_dalloc(b, KVS_BUF_KV, E), *sv = bench_dalloc(b, KVS_BUF_KV, E);
         int32_t *gn = kvs_xmalloc(NKV * 4), *gs = kvs_xmalloc(NKV * 8), *sbt = kvs_xmalloc((size_t)nblk * 4);
         for (int g = 0; g < NKV; g++) gn[g] = 1, gs[2 * g] = 0, gs[2 * g + 1] = N;
         for (int j = 0; j < nblk; j++) sbt[j] = j;
-        struct kvs_dbuf *dgn = xalloc(b, KVS_BUF_I32, NKV), *dgs = xalloc(b, KVS_BUF_I32, NKV * 2);
-        struct kvs_dbuf *dsbt = xalloc(b, KVS_BUF_I32, nblk);
+        struct kvs_dbuf *dgn = bench_dalloc(b, KVS_BUF_I32, NKV), *dgs = bench_dalloc(b, KVS_BUF_I32, NKV * 2);
+        struct kvs_dbuf *dsbt = bench_dalloc(b, KVS_BUF_I32, nblk);
         O->upload(b, dgn, 0, gn, NKV), O->upload(b, dgs, 0, gs, NKV * 2), O->upload(b, dsbt, 0, sbt, nblk);
         struct kvs_attn_meta sm = m;
         sm.block_tables = dsbt;
         /* the gather's meta: one decode-like row of the sequence at N - 1 (its spans stop at N) */
         int32_t gq[2] = {0, 1}, gp[1] = {N - 1};
-        struct kvs_dbuf *gqs = xalloc(b, KVS_BUF_I32, 2), *gps = xalloc(b, KVS_BUF_I32, 1);
+        struct kvs_dbuf *gqs = bench_dalloc(b, KVS_BUF_I32, 2), *gps = bench_dalloc(b, KVS_BUF_I32, 1);
         O->upload(b, gqs, 0, gq, 2), O->upload(b, gps, 0, gp, 1);
         struct kvs_attn_meta gm = m;
         gm.q_start = gqs, gm.pos = gps, gm.h_q_start = gq, gm.h_pos = gp;
@@ -569,11 +548,8 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    struct kvs_backend *b = bench_cuda_open();
+    if (!b) return 1;
     if (!(K = kvs_paris_kernels_for(O, err, sizeof err)) || !O->attention_spans || !K->host_view) {
         fprintf(stderr, "%s\n", K ? "the cuda backend has no attention_spans / host_view" : err);
         return 1;

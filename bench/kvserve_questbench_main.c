@@ -37,23 +37,15 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-#define NH 32
-#define NKV 8
-#define HD 128
-#define BS 16
+#define BS 16 /* KV block size (tokens) */
+
 #define FLUSH_FLOATS ((size_t)64 << 20) /* 256 MB: several times the L2 */
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static const struct kvs_quest_kernels *K;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, kind, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
-}
 
 struct shape {
     int B, ctx, max_pages, max_spans, bits;
@@ -149,11 +141,8 @@ int main(int argc, char **argv)
         return 2;
     }
     char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    struct kvs_backend *b = bench_cuda_open();
+    if (!b) return 1;
     if (!(K = kvs_quest_kernels_for(O, err, sizeof err)) || !O->attention_spans) {
         fprintf(stderr, "%s\n", K ? "the cuda backend has no attention_spans" : err);
         return 1;
@@ -174,7 +163,7 @@ int main(int argc, char **argv)
            "kept/pages",
            "full ms", "quest ms", "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio", "full TB/s",
            "span TB/s");
-    struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
+    struct kvs_dbuf *flush = bench_dalloc(b, KVS_BUF_F32, FLUSH_FLOATS);
     for (int bi = 0; bi < nb; bi++)
         for (int ci = 0; ci < nc; ci++) {
             struct shape S;
@@ -191,22 +180,22 @@ int main(int argc, char **argv)
             int keep = (int)ceil(budget / BS);
             if (keep > nblk) keep = nblk;
             S.max_spans = keep;
-            S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
-            S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.kc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
+            S.vc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
             S.n_pages = pool_blocks;
-            S.dig = alloc_or_die(b, KVS_BUF_KV, pool_blocks * NKV * 2 * HD);
-            S.qdig8 = alloc_or_die(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 8));
-            S.qdig4 = alloc_or_die(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 4));
+            S.dig = bench_dalloc(b, KVS_BUF_KV, pool_blocks * NKV * 2 * HD);
+            S.qdig8 = bench_dalloc(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 8));
+            S.qdig4 = bench_dalloc(b, KVS_BUF_I32, kvs_quest_qdig_words(pool_blocks, NKV, HD, 4));
             kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
             kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
-            S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.q = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
             kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
-            S.out = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
-            S.lse = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NH);
-            S.keep = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
-            S.scores = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NKV * nblk);
-            S.nsp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV);
-            S.sp = alloc_or_die(b, KVS_BUF_I32, (size_t)B * NKV * S.max_spans * 2);
+            S.out = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.lse = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NH);
+            S.keep = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+            S.scores = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NKV * nblk);
+            S.nsp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV);
+            S.sp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * S.max_spans * 2);
             int32_t *perm = kvs_xmalloc(pool_blocks * 4);
             for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
             for (size_t i = pool_blocks - 1; i > 0; i--) {
@@ -217,8 +206,8 @@ int main(int argc, char **argv)
             }
             int32_t *h_qs = kvs_xmalloc((size_t)(B + 1) * 4), *h_pos = kvs_xmalloc((size_t)B * 4);
             int32_t *h_keep = kvs_xmalloc((size_t)B * 4);
-            struct kvs_dbuf *qs = alloc_or_die(b, KVS_BUF_I32, (size_t)B + 1), *pos = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
-            struct kvs_dbuf *bt = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+            struct kvs_dbuf *qs = bench_dalloc(b, KVS_BUF_I32, (size_t)B + 1), *pos = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+            struct kvs_dbuf *bt = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
             O->upload(b, bt, 0, perm, pool_blocks);
             /* digests of the whole context: one prefill-shaped refresh (untimed) */
             for (int s = 0; s <= B; s++) h_qs[s] = s * ctx;

@@ -27,22 +27,14 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-#define NH 32
-#define NKV 8
-#define HD 128
-#define BS 16
+#define BS 16 /* KV block size (tokens) */
+
 #define FLUSH_FLOATS ((size_t)64 << 20) /* 256 MB: several times the L2 */
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static struct kvs_dbuf *alloc_or_die(struct kvs_backend *b, enum kvs_buf_kind kind, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, kind, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
-}
 
 struct shape {
     struct kvs_dbuf *kc, *vc, *q, *out, *lse, *qs, *pos, *bt, *nsp, *sp;
@@ -99,12 +91,9 @@ int main(int argc, char **argv)
             fprintf(stderr, "%s: coverage is a percentage (1..100)\n", argv[0]);
             return 2;
         }
-    char err[256], desc[256];
-    struct kvs_backend *b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    char desc[256];
+    struct kvs_backend *b = bench_cuda_open();
+    if (!b) return 1;
     kvs_cuda_device_desc(b, desc, sizeof desc);
     printf("device: %s\nshape: %d query heads, %d KV heads, head_dim %d, blocks of %d slots; one layer, decode rows\n",
            desc, NH, NKV, HD, BS);
@@ -118,7 +107,7 @@ int main(int argc, char **argv)
                     "| time spans / full |\n|---|---|---|---|---|---|---|---|---|---|\n");
     printf("%6s %8s %8s %10s %10s %9s %10s %9s %9s %10s\n", "batch", "context", "cover%", "spans/pr", "KV MB", "spans ms",
            "GB/s", "full ms", "GB/s", "spans/full");
-    struct kvs_dbuf *flush = alloc_or_die(b, KVS_BUF_F32, FLUSH_FLOATS);
+    struct kvs_dbuf *flush = bench_dalloc(b, KVS_BUF_F32, FLUSH_FLOATS);
     for (int bi = 0; bi < nb; bi++)
         for (int ci = 0; ci < nc; ci++) {
             const int B = batches[bi], ctx = contexts[ci], nblk = (ctx + BS - 1) / BS;
@@ -129,14 +118,14 @@ int main(int argc, char **argv)
             }
             struct shape S;
             memset(&S, 0, sizeof S);
-            S.kc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
-            S.vc = alloc_or_die(b, KVS_BUF_KV, kv_elems);
+            S.kc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
+            S.vc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
             kvs_cuda_fill_random(b, S.kc, 0, kv_elems, 1.0f, 11);
             kvs_cuda_fill_random(b, S.vc, 0, kv_elems, 1.0f, 12);
-            S.q = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.q = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
             kvs_cuda_fill_random(b, S.q, 0, (size_t)B * NH * HD, 1.0f, 13);
-            S.out = alloc_or_die(b, KVS_BUF_ACT, (size_t)B * NH * HD);
-            S.lse = alloc_or_die(b, KVS_BUF_F32, (size_t)B * NH);
+            S.out = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
+            S.lse = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NH);
             /* block tables: the pool dealt at random */
             int32_t *perm = kvs_xmalloc(pool_blocks * 4);
             for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
@@ -150,9 +139,9 @@ int main(int argc, char **argv)
             S.h_pos = kvs_xmalloc((size_t)B * 4);
             for (int s = 0; s <= B; s++) S.h_qs[s] = s;
             for (int s = 0; s < B; s++) S.h_pos[s] = ctx - 1;
-            S.qs = alloc_or_die(b, KVS_BUF_I32, (size_t)B + 1);
-            S.pos = alloc_or_die(b, KVS_BUF_I32, (size_t)B);
-            S.bt = alloc_or_die(b, KVS_BUF_I32, pool_blocks);
+            S.qs = bench_dalloc(b, KVS_BUF_I32, (size_t)B + 1);
+            S.pos = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+            S.bt = bench_dalloc(b, KVS_BUF_I32, pool_blocks);
             O->upload(b, S.qs, 0, S.h_qs, (size_t)B + 1);
             O->upload(b, S.pos, 0, S.h_pos, (size_t)B);
             O->upload(b, S.bt, 0, perm, pool_blocks);
@@ -204,8 +193,8 @@ int main(int argc, char **argv)
                     h_n[pr] = k;
                     spans += k;
                 }
-                S.nsp = alloc_or_die(b, KVS_BUF_I32, pairs);
-                S.sp = alloc_or_die(b, KVS_BUF_I32, pairs * max_spans * 2);
+                S.nsp = bench_dalloc(b, KVS_BUF_I32, pairs);
+                S.sp = bench_dalloc(b, KVS_BUF_I32, pairs * max_spans * 2);
                 O->upload(b, S.nsp, 0, h_n, pairs);
                 O->upload(b, S.sp, 0, h_sp, pairs * max_spans * 2);
                 struct kvs_span_list sl = {max_spans, S.nsp, S.sp, h_n, h_sp};

@@ -53,15 +53,10 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "bench/bench_cuda.h"
 
-/* Llama-3.1-8B */
-#define DIM 4096
-#define NH 32
-#define NKV 8
-#define HD 128
-#define FF 14336
-#define VOCAB 128256
-#define BS 16
+#define BS 16 /* KV block size (tokens) */
+
 #define MAXW 8
 
 static const struct kvs_backend_ops *O = &kvs_cuda_backend;
@@ -71,13 +66,6 @@ static double now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-static struct kvs_dbuf *xalloc(struct kvs_backend *b, enum kvs_buf_kind k, size_t n)
-{
-    struct kvs_dbuf *d = O->alloc(b, k, n);
-    if (!d) kvs_panic(__FILE__, __LINE__, "out of device memory (%zu elements)", n);
-    return d;
 }
 
 struct layer {
@@ -276,13 +264,10 @@ int main(int argc, char **argv)
         return 2;
     }
     kvs_log_set_level(KVS_LOG_WARN);
-    char err[256], desc[256];
+    char desc[256];
     struct model Mm = {0}, *M = &Mm;
-    struct kvs_backend *b = M->b = O->create(0, err, sizeof err);
-    if (!b) {
-        fprintf(stderr, "cuda backend unavailable: %s\n", err);
-        return 1;
-    }
+    struct kvs_backend *b = M->b = bench_cuda_open();
+    if (!b) return 1;
     kvs_cuda_device_desc(b, desc, sizeof desc);
     printf("device: %s\n", desc);
     M->n_layers = n_layers;
@@ -294,17 +279,7 @@ int main(int argc, char **argv)
     M->L = kvs_xcalloc((size_t)n_layers, sizeof *M->L);
     for (int l = 0; l < n_layers; l++) {
         struct layer *L = &M->L[l];
-        L->wq = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L->wk = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L->wv = kvs_cuda_random_weight(b, NKV * HD, DIM, 0, 0.02f, seed++);
-        L->wo = kvs_cuda_random_weight(b, DIM, DIM, 0, 0.02f, seed++);
-        L->wg = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L->wu = kvs_cuda_random_weight(b, FF, DIM, 0, 0.02f, seed++);
-        L->wd = kvs_cuda_random_weight(b, DIM, FF, 0, 0.02f, seed++);
-        L->n1 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        L->n2 = kvs_cuda_random_weight(b, 1, DIM, 1, 1.0f, seed++);
-        if (!L->wq || !L->wk || !L->wv || !L->wo || !L->wg || !L->wu || !L->wd || !L->n1 || !L->n2)
-            kvs_panic(__FILE__, __LINE__, "out of device memory for the weights");
+        bench_random_layer(b, &seed, &L->wq, &L->wk, &L->wv, &L->wo, &L->wg, &L->wu, &L->wd, &L->n1, &L->n2);
         struct kvs_dweight *qkv[3] = {L->wq, L->wk, L->wv}, *gu[2] = {L->wg, L->wu};
         if (O->fuse_weights(b, qkv, 3) || O->fuse_weights(b, gu, 2))
             kvs_panic(__FILE__, __LINE__, "fuse_weights failed (out of device memory?)");
@@ -314,15 +289,15 @@ int main(int argc, char **argv)
     int max_b = 0;
     for (int i = 0; i < n_b; i++) max_b = batches[i] > max_b ? batches[i] : max_b;
     const size_t R = (size_t)max_b * MAXW;
-    M->x = xalloc(b, KVS_BUF_ACT, R * DIM), M->h = xalloc(b, KVS_BUF_ACT, R * DIM);
-    M->q = xalloc(b, KVS_BUF_ACT, R * DIM), M->k = xalloc(b, KVS_BUF_ACT, R * NKV * HD);
-    M->v = xalloc(b, KVS_BUF_ACT, R * NKV * HD), M->att = xalloc(b, KVS_BUF_ACT, R * DIM);
-    M->lse = xalloc(b, KVS_BUF_F32, R * NH), M->o = xalloc(b, KVS_BUF_ACT, R * DIM);
-    M->g = xalloc(b, KVS_BUF_ACT, R * FF), M->u = xalloc(b, KVS_BUF_ACT, R * FF);
-    M->last = xalloc(b, KVS_BUF_ACT, (size_t)max_b * DIM), M->logits = xalloc(b, KVS_BUF_ACT, (size_t)max_b * VOCAB);
-    M->tok = xalloc(b, KVS_BUF_I32, R), M->pos = xalloc(b, KVS_BUF_I32, R), M->slots = xalloc(b, KVS_BUF_I32, R);
-    M->newest = xalloc(b, KVS_BUF_I32, (size_t)max_b), M->invf = xalloc(b, KVS_BUF_F32, HD / 2);
-    M->qs = xalloc(b, KVS_BUF_I32, (size_t)max_b + 1), M->sp = xalloc(b, KVS_BUF_I32, (size_t)max_b);
+    M->x = bench_dalloc(b, KVS_BUF_ACT, R * DIM), M->h = bench_dalloc(b, KVS_BUF_ACT, R * DIM);
+    M->q = bench_dalloc(b, KVS_BUF_ACT, R * DIM), M->k = bench_dalloc(b, KVS_BUF_ACT, R * NKV * HD);
+    M->v = bench_dalloc(b, KVS_BUF_ACT, R * NKV * HD), M->att = bench_dalloc(b, KVS_BUF_ACT, R * DIM);
+    M->lse = bench_dalloc(b, KVS_BUF_F32, R * NH), M->o = bench_dalloc(b, KVS_BUF_ACT, R * DIM);
+    M->g = bench_dalloc(b, KVS_BUF_ACT, R * FF), M->u = bench_dalloc(b, KVS_BUF_ACT, R * FF);
+    M->last = bench_dalloc(b, KVS_BUF_ACT, (size_t)max_b * DIM), M->logits = bench_dalloc(b, KVS_BUF_ACT, (size_t)max_b * VOCAB);
+    M->tok = bench_dalloc(b, KVS_BUF_I32, R), M->pos = bench_dalloc(b, KVS_BUF_I32, R), M->slots = bench_dalloc(b, KVS_BUF_I32, R);
+    M->newest = bench_dalloc(b, KVS_BUF_I32, (size_t)max_b), M->invf = bench_dalloc(b, KVS_BUF_F32, HD / 2);
+    M->qs = bench_dalloc(b, KVS_BUF_I32, (size_t)max_b + 1), M->sp = bench_dalloc(b, KVS_BUF_I32, (size_t)max_b);
     float invf[HD / 2];
     for (int i = 0; i < HD / 2; i++) invf[i] = (float)pow(500000.0, -2.0 * i / HD);
     O->upload(b, M->invf, 0, invf, HD / 2);
@@ -358,11 +333,11 @@ int main(int argc, char **argv)
                 if (mf) fprintf(mf, "| %d | %d | (skipped: %.1f GB of K/V and digests do not fit) |\n", nb, ctx, need / 1e9);
                 continue;
             }
-            M->kc = xalloc(b, KVS_BUF_KV, kv);
-            M->vc = xalloc(b, KVS_BUF_KV, kv);
+            M->kc = bench_dalloc(b, KVS_BUF_KV, kv);
+            M->vc = bench_dalloc(b, KVS_BUF_KV, kv);
             kvs_cuda_fill_random(b, M->kc, 0, kv, 1.0f, 11);
             kvs_cuda_fill_random(b, M->vc, 0, kv, 1.0f, 12);
-            M->bt = xalloc(b, KVS_BUF_I32, (size_t)n_blocks);
+            M->bt = bench_dalloc(b, KVS_BUF_I32, (size_t)n_blocks);
             int32_t *bt = kvs_xmalloc((size_t)n_blocks * sizeof *bt);
             for (int i = 0; i < n_blocks; i++) bt[i] = i;
             for (int i = n_blocks - 1; i > 0; i--) {   /* blocks dealt at random, as a long-running pool does */
