@@ -17,87 +17,11 @@
 #include "engine/runner.h"
 #include "base/util.h"
 #include "models/model.h"
+#include "tests/unit/engine_overlap_run.h"
 #include "tests/unit/test_util.h"
 
 #include <stdio.h>
 #include <string.h>
-
-#define NJ 24
-#define GEN 40
-
-/* scheduler.async as the config file or --set gives it (auto | true | false) */
-static void set_async(struct kvs_config *c, const char *v)
-{
-    char kv[64], err[256];
-    snprintf(kv, sizeof kv, "scheduler.async=%s", v);
-    REQUIRE(kvs_config_set(c, kv, err, sizeof err) == 0, "%s", err);
-}
-
-struct job {
-    int32_t prompt[64];
-    int n_prompt;
-    int32_t stop_id;
-    int sampled, logprobs;
-    int32_t got[GEN];
-    float lp[GEN];
-    int n_got;
-    enum kvs_finish finish;
-};
-
-static void run(const struct kvs_config *cfg, const struct kvs_model *m, struct job *jobs, struct kvs_engine_stats *st)
-{
-    struct kvs_engine *e;
-    struct kvs_request *r[NJ];
-    char err[256];
-    REQUIRE(kvs_engine_create(cfg, m, NULL, &e, err, sizeof err) == 0, "%s", err);
-    for (int i = 0; i < NJ; i++) {
-        struct kvs_request_params p;
-        memset(&p, 0, sizeof p);
-        p.prompt = jobs[i].prompt;
-        p.n_prompt = jobs[i].n_prompt;
-        p.max_tokens = GEN;
-        p.sampling.top_p = 1;
-        p.sampling.repetition_penalty = 1;
-        p.sampling.temperature = jobs[i].sampled ? 0.9f : 0.0f;
-        p.sampling.seed = 1000 + (uint64_t)i;
-        p.sampling.has_seed = 1;
-        p.sampling.logprobs = jobs[i].logprobs;
-        p.ignore_eos = 1;
-        if (jobs[i].stop_id >= 0) {
-            p.stop_ids = &jobs[i].stop_id;
-            p.n_stop_ids = 1;
-        }
-        r[i] = kvs_request_new(&p, NULL, NULL);
-        REQUIRE(r[i], "request_new");
-        REQUIRE(kvs_engine_submit(e, r[i], err, sizeof err) == 0, "submit: %s", err);
-        jobs[i].n_got = 0;
-        jobs[i].finish = KVS_FINISH_NONE;
-    }
-    for (int i = 0; i < NJ; i++) {
-        struct kvs_event ev[16];
-        while (jobs[i].finish == KVS_FINISH_NONE) {
-            int k = kvs_request_wait(r[i], ev, 16, 60.0);
-            REQUIRE(k > 0, "no event for 60 s");
-            for (int q = 0; q < k; q++) {
-                if (ev[q].type == KVS_EV_TOKEN) {
-                    REQUIRE(jobs[i].n_got < GEN, "request %d: too many tokens", i);
-                    jobs[i].lp[jobs[i].n_got] = ev[q].logprob;
-                    jobs[i].got[jobs[i].n_got++] = ev[q].token;
-                } else {
-                    REQUIRE(ev[q].type == KVS_EV_DONE, "request %d: error %s", i, ev[q].error ? ev[q].error : "");
-                    jobs[i].finish = ev[q].finish;
-                    REQUIRE(ev[q].n_completion_tokens == jobs[i].n_got, "request %d: usage %d tokens, events %d", i,
-                            ev[q].n_completion_tokens, jobs[i].n_got);
-                }
-                kvs_event_clear(&ev[q]);
-            }
-        }
-        kvs_request_unref(r[i]);
-    }
-    kvs_engine_stats(e, st);
-    REQUIRE(st->kv_blocks_used == 0, "blocks still used: %d", st->kv_blocks_used);
-    kvs_engine_free(e);
-}
 
 int main(void)
 {
