@@ -66,22 +66,11 @@ static void engine_case(void)
     run(&c, m, on, &st);
     for (int i = 0; i < NJ; i += 2) ref[i].stop_id = on[i].got[GEN / 4 + i % 5];
     for (int pool = 0; pool < 2; pool++) {
-        if (pool) {
-            struct kvs_runner *rn;
-            REQUIRE(kvs_runner_create(&c, m, &rn, err, sizeof err) == 0, "%s", err);
-            c.kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
-            kvs_runner_free(rn);
-        }
-        memcpy(off, ref, sizeof off);
-        set_async(&c, "false");
-        run(&c, m, off, &st);
-        memcpy(on, ref, sizeof on);
-        set_async(&c, "true");
-        run(&c, m, on, &st);
+        if (pool) small_pool(&c, m);
+        run_sync_then_async(&c, m, ref, off, on, &st);
         int stopped = 0, differ = 0;
         for (int i = 0; i < NJ; i++) {
-            const int same = on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
-                             !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got);
+            const int same = same_tokens(&on[i], &off[i]);
             if (!pool) CHECK(same, "roomy pool request %d: greedy tokens differ with scheduler.async", i);
             CHECK(on[i].finish == KVS_FINISH_STOP || (on[i].finish == KVS_FINISH_LENGTH && on[i].n_got == GEN),
                   "pool %d request %d: finish %d after %d tokens", pool, i, on[i].finish, on[i].n_got);
@@ -101,8 +90,7 @@ static void engine_case(void)
         memcpy(on, ref, sizeof on);
         run(&c, m, on, &st);
         for (int i = 0; i < NJ; i++)
-            CHECK(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
-                      !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+            CHECK(same_tokens(&on[i], &off[i]),
                   "roomy pool request %d: greedy tokens differ with scheduler.async=auto", i);
         CHECK(st.async_steps * 2 > st.steps, "scheduler.async=auto on CUDA: only %llu of %llu steps begun ahead",
               (unsigned long long)st.async_steps, (unsigned long long)st.steps);

@@ -16,6 +16,7 @@
 
 #include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/runner.h"
 #include "tests/unit/test_util.h"
 
 #define NJ 24   /* requests a run */
@@ -95,6 +96,36 @@ static void run(const struct kvs_config *cfg, const struct kvs_model *m, struct 
     kvs_engine_stats(e, st);
     REQUIRE(st->kv_blocks_used == 0, "blocks still used: %d", st->kv_blocks_used);
     kvs_engine_free(e);
+}
+
+
+/* the same output: finish reason, token count and token ids (logprobs not compared) */
+static int same_tokens(const struct job *a, const struct job *b)
+{
+    return a->finish == b->finish && a->n_got == b->n_got && !memcmp(a->got, b->got, (size_t)a->n_got * sizeof *a->got);
+}
+
+/* shrinks c's KV pool to 10 blocks of 16 tokens, so that 16 or 24 running requests preempt */
+static void small_pool(struct kvs_config *c, const struct kvs_model *m)
+{
+    struct kvs_runner *rn;
+    char err[256];
+    REQUIRE(kvs_runner_create(c, m, &rn, err, sizeof err) == 0, "%s", err);
+    c->kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
+    kvs_runner_free(rn);
+}
+
+/* ref[] run with scheduler.async false into off[], then true into on[] (async is left true);
+ * st gets the async run's stats */
+static void run_sync_then_async(struct kvs_config *c, const struct kvs_model *m, const struct job *ref, struct job *off,
+                                struct job *on, struct kvs_engine_stats *st)
+{
+    memcpy(off, ref, NJ * sizeof *off);
+    set_async(c, "false");
+    run(c, m, off, st);
+    memcpy(on, ref, NJ * sizeof *on);
+    set_async(c, "true");
+    run(c, m, on, st);
 }
 
 #endif

@@ -64,12 +64,7 @@ int main(void)
     for (int pool = 0; pool < 2; pool++) {
         /* pool 1: 10 blocks of 16 tokens for 16 running requests of up to 103 tokens */
         c.kv_memory_bytes = pool ? 0 : 8 << 20;
-        if (pool) {
-            struct kvs_runner *rn;
-            REQUIRE(kvs_runner_create(&c, m, &rn, err, sizeof err) == 0, "%s", err);
-            c.kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
-            kvs_runner_free(rn);
-        }
+        if (pool) small_pool(&c, m);
         memcpy(on, ref, sizeof on);
         memcpy(off, ref, sizeof off);
         c.sched_overlap = 1;
@@ -141,21 +136,10 @@ int main(void)
     for (int i = 0; i < NJ; i++) ref[i].stop_id = i % 2 ? -1 : off[i].got[GEN / 4 + i % 5];
     const int64_t roomy = c.kv_memory_bytes;
     for (int pool = 0; pool < 2; pool++) {
-        if (pool) {   /* 10 blocks of 16 tokens for 24 running requests: preemption while a step is out */
-            struct kvs_runner *rn;
-            REQUIRE(kvs_runner_create(&c, m, &rn, err, sizeof err) == 0, "%s", err);
-            c.kv_memory_bytes = (int64_t)(kvs_runner_kv_bytes_per_token(rn) * 16 * 10);
-            kvs_runner_free(rn);
-        }
-        memcpy(off, ref, sizeof off);
-        set_async(&c, "false");
-        run(&c, m, off, &st);
-        memcpy(on, ref, sizeof on);
-        set_async(&c, "true");
-        run(&c, m, on, &st);
+        if (pool) small_pool(&c, m);   /* 24 running requests: preemption while a step is out */
+        run_sync_then_async(&c, m, ref, off, on, &st);
         for (int i = 0; i < NJ; i++)
-            REQUIRE(on[i].finish == off[i].finish && on[i].n_got == off[i].n_got &&
-                        !memcmp(on[i].got, off[i].got, (size_t)on[i].n_got * sizeof *on[i].got),
+            REQUIRE(same_tokens(&on[i], &off[i]),
                     "pool %d request %d: greedy tokens differ with scheduler.async", pool, i);
         REQUIRE(st.async_steps * 2 > st.steps, "only %llu of %llu steps begun ahead",
                 (unsigned long long)st.async_steps, (unsigned long long)st.steps);
