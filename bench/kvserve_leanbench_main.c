@@ -186,13 +186,7 @@ int main(int argc, char **argv)
             S.q = need(O->alloc(b, KVS_BUF_ACT, (size_t)rows * NH * HD), 0);
             kvs_cuda_fill_random(b, S.q, 0, (size_t)rows * NH * HD, 1.0f, 13);
             S.out = need(O->alloc(b, KVS_BUF_ACT, (size_t)rows * NH * HD), 0);
-            S.h_bt = kvs_xmalloc(blocks * 4);
-            for (size_t i = 0; i < blocks; i++) S.h_bt[i] = (int32_t)i;
-            for (size_t i = blocks - 1; i > 0; i--) {
-                const size_t j = bench_rnd(&rng) % (i + 1);
-                const int32_t t = S.h_bt[i];
-                S.h_bt[i] = S.h_bt[j], S.h_bt[j] = t;
-            }
+            S.h_bt = bench_shuffled_ids(blocks, &rng);
             S.h_qs = kvs_xmalloc((size_t)(B + 1) * 4);
             S.h_pos = kvs_xmalloc((size_t)B * 4);
             for (int s = 0; s <= B; s++) S.h_qs[s] = pass ? s * rows : s;

@@ -195,19 +195,6 @@ static void fill_rows(int32_t *h_rows, int32_t *h_jobs, int B, int ctx, int topk
     }
 }
 
-/* pool blocks in random order (a long-running pool's), B sequences of nblk blocks */
-static int32_t *deal_blocks(size_t n)
-{
-    int32_t *perm = kvs_xmalloc(n * 4);
-    for (size_t i = 0; i < n; i++) perm[i] = (int32_t)i;
-    for (size_t i = n - 1; i > 0; i--) {
-        const size_t j = bench_rnd(&rng) % (i + 1);
-        const int32_t t = perm[i];
-        perm[i] = perm[j], perm[j] = t;
-    }
-    return perm;
-}
-
 static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_layers, int reps)
 {
     struct bench S, *B = &S;
@@ -256,7 +243,7 @@ static int step_mode(struct kvs_backend *b, int Bn, int ctx, int topk, int n_lay
     B->kc = bench_dalloc(b, KVS_BUF_KV, kv_elems), B->vc = bench_dalloc(b, KVS_BUF_KV, kv_elems);
     kvs_cuda_fill_random(b, B->kc, 0, kv_elems, 1.0f, seed++);
     kvs_cuda_fill_random(b, B->vc, 0, kv_elems, 1.0f, seed++);
-    int32_t *perm = deal_blocks(pool_blocks);
+    int32_t *perm = bench_shuffled_ids(pool_blocks, &rng);
     int32_t *h_qs = kvs_xmalloc((size_t)(Bn + 1) * 4), *h_pos = kvs_xmalloc((size_t)Bn * 4);
     int32_t *h_tok = kvs_xmalloc((size_t)Bn * 4), *h_slot = kvs_xmalloc((size_t)Bn * 4);
     for (int s = 0; s <= Bn; s++) h_qs[s] = s;
@@ -410,7 +397,7 @@ static int chunk_mode(struct kvs_backend *b, int C, const int *ctxs, int nc, int
         struct kvs_dbuf *o3 = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
         struct kvs_dbuf *l2 = bench_dalloc(b, KVS_BUF_F32, (size_t)C * NH), *lb = bench_dalloc(b, KVS_BUF_F32, (size_t)C * NH);
         struct kvs_dbuf *ob = bench_dalloc(b, KVS_BUF_ACT, (size_t)C * NH * HD);
-        int32_t *perm = deal_blocks((size_t)nblk), hq[2] = {0, C}, hp[1] = {p0};
+        int32_t *perm = bench_shuffled_ids((size_t)nblk, &rng), hq[2] = {0, C}, hp[1] = {p0};
         struct kvs_dbuf *bt = bench_dalloc(b, KVS_BUF_I32, nblk), *qs = bench_dalloc(b, KVS_BUF_I32, 2), *ps = bench_dalloc(b, KVS_BUF_I32, 1);
         O->upload(b, bt, 0, perm, nblk);
         O->upload(b, qs, 0, hq, 2);

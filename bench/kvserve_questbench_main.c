@@ -196,14 +196,7 @@ int main(int argc, char **argv)
             S.scores = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NKV * nblk);
             S.nsp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV);
             S.sp = bench_dalloc(b, KVS_BUF_I32, (size_t)B * NKV * S.max_spans * 2);
-            int32_t *perm = kvs_xmalloc(pool_blocks * 4);
-            for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
-            for (size_t i = pool_blocks - 1; i > 0; i--) {
-                const size_t j = bench_rnd(&rng) % (i + 1);
-                const int32_t t = perm[i];
-                perm[i] = perm[j];
-                perm[j] = t;
-            }
+            int32_t *perm = bench_shuffled_ids(pool_blocks, &rng);
             int32_t *h_qs = kvs_xmalloc((size_t)(B + 1) * 4), *h_pos = kvs_xmalloc((size_t)B * 4);
             int32_t *h_keep = kvs_xmalloc((size_t)B * 4);
             struct kvs_dbuf *qs = bench_dalloc(b, KVS_BUF_I32, (size_t)B + 1), *pos = bench_dalloc(b, KVS_BUF_I32, (size_t)B);

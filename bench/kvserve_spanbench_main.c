@@ -127,14 +127,7 @@ int main(int argc, char **argv)
             S.out = bench_dalloc(b, KVS_BUF_ACT, (size_t)B * NH * HD);
             S.lse = bench_dalloc(b, KVS_BUF_F32, (size_t)B * NH);
             /* block tables: the pool dealt at random */
-            int32_t *perm = kvs_xmalloc(pool_blocks * 4);
-            for (size_t i = 0; i < pool_blocks; i++) perm[i] = (int32_t)i;
-            for (size_t i = pool_blocks - 1; i > 0; i--) {
-                const size_t j = bench_rnd(&rng) % (i + 1);
-                const int32_t t = perm[i];
-                perm[i] = perm[j];
-                perm[j] = t;
-            }
+            int32_t *perm = bench_shuffled_ids(pool_blocks, &rng);
             S.h_qs = kvs_xmalloc((size_t)(B + 1) * 4);
             S.h_pos = kvs_xmalloc((size_t)B * 4);
             for (int s = 0; s <= B; s++) S.h_qs[s] = s;
