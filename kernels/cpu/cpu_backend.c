@@ -44,7 +44,7 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
     b->fetch[0] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     b->fetch[1] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     kvs_log(KVS_LOG_INFO,
-            "cpu backend: %d threads, %s kernels (best here: %s; avx512 = fma + 16-lane attention softmax and values), matmul %s, bf16 matrices kept %s%s",
+            "cpu backend: %d threads, %s kernels (best here: %s; avx512 = fma + 512-bit panel tiles and attention softmax / values), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
             b->kern.gemm == KVS_CPU_GEMM_BLAS    ? kvs_cpu_blas_name()
             : b->kern.gemm == KVS_CPU_GEMM_PANEL ? "batch-invariant, 16-output panels"
@@ -410,9 +410,9 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
     /* 4- / 8-bit blocks go to the panel GEMM in panel order (rebuilt in its tile), else to the
      * dot-product tiles */
     if (w->pn.f32 || w->pn.bf16)
-        kvs_cpu_gemm_panel(b->pool, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
+        kvs_cpu_gemm_panel_isa(b->pool, b->kern.isa, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q && w->qb.panel)
-        kvs_cpu_gemm_panel(b->pool, F(x), NULL, &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
+        kvs_cpu_gemm_panel_isa(b->pool, b->kern.isa, F(x), NULL, &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q)
         kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else

@@ -20,13 +20,14 @@
  *   do not depend on the other rows, on n or on the thread count. attention_spans() uses the
  *   same per-pair steps, so one full span still gives attention()'s bits exactly.
  *  - KVS_CPU_ISA_AVX512 (default where AVX-512F + AVX2 + FMA exist; KVS_CPU_KERNELS=avx512): the
- *     FMA set, except that the attention's softmax and value halves (decode and prefill) run at
- *     16 lanes (cpu_attn_avx512.c). Those do the FMA set's operations per element, so the
- *     attention is BITWISE the FMA set's (hence batch invariant, and within the FMA set's
- *     tolerance of the reference; test_cpu_kernels checks both where the CPU has AVX-512). The
- *     scores stay the FMA set's 256-bit tiles (their 8 lanes + tree define the bits), and every
- *     other kernel (GEMM, panels, norms, SwiGLU, attention_spans) is the FMA set's own code.
- *     Not built: a 512-bit panel GEMM tile, AVX-512 BF16.
+ *     FMA set, except (a) the attention's softmax and value halves (decode and prefill) run at 16
+ *     lanes (cpu_attn_avx512.c) and (b) the panel GEMM's multi-row tiles are 12 rows x one
+ *     512-bit panel (cpu_gemm_panel512.c). Both do the FMA set's operations per element, so they
+ *     are BITWISE the FMA set's (hence batch invariant, and within the FMA set's tolerance of the
+ *     reference; test_cpu_kernels and test_cpu_gemm_panel check it where the CPU has AVX-512 and
+ *     print "SKIP avx512" elsewhere). The attention scores stay the FMA set's 256-bit tiles
+ *     (their 8 lanes + tree define the bits); the one- and two-row panel GEMM, the dot-product
+ *     tiles, norms, SwiGLU and attention_spans are the FMA set's own code. Not built: AVX-512 BF16.
  *
  * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA and AVX512): weights packed as
  * 16-output panels at upload, an outer-product FMA tile, one fma chain per element in k order
@@ -197,6 +198,11 @@ void kvs_cpu_qblocks_to_panels(const struct kvs_cpu_qblocks *src, int64_t rows, 
  * element, whatever the weight format. Runs on the pool. */
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
+/* the same with the kernel set's tiles: isa FMA (= kvs_cpu_gemm_panel) or AVX512 (the multi-row
+ * tiles at 512 bits, 12 rows x 16 outputs: the same fma chain per element, so bitwise FMA's) */
+void kvs_cpu_gemm_panel_isa(struct kvs_cpu_pool *pool, enum kvs_cpu_isa isa, const float *x,
+                            const struct kvs_cpu_panels *p, const struct kvs_cpu_qblocks *qb, const float *bias, int n,
+                            int in, int out, float *y);
 
 /* y[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n with a vector exp (cpu_act.c; AVX2 + FMA
  * sets): within a few ulp of the libm form the reference set uses. y may alias g or u. */
