@@ -337,7 +337,7 @@ int main(int argc, char **argv)
     for (int k = 0; k < N_SETS; k++) use[k] = !only || strchr(only, '0' + k) != NULL;
     if (use[K_AVX512] && kvs_cpu_isa_best() < KVS_CPU_ISA_AVX512) {
         use[K_AVX512] = 0;
-        printf("SKIP avx512 (this CPU has no AVX-512): set %d not timed\n\n", K_AVX512);
+        printf("SKIP: avx512 (this CPU has no AVX-512): set %d not timed\n\n", K_AVX512);
     }
     char buf[64];
     int rc = 0;

@@ -25,7 +25,7 @@
  *     512-bit panel (cpu_gemm_panel512.c). Both do the FMA set's operations per element, so they
  *     are BITWISE the FMA set's (hence batch invariant, and within the FMA set's tolerance of the
  *     reference; test_cpu_kernels and test_cpu_gemm_panel check it where the CPU has AVX-512 and
- *     print "SKIP avx512" elsewhere). The attention scores stay the FMA set's 256-bit tiles
+ *     print "SKIP: avx512" elsewhere). The attention scores stay the FMA set's 256-bit tiles
  *     (their 8 lanes + tree define the bits); the one- and two-row panel GEMM, the dot-product
  *     tiles, norms, SwiGLU and attention_spans are the FMA set's own code. Not built: AVX-512 BF16.
  *

@@ -202,7 +202,7 @@ int main(void)
     REQUIRE(p1 && p3, "pool: %s", err);
     REQUIRE(kvs_cpu_isa_best() >= KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the panel GEMM cannot be checked here");
     g_avx512 = kvs_cpu_isa_best() >= KVS_CPU_ISA_AVX512;
-    if (!g_avx512) printf("SKIP avx512 (this CPU has no AVX-512): the 512-bit panel tiles not checked\n");
+    if (!g_avx512) printf("SKIP: avx512 (this CPU has no AVX-512): the 512-bit panel tiles not checked\n");
     test_panels(p1, p3);
     test_blocks(p1, p3);
     if (g_avx512)

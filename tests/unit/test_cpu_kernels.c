@@ -270,7 +270,7 @@ static void test_attention(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
     if (kvs_cpu_isa_best() >= KVS_CPU_ISA_AVX512)
         sets = 3;
     else
-        printf("SKIP avx512 (this CPU has no AVX-512): attention avx512 vs fma / ref not checked\n");
+        printf("SKIP: avx512 (this CPU has no AVX-512): attention avx512 vs fma / ref not checked\n");
     for (int ki = 0; ki < sets; ki++) {
         const struct kvs_cpu_kernels *kk = ki == 2 ? &K_AVX512 : ki ? &K_FMA : &K_AVX2;
         for (int gi = 0; gi < 4; gi++) {

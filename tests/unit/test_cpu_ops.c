@@ -715,7 +715,7 @@ int main(void)
             CHECK(!nb && strstr(err, "avx512") && strstr(err, "no AVX-512"),
                   "KVS_CPU_KERNELS=avx512 without AVX-512: want a clear error, got %s", nb ? "a backend" : err);
             if (nb) O->free(nb);
-            printf("SKIP avx512 (this CPU has no AVX-512); KVS_CPU_KERNELS=avx512 refused: %s\n", err);
+            printf("SKIP: avx512 (this CPU has no AVX-512); KVS_CPU_KERNELS=avx512 refused: %s\n", err);
             continue;
         }
         struct kvs_backend *b = O->create(3, err, sizeof err), *b1 = O->create(1, err, sizeof err);
