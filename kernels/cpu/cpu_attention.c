@@ -160,8 +160,12 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
             }
         int i = i_full;
         for (; i + 3 <= np; i += 3)
-            kt_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
-                       scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT, fm);
+            if (w5)
+                kvs_cpu_kt512_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
+                                      scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT);
+            else
+                kt_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
+                           scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT, fm);
         for (; i < np; i++)
             for (int k8 = 0; k8 < KT; k8 += 8)
                 _mm256_storeu_ps(scs + (size_t)i * KT + k8,
@@ -224,7 +228,7 @@ ATT_AVX2 static void tile_fma(const struct tile_plan *pl, int s, int r0, int r1,
 {
     tile_run(pl, s, r0, r1, h0, h1, 1, 0);
 }
-/* the avx512 set: the scores stay the FMA set's 256-bit tiles; softmax and values at 16 lanes */
+/* the avx512 set: the three-query score tiles, softmax and values at 512 bits (bitwise tile_fma) */
 ATT_AVX2 static void tile_avx512(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1)
 {
     tile_run(pl, s, r0, r1, h0, h1, 1, 1);

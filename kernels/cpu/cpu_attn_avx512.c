@@ -1,6 +1,7 @@
 /* cpu_attn_avx512.c: the AVX-512 halves of the key-tiled attention's online-softmax step (the
  * avx512 kernel set, cpu_kernels.h): the value accumulation (kt_pv, kt_pv2) and the softmax
- * (kt_softmax) of cpu_attn_tile.h with 512-bit vectors. They compute exactly the FMA set's
+ * (kt_softmax) of cpu_attn_tile.h with 512-bit vectors, and the three-query score tile
+ * (kt_scores3) with two keys per vector. They compute exactly the FMA set's
  * operations per element (one fused multiply-add per element and key in key order, the same
  * vector exp with separate multiplies and adds, the same libm rescale and key-order weight sum),
  * so every result is BITWISE the FMA set's: the avx512 attention inherits its batch invariance
@@ -45,6 +46,47 @@ AVX512 static inline __m512 exp16(__m512 x)
     y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), x), one);
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+/* keys a and b's 8 values from i as one vector (a low, b high) */
+AVX512 static inline __m512 key_pair(const float *a, const float *b, int i)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(a + i))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(b + i)), 1));
+}
+
+/* a query's 8 values from i in both halves */
+AVX512 static inline __m512 query_both(const float *q, int i)
+{
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + i))));
+}
+
+AVX512 static inline __m256 hi_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* kt_scores3 (fm = 1) with two keys per 512-bit accumulator: each half is the 256-bit
+ * accumulator of one (query, key) of kt_scores3, lane for lane the same fused multiply-adds, and
+ * the halves go through the same kt_reduce4 tree, so the same bits with half the multiply-adds */
+AVX512 void kvs_cpu_kt512_scores3(const float *q0, const float *q1, const float *q2, const float *const *k, int hd,
+                                  float scale, float *sc0, float *sc1, float *sc2)
+{
+    const __m128 s4 = _mm_set1_ps(scale);
+    for (int j = 0; j < KT; j += 4) {
+        const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
+        __m512 a01 = _mm512_setzero_ps(), a23 = a01, b01 = a01, b23 = a01, c01 = a01, c23 = a01;
+        for (int i = 0; i < hd; i += 8) {
+            const __m512 x0 = query_both(q0, i), x1 = query_both(q1, i), x2 = query_both(q2, i);
+            const __m512 k01 = key_pair(k0, k1, i), k23 = key_pair(k2, k3, i);
+            a01 = _mm512_fmadd_ps(x0, k01, a01), a23 = _mm512_fmadd_ps(x0, k23, a23);
+            b01 = _mm512_fmadd_ps(x1, k01, b01), b23 = _mm512_fmadd_ps(x1, k23, b23);
+            c01 = _mm512_fmadd_ps(x2, k01, c01), c23 = _mm512_fmadd_ps(x2, k23, c23);
+        }
+        _mm_storeu_ps(sc0 + j, _mm_mul_ps(kt_reduce4(_mm512_castps512_ps256(a01), hi_half(a01),
+                                                     _mm512_castps512_ps256(a23), hi_half(a23)), s4));
+        _mm_storeu_ps(sc1 + j, _mm_mul_ps(kt_reduce4(_mm512_castps512_ps256(b01), hi_half(b01),
+                                                     _mm512_castps512_ps256(b23), hi_half(b23)), s4));
+        _mm_storeu_ps(sc2 + j, _mm_mul_ps(kt_reduce4(_mm512_castps512_ps256(c01), hi_half(c01),
+                                                     _mm512_castps512_ps256(c23), hi_half(c23)), s4));
+    }
 }
 
 AVX512 int kvs_cpu_kt512_softmax(struct kt_pair *p, const float *sc, float *pw, int hd)

@@ -44,7 +44,7 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
     b->fetch[0] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     b->fetch[1] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     kvs_log(KVS_LOG_INFO,
-            "cpu backend: %d threads, %s kernels (best here: %s; avx512 = fma + 512-bit panel tiles and attention softmax / values), matmul %s, bf16 matrices kept %s%s",
+            "cpu backend: %d threads, %s kernels (best here: %s; avx512 = fma + 512-bit panel and attention tiles), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
             b->kern.gemm == KVS_CPU_GEMM_BLAS    ? kvs_cpu_blas_name()
             : b->kern.gemm == KVS_CPU_GEMM_PANEL ? "batch-invariant, 16-output panels"

@@ -20,13 +20,13 @@
  *   do not depend on the other rows, on n or on the thread count. attention_spans() uses the
  *   same per-pair steps, so one full span still gives attention()'s bits exactly.
  *  - KVS_CPU_ISA_AVX512 (default where AVX-512F + AVX2 + FMA exist; KVS_CPU_KERNELS=avx512): the
- *     FMA set, except (a) the attention's softmax and value halves (decode and prefill) run at 16
- *     lanes (cpu_attn_avx512.c) and (b) the panel GEMM's multi-row tiles are 12 rows x one
+ *     FMA set, except (a) the attention's three-query score tiles (two keys per vector), softmax
+ *     and value halves (decode and prefill) run at 512 bits (cpu_attn_avx512.c) and (b) the panel GEMM's multi-row tiles are 12 rows x one
  *     512-bit panel (cpu_gemm_panel512.c). Both do the FMA set's operations per element, so they
  *     are BITWISE the FMA set's (hence batch invariant, and within the FMA set's tolerance of the
  *     reference; test_cpu_kernels and test_cpu_gemm_panel check it where the CPU has AVX-512 and
- *     print "SKIP: avx512" elsewhere). The attention scores stay the FMA set's 256-bit tiles
- *     (their 8 lanes + tree define the bits); the one- and two-row panel GEMM, the dot-product
+ *     print "SKIP: avx512" elsewhere). Scores of pairs outside a three-query tile stay the FMA
+ *     set's 256-bit code (8 lanes + tree define the bits either way); the one- and two-row panel GEMM, the dot-product
  *     tiles, norms, SwiGLU and attention_spans are the FMA set's own code. Not built: AVX-512 BF16.
  *
  * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA and AVX512): weights packed as
