@@ -17,7 +17,7 @@
  *                          [--batch 16] [--ctx 256] [--decode-steps 32] [--gemms 1]
  * (--gemms 0 skips part 2; the peak, tens of milliseconds, always runs, so part 3's "% of peak"
  * columns, issue 25's ratio to the roofline, are filled for every model; --sets 0134 runs only
- * those kernel sets of part 3; --clock cpu
+ * those kernel sets of part 3 (7: avx512, only where the CPU has it); --clock cpu
  * times parts 2 and 3 in process CPU time, which other load moves much less: use with --threads 1.)
  */
 #include "engine/config.h"
@@ -292,7 +292,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvserve-cpubench: bad arguments\n");
         return 2;
     }
-    if (kvs_cpu_isa_best() != KVS_CPU_ISA_FMA) {
+    if (kvs_cpu_isa_best() < KVS_CPU_ISA_FMA) {
         fprintf(stderr, "kvserve-cpubench: this CPU has no AVX2 + FMA; the kernel sets cannot all be timed\n");
         return 1;
     }
@@ -328,12 +328,17 @@ int main(int argc, char **argv)
                              {"fma panels (default: bf16 weights kept)", "fma", "panel", "auto"},
                              {"fma + blas (opt-in)", "fma", "blas", "f32"},
                              {"fma dot tiles, bf16 kept (before panels)", "fma", "invariant", "auto"},
-                             {"fma panels, fp32 weights", "fma", "panel", "f32"}};
-    enum { N_SETS = 7 };
+                             {"fma panels, fp32 weights", "fma", "panel", "f32"},
+                             {"avx512 (512-bit panel and attention tiles)", "avx512", "panel", "auto"}};
+    enum { N_SETS = 8, K_AVX512 = 7 };
     struct model_result res[N_SETS] = {{0}};
     struct kvs_runner *runners[N_SETS] = {NULL};
     int use[N_SETS];
     for (int k = 0; k < N_SETS; k++) use[k] = !only || strchr(only, '0' + k) != NULL;
+    if (use[K_AVX512] && kvs_cpu_isa_best() < KVS_CPU_ISA_AVX512) {
+        use[K_AVX512] = 0;
+        printf("SKIP: avx512 (this CPU has no AVX-512): set %d not timed\n\n", K_AVX512);
+    }
     char buf[64];
     int rc = 0;
     /* one runner per set (a backend reads the environment when created), then the repetitions

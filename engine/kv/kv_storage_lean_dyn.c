@@ -57,7 +57,7 @@ struct kvs_lean_dyn_store {
     unsigned long gen, counted_gen;
     double c_bytes, c_tokens, c_high, c_low, c_pruned;
     int c_free_pages;
-    unsigned char *live_tmp;      /* [max_slots] */
+    unsigned char *live_tmp;      /* cuda: [max_slots] */
 };
 
 static int head_id(const struct kvs_lean_dyn_store *d, int slot, int layer, int g)
@@ -160,7 +160,8 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
         d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);
         d->seq_slot = calloc((size_t)sh->max_slots + 1, sizeof *d->seq_slot);
         d->jobs = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->jobs);
-        int rc = d->slots && d->seq_slot && d->jobs ? 0
+        d->live_tmp = calloc((size_t)sh->max_slots, 1);
+        int rc = d->slots && d->seq_slot && d->jobs && d->live_tmp ? 0
                                                     : kvs_err(err, errlen, -ENOMEM, "kv storage lean: out of memory");
 #if DYN_CUDA
         if (!rc)
@@ -186,10 +187,9 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
     d->job_pages = calloc(((size_t)sh->max_slots + 1) * H, sizeof *d->job_pages);
     d->need_hi = calloc((size_t)sh->max_slots * LH, sizeof *d->need_hi);
     d->need_lo = calloc((size_t)sh->max_slots * LH, sizeof *d->need_lo);
-    d->live_tmp = calloc((size_t)sh->max_slots, 1);
     d->scratch = malloc((size_t)d->n_scratch * kvs_lean_dyn_scratch_floats(&d->c) * sizeof(float));
     if (rc || !d->pages || !d->slots || !d->seq_slot || !d->sk || !d->sv || !d->job_heads || !d->job_pages ||
-        !d->need_hi || !d->need_lo || !d->scratch || !d->live_tmp) {
+        !d->need_hi || !d->need_lo || !d->scratch) {
         kvs_lean_dyn_destroy(d);
         return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate %d pages of %zu bytes", (int)np,
                        d->c.page_bytes);

@@ -95,13 +95,15 @@ struct tile_plan {
     int qt;                       /* query rows per tile */
     int ht;                       /* query heads per tile (divides the GQA group) */
     int n_hchunks;                /* n_heads / ht */
-    int fm;                       /* FMA kernel set */
+    int fm;                       /* FMA kernel set (or avx512) */
+    int w5;                       /* avx512 set: the softmax and value halves at 16 lanes (bitwise fm's) */
     int n_tasks;
 };
 
 /* One tile: pairs i = (row r0 + i / nh, head h0 + i % nh) of one sequence and kv head walk the
  * key tiles together, so each key tile is read from memory once and from L1 by every pair. */
-ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1, const int fm)
+ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1, const int fm,
+                                  const int w5)
 {
     const struct kvs_cpu_attn_args *j = pl->a;
     const int hd = j->head_dim, bs = j->block_size, nh = h1 - h0;
@@ -141,7 +143,12 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
         for (int i = i0; i < i_full; i++) {
             const int ctx = ctx0 + i / nh, kend = ctx - p0 < nk ? ctx - p0 : nk;
             kt_scores(&pr[i], &keys, kend, NULL, j->inv_freq, hd, j->scale, sc, fm);
-            kt_update(&pr[i], &keys, sc, hd, fm);
+            if (w5) {
+                float pw[KT];
+                if (kvs_cpu_kt512_softmax(&pr[i], sc, pw, hd)) kvs_cpu_kt512_pv(&pr[i], &keys, sc, pw, hd);
+            } else {
+                kt_update(&pr[i], &keys, sc, hd, fm);
+            }
         }
         if (i_full >= np) continue;
         const int r = keys.rot[0];
@@ -153,8 +160,12 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
             }
         int i = i_full;
         for (; i + 3 <= np; i += 3)
-            kt_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
-                       scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT, fm);
+            if (w5)
+                kvs_cpu_kt512_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
+                                      scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT);
+            else
+                kt_scores3(pr[i].q, pr[i + 1].q, pr[i + 2].q, keys.k, hd, j->scale, scs + (size_t)i * KT,
+                           scs + (size_t)(i + 1) * KT, scs + (size_t)(i + 2) * KT, fm);
         for (; i < np; i++)
             for (int k8 = 0; k8 < KT; k8 += 8)
                 _mm256_storeu_ps(scs + (size_t)i * KT + k8,
@@ -168,24 +179,39 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
                 float pwT[KT * 8];
                 for (int q = 0; q < 8; q++) p8[q] = &pr[i + q];
                 if (!kt_softmax8(p8, scs + (size_t)i * KT, pwT, hd)) break;
-                for (int q = 0; q < 8; q += 2) kt_pv2(pr[i + q].acc, pr[i + q + 1].acc, &keys, pwT + q, pwT + q + 1, hd, fm, 8);
+                for (int q = 0; q < 8; q += 2)
+                    if (w5)
+                        kvs_cpu_kt512_pv2(pr[i + q].acc, pr[i + q + 1].acc, &keys, pwT + q, pwT + q + 1, hd, 8);
+                    else
+                        kt_pv2(pr[i + q].acc, pr[i + q + 1].acc, &keys, pwT + q, pwT + q + 1, hd, fm, 8);
             }
         for (; i < np; i++) {
             const float *s_i = scs + (size_t)i * KT;
             float *pw_i = pws + (size_t)i * KT;
-            if (!kt_softmax(&pr[i], s_i, pw_i, hd)) continue;
+            if (!(w5 ? kvs_cpu_kt512_softmax(&pr[i], s_i, pw_i, hd) : kt_softmax(&pr[i], s_i, pw_i, hd))) continue;
             int finite = hd % 32 == 0;
             for (int k = 0; k < KT && finite; k++) finite = s_i[k] != -INFINITY;
             if (!finite) {
-                kt_pv(&pr[i], &keys, s_i, pw_i, hd, fm);
+                if (w5)
+                    kvs_cpu_kt512_pv(&pr[i], &keys, s_i, pw_i, hd);
+                else
+                    kt_pv(&pr[i], &keys, s_i, pw_i, hd, fm);
             } else if (pend < 0) {
                 pend = i;
             } else {
-                kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm, 1);
+                if (w5)
+                    kvs_cpu_kt512_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, 1);
+                else
+                    kt_pv2(pr[pend].acc, pr[i].acc, &keys, pws + (size_t)pend * KT, pw_i, hd, fm, 1);
                 pend = -1;
             }
         }
-        if (pend >= 0) kt_pv(&pr[pend], &keys, scs + (size_t)pend * KT, pws + (size_t)pend * KT, hd, fm);
+        if (pend >= 0) {
+            if (w5)
+                kvs_cpu_kt512_pv(&pr[pend], &keys, scs + (size_t)pend * KT, pws + (size_t)pend * KT, hd);
+            else
+                kt_pv(&pr[pend], &keys, scs + (size_t)pend * KT, pws + (size_t)pend * KT, hd, fm);
+        }
     }
     for (int i = 0; i < np; i++) {
         float *o = j->out + ((size_t)(r0 + i / nh) * j->n_heads + h0 + i % nh) * hd;
@@ -196,11 +222,16 @@ ATT_AVX2 ATT_INLINE void tile_run(const struct tile_plan *pl, int s, int r0, int
 
 ATT_AVX2 static void tile_avx2(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1)
 {
-    tile_run(pl, s, r0, r1, h0, h1, 0);
+    tile_run(pl, s, r0, r1, h0, h1, 0, 0);
 }
 ATT_AVX2 static void tile_fma(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1)
 {
-    tile_run(pl, s, r0, r1, h0, h1, 1);
+    tile_run(pl, s, r0, r1, h0, h1, 1, 0);
+}
+/* the avx512 set: the three-query score tiles, softmax and values at 512 bits (bitwise tile_fma) */
+ATT_AVX2 static void tile_avx512(const struct tile_plan *pl, int s, int r0, int r1, int h0, int h1)
+{
+    tile_run(pl, s, r0, r1, h0, h1, 1, 1);
 }
 
 static void tile_task(void *c, int task)
@@ -219,7 +250,7 @@ static void tile_task(void *c, int task)
         qtile -= nt;
     }
     int r0 = a->q_start[s] + qtile * pl->qt, r1 = r0 + pl->qt < a->q_start[s + 1] ? r0 + pl->qt : a->q_start[s + 1];
-    (pl->fm ? tile_fma : tile_avx2)(pl, s, r0, r1, hc * pl->ht, (hc + 1) * pl->ht);
+    (pl->w5 ? tile_avx512 : pl->fm ? tile_fma : tile_avx2)(pl, s, r0, r1, hc * pl->ht, (hc + 1) * pl->ht);
 }
 #endif
 
@@ -228,7 +259,8 @@ void kvs_cpu_attention(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *
 #if KVS_CPU_X86
     if (k->isa != KVS_CPU_ISA_REF) {
         const int group = a->n_heads / a->n_kv_heads;
-        struct tile_plan pl = {.a = a, .ht = group, .fm = k->isa == KVS_CPU_ISA_FMA};
+        struct tile_plan pl = {.a = a, .ht = group, .fm = k->isa >= KVS_CPU_ISA_FMA,
+                              .w5 = k->isa == KVS_CPU_ISA_AVX512};
         int max_rows = 0;
         for (int s = 0; s < a->n_seqs; s++) {
             int rows = a->q_start[s + 1] - a->q_start[s];

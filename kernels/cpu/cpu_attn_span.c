@@ -167,7 +167,7 @@ void kvs_cpu_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, co
     KVS_ASSERT(j.q_start[0] == 0 && j.q_start[m->n_seqs] == n);
 #if KVS_CPU_X86
     if (b->kern.isa != KVS_CPU_ISA_REF) {
-        kvs_cpu_pool_run(b->pool, n * n_heads, b->kern.isa == KVS_CPU_ISA_FMA ? span_fma_task : span_avx2_task, &j);
+        kvs_cpu_pool_run(b->pool, n * n_heads, b->kern.isa >= KVS_CPU_ISA_FMA ? span_fma_task : span_avx2_task, &j);
         return;
     }
 #endif

@@ -244,6 +244,16 @@ ATT_AVX2 ATT_INLINE void kt_update(struct kt_pair *p, const struct kt_keys *t, c
     if (kt_softmax(p, sc, pw, hd)) kt_pv(p, t, sc, pw, hd, fm);
 }
 
+/* The avx512 set's versions of kt_softmax, kt_pv, kt_pv2 and kt_scores3 (fm = 1): the same
+ * operations per element at 16 lanes, so bitwise those (cpu_attn_avx512.c). Real calls, not
+ * inlined (another target): call them only where the CPU has AVX-512F. */
+int kvs_cpu_kt512_softmax(struct kt_pair *p, const float *sc, float *pw, int hd);
+void kvs_cpu_kt512_pv(struct kt_pair *p, const struct kt_keys *t, const float *sc, const float *pw, int hd);
+void kvs_cpu_kt512_scores3(const float *q0, const float *q1, const float *q2, const float *const *k, int hd,
+                           float scale, float *sc0, float *sc1, float *sc2);
+void kvs_cpu_kt512_pv2(float *acA, float *acB, const struct kt_keys *t, const float *pwA, const float *pwB, int hd,
+                       int ws);
+
 /* ---- register tiles over several pairs (full key tiles of the prefill) --------------------
  * Both give every pair exactly the bits of the one-pair steps above (the same lanes, tree and
  * multiply-add per element), only with fewer loads: which pairs share a register tile never

@@ -44,7 +44,7 @@ static struct kvs_backend *cpu_create(int n_threads, char *err, size_t errlen)
     b->fetch[0] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     b->fetch[1] = kvs_xmalloc(KVS_FETCH_MAX * sizeof(int32_t));
     kvs_log(KVS_LOG_INFO,
-            "cpu backend: %d threads, %s kernels (best here: %s; no AVX-512 kernels), matmul %s, bf16 matrices kept %s%s",
+            "cpu backend: %d threads, %s kernels (best here: %s; avx512 = fma + 512-bit panel and attention tiles), matmul %s, bf16 matrices kept %s%s",
             kvs_cpu_pool_threads(b->pool), kvs_cpu_isa_name(b->kern.isa), kvs_cpu_isa_name(kvs_cpu_isa_best()),
             b->kern.gemm == KVS_CPU_GEMM_BLAS    ? kvs_cpu_blas_name()
             : b->kern.gemm == KVS_CPU_GEMM_PANEL ? "batch-invariant, 16-output panels"
@@ -363,7 +363,7 @@ static void cpu_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const s
                         int dim, struct kvs_dbuf *out)
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
-    struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim, .vec = b->kern.isa == KVS_CPU_ISA_FMA};
+    struct job j = {.x = F(x), .w = w->data, .y = F(out), .eps = eps, .d0 = dim, .vec = b->kern.isa >= KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * dim, rmsnorm_task, &j);
 }
 
@@ -382,7 +382,7 @@ static void cpu_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const s
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.x = F(delta), .y2 = F(res), .w = w->data, .y = F(out), .eps = eps, .d0 = dim,
-                    .vec = b->kern.isa == KVS_CPU_ISA_FMA};
+                    .vec = b->kern.isa >= KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 3.0 * n * dim, add_rmsnorm_task, &j);
 }
 
@@ -398,7 +398,7 @@ static void cpu_head_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *x, const st
 {
     KVS_ASSERT(w->data);   /* vectors are always fp32 */
     struct job j = {.y = F(x), .w = w->data, .eps = eps, .d0 = n_heads, .d1 = head_dim,
-                    .vec = b->kern.isa == KVS_CPU_ISA_FMA};
+                    .vec = b->kern.isa >= KVS_CPU_ISA_FMA};
     kvs_cpu_pool_run_sized(b->pool, n, 2.0 * n * n_heads * head_dim, head_rmsnorm_task, &j);
 }
 
@@ -410,9 +410,9 @@ static void cpu_matmul(struct kvs_backend *b, const struct kvs_dbuf *x, const st
     /* 4- / 8-bit blocks go to the panel GEMM in panel order (rebuilt in its tile), else to the
      * dot-product tiles */
     if (w->pn.f32 || w->pn.bf16)
-        kvs_cpu_gemm_panel(b->pool, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
+        kvs_cpu_gemm_panel_isa(b->pool, b->kern.isa, F(x), &w->pn, NULL, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q && w->qb.panel)
-        kvs_cpu_gemm_panel(b->pool, F(x), NULL, &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
+        kvs_cpu_gemm_panel_isa(b->pool, b->kern.isa, F(x), NULL, &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else if (w->qb.q)
         kvs_cpu_gemm_qb(b->pool, &b->kern, F(x), &w->qb, bias ? bias->data : NULL, n, in, out, F(y));
     else
@@ -532,7 +532,7 @@ static void cpu_swiglu(struct kvs_backend *b, const struct kvs_dbuf *gate, const
 {
     struct job j = {.x = F(gate), .x2 = F(up), .y = F(out), .d0 = ff};
     /* an exp per element: libm's in the reference set, a vector one (cpu_act.c) otherwise */
-    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * ff, b->kern.isa == KVS_CPU_ISA_FMA ? swiglu_vec_task : swiglu_task, &j);
+    kvs_cpu_pool_run_sized(b->pool, n, 20.0 * n * ff, b->kern.isa >= KVS_CPU_ISA_FMA ? swiglu_vec_task : swiglu_task, &j);
 }
 
 static void cpu_gather_rows(struct kvs_backend *b, const struct kvs_dbuf *x, const struct kvs_dbuf *rows, int m, int dim,

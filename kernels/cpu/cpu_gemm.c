@@ -25,6 +25,9 @@ enum kvs_cpu_isa kvs_cpu_isa_best(void)
 {
 #if KVS_CPU_X86
     __builtin_cpu_init();
+    /* AVX-512F: libgcc also checks that the OS saves the 512-bit state (XCR0) */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return KVS_CPU_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KVS_CPU_ISA_FMA;
     if (__builtin_cpu_supports("avx2")) return KVS_CPU_ISA_AVX2;
 #endif
@@ -33,7 +36,7 @@ enum kvs_cpu_isa kvs_cpu_isa_best(void)
 
 const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa)
 {
-    return isa == KVS_CPU_ISA_FMA ? "fma" : isa == KVS_CPU_ISA_AVX2 ? "avx2" : "ref";
+    return isa == KVS_CPU_ISA_AVX512 ? "avx512" : isa == KVS_CPU_ISA_FMA ? "fma" : isa == KVS_CPU_ISA_AVX2 ? "avx2" : "ref";
 }
 
 int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen)
@@ -51,21 +54,25 @@ int kvs_cpu_kernels_from_env(struct kvs_cpu_kernels *k, char *err, size_t errlen
             if (kvs_cpu_isa_best() < KVS_CPU_ISA_FMA)
                 return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=fma: this CPU has no AVX2 + FMA");
             k->isa = KVS_CPU_ISA_FMA;
+        } else if (strcmp(e, "avx512") == 0) {
+            if (kvs_cpu_isa_best() < KVS_CPU_ISA_AVX512)
+                return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=avx512: this CPU has no AVX-512F (+ AVX2 + FMA)");
+            k->isa = KVS_CPU_ISA_AVX512;
         } else {
-            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=%s: want auto, ref, avx2 or fma", e);
+            return kvs_err(err, errlen, -EINVAL, "KVS_CPU_KERNELS=%s: want auto, ref, avx2, fma or avx512", e);
         }
     }
     e = getenv("KVS_CPU_GEMM");
     /* panels need FMA; the other sets keep the dot-product tiles ("invariant": bitwise their
      * references) */
-    k->gemm = k->isa == KVS_CPU_ISA_FMA ? KVS_CPU_GEMM_PANEL : KVS_CPU_GEMM_INVARIANT;
+    k->gemm = k->isa >= KVS_CPU_ISA_FMA ? KVS_CPU_GEMM_PANEL : KVS_CPU_GEMM_INVARIANT;
     if (e && *e && strcmp(e, "auto") != 0) {
         if (strcmp(e, "blas") == 0) {
             k->gemm = KVS_CPU_GEMM_BLAS;
         } else if (strcmp(e, "invariant") == 0 || strcmp(e, "dot") == 0) {
             k->gemm = KVS_CPU_GEMM_INVARIANT;
         } else if (strcmp(e, "panel") == 0) {
-            if (k->isa != KVS_CPU_ISA_FMA)
+            if (k->isa < KVS_CPU_ISA_FMA)
                 return kvs_err(err, errlen, -EINVAL, "KVS_CPU_GEMM=panel needs the fma kernel set (AVX2 + FMA)");
             k->gemm = KVS_CPU_GEMM_PANEL;
         } else {
@@ -452,7 +459,7 @@ void kvs_cpu_gemm(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k, co
         j.ob = OB_AVX2;
         j.n_ob = (out + j.ob - 1) / j.ob;
         j.n_rb = (n + j.rb - 1) / j.rb;
-        kvs_cpu_task_fn fn = k->isa == KVS_CPU_ISA_FMA ? (wb ? fma_bf16_task : fma_task) : (wb ? avx2_bf16_task : avx2_task);
+        kvs_cpu_task_fn fn = k->isa >= KVS_CPU_ISA_FMA ? (wb ? fma_bf16_task : fma_task) : (wb ? avx2_bf16_task : avx2_task);
         kvs_cpu_pool_run_sized(pool, (n + j.rb - 1) / j.rb * j.n_ob, (double)n * in * out, fn, &j);
         return;
     }
@@ -475,7 +482,7 @@ void kvs_cpu_gemm_qb(struct kvs_cpu_pool *pool, const struct kvs_cpu_kernels *k,
     int ob = QB_BUF_FLOATS / in / 2 * 2;
     j.ob = ob > OB_AVX2 ? OB_AVX2 : ob;
     kvs_cpu_pool_run_sized(pool, (out + j.ob - 1) / j.ob, (double)n * in * out,
-                           k->isa == KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task, &j);
+                           k->isa >= KVS_CPU_ISA_FMA ? fma_qb_task : avx2_qb_task, &j);
 #else
     (void)pool, (void)x, (void)qb, (void)bias, (void)in, (void)y;
     KVS_ASSERT(!"4-bit weights need the AVX2 kernels");

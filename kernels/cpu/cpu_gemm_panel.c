@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "base/util.h"
+#include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 #define NR KVS_CPU_PANEL
@@ -77,6 +78,7 @@ struct pjob {
     float *y;
     int n, in, out;
     int mc, pg, n_rb, np;         /* rows per block, panels per task, row blocks, panels */
+    int w5;                       /* avx512 set: the multi-row tiles of cpu_gemm_panel512.c (same bits) */
 };
 
 /* the 16 weights of one k step of a panel as two fp32 vectors (outputs 0-7, 8-15) */
@@ -406,7 +408,10 @@ FMA static void panel_task(void *ctx, int task)
                     qpanel_widen_q4(qpan_q(j->qb, in, p, b0), qpan_dm(j->qb, in, p, b0), nblk, wbuf);
                 else
                     qpanel_widen_q8(qpan_q(j->qb, in, p, b0), qpan_dm(j->qb, in, p, b0), nblk, wbuf);
-                rows_one_panel_f32(x + k0, (size_t)in, wbuf, kc, c, ldc, rows, k0 == 0, bias);
+                if (j->w5)
+                    kvs_cpu_panel512_rows(0, x + k0, (size_t)in, wbuf, kc, c, ldc, rows, k0 == 0, bias);
+                else
+                    rows_one_panel_f32(x + k0, (size_t)in, wbuf, kc, c, ldc, rows, k0 == 0, bias);
             } else if (bits) {
                 /* one or two rows: rebuilt in the tile (no store and reload) */
                 const int b0 = k0 / KVS_CPU_Q4_BLOCK, nblk = kc / KVS_CPU_Q4_BLOCK;
@@ -416,6 +421,10 @@ FMA static void panel_task(void *ctx, int task)
                 else
                     qrows_one_panel_q8(x + k0, (size_t)in, qpan_q(j->qb, in, p, b0), qpan_dm(j->qb, in, p, b0), nblk,
                                        c, ldc, rows, k0 == 0, bias);
+            } else if (j->w5) {
+                const void *pan = bf ? (const void *)(j->p->bf16 + ((size_t)p * in + k0) * NR)
+                                     : (const void *)(j->p->f32 + ((size_t)p * in + k0) * NR);
+                kvs_cpu_panel512_rows(bf, x + k0, (size_t)in, pan, kc, c, ldc, rows, k0 == 0, bias);
             } else if (bf) {
                 rows_one_panel_bf16(x + k0, (size_t)in, j->p->bf16 + ((size_t)p * in + k0) * NR, kc, c, ldc, rows,
                                     k0 == 0, bias);
@@ -436,12 +445,21 @@ FMA static void panel_task(void *ctx, int task)
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y)
 {
+    kvs_cpu_gemm_panel_isa(pool, KVS_CPU_ISA_FMA, x, p, qb, bias, n, in, out, y);
+}
+
+void kvs_cpu_gemm_panel_isa(struct kvs_cpu_pool *pool, enum kvs_cpu_isa isa, const float *x,
+                            const struct kvs_cpu_panels *p, const struct kvs_cpu_qblocks *qb, const float *bias, int n,
+                            int in, int out, float *y)
+{
     if (n <= 0 || out <= 0) return;
+    KVS_ASSERT(isa >= KVS_CPU_ISA_FMA);
     KVS_ASSERT((p != NULL) != (qb != NULL) && in > 0);
     KVS_ASSERT(!p || (p->f32 != NULL) != (p->bf16 != NULL));
     KVS_ASSERT(!qb || (qb->panel && (qb->bits == 4 || qb->bits == 8) && in % KVS_CPU_Q4_BLOCK == 0 &&
                        KC % KVS_CPU_Q4_BLOCK == 0));
-    struct pjob j = {.x = x, .bias = bias, .p = p, .qb = qb, .y = y, .n = n, .in = in, .out = out};
+    struct pjob j = {.x = x, .bias = bias, .p = p, .qb = qb, .y = y, .n = n, .in = in, .out = out,
+                     .w5 = isa == KVS_CPU_ISA_AVX512};
     /* a row block's x (mc rows) about 64 KiB, so it stays in L2 while the task's panels pass */
     int mc = (int)((64 * 1024) / ((size_t)in * sizeof(float))) / MR * MR;
     j.mc = mc < MR ? MR : mc > MC_MAX ? MC_MAX : mc;
@@ -463,5 +481,12 @@ void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct 
 {
     (void)pool, (void)x, (void)p, (void)qb, (void)bias, (void)n, (void)in, (void)out, (void)y;
     KVS_ASSERT(!"the panel GEMM needs x86-64 with AVX2 + FMA");
+}
+void kvs_cpu_gemm_panel_isa(struct kvs_cpu_pool *pool, enum kvs_cpu_isa isa, const float *x,
+                            const struct kvs_cpu_panels *p, const struct kvs_cpu_qblocks *qb, const float *bias, int n,
+                            int in, int out, float *y)
+{
+    (void)isa;
+    kvs_cpu_gemm_panel(pool, x, p, qb, bias, n, in, out, y);
 }
 #endif

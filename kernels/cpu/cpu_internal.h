@@ -63,4 +63,10 @@ void kvs_cpu_tp_leave(struct kvs_backend *b);
 void kvs_cpu_argmax_rows_val(struct kvs_backend *b, const struct kvs_dbuf *logits, int m, int vocab,
                              struct kvs_dbuf *out, struct kvs_dbuf *vals, size_t out_off);
 
+/* the avx512 set's multi-row tiles of the panel GEMM over one panel chunk (cpu_gemm_panel512.c;
+ * arguments as cpu_gemm_panel.c's rows_one_panel, bf: bf16 panel): bitwise the FMA tiles.
+ * Only where the CPU has AVX-512F. */
+void kvs_cpu_panel512_rows(int bf, const float *x, size_t ldx, const void *pan, int kc, float *c, size_t ldc,
+                           int rows, int first, const float *bias);
+
 #endif

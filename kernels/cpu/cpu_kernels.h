@@ -19,9 +19,17 @@
  *   absolute multiples of KT and a pair only reads keys below its own context, so a row's bits
  *   do not depend on the other rows, on n or on the thread count. attention_spans() uses the
  *   same per-pair steps, so one full span still gives attention()'s bits exactly.
- *   No AVX-512 kernels: the machines this was measured on have none (an AVX-512 CPU runs FMA).
+ *  - KVS_CPU_ISA_AVX512 (default where AVX-512F + AVX2 + FMA exist; KVS_CPU_KERNELS=avx512): the
+ *     FMA set, except (a) the attention's three-query score tiles (two keys per vector), softmax
+ *     and value halves (decode and prefill) run at 512 bits (cpu_attn_avx512.c) and (b) the panel GEMM's multi-row tiles are 12 rows x one
+ *     512-bit panel (cpu_gemm_panel512.c). Both do the FMA set's operations per element, so they
+ *     are BITWISE the FMA set's (hence batch invariant, and within the FMA set's tolerance of the
+ *     reference; test_cpu_kernels and test_cpu_gemm_panel check it where the CPU has AVX-512 and
+ *     print "SKIP: avx512" elsewhere). Scores of pairs outside a three-query tile stay the FMA
+ *     set's 256-bit code (8 lanes + tree define the bits either way); the one- and two-row panel GEMM, the dot-product
+ *     tiles, norms, SwiGLU and attention_spans are the FMA set's own code. Not built: AVX-512 BF16.
  *
- * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA): weights packed as
+ * GEMM modes (enum kvs_cpu_gemm_mode). KVS_CPU_GEMM_PANEL (default with FMA and AVX512): weights packed as
  * 16-output panels at upload, an outer-product FMA tile, one fma chain per element in k order
  * (kvs_cpu_dot_seq; see "Panel-packed weights" below); batch invariant, within rounding of the
  * reference. KVS_CPU_GEMM_INVARIANT (KVS_CPU_GEMM=invariant or dot; the default of the avx2 and
@@ -42,7 +50,7 @@
  * dequantization) stay as those blocks (kvs_cpu_q4_pack below), rebuilt bitwise in the kernel. KVS_CPU_WEIGHTS=f32 forces
  * fp32 copies (for comparisons); the reference kernels and the BLAS mode always use fp32.
  *
- * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma),
+ * Selection: kvs_cpu_kernels_from_env() reads KVS_CPU_KERNELS (auto | ref | avx2 | fma | avx512),
  * KVS_CPU_GEMM (auto | panel | invariant = dot | blas) and KVS_CPU_WEIGHTS (auto | f32) when a backend is created. Errors: it returns -EINVAL with
  * a message for an unknown value or an instruction set the CPU lacks. Nothing here allocates
  * except the BLAS path inside OpenBLAS. */
@@ -55,7 +63,8 @@
 
 #include "kernels/cpu/cpu_pool.h"
 
-enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1, KVS_CPU_ISA_FMA = 2 };
+/* ordered: each set runs where the one before it runs, and AVX512 is FMA plus wider parts */
+enum kvs_cpu_isa { KVS_CPU_ISA_REF = 0, KVS_CPU_ISA_AVX2 = 1, KVS_CPU_ISA_FMA = 2, KVS_CPU_ISA_AVX512 = 3 };
 enum kvs_cpu_gemm_mode { KVS_CPU_GEMM_INVARIANT = 0, KVS_CPU_GEMM_BLAS = 1, KVS_CPU_GEMM_PANEL = 2 };
 
 #define KVS_CPU_BLAS_MIN_ROWS 8   /* below this the hand kernel wins even in BLAS mode */
@@ -68,7 +77,7 @@ struct kvs_cpu_kernels {
     int bf16_weights;             /* bf16 matrices may stay bf16 (AVX2 / FMA + invariant GEMM only) */
 };
 
-/* The best kernel set this CPU runs (FMA, else AVX2, else the reference). */
+/* The best kernel set this CPU runs (AVX512, else FMA, else AVX2, else the reference). */
 enum kvs_cpu_isa kvs_cpu_isa_best(void);
 const char *kvs_cpu_isa_name(enum kvs_cpu_isa isa);
 /* Fills k from the environment (see above); 0, or -EINVAL + message. */
@@ -185,10 +194,15 @@ void kvs_cpu_qblocks_to_panels(const struct kvs_cpu_qblocks *src, int64_t rows, 
 
 /* y = x @ W^T (+ bias) with W as panels (p; qb NULL) or as 4- / 8-bit blocks in panel order (qb;
  * p NULL, in a multiple of KVS_CPU_Q4_BLOCK; the tile rebuilds each k step's 16 weights in
- * registers): shapes as kvs_cpu_gemm. Needs the FMA set. Bitwise kvs_cpu_dot_seq (+ bias) per
+ * registers): shapes as kvs_cpu_gemm. Needs the FMA set (or AVX512). Bitwise kvs_cpu_dot_seq (+ bias) per
  * element, whatever the weight format. Runs on the pool. */
 void kvs_cpu_gemm_panel(struct kvs_cpu_pool *pool, const float *x, const struct kvs_cpu_panels *p,
                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, float *y);
+/* the same with the kernel set's tiles: isa FMA (= kvs_cpu_gemm_panel) or AVX512 (the multi-row
+ * tiles at 512 bits, 12 rows x 16 outputs: the same fma chain per element, so bitwise FMA's) */
+void kvs_cpu_gemm_panel_isa(struct kvs_cpu_pool *pool, enum kvs_cpu_isa isa, const float *x,
+                            const struct kvs_cpu_panels *p, const struct kvs_cpu_qblocks *qb, const float *bias, int n,
+                            int in, int out, float *y);
 
 /* y[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n with a vector exp (cpu_act.c; AVX2 + FMA
  * sets): within a few ulp of the libm form the reference set uses. y may alias g or u. */

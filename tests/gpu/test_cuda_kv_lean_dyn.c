@@ -14,7 +14,9 @@
  *      A decision may differ only where the CPU's score lies within 1e-5 (relative) of the
  *      threshold it was compared with, or a section's two lowest scores lie within 1e-5 of each
  *      other (the victim): the case then stops there and says so; any other difference fails;
- *   3. a round the ring cannot serve fails with -ENOSPC and takes nothing.
+ *   3. a round the ring cannot serve fails with -ENOSPC and takes nothing;
+ *   4. the storage through the whole engine on the demo model (requests complete, counters, no
+ *      page held at the end).
  * The K16V16 + K8V4 case failed on the first H100 run (2026-11-24T16:50Z: the 16-bit tier's codes,
  * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer stores 16 bits at once
  * since, and the case passes on the H100 (2026-11-24T19:32Z), so the storage takes 16-bit tiers.
@@ -31,6 +33,9 @@
 #include "kernels/kv_lean_dyn_cuda.h"
 #include "kernels/kv_lean_pages.h"
 #include "tests/gpu/cuda_pair.h"
+#include "engine/config.h"
+#include "models/model.h"
+#include "tests/unit/kv_engine_run.h"
 
 #define MAXS 8                    /* head states of a case */
 
@@ -450,6 +455,58 @@ static void test_enospc(void)
     kvs_lean_dyn_cuda_free(g);
 }
 
+/* ---- 4. the storage in the engine ---------------------------------------------------------- */
+static double counter(const struct kvs_engine_stats *st, const char *name)
+{
+    for (int i = 0; i < st->n_kv_counters; i++)
+        if (!strcmp(st->kv_counters[i].name, name)) return st->kv_counters[i].value;
+    return -1;
+}
+
+/* kv.storage = lean, mode dynamic, on cuda through the whole engine (the scheduler reads the
+ * storage's counters several times a step: kvs_lean_dyn_counters on the cuda store), on the demo
+ * model: every request completes, the counters say the tiers held the tokens at under bf16's
+ * bytes, and every page is back when the requests end */
+static void test_engine(void)
+{
+    char dir[1024], err[256];
+    struct kvs_model *model;
+    snprintf(dir, sizeof dir, "%s/models/demo", kvs_test_root());
+    REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device), c.device = kvs_xstrdup("cuda");
+    free(c.kv_storage), c.kv_storage = kvs_xstrdup("lean");
+    free(c.lean_mode), c.lean_mode = kvs_xstrdup("dynamic");
+    free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("none");
+    c.kv_memory_bytes = 64 << 20;
+    c.max_running = 4;
+    enum { NJOBS = 6, GENT = 48 };
+    static int32_t prompts[NJOBS][400], got[NJOBS][GENT];
+    struct kvs_test_job jobs[NJOBS];
+    for (int i = 0; i < NJOBS; i++) {
+        const int n = 200 + irand(200);
+        for (int t = 0; t < n; t++) prompts[i][t] = 1 + irand(4000);
+        jobs[i] = (struct kvs_test_job){prompts[i], n, NULL, 0, got[i], 0, KVS_FINISH_NONE};
+    }
+    struct kvs_engine_stats st;
+    const int rc = kvs_test_engine_run(&c, model, jobs, NJOBS, GENT, &st, err, sizeof err);
+    CHECK(rc == 0, "engine with lean dynamic on cuda: %s", err);
+    int done = 0;
+    for (int i = 0; i < NJOBS && rc == 0; i++) done += jobs[i].n_got == GENT;
+    const double bpt = counter(&st, "kvserve:kv_storage_bytes_per_token"),
+                 bf = counter(&st, "kvserve:kv_storage_bf16_bytes_per_token"),
+                 used = counter(&st, "kvserve:kv_storage_pages_used");
+    CHECK(rc == 0 && done == NJOBS && bpt > 0 && bpt < bf && used == 0,
+          "engine, lean dynamic on cuda: %d of %d requests complete, %g bytes/token (bf16 %g), %g pages held at the end",
+          done, NJOBS, bpt, bf, used);
+    if (rc == 0 && done == NJOBS && bpt > 0 && bpt < bf && used == 0)
+        printf("ok engine on cuda (demo model, kv.lean.mode dynamic): %d requests of %d tokens, %.1f bytes/token "
+               "(%.2fx under bf16), every page back at the end\n", NJOBS, GENT, bpt, bf / bpt);
+    kvs_config_free(&c);
+    kvs_model_free(model);
+}
+
 int main(void)
 {
     if (cuda_pair_open(1)) return 1;
@@ -466,6 +523,7 @@ int main(void)
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
     test_enospc();
+    test_engine();
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean_dyn");

@@ -35,6 +35,22 @@ static float *rnd(size_t n, float scale)
 }
 
 static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVARIANT, 0};
+static int g_avx512;              /* the CPU runs the avx512 set: its 512-bit tiles are checked too */
+static int g_avx512_cases;        /* GEMMs of the avx512 tiles found bitwise */
+
+/* the avx512 set's tiles (n x in x out, 3 threads) bitwise want [n][out] */
+static void check_avx512(struct kvs_cpu_pool *p3, const float *x, const struct kvs_cpu_panels *pn,
+                         const struct kvs_cpu_qblocks *qb, const float *bias, int n, int in, int out, const float *want,
+                         const char *what)
+{
+    if (!g_avx512) return;
+    float *y = kvs_xmalloc((size_t)n * out * 4);
+    kvs_cpu_gemm_panel_isa(p3, KVS_CPU_ISA_AVX512, x, pn, qb, bias, n, in, out, y);
+    CHECK(memcmp(y, want, (size_t)n * out * 4) == 0, "panel %s %dx%dx%d bias=%d: avx512 tiles not bitwise fma's", what,
+          n, in, out, bias != NULL);
+    g_avx512_cases++;
+    free(y);
+}
 
 static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -74,6 +90,7 @@ static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     kvs_cpu_gemm_panel(p3, x, &pnf, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(ym, ya, (size_t)n * out * 4) == 0, "panel %dx%dx%d bias=%d: != its mirror", n, in, out,
                           with_bias);
+                    check_avx512(p3, x, &pnf, NULL, bb, n, in, out, ym, "f32");
                     kvs_cpu_gemm_panel(p1, x, &pnf, NULL, bb, n, in, out, yb);
                     CHECK(memcmp(yb, ya, (size_t)n * out * 4) == 0, "panel %dx%dx%d: 1 vs 3 threads", n, in, out);
                     const int t = (int)(kvs_test_xorshift(&g_rng) % (uint32_t)n);
@@ -89,6 +106,7 @@ static void test_panels(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                     kvs_cpu_gemm_panel(p3, x, &pnb, NULL, bb, n, in, out, ya);
                     CHECK(memcmp(ym, ya, (size_t)n * out * 4) == 0, "panel bf16 %dx%dx%d bias=%d: != its mirror", n, in,
                           out, with_bias);
+                    check_avx512(p3, x, &pnb, NULL, bb, n, in, out, ym, "bf16");
                     kvs_cpu_gemm_panel(p1, x + (size_t)t * in, &pnb, NULL, bb, 1, in, out, y1);
                     CHECK(memcmp(y1, ya + (size_t)t * out, (size_t)out * 4) == 0,
                           "panel bf16 %dx%dx%d: row %d alone != in the batch", n, in, out, t);
@@ -166,6 +184,7 @@ static void test_blocks(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
                         kvs_cpu_gemm_panel(p3, x, NULL, &qb, bb, n, in, out, y1);
                         CHECK(memcmp(y0, y1, (size_t)n * out * 4) == 0, "panel %d-bit %d x %d x %d bias %d: not bitwise fp32",
                               bits, n, in, out, bi);
+                        check_avx512(p3, x, NULL, &qb, bb, n, in, out, y0, bits == 4 ? "q4" : "q8");
                         cases++;
                     }
                     free(x), free(y0), free(y1);
@@ -181,9 +200,14 @@ int main(void)
     char err[256];
     struct kvs_cpu_pool *p1 = kvs_cpu_pool_create(1, err, sizeof err), *p3 = kvs_cpu_pool_create(3, err, sizeof err);
     REQUIRE(p1 && p3, "pool: %s", err);
-    REQUIRE(kvs_cpu_isa_best() == KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the panel GEMM cannot be checked here");
+    REQUIRE(kvs_cpu_isa_best() >= KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the panel GEMM cannot be checked here");
+    g_avx512 = kvs_cpu_isa_best() >= KVS_CPU_ISA_AVX512;
+    if (!g_avx512) printf("SKIP: avx512 (this CPU has no AVX-512): the 512-bit panel tiles not checked\n");
     test_panels(p1, p3);
     test_blocks(p1, p3);
+    if (g_avx512)
+        printf("ok avx512 panel tiles (12 rows x 16 outputs): bitwise the fma tiles / fmaf-chain mirror in %d GEMMs "
+               "(fp32, bf16, Q4_1, Q8_0 panels, 3 threads)\n", g_avx512_cases);
     kvs_cpu_pool_free(p1);
     kvs_cpu_pool_free(p3);
     return kvs_test_summary("test_cpu_gemm_panel");

@@ -48,6 +48,7 @@ static const struct kvs_cpu_kernels K_REF = {KVS_CPU_ISA_REF, KVS_CPU_GEMM_INVAR
 static const struct kvs_cpu_kernels K_AVX2 = {KVS_CPU_ISA_AVX2, KVS_CPU_GEMM_INVARIANT, 1};
 static const struct kvs_cpu_kernels K_FMA = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_INVARIANT, 1};
 static const struct kvs_cpu_kernels K_BLAS = {KVS_CPU_ISA_FMA, KVS_CPU_GEMM_BLAS, 0};
+static const struct kvs_cpu_kernels K_AVX512 = {KVS_CPU_ISA_AVX512, KVS_CPU_GEMM_INVARIANT, 1};
 
 static void test_gemm(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
 {
@@ -164,7 +165,7 @@ struct seq {
     int pos, rows;
 };
 
-static double g_attn_worst[3];   /* per kernel set: worst |tiled - ref| (values in [-1, 1]) */
+static double g_attn_worst[4];   /* per kernel set: worst |tiled - ref| (values in [-1, 1]) */
 
 static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, const struct kvs_cpu_kernels *kk,
                            const struct seq *seqs, int n_seqs, int n_heads, int n_kv, int hd, int bs, int deferred,
@@ -221,6 +222,15 @@ static void attention_case(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3, con
     CHECK(worst < 1e-5, "attention %s h=%d/%d hd=%d bs=%d: %s differs from ref by %g", what, n_heads, n_kv, hd, bs,
           kvs_cpu_isa_name(kk->isa), worst);
     float *o_1t = kvs_xmalloc((size_t)n * n_heads * hd * 4);
+    if (kk->isa == KVS_CPU_ISA_AVX512) {
+        /* the avx512 set does the FMA set's operations per element at 16 lanes: same bits */
+        a.out = o_1t;
+        kvs_cpu_attention(p1, &K_FMA, &a);
+        size_t diff = 0;
+        for (size_t i = 0; i < (size_t)n * n_heads * hd; i++) diff += memcmp(&o_1t[i], &o_avx[i], 4) != 0;
+        CHECK(diff == 0, "attention %s h=%d/%d hd=%d bs=%d: avx512 differs from fma in %zu of %zu outputs", what, n_heads,
+              n_kv, hd, bs, diff, (size_t)n * n_heads * hd);
+    }
     a.out = o_1t;
     kvs_cpu_attention(p1, kk, &a);
     CHECK(memcmp(o_1t, o_avx, (size_t)n * n_heads * hd * 4) == 0, "attention %s h=%d/%d hd=%d bs=%d: 1 vs 3 threads",
@@ -256,8 +266,13 @@ static void test_attention(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
     const struct seq decode1[] = {{90, 1}};
     const int gqa[][2] = {{4, 4}, {4, 2}, {8, 2}, {8, 1}};
     const struct seq longp[] = {{0, 70}, {100, 40}};   /* several key tiles, rows crossing them */
-    for (int ki = 0; ki < 2; ki++) {
-        const struct kvs_cpu_kernels *kk = ki ? &K_FMA : &K_AVX2;
+    int sets = 2;
+    if (kvs_cpu_isa_best() >= KVS_CPU_ISA_AVX512)
+        sets = 3;
+    else
+        printf("SKIP: avx512 (this CPU has no AVX-512): attention avx512 vs fma / ref not checked\n");
+    for (int ki = 0; ki < sets; ki++) {
+        const struct kvs_cpu_kernels *kk = ki == 2 ? &K_AVX512 : ki ? &K_FMA : &K_AVX2;
         for (int gi = 0; gi < 4; gi++) {
             attention_case(p1, p3, kk, mix, 5, gqa[gi][0], gqa[gi][1], 32, 16, 0, "mixed batch");
             attention_case(p1, p3, kk, mix, 5, gqa[gi][0], gqa[gi][1], 64, 5, 0, "mixed batch");
@@ -268,10 +283,18 @@ static void test_attention(struct kvs_cpu_pool *p1, struct kvs_cpu_pool *p3)
         attention_case(p1, p3, kk, longp, 2, 8, 2, 32, 5, 1, "deferred RoPE + partly valid blocks, long");
         attention_case(p1, p3, kk, mix, 5, 4, 1, 20, 4, 1, "deferred RoPE, head_dim 20");
         attention_case(p1, p3, kk, mix, 5, 2, 1, 1024, 16, 0, "head_dim 1024");
+        if (ki == 2) {   /* head_dims off the 16 / 32 / 64 steps: the masked tails */
+            attention_case(p1, p3, kk, mix, 5, 4, 2, 24, 16, 0, "head_dim 24");
+            attention_case(p1, p3, kk, mix, 5, 8, 2, 96, 16, 0, "head_dim 96");
+            attention_case(p1, p3, kk, longp, 2, 8, 1, 48, 16, 0, "head_dim 48, 8 heads per kv head");
+        }
     }
     printf("ok attention: key-tiled avx2 / fma within %.1e / %.1e of the reference (bound 1e-5), every row alone "
            "bitwise as in the batch, 1 = 3 threads (GQA 1-8, block sizes 4/5/16, deferred RoPE, partial blocks)\n",
            g_attn_worst[KVS_CPU_ISA_AVX2], g_attn_worst[KVS_CPU_ISA_FMA]);
+    if (sets == 3)
+        printf("ok attention avx512: bitwise the fma set in every case above (+ head_dim 24 / 48 / 96), within %.1e of "
+               "the reference\n", g_attn_worst[KVS_CPU_ISA_AVX512]);
 }
 
 /* one Q4_1 block as llama.cpp writes it: fp16 d > 0, fp16 m, q 0 and 15 both present (the
@@ -399,7 +422,7 @@ static float ulp_of(float v) { return nextafterf(fabsf(v), INFINITY) - fabsf(v);
 
 static void test_rmsnorm_row(void)
 {
-    if (kvs_cpu_isa_best() != KVS_CPU_ISA_FMA) {
+    if (kvs_cpu_isa_best() < KVS_CPU_ISA_FMA) {
         printf("SKIP: rmsnorm row: no FMA on this CPU (the vector row is not used)\n");
         return;
     }
@@ -442,7 +465,7 @@ int main(void)
     struct kvs_cpu_pool *p1 = kvs_cpu_pool_create(1, err, sizeof err), *p3 = kvs_cpu_pool_create(3, err, sizeof err);
     REQUIRE(p1 && p3, "pool: %s", err);
     kvs_cpu_blas_init();
-    REQUIRE(kvs_cpu_isa_best() == KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the fast kernels cannot be checked here");
+    REQUIRE(kvs_cpu_isa_best() >= KVS_CPU_ISA_FMA, "this CPU has no AVX2 + FMA: the fast kernels cannot be checked here");
     test_gemm(p1, p3);
     test_attention(p1, p3);
     test_blas(p1, p3);

@@ -12,6 +12,7 @@
 
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "models/model.h"
 #include "tests/unit/test_util.h"
 
@@ -699,12 +700,24 @@ int main(void)
     /* every job through the workers, however small (cpu_pool.h runs small ones inline by
      * default), so the thread-count checks below compare real splits */
     setenv("KVS_CPU_MIN_WORK", "0", 1);
-    /* every op with each kernel set: the plain-C reference (the oracle of test_cpu_kernels) and
-     * the default (AVX2 where the CPU has it); a backend reads KVS_CPU_KERNELS when created */
-    const char *sets[] = {"ref", "auto"};
-    for (int k = 0; k < 2; k++) {
+    /* every op with each kernel set: the plain-C reference (the oracle of test_cpu_kernels), the
+     * default (the best set the CPU has), and fma beside it where the default is avx512; avx512
+     * where the CPU has it, else a check that asking for it fails with a clear error. A backend
+     * reads KVS_CPU_KERNELS when created. */
+    const char *sets[] = {"ref", "auto", "fma", "avx512"};
+    const enum kvs_cpu_isa best = kvs_cpu_isa_best();
+    for (int k = 0; k < 4; k++) {
         char err[256];
         setenv("KVS_CPU_KERNELS", sets[k], 1);
+        if (k == 2 && best != KVS_CPU_ISA_AVX512) continue;   /* "auto" was fma (or less) already */
+        if (k == 3 && best < KVS_CPU_ISA_AVX512) {
+            struct kvs_backend *nb = O->create(1, err, sizeof err);
+            CHECK(!nb && strstr(err, "avx512") && strstr(err, "no AVX-512"),
+                  "KVS_CPU_KERNELS=avx512 without AVX-512: want a clear error, got %s", nb ? "a backend" : err);
+            if (nb) O->free(nb);
+            printf("SKIP: avx512 (this CPU has no AVX-512); KVS_CPU_KERNELS=avx512 refused: %s\n", err);
+            continue;
+        }
         struct kvs_backend *b = O->create(3, err, sizeof err), *b1 = O->create(1, err, sizeof err);
         if (!b || !b1) {
             printf("cannot create the cpu backend: %s\n", err);
