@@ -487,38 +487,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
             release(empty_v + lst);
         }
 
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float ls = l[h];
-            ls += __shfl_xor_sync(FULL, ls, 1);
-            ls += __shfl_xor_sync(FULL, ls, 2);
-            const int row = rw + 8 * h;
-            if (row >= nr) continue;
-            const size_t tq = (size_t)qs + r0 + row / a.G;
-            const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
-            if (a.n_splits == 1) {
-                float *op = a.out + orow * HD + 2 * t;
-                bf16 *oh = a.outh ? a.outh + orow * HD + 2 * t : nullptr;
-                const float inv = 1.0f / ls;
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    const float v0 = o[nd * 4 + 2 * h] * inv, v1 = o[nd * 4 + 2 * h + 1] * inv;
-                    *(float2 *)(op + nd * 8) = make_float2(v0, v1);
-                    if (oh) *(__nv_bfloat162 *)(oh + nd * 8) = __floats2bfloat162_rn(v0, v1);
-                }
-            } else {
-                float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
-#pragma unroll
-                for (int nd = 0; nd < HD / 8; nd++) {
-                    pp[nd * 8 + 2 * t] = o[nd * 4 + 2 * h];
-                    pp[nd * 8 + 2 * t + 1] = o[nd * 4 + 2 * h + 1];
-                }
-                if (t == 0) {
-                    pp[HD] = m[h] * 0.6931471805599453f; /* the merge works in natural log */
-                    pp[HD + 1] = ls;
-                }
-            }
-        }
+        wg_store_rows<HD>(a, o, m, l, rw, nr, t, qs, r0, kvh, split);
         gt += ntiles;
         }
         /* PP: warpgroup 1's last pass (or its first, with no tiles) is taken here, so that no

@@ -203,4 +203,49 @@ bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_
  * engine (boxes of 16 rows x 64 columns, 128-byte swizzle); false where the driver cannot encode them */
 bool fd_tma_maps(at_args &x, int hd);
 
+/* The epilogue of the wgmma prefill kernels (k_attn_wg, k_attn_fa3): a warp's rows rw and rw + 8
+ * of the O accumulator o (the mma's C layout: thread t of its quad holds columns 2t and 2t + 1 of
+ * each 8-column group), each divided by its row sum l (reduced over the quad here) and stored as
+ * fp32 (and bf16 where a.outh), or, in a split launch, stored unnormalised into a.part with the
+ * row's max (m, log2 units, turned into natural log) and sum for attn_merge. Rows at or past nr
+ * (the tile's real rows) are skipped. */
+template <int HD>
+__device__ __forceinline__ void wg_store_rows(const at_args &a, const float (&o)[HD / 2], const float (&m)[2],
+                                              const float (&l)[2], int rw, int nr, int t, int qs, int r0, int kvh,
+                                              int split)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float ls = l[h];
+        ls += __shfl_xor_sync(FULL, ls, 1);
+        ls += __shfl_xor_sync(FULL, ls, 2);
+        const int row = rw + 8 * h;
+        if (row >= nr) continue;
+        const size_t tq = (size_t)qs + r0 + row / a.G;
+        const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
+        if (a.n_splits == 1) {
+            float *op = a.out + orow * HD + 2 * t;
+            bf16 *oh = a.outh ? a.outh + orow * HD + 2 * t : nullptr;
+            const float inv = 1.0f / ls;
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                const float v0 = o[nd * 4 + 2 * h] * inv, v1 = o[nd * 4 + 2 * h + 1] * inv;
+                *(float2 *)(op + nd * 8) = make_float2(v0, v1);
+                if (oh) *(__nv_bfloat162 *)(oh + nd * 8) = __floats2bfloat162_rn(v0, v1);
+            }
+        } else {
+            float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                pp[nd * 8 + 2 * t] = o[nd * 4 + 2 * h];
+                pp[nd * 8 + 2 * t + 1] = o[nd * 4 + 2 * h + 1];
+            }
+            if (t == 0) {
+                pp[HD] = m[h] * 0.6931471805599453f; /* the merge works in natural log */
+                pp[HD + 1] = ls;
+            }
+        }
+    }
+}
+
 #endif
