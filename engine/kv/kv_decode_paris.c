@@ -170,8 +170,12 @@ static void paris_destroy(void *state)
     }
     free(s->codes);
     free(s->w);
+    /* every device buffer: selection, offload (host index, pages, staging), prefill over host pages */
     struct kvs_dbuf *bufs[] = {s->counts, s->signs, s->d_rows, s->d_jobs, s->d_n_spans, s->d_spans, s->d_sel,
-                               s->d_coarse, s->d_exact};
+                               s->d_coarse, s->d_exact, s->d_idx, s->d_pages, s->stage_k, s->stage_v, s->stage_bt,
+                               s->d_stage_n, s->d_stage_sp, s->pf_na, s->pf_spa, s->pf_nb, s->pf_spb, s->pf_hbt,
+                               s->pf_out, s->pf_lse, s->sg_k, s->sg_v, s->sg_rows, s->sg_n, s->sg_sp, s->sg_bt,
+                               s->sg_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free_buf(be, bufs[i]);
     free(s->seq);
     free(s->h_rows);
@@ -185,8 +189,6 @@ static void paris_destroy(void *state)
     if (s->host_k) s->k->host_free(be, s->host_k);
     if (s->host_v) s->k->host_free(be, s->host_v);
     free(s->h_idx);
-    struct kvs_dbuf *obufs[] = {s->d_idx, s->d_pages, s->stage_k, s->stage_v, s->stage_bt, s->d_stage_n, s->d_stage_sp};
-    for (size_t i = 0; i < sizeof obufs / sizeof obufs[0]; i++) o->free_buf(be, obufs[i]);
     free(s->free_pages);
     free(s->h_pages);
     free(s->h_stage_n);
@@ -197,9 +199,6 @@ static void paris_destroy(void *state)
     }
     free(s->hv_k);
     free(s->hv_v);
-    struct kvs_dbuf *pbufs[] = {s->pf_na, s->pf_spa, s->pf_nb, s->pf_spb, s->pf_hbt, s->pf_out, s->pf_lse,
-                                s->sg_k, s->sg_v, s->sg_rows, s->sg_n, s->sg_sp, s->sg_bt, s->sg_pos};
-    for (size_t i = 0; i < sizeof pbufs / sizeof pbufs[0]; i++) o->free_buf(be, pbufs[i]);
     free(s->h_pf_na);
     free(s->h_pf_spa);
     free(s->h_pf_nb);
