@@ -456,13 +456,6 @@ static void test_enospc(void)
 }
 
 /* ---- 4. the storage in the engine ---------------------------------------------------------- */
-static double counter(const struct kvs_engine_stats *st, const char *name)
-{
-    for (int i = 0; i < st->n_kv_counters; i++)
-        if (!strcmp(st->kv_counters[i].name, name)) return st->kv_counters[i].value;
-    return -1;
-}
-
 /* kv.storage = lean, mode dynamic, on cuda through the whole engine (the scheduler reads the
  * storage's counters several times a step: kvs_lean_dyn_counters on the cuda store), on the demo
  * model: every request completes, the counters say the tiers held the tokens at under bf16's
@@ -494,9 +487,9 @@ static void test_engine(void)
     CHECK(rc == 0, "engine with lean dynamic on cuda: %s", err);
     int done = 0;
     for (int i = 0; i < NJOBS && rc == 0; i++) done += jobs[i].n_got == GENT;
-    const double bpt = counter(&st, "kvserve:kv_storage_bytes_per_token"),
-                 bf = counter(&st, "kvserve:kv_storage_bf16_bytes_per_token"),
-                 used = counter(&st, "kvserve:kv_storage_pages_used");
+    const double bpt = kvs_engine_kv_counter(&st, "kvserve:kv_storage_bytes_per_token"),
+                 bf = kvs_engine_kv_counter(&st, "kvserve:kv_storage_bf16_bytes_per_token"),
+                 used = kvs_engine_kv_counter(&st, "kvserve:kv_storage_pages_used");
     CHECK(rc == 0 && done == NJOBS && bpt > 0 && bpt < bf && used == 0,
           "engine, lean dynamic on cuda: %d of %d requests complete, %g bytes/token (bf16 %g), %g pages held at the end",
           done, NJOBS, bpt, bf, used);

@@ -131,13 +131,6 @@ static void test_kernels(void)
 #define NJ 4
 #define GEN 24
 
-static double counter(const struct kvs_engine_stats *st, const char *name)
-{
-    for (int i = 0; i < st->n_kv_counters; i++)
-        if (!strcmp(st->kv_counters[i].name, name)) return st->kv_counters[i].value;
-    return -1;
-}
-
 /* 1: run_engine uses kv.paris.offload with a 16-block pool (256 tokens; the demo model's bf16 block is
  * 32 KiB) and 64-token prefill chunks, so the 300-600-token prompts stream through it */
 static int g_offload;
@@ -291,7 +284,7 @@ static void test_engine(void)
     memcpy(pt, g_top_id, sizeof pt), memcpy(pl, g_top_lp, sizeof pl);
     int same, ties;
     agree(full, ft, fl, all, pt, pl, &same, &ties);
-    const double rows1 = counter(&st, "kvserve:kv_paris_sparse_rows_total");
+    const double rows1 = kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(same + ties == NJ && same >= 1 && rows1 > 0,
           "paris at beta 1, topk >= n_r on cuda: %d of %d equal to full, %d differ from a near tie, %g sparse rows",
           same, NJ, ties, rows1);
@@ -307,24 +300,24 @@ static void test_engine(void)
         int same_off, ties_off;
         memcpy(pt, g_top_id, sizeof pt), memcpy(pl, g_top_lp, sizeof pl);
         agree(full, ft, fl, all, pt, pl, &same_off, &ties_off);
-        const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
-        const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
-        const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
-        const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
+        const double written = kvs_engine_kv_counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
+        const double hrows = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+        const double staged = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
+        const double spans = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
         CHECK(same_off + ties_off == NJ && same_off >= 1 && written > 0 && hrows > 0 && st.kv_blocks_total == 16 && st.kv_blocks_used == 0 &&
-              counter(&st, "kvserve:kv_paris_host_bytes") == 0 && (path ? staged == 0 && spans > 0 : staged > 0 && spans == 0),
+              kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes") == 0 && (path ? staged == 0 && spans > 0 : staged > 0 && spans == 0),
               "offload through a 16-block pool on cuda (%s path): %d of %d equal to full, %d from a near tie, %g "
               "positions written out in prefill, %g prefill rows over host pages, %g staged / %g spans steps, pool %d, "
               "%d blocks and %g host bytes held at the end", path ? "spans" : "staged", same_off, NJ, ties_off, written, hrows, staged, spans,
-              st.kv_blocks_total, st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
+              st.kv_blocks_total, st.kv_blocks_used, kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes"));
         printf("ok engine on cuda, offload with chunked prefill through a 256-token pool (%s path, %g steps): %d/%d "
                "equal to full, %d from a near tie; %g prefill rows attended over host pages\n",
                path ? "spans" : "staged", path ? spans : staged, same_off, NJ, ties_off, hrows);
     }
     kvs_paris_set_stage_limit(0);
     REQUIRE(run_engine(model, "paris", 0, 16, sparse, &st, err, sizeof err) == 0, "%s", err);
-    const double t = counter(&st, "kvserve:kv_paris_recall_total"), h = counter(&st, "kvserve:kv_paris_recall_hits_total");
-    const double rows = counter(&st, "kvserve:kv_paris_sparse_rows_total");
+    const double t = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total"), h = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total");
+    const double rows = kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(rows > 0 && t > 0 && h <= t, "paris topk 16 on cuda: %g sparse rows, recall %g / %g", rows, h, t);
     printf("ok engine on cuda (demo model): beta 1 equals full for %d/%d requests (%d from a near tie); topk 16: %g "
            "sparse rows, recall@16 %.3f\n", same, NJ, ties, rows, h / t);

@@ -358,13 +358,6 @@ static int run(const struct kvs_config *cfg, struct job *jobs, struct kvs_engine
     return rc;
 }
 
-static double counter(const struct kvs_engine_stats *st, const char *name)
-{
-    for (int i = 0; i < st->n_kv_counters; i++)
-        if (!strcmp(st->kv_counters[i].name, name)) return st->kv_counters[i].value;
-    return -1;
-}
-
 static int same(const struct job *a, const struct job *b)
 {
     for (int i = 0; i < NJ; i++)
@@ -387,9 +380,9 @@ static void test_engine(void)
     memcpy(got, ref, sizeof got);
     base_cfg(&c, "prefix", "paris");
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
-    CHECK(same(ref, got) && counter(&st, "kvserve:kv_paris_sparse_rows_total") == 0 &&
-          counter(&st, "kvserve:kv_paris_dense_rows_total") > 0, "below the threshold: full attention's tokens, no "
-          "sparse row (%g)", counter(&st, "kvserve:kv_paris_sparse_rows_total"));
+    CHECK(same(ref, got) && kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total") == 0 &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_dense_rows_total") > 0, "below the threshold: full attention's tokens, no "
+          "sparse row (%g)", kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total"));
     printf("ok below the threshold: full attention's greedy tokens bitwise\n");
     kvs_config_free(&c);
 
@@ -399,9 +392,9 @@ static void test_engine(void)
     small_zones(&c);
     c.paris_beta = 1, c.paris_topk = 600, c.paris_recall_every = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
-    const double sparse = counter(&st, "kvserve:kv_paris_sparse_rows_total");
-    const double enc = counter(&st, "kvserve:kv_paris_encoded_tokens_total");
-    const double tot = counter(&st, "kvserve:kv_paris_recall_total"), hits = counter(&st, "kvserve:kv_paris_recall_hits_total");
+    const double sparse = kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total");
+    const double enc = kvs_engine_kv_counter(&st, "kvserve:kv_paris_encoded_tokens_total");
+    const double tot = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total"), hits = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total");
     /* every request builds (prompt - local - sink) and grows by >= 16 during its 24 steps */
     double min_enc = 0;
     for (int i = 0; i < NJ; i++) min_enc += ref[i].n_prompt - 12 + 16;
@@ -418,12 +411,12 @@ static void test_engine(void)
     small_zones(&c);
     c.paris_topk = 8, c.paris_recall_every = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
-    const double t2 = counter(&st, "kvserve:kv_paris_recall_total"), h2 = counter(&st, "kvserve:kv_paris_recall_hits_total");
-    const double c2 = counter(&st, "kvserve:kv_paris_recall_coarse_hits_total");
+    const double t2 = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total"), h2 = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total");
+    const double c2 = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_coarse_hits_total");
     int all = 1;
     for (int i = 0; i < NJ; i++) all &= got[i].n_got == GEN;
-    CHECK(all && t2 > 0 && h2 <= t2 && c2 <= t2 && counter(&st, "kvserve:kv_paris_live_requests") == 0 &&
-          counter(&st, "kvserve:kv_paris_index_bytes") > 0, "topk 8: all tokens %d, recall %g / %g, coarse %g",
+    CHECK(all && t2 > 0 && h2 <= t2 && c2 <= t2 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_live_requests") == 0 &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_index_bytes") > 0, "topk 8: all tokens %d, recall %g / %g, coarse %g",
           all, h2, t2, c2);
     printf("ok topk 8 (adaptive beta, rho): recall@8 %.3f end to end, %.3f coarse on the test model\n", h2 / t2, c2 / t2);
     kvs_config_free(&c);
@@ -435,15 +428,15 @@ static void test_engine(void)
     small_zones(&c);
     c.paris_beta = 1, c.paris_topk = 600, c.paris_offload = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
-    const double hread = counter(&st, "kvserve:kv_paris_host_read_bytes_total");
-    const double released = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
-    CHECK(released > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 && st.kv_blocks_used == 0,
+    const double hread = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_read_bytes_total");
+    const double released = kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+    CHECK(released > 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 && st.kv_blocks_used == 0,
           "offload: %g pool blocks released, %g still off the pool at the end", released,
-          counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
-    CHECK(same(ref, got) && counter(&st, "kvserve:kv_paris_sparse_rows_total") == NJ * GEN - NJ && hread > 0 &&
-          counter(&st, "kvserve:kv_paris_host_bytes") == 0 && counter(&st, "kvserve:kv_paris_host_pool_bytes") > 0,
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
+    CHECK(same(ref, got) && kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total") == NJ * GEN - NJ && hread > 0 &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes") == 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_pool_bytes") > 0,
           "offload, beta = 1: tokens %s, host read %g, host bytes held %g", same(ref, got) ? "equal" : "DIFFER", hread,
-          counter(&st, "kvserve:kv_paris_host_bytes"));
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes"));
     printf("ok offload, beta = 1: full attention's tokens bitwise with %g pool blocks released to the pool, %g host "
            "bytes gathered, no page held at the end\n", released, hread);
     kvs_config_free(&c);
@@ -455,8 +448,8 @@ static void test_engine(void)
     small_zones(&c);
     c.paris_topk = 8, c.paris_recall_every = 1;
     REQUIRE(run(&c, off, &st, err, sizeof err) == 0, "%s", err);
-    const double off_tot = counter(&st, "kvserve:kv_paris_recall_total");
-    const double off_hits = counter(&st, "kvserve:kv_paris_recall_hits_total");
+    const double off_tot = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total");
+    const double off_hits = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total");
     kvs_config_free(&c);
     memcpy(got, ref, sizeof got);
     base_cfg(&c, "prefix", "paris");
@@ -464,13 +457,13 @@ static void test_engine(void)
     c.paris_topk = 8, c.paris_offload = 1, c.paris_recall_every = 1;
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
     /* recall's exact top-k reads the zone from the host pages: the same keys, the same counts */
-    CHECK(off_tot > 0 && counter(&st, "kvserve:kv_paris_recall_total") == off_tot &&
-          counter(&st, "kvserve:kv_paris_recall_hits_total") == off_hits &&
-          counter(&st, "kvserve:kv_paris_recall_skipped_total") == 0, "offload recall %g / %g (skipped %g) vs off %g / %g",
-          counter(&st, "kvserve:kv_paris_recall_hits_total"), counter(&st, "kvserve:kv_paris_recall_total"),
-          counter(&st, "kvserve:kv_paris_recall_skipped_total"), off_hits, off_tot);
-    CHECK(same(off, got) && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
-          counter(&st, "kvserve:kv_paris_gpu_blocks_released_total") > 0, "offload, topk 8: tokens %s",
+    CHECK(off_tot > 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total") == off_tot &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total") == off_hits &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_skipped_total") == 0, "offload recall %g / %g (skipped %g) vs off %g / %g",
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total"), kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total"),
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_skipped_total"), off_hits, off_tot);
+    CHECK(same(off, got) && kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_released_total") > 0, "offload, topk 8: tokens %s",
           same(off, got) ? "equal to offload off" : "DIFFER from offload off");
     printf("ok offload, topk 8: offload off's tokens\n");
     kvs_config_free(&c);
@@ -528,11 +521,11 @@ static void test_mixed(void)
             all &= got[i].n_got == GEN;
             if (len[i] + GEN < 120) short_same &= got[i].n_got == GEN && !memcmp(got[i].got, ref[i].got, sizeof got[i].got);
         }
-        const double sparse = counter(&st, "kvserve:kv_paris_sparse_rows_total");
-        const double dense = counter(&st, "kvserve:kv_paris_dense_rows_total");
+        const double sparse = kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total");
+        const double dense = kvs_engine_kv_counter(&st, "kvserve:kv_paris_dense_rows_total");
         CHECK(all && short_same && sparse == 3 * (GEN - 1) && dense >= 3 * (GEN - 1) &&
-              (pass < 2 || same(ref, got)) && counter(&st, "kvserve:kv_paris_live_requests") == 0 &&
-              counter(&st, "kvserve:kv_paris_host_bytes") == 0,
+              (pass < 2 || same(ref, got)) && kvs_engine_kv_counter(&st, "kvserve:kv_paris_live_requests") == 0 &&
+              kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes") == 0,
               "mixed batch, %s: all tokens %d, short requests %s, %g sparse rows (want %d), %g dense rows, whole batch %s",
               pass == 0 ? "topk 8" : pass == 1 ? "topk 8 + offload" : "beta 1", all, short_same ? "equal" : "DIFFER",
               sparse, 3 * (GEN - 1), dense, same(ref, got) ? "equal" : "differs");
@@ -563,21 +556,21 @@ static void test_stress(int offload)
     kvs_test_engine_stress(e, N, GL, 30, 150, 0xCA7ull, &sr);
     const struct kvs_engine_stats st = sr.st;
     const int finished = sr.finished, cancelled = sr.cancelled, n_cancel = sr.n_cancel;
-    const double live = counter(&st, "kvserve:kv_paris_live_requests");
-    const double rows = counter(&st, "kvserve:kv_paris_sparse_rows_total");
+    const double live = kvs_engine_kv_counter(&st, "kvserve:kv_paris_live_requests");
+    const double rows = kvs_engine_kv_counter(&st, "kvserve:kv_paris_sparse_rows_total");
     CHECK(finished + cancelled == N && cancelled <= n_cancel && finished >= N - n_cancel, "%d finished, %d cancelled",
           finished, cancelled);
     CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && live == 0 && rows > 0 && st.num_preemptions > 0,
           "blocks used %d, running %d, live paris states %g, sparse rows %g, preemptions %llu", st.kv_blocks_used,
           st.num_running, live, rows, (unsigned long long)st.num_preemptions);
-    const double host = counter(&st, "kvserve:kv_paris_host_bytes");
-    CHECK(offload ? host == 0 && counter(&st, "kvserve:kv_paris_host_read_bytes_total") > 0 : host == 0,
+    const double host = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes");
+    CHECK(offload ? host == 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_read_bytes_total") > 0 : host == 0,
           "offload %d: host bytes held at the end %g", offload, host);
-    const double rel = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
-    CHECK(offload ? rel > 0 && counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 : rel == 0,
+    const double rel = kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+    CHECK(offload ? rel > 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 : rel == 0,
           "offload %d: %g pool blocks released, %g off the pool at the end", offload, rel,
-          counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
-    const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+          kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded"));
+    const double hrows = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
     CHECK(offload ? hrows > 0 : hrows == 0, "offload %d: %g prefill rows over host pages", offload, hrows);
     printf("ok stress (offload %d): %d requests (%d cancelled), %llu preemptions, %g sparse rows, %g pool blocks released "
            "early, %g prefill rows over host pages, all blocks and pages free, no live state\n", offload, N, cancelled,
@@ -622,23 +615,23 @@ static void test_long_prompt(void)
         REQUIRE(kvs_test_engine_run(&c, model, tj, NL, LG, &st, err, sizeof err) == 0, "%s", err);
         for (int i = 0; i < NL; i++) CHECK(tj[i].n_got == LG, "pass %d request %d: %d tokens", pass, i, tj[i].n_got);
         if (pass) {
-            const double written = counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
-            const double hrows = counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
-            const double rel = counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
+            const double written = kvs_engine_kv_counter(&st, "kvserve:kv_paris_prefill_written_tokens_total");
+            const double hrows = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_rows_total");
+            const double rel = kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_released_total");
             CHECK(st.kv_blocks_total == POOL && written >= NL * (LP - 8 - 4 - 32) && hrows > 0 && rel >= NL * 20,
                   "pool %d blocks, %g positions written out by prefill, %g prefill rows over host pages, %g blocks "
                   "released", st.kv_blocks_total, written, hrows, rel);
-            CHECK(st.kv_blocks_used == 0 && counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
-                  counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 &&
-                  counter(&st, "kvserve:kv_paris_live_requests") == 0, "leak: %d blocks, %g host bytes held",
-                  st.kv_blocks_used, counter(&st, "kvserve:kv_paris_host_bytes"));
-            const double rt = counter(&st, "kvserve:kv_paris_recall_total");
-            CHECK(rt > 0 && counter(&st, "kvserve:kv_paris_recall_hits_total") == rt,
-                  "beta 1 recall from host pages: %g / %g", counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
+            CHECK(st.kv_blocks_used == 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes") == 0 &&
+                  kvs_engine_kv_counter(&st, "kvserve:kv_paris_gpu_blocks_offloaded") == 0 &&
+                  kvs_engine_kv_counter(&st, "kvserve:kv_paris_live_requests") == 0, "leak: %d blocks, %g host bytes held",
+                  st.kv_blocks_used, kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_bytes"));
+            const double rt = kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_total");
+            CHECK(rt > 0 && kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total") == rt,
+                  "beta 1 recall from host pages: %g / %g", kvs_engine_kv_counter(&st, "kvserve:kv_paris_recall_hits_total"), rt);
             CHECK(!memcmp(ref, got, sizeof ref), "prompts of %d tokens through a %d-token pool: tokens %s", LP,
                   POOL * 16, memcmp(ref, got, sizeof ref) ? "DIFFER from full attention's" : "equal");
-            const double staged = counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
-            const double spans = counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
+            const double staged = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_staged_steps_total");
+            const double spans = kvs_engine_kv_counter(&st, "kvserve:kv_paris_host_prefill_spans_steps_total");
             CHECK(pass == 1 ? staged > 0 && spans == 0 : staged == 0 && spans > 0,
                   "pass %d: %g staged steps, %g spans steps", pass, staged, spans);
             printf("ok offload, chunked prefill (%s path: %g steps): %d prompts of %d tokens through a pool of %d "

@@ -436,11 +436,6 @@ static int same_tokens(const struct job *a, const struct job *b)
     return 1;
 }
 
-static double counter(const struct kvs_engine_stats *st, const char *name)
-{
-    return kvs_engine_kv_counter(st, name);
-}
-
 static void test_engine(void)
 {
     static struct job ref[NJ], got[NJ], shared[NJ];
@@ -483,13 +478,13 @@ static void test_engine(void)
     kvs_quest_set_check(1);
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
     kvs_quest_set_check(0);
-    const double rows = counter(&st, "kvserve:kv_quest_sparse_rows_total");
-    const double stale = counter(&st, "kvserve:kv_quest_stale_digests_total");
-    const double rd = counter(&st, "kvserve:kv_decode_bytes_read_total");
-    const double full = counter(&st, "kvserve:kv_decode_bytes_full_total");
-    const double kept = counter(&st, "kvserve:kv_quest_pages_kept_total");
-    const double pages = counter(&st, "kvserve:kv_quest_pages_total");
-    const double l2 = counter(&st, "kvserve:kv_fidelity_rel_l2_sum") / counter(&st, "kvserve:kv_fidelity_rel_l2_count");
+    const double rows = kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total");
+    const double stale = kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total");
+    const double rd = kvs_engine_kv_counter(&st, "kvserve:kv_decode_bytes_read_total");
+    const double full = kvs_engine_kv_counter(&st, "kvserve:kv_decode_bytes_full_total");
+    const double kept = kvs_engine_kv_counter(&st, "kvserve:kv_quest_pages_kept_total");
+    const double pages = kvs_engine_kv_counter(&st, "kvserve:kv_quest_pages_total");
+    const double l2 = kvs_engine_kv_counter(&st, "kvserve:kv_fidelity_rel_l2_sum") / kvs_engine_kv_counter(&st, "kvserve:kv_fidelity_rel_l2_count");
     CHECK(rows >= NJ * (GEN - 1) / 2 && stale == 0 && rd < 0.7 * full && kept < 0.5 * pages && l2 > 1e-4,
           "sparse: %g rows, %g stale pages, read %g of %g bytes, %g of %g pages, mean rel-L2 %g", rows, stale, rd, full,
           kept, pages, l2);
@@ -503,13 +498,13 @@ static void test_engine(void)
     {
         static struct job nohint[NJ];
         memcpy(nohint, ref, sizeof nohint);
-        const double skipped = counter(&st, "kvserve:kv_quest_dense_skipped_rows_total");
+        const double skipped = kvs_engine_kv_counter(&st, "kvserve:kv_quest_dense_skipped_rows_total");
         kvs_quest_set_skip_hint(0);
         REQUIRE(run(&c, nohint, &st, err, sizeof err) == 0, "%s", err);
         kvs_quest_set_skip_hint(1);
-        CHECK(skipped > 0 && counter(&st, "kvserve:kv_quest_dense_skipped_rows_total") == 0,
+        CHECK(skipped > 0 && kvs_engine_kv_counter(&st, "kvserve:kv_quest_dense_skipped_rows_total") == 0,
               "skipped lead rows: %g with the hint, %g without", skipped,
-              counter(&st, "kvserve:kv_quest_dense_skipped_rows_total"));
+              kvs_engine_kv_counter(&st, "kvserve:kv_quest_dense_skipped_rows_total"));
         CHECK(same_tokens(got, nohint), "the skip_lead hint changed the greedy tokens");
         printf("ok quest at 15%%, mixed steps: %g lead rows (x layers) skipped by the dense pass; tokens equal to the "
                "run without the hint\n", skipped);
@@ -527,8 +522,8 @@ static void test_engine(void)
         kvs_quest_set_check(mode);
         REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
         kvs_quest_set_check(0);
-        const double st4 = counter(&st, "kvserve:kv_quest_stale_digests_total");
-        const double rows4 = counter(&st, "kvserve:kv_quest_sparse_rows_total");
+        const double st4 = kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total");
+        const double rows4 = kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total");
         if (mode == 1)
             CHECK(st4 == 0 && rows4 > 0 && st.num_preemptions > 0, "4-bit digests: %g stale, %g sparse rows, %llu "
                   "preemptions", st4, rows4, (unsigned long long)st.num_preemptions);
@@ -553,10 +548,10 @@ static void test_engine(void)
     kvs_quest_set_check(2);
     REQUIRE(run(&c, got, &st, err, sizeof err) == 0, "%s", err);
     kvs_quest_set_check(0);
-    CHECK(counter(&st, "kvserve:kv_quest_stale_digests_total") > 0, "the digest check saw no stale page when refreshes "
+    CHECK(kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total") > 0, "the digest check saw no stale page when refreshes "
           "were skipped");
     printf("ok the digest check catches skipped refreshes (%g stale pages)\n",
-           counter(&st, "kvserve:kv_quest_stale_digests_total"));
+           kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total"));
     kvs_config_free(&c);
 
     /* prefix sharing (no preemption) gives the tokens of private blocks */
@@ -567,8 +562,8 @@ static void test_engine(void)
     base_cfg(&c, "prefix", "quest");
     c.quest_min_budget = 32;
     REQUIRE(run(&c, shared, &st, err, sizeof err) == 0, "%s", err);
-    CHECK(counter(&st, "kvserve:kv_quest_sparse_rows_total") > 0 && st.cache_hits >= 96,
-          "sparse rows %g, prefix cache hits %llu", counter(&st, "kvserve:kv_quest_sparse_rows_total"),
+    CHECK(kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total") > 0 && st.cache_hits >= 96,
+          "sparse rows %g, prefix cache hits %llu", kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total"),
           (unsigned long long)st.cache_hits);
     CHECK(same_tokens(got, shared), "quest with prefix sharing: tokens differ from private blocks");
     CHECK(!same_tokens(ref, got), "quest at a small budget gave full attention's tokens for every request");
@@ -605,8 +600,8 @@ static void test_stress(void)
     const struct kvs_engine_stats st = sr.st;
     const int finished = sr.finished, cancelled = sr.cancelled, n_cancel = sr.n_cancel;
     kvs_quest_set_check(0);
-    const double stale = counter(&st, "kvserve:kv_quest_stale_digests_total");
-    const double rows = counter(&st, "kvserve:kv_quest_sparse_rows_total");
+    const double stale = kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total");
+    const double rows = kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total");
     CHECK(finished + cancelled == N && cancelled <= n_cancel && finished >= N - n_cancel, "%d finished, %d cancelled",
           finished, cancelled);
     CHECK(st.kv_blocks_used == 0 && st.num_running == 0 && st.num_waiting == 0, "blocks used %d, running %d",
