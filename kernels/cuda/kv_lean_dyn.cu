@@ -633,22 +633,39 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     }
 }
 
+/* Copies heads [first, first + n) (state, high and low page counts) and the page manager out of
+ * the device after waiting for the stream; the caller frees *hs and *np ([2n]: high, then low). */
+static void usage_copy(struct kvs_lean_dyn_cuda *x, int first, int n, dyn_head **hs, int32_t **np, dyn_pm *pm)
+{
+    *hs = (dyn_head *)malloc((size_t)n * sizeof **hs);
+    *np = (int32_t *)malloc(2 * (size_t)n * sizeof **np);
+    if (!*hs || !*np) kvs_panic(__FILE__, __LINE__, "out of memory");
+    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+    CUDA_CHECK(cudaMemcpy(*hs, x->d.heads + first, (size_t)n * sizeof **hs, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(*np, x->d.nhp + first, (size_t)n * sizeof **np, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(*np + n, x->d.nlp + first, (size_t)n * sizeof **np, cudaMemcpyDeviceToHost));
+    if (pm) CUDA_CHECK(cudaMemcpy(pm, x->d.pm, sizeof *pm, cudaMemcpyDeviceToHost));
+}
+
+/* adds heads [i0, i1) of a usage_copy of n heads to the sums */
+static void usage_add(const dyn_head *hs, const int32_t *np, int n, int i0, int i1, double *pages, double *high,
+                      double *low, double *window, double *pruned)
+{
+    for (int i = i0; i < i1; i++) {
+        *pages += np[i] + np[n + i];
+        *high += hs[i].n_high, *low += hs[i].n_low, *window += hs[i].w_n, *pruned += hs[i].pruned;
+    }
+}
+
 extern "C" void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *x, int first, int n, double *pages, double *high,
                                         double *low, double *window, double *pruned, double *seen_first)
 {
     *pages = *high = *low = *window = *pruned = *seen_first = 0;
     if (first < 0 || n <= 0 || first + n > x->n_states) return;
-    dyn_head *hs = (dyn_head *)malloc((size_t)n * sizeof *hs);
-    int32_t *np = (int32_t *)malloc(2 * (size_t)n * sizeof *np);
-    if (!hs || !np) kvs_panic(__FILE__, __LINE__, "out of memory");
-    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
-    CUDA_CHECK(cudaMemcpy(hs, x->d.heads + first, (size_t)n * sizeof *hs, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(np, x->d.nhp + first, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(np + n, x->d.nlp + first, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
-    for (int i = 0; i < n; i++) {
-        *pages += np[i] + np[n + i];
-        *high += hs[i].n_high, *low += hs[i].n_low, *window += hs[i].w_n, *pruned += hs[i].pruned;
-    }
+    dyn_head *hs;
+    int32_t *np;
+    usage_copy(x, first, n, &hs, &np, NULL);
+    usage_add(hs, np, n, 0, n, pages, high, low, window, pruned);
     *seen_first = (double)hs[0].seen;
     free(hs), free(np);
 }
@@ -661,21 +678,13 @@ extern "C" void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *x, int 
     *free_pages = 0;
     const int n = group_len * n_groups;
     if (group_len <= 0 || n_groups <= 0 || n > x->n_states) return;
-    dyn_head *hs = (dyn_head *)malloc((size_t)n * sizeof *hs);
-    int32_t *np = (int32_t *)malloc(2 * (size_t)n * sizeof *np);
-    if (!hs || !np) kvs_panic(__FILE__, __LINE__, "out of memory");
+    dyn_head *hs;
+    int32_t *np;
     dyn_pm pm;
-    CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
-    CUDA_CHECK(cudaMemcpy(hs, x->d.heads, (size_t)n * sizeof *hs, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(np, x->d.nhp, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(np + n, x->d.nlp, (size_t)n * sizeof *np, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
+    usage_copy(x, 0, n, &hs, &np, &pm);
     for (int g = 0; g < n_groups; g++) {
         if (!live[g]) continue;
-        for (int i = g * group_len; i < (g + 1) * group_len; i++) {
-            *pages += np[i] + np[n + i];
-            *high += hs[i].n_high, *low += hs[i].n_low, *window += hs[i].w_n, *pruned += hs[i].pruned;
-        }
+        usage_add(hs, np, n, g * group_len, (g + 1) * group_len, pages, high, low, window, pruned);
         *seen_sum += (double)hs[g * group_len].seen;
     }
     *free_pages = (int)(pm.tail - pm.head);
