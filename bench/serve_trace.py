@@ -165,7 +165,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["steps", "nsys"])
     ap.add_argument("files", nargs="+")
-    ap.add_argument("--idle-ms", type=float, default=300.0)
+    ap.add_argument("--idle-ms", type=float, default=40.0,
+                    help="a gap this long between steps or device work starts a new burst")
     a = ap.parse_args()
     for f in a.files:
         (steps_report if a.what == "steps" else nsys_report)(f, a.idle_ms)

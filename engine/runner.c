@@ -153,6 +153,7 @@ struct kvs_runner {
         uint64_t used;                                  /* LRU clock; 0 = empty slot */
     } graphs[GRAPH_CACHE];
     uint64_t graph_clock;
+    int graph_ctx_step;                                 /* capacities: multiples of this (GRAPH_CTX_STEP) */
 
     /* host staging (same shapes) */
     int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid, *h_words;
@@ -398,6 +399,10 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
         const char *e = getenv("KVS_GRAPHS");
         r->use_graphs = ops->graph_begin && ops->graph_end && ops->graph_launch && ops->graph_free &&
                         !(e && strcmp(e, "0") == 0) && !(dp->needs & KVS_KV_NO_GRAPHS);
+        /* KVS_GRAPH_CTX_STEP: the capacity step (comparisons: a finer step plans the attention
+         * nearer the real context, at the cost of a recording per step of context) */
+        const char *cs = getenv("KVS_GRAPH_CTX_STEP");
+        r->graph_ctx_step = cs && atoi(cs) >= 16 ? atoi(cs) : GRAPH_CTX_STEP;
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
 
@@ -947,7 +952,7 @@ static int graph_seqs(const struct kvs_runner *r, int n_seqs)
 }
 
 /* Capacity of a recorded step for this batch: 0 unless graphs are on and every sequence decodes
- * one token; else the longest context rounded up to GRAPH_CTX_STEP (at most the model's). */
+ * one token; else the longest context rounded up to graph_ctx_step (at most the model's). */
 static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
 {
     if (!r->use_graphs || !b || b->n_seqs <= 0 || !b->seqs) return 0;
@@ -957,7 +962,8 @@ static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
         int c = b->seqs[s].pos + 1;
         if (c > maxc) maxc = c;
     }
-    int cap = (maxc + GRAPH_CTX_STEP - 1) / GRAPH_CTX_STEP * GRAPH_CTX_STEP;
+    const int st = r->graph_ctx_step;
+    int cap = (maxc + st - 1) / st * st;
     return cap < r->max_ctx ? cap : r->max_ctx;
 }
 
