@@ -31,6 +31,13 @@
  *                pages, as a bitmask in shared memory, become merged spans in page order
  *                through a second scan. Deterministic: no atomics decide any order.
  *
+ * score_select  score (or qscore) then select; a digest refresh the policy hands it (a decode-only
+ *                step) runs as one more slice of blocks of the score launch (cu_score_r): the
+ *                page it rewrites is each row's current page, never a candidate. The fused
+ *                form (k_quest_fsel: one block per (row, KV head), the keys in shared memory,
+ *                then sel_run) lost the A/B (bench/RESULTS.md, quest7) and runs only when
+ *                kvs_quest_cuda_select_path asks for it.
+ *
  * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
  * grid dependency before reading what earlier kernels wrote; what they write is read only by
  * later kernels (attention_spans reads the spans after its own wait).
