@@ -100,6 +100,22 @@ struct kvs_quest_kernels {
                    const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
                    int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
                    struct kvs_dbuf *scores);
+    /* Optional (NULL: call score or qscore, then select). Scores and selection in one: the same
+     * n_spans / spans as score (bits 16: dig holds bf16 digests) or qscore (bits 8 / 4: quantized,
+     * n_pages) followed by select, since both paths compute each page's score with the same
+     * code. scores: scratch where the backend takes the unfused path for the shape (it may);
+     * want_scores != 0 also leaves the scores there on the fused path (the tests compare them).
+     * wm (may be NULL): first the refresh of the pages wm's rows wrote, as digest_update (or
+     * qdigest_update) of kc over wm, for a step whose only writes are the selecting rows': wm's
+     * sequence s is row s of m (the same pos and block tables), with one row or none each, and
+     * wm has n sequences. The refreshed page of a row is its current page, never a candidate,
+     * so the refresh may run alongside the scores. */
+    void (*score_select)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
+                         const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads,
+                         int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                         int max_pages, int max_spans, struct kvs_dbuf *scores, int want_scores,
+                         struct kvs_dbuf *n_spans, struct kvs_dbuf *spans, const struct kvs_dbuf *kc,
+                         const struct kvs_attn_meta *wm);
 };
 
 /* ---- quantized digests: sizes and the coding shared by both backends ---- */
@@ -237,6 +253,13 @@ extern const struct kvs_quest_kernels kvs_quest_kernels_cuda;
  * a multiple of 64) or sized for blocks_per_sm blocks per SM (pages_per_block 0; blocks_per_sm
  * <= 0: the default). Process-wide; the daemon never calls it. */
 void kvs_quest_cuda_score_shape(int pages_per_block, int blocks_per_sm);
+
+/* CUDA builds only: which path score_select takes: 0 by shape (the default: today always score
+ * then select, with a refresh passed in as a slice of the score launch; the fused kernel lost the
+ * A/B, bench/RESULTS.md quest7), 1 never fused (score then select), 2 fused wherever it fits (head_dim 64 / 128 / 256 and the keys in shared memory), 3 as 2
+ * with 512-thread blocks at every shape (2 takes 1024 where the pairs are fewer than SMs). For
+ * the benchmark's A/B and the tests; process-wide; the daemon never calls it. */
+void kvs_quest_cuda_select_path(int mode);
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);

@@ -324,11 +324,14 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (layer >= s->dense_layers && !s->skip && !(check_mode == 2 && s->steps % 2 == 0)) {
-        struct kvs_attn_meta wm = *st->m;   /* graph steps: without the dummy sequences' rows */
-        if (s->graph) wm.q_start = s->d_wqs, wm.h_q_start = s->h_wqs;
+    struct kvs_attn_meta wm = *st->m;   /* graph steps: without the dummy sequences' rows */
+    if (s->graph) wm.q_start = s->d_wqs, wm.h_q_start = s->h_wqs;
+    /* a step of lead rows only (one row each) selecting in this layer: the refresh of the pages
+     * they wrote (their current pages, which no selection reads) goes into score_select's launch */
+    const int fold = s->k->score_select && layer >= s->dense_layers && !s->skip && s->any_sparse && !check_mode &&
+                     s->n_lead == st->n_seqs;
+    if (layer >= s->dense_layers && !s->skip && !fold && !(check_mode == 2 && s->steps % 2 == 0))
         refresh(s, a->kv.k, &wm, s->dig[layer]);
-    }
     if (layer < s->dense_layers || !s->any_sparse) {
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, a->n_heads, a->n_kv_heads, a->head_dim,
                      a->block_size, a->scale, a->out);
@@ -353,14 +356,20 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
     if (check_mode && !s->graph) check_digests(s, layer, a, &sub);
     if (s->graph) sub.h_pos = s->h_cap_pos, sub.max_ctx = st->m->plan_ctx;   /* launch shapes (module comment) */
-    if (s->bits < 16)
-        s->k->qscore(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
-                     a->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
-    else
-        s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
-                    a->block_size, s->ps, s->max_pages, s->d_scores);
-    s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
-                 s->d_n_spans, s->d_spans);
+    if (s->k->score_select)   /* one kernel where the backend fuses them (CUDA) */
+        s->k->score_select(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads,
+                           a->head_dim, a->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->max_spans,
+                           s->d_scores, 0, s->d_n_spans, s->d_spans, fold ? a->kv.k : NULL, fold ? &wm : NULL);
+    else {
+        if (s->bits < 16)
+            s->k->qscore(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads,
+                         a->head_dim, a->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
+        else
+            s->k->score(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
+                        a->block_size, s->ps, s->max_pages, s->d_scores);
+        s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
+                     s->d_n_spans, s->d_spans);
+    }
     const struct kvs_span_list sp = {s->max_spans, s->d_n_spans, s->d_spans, s->h_n_spans, s->h_spans};
     o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
                        a->block_size, a->scale, a->out, a->lse);

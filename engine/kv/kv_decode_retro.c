@@ -522,16 +522,26 @@ static void retro_digest_update(struct retro *s, const struct kvs_dbuf *kc, cons
         s->k->digest_update(e->be, kc, m, e->n_kv_heads, e->head_dim, e->block_size, s->ps, s->dig[layer]);
 }
 
-static void retro_score(struct retro *s, const struct kvs_dbuf *q, int layer, const struct kvs_attn_meta *m, int n,
+/* Quest's scores and selection of rows 0 .. n-1 into d_sel_n / d_sel: one kernel where the
+ * backend fuses them (CUDA), else the scores then the select */
+static void retro_select(struct retro *s, const struct kvs_dbuf *q, int layer, const struct kvs_attn_meta *m, int n,
                         int n_heads)
 {
     const struct kvs_kv_decode_env *e = &s->env;
+    if (s->k->score_select) {
+        s->k->score_select(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim,
+                           e->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->max_spans, s->d_scores, 0,
+                           s->d_sel_n, s->d_sel, NULL, NULL);
+        return;
+    }
     if (s->bits < 16)
         s->k->qscore(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim, e->block_size,
                      s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
     else
         s->k->score(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim, e->block_size,
                     s->ps, s->max_pages, s->d_scores);
+    s->k->select(e->be, s->d_scores, m, s->d_keep, n, e->n_kv_heads, s->ps, s->max_pages, s->max_spans, s->d_sel_n,
+                 s->d_sel);
 }
 
 /* The w = 1 path: Quest's attend (kv_decode_quest.c), over the lead sequences. */
@@ -554,9 +564,7 @@ static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend 
     sub.max_ctx = 0;
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
-    retro_score(s, a->q, layer, &sub, s->n_lead, a->n_heads);
-    s->k->select(be, s->d_scores, &sub, s->d_keep, s->n_lead, a->n_kv_heads, s->ps, s->max_pages, s->max_spans,
-                 s->d_sel_n, s->d_sel);
+    retro_select(s, a->q, layer, &sub, s->n_lead, a->n_heads);
     const struct kvs_span_list sp = {s->max_spans, s->d_sel_n, s->d_sel, s->h_plan_n, s->h_plan_sp};
     o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
                        a->block_size, a->scale, a->out, a->lse);
@@ -665,8 +673,7 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
     struct kvs_attn_meta nm;
     newest_meta(s, st, &nm);
-    retro_score(s, s->d_qn, layer, &nm, nl, nh);
-    s->k->select(be, s->d_scores, &nm, s->d_keep, nl, nkv, s->ps, s->max_pages, ms, s->d_sel_n, s->d_sel);
+    retro_select(s, s->d_qn, layer, &nm, nl, nh);
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = nl;
     sub.max_ctx = nm.max_ctx;

@@ -31,6 +31,13 @@
  *                pages, as a bitmask in shared memory, become merged spans in page order
  *                through a second scan. Deterministic: no atomics decide any order.
  *
+ * score_select  score (or qscore) then select; a digest refresh the policy hands it (a decode-only
+ *                step) runs as one more slice of blocks of the score launch (cu_score_r): the
+ *                page it rewrites is each row's current page, never a candidate. The fused
+ *                form (k_quest_fsel: one block per (row, KV head), the keys in shared memory,
+ *                then sel_run) lost the A/B (bench/RESULTS.md, quest7) and runs only when
+ *                kvs_quest_cuda_select_path asks for it.
+ *
  * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
  * grid dependency before reading what earlier kernels wrote; what they write is read only by
  * later kernels (attention_spans reads the spans after its own wait).
@@ -45,6 +52,7 @@
 #define QS_BLOCKS_PER_SM 8   /* score blocks the grid aims at per SM (the sweep in bench/RESULTS.md, quest5) */
 #define SEL_THREADS 1024
 #define SEL_STAGED_MAX (160 * 1024)   /* shared bytes up to which select stages the keys */
+#define FS_SMEM_MAX (200 * 1024)      /* the fused score + select's dynamic shared bytes, at most */
 
 __device__ __forceinline__ uint32_t q_okey(float x)
 {
@@ -59,18 +67,11 @@ __device__ __forceinline__ size_t q_phys_page(const int32_t *bt, int p, int bs, 
 
 /* ---- digests ------------------------------------------------------------------------------- */
 
-__global__ void k_quest_digest(const bf16 *__restrict__ kc, const int32_t *__restrict__ q_start,
-                               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, int max_blocks,
-                               int n_kv, int hd, int bs, int ps, bf16 *__restrict__ dig)
+/* one bf16 digest page (bf16 min / max are bf16 values: stored exactly), threads over dimensions */
+__device__ __forceinline__ void bd_page(const bf16 *__restrict__ kc, const int32_t *__restrict__ bt, int first,
+                                        int end, int g, int n_kv, int hd, int bs, int ps, bf16 *__restrict__ dig)
 {
-    grid_dep_wait();
-    const int s = blockIdx.x, g = blockIdx.y, i = threadIdx.x;
-    const int n = q_start[s + 1] - q_start[s];
-    if (n <= 0 || i >= hd) return;
-    const int p0 = pos[s], p1 = pos[s] + n;
-    const int32_t *bt = bts + (size_t)s * max_blocks;
-    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z) {
-        const int first = pg * ps, end = min((pg + 1) * ps, p1);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float mn = INFINITY, mx = -INFINITY;
         for (int p = first; p < end; p++) {
             const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
@@ -81,6 +82,20 @@ __global__ void k_quest_digest(const bf16 *__restrict__ kc, const int32_t *__res
         d[i] = __float2bfloat16(mn);
         d[hd + i] = __float2bfloat16(mx);
     }
+}
+
+__global__ void k_quest_digest(const bf16 *__restrict__ kc, const int32_t *__restrict__ q_start,
+                               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, int max_blocks,
+                               int n_kv, int hd, int bs, int ps, bf16 *__restrict__ dig)
+{
+    grid_dep_wait();
+    const int s = blockIdx.x, g = blockIdx.y;
+    const int n = q_start[s + 1] - q_start[s];
+    if (n <= 0) return;
+    const int p0 = pos[s], p1 = pos[s] + n;
+    const int32_t *bt = bts + (size_t)s * max_blocks;
+    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z)
+        bd_page(kc, bt, pg * ps, min((pg + 1) * ps, p1), g, n_kv, hd, bs, ps, dig);
 }
 
 static void cu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
@@ -159,40 +174,32 @@ __device__ __forceinline__ void bf16x8(const uint4 &v, float *f)
     }
 }
 
+/* Scores of pages pg0 .. pg1-1 of one (row, KV head) by the block's warps (warp of nwarps), the
+ * group's queries sq [G][HD] staged in shared memory: each page's score to out[pg] (when out) and
+ * its order key to okeys[pg] (when okeys). One body for the score kernel and the fused
+ * score + select, so both give the same bits per page. */
 template <int HD>
-__global__ void __launch_bounds__(32 * QS_WARPS)
-k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
-              const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
-              int n_kv, int bs, int ps, int max_pages, int ppb, float *__restrict__ scores)
+__device__ __forceinline__ void q_score_range(const float *sq, int G, const bf16 *__restrict__ dig,
+                                              const int32_t *__restrict__ bt, int g, int n_kv, int bs, int ps,
+                                              int pg0, int pg1, int warp, int nwarps, float *out, uint32_t *okeys)
 {
     constexpr int L = HD / 8, P = 32 / L;   /* lanes per page, pages per warp step */
-    extern __shared__ float sq[];           /* [G][HD] */
-    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
-    grid_dep_wait();
-    const int cur = pos[row] / ps;
-    const int pg0 = (int)blockIdx.y * ppb;
-    if (keep[row] > cur || pg0 >= cur) return;
-    for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
-    const int32_t *bt = bts + (size_t)row * max_blocks;
-    float *out = scores + ((size_t)row * n_kv + g) * max_pages;
-    const int pg1 = min(pg0 + ppb, cur);
-    constexpr int STEP = QS_WARPS * P * QS_UNROLL;
+    const int lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
+    const int step = nwarps * P * QS_UNROLL;
     size_t ph[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
     q_phys_ahead<QS_UNROLL, P>(ph, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
-    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += STEP) {
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += step) {
         uint4 mn[QS_UNROLL] = {}, mx[QS_UNROLL] = {};
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
             if (pg < pg1) {
                 const uint4 *d = (const uint4 *)(dig + (ph[u] * n_kv + g) * 2 * HD);
-                mn[u] = d[l];
-                mx[u] = d[L + l];
+                mn[u] = __ldcg(d + l);   /* L2 loads: read once, and coherent with a refresh earlier in the kernel */
+                mx[u] = __ldcg(d + L + l);
             }
         }
-        q_phys_ahead<QS_UNROLL, P>(ph, bt, base + STEP + sub, pg1, bs, ps);
+        q_phys_ahead<QS_UNROLL, P>(ph, bt, base + step + sub, pg1, bs, ps);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
@@ -206,27 +213,62 @@ k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const i
             }
 #pragma unroll
             for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (l == 0 && pg < pg1) out[pg] = acc;
+            if (l == 0 && pg < pg1) {
+                if (out) out[pg] = acc;
+                if (okeys) okeys[pg] = q_okey(acc);
+            }
         }
     }
 }
 
-static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
-                     const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
-                     int head_dim, int block_size, int page_size, int max_pages, struct kvs_dbuf *scores)
+template <int HD>
+__global__ void __launch_bounds__(32 * QS_WARPS)
+k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
+              const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
+              int n_kv, int bs, int ps, int max_pages, int ppb, float *__restrict__ scores,
+              const bf16 *__restrict__ kc, const int32_t *__restrict__ wqs, bf16 *__restrict__ digw)
+{
+    extern __shared__ float sq[];           /* [G][HD] */
+    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
+    grid_dep_wait();
+    const int cur = pos[row] / ps;
+    if (wqs && blockIdx.y == gridDim.y - 1) {   /* the refresh slice (cu_score_r) */
+        if (wqs[row + 1] - wqs[row] == 1)
+            bd_page(kc, bts + (size_t)row * max_blocks, cur * ps, pos[row] + 1, g, n_kv, HD, bs, ps, digw);
+        return;
+    }
+    const int pg0 = (int)blockIdx.y * ppb;
+    if (keep[row] > cur || pg0 >= cur) return;
+    for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
+    __syncthreads();
+    q_score_range<HD>(sq, G, dig, bts + (size_t)row * max_blocks, g, n_kv, bs, ps, pg0, min(pg0 + ppb, cur),
+                      threadIdx.x >> 5, QS_WARPS, scores + ((size_t)row * n_kv + g) * max_pages, nullptr);
+}
+
+/* wqs (device, NULL: none): the score kernels also refresh each row's current page (the page a
+ * one-row write at pos[row] touched, where wqs[row + 1] - wqs[row] == 1) in one more slice of
+ * blocks (grid y = the last): that page is never a candidate, so no score block of the launch
+ * reads what the refresh writes, and the refresh leaves the chain of dependent launches
+ * (bench/RESULTS.md, quest7; the caller checks most > 0 and head_dim <= 32 * QS_WARPS). */
+static void cu_score_r(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
+                       const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                       int head_dim, int block_size, int page_size, int max_pages, struct kvs_dbuf *scores,
+                       const struct kvs_dbuf *kc, const int32_t *wqs)
 {
     if (n <= 0) return;
     int most = 0;
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
     if (!most) return;
     xh_forget(b, scores->d);
+    if (wqs) xh_forget(b, dig->d);
     const int ppb = score_pages_per_block(b, n * n_kv_heads, most);
-    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb));
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb + (wqs ? 1 : 0)));
     const size_t smem = (size_t)(n_heads / n_kv_heads) * head_dim * sizeof(float);
 #define QS_ARGS                                                                                                   \
     grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d, (const bf16 *)dig->d, (const int32_t *)m->pos->d, \
         (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads,       \
-        block_size, page_size, max_pages, ppb, (float *)scores->d
+        block_size, page_size, max_pages, ppb, (float *)scores->d, wqs ? (const bf16 *)kc->d : nullptr, wqs,      \
+        (bf16 *)dig->d
     switch (head_dim) {
     case 16: CUDA_CHECK(kvs_cu_launch(k_quest_score<16>, QS_ARGS)); break;
     case 32: CUDA_CHECK(kvs_cu_launch(k_quest_score<32>, QS_ARGS)); break;
@@ -238,7 +280,66 @@ static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const stru
 #undef QS_ARGS
 }
 
+static void cu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
+                     const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                     int head_dim, int block_size, int page_size, int max_pages, struct kvs_dbuf *scores)
+{
+    cu_score_r(b, q, dig, m, keep, n, n_heads, n_kv_heads, head_dim, block_size, page_size, max_pages, scores, NULL,
+               NULL);
+}
+
 /* ---- quantized digests ------------------------------------------------------------------------ */
+
+/* One page's quantized digest for KV head g, recomputed from slots first .. end-1 by the whole
+ * block (blockDim >= hd and >= the page's 2 hd bits / 32 words; every thread calls it): the
+ * exact min / max per dimension, a block min / max reduction, one thread's params, every thread
+ * its dimension's two codes, packed by words. red, s_par, codes [2][hd]: the caller's shared
+ * memory. Shared by the digest kernel and the fused score + select's refresh. */
+__device__ __forceinline__ void qd_page(const bf16 *__restrict__ kc, const int32_t *__restrict__ bt, int first,
+                                        int end, int g, int n_kv, int hd, int bs, int ps, int bits, size_t n_pages,
+                                        uint32_t *__restrict__ qdig, float (*red)[32], uint32_t *s_par, uint8_t *codes)
+{
+    const int i = threadIdx.x, lane = i & 31, warp = i >> 5;
+    const int levels = (1 << bits) - 1, per = 32 / bits, vw = hd * bits / 32, nw = (int)(blockDim.x >> 5);
+    uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * vw;
+    float mn = INFINITY, mx = -INFINITY;
+    if (i < hd)
+        for (int p = first; p < end; p++) {
+            const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
+            mn = fminf(mn, x);
+            mx = fmaxf(mx, x);
+        }
+    /* the page's lo / hi: min and max are exact, so any reduction order gives the CPU's */
+    float lo = mn, hi = mx;
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    if (lane == 0) red[0][warp] = lo, red[1][warp] = hi;
+    __syncthreads();
+    if (i == 0) {
+        for (int w = 1; w < nw; w++) lo = fminf(lo, red[0][w]), hi = fmaxf(hi, red[1][w]);
+        *s_par = kvs_qd_params(lo, hi, levels);
+    }
+    __syncthreads();
+    const uint32_t par = *s_par;
+    const size_t ph = q_phys_page(bt, first, bs, ps) * n_kv + g;
+    if (i < hd) {
+        const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+        const bool ok = par != KVS_QD_UNBOUNDED;
+        codes[i] = ok ? (uint8_t)kvs_qd_code_down(mn, l, sc, levels) : 0;
+        codes[hd + i] = ok ? (uint8_t)kvs_qd_code_up(mx, l, sc, levels) : 0;
+    }
+    __syncthreads();
+    if (i < 2 * vw) {   /* word i of the min then max vectors */
+        const int v = i / vw, w = i % vw;
+        uint32_t word = 0;
+        for (int k = 0; k < per; k++) word |= (uint32_t)codes[v * hd + w * per + k] << (k * bits);
+        qdig[ph * 2 * vw + i] = word;
+    }
+    if (i == 0) params[ph] = par;
+    __syncthreads();   /* codes and red are reused by the next page */
+}
 
 __global__ void k_quest_qdigest(const bf16 *__restrict__ kc, const int32_t *__restrict__ q_start,
                                 const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, int max_blocks,
@@ -248,53 +349,14 @@ __global__ void k_quest_qdigest(const bf16 *__restrict__ kc, const int32_t *__re
     __shared__ uint32_t s_par;
     extern __shared__ uint8_t codes[];   /* [2][hd] */
     grid_dep_wait();
-    const int s = blockIdx.x, g = blockIdx.y, i = threadIdx.x, lane = i & 31, warp = i >> 5;
+    const int s = blockIdx.x, g = blockIdx.y;
     const int n = q_start[s + 1] - q_start[s];
     if (n <= 0) return;   /* block-uniform */
-    const int levels = (1 << bits) - 1, per = 32 / bits, vw = hd * bits / 32, nw = (int)(blockDim.x >> 5);
     const int p0 = pos[s], p1 = pos[s] + n;
     const int32_t *bt = bts + (size_t)s * max_blocks;
-    uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * vw;
-    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z) {
-        const int first = pg * ps, end = min((pg + 1) * ps, p1);
-        float mn = INFINITY, mx = -INFINITY;
-        if (i < hd)
-            for (int p = first; p < end; p++) {
-                const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
-                mn = fminf(mn, x);
-                mx = fmaxf(mx, x);
-            }
-        /* the page's lo / hi: min and max are exact, so any reduction order gives the CPU's */
-        float lo = mn, hi = mx;
-        for (int o = 16; o > 0; o >>= 1) {
-            lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-            hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-        }
-        if (lane == 0) red[0][warp] = lo, red[1][warp] = hi;
-        __syncthreads();
-        if (i == 0) {
-            for (int w = 1; w < nw; w++) lo = fminf(lo, red[0][w]), hi = fmaxf(hi, red[1][w]);
-            s_par = kvs_qd_params(lo, hi, levels);
-        }
-        __syncthreads();
-        const uint32_t par = s_par;
-        const size_t ph = q_phys_page(bt, first, bs, ps) * n_kv + g;
-        if (i < hd) {
-            const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
-            const bool ok = par != KVS_QD_UNBOUNDED;
-            codes[i] = ok ? (uint8_t)kvs_qd_code_down(mn, l, sc, levels) : 0;
-            codes[hd + i] = ok ? (uint8_t)kvs_qd_code_up(mx, l, sc, levels) : 0;
-        }
-        __syncthreads();
-        if (i < 2 * vw) {   /* word i of the min then max vectors */
-            const int v = i / vw, w = i % vw;
-            uint32_t word = 0;
-            for (int k = 0; k < per; k++) word |= (uint32_t)codes[v * hd + w * per + k] << (k * bits);
-            qdig[ph * 2 * vw + i] = word;
-        }
-        if (i == 0) params[ph] = par;
-        __syncthreads();   /* codes and red are reused by the next page */
-    }
+    for (int pg = p0 / ps + (int)blockIdx.z; pg * ps < p1; pg += (int)gridDim.z)
+        qd_page(kc, bt, pg * ps, min((pg + 1) * ps, p1), g, n_kv, hd, bs, ps, bits, n_pages, qdig, red, &s_par,
+                codes);
 }
 
 static void cu_qdigest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
@@ -341,24 +403,12 @@ __device__ __forceinline__ float q_code_1c(uint32_t w, int k)
  * lo sum_i (Qp_i + Qn_i) + scale 2^BITS sum_i (Qp_i (1 + cmax_i / 2^BITS) + Qn_i (1 + cmin_i / 2^BITS) - Qp_i - Qn_i):
  * one fma per code; each lane's own sum of Qp + Qn is taken off before the lanes' reduction (the
  * terms it cancels are of the lane's size). Equal to the CPU's up to rounding. */
-template <int HD, int BITS>
-__global__ void __launch_bounds__(32 * QS_WARPS)
-k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, size_t n_pages,
-               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
-               int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, int ppb,
-               float *__restrict__ scores)
+/* The group's queries folded for the quantized score: sqp[i] = sum of max(q, 0), sqn[i] = sum of
+ * min(q, 0) over the group's heads, in increasing head */
+template <int HD>
+__device__ __forceinline__ void q_fold_group(const float *__restrict__ q, int row, int g, int G, int n_heads,
+                                             float *sqp, float *sqn)
 {
-    constexpr int NW = HD * BITS / 32;            /* words per code vector */
-    constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
-    constexpr int L = NW / V, P = 32 / L;         /* lanes per page, pages per warp step */
-    constexpr int PER = 32 / BITS, DL = V * PER;  /* dimensions per word, per lane */
-    typedef typename q_words<V>::T vec;
-    __shared__ float sqp[HD], sqn[HD];
-    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
-    grid_dep_wait();
-    const int cur = pos[row] / ps;
-    const int pg0 = (int)blockIdx.y * ppb;
-    if (keep[row] > cur || pg0 >= cur) return;
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float p = 0.0f, n = 0.0f;
         for (int h = 0; h < G; h++) {
@@ -368,8 +418,22 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
         }
         sqp[i] = p, sqn[i] = n;
     }
-    __syncthreads();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
+}
+
+/* Quantized scores of pages pg0 .. pg1-1 of one (row, KV head) by the block's warps, the folded
+ * queries in shared memory; outputs as q_score_range (one body for both kernels). */
+template <int HD, int BITS>
+__device__ __forceinline__ void q_qscore_range(const float *sqp, const float *sqn, const uint32_t *__restrict__ qdig,
+                                               size_t n_pages, const int32_t *__restrict__ bt, int g, int n_kv,
+                                               int bs, int ps, int pg0, int pg1, int warp, int nwarps, float *out,
+                                               uint32_t *okeys)
+{
+    constexpr int NW = HD * BITS / 32;            /* words per code vector */
+    constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
+    constexpr int L = NW / V, P = 32 / L;         /* lanes per page, pages per warp step */
+    constexpr int PER = 32 / BITS, DL = V * PER;  /* dimensions per word, per lane */
+    typedef typename q_words<V>::T vec;
+    const int lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
     /* a lane always scores the same dimensions: its Qp / Qn live in registers */
     float rp[DL], rn[DL], rq = 0.0f;
 #pragma unroll
@@ -377,14 +441,11 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     float qsum = rq;
 #pragma unroll
     for (int o = L / 2; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
-    const int32_t *bt = bts + (size_t)row * max_blocks;
     const uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * NW;
-    float *out = scores + ((size_t)row * n_kv + g) * max_pages;
-    const int pg1 = min(pg0 + ppb, cur);
-    constexpr int STEP = QS_WARPS * P * QS_UNROLL;
+    const int step = nwarps * P * QS_UNROLL;
     size_t php[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
     q_phys_ahead<QS_UNROLL, P>(php, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
-    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += STEP) {
+    for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += step) {
         vec mn[QS_UNROLL], mx[QS_UNROLL];
         uint32_t par[QS_UNROLL];
 #pragma unroll
@@ -394,12 +455,12 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
             if (pg < pg1) {
                 const size_t ph = php[u] * n_kv + g;
                 const vec *d = (const vec *)(qdig + ph * 2 * NW);
-                mn[u] = d[l];
-                mx[u] = d[L + l];
-                par[u] = params[ph];
+                mn[u] = __ldcg(d + l);   /* as q_score_range */
+                mx[u] = __ldcg(d + L + l);
+                par[u] = __ldcg(params + ph);
             }
         }
-        q_phys_ahead<QS_UNROLL, P>(php, bt, base + STEP + sub, pg1, bs, ps);
+        q_phys_ahead<QS_UNROLL, P>(php, bt, base + step + sub, pg1, bs, ps);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
             const int pg = base + u * P + sub;
@@ -419,28 +480,69 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
             for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
             if (l == 0 && pg < pg1) {
                 const float lo = kvs_qd_f16_to_f32(par[u] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[u] >> 16);
-                out[pg] = par[u] == KVS_QD_UNBOUNDED ? INFINITY : fmaf(lo, qsum, sc * (float)(1 << BITS) * acc);
+                const float v = par[u] == KVS_QD_UNBOUNDED ? INFINITY : fmaf(lo, qsum, sc * (float)(1 << BITS) * acc);
+                if (out) out[pg] = v;
+                if (okeys) okeys[pg] = q_okey(v);
             }
         }
     }
 }
 
-static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
-                      const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
-                      int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
-                      struct kvs_dbuf *scores)
+/* score = sum_i Qp_i dmax_i + Qn_i dmin_i with d = lo + c scale, computed as
+ * lo sum_i (Qp_i + Qn_i) + scale 2^BITS sum_i (Qp_i (1 + cmax_i / 2^BITS) + Qn_i (1 + cmin_i / 2^BITS) - Qp_i - Qn_i):
+ * one fma per code; each lane's own sum of Qp + Qn is taken off before the lanes' reduction (the
+ * terms it cancels are of the lane's size). Equal to the CPU's up to rounding. */
+template <int HD, int BITS>
+__global__ void __launch_bounds__(32 * QS_WARPS)
+k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, size_t n_pages,
+               const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
+               int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, int ppb,
+               float *__restrict__ scores, const bf16 *__restrict__ kc, const int32_t *__restrict__ wqs,
+               uint32_t *__restrict__ qdigw)
+{
+    __shared__ float sqp[HD], sqn[HD];
+    const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
+    grid_dep_wait();
+    const int cur = pos[row] / ps;
+    if constexpr (HD <= 32 * QS_WARPS) {   /* the refresh slice (cu_score_r): qd_page wants a thread per dimension */
+        __shared__ float red[2][32];
+        __shared__ uint32_t s_par;
+        __shared__ uint8_t codes[2 * HD];
+        if (wqs && blockIdx.y == gridDim.y - 1) {
+            if (wqs[row + 1] - wqs[row] == 1)
+                qd_page(kc, bts + (size_t)row * max_blocks, cur * ps, pos[row] + 1, g, n_kv, HD, bs, ps, BITS, n_pages,
+                        qdigw, red, &s_par, codes);
+            return;
+        }
+    }
+    const int pg0 = (int)blockIdx.y * ppb;
+    if (keep[row] > cur || pg0 >= cur) return;
+    q_fold_group<HD>(q, row, g, G, n_heads, sqp, sqn);
+    __syncthreads();
+    q_qscore_range<HD, BITS>(sqp, sqn, qdig, n_pages, bts + (size_t)row * max_blocks, g, n_kv, bs, ps, pg0,
+                             min(pg0 + ppb, cur), threadIdx.x >> 5, QS_WARPS,
+                             scores + ((size_t)row * n_kv + g) * max_pages, nullptr);
+}
+
+/* as cu_score_r (wqs: the refresh slice) */
+static void cu_qscore_r(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
+                        const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                        int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
+                        struct kvs_dbuf *scores, const struct kvs_dbuf *kc, const int32_t *wqs)
 {
     if (n <= 0) return;
     int most = 0;
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
     if (!most) return;
     xh_forget(b, scores->d);
+    if (wqs) xh_forget(b, qdig->d);
     const int ppb = score_pages_per_block(b, n * n_kv_heads, most);
-    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb));
+    const dim3 grid((unsigned)(n * n_kv_heads), (unsigned)((most + ppb - 1) / ppb + (wqs ? 1 : 0)));
 #define QQ_ARGS                                                                                                 \
     grid, 32 * QS_WARPS, 0, b->stream, (const float *)q->d, (const uint32_t *)qdig->d, n_pages,                \
         (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, \
-        n_heads, n_kv_heads, block_size, page_size, max_pages, ppb, (float *)scores->d
+        n_heads, n_kv_heads, block_size, page_size, max_pages, ppb, (float *)scores->d,                        \
+        wqs ? (const bf16 *)kc->d : nullptr, wqs, (uint32_t *)qdig->d
 #define QQ_CASE(H, B)                                                        \
     if (head_dim == H && bits == B) {                                         \
         CUDA_CHECK(kvs_cu_launch(k_quest_qscore<H, B>, QQ_ARGS));                  \
@@ -454,44 +556,33 @@ static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const str
               head_dim, bits);
 }
 
-/* ---- top-k and spans ------------------------------------------------------------------------- */
+static void cu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *qdig,
+                      const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads,
+                      int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
+                      struct kvs_dbuf *scores)
+{
+    cu_qscore_r(b, q, qdig, m, keep, n, n_heads, n_kv_heads, head_dim, block_size, page_size, bits, n_pages,
+                max_pages, scores, NULL, NULL);
+}
 
-typedef cub::BlockScan<int, SEL_THREADS> sel_scan;
+/* ---- top-k and spans ------------------------------------------------------------------------- */
 
 __device__ __forceinline__ bool bit_at(const uint32_t *bits, int j) { return (bits[j >> 5] >> (j & 31)) & 1u; }
 
-/* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
- * max_pages words), so the radix passes and the tie ranking read shared memory instead of
- * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
-template <bool STAGED>
-__global__ void __launch_bounds__(SEL_THREADS)
-k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
-               int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
-               int32_t *__restrict__ spans)
+/* The top-k and spans of one (row, KV head) by a block of T threads: bits (cur + 1 bits, zeroed
+ * by the caller before its last barrier) receives the kept pages; STAGED reads the order keys
+ * from sk (shared memory), the unstaged form converts sc (global) on every pass. One body for
+ * the select kernel and the fused score + select. */
+template <int T, bool STAGED>
+__device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint32_t *sk, uint32_t *bits, int ctx,
+                                        int cur, int top, int ps, int max_spans, int32_t *__restrict__ sp,
+                                        int32_t *__restrict__ n_spans_out)
 {
+    typedef cub::BlockScan<int, T> scan_t;
     __shared__ int hist[256];
     __shared__ int s_sel[2];               /* the digit's bin, keys still to take inside it */
-    __shared__ typename sel_scan::TempStorage scan_tmp;
-    extern __shared__ uint32_t bits[];     /* kept pages 0 .. cur; STAGED: then the keys [max_pages] */
-    const int pair = blockIdx.x, row = pair / n_kv, tid = threadIdx.x;
-    grid_dep_wait();
-    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
-    int32_t *sp = spans + (size_t)pair * max_spans * 2;
-    if (top >= cur) {
-        if (tid == 0) {
-            sp[0] = 0, sp[1] = ctx;
-            n_spans[pair] = 1;
-        }
-        return;
-    }
-    const float *sc = scores + (size_t)pair * max_pages;
-    const int words = (cur + 1 + 31) / 32;
-    for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
-    uint32_t *sk = bits + (max_pages + 1 + 31) / 32;
-    if (STAGED) {
-        for (int j = tid; j < cur; j += SEL_THREADS) sk[j] = q_okey(sc[j]);
-        __syncthreads();
-    }
+    __shared__ typename scan_t::TempStorage scan_tmp;
+    const int tid = threadIdx.x;
 #define SEL_KEY(j) (STAGED ? sk[j] : q_okey(sc[j]))
 
     /* radix select of the top-th largest key: prefix / mask hold the digits fixed so far */
@@ -499,11 +590,11 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     int remaining = top;               /* keys to take among those matching the prefix */
     if (top > 0) {
         for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int x = tid; x < 256; x += SEL_THREADS) hist[x] = 0;
+            for (int x = tid; x < 256; x += T) hist[x] = 0;
             __syncthreads();
             /* warp-aggregated counts: the leading digits of close scores agree, so plain atomics
              * would serialise on a few bins */
-            for (int j0 = 0; j0 < cur; j0 += SEL_THREADS) {
+            for (int j0 = 0; j0 < cur; j0 += T) {
                 const int j = j0 + tid;
                 int bin = -1;
                 if (j < cur) {
@@ -539,13 +630,13 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
         }
     }
     /* keep keys above the threshold, and the first `remaining` equal to it in page order */
-    const int chunk = (cur + SEL_THREADS - 1) / SEL_THREADS;
+    const int chunk = (cur + T - 1) / T;
     const int j0 = min(tid * chunk, cur), j1 = min(j0 + chunk, cur);
     int eq = 0;
     if (top > 0)
         for (int j = j0; j < j1; j++) eq += SEL_KEY(j) == prefix;
     int eq_before;
-    sel_scan(scan_tmp).ExclusiveSum(eq, eq_before);
+    scan_t(scan_tmp).ExclusiveSum(eq, eq_before);
     __syncthreads();
     if (top > 0)
         for (int j = j0; j < j1; j++) {
@@ -558,12 +649,12 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     __syncthreads();
 
     /* merged spans in page order: a span starts at a kept page whose predecessor is not kept */
-    const int c2 = (cur + 1 + SEL_THREADS - 1) / SEL_THREADS;
+    const int c2 = (cur + 1 + T - 1) / T;
     const int a0 = min(tid * c2, cur + 1), a1 = min(a0 + c2, cur + 1);
     int starts = 0;
     for (int j = a0; j < a1; j++) starts += bit_at(bits, j) && (j == 0 || !bit_at(bits, j - 1));
     int idx, total;
-    sel_scan(scan_tmp).ExclusiveSum(starts, idx, total);
+    scan_t(scan_tmp).ExclusiveSum(starts, idx, total);
     for (int j = a0; j < a1; j++) {
         if (!bit_at(bits, j) || (j > 0 && bit_at(bits, j - 1))) continue;
         int e = j;
@@ -574,8 +665,39 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
         }
         idx++;
     }
-    if (tid == 0) n_spans[pair] = min(total, max_spans);
+    if (tid == 0) *n_spans_out = min(total, max_spans);
 #undef SEL_KEY
+}
+
+/* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
+ * max_pages words), so the radix passes and the tie ranking read shared memory instead of
+ * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
+template <bool STAGED>
+__global__ void __launch_bounds__(SEL_THREADS)
+k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
+               int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
+               int32_t *__restrict__ spans)
+{
+    extern __shared__ uint32_t bits[];     /* kept pages 0 .. cur; STAGED: then the keys [max_pages] */
+    const int pair = blockIdx.x, row = pair / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
+    int32_t *sp = spans + (size_t)pair * max_spans * 2;
+    if (top >= cur) {
+        if (tid == 0) {
+            sp[0] = 0, sp[1] = ctx;
+            n_spans[pair] = 1;
+        }
+        return;
+    }
+    const float *sc = scores + (size_t)pair * max_pages;
+    const int words = (cur + 1 + 31) / 32;
+    for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
+    uint32_t *sk = bits + (max_pages + 1 + 31) / 32;
+    if (STAGED)
+        for (int j = tid; j < cur; j += SEL_THREADS) sk[j] = q_okey(sc[j]);
+    __syncthreads();
+    sel_run<SEL_THREADS, STAGED>(sc, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
 }
 
 static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
@@ -608,6 +730,172 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, cons
     (void)m;
 }
 
+/* ---- fused score + select --------------------------------------------------------------------- */
+
+/* One block of T threads per (row, KV head): the group's queries staged, every candidate page
+ * scored by the block's warps (q_score_range / q_qscore_range: the score kernels' bits) with the
+ * order keys kept in shared memory, then sel_run over them: one launch and no score round trip
+ * through global memory instead of two kernels (bench/RESULTS.md, quest7). BITS 16: bf16
+ * digests. scores_out (may be NULL) also receives the scores (the tests compare them). */
+template <int HD, int BITS, int T>
+__global__ void __launch_bounds__(T, 1)
+k_quest_fsel(const float *__restrict__ q, void *__restrict__ dig, size_t n_pages, const bf16 *__restrict__ kc,
+             const int32_t *__restrict__ wqs, const int32_t *__restrict__ pos, const int32_t *__restrict__ bts,
+             const int32_t *__restrict__ keep, int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages,
+             int max_spans, float *__restrict__ scores_out, int32_t *__restrict__ n_spans,
+             int32_t *__restrict__ spans)
+{
+    extern __shared__ uint32_t fs_smem[];   /* bits [(max_pages + 1 + 31) / 32], keys [max_pages], queries, codes */
+    __shared__ float red[2][32];
+    __shared__ uint32_t s_par;
+    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, G = n_heads / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
+    int32_t *sp = spans + (size_t)pair * max_spans * 2;
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    uint32_t *bits = fs_smem, *sk = bits + (max_pages + 1 + 31) / 32;
+    float *sq = (float *)(sk + max_pages);   /* bf16: [G][HD]; quantized: Qp [HD], Qn [HD] */
+    /* the refresh of the page the row wrote (its current page, never a candidate: no block of
+     * this grid reads it) */
+    if (wqs && wqs[row + 1] - wqs[row] == 1) {   /* block-uniform */
+        if constexpr (BITS == 16)
+            bd_page(kc, bt, cur * ps, ctx, g, n_kv, HD, bs, ps, (bf16 *)dig);
+        else
+            qd_page(kc, bt, cur * ps, ctx, g, n_kv, HD, bs, ps, BITS, n_pages, (uint32_t *)dig, red, &s_par,
+                    (uint8_t *)(sq + 2 * HD));
+    }
+    if (top >= cur) {
+        if (tid == 0) {
+            sp[0] = 0, sp[1] = ctx;
+            n_spans[pair] = 1;
+        }
+        return;
+    }
+    if (BITS == 16)
+        for (int x = tid; x < G * HD; x += T) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
+    else
+        q_fold_group<HD>(q, row, g, G, n_heads, sq, sq + HD);
+    for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
+    __syncthreads();
+    float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;
+    if constexpr (BITS == 16)
+        q_score_range<HD>(sq, G, (const bf16 *)dig, bt, g, n_kv, bs, ps, 0, cur, tid >> 5, T / 32, out, sk);
+    else
+        q_qscore_range<HD, BITS>(sq, sq + HD, (const uint32_t *)dig, n_pages, bt, g, n_kv, bs, ps, 0, cur, tid >> 5,
+                                 T / 32, out, sk);
+    __syncthreads();
+    sel_run<T, true>(nullptr, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
+}
+
+/* kvs_quest_cuda_select_path: 0 by shape (fsel_wanted), 1 never fused, 2 always where it fits,
+ * 3 as 2 with 512-thread blocks at any shape */
+static int fsel_mode;
+
+extern "C" void kvs_quest_cuda_select_path(int mode) { fsel_mode = mode >= 0 && mode <= 3 ? mode : 0; }
+
+/* One block per (row, KV head) reads that pair's digests at what one SM can pull: the A/B
+ * (bench/RESULTS.md, quest7) measured the fused kernel slower than score + select at batch 1
+ * and 8 (0.062 vs 0.031 ms at 1 x 32K, 0.070 vs 0.051 at 8 x 32K) and within 3% at batch 32,
+ * so by shape it is never taken; it stays for the A/B (modes 2 and 3) and its tests. */
+static bool fsel_wanted(int pairs, int most)
+{
+    (void)pairs, (void)most;
+    return fsel_mode >= 2;
+}
+
+template <int HD, int BITS>
+static void fsel_launch(struct kvs_backend *b, int T, unsigned pairs, size_t smem, const float *q, void *dig,
+                        size_t n_pages, const bf16 *kc, const int32_t *wqs, const struct kvs_attn_meta *m,
+                        const int32_t *keep, int n_heads, int n_kv_heads, int block_size, int page_size, int max_pages,
+                        int max_spans, float *scores_out, int32_t *n_spans, int32_t *spans)
+{
+    static bool attr_set[2];
+    const void *fn = T == 1024 ? (const void *)k_quest_fsel<HD, BITS, 1024> : (const void *)k_quest_fsel<HD, BITS, 512>;
+    if (!attr_set[T == 1024]) {
+        CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, FS_SMEM_MAX));
+        attr_set[T == 1024] = true;
+    }
+#define FS_ARGS                                                                                              \
+    pairs, T, smem, b->stream, q, dig, n_pages, kc, wqs, (const int32_t *)m->pos->d,                         \
+        (const int32_t *)m->block_tables->d, keep, m->max_blocks, n_heads, n_kv_heads, block_size, page_size, \
+        max_pages, max_spans, scores_out, n_spans, spans
+    if (T == 1024)
+        CUDA_CHECK(kvs_cu_launch(k_quest_fsel<HD, BITS, 1024>, FS_ARGS));
+    else
+        CUDA_CHECK(kvs_cu_launch(k_quest_fsel<HD, BITS, 512>, FS_ARGS));
+#undef FS_ARGS
+}
+
+/* the separate refresh (digest_update or qdigest_update) of the pages wm's rows wrote */
+static void digests_refresh(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *wm,
+                            int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                            const struct kvs_dbuf *dig)
+{
+    struct kvs_dbuf *d = (struct kvs_dbuf *)dig;   /* score_select takes the digests as the score ops do */
+    if (bits == 16) cu_digest_update(b, kc, wm, n_kv_heads, head_dim, block_size, page_size, d);
+    else cu_qdigest_update(b, kc, wm, n_kv_heads, head_dim, block_size, page_size, bits, n_pages, d);
+}
+
+static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
+                            const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads,
+                            int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
+                            int max_pages, int max_spans, struct kvs_dbuf *scores, int want_scores,
+                            struct kvs_dbuf *n_spans, struct kvs_dbuf *spans, const struct kvs_dbuf *kc,
+                            const struct kvs_attn_meta *wm)
+{
+    if (n <= 0) {
+        if (wm) digests_refresh(b, kc, wm, n_kv_heads, head_dim, block_size, page_size, bits, n_pages, dig);
+        return;
+    }
+    int most = 0;
+    for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
+    /* the queries (bf16 digests: the group's heads; quantized: Qp, Qn), then a refresh's code bytes */
+    const size_t qbytes = (size_t)(bits == 16 ? n_heads / n_kv_heads : 2) * head_dim * sizeof(float) +
+                          (bits == 16 ? 0 : 2 * (size_t)head_dim);
+    const size_t smem = (size_t)(max_pages + 1 + 31) / 32 * sizeof(uint32_t) + (size_t)max_pages * sizeof(uint32_t) +
+                        qbytes;
+    const int pairs = n * n_kv_heads;
+    const bool hd_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
+    if (!hd_ok || (bits != 16 && bits != 8 && bits != 4) || smem > FS_SMEM_MAX || !fsel_wanted(pairs, most)) {
+        /* the refresh as a slice of the score launch where it can be (a candidate page exists and a
+         * score block has a thread per dimension), else its own launch first */
+        const bool in_score = wm && most > 0 && head_dim <= 32 * QS_WARPS;
+        if (wm && !in_score)
+            digests_refresh(b, kc, wm, n_kv_heads, head_dim, block_size, page_size, bits, n_pages, dig);
+        const int32_t *wqs = in_score ? (const int32_t *)wm->q_start->d : NULL;
+        if (bits == 16)
+            cu_score_r(b, q, dig, m, keep, n, n_heads, n_kv_heads, head_dim, block_size, page_size, max_pages, scores,
+                       kc, wqs);
+        else
+            cu_qscore_r(b, q, dig, m, keep, n, n_heads, n_kv_heads, head_dim, block_size, page_size, bits, n_pages,
+                        max_pages, scores, kc, wqs);
+        cu_select(b, scores, m, keep, n, n_kv_heads, page_size, max_pages, max_spans, n_spans, spans);
+        return;
+    }
+    xh_forget(b, n_spans->d);
+    xh_forget(b, spans->d);
+    if (wm) xh_forget(b, dig->d);
+    float *so = NULL;
+    if (want_scores) {
+        xh_forget(b, scores->d);
+        so = (float *)scores->d;
+    }
+    /* fewer pairs than SMs: each block is alone on its SM, so it takes the SM's every warp */
+    const int sms = b->n_sms > 0 ? b->n_sms : 1, T = pairs <= sms && fsel_mode != 3 ? 1024 : 512;
+#define FS_CALL(H, B)                                                                                        \
+    if (head_dim == H && bits == B) {                                                                        \
+        fsel_launch<H, B>(b, T, (unsigned)pairs, smem, (const float *)q->d, dig->d, n_pages,                 \
+                          wm ? (const bf16 *)kc->d : nullptr, wm ? (const int32_t *)wm->q_start->d : nullptr, \
+                          m, (const int32_t *)keep->d, n_heads, n_kv_heads, block_size, page_size, max_pages, \
+                          max_spans, so, (int32_t *)n_spans->d, (int32_t *)spans->d);                        \
+        return;                                                                                              \
+    }
+    FS_CALL(64, 16); FS_CALL(128, 16); FS_CALL(256, 16);
+    FS_CALL(64, 8); FS_CALL(128, 8); FS_CALL(256, 8);
+    FS_CALL(64, 4); FS_CALL(128, 4); FS_CALL(256, 4);
+#undef FS_CALL
+}
+
 extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
     "cuda",
     cu_digest_update,
@@ -615,4 +903,5 @@ extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
     cu_select,
     cu_qdigest_update,
     cu_qscore,
+    cu_score_select,
 };

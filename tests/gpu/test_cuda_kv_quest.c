@@ -4,6 +4,10 @@
  * engine on device cuda.
  *   digests   bitwise equal to the CPU's (bf16 keys on both: min/max are exact);
  *   scores    within 1e-5 of the CPU's, relative to the bound's magnitude (another fp32 order);
+ *   fused     score_select (the fused kernel at 1024 threads with the step's digest refresh
+ *             folded in, at 512 without; score then select with the refresh as a slice of the
+ *             score launch; the 128K row at the default 8 bits only) passes every check below
+ *             (digests bitwise the CPU's) and gives the two kernels' scores and spans bitwise;
  *   selection the CUDA select equals a brute-force ranking of the CUDA scores exactly (ties to
  *             the lower page), and differs from the CPU's choice only on pages whose CPU score
  *             is within rounding of the CPU's k-th score; planted needles are found; spans are
@@ -153,8 +157,46 @@ static void test_kernels(uint64_t seed)
         c.bits = bits;
         snprintf(what, sizeof what, "%s, %d-bit digests", CASES[ci].what, bits);
         qf_run(C, bc, kc, &c, &rc);
+        kvs_quest_cuda_select_path(1);
         qf_run(G, bg, kg, &c, &rg);
         compare(&c, &rc, &rg, what);
+        /* the fused score + select (both block sizes) against the CPU, and bitwise against the
+         * two kernels: the same scores, so the same spans */
+        /* the fused kernel at both block sizes (1024 where the pairs are fewer than SMs, forced
+         * 512), with and without the refresh folded in; then score then select with the refresh
+         * as a slice of the score launch (path 1 + the folded fixture: the policy's default) */
+        /* the 128K-token row (each run uploads 1 GB of K/V): these paths at the default width only */
+        const int paths = CASES[ci].lo >= 131072 && bits != KVS_QUEST_DIGEST_BITS_DEFAULT ? 0 : 3;
+        for (int v = 0; v < paths; v++) {
+            const int mode = v == 0 ? 2 : v == 1 ? 3 : 1;
+            struct qf_out rf;
+            char fw[240];
+            snprintf(fw, sizeof fw, "%s, %s%s", what,
+                     mode == 2   ? "fused score + select"
+                     : mode == 3 ? "fused score + select (512 threads)"
+                                 : "score + select",
+                     v != 1 ? ", refresh folded" : "");
+            kvs_quest_cuda_select_path(mode);
+            qf_fused = v != 1 ? 2 : 1;
+            qf_run(G, bg, kg, &c, &rf);
+            qf_fused = 0;
+            compare(&c, &rc, &rf, fw);
+            const size_t ns = (size_t)c.n_seqs * c.nkv, np = ns * (size_t)rg.max_pages;
+            size_t bad_sc = 0, bad_sp = 0;
+            for (size_t j = 0; j < ns; j++) {
+                const int cur = (c.ctx[j / c.nkv] - 1) / c.ps;
+                if (c.keep[j / c.nkv] - 1 < cur)   /* a selecting row: its candidates' scores */
+                    for (int pg = 0; pg < cur; pg++)
+                        bad_sc += memcmp(&rf.scores[j * rg.max_pages + pg], &rg.scores[j * rg.max_pages + pg], 4) != 0;
+                bad_sp += rf.n_spans[j] != rg.n_spans[j];
+                for (int k = 0; k < 2 * rg.n_spans[j] && k < 2 * rg.max_spans; k++)
+                    bad_sp += rf.spans[j * rg.max_spans * 2 + k] != rg.spans[j * rg.max_spans * 2 + k];
+            }
+            CHECK(bad_sc == 0 && bad_sp == 0, "%s: %zu scores and %zu span entries differ from the two kernels' (of %zu)",
+                  fw, bad_sc, bad_sp, np);
+            qf_out_free(&rf);
+        }
+        kvs_quest_cuda_select_path(0);
         qf_out_free(&rc);
         qf_out_free(&rg);
         qf_free(&c);
@@ -165,17 +207,24 @@ static void test_kernels(uint64_t seed)
     qf_make(&c, seed, 3, 8, 2, 64, 16, 16, 3000, 9000, 0.1, 64, 0);
     memset(c.q, 0, (size_t)c.n_seqs * c.nh * c.hd * sizeof *c.q);
     qf_run(C, bc, kc, &c, &rc);
-    qf_run(G, bg, kg, &c, &rg);
-    int same = 1;
-    for (int i = 0; i < c.n_seqs * c.nkv; i++) {
-        same &= rc.n_spans[i] == rg.n_spans[i] && rg.n_spans[i] == 2;
-        for (int k = 0; k < 2 * rc.n_spans[i] && k < 2 * rc.max_spans; k++)
-            same &= rc.spans[(size_t)i * rc.max_spans * 2 + k] == rg.spans[(size_t)i * rg.max_spans * 2 + k];
+    for (int fused = 0; fused <= 1; fused++) {   /* the two kernels, then the fused one */
+        kvs_quest_cuda_select_path(fused ? 2 : 1);
+        qf_fused = fused;
+        qf_run(G, bg, kg, &c, &rg);
+        qf_fused = 0;
+        int same = 1;
+        for (int i = 0; i < c.n_seqs * c.nkv; i++) {
+            same &= rc.n_spans[i] == rg.n_spans[i] && rg.n_spans[i] == 2;
+            for (int k = 0; k < 2 * rc.n_spans[i] && k < 2 * rc.max_spans; k++)
+                same &= rc.spans[(size_t)i * rc.max_spans * 2 + k] == rg.spans[(size_t)i * rg.max_spans * 2 + k];
+        }
+        CHECK(same, "equal scores%s: CUDA spans differ from the CPU's [0, (keep-1) ps), [cur ps, ctx)",
+              fused ? " (fused)" : "");
+        printf("ok equal scores%s: the lowest pages on both backends\n", fused ? " (fused score + select)" : "");
+        qf_out_free(&rg);
     }
-    CHECK(same, "equal scores: CUDA spans differ from the CPU's [0, (keep-1) ps), [cur ps, ctx)");
-    printf("ok equal scores: the lowest pages on both backends\n");
+    kvs_quest_cuda_select_path(0);
     qf_out_free(&rc);
-    qf_out_free(&rg);
     qf_free(&c);
 }
 

@@ -159,6 +159,11 @@ static void qf_meta_free(const struct kvs_backend_ops *o, struct kvs_backend *be
     o->free_buf(be, qm->m.block_tables);
 }
 
+/* qf_run's selection: 0 score (or qscore) then select; 1 the table's score_select where it has
+ * one (asking for the scores too), else as 0; 2 as 1 with the step's digest refresh passed to
+ * score_select (the step then writes one row per sequence: the earlier prefill ends at ctx - 2) */
+static int qf_fused;
+
 /* Runs digest_update (an earlier prefill of positions 0 .. ctx - step_rows - 1, then the step),
  * score, select and attention_spans of the case on backend o with kernels k. */
 static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct kvs_quest_kernels *k,
@@ -196,16 +201,22 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
 
     int rows[QF_MAX_SEQS] = {0}, end[QF_MAX_SEQS] = {0};
     struct qf_meta qm;
-    for (int s = 0; s < S; s++) rows[s] = c->ctx[s] - c->step_rows[s], end[s] = c->ctx[s] - c->step_rows[s];
+    const int fold = qf_fused == 2 && k->score_select;
+    for (int s = 0; s < S; s++) {
+        const int step = fold ? 1 : c->step_rows[s];
+        rows[s] = c->ctx[s] - step, end[s] = c->ctx[s] - step;
+    }
     qf_meta_make(o, be, c, rows, end, &qm);
     if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
     else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
     qf_meta_free(o, be, &qm);
     for (int s = 0; s < S; s++) rows[s] = c->step_rows[s], end[s] = c->ctx[s];
-    qf_meta_make(o, be, c, rows, end, &qm);
-    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
-    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
-    qf_meta_free(o, be, &qm);
+    if (!fold) {
+        qf_meta_make(o, be, c, rows, end, &qm);
+        if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
+        else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+        qf_meta_free(o, be, &qm);
+    }
 
     /* the decode query of each sequence */
     for (int s = 0; s < S; s++) rows[s] = 1;
@@ -228,12 +239,18 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     float *zero = kvs_xcalloc((size_t)S * nkv * r->max_pages, sizeof *zero);
     o->upload(be, sc, 0, zero, (size_t)S * nkv * r->max_pages);
     free(zero);
-    if (quant)
-        k->qscore(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, r->max_pages,
-                  sc);
-    else
-        k->score(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, r->max_pages, sc);
-    k->select(be, sc, &qm.m, keep, S, nkv, c->ps, r->max_pages, r->max_spans, ns, sp);
+    if (qf_fused && k->score_select)
+        k->score_select(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, quant ? c->bits : 16,
+                        (size_t)r->n_pages, r->max_pages, r->max_spans, sc, 1, ns, sp, fold ? kc : NULL,
+                        fold ? &qm.m : NULL);
+    else {
+        if (quant)
+            k->qscore(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages,
+                      r->max_pages, sc);
+        else
+            k->score(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, r->max_pages, sc);
+        k->select(be, sc, &qm.m, keep, S, nkv, c->ps, r->max_pages, r->max_spans, ns, sp);
+    }
     /* launch planning copies: one span holding at least the kept keys (as the policy does) */
     int32_t *hn = kvs_xmalloc((size_t)S * nkv * sizeof *hn);
     int32_t *hs = kvs_xcalloc((size_t)S * nkv * r->max_spans * 2, sizeof *hs);
