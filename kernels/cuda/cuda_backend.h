@@ -85,6 +85,12 @@ void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
  * split for one block per SM, bit 8 only where it does not split: other sums, close), for
  * benchmarks and tests; -1: the default (14). Process-wide. */
 void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v);
+/* Early launch of the next kernel in a decode step (cuda_launch.h, grid_dep_launch), a mask: 1
+ * the decode GEMMs, 2 the decode attention and its merge, 4 the RMSNorms and RoPE + KV write
+ * (launches of 2 rows or more; default 7); -1 back to KVS_CUDA_PDL_EARLY or the default. The
+ * same results either way (tests compare bitwise). Later launches and graph captures take it;
+ * process-wide. */
+void kvs_cuda_set_pdl_early(struct kvs_backend *b, int on);
 
 /* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */
 enum kvs_cuda_gemm {
