@@ -79,9 +79,10 @@ static int choose_splits(long long base_blocks, int resident, int n_sms, int max
 
 /* block per (row, head) of this launch's kind; threads over dims; splits merged in order */
 __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_seqs, int prefill, int n_heads,
-                             int n_splits, int hd, float *out, bf16 *outh)
+                             int n_splits, int hd, float *out, bf16 *outh, int trig)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    grid_dep_launch(trig); /* the o projection may start fetching its weights */
     const int t = blockIdx.x / n_heads;
     int lo = 0, hi = n_seqs - 1;
     while (lo < hi) {
@@ -138,7 +139,7 @@ void kvs_cu_attn_launch(void (*kern)(at_args), int threads, size_t smem, int *re
     CUDA_CHECK(cudaGetLastError());
     if (x.n_splits > 1) {
         CUDA_CHECK(kvs_cu_launch(k_attn_merge, (unsigned)((size_t)n * x.n_heads), hd < 128 ? hd : 128, 0, st, 
-            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out, x.outh));
+            x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out, x.outh, x.trig));
         CUDA_CHECK(cudaGetLastError());
     }
 }
@@ -195,6 +196,7 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     x.outh = a->outh;
     x.kv_rows = (long long)(a->kv_elems / (size_t)a->hd);
     x.part = ws;
+    x.trig = (kvs_cu_pdl_early() & 2) && a->n >= 2; /* cuda_skinny.cu: not at batch 1 */
     const size_t ws_floats = ws_bytes / sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
         const int tiles = pass == 0 ? n_dec : n_pre_tiles;

@@ -273,6 +273,7 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
      * it overlaps the end of the previous kernel (RoPE + KV write). From here on, q and the K/V
      * just written are read (cuda_launch.h). */
     grid_dep_wait();
+    grid_dep_launch(a.trig); /* cuda_launch.h: the merge (or the o projection) may start */
     if (nsub > 0) {
         ko[lane] = cur.info;
         if constexpr (TMA) fd_issue_tma<HD>(&a.tm_k, cur, wk, mbk);

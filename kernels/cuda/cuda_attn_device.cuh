@@ -59,6 +59,7 @@ struct at_args {
      * (16 rows x 64 columns a box, 128-byte swizzle); a __grid_constant__ parameter there */
     CUtensorMap tm_k, tm_v;
     long long kv_rows;            /* host side: rows of hd elements in each of kc, vc (the maps' extent) */
+    int trig;                     /* kvs_cu_pdl_early(): k_attn_fd calls grid_dep_launch after its wait */
 };
 
 static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src_bytes)

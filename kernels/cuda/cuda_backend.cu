@@ -39,8 +39,9 @@
 
 /* matmuls of at most this many rows may use the decode GEMM (cuda_skinny.h), larger ones cuBLAS:
  * on Hopper its wgmma kernel reads gate/up and the LM head faster than cuBLAS up to 32 rows, not
- * at 64-128 (the other launches leave it above 8 rows: kvs_cu_skinny_takes; bench/RESULTS.md) */
-#define SKINNY_MAX_DEFAULT 32
+ * at 64-128, and k_dgemm_n the q/k/v, o and down launches up to 64 (at the default variant, from
+ * 33 rows the decode GEMM takes only those: kvs_cu_skinny_takes; bench/RESULTS.md, decode5) */
+#define SKINNY_MAX_DEFAULT 64
 
 /* ---- fills (cuda_backend.h's random data) ------------------------------------------------- */
 
@@ -630,6 +631,12 @@ extern "C" void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v)
 {
     (void)b;
     kvs_cu_skinny_set_variant(v);
+}
+
+extern "C" void kvs_cuda_set_pdl_early(struct kvs_backend *b, int on)
+{
+    (void)b;
+    kvs_cu_set_pdl_early(on);
 }
 
 extern "C" void kvs_cuda_set_gemm(struct kvs_backend *b, int mode)

@@ -78,13 +78,20 @@ int kvs_cuda_pre_attn_kind(int head_dim, int rot);
 
 /* Matmuls of at most max_n rows may use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N;
  * which launches it takes depends on the variant), larger ones cuBLAS; 0: cuBLAS always; -1:
- * back to the default (32, or KVS_CUDA_SKINNY_MAX at create). */
+ * back to the default (64, or KVS_CUDA_SKINNY_MAX at create). */
 void kvs_cuda_set_skinny_max(struct kvs_backend *b, int max_n);
 /* The decode GEMM's variant (cuda_skinny.cu: bit 1 two K groups in flight at 9+ rows, bit 2 the
  * L2::256B hint: bitwise the same results; bit 4 the wgmma kernel on Hopper, with bit 1 its K
- * split for one block per SM, bit 8 only where it does not split: other sums, close), for
- * benchmarks and tests; -1: the default (14). Process-wide. */
+ * split for one block per SM, bit 8 only where it does not split: other sums, close; bit 32
+ * k_dgemm_n for the launches it would split, 2-64 rows), for benchmarks and tests; -1: the
+ * default (46). Process-wide. */
 void kvs_cuda_set_skinny_variant(struct kvs_backend *b, int v);
+/* Early launch of the next kernel in a decode step (cuda_launch.h, grid_dep_launch), a mask: 1
+ * the decode GEMMs, 2 the decode attention and its merge, 4 the RMSNorms and RoPE + KV write
+ * (launches of 2 rows or more; default 7); -1 back to KVS_CUDA_PDL_EARLY or the default. The
+ * same results either way (tests compare bitwise). Later launches and graph captures take it;
+ * process-wide. */
+void kvs_cuda_set_pdl_early(struct kvs_backend *b, int on);
 
 /* How the matmuls that do not take the decode GEMM run (benchmark A/B comparisons and tests). */
 enum kvs_cuda_gemm {

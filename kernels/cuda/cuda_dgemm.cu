@@ -21,7 +21,8 @@
  * order, with no workspace traffic and no counters. So a row's result is the same
  * bits whatever n (batch invariance), and deterministic. Measured (bench/RESULTS.md, decode4):
  * the unsplit launches stream at 2,750-2,970 GB/s up to 32 tokens; the split ones are slower than
- * cuBLASLt, so the default variant leaves them to k_skinny / cuBLAS (cuda_skinny.cu); with the
+ * cuBLASLt, so the default variant gives them to k_dgemm_n (below: the weights on the N side, K
+ * never split; decode5) where it applies, else k_skinny / cuBLAS (cuda_skinny.cu); with the
  * cluster's reduction they were slower still from 32 tokens (part 2 there).
  *
  * The weights of the first stages are fetched before the grid dependency wait (cuda_launch.h);
@@ -57,6 +58,7 @@ struct dg_params {
     float *ws;                             /* splits > 1: [tile][split][128][NB] partial tiles */
     unsigned *sem;                         /* splits > 1: two zeroed counters per unit (arrived, left) */
     int cluster;                           /* 1: a unit's splits are one cluster, reduced on chip (dg_reduce_rows) */
+    int trig;                              /* kvs_cu_pdl_early(): grid_dep_launch after the wait */
 };
 
 /* a block: MW tiles of 128 A rows (MW = 1: each warpgroup 64 rows of the tile; MW = 2: each
@@ -277,6 +279,9 @@ template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_
         if (st < ns) load_a(st);
     dg_commit_cp();
     grid_dep_wait(); /* cuda_launch.h: x is ready, the workspace and outputs are free */
+    /* the next kernel may start as this grid's blocks leave (its split blocks wait only for each
+     * other, and every block of this grid is resident before the next one can launch) */
+    grid_dep_launch(p.trig);
     for (int st = 0; st < C::P - 1; st++)
         if (st < ns) load_b(st);
     dg_commit_cp();
@@ -423,6 +428,141 @@ template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_
 #endif
 }
 
+/* ---- k_dgemm_n: the weights on the wgmma's N side, K never split (variant bit 32) ----------
+ *
+ * For the launches k_dgemm would split (q/k/v, o, down: 32-48 tiles of 128 rows on 132 SMs): a
+ * block owns R weight rows (32, 48 or 64: the least that keeps the tiles within one per SM) as the
+ * wgmma's N, and the n <= 64 tokens as its M (64 rows of x; rows past n are never copied, so their
+ * accumulators hold garbage that is never stored: a row of D depends on its row of A alone). It
+ * streams the whole of K, two 64-column atoms a stage (a block moves only R x 256 bytes of
+ * weights a stage, so the per-stage barrier and copy issue are paid over two atoms), 6-8 stages
+ * deep (~195 KB of shared memory, one block per SM), so no partial sums leave the block: no
+ * workspace, no counters, no second pass. x is re-read from L2 by every block (n / R of the
+ * weight bytes). A row's sum runs over the atoms in order whatever n (batch invariance); R is a
+ * function of the launch's shapes only. */
+template <int R> struct dn_cfg {
+    static constexpr int AS = 2;                   /* atoms a stage */
+    static constexpr int A_BYTES = 64 * DG_KA * 2; /* x: 64 token rows of one atom */
+    static constexpr int B_BYTES = R * DG_KA * 2;  /* weights: R rows of one atom (a multiple of 8: 1 KB groups) */
+    static constexpr int SLOT = AS * (A_BYTES + B_BYTES); /* [A atom 0][A atom 1][B atom 0][B atom 1] */
+    static constexpr int P = 196 * 1024 / SLOT;
+    static constexpr int SMEM = P * SLOT + 1024;
+    static constexpr int THREADS = 128;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int R> __device__ __forceinline__ void dn_mma(float *acc, uint64_t da, uint64_t db)
+{
+    if constexpr (R == 32) dg_wgmma_n32(acc, da, db);
+    else if constexpr (R == 48) dg_wgmma_n48(acc, da, db);
+    else dg_wgmma_n64(acc, da, db);
+}
+#endif
+
+template <int R> __global__ void __launch_bounds__(dn_cfg<R>::THREADS, 1) k_dgemm_n(dg_params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = dn_cfg<R>;
+    extern __shared__ uint8_t dg_smem_raw[];
+    const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(dg_smem_raw) + 1023u) & ~1023u;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int tile = blockIdx.x, part = 0;
+    while (part + 1 < p.n_parts && tile >= p.tiles[part]) tile -= p.tiles[part++];
+    const int r0 = tile * R, vrows = min(R, p.out[part] - r0), in = p.in, na = p.atoms;
+    const int ns = na / C::AS; /* stages (K is a multiple of AS atoms: kvs_cu_dgemm_n_rows) */
+    const bf16 *wrow = p.w[part] + (size_t)r0 * in;
+
+    /* a stage's copies: R x 8 weight chunks and n x 8 x chunks of 16 bytes an atom, over 128
+     * threads */
+    auto load_w = [&](int st) {
+#pragma unroll
+        for (int a = 0; a < C::AS; a++) {
+            const int at = st * C::AS + a;
+            const uint32_t base = smem0 + (uint32_t)((st % C::P) * C::SLOT + C::AS * C::A_BYTES + a * C::B_BYTES);
+            const int col = at * DG_KA;
+#pragma unroll
+            for (int k = 0; k < R * 8 / C::THREADS; k++) {
+                const int idx = tid + k * C::THREADS, r = idx >> 3, c = idx & 7;
+                const bool ok = r < vrows;
+                dg_cp16(dg_swz(base, r, c), ok ? wrow + (size_t)r * in + col + c * 8 : p.x, ok);
+            }
+        }
+    };
+    auto load_x = [&](int st) {
+#pragma unroll
+        for (int a = 0; a < C::AS; a++) {
+            const int at = st * C::AS + a;
+            const uint32_t base = smem0 + (uint32_t)((st % C::P) * C::SLOT + a * C::A_BYTES);
+            const int col = at * DG_KA;
+#pragma unroll
+            for (int k = 0; k < 64 * 8 / C::THREADS; k++) {
+                const int idx = tid + k * C::THREADS, r = idx >> 3, c = idx & 7;
+                if (r < p.n) dg_cp16(dg_swz(base, r, c), p.x + (size_t)r * in + col + c * 8, true);
+            }
+        }
+    };
+
+    /* as k_dgemm: the weights of the first P - 1 stages before the wait, their x after it */
+    for (int st = 0; st < C::P - 1; st++)
+        if (st < ns) load_w(st);
+    dg_commit_cp();
+    grid_dep_wait(); /* cuda_launch.h: x is ready, the outputs are free */
+    grid_dep_launch(p.trig);
+    for (int st = 0; st < C::P - 1; st++)
+        if (st < ns) load_x(st);
+    dg_commit_cp();
+
+    float acc[R / 2];
+#pragma unroll
+    for (int i = 0; i < R / 2; i++) acc[i] = 0.0f;
+    for (int st = 0; st < ns; st++) {
+        if (st == 0) dg_wait_cp<0>();
+        else dg_wait_cp<C::P - 2>();
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async data -> wgmma */
+        __syncthreads(); /* every copy of stage st landed; stage st - 1's slot is read by no one */
+        if (st + C::P - 1 < ns) {
+            load_w(st + C::P - 1);
+            load_x(st + C::P - 1);
+        }
+        dg_commit_cp();
+        const uint32_t slot = smem0 + (uint32_t)((st % C::P) * C::SLOT);
+        dg_fence();
+#pragma unroll
+        for (int a = 0; a < C::AS; a++) {
+            const uint64_t da = dg_desc(slot + (uint32_t)(a * C::A_BYTES));
+            const uint64_t db = dg_desc(slot + (uint32_t)(C::AS * C::A_BYTES + a * C::B_BYTES));
+#pragma unroll
+            for (int k = 0; k < DG_KA / 16; k++) dn_mma<R>(acc, da + 2 * k, db + 2 * k); /* +32 bytes a k16 step */
+        }
+        dg_commit();
+        dg_wait0();
+#pragma unroll
+        for (int i = 0; i < R / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
+    }
+
+    /* acc[4 b + 2 h + j]: token t = 16 warp + g + 8 h, weight row r0 + 8 b + 2 q + j */
+    const float *bias = p.bias[part];
+    float *y = p.y[part];
+    const int out = p.out[part];
+#pragma unroll
+    for (int b = 0; b < R / 8; b++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = 16 * warp + g + 8 * h;
+            if (t >= p.n) continue;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int r = 8 * b + 2 * q + j;
+                if (r >= vrows) continue;
+                const float a = acc[4 * b + 2 * h + j];
+                y[(size_t)t * out + r0 + r] = bias ? a + bias[r0 + r] : a;
+            }
+        }
+#else
+    __trap();
+#endif
+}
+
 /* the K splits of a launch of `tiles` 128-row tiles: as many as keep the grid within one wave both
  * for blocks of one tile (two per SM) and of two tiles (one per SM), times per_sm / 2; at least 2
  * atoms a split, at most 16. A function of the launch's shapes (not n): batch invariance. The
@@ -534,6 +674,7 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
 {
     dg_params p = {};
     p.cluster = cluster;
+    p.trig = kvs_cu_pdl_early() & 1;
     p.x = a->x;
     p.n = a->n;
     p.in = a->in;
@@ -563,5 +704,62 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
     case 32: return dg_launch<32>(p, tiles, stream);
     case 64: return dg_launch<64>(p, tiles, stream);
     default: return dg_launch<128>(p, tiles, stream);
+    }
+}
+
+/* k_dgemm_n's rows a block for this launch, or 0 where it does not apply: 2..64 tokens, plain
+ * parts (not SwiGLU), K a multiple of a stage (two atoms, 128), and at most one block per SM with
+ * 64 rows a block */
+int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms)
+{
+    if (swiglu || n < 2 || n > 64 || in % (2 * DG_KA) != 0 || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu))
+        return 0;
+    static const int rs[3] = {32, 48, 64};
+    for (int i = 0; i < 3; i++) {
+        int tiles = 0;
+        for (int k = 0; k < n_parts; k++) tiles += (out[k] + rs[i] - 1) / rs[i];
+        if (tiles <= n_sms) return rs[i];
+    }
+    return 0;
+}
+
+template <int R> static cudaError_t dn_launch(dg_params &p, int tiles, cudaStream_t stream)
+{
+    static unsigned attr_set = 0;
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev >= 32 || !(attr_set >> dev & 1u)) {
+        e = cudaFuncSetAttribute(k_dgemm_n<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, dn_cfg<R>::SMEM);
+        if (e != cudaSuccess) return e;
+        if (dev < 32) attr_set |= 1u << dev;
+    }
+    return kvs_cu_launch(k_dgemm_n<R>, dim3((unsigned)tiles), dim3(dn_cfg<R>::THREADS), (size_t)dn_cfg<R>::SMEM,
+                         stream, p);
+}
+
+cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream)
+{
+    dg_params p = {};
+    p.trig = kvs_cu_pdl_early() & 1;
+    p.x = a->x;
+    p.n = a->n;
+    p.in = a->in;
+    p.n_parts = a->n_parts;
+    p.atoms = a->in / DG_KA;
+    p.splits = 1;
+    int tiles = 0;
+    for (int i = 0; i < a->n_parts; i++) {
+        p.w[i] = a->w[i];
+        p.bias[i] = a->bias[i];
+        p.out[i] = a->out[i];
+        p.y[i] = a->y[i];
+        p.tiles[i] = (a->out[i] + rows - 1) / rows;
+        tiles += p.tiles[i];
+    }
+    switch (rows) {
+    case 32: return dn_launch<32>(p, tiles, stream);
+    case 48: return dn_launch<48>(p, tiles, stream);
+    default: return dn_launch<64>(p, tiles, stream);
     }
 }

@@ -258,6 +258,7 @@ struct rkv_args {
     const float *inv_freq;
     int nh, nkv, hd, bs;
     bf16 *kc, *vc;
+    int trig;                     /* kvs_cu_pdl_early() (set by kvs_cu_launch_rope_kv_write) */
 };
 
 /* ---- cuda_backend.cu ---- */

@@ -33,6 +33,20 @@ __device__ __forceinline__ void grid_dep_wait()
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
+/* Early launch of the next kernel: without it a grid lets its dependent start only as its last
+ * blocks exit, so the dependent's blocks (and the weights a GEMM fetches before its wait) only
+ * begin once this grid's tail has drained. Called by every thread once it is past grid_dep_wait()
+ * (and, in the GEMMs, once its first copies are issued): when every block of this grid has
+ * called it, the next kernel's blocks may take SM slots as this grid's blocks leave and run up to
+ * their own wait. Safe whatever the position: the dependent's grid_dep_wait() still waits for
+ * this grid to complete and flush, and since this grid has passed its own wait, for its
+ * predecessors too. `on` is the kernel's copy of kvs_cu_pdl_early() (a launch argument, so that
+ * the knob needs no device symbol per translation unit). */
+__device__ __forceinline__ void grid_dep_launch(int on)
+{
+    if (on) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 /* 1 unless KVS_CUDA_PDL=0 (read once) */
 inline int kvs_cu_pdl_enabled()
 {
@@ -43,6 +57,13 @@ inline int kvs_cu_pdl_enabled()
     }
     return on;
 }
+
+/* 1 when the decode-step kernels call grid_dep_launch (above): KVS_CUDA_PDL_EARLY=0/1, else the
+ * default (cuda_skinny.cu, where it was measured); read once, 0 whenever PDL is off. */
+int kvs_cu_pdl_early(void);
+/* for tests and benchmarks: 0 / 1 sets it for later launches (graphs keep the value they were
+ * captured with), -1 back to the environment or default. Not thread-safe. */
+void kvs_cu_set_pdl_early(int on);
 
 /* kern<<<grid, block, smem, stream>>>(args...) with programmatic stream serialization; returns
  * the launch status (the caller checks it) */

@@ -39,9 +39,10 @@ __device__ float block_sum(float v, float *red)
  * and a block holds the whole row (dim / 4 / V threads, at most 1024). dim % 4 == 0. */
 template <int V, bool ADD>
 __global__ void k_rmsnorm_vec(float *__restrict__ res, const float *__restrict__ delta, const float *__restrict__ w,
-                              float eps, int dim, float *__restrict__ out, bf16 *__restrict__ outh)
+                              float eps, int dim, float *__restrict__ out, bf16 *__restrict__ outh, int trig)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    grid_dep_launch(trig); /* the next GEMM may start fetching its weights */
     __shared__ float red[32];
     const size_t t = blockIdx.x;
     const int n4 = dim / 4;
@@ -86,9 +87,10 @@ __global__ void k_rmsnorm_vec(float *__restrict__ res, const float *__restrict__
 }
 
 /* the general form (any dim): one block of NORM_THREADS per row */
-__global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out, bf16 *outh)
+__global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, float *out, bf16 *outh, int trig)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    grid_dep_launch(trig);
     __shared__ float red[32];
     size_t t = blockIdx.x;
     const float *xr = x + t * dim;
@@ -104,9 +106,10 @@ __global__ void k_rmsnorm(const float *x, const float *w, float eps, int dim, fl
 }
 
 __global__ void k_add_rmsnorm(float *res, const float *delta, const float *w, float eps, int dim, float *out,
-                              bf16 *outh)
+                              bf16 *outh, int trig)
 {
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready */
+    grid_dep_launch(trig);
     __shared__ float red[32];
     size_t t = blockIdx.x;
     float *xr = res + t * dim;
@@ -134,15 +137,16 @@ static int launch_rmsnorm_vec(cudaStream_t st, int n, float *res, const float *d
     if (dim % 4 != 0 || dim / 4 > 4 * 1024) return 0;
     const int n4 = dim / 4, v = (n4 + 1023) / 1024;
     const int threads = ((n4 + v - 1) / v + 31) / 32 * 32;
+    const int trig = (kvs_cu_pdl_early() & 4) && n >= 2; /* cuda_skinny.cu: not at batch 1 */
     cudaError_t e;
     if (delta) {
-        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
-        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
-        else e = kvs_cu_launch(k_rmsnorm_vec<4, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
+        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
+        else e = kvs_cu_launch(k_rmsnorm_vec<4, true>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
     } else {
-        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
-        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
-        else e = kvs_cu_launch(k_rmsnorm_vec<4, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh);
+        if (v == 1) e = kvs_cu_launch(k_rmsnorm_vec<1, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
+        else if (v == 2) e = kvs_cu_launch(k_rmsnorm_vec<2, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
+        else e = kvs_cu_launch(k_rmsnorm_vec<4, false>, n, threads, 0, st, res, delta, w, eps, dim, out, outh, trig);
     }
     CUDA_CHECK(e);
     return 1;
@@ -210,6 +214,7 @@ __global__ void k_rope_kv_write(struct rkv_args a)
     }
     __syncthreads();
     grid_dep_wait(); /* cuda_launch.h: the previous kernel's output is ready (the table did not need it) */
+    grid_dep_launch(a.trig); /* the attention may start its block-table lookups */
     const int slot = a.slots[t];
     const size_t blk = slot >= 0 ? (size_t)(slot / a.bs) : 0, off = slot >= 0 ? (size_t)(slot % a.bs) : 0;
     const int h0 = blockIdx.y * RKV_HEADS, units = a.nh + 2 * a.nkv;
@@ -389,7 +394,8 @@ void kvs_cu_op_rmsnorm(struct kvs_backend *b, const struct kvs_dbuf *x, const st
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
     /* the vectorised kernel reads x through its first (res) argument without writing it (no ADD) */
     if (!launch_rmsnorm_vec(b->stream, n, (float *)x->d, NULL, w->f, eps, dim, (float *)out->d, outh))
-        CUDA_CHECK(kvs_cu_launch(k_rmsnorm, n, NORM_THREADS, 0, b->stream, (const float *)x->d, w->f, eps, dim, (float *)out->d, outh));
+        CUDA_CHECK(kvs_cu_launch(k_rmsnorm, n, NORM_THREADS, 0, b->stream, (const float *)x->d, w->f, eps, dim, (float *)out->d, outh,
+                                 (kvs_cu_pdl_early() & 4) && n >= 2));
     LAUNCH_CHECK();
 }
 
@@ -402,7 +408,7 @@ void kvs_cu_op_add_rmsnorm(struct kvs_backend *b, struct kvs_dbuf *res, const st
     bf16 *outh = xh_claim(b, out->d, (size_t)n * dim);
     if (!launch_rmsnorm_vec(b->stream, n, (float *)res->d, (const float *)delta->d, w->f, eps, dim, (float *)out->d, outh))
         CUDA_CHECK(kvs_cu_launch(k_add_rmsnorm, n, NORM_THREADS, 0, b->stream, (float *)res->d, (const float *)delta->d, w->f,
-                                 eps, dim, (float *)out->d, outh));
+                                 eps, dim, (float *)out->d, outh, (kvs_cu_pdl_early() & 4) && n >= 2));
     LAUNCH_CHECK();
 }
 
@@ -441,6 +447,7 @@ void kvs_cu_launch_rope_kv_write(struct kvs_backend *b, struct rkv_args *a, int 
 {
     const int units = a->nh + 2 * a->nkv;
     const dim3 grid((unsigned)n, (unsigned)((units + RKV_HEADS - 1) / RKV_HEADS));
+    a->trig = (kvs_cu_pdl_early() & 4) && n >= 2;
     CUDA_CHECK(kvs_cu_launch(k_rope_kv_write, grid, 256, (size_t)a->hd * sizeof(float), b->stream, *a));
     LAUNCH_CHECK();
 }

@@ -36,6 +36,7 @@ struct sk_params {
     int out[KVS_SKINNY_MAX_PARTS];
     float *y[KVS_SKINNY_MAX_PARTS];
     bf16 *yh;
+    int trig;                              /* kvs_cu_pdl_early(): grid_dep_launch after the wait */
 };
 
 __device__ __forceinline__ uint4 sk_ld_stream(const uint4 *p)
@@ -146,6 +147,7 @@ __global__ void __launch_bounds__(SK_WARPS * 32) k_skinny(sk_params p)
     uint4 wa0[SK_U], wb0[SK_U];
     sk_load<SK_U, H256>(lo, hi, c0, c1, wa0, wb0);     /* before the wait: weights are constant */
     grid_dep_wait();                             /* cuda_launch.h: x is ready */
+    grid_dep_launch(p.trig);                     /* the next kernel may start as blocks leave */
     if (DB) {
         /* two groups in flight: the next group loads while this one multiplies */
         uint4 wa1[SK_U], wb1[SK_U];
@@ -220,7 +222,7 @@ __device__ __forceinline__ float dot8_bf16(uint4 a, uint4 b)
 
 /* <W row, x> by one warp: 16-byte loads, four in flight per lane, the first four issued before the
  * grid dependency wait (weights do not depend on the previous kernel) */
-__device__ __forceinline__ float gv_row(const bf16 *W, const bf16 *x, int in, bool waited)
+__device__ __forceinline__ float gv_row(const bf16 *W, const bf16 *x, int in, bool waited, int trig)
 {
     const int lane = threadIdx.x & 31;
     const uint4 *w4 = (const uint4 *)W, *x4 = (const uint4 *)x;
@@ -233,7 +235,10 @@ __device__ __forceinline__ float gv_row(const bf16 *W, const bf16 *x, int in, bo
         w2 = sk_ld_stream(w4 + lane + 64);
         w3 = sk_ld_stream(w4 + lane + 96);
     }
-    if (!waited) grid_dep_wait(); /* cuda_launch.h: x is ready */
+    if (!waited) {
+        grid_dep_wait(); /* cuda_launch.h: x is ready */
+        grid_dep_launch(trig);
+    }
     int c = lane;
     for (; c + 96 < nc; c += 128) {
         if (c != lane) {
@@ -261,8 +266,8 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
             grid_dep_wait();
             return;
         }
-        const float a = gv_row(p.w[0] + (size_t)row * p.in, p.x, p.in, false);
-        const float b = gv_row(p.w[1] + (size_t)row * p.in, p.x, p.in, true);
+        const float a = gv_row(p.w[0] + (size_t)row * p.in, p.x, p.in, false, p.trig);
+        const float b = gv_row(p.w[1] + (size_t)row * p.in, p.x, p.in, true, p.trig);
         if (lane == 0) {
             const float v = a / (1.0f + expf(-a)) * b; /* as k_swiglu */
             p.y[0][row] = v;
@@ -275,7 +280,7 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
         grid_dep_wait();
         return;
     }
-    const float a = gv_row(p.w[part] + (size_t)row * p.in, p.x, p.in, false);
+    const float a = gv_row(p.w[part] + (size_t)row * p.in, p.x, p.in, false, p.trig);
     if (lane == 0) p.y[part][row] = p.bias[part] ? a + p.bias[part][row] : a;
 }
 
@@ -287,27 +292,56 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * order of additions: close to k_skinny's results, not equal); bit 8 keeps it to the launches it
  * does not split (k_skinny up to 8 rows, cuBLAS above, for the others); bit 16 reduces its splits
  * on chip (a unit's splits one thread-block cluster, partials in shared memory: the same bits;
- * slower than the workspace at 8-128 rows on an H100, bench/RESULTS.md, decode4 part 2). */
+ * slower than the workspace at 8-128 rows on an H100, bench/RESULTS.md, decode4 part 2). Bit 32
+ * sends the launches that the wgmma kernel would split (with bit 8: those k_skinny or cuBLAS
+ * would take) to k_dgemm_n (cuda_dgemm.cu: the weights on the N side, K whole) at 2..64 rows,
+ * and from 33 rows leaves the unsplit ones to cuBLAS. */
 /* default 14: the wgmma kernel for the launches it does not split (2,750-2,970 GB/s at 2-32 rows,
  * vs 2,650-2,850 for k_skinny and cuBLAS; its split launches were slower than both), else k_skinny
  * with the L2::256B hint up to 8 rows (faster at 2-8 rows, the same at 1: the GEMV does not use
  * it) and cuBLAS above; two groups in flight above 8 rows (bit 1) was not faster
- * (bench/RESULTS.md, issue 22 sections) */
-#define KVS_SKINNY_VARIANT_DEFAULT 14
+ * (bench/RESULTS.md, issue 22 sections). Default 46 = 14 | 32: the launches the wgmma kernel
+ * would split (q/k/v, o, down) on k_dgemm_n at 2-64 rows instead of k_skinny / cuBLAS
+ * (bench/RESULTS.md, decode5: 3-4% off the whole step at batch 8 and 32). */
+#define KVS_SKINNY_VARIANT_DEFAULT 46
+
+/* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel
+ * class: 1 the decode GEMMs (k_skinny, k_dgemm, k_dgemm_n), 2 the decode attention and its merge,
+ * 4 the RMSNorms and RoPE + KV write; KVS_CUDA_PDL_EARLY or this default. Launches of one row
+ * (batch-1 decode: the GEMV) never use it: measured at 8-128 rows only. Default all three: with
+ * variant 46 the whole step at 8 / 32 / 64 / 128 x 1K took 3.3 / 3.7 / 1.8 / 0.4% less than
+ * with none, each class alone less than that (bench/RESULTS.md, decode5); with variant 14 the
+ * GEMMs alone were slower at 8 rows (k_skinny after k_dgemm). */
+#define KVS_PDL_EARLY_DEFAULT 7
+static int pdl_early = -1;
+
+int kvs_cu_pdl_early(void)
+{
+    if (pdl_early < 0) {
+        const char *e = getenv("KVS_CUDA_PDL_EARLY");
+        pdl_early = e ? atoi(e) & 7 : KVS_PDL_EARLY_DEFAULT;
+    }
+    return kvs_cu_pdl_enabled() ? pdl_early : 0;
+}
+
+void kvs_cu_set_pdl_early(int on)
+{
+    pdl_early = on < 0 ? -1 : on & 7;
+}
 static int sk_variant = -1;
 
 static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_variant = e ? atoi(e) & 31 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 63 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     return sk_variant;
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 31;
+    sk_variant = v < 0 ? -1 : v & 63;
 }
 
 template <int NT, bool DB>
@@ -361,7 +395,11 @@ int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, 
     const int v = kvs_cu_skinny_variant();
     if ((v & 4) && n > 8) {
         if (!dg_sms || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) return 0;
-        return !(v & 8) || sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) == 1;
+        const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
+        /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies; from
+         * 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there) */
+        if ((v & 32) && (split || n > 32)) return split && kvs_cu_dgemm_n_rows(n, in, out, n_parts, swiglu, dg_sms) > 0;
+        return !(v & 8) || !split;
     }
     return 1;
 }
@@ -375,6 +413,7 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
     p.swiglu = a->swiglu;
     p.n_parts = a->n_parts;
     p.yh = a->yh;
+    p.trig = (kvs_cu_pdl_early() & 1) && a->n >= 2;
     unsigned blocks = 0;
     for (int i = 0; i < a->n_parts; i++) {
         p.w[i] = a->w[i];
@@ -392,9 +431,14 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
     const int v = kvs_cu_skinny_variant();
-    if ((v & 4) && a->ws && kvs_cu_dgemm_supported(a->n, a->in, a->out, a->n_parts, a->swiglu) &&
-        (!(v & 8) || sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) == 1))
-        return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, stream);
+    if ((v & 4) && a->ws && kvs_cu_dgemm_supported(a->n, a->in, a->out, a->n_parts, a->swiglu)) {
+        const bool split = sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) > 1;
+        if ((v & 32) && split) {
+            const int rows = kvs_cu_dgemm_n_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms);
+            if (rows) return kvs_cu_dgemm_n(a, rows, stream);
+        }
+        if (!(v & 8) || !split) return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, stream);
+    }
     const dim3 grid(blocks), blk(16 * 32);
     const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;
     return sk_launch_nt(nt, (v & 1) != 0, (v & 2) != 0, grid, blk, stream, p);

@@ -276,8 +276,8 @@ static void test_embed_matmul(void)
          * reduced in a cluster's shared memory) against the CPU */
         if (n <= 128) {
             kvs_cuda_set_skinny_max(bg, 128);
-            static const int dgv[] = {4, 5, 14, 22};
-            for (int vi = 0; vi < 4; vi++) {
+            static const int dgv[] = {4, 5, 14, 22, 46};
+            for (int vi = 0; vi < 5; vi++) {
                 const int v = dgv[vi];
                 kvs_cuda_set_skinny_variant(bg, v);
                 poison(&y);
@@ -431,8 +431,9 @@ static void test_fused_gemm_at(int variant)
         /* batch invariance of the decode GEMM: each row in a batch of two (with its neighbour) gives
          * the same bits as in the whole batch (n = 1 takes the single-row kernel, another order) */
         /* (variant bit 8 takes k_skinny up to 8 rows and cuBLAS above for split launches: invariant
-         * within each, not across) */
-        if (n > 2 && n <= 128 && (!(variant & 8) || n <= 8)) {
+         * within each, not across; with bit 32 k_dgemm_n takes them, and up to 32 rows k_dgemm the
+         * others) */
+        if (n > 2 && n <= 128 && (!(variant & 8) || n <= 8 || ((variant & 32) && n <= 32))) {
             float *all = dl(&y1[0], (size_t)n * outs[0]); /* matmul's, as below (not matmul_multi's split plan) */
             struct pair x1 = mk(KVS_BUF_ACT, (size_t)2 * in, NULL), o1 = mk(KVS_BUF_ACT, (size_t)2 * outs[0], NULL);
             int bad = 0;
@@ -520,7 +521,8 @@ static void test_fused_gemm_at(int variant)
 }
 
 /* k_skinny (variant 2) and the wgmma kernel (6: everywhere; 7: split for one block per SM; 14:
- * only where it does not split K; 22: 6 with the splits reduced in a cluster) */
+ * only where it does not split K; 22: 6 with the splits reduced in a cluster; 46: 14 with the
+ * launches it would split on k_dgemm_n, the weights on the N side) */
 static void test_fused_gemm(void)
 {
     test_fused_gemm_at(2);
@@ -528,6 +530,7 @@ static void test_fused_gemm(void)
     test_fused_gemm_at(7);
     test_fused_gemm_at(14);
     test_fused_gemm_at(22);
+    test_fused_gemm_at(46);
 }
 
 /* relative L2 difference of two host vectors */
@@ -1209,6 +1212,126 @@ static void test_attention(void)
     kvs_cuda_set_dec_attn(bg, -1);
 }
 
+/* Early launch of the next kernel (kvs_cuda_set_pdl_early, cuda_launch.h's grid_dep_launch): a
+ * chain of a decode layer's ops that read what the one before wrote (residual add + RMSNorm,
+ * q/k/v, SwiGLU + down, o), captured in a graph as a decode step is, at the row counts of each
+ * decode-GEMM path (GEMV, k_skinny / wgmma, cuBLAS for split launches). With the early launch the
+ * next kernel's blocks run beside this one's last blocks, so a kernel that touched its inputs
+ * before its grid dependency wait would read stale data: every replay must give the bits of the
+ * chain without it, which itself must match the CPU. Fresh random inputs each case. */
+static void test_pdl_early(void)
+{
+    char what[200];
+    const int in = 1024, qo = 1024, kvo = 256, ff = 2816, reps = 6;
+    const int ns[] = {1, 8, 24, 64};
+    const float eps = 1e-5f;
+    for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
+        const int n = ns[c];
+        const int outs[3] = {qo, kvo, kvo};
+        float *rv = rand_vec((size_t)n * in, 1.0f, 0), *dv = rand_vec((size_t)n * in, 1.0f, 0);
+        float *n1 = rand_vec(in, 1.0f, 0), *n2 = rand_vec(in, 1.0f, 0);
+        struct wpair wn1 = mkw(n1, 1, in, 1, KVS_DTYPE_F32), wn2 = mkw(n2, 1, in, 1, KVS_DTYPE_F32);
+        struct wpair w[3], wg, wu, wd, wo;
+        for (int p = 0; p < 3; p++) {
+            float *v = rand_vec((size_t)outs[p] * in, 0.05f, 0);
+            w[p] = mkw(v, outs[p], in, 0, KVS_DTYPE_BF16);
+            free(v);
+        }
+        float *v = rand_vec((size_t)ff * in, 0.05f, 0);
+        wg = mkw(v, ff, in, 0, KVS_DTYPE_BF16);
+        free(v);
+        v = rand_vec((size_t)ff * in, 0.05f, 0);
+        wu = mkw(v, ff, in, 0, KVS_DTYPE_BF16);
+        free(v);
+        v = rand_vec((size_t)in * ff, 0.05f, 0);
+        wd = mkw(v, in, ff, 0, KVS_DTYPE_BF16);
+        free(v);
+        v = rand_vec((size_t)in * in, 0.05f, 0);
+        wo = mkw(v, in, in, 0, KVS_DTYPE_BF16);
+        free(v);
+        struct pair res = mk(KVS_BUF_ACT, (size_t)n * in, rv), d0 = mk(KVS_BUF_ACT, (size_t)n * in, dv);
+        struct pair h = mk(KVS_BUF_ACT, (size_t)n * in, NULL), q = mk(KVS_BUF_ACT, (size_t)n * qo, NULL);
+        struct pair k = mk(KVS_BUF_ACT, (size_t)n * kvo, NULL), vv = mk(KVS_BUF_ACT, (size_t)n * kvo, NULL);
+        struct pair gt = mk(KVS_BUF_ACT, (size_t)n * ff, NULL), up = mk(KVS_BUF_ACT, (size_t)n * ff, NULL);
+        struct pair y = mk(KVS_BUF_ACT, (size_t)n * in, NULL), d1 = mk(KVS_BUF_ACT, (size_t)n * in, NULL);
+        /* the chain on the GPU, with the fused ops a decode step runs */
+#define PDL_CHAIN(O, B, S)                                                                           \
+    do {                                                                                             \
+        const struct kvs_dweight *ws_[3] = {w[0].S, w[1].S, w[2].S};                                 \
+        struct kvs_dbuf *ys_[3] = {q.S, k.S, vv.S};                                                  \
+        O->add_rmsnorm(B, res.S, d0.S, wn1.S, eps, n, in, h.S);                                      \
+        O->matmul_multi(B, h.S, 3, ws_, NULL, n, in, outs, ys_);                                     \
+        O->add_rmsnorm(B, res.S, q.S, wn2.S, eps, n, in, h.S);                                       \
+        O->matmul_swiglu_down(B, h.S, wg.S, wu.S, wd.S, n, in, ff, gt.S, up.S, y.S);                 \
+        O->add_rmsnorm(B, res.S, y.S, wn1.S, eps, n, in, h.S);                                       \
+        O->matmul(B, h.S, wo.S, NULL, n, in, in, d1.S);                                              \
+        O->add_rmsnorm(B, res.S, d1.S, wn2.S, eps, n, in, h.S);                                      \
+    } while (0)
+        /* the same on the CPU, whose backend has only the plain ops (the fused ones are optional) */
+        C->add_rmsnorm(bc, res.c, d0.c, wn1.c, eps, n, in, h.c);
+        C->matmul(bc, h.c, w[0].c, NULL, n, in, qo, q.c);
+        C->matmul(bc, h.c, w[1].c, NULL, n, in, kvo, k.c);
+        C->matmul(bc, h.c, w[2].c, NULL, n, in, kvo, vv.c);
+        C->add_rmsnorm(bc, res.c, q.c, wn2.c, eps, n, in, h.c);
+        C->matmul(bc, h.c, wg.c, NULL, n, in, ff, gt.c);
+        C->matmul(bc, h.c, wu.c, NULL, n, in, ff, up.c);
+        C->swiglu(bc, gt.c, up.c, n, ff, gt.c);
+        C->matmul(bc, gt.c, wd.c, NULL, n, ff, in, y.c);
+        C->add_rmsnorm(bc, res.c, y.c, wn1.c, eps, n, in, h.c);
+        C->matmul(bc, h.c, wo.c, NULL, n, in, in, d1.c);
+        C->add_rmsnorm(bc, res.c, d1.c, wn2.c, eps, n, in, h.c);
+        /* once outside a graph with each setting: the cuBLAS shapes are timed before the captures */
+        for (int e = 0; e < 2; e++) {
+            kvs_cuda_set_pdl_early(bg, e ? 7 : 0);
+            G->upload(bg, res.g, 0, rv, (size_t)n * in);
+            PDL_CHAIN(G, bg, g);
+        }
+        G->sync(bg);
+        float *base[4] = {NULL, NULL, NULL, NULL};
+        struct pair *outp[4] = {&h, &res, &k, &vv};
+        const char *names[4] = {"out", "residual", "k", "v"};
+        for (int e = 0; e < 2; e++) {
+            kvs_cuda_set_pdl_early(bg, e ? 7 : 0); /* every class */
+            G->graph_begin(bg);
+            PDL_CHAIN(G, bg, g);
+            char err[256];
+            struct kvs_graph *gr = G->graph_end(bg, err, sizeof err);
+            if (!gr) kvs_panic(__FILE__, __LINE__, "graph_end: %s", err);
+            for (int r = 0; r < (e ? reps : 1); r++) {
+                struct pair *outs_[] = {&h, &q, &k, &vv, &gt, &y, &d1};
+                for (size_t o = 0; o < sizeof outs_ / sizeof outs_[0]; o++) poison(outs_[o]);
+                G->upload(bg, res.g, 0, rv, (size_t)n * in);
+                G->graph_launch(bg, gr);
+                G->sync(bg);
+                for (int o = 0; o < 4; o++) {
+                    float *got = dl(outp[o], outp[o]->n);
+                    if (!base[o]) {
+                        snprintf(what, sizeof what, "decode chain n=%d %s, graph, no early launch", n, names[o]);
+                        check(what, outp[o], 2e-2);
+                        base[o] = got;
+                        continue;
+                    }
+                    snprintf(what, sizeof what, "decode chain n=%d %s, early launch, replay %d", n, names[o], r);
+                    expect_same(what, got, base[o], outp[o]->n);
+                    free(got);
+                }
+            }
+            G->graph_free(bg, gr);
+        }
+#undef PDL_CHAIN
+        for (int o = 0; o < 4; o++) free(base[o]);
+        kvs_cuda_set_pdl_early(bg, -1);
+        struct pair *bufs[] = {&res, &d0, &h, &q, &k, &vv, &gt, &up, &y, &d1};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) drop(bufs[i]);
+        struct wpair *wts[] = {&wn1, &wn2, &w[0], &w[1], &w[2], &wg, &wu, &wd, &wo};
+        for (size_t i = 0; i < sizeof wts / sizeof wts[0]; i++) dropw(wts[i]);
+        free(rv);
+        free(dv);
+        free(n1);
+        free(n2);
+    }
+}
+
 int main(void)
 {
     if (cuda_pair_open(2)) return 1;
@@ -1224,6 +1347,7 @@ int main(void)
     test_rope_kv_write();
     test_matmul_rope_kv_write();
     test_attention();
+    test_pdl_early();
     G->free(bg);
     C->free(bc);
     return kvs_test_summary("test_cuda_ops");
