@@ -6,6 +6,11 @@
  * every prompt start with one of --prefix-groups shared prefixes of P tokens (prefix caching).
  * Outputs run to their length (ignore_eos), as serving benchmarks do for fixed output lengths.
  * TTFT/TPOT come from the engine's per-request timings (TPOT excludes the first token).
+ * --max-seconds T stops the run after T seconds (a workload too long for the time at hand: the
+ * issue-sized long-generation runs of bench/RESULTS.md); it then also reports the generated tokens
+ * per second between --warmup-seconds W and T from the engine's counters (every sequence's new
+ * tokens, finished or not: the steady state once the pool has filled), and ends the requests
+ * still in flight.
  *
  *   build/kvserve-bench --model tests/data/models/llama --num 64 --rate 20 \
  *       --prompt-len 16:128 --output-len 16:64 --set kv.memory_bytes=4194304
@@ -113,7 +118,9 @@ static void usage(void)
             "  --prefix-groups G     distinct shared prefixes (default 1)\n"
             "  --seed S              workload seed (default 1)\n"
             "  --concurrency C       at most C requests in flight, the next sent as one finishes\n"
-            "                        (as `vllm bench serve --max-concurrency`; default 0: no limit)\n");
+            "                        (as `vllm bench serve --max-concurrency`; default 0: no limit)\n"
+            "  --max-seconds T       stop after T seconds; report the steady-state tok/s (default 0: run to the end)\n"
+            "  --warmup-seconds W    with --max-seconds: the steady state is measured from W (default T / 3)\n");
 }
 
 int main(int argc, char **argv)
@@ -124,7 +131,7 @@ int main(int argc, char **argv)
     const char *model_dir = NULL, *file = NULL;
     int num = 64, plo = 32, phi = 128, olo = 32, ohi = 64, prefix_len = 0, groups = 1;
     int concurrency = 0;          /* > 0: at most this many requests in flight (closed loop) */
-    double rate = 0;
+    double rate = 0, max_s = 0, warm_s = -1;
     uint64_t seed = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -151,6 +158,8 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--prefix-groups")) groups = atoi(v), rc = groups > 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--prefix-groups must be > 0");
         else if (!strcmp(a, "--concurrency")) concurrency = atoi(v), rc = concurrency >= 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--concurrency must be >= 0");
         else if (!strcmp(a, "--seed")) seed = strtoull(v, NULL, 10);
+        else if (!strcmp(a, "--max-seconds")) max_s = atof(v), rc = max_s >= 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--max-seconds must be >= 0");
+        else if (!strcmp(a, "--warmup-seconds")) warm_s = atof(v), rc = warm_s >= 0 ? 0 : kvs_err(err, sizeof err, -EINVAL, "--warmup-seconds must be >= 0");
         else rc = kvs_err(err, sizeof err, -EINVAL, "unknown option %s", a);
         if (rc < 0) {
             fprintf(stderr, "kvserve-bench: %s\n", err);
@@ -235,10 +244,23 @@ int main(int argc, char **argv)
     for (int i = 0; i < groups * prefix_len; i++) prefixes[i] = (int32_t)(urand() * vocab);
     int32_t *prompt = kvs_xmalloc((size_t)maxctx * sizeof *prompt);
 
+    if (max_s > 0 && (warm_s < 0 || warm_s >= max_s)) warm_s = max_s / 3;
+    struct kvs_engine_stats st_warm;
+    memset(&st_warm, 0, sizeof st_warm);
+    double t_warm = -1;
+    int capped = 0;
     double t0 = kvs_now();
     int next = 0, n_rejected = 0, n_skipped = 0;
     while (atomic_load(&g_done) + n_rejected + n_skipped < num) {
         double now = kvs_now() - t0;
+        if (max_s > 0 && t_warm < 0 && now >= warm_s) {
+            kvs_engine_stats(e, &st_warm);
+            t_warm = kvs_now() - t0;
+        }
+        if (max_s > 0 && now >= max_s) {
+            capped = 1;
+            break;
+        }
         while (next < num && jobs[next].t_arrival <= now &&
                (concurrency == 0 || next - atomic_load(&g_done) - n_rejected - n_skipped < concurrency)) {
             struct bjob *j = &jobs[next++];
@@ -278,6 +300,11 @@ int main(int argc, char **argv)
     double t_end = kvs_now() - t0;
     struct kvs_engine_stats st;
     kvs_engine_stats(e, &st);
+    if (capped) {
+        /* the requests in flight end (CANCELLED) before their handles are dropped below */
+        kvs_engine_free(e);
+        e = NULL;
+    }
 
     double *ttft = kvs_xcalloc((size_t)num, sizeof *ttft), *tpot = kvs_xcalloc((size_t)num, sizeof *tpot),
            *e2e = kvs_xcalloc((size_t)num, sizeof *e2e), *queue = kvs_xcalloc((size_t)num, sizeof *queue);
@@ -307,7 +334,17 @@ int main(int argc, char **argv)
     if (concurrency > 0) printf("  concurrency: at most %d requests in flight\n", concurrency);
     printf("| metric | value |\n| --- | --- |\n");
     printf("| requests completed / rejected / too long | %d / %d / %d |\n", n_ok, n_rejected, n_skipped);
-    printf("| duration (s) | %.3f |\n", t_end);
+    printf("| duration (s) | %.3f%s |\n", t_end, capped ? " (stopped at --max-seconds)" : "");
+    if (capped) {
+        const double dt = t_end - t_warm;
+        const unsigned long long dg = (unsigned long long)(st.generation_tokens - st_warm.generation_tokens);
+        printf("| steady state %.1f-%.1f s: generated tok/s (all sequences) | %.1f (%llu tokens) |\n", t_warm, t_end,
+               dt > 0 ? (double)dg / dt : 0.0, dg);
+        printf("| steady state: engine steps, preemptions, running at the end | %llu, %llu, %d |\n",
+               (unsigned long long)(st.steps - st_warm.steps),
+               (unsigned long long)(st.num_preemptions - st_warm.num_preemptions), st.num_running);
+        printf("| generated tok/s over the whole run (all sequences) | %.1f |\n", (double)st.generation_tokens / t_end);
+    }
     printf("| request throughput (req/s) | %.2f |\n", n_ok / t_end);
     printf("| output throughput (tok/s) | %.1f |\n", out_tok / t_end);
     printf("| total throughput (tok/s) | %.1f |\n", (out_tok + in_tok) / t_end);
@@ -337,5 +374,5 @@ int main(int argc, char **argv)
     free(tpot);
     free(e2e);
     free(queue);
-    return n_ok == num - n_rejected - n_skipped ? 0 : 1;
+    return capped || n_ok == num - n_rejected - n_skipped ? 0 : 1;
 }

@@ -52,7 +52,7 @@ enum { KVS_LEAN_DYN_PAGES = 1, KVS_LEAN_DYN_ATTEND = 2, KVS_LEAN_DYN_EXIT = 4, K
 
 /* n_states head states (requests x layers x KV heads), n_q_heads / n_kv_heads of the step's
  * rows, n_pages pages of c->page_bytes, tables of table_len, at most max_jobs jobs a step; a
- * job's state in layer l is its head + l * layer_stride. c->group <= 8. */
+ * job's state in layer l is its head + l * layer_stride. c->group <= 8, c->head_dim <= 256 (-EINVAL). */
 int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_lean_dyn_cfg *c, int n_states, int n_q_heads,
                              int n_kv_heads, int n_pages, int table_len, int max_jobs, int layer_stride,
                              struct kvs_lean_dyn_cuda **out, char *err, size_t errlen);

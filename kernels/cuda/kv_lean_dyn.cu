@@ -1,15 +1,19 @@
 /* kv_lean_dyn.cu: LeanKV's dynamic mode on the GPU (kernels/kv_lean_dyn_cuda.h): the page
  * manager's rounds, Algorithm 1's step with its attention, the window exit.
  *
- * Correct first: one 128-thread block per head runs its rows in order, a thread per token for
- * the logits and scores (each token's entry looked up once), a thread per dim (all the group's
- * heads) for the output (tokens looked up once per chunk, shared), thread 0 for the serial
- * parts of the exit (quantizing one vector, moving an entry) and a block reduction for the
- * section's argmin. The arithmetic that decides bytes (quantize, dequantize, the score
- * acc / queries, the thresholds alpha / N in double) is the host's, operation for operation
- * (__f*_rn: no contraction into fma), so the same scores give the CPU's bytes. Not tuned: the
- * static modes' tensor-core kernel (kv_lean.cu) is the fast path; this one is what the
- * dynamic policy needs to be right on the GPU. */
+ * One 256-thread block per head runs its rows in order (each row's window exit changes what the
+ * next row reads); within a row every part is spread over the block: a thread per token for the
+ * logits (codes read a 32-bit word at a time) and the scores, a warp per token with a lane per
+ * dimension for the output (coalesced code reads, the chunk's token lookups and probabilities
+ * staged in shared memory, the warps' sums added in warp order), and for the exit two warps
+ * quantizing the leaving token's K and V at once (the host's min / max scan merged lane by lane,
+ * whole code bytes stored: no read-modify-write of device memory), a block argmin over the
+ * section, a demoted victim dequantized by all threads and its hole filled by the other warps
+ * while warps 0 / 1 requantize it. Thread 0 keeps only the decisions (a few comparisons). The
+ * arithmetic that decides bytes (quantize, dequantize, the score acc / queries, the thresholds
+ * alpha / N in double) is the host's, operation for operation (__f*_rn: no contraction into fma),
+ * so the same scores give the CPU's bytes. The first version ran the exit's vector work on
+ * thread 0 and the output a thread per dimension; its TPOT was ~10x bf16's (bench/RESULTS.md). */
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -24,9 +28,11 @@ extern "C" {
 #include "kernels/kv_lean_dyn_cuda.h"
 }
 
-#define DYN_THREADS 128
+#define DYN_THREADS 256
+#define DYN_WARPS (DYN_THREADS / 32)
 #define DYN_SCAN 1024
 #define DYN_MAXG 8
+#define DYN_MAXHD 256   /* the output keeps hd / 32 sums per lane and q head */
 
 struct dyn_head {
     int n_high, n_low, max_high, max_low, w_start, w_n, pruned, last_pos;
@@ -77,38 +83,6 @@ __device__ __forceinline__ float dyn_deq(const uint8_t *codes, int cbytes, int b
     const int per = 8 / bits, mask = (1 << bits) - 1;
     const int c = codes[i / per] >> (bits * (i % per)) & mask;
     return __fsub_rn(__fmul_rn(s, (float)c), z);
-}
-
-/* kvs_lean_quantize of x[0..d) (one thread), codes then (s, z) */
-__device__ void dyn_quant(const float *x, int d, int bits, uint8_t *codes)
-{
-    if (bits == 16) {
-        /* one 16-bit store per value: byte stores of the fp16 bits came out as the value
-         * converted to an integer in the H100 build (2026-11-24: test_cuda_kv_lean_dyn's K16V16
-         * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
-         * entries are (even entry and page sizes), else the bits go through an opaque move */
-        for (int i = 0; i < d; i++) {
-            unsigned h = lean_f2h(lean_sat_half(x[i]));
-            if (!((uintptr_t)codes & 1)) {
-                reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
-                continue;
-            }
-            asm volatile("mov.b32 %0, %0;" : "+r"(h));
-            codes[2 * i] = (uint8_t)(h & 0xffu), codes[2 * i + 1] = (uint8_t)(h >> 8);
-        }
-        return;
-    }
-    float mn = x[0], mx = x[0];
-    for (int i = 1; i < d; i++) {
-        if (x[i] < mn) mn = x[i];
-        if (x[i] > mx) mx = x[i];
-    }
-    const int top = (1 << bits) - 1;
-    const lean_sz q = lean_scale_zero(mn, mx, bits);
-    const int per = 8 / bits, nb = d * bits / 8;
-    for (int b = 0; b < nb; b++) codes[b] = 0;
-    for (int i = 0; i < d; i++) codes[i / per] |= (uint8_t)(lean_code(x[i], q, top) << (bits * (i % per)));
-    lean_put_sz(codes + nb, q);
 }
 
 /* ---- entries (kernels/cpu/kv_lean_dyn.c's layout) ------------------------------------------- */
@@ -243,27 +217,38 @@ __global__ void k_dyn_release(dyn_dev D, int first, int n)
 
 /* ---- the step ------------------------------------------------------------------------------- */
 /* block-wide reduction of v[0..G) (max or sum); every thread gets the result */
-template <bool MAX> __device__ void block_reduce(float *v, int G, float *red)
+template <bool MAX, int GM> __device__ void block_reduce(float *v, int G, float *red)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = DYN_THREADS / 32;
-    for (int g = 0; g < G; g++) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
         float x = v[g];
         for (int o = 16; o > 0; o >>= 1) {
             const float y = __shfl_xor_sync(0xffffffffu, x, o);
             x = MAX ? fmaxf(x, y) : x + y;
         }
-        if (lane == 0) red[g * nw + warp] = x;
+        if (lane == 0) red[g * DYN_WARPS + warp] = x;
     }
     __syncthreads();
-    for (int g = 0; g < G; g++) {
-        float x = red[g * nw];
-        for (int w = 1; w < nw; w++) x = MAX ? fmaxf(x, red[g * nw + w]) : x + red[g * nw + w];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        if (g >= G) break;
+        float x = red[g * DYN_WARPS];
+        for (int w = 1; w < DYN_WARPS; w++) x = MAX ? fmaxf(x, red[g * DYN_WARPS + w]) : x + red[g * DYN_WARPS + w];
         v[g] = x;
     }
     __syncthreads();
 }
 
-/* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin) */
+/* (score, index) pairs: the lower score, the lower index on ties (any order gives the same) */
+__device__ __forceinline__ bool sc_less(float s2, int j2, float s1, int j1)
+{
+    return j2 >= 0 && (j1 < 0 || s2 < s1 || (s2 == s1 && j2 < j1));
+}
+
+/* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin): a
+ * thread per entry, then the warps' shuffles and one pass over the warps' winners */
 __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
 {
     float bs = 0;
@@ -273,58 +258,130 @@ __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t
         const float s = dyn_score(e_acc(e), e_pos(e), last);
         if (bj < 0 || s < bs) bs = s, bj = j;
     }
-    rs[threadIdx.x] = bs, ri[threadIdx.x] = bj;
-    __syncthreads();
-    for (int w = DYN_THREADS / 2; w > 0; w >>= 1) {
-        if (threadIdx.x < w) {
-            const float s2 = rs[threadIdx.x + w];
-            const int j2 = ri[threadIdx.x + w];
-            const int j1 = ri[threadIdx.x];
-            if (j2 >= 0 && (j1 < 0 || s2 < rs[threadIdx.x] || (s2 == rs[threadIdx.x] && j2 < j1)))
-                rs[threadIdx.x] = s2, ri[threadIdx.x] = j2;
-        }
-        __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) {
+        const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
+        const int j2 = __shfl_xor_sync(0xffffffffu, bj, o);
+        if (sc_less(s2, j2, bs, bj)) bs = s2, bj = j2;
     }
-    *best = rs[0];
-    const int j = ri[0];
+    if ((threadIdx.x & 31) == 0) rs[threadIdx.x >> 5] = bs, ri[threadIdx.x >> 5] = bj;
     __syncthreads();
-    return j;
+    bs = rs[0], bj = ri[0];
+    for (int w = 1; w < DYN_WARPS; w++)
+        if (sc_less(rs[w], ri[w], bs, bj)) bs = rs[w], bj = ri[w];
+    *best = bs;
+    __syncthreads();
+    return bj;
 }
 
-/* thread 0: dequantize entry e (format f) into k, v */
+/* One warp quantizes x[0..d) (kvs_lean_quantize, bitwise): codes, then (s, z) below 16 bits.
+ * The host's min / max loop (mn = x[0], then `if (x[i] < mn)`) is a first-wins scan that skips
+ * NaNs after x[0] and keeps x[0] if it is one; each lane scans a contiguous slice the same way
+ * and the lanes merge lower slice first, so the result is the host's to the bit (-0 / +0 ties
+ * included, which decide z's sign). Each lane then packs whole code bytes: no read-modify-write
+ * of global memory (a thread's serial |= into device memory was a round trip per element). */
+__device__ void warp_quant(const float *x, int d, int bits, uint8_t *codes)
+{
+    const int lane = threadIdx.x & 31;
+    if (bits == 16) {
+        /* one 16-bit store per value: byte stores of the fp16 bits came out as the value
+         * converted to an integer in the H100 build (2026-11-24: test_cuda_kv_lean_dyn's K16V16
+         * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
+         * entries are (even entry and page sizes), else the bits go through an opaque move */
+        for (int i = lane; i < d; i += 32) {
+            unsigned h = lean_f2h(lean_sat_half(x[i]));
+            if (!((uintptr_t)codes & 1)) {
+                reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
+                continue;
+            }
+            asm volatile("mov.b32 %0, %0;" : "+r"(h));
+            codes[2 * i] = (uint8_t)(h & 0xffu), codes[2 * i + 1] = (uint8_t)(h >> 8);
+        }
+        return;
+    }
+    const int per_lane = (d + 31) / 32, i0 = lane * per_lane, i1 = min(i0 + per_lane, d);
+    float mn = 0.0f, mx = 0.0f;
+    int any = 0;
+    for (int i = i0; i < i1; i++) {
+        const float v = x[i];
+        if (i > 0 && v != v) continue;
+        if (!any) {
+            mn = mx = v, any = 1;
+            continue;
+        }
+        if (v < mn) mn = v;
+        if (v > mx) mx = v;
+    }
+    for (int o = 1; o < 32; o <<= 1) {
+        const float pmn = __shfl_xor_sync(0xffffffffu, mn, o), pmx = __shfl_xor_sync(0xffffffffu, mx, o);
+        const int pany = __shfl_xor_sync(0xffffffffu, any, o);
+        const int upper = lane & o;   /* the partner holds the lower slice */
+        const float amn = upper ? pmn : mn, bmn = upper ? mn : pmn;
+        const float amx = upper ? pmx : mx, bmx = upper ? mx : pmx;
+        const int aany = upper ? pany : any, bany = upper ? any : pany;
+        /* a NaN can only be x[0], in the lower part: it stays */
+        if (!aany) mn = bmn, mx = bmx;
+        else if (!bany || amn != amn) mn = amn, mx = amx;
+        else mn = bmn < amn ? bmn : amn, mx = bmx > amx ? bmx : amx;
+        any = aany | bany;
+    }
+    const int top = (1 << bits) - 1, per = 8 / bits, nb = d * bits / 8;
+    const lean_sz q = lean_scale_zero(mn, mx, bits);
+    for (int b = lane; b < nb; b += 32) {
+        unsigned byte = 0;
+        for (int e = 0; e < per; e++) byte |= (unsigned)lean_code(x[b * per + e], q, top) << (bits * e);
+        codes[b] = (uint8_t)byte;
+    }
+    if (lane == 0) lean_put_sz(codes + nb, q);
+}
+
+/* every thread of the block: dequantize entry e (format f) into k, v */
 __device__ void e_dequant(const uint8_t *e, const dyn_fmt &f, int hd, float *k, float *v)
 {
-    for (int i = 0; i < hd; i++) k[i] = dyn_deq(e_k(e), f.kc, f.kbits, i), v[i] = dyn_deq(e_v(e, f), f.vc, f.vbits, i);
+    for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+        k[i] = dyn_deq(e_k(e), f.kc, f.kbits, i), v[i] = dyn_deq(e_v(e, f), f.vc, f.vbits, i);
 }
 
-/* thread 0: quantize k, v into entry e */
+/* warps 0 and 1: quantize k (warp 0), v (warp 1) into entry e */
 __device__ void e_quant(uint8_t *e, const dyn_fmt &f, int hd, const float *k, const float *v)
 {
-    dyn_quant(k, hd, f.kbits, e + 8);
-    dyn_quant(v, hd, f.vbits, e + 8 + f.kc + (f.kbits < 16 ? 4 : 0));
+    const int warp = threadIdx.x >> 5;
+    if (warp == 0) warp_quant(k, hd, f.kbits, e + 8);
+    else if (warp == 1) warp_quant(v, hd, f.vbits, e + 8 + f.kc + (f.kbits < 16 ? 4 : 0));
 }
 
-__device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes)
+/* threads [t0, DYN_THREADS): copy an entry (distinct entries of one section never overlap) */
+__device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes, int t0)
 {
-    if (to != from)
-        for (long long b = 0; b < bytes; b++) to[b] = from[b];
+    if (to == from) return;
+    const int t = threadIdx.x - t0, nt = DYN_THREADS - t0;
+    if (t < 0) return;
+    if (!(((uintptr_t)to | (uintptr_t)from | (uintptr_t)bytes) & 3)) {
+        for (long long b = t; b < bytes / 4; b += nt)
+            reinterpret_cast<uint32_t *>(to)[b] = reinterpret_cast<const uint32_t *>(from)[b];
+        return;
+    }
+    for (long long b = t; b < bytes; b += nt) to[b] = from[b];
 }
 
-/* Algorithm 1's exit (kvs_lean_dyn_head_exit), thread 0 serial but for the argmin */
+/* Algorithm 1's exit (kvs_lean_dyn_head_exit). Thread 0 makes the decisions and moves the
+ * counts (serial by nature: a few comparisons); the vectors are the block's: the leaving
+ * token's K and V are read by all threads and quantized by warps 0 and 1 at once, the
+ * section's argmin is a block reduction, a demoted victim is dequantized by all threads, then
+ * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it. */
 __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
-                         int *ri, int *sh_tier)
+                         int *ri, int *sh)
 {
     const int hd = D.hd, W = D.W;
+    /* sh: [0] tier, [1] window slot, [2] the new entry's index in its section; [3] the victim's
+     * action (0 kept, 1 pruned, 2 demoted), [4] victim index, [5] last index, [6] new low index */
     if (threadIdx.x == 0) {
         struct kvs_lean_event e = {-1, -1, 0, -1, -1, 0, 0};
-        *sh_tier = 0;
+        sh[0] = 0;
         if (h->w_n > W) {
             const int cw = h->w_start;
-            const long long wo = ((long long)st * (W + 1) + cw) * hd;
             const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
             const float tacc = D.wacc[(long long)st * (W + 1) + cw];
             const float s = dyn_score(tacc, tpos, h->last_pos);
-            for (int i = 0; i < hd; i++) kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
             h->w_start = (h->w_start + 1) % (W + 1);
             h->w_n--;
             const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
@@ -336,41 +393,65 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
             if (tier) {
                 const int hi = tier == KVS_LEAN_HIGH;
                 int *n_sec = hi ? &h->n_high : &h->n_low, *max_sec = hi ? &h->max_high : &h->max_low;
-                uint8_t *ne = entry_at(D, st, hi, (*n_sec)++);
+                sh[2] = (*n_sec)++;
                 if (*n_sec > *max_sec) *max_sec = *n_sec;
-                e_set(ne, tpos, tacc);
-                e_quant(ne, fmt_of(D, hi), hd, kx, vx);
+                e_set(entry_at(D, st, hi, sh[2]), tpos, tacc);
             }
-            *sh_tier = tier;
+            sh[0] = tier, sh[1] = cw;
         }
         *ev = e;
     }
     __syncthreads();
-    const int tier = *sh_tier;
+    const int tier = sh[0];
     if (!tier) return;
     const int hi = tier == KVS_LEAN_HIGH;
+    {
+        const long long wo = ((long long)st * (W + 1) + sh[1]) * hd;
+        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+            kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
+        __syncthreads();
+        e_quant(entry_at(D, st, hi, sh[2]), fmt_of(D, hi), hd, kx, vx);
+    }
+    /* the argmin reads the entries' headers only (thread 0 set the new one's above) */
     float sv;
     const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
     if (threadIdx.x == 0) {
         const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
-        const dyn_fmt f = fmt_of(D, hi);
-        uint8_t *ve = entry_at(D, st, hi, j);
+        const uint8_t *ve = entry_at(D, st, hi, j);
         const int32_t vpos = e_pos(ve);
         const float vacc = e_acc(ve);
         int *n_sec = hi ? &h->n_high : &h->n_low;
         ev->victim_pos = vpos, ev->victim_score = sv, ev->victim_action = KVS_LEAN_KEPT;
+        sh[3] = 0, sh[4] = j;
         if (sv < tl) {
-            e_move(ve, entry_at(D, st, hi, --*n_sec), f.bytes);
+            sh[5] = --*n_sec;
             h->pruned++;
             ev->victim_action = KVS_LEAN_PRUNED;
+            sh[3] = 1;
         } else if (hi && sv < th) {
-            e_dequant(ve, f, hd, kx, vx);
-            e_move(ve, entry_at(D, st, hi, --*n_sec), f.bytes);
-            uint8_t *le = entry_at(D, st, 0, h->n_low++);
+            sh[5] = --*n_sec;
+            sh[6] = h->n_low++;
             if (h->n_low > h->max_low) h->max_low = h->n_low;
-            e_set(le, vpos, vacc);
-            e_quant(le, fmt_of(D, 0), hd, kx, vx);
+            e_set(entry_at(D, st, 0, sh[6]), vpos, vacc);
             ev->victim_action = KVS_LEAN_DEMOTED;
+            sh[3] = 2;
+        }
+    }
+    __syncthreads();
+    const int act = sh[3];
+    if (act) {
+        const dyn_fmt f = fmt_of(D, hi);
+        uint8_t *ve = entry_at(D, st, hi, sh[4]);
+        const uint8_t *last = entry_at(D, st, hi, sh[5]);
+        if (act == 2) {
+            /* the victim's vectors first (it is overwritten next), then the low entry (warps 0
+             * and 1) and the hole (the other warps) at once: three distinct entries */
+            e_dequant(ve, f, hd, kx, vx);
+            __syncthreads();
+            e_quant(entry_at(D, st, 0, sh[6]), fmt_of(D, 0), hd, kx, vx);
+            e_move(ve, last, f.bytes, 64);
+        } else {
+            e_move(ve, last, f.bytes, 0);
         }
     }
     __syncthreads();
@@ -406,27 +487,82 @@ __device__ __forceinline__ dyn_tv tok_ref(const dyn_dev &D, int st, const dyn_he
     return r;
 }
 
+__device__ __forceinline__ float tv_code(const dyn_tv &r, unsigned c) { return __fsub_rn(__fmul_rn(r.s, (float)c), r.z); }
+
 __device__ __forceinline__ float tv_elem(const dyn_tv &r, int i)
 {
     if (r.bits == 0) return __bfloat162float(reinterpret_cast<const bf16 *>(r.p)[i]);
     if (r.bits == 16) return lean_h2f(ld16(r.p + 2 * i));
     const int per = 8 / r.bits, mask = (1 << r.bits) - 1;
-    const int c = r.p[i / per] >> (r.bits * (i % per)) & mask;
-    return __fsub_rn(__fmul_rn(r.s, (float)c), r.z);
+    return tv_code(r, r.p[i / per] >> (r.bits * (i % per)) & mask);
 }
 
+/* f(i, x) for every element of r's vector in order, x = tv_elem(r, i) to the bit, read a 32-bit
+ * word at a time (a word holds 32 / bits codes, or two 16-bit values) where the codes are
+ * 4-byte aligned and fill whole words; else one element at a time */
+template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, int hd, F f)
+{
+    const int bits = r.bits ? r.bits : 16;
+    if (((uintptr_t)r.p & 3) || (hd * bits) & 31) {
+        for (int i = 0; i < hd; i++) f(i, tv_elem(r, i));
+        return;
+    }
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(r.p);
+    const int nw = hd * bits / 32;
+    if (r.bits == 0) {
+        for (int c = 0; c < nw; c++) {
+            const uint32_t u = w[c];
+            f(2 * c, __uint_as_float(u << 16)), f(2 * c + 1, __uint_as_float(u & 0xffff0000u));
+        }
+    } else if (r.bits == 16) {
+        for (int c = 0; c < nw; c++) {
+            const uint32_t u = w[c];
+            f(2 * c, lean_h2f((uint16_t)(u & 0xffffu))), f(2 * c + 1, lean_h2f((uint16_t)(u >> 16)));
+        }
+    } else if (r.bits == 8) {
+        for (int c = 0; c < nw; c++) {
+            const uint32_t u = w[c];
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(4 * c + e, tv_code(r, u >> (8 * e) & 0xffu));
+        }
+    } else if (r.bits == 4) {
+        for (int c = 0; c < nw; c++) {
+            const uint32_t u = w[c];
+#pragma unroll
+            for (int e = 0; e < 8; e++) f(8 * c + e, tv_code(r, u >> (4 * e) & 0xfu));
+        }
+    } else {
+        for (int c = 0; c < nw; c++) {
+            const uint32_t u = w[c];
+#pragma unroll
+            for (int e = 0; e < 16; e++) f(16 * c + e, tv_code(r, u >> (2 * e) & 0x3u));
+        }
+    }
+}
+
+/* One block per job (its rows in order: each row's exit changes what the next row reads); within
+ * a row the block's DYN_THREADS threads share the work: a thread per token for the logits
+ * (codes a word at a time) and the scores; for the output a warp per token with a lane per
+ * dimension (coalesced reads of the token's codes), the token lookups and probabilities of a
+ * chunk of DYN_THREADS tokens staged in shared memory, and the warps' partial sums added in warp
+ * order (fixed, so runs repeat bitwise). GM >= G (the group's q heads) and KM >= hd / 32 bound
+ * the register arrays. */
+template <int GM, int KM>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float *q, const float *k, const float *v,
                                                          float scale, float *out, int phases, int layer)
 {
     extern __shared__ float sm[];
     const int hd = D.hd, G = D.G, W = D.W;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float *qs = sm;                                    /* [G][hd] */
-    float *kx = qs + G * hd, *vx = kx + hd;            /* [hd] x 2: the exit's vectors */
-    float *red = vx + hd;                              /* [G][warps] */
-    float *rs = red + G * (DYN_THREADS / 32);          /* [threads] */
-    int *ri = (int *)(rs + DYN_THREADS);               /* [threads] */
+    float *acc = qs + G * hd;                          /* [G][hd]: the output's sums */
+    float *ps = acc + G * hd;                          /* [GM][DYN_THREADS]: a chunk's probabilities */
+    float *kx = ps + GM * DYN_THREADS, *vx = kx + hd;  /* [hd] x 2: the exit's vectors */
+    float *red = vx + hd;                              /* [GM][warps] */
+    float *rs = red + GM * DYN_WARPS;                  /* [warps] */
+    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
     __shared__ dyn_head h;
-    __shared__ int sh_tier;
+    __shared__ int sh[8];
     __shared__ dyn_tv tv[DYN_THREADS];
     if (D.pm->err) return;   /* the round failed: no job has its pages */
     const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
@@ -451,38 +587,46 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                 h.w_n++, h.seen++, h.last_pos = J.pos0 + r;
             }
             __syncthreads();
-            /* 2. logits, two-pass softmax, scores, output */
+            /* 2. logits (a thread per token), two-pass softmax, scores */
             const int n = h.n_high + h.n_low + h.w_n, nhl = h.n_high + h.n_low;
-            float m[DYN_MAXG], sum[DYN_MAXG];
-            for (int g = 0; g < G; g++) m[g] = -INFINITY, sum[g] = 0.0f;
+            float m[GM], sum[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) m[g] = -INFINITY, sum[g] = 0.0f;
             for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
-                float a[DYN_MAXG];
-                for (int g = 0; g < G; g++) a[g] = 0.0f;
-                const dyn_tv kt = tok_ref(D, st, h, t, 0);
-                for (int i = 0; i < hd; i++) {
-                    const float x = tv_elem(kt, i);
-                    for (int g = 0; g < G; g++) a[g] = fmaf(qs[g * hd + i], x, a[g]);
-                }
-                for (int g = 0; g < G; g++) {
-                    lg[(long long)g * n + t] = a[g] * scale;
-                    m[g] = fmaxf(m[g], a[g] * scale);
-                }
+                float a[GM];
+#pragma unroll
+                for (int g = 0; g < GM; g++) a[g] = 0.0f;
+                tv_each(tok_ref(D, st, h, t, 0), hd, [&](int i, float x) {
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+                        if (g < G) a[g] = fmaf(qs[g * hd + i], x, a[g]);
+                });
+#pragma unroll
+                for (int g = 0; g < GM; g++)
+                    if (g < G) {
+                        lg[(long long)g * n + t] = a[g] * scale;
+                        m[g] = fmaxf(m[g], a[g] * scale);
+                    }
             }
-            block_reduce<true>(m, G, red);
+            block_reduce<true, GM>(m, G, red);
             for (int t = threadIdx.x; t < n; t += DYN_THREADS)
-                for (int g = 0; g < G; g++) {
-                    const float p = expf(lg[(long long)g * n + t] - m[g]);
-                    lg[(long long)g * n + t] = p;
-                    sum[g] += p;
-                }
-            block_reduce<false>(sum, G, red);
+#pragma unroll
+                for (int g = 0; g < GM; g++)
+                    if (g < G) {
+                        const float p = expf(lg[(long long)g * n + t] - m[g]);
+                        lg[(long long)g * n + t] = p;
+                        sum[g] += p;
+                    }
+            block_reduce<false, GM>(sum, G, red);
             for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
                 float sc = 0.0f;
-                for (int g = 0; g < G; g++) {
-                    const float p = lg[(long long)g * n + t] / sum[g];
-                    lg[(long long)g * n + t] = p;
-                    sc = g ? fmaxf(sc, p) : p;
-                }
+#pragma unroll
+                for (int g = 0; g < GM; g++)
+                    if (g < G) {
+                        const float p = lg[(long long)g * n + t] / sum[g];
+                        lg[(long long)g * n + t] = p;
+                        sc = g ? fmaxf(sc, p) : p;
+                    }
                 if (t < nhl) {
                     const int hi = t < h.n_high;
                     uint8_t *e = entry_at(D, st, hi, hi ? t : t - h.n_high);
@@ -491,31 +635,55 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                     D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
                 }
             }
-            __syncthreads();
-            /* a thread per dim: each value element is dequantized once for the whole group; the
-             * tokens' lookups are made once per chunk of DYN_THREADS tokens (tv, shared) */
-            for (int i0 = 0; i0 < hd; i0 += DYN_THREADS) {
-                const int i = i0 + threadIdx.x;
-                float o[DYN_MAXG];
-                for (int g = 0; g < G; g++) o[g] = 0.0f;
-                for (int t0 = 0; t0 < n; t0 += DYN_THREADS) {
-                    const int tn = min(DYN_THREADS, n - t0);
-                    if (threadIdx.x < tn) tv[threadIdx.x] = tok_ref(D, st, h, t0 + threadIdx.x, 1);
-                    __syncthreads();
-                    if (i < hd)
-                        for (int j = 0; j < tn; j++) {
-                            const float x = tv_elem(tv[j], i);
-                            for (int g = 0; g < G; g++) o[g] = fmaf(lg[(long long)g * n + t0 + j], x, o[g]);
-                        }
-                    __syncthreads();
+            /* the output: chunks of DYN_THREADS tokens, a warp per token, lane + 32 kk per dim */
+            float o[GM][KM];
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+#pragma unroll
+                for (int kk = 0; kk < KM; kk++) o[g][kk] = 0.0f;
+            for (int t0 = 0; t0 < n; t0 += DYN_THREADS) {
+                const int tn = min(DYN_THREADS, n - t0);
+                __syncthreads();   /* the previous chunk's tv / ps are read (and lg written, first time) */
+                if (threadIdx.x < tn) {
+                    tv[threadIdx.x] = tok_ref(D, st, h, t0 + threadIdx.x, 1);
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+                        if (g < G) ps[g * DYN_THREADS + threadIdx.x] = lg[(long long)g * n + t0 + threadIdx.x];
                 }
-                if (i < hd)
-                    for (int g = 0; g < G; g++) out[((long long)row * D.nq + (long long)J.g * G + g) * hd + i] = o[g];
+                __syncthreads();
+#pragma unroll 2
+                for (int j = warp; j < tn; j += DYN_WARPS) {
+                    const dyn_tv rv = tv[j];
+                    float x[KM];
+#pragma unroll
+                    for (int kk = 0; kk < KM; kk++) x[kk] = lane + 32 * kk < hd ? tv_elem(rv, lane + 32 * kk) : 0.0f;
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+                        if (g < G) {
+                            const float p = ps[g * DYN_THREADS + j];
+#pragma unroll
+                            for (int kk = 0; kk < KM; kk++) o[g][kk] = fmaf(p, x[kk], o[g][kk]);
+                        }
+                }
             }
+            /* the warps' sums in warp order */
+            for (int wi = 0; wi < DYN_WARPS; wi++) {
+                if (warp == wi)
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+#pragma unroll
+                        for (int kk = 0; kk < KM; kk++) {
+                            const int i = lane + 32 * kk;
+                            if (g < G && i < hd) acc[g * hd + i] = wi ? acc[g * hd + i] + o[g][kk] : o[g][kk];
+                        }
+                __syncthreads();
+            }
+            const long long oo = ((long long)row * D.nq + (long long)J.g * G) * hd;
+            for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) out[oo + i] = acc[i];
             __syncthreads();
         }
         /* 3. the oldest window token leaves */
-        if (phases & KVS_LEAN_DYN_EXIT) dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, &sh_tier);
+        if (phases & KVS_LEAN_DYN_EXIT) dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
         __syncthreads();
     }
     if (threadIdx.x == 0) D.heads[st] = h;
@@ -537,10 +705,10 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
                                         int layer_stride, struct kvs_lean_dyn_cuda **out, char *err, size_t errlen)
 {
     *out = NULL;
-    if (c->group > DYN_MAXG || c->group * n_kv_heads != n_q_heads || n_states < 1 || n_pages < 1 || table_len < 1 ||
-        max_jobs < 1)
-        return kvs_err(err, errlen, -EINVAL, "lean dynamic (cuda): %d query heads per KV head (at most %d), %d states, "
-                       "%d pages", c->group, DYN_MAXG, n_states, n_pages);
+    if (c->group > DYN_MAXG || c->head_dim > DYN_MAXHD || c->group * n_kv_heads != n_q_heads || n_states < 1 ||
+        n_pages < 1 || table_len < 1 || max_jobs < 1)
+        return kvs_err(err, errlen, -EINVAL, "lean dynamic (cuda): %d query heads per KV head (at most %d), head_dim %d "
+                       "(at most %d), %d states, %d pages", c->group, DYN_MAXG, c->head_dim, DYN_MAXHD, n_states, n_pages);
     struct kvs_lean_dyn_cuda *x = (struct kvs_lean_dyn_cuda *)calloc(1, sizeof *x);
     if (!x) return kvs_err(err, errlen, -ENOMEM, "lean dynamic (cuda): out of memory");
     x->b = b, x->c = *c, x->n_states = n_states, x->max_jobs = max_jobs;
@@ -621,11 +789,19 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         k_dyn_alloc<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
         LAUNCH_CHECK();
     }
-    const size_t smem = (size_t)(x->d.G * x->d.hd + 2 * x->d.hd + x->d.G * (DYN_THREADS / 32) + DYN_THREADS) *
-                            sizeof(float) + DYN_THREADS * sizeof(int);
-    k_dyn_step<<<n_jobs, DYN_THREADS, smem, s>>>(x->d, q ? (const float *)q->d : NULL, k ? (const float *)k->d : NULL,
-                                                  v ? (const float *)v->d : NULL, scale,
-                                                  out ? (float *)out->d : NULL, phases, layer);
+    const dyn_dev &D = x->d;
+    const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
+    const size_t smem = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + 2 * D.hd + GM * DYN_WARPS + DYN_WARPS) *
+                            sizeof(float) + DYN_WARPS * sizeof(int);
+    const float *qd = q ? (const float *)q->d : NULL, *kd = k ? (const float *)k->d : NULL;
+    const float *vd = v ? (const float *)v->d : NULL;
+    float *od = out ? (float *)out->d : NULL;
+#define DYN_STEP(gm, km)                                                                                            \
+    if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, scale, od, phases, layer)
+    DYN_STEP(2, 2); DYN_STEP(2, 4); DYN_STEP(2, 8);
+    DYN_STEP(4, 2); DYN_STEP(4, 4); DYN_STEP(4, 8);
+    DYN_STEP(8, 2); DYN_STEP(8, 4); DYN_STEP(8, 8);
+#undef DYN_STEP
     LAUNCH_CHECK();
     if (phases & KVS_LEAN_DYN_PAGES) {
         k_dyn_trim<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);

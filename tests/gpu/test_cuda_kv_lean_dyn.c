@@ -512,6 +512,11 @@ int main(void)
         {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1},
         {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6},
         {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0},
+        /* the kernel's shapes: 300 / 600-token heads (several 256-token output chunks), a group
+         * of 3 and hd 96 (partial register tiles); hd 36 (codes not in whole 32-bit words,
+         * entries not 4-byte aligned: the element-wise reads and byte moves) */
+        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02},
+        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02},
     };
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
