@@ -21,6 +21,12 @@
  *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
  * Head shapes: head_dim 64 or 128, 1 to 16 q heads per KV head (others: -ENOSYS); the first span
  * kernel (KVS_MAC_SPAN=0) only for 1, 2, 4 or 8 (other group sizes take the tiled one).
+ * Over LeanKV pages (kv.storage = lean, static modes; kernels/kv_mac.h) the tiled span kernel's
+ * tile stage is its template's other loader (lean_tile): each lane reads its key's fp16 (s, z)
+ * once, the warp reads the tile's codes and dequantizes them (x^ = s code - z in fp32, rounded
+ * as the host's, then bf16: the precision of the plain pool) into the same shared-memory tile the
+ * plain path fills with cp.async, so everything after the stage is the plain path's code; the
+ * plain instantiation is unchanged. The lean stage is synchronous (no copies in flight).
  * Launched on the backend's stream, in order with its ops; nothing is synchronized or
  * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
  * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
@@ -31,6 +37,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+
+#include <cuda_fp16.h>
 
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
@@ -400,7 +408,88 @@ struct span_tc_args {
     const int32_t *rows, *p;
     float *work;
     int band, Z;
+    /* LeanKV pages (the LEAN instantiation; kernels/kv_lean.h layout): bits and code bytes of a
+     * K / V vector, bytes of a page */
+    const uint8_t *pages;
+    int kbits, vbits, kcb, vcb;
+    long long page;
 };
+
+/* Elements 8 c .. 8 c + 7 of a LeanKV vector (codes: the vector's code bytes; szw: its fp16
+ * (s, z) as one little-endian word, unused at 16 bits) dequantized as the host's
+ * kvs_lean_dequantize (s * code - z, each operation rounded, no contraction) and rounded to
+ * bf16. The loads are aligned: pages are a multiple of 16 bytes (cu_supports_lean). */
+static __device__ __forceinline__ uint4 lean_chunk(const uint8_t *codes, int c, int bits, uint32_t szw)
+{
+    float x[8];
+    if (bits == 16) {
+        const uint4 w = *reinterpret_cast<const uint4 *>(codes + c * 16);
+        const __half *h = reinterpret_cast<const __half *>(&w);
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[i] = __half2float(h[i]);
+    } else {
+        unsigned long long w;
+        if (bits == 8) {
+            const uint2 u = *reinterpret_cast<const uint2 *>(codes + c * 8);
+            w = (unsigned long long)u.x | (unsigned long long)u.y << 32;
+        } else if (bits == 4) {
+            w = *reinterpret_cast<const uint32_t *>(codes + c * 4);
+        } else {
+            w = *reinterpret_cast<const uint16_t *>(codes + c * 2);
+        }
+        const float sc = __half2float(__ushort_as_half((unsigned short)(szw & 0xffffu)));
+        const float z = __half2float(__ushort_as_half((unsigned short)(szw >> 16)));
+        const unsigned long long mask = (1ull << bits) - 1;
+#pragma unroll
+        for (int i = 0; i < 8; i++) x[i] = __fsub_rn(__fmul_rn(sc, (float)((w >> (bits * i)) & mask)), z);
+    }
+    uint4 out;
+    bf16 *o = reinterpret_cast<bf16 *>(&out);
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[i] = __float2bfloat16(x[i]);
+    return out;
+}
+
+/* tile_issue's job over LeanKV pages: the tile that m describes (m.row: the plain pool's element
+ * offset of lane l's key, ((page) bs + slot) HD, or -1) dequantized into dk / dv, keys not read
+ * zero-filled, each key's info into ko. One warp (the tiled span kernel's block). */
+template <int HD>
+__device__ __forceinline__ void lean_tile(const span_tc_args &x, const tile_meta &m, bf16 *dk, bf16 *dv, int kst,
+                                          int *ko)
+{
+    constexpr int CH = HD / 8;
+    const int lane = threadIdx.x & 31, bs = x.a.bs;
+    ko[lane] = m.info;
+    long long pg = -1;   /* byte offset of this lane's key's page */
+    int sl = 0;
+    uint32_t ksz = 0, vsz = 0;
+    if (m.row >= 0) {
+        const long long slot = m.row / HD, pidx = slot / bs;
+        sl = (int)(slot - pidx * bs);
+        pg = pidx * x.page;
+        const uint8_t *meta = x.pages + pg + (long long)bs * (x.kcb + x.vcb);
+        if (x.kbits < 16) {
+            ksz = *reinterpret_cast<const uint32_t *>(meta + sl * 4);
+            meta += bs * 4;
+        }
+        if (x.vbits < 16) vsz = *reinterpret_cast<const uint32_t *>(meta + sl * 4);
+    }
+#pragma unroll 4
+    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {   /* AT_TILE CH / 32 trips: warp-uniform */
+        const int j = idx / CH, c = idx % CH;
+        const long long p = __shfl_sync(FULL, pg, j);
+        const int sj = __shfl_sync(FULL, sl, j);
+        const uint32_t kz = __shfl_sync(FULL, ksz, j), vz = __shfl_sync(FULL, vsz, j);
+        uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
+        if (p >= 0) {
+            const uint8_t *page = x.pages + p;
+            kw = lean_chunk(page + (long long)sj * x.kcb, c, x.kbits, kz);
+            vw = lean_chunk(page + (long long)bs * x.kcb + (long long)sj * x.vcb, c, x.vbits, vz);
+        }
+        *reinterpret_cast<uint4 *>(dk + j * kst + c * 8) = kw;
+        *reinterpret_cast<uint4 *>(dv + j * kst + c * 8) = vw;
+    }
+}
 
 template <int HD, bool ROT>
 struct span_tc_cfg {
@@ -410,7 +499,7 @@ struct span_tc_cfg {
                                    (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);
 };
 
-template <int HD, int MT, bool ROT>
+template <int HD, int MT, bool ROT, bool LEAN>
 __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span_tc_args x)
 {
     typedef span_tc_cfg<HD, ROT> C;
@@ -463,7 +552,8 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     auto lookup = [&](int it) { return tile_lookup<HD>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, nullptr); };
     auto issue = [&](const tile_meta &tm, int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
-        tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+        if constexpr (LEAN) lean_tile<HD>(x, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+        else tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
@@ -814,27 +904,34 @@ static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
     }
 }
 
-template <int HD, bool ROT>
+template <int HD, bool ROT, bool LEAN>
 static void launch_span_tc_rot(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
 {
     const size_t smem = span_tc_cfg<HD, ROT>::smem;   /* under 48 KB: no opt-in needed */
     static_assert(span_tc_cfg<HD, ROT>::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
-    if (G <= 8) k_mac_span_tc<HD, 1, ROT><<<grid, 32, smem, st>>>(x);
-    else k_mac_span_tc<HD, 2, ROT><<<grid, 32, smem, st>>>(x);
+    if (G <= 8) k_mac_span_tc<HD, 1, ROT, LEAN><<<grid, 32, smem, st>>>(x);
+    else k_mac_span_tc<HD, 2, ROT, LEAN><<<grid, 32, smem, st>>>(x);
 }
 
 template <int HD>
 static void launch_span_tc(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
 {
-    if (x.a.rot) launch_span_tc_rot<HD, true>(G, grid, st, x);
-    else launch_span_tc_rot<HD, false>(G, grid, st, x);
+    if (x.pages) {
+        if (x.a.rot) launch_span_tc_rot<HD, true, true>(G, grid, st, x);
+        else launch_span_tc_rot<HD, false, true>(G, grid, st, x);
+    } else {
+        if (x.a.rot) launch_span_tc_rot<HD, true, false>(G, grid, st, x);
+        else launch_span_tc_rot<HD, false, false>(G, grid, st, x);
+    }
 }
 
 static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     cudaStream_t st = b->stream;
     const int G = c->n_heads / c->n_kv_heads, hd = c->head_dim;
-    const int tiled = !env_off("KVS_MAC_SPAN") || (G != 1 && G != 2 && G != 4 && G != 8);
+    const int lean = c->lean.kbits > 0;   /* LeanKV pages: the tiled kernel's lean stage */
+    KVS_ASSERT(!lean || c->pages);
+    const int tiled = lean || !env_off("KVS_MAC_SPAN") || (G != 1 && G != 2 && G != 4 && G != 8);
     /* splits: enough blocks for several resident waves of one-warp blocks (tiled) or two waves of
      * 4-warp blocks, at most one per MIN_SPLIT_POS positions of the longest context (the plan
      * bound of a recorded step, whose contexts grow), within the scratch */
@@ -853,8 +950,8 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         span_tc_args x;
         memset(&x, 0, sizeof x);
         x.a.q = (const float *)P(c->q);
-        x.a.kc = (const bf16 *)P(c->kc);
-        x.a.vc = (const bf16 *)P(c->vc);
+        x.a.kc = lean ? NULL : (const bf16 *)P(c->kc);
+        x.a.vc = lean ? NULL : (const bf16 *)P(c->vc);
         x.a.bt = (const int32_t *)P(m->block_tables);
         x.a.rot = m->rot_offsets ? (const int32_t *)P(m->rot_offsets) : NULL;
         x.a.valid = m->block_valid ? (const int32_t *)P(m->block_valid) : NULL;
@@ -870,6 +967,12 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         x.work = (float *)P(c->work);
         x.band = c->band;
         x.Z = Z;
+        if (lean) {
+            x.pages = (const uint8_t *)P(c->pages);
+            x.kbits = c->lean.kbits, x.vbits = c->lean.vbits;
+            x.kcb = hd * c->lean.kbits / 8, x.vcb = hd * c->lean.vbits / 8;
+            x.page = (long long)kvs_lean_page_bytes(c->lean, hd, c->block_size);
+        }
         if (hd == 64) launch_span_tc<64>(G, grid, st, x);
         else launch_span_tc<128>(G, grid, st, x);
     } else {
@@ -909,5 +1012,22 @@ static void cu_count(struct kvs_backend *b, const struct kvs_mac_call *c, struct
     CUDA_CHECK(cudaGetLastError());
 }
 
+/* LeanKV pages: the formats of 2, 4, 8 or 16 bits a side, pages of a multiple of 16 bytes (the
+ * stage's aligned vector loads; LeanKV's own CUDA kernels ask the same) */
+static int cu_supports_lean(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                            char *err, size_t errlen)
+{
+    int rc = cu_supports(n_heads, n_kv_heads, head_dim, err, errlen);
+    if (rc) return rc;
+    const int ok_bits = (f.kbits == 2 || f.kbits == 4 || f.kbits == 8 || f.kbits == 16) &&
+                        (f.vbits == 2 || f.vbits == 4 || f.vbits == 8 || f.vbits == 16);
+    if (!ok_bits || block_size < 1 || kvs_lean_page_bytes(f, head_dim, block_size) % 16)
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config keys 'kv.decode' = \"mac\" and 'kv.storage' = \"lean\": the CUDA mac kernels read "
+                       "LeanKV pages of 2/4/8/16 bits a side whose size is a multiple of 16 bytes (K%dV%d, head_dim "
+                       "%d, block size %d)", f.kbits, f.vbits, head_dim, block_size);
+    return 0;
+}
+
 extern "C" const struct kvs_mac_kernels kvs_mac_kernels_cuda = {cu_supports, cu_work_elems, cu_match, cu_attend,
-                                                                  cu_count};
+                                                                  cu_count, cu_supports_lean};
