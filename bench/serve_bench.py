@@ -16,7 +16,7 @@ Workloads (--workload, repeatable; lengths in tokens):
              clipped to --max-input / --max-output, seeded
   fixed      --input-len / --output-len
 Each workload runs at each --concurrency level (closed loop: that many requests in flight,
---num-prompts in all, default max(2 x concurrency, 16)).
+--num-prompts in all, default max(2 x concurrency, --min-prompts (16))).
 
 Ceiling. Between the two /metrics scrapes around a level the daemon reports its forward time
 F (seconds in forward passes, prefill steps included), its step wall time W (forward plus host
@@ -101,20 +101,26 @@ def make_requests(workload, n, args, rng):
     return reqs
 
 
-async def one_request(host, port, path, model, prompt, max_tokens, timeout):
-    """Streams one completion; returns a dict with t_start, first, chunk times, tokens, error."""
+def request_bytes(host, port, path, model, prompt, max_tokens):
+    """The whole HTTP request of one streamed completion (built before the clock starts: the
+    client's JSON work is not the server's time)."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    res = {"t0": time.perf_counter(), "times": [], "tokens": 0, "err": None, "in": len(prompt)}
+    return ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            "Content-Length: %d\r\nConnection: close\r\n\r\n" % (path, host, port, len(body))).encode() + body
+
+
+async def one_request(host, port, req, n_in, timeout):
+    """Streams one completion (req: request_bytes); returns a dict with t_start, first, chunk
+    times, tokens, error."""
+    res = {"t0": time.perf_counter(), "times": [], "tokens": 0, "err": None, "in": n_in}
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except Exception as ex:  # noqa: BLE001 -- any connect failure is a failed request
         res["err"] = "connect: %s" % ex
         return res
     try:
-        writer.write(("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                      "Content-Length: %d\r\nConnection: close\r\n\r\n" % (path, host, port, len(body))).encode()
-                     + body)
+        writer.write(req)
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), timeout)
         chunked = False
@@ -184,13 +190,13 @@ async def one_request(host, port, path, model, prompt, max_tokens, timeout):
 async def run_level(url, model, reqs, conc, timeout):
     u = urllib.parse.urlparse(url)
     host, port = u.hostname, u.port or 80
-    queue = list(reqs)
+    queue = [(request_bytes(host, port, "/v1/completions", model, prompt, lo), len(prompt)) for prompt, lo in reqs]
     results = []
 
     async def worker():
         while queue:
-            prompt, lo = queue.pop()
-            results.append(await one_request(host, port, "/v1/completions", model, prompt, lo, timeout))
+            req, n_in = queue.pop()
+            results.append(await one_request(host, port, req, n_in, timeout))
 
     t0 = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(min(conc, len(reqs)))])
@@ -312,7 +318,8 @@ def main():
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=512)
     ap.add_argument("--concurrency", default="1,16,64,128,256")
-    ap.add_argument("--num-prompts", type=int, default=0, help="per level (default max(2 x concurrency, 16))")
+    ap.add_argument("--num-prompts", type=int, default=0, help="per level (default max(2 x concurrency, --min-prompts))")
+    ap.add_argument("--min-prompts", type=int, default=16, help="fewest requests of a level by default")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--warmup", type=int, default=2, help="requests sent before the first level")
@@ -336,7 +343,7 @@ def main():
     worst = 1.0
     for w in workloads:
         for c in levels:
-            n = args.num_prompts or max(2 * c, 16)
+            n = args.num_prompts or max(2 * c, args.min_prompts)
             reqs = make_requests(w, n, args, random.Random("%d/%s/%d" % (args.seed, w, c)))
             m0 = scrape(args.url)
             results, dur = asyncio.run(run_level(args.url, model, reqs, c, args.timeout))

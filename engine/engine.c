@@ -6,6 +6,8 @@
 #include "engine/config.h"
 #include "base/util.h"
 
+#include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The engine's own arrays and the engine itself: the last step of both a failed create and
@@ -25,6 +27,7 @@ static void free_engine_memory(struct kvs_engine *e)
     free(e->piece);
     free(e->deferred);
     free(e->deferred_so);
+    if (e->trace) fclose(e->trace);
     free(e);
 }
 
@@ -125,6 +128,16 @@ int kvs_engine_create_exec(const struct kvs_config *cfg, const struct kvs_engine
     e->stats.kv_blocks_total = x->n_blocks;
     e->stats.block_size = x->block_size;
     e->counters = e->stats;
+    /* a per-step timeline for diagnosis (scheduler.c step_trace): where a serving run's time
+     * goes between the steps, without a profiler */
+    const char *trace = getenv("KVS_STEP_TRACE");
+    if (trace && *trace) {
+        e->trace = fopen(trace, "w");
+        if (!e->trace) kvs_log(KVS_LOG_WARN, "engine: KVS_STEP_TRACE: cannot open '%s': %s", trace, strerror(errno));
+        else fputs("# step t_sched t_begin t_launched t_end t_applied (ms since start) seqs decode_rows prefill_tokens\n",
+                   e->trace);
+        e->trace_t0 = kvs_now();
+    }
     rc = pthread_create(&e->thread, NULL, kvs_scheduler_main, e);
     if (rc != 0) {
         kvs_err(err, errlen, -rc, "engine: cannot start the scheduler thread");

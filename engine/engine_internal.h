@@ -9,6 +9,7 @@
 #define KVS_ENGINE_INTERNAL_H
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdatomic.h>
 
 #include "engine/engine.h"
@@ -107,6 +108,7 @@ struct kvs_engine {
     char ctx_note[320];
     int overlap;                             /* scheduler.overlap */
     int async;                               /* scheduler.async, where the executor has async_steps */
+    int kv_counters_warned;                  /* publish_stats logged a dropped counter once */
     struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 
     struct kvs_block_pool pool;
@@ -150,6 +152,10 @@ struct kvs_engine {
     struct kvs_batch_seq *p_seqs;            /* [max_running] */
     int p_on, p_n, p_n_jobs, p_rc, p_lookahead;
     double p_t0, last_end;
+    /* KVS_STEP_TRACE=path: one line per step (step_trace in scheduler.c), NULL when unset; the
+     * begun step's schedule start and launch end go with it (p_ts, p_tl) */
+    FILE *trace;
+    double trace_t0, p_ts, p_tl;
     char *piece;                             /* detokenizer output scratch */
     size_t piece_cap;
     struct kvs_engine_stats counters;        /* scheduler-thread copy of the counters */

@@ -57,6 +57,9 @@
 #define GRAPH_CACHE 8                        /* recorded decode steps kept (LRU) */
 #define CPU_KV_CAP_BYTES ((size_t)4 << 30)   /* default CPU pool cap: 4 GiB */
 
+/* per-step inputs uploaded by upload_changed (struct kvs_runner ups[]) */
+enum { UP_TOKENS, UP_POS, UP_SLOTS, UP_QSTART, UP_SEQPOS, UP_LROWS, UP_PAIRS, UP_N };
+
 struct layer_w {
     struct kvs_dweight *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *q_norm, *k_norm;
     struct kvs_dweight *mlp_norm, *w_gate, *w_up, *w_down;
@@ -150,6 +153,7 @@ struct kvs_runner {
         uint64_t used;                                  /* LRU clock; 0 = empty slot */
     } graphs[GRAPH_CACHE];
     uint64_t graph_clock;
+    int graph_ctx_step;                                 /* capacities: multiples of this (GRAPH_CTX_STEP) */
 
     /* host staging (same shapes) */
     int32_t *h_tokens, *h_pos, *h_slots, *h_qstart, *h_seqpos, *h_bt, *h_rot, *h_valid, *h_words;
@@ -164,6 +168,17 @@ struct kvs_runner {
      * The span survives a step that fails after staging, so the next upload still carries it. */
     int bt_stride;
     size_t bt_synced, bt_dirty_lo, bt_dirty_hi;
+    /* The other per-step inputs go up the same way (upload_changed): shadow[i] holds what the
+     * device buffer holds in its first `valid` entries, and a step sends the span that differs.
+     * A steady decode step sends positions and slots only: its tokens are the last step's picks
+     * (placeholders -1, written on the device), and query starts, logits rows and pick pairs
+     * repeat. Nothing else writes these buffers but ids_to_tokens, into rows whose placeholder
+     * -1 the shadow then still holds, so a row leaving the device's hands always differs. */
+    struct up_shadow {
+        int32_t *v;
+        size_t valid;
+    } ups[UP_N];
+    size_t ups_sent;                                    /* entries upload_changed sent this step */
     struct kvs_runner_step_info info;                   /* the last step's (kvs_runner_step_info) */
     /* host time of the steps since the last report (span_log): stage, uploads, the decode
      * policy's hooks, the layers' launch (graph or eager), the LM head; rows, steps */
@@ -384,6 +399,10 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
         const char *e = getenv("KVS_GRAPHS");
         r->use_graphs = ops->graph_begin && ops->graph_end && ops->graph_launch && ops->graph_free &&
                         !(e && strcmp(e, "0") == 0) && !(dp->needs & KVS_KV_NO_GRAPHS);
+        /* KVS_GRAPH_CTX_STEP: the capacity step (comparisons: a finer step plans the attention
+         * nearer the real context, at the cost of a recording per step of context) */
+        const char *cs = getenv("KVS_GRAPH_CTX_STEP");
+        r->graph_ctx_step = cs && atoi(cs) >= 16 ? atoi(cs) : GRAPH_CTX_STEP;
     }
     if ((rc = load_weights(r, model, err, errlen))) goto fail;
 
@@ -449,6 +468,8 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
     r->h_lrows = kvs_xmalloc(T * sizeof(int32_t));
     r->h_lout = kvs_xmalloc(T * sizeof(int32_t));
     r->h_ids = kvs_xmalloc(T * sizeof(int32_t));
+    const size_t up_n[UP_N] = {T, T, T, S + 1, S + 1, (size_t)r->argmax_chunk, 2 * S};
+    for (int i = 0; i < UP_N; i++) r->ups[i] = (struct up_shadow){kvs_xmalloc(up_n[i] * sizeof(int32_t)), 0};
     float *inv = kvs_xmalloc((size_t)r->hd / 2 * sizeof(float));
     kvs_rope_inv_freq(c, inv);
     ops->upload(r->be, r->d_inv_freq, 0, inv, (size_t)r->hd / 2);
@@ -617,6 +638,7 @@ void kvs_runner_rank_free(struct kvs_runner *r)
     free(r->h_lrows);
     free(r->h_lout);
     free(r->h_ids);
+    for (int i = 0; i < UP_N; i++) free(r->ups[i].v);
     free(r->h_vals);
     free(r->h_chunk);
     free(r->h_hist);
@@ -699,6 +721,21 @@ static size_t bt_upload(struct kvs_runner *r, size_t n_entries)
     return hi - lo;
 }
 
+/* Uploads h[0 .. n) to d, only the span that differs from what d holds (up_shadow). */
+static void upload_changed(struct kvs_runner *r, int which, struct kvs_dbuf *d, const int32_t *h, size_t n)
+{
+    struct up_shadow *sh = &r->ups[which];
+    const size_t same = n < sh->valid ? n : sh->valid;
+    size_t lo = 0, hi = n;
+    while (lo < same && sh->v[lo] == h[lo]) lo++;
+    if (lo == n) return;
+    while (n <= sh->valid && hi > lo && sh->v[hi - 1] == h[hi - 1]) hi--;
+    r->ops->upload(r->be, d, lo, h + lo, hi - lo);
+    r->ups_sent += hi - lo;
+    memcpy(sh->v + lo, h + lo, (hi - lo) * sizeof *h);
+    if (n > sh->valid) sh->valid = n;
+}
+
 /* Validates the batch and fills the host staging arrays (block-table rows of at least
  * min_stride entries; padded with one-token dummy sequences up to pad_seqs sequences: token 0
  * at position 0 of block 0, no KV slot, no logits); returns the token count or -EINVAL.
@@ -762,7 +799,7 @@ static int stage_batch(struct kvs_runner *r, const struct kvs_batch *b, int min_
             r->h_tokens[n + i] = q->tokens[i];
             r->h_pos[n + i] = p;
             if (i == 0 && q->token_on_device) {
-                r->h_tokens[n] = 0;   /* ids_to_tokens writes the pick there */
+                r->h_tokens[n] = -1;   /* ids_to_tokens writes the pick there (upload_changed) */
                 r->h_pairs[2 * r->n_pairs] = n;
                 r->h_pairs[2 * r->n_pairs + 1] = r->slot_pick[q->slot];
                 r->n_pairs++;
@@ -915,7 +952,7 @@ static int graph_seqs(const struct kvs_runner *r, int n_seqs)
 }
 
 /* Capacity of a recorded step for this batch: 0 unless graphs are on and every sequence decodes
- * one token; else the longest context rounded up to GRAPH_CTX_STEP (at most the model's). */
+ * one token; else the longest context rounded up to graph_ctx_step (at most the model's). */
 static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
 {
     if (!r->use_graphs || !b || b->n_seqs <= 0 || !b->seqs) return 0;
@@ -925,7 +962,8 @@ static int graph_capacity(const struct kvs_runner *r, const struct kvs_batch *b)
         int c = b->seqs[s].pos + 1;
         if (c > maxc) maxc = c;
     }
-    int cap = (maxc + GRAPH_CTX_STEP - 1) / GRAPH_CTX_STEP * GRAPH_CTX_STEP;
+    const int st = r->graph_ctx_step;
+    int cap = (maxc + st - 1) / st * st;
     return cap < r->max_ctx ? cap : r->max_ctx;
 }
 
@@ -968,7 +1006,7 @@ static int run_layers_graph(struct kvs_runner *r, int n, const struct kvs_kv_ste
 static void lm_head_chunk(struct kvs_runner *r, int first, int m, int ids)
 {
     const struct kvs_backend_ops *o = r->ops;
-    o->upload(r->be, r->d_lrows, 0, r->h_lrows + first, (size_t)m);
+    upload_changed(r, UP_LROWS, r->d_lrows, r->h_lrows + first, (size_t)m);
     o->gather_rows(r->be, r->xn, r->d_lrows, m, r->dim, r->lrows);
     o->matmul(r->be, r->lrows, r->lm_head, NULL, m, r->dim, r->vocab_n, r->logits);
     if (!ids) return;
@@ -1152,6 +1190,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
 {
     double ts[6];
     ts[0] = kvs_now();
+    r->ups_sent = 0;
     /* fresh slots reset before anything asks the policy about them (host state only) */
     for (int s = 0; b && b->seqs && s < b->n_seqs && s < r->cap_seqs; s++) {
         const struct kvs_batch_seq *q = &b->seqs[s];
@@ -1188,9 +1227,9 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
     }
     const struct kvs_backend_ops *o = r->ops;
     struct kvs_backend *be = r->be;
-    o->upload(be, r->d_tokens, 0, r->h_tokens, (size_t)n);
+    upload_changed(r, UP_TOKENS, r->d_tokens, r->h_tokens, (size_t)n);
     if (r->n_pairs) {   /* tokens still on the device: the last step's picks (before its d_ids are rewritten) */
-        o->upload(be, r->d_pairs, 0, r->h_pairs, (size_t)r->n_pairs * 2);
+        upload_changed(r, UP_PAIRS, r->d_pairs, r->h_pairs, (size_t)r->n_pairs * 2);
         o->ids_to_tokens(be, r->d_ids, r->d_pairs, r->n_pairs, r->d_tokens);
     }
     if (r->async_ok) {   /* this step's picks are the ones the next step may read */
@@ -1198,11 +1237,13 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         r->slot_pick = r->slot_pick_next;
         r->slot_pick_next = t;
     }
-    o->upload(be, r->d_pos, 0, r->h_pos, (size_t)n);
-    o->upload(be, r->d_slots, 0, r->h_slots, (size_t)n);
-    o->upload(be, r->d_qstart, 0, r->h_qstart, (size_t)S + 1);
-    o->upload(be, r->d_seqpos, 0, r->h_seqpos, (size_t)S);
-    r->info = (struct kvs_runner_step_info){S, stride, bt_upload(r, (size_t)S * stride)};
+    upload_changed(r, UP_POS, r->d_pos, r->h_pos, (size_t)n);
+    upload_changed(r, UP_SLOTS, r->d_slots, r->h_slots, (size_t)n);
+    upload_changed(r, UP_QSTART, r->d_qstart, r->h_qstart, (size_t)S + 1);
+    /* a recorded step's sequences are one token each (padding too: token 0 at position 0), so
+     * their positions are the tokens' (d_pos): one upload fewer */
+    if (!cap) upload_changed(r, UP_SEQPOS, r->d_seqpos, r->h_seqpos, (size_t)S);
+    r->info = (struct kvs_runner_step_info){S, stride, bt_upload(r, (size_t)S * stride), 0};
     if (any_rot) o->upload(be, r->d_rot, 0, r->h_rot, (size_t)S * stride);
     if (any_valid) o->upload(be, r->d_valid, 0, r->h_valid, (size_t)S * stride);
     /* cached documents: the same tables packed one word per block as well (backend.h) */
@@ -1217,7 +1258,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         if (c > max_ctx) max_ctx = c;
     }
     struct kvs_attn_meta meta = {
-        .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = r->d_seqpos, .block_tables = r->d_bt,
+        .n_seqs = S, .max_blocks = stride, .q_start = r->d_qstart, .pos = cap ? r->d_pos : r->d_seqpos, .block_tables = r->d_bt,
         .rot_offsets = any_rot ? r->d_rot : NULL,
         .block_valid = any_valid ? r->d_valid : NULL, .block_words = words ? r->d_words : NULL, .inv_freq = r->d_inv_freq, .h_q_start = r->h_qstart,
         .h_pos = r->h_seqpos, .max_ctx = max_ctx, .plan_ctx = cap,
@@ -1249,6 +1290,7 @@ int kvs_runner_rank_forward(struct kvs_runner *r, const struct kvs_batch *b, flo
         run_layers(r, n, &step, fid_layer);
     ts[4] = kvs_now();
     lm_head(r, b, n_logits, n_host, logits);
+    r->info.in_uploaded = r->ups_sent;
     ts[5] = kvs_now();
     span_log(r, ts, n);
     return 0;

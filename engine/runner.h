@@ -118,10 +118,12 @@ int kvs_runner_async_ok(const struct kvs_runner *r);
 
 /* The last step's layout and what it sent: n_seqs rows (padding included) of stride block-table
  * entries each; bt_uploaded of them went to the backend (only the entries that changed since
- * the step before: the runner keeps the table on the backend and patches it). */
+ * the step before: the runner keeps the table on the backend and patches it). in_uploaded: the
+ * entries of the other per-step inputs (tokens, positions, KV slots, query starts, sequence
+ * positions, logits rows, device-token pairs) that went up, likewise only those that changed. */
 struct kvs_runner_step_info {
     int n_seqs, stride;
-    size_t bt_uploaded;
+    size_t bt_uploaded, in_uploaded;
 };
 void kvs_runner_last_step(const struct kvs_runner *r, struct kvs_runner_step_info *out);
 /* Reads the block table the last step ran with back from the backend into out (n_seqs x

@@ -90,6 +90,20 @@ static char *dup_n(const char *s, int n)
 
 static void publish_stats(struct kvs_engine *e);
 
+/* KVS_STEP_TRACE (engine.c): one line per step when it is applied: when scheduling began, when
+ * forward_begin was called and returned, when the results were back (forward_end returned) and
+ * when they were applied (tokens, text, events), ms since the engine started; then the step's
+ * sequences, decode rows and other (prefill) tokens. Under scheduler.async a step's end follows
+ * the next step's launch, so the gaps between consecutive ends are the device's step times
+ * whenever the next step was launched before the end before it. */
+static void step_trace(struct kvs_engine *e, double ts, double tb, double tl, double te, int n_seqs, int n_dec,
+                       int n_pre)
+{
+    const double k = 1e3, t0 = e->trace_t0;
+    fprintf(e->trace, "%llu %.3f %.3f %.3f %.3f %.3f %d %d %d\n", (unsigned long long)e->counters.steps, (ts - t0) * k,
+            (tb - t0) * k, (tl - t0) * k, (te - t0) * k, (kvs_now() - t0) * k, n_seqs, n_dec, n_pre);
+}
+
 /* Gives back everything r holds in the KV cache: its block references, then what the reuse
  * strategy holds for it (after the blocks, so that blocks the strategy frees with its last
  * user are already unreferenced), and its request slot. */
@@ -609,12 +623,24 @@ static void publish_stats(struct kvs_engine *e)
     s.kv_blocks_cached = e->pool.n_lru;
     s.block_size = e->pool.block_size;
     /* the strategies' own counters: reuse (engine side), then the executor's (decode policy,
-     * fidelity meter) */
-    s.n_kv_counters = 0;
-    if (e->kv.reuse->counters)
-        s.n_kv_counters = e->kv.reuse->counters(&e->kv, s.kv_counters, KVS_KV_MAX_COUNTERS);
-    if (e->x.kv_counters)
-        s.n_kv_counters += e->x.kv_counters(e->x.ctx, s.kv_counters + s.n_kv_counters, KVS_KV_MAX_COUNTERS - s.n_kv_counters);
+     * fidelity meter). They are gathered with twice the room the snapshot keeps, so that a
+     * list grown past KVS_KV_MAX_COUNTERS is seen and said instead of cut without a word (each
+     * strategy stops at the room it is given; the meter then leaves its histogram out). */
+    struct kvs_kv_counter all[2 * KVS_KV_MAX_COUNTERS];
+    const int room = 2 * KVS_KV_MAX_COUNTERS;
+    int n = 0;
+    if (e->kv.reuse->counters) n = e->kv.reuse->counters(&e->kv, all, room);
+    if (e->x.kv_counters) n += e->x.kv_counters(e->x.ctx, all + n, room - n);
+    s.n_kv_counters = n < KVS_KV_MAX_COUNTERS ? n : KVS_KV_MAX_COUNTERS;
+    memcpy(s.kv_counters, all, (size_t)s.n_kv_counters * sizeof all[0]);
+    s.kv_counters_dropped = n - s.n_kv_counters;
+    if (s.kv_counters_dropped > 0 && !e->kv_counters_warned) {
+        e->kv_counters_warned = 1;
+        kvs_log(KVS_LOG_WARN, "engine: the KV strategies export %d%s counters, room for %d (KVS_KV_MAX_COUNTERS, "
+                "engine/engine.h): /metrics leaves out %s from \"%s\" on; raise the constant",
+                n, n >= room ? "+" : "", KVS_KV_MAX_COUNTERS, n >= room ? "the rest" : "the last ones",
+                all[KVS_KV_MAX_COUNTERS].name);
+    }
     e->stats = s;
     pthread_mutex_unlock(&e->mu);
 }
@@ -723,7 +749,7 @@ static int build_seqs(struct kvs_engine *e, int n, int *n_host)
 
 /* A begun step's bookkeeping that needs no pick: positions advance, placeholders for the rows
  * that sample, the step becomes the pending one (its arrays swap with the builder's). */
-static void async_begun(struct kvs_engine *e, int n, int rc, int lookahead, double t0)
+static void async_begun(struct kvs_engine *e, int n, int rc, int lookahead, double t_sched, double t0, double tl)
 {
     for (int k = 0; k < n; k++) {
         struct kvs_request *r = e->sched[k];
@@ -753,6 +779,8 @@ static void async_begun(struct kvs_engine *e, int n, int rc, int lookahead, doub
     e->p_rc = rc;
     e->p_lookahead = lookahead && rc == 0;
     e->p_t0 = t0;
+    e->p_ts = t_sched;
+    e->p_tl = tl;
     e->n_jobs = lookahead ? 0 : e->n_jobs;   /* jobs stay in e->jobs until async_end (no lookahead) */
 }
 
@@ -762,7 +790,7 @@ static void async_end(struct kvs_engine *e)
     KVS_ASSERT(e->p_on);
     int rc_end = e->x.forward_end(e->x.ctx);
     int rc = e->p_rc < 0 ? e->p_rc : rc_end;
-    const int n = e->p_n;
+    const int n = e->p_n, n_jobs = e->p_n_jobs;
     e->p_on = 0;
     double t1 = kvs_now();
     /* the device's time on this step: from its begin, or from the previous step's end when it
@@ -841,6 +869,7 @@ static void async_end(struct kvs_engine *e)
         /* its text and event now: the next step is already on the device */
         emit_text(e, r, &so, final, is_stop ? KVS_FINISH_STOP : KVS_FINISH_LENGTH);
     }
+    if (e->trace) step_trace(e, e->p_ts, e->p_t0, e->p_tl, t1, n + n_jobs, n_dec, n_pre);
     publish_stats(e);
 }
 
@@ -861,12 +890,13 @@ static void step_async(struct kvs_engine *e, double now)
     double t0 = kvs_now();
     e->counters.sched_s += t0 - now;
     int rc = e->x.forward_begin(e->x.ctx, &batch, e->logits);
-    e->counters.launch_s += kvs_now() - t0;
+    const double tl = kvs_now();
+    e->counters.launch_s += tl - t0;
     e->counters.async_steps += e->p_on;
     /* in flight from now: a request that the step before ends is kept until this one is back */
     for (int k = 0; k < n; k++) e->sched[k]->n_inflight++;
     if (e->p_on) async_end(e);   /* the step before, while this one runs */
-    async_begun(e, n, rc, n_host == 0 && e->n_jobs == 0, t0);
+    async_begun(e, n, rc, n_host == 0 && e->n_jobs == 0, now, t0, tl);
 }
 
 static void step_body(struct kvs_engine *e, double now)
@@ -890,12 +920,14 @@ static void step_body(struct kvs_engine *e, double now)
     double t0 = kvs_now();
     e->counters.sched_s += t0 - now;
     int rc;
+    double tl = t0;
     if (e->overlap) {
         /* the previous step's text and events while the device runs this one (the executor
          * without forward_begin runs it first: same order of events, no overlap) */
         int split = e->x.forward_begin && e->x.forward_end;
         rc = split ? e->x.forward_begin(e->x.ctx, &batch, e->logits) : e->x.forward(e->x.ctx, &batch, e->logits);
-        e->counters.launch_s += kvs_now() - t0;
+        tl = kvs_now();
+        e->counters.launch_s += tl - t0;
         e->in_flight = 1;
         flush_deferred(e);
         e->in_flight = 0;
@@ -905,7 +937,8 @@ static void step_body(struct kvs_engine *e, double now)
         }
     } else {
         rc = e->x.forward(e->x.ctx, &batch, e->logits);
-        e->counters.launch_s += kvs_now() - t0;
+        tl = kvs_now();
+        e->counters.launch_s += tl - t0;
     }
     double t1 = kvs_now();
     e->counters.busy_s += t1 - t0;
@@ -924,6 +957,7 @@ static void step_body(struct kvs_engine *e, double now)
     }
     for (int j = 0; j < e->n_jobs; j++) e->kv.reuse->job_done(&e->kv, e->jobs[j].handle, e->jobs[j].n_tokens, rc == 0);
     for (int k = 0; k < n; k++) e->sched[k]->slot_fresh = 0;
+    const int n_jobs = e->n_jobs;
     e->n_jobs = 0;
     if (rc < 0) {
         char msg[128];
@@ -981,12 +1015,17 @@ static void step_body(struct kvs_engine *e, double now)
             emit_text(e, r, &so, final, why);
         }
     }
+    if (e->trace) step_trace(e, now, t0, tl, t1, n + n_jobs, n_dec, n_pre);
     publish_stats(e);
 }
 
 void *kvs_scheduler_main(void *arg)
 {
     struct kvs_engine *e = arg;
+#ifdef __linux__
+    /* a name that perf / top can tell apart from the server's threads (perf report --comm) */
+    pthread_setname_np(pthread_self(), "kvs-sched");
+#endif
     for (;;) {
         pthread_mutex_lock(&e->mu);
         while (!e->stop && !e->in_head && e->n_running == 0 && !e->wait_head && !e->p_on)

@@ -11,7 +11,9 @@
  *   - a step refused after staging (host logits row without a logits buffer) followed by a good
  *     one: the refused step's change still reaches the backend,
  *   - a preempted sequence coming back (recompute) into a row that held other blocks before.
- * It also checks how many entries each step sent, so a full re-upload every step would fail.
+ * It also checks how many entries each step sent, so a full re-upload every step would fail,
+ * and that the other per-step inputs (tokens, positions, slots, query starts, logits rows) go
+ * up only where they changed too (engine/runner.c upload_changed).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -38,6 +40,7 @@ static struct kvs_runner *R;
 static float *logits;
 static int vocab;
 static int32_t toks[64];
+static size_t last_in;   /* the last good step's other inputs sent (step info in_uploaded) */
 
 /* runs one step of the given sequences (n_tok[i] tokens each, at seq->pos) and checks the
  * backend's table against a from-scratch build; returns the entries the step sent, or -1 */
@@ -61,6 +64,7 @@ static long step(const char *what, struct seq **s, const int *n_tok, int n, int 
     for (int i = 0; i < n; i++) s[i]->pos += n_tok[i];
     struct kvs_runner_step_info info;
     kvs_runner_last_step(R, &info);
+    last_in = info.in_uploaded;
     CHECK(info.n_seqs >= n && info.stride >= 1, "%s: step info %d x %d", what, info.n_seqs, info.stride);
     int32_t got[8 * MAXB], want[8 * MAXB];
     int m = kvs_runner_block_tables(R, got, sizeof got / sizeof got[0]);
@@ -150,6 +154,11 @@ int main(void)
     CHECK(up == 9, "a new stride sends every row (3 x 3), sent %ld", up);
     up = step("decode at stride 3", acd, (int[]){1, 1, 1}, 3, KVS_LOGITS_LAST, logits, 0);
     CHECK(up == 0, "nothing new, sent %ld", up);
+    /* the same three rows again: their positions, KV slots and sequence positions move (3 x 3);
+     * the tokens (toks[0] each), query starts and logits rows are what the backend holds */
+    up = step("decode at stride 3, again", acd, (int[]){1, 1, 1}, 3, KVS_LOGITS_LAST, logits, 0);
+    CHECK(up == 0 && last_in == 9, "a repeated decode step sends 0 table entries and 9 other entries, sent %ld and %zu",
+          up, last_in);
 
     free(logits);
     kvs_runner_free(R);
