@@ -12,11 +12,17 @@
  * what the ring can reach); "miss" runs the same kernels with every lookup missing (full
  * attention through MAC's own span kernel).
  *
+ * --lean FMT (K8V4, K8V8, K4V4, K16V16): the pool is stored as LeanKV pages of that format
+ * (kv.storage = lean, written by the backend's LeanKV writer from the same random K/V), MAC's
+ * kernels dequantize them on read, and "full" is LeanKV's own attention over the pages.
+ *
  *   build/kvserve-macbench --device cpu --ctx 4096 --batch 2
  *   build/kvserve-macbench --device cuda            (the table: 32K/64K/128K x batch 1/8/32, 256K x 1)
+ *   build/kvserve-macbench --device cuda --lean K8V4
  */
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/kv_lean.h"
 #include "kernels/kv_mac.h"
 
 #include <math.h>
@@ -38,6 +44,9 @@ struct bench {
     int nh, nkv, hd, bs, K, band, reps;
     struct kvs_dbuf *kc, *vc;     /* pool for max_tokens */
     size_t pool_blocks;
+    struct kvs_lean_fmt lean;     /* kbits 0: the plain pool */
+    const struct kvs_lean_kernels *kn;
+    struct kvs_dbuf *pages;       /* the pool as LeanKV pages (--lean) */
 };
 
 static uint64_t rng = 88172645463325252ull;
@@ -59,6 +68,42 @@ static void fill(struct bench *b, struct kvs_dbuf *buf, size_t n, float scale)
     for (size_t i = 0; i < n; i++) h[i] = scale * frand();
     b->o->upload(b->be, buf, 0, h, n);
     free(h);
+}
+
+/* --lean: the pool's K/V (block j's slot i is token j bs + i) written as LeanKV pages, in chunks
+ * through f32 staging buffers; 0, or -1 + message */
+static int make_pages(struct bench *b, char *err, size_t errlen)
+{
+    const struct kvs_backend_ops *o = b->o;
+    const int nkv = b->nkv, hd = b->hd, bs = b->bs;
+    err[0] = 0;
+    if (!(b->kn = kvs_lean_kernels_for(o, err, errlen))) return -1;
+    if (!b->kn->supports(b->lean, b->nh, nkv, hd) ||
+        b->k->supports_lean(b->lean, b->nh, nkv, hd, bs, err, errlen)) {
+        if (!*err) snprintf(err, errlen, "LeanKV K%dV%d not supported for this shape", b->lean.kbits, b->lean.vbits);
+        return -1;
+    }
+    const size_t n_tok = b->pool_blocks * bs, row = (size_t)nkv * hd, chunk = 16384;
+    b->pages = b->kn->alloc_pages(b->be, b->pool_blocks * nkv * kvs_lean_page_bytes(b->lean, hd, bs));
+    struct kvs_dbuf *k = o->alloc(b->be, KVS_BUF_ACT, chunk * row), *v = o->alloc(b->be, KVS_BUF_ACT, chunk * row);
+    struct kvs_dbuf *sl = o->alloc(b->be, KVS_BUF_I32, chunk);
+    int32_t *hs = malloc(chunk * sizeof(int32_t));
+    if (!b->pages || !k || !v || !sl || !hs) {
+        snprintf(err, errlen, "no memory for the LeanKV pages");
+        return -1;
+    }
+    for (size_t t0 = 0; t0 < n_tok; t0 += chunk) {
+        const size_t n = n_tok - t0 < chunk ? n_tok - t0 : chunk;
+        for (size_t i = 0; i < n; i++) hs[i] = (int32_t)(t0 + i);
+        o->upload(b->be, sl, 0, hs, n);
+        fill(b, k, n * row, 1.0f);
+        fill(b, v, n * row, 1.0f);
+        b->kn->write(b->be, b->lean, k, v, sl, (int)n, nkv, hd, bs, b->pages);
+    }
+    o->sync(b->be);
+    o->free_buf(b->be, k), o->free_buf(b->be, v), o->free_buf(b->be, sl);
+    free(hs);
+    return 0;
 }
 
 /* mean seconds per call of fn over reps calls (after one warm-up), the backend synced */
@@ -143,7 +188,12 @@ static int run_case(struct bench *b, int ctx, int batch, double read_frac)
         .ring_lse = rl, .ring_tag = d_tags, .out = out, .lse = lse, .work = work, .work_n = work_n,
     };
     double t_full, t_hit, t_match, t_miss;
-    TIME(b, t_full, o->attention(be, q, b->kc, b->vc, &meta, batch, nh, nkv, hd, bs, scale, out));
+    if (b->pages) {
+        c.lean = b->lean, c.pages = b->pages;
+        TIME(b, t_full, b->kn->attention(be, b->lean, q, b->pages, &meta, batch, nh, nkv, hd, bs, scale, out));
+    } else {
+        TIME(b, t_full, o->attention(be, q, b->kc, b->vc, &meta, batch, nh, nkv, hd, bs, scale, out));
+    }
     /* appends are off (F_APPEND unset): every repetition sees the same ring */
     TIME(b, t_hit, (b->k->match(be, &c), b->k->attend(be, &c)));
     TIME(b, t_match, b->k->match(be, &c));
@@ -182,9 +232,14 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--band")) b.band = atoi(v);
         else if (!strcmp(a, "--read-frac")) read_frac = atof(v);
         else if (!strcmp(a, "--reps")) b.reps = atoi(v);
-        else {
+        else if (!strcmp(a, "--lean")) {
+            if (kvs_lean_fmt_parse(v, &b.lean) < 0) {
+                fprintf(stderr, "macbench: --lean %s is not a LeanKV format\n", v);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "usage: %s [--device cpu|cuda] [--ctx N --batch B] [--ring K] [--band r] [--read-frac f] "
-                    "[--heads H --kv-heads G --head-dim D] [--reps R]\n", argv[0]);
+                    "[--heads H --kv-heads G --head-dim D] [--reps R] [--lean K8V4]\n", argv[0]);
             return 2;
         }
     }
@@ -212,13 +267,19 @@ int main(int argc, char **argv)
     }
     fill(&b, b.kc, pool, 1.0f);
     fill(&b, b.vc, pool, 1.0f);
+    if (b.lean.kbits && make_pages(&b, err, sizeof err)) {
+        fprintf(stderr, "macbench: %s\n", err);
+        return 1;
+    }
     char desc[160] = "cpu";
 #ifdef MACBENCH_HAS_CUDA
     if (b.o == &kvs_cuda_backend) kvs_cuda_device_desc(b.be, desc, sizeof desc);
 #endif
     printf("kvserve-macbench on %s: heads %d/%d, head_dim %d, block %d, ring K %d, band r %d, hits read %.1f%% of the "
-           "context; mean of %d calls (one layer, decode rows)\n\n",
-           desc, b.nh, b.nkv, b.hd, b.bs, b.K, b.band, 100.0 * read_frac, b.reps);
+           "context; mean of %d calls (one layer, decode rows)", desc, b.nh, b.nkv, b.hd, b.bs, b.K, b.band,
+           100.0 * read_frac, b.reps);
+    if (b.pages) printf("; KV as LeanKV K%dV%d pages (full = LeanKV's own attention)", b.lean.kbits, b.lean.vbits);
+    printf("\n\n");
     printf("| context | batch | full (us) | MAC hit (us) | match (us) | speed-up | hits | skip | MAC miss (us) | miss ratio |\n");
     printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     if (ctx > 0) {
@@ -230,6 +291,7 @@ int main(int argc, char **argv)
     }
     b.o->free_buf(b.be, b.kc);
     b.o->free_buf(b.be, b.vc);
+    b.o->free_buf(b.be, b.pages);
     b.o->free(b.be);
     return 0;
 }

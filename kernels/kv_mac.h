@@ -30,6 +30,15 @@
  * [n_heads]) added to the counters (KVS_MAC_C_*) in acc, on the backend: nothing comes back to
  * the host per step, so a step with MAC can be a recorded graph.
  *
+ * K/V format: with lean.kbits = 0 kc / vc are the layer's plain KV pool (backend.h layout); with
+ * lean set (kv.storage = lean, a static mode) `pages` holds the layer's LeanKV pages
+ * (kernels/kv_lean.h layout, kc / vc unused) and every key and value attend() reads is
+ * dequantized on read (x^ = s code - z, fp16 s / z; fp16 values at 16 bits), as LeanKV's own
+ * attention does: the CPU reference dequantizes in fp32 exactly as kernels/cpu/kv_lean.c, so a
+ * miss over [0, m] with the band past m equals LeanKV's attention bitwise; CUDA stages the
+ * dequantized tile in bf16 for its tensor cores (the plain pool's precision). supports_lean
+ * says which formats and shapes a backend takes (NULL: none).
+ *
  * Ownership: the policy's. Errors: ops return void (bad arguments are bugs); the getter
  * returns NULL with a message when a backend has no MAC kernels.
  */
@@ -39,6 +48,7 @@
 #include <stddef.h>
 
 #include "kernels/backend.h"
+#include "kernels/kv_lean.h"
 
 enum { KVS_MAC_F_MATCH = 1, KVS_MAC_F_MAC = 2, KVS_MAC_F_APPEND = 4, KVS_MAC_F_COUNT = 8 };
 
@@ -64,6 +74,8 @@ struct kvs_mac_call {
     struct kvs_dbuf *lse;                   /* F32 [n][n_heads] */
     struct kvs_dbuf *work;                  /* F32 scratch of work_elems() elements (NULL when 0) */
     size_t work_n;
+    struct kvs_lean_fmt lean;               /* kbits 0: kc / vc are the plain pool; else LeanKV pages */
+    const struct kvs_dbuf *pages;           /* this layer's LeanKV pages (lean.kbits > 0) */
 };
 
 struct kvs_mac_kernels {
@@ -74,6 +86,9 @@ struct kvs_mac_kernels {
     void (*match)(struct kvs_backend *b, const struct kvs_mac_call *c);
     void (*attend)(struct kvs_backend *b, const struct kvs_mac_call *c);
     void (*count)(struct kvs_backend *b, const struct kvs_mac_call *c, struct kvs_dbuf *acc);
+    /* 0 when attend() reads LeanKV pages of format f for this shape, else -ENOSYS + message */
+    int (*supports_lean)(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim, int block_size, char *err,
+                         size_t errlen);
 };
 
 #ifdef __cplusplus

@@ -28,7 +28,7 @@ static const struct row REGISTRY[] = {
     {"storage", "f32", &kvs_kv_storage_f32, "fp32 K and V (the cpu backend's)"},
     {"storage", "bf16", &kvs_kv_storage_bf16, "bf16 K and V (the cuda backend's)"},
     {"storage", "lean", &kvs_kv_storage_lean,
-     "LeanKV quantized pages (K above V; static modes built, dynamic tiers and pruning not yet)"},
+     "LeanKV quantized pages (K above V; static modes, and dynamic tiers with pruning)"},
     {"reuse", "none", &kvs_kv_reuse_none, "no sharing"},
     {"reuse", "prefix", &kvs_kv_reuse_prefix, "automatic prefix caching of full blocks"},
     {"reuse", "lazy", &kvs_kv_reuse_lazy, "LazyAttention document cache (position-agnostic, deferred RoPE)"},

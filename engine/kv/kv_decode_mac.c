@@ -16,7 +16,13 @@
  * one download per step that ran), so decode steps keep the runner's recorded graphs: in a
  * decode-only step every row (padding rows too) runs MAC's kernels, the host decisions of
  * attend() are the same for every such step, and everything per step is in the uploaded rows.
- * Errors: create returns -ENOSYS (no kernels on the backend), -ENOMEM with a message.
+ * Storage: the plain pool, or kv.storage = lean in a static mode (K16V16, K8V8, K8V4, K4V4: the
+ * composition matrix's "with MAC, quantize only"): MAC's kernels then read the layer's LeanKV
+ * pages and dequantize each key and value on read (kernels/kv_mac.h), and prefill rows go
+ * through the format's attention (kvs_kv_attention). LeanKV's dynamic mode (importance tiers,
+ * pruning) is refused: its storage refuses any decode but full, and so does create below.
+ * Errors: create returns -ENOSYS (no kernels on the backend, or none over that storage's
+ * format), -EINVAL (lean dynamic), -ENOMEM with a message.
  */
 #include "engine/kv/kv.h"
 
@@ -27,6 +33,7 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/kv/kv_storage_lean.h"
 #include "kernels/kv_mac.h"
 
 struct mac_seq {
@@ -56,7 +63,8 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
 {
     const struct kvs_config *cfg = env->cfg;
     const struct kvs_backend_ops *o = env->o;
-    if (env->storage_fmt)   /* MAC's kernels read the plain K/V pool (band, tail, rings) */
+    /* MAC's kernels read the plain K/V pool, or LeanKV's static pages (dequantized on read) */
+    if (env->storage_fmt && strcmp(env->storage_fmt, "lean"))
         return kvs_err(err, errlen, -ENOSYS,
                        "config keys 'kv.decode' = \"mac\" and 'kv.storage' = \"%s\": MAC's kernels over that "
                        "storage's format are not built", env->storage_fmt);
@@ -64,6 +72,23 @@ static int mac_create(const struct kvs_kv_decode_env *env, void **state, char *e
     if (!k) return -ENOSYS;
     int rc = k->supports(env->n_heads, env->n_kv_heads, env->head_dim, err, errlen);
     if (rc) return rc;
+    if (env->storage_fmt) {
+        const char *mode = cfg && cfg->lean_mode && *cfg->lean_mode ? cfg->lean_mode : "K8V4";
+        struct kvs_lean_fmt f;
+        if (!strcmp(mode, "dynamic") || !strcmp(mode, "adaptive"))   /* the storage refuses it first */
+            return kvs_err(err, errlen, -EINVAL,
+                           "config keys 'kv.decode' = \"mac\" and 'kv.lean.mode' = \"%s\": with MAC, LeanKV "
+                           "quantizes only (no importance tiers, no pruning): use a static mode (K8V8, K8V4, K4V4)",
+                           mode);
+        if (kvs_lean_fmt_parse(mode, &f) < 0)
+            return kvs_err(err, errlen, -EINVAL, "config key 'kv.lean.mode': \"%s\" is not a LeanKV format", mode);
+        if (!k->supports_lean)
+            return kvs_err(err, errlen, -ENOSYS,
+                           "config keys 'kv.decode' = \"mac\" and 'kv.storage' = \"lean\": MAC's kernels on "
+                           "backend %s do not read LeanKV pages", o->name);
+        rc = k->supports_lean(f, env->n_heads, env->n_kv_heads, env->head_dim, env->block_size, err, errlen);
+        if (rc) return rc;
+    }
     /* 0.75, not the paper's 0.45: at 0.45 every model measured here (SmolLM2, the long-context and
      * demo models) lost KL 0.09-0.71 nats and 6-15% top-1; 0.75 (the paper's LongGenBench setting)
      * keeps KL <= 0.01 at 34-46% hits (bench/RESULTS.md, the tau table; tau's meaning depends on
@@ -183,10 +208,14 @@ static void mac_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_backend_ops *o = s->env.o;
     const int n = a->step->n_rows;
     /* prefill rows (and rows of side prefills): exact attention; decode rows are overwritten */
-    if (s->any_full)
-        o->attention(s->env.be, a->q, a->kv.k, a->kv.v, a->step->m, n, a->n_heads, a->n_kv_heads, a->head_dim,
-                     a->block_size, a->scale, a->out);
+    if (s->any_full) kvs_kv_attention(o, s->env.be, a, a->out);   /* the format's own over LeanKV pages */
     if (!s->n_work) return;
+    struct kvs_lean_fmt lf = {0, 0};
+    const struct kvs_dbuf *pages = NULL;
+    if (a->kv.fmt) {   /* create let only lean's static modes through */
+        pages = kvs_kv_lean_static_pages(&a->kv, &lf);
+        KVS_ASSERT(pages);
+    }
     const struct kvs_mac_call c = {
         .layer = layer, .n_layers = s->env.n_layers, .K = s->K, .band = s->band,
         .n = n, .n_heads = a->n_heads, .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim,
@@ -195,6 +224,7 @@ static void mac_attend(void *state, int layer, const struct kvs_kv_attend *a)
         .p = s->d_p, .p_off = (size_t)layer * n * a->n_heads,
         .ring_q = s->ring_q, .ring_o = s->ring_o, .ring_lse = s->ring_lse, .ring_tag = s->ring_tag,
         .out = a->out, .lse = a->lse ? a->lse : s->d_lse, .work = s->work, .work_n = s->work_n,
+        .lean = lf, .pages = pages,
     };
     s->k->match(s->env.be, &c);
     s->k->attend(s->env.be, &c);

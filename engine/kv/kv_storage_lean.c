@@ -27,6 +27,7 @@
 
 #include "base/util.h"
 #include "engine/config.h"
+#include "engine/kv/kv_storage_lean.h"
 #include "engine/kv/kv_storage_lean_dyn.h"
 #include "kernels/kv_lean.h"
 
@@ -196,6 +197,16 @@ static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
 }
 
 struct kvs_lean_dyn_store *kvs_kv_storage_lean_dyn_of(void *state) { return ((struct lean *)state)->dyn; }
+
+/* MAC's kernels read the static pages themselves (kv_storage_lean.h) */
+const struct kvs_dbuf *kvs_kv_lean_static_pages(const struct kvs_kv_view *v, struct kvs_lean_fmt *f)
+{
+    if (!v || v->fmt != &kvs_kv_storage_lean || !v->fmt_state) return NULL;
+    const struct lean *s = v->fmt_state;
+    if (s->dyn || v->layer < 0 || v->layer >= s->sh.n_layers) return NULL;
+    *f = s->fmt;
+    return s->pages[v->layer];
+}
 
 /* per-request state: the dynamic mode's only (static modes store at block-table slots) */
 static int lean_seq_init(void *state, int slot)

@@ -1,7 +1,10 @@
 /* kv_mac.c: the CPU reference of MAC-Attention's kernels (kernels/kv_mac.h): the ring match and
  * the amend + complete + rectify-append attention, in plain fp32 C. The span attention follows
  * cpu_attn_span.c (online softmax over positions in increasing order, deferred-RoPE blocks,
- * padding slots skipped), so one span [0, m] gives attention_spans' result.
+ * padding slots skipped), so one span [0, m] gives attention_spans' result. Over LeanKV pages
+ * (kv.storage = lean, a static mode) each key and value is dequantized on read with the format's
+ * host dequantizer (kernels/kv_lean_format.c), in kernels/cpu/kv_lean.c's order: the same fp32
+ * operands, so the same arithmetic follows; over the plain pool nothing changes.
  */
 #include <errno.h>
 #include <math.h>
@@ -61,6 +64,28 @@ static void match_task(void *arg, int task)
     if (best_pos >= 0 && best < c->thresh2) *p = best_pos;
 }
 
+/* LeanKV page addressing (kernels/kv_lean.h): the page of (block, KV head g) holds K codes
+ * [bs][kc], V codes [bs][vc], then K (s, z) [bs][4 bytes] and V (s, z) [bs][4 bytes], each (s, z)
+ * side present only below 16 bits. Dequantizes token off's key into kx and value into vx. */
+static void lean_load(const struct kvs_mac_call *c, int block, int g, int off, float *kx, float *vx)
+{
+    const struct kvs_lean_fmt f = c->lean;
+    const int hd = c->head_dim, bs = c->block_size;
+    const size_t kc = (size_t)hd * f.kbits / 8, vc = (size_t)hd * f.vbits / 8;
+    const uint8_t *page = (const uint8_t *)c->pages->data +
+                          ((size_t)block * c->n_kv_heads + g) * kvs_lean_page_bytes(f, hd, bs);
+    const uint8_t *meta = page + (size_t)bs * (kc + vc);
+    uint16_t sz[2] = {0, 0};
+    if (f.kbits < 16) {
+        memcpy(sz, meta + (size_t)off * 4, 4);
+        meta += (size_t)bs * 4;
+    }
+    kvs_lean_dequantize(page + (size_t)off * kc, sz, hd, f.kbits, kx);
+    sz[0] = sz[1] = 0;
+    if (f.vbits < 16) memcpy(sz, meta + (size_t)off * 4, 4);
+    kvs_lean_dequantize(page + (size_t)bs * kc + (size_t)off * vc, sz, hd, f.vbits, vx);
+}
+
 /* Attention of q0 (post-RoPE) over positions [lo, hi) of sequence seq, KV head g: (o, lse),
  * o = 0 and lse = -inf when nothing is selected. */
 static void span_partial(const struct kvs_mac_call *c, int seq, int g, const float *q0, int lo, int hi, float *o,
@@ -71,8 +96,9 @@ static void span_partial(const struct kvs_mac_call *c, int seq, int g, const flo
     const int32_t *bt = I(m->block_tables) + (size_t)seq * m->max_blocks;
     const int32_t *rot = m->rot_offsets ? I(m->rot_offsets) + (size_t)seq * m->max_blocks : NULL;
     const int32_t *valid = m->block_valid ? I(m->block_valid) + (size_t)seq * m->max_blocks : NULL;
-    const float *kc = F(c->kc), *vc = F(c->vc);
-    float qr[MAX_HEAD_DIM];
+    const int lean = c->lean.kbits > 0;
+    const float *kc = lean ? NULL : F(c->kc), *vc = lean ? NULL : F(c->vc);
+    float qr[MAX_HEAD_DIM], kx[MAX_HEAD_DIM], vx[MAX_HEAD_DIM];
     const float *q = q0;
     int cur_rot = 0;
     float mx = -INFINITY, l = 0.0f;
@@ -89,9 +115,15 @@ static void span_partial(const struct kvs_mac_call *c, int seq, int g, const flo
             if (r) rotate_back(q0, F(m->inv_freq), r, hd, qr);
             q = r ? qr : q0;
         }
-        const size_t base = (((size_t)bt[bi] * c->n_kv_heads + g) * bs + off) * hd;
-        const float sc = dot_f32(q, kc + base, hd) * c->scale;
-        const float *v = vc + base;
+        const float *k, *v;
+        if (lean) {
+            lean_load(c, bt[bi], g, off, kx, vx);
+            k = kx, v = vx;
+        } else {
+            const size_t base = (((size_t)bt[bi] * c->n_kv_heads + g) * bs + off) * hd;
+            k = kc + base, v = vc + base;
+        }
+        const float sc = dot_f32(q, k, hd) * c->scale;
         if (sc > mx) {
             const float corr = expf(mx - sc);
             l *= corr;
@@ -163,6 +195,7 @@ static void cpu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     KVS_ASSERT(c->head_dim <= MAX_HEAD_DIM && c->n_kv_heads > 0 && c->n_heads % c->n_kv_heads == 0);
     KVS_ASSERT(!c->m->rot_offsets || c->m->inv_freq);
+    KVS_ASSERT(!c->lean.kbits || c->pages);
     kvs_cpu_pool_run(b->pool, c->n * c->n_heads, attend_task, (void *)c);
 }
 
@@ -208,5 +241,17 @@ static size_t cpu_work_elems(int max_rows, int n_heads, int head_dim)
     return 0;
 }
 
+/* every format the host dequantizer takes (2, 4, 8, 16 bits), vectors of whole bytes */
+static int cpu_supports_lean(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                             char *err, size_t errlen)
+{
+    int rc = cpu_supports(n_heads, n_kv_heads, head_dim, err, errlen);
+    if (rc) return rc;
+    if (f.kbits < 2 || f.kbits > 16 || f.vbits < 2 || f.vbits > 16 || head_dim % 4 || block_size < 1)
+        return kvs_err(err, errlen, -ENOSYS, "mac: LeanKV pages K%dV%d with head_dim %d not supported on the cpu",
+                       f.kbits, f.vbits, head_dim);
+    return 0;
+}
+
 const struct kvs_mac_kernels kvs_mac_kernels_cpu = {cpu_supports, cpu_work_elems, cpu_match, cpu_attend,
-                                                    cpu_count};
+                                                    cpu_count, cpu_supports_lean};

@@ -21,6 +21,13 @@
  *   k_mac_count    the counters (kv_mac.h count()) added up on the device.
  * Head shapes: head_dim 64 or 128, 1 to 16 q heads per KV head (others: -ENOSYS); the first span
  * kernel (KVS_MAC_SPAN=0) only for 1, 2, 4 or 8 (other group sizes take the tiled one).
+ * Over LeanKV pages (kv.storage = lean, static modes; kernels/kv_mac.h) the tiled span kernel's
+ * tile stage is its template's other loader (lean_tile, per format): each lane reads its key's
+ * fp16 (s, z) once, the warp reads the tile's codes and dequantizes them (x^ = s code - z in
+ * fp32, rounded as the host's, then bf16: the precision of the plain pool) into the same
+ * shared-memory tile the plain path fills with cp.async, so everything after the stage is the
+ * plain path's code; the plain instantiation is unchanged. The lean stage is synchronous (its
+ * loads are batched, but not in flight while the previous tile computes).
  * Launched on the backend's stream, in order with its ops; nothing is synchronized or
  * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
  * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
@@ -31,6 +38,8 @@
 
 #include <stdlib.h>
 #include <string.h>
+
+#include <cuda_fp16.h>
 
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
@@ -400,7 +409,129 @@ struct span_tc_args {
     const int32_t *rows, *p;
     float *work;
     int band, Z;
+    /* LeanKV pages (the LEAN instantiation; kernels/kv_lean.h layout): bits and code bytes of a
+     * K / V vector, bytes of a page */
+    const uint8_t *pages;
+    int kbits, vbits, kcb, vcb;
+    long long page;
 };
+
+/* Elements 8 c .. 8 c + 7 of a LeanKV vector at B bits from their raw code words w (B / 4 words;
+ * szw: the vector's fp16 (s, z) as one little-endian word, unused at 16 bits), dequantized as the
+ * host's kvs_lean_dequantize (s * code - z, each operation rounded, no contraction) and rounded
+ * to bf16. */
+template <int B>
+static __device__ __forceinline__ uint4 lean_deq8(const uint32_t (&w)[B / 4], uint32_t szw)
+{
+    float x[8];
+    if constexpr (B == 16) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            x[i] = __half2float(__ushort_as_half((unsigned short)(w[i / 2] >> (16 * (i % 2)))));
+    } else {
+        const float sc = __half2float(__ushort_as_half((unsigned short)(szw & 0xffffu)));
+        const float z = __half2float(__ushort_as_half((unsigned short)(szw >> 16)));
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const uint32_t code = (w[(B * i) / 32] >> ((B * i) % 32)) & ((1u << B) - 1u);
+            x[i] = __fsub_rn(__fmul_rn(sc, (float)code), z);
+        }
+    }
+    uint4 out;
+    bf16 *o = reinterpret_cast<bf16 *>(&out);
+#pragma unroll
+    for (int i = 0; i < 8; i++) o[i] = __float2bfloat16(x[i]);
+    return out;
+}
+
+/* B / 4 aligned words of codes (pages are a multiple of 16 bytes, cu_supports_lean) */
+template <int B>
+static __device__ __forceinline__ void lean_ld(const uint8_t *p, uint32_t (&w)[B / 4])
+{
+    if constexpr (B == 16) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4 *>(p));
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if constexpr (B == 8) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        static_assert(B == 4, "lean_ld: 4, 8 or 16 bits");
+        w[0] = __ldg(reinterpret_cast<const uint32_t *>(p));
+    }
+}
+
+/* tile_issue's job over LeanKV pages of format KB / VB: the tile that m describes (m.row: the
+ * plain pool's element offset of lane l's key, ((page) bs + slot) HD, or -1) dequantized into
+ * dk / dv, keys not read zero-filled, each key's info into ko. One warp (the tiled span kernel's
+ * block). Each lane reads its key's (s, z) words once; then, RUN copies at a time, the codes of
+ * RUN chunks are loaded before any is dequantized, so their loads are in flight together (a
+ * first version loaded, dequantized and stored one chunk at a time: a miss over K8V4 pages ran
+ * 6x slower than over the bf16 pool, bench/RESULTS.md). */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_tile(const span_tc_args &x, const tile_meta &m, bf16 *dk, bf16 *dv, int kst,
+                                          int *ko)
+{
+    constexpr int CH = HD / 8, IT = AT_TILE * CH / 32, RUN = IT < 8 ? IT : 8;
+    const int lane = threadIdx.x & 31, bs = x.a.bs;
+    ko[lane] = m.info;
+    long long pg = -1;   /* byte offset of this lane's key's page */
+    int sl = 0;
+    uint32_t ksz = 0, vsz = 0;
+    if (m.row >= 0) {
+        const long long slot = m.row / HD, pidx = slot / bs;
+        sl = (int)(slot - pidx * bs);
+        pg = pidx * x.page;
+        const uint8_t *meta = x.pages + pg + (long long)bs * (x.kcb + x.vcb);
+        if (KB < 16) {
+            ksz = __ldg(reinterpret_cast<const uint32_t *>(meta + sl * 4));
+            meta += bs * 4;
+        }
+        if (VB < 16) vsz = __ldg(reinterpret_cast<const uint32_t *>(meta + sl * 4));
+    }
+#pragma unroll
+    for (int r0 = 0; r0 < IT; r0 += RUN) {
+        uint32_t kw[RUN][KB / 4], vw[RUN][VB / 4], kz[RUN], vz[RUN];
+        bool ok[RUN];
+#pragma unroll
+        for (int u = 0; u < RUN; u++) {
+            const int idx = lane + 32 * (r0 + u), j = idx / CH, c = idx % CH;
+            const long long p = __shfl_sync(FULL, pg, j);
+            const int sj = __shfl_sync(FULL, sl, j);
+            kz[u] = __shfl_sync(FULL, ksz, j), vz[u] = __shfl_sync(FULL, vsz, j);
+            ok[u] = p >= 0;
+            if (ok[u]) {
+                const uint8_t *page = x.pages + p;
+                lean_ld<KB>(page + (long long)sj * (HD * KB / 8) + c * KB, kw[u]);
+                lean_ld<VB>(page + (long long)bs * (HD * KB / 8) + (long long)sj * (HD * VB / 8) + c * VB, vw[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < KB / 4; i++) kw[u][i] = 0;
+#pragma unroll
+                for (int i = 0; i < VB / 4; i++) vw[u][i] = 0;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < RUN; u++) {
+            const int idx = lane + 32 * (r0 + u), j = idx / CH, c = idx % CH;
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4 *>(dk + j * kst + c * 8) = ok[u] ? lean_deq8<KB>(kw[u], kz[u]) : zero;
+            *reinterpret_cast<uint4 *>(dv + j * kst + c * 8) = ok[u] ? lean_deq8<VB>(vw[u], vz[u]) : zero;
+        }
+    }
+}
+
+/* lean_tile for the call's format (warp-uniform switch; the static modes) */
+template <int HD>
+__device__ __forceinline__ void lean_tile_any(const span_tc_args &x, const tile_meta &m, bf16 *dk, bf16 *dv, int kst,
+                                              int *ko)
+{
+    switch (x.kbits * 100 + x.vbits) {
+    case 1616: lean_tile<HD, 16, 16>(x, m, dk, dv, kst, ko); break;
+    case 808: lean_tile<HD, 8, 8>(x, m, dk, dv, kst, ko); break;
+    case 804: lean_tile<HD, 8, 4>(x, m, dk, dv, kst, ko); break;
+    default: lean_tile<HD, 4, 4>(x, m, dk, dv, kst, ko); break;   /* cu_supports_lean lets only these through */
+    }
+}
 
 template <int HD, bool ROT>
 struct span_tc_cfg {
@@ -410,7 +541,7 @@ struct span_tc_cfg {
                                    (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);
 };
 
-template <int HD, int MT, bool ROT>
+template <int HD, int MT, bool ROT, bool LEAN>
 __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span_tc_args x)
 {
     typedef span_tc_cfg<HD, ROT> C;
@@ -463,7 +594,8 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     auto lookup = [&](int it) { return tile_lookup<HD>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, nullptr); };
     auto issue = [&](const tile_meta &tm, int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
-        tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+        if constexpr (LEAN) lean_tile_any<HD>(x, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+        else tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
@@ -814,27 +946,34 @@ static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
     }
 }
 
-template <int HD, bool ROT>
+template <int HD, bool ROT, bool LEAN>
 static void launch_span_tc_rot(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
 {
     const size_t smem = span_tc_cfg<HD, ROT>::smem;   /* under 48 KB: no opt-in needed */
     static_assert(span_tc_cfg<HD, ROT>::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
-    if (G <= 8) k_mac_span_tc<HD, 1, ROT><<<grid, 32, smem, st>>>(x);
-    else k_mac_span_tc<HD, 2, ROT><<<grid, 32, smem, st>>>(x);
+    if (G <= 8) k_mac_span_tc<HD, 1, ROT, LEAN><<<grid, 32, smem, st>>>(x);
+    else k_mac_span_tc<HD, 2, ROT, LEAN><<<grid, 32, smem, st>>>(x);
 }
 
 template <int HD>
 static void launch_span_tc(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
 {
-    if (x.a.rot) launch_span_tc_rot<HD, true>(G, grid, st, x);
-    else launch_span_tc_rot<HD, false>(G, grid, st, x);
+    if (x.pages) {
+        if (x.a.rot) launch_span_tc_rot<HD, true, true>(G, grid, st, x);
+        else launch_span_tc_rot<HD, false, true>(G, grid, st, x);
+    } else {
+        if (x.a.rot) launch_span_tc_rot<HD, true, false>(G, grid, st, x);
+        else launch_span_tc_rot<HD, false, false>(G, grid, st, x);
+    }
 }
 
 static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
 {
     cudaStream_t st = b->stream;
     const int G = c->n_heads / c->n_kv_heads, hd = c->head_dim;
-    const int tiled = !env_off("KVS_MAC_SPAN") || (G != 1 && G != 2 && G != 4 && G != 8);
+    const int lean = c->lean.kbits > 0;   /* LeanKV pages: the tiled kernel's lean stage */
+    KVS_ASSERT(!lean || c->pages);
+    const int tiled = lean || !env_off("KVS_MAC_SPAN") || (G != 1 && G != 2 && G != 4 && G != 8);
     /* splits: enough blocks for several resident waves of one-warp blocks (tiled) or two waves of
      * 4-warp blocks, at most one per MIN_SPLIT_POS positions of the longest context (the plan
      * bound of a recorded step, whose contexts grow), within the scratch */
@@ -853,8 +992,8 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         span_tc_args x;
         memset(&x, 0, sizeof x);
         x.a.q = (const float *)P(c->q);
-        x.a.kc = (const bf16 *)P(c->kc);
-        x.a.vc = (const bf16 *)P(c->vc);
+        x.a.kc = lean ? NULL : (const bf16 *)P(c->kc);
+        x.a.vc = lean ? NULL : (const bf16 *)P(c->vc);
         x.a.bt = (const int32_t *)P(m->block_tables);
         x.a.rot = m->rot_offsets ? (const int32_t *)P(m->rot_offsets) : NULL;
         x.a.valid = m->block_valid ? (const int32_t *)P(m->block_valid) : NULL;
@@ -870,6 +1009,12 @@ static void cu_attend(struct kvs_backend *b, const struct kvs_mac_call *c)
         x.work = (float *)P(c->work);
         x.band = c->band;
         x.Z = Z;
+        if (lean) {
+            x.pages = (const uint8_t *)P(c->pages);
+            x.kbits = c->lean.kbits, x.vbits = c->lean.vbits;
+            x.kcb = hd * c->lean.kbits / 8, x.vcb = hd * c->lean.vbits / 8;
+            x.page = (long long)kvs_lean_page_bytes(c->lean, hd, c->block_size);
+        }
         if (hd == 64) launch_span_tc<64>(G, grid, st, x);
         else launch_span_tc<128>(G, grid, st, x);
     } else {
@@ -909,5 +1054,23 @@ static void cu_count(struct kvs_backend *b, const struct kvs_mac_call *c, struct
     CUDA_CHECK(cudaGetLastError());
 }
 
+/* LeanKV pages: the formats of 2, 4, 8 or 16 bits a side, pages of a multiple of 16 bytes (the
+ * stage's aligned vector loads; LeanKV's own CUDA kernels ask the same) */
+static int cu_supports_lean(struct kvs_lean_fmt f, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                            char *err, size_t errlen)
+{
+    int rc = cu_supports(n_heads, n_kv_heads, head_dim, err, errlen);
+    if (rc) return rc;
+    /* the static modes kv.lean.mode offers */
+    const int ok_bits = (f.kbits == 16 && f.vbits == 16) || (f.kbits == 8 && (f.vbits == 8 || f.vbits == 4)) ||
+                        (f.kbits == 4 && f.vbits == 4);
+    if (!ok_bits || block_size < 1 || kvs_lean_page_bytes(f, head_dim, block_size) % 16)
+        return kvs_err(err, errlen, -ENOSYS,
+                       "config keys 'kv.decode' = \"mac\" and 'kv.storage' = \"lean\": the CUDA mac kernels read "
+                       "LeanKV pages K16V16, K8V8, K8V4 or K4V4 whose size is a multiple of 16 bytes (K%dV%d, head_dim "
+                       "%d, block size %d)", f.kbits, f.vbits, head_dim, block_size);
+    return 0;
+}
+
 extern "C" const struct kvs_mac_kernels kvs_mac_kernels_cuda = {cu_supports, cu_work_elems, cu_match, cu_attend,
-                                                                  cu_count};
+                                                                  cu_count, cu_supports_lean};

@@ -10,7 +10,12 @@
  * positions must be equal, outputs within the bf16 tolerance (rel-L2 <= 2e-2; the CUDA rings
  * hold bf16), log-sum-exps within 2e-2. The same at ~6K-token contexts (several splits of the
  * tiled span kernel, bands across tile boundaries, a ring of 40 entries). KVS_MAC_MATCH=0 /
- * KVS_MAC_SPAN=0 run the first kernels through the same checks. */
+ * KVS_MAC_SPAN=0 run the first kernels through the same checks.
+ * Over LeanKV pages (kv.storage = lean, static modes K16V16 / K8V8 / K8V4 / K4V4; kernels/kv_mac.h
+ * lean): the same scenario with the pool written as pages by each backend's LeanKV writer: CUDA
+ * against the CPU reference (matches equal, the same tolerances), and CUDA over the pages equal,
+ * bitwise, to CUDA over a bf16 pool holding the dequantized K/V (the lean stage fills the tiles
+ * the plain path copies). Through the engine: lean K8V4 + mac at tau 0 with graphs and eagerly. */
 #include <stdio.h>
 
 #include "base/util.h"
@@ -83,6 +88,70 @@ static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
     mc_free(&c), mc_free(&g);
 }
 
+/* MAC over LeanKV pages of format f: c = the CPU reference over the pages, g = CUDA over the pages,
+ * h = CUDA over a bf16 pool of the dequantized K/V (mc_lean_plain); run_shape's steps */
+static void run_lean(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, int nkv, int hd, int use_rot,
+                     struct kvs_lean_fmt f, double *worst, int far)
+{
+    struct mc c, g, h;
+    const int S = 4, K = far ? 40 : 16, band = far ? 300 : 24, bs = 16, max_blocks = far ? 400 : 48;
+    const uint64_t seed = 0x1ea75eedu + (uint64_t)(nh * 131 + hd + use_rot + f.kbits * 7 + f.vbits);
+    mc_rng = seed;
+    mc_init(&c, &kvs_cpu_backend, cpu, S, nh, nkv, hd, bs, max_blocks, K, band, use_rot);
+    mc_rng = seed;
+    mc_init(&g, &kvs_cuda_backend, gpu, S, nh, nkv, hd, bs, max_blocks, K, band, use_rot);
+    mc_rng = seed;
+    mc_init(&h, &kvs_cuda_backend, gpu, S, nh, nkv, hd, bs, max_blocks, K, band, use_rot);
+    REQUIRE(mc_lean(&c, f) == 0 && mc_lean(&g, f) == 0, "LeanKV kernels missing");
+    mc_lean_plain(&h, f);
+    c.thresh2 = g.thresh2 = h.thresh2 = 2.0f * hd * 0.55f * 0.55f;   /* tau = 0.45 */
+    const size_t qd = (size_t)nh * hd;
+    float *fixed = malloc(3 * qd * 4), *q = malloc(16 * S * qd * 4);
+    for (size_t i = 0; i < 3 * qd; i++) fixed[i] = 3.0f * mc_frand();
+    int pos[4] = {300, 420, 511, 377}, nr[4] = {16, 16, 16, 16}, fl[4];
+    for (int s = 0; far && s < S; s++) pos[s] += 5600 + 37 * s;
+    for (int s = 0; s < S; s++) fl[s] = KVS_MAC_F_APPEND;
+    for (size_t i = 0; i < 16 * S * qd; i++) q[i] = mc_frand();
+    for (int s = 0; s < S; s++) memcpy(q + ((size_t)s * 16 + 15) * qd, s == 3 ? fixed + 2 * qd : q, qd * 4);
+    mc_step(&c, pos, nr, fl, q, q);
+    mc_step(&g, pos, nr, fl, q, q);
+    mc_step(&h, pos, nr, fl, q, q);
+    int hits = 0, misses = 0, p_same = 1, bitwise = 1;
+    for (int step = 0; step < 30; step++) {
+        for (int s = 0; s < S; s++) pos[s]++, nr[s] = 1, fl[s] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH | KVS_MAC_F_APPEND;
+        for (int s = 0; s < S; s++) {
+            float *qs = q + (size_t)s * qd;
+            if (s == 0) memcpy(qs, fixed, qd * 4);
+            else if (s == 1) for (size_t i = 0; i < qd; i++) qs[i] = 4.0f * mc_frand();
+            else if (s == 2) memcpy(qs, fixed + (size_t)(step % 2) * qd, qd * 4);
+            else memcpy(qs, fixed + 2 * qd, qd * 4);
+        }
+        mc_step(&c, pos, nr, fl, q, q);
+        mc_step(&g, pos, nr, fl, q, q);
+        mc_step(&h, pos, nr, fl, q, q);
+        for (int i = 0; i < S * nh; i++) {
+            p_same &= c.o_p[i] == g.o_p[i];
+            hits += c.o_p[i] >= 0, misses += c.o_p[i] < 0;
+        }
+        bitwise &= !memcmp(g.o_out, h.o_out, S * qd * 4) && !memcmp(g.o_lse, h.o_lse, (size_t)S * nh * 4) &&
+                   !memcmp(g.o_p, h.o_p, (size_t)S * nh * 4);
+        const double e = rel_l2(g.o_out, c.o_out, S * qd);
+        double el = 0;
+        for (int i = 0; i < S * nh; i++) el = fmax(el, fabs(g.o_lse[i] - c.o_lse[i]));
+        if (e > *worst) *worst = e;
+        CHECK(e <= 2e-2 && el <= 2e-2, "lean K%dV%d heads %d/%d hd %d rot %d step %d: rel-L2 %g, lse err %g", f.kbits,
+              f.vbits, nh, nkv, hd, use_rot, step, e, el);
+    }
+    CHECK(p_same && bitwise && hits > 0 && misses > 0,
+          "lean K%dV%d heads %d/%d hd %d rot %d: matches equal %d, = dequantized bf16 pool bitwise %d (%d hits, %d "
+          "misses)", f.kbits, f.vbits, nh, nkv, hd, use_rot, p_same, bitwise, hits, misses);
+    printf("ok cuda mac over lean K%dV%d heads %d/%d head_dim %d %s%s: %d hits / %d misses, matches equal the cpu's, "
+           "= mac over the dequantized bf16 pool bitwise, worst rel-L2 so far %.2e\n", f.kbits, f.vbits, nh, nkv, hd,
+           use_rot ? "lazy layout" : "plain", far ? " at ~6K context" : "", hits, misses, *worst);
+    free(fixed), free(q);
+    mc_free(&c), mc_free(&g), mc_free(&h);
+}
+
 /* count() on the device equals the CPU reference's on the same inputs (heads nh / nkv, nh <= 32) */
 static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, int nkv, int hd)
 {
@@ -112,7 +181,7 @@ static void run_count(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
 #define EJ 5
 #define EGEN 24
 static int engine_run(const char *decode, double tau, int graphs, int32_t (*got)[EGEN], struct kvs_engine_stats *st,
-                      const struct kvs_model *model)
+                      const struct kvs_model *model, const char *lean_mode)
 {
     static int32_t prompt[EJ][64];
     struct kvs_test_job tj[EJ];
@@ -130,6 +199,10 @@ static int engine_run(const char *decode, double tau, int graphs, int32_t (*got)
     c.kv_block_size = 16, c.kv_memory_bytes = 8 << 20, c.max_batch_tokens = 128, c.max_running = 4;
     c.max_waiting = 64, c.max_model_len = 256;
     c.mac_tau = tau, c.mac_gen_min = 16, c.mac_ring_size = 32, c.mac_band = 4;
+    if (lean_mode) {   /* kv.storage = lean in that static mode */
+        free(c.kv_storage), c.kv_storage = kvs_xstrdup("lean");
+        free(c.lean_mode), c.lean_mode = kvs_xstrdup(lean_mode);
+    }
     if (graphs) unsetenv("KVS_GRAPHS");
     else setenv("KVS_GRAPHS", "0", 1);
     char err[256];
@@ -158,8 +231,8 @@ static void run_engine(void)
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
     static int32_t g0[EJ][EGEN], e0[EJ][EGEN], g1[EJ][EGEN], f1[EJ][EGEN];
     struct kvs_engine_stats sg, se, s1, sf;
-    const int okg = engine_run("mac", 0.0, 1, g0, &sg, model), oke = engine_run("mac", 0.0, 0, e0, &se, model);
-    const int ok1 = engine_run("mac", 1.0, 1, g1, &s1, model), okf = engine_run("full", 1.0, 1, f1, &sf, model);
+    const int okg = engine_run("mac", 0.0, 1, g0, &sg, model, NULL), oke = engine_run("mac", 0.0, 0, e0, &se, model, NULL);
+    const int ok1 = engine_run("mac", 1.0, 1, g1, &s1, model, NULL), okf = engine_run("full", 1.0, 1, f1, &sf, model, NULL);
     const double lg = okg ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_lookups_total") : 0;
     const double hg = okg ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_hits_total") : 0;
     const double le = oke ? kvs_engine_kv_counter(&se, "kvserve:kv_mac_lookups_total") : 0;
@@ -171,6 +244,24 @@ static void run_engine(void)
     printf("ok cuda mac through the engine (demo model): graphs %g/%g hits/lookups, eager %g/%g; tokens agree "
            "graphs/eager %.0f%%, tau 1 vs full %.0f%% (printed, not checked)\n", hg, lg, he, le, 100 * agree(g0, e0),
            100 * agree(g1, f1));
+
+    /* over LeanKV K8V4 pages: the same four runs, full over the same pages as the reference */
+    const int lg_ok = engine_run("mac", 0.0, 1, g0, &sg, model, "K8V4");
+    const int le_ok = engine_run("mac", 0.0, 0, e0, &se, model, "K8V4");
+    const int l1_ok = engine_run("mac", 1.0, 1, g1, &s1, model, "K8V4");
+    const int lf_ok = engine_run("full", 1.0, 1, f1, &sf, model, "K8V4");
+    const double Lg = lg_ok ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_lookups_total") : 0;
+    const double Hg = lg_ok ? kvs_engine_kv_counter(&sg, "kvserve:kv_mac_hits_total") : 0;
+    const double Le = le_ok ? kvs_engine_kv_counter(&se, "kvserve:kv_mac_lookups_total") : 0;
+    const double He = le_ok ? kvs_engine_kv_counter(&se, "kvserve:kv_mac_hits_total") : 0;
+    const double L1 = l1_ok ? kvs_engine_kv_counter(&s1, "kvserve:kv_mac_lookups_total") : -1;
+    const double cr = lg_ok ? kvs_engine_kv_counter(&sg, "kvserve:kv_storage_compression_ratio") : 0;
+    CHECK(lg_ok && le_ok && l1_ok && lf_ok && Lg > 0 && Hg > 0 && Le > 0 && He > 0 && L1 == 0 && cr > 2.0,
+          "engine lean K8V4: runs ok %d %d %d %d, graphs lookups %g hits %g, eager lookups %g hits %g, tau 1 lookups "
+          "%g, compression %g", lg_ok, le_ok, l1_ok, lf_ok, Lg, Hg, Le, He, L1, cr);
+    printf("ok cuda mac over lean K8V4 through the engine (demo model, compression %.2fx): graphs %g/%g hits/lookups, "
+           "eager %g/%g; tokens agree graphs/eager %.0f%%, tau 1 vs lean full %.0f%% (printed, not checked)\n", cr, Hg,
+           Lg, He, Le, 100 * agree(g0, e0), 100 * agree(g1, f1));
     kvs_model_free(model);
 }
 
@@ -192,6 +283,18 @@ int main(void)
     run_shape(cpu, gpu, 8, 8, 64, 1, &worst, 1);
     for (int rot = 0; rot < 2; rot++) run_shape(cpu, gpu, 9, 3, 64, rot, &worst, 1);   /* SmolLM2's 9/3 */
     run_shape(cpu, gpu, 16, 1, 128, 1, &worst, 1);
+    /* over LeanKV pages: every static mode, both layouts, and long contexts */
+    const struct kvs_lean_fmt lf[] = {{8, 4}, {16, 16}, {8, 8}, {4, 4}};
+    double worst_lean = 0;
+    for (int i = 0; i < 4; i++)
+        for (int rot = 0; rot < 2; rot++) {
+            run_lean(cpu, gpu, 8, 2, 128, rot, lf[i], &worst_lean, 0);
+            run_lean(cpu, gpu, 9, 3, 64, rot, lf[i], &worst_lean, 0);
+        }
+    run_lean(cpu, gpu, 4, 1, 64, 0, lf[0], &worst_lean, 0);
+    run_lean(cpu, gpu, 16, 1, 128, 1, lf[0], &worst_lean, 0);
+    for (int rot = 0; rot < 2; rot++) run_lean(cpu, gpu, 8, 2, 128, rot, lf[0], &worst_lean, 1);
+    run_lean(cpu, gpu, 9, 3, 64, 1, lf[3], &worst_lean, 1);
     run_count(cpu, gpu, 32, 8, 128);
     run_count(cpu, gpu, 9, 3, 64);
     run_engine();

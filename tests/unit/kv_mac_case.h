@@ -4,6 +4,9 @@
  * with a shuffled block table per sequence, one ring slot per sequence, one layer, optional
  * deferred-RoPE offsets and padded blocks (the LazyAttention layout). mc_step runs match +
  * attend for one step whose sequences each run rows_per_seq[s] rows ending at position pos_end[s].
+ * mc_lean stores the pool as LeanKV pages too (kernels/kv_lean.h, the backend's own writer) and
+ * makes the steps read those (kv.storage = lean under MAC); mc_lean_plain instead replaces the
+ * plain pool by its dequantized values (the reference MAC over lean must equal).
  * Header-only (static), one copy per test program. Ownership: mc_free releases everything. */
 #ifndef KVS_TEST_KV_MAC_CASE_H
 #define KVS_TEST_KV_MAC_CASE_H
@@ -13,6 +16,7 @@
 #include <string.h>
 
 #include "kernels/backend.h"
+#include "kernels/kv_lean.h"
 #include "kernels/kv_mac.h"
 
 #define MC_MAXS 8
@@ -29,6 +33,8 @@ struct mc {
     size_t work_n;
     struct kvs_dbuf *kc, *vc, *bt, *rot, *valid, *inv, *qs, *pos, *rows, *p, *rq, *ro, *rl, *rt, *q, *qp, *out, *lse;
     int use_rot;
+    struct kvs_lean_fmt lean;            /* kbits 0: steps read the plain pool */
+    struct kvs_dbuf *pages;              /* LeanKV pages of the pool (mc_lean) */
     /* last step, downloaded */
     int n;
     float *o_out, *o_lse;
@@ -107,7 +113,7 @@ static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct
 static inline void mc_free(struct mc *c)
 {
     struct kvs_dbuf *b[] = {c->kc, c->vc, c->bt, c->rot, c->valid, c->inv, c->qs, c->pos, c->rows,
-                            c->p, c->rq, c->ro, c->rl, c->rt, c->q, c->qp, c->out, c->lse, c->work};
+                            c->p, c->rq, c->ro, c->rl, c->rt, c->q, c->qp, c->out, c->lse, c->work, c->pages};
     for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) c->o->free_buf(c->be, b[i]);
     free(c->h_k), free(c->h_v), free(c->inv_freq), free(c->h_bt), free(c->h_rot), free(c->h_valid);
     free(c->o_out), free(c->o_lse), free(c->o_p);
@@ -157,13 +163,62 @@ static inline void mc_step(struct mc *c, const int *pos_end, const int *nrows, c
         .head_dim = c->hd, .block_size = c->bs, .scale = 1.0f / sqrtf((float)c->hd), .thresh2 = c->thresh2,
         .q = c->q, .q_pre = c->qp, .kc = c->kc, .vc = c->vc, .m = &m, .rows = c->rows, .p = c->p, .p_off = 0,
         .ring_q = c->rq, .ring_o = c->ro, .ring_lse = c->rl, .ring_tag = c->rt, .out = c->out, .lse = c->lse,
-        .work = c->work, .work_n = c->work_n,
+        .work = c->work, .work_n = c->work_n, .lean = c->lean, .pages = c->pages,
     };
     c->k->match(c->be, &call);
     c->k->attend(c->be, &call);
     c->o->download(c->be, c->o_out, c->out, 0, n * qd);
     c->o->download(c->be, c->o_lse, c->lse, 0, (size_t)n * c->nh);
     c->o->download(c->be, c->o_p, c->p, 0, (size_t)n * c->nh);
+}
+
+/* The pool as LeanKV pages of format f, written by the backend's own LeanKV writer from the host
+ * pool (physical slot b bs + off of block b holds the pool's token there), and the steps from now
+ * on read them (mc_step passes them to attend()). 0, or -1 when the backend has no LeanKV kernels. */
+static inline int mc_lean(struct mc *c, struct kvs_lean_fmt f)
+{
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(c->o, NULL, 0);
+    if (!kn) return -1;
+    const int n = c->n_blocks * c->bs, hd = c->hd, nkv = c->nkv;
+    const size_t row = (size_t)nkv * hd;
+    float *k = malloc((size_t)n * row * 4), *v = malloc((size_t)n * row * 4);
+    int32_t *slots = malloc((size_t)n * 4);
+    for (int t = 0; t < n; t++) {
+        const int b = t / c->bs, off = t % c->bs;
+        slots[t] = t;
+        for (int g = 0; g < nkv; g++) {
+            const size_t src = (((size_t)b * nkv + g) * c->bs + off) * hd;
+            memcpy(k + (size_t)t * row + (size_t)g * hd, c->h_k + src, (size_t)hd * 4);
+            memcpy(v + (size_t)t * row + (size_t)g * hd, c->h_v + src, (size_t)hd * 4);
+        }
+    }
+    struct kvs_dbuf *dk = c->o->alloc(c->be, KVS_BUF_ACT, (size_t)n * row);
+    struct kvs_dbuf *dv = c->o->alloc(c->be, KVS_BUF_ACT, (size_t)n * row);
+    struct kvs_dbuf *ds = c->o->alloc(c->be, KVS_BUF_I32, (size_t)n);
+    c->o->upload(c->be, dk, 0, k, (size_t)n * row), c->o->upload(c->be, dv, 0, v, (size_t)n * row);
+    c->o->upload(c->be, ds, 0, slots, (size_t)n);
+    c->pages = kn->alloc_pages(c->be, (size_t)c->n_blocks * nkv * kvs_lean_page_bytes(f, hd, c->bs));
+    kn->write(c->be, f, dk, dv, ds, n, nkv, hd, c->bs, c->pages);
+    c->lean = f;
+    c->o->free_buf(c->be, dk), c->o->free_buf(c->be, dv), c->o->free_buf(c->be, ds);
+    free(k), free(v), free(slots);
+    return 0;
+}
+
+/* The plain pool (host copy and backend) replaced by its round trip through format f (the host
+ * quantizer, which the backends' writers equal bitwise): what MAC over lean pages must read. */
+static inline void mc_lean_plain(struct mc *c, struct kvs_lean_fmt f)
+{
+    const size_t pool = (size_t)c->n_blocks * c->nkv * c->bs * c->hd;
+    uint8_t codes[512];
+    uint16_t sz[2];
+    for (size_t i = 0; i < pool; i += (size_t)c->hd) {
+        kvs_lean_quantize(c->h_k + i, c->hd, f.kbits, codes, sz);
+        kvs_lean_dequantize(codes, sz, c->hd, f.kbits, c->h_k + i);
+        kvs_lean_quantize(c->h_v + i, c->hd, f.vbits, codes, sz);
+        kvs_lean_dequantize(codes, sz, c->hd, f.vbits, c->h_v + i);
+    }
+    c->o->upload(c->be, c->kc, 0, c->h_k, pool), c->o->upload(c->be, c->vc, 0, c->h_v, pool);
 }
 
 /* count() on a fixed scenario: n = 5 rows x L = 3 layers of matches (rows 0, 2, 3 counted, rows 0

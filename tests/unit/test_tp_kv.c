@@ -17,7 +17,7 @@
  *      (compression > 1) with full and with mac, and
  *      lean dynamic (window 8, its own page manager per rank; its fractions averaged and its
  *      compression ratio recomputed over the ranks). A setting this build refuses with -ENOSYS
- *      (lean + mac on the CPU) is skipped with the reason printed. The fidelity meter runs
+ *      (none on the CPU today) is skipped with the reason printed. The fidelity meter runs
  *      every step (not with lean dynamic, which refuses it), so its histogram, merged per row
  *      over the ranks' heads, is checked too.
  *      Models: a random Qwen2-style one with 12 KV heads (tp_test_model.h) at TP 2, 3, 4, and
