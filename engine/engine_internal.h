@@ -107,6 +107,7 @@ struct kvs_engine {
     char ctx_note[320];
     int overlap;                             /* scheduler.overlap */
     int async;                               /* scheduler.async, where the executor has async_steps */
+    int kv_counters_warned;                  /* publish_stats logged a dropped counter once */
     struct kvs_prefill_ctl pctl;             /* prefill budget next to decodes (sched_policy.h) */
 
     struct kvs_block_pool pool;

@@ -34,7 +34,7 @@ struct rank_slot {
     int rc;
     char err[256];
     int rows;                     /* kvs_tp_agree_rows: this rank's rows of the step */
-    struct kvs_kv_counter cnt[KVS_KV_MAX_COUNTERS]; /* JOB_COUNTERS: this rank's */
+    struct kvs_kv_counter cnt[2 * KVS_KV_MAX_COUNTERS]; /* JOB_COUNTERS: this rank's (the engine's room, scheduler.c publish_stats) */
     int n_cnt;
 };
 
@@ -352,7 +352,7 @@ static int find_counter(const struct kvs_kv_counter *c, int n, const char *name)
 
 int kvs_tp_kv_counters(struct kvs_tp *tp, struct kvs_kv_counter *out, int cap)
 {
-    tp->a = cap < KVS_KV_MAX_COUNTERS ? cap : KVS_KV_MAX_COUNTERS;
+    tp->a = cap < 2 * KVS_KV_MAX_COUNTERS ? cap : 2 * KVS_KV_MAX_COUNTERS;
     if (tp->a <= 0) return 0;
     run_all(tp, JOB_COUNTERS, NULL);
     /* every rank runs the same policy and storage with the same settings, so their lists name

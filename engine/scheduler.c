@@ -609,12 +609,24 @@ static void publish_stats(struct kvs_engine *e)
     s.kv_blocks_cached = e->pool.n_lru;
     s.block_size = e->pool.block_size;
     /* the strategies' own counters: reuse (engine side), then the executor's (decode policy,
-     * fidelity meter) */
-    s.n_kv_counters = 0;
-    if (e->kv.reuse->counters)
-        s.n_kv_counters = e->kv.reuse->counters(&e->kv, s.kv_counters, KVS_KV_MAX_COUNTERS);
-    if (e->x.kv_counters)
-        s.n_kv_counters += e->x.kv_counters(e->x.ctx, s.kv_counters + s.n_kv_counters, KVS_KV_MAX_COUNTERS - s.n_kv_counters);
+     * fidelity meter). They are gathered with twice the room the snapshot keeps, so that a
+     * list grown past KVS_KV_MAX_COUNTERS is seen and said instead of cut without a word (each
+     * strategy stops at the room it is given; the meter then leaves its histogram out). */
+    struct kvs_kv_counter all[2 * KVS_KV_MAX_COUNTERS];
+    const int room = 2 * KVS_KV_MAX_COUNTERS;
+    int n = 0;
+    if (e->kv.reuse->counters) n = e->kv.reuse->counters(&e->kv, all, room);
+    if (e->x.kv_counters) n += e->x.kv_counters(e->x.ctx, all + n, room - n);
+    s.n_kv_counters = n < KVS_KV_MAX_COUNTERS ? n : KVS_KV_MAX_COUNTERS;
+    memcpy(s.kv_counters, all, (size_t)s.n_kv_counters * sizeof all[0]);
+    s.kv_counters_dropped = n - s.n_kv_counters;
+    if (s.kv_counters_dropped > 0 && !e->kv_counters_warned) {
+        e->kv_counters_warned = 1;
+        kvs_log(KVS_LOG_WARN, "engine: the KV strategies export %d%s counters, room for %d (KVS_KV_MAX_COUNTERS, "
+                "engine/engine.h): /metrics leaves out %s from \"%s\" on; raise the constant",
+                n, n >= room ? "+" : "", KVS_KV_MAX_COUNTERS, n >= room ? "the rest" : "the last ones",
+                all[KVS_KV_MAX_COUNTERS].name);
+    }
     e->stats = s;
     pthread_mutex_unlock(&e->mu);
 }

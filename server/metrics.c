@@ -184,6 +184,9 @@ void kvs_metrics_render(const struct kvs_metrics *m, const struct kvs_engine_sta
             gauge(o, k->name, k->help, model, k->value);
         }
     }
+    gauge(o, "kvserve:kv_counters_dropped",
+          "KV strategy counters left out of this page for want of room (KVS_KV_MAX_COUNTERS; logged once); 0.", model,
+          es->kv_counters_dropped);
     counter(o, "kvserve:requests_rejected_total", "Requests refused at admission (queue full, draining).", model,
             (double)(m->rejected + es->requests_rejected));
     counter(o, "kvserve:http_requests_total", "HTTP requests answered.", model, (double)m->http_requests);

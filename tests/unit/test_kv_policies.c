@@ -8,7 +8,8 @@
  *      with full attention the meter reports exactly 0;
  *   3. the composition matrix: every refused pair is refused by the registry with a message
  *      naming both keys; every combination of built strategies serves requests (with
- *      documents, so the lazy document cache runs its side prefills);
+ *      documents, so the lazy document cache runs its side prefills) and exports all its KV
+ *      counters, fidelity meter on (none past KVS_KV_MAX_COUNTERS);
  *   4. per-request policy state: each admitted request gets a zeroed arena slot (seq_init)
  *      and gives it back (seq_free), preemption included. */
 #include "base/util.h"
@@ -247,7 +248,7 @@ static void test_matrix(void)
     make_jobs(jobs, 1);
     const char *storages[8], *reuses[8], *decodes[16];
     int ns = kvs_kv_names("storage", storages, 8), nr = kvs_kv_names("reuse", reuses, 8);
-    int nd = kvs_kv_names("decode", decodes, 16), served = 0;
+    int nd = kvs_kv_names("decode", decodes, 16), served = 0, max_counters = 0;
     for (int i = 0; i < ns; i++)
         for (int j = 0; j < nr; j++)
             for (int k = 0; k < nd; k++) {
@@ -255,6 +256,7 @@ static void test_matrix(void)
                     continue;
                 struct kvs_config c;
                 base_cfg(&c, storages[i], reuses[j], decodes[k]);
+                c.kv_fidelity_sample_every = 4;   /* the meter's counters too: every list must fit */
                 struct kvs_engine_stats st;
                 int rc = kvs_config_validate(&c, err, sizeof err);
                 if (rc == 0) rc = run(&c, jobs, &st, err, sizeof err);
@@ -282,11 +284,16 @@ static void test_matrix(void)
                 int ok = rc == 0;
                 for (int q = 0; ok && q < NJ; q++) ok = jobs[q].finish == KVS_FINISH_LENGTH && jobs[q].n_got == GEN;
                 CHECK(ok, "storage %s, reuse %s, decode %s: rc %d (%s)", storages[i], reuses[j], decodes[k], rc, err);
+                CHECK(!ok || st.kv_counters_dropped == 0, "storage %s, reuse %s, decode %s: %d counters past "
+                      "KVS_KV_MAX_COUNTERS (%d) left out of /metrics", storages[i], reuses[j], decodes[k],
+                      st.kv_counters_dropped, KVS_KV_MAX_COUNTERS);
+                if (ok && st.n_kv_counters > max_counters) max_counters = st.n_kv_counters;
                 if (ok && !strcmp(reuses[j], "lazy"))
                     CHECK(kvs_engine_kv_counter(&st, "kvserve:doc_cache_hits_total") > 0, "lazy: no document hit");
                 served += ok;
             }
-    printf("ok %d combinations of built strategies serve %d requests with documents each\n", served, NJ);
+    printf("ok %d combinations of built strategies serve %d requests with documents each; at most %d KV counters "
+           "exported (room %d, none dropped)\n", served, NJ, max_counters, KVS_KV_MAX_COUNTERS);
 }
 
 /* ---- 4. per-request state ----------------------------------------------------------------- */
