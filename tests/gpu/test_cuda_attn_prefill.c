@@ -215,20 +215,20 @@ int main(void)
     const int j1 = irand(9), j2 = irand(9);
     const struct pcase cases[] = {
         /* Llama-3.1-8B shape: one prompt from position 0, and a longer one */
-        {32, 8, 128, 16, 1, {0}, {1000 + j1}, 0},
-        {32, 8, 128, 16, 1, {0}, {2000 - j2}, 0},
+        {32, 8, 128, 16, 1, {0}, {1000 + j1}, 0, 0},
+        {32, 8, 128, 16, 1, {0}, {2000 - j2}, 0, 0},
         /* several sequences, blocks of 5 slots: a prompt, one after a cached prefix, a 2-token one,
          * and a decode row beside them */
-        {32, 8, 128, 5, 4, {0, 700 + j2, 2, 500}, {300 + j1, 129, 2, 1}, 0},
+        {32, 8, 128, 5, 4, {0, 700 + j2, 2, 500}, {300 + j1, 129, 2, 1}, 0, 0},
         /* partially valid blocks (cached documents' tails), blocks of 16 and 8 */
-        {32, 8, 128, 16, 2, {0, 300}, {600 + j1, 77}, 1},
-        {16, 4, 64, 8, 2, {0, 41}, {257, 300 + j2}, 1},
+        {32, 8, 128, 16, 2, {0, 300}, {600 + j1, 77}, 1, 0},
+        {16, 4, 64, 8, 2, {0, 41}, {257, 300 + j2}, 1, 0},
         /* GQA 1 and 2 at head_dim 64 (the long cached prefix with few tokens takes context splits) */
-        {8, 8, 64, 16, 2, {0, 100}, {513 + j2, 64}, 0},
-        {8, 4, 64, 32, 1, {1500 + j1, 0}, {40, 0}, 0},
+        {8, 8, 64, 16, 2, {0, 100}, {513 + j2, 64}, 0, 0},
+        {8, 4, 64, 32, 1, {1500 + j1, 0}, {40, 0}, 0, 0},
         /* GQA 7 (padding rows in every tile) and GQA 16 */
-        {28, 4, 128, 16, 2, {0, 37 + j1}, {200, 90}, 0},
-        {16, 1, 128, 32, 1, {0}, {257 + j2}, 0},
+        {28, 4, 128, 16, 2, {0, 37 + j1}, {200, 90}, 0, 0},
+        {16, 1, 128, 32, 1, {0}, {257 + j2}, 0, 0},
         /* deferred rotation: a long prompt over documents; a prompt and a suffix after a cached
          * prefix with partially valid blocks of 32; GQA 2 at head_dim 64 with a short suffix over a
          * long context (context splits); GQA 7; blocks of 8 (kind 1 from the plan) */
