@@ -104,7 +104,9 @@ int main(int argc, char **argv)
     }
     /* random K/V/q, uploaded in slices to keep host memory small */
     size_t chunk = per_block * 64;
-    float *h = kvs_xmalloc(chunk * sizeof *h);
+    /* the same buffer then holds q: room for the larger of the two (--rows 2048 overran it) */
+    const size_t qn = (size_t)maxn * nh * hd;
+    float *h = kvs_xmalloc((chunk > qn ? chunk : qn) * sizeof *h);
     uint64_t st = 12345;
     for (size_t off = 0; off < nblocks * per_block; off += chunk) {
         size_t n = nblocks * per_block - off < chunk ? nblocks * per_block - off : chunk;

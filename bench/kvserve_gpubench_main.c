@@ -32,7 +32,8 @@
  * prefill kernel forced (kvs_cuda_set_pre_attn: 1 mma.sync, 2 / 3 wgmma with 128- / 64-key tiles,
  * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM, 7 to 18 k_attn_fa3: copy-engine
  * staging, producer / consumer warpgroups, diagnostic forms, ping-pong, persistent, K / V producers, 192-row blocks,
- * FlashAttention-3's issue order; 14 the default on sm_90).
+ * FlashAttention-3's issue order; 14 the default on sm_90; 19 kind 14 persistent, 20 / 21 kinds 14 / 19
+ * skipping O's rescale where no row's max grew).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -783,8 +784,10 @@ int main(int argc, char **argv)
                                                 "11 fa3, TMA, ping-pong", "12 fa3, TMA, pp, persistent",
                                                 "13 fa3, TMA, K/V producers", "14 fa3, K/V producers, 3 st",
                                                 "15 fa3, K/V producers, pp", "16 fa3, 192 rows, 64-key",
-                                                "17 fa3, kind 14, FA3 order", "18 fa3, kind 16, FA3 order"};
-            for (int kind = 1; kind <= 18; kind++) {
+                                                "17 fa3, kind 14, FA3 order", "18 fa3, kind 16, FA3 order",
+                                                "19 fa3, kind 14, persistent", "20 fa3, kind 14, rescale skip",
+                                                "21 fa3, kind 19, rescale skip"};
+            for (int kind = 1; kind <= 21; kind++) {
                 kvs_cuda_set_pre_attn(kind);
                 float tv[4];
                 for (int it = 0; it < 4; it++) {

@@ -7,9 +7,12 @@
  *                          launches that k_attn_fd does not (groups of more than 16 heads, head_dim
  *                          16 / 32, KVS_CUDA_DEC_ATTN=2 / 3);
  *   cuda_attn_prefill_wg.cu k_attn_wg, the Hopper prefill kernel (wgmma, 128 rows a block, 64-key
- *                          tiles, two blocks an SM by default), for prefill launches on sm_90 at
- *                          head_dim 64 / 128 without rotation offsets (those stay on k_attn_tc);
- *                          KVS_CUDA_PRE_ATTN / kvs_cuda_set_pre_attn pick either kernel;
+ *                          tiles, two blocks an SM), for prefill launches on sm_90 at head_dim 64 /
+ *                          128 without rotation offsets, and the choice of prefill kernel;
+ *   cuda_attn_prefill_fa3.cu k_attn_fa3, the FlashAttention-3-style Hopper prefill kernel (the
+ *                          default on sm_90, kind 14), rotation offsets included (blocks of a
+ *                          multiple of 16 slots; other rotated launches stay on k_attn_tc);
+ *                          KVS_CUDA_PRE_ATTN / kvs_cuda_set_pre_attn pick the kernel;
  *   cuda_attn_decode.cu    k_attn_fd for decode rows (one query row per sequence): 4 warps a block
  *                          that owns one sequence, one KV head and one split, 128-key tiles (a
  *                          32-key sub-tile per warp), K and V staged separately (by the copy
@@ -34,7 +37,7 @@
  * kernel, straight into the q fragments (registers, from q in global memory) for the tensor-core
  * one, whose shared memory then holds only the K/V stages (more resident blocks for decode);
  * k_attn_fd does it per warp (a cos / sin table per warp, the unrotated fragments in shared
- * memory).
+ * memory); k_attn_fa3 rewrites its warpgroup's Q tile in shared memory (wgmma reads it there).
  * Long contexts are split over blocks (grid z); a second kernel (k_attn_merge, here) merges the
  * per-split partials (acc, max, sum) in split order. Everything is deterministic for a given
  * launch shape.
@@ -160,6 +163,9 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     /* k_attn_fa3's 192-row forms (kinds 16, 18) have no fallback with tiles of their size: blocks of
      * other than a multiple of 16 slots, which they cannot stage, take kind 6 from the plan on */
     if ((pre_kind == 16 || pre_kind == 18) && a->bs % 16 != 0) pre_kind = 6;
+    /* k_attn_fa3's deferred rotation stages 16-key groups of one block each: other block sizes
+     * with rotation offsets take k_attn_tc (k_attn_wg, kind 6, does not rotate) */
+    if (a->rot && pre_kind >= 2 && a->bs % 16 != 0) pre_kind = 1;
     const int qt_pre = kvs_cu_attn_prefill_qt(pre_kind, G);
     const int skip = a->skip_lead > 0 && a->skip_lead < a->n_seqs ? a->skip_lead : 0;
     for (int s = 0; s < a->n_seqs; s++) {

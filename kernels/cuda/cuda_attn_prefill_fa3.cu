@@ -26,8 +26,16 @@
  * Kind 14 stages 3 tiles (225 KB of shared memory at head_dim 128); kind 16 runs 3 consumer
  * warpgroups (192 rows a block, 192 / G tokens) on 64-key tiles. Causal tile skipping: a block's keys
  * end at its last token; tiles that need no mask (wholly visible to every row of a warpgroup, no
- * unread slot) skip it. Blocks run longest first. Deferred
- * RoPE (rot offsets) stays on k_attn_tc (cuda_attn_prefill.cu), as for k_attn_wg.
+ * unread slot) skip it. Blocks run longest first.
+ * Deferred RoPE (R: rot offsets, LazyAttention's cached documents, keys stored at document-local
+ * positions and attended as if rotated by their block's offset o, <q, R(o) k> = <R(-o) q, k>), in
+ * kinds 14 and 19 to 21: the K producer publishes each 16-key group's offset with its keys read (a
+ * group is one block's: blocks of a multiple of 16 slots). A consumer warpgroup keeps its Q tile
+ * rotated backward by one offset; before a tile's S it rewrites Q (from the fp32 q, a cos / sin
+ * table a warpgroup) when the tile's first read group has another offset, which inside a document
+ * happens once, at its first tile. A tile with a document boundary inside it gets the groups of
+ * the other offsets scored again after S by mma.sync from the same swizzled Q and K tiles, Q
+ * rewritten per offset. The other kinds' rotated launches take k_attn_tc (cuda_attn_prefill.cu).
  * Kind 14 is the default prefill kernel on sm_90 (cuda_attn_prefill_wg.cu; measurements in
  * bench/RESULTS.md).
  * Ownership: nothing is allocated here (the launch goes through kvs_cu_attn_launch). Errors: CUDA
@@ -41,7 +49,7 @@
 /* NC consumer warpgroups (64 rows each) and KN keys a tile; their registers: 56 for the producer
  * (40 spilled its loop, ptxas -v), and 224 for NC = 2 consumers (56 x 128 + 224 x 256 <= 64K), 144
  * for NC = 3 (56 x 128 + 144 x 384 <= 64K: no spill with 64-key tiles; 32 / 160 spilled) */
-template <int HD, int ST, int NC = 2, int KN = 128>
+template <int HD, int ST, int NC = 2, int KN = 128, bool R = false>
 struct fa_cfg {
     static constexpr int ROWS = NC * 64;                /* rows of a block */
     static constexpr int THREADS = (NC + 1) * 128;      /* the producer warpgroup + the consumers */
@@ -53,13 +61,18 @@ struct fa_cfg {
     static constexpr int TE = KN * HD;   /* elements of one K or V stage */
     static constexpr size_t k_off = (size_t)QE * sizeof(bf16);
     static constexpr size_t v_off = k_off + (size_t)ST * TE * sizeof(bf16);
-    /* [ST][NG + 1]: the keys read of each group of the tile in the stage, then 1 if any group
-     * has fewer than 16 */
+    /* [ST][GVS]: the keys read of each group of the tile in the stage, then 1 if any group has
+     * fewer than 16; with R (deferred rotation) then each group's rotation offset (a group with
+     * no key read: the tile's first read group's) and 1 if every read group has the same one */
+    static constexpr int GVS = R ? 2 * NG + 2 : NG + 1;
     static constexpr size_t gv_off = v_off + (size_t)ST * TE * sizeof(bf16);
-    static constexpr size_t mb_off = (gv_off + (size_t)ST * (NG + 1) * sizeof(int) + 7) / 8 * 8;
+    /* R: [NC][HD] each consumer warpgroup's cos (HD / 2), then sin (HD / 2) of its Q's rotation */
+    static constexpr size_t rt_off = gv_off + (size_t)ST * GVS * sizeof(int);
+    static constexpr size_t mb_off = (rt_off + (R ? (size_t)NC * HD * sizeof(float) : 0) + 7) / 8 * 8;
     /* 1024: the swizzle atoms start on 1024-byte boundaries; dynamic shared memory is only known to
      * be 16-byte aligned */
     static constexpr size_t smem = 1024 + mb_off + 4 * ST * sizeof(uint64_t);
+    static_assert(smem <= 232448, "227 KB of shared memory a block (sm_90)");
 };
 
 __device__ __forceinline__ unsigned fa_smem(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
@@ -99,9 +112,9 @@ __device__ __forceinline__ void fa_bar_arrive(int id, int n)
  * (bit g of whole) by the copy engine, the others by cp.async with their unread keys zeroed. Lane
  * g < KN / 16 holds group g's first pool row and its keys read (row, nv). gv (K only) receives
  * each group's keys read and the tile's short flag before the arrival that publishes them. */
-template <int HD, int KN>
+template <int HD, int KN, bool R>
 static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf16 *pool, bf16 *dst, uint64_t *full,
-                                                int *gv, unsigned whole, int row, int nv, int lane)
+                                                int *gv, unsigned whole, int row, int nv, int ofs, int lane)
 {
     constexpr int CH = HD / 8, NG = KN / 16; /* 16-byte chunks of a row, groups of a tile */
     const unsigned part = ((1u << NG) - 1) & ~whole;
@@ -124,6 +137,15 @@ static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf
     if (gv) {
         if (lane < NG) gv[lane] = nv;
         if (lane == 0) gv[NG] = part != 0;
+        if (R) {
+            /* lane g < NG's ofs: group g's rotation offset; groups with no key read take the first
+             * read group's, so that they never split a tile that is otherwise of one document */
+            const unsigned rd = __ballot_sync(FULL, lane < NG && nv > 0);
+            const int ref = __shfl_sync(FULL, ofs, rd ? __ffs((int)rd) - 1 : 0);
+            const bool same = __all_sync(FULL, !(lane < NG && nv > 0) || ofs == ref);
+            if (lane < NG) gv[NG + 1 + lane] = nv > 0 ? ofs : ref;
+            if (lane == 0) gv[2 * NG + 1] = same;
+        }
     }
     __syncwarp();
     const unsigned bytes = (unsigned)__popc(whole) * 16u * HD * (unsigned)sizeof(bf16);
@@ -194,20 +216,21 @@ static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n
     return true;
 }
 
-template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER>
+template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER, bool SK, bool R>
 __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3(const __grid_constant__ at_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     grid_dep_wait(); /* cuda_launch.h: q (and the K/V just written) are ready */
-    typedef fa_cfg<HD, ST, NC, KN> C;
+    typedef fa_cfg<HD, ST, NC, KN, R> C;
     static_assert(!PP || NC == 2, "ping-pong takes turns between two consumer warpgroups");
+    static_assert(!R || (OVL && !ER), "the deferred rotation is in the overlapped form in the default issue order");
     constexpr int CH = HD / 8, NG = C::NG;
     extern __shared__ __align__(16) unsigned char smraw[];
     unsigned char *base = smraw + ((1024 - (fa_smem(smraw) & 1023)) & 1023);
     bf16 *sq = (bf16 *)base;                 /* [ROWS x HD] swizzled */
     bf16 *sk = (bf16 *)(base + C::k_off);    /* [ST][KN x HD] swizzled */
     bf16 *sv = (bf16 *)(base + C::v_off);    /* [ST][KN x HD] swizzled */
-    int *gv = (int *)(base + C::gv_off);     /* [ST][NG + 1] */
+    int *gv = (int *)(base + C::gv_off);     /* [ST][GVS] */
     uint64_t *full_k = (uint64_t *)(base + C::mb_off), *full_v = full_k + ST, *empty_k = full_v + ST,
              *empty_v = empty_k + ST;
 
@@ -242,13 +265,15 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
         const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
         const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
         const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
+        const int32_t *rt = R ? a.rot + (size_t)s * a.max_blocks : nullptr;
         /* lane g < NG: group g of tile it, its first pool row ((block x n_kv + kvh) x bs +
          * slot; a group never straddles blocks, as bs is a multiple of 16 and tiles start on
-         * multiples of 32) and its keys read (a prefix of the group: slots below the block's valid
-         * count, keys below k1) */
-        auto look = [&](int it, int &row, int &nv) {
+         * multiples of 32), its keys read (a prefix of the group: slots below the block's valid
+         * count, keys below k1) and (R) its block's rotation offset */
+        auto look = [&](int it, int &row, int &nv, int &ofs) {
             row = 0;
             nv = 0;
+            ofs = 0;
             const int p = k0 + it * KN + lane * 16;
             if (lane < NG && p < k1) {
                 const int pb = p / a.bs, sl = p - pb * a.bs;
@@ -257,16 +282,18 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                     const int2 w = wt[pb]; /* backend.h kvs_pack_block_words: block, offset << 11 | valid */
                     blk = w.x;
                     lim = w.y & 2047;
+                    if (R) ofs = w.y >> 11;
                 } else {
                     blk = bt[pb];
                     if (vt) lim = vt[pb];
+                    if (R) ofs = rt[pb];
                 }
                 nv = max(0, min(min(lim - sl, 16), k1 - p));
                 row = (blk * a.n_kv + kvh) * a.bs + sl;
             }
         };
-        int row, nv;
-        look(0, row, nv);
+        int row, nv, ofs;
+        look(0, row, nv, ofs);
         for (int it = 0; it < ntiles; it++) {
             const int q = gt + it, st = q % ST;
             const unsigned ph = (unsigned)(q / ST) & 1u;
@@ -274,14 +301,14 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
             const unsigned whole = TMA ? __ballot_sync(FULL, lane < NG && nv == 16) : 0u;
             if (do_k) {
                 if (q >= ST) fa_mbar_wait(empty_k + st, ph ^ 1u); /* the consumers are done with ring tile q - ST */
-                fa_stage<HD, KN>(&a.tm_k, a.kc, sk + st * C::TE, full_k + st, gv + st * (NG + 1), whole, row, nv,
-                                 lane);
+                fa_stage<HD, KN, R>(&a.tm_k, a.kc, sk + st * C::TE, full_k + st, gv + st * C::GVS, whole, row, nv,
+                                    ofs, lane);
             }
             if (do_v) {
                 if (q >= ST) fa_mbar_wait(empty_v + st, ph ^ 1u);
-                fa_stage<HD, KN>(&a.tm_v, a.vc, sv + st * C::TE, full_v + st, nullptr, whole, row, nv, lane);
+                fa_stage<HD, KN, R>(&a.tm_v, a.vc, sv + st * C::TE, full_v + st, nullptr, whole, row, nv, ofs, lane);
             }
-            if (it + 1 < ntiles) look(it + 1, row, nv); /* its loads overlap the wait for the next stage */
+            if (it + 1 < ntiles) look(it + 1, row, nv, ofs); /* its loads overlap the wait for the next stage */
         }
         gt += ntiles;
         }
@@ -300,25 +327,63 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
         const int kvh = I.kvh, split = I.split, qs = I.qs, r0 = I.r0, pos0 = I.pos0, nr = I.nr, k0 = I.k0,
                   ntiles = I.ntiles;
 
-        /* Q, this warpgroup's 64 rows (its wgmma of the previous item are complete): rows past nr
-         * are zero; the scale carries log2 e, so the softmax runs on exp2 */
+        /* Q, this warpgroup's 64 rows (no wgmma of the warpgroup that reads them is in flight):
+         * rows past nr are zero; the scale carries log2 e, so the softmax runs on exp2. R: rotated
+         * backward by ofs (the deferred rotation of a cached document's keys, <q, R(o) k> =
+         * <R(-o) q, k>: x0 cos + x1 sin for the first half of the dims, x1 cos - x0 sin for the
+         * second, as rot_table / q_dim), from the fp32 q, with the angles of rot_table */
         const float qscale = a.scale * 1.4426950408889634f;
-        for (int idx = ctid; idx < 64 * CH; idx += 128) {
-            const int r = cw * 64 + idx / CH, c = idx % CH;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (r < nr) {
-                const float4 *qr = (const float4 *)(a.q + (((size_t)qs + r0 + r / a.G) * a.n_heads + (size_t)kvh * a.G +
-                                                           r % a.G) * HD + c * 8);
-                const float4 x0 = __ldg(qr), x1 = __ldg(qr + 1);
-                v.x = pack_bf16(x0.x * qscale, x0.y * qscale);
-                v.y = pack_bf16(x0.z * qscale, x0.w * qscale);
-                v.z = pack_bf16(x1.x * qscale, x1.y * qscale);
-                v.w = pack_bf16(x1.z * qscale, x1.w * qscale);
+        auto load_q = [&](int ofs) {
+            float *rtab = R ? (float *)(base + C::rt_off) + cw * HD : nullptr;
+            if (R) {
+                /* every warp of the warpgroup is past its reads of the previous Q and table */
+                fa_bar_sync(FA_BAR_Q + cw, 128);
+                if (ctid < HD / 2) {
+                    float sn, cs;
+                    sincosf((float)((double)ofs * (double)a.inv_freq[ctid]), &sn, &cs);
+                    rtab[ctid] = cs;
+                    rtab[HD / 2 + ctid] = sn;
+                }
+                fa_bar_sync(FA_BAR_Q + cw, 128);
             }
-            *(uint4 *)(sq + sw128<C::ROWS>(r, c * 8)) = v;
-        }
-        fence_proxy_async_smem();
-        fa_bar_sync(FA_BAR_Q + cw, 128);
+            for (int idx = ctid; idx < 64 * CH; idx += 128) {
+                const int r = cw * 64 + idx / CH, c = idx % CH;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (r < nr) {
+                    const float *qrow = a.q + (((size_t)qs + r0 + r / a.G) * a.n_heads + (size_t)kvh * a.G + r % a.G) * HD;
+                    const float4 *qr = (const float4 *)(qrow + c * 8);
+                    float4 x0 = __ldg(qr), x1 = __ldg(qr + 1);
+                    if (R) {
+                        /* the partner chunk (dims d +- HD / 2) and the angles of dims i0 .. i0 + 7 */
+                        const bool lo = c < CH / 2;
+                        const int i0 = (c % (CH / 2)) * 8;
+                        const float4 *pr = (const float4 *)(qrow + (c ^ (CH / 2)) * 8);
+                        const float4 p0 = __ldg(pr), p1 = __ldg(pr + 1);
+                        const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                        const float pp[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+                        float y[8];
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            const float cs = rtab[i0 + e], sn = rtab[HD / 2 + i0 + e];
+                            y[e] = lo ? x[e] * cs + pp[e] * sn : x[e] * cs - pp[e] * sn;
+                        }
+                        x0 = make_float4(y[0], y[1], y[2], y[3]);
+                        x1 = make_float4(y[4], y[5], y[6], y[7]);
+                    }
+                    v.x = pack_bf16(x0.x * qscale, x0.y * qscale);
+                    v.y = pack_bf16(x0.z * qscale, x0.w * qscale);
+                    v.z = pack_bf16(x1.x * qscale, x1.y * qscale);
+                    v.w = pack_bf16(x1.z * qscale, x1.w * qscale);
+                }
+                *(uint4 *)(sq + sw128<C::ROWS>(r, c * 8)) = v;
+            }
+            fence_proxy_async_smem();
+            fa_bar_sync(FA_BAR_Q + cw, 128);
+        };
+        /* R: the offset Q is rotated by; KEY_PAD: none yet (Q is written at the first tile, with
+         * that tile's offset) */
+        int cur_rot = KEY_PAD;
+        if (!R) load_q(0);
 
         /* this thread's rows rw and rw + 8 (the accumulator layout of m64nNk16), the last key each
          * sees (-1: a padding row, which sees nothing), and its warpgroup's first visible key limit */
@@ -336,7 +401,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
         /* the mask of tile it in stage st, read before the stage is released: the keys read of
          * each group (the producer rewrites them for tile it + ST) */
         auto mask_scores = [&](float *sc, int it, int st) {
-            const int *gs = gv + st * (NG + 1);
+            const int *gs = gv + st * C::GVS;
             const int kb = k0 + it * KN;
             if (kb + KN - 1 > wlo || gs[NG]) {
                 int gn[NG];
@@ -359,6 +424,58 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                 if (lane == 0) fa_mbar_arrive(mb);
             } else {
                 fa_mbar_arrive(mb);
+            }
+        };
+        /* R, before S of the tile in stage st is issued (its K is in, no wgmma of the warpgroup in
+         * flight): Q rotated by the tile's first read group's offset (every group's but at a
+         * document boundary inside the tile). The S issue itself stays unconditional: S issued
+         * in a branch, or into the scores' registers group by group, made ptxas serialise every
+         * wgmma of the kernel (C7511). */
+        auto rot_pre = [&](int st) {
+            const int o = gv[st * C::GVS + NG + 1];
+            if (o != cur_rot) {
+                load_q(o);
+                cur_rot = o;
+            }
+        };
+        /* R, once S of the tile in stage st is complete (P . V of the previous tile may still
+         * run: it reads neither Q nor K): at a document boundary inside the tile, the groups of
+         * other offsets are scored again, Q rewritten at each change of offset. mma.sync
+         * (m16n8k16: the same per-warp layout as the wgmma accumulator, a warp's 16 rows x 8 keys),
+         * Q and K read from their swizzled tiles: a wgmma here, even into registers of its own,
+         * made ptxas serialise every wgmma of the kernel (C7511). Groups with no key read are left
+         * alone: the mask sets their scores (gs[NG], a short group). */
+        auto rot_fix = [&](float *sc, int st) {
+            const int *gs = gv + st * C::GVS;
+            if (gs[2 * NG + 1]) return;
+            const int o0 = gs[NG + 1], qr = rw; /* this thread's first row of the Q tile */
+            const bf16 *tk = sk + st * C::TE;
+#pragma unroll
+            for (int gg = 1; gg < NG; gg++) {
+                const int o = gs[NG + 1 + gg];
+                if (gs[gg] == 0 || o == o0) continue;
+                if (o != cur_rot) {
+                    load_q(o);
+                    cur_rot = o;
+                }
+                float *c8 = sc + 8 * gg;
+#pragma unroll
+                for (int i = 0; i < 8; i++) c8[i] = 0.0f;
+#pragma unroll
+                for (int ks = 0; ks < HD / 16; ks++) {
+                    const int d = ks * 16 + 2 * t;
+                    uint32_t af[4];
+                    af[0] = *(const uint32_t *)(sq + sw128<C::ROWS>(qr, d));
+                    af[1] = *(const uint32_t *)(sq + sw128<C::ROWS>(qr + 8, d));
+                    af[2] = *(const uint32_t *)(sq + sw128<C::ROWS>(qr, d + 8));
+                    af[3] = *(const uint32_t *)(sq + sw128<C::ROWS>(qr + 8, d + 8));
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int key = gg * 16 + j * 8 + g;
+                        mma_bf16(c8 + j * 4, af, *(const uint32_t *)(tk + sw128<KN>(key, d)),
+                                 *(const uint32_t *)(tk + sw128<KN>(key, d + 8)));
+                    }
+                }
             }
         };
         auto turn_wait = [&]() {
@@ -409,6 +526,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
             /* tile 0: S alone */
             const int st0 = gt % ST;
             fa_mbar_wait(full_k + st0, (unsigned)(gt / ST) & 1u);
+            if constexpr (R) rot_pre(st0);
             turn_wait();
             wg_fence();
             qk_issue<HD, KN, C::ROWS>(sc, qdesc, wg_desc(sk + st0 * C::TE, 16, 1024));
@@ -417,6 +535,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
             wg_wait_group<0>();
 #pragma unroll
             for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
+            if constexpr (R) rot_fix(sc, st0);
             mask_scores(sc, 0, st0);
             release(empty_k + st0);
             softmax_core<KN>(sc, m, l, alpha);
@@ -442,6 +561,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                     wg_commit();
                     turn_pass();
                 } else {
+                    if constexpr (R) rot_pre(st); /* no wgmma in flight yet */
                     fa_mbar_wait(full_v + pst, (unsigned)((q - 1) / ST) & 1u);
                     turn_wait();
 #pragma unroll
@@ -456,15 +576,19 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                 wg_wait_group<1>(); /* S is done; P . V may still run */
 #pragma unroll
                 for (int i = 0; i < KN / 2; i++) wg_reg_fence(sc[i]);
+                if constexpr (R) rot_fix(sc, st);
                 mask_scores(sc, it, st);
                 release(empty_k + st);
                 softmax_core<KN>(sc, m, l, alpha);
                 wg_wait_group<0>(); /* P(it - 1) . V(it - 1) is done: O and pa may change */
                 release(empty_v + pst);
 #pragma unroll
-                for (int i = 0; i < HD / 2; i++) {
-                    wg_reg_fence(o[i]);
-                    if constexpr (!ER) o[i] *= alpha[(i >> 1) & 1];
+                for (int i = 0; i < HD / 2; i++) wg_reg_fence(o[i]);
+                /* SK: the rescale is skipped where no row of the warp has a new max (every alpha is
+                 * exactly 1: exp2(0)), so O is what the multiply would leave */
+                if (!ER && (!SK || __any_sync(FULL, alpha[0] != 1.0f || alpha[1] != 1.0f))) {
+#pragma unroll
+                    for (int i = 0; i < HD / 2; i++) o[i] *= alpha[(i >> 1) & 1];
                 }
                 pack_p<KN>(sc, pa);
             }
@@ -500,10 +624,11 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
 }
 
 template <int HD, int ST, bool PP, bool PER, bool TMA = true, bool OVL = true, bool SP = false, int NC = 2,
-          int KN = 128, bool ER = false>
+          int KN = 128, bool ER = false, bool SK = false, bool R = false>
 static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
+    typedef fa_cfg<HD, ST, NC, KN, R> C;
     static kvs_cu_resident resident;
     /* as launch_tc (cuda_attn_prefill.cu): causal tiles do unequal work, so once they cover the SMs
      * the context is not split */
@@ -511,25 +636,23 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
     if (PER && force == 1) {
         /* persistent: one block an SM walks the items, so the producer stages the next item's
          * first tiles while the consumers finish the last one's */
+        auto kern = k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER, SK, R>;
         int *res = kvs_cu_resident_here(resident);
         if (!*res) {
-            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)fa_cfg<HD, ST, NC, KN>::smem));
+            CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)C::smem));
             *res = 1;
         }
         x.chunk = (max_ctx + AT_TILE - 1) / AT_TILE * AT_TILE;
         x.n_splits = 1;
         const long long items = (long long)n_tiles * x.n_kv;
         const unsigned grid = (unsigned)(items < n_sms ? items : n_sms);
-        CUDA_CHECK(kvs_cu_launch(k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER>, dim3(grid),
-                                 dim3(fa_cfg<HD, ST, NC, KN>::THREADS), fa_cfg<HD, ST, NC, KN>::smem, st, x));
+        CUDA_CHECK(kvs_cu_launch(kern, dim3(grid), dim3(C::THREADS), C::smem, st, x));
         CUDA_CHECK(cudaGetLastError());
         return;
     }
     static kvs_cu_resident resident_np;
-    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER>, fa_cfg<HD, ST, NC, KN>::THREADS,
-                       fa_cfg<HD, ST, NC, KN>::smem,
+    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER, SK, R>, C::THREADS, C::smem,
                        kvs_cu_resident_here(resident_np), x, n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force,
                        KN);
 }
@@ -541,8 +664,46 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
  * kind 13 in 3 stages; 15: kind 13 with ping-pong; 16: kind 13 with 3 consumer warpgroups (192
  * rows a block, so each staged K / V byte serves 1.5x the rows) and 64-key tiles in 4 stages
  * (their registers allow no more); 17 and 18: kinds 14 and 16 with FlashAttention-3's order (ER:
- * S issued before V is waited for, O rescaled while S runs). 8 to 10 are diagnostic forms: they tell apart
- * the staging and the consumer pipeline. */
+ * S issued before V is waited for, O rescaled while S runs); 19: kind 14 with persistent blocks
+ * (the producer stages an item's first tiles while the consumers finish the previous item); 20:
+ * kind 14 that skips O's rescale where no row of a warp has a new max (SK: exact, the factors
+ * are then 1); 21: kind 19 with kind 20's skip. 8 to 10 are diagnostic forms: they tell apart
+ * the staging and the consumer pipeline.
+ * The deferred rotation (x.rot: cached documents' keys stored at document-local positions, R) is
+ * built into kinds 14, 19, 20 and 21 (kvs_cu_attn_prefill_kind gives the other kinds' launches
+ * with rotation offsets to k_attn_tc); without tensor maps, kind 14's rotating form stages every
+ * group by cp.async (TMA false) rather than hand the launch to k_attn_wg, which cannot rotate. */
+template <int HD, bool R>
+static void launch_fa_rot(at_args &x, int kind, bool tma, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
+                          size_t ws_floats, int n, int force)
+{
+    if constexpr (R) {
+        if (!tma) {
+            launch_fa<HD, 3, false, false, false, true, true, 2, 128, false, false, R>(x, n_tiles, max_ctx, st, n_sms,
+                                                                                      ws_floats, n, force);
+            return;
+        }
+    }
+    switch (kind) {
+    case 19:
+        launch_fa<HD, 3, false, true, true, true, true, 2, 128, false, false, R>(x, n_tiles, max_ctx, st, n_sms,
+                                                                                ws_floats, n, force);
+        break;
+    case 20:
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, false, true, R>(x, n_tiles, max_ctx, st, n_sms,
+                                                                                ws_floats, n, force);
+        break;
+    case 21:
+        launch_fa<HD, 3, false, true, true, true, true, 2, 128, false, true, R>(x, n_tiles, max_ctx, st, n_sms,
+                                                                               ws_floats, n, force);
+        break;
+    default: /* 14 */
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, false, false, R>(x, n_tiles, max_ctx, st, n_sms,
+                                                                                 ws_floats, n, force);
+        break;
+    }
+}
+
 template <int HD>
 static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                            size_t ws_floats, int n, int force)
@@ -555,23 +716,37 @@ static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaS
     case 11: launch_fa<HD, 2, true, false>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 12: launch_fa<HD, 2, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 13: launch_fa<HD, 2, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
-    case 14: launch_fa<HD, 3, false, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 15: launch_fa<HD, 2, true, false, true, true, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force); break;
     case 16: launch_fa<HD, 4, false, false, true, true, true, 3, 64>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
     case 17:
         launch_fa<HD, 3, false, false, true, true, true, 2, 128, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
-    default:
+    case 18:
         launch_fa<HD, 4, false, false, true, true, true, 3, 64, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    default: /* 14, 19, 20, 21 */
+        launch_fa_rot<HD, false>(x, kind, true, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
     }
 }
 
+bool kvs_cu_attn_fa3_rotates(int kind) { return kind == 14 || kind >= 19; }
+
 bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                              size_t ws_floats, int n, int force)
 {
-    KVS_ASSERT(kind >= 7 && kind <= 18);
+    KVS_ASSERT(kind >= 7 && kind <= 21);
+    if (x.rot) {
+        /* the plan (cuda_attention.cu) gives k_attn_fa3 launches with rotation offsets only in its
+         * rotating kinds, at head_dim 64 / 128, with blocks of a multiple of 16 slots */
+        KVS_ASSERT(kvs_cu_attn_fa3_rotates(kind) && (hd == 64 || hd == 128) && x.bs % 16 == 0 && x.inv_freq);
+        KVS_ASSERT(x.kv_rows < INT_MAX);
+        const bool tma = fd_tma_maps(x, hd);
+        if (hd == 128) launch_fa_rot<128, true>(x, kind, tma, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        else launch_fa_rot<64, true>(x, kind, tma, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        return true;
+    }
     if ((hd != 64 && hd != 128) || x.bs % 16 != 0 || x.kv_rows >= INT_MAX || !fd_tma_maps(x, hd)) {
         /* kinds 16 and 18's tiles of 192 rows have no other kernel (the plan gives them blocks of a
          * multiple of 16 slots only); they are chosen only on request (kvs_cuda_set_pre_attn,
