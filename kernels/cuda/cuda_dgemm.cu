@@ -82,6 +82,17 @@ __device__ __forceinline__ void dg_cp16(uint32_t dst, const void *src, bool ok)
 __device__ __forceinline__ void dg_commit_cp() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void dg_wait_cp() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+/* Stage st of a P-slot cp.async ring may now be read by wgmma: its copies landed (the first stage
+ * waits for every group, later ones leave the P - 2 younger stages in flight), they are made
+ * visible to the async proxy, and stage st - 1's slot is read by no one (so it may be refilled). */
+template <int P> __device__ __forceinline__ void dg_stage_ready(int st)
+{
+    if (st == 0) dg_wait_cp<0>();
+    else dg_wait_cp<P - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async data -> wgmma */
+    __syncthreads();
+}
+
 /* the swizzled address of 16-byte chunk c (0..7) of row r in a 128-byte-row tile at base */
 __device__ __forceinline__ uint32_t dg_swz(uint32_t base, int r, int c)
 {
@@ -294,10 +305,7 @@ template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_
         for (int i = 0; i < NB / 2; i++) acc[mi][i] = 0.0f;
 
     for (int st = 0; st < ns; st++) {
-        if (st == 0) dg_wait_cp<0>();
-        else dg_wait_cp<C::P - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async data -> wgmma */
-        __syncthreads(); /* every copy of stage st landed; stage st - 1's slot is read by no one */
+        dg_stage_ready<C::P>(st);
         if (st + C::P - 1 < ns) {
             load_a(st + C::P - 1);
             load_b(st + C::P - 1);
@@ -516,10 +524,7 @@ template <int R> __global__ void __launch_bounds__(dn_cfg<R>::THREADS, 1) k_dgem
 #pragma unroll
     for (int i = 0; i < R / 2; i++) acc[i] = 0.0f;
     for (int st = 0; st < ns; st++) {
-        if (st == 0) dg_wait_cp<0>();
-        else dg_wait_cp<C::P - 2>();
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); /* cp.async data -> wgmma */
-        __syncthreads(); /* every copy of stage st landed; stage st - 1's slot is read by no one */
+        dg_stage_ready<C::P>(st);
         if (st + C::P - 1 < ns) {
             load_w(st + C::P - 1);
             load_x(st + C::P - 1);

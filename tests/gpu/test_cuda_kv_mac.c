@@ -53,20 +53,13 @@ static void run_shape(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, 
     int pos[4] = {300, 420, 511, 377}, nr[4] = {16, 16, 16, 16}, fl[4];
     for (int s = 0; far && s < S; s++) pos[s] += 5600 + 37 * s;
     for (int s = 0; s < S; s++) fl[s] = KVS_MAC_F_APPEND;
-    for (size_t i = 0; i < 16 * S * qd; i++) q[i] = mc_frand();
-    for (int s = 0; s < S; s++) memcpy(q + ((size_t)s * 16 + 15) * qd, s == 3 ? fixed + 2 * qd : q, qd * 4);
+    mc_scene_prefill(q, fixed, S, qd);
     mc_step(&c, pos, nr, fl, q, q);
     mc_step(&g, pos, nr, fl, q, q);
     int hits = 0, misses = 0, p_same = 1;
     for (int step = 0; step < 40; step++) {
         for (int s = 0; s < S; s++) pos[s]++, nr[s] = 1, fl[s] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH | KVS_MAC_F_APPEND;
-        for (int s = 0; s < S; s++) {
-            float *qs = q + (size_t)s * qd;
-            if (s == 0) memcpy(qs, fixed, qd * 4);
-            else if (s == 1) for (size_t i = 0; i < qd; i++) qs[i] = 4.0f * mc_frand();
-            else if (s == 2) memcpy(qs, fixed + (size_t)(step % 2) * qd, qd * 4);
-            else memcpy(qs, fixed + 2 * qd, qd * 4);
-        }
+        mc_scene_step(q, fixed, S, qd, step);
         mc_step(&c, pos, nr, fl, q, q);
         mc_step(&g, pos, nr, fl, q, q);
         for (int i = 0; i < S * nh; i++) {
@@ -111,21 +104,14 @@ static void run_lean(struct kvs_backend *cpu, struct kvs_backend *gpu, int nh, i
     int pos[4] = {300, 420, 511, 377}, nr[4] = {16, 16, 16, 16}, fl[4];
     for (int s = 0; far && s < S; s++) pos[s] += 5600 + 37 * s;
     for (int s = 0; s < S; s++) fl[s] = KVS_MAC_F_APPEND;
-    for (size_t i = 0; i < 16 * S * qd; i++) q[i] = mc_frand();
-    for (int s = 0; s < S; s++) memcpy(q + ((size_t)s * 16 + 15) * qd, s == 3 ? fixed + 2 * qd : q, qd * 4);
+    mc_scene_prefill(q, fixed, S, qd);
     mc_step(&c, pos, nr, fl, q, q);
     mc_step(&g, pos, nr, fl, q, q);
     mc_step(&h, pos, nr, fl, q, q);
     int hits = 0, misses = 0, p_same = 1, bitwise = 1;
     for (int step = 0; step < 30; step++) {
         for (int s = 0; s < S; s++) pos[s]++, nr[s] = 1, fl[s] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH | KVS_MAC_F_APPEND;
-        for (int s = 0; s < S; s++) {
-            float *qs = q + (size_t)s * qd;
-            if (s == 0) memcpy(qs, fixed, qd * 4);
-            else if (s == 1) for (size_t i = 0; i < qd; i++) qs[i] = 4.0f * mc_frand();
-            else if (s == 2) memcpy(qs, fixed + (size_t)(step % 2) * qd, qd * 4);
-            else memcpy(qs, fixed + 2 * qd, qd * 4);
-        }
+        mc_scene_step(q, fixed, S, qd, step);
         mc_step(&c, pos, nr, fl, q, q);
         mc_step(&g, pos, nr, fl, q, q);
         mc_step(&h, pos, nr, fl, q, q);

@@ -110,6 +110,28 @@ static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct
     c->o_out = malloc(R * nh * hd * 4), c->o_lse = malloc(R * nh * 4), c->o_p = malloc(R * nh * 4);
 }
 
+/* The hit-and-miss scenario of the tests that compare two MAC paths step by step. fixed holds 3
+ * far-off query rows ([3][nh * hd]). mc_scene_prefill fills the prefill queries q ([S][16][qd]):
+ * small random rows, each sequence's last one a copy of sequence 0's first row, or fixed[2] for
+ * sequence 3. mc_scene_step fills one decode row per sequence (q [S][qd]): 0 repeats fixed[0]
+ * (hits), 1 draws far random rows (misses), 2 alternates fixed[0] / fixed[1], 3 repeats fixed[2]. */
+static inline void mc_scene_prefill(float *q, const float *fixed, int S, size_t qd)
+{
+    for (size_t i = 0; i < 16 * (size_t)S * qd; i++) q[i] = mc_frand();
+    for (int s = 0; s < S; s++) memcpy(q + ((size_t)s * 16 + 15) * qd, s == 3 ? fixed + 2 * qd : q, qd * 4);
+}
+
+static inline void mc_scene_step(float *q, const float *fixed, int S, size_t qd, int step)
+{
+    for (int s = 0; s < S; s++) {
+        float *qs = q + (size_t)s * qd;
+        if (s == 0) memcpy(qs, fixed, qd * 4);
+        else if (s == 1) for (size_t i = 0; i < qd; i++) qs[i] = 4.0f * mc_frand();
+        else if (s == 2) memcpy(qs, fixed + (size_t)(step % 2) * qd, qd * 4);
+        else memcpy(qs, fixed + 2 * qd, qd * 4);
+    }
+}
+
 static inline void mc_free(struct mc *c)
 {
     struct kvs_dbuf *b[] = {c->kc, c->vc, c->bt, c->rot, c->valid, c->inv, c->qs, c->pos, c->rows,
