@@ -600,9 +600,11 @@ static void test_engine(void)
  * step's newest row runs full attention's one-row decode attention and each past row keeps its
  * cached outputs (kv_decode_retro.c attend_kept), for w = 2 and 4, with the dense layers (0-1)
  * and without (every layer selecting). Not bitwise here: full's one-row steps take the decode
- * GEMM's single-row kernel (k_gemv1), Retro's w-row steps the mma kernel, which round
- * differently (2026-11-24 H100: 5/6 requests equal for each case); hence at most one request
- * may differ. */
+ * GEMM's single-row kernel (k_gemv1), Retro's w-row steps a multi-row kernel, which round
+ * differently: 5/6 requests equal for each case with the mma kernel (variant 14, 2026-11-24
+ * H100), 4/6 with the N-side wgmma kernel k_dgemm_n, the default since (variant 46, 2026-11-25
+ * H100; 5/6 again with KVS_CUDA_SKINNY_VARIANT=14 in the same call); hence up to two requests may
+ * differ (bitwise equality is the CPU test's, tests/unit/test_kv_retro*.c). */
 static void test_engine_exact(void)
 {
     char dir[1024], err[256];
@@ -616,7 +618,7 @@ static void test_engine_exact(void)
         for (int w = 2; w <= 4; w += 2) {
             run_engine_at(model, "retro", 1.0, 0, w, 1, dense, x, &st);
             const double past = kvs_engine_kv_counter(&st, "kvserve:kv_retro_past_rows_total");
-            CHECK(n_same(full, x) >= NJ - 1 && past > 0, "retro w=%d every page on cuda, demo model, dense layers %d: %d of %d "
+            CHECK(n_same(full, x) >= NJ - 2 && past > 0, "retro w=%d every page on cuda, demo model, dense layers %d: %d of %d "
                   "equal to full, %g past rows", w, dense, n_same(full, x), NJ, past);
             printf("ok engine on cuda (demo model, one request at a time, dense layers %d): retro w=%d with every page "
                    "equals full for %d/%d requests (%g past rows)\n", dense, w, n_same(full, x), NJ, past);
