@@ -669,6 +669,30 @@ static int dg_tiles(const int *out, int n_parts, int swiglu)
     return tiles;
 }
 
+/* The launch parameters both decode-GEMM kernels share: the input, the parts (weights, bias,
+ * outputs) and each part's tiles of tile_rows output rows (their sum in *tiles), the K atoms and
+ * the early-launch bit; the caller sets the rest (splits, SwiGLU, cluster). */
+static dg_params dg_params_of(const struct kvs_cu_skinny *a, int tile_rows, int *tiles)
+{
+    dg_params p = {};
+    p.trig = kvs_cu_pdl_early() & 1;
+    p.x = a->x;
+    p.n = a->n;
+    p.in = a->in;
+    p.n_parts = a->n_parts;
+    p.atoms = a->in / DG_KA;
+    *tiles = 0;
+    for (int i = 0; i < a->n_parts; i++) {
+        p.w[i] = a->w[i];
+        p.bias[i] = a->bias[i];
+        p.out[i] = a->out[i];
+        p.y[i] = a->y[i];
+        p.tiles[i] = (a->out[i] + tile_rows - 1) / tile_rows;
+        *tiles += p.tiles[i];
+    }
+    return p;
+}
+
 int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_sms, int per_sm)
 {
     return dg_splits(dg_tiles(out, n_parts, swiglu), in / DG_KA, n_sms, per_sm);
@@ -677,26 +701,12 @@ int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_s
 cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm, int cluster,
                          cudaStream_t stream)
 {
-    dg_params p = {};
+    int tiles;
+    dg_params p = dg_params_of(a, DG_M, &tiles);
     p.cluster = cluster;
-    p.trig = kvs_cu_pdl_early() & 1;
-    p.x = a->x;
-    p.n = a->n;
-    p.in = a->in;
     p.swiglu = a->swiglu;
-    p.n_parts = a->n_parts;
     p.yh = a->yh;
-    int tiles = 0;
-    for (int i = 0; i < a->n_parts; i++) {
-        p.w[i] = a->w[i];
-        p.bias[i] = a->bias[i];
-        p.out[i] = a->out[i];
-        p.y[i] = a->y[i];
-        p.tiles[i] = (a->out[i] + DG_M - 1) / DG_M;
-        tiles += p.tiles[i];
-    }
     if (a->swiglu) tiles = (a->out[0] + 63) / 64;
-    p.atoms = a->in / DG_KA;
     p.splits = dg_splits(tiles, p.atoms, ws->n_sms, per_sm);
     /* the workspace holds a partial tile per block of a one-tile wave and two counters a tile */
     if ((size_t)tiles * p.splits * DG_M * 128 > ws->floats || 2 * tiles > ws->n_sems) p.splits = 1;
@@ -745,23 +755,9 @@ template <int R> static cudaError_t dn_launch(dg_params &p, int tiles, cudaStrea
 
 cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream)
 {
-    dg_params p = {};
-    p.trig = kvs_cu_pdl_early() & 1;
-    p.x = a->x;
-    p.n = a->n;
-    p.in = a->in;
-    p.n_parts = a->n_parts;
-    p.atoms = a->in / DG_KA;
+    int tiles;
+    dg_params p = dg_params_of(a, rows, &tiles);
     p.splits = 1;
-    int tiles = 0;
-    for (int i = 0; i < a->n_parts; i++) {
-        p.w[i] = a->w[i];
-        p.bias[i] = a->bias[i];
-        p.out[i] = a->out[i];
-        p.y[i] = a->y[i];
-        p.tiles[i] = (a->out[i] + rows - 1) / rows;
-        tiles += p.tiles[i];
-    }
     switch (rows) {
     case 32: return dn_launch<32>(p, tiles, stream);
     case 48: return dn_launch<48>(p, tiles, stream);
