@@ -80,15 +80,16 @@ __device__ __forceinline__ void cursor_advance(const int32_t *sp, int ns, int la
     c.o = o;
 }
 
-/* the cursor of key k (k < the total): a warp scan over the span lengths, 32 spans at a time
- * (every lane ends with the same cursor) */
-__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
+/* The cursor of key k among spans a .. b-1, whose keys start at key `base` (base <= k): a warp scan
+ * over the span lengths, 32 spans at a time (every lane ends with the same cursor; past span b-1:
+ * j = ns). */
+__device__ __forceinline__ span_cursor seek_range(const int32_t *sp, int a, int b, int ns, int last, long long k,
+                                                  long long base)
 {
     const int lane = threadIdx.x & 31;
-    long long base = 0;
-    for (int c0 = 0; c0 < ns; c0 += 32) {
+    for (int c0 = a; c0 < b; c0 += 32) {
         int lo;
-        const int len = c0 + lane < ns ? span_len(sp, c0 + lane, last, &lo) : 0;
+        const int len = c0 + lane < b ? span_len(sp, c0 + lane, last, &lo) : 0;
         long long inc = len;
         for (int o = 1; o < 32; o <<= 1) {
             const long long v = __shfl_up_sync(FULL, inc, o);
@@ -111,8 +112,59 @@ __device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, in
     return c;
 }
 
-/* selected keys of a (row, KV head) */
-__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
+/* the cursor of key k (k < the total), the walk of main up to quest7: 32 spans a step from the
+ * first, each step a dependent load and scan (a split's start deep in a long span list waits on
+ * ns / 32 of them); kept as attention_spans' kind 1 for the A/B (kv_span.cu) */
+__device__ __forceinline__ span_cursor cursor_seek_linear(const int32_t *sp, int ns, int last, long long k)
+{
+    return seek_range(sp, 0, ns, ns, last, k, 0);
+}
+
+/* Lane l's share of the spans, [*a, *b): ceil(ns / 32) consecutive spans from l ceil(ns / 32), and
+ * their keys. The loads are independent of each other (unrolled: several in flight). */
+__device__ __forceinline__ long long lane_span_keys(const int32_t *sp, int ns, int last, int *a, int *b)
+{
+    const int lane = threadIdx.x & 31, per = (ns + 31) >> 5;
+    const int j0 = min(ns, lane * per), j1 = min(ns, j0 + per);
+    long long sum = 0;
+#pragma unroll 4
+    for (int j = j0; j < j1; j++) {
+        int lo;
+        sum += span_len(sp, j, last, &lo);
+    }
+    *a = j0;
+    *b = j1;
+    return sum;
+}
+
+/* the cursor of key k (k < the total; past it: j = ns): each lane sums its share of the spans
+ * (lane_span_keys), one warp scan finds the share that holds key k, and seek_range the span in it
+ * (at most ceil(ns / 32) / 32 steps): the same cursor as cursor_seek_linear, with a dependent
+ * chain of a few loads instead of ns / 32 */
+__device__ __forceinline__ span_cursor cursor_seek(const int32_t *sp, int ns, int last, long long k)
+{
+    const int lane = threadIdx.x & 31;
+    int a, b;
+    const long long mine = lane_span_keys(sp, ns, last, &a, &b);
+    long long inc = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        const long long v = __shfl_up_sync(FULL, inc, o);
+        if (lane >= o) inc += v;
+    }
+    const unsigned m = __ballot_sync(FULL, k < inc); /* inc never decreases over the lanes */
+    if (!m) {
+        span_cursor c;
+        c.j = ns;
+        c.o = 0;
+        return c;
+    }
+    const int src = __ffs((int)m) - 1;
+    return seek_range(sp, __shfl_sync(FULL, a, src), __shfl_sync(FULL, b, src), ns, last, k,
+                      __shfl_sync(FULL, inc - mine, src));
+}
+
+/* selected keys of a (row, KV head), 32 spans a step over the lanes (main's up to quest7: kind 1) */
+__device__ __forceinline__ long long total_keys_strided(const int32_t *sp, int ns, int last)
 {
     const int lane = threadIdx.x & 31;
     long long sum = 0;
@@ -120,6 +172,15 @@ __device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int l
         int lo;
         sum += span_len(sp, j, last, &lo);
     }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    return sum;
+}
+
+/* selected keys of a (row, KV head): the lanes' shares (lane_span_keys), summed */
+__device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int last)
+{
+    int a, b;
+    long long sum = lane_span_keys(sp, ns, last, &a, &b);
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
     return sum;
 }

@@ -18,6 +18,18 @@
  * (rot_offsets) as the paged attention does it: q rotated backward
  * by a block's offset at document boundaries (rot_table + rotate_frags).
  *
+ * Three kinds (kvs_cuda_set_span_kernel). The start of a split deep in a long span list: kind 1
+ * (main's up to quest7) finds it 32 spans a step from the first (cursor_seek_linear: each step a
+ * dependent load and warp scan, ns / 32 of them for the last split: a Quest row keeps one span per
+ * page, 1229 at 128K), kinds 2 and 3 with the lanes' shares of the list summed at once and one
+ * scan (cursor_seek: the same cursor). The staging: kinds 1 and 3, SPAN_ST tiles of K and V
+ * together in flight; kind 2, k_attn_fd's FlashAttention-2 order per warp (cuda_attn_decode.cu):
+ * one K and one V buffer of 32 keys,
+ *     issue V_i; wait K_i; S = Q K_i^T, softmax; issue K_{i+1}; wait V_i; O += P V_i
+ * half the shared memory a block, so about twice the resident blocks (one warp each) a SM and
+ * twice the splits in one wave (groups of up to 16 heads; others take kind 3). Every kind takes
+ * the same keys in the same order within a split; the A/B is in bench/RESULTS.md (quest8).
+ *
  * attn_merge: elementwise, one block per (row, head).
  *
  * Nothing is allocated: the split partials go to the backend's attention workspace (ops run in
@@ -28,10 +40,12 @@
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/cuda/cuda_span_walk.cuh"
+#include "kernels/cuda/kv_span.h"
 
 #define SPAN_ST 2          /* tiles in flight */
 #define SPAN_MIN_TILES 4   /* tiles a split is planned with at least (128 keys) */
 #define SPAN_MAX_SPLITS 256
+#define SPAN_KIND_DEFAULT 3   /* kvs_cuda_set_span_kernel: the kind the A/B chose (bench/RESULTS.md, quest8) */
 
 struct span_args {
     at_args a;                    /* q, kc, vc, q_start, pos, bt, rot, valid, inv_freq, n_seqs, max_blocks,
@@ -41,14 +55,48 @@ struct span_args {
     int max_spans;
     int chunk;                    /* tiles per split */
     int n_splits;
+    int idx;                      /* cursor_seek + total_keys (else main's cursor_seek_linear + total_keys_strided) */
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
 
-template <int HD, int MT, bool ROT>
+/* One pool's rows (K or V) of the tile that m describes into dst (rows of kst elements), by one
+ * warp with cp.async (kind 2's staging: K and V issued apart): contig tiles take tile_issue's
+ * two-pointer copies (keys 16h .. 16h + 15 consecutive slots of one block), others one copy
+ * source per key (gather_issue's); keys that are not read get zero-filled rows. */
+template <int HD>
+__device__ __forceinline__ void span_issue_pool(const bf16 *pool, const tile_meta &m, bool contig, bf16 *dst, int kst)
+{
+    constexpr int CH = HD / 8, S = 32 / CH; /* keys covered by one pass of the warp */
+    static_assert(S >= 1 && S <= 16, "span_issue_pool: head_dim 16 .. 256");
+    const int lane = threadIdx.x & 31;
+    if (contig) {
+        const unsigned vmask = __ballot_sync(FULL, m.row >= 0); /* bit j: key j of the tile is read */
+        const int j0 = lane / CH, c = lane % CH;
+        const long long base[2] = {m.base0 + j0 * HD + c * 8, m.base1 + j0 * HD + c * 8};
+        bf16 *d = dst + j0 * kst + c * 8;
+#pragma unroll
+        for (int i = 0; i < AT_TILE / S; i++) {
+            const int h = i * S / 16, off = (i * S) % 16; /* compile-time */
+            const int bytes = (vmask >> (j0 + i * S)) & 1u ? 16 : 0;
+            cp_async16(d + i * S * kst, pool + base[h] + off * HD, bytes);
+        }
+        return;
+    }
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {
+        const int j = idx / CH, c = idx % CH;
+        const long long r = __shfl_sync(FULL, m.row, j);
+        const bool ok = r >= 0;
+        cp_async16(dst + j * kst + c * 8, ok ? pool + r + c * 8 : pool, ok ? 16 : 0);
+    }
+}
+
+/* SEP: kind 2's staging (one K and one V buffer, issued apart), else kind 1's (SPAN_ST tiles) */
+template <int HD, int MT, bool ROT, bool SEP>
 __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_args sa)
 {
-    constexpr int KST = HD + 8, ST = SPAN_ST;
+    constexpr int KST = HD + 8, ST = SEP ? 1 : SPAN_ST;
     const at_args &a = sa.a;
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
@@ -75,7 +123,8 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     const size_t pair = (size_t)row * a.n_kv + kvh;
     const int ns = sa.n_spans[pair];
     const int32_t *sp = sa.spans + pair * (size_t)sa.max_spans * 2;
-    const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
+    const long long n_tiles_all =
+        ((sa.idx ? total_keys(sp, ns, last) : total_keys_strided(sp, ns, last)) + AT_TILE - 1) / AT_TILE;
     /* the last split takes every tile past the others' chunks: the plan comes from the host copies,
      * and a recorded graph may replay the launch with longer span sets */
     const long long w0 = (long long)split * sa.chunk;
@@ -85,7 +134,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     span_cursor cur; /* the first key of the next tile to look up */
     cur.j = ns;
     cur.o = 0;
-    if (ntiles > 0) cur = cursor_seek(sp, ns, last, w0 * AT_TILE);
+    if (ntiles > 0) cur = sa.idx ? cursor_seek(sp, ns, last, w0 * AT_TILE) : cursor_seek_linear(sp, ns, last, w0 * AT_TILE);
     bool nxt_contig = false;
     auto lookup = [&]() {
         const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig);
@@ -100,13 +149,24 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     };
 
     tile_meta nxt = lookup();
-#pragma unroll
-    for (int st = 0; st < ST - 1; st++) {
-        if (st < ntiles) {
-            issue(nxt, nxt_contig, st);
-            nxt = lookup();
+    tile_meta cur_t = nxt; /* SEP: the tile whose K is staged and whose V is issued next */
+    bool cur_contig = nxt_contig;
+    if constexpr (SEP) {
+        nxt = lookup(); /* the tile after: its K is issued during cur_t's compute */
+        if (ntiles > 0) {
+            soff[lane] = cur_t.info;
+            span_issue_pool<HD>(a.kc, cur_t, cur_contig, sk, KST);
         }
         cp_async_commit();
+    } else {
+#pragma unroll
+        for (int st = 0; st < ST - 1; st++) {
+            if (st < ntiles) {
+                issue(nxt, nxt_contig, st);
+                nxt = lookup();
+            }
+            cp_async_commit();
+        }
     }
 
     const int nr = a.G; /* live rows: the group's heads */
@@ -140,12 +200,18 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     }
 
     for (int it = 0; it < ntiles; it++) {
-        if (it + ST - 1 < ntiles) {
-            issue(nxt, nxt_contig, it + ST - 1);
-            nxt = lookup(); /* its loads overlap this tile's wait and compute */
+        if constexpr (SEP) {
+            span_issue_pool<HD>(a.vc, cur_t, cur_contig, sv, KST); /* V_it: its buffer was freed last iteration */
+            cp_async_commit();
+            cp_async_wait<1>(); /* K_it has landed (V_it may still be in flight) */
+        } else {
+            if (it + ST - 1 < ntiles) {
+                issue(nxt, nxt_contig, it + ST - 1);
+                nxt = lookup(); /* its loads overlap this tile's wait and compute */
+            }
+            cp_async_commit();
+            cp_async_wait<ST - 1>();
         }
-        cp_async_commit();
-        cp_async_wait<ST - 1>();
         __syncwarp();
         const int st = it % ST;
         const bf16 *tk = sk + (size_t)st * AT_TILE * KST;
@@ -168,6 +234,21 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
         uint32_t pa[MT][2][4];
 #pragma unroll
         for (int mt = 0; mt < MT; mt++) softmax_tile<HD, true>(sc[mt], ko, 0, lim[mt], m[mt], l[mt], o[mt], pa[mt], lane);
+        if constexpr (SEP) {
+            __syncwarp(); /* every lane is done with K_it and its key offsets */
+            const bool more = it + 1 < ntiles;
+            const bool nc = nxt_contig;
+            if (more) {
+                soff[lane] = nxt.info;
+                span_issue_pool<HD>(a.kc, nxt, nc, sk, KST); /* K_{it+1} flies during PV */
+            }
+            cp_async_commit();
+            cur_t = nxt;
+            cur_contig = nc;
+            if (more) nxt = lookup();
+            cp_async_wait<1>(); /* V_it has landed */
+            __syncwarp();
+        }
         pv_tile<HD, MT>(tv, KST, pa, o, lane);
         __syncwarp(); /* the stage is reloaded next iteration */
     }
@@ -242,13 +323,45 @@ __global__ void k_attn_merge2(float *oa, float *la, const float *ob, const float
 /* Splits: the longest (row, KV head) walk (w_max tiles of 32 selected keys) cut so that the grid
  * fills every SM with as many blocks as fit (one warp each: a single row must still keep every
  * SM busy), at least SPAN_MIN_TILES tiles a split, the partials within the workspace (by_ws). */
+/* kvs_cuda_set_span_kernel: the kind (0: KVS_CUDA_SPAN_KERNEL, else SPAN_KIND_DEFAULT) and the
+ * least tiles a split (0: KVS_CUDA_SPAN_MIN_TILES, else SPAN_MIN_TILES) */
+static int span_kind_set, span_min_set;
+
+extern "C" void kvs_cuda_set_span_kernel(int kind, int min_tiles)
+{
+    span_kind_set = kind >= 1 && kind <= 3 ? kind : 0;
+    span_min_set = min_tiles >= 1 && min_tiles <= 64 ? min_tiles : 0;
+}
+
+static int span_env(const char *name, int lo, int hi, int dflt)
+{
+    const char *e = getenv(name);
+    const int v = e ? atoi(e) : 0;
+    return v >= lo && v <= hi ? v : dflt;
+}
+
+static int span_kind(void)
+{
+    static int env = -1;
+    if (env < 0) env = span_env("KVS_CUDA_SPAN_KERNEL", 1, 3, SPAN_KIND_DEFAULT);
+    return span_kind_set ? span_kind_set : env;
+}
+
+static int span_min_tiles(void)
+{
+    static int env = -1;
+    if (env < 0) env = span_env("KVS_CUDA_SPAN_MIN_TILES", 1, 64, SPAN_MIN_TILES);
+    return span_min_set ? span_min_set : env;
+}
+
 static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, long long w_max, long long by_ws)
 {
     /* as many splits as fit in ONE wave (rounded down): rounding up left a second wave of a few
      * blocks (e.g. 32 rows x 8 heads x 4 splits = 1024 blocks on 792 slots), in which the GPU
      * reads at a fraction of its bandwidth */
     long long ns = (long long)resident * n_sms / pairs;
-    const long long by_len = (w_max + SPAN_MIN_TILES - 1) / SPAN_MIN_TILES;
+    const int min_tiles = span_min_tiles();
+    const long long by_len = (w_max + min_tiles - 1) / min_tiles;
     if (ns > by_len) ns = by_len;
     if (ns > by_ws) ns = by_ws;
     if (ns > SPAN_MAX_SPLITS) ns = SPAN_MAX_SPLITS;
@@ -259,36 +372,42 @@ static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, 
     if (x.n_splits < 1) x.n_splits = 1;
 }
 
-template <int HD, int MT, bool ROT>
+template <int HD, int MT, bool ROT, bool SEP>
 static void launch_spans(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws)
 {
     static kvs_cu_resident resident_all;
     int &resident = *kvs_cu_resident_here(resident_all);
-    const size_t smem = 2 * (size_t)SPAN_ST * AT_TILE * (HD + 8) * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
-                        ((size_t)SPAN_ST * AT_TILE + SPAN_ST) * sizeof(int);
+    constexpr size_t ST = SEP ? 1 : SPAN_ST;
+    const size_t smem = 2 * ST * AT_TILE * (HD + 8) * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
+                        (ST * AT_TILE + ST) * sizeof(int);
     if (!resident) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_spans<HD, MT, ROT>,
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_spans<HD, MT, ROT, SEP>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int nb = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_attn_spans<HD, MT, ROT>, 32, smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_attn_spans<HD, MT, ROT, SEP>, 32, smem));
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda attention_spans: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
     }
     plan_splits(x, (long long)n * x.a.n_kv, resident, n_sms, w_max, by_ws);
     const dim3 grid((unsigned)((size_t)n * x.a.n_kv), (unsigned)x.n_splits);
-    CUDA_CHECK(kvs_cu_launch(k_attn_spans<HD, MT, ROT>, grid, 32, smem, st, x));
+    CUDA_CHECK(kvs_cu_launch(k_attn_spans<HD, MT, ROT, SEP>, grid, 32, smem, st, x));
 }
 
 template <int HD>
 static void launch_spans_hd(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws)
 {
     const bool rot = x.a.rot != nullptr;
-    if (x.a.G <= 16) {
-        if (rot) launch_spans<HD, 1, true>(x, n, st, n_sms, w_max, by_ws);
-        else launch_spans<HD, 1, false>(x, n, st, n_sms, w_max, by_ws);
-    } else {
-        if (rot) launch_spans<HD, 2, true>(x, n, st, n_sms, w_max, by_ws);
-        else launch_spans<HD, 2, false>(x, n, st, n_sms, w_max, by_ws);
+    if (x.a.G <= 16) { /* groups of up to 16 heads (one m-tile): either staging */
+        if (span_kind() == 2) { /* K and V apart */
+            if (rot) launch_spans<HD, 1, true, true>(x, n, st, n_sms, w_max, by_ws);
+            else launch_spans<HD, 1, false, true>(x, n, st, n_sms, w_max, by_ws);
+        } else {
+            if (rot) launch_spans<HD, 1, true, false>(x, n, st, n_sms, w_max, by_ws);
+            else launch_spans<HD, 1, false, false>(x, n, st, n_sms, w_max, by_ws);
+        }
+    } else { /* two m-tiles (groups of 17-32 heads): K and V together (kind 2's staging is built for one m-tile) */
+        if (rot) launch_spans<HD, 2, true, false>(x, n, st, n_sms, w_max, by_ws);
+        else launch_spans<HD, 2, false, false>(x, n, st, n_sms, w_max, by_ws);
     }
 }
 
@@ -327,6 +446,7 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
     x.max_spans = sp->max_spans;
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
+    x.idx = span_kind() != 1;
 
     /* the longest walk, from the host copies (the launch is planned without a device round trip) */
     long long w_max = 0;

@@ -7,7 +7,9 @@
  * lse -inf), and the full context [0, pos + 1). Cases cover GQA groups 1 / 4 / 8, head_dim 64 / 128,
  * block sizes that do (16) and do not (8, 24) hold the kernel's 16-key halves, rotation offsets
  * (deferred RoPE), blocks with a partial valid count, decode rows mixed with prefill rows, and
- * one long context (a single row whose spans are split over many blocks and merged). Slots no
+ * one long context (a single row whose spans are split over many blocks and merged); every case
+ * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one tile a split.
+ * Slots no
  * query may read (invalid tails, spare blocks) hold NaN on both backends, and the CUDA outputs
  * are poisoned with NaN before each op. Checks: out by relative L2 error < 1e-2 (bf16 K/V and
  * q products), lse finite values within 1e-2 absolute (scores are O(1)) and -inf exactly where the
@@ -29,6 +31,7 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/kv_span.h"
 
 #include "tests/gpu/cuda_pair.h"
 
@@ -377,7 +380,20 @@ int main(void)
         {"G8 hd128 bs16 long 40K", 32, 4, 128, 16, 1, {40000}, {1}, 0, 0, 256},
         {"G4 hd128 bs16 rot long 20K", 32, 8, 128, 16, 1, {20000}, {1}, 1, 1, 128},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_case(&cases[i]);
+    /* every kind of attention_spans (kvs_cuda_set_span_kernel), the third also at one tile a split
+     * (the most splits a walk is cut into: every split's start found by the indexed seek) */
+    static const int kinds[][2] = {{1, 0}, {2, 0}, {3, 0}, {3, 1}};
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        kvs_cuda_set_span_kernel(kinds[k][0], kinds[k][1]);
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            struct span_case c = cases[i];
+            char name[96];
+            snprintf(name, sizeof name, "%s [kind %d, min tiles %d]", c.name, kinds[k][0], kinds[k][1]);
+            c.name = name;
+            test_case(&c);
+        }
+    }
+    kvs_cuda_set_span_kernel(0, 0);
     test_merge(37, 8, 64);
     test_merge(5, 32, 128);
     G->free(bg);
