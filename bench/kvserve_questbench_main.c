@@ -21,13 +21,17 @@
  * score_select (the policy's call in a decode-only step) instead of its own launch, with path - 4)
  * in the same run, and says whether its spans equal the two kernels' bitwise (column "same").
  *
+ * --span-kinds sweeps attention_spans' kind (kvs_cuda_set_span_kernel, kernels/cuda/kv_span.h): each
+ * entry 100 x kind + the least tiles a split (104: kind 1 at 4 tiles, 302: kind 3 at 2; 0: the defaults), each
+ * its own rows (column "spans"), the spans timed again under each.
+ *
  * --score-shapes sweeps the score kernels' launch shape (kvs_quest_cuda_score_shape): each entry
  * d (the default rule), bN (pages per block sized for N blocks per SM) or pN (N pages per block)
  * gives its own row per digest width (column "shape").
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
- *                           [--paths 0,1,2,3] [--markdown FILE]
+ *                           [--paths 0,1,2,3] [--span-kinds 0,104,204] [--markdown FILE]
  * A shape whose KV does not fit in free device memory is skipped with a note.
  */
 #include <math.h>
@@ -43,6 +47,7 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/kv_span.h"
 #include "bench/bench_cuda.h"
 
 #define BS 16 /* KV block size (tokens) */
@@ -117,7 +122,7 @@ int main(int argc, char **argv)
 {
     int batches[8] = {1, 8, 32}, nb = 3, contexts[8] = {8192, 32768, 131072}, nc = 3, reps = 20;
     double ratio = 0.15;
-    int dbits[4] = {16, 8, 4}, nd = 3, paths[8] = {0}, np = 1;
+    int dbits[4] = {16, 8, 4}, nd = 3, paths[8] = {0}, np = 1, spk[8] = {0}, nsk = 1;
     const char *md = NULL;
     char shapes[16][8] = {"d"};
     int nshape = 1;
@@ -130,6 +135,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--markdown") && v) md = argv[++i];
         else if (!strcmp(argv[i], "--digest-bits") && v) nd = bench_parse_list(argv[++i], dbits, 4);
         else if (!strcmp(argv[i], "--paths") && v) np = bench_parse_list(argv[++i], paths, 8);
+        else if (!strcmp(argv[i], "--span-kinds") && v) nsk = bench_parse_list(argv[++i], spk, 8);
         else if (!strcmp(argv[i], "--score-shapes") && v) {
             nshape = 0;
             for (const char *t = argv[++i]; *t && nshape < 16;) {
@@ -145,7 +151,7 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15] [--reps 20] "
-                            "[--digest-bits 16,8,4] [--score-shapes d,b8,p128] [--paths 0,1,2,3,4] [--markdown FILE]\n", argv[0]);
+                            "[--digest-bits 16,8,4] [--score-shapes d,b8,p128] [--paths 0,1,2,3,4] [--span-kinds 0,104,204] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
@@ -153,8 +159,10 @@ int main(int argc, char **argv)
         if (dbits[i] != 16 && dbits[i] != 8 && dbits[i] != 4) nd = -1;
     for (int i = 0; i < np; i++)
         if (paths[i] < 0 || paths[i] > 7) np = -1;
-    if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
-        fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7) or --score-shapes (d, bN, pN)\n",
+    for (int i = 0; i < nsk; i++)
+        if (spk[i] && (spk[i] / 100 < 1 || spk[i] / 100 > 3 || spk[i] % 100 < 1)) nsk = -1;
+    if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nsk <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
+        fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7), --span-kinds (0, 1NN, 2NN, 3NN) or --score-shapes (d, bN, pN)\n",
                 argv[0]);
         return 2;
     }
@@ -174,11 +182,11 @@ int main(int argc, char **argv)
         return 1;
     }
     if (mf)
-        fprintf(mf, "| batch | context | digest bits | shape | path | same spans | pages kept | full ms | Quest ms | selection ms | of which digests + "
+        fprintf(mf, "| batch | context | digest bits | shape | path | spans | same spans | pages kept | full ms | Quest ms | selection ms | of which digests + "
                     "scores ms | spans ms | full / Quest | selection share | 32 layers, 0-1 dense: full / Quest | full "
-                    "TB/s | spans TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    printf("%6s %8s %4s %5s %4s %4s %11s %9s %9s %9s %9s %9s %10s %9s %10s %8s %8s\n", "batch", "context", "bits",
-           "shape", "path", "same", "kept/pages",
+                    "TB/s | spans TB/s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("%6s %8s %4s %5s %4s %5s %4s %11s %9s %9s %9s %9s %9s %10s %9s %10s %8s %8s\n", "batch", "context", "bits",
+           "shape", "path", "spans", "same", "kept/pages",
            "full ms", "quest ms", "select ms", "scores ms", "spans ms", "full/quest", "select %", "32L ratio", "full TB/s",
            "span TB/s");
     struct kvs_dbuf *flush = bench_dalloc(b, KVS_BUF_F32, FLUSH_FLOATS);
@@ -244,53 +252,59 @@ int main(int argc, char **argv)
             }
             S.sl = (struct kvs_span_list){S.max_spans, S.nsp, S.sp, h_n, h_sp};
             const float full = time_op(b, &S, OP_FULL, reps, flush);
-            S.bits = 16;
-            run_op(b, &S, OP_SELECT);   /* the spans the attention below reads */
-            const float spans = time_op(b, &S, OP_SPANS, reps, flush);
-            /* K and V bytes: every position for full; the kept pages (the last one partial: ctx) */
-            const double kvb = 2.0 * NKV * HD * 2, kept_pos = keep * BS < ctx ? (double)(keep - 1) * BS + (ctx - (nblk - 1) * BS) : ctx;
-            const double full_tbs = (double)B * ctx * kvb / (full * 1e9), span_tbs = (double)B * kept_pos * kvb / (spans * 1e9);
-            const size_t nsp_n = (size_t)B * NKV, sp_n = nsp_n * S.max_spans * 2;
-            int32_t *ref_n = kvs_xmalloc(nsp_n * 4), *ref_sp = kvs_xmalloc(sp_n * 4);
-            int32_t *got_n = kvs_xmalloc(nsp_n * 4), *got_sp = kvs_xmalloc(sp_n * 4);
-            for (int di = 0; di < nd * nshape * np; di++) {
-                const char *sh = shapes[di / np % nshape];
-                const int path = paths[di % np];
-                kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
-                S.bits = dbits[di / (np * nshape)];
-                if (di % np == 0) {   /* the two kernels' spans: what every path must give */
-                    kvs_quest_cuda_select_path(1);
-                    S.fold = 0;
+            for (int ki = 0; ki < nsk; ki++) {
+                kvs_cuda_set_span_kernel(spk[ki] / 100, spk[ki] % 100);
+                S.bits = 16;
+                kvs_quest_cuda_select_path(1);
+                S.fold = 0;
+                run_op(b, &S, OP_SELECT);   /* the spans the attention below reads */
+                const float spans = time_op(b, &S, OP_SPANS, reps, flush);
+                /* K and V bytes: every position for full; the kept pages (the last one partial: ctx) */
+                const double kvb = 2.0 * NKV * HD * 2, kept_pos = keep * BS < ctx ? (double)(keep - 1) * BS + (ctx - (nblk - 1) * BS) : ctx;
+                const double full_tbs = (double)B * ctx * kvb / (full * 1e9), span_tbs = (double)B * kept_pos * kvb / (spans * 1e9);
+                const size_t nsp_n = (size_t)B * NKV, sp_n = nsp_n * S.max_spans * 2;
+                int32_t *ref_n = kvs_xmalloc(nsp_n * 4), *ref_sp = kvs_xmalloc(sp_n * 4);
+                int32_t *got_n = kvs_xmalloc(nsp_n * 4), *got_sp = kvs_xmalloc(sp_n * 4);
+                for (int di = 0; di < nd * nshape * np; di++) {
+                    const char *sh = shapes[di / np % nshape];
+                    const int path = paths[di % np];
+                    kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
+                    S.bits = dbits[di / (np * nshape)];
+                    if (di % np == 0) {   /* the two kernels' spans: what every path must give */
+                        kvs_quest_cuda_select_path(1);
+                        S.fold = 0;
+                        run_op(b, &S, OP_SELECT);
+                        O->download(b, ref_n, S.nsp, 0, nsp_n);
+                        O->download(b, ref_sp, S.sp, 0, sp_n);
+                    }
+                    kvs_quest_cuda_select_path(path & 3);
+                    S.fold = path >= 4;
+                    const float quest = time_op(b, &S, OP_QUEST, reps, flush);
+                    const float sel = time_op(b, &S, OP_SELECT, reps, flush);
+                    const float score = time_op(b, &S, OP_SCORE, reps, flush);
                     run_op(b, &S, OP_SELECT);
-                    O->download(b, ref_n, S.nsp, 0, nsp_n);
-                    O->download(b, ref_sp, S.sp, 0, sp_n);
+                    O->download(b, got_n, S.nsp, 0, nsp_n);
+                    O->download(b, got_sp, S.sp, 0, sp_n);
+                    int same = !memcmp(got_n, ref_n, nsp_n * 4);
+                    for (size_t j = 0; same && j < nsp_n; j++)
+                        same = !memcmp(got_sp + j * S.max_spans * 2, ref_sp + j * S.max_spans * 2, (size_t)ref_n[j] * 2 * 4);
+                    const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
+                    printf("%6d %8d %4d %5s %4d %5d %4s %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f %8.2f %8.2f\n", B,
+                           ctx, S.bits, sh, path, spk[ki], same ? "yes" : "NO", keep, nblk, full, quest, sel, score, spans, full / quest,
+                           100.0 * sel / quest, model, full_tbs, span_tbs);
+                    fflush(stdout);
+                    if (mf)
+                        fprintf(mf, "| %d | %d | %d | %s | %d | %d | %s | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f | %.2f | "
+                                "%.2f |\n", B, ctx, S.bits, sh, path, spk[ki], same ? "yes" : "NO", keep, nblk, full, quest, sel, score, spans,
+                                full / quest, 100.0 * sel / quest, model, full_tbs, span_tbs);
                 }
-                kvs_quest_cuda_select_path(path & 3);
-                S.fold = path >= 4;
-                const float quest = time_op(b, &S, OP_QUEST, reps, flush);
-                const float sel = time_op(b, &S, OP_SELECT, reps, flush);
-                const float score = time_op(b, &S, OP_SCORE, reps, flush);
-                run_op(b, &S, OP_SELECT);
-                O->download(b, got_n, S.nsp, 0, nsp_n);
-                O->download(b, got_sp, S.sp, 0, sp_n);
-                int same = !memcmp(got_n, ref_n, nsp_n * 4);
-                for (size_t j = 0; same && j < nsp_n; j++)
-                    same = !memcmp(got_sp + j * S.max_spans * 2, ref_sp + j * S.max_spans * 2, (size_t)ref_n[j] * 2 * 4);
-                const double model = (32.0 * full) / (2.0 * full + 30.0 * quest);
-                printf("%6d %8d %4d %5s %4d %4s %5d/%-5d %9.3f %9.3f %9.3f %9.3f %9.3f %10.2f %8.1f%% %10.2f %8.2f %8.2f\n", B,
-                       ctx, S.bits, sh, path, same ? "yes" : "NO", keep, nblk, full, quest, sel, score, spans, full / quest,
-                       100.0 * sel / quest, model, full_tbs, span_tbs);
-                fflush(stdout);
-                if (mf)
-                    fprintf(mf, "| %d | %d | %d | %s | %d | %s | %d / %d | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f | %.1f%% | %.2f | %.2f | "
-                            "%.2f |\n", B, ctx, S.bits, sh, path, same ? "yes" : "NO", keep, nblk, full, quest, sel, score, spans,
-                            full / quest, 100.0 * sel / quest, model, full_tbs, span_tbs);
+                kvs_quest_cuda_select_path(0);
+                free(ref_n);
+                free(ref_sp);
+                free(got_n);
+                free(got_sp);
             }
-            kvs_quest_cuda_select_path(0);
-            free(ref_n);
-            free(ref_sp);
-            free(got_n);
-            free(got_sp);
+            kvs_cuda_set_span_kernel(0, 0);
             kvs_quest_cuda_score_shape(0, 0);
             struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.qdig8, S.qdig4, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
             for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
