@@ -33,7 +33,11 @@
  * 4 / 5 the same overlapped, 6 64-key tiles with two blocks an SM, 7 to 18 k_attn_fa3: copy-engine
  * staging, producer / consumer warpgroups, diagnostic forms, ping-pong, persistent, K / V producers, 192-row blocks,
  * FlashAttention-3's issue order; 14 the default on sm_90; 19 kind 14 persistent, 20 / 21 kinds 14 / 19
- * skipping O's rescale where no row's max grew).
+ * skipping O's rescale where no row's max grew, 22 to 25 kind 14 with the Q reads in flight at once,
+ * 22, 23 and 25 also with the softmax in shorter chains ahead of the P . V wait, 23 with ping-pong,
+ * 25 with persistent blocks taking their items in snake order);
+ * --pre-attn-kinds 14,22 times only those kinds (in that order), --pre-attn-reps N the median of N
+ * timed runs (default 3, after a warm-up).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
  * --lean FMT (K8V8, K8V4, K4V4, K16V16: kv.storage = lean's static modes) keeps the KV in LeanKV
  * pages instead of bf16 (kernels/kv_lean.h): per layer the q/k/v GEMM, RoPE, the quantized page
@@ -298,6 +302,7 @@ int main(int argc, char **argv)
     int prefills[8] = {1024, 8192}, npre = 2, sweep[16], nsweep = 0;
     int n_layers = 32, attn_variants = 0, breakdown = 0, fuse = 1, max_batch = 0, pre_variants = 0, share_kv = 0;
     int mac_parts = 0;
+    int pre_kinds[32], n_pre_kinds = 0, pre_reps = 3;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--batches") && i + 1 < argc) nbatch = parse_list(argv[++i], batches, 16);
@@ -308,6 +313,13 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--attn-variants")) attn_variants = 1;
         else if (!strcmp(argv[i], "--pre-attn-variants")) pre_variants = 1;
+        else if (!strcmp(argv[i], "--pre-attn-kinds") && i + 1 < argc) {
+            pre_variants = 1;
+            n_pre_kinds = parse_list(argv[++i], pre_kinds, 32);
+        } else if (!strcmp(argv[i], "--pre-attn-reps") && i + 1 < argc) {
+            pre_reps = atoi(argv[++i]);
+            if (pre_reps < 1 || pre_reps > 15) pre_reps = 3;
+        }
         else if (!strcmp(argv[i], "--breakdown")) breakdown = 1;
         else if (!strcmp(argv[i], "--block-size") && i + 1 < argc) BS = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--verbose")) kvs_log_set_level(KVS_LOG_DEBUG);
@@ -328,7 +340,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--gemm-sweep") && i + 1 < argc) nsweep = parse_list(argv[++i], sweep, 16);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 1024,8192] [--prefill 1024,8192|none] [--iters N] "
-                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--pre-attn-variants] [--gemm-sweep 1,8,16,32] "
+                            "[--layers N] [--block-size 16] [--verbose] [--no-fuse] [--breakdown] [--attn-variants] [--pre-attn-variants] [--pre-attn-kinds 14,22] [--pre-attn-reps 3] [--gemm-sweep 1,8,16,32] "
                             "[--lean K8V4] [--max-batch] [--markdown FILE] [--mac K [--mac-band r] [--mac-thresh X|inf] [--mac-parts]] "
                             "[--share-kv]\n", argv[0]);
             return 2;
@@ -786,20 +798,27 @@ int main(int argc, char **argv)
                                                 "15 fa3, K/V producers, pp", "16 fa3, 192 rows, 64-key",
                                                 "17 fa3, kind 14, FA3 order", "18 fa3, kind 16, FA3 order",
                                                 "19 fa3, kind 14, persistent", "20 fa3, kind 14, rescale skip",
-                                                "21 fa3, kind 19, rescale skip"};
-            for (int kind = 1; kind <= 21; kind++) {
+                                                "21 fa3, kind 19, rescale skip", "22 fa3, 14 + Q reads, softmax",
+                                                "23 fa3, kind 22, ping-pong", "24 fa3, kind 14 + Q reads",
+                                                "25 fa3, kind 22, persistent, snake"};
+            const int n_names = (int)(sizeof names / sizeof names[0]);
+            const int nk = n_pre_kinds > 0 ? n_pre_kinds : n_names - 1;
+            for (int ki = 0; ki < nk; ki++) {
+                const int kind = n_pre_kinds > 0 ? pre_kinds[ki] : ki + 1;
+                if (kind < 1 || kind >= n_names) continue;
                 kvs_cuda_set_pre_attn(kind);
-                float tv[4];
-                for (int it = 0; it < 4; it++) {
+                float tv[16];
+                for (int it = 0; it <= pre_reps; it++) { /* a warm-up, then pre_reps timed */
                     kvs_cuda_timer_start(b);
                     enqueue_step(B, P, &m, OPS_ATTN, 1);
                     tv[it] = kvs_cuda_timer_stop_ms(b);
                 }
-                qsort(tv + 1, 3, sizeof(float), cmp_float);
-                printf("%8d   prefill attention, kind %-24s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
-                       kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+                qsort(tv + 1, (size_t)pre_reps, sizeof(float), cmp_float);
+                const float med = tv[1 + pre_reps / 2];
+                printf("%8d   prefill attention, kind %-28s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
+                       kvs_cuda_pre_attn_kind(HD, 0), med, aflops / (med * 1e-3) / 1e12);
                 if (mf) fprintf(mf, "| %d | attention only, kind %s (took %d) | | | %.2f | %.1f |\n", P, names[kind],
-                                kvs_cuda_pre_attn_kind(HD, 0), tv[2], aflops / (tv[2] * 1e-3) / 1e12);
+                                kvs_cuda_pre_attn_kind(HD, 0), med, aflops / (med * 1e-3) / 1e12);
             }
             kvs_cuda_set_pre_attn(-1);
         }

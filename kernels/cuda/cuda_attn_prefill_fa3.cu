@@ -1,6 +1,6 @@
 /* cuda_attn_prefill_fa3.cu: k_attn_fa3, the FlashAttention-3-style Hopper prefill attention kernel
  * (sm_90a: wgmma, the copy engine, mbarriers, setmaxnreg), kinds 7 to 18 of the prefill choice
- * (cuda_attn_prefill_wg.cu).
+ * (cuda_attn_prefill_wg.cu), and kinds 19 to 25.
  *
  * A block owns 128 (token, head) rows of one sequence and one KV head, as k_attn_wg: 128 / G
  * consecutive tokens times the G query heads of the group (GQA packing). Three warpgroups:
@@ -29,7 +29,7 @@
  * unread slot) skip it. Blocks run longest first.
  * Deferred RoPE (R: rot offsets, LazyAttention's cached documents, keys stored at document-local
  * positions and attended as if rotated by their block's offset o, <q, R(o) k> = <R(-o) q, k>), in
- * kinds 14 and 19 to 21: the K producer publishes each 16-key group's offset with its keys read (a
+ * kinds 14 and 19 to 25: the K producer publishes each 16-key group's offset with its keys read (a
  * group is one block's: blocks of a multiple of 16 slots). A consumer warpgroup keeps its Q tile
  * rotated backward by one offset; before a tile's S it rewrites Q (from the fp32 q, a cos / sin
  * table a warpgroup) when the tile's first read group has another offset, which inside a document
@@ -69,9 +69,11 @@ struct fa_cfg {
     /* R: [NC][HD] each consumer warpgroup's cos (HD / 2), then sin (HD / 2) of its Q's rotation */
     static constexpr size_t rt_off = gv_off + (size_t)ST * GVS * sizeof(int);
     static constexpr size_t mb_off = (rt_off + (R ? (size_t)NC * HD * sizeof(float) : 0) + 7) / 8 * 8;
+    /* a word that FX_SM's consumers store to and nobody reads (fa_softmax_done) */
+    static constexpr size_t sink_off = mb_off + 4 * ST * sizeof(uint64_t);
     /* 1024: the swizzle atoms start on 1024-byte boundaries; dynamic shared memory is only known to
      * be 16-byte aligned */
-    static constexpr size_t smem = 1024 + mb_off + 4 * ST * sizeof(uint64_t);
+    static constexpr size_t smem = 1024 + sink_off + 16;
     static_assert(smem <= 232448, "227 KB of shared memory a block (sm_90)");
 };
 
@@ -166,6 +168,67 @@ static __device__ __forceinline__ void fa_stage(const CUtensorMap *map, const bf
     }
 }
 
+/* FX, the bits of kinds 22 to 25 (each a change to kind 14 that an A/B can take apart):
+ *  FX_QF: the consumers' first Q load issues every global read of the warpgroup's rows before it
+ *    converts any (kind 14's loop waits for each chunk's read in turn: 8 round trips to memory at
+ *    head_dim 128 before the first S, in every block);
+ *  FX_SM: the softmax step with each row's max and sum over 4 partial chains instead of one chain
+ *    of 32 dependent operations, and all of it (every exp2, the row sums) finished before the wait
+ *    for P(i - 1) . V(i - 1): ptxas otherwise hoists that wait (WARPGROUP.DEPBAR) above more than
+ *    half of the exp2 (kind 14's SASS: 37 of 66; the split chains alone: 49 of 66), so the warp
+ *    sits out the product and then does the rest of its softmax with the tensor cores idle on its
+ *    side (fa_softmax_done). */
+#define FX_QF 1
+#define FX_SM 2
+#define FX_SN 4 /* persistent blocks (PER) take their items in snake order: fa_item_at */
+
+/* softmax_core (cuda_attn_wgmma.cuh) with each row's max and sum split over NP partial
+ * accumulators: the same max (fmaxf is exact in any order), the sum in another order */
+template <int KN>
+__device__ __forceinline__ void fa_softmax_split(float *sc, float *m, float *l, float *alpha)
+{
+    constexpr int NP = 4;
+    float mx[2][NP], ps[2][NP], mu[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            mx[h][p] = -INFINITY;
+            ps[h][p] = 0.0f;
+        }
+    /* sc[i]: row (i >> 1) & 1 of the thread's two; partial chain (i >> 2) % NP */
+#pragma unroll
+    for (int i = 0; i < KN / 2; i++) mx[(i >> 1) & 1][(i >> 2) % NP] = fmaxf(mx[(i >> 1) & 1][(i >> 2) % NP], sc[i]);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float x = fmaxf(fmaxf(mx[h][0], mx[h][1]), fmaxf(mx[h][2], mx[h][3]));
+        x = fmaxf(x, __shfl_xor_sync(FULL, x, 1));
+        x = fmaxf(x, __shfl_xor_sync(FULL, x, 2));
+        const float mn = fmaxf(m[h], x);
+        mu[h] = mn == -INFINITY ? 0.0f : mn; /* a row with nothing visible yet: exp2(-inf) = 0 */
+        alpha[h] = ex2(m[h] - mu[h]);
+        m[h] = mn;
+    }
+#pragma unroll
+    for (int i = 0; i < KN / 2; i++) {
+        const float p = ex2(sc[i] - mu[(i >> 1) & 1]);
+        sc[i] = p;
+        ps[(i >> 1) & 1][(i >> 2) % NP] += p;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) l[h] = l[h] * alpha[h] + ((ps[h][0] + ps[h][1]) + (ps[h][2] + ps[h][3]));
+}
+
+/* FX_SM, right before the wait for P . V: a shared-memory store of a value that every exp2 of the
+ * step feeds (the row sums) to a word nobody reads. ptxas keeps the store above the wait, so the
+ * whole softmax stays there too (without it, kind 14's SASS has the wait above 37 of the 66 exp2,
+ * and a branch on the sums instead made ptxas serialise the wgmma: C7512, 252 bytes of spill). One
+ * 4-byte store a thread a tile; every thread of the block writes the same word. */
+__device__ __forceinline__ void fa_softmax_done(const float *l, unsigned addr)
+{
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(l[0] + l[1]) : "memory");
+}
+
 /* the prefill tiles of a launch (find_tile's enumeration; the same in every lane) */
 __device__ int fa_count_tiles(const at_args &a)
 {
@@ -191,12 +254,21 @@ struct fa_item {
 
 /* Work item w of the block: PER (persistent blocks, no context splits): item w of n_items = tiles
  * x KV heads, tile n_tiles - 1 - w / n_kv (longest first) and KV head w % n_kv; otherwise the
- * block's own (w = 0). False: no such tile. */
-template <bool PER, int KN>
+ * block's own (w = 0). SN (FX_SN): block b takes items in snake order, round k's b-th item from
+ * the front in even rounds and from the back in odd ones, so that over two rounds every block
+ * gets about the same number of tiles (in plain order, block 0 takes the longest item of every
+ * round: kind 19's 10% loss at 8K). False: no such tile. */
+template <bool PER, int KN, bool SN = false>
 static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n_items, fa_item &it)
 {
     int tile;
     if (PER) {
+        if (SN) {
+            /* w = k x grid + b (the block's k-th item); round k has min(grid, n_items - k x grid)
+             * items, and b is below that since w < n_items: a bijection of [0, n_items) */
+            const int G = (int)gridDim.x, k = w / G, b = w - k * G, rn = min(G, n_items - k * G);
+            w = k * G + ((k & 1) ? rn - 1 - b : b);
+        }
         tile = n_items / a.n_kv - 1 - w / a.n_kv;
         it.kvh = w % a.n_kv;
         it.split = 0;
@@ -216,7 +288,8 @@ static __device__ __forceinline__ bool fa_item_at(const at_args &a, int w, int n
     return true;
 }
 
-template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER, bool SK, bool R>
+template <int HD, int ST, bool PP, bool PER, bool TMA, bool OVL, bool SP, int NC, int KN, bool ER, bool SK, bool R,
+          int FX>
 __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3(const __grid_constant__ at_args a)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -224,6 +297,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
     typedef fa_cfg<HD, ST, NC, KN, R> C;
     static_assert(!PP || NC == 2, "ping-pong takes turns between two consumer warpgroups");
     static_assert(!R || (OVL && !ER), "the deferred rotation is in the overlapped form in the default issue order");
+    static_assert(!(FX & FX_SM) || (OVL && !ER && !SK), "FX_SM is a step of the overlapped form's default order");
     constexpr int CH = HD / 8, NG = C::NG;
     extern __shared__ __align__(16) unsigned char smraw[];
     unsigned char *base = smraw + ((1024 - (fa_smem(smraw) & 1023)) & 1023);
@@ -260,7 +334,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
         int gt = 0; /* tiles this block staged before the item: the ring position */
         for (int w = w0; w < n_items; w += wstep) {
         fa_item I;
-        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
+        if (!fa_item_at<PER, KN, (FX & FX_SN) != 0>(a, w, n_items, I)) continue;
         const int s = I.s, kvh = I.kvh, k0 = I.k0, k1 = I.k1, ntiles = I.ntiles;
         const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
         const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
@@ -323,7 +397,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
         int gt = 0; /* tiles this block consumed before the item: the ring position */
         for (int w = w0; w < n_items; w += wstep) {
         fa_item I;
-        if (!fa_item_at<PER, KN>(a, w, n_items, I)) continue;
+        if (!fa_item_at<PER, KN, (FX & FX_SN) != 0>(a, w, n_items, I)) continue;
         const int kvh = I.kvh, split = I.split, qs = I.qs, r0 = I.r0, pos0 = I.pos0, nr = I.nr, k0 = I.k0,
                   ntiles = I.ntiles;
 
@@ -346,6 +420,32 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                 }
                 fa_bar_sync(FA_BAR_Q + cw, 128);
             }
+            if constexpr ((FX & FX_QF) && !R) {
+                /* every read in flight at once (FX_QF): rows past nr are zero */
+                constexpr int IT = 64 * CH / 128;
+                float4 x[IT][2];
+#pragma unroll
+                for (int k = 0; k < IT; k++) {
+                    const int idx = ctid + k * 128, r = cw * 64 + idx / CH, c = idx % CH;
+                    x[k][0] = x[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (r < nr) {
+                        const float4 *qr = (const float4 *)(a.q + (((size_t)qs + r0 + r / a.G) * a.n_heads +
+                                                                   (size_t)kvh * a.G + r % a.G) * HD + c * 8);
+                        x[k][0] = __ldg(qr);
+                        x[k][1] = __ldg(qr + 1);
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < IT; k++) {
+                    const int idx = ctid + k * 128, r = cw * 64 + idx / CH, c = idx % CH;
+                    uint4 v;
+                    v.x = pack_bf16(x[k][0].x * qscale, x[k][0].y * qscale);
+                    v.y = pack_bf16(x[k][0].z * qscale, x[k][0].w * qscale);
+                    v.z = pack_bf16(x[k][1].x * qscale, x[k][1].y * qscale);
+                    v.w = pack_bf16(x[k][1].z * qscale, x[k][1].w * qscale);
+                    *(uint4 *)(sq + sw128<C::ROWS>(r, c * 8)) = v;
+                }
+            } else
             for (int idx = ctid; idx < 64 * CH; idx += 128) {
                 const int r = cw * 64 + idx / CH, c = idx % CH;
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -538,7 +638,8 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
             if constexpr (R) rot_fix(sc, st0);
             mask_scores(sc, 0, st0);
             release(empty_k + st0);
-            softmax_core<KN>(sc, m, l, alpha);
+            if constexpr ((FX & FX_SM) != 0) fa_softmax_split<KN>(sc, m, l, alpha);
+            else softmax_core<KN>(sc, m, l, alpha);
             pack_p<KN>(sc, pa);
             for (int it = 1; it < ntiles; it++) {
                 const int q = gt + it, st = q % ST, pst = (q - 1) % ST;
@@ -579,7 +680,12 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
                 if constexpr (R) rot_fix(sc, st);
                 mask_scores(sc, it, st);
                 release(empty_k + st);
-                softmax_core<KN>(sc, m, l, alpha);
+                if constexpr ((FX & FX_SM) != 0) {
+                    fa_softmax_split<KN>(sc, m, l, alpha);
+                    fa_softmax_done(l, fa_smem(base + C::sink_off));
+                } else {
+                    softmax_core<KN>(sc, m, l, alpha);
+                }
                 wg_wait_group<0>(); /* P(it - 1) . V(it - 1) is done: O and pa may change */
                 release(empty_v + pst);
 #pragma unroll
@@ -624,7 +730,7 @@ __global__ void __launch_bounds__(fa_cfg<HD, ST, NC, KN>::THREADS, 1) k_attn_fa3
 }
 
 template <int HD, int ST, bool PP, bool PER, bool TMA = true, bool OVL = true, bool SP = false, int NC = 2,
-          int KN = 128, bool ER = false, bool SK = false, bool R = false>
+          int KN = 128, bool ER = false, bool SK = false, bool R = false, int FX = 0>
 static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n,
                       int force)
 {
@@ -636,7 +742,7 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
     if (PER && force == 1) {
         /* persistent: one block an SM walks the items, so the producer stages the next item's
          * first tiles while the consumers finish the last one's */
-        auto kern = k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER, SK, R>;
+        auto kern = k_attn_fa3<HD, ST, PP, PER, TMA, OVL, SP, NC, KN, ER, SK, R, FX>;
         int *res = kvs_cu_resident_here(resident);
         if (!*res) {
             CUDA_CHECK(cudaFuncSetAttribute((const void *)kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -652,7 +758,7 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
         return;
     }
     static kvs_cu_resident resident_np;
-    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER, SK, R>, C::THREADS, C::smem,
+    kvs_cu_attn_launch(k_attn_fa3<HD, ST, PP, false, TMA, OVL, SP, NC, KN, ER, SK, R, FX>, C::THREADS, C::smem,
                        kvs_cu_resident_here(resident_np), x, n_tiles, max_ctx, st, n_sms, ws_floats, n, HD, force,
                        KN);
 }
@@ -667,10 +773,13 @@ static void launch_fa(at_args &x, int n_tiles, int max_ctx, cudaStream_t st, int
  * S issued before V is waited for, O rescaled while S runs); 19: kind 14 with persistent blocks
  * (the producer stages an item's first tiles while the consumers finish the previous item); 20:
  * kind 14 that skips O's rescale where no row of a warp has a new max (SK: exact, the factors
- * are then 1); 21: kind 19 with kind 20's skip. 8 to 10 are diagnostic forms: they tell apart
- * the staging and the consumer pipeline.
+ * are then 1); 21: kind 19 with kind 20's skip; 22: kind 14 with FX_QF and FX_SM (every Q read in
+ * flight at once, the softmax in shorter chains and done before the P . V wait); 23: kind 22 with
+ * ping-pong; 24: kind 14 with FX_QF only; 25: kind 22 with persistent blocks that take their items
+ * in snake order (FX_SN). 8 to 10 are diagnostic forms: they tell apart the
+ * staging and the consumer pipeline.
  * The deferred rotation (x.rot: cached documents' keys stored at document-local positions, R) is
- * built into kinds 14, 19, 20 and 21 (kvs_cu_attn_prefill_kind gives the other kinds' launches
+ * built into kinds 14 and 19 to 25 (kvs_cu_attn_prefill_kind gives the other kinds' launches
  * with rotation offsets to k_attn_tc); without tensor maps, kind 14's rotating form stages every
  * group by cp.async (TMA false) rather than hand the launch to k_attn_wg, which cannot rotate. */
 template <int HD, bool R>
@@ -696,6 +805,22 @@ static void launch_fa_rot(at_args &x, int kind, bool tma, int n_tiles, int max_c
     case 21:
         launch_fa<HD, 3, false, true, true, true, true, 2, 128, false, true, R>(x, n_tiles, max_ctx, st, n_sms,
                                                                                ws_floats, n, force);
+        break;
+    case 22:
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, false, false, R, FX_QF | FX_SM>(
+            x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    case 23:
+        launch_fa<HD, 3, true, false, true, true, true, 2, 128, false, false, R, FX_QF | FX_SM>(
+            x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
+        break;
+    case 24:
+        launch_fa<HD, 3, false, false, true, true, true, 2, 128, false, false, R, FX_QF>(x, n_tiles, max_ctx, st,
+                                                                                        n_sms, ws_floats, n, force);
+        break;
+    case 25:
+        launch_fa<HD, 3, false, true, true, true, true, 2, 128, false, false, R, FX_QF | FX_SM | FX_SN>(
+            x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
     default: /* 14 */
         launch_fa<HD, 3, false, false, true, true, true, 2, 128, false, false, R>(x, n_tiles, max_ctx, st, n_sms,
@@ -725,7 +850,7 @@ static void launch_fa_kind(at_args &x, int kind, int n_tiles, int max_ctx, cudaS
     case 18:
         launch_fa<HD, 4, false, false, true, true, true, 3, 64, true>(x, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
-    default: /* 14, 19, 20, 21 */
+    default: /* 14, 19 to 25 */
         launch_fa_rot<HD, false>(x, kind, true, n_tiles, max_ctx, st, n_sms, ws_floats, n, force);
         break;
     }
@@ -736,7 +861,7 @@ bool kvs_cu_attn_fa3_rotates(int kind) { return kind == 14 || kind >= 19; }
 bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                              size_t ws_floats, int n, int force)
 {
-    KVS_ASSERT(kind >= 7 && kind <= 21);
+    KVS_ASSERT(kind >= 7 && kind <= 25);
     if (x.rot) {
         /* the plan (cuda_attention.cu) gives k_attn_fa3 launches with rotation offsets only in its
          * rotating kinds, at head_dim 64 / 128, with blocks of a multiple of 16 slots */

@@ -21,7 +21,7 @@
  * 2 stages, at most 128 registers a thread), so one block's softmax overlaps the other's wgmma.
  * Blocks run longest first (the reversed tile order) so that the short causal tiles fill the tail
  * of the wave. Deferred RoPE (rot offsets) is not done here: such launches take k_attn_fa3's
- * rotating kinds (14, 19 to 21; the default) or k_attn_tc, which rotates q fragments in registers
+ * rotating kinds (14, 19 to 25; the default) or k_attn_tc, which rotates q fragments in registers
  * at document boundaries.
  */
 #include <stdlib.h>
@@ -34,7 +34,7 @@
  * "k_attn_fa3 verified"); where k_attn_fa3 cannot take a launch (blocks of other than a multiple of
  * 16 slots, no tensor maps) kind 6 does, whose tiles have the same 128 rows */
 #define KVS_PRE_ATTN_DEFAULT 14
-#define KVS_PRE_ATTN_KINDS 21 /* kinds 1 .. 21 (7 .. 21: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
+#define KVS_PRE_ATTN_KINDS 25 /* kinds 1 .. 25 (7 .. 25: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
 
 template <int HD, int KN, int ST>
 struct wg_cfg {
@@ -344,7 +344,7 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
     }
     int kind = g_pre_kind >= 1 ? g_pre_kind : env_kind >= 1 ? env_kind : KVS_PRE_ATTN_DEFAULT;
     /* the wgmma kernels: head_dim 64 / 128, Hopper; the deferred rotation only in k_attn_fa3's
-     * rotating kinds (14, 19 to 21), the others' rotated launches stay on k_attn_tc (and blocks of
+     * rotating kinds (14, 19 to 25), the others' rotated launches stay on k_attn_tc (and blocks of
      * other than a multiple of 16 slots too: the plan, cuda_attention.cu) */
     if (kind >= 2 && ((rot && !kvs_cu_attn_fa3_rotates(kind)) || (hd != 64 && hd != 128) || !device_is_sm90()))
         kind = 1;

@@ -186,21 +186,21 @@ __device__ __forceinline__ void pack_p(const float *sc, uint32_t (*pa)[4])
 }
 
 /* cuda_attn_prefill_wg.cu: the prefill kernel a launch takes (1: k_attn_tc, 2 to 6: k_attn_wg's
- * variants, 7 to 21: k_attn_fa3's; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
+ * variants, 7 to 25: k_attn_fa3's; kvs_cuda_set_pre_attn, KVS_CUDA_PRE_ATTN) and its query tokens per tile
  * for a group of G query heads per KV head: the plan (cuda_attention.cu) and the launch agree. */
 int kvs_cu_attn_prefill_kind(int hd, int rot);
 int kvs_cu_attn_prefill_qt(int kind, int G);
-/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 21) over prefill tiles
+/* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 25) over prefill tiles
  * of x.qt tokens (k_attn_wg's kind 6 where k_attn_fa3 cannot take the launch) */
 void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                             size_t ws_floats, int n, int force);
-/* cuda_attn_prefill_fa3.cu: launches k_attn_fa3 (kind 7 to 21); false (nothing launched) where it
+/* cuda_attn_prefill_fa3.cu: launches k_attn_fa3 (kind 7 to 25); false (nothing launched) where it
  * does not apply: head_dim other than 64 / 128, blocks of other than a multiple of 16 slots, no
  * tensor maps from the driver (never with rotation offsets: kvs_cu_attn_fa3_rotates) */
 bool kvs_cu_attn_prefill_fa3(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
                              size_t ws_floats, int n, int force);
 /* cuda_attn_prefill_fa3.cu: true for the k_attn_fa3 kinds with the deferred rotation built in (14,
- * 19 to 21); a launch with rotation offsets in one of them must have blocks of a multiple of 16
+ * 19 to 25); a launch with rotation offsets in one of them must have blocks of a multiple of 16
  * slots (the plan hands others to k_attn_tc) */
 bool kvs_cu_attn_fa3_rotates(int kind);
 /* cuda_attn_decode.cu: x.tm_k / x.tm_v, the K and V pools as 2D tensors [kv_rows][hd] for the copy

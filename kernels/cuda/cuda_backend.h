@@ -66,16 +66,18 @@ void kvs_cuda_set_lean_layout(int layout);
 /* Picks the prefill attention kernel, process-wide (tests, benchmark comparisons): 1 the
  * FlashAttention-2-style mma.sync kernel (k_attn_tc), 2 the Hopper wgmma kernel (k_attn_wg) with
  * 128-key tiles, 3 with 64-key tiles, 4 / 5 the same with the softmax overlapping the P.V product
- * (128- / 64-key tiles), 6 64-key tiles with two blocks an SM, 7 to 21 the FlashAttention-3-style
+ * (128- / 64-key tiles), 6 64-key tiles with two blocks an SM, 7 to 25 the FlashAttention-3-style
  * k_attn_fa3's forms (cuda_attn_prefill_fa3.cu; 14: K and V producer warps, 3 stages; 19: 14 with
- * persistent blocks; 20 / 21: 14 / 19 skipping O's rescale where no max grew) (2 to 21: head_dim
- * 64 / 128 on an sm_90 GPU; with rotation offsets only 14 and 19 to 21, with blocks of a multiple of
- * 16 slots; other launches take 1; fa3 launches it cannot stage take 6); -1 (or any other value)
+ * persistent blocks; 20 / 21: 14 / 19 skipping O's rescale where no max grew; 22: 14 with the Q
+ * reads in flight at once and the softmax in shorter chains ahead of the P . V wait; 23: 22 with
+ * ping-pong; 24: 14 with the Q reads only; 25: 22 with persistent blocks in snake order) (2 to
+ * 25: head_dim 64 / 128 on an sm_90 GPU; with rotation offsets only 14 and 19 to 25, with blocks of a multiple of 16 slots; other launches
+ * take 1; fa3 launches it cannot stage take 6); -1 (or any other value)
  * restores the default: KVS_CUDA_PRE_ATTN if set, else kind 14 where the wgmma kernels apply. */
 void kvs_cuda_set_pre_attn(int kind);
 /* The prefill kernel a launch of this head_dim (rot: with rotation offsets) takes now, on the
- * current device: 1 to 21 as above (with rotation offsets and blocks of other than a multiple of
- * 16 slots, 1 where this says 14 or 19 to 21). */
+ * current device: 1 to 25 as above (with rotation offsets and blocks of other than a multiple of
+ * 16 slots, 1 where this says 14 or 19 to 25). */
 int kvs_cuda_pre_attn_kind(int head_dim, int rot);
 
 /* Matmuls of at most max_n rows may use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N;

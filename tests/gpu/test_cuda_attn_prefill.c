@@ -1,17 +1,19 @@
 /* test_cuda_attn_prefill.c: the prefill attention kernels of the CUDA backend (kind 0: the default
  * choice, kind 14 on sm_90; 1: k_attn_tc, mma.sync; 2 to 6: k_attn_wg, the Hopper wgmma kernel's
- * variants; 7 to 21: k_attn_fa3, the FlashAttention-3-style kernel with copy-engine staging,
+ * variants; 7 to 25: k_attn_fa3, the FlashAttention-3-style kernel with copy-engine staging,
  * producer / consumer warpgroups and mbarriers, 8 to 10 its diagnostic forms, 12, 19 and 21 with
  * persistent blocks, 13 to 21 with K and V staged by two producer warps, 16 and 18 with 192 rows a
  * block in three consumer warpgroups, 17 and 18 in FlashAttention-3's issue order, 20 and 21
- * skipping O's rescale where no max grew; it takes blocks of 16 and 32 slots and hands blocks of 5
+ * skipping O's rescale where no max grew, 22 to 25 with every Q read in flight at once, 22, 23 and
+ * 25 with the softmax in split chains ahead of the P . V wait, 23 with ping-pong (kind 15's turns)
+ * on top, 25 with persistent blocks taking their items in snake order; it takes blocks of 16 and 32 slots and hands blocks of 5
  * and 8 to kind 6) against the fp32 CPU backend, on fresh random inputs each run (seed printed;
  * replay with KVS_SEED=<seed>).
  * Deferred rotation (rot cases: LazyAttention's cached documents, keys stored at document-local
  * positions and attended as if rotated by their block's offset): documents of 1 to 9 blocks with
  * random offsets (some 0), so that 128-key tiles hold up to 8 offsets, boundaries on every 16-key
  * group, and tiles of one document whose offset is not the previous tile's; kinds 0, 1 and
- * k_attn_fa3's rotating kinds (14, 19 to 21) are run (the other kinds' rotated launches take kind 1);
+ * k_attn_fa3's rotating kinds (14, 19 to 25) are run (the other kinds' rotated launches take kind 1);
  * blocks of 8 slots take kind 1 from the plan.
  *
  * Cases: prompts of up to 2,000 tokens whose lengths are not multiples of any tile, prompts after
@@ -141,7 +143,8 @@ static void run_case(const struct pcase *pc)
     C->download(bc, ref, out.c, 0, qn);
     for (size_t i = 0; i < qn; i++) nanv[i] = NAN;
 
-    static const int kinds[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21},
+    static const int kinds[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
+                                23, 24, 25},
                      splits[] = {0, 3};
     for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (int si = 0; si < 2; si++)

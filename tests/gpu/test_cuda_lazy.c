@@ -10,7 +10,7 @@
  * 128-key tiles, valid masks) and k_attn_fd<64, false, TMA> the eager-key ones (both with the
  * copy engine's staging, then, kind 5, with cp.async); prefill rows take the prefill kernel.
  * Then the prefill kernel forced (kvs_cuda_set_pre_attn): kind 1 (k_attn_tc, which rotates q
- * fragments in registers) and k_attn_fa3's rotating kinds 14 (the default on sm_90), 19, 20 and 21
+ * fragments in registers) and k_attn_fa3's rotating kinds 14 (the default on sm_90) and 19 to 25
  * (Q rewritten in shared memory at each change of offset, tiles with a document boundary scored
  * 16 keys at a time); each must report the kind it was asked for on an sm_90 GPU. */
 #define LAZY_ATTN_NO_MAIN
@@ -35,7 +35,7 @@ int main(void)
     worst = run_all_cases(o, be, 1e-2);
     printf("cuda, decode kernel 5 forced (cp.async staging): the same cases; worst rel-L2 %.2e: ok\n", worst);
     kvs_cuda_set_dec_attn(be, -1);
-    static const int pre_kinds[] = {1, 14, 19, 20, 21};
+    static const int pre_kinds[] = {1, 14, 19, 20, 21, 22, 23, 24, 25};
     kvs_cuda_set_pre_attn(14);
     const int sm90 = kvs_cuda_pre_attn_kind(HD, 1) == 14;
     for (size_t i = 0; i < sizeof pre_kinds / sizeof pre_kinds[0]; i++) {
