@@ -22,8 +22,11 @@
  * --breakdown also times the GEMMs, the attention and all other ops of a step, each class alone.
  * --gemm-sweep times the GEMMs of a step alone at each row count (at most 512): the former
  * cublasGemmEx path, cuBLASLt with its heuristic's first pick, cuBLASLt with the timed pick (the
- * default), and the decode GEMM (at most 128 rows); then each weight shape alone on the default
- * path (q/k/v, o, gate/up + down, LM head) with its GB/s.
+ * default), and the decode GEMM (at most 128 rows) at variants 2, 6, 7, 14, 22, 46 (or the list in
+ * KVS_BENCH_SWEEP_VARIANTS, at most 8); then each weight shape alone (q/k/v, o, gate/up + down,
+ * LM head) with its GB/s on cuBLASLt and at each of those variants. KVS_BENCH_STEP_VARIANTS (and
+ * KVS_BENCH_STEP_SKMAX, the decode GEMM's row limit for each) repeats the step table once per
+ * decode-GEMM variant in the same process (A/B in one run).
  * The random weights bypass upload_weight, so the benchmark has their GEMM shapes timed as
  * upload_weight would (kvs_cuda_pretune).
  * --attn-variants also times the attention of all layers alone at forced context-split counts, with
@@ -561,15 +564,21 @@ int main(int argc, char **argv)
             O->sync(b);
             float tt = time_graph(B, rows, &m, OPS_GEMM, iters);
             /* the decode GEMM at each variant (cuda_skinny.cu; same results, other speeds) */
-            static const int dvar[6] = {2, 6, 7, 14, 22, 46};
-            float tsv[6] = {0};
-            for (int v = 0; v < 6 && rows <= 128; v++) {
+            /* KVS_BENCH_SWEEP_VARIANTS=46,110,...: other variants to compare (at most 8) */
+            int dvar[8] = {2, 6, 7, 14, 22, 46}, ndv = 6;
+            const char *sv = getenv("KVS_BENCH_SWEEP_VARIANTS");
+            if (sv) {
+                const int k = parse_list(sv, dvar, 8);
+                if (k > 0) ndv = k;
+            }
+            float tsv[8] = {0};
+            for (int v = 0; v < ndv && rows <= 128; v++) {
                 kvs_cuda_set_skinny_max(b, 128);
                 kvs_cuda_set_skinny_variant(b, dvar[v]);
                 tsv[v] = time_graph(B, rows, &m, OPS_GEMM, iters);
             }
             float ts = tsv[0];
-            for (int v = 1; v < 6; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
+            for (int v = 1; v < ndv; v++) if (tsv[v] > 0 && tsv[v] < ts) ts = tsv[v];
             char dec[48] = "-", ratio[24] = "-";
             if (ts > 0.0f) {
                 snprintf(dec, sizeof dec, "%.3f (%.0f)", ts, gemm_bytes / (ts * 1e-3) / 1e9);
@@ -585,8 +594,13 @@ int main(int argc, char **argv)
             if (rows <= 128) {
                 printf("%6s decode GEMM by variant (2: k_skinny; 6: wgmma, 7: wgmma split for one block per SM, 14: "
                        "wgmma where unsplit, 22: 6 reduced in a cluster, 46: 14 + k_dgemm_n for split launches), GB/s:", "");
-                for (int v = 0; v < 6; v++) printf(" v%d %.0f", dvar[v], gemm_bytes / (tsv[v] * 1e-3) / 1e9);
+                for (int v = 0; v < ndv; v++) printf(" v%d %.0f", dvar[v], gemm_bytes / (tsv[v] * 1e-3) / 1e9);
                 printf("\n");
+                if (mf) {
+                    fprintf(mf, "|  | all GEMMs GB/s by decode variant:");
+                    for (int v = 0; v < ndv; v++) fprintf(mf, " v%d %.0f", dvar[v], gemm_bytes / (tsv[v] * 1e-3) / 1e9);
+                    fprintf(mf, " | | | | | | |\n");
+                }
             }
             /* each weight shape alone: cuBLASLt tuned, then the decode GEMM at each variant, so
              * the GB/s of a slow shape shows and the switch-over can be set per shape */
@@ -601,7 +615,7 @@ int main(int argc, char **argv)
                 float tk = time_graph(B, rows, &m, OPS_GEMM, iters);
                 int off = snprintf(line, sizeof line, "%6d %-13s GB/s: cuBLASLt %.0f", rows, sname[k],
                                    sbytes[k] / (tk * 1e-3) / 1e9);
-                for (int v = 0; v < 6 && rows <= 128; v++) {
+                for (int v = 0; v < ndv && rows <= 128; v++) {
                     kvs_cuda_set_skinny_max(b, 128);
                     kvs_cuda_set_skinny_variant(b, dvar[v]);
                     float tv = time_graph(B, rows, &m, OPS_GEMM, iters);
@@ -633,119 +647,138 @@ int main(int argc, char **argv)
            "floor ms", "achieved", breakdown ? "   gemm ms (GB/s)   attn ms (GB/s)   other ms" : "");
 
     float *t = kvs_xmalloc((size_t)iters * sizeof(float));
-    for (int bi = 0; bi < nbatch; bi++)
-        for (int ci = 0; ci < nctx; ci++) {
-            int nb = batches[bi], ctx = ctxs[ci];
-            int bps = (ctx + BS - 1) / BS;
-            if (max_batch) {
-                /* the largest batch whose KV fits the pool (at most the rows the activations take) */
-                nb = n_blocks / bps < max_batch_rows ? n_blocks / bps : max_batch_rows;
-                if (nb < 1) nb = 1;
-            }
-            if ((size_t)nb * bps > (size_t)n_blocks) {
-                printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
-                       (double)nb * bps * BS * per_token / 1e9);
-                if (mf) fprintf(mf, "| %d | %d | skipped (KV does not fit) | | | | | |%s\n", nb, ctx, breakdown ? " | | |" : "");
-                continue;
-            }
-            /* each sequence decodes its token at position ctx-1 over blocks dealt at random */
-            struct shape S;
-            struct kvs_attn_meta m;
-            make_shape(B, n_blocks, nb, bps, 1, ctx - 1, &S, &m);
-            float ms = time_graph(B, nb, &m, OPS_ALL, iters);
-            check_logits(B, nb, "decode");
-            double kv_bytes = (double)nb * ctx * per_token; /* every layer's K and V of every position */
-            double bytes = w_bytes + kv_bytes;
-            double floor_ms = bytes / bw * 1e3;
-            char extra[160] = "", mextra[160] = "";
-            if (breakdown) {
-                float tg = time_graph(B, nb, &m, OPS_GEMM, iters), ta = time_graph(B, nb, &m, OPS_ATTN, iters);
-                float to = time_graph(B, nb, &m, OPS_OTHER, iters);
-                snprintf(extra, sizeof extra, "  %7.3f (%4.0f)  %7.3f (%4.0f)  %7.3f", tg, gemm_bytes / (tg * 1e-3) / 1e9,
-                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
-                snprintf(mextra, sizeof mextra, " %.3f (%.0f) | %.3f (%.0f) | %.3f |", tg, gemm_bytes / (tg * 1e-3) / 1e9,
-                         ta, kv_bytes / (ta * 1e-3) / 1e9, to);
-            }
-            printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
-                   kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
-            if (MAC.K > 0 && nb <= MAC.max_nb) {
-                /* rows: sequence s in ring slot s; entries hold the K positions before ctx - 1 */
-                const int mpos = ctx - 1;
-                int32_t *rows = kvs_xmalloc((size_t)nb * 16), *tags = kvs_xmalloc((size_t)n_layers * nb * MAC.K * 4);
-                for (int s = 0; s < nb; s++) {
-                    rows[4 * s] = s, rows[4 * s + 1] = s, rows[4 * s + 2] = mpos;
-                    rows[4 * s + 3] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH;
-                }
-                for (size_t e = 0; e < (size_t)n_layers * nb; e++)
-                    for (int j = 0; j < MAC.K; j++) {
-                        const int pj = mpos - 1 - ((mpos - 1 - j) % MAC.K + MAC.K) % MAC.K;
-                        tags[e * MAC.K + j] = pj >= 0 ? pj + 1 : 0;
-                    }
-                O->upload(b, MAC.rows, 0, rows, (size_t)nb * 4);
-                O->upload(b, MAC.rt, 0, tags, (size_t)n_layers * nb * MAC.K);   /* slots s < nb: [s][layer][K] */
-                MAC.on = 1;
-                const float ms_mac = time_graph(B, nb, &m, OPS_ALL, iters);
-                const float ta_mac = time_graph(B, nb, &m, OPS_ATTN, iters);
-                float ta_match = 0, ta_attend = 0;
-                if (mac_parts) {
-                    MAC.on = 2;
-                    ta_match = time_graph(B, nb, &m, OPS_ATTN, iters);
-                    MAC.on = 3;
-                    ta_attend = time_graph(B, nb, &m, OPS_ATTN, iters);
-                }
-                MAC.on = 0;
-                const float ta_full = time_graph(B, nb, &m, OPS_ATTN, iters);
-                int32_t *hp = kvs_xmalloc((size_t)n_layers * nb * NH * 4);
-                O->download(b, hp, MAC.p, 0, (size_t)n_layers * nb * NH);
-                double hits = 0, read = 0;
-                for (size_t i = 0; i < (size_t)n_layers * nb * NH; i++) {
-                    hits += hp[i] >= 0;
-                    const int s0 = hp[i] >= 0 ? (hp[i] - MAC.band + 1 > 0 ? hp[i] - MAC.band + 1 : 0) : 0;
-                    read += (double)(mpos + 1 - s0) / (mpos + 1);
-                }
-                const double nq = (double)n_layers * nb * NH;
-                printf("%6s %8s   mac: %9.3f ms/step (%.2fx), TPOT %.3f ms; attention of all layers %.3f ms vs full %.3f ms "
-                       "(%.2fx); hits %.1f%%, q heads read %.2f%% of the context\n", "", "", ms_mac, ms / ms_mac,
-                       ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq, 100.0 * read / nq);
-                if (mac_parts)
-                    printf("%6s %8s   mac parts (all layers, each its own graph): match %.3f ms, attend (span + combine) "
-                           "%.3f ms, sum %.3f ms vs together %.3f ms; non-attention work %.3f ms\n", "", "", ta_match,
-                           ta_attend, ta_match + ta_attend, ta_mac, ms_mac - ta_mac);
-                if (mf)
-                    fprintf(mf, "| %d | %d | mac %.3f (full %.3f, %.2fx) | attention %.3f vs %.3f (%.2fx) | hits %.1f%% | read %.2f%% |\n",
-                            nb, ctx, ms_mac, ms, ms / ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq,
-                            100.0 * read / nq);
-                fflush(stdout);
-                free(rows), free(tags), free(hp);
-            }
-            fflush(stdout);
-            if (mf)
-                fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),
-                        w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
-            /* attention alone (all layers) at forced split counts vs the automatic choice: with the
-             * automatic decode kernel, then with kinds 3 (one-warp tensor-core blocks, 3 tiles in
-             * flight), 4 (the FlashAttention-2-style 4-warp blocks, the copy engine staging the KV)
-             * and 5 (the same with cp.async staging) forced */
-            if (attn_variants) {
-                static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4, 5};
-                for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
-                    kvs_cuda_set_dec_attn(b, kinds[ki]);
-                    if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");
-                    else printf("%6s %8s   attention only, kernel %d,    splits:", "", "", kinds[ki]);
-                    for (int vi = 0; vi < 8; vi++) {
-                        kvs_cuda_set_attn_splits(b, var[vi]);
-                        float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
-                        if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
-                        else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
-                    }
-                    printf("\n");
-                    fflush(stdout);
-                }
-                kvs_cuda_set_attn_splits(b, 0);
-                kvs_cuda_set_dec_attn(b, -1);
-            }
-            free_shape(B, &S);
+    /* KVS_BENCH_STEP_VARIANTS=46,238 (with KVS_BENCH_STEP_SKMAX=64,128: the decode GEMM's row limit
+     * for each): the whole table once per decode-GEMM variant, in this process (an A/B in the same
+     * run, same weights and copy bandwidth); unset: once, at the defaults */
+    int stepv[8] = {-1}, stepk[8] = {-1, -1, -1, -1, -1, -1, -1, -1}, nstepv = 1;
+    if (getenv("KVS_BENCH_STEP_VARIANTS")) {
+        nstepv = parse_list(getenv("KVS_BENCH_STEP_VARIANTS"), stepv, 8);
+        if (nstepv <= 0) nstepv = 1, stepv[0] = -1;
+        if (getenv("KVS_BENCH_STEP_SKMAX")) parse_list(getenv("KVS_BENCH_STEP_SKMAX"), stepk, 8);
+    }
+    for (int svi = 0; svi < nstepv; svi++) {
+        if (nstepv > 1 || stepv[0] >= 0) {
+            kvs_cuda_set_skinny_variant(b, stepv[svi]);
+            kvs_cuda_set_skinny_max(b, stepk[svi]);
+            printf("decode GEMM variant %d, skinny_max %d (-1: default)\n", stepv[svi], stepk[svi]);
+            if (mf) fprintf(mf, "| variant %d, skinny_max %d | | | | | | | |%s\n", stepv[svi], stepk[svi], breakdown ? " | | |" : "");
         }
+        for (int bi = 0; bi < nbatch; bi++)
+            for (int ci = 0; ci < nctx; ci++) {
+                int nb = batches[bi], ctx = ctxs[ci];
+                int bps = (ctx + BS - 1) / BS;
+                if (max_batch) {
+                    /* the largest batch whose KV fits the pool (at most the rows the activations take) */
+                    nb = n_blocks / bps < max_batch_rows ? n_blocks / bps : max_batch_rows;
+                    if (nb < 1) nb = 1;
+                }
+                if ((size_t)nb * bps > (size_t)n_blocks) {
+                    printf("%6d %8d   skipped: KV of %.1f GB does not fit the pool\n", nb, ctx,
+                           (double)nb * bps * BS * per_token / 1e9);
+                    if (mf) fprintf(mf, "| %d | %d | skipped (KV does not fit) | | | | | |%s\n", nb, ctx, breakdown ? " | | |" : "");
+                    continue;
+                }
+                /* each sequence decodes its token at position ctx-1 over blocks dealt at random */
+                struct shape S;
+                struct kvs_attn_meta m;
+                make_shape(B, n_blocks, nb, bps, 1, ctx - 1, &S, &m);
+                float ms = time_graph(B, nb, &m, OPS_ALL, iters);
+                check_logits(B, nb, "decode");
+                double kv_bytes = (double)nb * ctx * per_token; /* every layer's K and V of every position */
+                double bytes = w_bytes + kv_bytes;
+                double floor_ms = bytes / bw * 1e3;
+                char extra[160] = "", mextra[160] = "";
+                if (breakdown) {
+                    float tg = time_graph(B, nb, &m, OPS_GEMM, iters), ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    float to = time_graph(B, nb, &m, OPS_OTHER, iters);
+                    snprintf(extra, sizeof extra, "  %7.3f (%4.0f)  %7.3f (%4.0f)  %7.3f", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                             ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+                    snprintf(mextra, sizeof mextra, " %.3f (%.0f) | %.3f (%.0f) | %.3f |", tg, gemm_bytes / (tg * 1e-3) / 1e9,
+                             ta, kv_bytes / (ta * 1e-3) / 1e9, to);
+                }
+                printf("%6d %8d %9.3f %10.0f %10.2f %10.2f %9.3f %8.1f%%%s\n", nb, ctx, ms, nb / (ms * 1e-3), w_bytes / 1e9,
+                       kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, extra);
+                if (MAC.K > 0 && nb <= MAC.max_nb) {
+                    /* rows: sequence s in ring slot s; entries hold the K positions before ctx - 1 */
+                    const int mpos = ctx - 1;
+                    int32_t *rows = kvs_xmalloc((size_t)nb * 16), *tags = kvs_xmalloc((size_t)n_layers * nb * MAC.K * 4);
+                    for (int s = 0; s < nb; s++) {
+                        rows[4 * s] = s, rows[4 * s + 1] = s, rows[4 * s + 2] = mpos;
+                        rows[4 * s + 3] = KVS_MAC_F_MAC | KVS_MAC_F_MATCH;
+                    }
+                    for (size_t e = 0; e < (size_t)n_layers * nb; e++)
+                        for (int j = 0; j < MAC.K; j++) {
+                            const int pj = mpos - 1 - ((mpos - 1 - j) % MAC.K + MAC.K) % MAC.K;
+                            tags[e * MAC.K + j] = pj >= 0 ? pj + 1 : 0;
+                        }
+                    O->upload(b, MAC.rows, 0, rows, (size_t)nb * 4);
+                    O->upload(b, MAC.rt, 0, tags, (size_t)n_layers * nb * MAC.K);   /* slots s < nb: [s][layer][K] */
+                    MAC.on = 1;
+                    const float ms_mac = time_graph(B, nb, &m, OPS_ALL, iters);
+                    const float ta_mac = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    float ta_match = 0, ta_attend = 0;
+                    if (mac_parts) {
+                        MAC.on = 2;
+                        ta_match = time_graph(B, nb, &m, OPS_ATTN, iters);
+                        MAC.on = 3;
+                        ta_attend = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    }
+                    MAC.on = 0;
+                    const float ta_full = time_graph(B, nb, &m, OPS_ATTN, iters);
+                    int32_t *hp = kvs_xmalloc((size_t)n_layers * nb * NH * 4);
+                    O->download(b, hp, MAC.p, 0, (size_t)n_layers * nb * NH);
+                    double hits = 0, read = 0;
+                    for (size_t i = 0; i < (size_t)n_layers * nb * NH; i++) {
+                        hits += hp[i] >= 0;
+                        const int s0 = hp[i] >= 0 ? (hp[i] - MAC.band + 1 > 0 ? hp[i] - MAC.band + 1 : 0) : 0;
+                        read += (double)(mpos + 1 - s0) / (mpos + 1);
+                    }
+                    const double nq = (double)n_layers * nb * NH;
+                    printf("%6s %8s   mac: %9.3f ms/step (%.2fx), TPOT %.3f ms; attention of all layers %.3f ms vs full %.3f ms "
+                           "(%.2fx); hits %.1f%%, q heads read %.2f%% of the context\n", "", "", ms_mac, ms / ms_mac,
+                           ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq, 100.0 * read / nq);
+                    if (mac_parts)
+                        printf("%6s %8s   mac parts (all layers, each its own graph): match %.3f ms, attend (span + combine) "
+                               "%.3f ms, sum %.3f ms vs together %.3f ms; non-attention work %.3f ms\n", "", "", ta_match,
+                               ta_attend, ta_match + ta_attend, ta_mac, ms_mac - ta_mac);
+                    if (mf)
+                        fprintf(mf, "| %d | %d | mac %.3f (full %.3f, %.2fx) | attention %.3f vs %.3f (%.2fx) | hits %.1f%% | read %.2f%% |\n",
+                                nb, ctx, ms_mac, ms, ms / ms_mac, ta_mac, ta_full, ta_full / ta_mac, 100.0 * hits / nq,
+                                100.0 * read / nq);
+                    fflush(stdout);
+                    free(rows), free(tags), free(hp);
+                }
+                fflush(stdout);
+                if (mf)
+                    fprintf(mf, "| %d | %d | %.3f | %.0f | %.2f | %.2f | %.3f | %.1f%% |%s\n", nb, ctx, ms, nb / (ms * 1e-3),
+                            w_bytes / 1e9, kv_bytes / 1e9, floor_ms, 100.0 * floor_ms / ms, mextra);
+                /* attention alone (all layers) at forced split counts vs the automatic choice: with the
+                 * automatic decode kernel, then with kinds 3 (one-warp tensor-core blocks, 3 tiles in
+                 * flight), 4 (the FlashAttention-2-style 4-warp blocks, the copy engine staging the KV)
+                 * and 5 (the same with cp.async staging) forced */
+                if (attn_variants) {
+                    static const int var[] = {0, 1, 2, 3, 4, 6, 8, 16}, kinds[] = {-1, 3, 4, 5};
+                    for (int ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
+                        kvs_cuda_set_dec_attn(b, kinds[ki]);
+                        if (kinds[ki] < 0) printf("%6s %8s   attention only, kernel auto, splits:", "", "");
+                        else printf("%6s %8s   attention only, kernel %d,    splits:", "", "", kinds[ki]);
+                        for (int vi = 0; vi < 8; vi++) {
+                            kvs_cuda_set_attn_splits(b, var[vi]);
+                            float ta = time_graph(B, nb, &m, OPS_ATTN, iters);
+                            if (var[vi]) printf("  %d: %.3f ms", var[vi], ta);
+                            else printf("  auto: %.3f ms (%.0f GB/s)", ta, kv_bytes / (ta * 1e-3) / 1e9);
+                        }
+                        printf("\n");
+                        fflush(stdout);
+                    }
+                    kvs_cuda_set_attn_splits(b, 0);
+                    kvs_cuda_set_dec_attn(b, -1);
+                }
+                free_shape(B, &S);
+            }
+    }
+    kvs_cuda_set_skinny_variant(b, -1);
+    kvs_cuda_set_skinny_max(b, -1);
     /* prefill: one sequence, the whole prompt in one step, logits for its last row */
     if (npre > 0) {
         printf("\n%8s %9s %10s %9s %12s %14s\n", "prompt", "ms", "tokens/s", "TFLOP/s", "attention ms",

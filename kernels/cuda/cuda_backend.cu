@@ -38,9 +38,9 @@
 #include "kernels/cuda/cuda_internal.cuh"
 
 /* matmuls of at most this many rows may use the decode GEMM (cuda_skinny.h), larger ones cuBLAS:
- * on Hopper its wgmma kernel reads gate/up and the LM head faster than cuBLAS up to 32 rows, not
- * at 64-128, and k_dgemm_n the q/k/v, o and down launches up to 64 (at the default variant, from
- * 33 rows the decode GEMM takes only those: kvs_cu_skinny_takes; bench/RESULTS.md, decode5) */
+ * on Hopper its wgmma kernel reads gate/up and the LM head faster than cuBLAS up to 64 rows (with
+ * one-tile blocks from 33: decode6), and k_dgemm_n the q/k/v, o and down launches up to 64; at 128
+ * rows gate/up on the wgmma kernel was 4% slower than cuBLAS (bench/RESULTS.md, decode5, decode6) */
 #define SKINNY_MAX_DEFAULT 64
 
 /* ---- fills (cuda_backend.h's random data) ------------------------------------------------- */

@@ -63,16 +63,21 @@ struct dg_params {
 
 /* a block: MW tiles of 128 A rows (MW = 1: each warpgroup 64 rows of the tile; MW = 2: each
  * warpgroup a whole tile, halving the x bytes per weight byte). Up to 32 tokens 2 blocks per SM
- * (<= ~113 KB, <= 128 registers a thread); from 64 tokens one block of two tiles per SM. */
-template <int NB> struct dg_cfg {
-    static constexpr int MW = NB >= 64 ? 2 : 1;
+ * (<= ~113 KB, <= 128 registers a thread); from 64 tokens one block of two tiles per SM, or (variant
+ * bit 64: kvs_cu_dgemm's one_tile) still one tile a block and two blocks per SM: gate/up's 224 tiles
+ * then fill all 132 SMs (two-tile blocks: 112 of them) at the price of twice the x bytes from L2
+ * (n / 128 of the weight bytes), and 3 stages of 32 KB at 128 tokens. */
+template <int NB, int MW_> struct dg_cfg {
+    static constexpr int MW = MW_;
     static constexpr int A_BYTES = MW * DG_A_BYTES;
     static constexpr int B_BYTES = NB * DG_KA * 2;
     static constexpr int SLOT = A_BYTES + B_BYTES;
     static constexpr int PER_SM = MW == 2 ? 1 : 2;
-    static constexpr int P = MW == 2 ? (NB >= 128 ? 4 : 5) : 4;
+    static constexpr int P = MW == 2 ? (NB >= 128 ? 4 : 5) : (NB >= 128 ? 3 : 4);
     static constexpr int SMEM = P * SLOT + 1024; /* + alignment to 1024 bytes */
 };
+/* the tiles of a block by default (above) */
+template <int NB> constexpr int dg_mw() { return NB >= 64 ? 2 : 1; }
 
 __device__ __forceinline__ void dg_cp16(uint32_t dst, const void *src, bool ok)
 {
@@ -240,10 +245,10 @@ __device__ __forceinline__ void dg_reduce(const dg_params &p, const dg_tile T0, 
     }
 }
 
-template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_SM) k_dgemm(dg_params p)
+template <int NB, int MW_> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB, MW_>::PER_SM) k_dgemm(dg_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = dg_cfg<NB>;
+    using C = dg_cfg<NB, MW_>;
     constexpr int MW = C::MW;
     extern __shared__ uint8_t dg_smem_raw[];
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(dg_smem_raw) + 1023u) & ~1023u;
@@ -448,14 +453,24 @@ template <int NB> __global__ void __launch_bounds__(DG_THREADS, dg_cfg<NB>::PER_
  * workspace, no counters, no second pass. x is re-read from L2 by every block (n / R of the
  * weight bytes). A row's sum runs over the atoms in order whatever n (batch invariance); R is a
  * function of the launch's shapes only. */
-template <int R> struct dn_cfg {
-    static constexpr int AS = 2;                   /* atoms a stage */
-    static constexpr int A_BYTES = 64 * DG_KA * 2; /* x: 64 token rows of one atom */
-    static constexpr int B_BYTES = R * DG_KA * 2;  /* weights: R rows of one atom (a multiple of 8: 1 KB groups) */
-    static constexpr int SLOT = AS * (A_BYTES + B_BYTES); /* [A atom 0][A atom 1][B atom 0][B atom 1] */
-    static constexpr int P = 196 * 1024 / SLOT;
+/* XR: the x rows a stage holds: 64, or (kvs_cu_dgemm_n's x_fit, variant bits 128 / 256) 16 at
+ * n <= 16 / 32 at n <= 32. The wgmma still reads 64 rows of A from an atom's address: past XR
+ * rows it reads whatever follows in the same slot (the next atom's x, the weights), which lands
+ * only in the accumulator rows of tokens >= n, never stored; the slot is at least 8 KB past every
+ * A atom's start, so those reads stay in the block's shared memory and in a slot no copy writes
+ * while it is read. The bytes saved go to the weights: 4 atoms a stage, up to 8 stages, so with
+ * 16-row x tiles 96-120 KB of weights are in flight per SM instead of 56-80 (k_dgemm's unsplit
+ * launches, 2,750-2,970 GB/s, keep ~96 KB). */
+template <int R, int XR> struct dn_cfg {
+    static constexpr int AS = XR == 64 ? 2 : 4;     /* atoms a stage */
+    static constexpr int A_BYTES = XR * DG_KA * 2;  /* x: XR token rows of one atom */
+    static constexpr int B_BYTES = R * DG_KA * 2;   /* weights: R rows of one atom (a multiple of 8: 1 KB groups) */
+    static constexpr int SLOT = AS * (A_BYTES + B_BYTES); /* [A atom 0..AS-1][B atom 0..AS-1] */
+    static constexpr int P0 = 196 * 1024 / SLOT;
+    static constexpr int P = P0 > 8 ? 8 : P0;        /* cp.async.wait_group counts of at most 6 */
     static constexpr int SMEM = P * SLOT + 1024;
     static constexpr int THREADS = 128;
+    static_assert(SLOT - (AS - 1) * A_BYTES >= 64 * DG_KA * 2, "a 64-row read of any A atom stays in its slot");
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -467,17 +482,17 @@ template <int R> __device__ __forceinline__ void dn_mma(float *acc, uint64_t da,
 }
 #endif
 
-template <int R> __global__ void __launch_bounds__(dn_cfg<R>::THREADS, 1) k_dgemm_n(dg_params p)
+template <int R, int XR> __global__ void __launch_bounds__(dn_cfg<R, XR>::THREADS, 1) k_dgemm_n(dg_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = dn_cfg<R>;
+    using C = dn_cfg<R, XR>;
     extern __shared__ uint8_t dg_smem_raw[];
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(dg_smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     int tile = blockIdx.x, part = 0;
     while (part + 1 < p.n_parts && tile >= p.tiles[part]) tile -= p.tiles[part++];
     const int r0 = tile * R, vrows = min(R, p.out[part] - r0), in = p.in, na = p.atoms;
-    const int ns = na / C::AS; /* stages (K is a multiple of AS atoms: kvs_cu_dgemm_n_rows) */
+    const int ns = na / C::AS; /* stages (K is a multiple of AS atoms: kvs_cu_dgemm_n_rows, kvs_cu_dgemm_n) */
     const bf16 *wrow = p.w[part] + (size_t)r0 * in;
 
     /* a stage's copies: R x 8 weight chunks and n x 8 x chunks of 16 bytes an atom, over 128
@@ -503,7 +518,7 @@ template <int R> __global__ void __launch_bounds__(dn_cfg<R>::THREADS, 1) k_dgem
             const uint32_t base = smem0 + (uint32_t)((st % C::P) * C::SLOT + a * C::A_BYTES);
             const int col = at * DG_KA;
 #pragma unroll
-            for (int k = 0; k < 64 * 8 / C::THREADS; k++) {
+            for (int k = 0; k < XR * 8 / C::THREADS; k++) {
                 const int idx = tid + k * C::THREADS, r = idx >> 3, c = idx & 7;
                 if (r < p.n) dg_cp16(dg_swz(base, r, c), p.x + (size_t)r * in + col + c * 8, true);
             }
@@ -600,23 +615,23 @@ size_t kvs_cu_dgemm_ws_floats(int n_sms)
 /* raises the kernel's shared-memory limit (once per device: tensor parallelism has several in a
  * process; a lost update of the mask only sets it again) and returns in *fits whether the blocks
  * per SM that the split plan counts on are resident at once */
-template <int NB> static cudaError_t dg_prepare(int *fits)
+template <int NB, int MW> static cudaError_t dg_prepare(int *fits)
 {
     static unsigned attr_set = 0, fit_mask = 0;
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
     if (dev >= 32 || !(attr_set >> dev & 1u)) {
-        e = cudaFuncSetAttribute(k_dgemm<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_cfg<NB>::SMEM);
+        e = cudaFuncSetAttribute(k_dgemm<NB, MW>, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_cfg<NB, MW>::SMEM);
         if (e != cudaSuccess) return e;
         int nb = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_dgemm<NB>, DG_THREADS, dg_cfg<NB>::SMEM);
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_dgemm<NB, MW>, DG_THREADS, dg_cfg<NB, MW>::SMEM);
         if (e != cudaSuccess) return e;
         if (dev < 32) {
-            if (nb >= dg_cfg<NB>::PER_SM) fit_mask |= 1u << dev;
+            if (nb >= dg_cfg<NB, MW>::PER_SM) fit_mask |= 1u << dev;
             attr_set |= 1u << dev;
         }
-        *fits = nb >= dg_cfg<NB>::PER_SM;
+        *fits = nb >= dg_cfg<NB, MW>::PER_SM;
         return cudaSuccess;
     }
     *fits = fit_mask >> dev & 1u;
@@ -625,13 +640,13 @@ template <int NB> static cudaError_t dg_prepare(int *fits)
 
 /* kvs_cu_launch (cuda_launch.h) with clusters of cluster_x blocks along x (grid.x a multiple of
  * it): the blocks of a cluster run at once and share their shared memory (dg_reduce_rows) */
-template <int NB>
+template <int NB, int MW>
 static cudaError_t dg_launch_cluster(dim3 grid, unsigned cluster_x, cudaStream_t stream, const dg_params &p)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(DG_THREADS);
-    cfg.dynamicSmemBytes = (size_t)dg_cfg<NB>::SMEM;
+    cfg.dynamicSmemBytes = (size_t)dg_cfg<NB, MW>::SMEM;
     cfg.stream = stream;
     cudaLaunchAttribute at[2];
     at[0].id = cudaLaunchAttributeClusterDimension;
@@ -642,22 +657,30 @@ static cudaError_t dg_launch_cluster(dim3 grid, unsigned cluster_x, cudaStream_t
     at[1].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = kvs_cu_pdl_enabled() ? 2 : 1;
-    return cudaLaunchKernelEx(&cfg, k_dgemm<NB>, p);
+    return cudaLaunchKernelEx(&cfg, k_dgemm<NB, MW>, p);
 }
 
-template <int NB> static cudaError_t dg_launch(dg_params &p, int tiles, cudaStream_t stream)
+template <int NB, int MW> static cudaError_t dg_launch_mw(dg_params &p, int tiles, cudaStream_t stream)
 {
     int fits = 0;
-    const cudaError_t e = dg_prepare<NB>(&fits);
+    const cudaError_t e = dg_prepare<NB, MW>(&fits);
     if (e != cudaSuccess) return e;
     if (!fits) p.splits = 1; /* never on an H100 / H200; waiting splits need their one wave */
-    const int units = (tiles + dg_cfg<NB>::MW - 1) / dg_cfg<NB>::MW;
+    const int units = (tiles + MW - 1) / MW;
     const unsigned blocks = (unsigned)(units * p.splits);
     /* a unit's splits as one cluster: at most 8 blocks (the portable cluster size) */
     if (p.cluster && p.splits > 1 && p.splits <= 8)
-        return dg_launch_cluster<NB>(dim3(blocks), (unsigned)p.splits, stream, p);
+        return dg_launch_cluster<NB, MW>(dim3(blocks), (unsigned)p.splits, stream, p);
     p.cluster = 0;
-    return kvs_cu_launch(k_dgemm<NB>, dim3(blocks), dim3(DG_THREADS), (size_t)dg_cfg<NB>::SMEM, stream, p);
+    return kvs_cu_launch(k_dgemm<NB, MW>, dim3(blocks), dim3(DG_THREADS), (size_t)dg_cfg<NB, MW>::SMEM, stream, p);
+}
+
+/* one_tile: blocks of one tile at 64-128 tokens too (dg_cfg); the split plan (dg_splits) keeps a
+ * grid of either block size within one wave, so it holds for both */
+template <int NB> static cudaError_t dg_launch(dg_params &p, int tiles, int one_tile, cudaStream_t stream)
+{
+    if (dg_mw<NB>() == 2 && one_tile) return dg_launch_mw<NB, 1>(p, tiles, stream);
+    return dg_launch_mw<NB, dg_mw<NB>()>(p, tiles, stream);
 }
 
 /* 128-row tiles of a launch (SwiGLU: 64 gate + 64 up rows a tile) */
@@ -699,7 +722,7 @@ int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_s
 }
 
 cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm, int cluster,
-                         cudaStream_t stream)
+                         int one_tile, cudaStream_t stream)
 {
     int tiles;
     dg_params p = dg_params_of(a, DG_M, &tiles);
@@ -714,11 +737,11 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
     p.sem = ws->sem;
     const int nb = a->n <= 8 ? 8 : a->n <= 16 ? 16 : a->n <= 32 ? 32 : a->n <= 64 ? 64 : 128;
     switch (nb) {
-    case 8: return dg_launch<8>(p, tiles, stream);
-    case 16: return dg_launch<16>(p, tiles, stream);
-    case 32: return dg_launch<32>(p, tiles, stream);
-    case 64: return dg_launch<64>(p, tiles, stream);
-    default: return dg_launch<128>(p, tiles, stream);
+    case 8: return dg_launch<8>(p, tiles, one_tile, stream);
+    case 16: return dg_launch<16>(p, tiles, one_tile, stream);
+    case 32: return dg_launch<32>(p, tiles, one_tile, stream);
+    case 64: return dg_launch<64>(p, tiles, one_tile, stream);
+    default: return dg_launch<128>(p, tiles, one_tile, stream);
     }
 }
 
@@ -738,29 +761,43 @@ int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, 
     return 0;
 }
 
-template <int R> static cudaError_t dn_launch(dg_params &p, int tiles, cudaStream_t stream)
+template <int R, int XR> static cudaError_t dn_launch_x(dg_params &p, int tiles, cudaStream_t stream)
 {
     static unsigned attr_set = 0;
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
     if (dev >= 32 || !(attr_set >> dev & 1u)) {
-        e = cudaFuncSetAttribute(k_dgemm_n<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, dn_cfg<R>::SMEM);
+        e = cudaFuncSetAttribute(k_dgemm_n<R, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, dn_cfg<R, XR>::SMEM);
         if (e != cudaSuccess) return e;
         if (dev < 32) attr_set |= 1u << dev;
     }
-    return kvs_cu_launch(k_dgemm_n<R>, dim3((unsigned)tiles), dim3(dn_cfg<R>::THREADS), (size_t)dn_cfg<R>::SMEM,
-                         stream, p);
+    return kvs_cu_launch(k_dgemm_n<R, XR>, dim3((unsigned)tiles), dim3(dn_cfg<R, XR>::THREADS),
+                         (size_t)dn_cfg<R, XR>::SMEM, stream, p);
 }
 
-cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream)
+template <int R> static cudaError_t dn_launch(dg_params &p, int tiles, int xr, cudaStream_t stream)
+{
+    if (xr == 16) return dn_launch_x<R, 16>(p, tiles, stream);
+    if (xr == 32) return dn_launch_x<R, 32>(p, tiles, stream);
+    return dn_launch_x<R, 64>(p, tiles, stream);
+}
+
+cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, int x_fit, cudaStream_t stream)
 {
     int tiles;
     dg_params p = dg_params_of(a, rows, &tiles);
     p.splits = 1;
+    /* x_fit: x tiles of 16 rows (bit 1, n <= 16) or 32 (bit 2, n <= 32) where K is a multiple of
+     * their 4-atom stages (the order of the additions is the same: atom by atom, whatever the stage) */
+    int xr = 64;
+    if (a->in % (4 * DG_KA) == 0) {
+        if ((x_fit & 1) && a->n <= 16) xr = 16;
+        else if ((x_fit & 2) && a->n <= 32) xr = 32;
+    }
     switch (rows) {
-    case 32: return dn_launch<32>(p, tiles, stream);
-    case 48: return dn_launch<48>(p, tiles, stream);
-    default: return dn_launch<64>(p, tiles, stream);
+    case 32: return dn_launch<32>(p, tiles, xr, stream);
+    case 48: return dn_launch<48>(p, tiles, xr, stream);
+    default: return dn_launch<64>(p, tiles, xr, stream);
     }
 }

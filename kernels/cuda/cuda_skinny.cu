@@ -295,15 +295,25 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * slower than the workspace at 8-128 rows on an H100, bench/RESULTS.md, decode4 part 2). Bit 32
  * sends the launches that the wgmma kernel would split (with bit 8: those k_skinny or cuBLAS
  * would take) to k_dgemm_n (cuda_dgemm.cu: the weights on the N side, K whole) at 2..64 rows,
- * and from 33 rows leaves the unsplit ones to cuBLAS. */
+ * and from 33 rows leaves the unsplit ones to cuBLAS. Bit 64 keeps k_dgemm's blocks at one 128-row
+ * tile (two per SM) at 64-128 tokens too, and with bit 32 gives it the unsplit launches (gate/up,
+ * the LM head) at 33-128 rows. Bits 128 / 256 stage k_dgemm_n's x in tiles of 16 rows at 2-16
+ * tokens / of 32 rows at 17-32 tokens (instead of 64), which leaves room for more weights in
+ * flight. All of them keep the order of the additions: the same bits as without. */
 /* default 14: the wgmma kernel for the launches it does not split (2,750-2,970 GB/s at 2-32 rows,
  * vs 2,650-2,850 for k_skinny and cuBLAS; its split launches were slower than both), else k_skinny
  * with the L2::256B hint up to 8 rows (faster at 2-8 rows, the same at 1: the GEMV does not use
  * it) and cuBLAS above; two groups in flight above 8 rows (bit 1) was not faster
  * (bench/RESULTS.md, issue 22 sections). Default 46 = 14 | 32: the launches the wgmma kernel
  * would split (q/k/v, o, down) on k_dgemm_n at 2-64 rows instead of k_skinny / cuBLAS
- * (bench/RESULTS.md, decode5: 3-4% off the whole step at batch 8 and 32). */
-#define KVS_SKINNY_VARIANT_DEFAULT 46
+ * (bench/RESULTS.md, decode5: 3-4% off the whole step at batch 8 and 32). Default 238 = 46 | 64 |
+ * 128 (bench/RESULTS.md, decode6, one call on an H100): k_dgemm_n's 16-row x tiles read q/k/v 8%
+ * and o 10% faster at 8-16 rows (the step at batch 8 x 1K 2% faster); one-tile k_dgemm blocks for
+ * gate/up and the LM head at 33-64 rows (instead of cuBLAS) the step at batch 64 1.6% faster. Not
+ * bit 256: its 32-row x tiles read the GEMMs alone 0.8% faster at 32 rows, but the step at batch
+ * 32 took 1% (1K) and 4% (8K) longer. Nor, were the row limit raised to 128, bit 64 there: gate/up
+ * on one-tile blocks was 4% slower than cuBLAS at 128 rows (the LM head 7% faster). */
+#define KVS_SKINNY_VARIANT_DEFAULT 238
 
 /* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel
  * class: 1 the decode GEMMs (k_skinny, k_dgemm, k_dgemm_n), 2 the decode attention and its merge,
@@ -334,14 +344,14 @@ static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_variant = e ? atoi(e) & 63 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 511 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     return sk_variant;
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 63;
+    sk_variant = v < 0 ? -1 : v & 511;
 }
 
 template <int NT, bool DB>
@@ -397,8 +407,10 @@ int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, 
         if (!dg_sms || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) return 0;
         const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
         /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies; from
-         * 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there) */
-        if ((v & 32) && (split || n > 32)) return split && kvs_cu_dgemm_n_rows(n, in, out, n_parts, swiglu, dg_sms) > 0;
+         * 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there), unless bit
+         * 64 gives k_dgemm one-tile blocks there */
+        if ((v & 32) && (split || (n > 32 && !(v & 64))))
+            return split && kvs_cu_dgemm_n_rows(n, in, out, n_parts, swiglu, dg_sms) > 0;
         return !(v & 8) || !split;
     }
     return 1;
@@ -435,9 +447,10 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         const bool split = sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) > 1;
         if ((v & 32) && split) {
             const int rows = kvs_cu_dgemm_n_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms);
-            if (rows) return kvs_cu_dgemm_n(a, rows, stream);
+            if (rows) return kvs_cu_dgemm_n(a, rows, (v >> 7) & 3, stream);
         }
-        if (!(v & 8) || !split) return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, stream);
+        if (!(v & 8) || !split)
+            return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     }
     const dim3 grid(blocks), blk(16 * 32);
     const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;

@@ -3,11 +3,11 @@
  *
  * y[t][o] = <x[t], W[o]> for n <= KVS_SKINNY_MAX_N (128) token rows. The backend uses it up to
  * skinny_max rows (64 by default): k_skinny, below, past ~12 rows falls behind cuBLASLt (every
- * block re-reads all of x); on Hopper the wgmma kernel (cuda_dgemm.cu, kvs_cu_dgemm) takes 2-32
- * rows of the launches it does not split K for (gate/up, the LM head: 2,750-2,970 GB/s), and
- * k_dgemm_n (cuda_dgemm.cu, kvs_cu_dgemm_n: K whole) 2-64 rows of the others (q/k/v, o, down),
- * which k_skinny (up to 8 rows) or cuBLAS took before (bench/RESULTS.md, issue 22, decode4 and
- * decode5). A decode step multiplies a few rows by every
+ * block re-reads all of x); on Hopper the wgmma kernel (cuda_dgemm.cu, kvs_cu_dgemm) takes 2-64
+ * rows of the launches it does not split K for (gate/up, the LM head: 2,750-2,990 GB/s up to 32
+ * rows), and k_dgemm_n (cuda_dgemm.cu, kvs_cu_dgemm_n: K whole) 2-64 rows of the others (q/k/v,
+ * o, down), which k_skinny (up to 8 rows) or cuBLAS took before (bench/RESULTS.md, issue 22,
+ * decode4 to decode6). A decode step multiplies a few rows by every
  * weight matrix of the model once, so it is bound by reading W. The kernel streams W with 16-byte
  * loads, not cached in L1, and multiplies it on the tensor cores (mma m16n8k16, bf16 in, fp32
  * accumulate) with W as the 16-row operand and the tokens as the 8-wide one; the K dimension of
@@ -89,8 +89,10 @@ int kvs_cu_dgemm_splits(int in, const int *out, int n_parts, int swiglu, int n_s
 size_t kvs_cu_dgemm_ws_floats(int n_sms);
 /* cluster: 1 reduces the splits of a unit in its cluster's shared memory (at most 8 splits; more
  * take the workspace), 0 through the workspace; the same order of additions, the same bits */
+/* one_tile: blocks of one 128-row tile (two per SM) at 64-128 tokens too, instead of two tiles
+ * (one per SM); the same order of additions, the same bits */
 cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgemm_ws *ws, int per_sm, int cluster,
-                         cudaStream_t stream);
+                         int one_tile, cudaStream_t stream);
 
 /* cuda_dgemm.cu, k_dgemm_n (variant bit 32): the weights on the wgmma's N side, R rows a block,
  * the whole of K a block (no split, no workspace) for 2..64 tokens. Returns R (32 / 48 / 64, the
@@ -98,6 +100,9 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
  * where the kernel does not apply (SwiGLU, n outside 2..64, K not a multiple of 128, shapes
  * kvs_cu_dgemm_supported rejects). */
 int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms);
-cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream);
+/* x_fit: stage x in tiles of 16 rows at n <= 16 (bit 1) / of 32 rows at n <= 32 (bit 2), not 64,
+ * and more weights a stage, where K allows (a multiple of 256); the same order of additions, the
+ * same bits */
+cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, int x_fit, cudaStream_t stream);
 
 #endif

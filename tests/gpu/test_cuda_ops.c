@@ -253,7 +253,7 @@ static void test_embed_matmul(void)
                                                  {8, 512, 100, 1}, {9, 264, 64, 0}, {2, 260, 72, 1}, {33, 64, 1024, 1},
                                                  {5, 14336, 200, 0}, {1, 14336, 304, 1}, {1, 4104, 33, 0},
                                                  {16, 4096, 1024, 0}, {17, 1024, 512, 1}, {32, 2048, 256, 0},
-                                                 {31, 96, 48, 1}, {12, 32, 16, 0}};
+                                                 {31, 96, 48, 1}, {12, 32, 16, 0}, {128, 128, 4096, 1}, {72, 192, 1040, 0}};
     for (int c = 0; c < (int)(sizeof cases / sizeof cases[0]); c++) {
         int n = cases[c].n, in = cases[c].in, out = cases[c].out;
         enum kvs_dtype dt = dts[c % 3];
@@ -276,8 +276,10 @@ static void test_embed_matmul(void)
          * reduced in a cluster's shared memory) against the CPU */
         if (n <= 128) {
             kvs_cuda_set_skinny_max(bg, 128);
-            static const int dgv[] = {4, 5, 14, 22, 46};
-            for (int vi = 0; vi < 5; vi++) {
+            /* 238 = 46 | 64 (k_dgemm's one-tile blocks at 33-128 rows) | 128 (k_dgemm_n's 16-row x
+             * tiles at 2-16 rows); 494 = 238 | 256 (its 32-row x tiles at 17-32 rows) */
+            static const int dgv[] = {4, 5, 14, 22, 46, 238, 494};
+            for (int vi = 0; vi < 7; vi++) {
                 const int v = dgv[vi];
                 kvs_cuda_set_skinny_variant(bg, v);
                 poison(&y);
@@ -465,6 +467,30 @@ static void test_fused_gemm_at(int variant)
         G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
         snprintf(what, sizeof what, "matmul_swiglu n=%d in=%d ff=%d", n, in, ff);
         check(what, &gt, 1e-2);
+        /* variant bit 64: gate/up at 33-128 rows on k_dgemm's one-tile blocks, K unsplit (ff >= 14336:
+         * more 128-row tiles than SMs), the same order of additions as at 2 rows: each row in a
+         * batch of two (with its neighbour) gives the whole batch's bits */
+        if ((variant & 64) && n > 32 && n <= 128 && ff >= 14336) {
+            float *all = dl(&gt, (size_t)n * ff);
+            struct pair x1 = mk(KVS_BUF_ACT, (size_t)2 * in, NULL), g1 = mk(KVS_BUF_ACT, (size_t)2 * ff, NULL),
+                        u1 = mk(KVS_BUF_ACT, (size_t)2 * ff, NULL);
+            int bad = 0;
+            for (int t = 0; t < n; t++) {
+                G->upload(bg, x1.g, 0, xv + (size_t)t * in, (size_t)in);
+                G->upload(bg, x1.g, (size_t)in, xv + (size_t)((t + 1) % n) * in, (size_t)in);
+                G->matmul_swiglu(bg, x1.g, gw.g, uw.g, 2, in, ff, g1.g, u1.g);
+                float *one = dl(&g1, (size_t)ff);
+                bad += memcmp(one, all + (size_t)t * ff, (size_t)ff * 4) != 0;
+                free(one);
+            }
+            kvs_test_checks++;
+            if (bad) { kvs_test_fails++; printf("FAIL decode GEMM SwiGLU batch invariance n=%d: %d rows differ\n", n, bad); }
+            else printf("ok   decode GEMM SwiGLU batch invariance n=%d in=%d ff=%d (each row in a batch of 2, bitwise)\n", n, in, ff);
+            free(all);
+            drop(&x1);
+            drop(&g1);
+            drop(&u1);
+        }
         if (variant & 16) { /* the cluster's reduction: the workspace's bits */
             kvs_cuda_set_skinny_variant(bg, variant & ~16);
             G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, g2.g, u2.g);
@@ -493,7 +519,8 @@ static void test_fused_gemm_at(int variant)
         G->matmul(bg, g2.g, dwt.g, NULL, n, ff, in, dw.g);
         float *down_comp = dl(&dw, (size_t)n * in);
         /* cuBLAS runs the fused gate/up (bf16 outputs) above 32 rows, and from 9 rows where variant
-         * bit 8 leaves a split launch to it */
+         * bit 8 leaves a split launch to it (with bit 64 k_dgemm may run it and gate alone another
+         * kernel: close too) */
         if ((n > 32 || ((variant & 8) && n > 8)) && ff % 8 == 0) {
             snprintf(what, sizeof what, "matmul_swiglu n=%d (bf16 gate / up) ~ composed", n);
             expect_close(what, a, b, (size_t)n * ff, 1e-2);
@@ -522,7 +549,9 @@ static void test_fused_gemm_at(int variant)
 
 /* k_skinny (variant 2) and the wgmma kernel (6: everywhere; 7: split for one block per SM; 14:
  * only where it does not split K; 22: 6 with the splits reduced in a cluster; 46: 14 with the
- * launches it would split on k_dgemm_n, the weights on the N side) */
+ * launches it would split on k_dgemm_n, the weights on the N side; 238 (the default): 46 with
+ * one-tile blocks for the unsplit launches up to 128 rows and k_dgemm_n's 16-row x tiles at 2-16
+ * rows; 494: 238 with its 32-row x tiles at 17-32 rows) */
 static void test_fused_gemm(void)
 {
     test_fused_gemm_at(2);
@@ -531,6 +560,8 @@ static void test_fused_gemm(void)
     test_fused_gemm_at(14);
     test_fused_gemm_at(22);
     test_fused_gemm_at(46);
+    test_fused_gemm_at(238);
+    test_fused_gemm_at(494);
 }
 
 /* relative L2 difference of two host vectors */
