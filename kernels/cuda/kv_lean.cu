@@ -9,7 +9,8 @@
  * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
  * query rows (16 / G tokens of a sequence, or one row over its spans) x a KV head x a split of
  * the keys; the G query heads of the group share every K/V byte staged; 32 keys a step staged
- * with 16-byte cp.async (LEAN_ST stages), dequantized from shared memory into tensor-core
+ * with 16-byte cp.async (LEAN_ST stages, each one's K and V halves refilled as soon as they are
+ * computed: LEAN_EARLY), dequantized from shared memory into tensor-core
  * fragments (fp16), QK and PV on mma.sync with fp32 accumulation, the online softmax in fp32;
  * splits merged by a second kernel. Deferred RoPE: q rotated backward by a block's offset at
  * document boundaries (rot_table, cuda_attn_device.cuh). Two layouts of the mma: query rows on
@@ -150,8 +151,8 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
  * are in flight for about LEAN_ST iterations at the shared memory of LEAN_ST tiles (the whole-tile
  * issue at the top of an iteration gives them LEAN_ST - 1: while a tile was computed only the next
  * one was in flight, and the copies and the compute overlapped poorly). A/B on the H100
- * (bench/RESULTS.md, "part 9"): K8V4 and K4V4 2-7% faster at 32K and batch 32 x 8K, K8V8 too
- * with 168 registers (lean_kt_min_blocks). 0: the whole tile at the top of an iteration. */
+ * (bench/RESULTS.md, "part 9"): against the whole-tile issue, K8V4 0-3.5% and K4V4 0-3% faster,
+ * K8V8 1-5% with 168 registers (lean_kt_min_blocks). 0: the whole tile at the top of an iteration. */
 #define LEAN_EARLY 1
 #endif
 #if LEAN_EARLY
@@ -374,7 +375,6 @@ __device__ __forceinline__ void lean_issue(const uint8_t *pool, const lean_key &
     }
     cp_async_commit();
 }
-
 
 /* LEAN_EARLY's halves of lean_issue, one cp.async group each: side 0 the K codes and K (s, z),
  * side 1 the key infos, V codes and V (s, z) */
@@ -761,7 +761,7 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * blocks stay resident (K8V4, K4V4 at head_dim 128), else 12 (168 registers, no spills: 3 warps a
  * scheduler, as many as the stages' shared memory admits anyway: K8V8 11, K16V16 6). A bound of 11
  * would let ptxas take 184 registers, i.e. 2 warps a scheduler. K8V8 at 16 spilled 96 bytes with
- * LEAN_EARLY and ran 8-15% slower than at 12 (bench/RESULTS.md, "part 9"). */
+ * LEAN_EARLY and ran 6-15% slower than at 12 (bench/RESULTS.md, "part 9"). */
 template <int HD, int KB, int VB>
 __host__ __device__ constexpr int lean_kt_min_blocks()
 {
