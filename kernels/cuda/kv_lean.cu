@@ -9,7 +9,8 @@
  * attention: flash decoding over the pages (k_lean_fd, below): one warp a block owns a tile of
  * query rows (16 / G tokens of a sequence, or one row over its spans) x a KV head x a split of
  * the keys; the G query heads of the group share every K/V byte staged; 32 keys a step staged
- * with 16-byte cp.async (LEAN_ST stages), dequantized from shared memory into tensor-core
+ * with 16-byte cp.async (LEAN_ST stages, each one's K and V halves refilled as soon as they are
+ * computed: LEAN_EARLY), dequantized from shared memory into tensor-core
  * fragments (fp16), QK and PV on mma.sync with fp32 accumulation, the online softmax in fp32;
  * splits merged by a second kernel. Deferred RoPE: q rotated backward by a block's offset at
  * document boundaries (rot_table, cuda_attn_device.cuh). Two layouts of the mma: query rows on
@@ -142,10 +143,26 @@ static void cu_lean_write(struct kvs_backend *b, struct kvs_lean_fmt f, const st
 #ifndef LEAN_MIN_BLOCKS
 #define LEAN_MIN_BLOCKS 1         /* __launch_bounds__ minimum blocks per SM (occupancy experiments) */
 #endif
-#ifndef LEAN_KT_MIN_BLOCKS
-/* the same for the keys-on-M layout: 16 caps it at 128 registers (ptxas spills 100-320 bytes at
- * K8V8 / K8V4, head_dim 128), the fastest of 1 / 12 / 16 at 32K (bench/RESULTS.md) */
-#define LEAN_KT_MIN_BLOCKS 16
+/* LEAN_KT_MIN_BLOCKS (-D, occupancy experiments): the same minimum for the keys-on-M layout, all
+ * formats. Unset: lean_kt_min_blocks below, per format. */
+#ifndef LEAN_EARLY
+/* 1: each stage's K and V halves are reissued as soon as they are free: the K codes of tile
+ * it + LEAN_ST right after QK of tile it, its V codes (and key infos) after PV, so a tile's copies
+ * are in flight for about LEAN_ST iterations at the shared memory of LEAN_ST tiles (the whole-tile
+ * issue at the top of an iteration gives them LEAN_ST - 1: while a tile was computed only the next
+ * one was in flight, and the copies and the compute overlapped poorly). A/B on the H100
+ * (bench/RESULTS.md, "part 9"): against the whole-tile issue, K8V4 0-3.5% and K4V4 0-3% faster,
+ * K8V8 1-5% with 168 registers (lean_kt_min_blocks). 0: the whole tile at the top of an iteration. */
+#define LEAN_EARLY 1
+#endif
+#if LEAN_EARLY
+#undef LEAN_KVSPLIT
+#define LEAN_KVSPLIT 1
+#endif
+#ifndef LEAN_DIAG
+/* benchmarks only (wrong results): 1 = the copies without QK / softmax / PV, 2 = the compute over
+ * the prologue's stages without the loop's copies; 0 = the kernel */
+#define LEAN_DIAG 0
 #endif
 #define LEAN_MIN_TILES 4          /* tiles (of AT_TILE keys) a split is planned with at least */
 #define LEAN_MAX_SPLITS 256
@@ -323,8 +340,18 @@ __device__ __forceinline__ lean_key lean_lookup(const lean_fd_args &a, int p, in
     return k;
 }
 
+#ifndef LEAN_KVSPLIT
+/* (LEAN_EARLY 0 only) 1: a tile's copies are two cp.async groups, first the K codes with both
+ * (s, z), then the V codes, and the loop waits for the K group before QK and for the V group only
+ * before PV; measured no faster than one group (bench/RESULTS.md, "part 9"), so 0 */
+#define LEAN_KVSPLIT 0
+#endif
+/* cp.async groups a tile takes */
+#define LEAN_GPT (LEAN_KVSPLIT ? 2 : 1)
+
 /* cp.async of the tile that lane l's key describes (key l) into stage stg; keys not read get
- * zero-filled codes and (s, z), so they dequantize to 0 (their probability is 0 as well) */
+ * zero-filled codes and (s, z), so they dequantize to 0 (their probability is 0 as well). Commits
+ * LEAN_GPT groups (the K side first). */
 template <int HD, int KB, int VB>
 __device__ __forceinline__ void lean_issue(const uint8_t *pool, const lean_key &k, uint8_t *stg, int lane)
 {
@@ -337,14 +364,43 @@ __device__ __forceinline__ void lean_issue(const uint8_t *pool, const lean_key &
         const long long o = __shfl_sync(FULL, k.k, j);
         lean_cp16(stg + S::K_OFF + j * S::KS + c * 16, o >= 0 ? pool + o + c * 16 : pool, o >= 0 ? 16 : 0);
     }
+    if (KB < 16) lean_cp4(stg + S::KSZ_OFF + lane * 4, k.ksz >= 0 ? pool + k.ksz : pool, k.ksz >= 0 ? 4 : 0);
+    if (VB < 16) lean_cp4(stg + S::VSZ_OFF + lane * 4, k.vsz >= 0 ? pool + k.vsz : pool, k.vsz >= 0 ? 4 : 0);
+    if (LEAN_KVSPLIT) cp_async_commit();
 #pragma unroll
     for (int idx = lane; idx < AT_TILE * CHV; idx += 32) {
         const int j = idx / CHV, c = idx % CHV;
         const long long o = __shfl_sync(FULL, k.v, j);
         lean_cp16(stg + S::V_OFF + j * S::VS + c * 16, o >= 0 ? pool + o + c * 16 : pool, o >= 0 ? 16 : 0);
     }
-    if (KB < 16) lean_cp4(stg + S::KSZ_OFF + lane * 4, k.ksz >= 0 ? pool + k.ksz : pool, k.ksz >= 0 ? 4 : 0);
-    if (VB < 16) lean_cp4(stg + S::VSZ_OFF + lane * 4, k.vsz >= 0 ? pool + k.vsz : pool, k.vsz >= 0 ? 4 : 0);
+    cp_async_commit();
+}
+
+/* LEAN_EARLY's halves of lean_issue, one cp.async group each: side 0 the K codes and K (s, z),
+ * side 1 the key infos, V codes and V (s, z) */
+template <int HD, int KB, int VB, int SIDE>
+__device__ __forceinline__ void lean_issue_side(const uint8_t *pool, const lean_key &k, uint8_t *stg, int lane)
+{
+    using S = lean_stage<HD, KB, VB>;
+    constexpr int CH = (SIDE ? S::VC : S::KC) / 16, RS = SIDE ? S::VS : S::KS, OFF = SIDE ? S::V_OFF : S::K_OFF;
+    constexpr bool Q = (SIDE ? VB : KB) < 16;
+    if (SIDE) reinterpret_cast<int *>(stg + S::KO_OFF)[lane] = k.info;
+    const long long base = SIDE ? k.v : k.k, sz = SIDE ? k.vsz : k.ksz;
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {
+        const int j = idx / CH, c = idx % CH;
+        const long long o = __shfl_sync(FULL, base, j);
+        lean_cp16(stg + OFF + j * RS + c * 16, o >= 0 ? pool + o + c * 16 : pool, o >= 0 ? 16 : 0);
+    }
+    if (Q) lean_cp4(stg + (SIDE ? S::VSZ_OFF : S::KSZ_OFF) + lane * 4, sz >= 0 ? pool + sz : pool, sz >= 0 ? 4 : 0);
+    cp_async_commit();
+}
+
+/* the groups of a tile not issued (past the split's last tile): empty, so that the waits' counts hold */
+__device__ __forceinline__ void lean_issue_none()
+{
+    if (LEAN_KVSPLIT) cp_async_commit();
+    cp_async_commit();
 }
 
 /* (s, z) of key r at side offset OFF of the stage, as floats */
@@ -700,8 +756,24 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * dense kernel), q and p rounded to fp16; the softmax and every sum stay fp32. Splits cut the
  * key tiles over the grid's y; their partials are merged by k_lean_merge.
  * KT: the keys-on-M layout (above): tiles of at most 8 rows (qt = 8 / G tokens, G <= 8). */
+/* __launch_bounds__ minimum blocks (one warp each) of the keys-on-M kernel of a format: 16 (128
+ * registers: 4 warps a scheduler; ptxas spills 32-96 bytes) where shared memory lets more than 12
+ * blocks stay resident (K8V4, K4V4 at head_dim 128), else 12 (168 registers, no spills: 3 warps a
+ * scheduler, as many as the stages' shared memory admits anyway: K8V8 11, K16V16 6). A bound of 11
+ * would let ptxas take 184 registers, i.e. 2 warps a scheduler. K8V8 at 16 spilled 96 bytes with
+ * LEAN_EARLY and ran 6-15% slower than at 12 (bench/RESULTS.md, "part 9"). */
+template <int HD, int KB, int VB>
+__host__ __device__ constexpr int lean_kt_min_blocks()
+{
+#ifdef LEAN_KT_MIN_BLOCKS
+    return LEAN_KT_MIN_BLOCKS;
+#else
+    return 233472 / (LEAN_ST * lean_stage<HD, KB, VB>::BYTES + HD * 4 + 1024) > 12 ? 16 : 12;
+#endif
+}
+
 template <int HD, int KB, int VB, bool KT>
-__global__ void __launch_bounds__(32, KT ? LEAN_KT_MIN_BLOCKS : LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
+__global__ void __launch_bounds__(32, KT ? lean_kt_min_blocks<HD, KB, VB>() : LEAN_MIN_BLOCKS) k_lean_fd(const __grid_constant__ lean_fd_args a)
 {
     using S = lean_stage<HD, KB, VB>;
     extern __shared__ __align__(16) uint8_t lean_smem[];
@@ -805,8 +877,17 @@ __global__ void __launch_bounds__(32, KT ? LEAN_KT_MIN_BLOCKS : LEAN_MIN_BLOCKS)
         if (st < ntiles) {
             lean_issue<HD, KB, VB>(a.pool, nxt, lean_smem + st * S::BYTES, lane);
             nxt = lookup();
+        } else {
+            lean_issue_none();
         }
-        cp_async_commit();
+    }
+    if (LEAN_EARLY) { /* the last stage too: tiles come LEAN_ST ahead */
+        if (LEAN_ST - 1 < ntiles) {
+            lean_issue<HD, KB, VB>(a.pool, nxt, lean_smem + (LEAN_ST - 1) * S::BYTES, lane);
+            nxt = lookup();
+        } else {
+            lean_issue_none();
+        }
     }
 
     /* the rows: row r of the tile is token r / G, head r % G. Rows: the thread's q rows are g
@@ -843,15 +924,31 @@ __global__ void __launch_bounds__(32, KT ? LEAN_KT_MIN_BLOCKS : LEAN_MIN_BLOCKS)
     for (int nd = 0; nd < NO; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
 
     for (int it = 0; it < ntiles; it++) {
-        if (it + LEAN_ST - 1 < ntiles) {
+#if LEAN_EARLY
+        static_assert(LEAN_DIAG == 0, "LEAN_EARLY: no diagnostic builds");
+        /* pending after this tile's K group: its V group and the next LEAN_ST - 1 tiles' two */
+        cp_async_wait<2 * LEAN_ST - 1>();
+        __syncwarp();
+        uint8_t *stg = lean_smem + (it % LEAN_ST) * S::BYTES;
+        const bool more = it + LEAN_ST < ntiles; /* tile it + LEAN_ST goes into this stage */
+#else
+        if (it + LEAN_ST - 1 < ntiles && LEAN_DIAG != 2) {
             lean_issue<HD, KB, VB>(a.pool, nxt, lean_smem + ((it + LEAN_ST - 1) % LEAN_ST) * S::BYTES, lane);
             nxt = lookup(); /* its loads overlap this tile's wait and compute */
+        } else {
+            lean_issue_none();
         }
-        cp_async_commit();
-        cp_async_wait<LEAN_ST - 1>();
-        __syncwarp();
+        /* pending: this tile's groups and the next LEAN_ST - 1 tiles'; K side first */
+        cp_async_wait<LEAN_GPT * LEAN_ST - 1>();
         const uint8_t *stg = lean_smem + (it % LEAN_ST) * S::BYTES;
+        __syncwarp();
+#endif
         const int *ko = reinterpret_cast<const int *>(stg + S::KO_OFF);
+        if (LEAN_DIAG == 1) { /* the copies alone */
+            if (LEAN_KVSPLIT) cp_async_wait<LEAN_GPT * LEAN_ST - 2>();
+            __syncwarp();
+            continue;
+        }
         float sc[NJ][4];
         const int myoff = ko[lane];
         if (!rt || __all_sync(FULL, myoff == cur_rot || myoff == KEY_PAD)) {
@@ -878,17 +975,40 @@ __global__ void __launch_bounds__(32, KT ? LEAN_KT_MIN_BLOCKS : LEAN_MIN_BLOCKS)
                 todo &= __ballot_sync(FULL, myoff != ofs);
             }
         }
+#if LEAN_EARLY
+        __syncwarp(); /* every lane is done with the stage's K codes */
+        if (more) lean_issue_side<HD, KB, VB, 0>(a.pool, nxt, stg, lane);
+        else cp_async_commit();
+        cp_async_wait<2 * LEAN_ST - 1>(); /* this tile's V side */
+        __syncwarp();
+#endif
         const int kb = spans ? 0 : (int)((w0 + it) * AT_TILE);
         if constexpr (KT) {
             uint32_t pb[2][2];
             lean_softmax_kt<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pb, lane);
+            if (LEAN_KVSPLIT && !LEAN_EARLY) {
+                cp_async_wait<LEAN_GPT * LEAN_ST - 2>(); /* the V codes */
+                __syncwarp();
+            }
             lean_pv_kt<HD, KB, VB>(stg, pb, o, lane);
         } else {
             uint32_t pa[2][4];
             lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
+            if (LEAN_KVSPLIT && !LEAN_EARLY) {
+                cp_async_wait<LEAN_GPT * LEAN_ST - 2>();
+                __syncwarp();
+            }
             lean_pv<HD, KB, VB>(stg, pa, o, lane);
         }
         __syncwarp(); /* the stage is reloaded */
+#if LEAN_EARLY
+        if (more) {
+            lean_issue_side<HD, KB, VB, 1>(a.pool, nxt, stg, lane);
+            nxt = lookup();
+        } else {
+            cp_async_commit();
+        }
+#endif
     }
     cp_async_wait<0>();
 
@@ -1013,10 +1133,22 @@ static void lean_launch(lean_fd_args &x, long long n_tiles, long long w_max, lon
     if (!resident) {
         CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)smem));
+        /* KVS_LEAN_CARVE=P (0-100): the shared-memory carveout hint in percent (benchmarks: does
+         * the driver's own choice hold the one-warp blocks below the occupancy computed here?) */
+        const char *cv = getenv("KVS_LEAN_CARVE");
+        if (cv && *cv)
+            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB, KT>,
+                                            cudaFuncAttributePreferredSharedMemoryCarveout, atoi(cv)));
         int nb = 0;
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_fd<HD, KB, VB, KT>, 32, smem));
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "lean attention: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
+        if (getenv("KVS_LEAN_PLAN")) { /* benchmarks: what the occupancy rests on */
+            cudaFuncAttributes fa;
+            CUDA_CHECK(cudaFuncGetAttributes(&fa, (const void *)k_lean_fd<HD, KB, VB, KT>));
+            fprintf(stderr, "lean plan: HD %d K%dV%d %s, %zu B shared, %d registers, %zu B local, %d blocks an SM\n", HD,
+                    KB, VB, KT ? "keys on M" : "rows on M", smem, fa.numRegs, (size_t)fa.localSizeBytes, nb);
+        }
     }
     lean_plan(x, n_tiles * x.g.n_kv, resident, n_sms, w_max, by_ws);
     const dim3 grid((unsigned)(n_tiles * x.g.n_kv), (unsigned)x.n_splits);

@@ -22,12 +22,12 @@
  * Head shapes: head_dim 64 or 128, 1 to 16 q heads per KV head (others: -ENOSYS); the first span
  * kernel (KVS_MAC_SPAN=0) only for 1, 2, 4 or 8 (other group sizes take the tiled one).
  * Over LeanKV pages (kv.storage = lean, static modes; kernels/kv_mac.h) the tiled span kernel's
- * tile stage is its template's other loader (lean_tile, per format): each lane reads its key's
- * fp16 (s, z) once, the warp reads the tile's codes and dequantizes them (x^ = s code - z in
- * fp32, rounded as the host's, then bf16: the precision of the plain pool) into the same
- * shared-memory tile the plain path fills with cp.async, so everything after the stage is the
- * plain path's code; the plain instantiation is unchanged. The lean stage is synchronous (its
- * loads are batched, but not in flight while the previous tile computes).
+ * tile stage is its template's other loader (lean_issue_raw, per format): the tile's raw codes
+ * and fp16 (s, z) staged with cp.async SPAN_TC_ST tiles in flight like the plain path's K/V, then,
+ * when the tile is computed, dequantized from shared memory (lean_deq_raw: x^ = s code - z in
+ * fp32, rounded as the host's, then bf16: the precision of the plain pool) into one bf16 tile of
+ * the plain layout, so everything after the stage is the plain path's code; the plain
+ * instantiation is unchanged.
  * Launched on the backend's stream, in order with its ops; nothing is synchronized or
  * downloaded, so the calls can be recorded in a step graph. Uses only the backend's structs and
  * the attention kernels' header-only pieces (cuda_internal.cuh, cuda_attn_device.cuh), no
@@ -444,108 +444,149 @@ static __device__ __forceinline__ uint4 lean_deq8(const uint32_t (&w)[B / 4], ui
     return out;
 }
 
-/* B / 4 aligned words of codes (pages are a multiple of 16 bytes, cu_supports_lean) */
+/* B / 4 aligned words of codes from shared memory (the raw stage below) */
 template <int B>
-static __device__ __forceinline__ void lean_ld(const uint8_t *p, uint32_t (&w)[B / 4])
+static __device__ __forceinline__ void lean_lds_w(const uint8_t *p, uint32_t (&w)[B / 4])
 {
     if constexpr (B == 16) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4 *>(p));
+        const uint4 v = *reinterpret_cast<const uint4 *>(p);
         w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
     } else if constexpr (B == 8) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2 *>(p));
+        const uint2 v = *reinterpret_cast<const uint2 *>(p);
         w[0] = v.x, w[1] = v.y;
     } else {
-        static_assert(B == 4, "lean_ld: 4, 8 or 16 bits");
-        w[0] = __ldg(reinterpret_cast<const uint32_t *>(p));
+        static_assert(B == 4, "lean_lds_w: 4, 8 or 16 bits");
+        w[0] = *reinterpret_cast<const uint32_t *>(p);
     }
 }
 
-/* tile_issue's job over LeanKV pages of format KB / VB: the tile that m describes (m.row: the
- * plain pool's element offset of lane l's key, ((page) bs + slot) HD, or -1) dequantized into
- * dk / dv, keys not read zero-filled, each key's info into ko. One warp (the tiled span kernel's
- * block). Each lane reads its key's (s, z) words once; then, RUN copies at a time, the codes of
- * RUN chunks are loaded before any is dequantized, so their loads are in flight together (a
- * first version loaded, dequantized and stored one chunk at a time: a miss over K8V4 pages ran
- * 6x slower than over the bf16 pool, bench/RESULTS.md). */
-template <int HD, int KB, int VB>
-__device__ __forceinline__ void lean_tile(const span_tc_args &x, const tile_meta &m, bf16 *dk, bf16 *dv, int kst,
-                                          int *ko)
+static __device__ __forceinline__ void mac_cp16(void *dst, const void *src, int bytes)
 {
-    constexpr int CH = HD / 8, IT = AT_TILE * CH / 32, RUN = IT < 8 ? IT : 8;
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sa), "l"(src), "r"(bytes));
+}
+
+static __device__ __forceinline__ void mac_cp4(void *dst, const void *src, int bytes)
+{
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(sa), "l"(src), "r"(bytes));
+}
+
+/* The raw stage of a tile over LeanKV pages of format KB / VB: K codes [32][HD KB / 8], V codes
+ * [32][HD VB / 8], K (s, z) [32] words, V (s, z) [32] words (lean_raw_bytes a stage) */
+__host__ __device__ constexpr int lean_raw_bytes(int hd, int kb, int vb)
+{
+    return AT_TILE * (hd * kb / 8 + hd * vb / 8 + 8);
+}
+
+/* tile_issue's job over LeanKV pages: the raw codes and (s, z) of the tile that m describes
+ * (m.row: the plain pool's element offset of lane l's key, ((page) bs + slot) HD, or -1) copied
+ * by cp.async into the raw stage raw, keys not read zero-filled (codes and (s, z) 0: they
+ * dequantize to +0, as the plain path's zero fill), each key's info into ko. The copies join the
+ * caller's cp.async group, so they are in flight while the previous tile computes (a first
+ * version loaded and dequantized the tile synchronously in its stage: a miss over K8V4 pages ran
+ * 2.4-3.4x slower than over the bf16 pool, bench/RESULTS.md). One warp (the tiled span kernel's
+ * block); 16-byte copies, consecutive lanes on a key's consecutive bytes. */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_issue_raw(const span_tc_args &x, const tile_meta &m, uint8_t *raw, int *ko)
+{
+    constexpr int KCB = HD * KB / 8, VCB = HD * VB / 8, CHK = KCB / 16, CHV = VCB / 16;
     const int lane = threadIdx.x & 31, bs = x.a.bs;
     ko[lane] = m.info;
     long long pg = -1;   /* byte offset of this lane's key's page */
     int sl = 0;
-    uint32_t ksz = 0, vsz = 0;
     if (m.row >= 0) {
         const long long slot = m.row / HD, pidx = slot / bs;
         sl = (int)(slot - pidx * bs);
         pg = pidx * x.page;
-        const uint8_t *meta = x.pages + pg + (long long)bs * (x.kcb + x.vcb);
-        if (KB < 16) {
-            ksz = __ldg(reinterpret_cast<const uint32_t *>(meta + sl * 4));
-            meta += bs * 4;
-        }
-        if (VB < 16) vsz = __ldg(reinterpret_cast<const uint32_t *>(meta + sl * 4));
     }
 #pragma unroll
-    for (int r0 = 0; r0 < IT; r0 += RUN) {
-        uint32_t kw[RUN][KB / 4], vw[RUN][VB / 4], kz[RUN], vz[RUN];
-        bool ok[RUN];
-#pragma unroll
-        for (int u = 0; u < RUN; u++) {
-            const int idx = lane + 32 * (r0 + u), j = idx / CH, c = idx % CH;
-            const long long p = __shfl_sync(FULL, pg, j);
-            const int sj = __shfl_sync(FULL, sl, j);
-            kz[u] = __shfl_sync(FULL, ksz, j), vz[u] = __shfl_sync(FULL, vsz, j);
-            ok[u] = p >= 0;
-            if (ok[u]) {
-                const uint8_t *page = x.pages + p;
-                lean_ld<KB>(page + (long long)sj * (HD * KB / 8) + c * KB, kw[u]);
-                lean_ld<VB>(page + (long long)bs * (HD * KB / 8) + (long long)sj * (HD * VB / 8) + c * VB, vw[u]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < KB / 4; i++) kw[u][i] = 0;
-#pragma unroll
-                for (int i = 0; i < VB / 4; i++) vw[u][i] = 0;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < RUN; u++) {
-            const int idx = lane + 32 * (r0 + u), j = idx / CH, c = idx % CH;
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            *reinterpret_cast<uint4 *>(dk + j * kst + c * 8) = ok[u] ? lean_deq8<KB>(kw[u], kz[u]) : zero;
-            *reinterpret_cast<uint4 *>(dv + j * kst + c * 8) = ok[u] ? lean_deq8<VB>(vw[u], vz[u]) : zero;
-        }
+    for (int idx = lane; idx < AT_TILE * CHK; idx += 32) {
+        const int j = idx / CHK, c = idx % CHK;
+        const long long p = __shfl_sync(FULL, pg, j);
+        const int sj = __shfl_sync(FULL, sl, j);
+        mac_cp16(raw + j * KCB + c * 16, p >= 0 ? x.pages + p + (long long)sj * KCB + c * 16 : x.pages, p >= 0 ? 16 : 0);
     }
+#pragma unroll
+    for (int idx = lane; idx < AT_TILE * CHV; idx += 32) {
+        const int j = idx / CHV, c = idx % CHV;
+        const long long p = __shfl_sync(FULL, pg, j);
+        const int sj = __shfl_sync(FULL, sl, j);
+        mac_cp16(raw + AT_TILE * KCB + j * VCB + c * 16,
+                 p >= 0 ? x.pages + p + (long long)bs * KCB + (long long)sj * VCB + c * 16 : x.pages, p >= 0 ? 16 : 0);
+    }
+    const uint8_t *meta = pg >= 0 ? x.pages + pg + (long long)bs * (KCB + VCB) : x.pages;
+    uint8_t *rsz = raw + AT_TILE * (KCB + VCB);
+    if (KB < 16) {
+        mac_cp4(rsz + lane * 4, meta + (pg >= 0 ? sl * 4 : 0), pg >= 0 ? 4 : 0);
+        meta += pg >= 0 ? bs * 4 : 0;
+    }
+    if (VB < 16) mac_cp4(rsz + AT_TILE * 4 + lane * 4, meta + (pg >= 0 ? sl * 4 : 0), pg >= 0 ? 4 : 0);
 }
 
-/* lean_tile for the call's format (warp-uniform switch; the static modes) */
-template <int HD>
-__device__ __forceinline__ void lean_tile_any(const span_tc_args &x, const tile_meta &m, bf16 *dk, bf16 *dv, int kst,
-                                              int *ko)
+/* the staged raw tile dequantized into the bf16 tile dk / dv (row stride kst), each 8-element
+ * chunk as lean_deq8 (the host's kvs_lean_dequantize, then bf16) */
+template <int HD, int KB, int VB>
+__device__ __forceinline__ void lean_deq_raw(const uint8_t *raw, bf16 *dk, bf16 *dv, int kst)
 {
-    switch (x.kbits * 100 + x.vbits) {
-    case 1616: lean_tile<HD, 16, 16>(x, m, dk, dv, kst, ko); break;
-    case 808: lean_tile<HD, 8, 8>(x, m, dk, dv, kst, ko); break;
-    case 804: lean_tile<HD, 8, 4>(x, m, dk, dv, kst, ko); break;
-    default: lean_tile<HD, 4, 4>(x, m, dk, dv, kst, ko); break;   /* cu_supports_lean lets only these through */
+    constexpr int KCB = HD * KB / 8, VCB = HD * VB / 8, CH = HD / 8, IT = AT_TILE * CH / 32;
+    const int lane = threadIdx.x & 31;
+    const uint8_t *rsz = raw + AT_TILE * (KCB + VCB);
+#pragma unroll
+    for (int u = 0; u < IT; u++) {
+        const int idx = lane + 32 * u, j = idx / CH, c = idx % CH;
+        uint32_t kw[KB / 4], vw[VB / 4];
+        lean_lds_w<KB>(raw + j * KCB + c * KB, kw);
+        lean_lds_w<VB>(raw + AT_TILE * KCB + j * VCB + c * VB, vw);
+        const uint32_t kz = KB < 16 ? *reinterpret_cast<const uint32_t *>(rsz + j * 4) : 0u;
+        const uint32_t vz = VB < 16 ? *reinterpret_cast<const uint32_t *>(rsz + AT_TILE * 4 + j * 4) : 0u;
+        *reinterpret_cast<uint4 *>(dk + j * kst + c * 8) = lean_deq8<KB>(kw, kz);
+        *reinterpret_cast<uint4 *>(dv + j * kst + c * 8) = lean_deq8<VB>(vw, vz);
     }
 }
 
-template <int HD, bool ROT>
+/* the call's format (warp-uniform switch; the static modes cu_supports_lean lets through) */
+#define LEAN_MAC_FMT(x, F)                                                                                             \
+    switch ((x).kbits * 100 + (x).vbits) {                                                                             \
+    case 1616: F(16, 16); break;                                                                                       \
+    case 808: F(8, 8); break;                                                                                          \
+    case 804: F(8, 4); break;                                                                                          \
+    default: F(4, 4); break;                                                                                           \
+    }
+
+template <int HD>
+__device__ __forceinline__ void lean_issue_any(const span_tc_args &x, const tile_meta &m, uint8_t *raw, int *ko)
+{
+#define LEAN_MAC_ISSUE(K, V) lean_issue_raw<HD, K, V>(x, m, raw, ko)
+    LEAN_MAC_FMT(x, LEAN_MAC_ISSUE)
+#undef LEAN_MAC_ISSUE
+}
+
+template <int HD>
+__device__ __forceinline__ void lean_deq_any(const span_tc_args &x, const uint8_t *raw, bf16 *dk, bf16 *dv, int kst)
+{
+#define LEAN_MAC_DEQ(K, V) lean_deq_raw<HD, K, V>(raw, dk, dv, kst)
+    LEAN_MAC_FMT(x, LEAN_MAC_DEQ)
+#undef LEAN_MAC_DEQ
+}
+
+/* shared memory of k_mac_span_tc: bf16 K and V tiles (SPAN_TC_ST stages; over LeanKV pages one,
+ * filled from the raw stage just before it is computed), the rotation table, key infos, then (LEAN)
+ * SPAN_TC_ST raw stages of the call's format (lean_raw_bytes each, added at launch) */
+template <int HD, bool ROT, bool LEAN = false>
 struct span_tc_cfg {
     static constexpr int KST = HD + 8;
-    static constexpr size_t kv_elems = (size_t)SPAN_TC_ST * AT_TILE * KST;
+    static constexpr size_t kv_elems = (size_t)(LEAN ? 1 : SPAN_TC_ST) * AT_TILE * KST;
     static constexpr size_t smem = 2 * kv_elems * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
-                                   (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);
+                                   (size_t)SPAN_TC_ST * AT_TILE * sizeof(int);   /* a multiple of 16 */
 };
 
 template <int HD, int MT, bool ROT, bool LEAN>
 __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span_tc_args x)
 {
-    typedef span_tc_cfg<HD, ROT> C;
+    typedef span_tc_cfg<HD, ROT, LEAN> C;
     constexpr int KST = C::KST, ST = SPAN_TC_ST;
+    static_assert(C::smem % 16 == 0, "k_mac_span_tc: the raw stages need 16-byte alignment");
     const at_args &a = x.a;
     const int G = a.G;   /* q heads per KV head, 2 G <= 16 MT rows */
     extern __shared__ __align__(16) unsigned char smraw[];
@@ -553,6 +594,8 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     bf16 *sv = sk + C::kv_elems;
     float *rtab = (float *)(sv + C::kv_elems);
     int *soff = (int *)(rtab + (ROT ? HD : 0));
+    uint8_t *raw = smraw + C::smem;                                  /* LEAN: the raw stages */
+    const int raw_st = LEAN ? lean_raw_bytes(HD, x.kbits, x.vbits) : 0;
     const int t = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int32_t *row = x.rows + (size_t)t * 4;
     const int flags = row[3], seq = row[0], slot = row[1], m = row[2];
@@ -594,7 +637,7 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
     auto lookup = [&](int it) { return tile_lookup<HD>(a, k0 + it * AT_TILE, k1, kvh, bt, vt, rt, nullptr); };
     auto issue = [&](const tile_meta &tm, int it) {
         const size_t so = (size_t)(it % ST) * AT_TILE;
-        if constexpr (LEAN) lean_tile_any<HD>(x, tm, sk + so * KST, sv + so * KST, KST, soff + so);
+        if constexpr (LEAN) lean_issue_any<HD>(x, tm, raw + (it % ST) * raw_st, soff + so);
         else tile_issue<HD, 32>(a, tm, sk + so * KST, sv + so * KST, KST, soff + so);
     };
 #pragma unroll
@@ -650,8 +693,13 @@ __global__ void __launch_bounds__(32) k_mac_span_tc(const __grid_constant__ span
         next = lookup(it + ST);
         cp_async_wait<ST - 1>();
         __syncthreads();
-        const bf16 *tk = sk + (size_t)(it % ST) * AT_TILE * KST;
-        const bf16 *tv = sv + (size_t)(it % ST) * AT_TILE * KST;
+        if constexpr (LEAN) {
+            /* the one bf16 tile is free (the previous tile's barrier below) */
+            lean_deq_any<HD>(x, raw + (it % ST) * raw_st, sk, sv, KST);
+            __syncwarp();
+        }
+        const bf16 *tk = sk + (LEAN ? 0 : (size_t)(it % ST) * AT_TILE * KST);
+        const bf16 *tv = sv + (LEAN ? 0 : (size_t)(it % ST) * AT_TILE * KST);
         const int kb = k0 + it * AT_TILE;
         const int *ko = soff + (it % ST) * AT_TILE;
         float sc[MT][4][4];
@@ -949,8 +997,16 @@ static void launch_span(int G, dim3 grid, cudaStream_t st, const span_args &a)
 template <int HD, bool ROT, bool LEAN>
 static void launch_span_tc_rot(int G, dim3 grid, cudaStream_t st, const span_tc_args &x)
 {
-    const size_t smem = span_tc_cfg<HD, ROT>::smem;   /* under 48 KB: no opt-in needed */
-    static_assert(span_tc_cfg<HD, ROT>::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
+    typedef span_tc_cfg<HD, ROT, LEAN> C;
+    static_assert(C::smem <= 48 * 1024, "k_mac_span_tc's stages exceed 48 KB");
+    /* LEAN: + the raw stages of the call's format (K16V16 at head_dim 128: 50 KB, so opted in) */
+    const size_t smem = C::smem + (LEAN ? (size_t)SPAN_TC_ST * lean_raw_bytes(HD, x.kbits, x.vbits) : 0);
+    if (smem > 48 * 1024) {
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_mac_span_tc<HD, 1, ROT, LEAN>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_mac_span_tc<HD, 2, ROT, LEAN>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    }
     if (G <= 8) k_mac_span_tc<HD, 1, ROT, LEAN><<<grid, 32, smem, st>>>(x);
     else k_mac_span_tc<HD, 2, ROT, LEAN><<<grid, 32, smem, st>>>(x);
 }
