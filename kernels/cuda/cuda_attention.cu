@@ -224,7 +224,8 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         x.words = a->words ? (const int2 *)a->words + so : nullptr;
         x.n_seqs = a->n_seqs - sk;
         if (pre && pre_kind >= 2)
-            kvs_cu_attn_prefill_wg(x, pre_kind, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
+            kvs_cu_attn_prefill_wg(x, kvs_cu_attn_prefill_kind_for(pre_kind, (long long)tiles * a->n_kv, n_sms),
+                                   a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
         else if (pre) kvs_cu_attn_prefill(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);
         else kvs_cu_attn_decode(x, a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force, dec_kind_force);
     }

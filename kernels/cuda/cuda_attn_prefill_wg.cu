@@ -334,7 +334,8 @@ static bool device_is_sm90()
     return known[dev] == 1;
 }
 
-int kvs_cu_attn_prefill_kind(int hd, int rot)
+/* the kind forced by kvs_cuda_set_pre_attn or KVS_CUDA_PRE_ATTN (read once), -1 where none was */
+static int forced_pre_kind()
 {
     static int env_kind = -2; /* -2: not read yet */
     if (env_kind == -2) {
@@ -342,13 +343,38 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
         const int v = e && *e ? atoi(e) : -1;
         env_kind = v >= 1 && v <= KVS_PRE_ATTN_KINDS ? v : -1;
     }
-    int kind = g_pre_kind >= 1 ? g_pre_kind : env_kind >= 1 ? env_kind : KVS_PRE_ATTN_DEFAULT;
+    return g_pre_kind >= 1 ? g_pre_kind : env_kind;
+}
+
+int kvs_cu_attn_prefill_kind(int hd, int rot)
+{
+    const int forced = forced_pre_kind();
+    int kind = forced >= 1 ? forced : KVS_PRE_ATTN_DEFAULT;
     /* the wgmma kernels: head_dim 64 / 128, Hopper; the deferred rotation only in k_attn_fa3's
      * rotating kinds (14, 19 to 25), the others' rotated launches stay on k_attn_tc (and blocks of
      * other than a multiple of 16 slots too: the plan, cuda_attention.cu) */
     if (kind >= 2 && ((rot && !kvs_cu_attn_fa3_rotates(kind)) || (hd != 64 && hd != 128) || !device_is_sm90()))
         kind = 1;
     return kind;
+}
+
+/* The default kind for a launch of `items` work items (tiles x KV heads): kind 14 gives each item a
+ * block of its own, so a launch of a wave or two ends on its longest causal tiles; kind 25 (kind 22
+ * with persistent blocks taking items in snake order) balances them and was 1.18-1.31x kind 14 at 1K
+ * but 8% slower at 8K (bench/RESULTS.md, attn5 and the lead's threshold table). So a launch of at
+ * most KVS_CUDA_PRE_PERSIST_WAVES waves (default 2; 0 turns it off) takes kind 25, where no kind was
+ * forced and the default applies. Both kinds take tiles of the same rows, so the plan's tile count
+ * (kvs_cu_attn_prefill_qt) holds for either, and both do the deferred rotation. */
+int kvs_cu_attn_prefill_kind_for(int kind, long long items, int n_sms)
+{
+    static int env_waves = -2; /* -2: not read yet */
+    if (env_waves == -2) {
+        const char *e = getenv("KVS_CUDA_PRE_PERSIST_WAVES");
+        env_waves = e && *e ? atoi(e) : 2;
+        if (env_waves < 0) env_waves = 0;
+    }
+    if (kind != KVS_PRE_ATTN_DEFAULT || forced_pre_kind() >= 1) return kind;
+    return items <= (long long)env_waves * n_sms ? 25 : kind;
 }
 
 /* kinds 16 and 18: k_attn_fa3 with three consumer warpgroups, 192 rows a block */

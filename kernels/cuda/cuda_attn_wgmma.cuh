@@ -190,6 +190,9 @@ __device__ __forceinline__ void pack_p(const float *sc, uint32_t (*pa)[4])
  * for a group of G query heads per KV head: the plan (cuda_attention.cu) and the launch agree. */
 int kvs_cu_attn_prefill_kind(int hd, int rot);
 int kvs_cu_attn_prefill_qt(int kind, int G);
+/* cuda_attn_prefill_wg.cu: kind (kvs_cu_attn_prefill_kind's) for a launch of `items` tiles x KV
+ * heads on n_sms SMs: the default kind 14 becomes kind 25 at a few waves (same tiles) */
+int kvs_cu_attn_prefill_kind_for(int kind, long long items, int n_sms);
 /* cuda_attn_prefill_wg.cu: launches k_attn_wg (kind 2 to 6) or k_attn_fa3 (7 to 25) over prefill tiles
  * of x.qt tokens (k_attn_wg's kind 6 where k_attn_fa3 cannot take the launch) */
 void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_ctx, cudaStream_t st, int n_sms,
