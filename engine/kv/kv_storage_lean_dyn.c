@@ -71,7 +71,7 @@ struct kvs_lean_dyn_store {
     size_t doc_block_bytes;       /* one block of one layer: n_kv_heads pages */
     struct kvs_dbuf **doc_pages;  /* [n_layers] */
     struct kvs_dbuf *d_nsp, *d_sp, *d_lse; /* spans [max_rows][H] (1 each), [max_rows][H][2]; lse [max_rows][n_heads] */
-    int32_t *h_nsp, *h_sp, *h_plan_nsp, *h_plan_sp;
+    int32_t *h_nsp, *h_sp;
     struct kvs_span_list spl;
 };
 
@@ -120,7 +120,7 @@ void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
     if (d->d_nsp) d->o->free_buf(d->be, d->d_nsp);
     if (d->d_sp) d->o->free_buf(d->be, d->d_sp);
     if (d->d_lse) d->o->free_buf(d->be, d->d_lse);
-    free(d->h_nsp), free(d->h_sp), free(d->h_plan_nsp), free(d->h_plan_sp);
+    free(d->h_nsp), free(d->h_sp);
     free(d);
 }
 
@@ -147,8 +147,7 @@ static int docs_create(struct kvs_lean_dyn_store *d, const struct kvs_kv_shape *
          (d->d_sp = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R * H * 2)) &&
          (d->d_lse = d->o->alloc(d->be, KVS_BUF_F32, (size_t)R * sh->n_heads));
     d->h_nsp = calloc((size_t)R * H, sizeof(int32_t)), d->h_sp = calloc((size_t)R * H * 2, sizeof(int32_t));
-    d->h_plan_nsp = calloc((size_t)R * H, sizeof(int32_t)), d->h_plan_sp = calloc((size_t)R * H * 2, sizeof(int32_t));
-    if (!ok || !d->h_nsp || !d->h_sp || !d->h_plan_nsp || !d->h_plan_sp)
+    if (!ok || !d->h_nsp || !d->h_sp)
         return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate the documents' pages (%d "
                        "blocks x %zu bytes x %d layers)", n_blocks, d->doc_block_bytes, sh->n_layers);
     d->spl = (struct kvs_span_list){1, d->d_nsp, d->d_sp, d->h_nsp, d->h_sp};
@@ -399,14 +398,9 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
         const size_t e = (size_t)st->n_rows * H;
         d->o->upload(d->be, d->d_nsp, 0, d->h_nsp, e);
         d->o->upload(d->be, d->d_sp, 0, d->h_sp, 2 * e);
-        /* a recorded step is planned once for every replay: plan its document spans for the
-         * longest context it may see (the kernel walks each row's own spans) */
-        const int plan = st->m ? st->m->plan_ctx : 0;
-        d->spl.h_n_spans = d->h_nsp, d->spl.h_spans = d->h_sp;
-        if (plan > 0) {
-            for (size_t i = 0; i < e; i++) d->h_plan_nsp[i] = 1, d->h_plan_sp[2 * i] = 0, d->h_plan_sp[2 * i + 1] = plan;
-            d->spl.h_n_spans = d->h_plan_nsp, d->spl.h_spans = d->h_plan_sp;
-        }
+        /* a recorded step replays its recording's plan with other requests' spans: the static
+         * kernel's last split walks whatever is left of a row's span (kv_lean.cu), so a longer
+         * span is still attended whole */
     }
 #if DYN_CUDA
     if (d->gpu) {

@@ -519,8 +519,8 @@ static void test_engine(void)
 }
 
 /* 5. with the document cache (kv.reuse = lazy): documents stored static K8V4 and shared, each
- * request's own tokens dynamic, on cuda through the whole engine (recorded decode steps plan
- * the documents' spans for their capacity); each document is cited by two requests; the CPU
+ * request's own tokens dynamic, on cuda through the whole engine (recorded decode steps replay
+ * the documents' attention with other requests' spans); each document is cited by two requests; the CPU
  * engine runs the same requests: every request completes on both, both count the cache hits,
  * no page is held at the end, and the greedy tokens agree with the CPU's for most of them
  * (bf16 K/V and activations against fp32: near ties may go either way) */
