@@ -78,10 +78,26 @@ void kvs_lean_dyn_head_keep(const struct kvs_lean_dyn_cfg *c, const struct kvs_l
 /* One step of Algorithm 1 (kv_lean_alg1.h): k, v [head_dim] join the window at pos; q [group]
  * [head_dim] attends over every token (out [group][head_dim]) and adds its probabilities (max
  * over the group) to the scores; the oldest window token then leaves by the rule. scratch:
- * kvs_lean_dyn_scratch_floats floats. ev may be NULL. */
+ * kvs_lean_dyn_scratch_floats floats. ev may be NULL.
+ * N of the thresholds counts the positions before the head's first token too (a fresh head,
+ * seen 0, starts it at pos): a request's cached documents (kv.reuse = lazy, their padded slots
+ * included), which share the query's probability mass with its own tokens. */
 void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
                             const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
                             int32_t pos, float scale, float *out, float *scratch, struct kvs_lean_event *ev);
+
+/* The same step with a part of the context held elsewhere (a request's cached documents, read
+ * by the static format's attention): ext_lse [group] is that part's log-sum-exp of the scaled
+ * logits per query head (-INFINITY: nothing there) and out [group][head_dim] holds its
+ * normalized output on entry. The probabilities that feed the scores are normalized over both
+ * parts (p_i = exp(l_i - M) / (sum_j exp(l_j - M) + exp(ext_lse - M)), M the larger maximum),
+ * and out leaves as the merge of the two (the head's online softmax, then (o, lse) weights).
+ * A query head whose ext_lse is -INFINITY computes exactly kvs_lean_dyn_head_step's bits;
+ * ext_lse NULL is that step. */
+void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                                const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
+                                int32_t pos, float scale, const float *ext_lse, float *out, float *scratch,
+                                struct kvs_lean_event *ev);
 
 /* Step 3 of kvs_lean_dyn_head_step alone (it ends with this call): when the window holds more
  * than `window` tokens, its oldest leaves by the rule (high / low / pruned, then the section's
@@ -117,6 +133,8 @@ struct kvs_lean_dyn_job {
     float scale;
     float *scratch;
     int n_scratch;
+    const struct kvs_dbuf *ext_lse; /* NULL, or F32 [n][n_heads]: the rows' other part (documents), whose
+                                   * output out holds on entry (kvs_lean_dyn_head_step_ext) */
 };
 void kvs_lean_dyn_cpu_attend(struct kvs_backend *b, const struct kvs_lean_dyn_job *j);
 /* Worker threads of the CPU backend b (how much scratch kvs_lean_dyn_cpu_attend wants). */

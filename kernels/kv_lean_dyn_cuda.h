@@ -63,10 +63,14 @@ void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *d);
 int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *d, const struct kvs_lean_dyn_cuda_job *jobs, int n_jobs);
 
 /* One layer of the step (asynchronous on b's stream; recordable into a graph): the first n_jobs
- * jobs of set_jobs; q, out ACT [rows][n_q_heads][hd]; k, v ACT [rows][n_kv_heads][hd]. */
+ * jobs of set_jobs; q, out ACT [rows][n_q_heads][hd]; k, v ACT [rows][n_kv_heads][hd].
+ * ext_lse (NULL: none), F32 [rows][n_q_heads]: the rows' other part of the context (a request's
+ * cached documents, attended by the static kernels), whose output out holds on entry; as
+ * kvs_lean_dyn_head_step_ext, its mass joins the probabilities' normalization and its output
+ * the row's (-INFINITY: nothing there, the same bits as without). */
 void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *d, int n_jobs, int layer, const struct kvs_dbuf *q,
-                            const struct kvs_dbuf *k, const struct kvs_dbuf *v, float scale, struct kvs_dbuf *out,
-                            int phases);
+                            const struct kvs_dbuf *k, const struct kvs_dbuf *v, const struct kvs_dbuf *ext_lse,
+                            float scale, struct kvs_dbuf *out, int phases);
 
 /* Heads [first, first + n)'s usage, summed (waits for the stream): pages held, section tokens,
  * window tokens, pruned tokens; and the tokens seen by head `first`. */

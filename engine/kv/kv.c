@@ -72,8 +72,8 @@ static const struct pair MATRIX[] = {
     {"storage", "lean", "decode", "quest", 0,
      "Quest digests over permuted, quantized pages go stale when LeanKV moves or prunes tokens"},
     {"storage", "lean", "reuse", "lazy", 1,
-     "only static quantization of shared document blocks: score-based demotion and pruning stay on "
-     "private tokens (LeanKV enforces it)"},
+     "only static quantization of shared document blocks (the static mode's format, or with mode dynamic "
+     "the high tier's): score-based demotion and pruning stay on a request's own tokens (LeanKV enforces it)"},
     {"storage", "lean", "decode", "mac", 1,
      "MAC hits skip the prefix, so token scores freeze: quantization only, no pruning (alpha_l = 0)"},
 };

@@ -15,6 +15,8 @@
  * kv.lean.mode = dynamic (or adaptive): the high / low tiers by importance score, pruning and
  * the full-precision window, in per-head pages of the page manager: kv_storage_lean_dyn.c,
  * which the ops below call when the mode is dynamic (cpu and cuda backends; it refuses the rest).
+ * With kv.reuse = lazy it keeps cached documents static (the high tier's format) and shared, and
+ * runs the policy on each request's own tokens only.
  *
  * Refused at startup with -ENOSYS and a message: a backend without LeanKV kernels, head shapes
  * a backend's kernels do not take, and the dynamic mode on a backend other than cpu and cuda.
@@ -134,7 +136,7 @@ static void lean_write(void *state, int layer, const struct kvs_dbuf *k, const s
 {
     struct lean *s = state;
     if (s->dyn) {
-        kvs_lean_dyn_write(s->dyn, layer, k, v, n);
+        kvs_lean_dyn_write(s->dyn, layer, k, v, slots, n);
         return;
     }
     s->kn->write(s->be, s->fmt, k, v, slots, n, s->sh.n_kv_heads, s->sh.head_dim, s->sh.block_size, s->pages[layer]);
@@ -148,7 +150,7 @@ static void lean_view(void *state, int layer, struct kvs_kv_view *out)
 static void lean_copy_block(void *state, int32_t src, int32_t dst)
 {
     struct lean *s = state;
-    KVS_ASSERT(!s->dyn);   /* copies serve shared prefixes: dynamic refuses kv.reuse */
+    KVS_ASSERT(!s->dyn);   /* copies serve shared prefixes: dynamic refuses kv.reuse = prefix */
     for (int l = 0; l < s->sh.n_layers; l++) s->kn->copy_block(s->be, s->pages[l], src, dst, s->layer_block_bytes);
 }
 

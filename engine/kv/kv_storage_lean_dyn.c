@@ -20,6 +20,9 @@
 
 struct slot {
     int live;
+    int started;                  /* it has run a step since seq_init */
+    int32_t doc_end;              /* positions before its first own token: its cached documents
+                                   * (kv.reuse = lazy; 0 without) */
     int32_t next_pos;             /* the position the request's next row must have */
     void *mem;                    /* the heads' windows */
     struct kvs_lean_dyn_head *heads; /* [n_layers][n_kv_heads] */
@@ -58,7 +61,22 @@ struct kvs_lean_dyn_store {
     double c_bytes, c_tokens, c_high, c_low, c_pruned;
     int c_free_pages;
     unsigned char *live_tmp;      /* cuda: [max_slots] */
+    /* kv.reuse = lazy: cached documents in the high tier's static format at their block-table
+     * slots (kernels/kv_lean.h pages, one buffer per layer over every pool block), read with the
+     * static kernels' attention_spans; the rows' (o, lse) over [0, doc_end) then join the
+     * dynamic step (kvs_lean_dyn_head_step_ext / the cuda step's ext) */
+    int docs, block_size;
+    const struct kvs_lean_kernels *kn;
+    struct kvs_lean_fmt doc_fmt;
+    size_t doc_block_bytes;       /* one block of one layer: n_kv_heads pages */
+    struct kvs_dbuf **doc_pages;  /* [n_layers] */
+    struct kvs_dbuf *d_nsp, *d_sp, *d_lse; /* spans [max_rows][H] (1 each), [max_rows][H][2]; lse [max_rows][n_heads] */
+    int32_t *h_nsp, *h_sp;
+    struct kvs_span_list spl;
 };
+
+/* kv.reuse = lazy with the dynamic mode (documents static, the request's own tokens dynamic) */
+static int docs_of(const struct kvs_config *cfg) { return cfg && cfg->kv_reuse && !strcmp(cfg->kv_reuse, "lazy"); }
 
 static int head_id(const struct kvs_lean_dyn_store *d, int slot, int layer, int g)
 {
@@ -80,6 +98,9 @@ void kvs_lean_dyn_block_bytes(const struct kvs_kv_shape *sh, size_t *k_bytes, si
     /* a page entry carries the token's position and score (8 bytes), counted on the K side */
     *k_bytes = per * (kvs_lean_vec_bytes(hi.kbits, sh->head_dim) + 8);
     *v_bytes = per * kvs_lean_vec_bytes(hi.vbits, sh->head_dim);
+    /* with cached documents a block also has its static pages (documents live there) */
+    if (docs_of(sh->cfg))
+        *k_bytes += per * kvs_lean_vec_bytes(hi.kbits, sh->head_dim), *v_bytes += per * kvs_lean_vec_bytes(hi.vbits, sh->head_dim);
 }
 
 void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
@@ -93,7 +114,44 @@ void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
     kvs_lean_pm_free(d->pm);
     free(d->pages), free(d->slots), free(d->seq_slot), free(d->sk), free(d->sv), free(d->job_heads);
     free(d->job_pages), free(d->need_hi), free(d->need_lo), free(d->scratch), free(d->live_tmp);
+    for (int l = 0; d->doc_pages && l < d->n_layers; l++)
+        if (d->doc_pages[l]) d->o->free_buf(d->be, d->doc_pages[l]);
+    free(d->doc_pages);
+    if (d->d_nsp) d->o->free_buf(d->be, d->d_nsp);
+    if (d->d_sp) d->o->free_buf(d->be, d->d_sp);
+    if (d->d_lse) d->o->free_buf(d->be, d->d_lse);
+    free(d->h_nsp), free(d->h_sp);
     free(d);
+}
+
+/* kv.reuse = lazy: the documents' static pages (the high tier's format) and the step's spans */
+static int docs_create(struct kvs_lean_dyn_store *d, const struct kvs_kv_shape *sh, struct kvs_lean_fmt f, int n_blocks,
+                       char *err, size_t errlen)
+{
+    const struct kvs_lean_kernels *kn = kvs_lean_kernels_for(d->o, err, errlen);
+    if (!kn) return -ENOSYS;
+    if (!kn->supports(f, sh->n_heads, sh->n_kv_heads, sh->head_dim))
+        return kvs_err(err, errlen, -ENOSYS,
+                       "kv.lean.mode = dynamic with kv.reuse = lazy stores cached documents in the high tier's format "
+                       "(kv.lean.high = K%dV%d), which the %s backend's static kernels do not take for %d query heads "
+                       "over %d KV heads of dimension %d", f.kbits, f.vbits, d->o->name, sh->n_heads, sh->n_kv_heads,
+                       sh->head_dim);
+    const int H = sh->n_kv_heads, R = sh->max_rows;
+    d->docs = 1, d->kn = kn, d->doc_fmt = f;
+    d->doc_block_bytes = (size_t)H * kvs_lean_page_bytes(f, sh->head_dim, sh->block_size);
+    d->doc_pages = calloc((size_t)sh->n_layers, sizeof *d->doc_pages);
+    int ok = d->doc_pages != NULL;
+    for (int l = 0; ok && l < sh->n_layers; l++)
+        ok = (d->doc_pages[l] = kn->alloc_pages(d->be, d->doc_block_bytes * (size_t)n_blocks)) != NULL;
+    ok = ok && (d->d_nsp = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R * H)) &&
+         (d->d_sp = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R * H * 2)) &&
+         (d->d_lse = d->o->alloc(d->be, KVS_BUF_F32, (size_t)R * sh->n_heads));
+    d->h_nsp = calloc((size_t)R * H, sizeof(int32_t)), d->h_sp = calloc((size_t)R * H * 2, sizeof(int32_t));
+    if (!ok || !d->h_nsp || !d->h_sp)
+        return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate the documents' pages (%d "
+                       "blocks x %zu bytes x %d layers)", n_blocks, d->doc_block_bytes, sh->n_layers);
+    d->spl = (struct kvs_span_list){1, d->d_nsp, d->d_sp, d->h_nsp, d->h_sp};
+    return 0;
 }
 
 int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_ops *o, struct kvs_backend *be,
@@ -107,11 +165,12 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
                        "config key 'kv.lean.mode': \"dynamic\" (importance tiers, pruning, the full-precision window) "
                        "runs on the cpu and cuda backends only (cuda in builds with nvcc); %s has no kernels for it: "
                        "use a static mode (K8V8, K8V4, K4V4)", o->name);
-    if (cfg && cfg->kv_reuse && strcmp(cfg->kv_reuse, "none"))
+    if (cfg && cfg->kv_reuse && strcmp(cfg->kv_reuse, "none") && !docs_of(cfg))
         return kvs_err(err, errlen, -EINVAL,
-                       "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.reuse = %s: shared blocks "
-                       "(cached documents, prefixes) cannot be demoted or pruned per request; use a static mode "
-                       "(cached documents are then stored in it and shared) or kv.reuse = none", cfg->kv_reuse);
+                       "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.reuse = %s: shared prefix "
+                       "blocks hold a request's own tokens, which the dynamic mode keeps in per-request tiers; use "
+                       "kv.reuse = lazy (cached documents stored in the high tier's static format and shared), none, "
+                       "or a static mode", cfg->kv_reuse);
     if (cfg && cfg->kv_decode && strcmp(cfg->kv_decode, "full"))
         return kvs_err(err, errlen, -EINVAL,
                        "config key 'kv.lean.mode': \"dynamic\" does not compose with kv.decode = %s: the policy's "
@@ -155,6 +214,14 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
     }
     d->n_pages = (int)np;
     d->table_len = (sh->max_ctx + d->c.tp_hi - 1) / d->c.tp_hi + (sh->max_ctx + d->c.tp_lo - 1) / d->c.tp_lo;
+    d->block_size = sh->block_size;
+    if (docs_of(cfg)) {
+        int rc = docs_create(d, sh, hi, n_blocks, err, errlen);
+        if (rc) {
+            kvs_lean_dyn_destroy(d);
+            return rc;
+        }
+    }
     if (on_cuda) {
         /* the same pages and tables, on the GPU; a job per (sequence, KV head) of a step */
         d->slots = calloc((size_t)sh->max_slots, sizeof *d->slots);
@@ -211,6 +278,7 @@ static void slot_usage(const struct kvs_lean_dyn_store *d, int s, double *bytes,
         kvs_lean_dyn_cuda_usage(d->gpu, head_id(d, s, 0, 0), d->n_layers * d->n_kv_heads, &pages, high, low, &window,
                                 pruned, tokens);
         *bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
+        if (*tokens > 0) *tokens -= sl->doc_end;   /* N counts the documents' positions too */
         return;
     }
 #endif
@@ -222,7 +290,9 @@ static void slot_usage(const struct kvs_lean_dyn_store *d, int s, double *bytes,
             *bytes += (double)(nh + nl) * (double)d->c.page_bytes + (double)h->w_n * 4.0 * d->c.head_dim;
             *high += h->n_high, *low += h->n_low, *pruned += h->pruned;
         }
-    *tokens = (double)sl->heads[0].seen;
+    /* the request's own tokens (N of the thresholds counts its documents' positions too; their
+     * bytes are the document cache's, shared) */
+    *tokens = sl->heads[0].seen > 0 ? (double)(sl->heads[0].seen - sl->doc_end) : 0;
 }
 
 void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot)
@@ -255,7 +325,7 @@ int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot)
     const int LH = d->n_layers * d->n_kv_heads;
     d->gen++;
     if (d->gpu) {   /* heads start empty: created so, and released so */
-        d->slots[slot].live = 1, d->slots[slot].next_pos = 0;
+        d->slots[slot] = (struct slot){.live = 1};
         return 0;
     }
     const size_t hm = kvs_lean_dyn_head_mem(&d->c);
@@ -268,7 +338,7 @@ int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot)
         return -ENOMEM;
     }
     for (int i = 0; i < LH; i++) kvs_lean_dyn_head_init(&d->c, &sl->heads[i], (uint8_t *)sl->mem + hm * i);
-    sl->live = 1, sl->next_pos = 0;
+    sl->live = 1, sl->started = 0, sl->doc_end = 0, sl->next_pos = 0;
     return 0;
 }
 
@@ -277,18 +347,42 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
     if (st->n_seqs > d->max_slots + 1 || st->n_rows > d->max_rows) return -E2BIG;
     d->n_seqs = st->n_seqs;
     d->gen++;
+    const int H = d->n_kv_heads;
     for (int s = 0; s < st->n_seqs; s++) {
         const int slot = st->h_slot[s], rows = st->h_q_start[s + 1] - st->h_q_start[s];
         d->seq_slot[s] = slot;
         /* a sequence with no request slot (a side prefill, a runner driven by hand) has no
-         * tiers to keep its tokens in (the CPU records no padded steps) */
+         * tiers to keep its tokens in (the CPU records no padded steps); with documents it is a
+         * document's side prefill (or a recorded step's padding): static pages only, its rows
+         * attending over its own positions */
         struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
+        if (d->docs && slot < 0) {
+            d->seq_slot[s] = -1;
+            for (int r = st->h_q_start[s]; r < st->h_q_start[s + 1]; r++)
+                for (int g = 0; g < H; g++) {
+                    const size_t i = (size_t)r * H + g;
+                    d->h_nsp[i] = 1, d->h_sp[2 * i] = 0, d->h_sp[2 * i + 1] = st->h_pos[s] + (r - st->h_q_start[s]) + 1;
+                }
+        }
         /* on cuda, the dummy sequences that pad a recorded step to its size are jobs that do nothing */
-        if (d->gpu && slot < 0) {
-            for (int g = 0; g < d->n_kv_heads; g++)
-                d->jobs[s * d->n_kv_heads + g] = (struct kvs_lean_dyn_cuda_job){-1, g, 0, 0, 0};
+        if ((d->gpu || d->docs) && slot < 0) {
+            for (int g = 0; d->gpu && g < H; g++)
+                d->jobs[s * H + g] = (struct kvs_lean_dyn_cuda_job){-1, g, 0, 0, 0};
             continue;
         }
+        /* a request's first step: with documents its own tokens start after them (the lazy
+         * layout: documents at [0, doc_end), padded to blocks, then the prompt) */
+        if (sl && sl->live && !sl->started) {
+            sl->started = 1;
+            sl->doc_end = d->docs ? st->h_pos[s] : 0;
+            sl->next_pos = sl->doc_end;
+        }
+        if (d->docs && sl)
+            for (int r = st->h_q_start[s]; r < st->h_q_start[s + 1]; r++)
+                for (int g = 0; g < H; g++) {
+                    const size_t i = (size_t)r * H + g;
+                    d->h_nsp[i] = sl->doc_end > 0, d->h_sp[2 * i] = 0, d->h_sp[2 * i + 1] = sl->doc_end;
+                }
         /* rows must continue the request: the tiers hold every earlier token exactly once */
         if (!sl || !sl->live || st->h_pos[s] != sl->next_pos) {
             kvs_log(KVS_LOG_ERROR, "kv storage lean (dynamic): slot %d runs position %d, expected %d", slot,
@@ -300,6 +394,14 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
             d->jobs[s * d->n_kv_heads + g] =
                 (struct kvs_lean_dyn_cuda_job){head_id(d, slot, 0, g), g, st->h_q_start[s], rows, st->h_pos[s]};
     }
+    if (d->docs && st->n_rows > 0) {
+        const size_t e = (size_t)st->n_rows * H;
+        d->o->upload(d->be, d->d_nsp, 0, d->h_nsp, e);
+        d->o->upload(d->be, d->d_sp, 0, d->h_sp, 2 * e);
+        /* a recorded step replays its recording's plan with other requests' spans: the static
+         * kernel's last split walks whatever is left of a row's span (kv_lean.cu), so a longer
+         * span is still attended whole */
+    }
 #if DYN_CUDA
     if (d->gpu) {
         d->n_jobs = st->n_seqs * d->n_kv_heads;
@@ -310,9 +412,16 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
 }
 
 void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
-                        int n)
+                        const struct kvs_dbuf *slots, int n)
 {
-    (void)layer;
+    /* documents: every row at its block-table slot in the static pages (the runner's slots skip
+     * a recorded step's padding; a request's own rows land in its private blocks, which no
+     * attention reads: cheaper than a per-row mask on the device) */
+    if (d->docs) {
+        KVS_ASSERT(slots);
+        d->kn->write(d->be, d->doc_fmt, k, v, slots, n, d->n_kv_heads, d->c.head_dim, d->block_size,
+                     d->doc_pages[layer]);
+    }
     if (d->gpu) {   /* attention reads them where they are */
         d->gk = k, d->gv = v;
         return;
@@ -327,9 +436,15 @@ void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struc
 {
     const int H = d->n_kv_heads;
     KVS_ASSERT(m->n_seqs == d->n_seqs && m->h_q_start[m->n_seqs] == n);
+    /* documents first: side prefills' rows over their own positions (their final output), the
+     * requests' rows over [0, doc_end) (o and lse, merged into their dynamic step below) */
+    if (d->docs)
+        d->kn->attention_spans(d->be, d->doc_fmt, q, d->doc_pages[layer], m, &d->spl, n, d->n_heads, H, d->c.head_dim,
+                               d->block_size, scale, out, d->d_lse);
 #if DYN_CUDA
     if (d->gpu) {   /* the page round, the rows' steps and the trim: three launches, no host round trip */
-        kvs_lean_dyn_cuda_step(d->gpu, d->n_jobs, layer, q, d->gk, d->gv, scale, out, KVS_LEAN_DYN_ALL);
+        kvs_lean_dyn_cuda_step(d->gpu, d->n_jobs, layer, q, d->gk, d->gv, d->docs ? d->d_lse : NULL, scale, out,
+                               KVS_LEAN_DYN_ALL);
         return;
     }
 #endif
@@ -363,7 +478,8 @@ void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struc
         }
     }
     const struct kvs_lean_dyn_job j = {&d->c, m->n_seqs, d->n_heads, H, m->h_q_start, m->h_pos, d->job_heads,
-                                       d->job_pages, d->sk, d->sv, q, out, scale, d->scratch, d->n_scratch};
+                                       d->job_pages, d->sk, d->sv, q, out, scale, d->scratch, d->n_scratch,
+                                       d->docs ? d->d_lse : NULL};
     kvs_lean_dyn_cpu_attend(d->be, &j);
     /* what the sections did not reach goes back */
     for (int s = 0; s < m->n_seqs; s++)
@@ -457,4 +573,11 @@ int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char
                 }
             }
     return 0;
+}
+
+const struct kvs_dbuf *kvs_lean_dyn_doc_pages(const struct kvs_lean_dyn_store *d, int layer, size_t *block_bytes)
+{
+    if (!d->docs || layer < 0 || layer >= d->n_layers) return NULL;
+    *block_bytes = d->doc_block_bytes;
+    return d->doc_pages[layer];
 }

@@ -16,11 +16,23 @@
  * per step (step()), so a recorded decode step replays it; usage is read back only for the
  * counters and at a request's end.
  *
- * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than cpu and cuda, reuse
- * other than none (cached documents and prefix blocks are shared; demotion and pruning are
- * per request), a decode policy other than full, the fidelity meter (it would run the
- * policy's attention twice). Under tensor parallelism each rank's store holds its KV heads
- * and has a page manager of its own.
+ * With kv.reuse = lazy (the LazyAttention document cache) cached documents are stored static, in
+ * the high tier's format (K8V4 by default), at their block-table slots in pages of their own
+ * (kernels/kv_lean.h, one buffer per layer over every pool block, counted in the block's bytes),
+ * and shared: the document cache refcounts their blocks, the policy never demotes, prunes or
+ * moves them. A document's side prefill (a sequence with no request slot) is written and
+ * attended there only. A request's own tokens (prompt after its documents, generated) go through
+ * the dynamic policy; each of its rows first attends over its documents with the static
+ * kernels' attention_spans ([0, doc_end) of its block table, deferred rotation and valid slots
+ * as the static mode reads them), and that (o, lse) joins its dynamic step: the probabilities
+ * that feed the scores are normalized over documents and own tokens, and N of the thresholds
+ * counts the documents' positions (kernels/kv_lean_dyn.h kvs_lean_dyn_head_step_ext).
+ *
+ * Refused at create (-ENOSYS / -EINVAL with a message): a backend other than cpu and cuda, kv.reuse
+ * = prefix (shared prefix blocks hold a request's own tokens, which the tiers keep per request), a
+ * decode policy other than full, the fidelity meter (it would run the policy's attention twice),
+ * and with documents a high tier the static kernels do not take. Under tensor parallelism each
+ * rank's store holds its KV heads and has a page manager of its own.
  *
  * Ownership: create allocates what destroy releases. Errors: 0 / negative errno + message. */
 #ifndef KVS_KV_STORAGE_LEAN_DYN_H
@@ -40,7 +52,7 @@ int kvs_lean_dyn_seq_init(struct kvs_lean_dyn_store *d, int slot);
 void kvs_lean_dyn_seq_free(struct kvs_lean_dyn_store *d, int slot);
 int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *step);
 void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
-                        int n);
+                        const struct kvs_dbuf *slots, int n);
 void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *q,
                             const struct kvs_attn_meta *m, int n, float scale, struct kvs_dbuf *out);
 int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *out, int cap);
@@ -50,5 +62,8 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
 /* The dynamic store of a lean storage state (kv_storage_lean.c), NULL in a static mode. */
 struct kvs_lean_dyn_store *kvs_kv_storage_lean_dyn_of(void *lean_state);
 int kvs_lean_dyn_check(const struct kvs_lean_dyn_store *d, int *pages_held, char *msg, size_t msglen);
+/* Tests: with kv.reuse = lazy, layer l's static page buffer (the documents' pages, kernels/kv_lean.h
+ * layout over every pool block) and the bytes of one block in it; NULL without documents. */
+const struct kvs_dbuf *kvs_lean_dyn_doc_pages(const struct kvs_lean_dyn_store *d, int layer, size_t *block_bytes);
 
 #endif

@@ -188,12 +188,22 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
                             const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
                             int32_t pos, float scale, float *out, float *scratch, struct kvs_lean_event *ev)
 {
+    kvs_lean_dyn_head_step_ext(c, h, pg, q, k, v, pos, scale, NULL, out, scratch, ev);
+}
+
+void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                                const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
+                                int32_t pos, float scale, const float *ext_lse, float *out, float *scratch,
+                                struct kvs_lean_event *ev)
+{
     const int hd = c->head_dim, G = c->group;
-    /* 1. the new token joins the window */
+    /* 1. the new token joins the window; a fresh head's N starts at the positions before it
+     * (cached documents) */
     const int w = wslot(c, h, h->w_n++);
     memcpy(h->wk + (size_t)w * hd, k, (size_t)hd * sizeof(float));
     memcpy(h->wv + (size_t)w * hd, v, (size_t)hd * sizeof(float));
     h->wpos[w] = pos, h->wacc[w] = 0.0f;
+    if (h->seen == 0) h->seen = pos;
     h->seen++;
     h->last_pos = pos;
     /* 2. logits of the group over every token (high, low, window), then per head the two-pass
@@ -214,7 +224,11 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
         float *p = pr + (size_t)g * n, m = -INFINITY, sum = 0;
         for (int i = 0; i < n; i++)
             if (lgg[i] > m) m = lgg[i];
+        /* the other part's mass joins the normalization (its -inf changes nothing) */
+        const float e = ext_lse ? ext_lse[g] : -INFINITY;
+        if (e > m) m = e;
         for (int i = 0; i < n; i++) sum += p[i] = expf(lgg[i] - m);
+        if (e > -INFINITY) sum += expf(e - m);
         for (int i = 0; i < n; i++) p[i] /= sum;
         mx[g] = -INFINITY, l[g] = 0.0f;
         for (int d = 0; d < hd; d++) acc[g][d] = 0.0f;
@@ -247,6 +261,14 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
         }
     }
     for (int g = 0; g < G; g++) {
+        const float e = ext_lse ? ext_lse[g] : -INFINITY;
+        if (e > -INFINITY) {
+            /* merge with the other part's (o, lse): weights exp(. - M) of both sums */
+            const float M = mx[g] > e ? mx[g] : e, a = expf(mx[g] - M), b = expf(e - M), inv = 1.0f / (l[g] * a + b);
+            for (int d = 0; d < hd; d++)
+                out[(size_t)g * hd + d] = (acc[g][d] * a + out[(size_t)g * hd + d] * b) * inv;
+            continue;
+        }
         const float inv = 1.0f / l[g];
         for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
     }
@@ -350,8 +372,9 @@ static void batch_task(void *ctx, int t)
         if (!h) continue;
         for (int r = j->q_start[s]; r < j->q_start[s + 1]; r++) {
             const size_t qo = ((size_t)r * j->n_heads + (size_t)g * G) * hd, ko = ((size_t)r * j->n_kv_heads + g) * hd;
-            kvs_lean_dyn_head_step(c, h, &j->pages[pair], q + qo, j->k + ko, j->v + ko,
-                                   j->pos[s] + (r - j->q_start[s]), j->scale, out + qo, scratch, NULL);
+            const float *ext = j->ext_lse ? F(j->ext_lse) + (size_t)r * j->n_heads + (size_t)g * G : NULL;
+            kvs_lean_dyn_head_step_ext(c, h, &j->pages[pair], q + qo, j->k + ko, j->v + ko,
+                                       j->pos[s] + (r - j->q_start[s]), j->scale, ext, out + qo, scratch, NULL);
         }
     }
 }

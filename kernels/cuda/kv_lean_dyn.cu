@@ -549,7 +549,8 @@ template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, i
  * the register arrays. */
 template <int GM, int KM>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float *q, const float *k, const float *v,
-                                                         float scale, float *out, int phases, int layer)
+                                                         const float *ext, float scale, float *out, int phases,
+                                                         int layer)
 {
     extern __shared__ float sm[];
     const int hd = D.hd, G = D.G, W = D.W;
@@ -584,7 +585,8 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
             __syncthreads();
             if (threadIdx.x == 0) {
                 D.wpos[(long long)st * (W + 1) + w] = J.pos0 + r, D.wacc[(long long)st * (W + 1) + w] = 0.0f;
-                h.w_n++, h.seen++, h.last_pos = J.pos0 + r;
+                /* a fresh head's N starts at the positions before it (cached documents), as the host's */
+                h.w_n++, h.seen = (h.seen ? h.seen : (long long)(J.pos0 + r)) + 1, h.last_pos = J.pos0 + r;
             }
             __syncthreads();
             /* 2. logits (a thread per token), two-pass softmax, scores */
@@ -609,6 +611,14 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                     }
             }
             block_reduce<true, GM>(m, G, red);
+            /* ext: the row's other part (cached documents: lse per q head, its output in out) joins
+             * the normalization; -inf (none) changes no bit */
+            float e[GM];
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                e[g] = ext && g < G ? ext[(long long)row * D.nq + (long long)J.g * G + g] : -INFINITY;
+                if (e[g] > m[g]) m[g] = e[g];
+            }
             for (int t = threadIdx.x; t < n; t += DYN_THREADS)
 #pragma unroll
                 for (int g = 0; g < GM; g++)
@@ -618,6 +628,9 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                         sum[g] += p;
                     }
             block_reduce<false, GM>(sum, G, red);
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (e[g] > -INFINITY) sum[g] += expf(e[g] - m[g]);
             for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
                 float sc = 0.0f;
 #pragma unroll
@@ -679,7 +692,13 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
                 __syncthreads();
             }
             const long long oo = ((long long)row * D.nq + (long long)J.g * G) * hd;
-            for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) out[oo + i] = acc[i];
+            for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) {
+                float x = acc[i];
+#pragma unroll
+                for (int g = 0; g < GM; g++)   /* + the other part's output at its weight */
+                    if (g == i / hd && e[g] > -INFINITY) x = fmaf(expf(e[g] - m[g]) / sum[g], out[oo + i], x);
+                out[oo + i] = x;
+            }
             __syncthreads();
         }
         /* 3. the oldest window token leaves */
@@ -780,8 +799,8 @@ extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const str
 }
 
 extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, int layer, const struct kvs_dbuf *q,
-                                       const struct kvs_dbuf *k, const struct kvs_dbuf *v, float scale,
-                                       struct kvs_dbuf *out, int phases)
+                                       const struct kvs_dbuf *k, const struct kvs_dbuf *v,
+                                       const struct kvs_dbuf *ext_lse, float scale, struct kvs_dbuf *out, int phases)
 {
     if (n_jobs <= 0) return;
     cudaStream_t s = x->b->stream;
@@ -796,8 +815,9 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     const float *qd = q ? (const float *)q->d : NULL, *kd = k ? (const float *)k->d : NULL;
     const float *vd = v ? (const float *)v->d : NULL;
     float *od = out ? (float *)out->d : NULL;
+    const float *ed = ext_lse ? (const float *)ext_lse->d : NULL;
 #define DYN_STEP(gm, km)                                                                                            \
-    if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, scale, od, phases, layer)
+    if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, ed, scale, od, phases, layer)
     DYN_STEP(2, 2); DYN_STEP(2, 4); DYN_STEP(2, 8);
     DYN_STEP(4, 2); DYN_STEP(4, 4); DYN_STEP(4, 8);
     DYN_STEP(8, 2); DYN_STEP(8, 4); DYN_STEP(8, 8);

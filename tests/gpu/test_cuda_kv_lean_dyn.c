@@ -16,7 +16,11 @@
  *      other (the victim): the case then stops there and says so; any other difference fails;
  *   3. a round the ring cannot serve fails with -ENOSPC and takes nothing;
  *   4. the storage through the whole engine on the demo model (requests complete, counters, no
- *      page held at the end).
+ *      page held at the end);
+ *   5. with the document cache (kv.reuse = lazy): the whole-step cases of 2 run with an outside
+ *      part too (a cached document's lse and output per row and query head, sometimes none),
+ *      held to the CPU's kvs_lean_dyn_head_step_ext as above; and the engine on cuda with
+ *      documents against the CPU engine.
  * The K16V16 + K8V4 case failed on the first H100 run (2026-11-24T16:50Z: the 16-bit tier's codes,
  * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer stores 16 bits at once
  * since, and the case passes on the H100 (2026-11-24T19:32Z), so the storage takes 16-bit tiers.
@@ -44,6 +48,7 @@ struct ccase {
     struct kvs_lean_fmt hi, lo;
     int hd, G, nkv, W, tp, seqs, pre, steps;
     double ah, al;
+    int ext;                      /* rows carry an outside part (cached documents' lse and output) */
 };
 
 /* the CPU side: heads over one host page manager and page buffer */
@@ -218,7 +223,7 @@ static void test_policy(const struct ccase *k)
         }
         kvs_lean_dyn_cuda_set(g, 0, h, s.pages, pg.table, pg.n_high_pages, pg.n_low_pages);
         REQUIRE(kvs_lean_dyn_cuda_set_jobs(g, &(struct kvs_lean_dyn_cuda_job){0, 0, 0, 1, t}, 1) == 0, "jobs");
-        kvs_lean_dyn_cuda_step(g, 1, 0, NULL, NULL, NULL, 1.0f, NULL, KVS_LEAN_DYN_EXIT);
+        kvs_lean_dyn_cuda_step(g, 1, 0, NULL, NULL, NULL, NULL, 1.0f, NULL, KVS_LEAN_DYN_EXIT);
         struct kvs_lean_event e;
         kvs_lean_dyn_head_exit(&s.c, h, &pg, &e);
         view_get(g, &s, 0, &v);
@@ -270,7 +275,11 @@ static void test_steps(const struct ccase *k)
           *og = kvs_xmalloc((size_t)max_rows * nq * hd * 4);
     struct pair pq = mk(KVS_BUF_ACT, (size_t)max_rows * nq * hd, NULL), pk = mk(KVS_BUF_ACT, (size_t)max_rows * nkv * hd, NULL),
                 pv = mk(KVS_BUF_ACT, (size_t)max_rows * nkv * hd, NULL), po = mk(KVS_BUF_ACT, (size_t)max_rows * nq * hd, NULL);
+    /* with documents a request's first token sits after them (32 padded slots per request) */
     int32_t next_pos[MAXS] = {0}, need_hi[MAXS], need_lo[MAXS];
+    for (int r = 0; r < k->seqs && k->ext; r++) next_pos[r] = 32 * (r + 1);
+    float *xl = kvs_xmalloc((size_t)max_rows * nq * 4);
+    struct pair pe = mk(KVS_BUF_F32, (size_t)max_rows * nq, NULL);
     struct gpu_view v = {0};
     double worst = 0;
     int bad = 0, stopped = -1, counts[5] = {0}, victims[5] = {0}, steps_done = 0;
@@ -280,7 +289,7 @@ static void test_steps(const struct ccase *k)
             kvs_lean_pm_release(s.pm, 0, nkv);
             for (int i = 0; i < nkv; i++) kvs_lean_dyn_head_init(&s.c, &s.h[i], s.mem[i]);
             kvs_lean_dyn_cuda_release(g, 0, nkv);
-            next_pos[0] = 0;
+            next_pos[0] = k->ext ? 32 : 0;
         }
         struct kvs_lean_dyn_cuda_job jobs[MAXS + 1];
         int n_jobs = 0, row = 0;
@@ -301,10 +310,18 @@ static void test_steps(const struct ccase *k)
         G->upload(bg, pq.g, 0, q, (size_t)row * nq * hd);
         G->upload(bg, pk.g, 0, kk, (size_t)row * nkv * hd);
         G->upload(bg, pv.g, 0, vv, (size_t)row * nkv * hd);
+        if (k->ext) {
+            /* the documents' part: lse around the own tokens' (a share of the mass, sometimes most
+             * of it), now and then none (-inf); their output sits in out on entry */
+            for (int i = 0; i < row * nq; i++) xl[i] = irand(5) == 0 ? -INFINITY : 4.0f * (frand() + 0.5f);
+            fill_stream(oc, (size_t)row * nq * hd, 0);
+            G->upload(bg, pe.g, 0, xl, (size_t)row * nq);
+            G->upload(bg, po.g, 0, oc, (size_t)row * nq * hd);
+        }
         /* a padded sequence's job (head -1) rides along: the kernels must leave it alone */
         jobs[n_jobs] = (struct kvs_lean_dyn_cuda_job){-1, 0, 0, 1, 0};
         REQUIRE(kvs_lean_dyn_cuda_set_jobs(g, jobs, n_jobs + 1) == 0, "jobs");
-        kvs_lean_dyn_cuda_step(g, n_jobs + 1, 0, pq.g, pk.g, pv.g, 0.125f, po.g, KVS_LEAN_DYN_ALL);
+        kvs_lean_dyn_cuda_step(g, n_jobs + 1, 0, pq.g, pk.g, pv.g, k->ext ? pe.g : NULL, 0.125f, po.g, KVS_LEAN_DYN_ALL);
         REQUIRE(kvs_lean_dyn_cuda_error(g) == 0, "%s step %d: the gpu's page round failed", k->name, t);
         G->download(bg, og, po.g, 0, (size_t)row * nq * hd);
         /* the CPU: the round over every state (jobs in state order), the rows, the trims */
@@ -322,8 +339,9 @@ static void test_steps(const struct ccase *k)
             for (int r = 0; r < jobs[j].rows; r++) {
                 const int rw = jobs[j].row0 + r;
                 const size_t qo = ((size_t)rw * nq + (size_t)jobs[j].g * GQ) * hd, ko = ((size_t)rw * nkv + jobs[j].g) * hd;
-                kvs_lean_dyn_head_step(&s.c, &s.h[st], &pg, q + qo, kk + ko, vv + ko, jobs[j].pos0 + r, 0.125f, oc + qo,
-                                       s.scratch, &ce[st]);
+                kvs_lean_dyn_head_step_ext(&s.c, &s.h[st], &pg, q + qo, kk + ko, vv + ko, jobs[j].pos0 + r, 0.125f,
+                                           k->ext ? xl + (size_t)rw * nq + (size_t)jobs[j].g * GQ : NULL, oc + qo,
+                                           s.scratch, &ce[st]);
             }
         }
         for (int j = 0; j < n_jobs; j++) {
@@ -426,9 +444,9 @@ static void test_steps(const struct ccase *k)
                "outputs rel-L2 <= %.1e): tokens high %d low %d pruned %d, victims demoted %d pruned %d\n", k->name,
                steps_done, k->steps, s.n_states, k->pre, k->pre * k->seqs, worst, counts[KVS_LEAN_HIGH],
                counts[KVS_LEAN_LOW], counts[KVS_LEAN_PRUNED], victims[KVS_LEAN_DEMOTED], victims[KVS_LEAN_PRUNED]);
-    drop(&pq), drop(&pk), drop(&pv), drop(&po);
+    drop(&pq), drop(&pk), drop(&pv), drop(&po), drop(&pe);
     view_free(&v);
-    free(q), free(kk), free(vv), free(oc), free(og);
+    free(q), free(kk), free(vv), free(oc), free(og), free(xl);
     kvs_lean_dyn_cuda_free(g);
     cpu_free(&s);
 }
@@ -445,7 +463,7 @@ static void test_enospc(void)
     struct pair pq = mk(KVS_BUF_ACT, 8 * 2 * 64, NULL), pk = mk(KVS_BUF_ACT, 8 * 64, NULL), po = mk(KVS_BUF_ACT, 8 * 2 * 64, NULL);
     /* 8 rows could land in either section: 2 high + 1 low pages, the ring has 1 */
     REQUIRE(kvs_lean_dyn_cuda_set_jobs(g, &(struct kvs_lean_dyn_cuda_job){0, 0, 0, 8, 0}, 1) == 0, "jobs");
-    kvs_lean_dyn_cuda_step(g, 1, 0, pq.g, pk.g, pk.g, 1.0f, po.g, KVS_LEAN_DYN_ALL);
+    kvs_lean_dyn_cuda_step(g, 1, 0, pq.g, pk.g, pk.g, NULL, 1.0f, po.g, KVS_LEAN_DYN_ALL);
     const int e = kvs_lean_dyn_cuda_error(g);
     CHECK(e == -ENOSPC, "short ring: %d, want -ENOSPC", e);
     CHECK(kvs_lean_dyn_cuda_n_free(g) == 1, "short ring took pages: %d free", kvs_lean_dyn_cuda_n_free(g));
@@ -500,28 +518,95 @@ static void test_engine(void)
     kvs_model_free(model);
 }
 
+/* 5. with the document cache (kv.reuse = lazy): documents stored static K8V4 and shared, each
+ * request's own tokens dynamic, on cuda through the whole engine (recorded decode steps replay
+ * the documents' attention with other requests' spans); each document is cited by two requests; the CPU
+ * engine runs the same requests: every request completes on both, both count the cache hits,
+ * no page is held at the end, and the greedy tokens agree with the CPU's for most of them
+ * (bf16 K/V and activations against fp32: near ties may go either way) */
+static void test_engine_docs(void)
+{
+    char dir[1024], err[256];
+    struct kvs_model *model;
+    snprintf(dir, sizeof dir, "%s/models/demo", kvs_test_root());
+    REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
+    enum { NJOBS = 6, GENT = 40 };
+    static int32_t docs[3][300], prompts[NJOBS][100], got[2][NJOBS][GENT];
+    int n_doc[3], n_prompt[NJOBS];
+    for (int d = 0; d < 3; d++) {
+        n_doc[d] = 100 + irand(200);
+        for (int t = 0; t < n_doc[d]; t++) docs[d][t] = 1 + irand(4000);
+    }
+    for (int i = 0; i < NJOBS; i++) {
+        n_prompt[i] = 40 + irand(60);
+        for (int t = 0; t < n_prompt[i]; t++) prompts[i][t] = 1 + irand(4000);
+    }
+    struct kvs_test_job jobs[NJOBS];
+    struct kvs_engine_stats st[2];
+    int rc[2], done[2] = {0, 0};
+    for (int side = 0; side < 2; side++) {
+        struct kvs_config c;
+        kvs_config_init(&c);
+        free(c.device), c.device = kvs_xstrdup(side ? "cpu" : "cuda");
+        free(c.kv_storage), c.kv_storage = kvs_xstrdup("lean");
+        free(c.lean_mode), c.lean_mode = kvs_xstrdup("dynamic");
+        free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("lazy");
+        c.kv_memory_bytes = 64 << 20;
+        c.max_running = 4;
+        c.cpu_threads = 2;
+        for (int i = 0; i < NJOBS; i++)
+            jobs[i] = (struct kvs_test_job){prompts[i], n_prompt[i], docs[i % 3], n_doc[i % 3], got[side][i], 0,
+                                            KVS_FINISH_NONE};
+        rc[side] = kvs_test_engine_run(&c, model, jobs, NJOBS, GENT, &st[side], err, sizeof err);
+        CHECK(rc[side] == 0, "engine with lean dynamic + lazy on %s: %s", c.device, err);
+        for (int i = 0; i < NJOBS && rc[side] == 0; i++) done[side] += jobs[i].n_got == GENT;
+        kvs_config_free(&c);
+    }
+    int same = 0;
+    for (int i = 0; i < NJOBS; i++)
+        for (int t = 0; t < GENT && got[0][i][t] == got[1][i][t]; t++) same++;
+    const double hits = kvs_engine_kv_counter(&st[0], "kvserve:doc_cache_hits_total"),
+                 hits_c = kvs_engine_kv_counter(&st[1], "kvserve:doc_cache_hits_total"),
+                 used = kvs_engine_kv_counter(&st[0], "kvserve:kv_storage_pages_used"),
+                 ratio = kvs_engine_kv_counter(&st[0], "kvserve:kv_storage_compression_ratio");
+    const int ok = rc[0] == 0 && rc[1] == 0 && done[0] == NJOBS && done[1] == NJOBS && hits >= 3 && hits_c >= 3 &&
+                   used == 0 && ratio > 1 && same >= NJOBS * GENT / 2;
+    CHECK(ok, "engine, lean dynamic + lazy: cuda %d / cpu %d of %d complete, hits %g / %g, %g pages held, ratio %g, "
+          "%d of %d greedy tokens as the cpu's", done[0], done[1], NJOBS, hits, hits_c, used, ratio, same, NJOBS * GENT);
+    if (ok)
+        printf("ok engine on cuda with the document cache (demo model, dynamic + lazy): %d requests over 3 documents "
+               "(%g hits), own tokens %.2fx under bf16, every page back at the end; %d of %d greedy tokens as the "
+               "cpu engine's\n", NJOBS, hits, ratio, same, NJOBS * GENT);
+    kvs_model_free(model);
+}
+
 int main(void)
 {
     if (cuda_pair_open(1)) return 1;
     /* name, high, low, head_dim, G, KV heads, window, entries per high page, requests, prefill,
-     * steps, alpha_h, alpha_l */
+     * steps, alpha_h, alpha_l, documents outside */
     const struct ccase cases[] = {
-        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02},
-        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02},
-        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05},
-        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1},
-        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6},
-        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0},
+        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0},
+        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02, 0},
+        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05, 0},
+        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0},
+        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0},
+        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0, 0},
         /* the kernel's shapes: 300 / 600-token heads (several 256-token output chunks), a group
          * of 3 and hd 96 (partial register tiles); hd 36 (codes not in whole 32-bit words,
          * entries not 4-byte aligned: the element-wise reads and byte moves) */
-        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02},
-        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02},
+        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0},
+        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02, 0},
+        /* with cached documents outside the heads (kv.reuse = lazy): their lse joins the
+         * probabilities and their output the rows', N starts after them */
+        {"K8V4+K4V2 hd64 G4 documents", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.05, 1},
+        {"K8V4+K4V2 hd128 G8 documents a3", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1},
     };
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
     test_enospc();
     test_engine();
+    test_engine_docs();
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean_dyn");

@@ -12,7 +12,7 @@
  *      end, are preempted or cancelled (seq_free) at random; after every step every page id is
  *      exactly once across the free list and the tables, each live head holds exactly the pages
  *      its sections reached, and when all requests are gone no page is held;
- *   5. refusals: the dynamic mode on a backend without its kernels (neither cpu nor cuda), with kv.reuse prefix / lazy,
+ *   5. refusals: the dynamic mode on a backend without its kernels (neither cpu nor cuda), with kv.reuse prefix,
  *      kv.decode mac, the fidelity meter. */
 #include "base/util.h"
 #include "engine/config.h"
@@ -391,7 +391,6 @@ static void test_refusals(void)
         int rc;
     } cases[] = {
         {"kv.reuse", "prefix", "kv.reuse = prefix", -EINVAL},
-        {"kv.reuse", "lazy", "kv.reuse = lazy", -EINVAL},
         {"kv.decode", "mac", "kv.decode = mac", -EINVAL},
         {"kv.fidelity.sample_every", "4", "kv.fidelity.sample_every", -EINVAL},
         {"device", "bare", "cpu and cuda backends only", -ENOSYS},
@@ -413,8 +412,8 @@ static void test_refusals(void)
         if (state) st->destroy(state);
         kvs_config_free(&c);
     }
-    printf("ok dynamic mode refused with a reason: on a backend without its kernels, with kv.reuse prefix / lazy, kv.decode mac, the fidelity "
-           "meter\n");
+    printf("ok dynamic mode refused with a reason: on a backend without its kernels, with kv.reuse prefix (lazy "
+           "composes: test_kv_lean_docs), kv.decode mac, the fidelity meter\n");
     o->free(be);
 }
 

@@ -23,7 +23,8 @@
  *      Models: a random Qwen2-style one with 12 KV heads (tp_test_model.h) at TP 2, 3, 4, and
  *      the committed tiny Llama (2 KV heads) at TP 2.
  *   2. kv.reuse = lazy (LazyAttention documents, scheduler side) through the engine: 6
- *      requests, pairs citing the same document (hits), with full decode and with lean K8V4:
+ *      requests, pairs citing the same document (hits), with full decode, with lean K8V4 and with
+ *      lean dynamic (documents static K8V4, own tokens dynamic, window 8):
  *      tokens equal at TP 2 and TP 1 (tiny Llama) and TP 4 (random model), document hits > 0.
  *   3. kv.decode_state_bytes budgets the group: a budget that holds TP 1's arena holds TP 2's
  *      (each rank checks its half), and one under it is refused at both.
@@ -295,8 +296,9 @@ static void check_lazy(const char *dir, const char *mname, int N)
         for (int t = 0; t < 48; t++) prompt[i][t] = 1 + (int32_t)(kvs_test_xorshift(&s) % (uint32_t)(V - 1));
     for (int d = 0; d < NJ / 2; d++)
         for (int t = 0; t < 40; t++) doc[d][t] = 1 + (int32_t)(kvs_test_xorshift(&s) % (uint32_t)(V - 1));
-    const char *storages[] = {"auto", "lean"};
-    for (int si = 0; si < 2; si++) {
+    /* lean: its default static K8V4; lean dynamic: documents static K8V4, the requests' own tokens dynamic */
+    const char *storages[] = {"auto", "lean", "lean"}, *names[] = {"auto", "lean", "lean-dyn"};
+    for (int si = 0; si < 3; si++) {
         double hits[2] = {0, 0};
         for (int k = 0; k < 2; k++) {
             struct kvs_config c;
@@ -304,6 +306,7 @@ static void check_lazy(const char *dir, const char *mname, int N)
             set_str(&c.device, "cpu");
             set_str(&c.kv_reuse, "lazy");
             set_str(&c.kv_storage, storages[si]);
+            if (si == 2) set_str(&c.lean_mode, "dynamic"), c.lean_window = 8;
             c.cpu_threads = 1;
             c.kv_block_size = BLOCK;
             c.kv_memory_bytes = 0;
@@ -318,16 +321,16 @@ static void check_lazy(const char *dir, const char *mname, int N)
             struct kvs_engine_stats es;
             int rc = kvs_test_engine_run(&c, m, jobs, NJ, GEN, &es, err, sizeof err);
             kvs_config_free(&c);
-            REQUIRE(rc == 0, "lazy %s tp %d: %s", storages[si], k ? N : 1, err);
+            REQUIRE(rc == 0, "lazy %s tp %d: %s", names[si], k ? N : 1, err);
             for (int i = 0; i < NJ; i++)
                 CHECK(jobs[i].n_got == GEN, "lazy tp %d: request %d got %d tokens", k ? N : 1, i, jobs[i].n_got);
             hits[k] = kvs_engine_kv_counter(&es, "kvserve:doc_cache_hits_total");
         }
         const int same = memcmp(got[0], got[1], sizeof got[0]) == 0;
         printf("%-10s lazy+%-9s tp %d vs 1: %d requests x %d greedy tokens %s, document hits %g / %g\n", mname,
-               storages[si], N, NJ, GEN, same ? "equal" : "DIFFER", hits[1], hits[0]);
-        CHECK(same, "lazy %s: tp %d tokens differ from tp 1", storages[si], N);
-        CHECK(hits[0] > 0 && hits[1] == hits[0], "lazy %s: document hits %g at tp %d, %g at tp 1", storages[si],
+               names[si], N, NJ, GEN, same ? "equal" : "DIFFER", hits[1], hits[0]);
+        CHECK(same, "lazy %s: tp %d tokens differ from tp 1", names[si], N);
+        CHECK(hits[0] > 0 && hits[1] == hits[0], "lazy %s: document hits %g at tp %d, %g at tp 1", names[si],
               hits[1], N, hits[0]);
     }
     kvs_model_free(m);
