@@ -359,18 +359,18 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
 }
 
 /* The default kind for a launch of `items` work items (tiles x KV heads): kind 14 gives each item a
- * block of its own, so a launch of a wave or two ends on its longest causal tiles; kind 25 (kind 22
- * with persistent blocks taking items in snake order) balances them and was 1.18-1.31x kind 14 at 1K
- * but 8% slower at 8K (bench/RESULTS.md, attn5 and the lead's threshold table). So a launch of at
- * most KVS_CUDA_PRE_PERSIST_WAVES waves (default 2; 0 turns it off) takes kind 25, where no kind was
- * forced and the default applies. Both kinds take tiles of the same rows, so the plan's tile count
+ * block of its own, so a launch of a few waves ends on its longest causal tiles; kind 25 (kind 22
+ * with persistent blocks taking items in snake order) balances them, and wins up to 4K-token prompts
+ * of the Llama-3.1-8B shape (~8 waves on an H100) but loses at 8K (~16 waves; bench/RESULTS.md, the
+ * lead's threshold table of 2026-11-25). So a launch of at most KVS_CUDA_PRE_PERSIST_WAVES waves
+ * (default 8; 0 turns it off) takes kind 25, where no kind was forced and the default applies. Both kinds take tiles of the same rows, so the plan's tile count
  * (kvs_cu_attn_prefill_qt) holds for either, and both do the deferred rotation. */
 int kvs_cu_attn_prefill_kind_for(int kind, long long items, int n_sms)
 {
     static int env_waves = -2; /* -2: not read yet */
     if (env_waves == -2) {
         const char *e = getenv("KVS_CUDA_PRE_PERSIST_WAVES");
-        env_waves = e && *e ? atoi(e) : 2;
+        env_waves = e && *e ? atoi(e) : 8;
         if (env_waves < 0) env_waves = 0;
     }
     if (kind != KVS_PRE_ATTN_DEFAULT || forced_pre_kind() >= 1) return kind;
