@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_attn_device.cuh"
+#include "kernels/cuda/cuda_attn_pool_issue.cuh"
 
 /* ---- FlashAttention-2-style decode kernel (KVS_CUDA_DEC_ATTN=4) ----------------------------
  *
@@ -111,38 +112,13 @@ __device__ __forceinline__ void rotate_frags_sm(const uint32_t *sq0, const float
 }
 
 /* One pool's rows (K or V) of the 32-key sub-tile that m describes, staged into dst (rows of
- * HD + 8 elements) by one warp with cp.async: tile_issue's copies (the same fast path for blocks
- * of a multiple of 16 slots, the same zero fill for keys that are not read), for a single pool
- * and indexed by lane, so that any warp of the block can stage its own sub-tile. */
+ * HD + 8 elements) by one warp (cuda_attn_pool_issue.cuh: tile_issue's copies, the same fast path
+ * for blocks of a multiple of 16 slots), so that any warp of the block can stage its own sub-tile
+ * (the sub-tile starts on a 16-key boundary: chunks and sub-tiles are multiples of 32 keys). */
 template <int HD>
 __device__ __forceinline__ void fd_issue(const at_args &a, const bf16 *pool, const tile_meta &m, bf16 *dst)
 {
-    constexpr int CH = HD / 8, KST = HD + 8;
-    constexpr int S = 32 / CH; /* keys covered by one pass of the warp */
-    static_assert(S >= 1 && S <= 16, "fd_issue: head_dim 16 .. 256");
-    const int lane = threadIdx.x & 31;
-    if (a.bs % 16 == 0) {
-        /* the sub-tile starts on a 16-key boundary (chunks and sub-tiles are multiples of 32 keys):
-         * keys 16h .. 16h + 15 are consecutive slots of one block */
-        const unsigned vmask = __ballot_sync(FULL, m.row >= 0); /* bit j: key j of the sub-tile is read */
-        const int j0 = lane / CH, c = lane % CH;
-        const long long base[2] = {m.base0 + j0 * HD + c * 8, m.base1 + j0 * HD + c * 8};
-        bf16 *d = dst + j0 * KST + c * 8;
-#pragma unroll
-        for (int i = 0; i < AT_TILE / S; i++) {
-            const int h = i * S / 16, off = (i * S) % 16; /* compile-time */
-            const int bytes = (vmask >> (j0 + i * S)) & 1u ? 16 : 0;
-            cp_async16(d + i * S * KST, pool + base[h] + off * HD, bytes);
-        }
-        return;
-    }
-#pragma unroll
-    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {
-        const int j = idx / CH, c = idx % CH;
-        const long long r = __shfl_sync(FULL, m.row, j);
-        const bool ok = r >= 0;
-        cp_async16(dst + j * KST + c * 8, ok ? pool + r + c * 8 : pool, ok ? 16 : 0);
-    }
+    pool_issue<HD>(pool, m, a.bs % 16 == 0, dst, HD + 8);
 }
 
 /* ---- k_attn_fd's TMA staging (head_dim 64 / 128 / 256, blocks of a multiple of 16 slots, with or

@@ -38,6 +38,7 @@
  * the loader refuses such models on this backend first).
  */
 #include "kernels/cuda/cuda_attn_device.cuh"
+#include "kernels/cuda/cuda_attn_pool_issue.cuh"
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/cuda/cuda_span_walk.cuh"
 #include "kernels/cuda/kv_span.h"
@@ -59,38 +60,6 @@ struct span_args {
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
-
-/* One pool's rows (K or V) of the tile that m describes into dst (rows of kst elements), by one
- * warp with cp.async (kind 2's staging: K and V issued apart): contig tiles take tile_issue's
- * two-pointer copies (keys 16h .. 16h + 15 consecutive slots of one block), others one copy
- * source per key (gather_issue's); keys that are not read get zero-filled rows. */
-template <int HD>
-__device__ __forceinline__ void span_issue_pool(const bf16 *pool, const tile_meta &m, bool contig, bf16 *dst, int kst)
-{
-    constexpr int CH = HD / 8, S = 32 / CH; /* keys covered by one pass of the warp */
-    static_assert(S >= 1 && S <= 16, "span_issue_pool: head_dim 16 .. 256");
-    const int lane = threadIdx.x & 31;
-    if (contig) {
-        const unsigned vmask = __ballot_sync(FULL, m.row >= 0); /* bit j: key j of the tile is read */
-        const int j0 = lane / CH, c = lane % CH;
-        const long long base[2] = {m.base0 + j0 * HD + c * 8, m.base1 + j0 * HD + c * 8};
-        bf16 *d = dst + j0 * kst + c * 8;
-#pragma unroll
-        for (int i = 0; i < AT_TILE / S; i++) {
-            const int h = i * S / 16, off = (i * S) % 16; /* compile-time */
-            const int bytes = (vmask >> (j0 + i * S)) & 1u ? 16 : 0;
-            cp_async16(d + i * S * kst, pool + base[h] + off * HD, bytes);
-        }
-        return;
-    }
-#pragma unroll
-    for (int idx = lane; idx < AT_TILE * CH; idx += 32) {
-        const int j = idx / CH, c = idx % CH;
-        const long long r = __shfl_sync(FULL, m.row, j);
-        const bool ok = r >= 0;
-        cp_async16(dst + j * kst + c * 8, ok ? pool + r + c * 8 : pool, ok ? 16 : 0);
-    }
-}
 
 /* SEP: kind 2's staging (one K and one V buffer, issued apart), else kind 1's (SPAN_ST tiles) */
 template <int HD, int MT, bool ROT, bool SEP>
@@ -155,7 +124,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
         nxt = lookup(); /* the tile after: its K is issued during cur_t's compute */
         if (ntiles > 0) {
             soff[lane] = cur_t.info;
-            span_issue_pool<HD>(a.kc, cur_t, cur_contig, sk, KST);
+            pool_issue<HD>(a.kc, cur_t, cur_contig, sk, KST);
         }
         cp_async_commit();
     } else {
@@ -201,7 +170,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
 
     for (int it = 0; it < ntiles; it++) {
         if constexpr (SEP) {
-            span_issue_pool<HD>(a.vc, cur_t, cur_contig, sv, KST); /* V_it: its buffer was freed last iteration */
+            pool_issue<HD>(a.vc, cur_t, cur_contig, sv, KST); /* V_it: its buffer was freed last iteration */
             cp_async_commit();
             cp_async_wait<1>(); /* K_it has landed (V_it may still be in flight) */
         } else {
@@ -240,7 +209,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
             const bool nc = nxt_contig;
             if (more) {
                 soff[lane] = nxt.info;
-                span_issue_pool<HD>(a.kc, nxt, nc, sk, KST); /* K_{it+1} flies during PV */
+                pool_issue<HD>(a.kc, nxt, nc, sk, KST); /* K_{it+1} flies during PV */
             }
             cp_async_commit();
             cur_t = nxt;

@@ -22,6 +22,7 @@
 #include "kernels/kv_lean.h"
 #include "models/model.h"
 #include "tests/unit/kv_engine_run.h"
+#include "tests/unit/kv_lean_case.h"
 #include "tests/unit/test_util.h"
 
 #include <math.h>
@@ -375,19 +376,6 @@ static int tf_logits(const struct kvs_config *cfg, const struct kvs_model *model
     }
     kvs_runner_free(r);
     return TF_LEN - 15;
-}
-
-/* max |logit - reference| over max |reference|, and top-1 agreement */
-static double tf_compare(const float *a, const float *ref, int rows, int vocab, int *agree)
-{
-    double num = 0, den = 0;
-    *agree = 0;
-    for (int i = 0; i < rows; i++) {
-        const float *x = a + (size_t)i * vocab, *y = ref + (size_t)i * vocab;
-        for (int j = 0; j < vocab; j++) num = fmax(num, fabs((double)x[j] - y[j])), den = fmax(den, fabs((double)y[j]));
-        *agree += kvs_argmax_row(x, vocab) == kvs_argmax_row(y, vocab);
-    }
-    return num / den;
 }
 
 static void test_engine_model(const char *name)

@@ -36,6 +36,7 @@
 #include "kernels/kv_lean_dyn.h"
 #include "kernels/kv_lean_pages.h"
 #include "models/model.h"
+#include "tests/unit/kv_lean_case.h"
 #include "tests/unit/test_util.h"
 
 #include <errno.h>
@@ -65,42 +66,11 @@ static void set_str(char **dst, const char *s)
 #define DOC_END 48                /* their padded positions: the head's first token is at 48 */
 #define TP 4
 
-struct dhead {
-    struct kvs_lean_dyn_cfg c;
-    struct kvs_lean_dyn_head h;
-    struct kvs_lean_pm *pm;
-    uint8_t *base;
-    void *mem;
-    float *scratch;
-    int table_len;
-};
-
 static void dhead_init(struct dhead *d, double ah, double al)
 {
     const struct kvs_lean_fmt hi = {8, 4}, lo = {4, 2};
     REQUIRE(kvs_lean_dyn_cfg_init(&d->c, hi, lo, HD, G, W, ah, al, TP, DOC_END + STEPS + 1) == 0, "cfg");
-    const int table_len = (STEPS + TP) / TP + (STEPS + d->c.tp_lo) / d->c.tp_lo + 2;
-    d->table_len = table_len;
-    REQUIRE(kvs_lean_pm_create(table_len + 4, 1, table_len, &d->pm) == 0, "pm");
-    d->base = malloc((size_t)(table_len + 4) * d->c.page_bytes);
-    d->mem = malloc(kvs_lean_dyn_head_mem(&d->c));
-    d->scratch = malloc(kvs_lean_dyn_scratch_floats(&d->c) * sizeof(float));
-    REQUIRE(d->base && d->mem && d->scratch, "alloc");
-    kvs_lean_dyn_head_init(&d->c, &d->h, d->mem);
-}
-
-static void dhead_free(struct dhead *d)
-{
-    kvs_lean_pm_free(d->pm);
-    free(d->base), free(d->mem), free(d->scratch);
-}
-
-static struct kvs_lean_dyn_pages dhead_pages(const struct dhead *d)
-{
-    struct kvs_lean_dyn_pages pg = {d->base, NULL, 0, 0, 0};
-    pg.table_len = d->table_len;
-    pg.table = kvs_lean_pm_table(d->pm, 0, &pg.n_high_pages, &pg.n_low_pages);
-    return pg;
+    dhead_alloc(d, STEPS);
 }
 
 /* one step as the storage runs it: a round for the worst case, the step, the trim */
@@ -516,19 +486,6 @@ static int tf_docs(const struct kvs_config *cfg, const struct kvs_model *model, 
     return row;
 }
 
-/* max |a - b| over max |b|, and top-1 agreement */
-static double tf_cmp(const float *a, const float *b, int rows, int vocab, int *agree)
-{
-    double num = 0, den = 0;
-    *agree = 0;
-    for (int i = 0; i < rows; i++) {
-        const float *x = a + (size_t)i * vocab, *y = b + (size_t)i * vocab;
-        for (int j = 0; j < vocab; j++) num = fmax(num, fabs((double)x[j] - y[j])), den = fmax(den, fabs((double)y[j]));
-        *agree += kvs_argmax_row(x, vocab) == kvs_argmax_row(y, vocab);
-    }
-    return num / den;
-}
-
 /* alpha 0 with high K8V4 keeps every own token high; the dynamic mode then differs from static
  * K8V4 only by the window (the newest tokens at full precision, not K8V4) and by merging the
  * documents' (o, lse): not bitwise, and on these tiny random models not greedy-identical either
@@ -558,9 +515,9 @@ static void test_tf(const struct kvs_model *model)
         kvs_config_free(&c);
     }
     int a_q, a_d, a_16;
-    const double e_q = tf_cmp(lg[1], lg[0], rows, vocab, &a_q);   /* static K8V4 vs f32 */
-    const double e_d = tf_cmp(lg[2], lg[1], rows, vocab, &a_d);   /* dynamic vs static K8V4 */
-    const double e_16 = tf_cmp(lg[4], lg[3], rows, vocab, &a_16); /* dynamic vs static K16V16 */
+    const double e_q = tf_compare(lg[1], lg[0], rows, vocab, &a_q);   /* static K8V4 vs f32 */
+    const double e_d = tf_compare(lg[2], lg[1], rows, vocab, &a_d);   /* dynamic vs static K8V4 */
+    const double e_16 = tf_compare(lg[4], lg[3], rows, vocab, &a_16); /* dynamic vs static K16V16 */
     CHECK(e_d < e_q / 2 && a_d >= rows * 95 / 100 && e_16 < 1e-2 && a_16 == rows, "teacher-forced with a document: dynamic vs static K8V4 %g "
           "(static K8V4 vs f32 %g), K16V16 %g (%d / %d top-1)", e_d, e_q, e_16, a_16, rows);
     printf("ok dynamic + lazy at alpha 0, window 1, teacher-forced over %d rows with a %d-token document (max |diff| / "

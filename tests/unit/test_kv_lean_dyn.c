@@ -23,6 +23,7 @@
 #include "kernels/kv_lean_alg1.h"
 #include "kernels/kv_lean_dyn.h"
 #include "kernels/kv_lean_pages.h"
+#include "tests/unit/kv_lean_case.h"
 #include "tests/unit/test_util.h"
 
 #include <errno.h>
@@ -73,41 +74,10 @@ static void make_stream(struct stream *s, int peaked, int fp16_exact)
 
 static const float SCALE = 0.17677669529663687f;
 
-/* one dynamic head over a one-head page manager */
-struct dhead {
-    struct kvs_lean_dyn_cfg c;
-    struct kvs_lean_dyn_head h;
-    struct kvs_lean_pm *pm;
-    uint8_t *base;
-    void *mem;
-    float *scratch;
-    int n_pages, table_len;
-};
-
 static void dhead_init(struct dhead *d, struct kvs_lean_fmt hi, struct kvs_lean_fmt lo, double ah, double al)
 {
     REQUIRE(kvs_lean_dyn_cfg_init(&d->c, hi, lo, HD, G, W, ah, al, TP, STEPS + 1) == 0, "cfg");
-    d->table_len = (STEPS + TP) / TP + (STEPS + d->c.tp_lo) / d->c.tp_lo + 2;
-    d->n_pages = d->table_len + 4;
-    REQUIRE(kvs_lean_pm_create(d->n_pages, 1, d->table_len, &d->pm) == 0, "pm");
-    d->base = malloc((size_t)d->n_pages * d->c.page_bytes);
-    d->mem = malloc(kvs_lean_dyn_head_mem(&d->c));
-    d->scratch = malloc(kvs_lean_dyn_scratch_floats(&d->c) * sizeof(float));
-    REQUIRE(d->base && d->mem && d->scratch, "alloc");
-    kvs_lean_dyn_head_init(&d->c, &d->h, d->mem);
-}
-
-static void dhead_free(struct dhead *d)
-{
-    kvs_lean_pm_free(d->pm);
-    free(d->base), free(d->mem), free(d->scratch);
-}
-
-static struct kvs_lean_dyn_pages dhead_pages(const struct dhead *d)
-{
-    struct kvs_lean_dyn_pages pg = {d->base, NULL, d->table_len, 0, 0};
-    pg.table = kvs_lean_pm_table(d->pm, 0, &pg.n_high_pages, &pg.n_low_pages);
-    return pg;
+    dhead_alloc(d, STEPS);
 }
 
 /* one step as the storage runs it: a round for the worst case, the step, the trim */
