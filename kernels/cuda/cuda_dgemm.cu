@@ -1,4 +1,4 @@
-/* cuda_dgemm.cu: the decode GEMM's Hopper kernel (cuda_skinny.h, kvs_cu_dgemm): y = x W^T for 2 to
+/* cuda_dgemm.cu: the decode GEMM's Hopper kernel (cuda_skinny.h, kvs_cu_dgemm): y = x W^T for 1 to
  * 128 token rows with the weights on the wgmma's M side.
  *
  * A block owns MW tiles of 128 weight rows (a tile: 64 + 64 rows, SwiGLU: 64 gate rows and the
@@ -599,7 +599,7 @@ static int dg_splits(int tiles, int atoms, int n_sms, int per_sm)
 
 int kvs_cu_dgemm_supported(int n, int in, const int *out, int n_parts, int swiglu)
 {
-    if (n < 2 || n > 128 || in <= 0 || in % DG_KA != 0) return 0;
+    if (n < 1 || n > 128 || in <= 0 || in % DG_KA != 0) return 0;
     if (swiglu) return n_parts == 2 && out[0] > 0 && out[0] % 8 == 0 && out[1] == out[0];
     if (n_parts < 1 || n_parts > KVS_SKINNY_MAX_PARTS) return 0;
     for (int i = 0; i < n_parts; i++)
@@ -698,7 +698,8 @@ static int dg_tiles(const int *out, int n_parts, int swiglu)
 static dg_params dg_params_of(const struct kvs_cu_skinny *a, int tile_rows, int *tiles)
 {
     dg_params p = {};
-    p.trig = kvs_cu_pdl_early() & 1;
+    /* one-row launches (batch 1, bit 512) keep the GEMV's rule: no early launch (cuda_skinny.cu) */
+    p.trig = (kvs_cu_pdl_early() & 1) && a->n >= 2;
     p.x = a->x;
     p.n = a->n;
     p.in = a->in;
@@ -745,12 +746,12 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
     }
 }
 
-/* k_dgemm_n's rows a block for this launch, or 0 where it does not apply: 2..64 tokens, plain
+/* k_dgemm_n's rows a block for this launch, or 0 where it does not apply: 1..64 tokens, plain
  * parts (not SwiGLU), K a multiple of a stage (two atoms, 128), and at most one block per SM with
  * 64 rows a block */
 int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms)
 {
-    if (swiglu || n < 2 || n > 64 || in % (2 * DG_KA) != 0 || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu))
+    if (swiglu || n < 1 || n > 64 || in % (2 * DG_KA) != 0 || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu))
         return 0;
     static const int rs[3] = {32, 48, 64};
     for (int i = 0; i < 3; i++) {

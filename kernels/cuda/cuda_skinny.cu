@@ -12,8 +12,9 @@
  * Memory: every weight byte is read once (ld.global.nc, L1::no_allocate, by default with the
  * L2::256B fetch hint, two groups in flight per lane); x (at most 128 x in bf16) stays in L1/L2. The first group is loaded before the grid
  * dependency wait (cuda_launch.h): weights never depend on the previous kernel.
- * A single row (batch-1 decode) takes k_gemv1 instead: a warp per output row, which streamed the
- * weights faster than any tiling of the MMA kernel that was tried (bench/RESULTS.md).
+ * A single row (batch-1 decode) takes k_gemv1 instead (not with variant bit 512, batch invariance):
+ * a warp per output row, which streamed the weights faster than any tiling of the MMA kernel that
+ * was tried (bench/RESULTS.md).
  */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -312,7 +313,14 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * gate/up and the LM head at 33-64 rows (instead of cuBLAS) the step at batch 64 1.6% faster. Not
  * bit 256: its 32-row x tiles read the GEMMs alone 0.8% faster at 32 rows, but the step at batch
  * 32 took 1% (1K) and 4% (8K) longer. Nor, were the row limit raised to 128, bit 64 there: gate/up
- * on one-tile blocks was 4% slower than cuBLAS at 128 rows (the LM head 7% faster). */
+ * on one-tile blocks was 4% slower than cuBLAS at 128 rows (the LM head 7% faster).
+ * Bit 512 (batch invariance; KVS_CUDA_BATCH_INVARIANT=1 adds it to the variant) picks the kernel
+ * by the launch's shapes alone (sk_route_of), so that a row's output bits do not depend on the
+ * batch: one-row launches run the n-row kernels with one token instead of the GEMV, whose CUDA-core
+ * sums round otherwise than the tensor cores'. Not in the default: on the H100 the n-row kernels
+ * stream the weights at one row as at eight (~2,745 GB/s), the GEMV at ~2,900, so the batch-1
+ * step took 5.8% longer (84.7% of the floor instead of 89.6%), batch 8-128 the same (branch gemm7,
+ * bench/RESULTS.md). */
 #define KVS_SKINNY_VARIANT_DEFAULT 238
 
 /* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel
@@ -343,15 +351,16 @@ static int sk_variant = -1;
 static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
-        const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_variant = e ? atoi(e) & 511 : KVS_SKINNY_VARIANT_DEFAULT;
+        const char *e = getenv("KVS_CUDA_SKINNY_VARIANT"), *bi = getenv("KVS_CUDA_BATCH_INVARIANT");
+        sk_variant = e ? atoi(e) & 1023 : KVS_SKINNY_VARIANT_DEFAULT;
+        if (bi && atoi(bi) > 0) sk_variant |= 512;
     }
     return sk_variant;
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 511;
+    sk_variant = v < 0 ? -1 : v & 1023;
 }
 
 template <int NT, bool DB>
@@ -399,21 +408,50 @@ static int sk_dg_splits(int v, int in, const int *out, int n_parts, int swiglu, 
     return kvs_cu_dgemm_splits(in, out, n_parts, swiglu, dg_sms, (v & 1) ? 1 : 2);
 }
 
+/* Which kernel runs a launch: cuBLAS (the caller's), the GEMV, k_skinny, k_dgemm or k_dgemm_n.
+ * dg_sms: the device's SM count where the wgmma kernels may run (the backend has their
+ * workspace), else 0. Without bit 512 this is decode4-6's choice by row count (the GEMV at one row,
+ * k_skinny / the wgmma kernels / cuBLAS above, by the bits above). Bit 512 (batch invariance)
+ * makes the choice a function of the launch's shapes alone, never of n: every launch of 1 to
+ * KVS_SKINNY_MAX_N rows of one shape runs the same kernel with the same split of K, so a row's
+ * bits do not depend on how many rows share the launch, nor on its position in it (each kernel
+ * adds a row's terms in an order that n does not change: the headers above). A one-row launch
+ * then runs the n-row kernel with one token (the GEMV adds in another order, on the CUDA cores). */
+enum sk_route { SK_CUBLAS, SK_GEMV, SK_SKINNY, SK_DGEMM, SK_DGEMM_N };
+
+static sk_route sk_route_of(int v, int n, int in, const int *out, int n_parts, int swiglu, int dg_sms)
+{
+    if (!kvs_cu_skinny_supported(n, in, out, n_parts, swiglu)) return SK_CUBLAS;
+    if (v & 512) {
+        /* k_dgemm_n takes the launches k_dgemm would split (n past 64 in launches of 64 rows:
+         * kvs_cu_skinny), k_dgemm the others it supports (split or not: its plan is the shape's),
+         * k_skinny the shapes neither supports and devices without the wgmma kernels */
+        if (!(v & 4) || !dg_sms || !kvs_cu_dgemm_supported(1, in, out, n_parts, swiglu)) return SK_SKINNY;
+        if (sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1 &&
+            kvs_cu_dgemm_n_rows(1, in, out, n_parts, swiglu, dg_sms) > 0)
+            return SK_DGEMM_N;
+        return SK_DGEMM;
+    }
+    if (n == 1) return SK_GEMV;
+    if (v & 4) {
+        if (dg_sms && kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) {
+            const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
+            /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies;
+             * from 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there),
+             * unless bit 64 gives k_dgemm one-tile blocks there */
+            if ((v & 32) && split && kvs_cu_dgemm_n_rows(n, in, out, n_parts, swiglu, dg_sms) > 0) return SK_DGEMM_N;
+            if (n > 8 && (v & 32) && (split || (n > 32 && !(v & 64)))) return SK_CUBLAS;
+            if (!(v & 8) || !split) return SK_DGEMM;
+            return n > 8 ? SK_CUBLAS : SK_SKINNY; /* bit 8: split launches to k_skinny up to 8 rows */
+        }
+        if (n > 8) return SK_CUBLAS; /* k_skinny past 8 rows falls behind cuBLAS */
+    }
+    return SK_SKINNY;
+}
+
 int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, int dg_sms)
 {
-    if (!kvs_cu_skinny_supported(n, in, out, n_parts, swiglu)) return 0;
-    const int v = kvs_cu_skinny_variant();
-    if ((v & 4) && n > 8) {
-        if (!dg_sms || !kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) return 0;
-        const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
-        /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies; from
-         * 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there), unless bit
-         * 64 gives k_dgemm one-tile blocks there */
-        if ((v & 32) && (split || (n > 32 && !(v & 64))))
-            return split && kvs_cu_dgemm_n_rows(n, in, out, n_parts, swiglu, dg_sms) > 0;
-        return !(v & 8) || !split;
-    }
-    return 1;
+    return sk_route_of(kvs_cu_skinny_variant(), n, in, out, n_parts, swiglu, dg_sms) != SK_CUBLAS;
 }
 
 cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
@@ -436,21 +474,32 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         blocks += (unsigned)p.tiles[i];
     }
     if (a->swiglu) blocks = (unsigned)(a->out[0] / 8);
-    if (a->n == 1) {
+    const int v = kvs_cu_skinny_variant();
+    const int dg_sms = a->ws ? a->ws->n_sms : 0;
+    switch (sk_route_of(v, a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms)) {
+    case SK_CUBLAS: return cudaErrorInvalidValue; /* kvs_cu_skinny_takes said no: a caller's bug */
+    case SK_GEMV: {
         unsigned rows = 0;
         for (int i = 0; i < a->n_parts; i++) rows += (unsigned)a->out[i];
         if (a->swiglu) rows = (unsigned)a->out[0];
         return kvs_cu_launch(k_gemv1, dim3((rows + GV_WARPS - 1) / GV_WARPS), dim3(GV_WARPS * 32), 0, stream, p);
     }
-    const int v = kvs_cu_skinny_variant();
-    if ((v & 4) && a->ws && kvs_cu_dgemm_supported(a->n, a->in, a->out, a->n_parts, a->swiglu)) {
-        const bool split = sk_dg_splits(v, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms) > 1;
-        if ((v & 32) && split) {
-            const int rows = kvs_cu_dgemm_n_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, a->ws->n_sms);
-            if (rows) return kvs_cu_dgemm_n(a, rows, (v >> 7) & 3, stream);
+    case SK_DGEMM_N: {
+        /* at most 64 tokens a launch: more go in launches of 64 rows (each row's bits are the
+         * same in any of them; the weights are read once per launch) */
+        const int rows = kvs_cu_dgemm_n_rows(1, a->in, a->out, a->n_parts, a->swiglu, dg_sms);
+        struct kvs_cu_skinny c = *a;
+        for (int t0 = 0; t0 < a->n; t0 += 64) {
+            c.n = a->n - t0 < 64 ? a->n - t0 : 64;
+            c.x = a->x + (size_t)t0 * a->in;
+            for (int i = 0; i < a->n_parts; i++) c.y[i] = a->y[i] + (size_t)t0 * a->out[i];
+            const cudaError_t e = kvs_cu_dgemm_n(&c, rows, (v >> 7) & 3, stream);
+            if (e != cudaSuccess) return e;
         }
-        if (!(v & 8) || !split)
-            return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
+        return cudaSuccess;
+    }
+    case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
+    case SK_SKINNY: break;
     }
     const dim3 grid(blocks), blk(16 * 32);
     const int nt = a->n <= 8 ? 1 : a->n <= 16 ? 2 : a->n <= 32 ? 4 : a->n <= 64 ? 8 : 16;

@@ -14,6 +14,14 @@
  * each 16-row tile is split over the 16 warps of a block and the partial sums are added in warp
  * order (deterministic; a row's result does not depend on the other rows of the batch).
  *
+ * Batch invariance (variant bit 512; KVS_CUDA_BATCH_INVARIANT=1, not the default: it slows the
+ * batch-1 step, cuda_skinny.cu): which kernel runs a launch is a function of
+ * its shapes alone, from 1 row up (a single row runs the n-row kernel, not the GEMV), so on Hopper
+ * every row count the backend gives the decode GEMM (1..skinny_max, 64 by default; up to 128 with
+ * KVS_CUDA_SKINNY_MAX=128, k_dgemm_n then in launches of 64 rows) yields a row's bits whatever n
+ * and wherever the row sits. Not invariant: launches past skinny_max (cuBLAS), shapes the kernels
+ * reject (cuBLAS at every n).
+ *
  * One launch may cover up to three matrices that read the same x (the q, k and v projections),
  * each with its own output and bias, or a gate/up pair whose epilogue applies SwiGLU
  * (y = silu(x Wg^T) * (x Wu^T)) and also writes the bf16 copy of y for the down projection.
@@ -64,23 +72,25 @@ int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swig
  * with the wgmma kernel chosen (variant bit 4) past 8 rows only the shapes that kernel takes
  * (dg_sms: the device's SM count where it runs that kernel, else 0: those matmuls belong to
  * cuBLAS); with variant bit 8 also not the launches it would split (cuBLAS above 8 rows,
- * k_skinny up to 8) */
+ * k_skinny up to 8). With bit 512 (batch invariance) every shape k_skinny supports, at any n. */
 int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, int dg_sms);
 
 /* Variant of the kernel for later launches (benchmarks; bits in cuda_skinny.cu, results bitwise
- * the same); -1: back to KVS_CUDA_SKINNY_VARIANT or the default. Not thread-safe: set it while
+ * the same except bit 512 at one row); -1: back to KVS_CUDA_SKINNY_VARIANT (| 512 with
+ * KVS_CUDA_BATCH_INVARIANT=1) or the default. Not thread-safe: set it while
  * no other thread launches. */
 void kvs_cu_skinny_set_variant(int v);
 
-/* Enqueues y = x W^T (+ bias) for every part, or the SwiGLU pair, on `stream`. */
+/* Enqueues y = x W^T (+ bias) for every part, or the SwiGLU pair, on `stream`; only launches
+ * kvs_cu_skinny_takes accepts (others: cudaErrorInvalidValue). */
 cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream);
 
 /* cuda_dgemm.cu: the Hopper decode GEMM (wgmma, sm_90a only; variant bit 4 of
- * kvs_cu_skinny_set_variant picks it for 2..128 rows). Weights on the MMA's M side in 128-row
+ * kvs_cu_skinny_set_variant picks it for 2..128 rows, bit 512 for 1..128). Weights on the MMA's M side in 128-row
  * tiles, K split over blocks where the tiles do not fill the GPU: the split is a function of the
  * launch's shapes and the SM count (two blocks per SM, or one: per_sm), not of n, so a row's bits
  * do not depend on the batch; they do depend on the launch (q alone may split K otherwise than
- * q/k/v together: equal to ~1e-6, not bitwise). Shapes: 2 <= n <= 128, in % 64 == 0, every out
+ * q/k/v together: equal to ~1e-6, not bitwise). Shapes: 1 <= n <= 128, in % 64 == 0, every out
  * a multiple of 8. */
 int kvs_cu_dgemm_supported(int n, int in, const int *out, int n_parts, int swiglu);
 /* the K splits kvs_cu_dgemm plans for this launch shape (1: none) */
@@ -95,9 +105,9 @@ cudaError_t kvs_cu_dgemm(const struct kvs_cu_skinny *a, const struct kvs_cu_dgem
                          int one_tile, cudaStream_t stream);
 
 /* cuda_dgemm.cu, k_dgemm_n (variant bit 32): the weights on the wgmma's N side, R rows a block,
- * the whole of K a block (no split, no workspace) for 2..64 tokens. Returns R (32 / 48 / 64, the
+ * the whole of K a block (no split, no workspace) for 1..64 tokens. Returns R (32 / 48 / 64, the
  * least that keeps the launch within one block per SM; a function of the shapes, not of n) or 0
- * where the kernel does not apply (SwiGLU, n outside 2..64, K not a multiple of 128, shapes
+ * where the kernel does not apply (SwiGLU, n outside 1..64, K not a multiple of 128, shapes
  * kvs_cu_dgemm_supported rejects). */
 int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms);
 /* x_fit: stage x in tiles of 16 rows at n <= 16 (bit 1) / of 32 rows at n <= 32 (bit 2), not 64,

@@ -277,9 +277,10 @@ static void test_embed_matmul(void)
         if (n <= 128) {
             kvs_cuda_set_skinny_max(bg, 128);
             /* 238 = 46 | 64 (k_dgemm's one-tile blocks at 33-128 rows) | 128 (k_dgemm_n's 16-row x
-             * tiles at 2-16 rows); 494 = 238 | 256 (its 32-row x tiles at 17-32 rows) */
-            static const int dgv[] = {4, 5, 14, 22, 46, 238, 494};
-            for (int vi = 0; vi < 7; vi++) {
+             * tiles at 2-16 rows); 494 = 238 | 256 (its 32-row x tiles at 17-32 rows); 750 = 238 | 512
+             * (batch invariance: the kernel by shape, from one row up, k_dgemm_n in launches of 64 rows) */
+            static const int dgv[] = {4, 5, 14, 22, 46, 238, 494, 750};
+            for (int vi = 0; vi < 8; vi++) {
                 const int v = dgv[vi];
                 kvs_cuda_set_skinny_variant(bg, v);
                 poison(&y);
@@ -549,9 +550,10 @@ static void test_fused_gemm_at(int variant)
 
 /* k_skinny (variant 2) and the wgmma kernel (6: everywhere; 7: split for one block per SM; 14:
  * only where it does not split K; 22: 6 with the splits reduced in a cluster; 46: 14 with the
- * launches it would split on k_dgemm_n, the weights on the N side; 238 (the default): 46 with
- * one-tile blocks for the unsplit launches up to 128 rows and k_dgemm_n's 16-row x tiles at 2-16
- * rows; 494: 238 with its 32-row x tiles at 17-32 rows) */
+ * launches it would split on k_dgemm_n, the weights on the N side; 238: 46 with one-tile blocks
+ * for the unsplit launches up to 128 rows and k_dgemm_n's 16-row x tiles at 2-16 rows; 494: 238
+ * with its 32-row x tiles at 17-32 rows; 750: 238 with the kernel chosen by shape from one row
+ * up, batch invariance) */
 static void test_fused_gemm(void)
 {
     test_fused_gemm_at(2);
@@ -562,6 +564,105 @@ static void test_fused_gemm(void)
     test_fused_gemm_at(46);
     test_fused_gemm_at(238);
     test_fused_gemm_at(494);
+    test_fused_gemm_at(750);
+}
+
+/* The decode GEMM's batch invariance (variant 750 = the default 238 | 512, row limit 64), for
+ * every GEMM a decode step runs: each row of a launch of n = 1, 2, 3, 7, 16, 33, 64 rows, in two
+ * orders (rows (s + 7 i) % 128 at position i, s = 0 and 45), has the bits of the same row alone
+ * (n = 1); with the row limit at 128 also n = 100 and 128 (k_dgemm_n in launches of 64 rows).
+ * Shapes: Llama-3.1-8B's (q/k/v, o, gate/up + SwiGLU, down; an LM head of 32768 rows, which takes
+ * the unsplit wgmma kernel as 128256 rows do), the demo model's (every launch split: k_dgemm_n,
+ * and k_dgemm with K split for gate/up) and one only k_skinny takes (in 96). Random bf16 weights
+ * on the GPU alone (the CPU reference is test_embed_matmul's and test_fused_gemm's). */
+struct bi_shape {
+    const char *name;
+    int in, n_parts, swiglu, out[3];
+};
+
+static void bi_launch(const struct bi_shape *s, struct kvs_dweight *const *w, struct kvs_dbuf *x, int n,
+                      struct kvs_dbuf *const *y)
+{
+    if (s->swiglu) G->matmul_swiglu(bg, x, w[0], w[1], n, s->in, s->out[0], y[0], y[1]);
+    else G->matmul_multi(bg, x, s->n_parts, (const struct kvs_dweight *const *)w, NULL, n, s->in, s->out, y);
+}
+
+static void test_batch_invariance(void)
+{
+    static const struct bi_shape shapes[] = {
+        {"8B q/k/v", 4096, 3, 0, {4096, 1024, 1024}}, {"8B o", 4096, 1, 0, {4096}},
+        {"8B gate/up+SwiGLU", 4096, 2, 1, {14336, 14336}}, {"8B down", 14336, 1, 0, {4096}},
+        {"8B LM head (32768 rows)", 4096, 1, 0, {32768}}, {"demo q/k/v", 256, 3, 0, {256, 64, 64}},
+        {"demo o", 256, 1, 0, {256}}, {"demo gate/up+SwiGLU", 256, 2, 1, {640, 640}},
+        {"demo down", 640, 1, 0, {256}}, {"demo LM head", 256, 1, 0, {8192}},
+        {"k_skinny q/k/v", 96, 3, 0, {96, 48, 48}}, {"k_skinny gate/up+SwiGLU", 96, 2, 1, {208, 208}}};
+    static const int ns[] = {1, 2, 3, 7, 16, 33, 64, 100, 128};
+    enum { RMAX = 128 };
+    for (int si = 0; si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+        const struct bi_shape *s = &shapes[si];
+        const int np = s->swiglu ? 1 : s->n_parts, in = s->in;
+        struct kvs_dweight *w[3];
+        for (int p = 0; p < s->n_parts; p++) {
+            const size_t ne = (size_t)s->out[p] * in;
+            uint16_t *raw = kvs_xmalloc(ne * 2);
+            for (size_t i = 0; i < ne; i++) {
+                const float v = bf16_round(frand() * 0.05f);
+                uint32_t u;
+                memcpy(&u, &v, 4);
+                raw[i] = (uint16_t)(u >> 16);
+            }
+            struct kvs_tensor_view t = {.dtype = KVS_DTYPE_BF16, .ndim = 2, .data = raw, .nbytes = ne * 2, .file = "test"};
+            t.shape[0] = s->out[p];
+            t.shape[1] = in;
+            char err[256];
+            w[p] = G->upload_weight(bg, &t, err, sizeof err);
+            REQUIRE(w[p], "upload_weight: %s", err);
+            free(raw);
+        }
+        float *xv = rand_vec((size_t)RMAX * in, 1.0f, 0), *ref[3], *got = NULL;
+        struct kvs_dbuf *x = G->alloc(bg, KVS_BUF_ACT, (size_t)RMAX * in), *y[3];
+        for (int p = 0; p < s->n_parts; p++) y[p] = G->alloc(bg, KVS_BUF_ACT, (size_t)RMAX * s->out[p]);
+        kvs_cuda_set_skinny_variant(bg, 750);
+        kvs_cuda_set_skinny_max(bg, -1);
+        /* the reference: every row alone */
+        for (int p = 0; p < np; p++) ref[p] = kvs_xmalloc((size_t)RMAX * s->out[p] * sizeof(float));
+        for (int r = 0; r < RMAX; r++) {
+            G->upload(bg, x, 0, xv + (size_t)r * in, (size_t)in);
+            bi_launch(s, w, x, 1, y);
+            for (int p = 0; p < np; p++) G->download(bg, ref[p] + (size_t)r * s->out[p], y[p], 0, (size_t)s->out[p]);
+        }
+        for (int k = 0; k < (int)(sizeof ns / sizeof ns[0]); k++) {
+            const int n = ns[k];
+            kvs_cuda_set_skinny_max(bg, n > 64 ? 128 : -1);
+            int bad = 0;
+            for (int s0 = 0; s0 <= 45; s0 += 45) {
+                for (int i = 0; i < n; i++) G->upload(bg, x, (size_t)i * in, xv + (size_t)((s0 + 7 * i) % RMAX) * in, (size_t)in);
+                bi_launch(s, w, x, n, y);
+                for (int p = 0; p < np; p++) {
+                    const size_t o = (size_t)s->out[p];
+                    got = kvs_xrealloc(got, (size_t)n * o * sizeof(float));
+                    G->download(bg, got, y[p], 0, (size_t)n * o);
+                    for (int i = 0; i < n; i++)
+                        bad += memcmp(got + (size_t)i * o, ref[p] + (size_t)((s0 + 7 * i) % RMAX) * o, o * 4) != 0;
+                }
+            }
+            kvs_test_checks++;
+            if (bad) kvs_test_fails++;
+            printf("%s decode GEMM batch invariance, %s (in %d), n=%d: %d of %d rows differ from the row alone\n",
+                   bad ? "FAIL" : "ok  ", s->name, in, n, bad, 2 * n * np);
+        }
+        kvs_cuda_set_skinny_max(bg, -1);
+        kvs_cuda_set_skinny_variant(bg, -1);
+        free(got);
+        got = NULL;
+        free(xv);
+        for (int p = 0; p < np; p++) free(ref[p]);
+        G->free_buf(bg, x);
+        for (int p = 0; p < s->n_parts; p++) {
+            G->free_buf(bg, y[p]);
+            G->free_weight(bg, w[p]);
+        }
+    }
 }
 
 /* relative L2 difference of two host vectors */
@@ -1370,6 +1471,7 @@ int main(void)
     test_argmax();
     test_embed_matmul();
     test_fused_gemm();
+    test_batch_invariance();
     test_fuse_weights();
     test_gemm_paths();
     test_gemm_graph();
