@@ -14,13 +14,14 @@
  * 3. Chunked prefill over quantized history (--prefill P, 0: skipped): one sequence whose last P
  *    tokens are the query rows (a prefill chunk at context C), same comparison.
  *
- * --layouts rows,keys times each format under each named layout of the attention kernel
- * (kvs_cuda_set_lean_layout: rows = query rows on the mma's M side, keys = keys on M; default
- * auto, the kernel's own choice). The device-to-device copy bandwidth is printed first: the
+ * --layouts rows,keys,dec times each format under each named layout of the attention kernel
+ * (kvs_cuda_set_lean_layout: rows = query rows on the mma's M side, keys = keys on M with
+ * one-warp blocks, dec = keys on M with the multi-warp decode kernel (kv_lean_decode.cu,
+ * configured by KVS_LEAN_DEC); default auto, the kernels' own choice). The device-to-device copy bandwidth is printed first: the
  * yardstick for the GB/s columns.
  *
  * Usage: kvserve-leanbench [--batches 8,32] [--contexts 8192,32768] [--formats K8V8,K8V4,K4V4]
- *                          [--reps 20] [--prefill 512] [--layouts auto|rows|keys,...]
+ *                          [--reps 20] [--prefill 512] [--layouts auto|rows|keys|dec,...]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -34,6 +35,7 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/kv_lean_cuda.h"
 #include "bench/bench_cuda.h"
 
 #define BS 16 /* KV block size (tokens) */
@@ -84,8 +86,8 @@ int main(int argc, char **argv)
 {
     int batches[8] = {8, 32}, nb = 2, contexts[8] = {8192, 32768}, nc = 2, reps = 20, prefill = 512;
     struct kvs_lean_fmt fmts[8] = {{8, 8}, {8, 4}, {4, 4}};
-    int nf = 3, layouts[3] = {0}, nl = 1;
-    static const char *const layout_name[3] = {"", "/rows", "/keys"};
+    int nf = 3, layouts[4] = {0}, nl = 1;
+    static const char *const layout_name[4] = {"", "/rows", "/keys", "/dec"};
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--batches") && v) nb = bench_parse_list(argv[++i], batches, 8);
@@ -96,8 +98,9 @@ int main(int argc, char **argv)
             char buf[64];
             snprintf(buf, sizeof buf, "%s", argv[++i]);
             nl = 0;
-            for (char *tok = strtok(buf, ","); tok && nl >= 0 && nl < 3; tok = strtok(NULL, ",")) {
-                const int l = !strcmp(tok, "auto") ? 0 : !strcmp(tok, "rows") ? 1 : !strcmp(tok, "keys") ? 2 : -1;
+            for (char *tok = strtok(buf, ","); tok && nl >= 0 && nl < 4; tok = strtok(NULL, ",")) {
+                const int l = !strcmp(tok, "auto") ? 0 : !strcmp(tok, "rows") ? 1 : !strcmp(tok, "keys") ? 2
+                              : !strcmp(tok, "dec") ? 3 : -1;
                 if (l < 0) nl = -1; /* reported below */
                 else layouts[nl++] = l;
             }

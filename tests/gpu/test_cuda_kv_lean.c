@@ -5,12 +5,14 @@
  *     same fp16 scale / zero), for K8V4, K4V2, K8V8, K4V4, K2V2, K16V16 (a mismatch prints its
  *     first byte: page, token, side);
  *   - attention and attention_spans over the same pages (the flash-decoding kernel: tensor cores
- *     with fp16 q / x^ / p, fp32 sums; each case in both layouts, kvs_cuda_set_lean_layout: query
- *     rows on the mma's M side, and keys on M with 8-row tiles): relative L2 error < 1e-2 against the CPU (lse within
+ *     with fp16 q / x^ / p, fp32 sums; each case in three layouts, kvs_cuda_set_lean_layout: query
+ *     rows on the mma's M side, keys on M with 8-row tiles, and keys on M by the multi-warp decode
+ *     kernel of kv_lean_decode.cu, its compute warps / ring stages / splits varied case by case,
+ *     kvs_cuda_set_lean_dec): relative L2 error < 1e-2 against the CPU (lse within
  *     1e-2, -inf where the CPU has it), with GQA groups 1 / 4 / 8 / 16, head_dim 64 / 128, block
- *     sizes 16 and 8, decode rows mixed with a prefill chunk (tiles of 16 / G tokens), a
- *     1,500-token sequence (context splits and their merge), deferred-RoPE offsets, partial
- *     valid counts, spans (some empty);
+ *     sizes 8, 16 and 32, odd groups and KV head counts, decode rows mixed with a prefill chunk
+ *     (tiles of 16 / G tokens), 1,500- and 5,000-token sequences (context splits and their
+ *     merge), deferred-RoPE offsets or none, partial valid counts, spans (some empty);
  *   - K16V16 equals dense attention (issue 20's exactness test, CUDA bf16 tolerance): the
  *     LeanKV pages at 16 bits against the backend's attention() over bf16 K/V and the CPU's over
  *     fp32 K/V, rel-L2 < 1e-2 (a first 2026-11-24 run failed them on the pages' low bytes; they
@@ -28,6 +30,7 @@
 
 #if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
 #include "tests/gpu/cuda_pair.h"
+#include "kernels/cuda/kv_lean_cuda.h"
 
 static double rel_l2(const float *a, const float *ref, size_t n)
 {
@@ -42,16 +45,28 @@ static double rel_l2(const float *a, const float *ref, size_t n)
 struct cfg {
     struct kvs_lean_fmt f;
     int nkv, grp, hd, bs;
+    int norot; /* 1: no rotation offsets (the engine's pages without cached documents) */
 };
+
+/* layout 3's configurations of the multi-warp decode kernel, one a case in turn: compute warps,
+ * stages, splits (0: its own choice); forced splits of 1-3 walk each block's ring round many times
+ * over the 5,000-token sequence, stages of 2 per compute warp wrap every other tile */
+static const int dec_cfgs[][3] = {{0, 0, 0}, {1, 2, 1}, {2, 4, 2}, {3, 6, 1}, {5, 10, 3}, {4, 8, 0}, {1, 3, 0}, {5, 0, 1}};
+static int dec_case;
 
 static void run_case(const struct cfg *c, int layout)
 {
     kvs_cuda_set_lean_layout(layout);
+    const int *dc = dec_cfgs[dec_case % (int)(sizeof dec_cfgs / sizeof dec_cfgs[0])];
+    if (layout == 3) {
+        kvs_cuda_set_lean_dec(dc[0], dc[1], dc[2]);
+        dec_case++;
+    }
     const struct kvs_lean_kernels *kc = kvs_lean_kernels_for(C, NULL, 0), *kg = kvs_lean_kernels_for(G, NULL, 0);
     const int nkv = c->nkv, nh = nkv * c->grp, hd = c->hd, bs = c->bs;
-    /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5, 250 and 1500 (splits) */
-    enum { NS = 5 };
-    const int pos[NS] = {37, 100, 5, 250, 1500}, rows[NS] = {7, 1, 1, 1, 1};
+    /* sequences: a prefill chunk of 7 rows at 37, decode rows at 100, 5, 250, 1500 and 5000 (splits) */
+    enum { NS = 6 };
+    const int pos[NS] = {37, 100, 5, 250, 1500, 5000}, rows[NS] = {7, 1, 1, 1, 1, 1};
     int max_blocks = 0, n_rows = 0, n_tok = 0;
     for (int s = 0; s < NS; s++) {
         const int nb = (pos[s] + rows[s] + bs - 1) / bs;
@@ -137,10 +152,11 @@ static void run_case(const struct cfg *c, int layout)
     struct pair dval = mk(KVS_BUF_I32, (size_t)NS * max_blocks, valid), dinv = mk(KVS_BUF_F32, (size_t)hd / 2, inv);
     struct kvs_attn_meta mc = {.n_seqs = NS, .max_blocks = max_blocks, .q_start = dqs.c, .pos = dpos.c,
                                .block_tables = dbt.c, .rot_offsets = drot.c, .block_valid = dval.c, .inv_freq = dinv.c,
-                               .h_q_start = q_start, .h_pos = pos, .max_ctx = 1501};
+                               .h_q_start = q_start, .h_pos = pos, .max_ctx = 5001};
     struct kvs_attn_meta mg = mc;
     mg.q_start = dqs.g, mg.pos = dpos.g, mg.block_tables = dbt.g, mg.rot_offsets = drot.g, mg.block_valid = dval.g;
     mg.inv_freq = dinv.g;
+    if (c->norot) mc.rot_offsets = mg.rot_offsets = NULL, mc.inv_freq = mg.inv_freq = NULL;
     struct pair out = mk(KVS_BUF_ACT, qn, NULL), lse = mk(KVS_BUF_F32, (size_t)n_rows * nh, NULL);
     float *oc = kvs_xmalloc(qn * 4), *og = kvs_xmalloc(qn * 4), *lc = kvs_xmalloc((size_t)n_rows * nh * 4), *lg = kvs_xmalloc((size_t)n_rows * nh * 4);
     const float scale = 1.0f / sqrtf((float)hd);
@@ -150,7 +166,8 @@ static void run_case(const struct cfg *c, int layout)
     C->download(bc, oc, out.c, 0, qn);
     G->download(bg, og, out.g, 0, qn);
     const double e1 = rel_l2(og, oc, qn);
-    CHECK(e1 < 1e-2, "K%dV%d G %d hd %d bs %d: attention rel-L2 %g", c->f.kbits, c->f.vbits, c->grp, hd, bs, e1);
+    CHECK(e1 < 1e-2, "K%dV%d G %d hd %d bs %d layout %d: attention rel-L2 %g", c->f.kbits, c->f.vbits, c->grp, hd, bs,
+          layout, e1);
     double ed_g = -1, ed_c = -1;
     if (c->f.kbits == 16 && c->f.vbits == 16) {
         /* dense attention over the same K/V: bf16 K/V on the GPU, fp32 on the CPU */
@@ -203,8 +220,12 @@ static void run_case(const struct cfg *c, int layout)
         lse_bad += isinf(lc[i]) ? !(isinf(lg[i]) && lg[i] < 0) : !(fabsf(lc[i] - lg[i]) < 1e-2f);
     CHECK(e2 < 1e-2 && lse_bad == 0, "K%dV%d G %d hd %d bs %d: spans rel-L2 %g, %d lse off", c->f.kbits, c->f.vbits,
           c->grp, hd, bs, e2, lse_bad);
-    printf("ok K%dV%d G %d hd %d bs %d %s: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
-           c->f.vbits, c->grp, hd, bs, layout == 2 && c->grp <= 8 ? "keys on M" : "rows on M", e1, e2);
+    char lay[64];
+    if (layout == 3 && c->grp <= 8)
+        snprintf(lay, sizeof lay, "keys on M, multi-warp (%d, %d, %d)", dc[0], dc[1], dc[2]);
+    else snprintf(lay, sizeof lay, "%s", layout >= 2 && c->grp <= 8 ? "keys on M" : "rows on M");
+    printf("ok K%dV%d G %d hd %d bs %d%s %s: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
+           c->f.vbits, c->grp, hd, bs, c->norot ? " no rotation" : "", lay, e1, e2);
     if (ed_g >= 0) printf(", vs dense %.1e (cuda bf16) %.1e (cpu f32)", ed_g, ed_c);
     printf("\n");
 
@@ -227,19 +248,27 @@ int main(void)
     CHECK(!kg->supports((struct kvs_lean_fmt){8, 16}, 32, 8, 128) && !kg->supports((struct kvs_lean_fmt){8, 4}, 32, 8, 96) &&
               !kg->supports((struct kvs_lean_fmt){8, 4}, 64, 2, 128),
           "cuda refuses formats, head_dims and groups its attention kernel is not built for");
-    /* each case in both layouts of the attention kernel: 1 rows on the mma's M side, 2 keys on M
-     * (a group of 16 takes rows either way) */
-    for (int layout = 1; layout <= 2; layout++)
+    /* each case in the three layouts of the attention kernel: 1 rows on the mma's M side, 2 keys on
+     * M (k_lean_fd), 3 keys on M with the multi-warp decode kernel (k_lean_dec, kv_lean_decode.cu:
+     * attention(); attention_spans takes k_lean_fd); a group of 16 takes rows every time */
+    for (int layout = 1; layout <= 3; layout++)
         for (size_t i = 0; i < sizeof fmts / sizeof fmts[0]; i++) {
-            struct cfg c = {fmts[i], 2, 4, 128, 16};
+            struct cfg c = {fmts[i], 2, 4, 128, 16, 0};
             run_case(&c, layout);
         }
-    struct cfg more[] = {{{8, 4}, 4, 1, 64, 16},  {{8, 4}, 1, 8, 128, 8},  {{4, 2}, 2, 8, 64, 16},
-                         {{8, 8}, 8, 4, 128, 16}, {{16, 16}, 2, 1, 64, 8}, {{16, 16}, 1, 8, 128, 16},
-                         {{4, 4}, 1, 16, 64, 16}, {{2, 2}, 2, 1, 64, 8},  {{8, 4}, 2, 16, 128, 8}};
-    for (int layout = 1; layout <= 2; layout++)
+    struct cfg more[] = {{{8, 4}, 4, 1, 64, 16, 0},  {{8, 4}, 1, 8, 128, 8, 0},  {{4, 2}, 2, 8, 64, 16, 0},
+                         {{8, 8}, 8, 4, 128, 16, 0}, {{16, 16}, 2, 1, 64, 8, 0}, {{16, 16}, 1, 8, 128, 16, 0},
+                         {{4, 4}, 1, 16, 64, 16, 0}, {{2, 2}, 2, 1, 64, 8, 0},  {{8, 4}, 2, 16, 128, 8, 0},
+                         /* the multi-warp kernel's shapes: no rotation offsets (its plain QK path), odd
+                          * groups and KV head counts (tiles of 2 tokens x 3 heads, 8 / 5 = 1 x 5 heads),
+                          * groups of 2 and 8, blocks of 8 and 32 slots (two pages a tile, or half one) */
+                         {{8, 8}, 8, 4, 128, 16, 1}, {{8, 4}, 3, 3, 128, 16, 1}, {{4, 4}, 5, 5, 64, 32, 0},
+                         {{8, 8}, 3, 2, 128, 8, 1},  {{4, 2}, 1, 8, 128, 32, 1}, {{8, 4}, 7, 3, 64, 8, 0},
+                         {{16, 16}, 3, 3, 128, 16, 1}};
+    for (int layout = 1; layout <= 3; layout++)
         for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) run_case(&more[i], layout);
     kvs_cuda_set_lean_layout(0);
+    kvs_cuda_set_lean_dec(0, 0, 0);
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean");

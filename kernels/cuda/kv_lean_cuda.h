@@ -1,0 +1,24 @@
+/* kv_lean_cuda.h: the tests' and benchmarks' knob of LeanKV's multi-warp decode attention kernel
+ * (kernels/cuda/kv_lean_decode.cu), beside kvs_cuda_set_lean_layout (cuda_backend.h). Only with
+ * KVS_HAVE_CUDA=1. Process-wide state, no ownership; no errors (out-of-range values select the
+ * defaults). */
+#ifndef KVS_KV_LEAN_CUDA_H
+#define KVS_KV_LEAN_CUDA_H
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* The multi-warp kernel's configuration, process-wide: compute warps a block (1-5, else the
+ * default), stages of its ring (2-24, rounded down to a multiple of the compute warps and at least
+ * twice them; else as many as the shared memory holds) and context splits (1-256, else planned).
+ * Layout 3 of kvs_cuda_set_lean_layout forces the kernel where it applies (keys on M, no spans);
+ * the automatic choice (layout 0) takes it there too. Never called: KVS_LEAN_DEC=NC[,NST[,SPLITS]]
+ * from the environment, else the defaults. */
+void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits);
+#ifdef __cplusplus
+}
+#endif
+#endif
+
+#endif
