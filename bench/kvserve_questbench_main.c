@@ -27,7 +27,9 @@
  *
  * --score-shapes sweeps the score kernels' launch shape (kvs_quest_cuda_score_shape): each entry
  * d (the default rule), bN (pages per block sized for N blocks per SM) or pN (N pages per block)
- * gives its own row per digest width (column "shape").
+ * gives its own row per digest width (column "shape"); a trailing s (ds, b8s) runs that row with
+ * the Quest kernels' serial loads (kvs_quest_cuda_serial_loads: the loops of before the batched
+ * loads), for their A/B in one run.
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
@@ -269,6 +271,7 @@ int main(int argc, char **argv)
                     const char *sh = shapes[di / np % nshape];
                     const int path = paths[di % np];
                     kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
+                    kvs_quest_cuda_serial_loads(strchr(sh, 's') != NULL);
                     S.bits = dbits[di / (np * nshape)];
                     if (di % np == 0) {   /* the two kernels' spans: what every path must give */
                         kvs_quest_cuda_select_path(1);
