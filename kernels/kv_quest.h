@@ -269,6 +269,10 @@ void kvs_quest_cuda_select_path(int mode);
  * the current device only; the daemon never calls it. */
 void kvs_quest_cuda_serial_loads(int on);
 
+/* CUDA builds only: the select kernel's threads a (row, KV head): 256 or 1024 at every shape, 0
+ * (the default) by shape. For the benches' A/B and the tests; process-wide. */
+void kvs_quest_cuda_select_threads(int threads);
+
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);
 

@@ -51,6 +51,7 @@
 #define QS_MIN_PAGES 64      /* candidate pages per score block: at least, and a multiple of */
 #define QS_BLOCKS_PER_SM 8   /* score blocks the grid aims at per SM (the sweep in bench/RESULTS.md, quest5) */
 #define SEL_THREADS 1024
+#define SEL_SMALL_PAGES 0   /* steps whose longest row has at most this many candidate pages take 256-thread select blocks */
 #define SEL_STAGED_MAX (160 * 1024)   /* shared bytes up to which select stages the keys */
 #define FS_SMEM_MAX (200 * 1024)      /* the fused score + select's dynamic shared bytes, at most */
 
@@ -756,8 +757,8 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
 /* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
  * max_pages words), so the radix passes and the tie ranking read shared memory instead of
  * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
-template <bool STAGED>
-__global__ void __launch_bounds__(SEL_THREADS)
+template <int T, bool STAGED>
+__global__ void __launch_bounds__(T)
 k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
                int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
                int32_t *__restrict__ spans)
@@ -776,25 +777,31 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     }
     const float *sc = scores + (size_t)pair * max_pages;
     const int words = (cur + 1 + 31) / 32;
-    for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
+    for (int w = tid; w < words; w += T) bits[w] = 0;
     uint32_t *sk = bits + (max_pages + 1 + 31) / 32;
     if (STAGED) {
         if (qs_serial) {
-            for (int j = tid; j < cur; j += SEL_THREADS) sk[j] = q_okey(sc[j]);
+            for (int j = tid; j < cur; j += T) sk[j] = q_okey(sc[j]);
         } else {   /* QS_SLOTS loads a thread in flight (8192 keys at 128K: 8 per thread) */
-            for (int j0 = tid; j0 < cur; j0 += QS_SLOTS * SEL_THREADS) {
+            for (int j0 = tid; j0 < cur; j0 += QS_SLOTS * T) {
                 float v[QS_SLOTS];
 #pragma unroll
-                for (int k = 0; k < QS_SLOTS; k++) v[k] = j0 + k * SEL_THREADS < cur ? sc[j0 + k * SEL_THREADS] : 0.0f;
+                for (int k = 0; k < QS_SLOTS; k++) v[k] = j0 + k * T < cur ? sc[j0 + k * T] : 0.0f;
 #pragma unroll
                 for (int k = 0; k < QS_SLOTS; k++)
-                    if (j0 + k * SEL_THREADS < cur) sk[j0 + k * SEL_THREADS] = q_okey(v[k]);
+                    if (j0 + k * T < cur) sk[j0 + k * T] = q_okey(v[k]);
             }
         }
     }
     __syncthreads();
-    sel_run<SEL_THREADS, STAGED>(sc, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
+    sel_run<T, STAGED>(sc, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
 }
+
+/* kvs_quest_cuda_select_threads: the select's block, 0 by shape (SEL_SMALL_PAGES), else 256 or
+ * 1024 at every shape */
+static int sel_threads;
+
+extern "C" void kvs_quest_cuda_select_threads(int threads) { sel_threads = threads == 256 || threads == 1024 ? threads : 0; }
 
 static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
                       const struct kvs_dbuf *keep, int n, int n_kv_heads, int page_size, int max_pages, int max_spans,
@@ -808,21 +815,30 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, cons
     const size_t staged = bits_bytes + (size_t)max_pages * sizeof(uint32_t);
     const bool stage = staged <= SEL_STAGED_MAX;
     const size_t smem = stage ? staged : bits_bytes;
-    static int attr_set[2];
-    if (!attr_set[stage] && smem > 48 * 1024) {
-        const void *fn = stage ? (const void *)k_quest_select<true> : (const void *)k_quest_select<false>;
+    int most = 0;   /* the longest row's candidates (pages) */
+    for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
+    const int small = sel_threads == 256 || (sel_threads == 0 && most <= SEL_SMALL_PAGES);
+    static int attr_set[2][2];
+    if (!attr_set[small][stage] && smem > 48 * 1024) {
+        const void *fn = small ? (stage ? (const void *)k_quest_select<256, true> : (const void *)k_quest_select<256, false>)
+                               : (stage ? (const void *)k_quest_select<SEL_THREADS, true>
+                                        : (const void *)k_quest_select<SEL_THREADS, false>);
         CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)(smem < SEL_STAGED_MAX ? SEL_STAGED_MAX : smem)));
-        attr_set[stage] = 1;
+        attr_set[small][stage] = 1;
     }
-#define SEL_ARGS                                                                                                  \
-    (unsigned)(n * n_kv_heads), SEL_THREADS, smem, b->stream, (const float *)scores->d, (const int32_t *)m->pos->d, \
-        (const int32_t *)keep->d, n_kv_heads, page_size, max_pages, max_spans, (int32_t *)n_spans->d,            \
+#define SEL_ARGS(T)                                                                                            \
+    (unsigned)(n * n_kv_heads), T, smem, b->stream, (const float *)scores->d, (const int32_t *)m->pos->d,       \
+        (const int32_t *)keep->d, n_kv_heads, page_size, max_pages, max_spans, (int32_t *)n_spans->d,          \
         (int32_t *)spans->d
-    if (stage)
-        CUDA_CHECK(kvs_cu_launch(k_quest_select<true>, SEL_ARGS));
+    if (small && stage)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<256, true>, SEL_ARGS(256)));
+    else if (small)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<256, false>, SEL_ARGS(256)));
+    else if (stage)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<SEL_THREADS, true>, SEL_ARGS(SEL_THREADS)));
     else
-        CUDA_CHECK(kvs_cu_launch(k_quest_select<false>, SEL_ARGS));
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<SEL_THREADS, false>, SEL_ARGS(SEL_THREADS)));
 #undef SEL_ARGS
     (void)m;
 }
