@@ -23,11 +23,15 @@
  *
  * --span-kinds sweeps attention_spans' kind (kvs_cuda_set_span_kernel, kernels/cuda/kv_span.h): each
  * entry 100 x kind + the least tiles a split (104: kind 1 at 4 tiles, 302: kind 3 at 2; 0: the defaults), each
- * its own rows (column "spans"), the spans timed again under each.
+ * its own rows (column "spans"), the spans timed again under each; 1000 + an entry (1304)
+ * runs it with the splits' merge of before (kvs_cuda_set_span_merge(1): serial loads).
  *
  * --score-shapes sweeps the score kernels' launch shape (kvs_quest_cuda_score_shape): each entry
  * d (the default rule), bN (pages per block sized for N blocks per SM) or pN (N pages per block)
- * gives its own row per digest width (column "shape").
+ * gives its own row per digest width (column "shape"); a trailing s (ds, b8s) runs that row with
+ * the Quest kernels' serial loads (kvs_quest_cuda_serial_loads: the loops of before the batched
+ * loads), for their A/B in one run; tN (dt256, dst1024) runs it with N-thread select blocks
+ * (kvs_quest_cuda_select_threads).
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
@@ -160,7 +164,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < np; i++)
         if (paths[i] < 0 || paths[i] > 7) np = -1;
     for (int i = 0; i < nsk; i++)
-        if (spk[i] && (spk[i] / 100 < 1 || spk[i] / 100 > 3 || spk[i] % 100 < 1)) nsk = -1;
+        if (spk[i] < 0 || spk[i] > 1399 || (spk[i] % 1000 && (spk[i] % 1000 / 100 < 1 || spk[i] % 100 < 1))) nsk = -1;
     if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nsk <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
         fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7), --span-kinds (0, 1NN, 2NN, 3NN) or --score-shapes (d, bN, pN)\n",
                 argv[0]);
@@ -253,7 +257,8 @@ int main(int argc, char **argv)
             S.sl = (struct kvs_span_list){S.max_spans, S.nsp, S.sp, h_n, h_sp};
             const float full = time_op(b, &S, OP_FULL, reps, flush);
             for (int ki = 0; ki < nsk; ki++) {
-                kvs_cuda_set_span_kernel(spk[ki] / 100, spk[ki] % 100);
+                kvs_cuda_set_span_merge(spk[ki] >= 1000);
+                kvs_cuda_set_span_kernel(spk[ki] % 1000 / 100, spk[ki] % 100);
                 S.bits = 16;
                 kvs_quest_cuda_select_path(1);
                 S.fold = 0;
@@ -269,6 +274,8 @@ int main(int argc, char **argv)
                     const char *sh = shapes[di / np % nshape];
                     const int path = paths[di % np];
                     kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
+                    kvs_quest_cuda_serial_loads(strchr(sh, 's') != NULL);
+                    kvs_quest_cuda_select_threads(strchr(sh, 't') ? atoi(strchr(sh, 't') + 1) : 0);
                     S.bits = dbits[di / (np * nshape)];
                     if (di % np == 0) {   /* the two kernels' spans: what every path must give */
                         kvs_quest_cuda_select_path(1);

@@ -30,10 +30,12 @@
  * layers; random weights: near-random picks, an upper-end figure).
  *
  * --digest-bits 8,4 adds, per value, Quest with kv.quest.digest_bits = that value (graphed and
- * eager); the other Quest / Retro columns use 16. --windows 0: no Retro columns.
+ * eager); the other Quest / Retro columns use 16, or --base-bits (8: the policies' default).
+ * --windows 0: no Retro columns.
  *
  * Usage: kvserve-stepbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8]
- *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--markdown FILE]
+ *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16]
+ *                          [--markdown FILE]
  * A shape whose K/V, digests and weights do not fit in device memory is skipped with a note.
  */
 #include <math.h>
@@ -115,6 +117,7 @@ struct result {
 };
 
 /* ms per step of `decode` with window w over nb requests at context ctx (mb blocks each) */
+static int base_bits = 16;     /* --base-bits: kv.quest.digest_bits of the main Quest / Retro columns */
 static int digest_bits = 16;   /* kv.quest.digest_bits of the next run_policy */
 
 static struct result run_policy(struct model *M, const char *decode, int w, double ratio, int nb, int ctx, int mb,
@@ -243,9 +246,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
         else if (!strcmp(argv[i], "--digest-bits") && i + 1 < argc) n_d = bench_parse_list(argv[++i], dbits, 4);
+        else if (!strcmp(argv[i], "--base-bits") && i + 1 < argc) base_bits = digest_bits = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8] "
-                    "[--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--markdown FILE]\n", argv[0]);
+                    "[--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
@@ -259,6 +263,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "windows are 1..%d\n", MAXW);
             return 2;
         }
+    if (base_bits != 16 && base_bits != 8 && base_bits != 4) {
+        fprintf(stderr, "--base-bits: 16, 8 or 4\n");
+        return 2;
+    }
     if (steps < 1 || n_b <= 0 || n_c <= 0 || n_w < 0 || n_d < 0 || n_layers < 3 || n_layers > 256 || !(ratio > 0)) {
         fprintf(stderr, "bad arguments\n");
         return 2;
@@ -304,7 +312,7 @@ int main(int argc, char **argv)
 
     FILE *mf = md ? fopen(md, "w") : NULL;
     printf("decode step, %d layers (0-1 dense), ms (host wall clock: plan + layers + LM head + sync); budget "
-           "max(256, %.2f n)\n", n_layers, ratio);
+           "max(256, %.2f n); Quest / Retro columns at %d-bit digests\n", n_layers, ratio, base_bits);
     char head[2048];
     int hl = snprintf(head, sizeof head, "| batch | context | full graph ms | full ms | Quest graph ms | Quest ms | "
                       "full / Quest, graphs | full / Quest, eager |");
@@ -355,7 +363,7 @@ int main(int argc, char **argv)
             for (int i = 0; i < n_d; i++) {
                 digest_bits = dbits[i];
                 const struct result r = run_policy(M, "quest", 1, ratio, nb, ctx, mb, steps);
-                digest_bits = 16;
+                digest_bits = base_bits;
                 ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.2f | %.2f |", r.graph_ms, r.ms,
                                full.graph_ms / r.graph_ms);
             }

@@ -107,8 +107,9 @@ struct kvs_quest_kernels {
      * want_scores != 0 also leaves the scores there on the fused path (the tests compare them).
      * wm (may be NULL): first the refresh of the pages wm's rows wrote, as digest_update (or
      * qdigest_update) of kc over wm, for a step whose only writes are the selecting rows': wm's
-     * sequence s is row s of m (the same pos and block tables), with one row or none each, and
-     * wm has n sequences. The refreshed page of a row is its current page, never a candidate,
+     * sequence s is row s of m (the same block tables), with no rows or rows that all lie in
+     * row s's current page and end at m's pos[s] (one row for Quest; a Retro window's w rows
+     * when they share that page), and wm has n sequences. The refreshed page of a row is its current page, never a candidate,
      * so the refresh may run alongside the scores. */
     void (*score_select)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
                          const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads,
@@ -260,6 +261,17 @@ void kvs_quest_cuda_score_shape(int pages_per_block, int blocks_per_sm);
  * with 512-thread blocks at every shape (2 takes 1024 where the pairs are fewer than SMs). For
  * the benchmark's A/B and the tests; process-wide; the daemon never calls it. */
 void kvs_quest_cuda_select_path(int mode);
+
+/* CUDA builds only: nonzero makes the Quest kernels load a page's key slots, the group's queries
+ * and the select's keys one dependent load at a time, as before the batched loads (same bits
+ * either way); 0, the default, issues them several at a time. Also set, once, by
+ * KVS_QUEST_SERIAL_LOADS=1 in the environment. For the benches' A/B in one run; process-wide,
+ * the current device only; the daemon never calls it. */
+void kvs_quest_cuda_serial_loads(int on);
+
+/* CUDA builds only: the select kernel's threads a (row, KV head): 256 or 1024 at every shape, 0
+ * (the default) by shape. For the benches' A/B and the tests; process-wide. */
+void kvs_quest_cuda_select_threads(int threads);
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);

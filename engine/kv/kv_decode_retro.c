@@ -5,7 +5,9 @@
  *   window     kv.retro.window = w (1: Quest exactly, its code path). A decode step of a request
  *              runs k + 1 rows (kv.h recompute: the runner re-runs its last k tokens from the
  *              updated lower layers and rewrites their K/V; Quest's digests of the rewritten
- *              pages are refreshed by the layer's digest update, which covers every row), with
+ *              pages are refreshed by the layer's digest update, which covers every row; in a
+ *              step of lead windows only, each inside its newest row's page, that refresh is a
+ *              slice of the score launch, as Quest's: KVS_RETRO_FOLD=0 keeps it apart), with
  *              k = min(w - 1, cached past outputs). Prompt tokens never enter the window: a
  *              request's first decode step has k = 0. A request that missed a step (or attended
  *              densely in one) restarts its window. A re-run row is bitwise its first run where
@@ -131,6 +133,10 @@ struct retro {
     int n_lead, n_lrows, any_sparse, any_past, skip;
     int kept;                           /* sparse layers take attend_kept: no newest row selects, and no
                                          * window row selected in its own step (so none has a supplement) */
+    int no_fold;                        /* KVS_RETRO_FOLD=0: never fold (below) */
+    int fold;                           /* the step's only sequences are the lead ones, each window in its
+                                         * newest row's page: the selecting layers' digest refresh rides
+                                         * score_select's launch (as Quest's one-row steps) */
     /* counters */
     double cache_bytes;
     double bytes_read, sparse_rows, dense_rows, past_rows, keys_own, keys_sup, windows_reset;
@@ -306,6 +312,8 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_keys = o->alloc(env->be, KVS_BUF_I32, 4);
         const char *fe = getenv("KVS_RETRO_FUSED");
         s->fused = s->rk->attend && !(fe && !strcmp(fe, "0"));
+        fe = getenv("KVS_RETRO_FOLD");   /* "0": the refresh its own launch in every step (the benches' A/B) */
+        s->no_fold = fe && !strcmp(fe, "0");
         if (s->fused) s->d_M = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_pages);
         failed = !s->d_A || !s->d_req || !s->d_keys || (s->fused && !s->d_M);
         if (!failed) o->zero(env->be, s->d_keys, 0, 4);
@@ -399,6 +407,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
            st->h_q_start[s->n_lead + 1] <= s->lrows)
         s->n_lead++;
     s->n_lrows = st->h_q_start[s->n_lead];
+    s->fold = s->n_lead == st->n_seqs && s->w > 1 && !s->no_fold;
     /* the window bookkeeping of every sequence; decode rows outside the lead attend densely */
     for (int q = 0; q < st->n_seqs; q++) {
         const int slot = st->h_slot[q];
@@ -447,6 +456,7 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
         s->h_npos[q] = pos;
         s->h_nqs[q] = q;
         s->h_nrows[q] = st->h_q_start[q + 1] - 1;
+        s->fold &= st->h_pos[q] / s->ps == cur;   /* the window's first row in the newest row's page */
         s->h_req[5 * q] = st->h_q_start[q], s->h_req[5 * q + 1] = rows, s->h_req[5 * q + 2] = pos;
         s->h_req[5 * q + 3] = s->slot[st->h_slot[q]]->t, s->h_req[5 * q + 4] = st->h_slot[q];
         s->any_sparse |= keep <= cur;
@@ -525,15 +535,16 @@ static void retro_digest_update(struct retro *s, const struct kvs_dbuf *kc, cons
 /* Quest's scores and selection of rows 0 .. n-1 into d_sel_n / d_sel: one kernel where the
  * backend fuses them (CUDA), else the scores then the select */
 static void retro_select(struct retro *s, const struct kvs_dbuf *q, int layer, const struct kvs_attn_meta *m, int n,
-                        int n_heads)
+                        int n_heads, const struct kvs_dbuf *kc, const struct kvs_attn_meta *wm)
 {
     const struct kvs_kv_decode_env *e = &s->env;
-    if (s->k->score_select) {
+    if (s->k->score_select) {   /* wm: the step's refresh too (s->fold) */
         s->k->score_select(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim,
                            e->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->max_spans, s->d_scores, 0,
-                           s->d_sel_n, s->d_sel, NULL, NULL);
+                           s->d_sel_n, s->d_sel, kc, wm);
         return;
     }
+    if (wm) retro_digest_update(s, kc, wm, layer);
     if (s->bits < 16)
         s->k->qscore(e->be, q, s->dig[layer], m, s->d_keep, n, n_heads, e->n_kv_heads, e->head_dim, e->block_size,
                      s->ps, s->bits, s->n_pages, s->max_pages, s->d_scores);
@@ -564,7 +575,7 @@ static void attend_quest(struct retro *s, int layer, const struct kvs_kv_attend 
     sub.max_ctx = 0;
     for (int q = 0; q < s->n_lead; q++)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
-    retro_select(s, a->q, layer, &sub, s->n_lead, a->n_heads);
+    retro_select(s, a->q, layer, &sub, s->n_lead, a->n_heads, NULL, NULL);
     const struct kvs_span_list sp = {s->max_spans, s->d_sel_n, s->d_sel, s->h_plan_n, s->h_plan_sp};
     o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, s->n_lead, a->n_heads, a->n_kv_heads, a->head_dim,
                        a->block_size, a->scale, a->out, a->lse);
@@ -644,7 +655,11 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     const struct kvs_backend_ops *o = s->env.o;
     struct kvs_backend *be = s->env.be;
     const struct kvs_kv_step *st = a->step;
-    if (layer >= s->dense_layers && !s->skip)   /* every written page, prefill steps too */
+    /* a selecting layer of a step of lead windows only, each in its newest row's page: the
+     * refresh of the pages they wrote (their current pages, which no selection reads) goes into
+     * score_select's launch (retro_select below); else its own launch, every written page */
+    const int fold = s->fold && layer >= s->dense_layers && !s->skip && s->n_lead && s->any_sparse && s->k->score_select;
+    if (layer >= s->dense_layers && !s->skip && !fold)   /* every written page, prefill steps too */
         retro_digest_update(s, a->kv.k, st->m, layer);
     if (layer < s->dense_layers && s->w > 1 && !s->skip && s->n_lead) {
         if (st->n_rows > s->n_lrows)   /* rows past the lead (prefill chunks) */
@@ -673,7 +688,7 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
     struct kvs_attn_meta nm;
     newest_meta(s, st, &nm);
-    retro_select(s, s->d_qn, layer, &nm, nl, nh);
+    retro_select(s, s->d_qn, layer, &nm, nl, nh, fold ? a->kv.k : NULL, fold ? st->m : NULL);
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = nl;
     sub.max_ctx = nm.max_ctx;

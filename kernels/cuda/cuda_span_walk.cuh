@@ -270,5 +270,7 @@ __device__ __forceinline__ void span_store_row(const float (&o)[HD / 8][4], int 
 /* The splits' partials of each (row, head) (one block each) into out and lse, in split order;
  * defined in kv_span.cu, launched by attention_spans and Retro's fused attend. */
 __global__ void k_spans_merge(const float *part, int n_splits, int hd, float *out, float *lse);
+/* reads KVS_CUDA_SPAN_MERGE once (kv_span.cu); the merge's launchers call it first */
+void kvs_cu_span_merge_env(void);
 
 #endif

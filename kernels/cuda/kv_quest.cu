@@ -51,6 +51,7 @@
 #define QS_MIN_PAGES 64      /* candidate pages per score block: at least, and a multiple of */
 #define QS_BLOCKS_PER_SM 8   /* score blocks the grid aims at per SM (the sweep in bench/RESULTS.md, quest5) */
 #define SEL_THREADS 1024
+#define SEL_SMALL_PAGES 0   /* steps whose longest row has at most this many candidate pages take 256-thread select blocks */
 #define SEL_STAGED_MAX (160 * 1024)   /* shared bytes up to which select stages the keys */
 #define FS_SMEM_MAX (200 * 1024)      /* the fused score + select's dynamic shared bytes, at most */
 
@@ -67,17 +68,70 @@ __device__ __forceinline__ size_t q_phys_page(const int32_t *bt, int p, int bs, 
 
 /* ---- digests ------------------------------------------------------------------------------- */
 
+/* kvs_quest_cuda_serial_loads: nonzero = the loops of before (one dependent global load at a
+ * time in a page's slots, the group's queries and the select's keys), for the bench's A/B in
+ * one run; 0 (the default) = the batched loads below. Both give the same bits. */
+__constant__ int qs_serial;
+static int qs_serial_host = -1;   /* what qs_serial holds on the device; -1: not read from the environment yet */
+
+extern "C" void kvs_quest_cuda_serial_loads(int on)
+{
+    qs_serial_host = on ? 1 : 0;
+    CUDA_CHECK(cudaMemcpyToSymbol(qs_serial, &qs_serial_host, sizeof qs_serial_host));
+}
+
+/* KVS_QUEST_SERIAL_LOADS=1 in the environment sets the knob at the first launch (for whole-step
+ * benches); host only, once */
+static void qs_serial_env(void)
+{
+    if (qs_serial_host >= 0) return;
+    const char *e = getenv("KVS_QUEST_SERIAL_LOADS");
+    if (e && atoi(e)) kvs_quest_cuda_serial_loads(1);
+    else qs_serial_host = 0;
+}
+
+#define QS_SLOTS 8   /* a page's slots loaded at once by a digest thread */
+
+/* The element-wise min and max of dimension i of KV head g over slots first .. end-1 of one page
+ * (a page lies in one KV block: one block-table read). The slots' loads are issued QS_SLOTS at a
+ * time before any is used: the loop of one load per iteration waited on a memory round trip per
+ * slot (16 at a full page), and the refresh slice of the score launch, the longest block of that
+ * launch, was mostly that wait. fminf / fmaxf in the same slot order as the serial loop: the same
+ * bits (a NaN key is skipped by both; the padding is NaN). */
+__device__ __forceinline__ void slot_minmax(const bf16 *__restrict__ kc, const int32_t *__restrict__ bt, int first,
+                                            int end, int g, int n_kv, int hd, int bs, int i, float &mn, float &mx)
+{
+    mn = INFINITY, mx = -INFINITY;
+    if (first >= end) return;
+    const bf16 *base = kc + (((size_t)bt[first / bs] * n_kv + g) * bs + first % bs) * hd + i;
+    const int n = end - first;
+    if (qs_serial) {
+        for (int p = 0; p < n; p++) {
+            const float x = __bfloat162float(base[(size_t)p * hd]);
+            mn = fminf(mn, x);
+            mx = fmaxf(mx, x);
+        }
+        return;
+    }
+    for (int p0 = 0; p0 < n; p0 += QS_SLOTS) {
+        float x[QS_SLOTS];
+#pragma unroll
+        for (int k = 0; k < QS_SLOTS; k++) x[k] = p0 + k < n ? __bfloat162float(base[(size_t)(p0 + k) * hd]) : NAN;
+#pragma unroll
+        for (int k = 0; k < QS_SLOTS; k++) {
+            mn = fminf(mn, x[k]);
+            mx = fmaxf(mx, x[k]);
+        }
+    }
+}
+
 /* one bf16 digest page (bf16 min / max are bf16 values: stored exactly), threads over dimensions */
 __device__ __forceinline__ void bd_page(const bf16 *__restrict__ kc, const int32_t *__restrict__ bt, int first,
                                         int end, int g, int n_kv, int hd, int bs, int ps, bf16 *__restrict__ dig)
 {
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float mn = INFINITY, mx = -INFINITY;
-        for (int p = first; p < end; p++) {
-            const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
-            mn = fminf(mn, x);
-            mx = fmaxf(mx, x);
-        }
+        float mn, mx;
+        slot_minmax(kc, bt, first, end, g, n_kv, hd, bs, i, mn, mx);
         bf16 *d = dig + (q_phys_page(bt, first, bs, ps) * n_kv + g) * 2 * hd;
         d[i] = __float2bfloat16(mn);
         d[hd + i] = __float2bfloat16(mx);
@@ -101,6 +155,7 @@ __global__ void k_quest_digest(const bf16 *__restrict__ kc, const int32_t *__res
 static void cu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
                              int n_kv_heads, int head_dim, int block_size, int page_size, struct kvs_dbuf *dig)
 {
+    qs_serial_env();
     int most = 0;   /* pages the longest write touches */
     for (int s = 0; s < m->n_seqs; s++) {
         const int n = m->h_q_start[s + 1] - m->h_q_start[s];
@@ -174,6 +229,25 @@ __device__ __forceinline__ void bf16x8(const uint4 &v, float *f)
     }
 }
 
+/* sq[0 .. n) = qg[0 .. n) by the block (the group's queries for the bf16 scores): QS_SLOTS loads a
+ * thread in flight before its stores (the strided loop waited on one round trip per element) */
+__device__ __forceinline__ void q_stage_group(const float *__restrict__ qg, int n, float *sq)
+{
+    const int T = (int)blockDim.x;
+    if (qs_serial) {
+        for (int x = threadIdx.x; x < n; x += T) sq[x] = qg[x];
+        return;
+    }
+    for (int x0 = threadIdx.x; x0 < n; x0 += QS_SLOTS * T) {
+        float v[QS_SLOTS];
+#pragma unroll
+        for (int k = 0; k < QS_SLOTS; k++) v[k] = x0 + k * T < n ? qg[x0 + k * T] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < QS_SLOTS; k++)
+            if (x0 + k * T < n) sq[x0 + k * T] = v[k];
+    }
+}
+
 /* Scores of pages pg0 .. pg1-1 of one (row, KV head) by the block's warps (warp of nwarps), the
  * group's queries sq [G][HD] staged in shared memory: each page's score to out[pg] (when out) and
  * its order key to okeys[pg] (when okeys). One body for the score kernel and the fused
@@ -233,20 +307,21 @@ k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const i
     grid_dep_wait();
     const int cur = pos[row] / ps;
     if (wqs && blockIdx.y == gridDim.y - 1) {   /* the refresh slice (cu_score_r) */
-        if (wqs[row + 1] - wqs[row] == 1)
+        if (wqs[row + 1] - wqs[row] >= 1)
             bd_page(kc, bts + (size_t)row * max_blocks, cur * ps, pos[row] + 1, g, n_kv, HD, bs, ps, digw);
         return;
     }
     const int pg0 = (int)blockIdx.y * ppb;
     if (keep[row] > cur || pg0 >= cur) return;
-    for (int x = threadIdx.x; x < G * HD; x += blockDim.x) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
+    q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
     __syncthreads();
     q_score_range<HD>(sq, G, dig, bts + (size_t)row * max_blocks, g, n_kv, bs, ps, pg0, min(pg0 + ppb, cur),
                       threadIdx.x >> 5, QS_WARPS, scores + ((size_t)row * n_kv + g) * max_pages, nullptr);
 }
 
 /* wqs (device, NULL: none): the score kernels also refresh each row's current page (the page a
- * one-row write at pos[row] touched, where wqs[row + 1] - wqs[row] == 1) in one more slice of
+ * write ending at pos[row] touched, where wqs[row + 1] - wqs[row] >= 1: the caller guarantees that
+ * those rows lie in that page, kv_quest.h score_select) in one more slice of
  * blocks (grid y = the last): that page is never a candidate, so no score block of the launch
  * reads what the refresh writes, and the refresh leaves the chain of dependent launches
  * (bench/RESULTS.md, quest7; the caller checks most > 0 and head_dim <= 32 * QS_WARPS). */
@@ -255,6 +330,7 @@ static void cu_score_r(struct kvs_backend *b, const struct kvs_dbuf *q, const st
                        int head_dim, int block_size, int page_size, int max_pages, struct kvs_dbuf *scores,
                        const struct kvs_dbuf *kc, const int32_t *wqs)
 {
+    qs_serial_env();
     if (n <= 0) return;
     int most = 0;
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
@@ -303,12 +379,7 @@ __device__ __forceinline__ void qd_page(const bf16 *__restrict__ kc, const int32
     const int levels = (1 << bits) - 1, per = 32 / bits, vw = hd * bits / 32, nw = (int)(blockDim.x >> 5);
     uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * vw;
     float mn = INFINITY, mx = -INFINITY;
-    if (i < hd)
-        for (int p = first; p < end; p++) {
-            const float x = __bfloat162float(kc[(((size_t)bt[p / bs] * n_kv + g) * bs + p % bs) * hd + i]);
-            mn = fminf(mn, x);
-            mx = fmaxf(mx, x);
-        }
+    if (i < hd) slot_minmax(kc, bt, first, end, g, n_kv, hd, bs, i, mn, mx);
     /* the page's lo / hi: min and max are exact, so any reduction order gives the CPU's */
     float lo = mn, hi = mx;
     for (int o = 16; o > 0; o >>= 1) {
@@ -363,6 +434,7 @@ static void cu_qdigest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, 
                               int n_kv_heads, int head_dim, int block_size, int page_size, int bits, size_t n_pages,
                               struct kvs_dbuf *qdig)
 {
+    qs_serial_env();
     int most = 0;
     for (int s = 0; s < m->n_seqs; s++) {
         const int n = m->h_q_start[s + 1] - m->h_q_start[s];
@@ -409,12 +481,24 @@ template <int HD>
 __device__ __forceinline__ void q_fold_group(const float *__restrict__ q, int row, int g, int G, int n_heads,
                                              float *sqp, float *sqn)
 {
+    const float *qg = q + ((size_t)row * n_heads + g * G) * HD;
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float p = 0.0f, n = 0.0f;
-        for (int h = 0; h < G; h++) {
-            const float x = q[((size_t)row * n_heads + g * G + h) * HD + i];
-            p += fmaxf(x, 0.0f);
-            n += fminf(x, 0.0f);
+        if (qs_serial) {
+            for (int h = 0; h < G; h++) {
+                const float x = qg[(size_t)h * HD + i];
+                p += fmaxf(x, 0.0f);
+                n += fminf(x, 0.0f);
+            }
+        } else {   /* the heads' loads first (QS_SLOTS at a time), then the sums in the same head order */
+            for (int h0 = 0; h0 < G; h0 += QS_SLOTS) {
+                float x[QS_SLOTS];
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++) x[k] = h0 + k < G ? qg[(size_t)(h0 + k) * HD + i] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++)
+                    if (h0 + k < G) p += fmaxf(x[k], 0.0f), n += fminf(x[k], 0.0f);
+            }
         }
         sqp[i] = p, sqn[i] = n;
     }
@@ -509,7 +593,7 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
         __shared__ uint32_t s_par;
         __shared__ uint8_t codes[2 * HD];
         if (wqs && blockIdx.y == gridDim.y - 1) {
-            if (wqs[row + 1] - wqs[row] == 1)
+            if (wqs[row + 1] - wqs[row] >= 1)
                 qd_page(kc, bts + (size_t)row * max_blocks, cur * ps, pos[row] + 1, g, n_kv, HD, bs, ps, BITS, n_pages,
                         qdigw, red, &s_par, codes);
             return;
@@ -530,6 +614,7 @@ static void cu_qscore_r(struct kvs_backend *b, const struct kvs_dbuf *q, const s
                         int head_dim, int block_size, int page_size, int bits, size_t n_pages, int max_pages,
                         struct kvs_dbuf *scores, const struct kvs_dbuf *kc, const int32_t *wqs)
 {
+    qs_serial_env();
     if (n <= 0) return;
     int most = 0;
     for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
@@ -672,8 +757,8 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
 /* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
  * max_pages words), so the radix passes and the tie ranking read shared memory instead of
  * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
-template <bool STAGED>
-__global__ void __launch_bounds__(SEL_THREADS)
+template <int T, bool STAGED>
+__global__ void __launch_bounds__(T)
 k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos, const int32_t *__restrict__ keep,
                int n_kv, int ps, int max_pages, int max_spans, int32_t *__restrict__ n_spans,
                int32_t *__restrict__ spans)
@@ -692,18 +777,37 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     }
     const float *sc = scores + (size_t)pair * max_pages;
     const int words = (cur + 1 + 31) / 32;
-    for (int w = tid; w < words; w += SEL_THREADS) bits[w] = 0;
+    for (int w = tid; w < words; w += T) bits[w] = 0;
     uint32_t *sk = bits + (max_pages + 1 + 31) / 32;
-    if (STAGED)
-        for (int j = tid; j < cur; j += SEL_THREADS) sk[j] = q_okey(sc[j]);
+    if (STAGED) {
+        if (qs_serial) {
+            for (int j = tid; j < cur; j += T) sk[j] = q_okey(sc[j]);
+        } else {   /* QS_SLOTS loads a thread in flight (8192 keys at 128K: 8 per thread) */
+            for (int j0 = tid; j0 < cur; j0 += QS_SLOTS * T) {
+                float v[QS_SLOTS];
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++) v[k] = j0 + k * T < cur ? sc[j0 + k * T] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++)
+                    if (j0 + k * T < cur) sk[j0 + k * T] = q_okey(v[k]);
+            }
+        }
+    }
     __syncthreads();
-    sel_run<SEL_THREADS, STAGED>(sc, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
+    sel_run<T, STAGED>(sc, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
 }
+
+/* kvs_quest_cuda_select_threads: the select's block, 0 by shape (SEL_SMALL_PAGES), else 256 or
+ * 1024 at every shape */
+static int sel_threads;
+
+extern "C" void kvs_quest_cuda_select_threads(int threads) { sel_threads = threads == 256 || threads == 1024 ? threads : 0; }
 
 static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, const struct kvs_attn_meta *m,
                       const struct kvs_dbuf *keep, int n, int n_kv_heads, int page_size, int max_pages, int max_spans,
                       struct kvs_dbuf *n_spans, struct kvs_dbuf *spans)
 {
+    qs_serial_env();
     if (n <= 0) return;
     xh_forget(b, n_spans->d);
     xh_forget(b, spans->d);
@@ -711,21 +815,30 @@ static void cu_select(struct kvs_backend *b, const struct kvs_dbuf *scores, cons
     const size_t staged = bits_bytes + (size_t)max_pages * sizeof(uint32_t);
     const bool stage = staged <= SEL_STAGED_MAX;
     const size_t smem = stage ? staged : bits_bytes;
-    static int attr_set[2];
-    if (!attr_set[stage] && smem > 48 * 1024) {
-        const void *fn = stage ? (const void *)k_quest_select<true> : (const void *)k_quest_select<false>;
+    int most = 0;   /* the longest row's candidates (pages) */
+    for (int s = 0; s < n; s++) most = m->h_pos[s] / page_size > most ? m->h_pos[s] / page_size : most;
+    const int small = sel_threads == 256 || (sel_threads == 0 && most <= SEL_SMALL_PAGES);
+    static int attr_set[2][2];
+    if (!attr_set[small][stage] && smem > 48 * 1024) {
+        const void *fn = small ? (stage ? (const void *)k_quest_select<256, true> : (const void *)k_quest_select<256, false>)
+                               : (stage ? (const void *)k_quest_select<SEL_THREADS, true>
+                                        : (const void *)k_quest_select<SEL_THREADS, false>);
         CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         (int)(smem < SEL_STAGED_MAX ? SEL_STAGED_MAX : smem)));
-        attr_set[stage] = 1;
+        attr_set[small][stage] = 1;
     }
-#define SEL_ARGS                                                                                                  \
-    (unsigned)(n * n_kv_heads), SEL_THREADS, smem, b->stream, (const float *)scores->d, (const int32_t *)m->pos->d, \
-        (const int32_t *)keep->d, n_kv_heads, page_size, max_pages, max_spans, (int32_t *)n_spans->d,            \
+#define SEL_ARGS(T)                                                                                            \
+    (unsigned)(n * n_kv_heads), T, smem, b->stream, (const float *)scores->d, (const int32_t *)m->pos->d,       \
+        (const int32_t *)keep->d, n_kv_heads, page_size, max_pages, max_spans, (int32_t *)n_spans->d,          \
         (int32_t *)spans->d
-    if (stage)
-        CUDA_CHECK(kvs_cu_launch(k_quest_select<true>, SEL_ARGS));
+    if (small && stage)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<256, true>, SEL_ARGS(256)));
+    else if (small)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<256, false>, SEL_ARGS(256)));
+    else if (stage)
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<SEL_THREADS, true>, SEL_ARGS(SEL_THREADS)));
     else
-        CUDA_CHECK(kvs_cu_launch(k_quest_select<false>, SEL_ARGS));
+        CUDA_CHECK(kvs_cu_launch(k_quest_select<SEL_THREADS, false>, SEL_ARGS(SEL_THREADS)));
 #undef SEL_ARGS
     (void)m;
 }
@@ -757,7 +870,7 @@ k_quest_fsel(const float *__restrict__ q, void *__restrict__ dig, size_t n_pages
     float *sq = (float *)(sk + max_pages);   /* bf16: [G][HD]; quantized: Qp [HD], Qn [HD] */
     /* the refresh of the page the row wrote (its current page, never a candidate: no block of
      * this grid reads it) */
-    if (wqs && wqs[row + 1] - wqs[row] == 1) {   /* block-uniform */
+    if (wqs && wqs[row + 1] - wqs[row] >= 1) {   /* block-uniform */
         if constexpr (BITS == 16)
             bd_page(kc, bt, cur * ps, ctx, g, n_kv, HD, bs, ps, (bf16 *)dig);
         else
@@ -772,7 +885,7 @@ k_quest_fsel(const float *__restrict__ q, void *__restrict__ dig, size_t n_pages
         return;
     }
     if (BITS == 16)
-        for (int x = tid; x < G * HD; x += T) sq[x] = q[((size_t)row * n_heads + g * G) * HD + x];
+        q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
     else
         q_fold_group<HD>(q, row, g, G, n_heads, sq, sq + HD);
     for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
@@ -843,6 +956,7 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
                             struct kvs_dbuf *n_spans, struct kvs_dbuf *spans, const struct kvs_dbuf *kc,
                             const struct kvs_attn_meta *wm)
 {
+    qs_serial_env();
     if (n <= 0) {
         if (wm) digests_refresh(b, kc, wm, n_kv_heads, head_dim, block_size, page_size, bits, n_pages, dig);
         return;

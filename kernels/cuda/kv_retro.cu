@@ -458,6 +458,7 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     case 64: launch_fused_hd<64>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
     default: launch_fused_hd<128>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
     }
+    kvs_cu_span_merge_env();
     if (x.n_splits > 1)
         CUDA_CHECK(kvs_cu_launch(k_spans_merge, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
                                  b->stream, (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));

@@ -237,26 +237,89 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
         }
 }
 
-/* cuda_span_walk.cuh declares it (Retro launches it too) */
+/* kvs_cuda_set_span_merge: nonzero = the merge of before (each thread walks the partials' maxima and
+ * sums one dependent global load at a time), for the benches' A/B; 0 (default) = staged */
+__device__ int span_merge_serial;
+
+static int span_merge_host = -1;   /* what span_merge_serial holds; -1: the environment not read yet */
+
+extern "C" void kvs_cuda_set_span_merge(int serial)
+{
+    span_merge_host = serial ? 1 : 0;
+    CUDA_CHECK(cudaMemcpyToSymbol(span_merge_serial, &span_merge_host, sizeof span_merge_host));
+}
+
+/* cuda_span_walk.cuh: KVS_CUDA_SPAN_MERGE=serial sets the knob once, before the first merge (for
+ * whole-step benches) */
+void kvs_cu_span_merge_env(void)
+{
+    if (span_merge_host >= 0) return;
+    const char *e = getenv("KVS_CUDA_SPAN_MERGE");
+    if (e && !strcmp(e, "serial")) kvs_cuda_set_span_merge(1);
+    else span_merge_host = 0;
+}
+
+#define MERGE_STAGED_MAX 512   /* splits whose (max, sum) the merge stages in shared memory, at most */
+
+/* cuda_span_walk.cuh declares it (Retro launches it too). One block per (row, head). Staged (up to
+ * MERGE_STAGED_MAX splits): the splits' maxima and sums are loaded once by the whole block and
+ * each split's weight exp(m_s - M) made once into shared memory, then each thread's dimension
+ * takes the partials' values 8 loads at a time. The serial form (each thread three walks over the
+ * splits, one dependent load a step) took 18 us at one row of 32K tokens (38 splits; ncu,
+ * bench/RESULTS.md quest9), longer than the span walk it merges. Both forms do the same
+ * operations in the same split order (M is an exact max; L and A sum in increasing split), so
+ * they give the same bits. */
 __global__ void k_spans_merge(const float *part, int n_splits, int hd, float *out, float *lse)
 {
+    __shared__ float sm[MERGE_STAGED_MAX], sl[MERGE_STAGED_MAX], se[MERGE_STAGED_MAX];
     grid_dep_wait(); /* cuda_launch.h: the partials are written */
     const size_t rh = blockIdx.x;
     const float *pp = part + rh * n_splits * (size_t)(hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = 0; s < n_splits; s++) {
-            const float *q = pp + (size_t)s * (hd + 2);
-            if (q[hd] != -INFINITY) L += q[hd + 1] * __expf(q[hd] - M);
-        }
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float A = 0.0f;
+    if (span_merge_serial || n_splits > MERGE_STAGED_MAX) {
+        float M = -INFINITY;
+        for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(size_t)s * (hd + 2) + hd]);
+        float L = 0.0f;
         if (M != -INFINITY)
             for (int s = 0; s < n_splits; s++) {
                 const float *q = pp + (size_t)s * (hd + 2);
-                if (q[hd] != -INFINITY) A += q[d] * __expf(q[hd] - M);
+                if (q[hd] != -INFINITY) L += q[hd + 1] * __expf(q[hd] - M);
+            }
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+            float A = 0.0f;
+            if (M != -INFINITY)
+                for (int s = 0; s < n_splits; s++) {
+                    const float *q = pp + (size_t)s * (hd + 2);
+                    if (q[hd] != -INFINITY) A += q[d] * __expf(q[hd] - M);
+                }
+            out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
+        }
+        if (threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
+        return;
+    }
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        sm[s] = pp[(size_t)s * (hd + 2) + hd];
+        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
+    __syncthreads();
+    float L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = 0; s < n_splits; s++)
+            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float A = 0.0f;
+        if (M != -INFINITY)
+            for (int s0 = 0; s0 < n_splits; s0 += 8) {
+                float v[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
             }
         out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
     }
@@ -436,6 +499,7 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
     case 128: launch_spans_hd<128>(x, n, b->stream, b->n_sms, w_max, by_ws); break;
     default: launch_spans_hd<256>(x, n, b->stream, b->n_sms, w_max, by_ws); break;
     }
+    kvs_cu_span_merge_env();
     if (x.n_splits > 1)
         CUDA_CHECK(kvs_cu_launch(k_spans_merge, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
                                  b->stream, (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));

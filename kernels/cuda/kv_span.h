@@ -19,6 +19,11 @@ extern "C" {
  * set, else the built-in choice. Every kind gives the same keys to each split in the same order. */
 void kvs_cuda_set_span_kernel(int kind, int min_tiles);
 
+/* The merge of attention_spans' splits (k_spans_merge, Retro's fused attend too): serial nonzero
+ * takes the form of before (one dependent load a step), 0 (the default) the staged one; the same
+ * bits. For the benches' A/B and the tests; process-wide, the current device. */
+void kvs_cuda_set_span_merge(int serial);
+
 #ifdef __cplusplus
 }
 #endif

@@ -6,8 +6,10 @@
  *   scores    within 1e-5 of the CPU's, relative to the bound's magnitude (another fp32 order);
  *   fused     score_select (the fused kernel at 1024 threads with the step's digest refresh
  *             folded in, at 512 without; score then select with the refresh as a slice of the
- *             score launch; the 128K row at the default 8 bits only) passes every check below
- *             (digests bitwise the CPU's) and gives the two kernels' scores and spans bitwise;
+ *             score launch, for one row a sequence and for a Retro window's rows inside the
+ *             current page with 256-thread select blocks; the same under the serial loads at
+ *             1024 threads; the 128K row only at the default 8 bits and not these last two) passes every check below (digests bitwise the CPU's) and gives the two
+ *             kernels' scores and spans bitwise;
  *   selection the CUDA select equals a brute-force ranking of the CUDA scores exactly (ties to
  *             the lower page), and differs from the CPU's choice only on pages whose CPU score
  *             is within rounding of the CPU's k-th score; planted needles are found; spans are
@@ -166,20 +168,31 @@ static void test_kernels(uint64_t seed)
          * 512), with and without the refresh folded in; then score then select with the refresh
          * as a slice of the score launch (path 1 + the folded fixture: the policy's default) */
         /* the 128K-token row (each run uploads 1 GB of K/V): these paths at the default width only */
-        const int paths = CASES[ci].lo >= 131072 && bits != KVS_QUEST_DIGEST_BITS_DEFAULT ? 0 : 3;
+        /* then (v 3, 4) score then select with the refresh slice writing a Retro window's rows of
+         * the current page (fixture mode 3) and 256-thread select blocks, and with the refresh
+         * folded under the serial loads (kvs_quest_cuda_serial_loads: the loops of before the
+         * batched loads, the same bits) and 1024-thread select blocks */
+        const int paths = CASES[ci].lo < 131072 ? 5 : bits == KVS_QUEST_DIGEST_BITS_DEFAULT ? 3 : 0;
         for (int v = 0; v < paths; v++) {
             const int mode = v == 0 ? 2 : v == 1 ? 3 : 1;
             struct qf_out rf;
-            char fw[240];
-            snprintf(fw, sizeof fw, "%s, %s%s", what,
+            char fw[320];
+            snprintf(fw, sizeof fw, "%s, %s%s%s", what,
                      mode == 2   ? "fused score + select"
                      : mode == 3 ? "fused score + select (512 threads)"
                                  : "score + select",
-                     v != 1 ? ", refresh folded" : "");
+                     v == 1   ? ""
+                     : v == 3 ? ", window's in-page rows refreshed in the launch, 256-thread select"
+                              : ", refresh folded",
+                     v == 4 ? ", serial loads" : "");
             kvs_quest_cuda_select_path(mode);
-            qf_fused = v != 1 ? 2 : 1;
+            kvs_quest_cuda_serial_loads(v == 4);
+            kvs_quest_cuda_select_threads(v == 3 ? 256 : v == 4 ? 1024 : 0);
+            qf_fused = v == 1 ? 1 : v == 3 ? 3 : 2;
             qf_run(G, bg, kg, &c, &rf);
             qf_fused = 0;
+            kvs_quest_cuda_serial_loads(0);
+            kvs_quest_cuda_select_threads(0);
             compare(&c, &rc, &rf, fw);
             const size_t ns = (size_t)c.n_seqs * c.nkv, np = ns * (size_t)rg.max_pages;
             size_t bad_sc = 0, bad_sp = 0;

@@ -8,7 +8,8 @@
  * block sizes that do (16) and do not (8, 24) hold the kernel's 16-key halves, rotation offsets
  * (deferred RoPE), blocks with a partial valid count, decode rows mixed with prefill rows, and
  * one long context (a single row whose spans are split over many blocks and merged); every case
- * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one tile a split.
+ * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one tile a split;
+ * the mixed spans again under the splits' merge of before (kvs_cuda_set_span_merge), bitwise.
  * Slots no
  * query may read (invalid tails, spare blocks) hold NaN on both backends, and the CUDA outputs
  * are poisoned with NaN before each op. Checks: out by relative L2 error < 1e-2 (bf16 K/V and
@@ -251,6 +252,21 @@ static void test_case(const struct span_case *sc)
         snprintf(what, sizeof what, "%s: heads with no key give out = 0", sc->name);
         CHECK(bad == 0, "%s: %zu nonzero values", what, bad);
         printf("%s %s\n", bad ? "FAIL" : "ok  ", what);
+    }
+    /* the splits' merge of before (kvs_cuda_set_span_merge(1): serial loads) gives the staged
+     * merge's bits */
+    {
+        poison(&out);
+        poison(&lse);
+        kvs_cuda_set_span_merge(1);
+        G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &mix.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
+        kvs_cuda_set_span_merge(0);
+        float *os = dl_g(&out), *ls = dl_g(&lse);
+        const int same = !memcmp(os, og, on * sizeof *os) && !memcmp(ls, lg, ln * sizeof *ls);
+        snprintf(what, sizeof what, "%s: serial merge = staged merge, bitwise", sc->name);
+        CHECK(same, "%s: differ", what);
+        printf("%s %s\n", same ? "ok  " : "FAIL", what);
+        free(os); free(ls);
     }
     free(oc); free(og); free(lc); free(lg);
 

@@ -161,8 +161,17 @@ static void qf_meta_free(const struct kvs_backend_ops *o, struct kvs_backend *be
 
 /* qf_run's selection: 0 score (or qscore) then select; 1 the table's score_select where it has
  * one (asking for the scores too), else as 0; 2 as 1 with the step's digest refresh passed to
- * score_select (the step then writes one row per sequence: the earlier prefill ends at ctx - 2) */
+ * score_select (the step then writes one row per sequence: the earlier prefill ends at ctx - 2);
+ * 3 as 2 with the step's rows that lie in the current page (qf_win_rows: a Retro window, up to
+ * step_rows of them) written by the refresh passed to score_select */
 static int qf_fused;
+
+/* the rows of sequence s's step that lie in its current page (at least 1) */
+static int qf_win_rows(const struct qf_case *c, int s)
+{
+    const int in_page = (c->ctx[s] - 1) % c->ps + 1;
+    return c->step_rows[s] < in_page ? c->step_rows[s] : in_page;
+}
 
 /* Runs digest_update (an earlier prefill of positions 0 .. ctx - step_rows - 1, then the step),
  * score, select and attention_spans of the case on backend o with kernels k. */
@@ -201,9 +210,9 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
 
     int rows[QF_MAX_SEQS] = {0}, end[QF_MAX_SEQS] = {0};
     struct qf_meta qm;
-    const int fold = qf_fused == 2 && k->score_select;
+    const int fold = (qf_fused == 2 || qf_fused == 3) && k->score_select;
     for (int s = 0; s < S; s++) {
-        const int step = fold ? 1 : c->step_rows[s];
+        const int step = !fold ? c->step_rows[s] : qf_fused == 3 ? qf_win_rows(c, s) : 1;
         rows[s] = c->ctx[s] - step, end[s] = c->ctx[s] - step;
     }
     qf_meta_make(o, be, c, rows, end, &qm);
@@ -239,11 +248,16 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     float *zero = kvs_xcalloc((size_t)S * nkv * r->max_pages, sizeof *zero);
     o->upload(be, sc, 0, zero, (size_t)S * nkv * r->max_pages);
     free(zero);
-    if (qf_fused && k->score_select)
+    struct qf_meta wq;   /* freed with qm, after the downloads */
+    memset(&wq, 0, sizeof wq);
+    if (qf_fused && k->score_select) {
+        /* the refresh's meta: the step's rows of each sequence (one, or its window's in-page rows) */
+        for (int s = 0; s < S; s++) rows[s] = qf_fused == 3 ? qf_win_rows(c, s) : 1;
+        if (fold) qf_meta_make(o, be, c, rows, end, &wq);
         k->score_select(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, quant ? c->bits : 16,
                         (size_t)r->n_pages, r->max_pages, r->max_spans, sc, 1, ns, sp, fold ? kc : NULL,
-                        fold ? &qm.m : NULL);
-    else {
+                        fold ? &wq.m : NULL);
+    } else {
         if (quant)
             k->qscore(be, q, dig, &qm.m, keep, S, c->nh, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages,
                       r->max_pages, sc);
@@ -284,6 +298,7 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     free(hn);
     free(hs);
     qf_meta_free(o, be, &qm);
+    if (fold) qf_meta_free(o, be, &wq);
     struct kvs_dbuf *bufs[] = {kc, vc, dig, q, keep, sc, ns, sp, out, lse};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free_buf(be, bufs[i]);
 }
