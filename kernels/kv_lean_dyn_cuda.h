@@ -72,6 +72,11 @@ void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *d, int n_jobs, int layer, 
                             const struct kvs_dbuf *k, const struct kvs_dbuf *v, const struct kvs_dbuf *ext_lse,
                             float scale, struct kvs_dbuf *out, int phases);
 
+/* out[r] = keep[r] ? slots[r] : -1 for r < n (I32 device buffers; asynchronous on b's stream,
+ * recordable): the dynamic store's static write keeps a document's side-prefill rows only. */
+void kvs_lean_dyn_cuda_mask_slots(struct kvs_backend *b, const struct kvs_dbuf *slots, const struct kvs_dbuf *keep,
+                                  struct kvs_dbuf *out, int n);
+
 /* Heads [first, first + n)'s usage, summed (waits for the stream): pages held, section tokens,
  * window tokens, pruned tokens; and the tokens seen by head `first`. */
 void kvs_lean_dyn_cuda_usage(struct kvs_lean_dyn_cuda *d, int first, int n, double *pages, double *high, double *low,

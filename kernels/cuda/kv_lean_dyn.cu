@@ -829,6 +829,21 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     }
 }
 
+__global__ void k_dyn_mask_slots(const int32_t *slots, const int32_t *keep, int32_t *out, int n)
+{
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < n) out[r] = keep[r] ? slots[r] : -1;
+}
+
+extern "C" void kvs_lean_dyn_cuda_mask_slots(struct kvs_backend *b, const struct kvs_dbuf *slots,
+                                             const struct kvs_dbuf *keep, struct kvs_dbuf *out, int n)
+{
+    if (n <= 0) return;
+    k_dyn_mask_slots<<<(n + 255) / 256, 256, 0, b->stream>>>((const int32_t *)slots->d, (const int32_t *)keep->d,
+                                                             (int32_t *)out->d, n);
+    LAUNCH_CHECK();
+}
+
 /* Copies heads [first, first + n) (state, high and low page counts) and the page manager out of
  * the device after waiting for the stream; the caller frees *hs and *np ([2n]: high, then low). */
 static void usage_copy(struct kvs_lean_dyn_cuda *x, int first, int n, dyn_head **hs, int32_t **np, dyn_pm *pm)

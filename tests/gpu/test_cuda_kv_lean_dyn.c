@@ -20,7 +20,11 @@
  *   5. with the document cache (kv.reuse = lazy): the whole-step cases of 2 run with an outside
  *      part too (a cached document's lse and output per row and query head, sometimes none),
  *      held to the CPU's kvs_lean_dyn_head_step_ext as above; and the engine on cuda with
- *      documents against the CPU engine.
+ *      documents against the CPU engine;
+ *   6. with documents, the storage's static write on cuda: a step holding a document's side
+ *      prefill and a request's own rows writes the document's rows to their static pages and
+ *      leaves the request's private blocks' static bytes as they were (poisoned beforehand:
+ *      own rows live in the tiers, no attention reads them there).
  * The K16V16 + K8V4 case failed on the first H100 run (2026-11-24T16:50Z: the 16-bit tier's codes,
  * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer stores 16 bits at once
  * since, and the case passes on the H100 (2026-11-24T19:32Z), so the storage takes 16-bit tiers.
@@ -38,6 +42,8 @@
 #include "kernels/kv_lean_pages.h"
 #include "tests/gpu/cuda_pair.h"
 #include "engine/config.h"
+#include "engine/kv/kv.h"
+#include "engine/kv/kv_storage_lean_dyn.h"
 #include "models/model.h"
 #include "tests/unit/kv_engine_run.h"
 
@@ -580,6 +586,62 @@ static void test_engine_docs(void)
     kvs_model_free(model);
 }
 
+
+/* 6. the static write of dynamic + lazy on cuda: document rows only */
+static void test_docs_write(void)
+{
+    enum { NKV = 2, NH = 4, HD = 64, BSZ = 16, NB = 8, DOC = 20, OWN = 5, ROWS = DOC + OWN };
+    char err[256];
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device), c.device = kvs_xstrdup("cuda");
+    free(c.kv_storage), c.kv_storage = kvs_xstrdup("lean");
+    free(c.lean_mode), c.lean_mode = kvs_xstrdup("dynamic");
+    free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("lazy");
+    const struct kvs_kv_shape sh = {1, NKV, HD, BSZ, &c, NH, 2, 64, 128};
+    const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
+    void *state = NULL;
+    REQUIRE(st->create(&sh, G, bg, NB, &state, err, sizeof err) == 0, "%s", err);
+    struct kvs_lean_dyn_store *d = kvs_kv_storage_lean_dyn_of(state);
+    size_t bb = 0;
+    struct kvs_dbuf *pages = (struct kvs_dbuf *)kvs_lean_dyn_doc_pages(d, 0, &bb);
+    REQUIRE(pages && bb % 4 == 0, "doc pages");
+    const size_t nw = bb * NB / 4;
+    int32_t *w = kvs_xmalloc(nw * 4), *w2 = kvs_xmalloc(nw * 4);
+    for (size_t i = 0; i < nw; i++) w[i] = (int32_t)0xA5A5A5A5u;
+    G->upload(bg, pages, 0, w, nw);
+    /* a document's side prefill (no slot, blocks 0 and 1) and request 0's first own rows at its
+     * doc_end 32 (its private block 4) in one step */
+    int32_t qs[3] = {0, DOC, ROWS}, pos[2] = {0, 32}, slot[2] = {-1, 0}, dec[2] = {0, 0}, slots[ROWS];
+    int32_t bt[2 * 8] = {0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 4, 0, 0, 0, 0, 0};
+    for (int r = 0; r < DOC; r++) slots[r] = r;
+    for (int r = 0; r < OWN; r++) slots[DOC + r] = 4 * BSZ + r;
+    float *kv = kvs_xmalloc((size_t)ROWS * NKV * HD * 4);
+    for (size_t i = 0; i < (size_t)ROWS * NKV * HD; i++) kv[i] = bf16_round(frand());
+    struct pair pk = mk(KVS_BUF_ACT, (size_t)ROWS * NKV * HD, kv), psl = mk(KVS_BUF_I32, ROWS, slots);
+    REQUIRE(st->seq_init(state, 0) == 0, "seq_init");
+    struct kvs_attn_meta m = {.n_seqs = 2, .max_blocks = 8, .h_q_start = qs, .h_pos = pos, .max_ctx = 37};
+    const struct kvs_kv_step step = {2, ROWS, qs, pos, slot, dec, &m, bt, 0};
+    REQUIRE(st->step(state, &step) == 0, "step");
+    st->write(state, 0, pk.g, pk.g, psl.g, ROWS);
+    G->download(bg, w2, pages, 0, nw);
+    /* block 0 (16 document rows) and block 1 (4 rows) changed; blocks 2..7 not (4: the request's) */
+    const size_t per = bb / 4;
+    int doc_changed = 0, others_same = 1;
+    for (size_t i = 0; i < per; i++) doc_changed += w2[i] != w[i];
+    for (size_t i = 2 * per; i < nw; i++) others_same &= w2[i] == w[i];
+    CHECK(doc_changed > 0 && others_same, "dynamic + lazy on cuda: the static write touched %s (document block %s)",
+          others_same ? "nothing else" : "a private block's pages", doc_changed ? "written" : "NOT written");
+    if (doc_changed > 0 && others_same)
+        printf("ok dynamic + lazy on cuda: a step's static write stores the document's rows and leaves the request's "
+               "private block alone\n");
+    st->seq_free(state, 0);
+    st->destroy(state);
+    drop(&pk), drop(&psl);
+    free(w), free(w2), free(kv);
+    kvs_config_free(&c);
+}
+
 int main(void)
 {
     if (cuda_pair_open(1)) return 1;
@@ -607,6 +669,7 @@ int main(void)
     test_enospc();
     test_engine();
     test_engine_docs();
+    test_docs_write();
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean_dyn");
