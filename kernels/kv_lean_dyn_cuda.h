@@ -12,7 +12,9 @@
  *      kvs_lean_dyn_head_need), one exclusive block scan over the jobs gives each its offset
  *      into the ring, and each takes its pages (all or nothing; a short ring sets a sticky
  *      error that kvs_lean_dyn_cuda_error reads, and the step then leaves every job untouched);
- *   2. one block per job runs its rows in order: the row's K/V join the window; logits of the
+ *   2. one block per job runs its rows in order (a decode step, every job one row, splits a
+ *      head's tokens over several blocks instead, then merges them: kvs_lean_dyn_cuda_set_split):
+ *      the row's K/V join the window; logits of the
  *      group's q heads over high, low and window tokens (dequantized on the fly); two-pass
  *      softmax; each token's score sum gets its probability (max over the group); the output
  *      is sum_i p_i v^_i; then the oldest window token leaves by Algorithm 1 (kvs_lean_dyn_head_exit:
@@ -58,6 +60,14 @@ int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_lean_dyn_cf
                              struct kvs_lean_dyn_cuda **out, char *err, size_t errlen);
 void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *d);
 
+/* The split path of decode steps (every job of set_jobs one row, phases attend and exit
+ * together): a head's tokens over up to max_splits blocks (at most 16; 0: the sequential
+ * one-block kernel for every step), each split taking min_tokens tokens at least (>= 1). The
+ * default is 16 / 64, or KVS_LEAN_DYN_SPLIT / KVS_LEAN_DYN_SPLIT_MIN from the environment at
+ * create. Tests and benchmarks set it before a step (a recorded step keeps the path it was
+ * recorded with). */
+void kvs_lean_dyn_cuda_set_split(struct kvs_lean_dyn_cuda *d, int max_splits, int min_tokens);
+
 /* The step's jobs (uploaded once per step, outside any recorded graph: the launches of
  * kvs_lean_dyn_cuda_step read them from device memory). -E2BIG when n_jobs > max_jobs. */
 int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *d, const struct kvs_lean_dyn_cuda_job *jobs, int n_jobs);
@@ -71,6 +81,11 @@ int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *d, const struct kvs_lea
 void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *d, int n_jobs, int layer, const struct kvs_dbuf *q,
                             const struct kvs_dbuf *k, const struct kvs_dbuf *v, const struct kvs_dbuf *ext_lse,
                             float scale, struct kvs_dbuf *out, int phases);
+
+/* out[r] = keep[r] ? slots[r] : -1 for r < n (I32 device buffers; asynchronous on b's stream,
+ * recordable): the dynamic store's static write keeps a document's side-prefill rows only. */
+void kvs_lean_dyn_cuda_mask_slots(struct kvs_backend *b, const struct kvs_dbuf *slots, const struct kvs_dbuf *keep,
+                                  struct kvs_dbuf *out, int n);
 
 /* Heads [first, first + n)'s usage, summed (waits for the stream): pages held, section tokens,
  * window tokens, pruned tokens; and the tokens seen by head `first`. */

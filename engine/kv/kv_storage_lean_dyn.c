@@ -73,6 +73,12 @@ struct kvs_lean_dyn_store {
     struct kvs_dbuf *d_nsp, *d_sp, *d_lse; /* spans [max_rows][H] (1 each), [max_rows][H][2]; lse [max_rows][n_heads] */
     int32_t *h_nsp, *h_sp;
     struct kvs_span_list spl;
+    /* the static write's rows: only a document's side prefill is stored in the static pages (a
+     * request's own rows live in its tiers; writing them there cost a quantization per row and
+     * layer that no attention read): keep [max_rows] (1: a row of a sequence with no request
+     * slot), set by step(); the write's slots with the rest at -1 (the write skips those) */
+    int32_t *h_keep, *h_wslots;   /* h_wslots: cpu only (the slots staged through the host) */
+    struct kvs_dbuf *d_keep, *d_wslots;
 };
 
 /* kv.reuse = lazy with the dynamic mode (documents static, the request's own tokens dynamic) */
@@ -120,7 +126,9 @@ void kvs_lean_dyn_destroy(struct kvs_lean_dyn_store *d)
     if (d->d_nsp) d->o->free_buf(d->be, d->d_nsp);
     if (d->d_sp) d->o->free_buf(d->be, d->d_sp);
     if (d->d_lse) d->o->free_buf(d->be, d->d_lse);
-    free(d->h_nsp), free(d->h_sp);
+    if (d->d_keep) d->o->free_buf(d->be, d->d_keep);
+    if (d->d_wslots) d->o->free_buf(d->be, d->d_wslots);
+    free(d->h_nsp), free(d->h_sp), free(d->h_keep), free(d->h_wslots);
     free(d);
 }
 
@@ -145,9 +153,12 @@ static int docs_create(struct kvs_lean_dyn_store *d, const struct kvs_kv_shape *
         ok = (d->doc_pages[l] = kn->alloc_pages(d->be, d->doc_block_bytes * (size_t)n_blocks)) != NULL;
     ok = ok && (d->d_nsp = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R * H)) &&
          (d->d_sp = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R * H * 2)) &&
-         (d->d_lse = d->o->alloc(d->be, KVS_BUF_F32, (size_t)R * sh->n_heads));
+         (d->d_lse = d->o->alloc(d->be, KVS_BUF_F32, (size_t)R * sh->n_heads)) &&
+         (d->d_keep = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R)) &&
+         (d->d_wslots = d->o->alloc(d->be, KVS_BUF_I32, (size_t)R));
     d->h_nsp = calloc((size_t)R * H, sizeof(int32_t)), d->h_sp = calloc((size_t)R * H * 2, sizeof(int32_t));
-    if (!ok || !d->h_nsp || !d->h_sp)
+    d->h_keep = calloc((size_t)R, sizeof(int32_t)), d->h_wslots = calloc((size_t)R, sizeof(int32_t));
+    if (!ok || !d->h_nsp || !d->h_sp || !d->h_keep || !d->h_wslots)
         return kvs_err(err, errlen, -ENOMEM, "kv storage lean (dynamic): cannot allocate the documents' pages (%d "
                        "blocks x %zu bytes x %d layers)", n_blocks, d->doc_block_bytes, sh->n_layers);
     d->spl = (struct kvs_span_list){1, d->d_nsp, d->d_sp, d->h_nsp, d->h_sp};
@@ -356,6 +367,7 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
          * document's side prefill (or a recorded step's padding): static pages only, its rows
          * attending over its own positions */
         struct slot *sl = slot >= 0 && slot < d->max_slots ? &d->slots[slot] : NULL;
+        for (int r = st->h_q_start[s]; d->docs && r < st->h_q_start[s + 1]; r++) d->h_keep[r] = slot < 0;
         if (d->docs && slot < 0) {
             d->seq_slot[s] = -1;
             for (int r = st->h_q_start[s]; r < st->h_q_start[s + 1]; r++)
@@ -398,6 +410,7 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
         const size_t e = (size_t)st->n_rows * H;
         d->o->upload(d->be, d->d_nsp, 0, d->h_nsp, e);
         d->o->upload(d->be, d->d_sp, 0, d->h_sp, 2 * e);
+        d->o->upload(d->be, d->d_keep, 0, d->h_keep, (size_t)st->n_rows);
         /* a recorded step replays its recording's plan with other requests' spans: the static
          * kernel's last split walks whatever is left of a row's span (kv_lean.cu), so a longer
          * span is still attended whole */
@@ -414,12 +427,22 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
 void kvs_lean_dyn_write(struct kvs_lean_dyn_store *d, int layer, const struct kvs_dbuf *k, const struct kvs_dbuf *v,
                         const struct kvs_dbuf *slots, int n)
 {
-    /* documents: every row at its block-table slot in the static pages (the runner's slots skip
-     * a recorded step's padding; a request's own rows land in its private blocks, which no
-     * attention reads: cheaper than a per-row mask on the device) */
+    /* documents: a side prefill's rows at their block-table slots in the static pages (the
+     * runner's slots skip a recorded step's padding); a request's own rows (position >= its
+     * doc_end: every row of a sequence with a slot) get slot -1, so the static write skips them.
+     * The mask is applied on every step, recorded ones included (whether a step holds a side
+     * prefill is the host's to know, a recording's replays are not) */
     if (d->docs) {
         KVS_ASSERT(slots);
-        d->kn->write(d->be, d->doc_fmt, k, v, slots, n, d->n_kv_heads, d->c.head_dim, d->block_size,
+#if DYN_CUDA
+        if (d->gpu) kvs_lean_dyn_cuda_mask_slots(d->be, slots, d->d_keep, d->d_wslots, n);
+#endif
+        if (!d->gpu) {   /* cpu: the buffers are host memory, staging is a copy */
+            d->o->download(d->be, d->h_wslots, slots, 0, (size_t)n);
+            for (int r = 0; r < n; r++) d->h_wslots[r] = d->h_keep[r] ? d->h_wslots[r] : -1;
+            d->o->upload(d->be, d->d_wslots, 0, d->h_wslots, (size_t)n);
+        }
+        d->kn->write(d->be, d->doc_fmt, k, v, d->d_wslots, n, d->n_kv_heads, d->c.head_dim, d->block_size,
                      d->doc_pages[layer]);
     }
     if (d->gpu) {   /* attention reads them where they are */

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_internal.cuh"
@@ -33,6 +34,8 @@ extern "C" {
 #define DYN_SCAN 1024
 #define DYN_MAXG 8
 #define DYN_MAXHD 256   /* the output keeps hd / 32 sums per lane and q head */
+#define DYN_MAXSPLIT 16 /* a decode step's blocks per head at most (the split path) */
+#define DYN_SPLIT_MIN 64 /* tokens per split at least: fewer splits for short heads */
 
 struct dyn_head {
     int n_high, n_low, max_high, max_low, w_start, w_n, pruned, last_pos;
@@ -63,12 +66,19 @@ struct dyn_dev {
     int32_t *need_hi, *need_lo;   /* [max_jobs] */
     long long *off;               /* [max_jobs] */
     float *scratch;               /* [max_jobs][G][max_ctx + 1] */
+    int *done;                    /* split decode steps: merge blocks finished (0 between launches) */
+    float *part, *part_o;         /* split decode steps: [max_parts][G] (m, l) pairs, [max_parts][G][hd] */
 };
 
 struct kvs_lean_dyn_cuda {
     struct kvs_backend *b;
     struct kvs_lean_dyn_cfg c;
     int n_states, max_jobs;
+    int max_parts;                /* (job, split) partials the split path has room for */
+    int splits, min_tokens;       /* a decode step's splits per head at most (0: the sequential path), and
+                                   * the fewest tokens a split takes */
+    int target;                   /* blocks a split launch aims at (2 per SM) */
+    int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
     dyn_dev d;
 };
 
@@ -119,19 +129,21 @@ __device__ __forceinline__ float dyn_score(float acc, int32_t pos, int32_t last)
 }
 
 /* ---- the page round and the trim ------------------------------------------------------------ */
-typedef cub::BlockScan<long long, DYN_SCAN> dyn_scan;
+/* the bodies take the block's size NT (the round's own launches: DYN_SCAN threads; folded into a
+ * split decode step's launches: DYN_THREADS); every thread of the block calls them */
 
 __device__ __forceinline__ int pages_for(int n, int per) { return (n + per - 1) / per; }
 
-__global__ void __launch_bounds__(DYN_SCAN) k_dyn_alloc(dyn_dev D, int n_jobs, int layer)
+template <int NT> __device__ void dyn_alloc_body(const dyn_dev &D, int n_jobs, int layer)
 {
+    typedef cub::BlockScan<long long, NT> dyn_scan;
     __shared__ typename dyn_scan::TempStorage tmp;
     __shared__ long long carry;
     __shared__ int bad;
     if (threadIdx.x == 0) carry = 0, bad = 0;
     __syncthreads();
     if (D.pm->err) return;
-    for (int base = 0; base < n_jobs; base += DYN_SCAN) {
+    for (int base = 0; base < n_jobs; base += NT) {
         const int i = base + threadIdx.x;
         long long need = 0;
         if (i < n_jobs && D.jobs[i].head >= 0) {
@@ -156,7 +168,7 @@ __global__ void __launch_bounds__(DYN_SCAN) k_dyn_alloc(dyn_dev D, int n_jobs, i
         return;
     }
     const long long head = D.pm->head;
-    for (int i = threadIdx.x; i < n_jobs; i += DYN_SCAN) {
+    for (int i = threadIdx.x; i < n_jobs; i += NT) {
         if (D.jobs[i].head < 0) continue;
         const int st = D.jobs[i].head + layer * D.layer_stride;
         int32_t *t = D.tables + (long long)st * D.table_len;
@@ -168,21 +180,24 @@ __global__ void __launch_bounds__(DYN_SCAN) k_dyn_alloc(dyn_dev D, int n_jobs, i
     if (threadIdx.x == 0) D.pm->head = head + carry;
 }
 
-__global__ void __launch_bounds__(DYN_SCAN) k_dyn_trim(dyn_dev D, int n_jobs, int layer)
+template <int NT> __device__ void dyn_trim_body(const dyn_dev &D, int n_jobs, int layer)
 {
+    typedef cub::BlockScan<long long, NT> dyn_scan;
     __shared__ typename dyn_scan::TempStorage tmp;
     __shared__ long long carry;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
     if (D.pm->err) return;
     const long long tail = D.pm->tail;
-    for (int base = 0; base < n_jobs; base += DYN_SCAN) {
+    for (int base = 0; base < n_jobs; base += NT) {
         const int i = base + threadIdx.x;
         int kh = 0, kl = 0, st = -1;
         long long rel = 0;
         if (i < n_jobs && D.jobs[i].head >= 0) {
             st = D.jobs[i].head + layer * D.layer_stride;
-            kh = pages_for(D.heads[st].max_high, D.tp_hi), kl = pages_for(D.heads[st].max_low, D.tp_lo);
+            /* L2 reads: in a split step the trim runs in the merge's last block, right after the other
+             * blocks wrote these (an SM's L1 could hold an older copy of the line) */
+            kh = pages_for(__ldcg(&D.heads[st].max_high), D.tp_hi), kl = pages_for(__ldcg(&D.heads[st].max_low), D.tp_lo);
             rel = max(D.nhp[st] - kh, 0) + max(D.nlp[st] - kl, 0);
         }
         long long excl, tot;
@@ -199,6 +214,16 @@ __global__ void __launch_bounds__(DYN_SCAN) k_dyn_trim(dyn_dev D, int n_jobs, in
         __syncthreads();
     }
     if (threadIdx.x == 0) D.pm->tail = tail + carry;
+}
+
+__global__ void __launch_bounds__(DYN_SCAN) k_dyn_alloc(dyn_dev D, int n_jobs, int layer)
+{
+    dyn_alloc_body<DYN_SCAN>(D, n_jobs, layer);
+}
+
+__global__ void __launch_bounds__(DYN_SCAN) k_dyn_trim(dyn_dev D, int n_jobs, int layer)
+{
+    dyn_trim_body<DYN_SCAN>(D, n_jobs, layer);
 }
 
 /* heads [first, first + n) give back their pages in order (kvs_lean_pm_release) and restart */
@@ -708,12 +733,240 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
     if (threadIdx.x == 0) D.heads[st] = h;
 }
 
+/* ---- decode steps split over blocks (flash-decoding) ------------------------------------------
+ * A step where every job runs one row (decode; a recorded step's padding jobs too) splits each
+ * head's tokens over up to `splits` blocks: k_dyn_split's block y takes tokens [y c, (y + 1) c)
+ * (c = max(ceil(n / splits), min_tokens)) and writes its logits to the job's scratch (as
+ * k_dyn_step does), its max m_y, sum l_y = sum exp(logit - m_y) and unnormalized output
+ * o_y = sum exp(logit - m_y) v per q head; then k_dyn_merge (one block per job) joins them with
+ * the documents' part: M = max(m_y, ext), L = sum_y l_y exp(m_y - M) (+ exp(ext - M)), the
+ * output sum_y exp(m_y - M) o_y / L; each token's probability exp(logit - M) / L feeds its score
+ * (max over the group, as before), and Algorithm 1's exit runs as in k_dyn_step (sequential by
+ * nature: it reads every score). The row's K/V join the window in the split that holds the
+ * newest token (no other block reads that slot); the head's counts move in the merge, after
+ * every split has read them. The probabilities equal k_dyn_step's up to fp32 rounding of the
+ * split sums (the tests hold both to the CPU at the same tolerances). The page round runs in
+ * one more block of the split's launch (the splits read only entries that exist already; the
+ * round appends pages) and the trim in the merge's last block: two launches a layer, not four. */
+struct dyn_part {
+    float m, l;                   /* per q head: the split's max and sum */
+};
+
+template <int GM, int KM>
+__global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const float *q, const float *k, const float *v,
+                                                          float scale, int layer, int splits, int min_tokens, int round)
+{
+    extern __shared__ float sm[];
+    const int hd = D.hd, G = D.G, W = D.W;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *qs = sm;                                    /* [G][hd] */
+    float *acc = qs + G * hd;                          /* [G][hd] */
+    float *ps = acc + G * hd;                          /* [GM][DYN_THREADS] */
+    float *red = ps + GM * DYN_THREADS;                /* [GM][warps] */
+    __shared__ dyn_head h;
+    __shared__ dyn_tv tv[DYN_THREADS];
+    if (blockIdx.x == gridDim.x - 1) {   /* the page round (the split reads existing entries only) */
+        if (round && blockIdx.y == 0) dyn_alloc_body<DYN_THREADS>(D, gridDim.x - 1, layer);
+        return;
+    }
+    if (D.pm->err) return;
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    if (J.head < 0 || J.rows != 1) return;
+    const int st = J.head + layer * D.layer_stride, row = J.row0;
+    if (threadIdx.x == 0) {
+        h = D.heads[st];
+        h.w_n++;   /* the row's token, the newest of the window, as the merge will count it */
+    }
+    __syncthreads();
+    const int nhl = h.n_high + h.n_low, n = nhl + h.w_n;
+    const int c = max((n + splits - 1) / splits, min_tokens), t0 = blockIdx.y * c, t1 = min(n, t0 + c);
+    if (t0 >= n) return;
+    dyn_part *part = reinterpret_cast<dyn_part *>(D.part) + ((long long)blockIdx.x * splits + blockIdx.y) * G;
+    float *po = D.part_o + ((long long)blockIdx.x * splits + blockIdx.y) * G * hd;
+    if (t1 == n) {   /* the newest token's split writes it into its window slot (bf16) */
+        const int w = (h.w_start + h.w_n - 1) % (W + 1);
+        const long long wo = ((long long)st * (W + 1) + w) * hd, ko = ((long long)row * D.nkv + J.g) * hd;
+        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+            D.wk[wo + i] = __float2bfloat16_rn(k[ko + i]), D.wv[wo + i] = __float2bfloat16_rn(v[ko + i]);
+    }
+    const long long qo = ((long long)row * D.nq + (long long)J.g * G) * hd;
+    for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) qs[i] = q[qo + i];
+    __syncthreads();
+    float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
+    float m[GM], sum[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) m[g] = -INFINITY, sum[g] = 0.0f;
+    for (int t = t0 + threadIdx.x; t < t1; t += DYN_THREADS) {
+        float a[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) a[g] = 0.0f;
+        tv_each(tok_ref(D, st, h, t, 0), hd, [&](int i, float x) {
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) a[g] = fmaf(qs[g * hd + i], x, a[g]);
+        });
+#pragma unroll
+        for (int g = 0; g < GM; g++)
+            if (g < G) {
+                lg[(long long)g * n + t] = a[g] * scale;
+                m[g] = fmaxf(m[g], a[g] * scale);
+            }
+    }
+    block_reduce<true, GM>(m, G, red);
+    float o[GM][KM];
+#pragma unroll
+    for (int g = 0; g < GM; g++)
+#pragma unroll
+        for (int kk = 0; kk < KM; kk++) o[g][kk] = 0.0f;
+    for (int c0 = t0; c0 < t1; c0 += DYN_THREADS) {
+        const int tn = min(DYN_THREADS, t1 - c0);
+        __syncthreads();   /* the previous chunk's tv / ps are read */
+        if (threadIdx.x < tn) {
+            tv[threadIdx.x] = tok_ref(D, st, h, c0 + threadIdx.x, 1);
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) {
+                    const float p = expf(lg[(long long)g * n + c0 + threadIdx.x] - m[g]);
+                    ps[g * DYN_THREADS + threadIdx.x] = p;
+                    sum[g] += p;
+                }
+        }
+        __syncthreads();
+#pragma unroll 2
+        for (int j = warp; j < tn; j += DYN_WARPS) {
+            const dyn_tv rv = tv[j];
+            float x[KM];
+#pragma unroll
+            for (int kk = 0; kk < KM; kk++) x[kk] = lane + 32 * kk < hd ? tv_elem(rv, lane + 32 * kk) : 0.0f;
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) {
+                    const float p = ps[g * DYN_THREADS + j];
+#pragma unroll
+                    for (int kk = 0; kk < KM; kk++) o[g][kk] = fmaf(p, x[kk], o[g][kk]);
+                }
+        }
+    }
+    block_reduce<false, GM>(sum, G, red);
+    for (int wi = 0; wi < DYN_WARPS; wi++) {   /* the warps' sums in warp order */
+        if (warp == wi)
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+#pragma unroll
+                for (int kk = 0; kk < KM; kk++) {
+                    const int i = lane + 32 * kk;
+                    if (g < G && i < hd) acc[g * hd + i] = wi ? acc[g * hd + i] + o[g][kk] : o[g][kk];
+                }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) po[i] = acc[i];
+    if (threadIdx.x < G) {
+#pragma unroll
+        for (int g = 0; g < GM; g++)
+            if (g == (int)threadIdx.x) part[g] = dyn_part{m[g], sum[g]};
+    }
+}
+
+template <int GM>
+__device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens)
+{
+    extern __shared__ float sm[];
+    const int hd = D.hd, G = D.G, W = D.W;
+    float *kx = sm, *vx = kx + hd;                     /* [hd] x 2: the exit's vectors */
+    float *rs = vx + hd;                               /* [warps] */
+    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
+    __shared__ dyn_head h;
+    __shared__ int sh[8];
+    if (D.pm->err) return;
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    if (J.head < 0 || J.rows != 1) return;
+    const int st = J.head + layer * D.layer_stride, row = J.row0;
+    if (threadIdx.x == 0) {
+        h = D.heads[st];
+        /* the join's bookkeeping (k_dyn_step's step 1; the split wrote the vectors) */
+        const int w = (h.w_start + h.w_n) % (W + 1);
+        D.wpos[(long long)st * (W + 1) + w] = J.pos0, D.wacc[(long long)st * (W + 1) + w] = 0.0f;
+        h.w_n++, h.seen = (h.seen ? h.seen : (long long)J.pos0) + 1, h.last_pos = J.pos0;
+    }
+    __syncthreads();
+    const int nhl = h.n_high + h.n_low, n = nhl + h.w_n;
+    const int c = max((n + splits - 1) / splits, min_tokens), ns = (n + c - 1) / c;
+    const dyn_part *part = reinterpret_cast<const dyn_part *>(D.part) + (long long)blockIdx.x * splits * G;
+    const float *po = D.part_o + (long long)blockIdx.x * splits * G * hd;
+    float M[GM], L[GM], e[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        M[g] = -INFINITY, L[g] = 0.0f;
+        e[g] = ext && g < G ? ext[(long long)row * D.nq + (long long)J.g * G + g] : -INFINITY;
+        if (g >= G) continue;
+        for (int y = 0; y < ns; y++) M[g] = fmaxf(M[g], part[y * G + g].m);
+        M[g] = fmaxf(M[g], e[g]);
+        for (int y = 0; y < ns; y++) L[g] += part[y * G + g].l * expf(part[y * G + g].m - M[g]);
+        if (e[g] > -INFINITY) L[g] += expf(e[g] - M[g]);
+    }
+    /* the output: the splits' sums at their weights, in split order, + the documents' part */
+    const long long oo = ((long long)row * D.nq + (long long)J.g * G) * hd;
+    for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) {
+        const int gi = i / hd;
+        float x = 0.0f, mg = 0.0f, lgs = 1.0f, eg = -INFINITY;
+#pragma unroll
+        for (int g = 0; g < GM; g++)
+            if (g == gi) mg = M[g], lgs = L[g], eg = e[g];
+        for (int y = 0; y < ns; y++) x = fmaf(expf(part[y * G + gi].m - mg), po[(long long)y * G * hd + i], x);
+        x /= lgs;
+        if (eg > -INFINITY) x = fmaf(expf(eg - mg) / lgs, out[oo + i], x);
+        out[oo + i] = x;
+    }
+    /* scores: every token's probability (max over the group) */
+    const float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
+    for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
+        float sc = 0.0f;
+#pragma unroll
+        for (int g = 0; g < GM; g++)
+            if (g < G) {
+                const float p = expf(lg[(long long)g * n + t] - M[g]) / L[g];
+                sc = g ? fmaxf(sc, p) : p;
+            }
+        if (t < nhl) {
+            const int hi = t < h.n_high;
+            uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
+            e_set(en, e_pos(en), e_acc(en) + sc);
+        } else {
+            D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+        }
+    }
+    __syncthreads();
+    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+    __syncthreads();
+    if (threadIdx.x == 0) D.heads[st] = h;
+}
+
+/* the merge of every job, then (round) the trim in the last block to finish: one launch instead
+ * of two (the blocks' writes made visible before the count, as CUDA's threadfence reduction) */
+template <int GM>
+__global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const float *ext, float *out, int layer,
+                                                          int splits, int min_tokens, int round)
+{
+    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens);
+    if (!round) return;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(D.done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
+    if (threadIdx.x == 0) *D.done = 0;   /* for the next launch (a recorded step replays it) */
+}
+
 /* ---- host ----------------------------------------------------------------------------------- */
 extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
 {
     if (!x) return;
     void *ps[] = {x->d.heads, x->d.wk, x->d.wv, x->d.wpos, x->d.wacc, x->d.pages, x->d.ring, x->d.tables, x->d.nhp,
-                  x->d.nlp, x->d.pm, x->d.ev, x->d.jobs, x->d.need_hi, x->d.need_lo, x->d.off, x->d.scratch};
+                  x->d.nlp, x->d.pm, x->d.ev, x->d.jobs, x->d.need_hi, x->d.need_lo, x->d.off, x->d.scratch,
+                  x->d.part, x->d.part_o, x->d.done};
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
     free(x);
@@ -760,6 +1013,22 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     DALLOC(D.need_lo, (size_t)max_jobs * sizeof(int32_t));
     DALLOC(D.off, (size_t)max_jobs * sizeof(long long));
     DALLOC(D.scratch, (size_t)max_jobs * c->group * ((size_t)c->max_ctx + 1) * sizeof(float));
+    /* the split path: 2 blocks per SM; KVS_LEAN_DYN_SPLIT (splits per head at most, 0: the
+     * sequential kernel) and KVS_LEAN_DYN_SPLIT_MIN (tokens a split takes at least) tune it */
+    int dev = 0, sms = 132;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+        cudaGetLastError(), sms = 132;
+    const char *es = getenv("KVS_LEAN_DYN_SPLIT"), *em = getenv("KVS_LEAN_DYN_SPLIT_MIN");
+    x->target = 2 * sms;
+    x->splits = es && *es ? atoi(es) : DYN_MAXSPLIT;
+    x->min_tokens = em && *em ? atoi(em) : DYN_SPLIT_MIN;
+    if (x->splits < 0) x->splits = 0;
+    if (x->splits > DYN_MAXSPLIT) x->splits = DYN_MAXSPLIT;
+    if (x->min_tokens < 1) x->min_tokens = 1;
+    x->max_parts = max_jobs > x->target ? max_jobs : x->target;
+    DALLOC(D.part, (size_t)x->max_parts * c->group * 2 * sizeof(float));
+    DALLOC(D.part_o, (size_t)x->max_parts * c->group * c->head_dim * sizeof(float));
+    DALLOC(D.done, sizeof(int));
 #undef DALLOC
     if (bad) {
         cudaGetLastError();
@@ -784,15 +1053,24 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     CUDA_CHECK(cudaMemset(D.nhp, 0, S * sizeof(int32_t)));
     CUDA_CHECK(cudaMemset(D.nlp, 0, S * sizeof(int32_t)));
     CUDA_CHECK(cudaMemset(D.wacc, 0, S * W1 * sizeof(float)));
+    CUDA_CHECK(cudaMemset(D.done, 0, sizeof(int)));
     free(ring), free(hs);
     *out = x;
     return 0;
+}
+
+extern "C" void kvs_lean_dyn_cuda_set_split(struct kvs_lean_dyn_cuda *x, int max_splits, int min_tokens)
+{
+    x->splits = max_splits < 0 ? 0 : max_splits > DYN_MAXSPLIT ? DYN_MAXSPLIT : max_splits;
+    x->min_tokens = min_tokens < 1 ? 1 : min_tokens;
 }
 
 extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const struct kvs_lean_dyn_cuda_job *jobs,
                                           int n_jobs)
 {
     if (n_jobs > x->max_jobs) return -E2BIG;
+    x->all_single = 1;
+    for (int i = 0; i < n_jobs; i++) x->all_single &= jobs[i].head < 0 || jobs[i].rows == 1;
     if (n_jobs > 0)
         CUDA_CHECK(cudaMemcpyAsync(x->d.jobs, jobs, (size_t)n_jobs * sizeof *jobs, cudaMemcpyHostToDevice, x->b->stream));
     return 0;
@@ -804,10 +1082,6 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
 {
     if (n_jobs <= 0) return;
     cudaStream_t s = x->b->stream;
-    if (phases & KVS_LEAN_DYN_PAGES) {
-        k_dyn_alloc<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
-        LAUNCH_CHECK();
-    }
     const dyn_dev &D = x->d;
     const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
     const size_t smem = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + 2 * D.hd + GM * DYN_WARPS + DYN_WARPS) *
@@ -816,6 +1090,33 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     const float *vd = v ? (const float *)v->d : NULL;
     float *od = out ? (float *)out->d : NULL;
     const float *ed = ext_lse ? (const float *)ext_lse->d : NULL;
+    const int att = KVS_LEAN_DYN_ATTEND | KVS_LEAN_DYN_EXIT, round = (phases & KVS_LEAN_DYN_PAGES) != 0;
+    if (x->splits > 0 && x->all_single && (phases & att) == att) {
+        /* decode: each head's tokens over several blocks, then the merge, scores and exit */
+        int S = x->target / n_jobs;
+        if (S > x->splits) S = x->splits;
+        if (S > x->max_parts / n_jobs) S = x->max_parts / n_jobs;
+        if (S < 1) S = 1;
+        const size_t ssm = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + GM * DYN_WARPS) * sizeof(float);
+        const size_t msm = (size_t)(2 * D.hd + DYN_WARPS) * sizeof(float) + DYN_WARPS * sizeof(int);
+        const dim3 grid((unsigned)n_jobs + 1, (unsigned)S);   /* + the page round's block */
+#define DYN_SPLIT(gm, km)                                                                                           \
+    if (GM == gm && KM == km) k_dyn_split<gm, km><<<grid, DYN_THREADS, ssm, s>>>(D, qd, kd, vd, scale, layer, S, x->min_tokens, round)
+        DYN_SPLIT(2, 2); DYN_SPLIT(2, 4); DYN_SPLIT(2, 8);
+        DYN_SPLIT(4, 2); DYN_SPLIT(4, 4); DYN_SPLIT(4, 8);
+        DYN_SPLIT(8, 2); DYN_SPLIT(8, 4); DYN_SPLIT(8, 8);
+#undef DYN_SPLIT
+        LAUNCH_CHECK();
+        if (GM == 2) k_dyn_merge<2><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+        if (GM == 4) k_dyn_merge<4><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+        if (GM == 8) k_dyn_merge<8><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+        LAUNCH_CHECK();
+        return;
+    }
+    if (phases & KVS_LEAN_DYN_PAGES) {
+        k_dyn_alloc<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
+        LAUNCH_CHECK();
+    }
 #define DYN_STEP(gm, km)                                                                                            \
     if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, ed, scale, od, phases, layer)
     DYN_STEP(2, 2); DYN_STEP(2, 4); DYN_STEP(2, 8);
@@ -827,6 +1128,21 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         k_dyn_trim<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
         LAUNCH_CHECK();
     }
+}
+
+__global__ void k_dyn_mask_slots(const int32_t *slots, const int32_t *keep, int32_t *out, int n)
+{
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < n) out[r] = keep[r] ? slots[r] : -1;
+}
+
+extern "C" void kvs_lean_dyn_cuda_mask_slots(struct kvs_backend *b, const struct kvs_dbuf *slots,
+                                             const struct kvs_dbuf *keep, struct kvs_dbuf *out, int n)
+{
+    if (n <= 0) return;
+    k_dyn_mask_slots<<<(n + 255) / 256, 256, 0, b->stream>>>((const int32_t *)slots->d, (const int32_t *)keep->d,
+                                                             (int32_t *)out->d, n);
+    LAUNCH_CHECK();
 }
 
 /* Copies heads [first, first + n) (state, high and low page counts) and the page manager out of

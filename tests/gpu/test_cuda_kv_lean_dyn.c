@@ -20,7 +20,11 @@
  *   5. with the document cache (kv.reuse = lazy): the whole-step cases of 2 run with an outside
  *      part too (a cached document's lse and output per row and query head, sometimes none),
  *      held to the CPU's kvs_lean_dyn_head_step_ext as above; and the engine on cuda with
- *      documents against the CPU engine.
+ *      documents against the CPU engine;
+ *   6. with documents, the storage's static write on cuda: a step holding a document's side
+ *      prefill and a request's own rows writes the document's rows to their static pages and
+ *      leaves the request's private blocks' static bytes as they were (poisoned beforehand:
+ *      own rows live in the tiers, no attention reads them there).
  * The K16V16 + K8V4 case failed on the first H100 run (2026-11-24T16:50Z: the 16-bit tier's codes,
  * byte stores of fp16 bits, as kv_lean.cu's write once did); the quantizer stores 16 bits at once
  * since, and the case passes on the H100 (2026-11-24T19:32Z), so the storage takes 16-bit tiers.
@@ -38,6 +42,8 @@
 #include "kernels/kv_lean_pages.h"
 #include "tests/gpu/cuda_pair.h"
 #include "engine/config.h"
+#include "engine/kv/kv.h"
+#include "engine/kv/kv_storage_lean_dyn.h"
 #include "models/model.h"
 #include "tests/unit/kv_engine_run.h"
 
@@ -49,6 +55,8 @@ struct ccase {
     int hd, G, nkv, W, tp, seqs, pre, steps;
     double ah, al;
     int ext;                      /* rows carry an outside part (cached documents' lse and output) */
+    int split;                    /* decode steps: 0 the default split path, > 0 splits of at least
+                                   * this many tokens (up to 16 a head), -1 the sequential kernel */
 };
 
 /* the CPU side: heads over one host page manager and page buffer */
@@ -269,6 +277,7 @@ static void test_steps(const struct ccase *k)
     struct kvs_lean_dyn_cuda *g;
     REQUIRE(kvs_lean_dyn_cuda_create(bg, &s.c, s.n_states, nq, nkv, s.n_pages, s.table_len, s.n_states + 1, 0, &g, err,
                                      sizeof err) == 0, "%s", err);
+    if (k->split) kvs_lean_dyn_cuda_set_split(g, k->split < 0 ? 0 : 16, k->split < 0 ? 1 : k->split);
     const int max_rows = k->pre * k->seqs * (k->seqs + 1) / 2 + k->seqs;
     float *q = kvs_xmalloc((size_t)max_rows * nq * hd * 4), *kk = kvs_xmalloc((size_t)max_rows * nkv * hd * 4),
           *vv = kvs_xmalloc((size_t)max_rows * nkv * hd * 4), *oc = kvs_xmalloc((size_t)max_rows * nq * hd * 4),
@@ -580,33 +589,98 @@ static void test_engine_docs(void)
     kvs_model_free(model);
 }
 
+
+/* 6. the static write of dynamic + lazy on cuda: document rows only */
+static void test_docs_write(void)
+{
+    enum { NKV = 2, NH = 4, HD = 64, BSZ = 16, NB = 8, DOC = 20, OWN = 5, ROWS = DOC + OWN };
+    char err[256];
+    struct kvs_config c;
+    kvs_config_init(&c);
+    free(c.device), c.device = kvs_xstrdup("cuda");
+    free(c.kv_storage), c.kv_storage = kvs_xstrdup("lean");
+    free(c.lean_mode), c.lean_mode = kvs_xstrdup("dynamic");
+    free(c.kv_reuse), c.kv_reuse = kvs_xstrdup("lazy");
+    const struct kvs_kv_shape sh = {1, NKV, HD, BSZ, &c, NH, 2, 64, 128};
+    const struct kvs_kv_storage_ops *st = kvs_kv_find_storage("lean");
+    void *state = NULL;
+    REQUIRE(st->create(&sh, G, bg, NB, &state, err, sizeof err) == 0, "%s", err);
+    struct kvs_lean_dyn_store *d = kvs_kv_storage_lean_dyn_of(state);
+    size_t bb = 0;
+    struct kvs_dbuf *pages = (struct kvs_dbuf *)kvs_lean_dyn_doc_pages(d, 0, &bb);
+    REQUIRE(pages && bb % 4 == 0, "doc pages");
+    const size_t nw = bb * NB / 4;
+    int32_t *w = kvs_xmalloc(nw * 4), *w2 = kvs_xmalloc(nw * 4);
+    for (size_t i = 0; i < nw; i++) w[i] = (int32_t)0xA5A5A5A5u;
+    G->upload(bg, pages, 0, w, nw);
+    /* a document's side prefill (no slot, blocks 0 and 1) and request 0's first own rows at its
+     * doc_end 32 (its private block 4) in one step */
+    int32_t qs[3] = {0, DOC, ROWS}, pos[2] = {0, 32}, slot[2] = {-1, 0}, dec[2] = {0, 0}, slots[ROWS];
+    int32_t bt[2 * 8] = {0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 4, 0, 0, 0, 0, 0};
+    for (int r = 0; r < DOC; r++) slots[r] = r;
+    for (int r = 0; r < OWN; r++) slots[DOC + r] = 4 * BSZ + r;
+    float *kv = kvs_xmalloc((size_t)ROWS * NKV * HD * 4);
+    for (size_t i = 0; i < (size_t)ROWS * NKV * HD; i++) kv[i] = bf16_round(frand());
+    struct pair pk = mk(KVS_BUF_ACT, (size_t)ROWS * NKV * HD, kv), psl = mk(KVS_BUF_I32, ROWS, slots);
+    REQUIRE(st->seq_init(state, 0) == 0, "seq_init");
+    struct kvs_attn_meta m = {.n_seqs = 2, .max_blocks = 8, .h_q_start = qs, .h_pos = pos, .max_ctx = 37};
+    const struct kvs_kv_step step = {2, ROWS, qs, pos, slot, dec, &m, bt, 0};
+    REQUIRE(st->step(state, &step) == 0, "step");
+    st->write(state, 0, pk.g, pk.g, psl.g, ROWS);
+    G->download(bg, w2, pages, 0, nw);
+    /* block 0 (16 document rows) and block 1 (4 rows) changed; blocks 2..7 not (4: the request's) */
+    const size_t per = bb / 4;
+    int doc_changed = 0, others_same = 1;
+    for (size_t i = 0; i < per; i++) doc_changed += w2[i] != w[i];
+    for (size_t i = 2 * per; i < nw; i++) others_same &= w2[i] == w[i];
+    CHECK(doc_changed > 0 && others_same, "dynamic + lazy on cuda: the static write touched %s (document block %s)",
+          others_same ? "nothing else" : "a private block's pages", doc_changed ? "written" : "NOT written");
+    if (doc_changed > 0 && others_same)
+        printf("ok dynamic + lazy on cuda: a step's static write stores the document's rows and leaves the request's "
+               "private block alone\n");
+    st->seq_free(state, 0);
+    st->destroy(state);
+    drop(&pk), drop(&psl);
+    free(w), free(w2), free(kv);
+    kvs_config_free(&c);
+}
+
 int main(void)
 {
     if (cuda_pair_open(1)) return 1;
     /* name, high, low, head_dim, G, KV heads, window, entries per high page, requests, prefill,
-     * steps, alpha_h, alpha_l, documents outside */
+     * steps, alpha_h, alpha_l, documents outside, split (decode steps) */
     const struct ccase cases[] = {
-        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0},
-        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02, 0},
-        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05, 0},
-        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0},
-        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0},
-        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0, 0},
+        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 0},
+        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02, 0, 0},
+        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05, 0, 0},
+        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 0},
+        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0, 0},
+        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0, 0, 0},
         /* the kernel's shapes: 300 / 600-token heads (several 256-token output chunks), a group
          * of 3 and hd 96 (partial register tiles); hd 36 (codes not in whole 32-bit words,
          * entries not 4-byte aligned: the element-wise reads and byte moves) */
-        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0},
-        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02, 0},
+        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 0},
+        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02, 0, 0},
         /* with cached documents outside the heads (kv.reuse = lazy): their lse joins the
          * probabilities and their output the rows', N starts after them */
-        {"K8V4+K4V2 hd64 G4 documents", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.05, 1},
-        {"K8V4+K4V2 hd128 G8 documents a3", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1},
+        {"K8V4+K4V2 hd64 G4 documents", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.05, 1, 0},
+        {"K8V4+K4V2 hd128 G8 documents a3", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 0},
+        /* decode steps split over blocks (every case above takes the default split path for its
+         * one-row steps: 64 tokens a split at least, so 1-10 splits): many short splits, a long
+         * head over 16 splits, documents with splits of 4 tokens, and the sequential kernel */
+        {"K8V4+K4V2 hd64 G4 split 8", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 8},
+        {"K8V4+K4V2 hd96 G3 long split 16", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 16},
+        {"K8V4+K4V2 hd128 G8 documents a3 split 4", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 4},
+        {"K16V16+K8V4 hd32 G2 split 3", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 3},
+        {"K8V4+K4V2 hd64 G4 sequential", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, -1},
     };
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
     test_enospc();
     test_engine();
     test_engine_docs();
+    test_docs_write();
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean_dyn");

@@ -356,6 +356,19 @@ static void test_store_fuzz(void)
     RUN_STEP(NDOC, n, 1);
     CHECK(!memcmp(ho, ho2, sizeof(float) * n * NH * HDIM), "documents' side prefill: output differs from static K8V4");
     const uint64_t sum0 = doc_sum(be, d, 0, nb);
+    /* the requests' private blocks [16, NBLK): poisoned; their own rows live in their tiers, so
+     * the static write must leave these bytes alone (it used to quantize every row there) */
+    for (int l = 0; l < L; l++) {
+        size_t bb;
+        struct kvs_dbuf *p = (struct kvs_dbuf *)kvs_lean_dyn_doc_pages(d, l, &bb);
+        const size_t nw = bb * (NBLK - 16) / 4;
+        int32_t *w = malloc(nw * sizeof *w);
+        REQUIRE(w, "alloc");
+        for (size_t i = 0; i < nw; i++) w[i] = (int32_t)0xA5A5A5A5u;
+        o->upload(be, p, bb * 16 / 4, w, nw);
+        free(w);
+    }
+    const uint64_t poison0 = doc_sum(be, d, 16, NBLK - 16);
     /* requests over them */
     int live[SLOTS] = {0}, len[SLOTS] = {0}, doc_of[SLOTS] = {0}, ends = 0, steps = 0, bad = 0, shared_max = 0;
     int64_t doc_rows = 0;
@@ -413,6 +426,8 @@ static void test_store_fuzz(void)
     int held = -1;
     CHECK(kvs_lean_dyn_check(d, &held, msg, sizeof msg) == 0 && held == 0, "after every request ended: %d pages held "
           "(%s)", held, msg);
+    CHECK(doc_sum(be, d, 16, NBLK - 16) == poison0, "a request's own rows were written into the static pages of its "
+          "private blocks (no attention reads them)");
     CHECK(shared_max >= 2 && doc_rows > 0, "requests shared a document's blocks at once (%d at most)", shared_max);
     struct kvs_kv_counter cn[8];
     const int nc = st->counters(state, cn, 8);
