@@ -565,6 +565,33 @@ template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, i
     }
 }
 
+/* The logits of tokens [t0, t1) of a head for the G q heads of its group (queries qs, [G][hd]): a
+ * thread per token, codes read a word at a time; lg[g * n + t] = q_g . k_t * scale, and m[g] takes
+ * the thread's running maximum (the caller reduces it over the block). Shared by the one-block
+ * step and the split step, so both compute every logit with the same operations in the same order. */
+template <int GM>
+__device__ __forceinline__ void dyn_logits(const dyn_dev &D, int st, const dyn_head &h, int t0, int t1, int n,
+                                           const float *qs, float scale, float *lg, float *m)
+{
+    const int hd = D.hd, G = D.G;
+    for (int t = t0 + threadIdx.x; t < t1; t += DYN_THREADS) {
+        float a[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) a[g] = 0.0f;
+        tv_each(tok_ref(D, st, h, t, 0), hd, [&](int i, float x) {
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) a[g] = fmaf(qs[g * hd + i], x, a[g]);
+        });
+#pragma unroll
+        for (int g = 0; g < GM; g++)
+            if (g < G) {
+                lg[(long long)g * n + t] = a[g] * scale;
+                m[g] = fmaxf(m[g], a[g] * scale);
+            }
+    }
+}
+
 /* One block per job (its rows in order: each row's exit changes what the next row reads); within
  * a row the block's DYN_THREADS threads share the work: a thread per token for the logits
  * (codes a word at a time) and the scores; for the output a warp per token with a lane per
@@ -619,22 +646,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
             float m[GM], sum[GM];
 #pragma unroll
             for (int g = 0; g < GM; g++) m[g] = -INFINITY, sum[g] = 0.0f;
-            for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
-                float a[GM];
-#pragma unroll
-                for (int g = 0; g < GM; g++) a[g] = 0.0f;
-                tv_each(tok_ref(D, st, h, t, 0), hd, [&](int i, float x) {
-#pragma unroll
-                    for (int g = 0; g < GM; g++)
-                        if (g < G) a[g] = fmaf(qs[g * hd + i], x, a[g]);
-                });
-#pragma unroll
-                for (int g = 0; g < GM; g++)
-                    if (g < G) {
-                        lg[(long long)g * n + t] = a[g] * scale;
-                        m[g] = fmaxf(m[g], a[g] * scale);
-                    }
-            }
+            dyn_logits<GM>(D, st, h, 0, n, n, qs, scale, lg, m);
             block_reduce<true, GM>(m, G, red);
             /* ext: the row's other part (cached documents: lse per q head, its output in out) joins
              * the normalization; -inf (none) changes no bit */
@@ -796,22 +808,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     float m[GM], sum[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) m[g] = -INFINITY, sum[g] = 0.0f;
-    for (int t = t0 + threadIdx.x; t < t1; t += DYN_THREADS) {
-        float a[GM];
-#pragma unroll
-        for (int g = 0; g < GM; g++) a[g] = 0.0f;
-        tv_each(tok_ref(D, st, h, t, 0), hd, [&](int i, float x) {
-#pragma unroll
-            for (int g = 0; g < GM; g++)
-                if (g < G) a[g] = fmaf(qs[g * hd + i], x, a[g]);
-        });
-#pragma unroll
-        for (int g = 0; g < GM; g++)
-            if (g < G) {
-                lg[(long long)g * n + t] = a[g] * scale;
-                m[g] = fmaxf(m[g], a[g] * scale);
-            }
-    }
+    dyn_logits<GM>(D, st, h, t0, t1, n, qs, scale, lg, m);
     block_reduce<true, GM>(m, G, red);
     float o[GM][KM];
 #pragma unroll
