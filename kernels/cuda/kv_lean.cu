@@ -18,13 +18,14 @@
  * 8 columns (decode rows and spans of G <= 8: half the tensor-core work and accumulators per key,
  * so more warps resident; bench/RESULTS.md has the measurements); kvs_cuda_set_lean_layout
  * (cuda_backend.h) forces one for tests and benchmarks. Decode tiles of keys on M without spans
- * go to the multi-warp kernel with a copy warp (kv_lean_decode.cu) at K8V8 / K8V4 / K16V16; the
+ * go to the multi-warp kernel with a copy warp (kv_lean_decode.cu) at every format but K2V2; the
  * device pieces both kernels share are in kv_lean_device.cuh.
  *
  * Shapes: head_dim 64 or 128, G <= 16, block sizes whose pages are a multiple of 16 bytes, the
  * formats K8V8, K8V4, K4V4, K4V2, K2V2 and K16V16 (supports() refuses the rest; the launch aborts
  * with a message if reached anyway).
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK). */
+#include "kernels/cuda/kv_lean_cuda.h"
 #include "kernels/cuda/kv_lean_device.cuh"
 
 /* ---- write ---------------------------------------------------------------------------------- */
@@ -402,7 +403,9 @@ __global__ void __launch_bounds__(32, KT ? lean_kt_min_blocks<HD, KB, VB>() : LE
     }
 }
 
-/* the splits' partials of each (row, head) (block) into out and lse (may be NULL), in split order */
+/* the splits' partials of each (row, head) (block) into out and lse (may be NULL), in split order:
+ * the serial form (kvs_cuda_set_lean_merge / KVS_LEAN_MERGE=0): each thread walks the splits three
+ * times, one dependent load a step */
 __global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out, float *lse)
 {
     grid_dep_wait(); /* cuda_launch.h: launched behind the attention kernel, its partials ready */
@@ -426,6 +429,93 @@ __global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out
         out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
     }
     if (lse && threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
+}
+
+/* The staged form of k_lean_merge, the default: the same sums in the same split order with the
+ * same operations (so the same bits: test_cuda_kv_lean), but the splits' maxima and sums are
+ * loaded once by the block (a thread a split) into shared memory, each split's weight is made
+ * once, and each output dimension's partials are loaded MERGE_ILP at a time before they are added
+ * in order. The serial form's walks are chains of dependent loads (a few hundred cycles each): at
+ * batch 8 x 8K k_lean_dec's 32 partials a row took the serial merge 14.4 us, the staged one 8.8
+ * (ncu), the whole K8V8 attention 83 -> 77 us (bench/RESULTS.md, "part 12"). Shared memory: 2
+ * n_splits floats. */
+#define MERGE_ILP 8
+__global__ void k_lean_merge_staged(const float *part, int n_splits, int hd, float *out, float *lse)
+{
+    extern __shared__ float mg_sh[]; /* [n_splits] maxima, then weights; [n_splits] sums */
+    float *mw = mg_sh, *ml = mg_sh + n_splits;
+    grid_dep_wait();
+    const long long rh = blockIdx.x;
+    const long long st = hd + 2;
+    const float *pp = part + rh * n_splits * st;
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        mw[s] = pp[s * st + hd];
+        ml[s] = pp[s * st + hd + 1];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, mw[s]);
+    __syncthreads(); /* every thread has read the maxima before they become weights */
+    /* weight 0 marks a split without keys (the serial form skips it: the same sums) */
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) mw[s] = mw[s] == -INFINITY ? 0.0f : __expf(mw[s] - M);
+    __syncthreads();
+    if (M == -INFINITY) {
+        for (int d = threadIdx.x; d < hd; d += blockDim.x) out[rh * hd + d] = 0.0f;
+        if (lse && threadIdx.x == 0) lse[rh] = -INFINITY;
+        return;
+    }
+    float L = 0.0f;
+    for (int s = 0; s < n_splits; s++)
+        if (mw[s] != 0.0f) L += ml[s] * mw[s];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float A = 0.0f;
+        int s = 0;
+        for (; s + MERGE_ILP <= n_splits; s += MERGE_ILP) {
+            float v[MERGE_ILP];
+#pragma unroll
+            for (int j = 0; j < MERGE_ILP; j++) v[j] = pp[(s + j) * st + d];
+#pragma unroll
+            for (int j = 0; j < MERGE_ILP; j++)
+                if (mw[s + j] != 0.0f) A += v[j] * mw[s + j];
+        }
+        for (; s < n_splits; s++)
+            if (mw[s] != 0.0f) A += pp[s * st + d] * mw[s];
+        out[rh * hd + d] = A / L;
+    }
+    if (lse && threadIdx.x == 0) lse[rh] = M + logf(L);
+}
+
+/* the merge's form (kvs_cuda_set_lean_merge, else KVS_LEAN_MERGE=STAGED[,EARLY]): 1 staged, 0
+ * serial; early: k_lean_dec lets the merge's blocks start as its last blocks run (cuda_launch.h
+ * grid_dep_launch); off by default: no faster on the H100 at any shape timed ("part 12") */
+#ifndef LEAN_MERGE_EARLY
+#define LEAN_MERGE_EARLY 0
+#endif
+static int merge_staged = -1, merge_early = LEAN_MERGE_EARLY;
+
+extern "C" void kvs_cuda_set_lean_merge(int staged, int early)
+{
+    merge_staged = staged >= 0 ? staged != 0 : -1;
+    merge_early = early >= 0 ? early != 0 : LEAN_MERGE_EARLY;
+}
+
+static void merge_cfg(int *staged, int *early)
+{
+    if (merge_staged < 0) {
+        const char *e = getenv("KVS_LEAN_MERGE");
+        int a = 1, b = LEAN_MERGE_EARLY;
+        if (e && *e) sscanf(e, "%d,%d", &a, &b);
+        merge_staged = a != 0, merge_early = b != 0;
+    }
+    *staged = merge_staged, *early = merge_early && kvs_cu_pdl_enabled();
+}
+
+/* 1 when k_lean_dec should trigger the merge's early launch (kv_lean_decode.cu) */
+int lean_merge_early(void)
+{
+    int s, e;
+    merge_cfg(&s, &e);
+    return e;
 }
 
 /* splits: the longest walk (w_max tiles) cut so the grid fills every SM with resident blocks
@@ -578,12 +668,12 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
     }
     if (n_tiles == 0) return;
     long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
-    /* keys on M without spans: k_lean_dec (kv_lean_decode.cu) for formats of 12 bits a key and
-     * value or more, k_lean_fd below that (layout 3 forces k_lean_dec, 2 k_lean_fd): on the H100
-     * k_lean_dec was the faster at K8V8 and K8V4 at every shape timed, while at K4V4 the 16 one-warp
-     * blocks an SM of k_lean_fd keep more of its small tiles in flight at batch 8 (bench/RESULTS.md,
-     * "LeanKV kernels, part 11") */
-    const bool dec = kt && (lean_layout == 3 || (lean_layout == 0 && f.kbits + f.vbits >= 12)) &&
+    /* keys on M without spans: k_lean_dec (kv_lean_decode.cu) for formats of 6 bits a key and
+     * value or more (K4V2 up), k_lean_fd for K2V2 (layout 3 forces k_lean_dec, 2 k_lean_fd): on the
+     * H100 k_lean_dec was the faster at K8V8 and K8V4 at every shape timed ("LeanKV kernels, part
+     * 11"), and with its one-wave split plan at K4V4 and K4V2 too at three of the four shapes
+     * (1-2% slower at batch 8 x 32K; bench/RESULTS.md, "part 12"); K2V2 was not timed */
+    const bool dec = kt && (lean_layout == 3 || (lean_layout == 0 && f.kbits + f.vbits >= 6)) &&
                      lean_dec_launch(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
     if (dec) {
         /* launched: its partials (one a compute warp and split) are merged below, even a single one */
@@ -595,8 +685,15 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
         else lean_launch_hd<128, false>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
     }
     if (dec || a.n_splits > 1) {
-        CUDA_CHECK(kvs_cu_launch(k_lean_merge, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim), 0, b->stream,
-                                 (const float *)a.part, a.n_splits, head_dim, a.out, a.lse));
+        int staged, early;
+        merge_cfg(&staged, &early);
+        if (staged)
+            CUDA_CHECK(kvs_cu_launch(k_lean_merge_staged, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim),
+                                     2 * (size_t)a.n_splits * sizeof(float), b->stream, (const float *)a.part, a.n_splits,
+                                     head_dim, a.out, a.lse));
+        else
+            CUDA_CHECK(kvs_cu_launch(k_lean_merge, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim), 0, b->stream,
+                                     (const float *)a.part, a.n_splits, head_dim, a.out, a.lse));
         CUDA_CHECK(cudaGetLastError());
     }
 }

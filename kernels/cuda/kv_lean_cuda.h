@@ -11,11 +11,18 @@ extern "C" {
 #endif
 /* The multi-warp kernel's configuration, process-wide: compute warps a block (1-5, else the
  * default), stages of its ring (2-24, rounded down to a multiple of the compute warps and at least
- * twice them; else as many as the shared memory holds) and context splits (1-256, else planned).
- * Layout 3 of kvs_cuda_set_lean_layout forces the kernel where it applies (keys on M, no spans);
- * the automatic choice (layout 0) takes it there too. Never called: KVS_LEAN_DEC=NC[,NST[,SPLITS]]
- * from the environment, else the defaults. */
-void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits);
+ * twice them; else as many as the shared memory holds), context splits (1-256, else planned) and
+ * combine (1: the compute warps' states folded into one partial a block, 0: a partial a warp,
+ * else the default). Layout 3 of kvs_cuda_set_lean_layout forces the kernel where it applies (keys
+ * on M, no spans); the automatic choice (layout 0) takes it there too. Never called:
+ * KVS_LEAN_DEC=NC[,NST[,SPLITS[,COMBINE]]] from the environment, else the defaults. */
+void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits, int combine);
+/* The merge of the attention's split partials (kv_lean.cu), process-wide: staged 1 (the default:
+ * the splits' maxima and sums staged in shared memory, the partials' loads batched) or 0 (the
+ * serial walks: the same sums in the same order, so the same bits); early 1: the multi-warp
+ * kernel lets the merge's blocks start while its last blocks run (programmatic launch). A negative
+ * value: back to the environment (KVS_LEAN_MERGE=STAGED[,EARLY]) or the default. */
+void kvs_cuda_set_lean_merge(int staged, int early);
 #ifdef __cplusplus
 }
 #endif

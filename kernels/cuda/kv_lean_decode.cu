@@ -16,8 +16,10 @@
  * for a compute warp except on a full ring. Each compute warp keeps its own online softmax over its
  * tiles (the same QK / softmax / PV as k_lean_fd's keys-on-M layout, deferred RoPE per warp) and
  * writes it as its own partial, split * NC + warp, which k_lean_merge (kv_lean.cu) merges in order,
- * as it merges k_lean_fd's splits: no block-wide barrier after the start.
- * NC and NST are launch parameters (kvs_cuda_set_lean_dec, else KVS_LEAN_DEC=NC[,NST[,SPLITS]]):
+ * as it merges k_lean_fd's splits: no block-wide barrier after the start but the fold below.
+ * At the end the compute warps may fold their states into one partial a block (COMBINE; the
+ * default is a partial a warp). NC and NST are launch parameters (kvs_cuda_set_lean_dec, else
+ * KVS_LEAN_DEC=NC[,NST[,SPLITS[,COMBINE]]]):
  * by default NST fills the shared memory of the blocks the registers let stay resident; NST is a
  * multiple of NC (stage st is computed by warp st % NC only: see dec_launch).
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK / LAUNCH_CHECK). */
@@ -90,7 +92,7 @@ __host__ __device__ constexpr size_t lean_dec_smem(int nc, int nst)
 }
 
 template <int HD, int KB, int VB>
-__global__ void __launch_bounds__(LEAN_DEC_MAXW * 32, LEAN_DEC_MINB) k_lean_dec(const __grid_constant__ lean_fd_args a, int nst)
+__global__ void __launch_bounds__(LEAN_DEC_MAXW * 32, LEAN_DEC_MINB) k_lean_dec(const __grid_constant__ lean_fd_args a, int nst, int trig, int combine)
 {
     using S = lean_stage<HD, KB, VB>;
     extern __shared__ __align__(16) uint8_t lean_ring[];
@@ -98,12 +100,16 @@ __global__ void __launch_bounds__(LEAN_DEC_MAXW * 32, LEAN_DEC_MINB) k_lean_dec(
     uint64_t *full = reinterpret_cast<uint64_t *>(lean_ring + (size_t)nst * S::BYTES), *empty = full + nst;
     const lean_geom &g = a.g;
     const int tile = blockIdx.x / g.n_kv, kvh = blockIdx.x % g.n_kv, split = blockIdx.y;
-    grid_dep_wait(); /* cuda_launch.h: launched early behind the previous kernel (q) */
+    /* the barriers are the block's own shared memory: set up before the wait */
     if (threadIdx.x == 0)
         for (int i = 0; i < nst; i++) {
             lean_mbar_init(full + i, 64); /* 32 cp.async arrivals + 32 plain ones */
             lean_mbar_init(empty + i, 1);
         }
+    grid_dep_wait(); /* cuda_launch.h: launched early behind the previous kernel (q) */
+    /* the merge (kv_lean.cu) may take SM slots as this grid's last blocks run (its own wait holds
+     * it until this grid is done): it then starts without a launch's latency */
+    grid_dep_launch(trig);
     __syncthreads();
 
     int s = 0, r0 = 0;
@@ -208,10 +214,48 @@ __global__ void __launch_bounds__(LEAN_DEC_MAXW * 32, LEAN_DEC_MINB) k_lean_dec(
         for (int x = 0; x < HD / 16; x++) o[x][0] -= ct[0], o[x][1] -= ct[1], o[x][2] -= ct[0], o[x][3] -= ct[1];
     }
 
+    int part = split * nc + warp;
+    if (combine && nc > 1) {
+        /* the block's compute warps fold their states into warp 0's, in warp order, so the
+         * merge reads one partial a split instead of nc (fewer loads in its dependent walk, and
+         * fewer bytes written): each warp's o, m, l lane by lane (the same register layout in
+         * every warp: lane (g, t)'s elements are the same dims and rows), through the ring's
+         * shared memory once every compute warp is past its last stage (named barrier 1; the
+         * copy warp has left). dec_launch checks that the ring holds nc - 1 warps' states. */
+        constexpr int PER = HD / 16 * 4 + 4; /* floats a lane: o, m[2], l[2]; stored [float][lane] */
+        float *xs = reinterpret_cast<float *>(lean_ring);
+        asm volatile("bar.sync 1, %0;\n" ::"r"(nc * 32) : "memory");
+        if (warp > 0) {
+            float *d = xs + (warp - 1) * 32 * PER + lane;
+#pragma unroll
+            for (int x = 0; x < HD / 16; x++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) d[(x * 4 + k) * 32] = o[x][k];
+            d[HD / 4 * 32] = m[0], d[(HD / 4 + 1) * 32] = m[1], d[(HD / 4 + 2) * 32] = l[0], d[(HD / 4 + 3) * 32] = l[1];
+        }
+        asm volatile("bar.sync 1, %0;\n" ::"r"(nc * 32) : "memory");
+        if (warp > 0) return;
+        for (int w = 1; w < nc; w++) {
+            const float *d = xs + (w - 1) * 32 * PER + lane;
+            float a0[2], a1[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float mw = d[(HD / 4 + e) * 32], mn = fmaxf(m[e], mw);
+                a0[e] = m[e] == -INFINITY ? 0.0f : __expf(m[e] - mn);
+                a1[e] = mw == -INFINITY ? 0.0f : __expf(mw - mn);
+                l[e] = l[e] * a0[e] + d[(HD / 4 + 2 + e) * 32] * a1[e];
+                m[e] = mn;
+            }
+#pragma unroll
+            for (int x = 0; x < HD / 16; x++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) o[x][k] = o[x][k] * a0[k & 1] + d[(x * 4 + k) * 32] * a1[k & 1];
+        }
+        part = split;
+    }
     /* the warp's partial (k_lean_fd's keys-on-M epilogue with a.n_splits partials, the
      * correction already taken off): column e of the lane is row 2t + e; l summed over the
      * column's 8 lanes */
-    const int part = split * nc + warp;
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         float ls = l[e];
@@ -235,28 +279,35 @@ __global__ void __launch_bounds__(LEAN_DEC_MAXW * 32, LEAN_DEC_MINB) k_lean_dec(
 /* the launch configuration: compute warps a block (1 .. LEAN_DEC_MAXW - 1), stages a ring (0: as
  * many as the shared memory of the resident blocks holds) and splits (0: planned; tests force a
  * few, so that each block walks its ring many times round); kvs_cuda_set_lean_dec, else
- * KVS_LEAN_DEC=NC[,NST[,SPLITS]] (benchmarks), else the default */
+ * KVS_LEAN_DEC=NC[,NST[,SPLITS[,COMBINE]]] (benchmarks), else the default */
 #ifndef LEAN_DEC_NC
 #define LEAN_DEC_NC 2 /* 3-warp blocks, 4 an SM: the fastest of 1-5 compute warps on the H100 (RESULTS "part 11") */
 #endif
-static int dec_nc = -1, dec_nst = 0, dec_splits = 0;
+#ifndef LEAN_DEC_COMBINE
+/* the compute warps' states folded in the block: 0, a partial a warp; the fold halved the merge's
+ * time at batch 8 x 8K (ncu: 8 partials a row, 4.9 us) but the whole attention was no faster at
+ * any shape timed (within 1%, RESULTS "part 12"), so the simpler default */
+#define LEAN_DEC_COMBINE 0
+#endif
+static int dec_nc = -1, dec_nst = 0, dec_splits = 0, dec_combine = LEAN_DEC_COMBINE;
 
-extern "C" void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits)
+extern "C" void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits, int combine)
 {
     dec_nc = compute_warps >= 1 && compute_warps < LEAN_DEC_MAXW ? compute_warps : LEAN_DEC_NC;
     dec_nst = stages >= 2 && stages <= LEAN_DEC_MAXST ? stages : 0; /* rounded to a multiple of nc at launch */
     dec_splits = splits >= 1 && splits <= LEAN_MAX_SPLITS ? splits : 0;
+    dec_combine = combine == 0 || combine == 1 ? combine : LEAN_DEC_COMBINE;
 }
 
-static void dec_cfg(int *nc, int *nst, int *splits)
+static void dec_cfg(int *nc, int *nst, int *splits, int *combine)
 {
     if (dec_nc < 0) {
         const char *e = getenv("KVS_LEAN_DEC");
-        int c = 0, n = 0, sp = 0;
-        if (e && *e) sscanf(e, "%d,%d,%d", &c, &n, &sp);
-        kvs_cuda_set_lean_dec(c, n, sp);
+        int c = 0, n = 0, sp = 0, cb = -1;
+        if (e && *e) sscanf(e, "%d,%d,%d,%d", &c, &n, &sp, &cb);
+        kvs_cuda_set_lean_dec(c, n, sp, cb);
     }
-    *nc = dec_nc, *nst = dec_nst, *splits = dec_splits;
+    *nc = dec_nc, *nst = dec_nst, *splits = dec_splits, *combine = dec_combine;
 }
 
 /* one entry per (device, nc, nst) configuration met: resident blocks and the ring's stages */
@@ -272,8 +323,8 @@ static void dec_launch(lean_fd_args &x, long long n_tiles, long long w_max, long
     int &seen = *kvs_cu_resident_here(seen_all);
     int dev = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
-    int nc, nst_req, force;
-    dec_cfg(&nc, &nst_req, &force);
+    int nc, nst_req, force, combine;
+    dec_cfg(&nc, &nst_req, &force, &combine);
     const int threads = (nc + 1) * 32;
     dec_plan_cache &c = pc[dev];
     if (!seen) {
@@ -319,11 +370,17 @@ static void dec_launch(lean_fd_args &x, long long n_tiles, long long w_max, long
                     (size_t)fa.localSizeBytes, res);
         }
     }
-    /* splits: whole waves of blocks where possible (blocks do equal work: a part-filled last wave
-     * costs a whole one), at least 2 tiles a compute warp, the partials within the workspace */
+    /* the in-block fold needs nc - 1 compute warps' states in the ring's shared memory */
+    if (combine && (size_t)(nc - 1) * 32 * (HD / 16 * 4 + 4) * sizeof(float) > (size_t)c.nst * lean_stage<HD, KB, VB>::BYTES)
+        combine = 0;
+    const int ppb = combine ? 1 : nc; /* partials a block writes */
+    /* splits: the fewest splits that fill the resident blocks' slots best (blocks do equal work: a
+     * part-filled last wave costs a whole one; a second wave of as well filled waves is not taken:
+     * one wave of twice the tiles a block was 0.4-6.5% faster, most at batch 8: RESULTS "part 12"),
+     * at least 2 tiles a compute warp, the partials within the workspace */
     const long long pairs = n_tiles * x.g.n_kv, cap = (long long)c.resident * n_sms;
     long long lim = w_max / (2LL * nc);
-    if (lim > by_ws / nc) lim = by_ws / nc;
+    if (lim > by_ws / ppb) lim = by_ws / ppb;
     if (lim > LEAN_MAX_SPLITS) lim = LEAN_MAX_SPLITS;
     if (lim < 1) lim = 1;
     long long ns = 1;
@@ -332,20 +389,17 @@ static void dec_launch(lean_fd_args &x, long long n_tiles, long long w_max, long
         const long long blocks = pairs * k, waves = (blocks + cap - 1) / cap;
         const double fill = (double)blocks / (double)(waves * cap);
         if (fill > best + 0.05) best = fill, ns = k;
-        if (blocks >= cap && fill >= 0.85) {
-            ns = k;
-            break;
-        }
+        if (waves > 1 && fill >= 0.85) break; /* more splits only add waves */
     }
     if (force) ns = force;
     x.chunk = (int)((w_max + ns - 1) / ns);
     if (x.chunk < 1) x.chunk = 1;
     const int splits = (int)((w_max + x.chunk - 1) / x.chunk);
-    if ((long long)splits * nc > by_ws) kvs_panic(__FILE__, __LINE__, "lean decode attention: partials past the workspace");
-    x.n_splits = splits * nc; /* the partials k_lean_merge takes */
+    if ((long long)splits * ppb > by_ws) kvs_panic(__FILE__, __LINE__, "lean decode attention: partials past the workspace");
+    x.n_splits = splits * ppb; /* the partials k_lean_merge takes */
     const dim3 grid((unsigned)pairs, (unsigned)splits);
     CUDA_CHECK(kvs_cu_launch(k_lean_dec<HD, KB, VB>, grid, dim3(threads), lean_dec_smem<HD, KB, VB>(nc, c.nst), st, x,
-                             c.nst));
+                             c.nst, lean_merge_early(), combine));
     CUDA_CHECK(cudaGetLastError());
 }
 

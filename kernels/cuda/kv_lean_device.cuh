@@ -715,5 +715,7 @@ __device__ __forceinline__ void lean_cursor_advance(const int32_t *sp, int ns, i
  * k_lean_merge, which run_attn always launches after it); false, with nothing launched, where it does not apply
  * (spans, tiles of more than 8 rows, a workspace too small for its partials) */
 bool lean_dec_launch(lean_fd_args &x, long long n_tiles, long long w_max, long long by_ws, int n_sms, cudaStream_t st);
+/* kv_lean.cu: 1 when the merge launched after k_lean_dec may start early (kvs_cuda_set_lean_merge) */
+int lean_merge_early(void);
 
 #endif

@@ -17,6 +17,9 @@
  *     LeanKV pages at 16 bits against the backend's attention() over bf16 K/V and the CPU's over
  *     fp32 K/V, rel-L2 < 1e-2 (a first 2026-11-24 run failed them on the pages' low bytes; they
  *     pass since kv_lean.cu's 16-bit store);
+ *   - the merge of the splits' partials: the serial form gives the same bits as the staged default
+ *     (attention and spans, lse included), the early start behind the multi-warp kernel every
+ *     other case;
  *   - copy_block copies a block's pages.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
@@ -49,17 +52,23 @@ struct cfg {
 };
 
 /* layout 3's configurations of the multi-warp decode kernel, one a case in turn: compute warps,
- * stages, splits (0: its own choice); forced splits of 1-3 walk each block's ring round many times
- * over the 5,000-token sequence, stages of 2 per compute warp wrap every other tile */
-static const int dec_cfgs[][3] = {{0, 0, 0}, {1, 2, 1}, {2, 4, 2}, {3, 6, 1}, {5, 10, 3}, {4, 8, 0}, {1, 3, 0}, {5, 0, 1}};
+ * stages, splits (0: its own choice), combine (the warps' states folded in the block: 1, or -1 the
+ * default; 0 a partial a warp); forced splits of 1-3 walk each block's ring round many times over
+ * the 5,000-token sequence, stages of 2 per compute warp wrap every other tile */
+static const int dec_cfgs[][4] = {{0, 0, 0, -1}, {1, 2, 1, 1}, {2, 4, 2, 0}, {3, 6, 1, 1}, {5, 10, 3, 1}, {4, 8, 0, 0},
+                                  {1, 3, 0, 0},  {5, 0, 1, 0}, {3, 0, 0, 1},  {4, 8, 2, 1}, {2, 0, 0, 0}};
 static int dec_case;
 
 static void run_case(const struct cfg *c, int layout)
 {
     kvs_cuda_set_lean_layout(layout);
     const int *dc = dec_cfgs[dec_case % (int)(sizeof dec_cfgs / sizeof dec_cfgs[0])];
+    /* the staged merge of the splits (the default), its early start behind k_lean_dec every other
+     * case of layout 3 */
+    const int early = layout == 3 && dec_case % 2;
+    kvs_cuda_set_lean_merge(1, early);
     if (layout == 3) {
-        kvs_cuda_set_lean_dec(dc[0], dc[1], dc[2]);
+        kvs_cuda_set_lean_dec(dc[0], dc[1], dc[2], dc[3]);
         dec_case++;
     }
     const struct kvs_lean_kernels *kc = kvs_lean_kernels_for(C, NULL, 0), *kg = kvs_lean_kernels_for(G, NULL, 0);
@@ -168,6 +177,14 @@ static void run_case(const struct cfg *c, int layout)
     const double e1 = rel_l2(og, oc, qn);
     CHECK(e1 < 1e-2, "K%dV%d G %d hd %d bs %d layout %d: attention rel-L2 %g", c->f.kbits, c->f.vbits, c->grp, hd, bs,
           layout, e1);
+    /* the serial merge (kv_lean.cu k_lean_merge) adds the same terms in the same order: the same bits */
+    float *os = kvs_xmalloc(qn * 4), *ls2 = kvs_xmalloc((size_t)n_rows * nh * 4);
+    kvs_cuda_set_lean_merge(0, 0);
+    kg->attention(bg, c->f, dq.g, pool.g, &mg, n_rows, nh, nkv, hd, bs, scale, out.g);
+    G->download(bg, os, out.g, 0, qn);
+    kvs_cuda_set_lean_merge(1, early);
+    CHECK(memcmp(os, og, qn * 4) == 0, "K%dV%d G %d hd %d bs %d layout %d: the serial merge's attention differs from the "
+          "staged one's", c->f.kbits, c->f.vbits, c->grp, hd, bs, layout);
     double ed_g = -1, ed_c = -1;
     if (c->f.kbits == 16 && c->f.vbits == 16) {
         /* dense attention over the same K/V: bf16 K/V on the GPU, fp32 on the CPU */
@@ -214,6 +231,15 @@ static void run_case(const struct cfg *c, int layout)
     G->download(bg, og, out.g, 0, qn);
     C->download(bc, lc, lse.c, 0, (size_t)n_rows * nh);
     G->download(bg, lg, lse.g, 0, (size_t)n_rows * nh);
+    kvs_cuda_set_lean_merge(0, 0);
+    kg->attention_spans(bg, c->f, dq.g, pool.g, &mg, &sg, n_rows, nh, nkv, hd, bs, scale, out.g, lse.g);
+    G->download(bg, os, out.g, 0, qn);
+    G->download(bg, ls2, lse.g, 0, (size_t)n_rows * nh);
+    kvs_cuda_set_lean_merge(1, early);
+    CHECK(memcmp(os, og, qn * 4) == 0 && memcmp(ls2, lg, (size_t)n_rows * nh * 4) == 0,
+          "K%dV%d G %d hd %d bs %d layout %d: the serial merge's spans differ from the staged one's", c->f.kbits,
+          c->f.vbits, c->grp, hd, bs, layout);
+    free(os), free(ls2);
     const double e2 = rel_l2(og, oc, qn);
     int lse_bad = 0;
     for (int i = 0; i < n_rows * nh; i++)
@@ -222,7 +248,7 @@ static void run_case(const struct cfg *c, int layout)
           c->grp, hd, bs, e2, lse_bad);
     char lay[64];
     if (layout == 3 && c->grp <= 8)
-        snprintf(lay, sizeof lay, "keys on M, multi-warp (%d, %d, %d)", dc[0], dc[1], dc[2]);
+        snprintf(lay, sizeof lay, "keys on M, multi-warp (%d, %d, %d, %d)", dc[0], dc[1], dc[2], dc[3]);
     else snprintf(lay, sizeof lay, "%s", layout >= 2 && c->grp <= 8 ? "keys on M" : "rows on M");
     printf("ok K%dV%d G %d hd %d bs %d%s %s: pages bytewise equal, attention rel-L2 %.1e, spans %.1e", c->f.kbits,
            c->f.vbits, c->grp, hd, bs, c->norot ? " no rotation" : "", lay, e1, e2);
@@ -268,7 +294,8 @@ int main(void)
     for (int layout = 1; layout <= 3; layout++)
         for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) run_case(&more[i], layout);
     kvs_cuda_set_lean_layout(0);
-    kvs_cuda_set_lean_dec(0, 0, 0);
+    kvs_cuda_set_lean_dec(0, 0, 0, -1);
+    kvs_cuda_set_lean_merge(-1, -1);
     C->free(bc);
     G->free(bg);
     return kvs_test_summary("test_cuda_kv_lean");
