@@ -8,8 +8,9 @@
  * block sizes that do (16) and do not (8, 24) hold the kernel's 16-key halves, rotation offsets
  * (deferred RoPE), blocks with a partial valid count, decode rows mixed with prefill rows, and
  * one long context (a single row whose spans are split over many blocks and merged); every case
- * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one tile a split;
- * the mixed spans again under the splits' merge of before (kvs_cuda_set_span_merge), bitwise.
+ * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one and two tiles a
+ * split; the mixed spans again under the splits' merge of before (kvs_cuda_set_span_merge) and,
+ * under kind 3, kinds 4 and 5 (deeper staging, the same split plan), bitwise.
  * Slots no
  * query may read (invalid tails, spare blocks) hold NaN on both backends, and the CUDA outputs
  * are poisoned with NaN before each op. Checks: out by relative L2 error < 1e-2 (bf16 K/V and
@@ -80,6 +81,9 @@ static void make_inv_freq(float *f, int hd, double theta)
 {
     for (int i = 0; i < hd / 2; i++) f[i] = (float)pow(theta, -2.0 * i / hd);
 }
+
+/* the kind and least tiles a split that the case loop set (kvs_cuda_set_span_kernel) */
+static int cur_kind, cur_min_tiles;
 
 struct span_case {
     const char *name;
@@ -268,6 +272,20 @@ static void test_case(const struct span_case *sc)
         printf("%s %s\n", same ? "ok  " : "FAIL", what);
         free(os); free(ls);
     }
+    /* kinds 4 and 5 (four tiles in flight a warp, kind 3's split plan) give kind 3's bits */
+    for (int k = 4; cur_kind == 3 && k <= 5; k++) {
+        poison(&out);
+        poison(&lse);
+        kvs_cuda_set_span_kernel(k, cur_min_tiles);
+        G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &mix.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
+        kvs_cuda_set_span_kernel(3, cur_min_tiles);
+        float *os = dl_g(&out), *ls = dl_g(&lse);
+        const int same = !memcmp(os, og, on * sizeof *os) && !memcmp(ls, lg, ln * sizeof *ls);
+        snprintf(what, sizeof what, "%s: kind %d = kind 3, bitwise", sc->name, k);
+        CHECK(same, "%s: differ", what);
+        printf("%s %s\n", same ? "ok  " : "FAIL", what);
+        free(os); free(ls);
+    }
     free(oc); free(og); free(lc); free(lg);
 
     /* 2. the halves of the mixed set (even and odd spans), merged, equal the whole set */
@@ -396,11 +414,15 @@ int main(void)
         {"G8 hd128 bs16 long 40K", 32, 4, 128, 16, 1, {40000}, {1}, 0, 0, 256},
         {"G4 hd128 bs16 rot long 20K", 32, 8, 128, 16, 1, {20000}, {1}, 1, 1, 128},
     };
-    /* every kind of attention_spans (kvs_cuda_set_span_kernel), the third also at one tile a split
-     * (the most splits a walk is cut into: every split's start found by the indexed seek) */
-    static const int kinds[][2] = {{1, 0}, {2, 0}, {3, 0}, {3, 1}};
+    /* every kind of attention_spans (kvs_cuda_set_span_kernel), the third also at one and two
+     * tiles a split (the most splits a walk is cut into: every split's start found by the indexed
+     * seek; splits shorter than kind 4's four tiles in flight); kinds 4 and 5 under each of kind
+     * 3's entries, bitwise (test_case) */
+    static const int kinds[][2] = {{1, 0}, {2, 0}, {3, 0}, {3, 1}, {3, 2}};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
         kvs_cuda_set_span_kernel(kinds[k][0], kinds[k][1]);
+        cur_kind = kinds[k][0];
+        cur_min_tiles = kinds[k][1];
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             struct span_case c = cases[i];
             char name[96];
