@@ -31,8 +31,7 @@
  * gives its own row per digest width (column "shape"); a trailing s (ds, b8s) runs that row with
  * the Quest kernels' serial loads (kvs_quest_cuda_serial_loads: the loops of before the batched
  * loads), for their A/B in one run; tN (dt256, dst1024) runs it with N-thread select blocks
- * (kvs_quest_cuda_select_threads); o (do) runs it with the select's radix passes of before
- * (kvs_quest_cuda_select_old_passes: four barriers a pass instead of two).
+ * (kvs_quest_cuda_select_threads).
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
@@ -167,7 +166,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < nsk; i++)
         if (spk[i] < 0 || spk[i] > 1399 || (spk[i] % 1000 && (spk[i] % 1000 / 100 < 1 || spk[i] % 100 < 1))) nsk = -1;
     if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nsk <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
-        fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7), --span-kinds (1NN-5NN, 1000 + those) or --score-shapes (d, bN, pN)\n",
+        fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7), --span-kinds (0, 1NN, 2NN, 3NN) or --score-shapes (d, bN, pN)\n",
                 argv[0]);
         return 2;
     }
@@ -277,7 +276,6 @@ int main(int argc, char **argv)
                     kvs_quest_cuda_score_shape(sh[0] == 'p' ? atoi(sh + 1) : 0, sh[0] == 'b' ? atoi(sh + 1) : 0);
                     kvs_quest_cuda_serial_loads(strchr(sh, 's') != NULL);
                     kvs_quest_cuda_select_threads(strchr(sh, 't') ? atoi(strchr(sh, 't') + 1) : 0);
-                    kvs_quest_cuda_select_old_passes(strchr(sh, 'o') != NULL);
                     S.bits = dbits[di / (np * nshape)];
                     if (di % np == 0) {   /* the two kernels' spans: what every path must give */
                         kvs_quest_cuda_select_path(1);
@@ -315,9 +313,6 @@ int main(int argc, char **argv)
             }
             kvs_cuda_set_span_kernel(0, 0);
             kvs_quest_cuda_score_shape(0, 0);
-            kvs_quest_cuda_serial_loads(0);
-            kvs_quest_cuda_select_threads(0);
-            kvs_quest_cuda_select_old_passes(0);
             struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.qdig8, S.qdig4, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
             for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
             free(perm);

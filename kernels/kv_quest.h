@@ -273,12 +273,6 @@ void kvs_quest_cuda_serial_loads(int on);
  * (the default) by shape. For the benches' A/B and the tests; process-wide. */
 void kvs_quest_cuda_select_threads(int threads);
 
-/* CUDA builds only: nonzero makes the select kernels run their radix passes as before (four block
- * barriers a pass, one histogram buffer) instead of two barriers a pass over alternating buffers;
- * the same selection either way. For the bench's A/B in one run and the tests; process-wide, the
- * current device only; the daemon never calls it. */
-void kvs_quest_cuda_select_old_passes(int on);
-
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);
 

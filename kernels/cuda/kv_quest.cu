@@ -24,8 +24,7 @@
  * select         one block of 1024 threads per (row, KV head): the row's order keys
  *                (kvs_quest_order_key) made once into shared memory where they fit (up to
  *                SEL_STAGED_MAX bytes: 128K-token rows and more), then a radix select (4 passes of
- *                8-bit digits, MSB first, two block barriers a pass over alternating
- *                histograms) finds the k-th largest
+ *                8-bit digits, MSB first) finds the k-th largest
  *                score (warp 0 finds each digit's bin by a scan over the 256 counts); pages
  *                above it and the lowest-indexed ones equal to it are kept (a
  *                block scan over contiguous chunks ranks the ties in page order); the kept
@@ -89,16 +88,6 @@ static void qs_serial_env(void)
     const char *e = getenv("KVS_QUEST_SERIAL_LOADS");
     if (e && atoi(e)) kvs_quest_cuda_serial_loads(1);
     else qs_serial_host = 0;
-}
-
-/* kvs_quest_cuda_select_old_passes: nonzero = the select's radix passes of before (four barriers a
- * pass), for the bench's A/B in one run; the same selection either way */
-__constant__ int qs_sel_old;
-
-extern "C" void kvs_quest_cuda_select_old_passes(int on)
-{
-    const int v = on ? 1 : 0;
-    CUDA_CHECK(cudaMemcpyToSymbol(qs_sel_old, &v, sizeof v));
 }
 
 #define QS_SLOTS 8   /* a page's slots loaded at once by a digest thread */
@@ -675,31 +664,19 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
                                         int32_t *__restrict__ n_spans_out)
 {
     typedef cub::BlockScan<int, T> scan_t;
-    __shared__ int hist[2][256];           /* pass p counts into hist[p & 1] (the old passes: hist[0]) */
-    __shared__ int s_sel[2][2];            /* pass p's digit bin and keys still to take inside it */
+    __shared__ int hist[256];
+    __shared__ int s_sel[2];               /* the digit's bin, keys still to take inside it */
     __shared__ typename scan_t::TempStorage scan_tmp;
     const int tid = threadIdx.x;
 #define SEL_KEY(j) (STAGED ? sk[j] : q_okey(sc[j]))
 
-    /* radix select of the top-th largest key: prefix / mask hold the digits fixed so far. Two
-     * barriers a pass: the counts, then the digit. The histogram and the digit alternate between
-     * two buffers, and warp 0, their only reader, clears a pass's histogram after its scan, so no
-     * pass waits for a clear or for every thread to have read the previous digit (the old passes,
-     * qs_sel_old: four barriers, one buffer). The same digits either way. */
+    /* radix select of the top-th largest key: prefix / mask hold the digits fixed so far */
     uint32_t prefix = 0, mask = 0;
     int remaining = top;               /* keys to take among those matching the prefix */
     if (top > 0) {
-        const int old = qs_sel_old;
-        if (!old) {
-            for (int x = tid; x < 512; x += T) (&hist[0][0])[x] = 0;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int x = tid; x < 256; x += T) hist[x] = 0;
             __syncthreads();
-        }
-        for (int shift = 24, p = 0; shift >= 0; shift -= 8, p = old ? 0 : p ^ 1) {
-            int *h = hist[p];
-            if (old) {
-                for (int x = tid; x < 256; x += T) h[x] = 0;
-                __syncthreads();
-            }
             /* warp-aggregated counts: the leading digits of close scores agree, so plain atomics
              * would serialise on a few bins */
             for (int j0 = 0; j0 < cur; j0 += T) {
@@ -710,13 +687,13 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
                     if ((k & mask) == prefix) bin = (int)((k >> shift) & 255);
                 }
                 const unsigned same = __match_any_sync(0xffffffffu, bin);
-                if (bin >= 0 && (tid & 31) == __ffs((int)same) - 1) atomicAdd(&h[bin], __popc(same));
+                if (bin >= 0 && (tid & 31) == __ffs((int)same) - 1) atomicAdd(&hist[bin], __popc(same));
             }
             __syncthreads();
             if (tid < 32) {   /* the digit: the highest bin whose count from the top reaches remaining */
                 int sum = 0;
 #pragma unroll
-                for (int k = 0; k < 8; k++) sum += h[255 - 8 * tid - k];
+                for (int k = 0; k < 8; k++) sum += hist[255 - 8 * tid - k];
                 int incl = sum;
                 for (int o = 1; o < 32; o <<= 1) {
                     const int v = __shfl_up_sync(0xffffffffu, incl, o);
@@ -725,21 +702,16 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
                 const unsigned hit = __ballot_sync(0xffffffffu, incl >= remaining);
                 if (tid == (hit ? __ffs((int)hit) - 1 : 31)) {
                     int above = incl - sum, d = 255 - 8 * tid;
-                    for (int k = 0; k < 7 && above + h[d] < remaining; k++) above += h[d--];
-                    s_sel[p][0] = d;
-                    s_sel[p][1] = remaining - above;
-                }
-                if (!old) {   /* cleared for pass p + 2, once every lane is done reading it */
-                    __syncwarp();
-#pragma unroll
-                    for (int k = 0; k < 8; k++) h[8 * tid + k] = 0;
+                    for (int k = 0; k < 7 && above + hist[d] < remaining; k++) above += hist[d--];
+                    s_sel[0] = d;
+                    s_sel[1] = remaining - above;
                 }
             }
             __syncthreads();
-            prefix |= (uint32_t)s_sel[p][0] << shift;
+            prefix |= (uint32_t)s_sel[0] << shift;
             mask |= 255u << shift;
-            remaining = s_sel[p][1];
-            if (old) __syncthreads();
+            remaining = s_sel[1];
+            __syncthreads();
         }
     }
     /* keep keys above the threshold, and the first `remaining` equal to it in page order */

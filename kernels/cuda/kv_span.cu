@@ -27,16 +27,12 @@
  * one K and one V buffer of 32 keys,
  *     issue V_i; wait K_i; S = Q K_i^T, softmax; issue K_{i+1}; wait V_i; O += P V_i
  * half the shared memory a block, so about twice the resident blocks (one warp each) a SM and
- * twice the splits in one wave (groups of up to 16 heads; others take kind 3). Kind 4: kind 3's
- * split plan with SPAN_ST_DEEP tiles in flight a warp instead of SPAN_ST (groups of up to 16 heads
- * without deferred RoPE; others take kind 3): twice the bytes in flight per warp for the small
- * grids of batch 1, where the walk's length (SPAN_MIN_TILES), not the SMs' room, bounds the
- * splits, and one-warp blocks leave the SMs' memory pipes mostly idle (bench/RESULTS.md quest9:
- * 312 blocks at 1 x 32K, 3.6% occupancy); where kind 3's plan fills the SMs, kind 4 needs a
- * second wave (fewer blocks fit). Kind 5 takes kind 4 where kind 3's plan fits one wave of it,
- * else kind 3. Every kind takes the same keys in the same order within a split; kinds 3, 4 and 5
- * share the plan and the per-tile arithmetic, so they give the same bits (test_cuda_span); the
- * A/B is in bench/RESULTS.md (quest8, quest10).
+ * twice the splits in one wave (groups of up to 16 heads; others take kind 3). Kind 4: kind 3 with
+ * the two-pointer copies also for tiles whose two 16-key halves are each consecutive from a
+ * multiple of 16 (cuda_span_walk.cuh span_lookup, halves): a Quest tile is two kept pages of 16
+ * slots in unrelated blocks, which kinds 1-3 gather key by key. Every kind takes the same keys in
+ * the same order within a split, and kinds 3 and 4 stage the same bytes in the same slots (the
+ * same bits, test_cuda_span); the A/B is in bench/RESULTS.md (quest8, quest10).
  *
  * attn_merge: elementwise, one block per (row, head).
  *
@@ -52,10 +48,9 @@
 #include "kernels/cuda/kv_span.h"
 
 #define SPAN_ST 2          /* tiles in flight */
-#define SPAN_ST_DEEP 4     /* tiles in flight, kinds 4 and 5 (kvs_cuda_set_span_kernel) */
 #define SPAN_MIN_TILES 4   /* tiles a split is planned with at least (128 keys) */
 #define SPAN_MAX_SPLITS 256
-#define SPAN_KIND_DEFAULT 3   /* kvs_cuda_set_span_kernel: the kind the A/B chose (bench/RESULTS.md, quest8) */
+#define SPAN_KIND_DEFAULT 4   /* kvs_cuda_set_span_kernel: the kind the A/B chose (bench/RESULTS.md, quest8, quest10) */
 
 struct span_args {
     at_args a;                    /* q, kc, vc, q_start, pos, bt, rot, valid, inv_freq, n_seqs, max_blocks,
@@ -66,16 +61,16 @@ struct span_args {
     int chunk;                    /* tiles per split */
     int n_splits;
     int idx;                      /* cursor_seek + total_keys (else main's cursor_seek_linear + total_keys_strided) */
+    int halves;                   /* span_lookup's two-pointer copies for tiles of two 16-key halves (kind 4) */
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
 
-/* SEP: kind 2's staging (one K and one V buffer, issued apart), else kind 1's with NST tiles of K
- * and V in flight (SPAN_ST; kinds 4 and 5: SPAN_ST_DEEP) */
-template <int HD, int MT, bool ROT, bool SEP, int NST>
+/* SEP: kind 2's staging (one K and one V buffer, issued apart), else kind 1's (SPAN_ST tiles) */
+template <int HD, int MT, bool ROT, bool SEP>
 __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_args sa)
 {
-    constexpr int KST = HD + 8, ST = SEP ? 1 : NST;
+    constexpr int KST = HD + 8, ST = SEP ? 1 : SPAN_ST;
     const at_args &a = sa.a;
     extern __shared__ __align__(16) unsigned char smraw[];
     bf16 *sk = (bf16 *)smraw;
@@ -116,7 +111,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     if (ntiles > 0) cur = sa.idx ? cursor_seek(sp, ns, last, w0 * AT_TILE) : cursor_seek_linear(sp, ns, last, w0 * AT_TILE);
     bool nxt_contig = false;
     auto lookup = [&]() {
-        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig);
+        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig, sa.halves != 0);
         cursor_advance(sp, ns, last, cur, AT_TILE);
         return tm;
     };
@@ -371,7 +366,7 @@ static int span_kind_set, span_min_set;
 
 extern "C" void kvs_cuda_set_span_kernel(int kind, int min_tiles)
 {
-    span_kind_set = kind >= 1 && kind <= 5 ? kind : 0;
+    span_kind_set = kind >= 1 && kind <= 4 ? kind : 0;
     span_min_set = min_tiles >= 1 && min_tiles <= 64 ? min_tiles : 0;
 }
 
@@ -385,9 +380,11 @@ static int span_env(const char *name, int lo, int hi, int dflt)
 static int span_kind(void)
 {
     static int env = -1;
-    if (env < 0) env = span_env("KVS_CUDA_SPAN_KERNEL", 1, 5, SPAN_KIND_DEFAULT);
+    if (env < 0) env = span_env("KVS_CUDA_SPAN_KERNEL", 1, 4, SPAN_KIND_DEFAULT);
     return span_kind_set ? span_kind_set : env;
 }
+
+int kvs_cu_span_halves(void) { return span_kind() == 4; }
 
 static int span_min_tiles(void)
 {
@@ -414,71 +411,42 @@ static void plan_splits(span_args &x, long long pairs, int resident, int n_sms, 
     if (x.n_splits < 1) x.n_splits = 1;
 }
 
-template <int HD, int MT, bool ROT, bool SEP, int NST>
-static size_t spans_smem(void)
-{
-    constexpr size_t ST = SEP ? 1 : NST;
-    return 2 * ST * AT_TILE * (HD + 8) * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) + (ST * AT_TILE + ST) * sizeof(int);
-}
-
-/* blocks of k_attn_spans<HD, MT, ROT, SEP, NST> resident on one SM of the current device (cached
- * per device; the shared-memory attribute set on the first call) */
-template <int HD, int MT, bool ROT, bool SEP, int NST>
-static int spans_resident(void)
+template <int HD, int MT, bool ROT, bool SEP>
+static void launch_spans(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws)
 {
     static kvs_cu_resident resident_all;
     int &resident = *kvs_cu_resident_here(resident_all);
-    const size_t smem = spans_smem<HD, MT, ROT, SEP, NST>();
+    constexpr size_t ST = SEP ? 1 : SPAN_ST;
+    const size_t smem = 2 * ST * AT_TILE * (HD + 8) * sizeof(bf16) + (ROT ? HD : 0) * sizeof(float) +
+                        (ST * AT_TILE + ST) * sizeof(int);
     if (!resident) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_spans<HD, MT, ROT, SEP, NST>,
+        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_attn_spans<HD, MT, ROT, SEP>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int nb = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_attn_spans<HD, MT, ROT, SEP, NST>, 32, smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_attn_spans<HD, MT, ROT, SEP>, 32, smem));
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda attention_spans: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
     }
-    return resident;
-}
-
-/* plan_res: the resident blocks the split plan assumes (the kernel's own, except for the deep
- * staging, which takes kind 3's plan: the same splits, so the same bits) */
-template <int HD, int MT, bool ROT, bool SEP, int NST>
-static void launch_spans(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws, int plan_res)
-{
-    (void)spans_resident<HD, MT, ROT, SEP, NST>();   /* sets the kernel's shared-memory attribute */
-    plan_splits(x, (long long)n * x.a.n_kv, plan_res, n_sms, w_max, by_ws);
+    plan_splits(x, (long long)n * x.a.n_kv, resident, n_sms, w_max, by_ws);
     const dim3 grid((unsigned)((size_t)n * x.a.n_kv), (unsigned)x.n_splits);
-    CUDA_CHECK(kvs_cu_launch(k_attn_spans<HD, MT, ROT, SEP, NST>, grid, 32, spans_smem<HD, MT, ROT, SEP, NST>(), st, x));
+    CUDA_CHECK(kvs_cu_launch(k_attn_spans<HD, MT, ROT, SEP>, grid, 32, smem, st, x));
 }
 
 template <int HD>
 static void launch_spans_hd(span_args &x, int n, cudaStream_t st, int n_sms, long long w_max, long long by_ws)
 {
     const bool rot = x.a.rot != nullptr;
-    const int kind = span_kind();
-    const long long pairs = (long long)n * x.a.n_kv;
-    if (x.a.G <= 16) { /* groups of up to 16 heads (one m-tile): any staging */
-        if (kind == 2) { /* K and V apart */
-            if (rot) launch_spans<HD, 1, true, true, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, spans_resident<HD, 1, true, true, SPAN_ST>());
-            else launch_spans<HD, 1, false, true, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, spans_resident<HD, 1, false, true, SPAN_ST>());
-            return;
+    if (x.a.G <= 16) { /* groups of up to 16 heads (one m-tile): either staging */
+        if (span_kind() == 2) { /* K and V apart */
+            if (rot) launch_spans<HD, 1, true, true>(x, n, st, n_sms, w_max, by_ws);
+            else launch_spans<HD, 1, false, true>(x, n, st, n_sms, w_max, by_ws);
+        } else {
+            if (rot) launch_spans<HD, 1, true, false>(x, n, st, n_sms, w_max, by_ws);
+            else launch_spans<HD, 1, false, false>(x, n, st, n_sms, w_max, by_ws);
         }
-        if (rot) {
-            launch_spans<HD, 1, true, false, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, spans_resident<HD, 1, true, false, SPAN_ST>());
-            return;
-        }
-        const int res = spans_resident<HD, 1, false, false, SPAN_ST>();
-        bool deep = kind == 4;
-        if (kind == 5) { /* kind 3's plan in one wave of the deep kernel */
-            span_args p;
-            plan_splits(p, pairs, res, n_sms, w_max, by_ws);
-            deep = pairs * p.n_splits <= (long long)spans_resident<HD, 1, false, false, SPAN_ST_DEEP>() * n_sms;
-        }
-        if (deep) launch_spans<HD, 1, false, false, SPAN_ST_DEEP>(x, n, st, n_sms, w_max, by_ws, res);
-        else launch_spans<HD, 1, false, false, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, res);
-    } else { /* two m-tiles (groups of 17-32 heads): K and V together, SPAN_ST deep */
-        if (rot) launch_spans<HD, 2, true, false, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, spans_resident<HD, 2, true, false, SPAN_ST>());
-        else launch_spans<HD, 2, false, false, SPAN_ST>(x, n, st, n_sms, w_max, by_ws, spans_resident<HD, 2, false, false, SPAN_ST>());
+    } else { /* two m-tiles (groups of 17-32 heads): K and V together (kind 2's staging is built for one m-tile) */
+        if (rot) launch_spans<HD, 2, true, false>(x, n, st, n_sms, w_max, by_ws);
+        else launch_spans<HD, 2, false, false>(x, n, st, n_sms, w_max, by_ws);
     }
 }
 
@@ -518,6 +486,7 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
     x.idx = span_kind() != 1;
+    x.halves = span_kind() == 4;
 
     /* the longest walk, from the host copies (the launch is planned without a device round trip) */
     long long w_max = 0;

@@ -7,8 +7,8 @@
  *   fused     score_select (the fused kernel at 1024 threads with the step's digest refresh
  *             folded in, at 512 without; score then select with the refresh as a slice of the
  *             score launch, for one row a sequence and for a Retro window's rows inside the
- *             current page with 256-thread select blocks; the same under the serial loads and
- *             the select's radix passes of before at 1024 threads; the 128K row only at the default 8 bits and not these last two) passes every check below (digests bitwise the CPU's) and gives the two
+ *             current page with 256-thread select blocks; the same under the serial loads at
+ *             1024 threads; the 128K row only at the default 8 bits and not these last two) passes every check below (digests bitwise the CPU's) and gives the two
  *             kernels' scores and spans bitwise;
  *   selection the CUDA select equals a brute-force ranking of the CUDA scores exactly (ties to
  *             the lower page), and differs from the CPU's choice only on pages whose CPU score
@@ -171,8 +171,7 @@ static void test_kernels(uint64_t seed)
         /* then (v 3, 4) score then select with the refresh slice writing a Retro window's rows of
          * the current page (fixture mode 3) and 256-thread select blocks, and with the refresh
          * folded under the serial loads (kvs_quest_cuda_serial_loads: the loops of before the
-         * batched loads, the same bits) and the select's radix passes of before (four barriers a
-         * pass: kvs_quest_cuda_select_old_passes, the same selection) at 1024 threads */
+         * batched loads, the same bits) and 1024-thread select blocks */
         const int paths = CASES[ci].lo < 131072 ? 5 : bits == KVS_QUEST_DIGEST_BITS_DEFAULT ? 3 : 0;
         for (int v = 0; v < paths; v++) {
             const int mode = v == 0 ? 2 : v == 1 ? 3 : 1;
@@ -185,16 +184,14 @@ static void test_kernels(uint64_t seed)
                      v == 1   ? ""
                      : v == 3 ? ", window's in-page rows refreshed in the launch, 256-thread select"
                               : ", refresh folded",
-                     v == 4 ? ", serial loads, old radix passes" : "");
+                     v == 4 ? ", serial loads" : "");
             kvs_quest_cuda_select_path(mode);
             kvs_quest_cuda_serial_loads(v == 4);
-            kvs_quest_cuda_select_old_passes(v == 4);
             kvs_quest_cuda_select_threads(v == 3 ? 256 : v == 4 ? 1024 : 0);
             qf_fused = v == 1 ? 1 : v == 3 ? 3 : 2;
             qf_run(G, bg, kg, &c, &rf);
             qf_fused = 0;
             kvs_quest_cuda_serial_loads(0);
-            kvs_quest_cuda_select_old_passes(0);
             kvs_quest_cuda_select_threads(0);
             compare(&c, &rc, &rf, fw);
             const size_t ns = (size_t)c.n_seqs * c.nkv, np = ns * (size_t)rg.max_pages;
