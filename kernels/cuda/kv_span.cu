@@ -18,7 +18,7 @@
  * (rot_offsets) as the paged attention does it: q rotated backward
  * by a block's offset at document boundaries (rot_table + rotate_frags).
  *
- * Three kinds (kvs_cuda_set_span_kernel). The start of a split deep in a long span list: kind 1
+ * Four kinds (kvs_cuda_set_span_kernel). The start of a split deep in a long span list: kind 1
  * (main's up to quest7) finds it 32 spans a step from the first (cursor_seek_linear: each step a
  * dependent load and warp scan, ns / 32 of them for the last split: a Quest row keeps one span per
  * page, 1229 at 128K), kinds 2 and 3 with the lanes' shares of the list summed at once and one
