@@ -189,11 +189,16 @@ __device__ __forceinline__ long long total_keys(const int32_t *sp, int ns, int l
  * cuda_attn_device.cuh): lane l's key (its row, or -1 past the list or in a block's invalid tail;
  * its rotation offset, or KEY_PAD). contig: the 32 keys are consecutive positions from a multiple
  * of 16 in blocks of a multiple of 16 slots, where tile_issue's two-pointer copies apply (base0,
- * base1: the rows of the tile's first and 17th key); else the copies take each key's own row. */
+ * base1: the rows of the tile's first and 17th key); else the copies take each key's own row.
+ * halves: contig also when each 16-key half alone is consecutive from a multiple of 16 (the two
+ * halves anywhere): the two-pointer copies need no more (each half lies in one block, its rows
+ * one base apart), and a tile of two kept 16-slot pages, Quest's usual tile, then skips the
+ * per-key address arithmetic and shuffles of the gathered copies. Either way the same rows land
+ * in the same shared slots (and keys that are not read are zero-filled), so the same bits. */
 template <int HD>
 __device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t *sp, int ns, int last,
                                                  span_cursor c, int kvh, const int32_t *bt, const int32_t *vt,
-                                                 const int32_t *rt, bool *contig)
+                                                 const int32_t *rt, bool *contig, bool halves = false)
 {
     const int lane = threadIdx.x & 31;
     const int p = key_after(sp, ns, last, c, lane);
@@ -209,9 +214,10 @@ __device__ __forceinline__ tile_meta span_lookup(const at_args &a, const int32_t
             m.info = rt ? rt[pb] : 0;
         }
     }
-    const int p0 = __shfl_sync(FULL, p, 0);
-    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == p0 + lane || p < 0) &&
-              __shfl_sync(FULL, p, 16) >= 0;
+    const int p0 = __shfl_sync(FULL, p, 0), p16 = __shfl_sync(FULL, p, 16);
+    const int want = halves && lane >= 16 ? p16 + lane - 16 : p0 + lane;   /* lane's key in a contiguous tile */
+    *contig = a.bs % 16 == 0 && p0 >= 0 && p0 % 16 == 0 && __all_sync(FULL, p == want || p < 0) && p16 >= 0 &&
+              (!halves || p16 % 16 == 0);
     m.base0 = __shfl_sync(FULL, brow, 0);
     m.base1 = __shfl_sync(FULL, brow, 16);
     return m;
@@ -272,5 +278,9 @@ __device__ __forceinline__ void span_store_row(const float (&o)[HD / 8][4], int 
 __global__ void k_spans_merge(const float *part, int n_splits, int hd, float *out, float *lse);
 /* reads KVS_CUDA_SPAN_MERGE once (kv_span.cu); the merge's launchers call it first */
 void kvs_cu_span_merge_env(void);
+/* nonzero where attention_spans' kind (kvs_cuda_set_span_kernel, KVS_CUDA_SPAN_KERNEL) takes the
+ * two-pointer copies for tiles of two 16-key halves (span_lookup's halves; kind 4): Retro's fused
+ * attend follows it, so one knob switches both walks (kv_span.cu) */
+int kvs_cu_span_halves(void);
 
 #endif

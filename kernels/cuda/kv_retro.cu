@@ -253,6 +253,7 @@ struct fused_args {
     const int32_t *req, *msel;     /* kvs_retro_kernels: req [n_req][5]; M [n_req][n_kv][max_pages] */
     int max_spans, max_pages, ps;
     int chunk, n_splits;
+    int halves;                    /* span_lookup's two-pointer copies for tiles of two 16-key halves (kvs_cu_span_halves) */
     float *out, *lse;
 };
 
@@ -290,7 +291,7 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
     bool nxt_contig = false;
     int nxt_b = 0;
     auto lookup = [&]() {
-        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, nullptr, nullptr, &nxt_contig);
+        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, nullptr, nullptr, &nxt_contig, fa.halves != 0);
         const int p = key_after(sp, ns, last, cur, lane);
         nxt_b = p >= 0 ? min(t - mq[p / fa.ps] - 1, last - p) : -1;
         cursor_advance(sp, ns, last, cur, AT_TILE);
@@ -449,6 +450,7 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     x.max_spans = max_spans;
     x.max_pages = max_pages;
     x.ps = page_size;
+    x.halves = kvs_cu_span_halves();
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
     const long long w_max = (max_keys + AT_TILE - 1) / AT_TILE;

@@ -18,7 +18,7 @@
  * (rot_offsets) as the paged attention does it: q rotated backward
  * by a block's offset at document boundaries (rot_table + rotate_frags).
  *
- * Three kinds (kvs_cuda_set_span_kernel). The start of a split deep in a long span list: kind 1
+ * Four kinds (kvs_cuda_set_span_kernel). The start of a split deep in a long span list: kind 1
  * (main's up to quest7) finds it 32 spans a step from the first (cursor_seek_linear: each step a
  * dependent load and warp scan, ns / 32 of them for the last split: a Quest row keeps one span per
  * page, 1229 at 128K), kinds 2 and 3 with the lanes' shares of the list summed at once and one
@@ -27,8 +27,12 @@
  * one K and one V buffer of 32 keys,
  *     issue V_i; wait K_i; S = Q K_i^T, softmax; issue K_{i+1}; wait V_i; O += P V_i
  * half the shared memory a block, so about twice the resident blocks (one warp each) a SM and
- * twice the splits in one wave (groups of up to 16 heads; others take kind 3). Every kind takes
- * the same keys in the same order within a split; the A/B is in bench/RESULTS.md (quest8).
+ * twice the splits in one wave (groups of up to 16 heads; others take kind 3). Kind 4: kind 3 with
+ * the two-pointer copies also for tiles whose two 16-key halves are each consecutive from a
+ * multiple of 16 (cuda_span_walk.cuh span_lookup, halves): a Quest tile is two kept pages of 16
+ * slots in unrelated blocks, which kinds 1-3 gather key by key. Every kind takes the same keys in
+ * the same order within a split, and kinds 3 and 4 stage the same bytes in the same slots (the
+ * same bits, test_cuda_span); the A/B is in bench/RESULTS.md (quest8, quest10).
  *
  * attn_merge: elementwise, one block per (row, head).
  *
@@ -46,7 +50,7 @@
 #define SPAN_ST 2          /* tiles in flight */
 #define SPAN_MIN_TILES 4   /* tiles a split is planned with at least (128 keys) */
 #define SPAN_MAX_SPLITS 256
-#define SPAN_KIND_DEFAULT 3   /* kvs_cuda_set_span_kernel: the kind the A/B chose (bench/RESULTS.md, quest8) */
+#define SPAN_KIND_DEFAULT 4   /* kvs_cuda_set_span_kernel: the kind the A/B chose (bench/RESULTS.md, quest8, quest10) */
 
 struct span_args {
     at_args a;                    /* q, kc, vc, q_start, pos, bt, rot, valid, inv_freq, n_seqs, max_blocks,
@@ -57,6 +61,7 @@ struct span_args {
     int chunk;                    /* tiles per split */
     int n_splits;
     int idx;                      /* cursor_seek + total_keys (else main's cursor_seek_linear + total_keys_strided) */
+    int halves;                   /* span_lookup's two-pointer copies for tiles of two 16-key halves (kind 4) */
     float *out;                   /* [n][n_heads][hd] (n_splits == 1) */
     float *lse;                   /* [n][n_heads] (n_splits == 1) */
 };
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(32) k_attn_spans(const __grid_constant__ span_
     if (ntiles > 0) cur = sa.idx ? cursor_seek(sp, ns, last, w0 * AT_TILE) : cursor_seek_linear(sp, ns, last, w0 * AT_TILE);
     bool nxt_contig = false;
     auto lookup = [&]() {
-        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig);
+        const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, vt, rt, &nxt_contig, sa.halves != 0);
         cursor_advance(sp, ns, last, cur, AT_TILE);
         return tm;
     };
@@ -361,7 +366,7 @@ static int span_kind_set, span_min_set;
 
 extern "C" void kvs_cuda_set_span_kernel(int kind, int min_tiles)
 {
-    span_kind_set = kind >= 1 && kind <= 3 ? kind : 0;
+    span_kind_set = kind >= 1 && kind <= 4 ? kind : 0;
     span_min_set = min_tiles >= 1 && min_tiles <= 64 ? min_tiles : 0;
 }
 
@@ -375,9 +380,11 @@ static int span_env(const char *name, int lo, int hi, int dflt)
 static int span_kind(void)
 {
     static int env = -1;
-    if (env < 0) env = span_env("KVS_CUDA_SPAN_KERNEL", 1, 3, SPAN_KIND_DEFAULT);
+    if (env < 0) env = span_env("KVS_CUDA_SPAN_KERNEL", 1, 4, SPAN_KIND_DEFAULT);
     return span_kind_set ? span_kind_set : env;
 }
+
+int kvs_cu_span_halves(void) { return span_kind() == 4; }
 
 static int span_min_tiles(void)
 {
@@ -479,6 +486,7 @@ void kvs_cu_op_attention_spans(struct kvs_backend *b, const struct kvs_dbuf *q, 
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
     x.idx = span_kind() != 1;
+    x.halves = span_kind() == 4;
 
     /* the longest walk, from the host copies (the launch is planned without a device round trip) */
     long long w_max = 0;

@@ -14,7 +14,9 @@ extern "C" {
  * split's first key found 32 spans a step), 2 K and V staged apart (the FlashAttention-2 order,
  * half the shared memory a block; groups of up to 16 query heads, others take kind 3) with the
  * indexed seek (the lanes' shares of the span list summed at once), 3 kind 1's staging with the
- * indexed seek; min_tiles, the least tiles of 32 keys a split is planned with (1-64). 0 (or any
+ * indexed seek, 4 kind 3 with the two-pointer copies also for tiles of two 16-key halves that are
+ * each consecutive from a multiple of 16 (a Quest tile: two kept pages; the same bits as kind 3);
+ * min_tiles, the least tiles of 32 keys a split is planned with (1-64). 0 (or any
  * other value) for either restores its default: KVS_CUDA_SPAN_KERNEL / KVS_CUDA_SPAN_MIN_TILES if
  * set, else the built-in choice. Every kind gives the same keys to each split in the same order. */
 void kvs_cuda_set_span_kernel(int kind, int min_tiles);

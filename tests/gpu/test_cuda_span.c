@@ -4,12 +4,13 @@
  *
  * Spans per (row, KV head) are drawn from: none, one token, one span that crosses blocks, many
  * disjoint spans (some past the row: the causal clip), one span wholly past the row (no key: out 0,
- * lse -inf), and the full context [0, pos + 1). Cases cover GQA groups 1 / 4 / 8, head_dim 64 / 128,
+ * lse -inf), the full context [0, pos + 1), and Quest's runs of whole 16-slot pages. Cases cover GQA groups 1 / 4 / 8, head_dim 64 / 128,
  * block sizes that do (16) and do not (8, 24) hold the kernel's 16-key halves, rotation offsets
  * (deferred RoPE), blocks with a partial valid count, decode rows mixed with prefill rows, and
  * one long context (a single row whose spans are split over many blocks and merged); every case
- * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kind 3 also at one tile a split;
- * the mixed spans again under the splits' merge of before (kvs_cuda_set_span_merge), bitwise.
+ * under each kind of the CUDA kernel (kvs_cuda_set_span_kernel), kinds 3 and 4 also at one tile a
+ * split; the mixed spans again under the splits' merge of before (kvs_cuda_set_span_merge) and,
+ * under kind 3, under kind 4 (the same staged bytes), bitwise.
  * Slots no
  * query may read (invalid tails, spare blocks) hold NaN on both backends, and the CUDA outputs
  * are poisoned with NaN before each op. Checks: out by relative L2 error < 1e-2 (bf16 K/V and
@@ -81,6 +82,9 @@ static void make_inv_freq(float *f, int hd, double theta)
     for (int i = 0; i < hd / 2; i++) f[i] = (float)pow(theta, -2.0 * i / hd);
 }
 
+/* the kind and least tiles a split that the case loop set (kvs_cuda_set_span_kernel) */
+static int cur_kind, cur_min_tiles;
+
 struct span_case {
     const char *name;
     int n_heads, n_kv, hd, bs;
@@ -90,7 +94,7 @@ struct span_case {
     int max_spans;
 };
 
-enum { SP_EMPTY, SP_ONE, SP_CROSS, SP_MANY, SP_PAST, SP_FULL, SP_KINDS };
+enum { SP_EMPTY, SP_ONE, SP_CROSS, SP_MANY, SP_PAST, SP_FULL, SP_PAGES, SP_KINDS };
 
 /* spans [start, end) sorted and disjoint for a row at position last (n_spans returned) */
 static int draw_spans(int kind, int last, int bs, int max_spans, int32_t *sp)
@@ -117,6 +121,18 @@ static int draw_spans(int kind, int last, int bs, int max_spans, int32_t *sp)
             sp[2 * k + 1] = p + len;
             k++;
             p += len + 1 + irand(k % 2 ? 3 : 3 * bs);
+        }
+        return k;
+    }
+    case SP_PAGES: { /* Quest's spans: runs of 1-3 whole 16-slot pages with gaps of 1-3 pages (the
+                      * last may pass the row: clipped) */
+        int k = 0, p = 16 * irand(3);
+        while (k < max_spans && p <= last) {
+            const int len = 16 * (1 + irand(3));
+            sp[2 * k] = p;
+            sp[2 * k + 1] = p + len;
+            k++;
+            p += len + 16 * (1 + irand(3));
         }
         return k;
     }
@@ -237,9 +253,9 @@ static void test_case(const struct span_case *sc)
     C->attention_spans(bc, q.c, kc.c, vc.c, &mc, &mix.lc, n, nh, nkv, hd, bs, scale, out.c, lse.c);
     G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &mix.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
     float *oc = dl_c(&out), *og = dl_g(&out), *lc = dl_c(&lse), *lg = dl_g(&lse);
-    snprintf(what, sizeof what, "%s: spans mixed (empty %d one %d cross %d many %d past %d full %d) out",
+    snprintf(what, sizeof what, "%s: spans mixed (empty %d one %d cross %d many %d past %d full %d pages %d) out",
              sc->name, kinds_seen[SP_EMPTY], kinds_seen[SP_ONE], kinds_seen[SP_CROSS], kinds_seen[SP_MANY],
-             kinds_seen[SP_PAST], kinds_seen[SP_FULL]);
+             kinds_seen[SP_PAST], kinds_seen[SP_FULL], kinds_seen[SP_PAGES]);
     check_out(what, og, oc, on);
     snprintf(what, sizeof what, "%s: spans mixed lse", sc->name);
     check_lse(what, lg, lc, ln);
@@ -264,6 +280,20 @@ static void test_case(const struct span_case *sc)
         float *os = dl_g(&out), *ls = dl_g(&lse);
         const int same = !memcmp(os, og, on * sizeof *os) && !memcmp(ls, lg, ln * sizeof *ls);
         snprintf(what, sizeof what, "%s: serial merge = staged merge, bitwise", sc->name);
+        CHECK(same, "%s: differ", what);
+        printf("%s %s\n", same ? "ok  " : "FAIL", what);
+        free(os); free(ls);
+    }
+    /* kind 4 (two-pointer copies for tiles of two 16-key halves) gives kind 3's bits */
+    if (cur_kind == 3) {
+        poison(&out);
+        poison(&lse);
+        kvs_cuda_set_span_kernel(4, cur_min_tiles);
+        G->attention_spans(bg, q.g, kc.g, vc.g, &mg, &mix.lg, n, nh, nkv, hd, bs, scale, out.g, lse.g);
+        kvs_cuda_set_span_kernel(3, cur_min_tiles);
+        float *os = dl_g(&out), *ls = dl_g(&lse);
+        const int same = !memcmp(os, og, on * sizeof *os) && !memcmp(ls, lg, ln * sizeof *ls);
+        snprintf(what, sizeof what, "%s: kind 4 = kind 3, bitwise", sc->name);
         CHECK(same, "%s: differ", what);
         printf("%s %s\n", same ? "ok  " : "FAIL", what);
         free(os); free(ls);
@@ -396,11 +426,14 @@ int main(void)
         {"G8 hd128 bs16 long 40K", 32, 4, 128, 16, 1, {40000}, {1}, 0, 0, 256},
         {"G4 hd128 bs16 rot long 20K", 32, 8, 128, 16, 1, {20000}, {1}, 1, 1, 128},
     };
-    /* every kind of attention_spans (kvs_cuda_set_span_kernel), the third also at one tile a split
-     * (the most splits a walk is cut into: every split's start found by the indexed seek) */
-    static const int kinds[][2] = {{1, 0}, {2, 0}, {3, 0}, {3, 1}};
+    /* every kind of attention_spans (kvs_cuda_set_span_kernel), the third and fourth also at one
+     * tile a split (the most splits a walk is cut into: every split's start found by the indexed
+     * seek); kind 4 also bitwise against kind 3 under each of kind 3's entries (test_case) */
+    static const int kinds[][2] = {{1, 0}, {2, 0}, {3, 0}, {3, 1}, {4, 0}, {4, 1}};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
         kvs_cuda_set_span_kernel(kinds[k][0], kinds[k][1]);
+        cur_kind = kinds[k][0];
+        cur_min_tiles = kinds[k][1];
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             struct span_case c = cases[i];
             char name[96];
