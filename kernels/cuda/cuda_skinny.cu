@@ -352,7 +352,7 @@ static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT"), *bi = getenv("KVS_CUDA_BATCH_INVARIANT");
-        sk_variant = e ? atoi(e) & 1023 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 8191 : KVS_SKINNY_VARIANT_DEFAULT;
         if (bi && atoi(bi) > 0) sk_variant |= 512;
     }
     return sk_variant;
@@ -360,7 +360,7 @@ static int kvs_cu_skinny_variant()
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 1023;
+    sk_variant = v < 0 ? -1 : v & 8191;
 }
 
 template <int NT, bool DB>
@@ -417,7 +417,7 @@ static int sk_dg_splits(int v, int in, const int *out, int n_parts, int swiglu, 
  * bits do not depend on how many rows share the launch, nor on its position in it (each kernel
  * adds a row's terms in an order that n does not change: the headers above). A one-row launch
  * then runs the n-row kernel with one token (the GEMV adds in another order, on the CUDA cores). */
-enum sk_route { SK_CUBLAS, SK_GEMV, SK_SKINNY, SK_DGEMM, SK_DGEMM_N };
+enum sk_route { SK_CUBLAS, SK_GEMV, SK_SKINNY, SK_DGEMM, SK_DGEMM_N, SK_DGEMM_N2 };
 
 static sk_route sk_route_of(int v, int n, int in, const int *out, int n_parts, int swiglu, int dg_sms)
 {
@@ -436,6 +436,11 @@ static sk_route sk_route_of(int v, int n, int in, const int *out, int n_parts, i
     if (v & 4) {
         if (dg_sms && kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) {
             const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
+            /* 65-128 rows: bit 1024 gate/up + SwiGLU, bit 2048 the launches k_dgemm would split, on
+             * k_dgemm_n2 (the weights read once for all rows, not twice as k_dgemm_n's launches of 64) */
+            if (n > 64 && (((v & 1024) && swiglu) || ((v & 2048) && !swiglu && split)) &&
+                kvs_cu_dgemm_n2_rows(n, in, out, n_parts, swiglu, dg_sms, (v & 4096) != 0) > 0)
+                return SK_DGEMM_N2;
             /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies;
              * from 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there),
              * unless bit 64 gives k_dgemm one-tile blocks there */
@@ -498,6 +503,9 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         }
         return cudaSuccess;
     }
+    case SK_DGEMM_N2:
+        return kvs_cu_dgemm_n2(a, kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0),
+                               stream);
     case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     case SK_SKINNY: break;
     }
