@@ -43,6 +43,8 @@ typedef __nv_bfloat16 bf16;
 #define D2_TOK 128        /* token rows a block: two warpgroups of the wgmma's M = 64 */
 #define D2_THREADS 256
 #define D2_SMEM_BUDGET (210 * 1024)
+/* a flag in kvs_cu_dgemm_n2's rows (cuda_skinny.h): the deeper x ring (d2_cfg's DX) */
+#define KVS_DGEMM_N2_DEEP_X 4096
 
 struct d2_params {
     const bf16 *x;
@@ -56,11 +58,13 @@ struct d2_params {
     int trig;                              /* kvs_cu_pdl_early(): grid_dep_launch after the wait */
 };
 
-/* N: the weight rows of a tile (SwiGLU: N / 2 gate + N / 2 up rows) */
-template <int N> struct d2_cfg {
+/* N: the weight rows of a tile (SwiGLU: N / 2 gate + N / 2 up rows); DX: a deeper x ring for
+ * tiles of at most 96 rows (8 atoms, 128 KB, instead of 5: at 32-64 rows a tile, x is 2-4 times
+ * the weight bytes; variant bit 8192; tiles of 96 rows keep 5: 8 would leave fewer weight atoms) */
+template <int N, bool DX = false> struct d2_cfg {
     static constexpr int X_BYTES = D2_TOK * D2_KA * 2;   /* 16 KB: an atom of x */
     static constexpr int W_BYTES = N * D2_KA * 2;        /* an atom of the tile's weights (N % 8 == 0: 1 KB groups) */
-    static constexpr int PX = N >= 128 ? 4 : 5;
+    static constexpr int PX = N >= 128 ? 4 : DX && N <= 64 ? 8 : 5;
     static constexpr int PW0 = (D2_SMEM_BUDGET - PX * X_BYTES) / W_BYTES;
     static constexpr int PW = PW0 > 40 ? 40 : PW0;
     static constexpr int SMEM = PX * X_BYTES + PW * W_BYTES + 1024; /* + alignment to 1024 bytes */
@@ -114,10 +118,10 @@ __device__ __forceinline__ uint32_t d2_swz(uint32_t base, int r, int c)
     return base + (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
 }
 
-template <int N, bool SW> __global__ void __launch_bounds__(D2_THREADS, 1) k_dgemm_n2(d2_params p)
+template <int N, bool SW, bool DX> __global__ void __launch_bounds__(D2_THREADS, 1) k_dgemm_n2(d2_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = d2_cfg<N>;
+    using C = d2_cfg<N, DX>;
     extern __shared__ uint8_t d2_smem_raw[];
     const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(d2_smem_raw) + 1023u) & ~1023u;
     const uint32_t xring = smem0, wring = smem0 + (uint32_t)(C::PX * C::X_BYTES);
@@ -254,19 +258,21 @@ int kvs_cu_dgemm_n2_rows(int n, int in, const int *out, int n_parts, int swiglu,
     return 96;
 }
 
-template <int N, bool SW> static cudaError_t d2_launch(const d2_params &p, int tiles, cudaStream_t stream)
+template <int N, bool SW, bool DX = false>
+static cudaError_t d2_launch(const d2_params &p, int tiles, cudaStream_t stream)
 {
     static unsigned attr_set = 0; /* per device (tensor parallelism); a lost update only sets it again */
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
     if (dev >= 32 || !(attr_set >> dev & 1u)) {
-        e = cudaFuncSetAttribute(k_dgemm_n2<N, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize, d2_cfg<N>::SMEM);
+        e = cudaFuncSetAttribute(k_dgemm_n2<N, SW, DX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 d2_cfg<N, DX>::SMEM);
         if (e != cudaSuccess) return e;
         if (dev < 32) attr_set |= 1u << dev;
     }
-    return kvs_cu_launch(k_dgemm_n2<N, SW>, dim3((unsigned)tiles), dim3(D2_THREADS), (size_t)d2_cfg<N>::SMEM, stream,
-                         p);
+    return kvs_cu_launch(k_dgemm_n2<N, SW, DX>, dim3((unsigned)tiles), dim3(D2_THREADS), (size_t)d2_cfg<N, DX>::SMEM,
+                         stream, p);
 }
 
 /* launches so far (host side), for tests/gpu/test_cuda_dgemm128.c: a test of this kernel must
@@ -279,6 +285,9 @@ extern "C" unsigned long kvs_cu_dgemm_n2_launches(void)
 
 cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream)
 {
+    /* KVS_DGEMM_N2_DEEP_X in rows: the deeper x ring (plain tiles only) */
+    const bool dx = (rows & KVS_DGEMM_N2_DEEP_X) != 0;
+    rows &= ~KVS_DGEMM_N2_DEEP_X;
     if (a->n <= 64 || a->n > D2_TOK || a->in % D2_KA != 0) return cudaErrorInvalidValue;
     d2_launches++;
     d2_params p = {};
@@ -305,10 +314,10 @@ cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_
         return rows == 128 ? d2_launch<128, true>(p, tiles, stream) : d2_launch<224, true>(p, tiles, stream);
     }
     switch (rows) {
-    case 32: return d2_launch<32, false>(p, tiles, stream);
-    case 48: return d2_launch<48, false>(p, tiles, stream);
-    case 64: return d2_launch<64, false>(p, tiles, stream);
-    case 96: return d2_launch<96, false>(p, tiles, stream);
+    case 32: return dx ? d2_launch<32, false, true>(p, tiles, stream) : d2_launch<32, false>(p, tiles, stream);
+    case 48: return dx ? d2_launch<48, false, true>(p, tiles, stream) : d2_launch<48, false>(p, tiles, stream);
+    case 64: return dx ? d2_launch<64, false, true>(p, tiles, stream) : d2_launch<64, false>(p, tiles, stream);
+    case 96: return dx ? d2_launch<96, false, true>(p, tiles, stream) : d2_launch<96, false>(p, tiles, stream);
     default: return cudaErrorInvalidValue;
     }
 }

@@ -352,7 +352,7 @@ static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT"), *bi = getenv("KVS_CUDA_BATCH_INVARIANT");
-        sk_variant = e ? atoi(e) & 8191 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
         if (bi && atoi(bi) > 0) sk_variant |= 512;
     }
     return sk_variant;
@@ -360,7 +360,7 @@ static int kvs_cu_skinny_variant()
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 8191;
+    sk_variant = v < 0 ? -1 : v & 16383;
 }
 
 template <int NT, bool DB>
@@ -503,9 +503,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         }
         return cudaSuccess;
     }
-    case SK_DGEMM_N2:
-        return kvs_cu_dgemm_n2(a, kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0),
-                               stream);
+    case SK_DGEMM_N2: {
+        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X) */
+        const int rows = kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0);
+        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0), stream);
+    }
     case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     case SK_SKINNY: break;
     }

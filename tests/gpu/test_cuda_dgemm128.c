@@ -3,7 +3,8 @@
  * would split, i.e. q/k/v, o, down; 4096: wider tiles), against the fp32 CPU backend on fresh random
  * inputs (seed printed; KVS_SEED replays), at the decode GEMM's row limit 128.
  *
- * For each shape: the CUDA op with the new bits (238 | 1024 | 2048 = 3310, and 7406 = 3310 | 4096)
+ * For each shape: the CUDA op with the new bits (238 | 1024 | 2048 = 3310, 7406 = 3310 | 4096, 11502 =
+ * 3310 | 8192)
  * must match the CPU within a relative L2 error of 1e-2 (bf16 weights and inputs, fp32 sums) with
  * no NaN (outputs are poisoned first), must have run k_dgemm_n2 (its launch counter moved: the
  * routing could otherwise leave the shape to cuBLAS, which is as close to the CPU), and must agree
@@ -37,7 +38,8 @@ unsigned long kvs_cu_dgemm_n2_launches(void);
 
 #define V_BASE 238            /* the default without the new bits */
 #define V_INV 750             /* 238 | 512: k_dgemm_n in launches of 64 rows (the existing n-row kernels) */
-static const int v_new[2] = {238 | 1024 | 2048, 238 | 1024 | 2048 | 4096};
+/* 3310; 7406 = 3310 | 4096 (wider plain tiles); 11502 = 3310 | 8192 (the deeper x ring) */
+static const int v_new[3] = {238 | 1024 | 2048, 238 | 1024 | 2048 | 4096, 238 | 1024 | 2048 | 8192};
 
 static float *rand_vec(size_t n, float scale)
 {
@@ -146,7 +148,7 @@ static void plain_case(const char *name, int n, int in, int n_parts, const int *
     kvs_cuda_set_skinny_variant(bg, V_INV);
     RUN_OP();
     for (int p = 0; p < n_parts; p++) inv[p] = dl_g(&y[p]);
-    for (int vi = 0; vi < 2; vi++) {
+    for (int vi = 0; vi < 3; vi++) {
         kvs_cuda_set_skinny_variant(bg, v_new[vi]);
         const unsigned long l0 = kvs_cu_dgemm_n2_launches();
         RUN_OP();
@@ -225,7 +227,7 @@ static void swiglu_case(const char *name, int n, int in, int ff, int down)
     poison(&gt);
     G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
     float *inv = dl_g(&gt);
-    for (int vi = 0; vi < 2; vi++) {
+    for (int vi = 0; vi < 3; vi++) {
         kvs_cuda_set_skinny_variant(bg, v_new[vi]);
         poison(&gt);
         const unsigned long l0 = kvs_cu_dgemm_n2_launches();
