@@ -320,7 +320,16 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * sums round otherwise than the tensor cores'. Not in the default: on the H100 the n-row kernels
  * stream the weights at one row as at eight (~2,745 GB/s), the GEMV at ~2,900, so the batch-1
  * step took 5.8% longer (84.7% of the floor instead of 89.6%), batch 8-128 the same (branch gemm7,
- * bench/RESULTS.md). */
+ * bench/RESULTS.md).
+ * Bits 1024 / 2048 (65-128 rows, with KVS_CUDA_SKINNY_MAX=128) send gate/up + SwiGLU / the launches
+ * k_dgemm would split (q/k/v, o, down) to k_dgemm_n2 (cuda_dgemm128.cu: two warpgroups of 64 tokens
+ * sharing each weight tile); bit 4096 gives its plain launches tiles of at least 64 rows, bit 8192 a
+ * deeper x ring. Not in the default, nor the row limit 128: on the H100 every combination read the
+ * weights slower than cuBLAS at 96-128 rows (o 1,200-1,560 GB/s vs 2,200, q/k/v 1,490-1,740 vs
+ * 1,720, gate/up + down 1,870-2,170 vs 2,430) and the batch-128 step took 6.7-15% longer (branch
+ * dec9, bench/RESULTS.md): with 32-64 weight rows a block, every block re-reads all 128 tokens'
+ * x from L2 (2-4 times the weight bytes) and neither DRAM nor L2 was busy (38-70% / 44-79%: ncu),
+ * the x ring's latency bound. */
 #define KVS_SKINNY_VARIANT_DEFAULT 238
 
 /* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel

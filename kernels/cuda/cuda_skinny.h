@@ -122,7 +122,8 @@ cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, int x_fit, c
  * and half up rows), or 0 where it does not apply (n outside 65..128, K not a multiple of 64,
  * shapes kvs_cu_dgemm_supported rejects, n_sms 0). A function of the shapes, not of n. */
 int kvs_cu_dgemm_n2_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms, int wide);
-/* rows: what kvs_cu_dgemm_n2_rows returned for the launch (others: cudaErrorInvalidValue) */
+/* rows: what kvs_cu_dgemm_n2_rows returned for the launch (others: cudaErrorInvalidValue), plain
+ * launches | 4096 for a deeper x ring (variant bit 8192) */
 cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream);
 /* kvs_cu_dgemm_n2's calls so far in this process (not thread-safe; tests only: C linkage, so the C
  * test declares it itself) */
