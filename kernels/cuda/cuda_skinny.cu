@@ -320,7 +320,16 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * sums round otherwise than the tensor cores'. Not in the default: on the H100 the n-row kernels
  * stream the weights at one row as at eight (~2,745 GB/s), the GEMV at ~2,900, so the batch-1
  * step took 5.8% longer (84.7% of the floor instead of 89.6%), batch 8-128 the same (branch gemm7,
- * bench/RESULTS.md). */
+ * bench/RESULTS.md).
+ * Bits 1024 / 2048 (65-128 rows, with KVS_CUDA_SKINNY_MAX=128) send gate/up + SwiGLU / the launches
+ * k_dgemm would split (q/k/v, o, down) to k_dgemm_n2 (cuda_dgemm128.cu: two warpgroups of 64 tokens
+ * sharing each weight tile); bit 4096 gives its plain launches tiles of at least 64 rows, bit 8192 a
+ * deeper x ring. Not in the default, nor the row limit 128: on the H100 every combination read the
+ * weights slower than cuBLAS at 96-128 rows (o 1,200-1,560 GB/s vs 2,200, q/k/v 1,490-1,740 vs
+ * 1,720, gate/up + down 1,870-2,170 vs 2,430) and the batch-128 step took 6.7-15% longer (branch
+ * dec9, bench/RESULTS.md): with 32-64 weight rows a block, every block re-reads all 128 tokens'
+ * x from L2 (2-4 times the weight bytes) and neither DRAM nor L2 was busy (38-70% / 44-79%: ncu),
+ * the x ring's latency bound. */
 #define KVS_SKINNY_VARIANT_DEFAULT 238
 
 /* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel
@@ -352,7 +361,7 @@ static int kvs_cu_skinny_variant()
 {
     if (sk_variant < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT"), *bi = getenv("KVS_CUDA_BATCH_INVARIANT");
-        sk_variant = e ? atoi(e) & 1023 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_variant = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
         if (bi && atoi(bi) > 0) sk_variant |= 512;
     }
     return sk_variant;
@@ -360,7 +369,7 @@ static int kvs_cu_skinny_variant()
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 1023;
+    sk_variant = v < 0 ? -1 : v & 16383;
 }
 
 template <int NT, bool DB>
@@ -417,7 +426,7 @@ static int sk_dg_splits(int v, int in, const int *out, int n_parts, int swiglu, 
  * bits do not depend on how many rows share the launch, nor on its position in it (each kernel
  * adds a row's terms in an order that n does not change: the headers above). A one-row launch
  * then runs the n-row kernel with one token (the GEMV adds in another order, on the CUDA cores). */
-enum sk_route { SK_CUBLAS, SK_GEMV, SK_SKINNY, SK_DGEMM, SK_DGEMM_N };
+enum sk_route { SK_CUBLAS, SK_GEMV, SK_SKINNY, SK_DGEMM, SK_DGEMM_N, SK_DGEMM_N2 };
 
 static sk_route sk_route_of(int v, int n, int in, const int *out, int n_parts, int swiglu, int dg_sms)
 {
@@ -436,6 +445,11 @@ static sk_route sk_route_of(int v, int n, int in, const int *out, int n_parts, i
     if (v & 4) {
         if (dg_sms && kvs_cu_dgemm_supported(n, in, out, n_parts, swiglu)) {
             const bool split = sk_dg_splits(v, in, out, n_parts, swiglu, dg_sms) > 1;
+            /* 65-128 rows: bit 1024 gate/up + SwiGLU, bit 2048 the launches k_dgemm would split, on
+             * k_dgemm_n2 (the weights read once for all rows, not twice as k_dgemm_n's launches of 64) */
+            if (n > 64 && (((v & 1024) && swiglu) || ((v & 2048) && !swiglu && split)) &&
+                kvs_cu_dgemm_n2_rows(n, in, out, n_parts, swiglu, dg_sms, (v & 4096) != 0) > 0)
+                return SK_DGEMM_N2;
             /* bit 32: the launches the wgmma kernel would split go to k_dgemm_n where it applies;
              * from 33 rows only those (k_dgemm's two-tile blocks were slower than cuBLAS there),
              * unless bit 64 gives k_dgemm one-tile blocks there */
@@ -497,6 +511,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
             if (e != cudaSuccess) return e;
         }
         return cudaSuccess;
+    }
+    case SK_DGEMM_N2: {
+        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X) */
+        const int rows = kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0);
+        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0), stream);
     }
     case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     case SK_SKINNY: break;

@@ -76,7 +76,7 @@ int kvs_cu_skinny_supported(int n, int in, const int *out, int n_parts, int swig
 int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, int dg_sms);
 
 /* Variant of the kernel for later launches (benchmarks; bits in cuda_skinny.cu, results bitwise
- * the same except bit 512 at one row); -1: back to KVS_CUDA_SKINNY_VARIANT (| 512 with
+ * the same except bit 512 at one row and bits 1024 / 2048 at 65-128 rows); -1: back to KVS_CUDA_SKINNY_VARIANT (| 512 with
  * KVS_CUDA_BATCH_INVARIANT=1) or the default. Not thread-safe: set it while
  * no other thread launches. */
 void kvs_cu_skinny_set_variant(int v);
@@ -114,5 +114,19 @@ int kvs_cu_dgemm_n_rows(int n, int in, const int *out, int n_parts, int swiglu, 
  * and more weights a stage, where K allows (a multiple of 256); the same order of additions, the
  * same bits */
 cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, int x_fit, cudaStream_t stream);
+
+/* cuda_dgemm128.cu, k_dgemm_n2 (variant bits 1024 / 2048 / 4096): k_dgemm_n for 65..128 tokens,
+ * two warpgroups of 64 tokens sharing each weight tile (the weights read once for all rows), plain
+ * parts or the SwiGLU pair. Returns the tile's weight rows N (plain: 32 / 48 / 64 / 96, the least
+ * that keeps the launch within one block per SM, from 64 with wide; SwiGLU: 128 or 224, half gate
+ * and half up rows), or 0 where it does not apply (n outside 65..128, K not a multiple of 64,
+ * shapes kvs_cu_dgemm_supported rejects, n_sms 0). A function of the shapes, not of n. */
+int kvs_cu_dgemm_n2_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms, int wide);
+/* rows: what kvs_cu_dgemm_n2_rows returned for the launch (others: cudaErrorInvalidValue), plain
+ * launches | 4096 for a deeper x ring (variant bit 8192) */
+cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream);
+/* kvs_cu_dgemm_n2's calls so far in this process (not thread-safe; tests only: C linkage, so the C
+ * test declares it itself) */
+extern "C" unsigned long kvs_cu_dgemm_n2_launches(void);
 
 #endif
