@@ -1,7 +1,8 @@
 /* kv_lean_dyn.h: LeanKV's dynamic mode (kv.lean.mode = dynamic; STRATEGIES.md §5) as the engine
  * runs it: one (request, layer, KV head)'s tokens in mixed-precision pages of the page manager
- * (kernels/kv_lean_pages.h), the per-token step of Algorithm 1 over them, and the CPU backend's
- * batch of those steps for one layer (kernels/cpu/kv_lean_dyn.c). It reproduces the CPU
+ * (kernels/kv_lean_pages.h), the per-token step of Algorithm 1 over them (decode), the paper's
+ * prefill of a prompt chunk (kvs_lean_dyn_head_prefill), and the CPU backend's batch of those for
+ * one layer (kernels/cpu/kv_lean_dyn.c). It reproduces the CPU
  * reference of Algorithm 1 (kernels/kv_lean_alg1.h) decision for decision, score for score
  * (bitwise: same fixed-order dot product, same two-pass softmax for the probabilities), and
  * its attention output is cpu_attention's online softmax over the dequantized tokens in section

@@ -1,5 +1,6 @@
 /* kv_lean_dyn.cu: LeanKV's dynamic mode on the GPU (kernels/kv_lean_dyn_cuda.h): the page
- * manager's rounds, Algorithm 1's step with its attention, the window exit.
+ * manager's rounds, Algorithm 1's step with its attention, the window exit (prompt chunks take
+ * the paper's prefill instead once its buffers are reserved: kv_lean_dyn_prefill.cu).
  *
  * One 256-thread block per head runs its rows in order (each row's window exit changes what the
  * next row reads); within a row every part is spread over the block: a thread per token for the
