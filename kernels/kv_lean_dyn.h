@@ -1,7 +1,8 @@
 /* kv_lean_dyn.h: LeanKV's dynamic mode (kv.lean.mode = dynamic; STRATEGIES.md §5) as the engine
  * runs it: one (request, layer, KV head)'s tokens in mixed-precision pages of the page manager
- * (kernels/kv_lean_pages.h), the per-token step of Algorithm 1 over them, and the CPU backend's
- * batch of those steps for one layer (kernels/cpu/kv_lean_dyn.c). It reproduces the CPU
+ * (kernels/kv_lean_pages.h), the per-token step of Algorithm 1 over them (decode), the paper's
+ * prefill of a prompt chunk (kvs_lean_dyn_head_prefill), and the CPU backend's batch of those for
+ * one layer (kernels/cpu/kv_lean_dyn.c). It reproduces the CPU
  * reference of Algorithm 1 (kernels/kv_lean_alg1.h) decision for decision, score for score
  * (bitwise: same fixed-order dot product, same two-pass softmax for the probabilities), and
  * its attention output is cpu_attention's online softmax over the dequantized tokens in section
@@ -64,7 +65,8 @@ struct kvs_lean_dyn_pages {
 size_t kvs_lean_dyn_head_mem(const struct kvs_lean_dyn_cfg *c);
 void kvs_lean_dyn_head_init(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h, void *mem);
 
-/* Scratch floats one step needs (logits and probabilities of the group over every token). */
+/* Scratch floats one step or prefill needs (logits and probabilities of the group over every
+ * token; a prefill's per-token sums). */
 size_t kvs_lean_dyn_scratch_floats(const struct kvs_lean_dyn_cfg *c);
 
 /* Pages head h must hold (beyond have_hi / have_lo) so that `rows` more steps cannot overflow a
@@ -106,6 +108,40 @@ void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lea
 void kvs_lean_dyn_head_exit(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
                             const struct kvs_lean_dyn_pages *pg, struct kvs_lean_event *ev);
 
+/* A prompt chunk of `rows` (> 1) rows of one head at positions pos0 ..: q / out [rows] x q_stride
+ * floats ([group][head_dim] each), k / v [rows] x kv_stride ([head_dim] each), ext_lse NULL or
+ * [rows] x ext_stride ([group] each; kvs_lean_dyn_head_step_ext's other part, out holding its
+ * output on entry). */
+struct kvs_lean_dyn_rows {
+    int rows;
+    int32_t pos0;
+    const float *q;
+    float *out;
+    size_t q_stride;
+    const float *k, *v;
+    size_t kv_stride;
+    const float *ext_lse;
+    size_t ext_stride;
+};
+
+/* The paper's prefill for one chunk (STRATEGIES.md §5, "Prompt phase"): every row attends
+ * exactly over the head's tokens as they are stored (sections dequantized, the window) and the
+ * chunk's rows up to its own (causal), with the step's arithmetic (two-pass probabilities for
+ * the scores, the online softmax for out, the ext merge); each token's score sum gets the
+ * chunk's probabilities (max over the group; summed over the rows in row order, then added
+ * once). Then every token that leaves the window at the chunk's end (the oldest T - window of
+ * the old window's w_n and the chunk's rows, T = w_n + rows) is placed by the prefill rule, in
+ * position order: with i = pos + 1 (the token's 1-based position; cached documents' positions
+ * count, as in N), high if its score (sum / queries since it arrived) >= alpha_h / i, low if
+ * >= alpha_l / i, else pruned. No victim is chosen (Algorithm 1's decode rule, kept for rows of
+ * one, compares with alpha / N and demotes or prunes a section's victim). The window keeps the
+ * newest min(T, window), token t of the sequence at ring slot (w_start + t) % (window + 1).
+ * Pages: kvs_lean_dyn_head_need(rows) (each section may grow by every leaving token: the
+ * all-high worst case) must have been taken; keep then trims what was not reached. */
+void kvs_lean_dyn_head_prefill(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                               const struct kvs_lean_dyn_pages *pg, const struct kvs_lean_dyn_rows *in, float scale,
+                               float *scratch);
+
 /* Token i of the head in attention order (high, low, window oldest first): position, score,
  * tier (KVS_LEAN_HIGH, KVS_LEAN_LOW, KVS_LEAN_KEPT) and dequantized k, v [head_dim]. */
 int kvs_lean_dyn_head_tokens(const struct kvs_lean_dyn_head *h);
@@ -118,7 +154,8 @@ void kvs_lean_dyn_head_shuffle(const struct kvs_lean_dyn_cfg *c, struct kvs_lean
                                const struct kvs_lean_dyn_pages *pg, uint64_t seed);
 
 /* One layer's steps for every (sequence, KV head) of a batch: sequence s's rows
- * [q_start[s], q_start[s + 1]) run in order at positions pos[s] ..; sequences and heads in
+ * [q_start[s], q_start[s + 1]) run in order at positions pos[s] .. (one row: Algorithm 1's
+ * step; more: a prompt chunk, kvs_lean_dyn_head_prefill); sequences and heads in
  * parallel (the CPU pool). heads / pages [n_seqs][n_kv_heads]; q, out ACT [n][n_heads][hd];
  * k, v [n][n_kv_heads][hd]; scratch n_scratch x kvs_lean_dyn_scratch_floats. */
 struct kvs_lean_dyn_job {

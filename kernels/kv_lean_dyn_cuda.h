@@ -7,7 +7,8 @@
  * low bidirectional table per head, the circular free list of kernels/kv_lean_pages.h. The
  * window is kept in bf16 (the GPU's KV precision; the CPU keeps fp32, so the two agree on
  * bf16-exact inputs). One step of a batch (kvs_lean_dyn_cuda_step) is three launches on the
- * backend's stream:
+ * backend's stream (jobs of more than one row, prompt chunks, take the prefill instead of 2,
+ * kvs_lean_dyn_cuda_reserve_rows):
  *   1. the allocation round: each job's head asks for the pages its rows could need (as
  *      kvs_lean_dyn_head_need), one exclusive block scan over the jobs gives each its offset
  *      into the ring, and each takes its pages (all or nothing; a short ring sets a sticky
@@ -59,6 +60,15 @@ int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_lean_dyn_cf
                              int n_kv_heads, int n_pages, int table_len, int max_jobs, int layer_stride,
                              struct kvs_lean_dyn_cuda **out, char *err, size_t errlen);
 void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *d);
+
+/* The prefill's buffers for steps of up to max_rows rows (each row's max logit and sum per q head,
+ * the chunk tokens' score sums). With them, kvs_lean_dyn_cuda_step runs the jobs of more than
+ * one row (prompt chunks) by the paper's prefill, as kvs_lean_dyn_head_prefill: one pass of
+ * exact attention over the head's stored tokens and the chunk's rows (a warp per row), an extra
+ * pass for the probabilities (a warp per token over the chunk's rows), then one placement of
+ * the tokens that leave the window (a block per head). Without them (or for a step of more rows)
+ * every row runs Algorithm 1's step in order. 0, or -ENOMEM with a message. */
+int kvs_lean_dyn_cuda_reserve_rows(struct kvs_lean_dyn_cuda *d, int max_rows, char *err, size_t errlen);
 
 /* The split path of decode steps (every job of set_jobs one row, phases attend and exit
  * together): a head's tokens over up to max_splits blocks (at most 16; 0: the sequential

@@ -245,6 +245,8 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
         if (!rc)
             rc = kvs_lean_dyn_cuda_create(be, &d->c, sh->max_slots * LH, sh->n_heads, H, d->n_pages, d->table_len,
                                           (sh->max_slots + 1) * H, H, &d->gpu, err, errlen);
+        /* prompt chunks by the paper's prefill (a step's rows at most) */
+        if (!rc) rc = kvs_lean_dyn_cuda_reserve_rows(d->gpu, sh->max_rows, err, errlen);
 #endif
         if (rc) {
             kvs_lean_dyn_destroy(d);

@@ -1,11 +1,14 @@
 /* kv_storage_lean_dyn.h: kv.storage = lean with kv.lean.mode = dynamic (the storage side of
  * kernels/kv_lean_dyn.h), called by kv_storage_lean.c's ops when the mode is dynamic: per
  * request, per layer and KV head, the recent window, the high and low sections in pages of the
- * page manager (kernels/kv_lean_pages.h), and Algorithm 1 run inside attention.
+ * page manager (kernels/kv_lean_pages.h), and the policy run inside attention: a sequence's
+ * step of one row (decode) is Algorithm 1's step, one of more rows (a prompt chunk of at most
+ * scheduler.max_batch_tokens) the paper's prefill (kernels/kv_lean_dyn.h kvs_lean_dyn_head_prefill:
+ * exact attention over the stored tokens and the chunk, then one placement by alpha / i).
  *
  * The block pool still hands out block-table slots (positions of a request), but the dynamic
  * storage does not store tokens at them: write() stages the step's K/V and attention() appends
- * each row to its request's heads, attends and applies the policy, row by row. Pages come from
+ * the rows to their request's heads, attends and applies the policy. Pages come from
  * the page manager in one round per layer and step (every head of the step's requests asks
  * for the worst case of its rows; what the sections did not reach goes back at once); a
  * request's pages go back when it ends, is preempted or cancelled (seq_free).

@@ -48,7 +48,8 @@ void kvs_lean_dyn_head_init(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
 
 size_t kvs_lean_dyn_scratch_floats(const struct kvs_lean_dyn_cfg *c)
 {
-    return 2 * (size_t)c->group * ((size_t)c->max_ctx + 1);
+    /* a step's logits and probabilities [2][group][max_ctx + 1]; a prefill's token sums after them */
+    return (2 * (size_t)c->group + 1) * ((size_t)c->max_ctx + 1);
 }
 
 static int pages_for(int n, int per) { return (n + per - 1) / per; }
@@ -327,6 +328,141 @@ void kvs_lean_dyn_head_exit(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
     if (ev) *ev = e;
 }
 
+/* ---- the prefill (kvs_lean_dyn_head_prefill) ----------------------------------------------- */
+/* the ring slot of sequence index t, the old window's tokens first, then the chunk's: the slot a
+ * token of the chunk keeps if it stays in the window (the CUDA prefill lays the ring the same) */
+static int pslot(const struct kvs_lean_dyn_cfg *c, const struct kvs_lean_dyn_head *h, int t)
+{
+    return (h->w_start + t) % (c->window + 1);
+}
+
+void kvs_lean_dyn_head_prefill(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
+                               const struct kvs_lean_dyn_pages *pg, const struct kvs_lean_dyn_rows *in, float scale,
+                               float *scratch)
+{
+    const int hd = c->head_dim, G = c->group, W = c->window, R = in->rows;
+    const int nhl = h->n_high + h->n_low, nw = h->w_n, nprev = nhl + nw, T = nw + R;
+    float *lg = scratch, *pr = scratch + (size_t)G * (c->max_ctx + 1), *tsum = pr + (size_t)G * (c->max_ctx + 1);
+    float kx[MAX_HEAD_DIM], vx[MAX_HEAD_DIM], acc[8][MAX_HEAD_DIM], mx[8], l[8];
+    KVS_ASSERT(G <= 8 && R >= 1 && nprev + R <= c->max_ctx + 1);
+    for (int t = 0; t < nprev + R; t++) tsum[t] = 0.0f;
+    /* 1. every row attends over the head's tokens as stored (sections dequantized, the window)
+     * and the chunk's rows up to its own, in that order; the probabilities (two-pass, as the
+     * step's) are summed per token in row order, the output is the step's online softmax */
+    for (int r = 0; r < R; r++) {
+        const int n = nprev + r + 1;
+        const float *q = in->q + (size_t)r * in->q_stride;
+        const float *ext = in->ext_lse ? in->ext_lse + (size_t)r * in->ext_stride : NULL;
+        float *out = in->out + (size_t)r * in->q_stride;
+        for (int i = 0; i < n; i++) {
+            const float *kp = kx;
+            if (i < nhl) e_dequant(entry_at(c, pg, i < h->n_high ? KVS_LEAN_HIGH : KVS_LEAN_LOW,
+                                            i < h->n_high ? i : i - h->n_high), hd, kx, NULL);
+            else if (i < nprev) kp = h->wk + (size_t)wslot(c, h, i - nhl) * hd;
+            else kp = in->k + (size_t)(i - nprev) * in->kv_stride;
+            for (int g = 0; g < G; g++) lg[(size_t)g * n + i] = dot_f32(q + (size_t)g * hd, kp, hd) * scale;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *lgg = lg + (size_t)g * n;
+            float *p = pr + (size_t)g * n, m = -INFINITY, sum = 0;
+            for (int i = 0; i < n; i++)
+                if (lgg[i] > m) m = lgg[i];
+            const float e = ext ? ext[g] : -INFINITY;
+            if (e > m) m = e;
+            for (int i = 0; i < n; i++) sum += p[i] = expf(lgg[i] - m);
+            if (e > -INFINITY) sum += expf(e - m);
+            for (int i = 0; i < n; i++) p[i] /= sum;
+            mx[g] = -INFINITY, l[g] = 0.0f;
+            for (int d = 0; d < hd; d++) acc[g][d] = 0.0f;
+        }
+        for (int i = 0; i < n; i++) {
+            const float *vp = vx;
+            float sc = pr[i];
+            for (int g = 1; g < G; g++) sc = fmaxf(sc, pr[(size_t)g * n + i]);
+            tsum[i] += sc;
+            if (i < nhl) e_dequant(entry_at(c, pg, i < h->n_high ? KVS_LEAN_HIGH : KVS_LEAN_LOW,
+                                            i < h->n_high ? i : i - h->n_high), hd, NULL, vx);
+            else if (i < nprev) vp = h->wv + (size_t)wslot(c, h, i - nhl) * hd;
+            else vp = in->v + (size_t)(i - nprev) * in->kv_stride;
+            for (int g = 0; g < G; g++) {
+                const float s = lg[(size_t)g * n + i];
+                if (s > mx[g]) {
+                    const float corr = expf(mx[g] - s);
+                    l[g] *= corr;
+                    for (int d = 0; d < hd; d++) acc[g][d] *= corr;
+                    mx[g] = s;
+                }
+                const float wt = expf(s - mx[g]);
+                l[g] += wt;
+                for (int d = 0; d < hd; d++) acc[g][d] += wt * vp[d];
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const float e = ext ? ext[g] : -INFINITY;
+            if (e > -INFINITY) {
+                const float M = mx[g] > e ? mx[g] : e, a = expf(mx[g] - M), b = expf(e - M), inv = 1.0f / (l[g] * a + b);
+                for (int d = 0; d < hd; d++)
+                    out[(size_t)g * hd + d] = (acc[g][d] * a + out[(size_t)g * hd + d] * b) * inv;
+                continue;
+            }
+            const float inv = 1.0f / l[g];
+            for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
+        }
+    }
+    /* 2. the scores: each stored token's sum gets the chunk's, once (in row order above) */
+    for (int i = 0; i < nhl; i++) {
+        struct entry e = entry_at(c, pg, i < h->n_high ? KVS_LEAN_HIGH : KVS_LEAN_LOW, i < h->n_high ? i : i - h->n_high);
+        e_set(e, e_pos(e), e_acc(e) + tsum[i]);
+    }
+    for (int i = 0; i < nw; i++) h->wacc[wslot(c, h, i)] += tsum[nhl + i];
+    /* 3. the paper's prefill rule for every token that leaves the window at the chunk's end (the
+     * oldest T - W of the old window's and the chunk's, in position order): token i (1-based
+     * position pos + 1, cached documents counted) goes high if its score (its sum over the
+     * queries since it arrived, to the chunk's last) >= alpha_h / i, low if >= alpha_l / i,
+     * else it is pruned; no victim (the sections only grow) */
+    const int32_t last = in->pos0 + R - 1;
+    if (h->seen == 0) h->seen = in->pos0;
+    h->seen += R;
+    h->last_pos = last;
+    const int leave = T > W ? T - W : 0;
+    for (int t = 0; t < leave; t++) {
+        int32_t pos;
+        float a;
+        const float *kp, *vp;
+        if (t < nw) {
+            const int ws = pslot(c, h, t);
+            pos = h->wpos[ws], a = h->wacc[ws], kp = h->wk + (size_t)ws * hd, vp = h->wv + (size_t)ws * hd;
+        } else {
+            const int j = t - nw;
+            pos = in->pos0 + j, a = tsum[nprev + j];
+            kp = in->k + (size_t)j * in->kv_stride, vp = in->v + (size_t)j * in->kv_stride;
+        }
+        const float s = score(a, pos, last);
+        const double i1 = (double)pos + 1.0, th = c->alpha_h / i1, tl = c->alpha_l / i1;
+        const int tier = s >= th ? KVS_LEAN_HIGH : s >= tl ? KVS_LEAN_LOW : 0;
+        if (!tier) {
+            h->pruned++;
+            continue;
+        }
+        int *n_sec = tier == KVS_LEAN_HIGH ? &h->n_high : &h->n_low;
+        int *max_sec = tier == KVS_LEAN_HIGH ? &h->max_high : &h->max_low;
+        struct entry ne = entry_at(c, pg, tier, (*n_sec)++);
+        if (*n_sec > *max_sec) *max_sec = *n_sec;
+        e_set(ne, pos, a);
+        e_quant(ne, hd, kp, vp);
+    }
+    /* 4. the window: the newest min(T, W) tokens, each at its sequence slot (an old window token
+     * that stays is where it was; the slots of the ones that left are free by now) */
+    for (int t = leave > nw ? leave : nw; t < T; t++) {
+        const int ws = pslot(c, h, t), j = t - nw;
+        memcpy(h->wk + (size_t)ws * hd, in->k + (size_t)j * in->kv_stride, (size_t)hd * sizeof(float));
+        memcpy(h->wv + (size_t)ws * hd, in->v + (size_t)j * in->kv_stride, (size_t)hd * sizeof(float));
+        h->wpos[ws] = in->pos0 + j, h->wacc[ws] = tsum[nprev + j];
+    }
+    h->w_start = pslot(c, h, leave);
+    h->w_n = T - leave;
+}
+
 static void section_shuffle(const struct kvs_lean_dyn_cfg *c, const struct kvs_lean_dyn_pages *pg, int tier, int n,
                             uint64_t *st)
 {
@@ -370,6 +506,18 @@ static void batch_task(void *ctx, int t)
         const int s = pair / j->n_kv_heads, g = pair % j->n_kv_heads;
         struct kvs_lean_dyn_head *h = j->heads[pair];
         if (!h) continue;
+        const int rows = j->q_start[s + 1] - j->q_start[s];
+        if (rows > 1) {   /* a prompt chunk: the paper's prefill */
+            const size_t qo = ((size_t)j->q_start[s] * j->n_heads + (size_t)g * G) * hd;
+            const size_t ko = ((size_t)j->q_start[s] * j->n_kv_heads + g) * hd;
+            const struct kvs_lean_dyn_rows in = {
+                rows, j->pos[s], q + qo, out + qo, (size_t)j->n_heads * hd, j->k + ko, j->v + ko,
+                (size_t)j->n_kv_heads * hd,
+                j->ext_lse ? F(j->ext_lse) + (size_t)j->q_start[s] * j->n_heads + (size_t)g * G : NULL,
+                (size_t)j->n_heads};
+            kvs_lean_dyn_head_prefill(c, h, &j->pages[pair], &in, j->scale, scratch);
+            continue;
+        }
         for (int r = j->q_start[s]; r < j->q_start[s + 1]; r++) {
             const size_t qo = ((size_t)r * j->n_heads + (size_t)g * G) * hd, ko = ((size_t)r * j->n_kv_heads + g) * hd;
             const float *ext = j->ext_lse ? F(j->ext_lse) + (size_t)r * j->n_heads + (size_t)g * G : NULL;

@@ -1,5 +1,6 @@
 /* kv_lean_dyn.cu: LeanKV's dynamic mode on the GPU (kernels/kv_lean_dyn_cuda.h): the page
- * manager's rounds, Algorithm 1's step with its attention, the window exit.
+ * manager's rounds, Algorithm 1's step with its attention, the window exit (prompt chunks take
+ * the paper's prefill instead once its buffers are reserved: kv_lean_dyn_prefill.cu).
  *
  * One 256-thread block per head runs its rows in order (each row's window exit changes what the
  * next row reads); within a row every part is spread over the block: a thread per token for the
@@ -24,108 +25,10 @@
 
 #include "kernels/cuda/cuda_internal.cuh"
 #include "kernels/cuda/kv_lean_quant.cuh"
+#include "kernels/cuda/kv_lean_dyn_device.cuh"
 
 extern "C" {
 #include "kernels/kv_lean_dyn_cuda.h"
-}
-
-#define DYN_THREADS 256
-#define DYN_WARPS (DYN_THREADS / 32)
-#define DYN_SCAN 1024
-#define DYN_MAXG 8
-#define DYN_MAXHD 256   /* the output keeps hd / 32 sums per lane and q head */
-#define DYN_MAXSPLIT 16 /* a decode step's blocks per head at most (the split path) */
-#define DYN_SPLIT_MIN 64 /* tokens per split at least: fewer splits for short heads */
-
-struct dyn_head {
-    int n_high, n_low, max_high, max_low, w_start, w_n, pruned, last_pos;
-    long long seen;
-};
-
-struct dyn_pm {
-    long long head, tail;         /* the ring's allocation / free pointers (monotonic) */
-    int err;                      /* sticky: 1 = -ENOSPC, 2 = -E2BIG */
-};
-
-/* what the kernels read: sizes and device arrays */
-struct dyn_dev {
-    int layer_stride;
-    int hd, G, W, kbits, vbits, lkbits, lvbits, tp_hi, tp_lo, max_ctx, table_len, n_pages, nq, nkv;
-    int kc, vc, lkc, lvc;         /* code bytes of the high / low K and V vectors */
-    long long entry_hi, entry_lo, page_bytes;
-    double alpha_h, alpha_l;
-    dyn_head *heads;
-    bf16 *wk, *wv;                /* [state][W + 1][hd] */
-    int32_t *wpos;                /* [state][W + 1] */
-    float *wacc;
-    uint8_t *pages;
-    int32_t *ring, *tables, *nhp, *nlp; /* ring [n_pages]; tables [state][table_len]; page counts [state] */
-    dyn_pm *pm;
-    struct kvs_lean_event *ev;    /* [state] */
-    struct kvs_lean_dyn_cuda_job *jobs;
-    int32_t *need_hi, *need_lo;   /* [max_jobs] */
-    long long *off;               /* [max_jobs] */
-    float *scratch;               /* [max_jobs][G][max_ctx + 1] */
-    int *done;                    /* split decode steps: merge blocks finished (0 between launches) */
-    float *part, *part_o;         /* split decode steps: [max_parts][G] (m, l) pairs, [max_parts][G][hd] */
-};
-
-struct kvs_lean_dyn_cuda {
-    struct kvs_backend *b;
-    struct kvs_lean_dyn_cfg c;
-    int n_states, max_jobs;
-    int max_parts;                /* (job, split) partials the split path has room for */
-    int splits, min_tokens;       /* a decode step's splits per head at most (0: the sequential path), and
-                                   * the fewest tokens a split takes */
-    int target;                   /* blocks a split launch aims at (2 per SM) */
-    int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
-    dyn_dev d;
-};
-
-/* ---- the host's arithmetic (kernels/kv_lean_format.c) ------------------------------------- */
-__device__ __forceinline__ uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-/* element i of a vector of `bits` (codes, then (s, z) at codes + code bytes below 16 bits) */
-__device__ __forceinline__ float dyn_deq(const uint8_t *codes, int cbytes, int bits, int i)
-{
-    if (bits == 16) return lean_h2f(ld16(codes + 2 * i));
-    const float s = lean_h2f(ld16(codes + cbytes)), z = lean_h2f(ld16(codes + cbytes + 2));
-    const int per = 8 / bits, mask = (1 << bits) - 1;
-    const int c = codes[i / per] >> (bits * (i % per)) & mask;
-    return __fsub_rn(__fmul_rn(s, (float)c), z);
-}
-
-/* ---- entries (kernels/cpu/kv_lean_dyn.c's layout) ------------------------------------------- */
-struct dyn_fmt {
-    int kbits, vbits, kc, vc;
-    long long bytes;
-};
-
-__device__ __forceinline__ dyn_fmt fmt_of(const dyn_dev &D, int high)
-{
-    return high ? dyn_fmt{D.kbits, D.vbits, D.kc, D.vc, D.entry_hi} : dyn_fmt{D.lkbits, D.lvbits, D.lkc, D.lvc, D.entry_lo};
-}
-
-__device__ __forceinline__ uint8_t *entry_at(const dyn_dev &D, int st, int high, int j)
-{
-    const int32_t *t = D.tables + (long long)st * D.table_len;
-    if (high) return D.pages + (long long)t[j / D.tp_hi] * D.page_bytes + (long long)(j % D.tp_hi) * D.entry_hi;
-    return D.pages + (long long)t[D.table_len - 1 - j / D.tp_lo] * D.page_bytes + (long long)(j % D.tp_lo) * D.entry_lo;
-}
-
-__device__ __forceinline__ int32_t e_pos(const uint8_t *e) { int32_t p; memcpy(&p, e, 4); return p; }
-__device__ __forceinline__ float e_acc(const uint8_t *e) { float a; memcpy(&a, e + 4, 4); return a; }
-__device__ __forceinline__ void e_set(uint8_t *e, int32_t pos, float acc) { memcpy(e, &pos, 4), memcpy(e + 4, &acc, 4); }
-__device__ __forceinline__ const uint8_t *e_k(const uint8_t *e) { return e + 8; }
-__device__ __forceinline__ const uint8_t *e_v(const uint8_t *e, const dyn_fmt &f)
-{
-    return e + 8 + f.kc + (f.kbits < 16 ? 4 : 0);
-}
-
-/* kv_lean_dyn.c's score: the sum over the queries since the token arrived */
-__device__ __forceinline__ float dyn_score(float acc, int32_t pos, int32_t last)
-{
-    return last >= pos ? __fdiv_rn(acc, (float)(last - pos + 1)) : 0.0f;
 }
 
 /* ---- the page round and the trim ------------------------------------------------------------ */
@@ -298,67 +201,6 @@ __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t
     return bj;
 }
 
-/* One warp quantizes x[0..d) (kvs_lean_quantize, bitwise): codes, then (s, z) below 16 bits.
- * The host's min / max loop (mn = x[0], then `if (x[i] < mn)`) is a first-wins scan that skips
- * NaNs after x[0] and keeps x[0] if it is one; each lane scans a contiguous slice the same way
- * and the lanes merge lower slice first, so the result is the host's to the bit (-0 / +0 ties
- * included, which decide z's sign). Each lane then packs whole code bytes: no read-modify-write
- * of global memory (a thread's serial |= into device memory was a round trip per element). */
-__device__ void warp_quant(const float *x, int d, int bits, uint8_t *codes)
-{
-    const int lane = threadIdx.x & 31;
-    if (bits == 16) {
-        /* one 16-bit store per value: byte stores of the fp16 bits came out as the value
-         * converted to an integer in the H100 build (2026-11-24: test_cuda_kv_lean_dyn's K16V16
-         * tier, as kv_lean.cu's write before it); codes is 2-byte aligned whenever 16-bit
-         * entries are (even entry and page sizes), else the bits go through an opaque move */
-        for (int i = lane; i < d; i += 32) {
-            unsigned h = lean_f2h(lean_sat_half(x[i]));
-            if (!((uintptr_t)codes & 1)) {
-                reinterpret_cast<uint16_t *>(codes)[i] = (uint16_t)h;
-                continue;
-            }
-            asm volatile("mov.b32 %0, %0;" : "+r"(h));
-            codes[2 * i] = (uint8_t)(h & 0xffu), codes[2 * i + 1] = (uint8_t)(h >> 8);
-        }
-        return;
-    }
-    const int per_lane = (d + 31) / 32, i0 = lane * per_lane, i1 = min(i0 + per_lane, d);
-    float mn = 0.0f, mx = 0.0f;
-    int any = 0;
-    for (int i = i0; i < i1; i++) {
-        const float v = x[i];
-        if (i > 0 && v != v) continue;
-        if (!any) {
-            mn = mx = v, any = 1;
-            continue;
-        }
-        if (v < mn) mn = v;
-        if (v > mx) mx = v;
-    }
-    for (int o = 1; o < 32; o <<= 1) {
-        const float pmn = __shfl_xor_sync(0xffffffffu, mn, o), pmx = __shfl_xor_sync(0xffffffffu, mx, o);
-        const int pany = __shfl_xor_sync(0xffffffffu, any, o);
-        const int upper = lane & o;   /* the partner holds the lower slice */
-        const float amn = upper ? pmn : mn, bmn = upper ? mn : pmn;
-        const float amx = upper ? pmx : mx, bmx = upper ? mx : pmx;
-        const int aany = upper ? pany : any, bany = upper ? any : pany;
-        /* a NaN can only be x[0], in the lower part: it stays */
-        if (!aany) mn = bmn, mx = bmx;
-        else if (!bany || amn != amn) mn = amn, mx = amx;
-        else mn = bmn < amn ? bmn : amn, mx = bmx > amx ? bmx : amx;
-        any = aany | bany;
-    }
-    const int top = (1 << bits) - 1, per = 8 / bits, nb = d * bits / 8;
-    const lean_sz q = lean_scale_zero(mn, mx, bits);
-    for (int b = lane; b < nb; b += 32) {
-        unsigned byte = 0;
-        for (int e = 0; e < per; e++) byte |= (unsigned)lean_code(x[b * per + e], q, top) << (bits * e);
-        codes[b] = (uint8_t)byte;
-    }
-    if (lane == 0) lean_put_sz(codes + nb, q);
-}
-
 /* every thread of the block: dequantize entry e (format f) into k, v */
 __device__ void e_dequant(const uint8_t *e, const dyn_fmt &f, int hd, float *k, float *v)
 {
@@ -482,46 +324,6 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     __syncthreads();
 }
 
-/* token t's K (v = 0) or V (v = 1) vector, looked up once: the high / low entry's codes and
- * their (s, z), or the window's bf16 row (bits 0). tv_elem(tv, i) is dyn_deq's arithmetic for
- * element i (the same operations, so the same floats); the lookup (page table, entry, s and z)
- * is what made a thread-per-element walk slow (bench/RESULTS.md, 2026-11-24 lean5) */
-struct dyn_tv {
-    const uint8_t *p;
-    float s, z;
-    int bits;
-};
-
-__device__ __forceinline__ dyn_tv tok_ref(const dyn_dev &D, int st, const dyn_head &h, int t, int v)
-{
-    const int nhl = h.n_high + h.n_low;
-    dyn_tv r;
-    if (t < nhl) {
-        const int hi = t < h.n_high;
-        const dyn_fmt f = fmt_of(D, hi);
-        const uint8_t *e = entry_at(D, st, hi, hi ? t : t - h.n_high);
-        const int cb = v ? f.vc : f.kc;
-        r.p = v ? e_v(e, f) : e_k(e), r.bits = v ? f.vbits : f.kbits;
-        r.s = r.z = 0.0f;
-        if (r.bits < 16) r.s = lean_h2f(ld16(r.p + cb)), r.z = lean_h2f(ld16(r.p + cb + 2));
-        return r;
-    }
-    const int w = (h.w_start + t - nhl) % (D.W + 1);
-    const long long o = ((long long)st * (D.W + 1) + w) * D.hd;
-    r.p = reinterpret_cast<const uint8_t *>((v ? D.wv : D.wk) + o), r.bits = 0, r.s = r.z = 0.0f;
-    return r;
-}
-
-__device__ __forceinline__ float tv_code(const dyn_tv &r, unsigned c) { return __fsub_rn(__fmul_rn(r.s, (float)c), r.z); }
-
-__device__ __forceinline__ float tv_elem(const dyn_tv &r, int i)
-{
-    if (r.bits == 0) return __bfloat162float(reinterpret_cast<const bf16 *>(r.p)[i]);
-    if (r.bits == 16) return lean_h2f(ld16(r.p + 2 * i));
-    const int per = 8 / r.bits, mask = (1 << r.bits) - 1;
-    return tv_code(r, r.p[i / per] >> (r.bits * (i % per)) & mask);
-}
-
 /* f(i, x) for every element of r's vector in order, x = tv_elem(r, i) to the bit, read a 32-bit
  * word at a time (a word holds 32 / bits codes, or two 16-bit values) where the codes are
  * 4-byte aligned and fill whole words; else one element at a time */
@@ -620,6 +422,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
     if (D.pm->err) return;   /* the round failed: no job has its pages */
     const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
     if (J.head < 0) return;   /* a padded sequence */
+    if ((phases & DYN_ONLY_SINGLE) && J.rows != 1) return;   /* a prompt chunk: the prefill's */
     const int st = J.head + layer * D.layer_stride;
     float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
     if (threadIdx.x == 0) h = D.heads[st];
@@ -963,7 +766,7 @@ extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
     if (!x) return;
     void *ps[] = {x->d.heads, x->d.wk, x->d.wv, x->d.wpos, x->d.wacc, x->d.pages, x->d.ring, x->d.tables, x->d.nhp,
                   x->d.nlp, x->d.pm, x->d.ev, x->d.jobs, x->d.need_hi, x->d.need_lo, x->d.off, x->d.scratch,
-                  x->d.part, x->d.part_o, x->d.done};
+                  x->d.part, x->d.part_o, x->d.done, x->d.pf_ml, x->d.pf_tsum};
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
     free(x);
@@ -1066,8 +869,13 @@ extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const str
                                           int n_jobs)
 {
     if (n_jobs > x->max_jobs) return -E2BIG;
-    x->all_single = 1;
-    for (int i = 0; i < n_jobs; i++) x->all_single &= jobs[i].head < 0 || jobs[i].rows == 1;
+    x->all_single = 1, x->max_rows_job = 0, x->rows_total = 0;
+    for (int i = 0; i < n_jobs; i++) {
+        x->all_single &= jobs[i].head < 0 || jobs[i].rows == 1;
+        if (jobs[i].head < 0) continue;
+        if (jobs[i].rows > x->max_rows_job) x->max_rows_job = jobs[i].rows;
+        if (jobs[i].row0 + jobs[i].rows > x->rows_total) x->rows_total = jobs[i].row0 + jobs[i].rows;
+    }
     if (n_jobs > 0)
         CUDA_CHECK(cudaMemcpyAsync(x->d.jobs, jobs, (size_t)n_jobs * sizeof *jobs, cudaMemcpyHostToDevice, x->b->stream));
     return 0;
@@ -1110,12 +918,17 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         LAUNCH_CHECK();
         return;
     }
+    /* prompt chunks (jobs of more than one row) take the paper's prefill once its buffers are
+     * reserved for the step's rows; jobs of one row (decode) keep Algorithm 1's step, here */
+    const int prefill = !x->all_single && (phases & att) == att && D.pf_rows >= x->rows_total;
     if (phases & KVS_LEAN_DYN_PAGES) {
         k_dyn_alloc<<<1, DYN_SCAN, 0, s>>>(x->d, n_jobs, layer);
         LAUNCH_CHECK();
     }
+    if (prefill) dyn_prefill_launch(x, n_jobs, layer, qd, kd, vd, ed, scale, od);
+    const int sp = phases | (prefill ? DYN_ONLY_SINGLE : 0);
 #define DYN_STEP(gm, km)                                                                                            \
-    if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, ed, scale, od, phases, layer)
+    if (GM == gm && KM == km) k_dyn_step<gm, km><<<n_jobs, DYN_THREADS, smem, s>>>(D, qd, kd, vd, ed, scale, od, sp, layer)
     DYN_STEP(2, 2); DYN_STEP(2, 4); DYN_STEP(2, 8);
     DYN_STEP(4, 2); DYN_STEP(4, 4); DYN_STEP(4, 8);
     DYN_STEP(8, 2); DYN_STEP(8, 4); DYN_STEP(8, 8);

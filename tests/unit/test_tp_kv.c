@@ -211,7 +211,12 @@ static int same_counters(const struct result *a, const struct result *b, const c
     int ok = a->n_cnt == b->n_cnt;
     for (int i = 0; ok && i < a->n_cnt; i++) {
         const struct kvs_kv_counter *x = &a->cnt[i], *y = &b->cnt[i];
-        const double rel = x->family && !x->le ? 1e-5 : 1e-9;
+        double rel = x->family && !x->le ? 1e-5 : 1e-9;
+        /* lean dynamic: a tier is a score against a threshold, and the ranks' row-parallel sums
+         * round otherwise than one rank's (test_tp.c): a score within ~1e-5 of alpha / i (this
+         * model has one, at 2e-5, since the prefill's prompt rule) may land in the other tier, a
+         * token-head among thousands; its storage gauges agree to 1% (the tokens still equal) */
+        if (strstr(what, "dynamic") && !strncmp(x->name, "kvserve:kv_storage_", 19)) rel = 1e-2;
         const double tol = rel * (fabs(y->value) > 1 ? fabs(y->value) : 1);
         const int held = !x->is_counter && strstr(x->name, "bytes") && x->value >= y->value;
         if (strcmp(x->name, y->name) || (!held && fabs(x->value - y->value) > tol)) {
