@@ -46,6 +46,9 @@ static const struct key_def KEYS[] = {
      "tensor parallelism: GPUs (ranks) the model is split over, one thread each (needs NCCL for cuda; cpu: "
      "threads of one process, for tests); must divide the KV heads and the FFN width"},
 
+    {"batch_invariant", T_ENUM, F(batch_invariant), 0, 0, "auto", "auto|true|false", NULL,
+     "batch-invariant numerics: a decode row's results do not depend on the batch it runs in (the batch size, the other rows' contexts, a recorded step's capacity), so a row computed again, alone or in another batch, gives the same bits (the decode GEMMs choose their kernel by shape alone, the decode attention splits a row's context by its own length); costs: bench/RESULTS.md (gemm7, bi8); auto: on for kv.decode=retro, whose re-run rows are merged with outputs cached from their first run (docs/STRATEGIES.md §4), off otherwise; the CPU backend is invariant by default either way (KVS_CPU_GEMM); KVS_CUDA_BATCH_INVARIANT overrides it"},
+
     {"server.host", T_STRING, F(host), 0, 0, "127.0.0.1", NULL, NULL, "address to listen on"},
     {"server.port", T_INT, F(port), 0, 65535, "8000", NULL, NULL, "TCP port (0: pick a free one and log it)"},
     {"server.api_key", T_STRING, F(api_key), 0, 0, "", NULL, NULL,
@@ -516,4 +519,12 @@ void kvs_config_print_reference(void *file, int markdown)
             fprintf(f, "  %-28s %-6s default %-12s [%s]\n      %s\n", k->name, type_name(k->type),
                     k->def[0] ? k->def : "\"\"", allowed, k->help);
     }
+}
+
+int kvs_config_batch_invariant(const struct kvs_config *cfg)
+{
+    const char *v = cfg->batch_invariant ? cfg->batch_invariant : "auto";
+    if (!strcmp(v, "true")) return 1;
+    if (!strcmp(v, "false")) return 0;
+    return cfg->kv_decode && !strcmp(cfg->kv_decode, "retro");
 }

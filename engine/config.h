@@ -25,6 +25,7 @@ struct kvs_config {
     char *device;            /* auto | cpu | cuda */
     int cpu_threads;         /* 0 = number of cores */
     int tensor_parallel;     /* parallel.tensor: ranks (GPUs) a model is split over; 1 = none */
+    char *batch_invariant;   /* auto | true | false: kvs_config_batch_invariant */
 
     /* server */
     char *host;
@@ -122,6 +123,10 @@ int kvs_config_set(struct kvs_config *cfg, const char *assignment, char *err, si
 
 /* Cross-key checks (strategy built? combination allowed?). Call after all overrides. */
 int kvs_config_validate(const struct kvs_config *cfg, char *err, size_t errlen);
+
+/* Whether steps run with batch-invariant numerics (key batch_invariant): true, false, or auto:
+ * on for kv.decode=retro (its re-run rows must round as their first runs did), else off. */
+int kvs_config_batch_invariant(const struct kvs_config *cfg);
 
 /* Returns the effective config as pretty JSON (malloc'ed, caller frees). */
 char *kvs_config_dump_json(const struct kvs_config *cfg);

@@ -395,6 +395,8 @@ int kvs_runner_rank_create(const struct kvs_config *cfg, const struct kvs_model 
         return -ENOMEM;
     }
     if ((rc = kvs_backend_supports_model(ops, c->n_heads, c->n_kv_heads, c->head_dim, err, errlen))) goto fail;
+    /* before any step is recorded: graphs capture the launches this plans */
+    if (ops->set_batch_invariant) ops->set_batch_invariant(r->be, kvs_config_batch_invariant(cfg));
     {
         const char *e = getenv("KVS_GRAPHS");
         r->use_graphs = ops->graph_begin && ops->graph_end && ops->graph_launch && ops->graph_free &&

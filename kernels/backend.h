@@ -369,6 +369,13 @@ struct kvs_backend_ops {
     void (*fetch_begin)(struct kvs_backend *b, const struct kvs_dbuf *src, size_t n, int slot);
     /* Waits for slot's copy only (not for ops queued after it), then dst[0 .. n) = its values. */
     void (*fetch_end)(struct kvs_backend *b, int slot, int32_t *dst, size_t n);
+
+    /* ---- numerics (appended, optional) ------------------------------------------------------
+     * Batch-invariant numerics (config key batch_invariant): on > 0, every later step computes a
+     * decode row with the same operations in the same order whatever the batch around it (its
+     * size, the other rows' contexts, a recorded graph's capacity); 0: the backend's default,
+     * which may plan by batch for speed. NULL: the backend is batch-invariant always (CPU). */
+    void (*set_batch_invariant)(struct kvs_backend *b, int on);
 };
 
 /* Capacity of a fetch area (fetch_begin), in int32 elements. */

@@ -40,7 +40,11 @@
  * memory); k_attn_fa3 rewrites its warpgroup's Q tile in shared memory (wgmma reads it there).
  * Long contexts are split over blocks (grid z); a second kernel (k_attn_merge, here) merges the
  * per-split partials (acc, max, sum) in split order. Everything is deterministic for a given
- * launch shape.
+ * launch shape. The automatic plan (choose_splits, launch_fd) reads the launch: its rows, its
+ * longest context (a recorded graph's capacity, plan_ctx), the workspace and the SM count, so a
+ * decode row's bits depend on the batch it runs in. kvs_cu_attn.batch_invariant (the config key
+ * batch_invariant) takes for decode rows the plan of cuda_attn_device.cuh at_split_keys instead:
+ * splits by the row's own context, merged by k_attn_merge_bi (attn_launch_bi, below).
  */
 #include <string.h>
 
@@ -112,6 +116,64 @@ __global__ void k_attn_merge(const float *part, const int32_t *q_start, int n_se
     }
 }
 
+/* The merge of the batch-invariant plan (at_split_keys): a block per (decode tile of the launch's
+ * group, head), its partials at the group's rows (at_part_row), combined with k_attn_merge's
+ * arithmetic in split order, whatever the number of splits (one included: the same operations
+ * whether the launch holds longer rows or not). Full warps (find_tile's shuffles). */
+#define BI_MERGE_THREADS 128
+__global__ void __launch_bounds__(BI_MERGE_THREADS) k_attn_merge_bi(const __grid_constant__ at_args a, int hd)
+{
+    grid_dep_wait();
+    grid_dep_launch(a.trig);
+    const int head = blockIdx.x % a.n_heads;
+    int s, r0;
+    if (!find_tile(a, a.tile0 + (int)(blockIdx.x / a.n_heads), &s, &r0)) return;
+    const size_t row = (size_t)a.q_start[s] * a.n_heads + head;
+    const float *pp = a.part + (size_t)blockIdx.x * a.n_splits * (size_t)(hd + 2);
+    float M = -INFINITY;
+    for (int sp = 0; sp < a.n_splits; sp++) M = fmaxf(M, pp[(size_t)sp * (hd + 2) + hd]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float Ls = 0.0f, A = 0.0f;
+        for (int sp = 0; sp < a.n_splits; sp++) {
+            const float *q = pp + (size_t)sp * (hd + 2);
+            if (q[hd] == -INFINITY) continue; /* a split past the row's context */
+            float e = __expf(q[hd] - M);
+            Ls += q[hd + 1] * e;
+            A += q[d] * e;
+        }
+        a.out[row * hd + d] = A / Ls;
+        if (a.outh) a.outh[row * hd + d] = __float2bfloat16(A / Ls);
+    }
+}
+
+/* The batch-invariant plan's launches (decode tiles, one row each): the grid covers the most
+ * splits a row of up to max_ctx keys can have (the rows' own plans leave the rest empty: their
+ * blocks write a -inf partial that the merge skips), and the tiles go in groups whose partials
+ * fit the workspace, each group's kernel then its merge (stream order, and the kernels' grid
+ * dependency waits, keep a group from overwriting partials the previous merge still reads). */
+static void attn_launch_bi(void (*kern)(at_args), int threads, size_t smem, at_args &x, int n_tiles, int max_ctx,
+                           cudaStream_t st, size_t ws_floats, int hd)
+{
+    long long ns = ((long long)max_ctx + x.bi_keys - 1) / x.bi_keys;
+    if (ns > x.bi_splits) ns = x.bi_splits;
+    if (ns < 1) ns = 1;
+    x.n_splits = (int)ns;
+    x.chunk = 0; /* per row: at_bi_chunk */
+    const size_t per_tile = (size_t)x.n_heads * (size_t)ns * (size_t)(hd + 2);
+    const long long group = (long long)(ws_floats / per_tile);
+    if (group < 1) kvs_panic(__FILE__, __LINE__, "cuda attention: %lld splits of %d heads exceed the workspace", ns, x.n_heads);
+    for (long long t0 = 0; t0 < n_tiles; t0 += group) {
+        const long long nt = n_tiles - t0 < group ? n_tiles - t0 : group;
+        x.tile0 = (int)t0;
+        dim3 grid((unsigned)nt, (unsigned)x.n_kv, (unsigned)x.n_splits);
+        CUDA_CHECK(kvs_cu_launch(kern, grid, threads, smem, st, x));
+        CUDA_CHECK(cudaGetLastError());
+        CUDA_CHECK(kvs_cu_launch(k_attn_merge_bi, (unsigned)(nt * x.n_heads), BI_MERGE_THREADS, 0, st, x, hd));
+        CUDA_CHECK(cudaGetLastError());
+    }
+    x.tile0 = 0;
+}
+
 /* cuda_attn_device.cuh */
 void kvs_cu_attn_launch(void (*kern)(at_args), int threads, size_t smem, int *resident, at_args &x, int n_tiles,
                         int max_ctx, cudaStream_t st, int n_sms, size_t ws_floats, int n, int hd, int force,
@@ -123,6 +185,10 @@ void kvs_cu_attn_launch(void (*kern)(at_args), int threads, size_t smem, int *re
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, smem));
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda attention: kernel does not fit an SM (%zu bytes)", smem);
         *resident = nb;
+    }
+    if (x.bi_keys > 0) { /* decode launches under the batch-invariant plan: `force` does not apply */
+        attn_launch_bi(kern, threads, smem, x, n_tiles, max_ctx, st, ws_floats, hd);
+        return;
     }
     const long long base = (long long)n_tiles * x.n_kv;
     /* Launches of 32 to 256 (tile, KV head) pairs plan for 2 blocks per SM, not all that fit:
@@ -145,6 +211,32 @@ void kvs_cu_attn_launch(void (*kern)(at_args), int threads, size_t smem, int *re
             x.part, x.q_start, x.n_seqs, x.prefill, x.n_heads, x.n_splits, hd, x.out, x.outh, x.trig));
         CUDA_CHECK(cudaGetLastError());
     }
+}
+
+/* The batch-invariant plan's parameters (at_bi_chunk): splits of at least BI_MIN_KEYS keys (one
+ * k_attn_fd tile), at most BI_MAX_SPLITS a row: the automatic plan's batch-1 splits at the
+ * contexts it was tuned on (1K: 8 x 128 keys, 8K: 16 x 512). KVS_CUDA_BI_KEYS (a multiple of 128)
+ * and KVS_CUDA_BI_SPLITS change them (comparisons; read once, so every launch of a process plans
+ * alike: a row's bits depend on them). */
+#define BI_MIN_KEYS 128
+#define BI_MAX_SPLITS 16
+static int bi_min_keys(void)
+{
+    static int k = 0;
+    if (!k) {
+        const char *e = getenv("KVS_CUDA_BI_KEYS");
+        k = e && atoi(e) >= 128 && atoi(e) % 128 == 0 ? atoi(e) : BI_MIN_KEYS;
+    }
+    return k;
+}
+static int bi_max_splits(void)
+{
+    static int k = 0;
+    if (!k) {
+        const char *e = getenv("KVS_CUDA_BI_SPLITS");
+        k = e && atoi(e) >= 1 && atoi(e) <= 256 ? atoi(e) : BI_MAX_SPLITS;
+    }
+    return k;
 }
 
 void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sms, float *ws, size_t ws_bytes,
@@ -203,12 +295,16 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     x.kv_rows = (long long)(a->kv_elems / (size_t)a->hd);
     x.part = ws;
     x.trig = (kvs_cu_pdl_early() & 2) && a->n >= 2; /* cuda_skinny.cu: not at batch 1 */
+    x.tile0 = 0;
+    x.bi_splits = bi_max_splits();
     const size_t ws_floats = ws_bytes / sizeof(float);
     for (int pass = 0; pass < 2; pass++) {
         const int tiles = pass == 0 ? n_dec : n_pre_tiles;
         if (tiles == 0) continue;
         x.prefill = pass;
         x.qt = pass == 0 ? 1 : qt_pre;
+        /* the batch-invariant plan: decode rows (prefill tiles keep the automatic plan) */
+        x.bi_keys = pass == 0 && a->batch_invariant ? bi_min_keys() : 0;
         const int max_ctx = pass == 0 ? ctx_dec : ctx_pre;
         const bool pre = pass == 1;
         /* skip_lead: the decode pass sees the sequences from skip on (find_tile counts one-row

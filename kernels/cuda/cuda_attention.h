@@ -27,6 +27,9 @@ struct kvs_cu_attn {
     int plan_ctx;                 /* 0, or plan the decode launch for contexts up to this (graphs) */
     int skip_lead;                /* backend.h kvs_attn_meta skip_lead: the decode pass leaves the rows of
                                    * sequences [0, skip_lead) alone (one-row sequences only) */
+    int batch_invariant;          /* nonzero: decode rows take the batch-invariant split plan
+                                   * (cuda_attn_device.cuh at_split_keys): a row's bits depend on its
+                                   * own context only, not on the launch (rows, plan_ctx, SMs) */
     float scale;
     float *out;                   /* [n][n_heads][hd] fp32 */
     __nv_bfloat16 *outh;          /* NULL, or [n][n_heads][hd]: the bf16 copy of out, written alongside */

@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
     const int lin = blockIdx.x + gridDim.x * blockIdx.y;
     const int kvh = lin % a.n_kv;
     int s, r0;
-    if (!find_tile(a, lin / a.n_kv, &s, &r0)) return; /* decode tiles: one row each, r0 = 0 */
+    const int tile = a.tile0 + lin / a.n_kv;
+    if (!find_tile(a, tile, &s, &r0)) return; /* decode tiles: one row each, r0 = 0 */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     bf16 *wk = (bf16 *)smraw + (size_t)warp * C::sub_elems;              /* this warp's K buffer */
     bf16 *wv = (bf16 *)smraw + (size_t)(FD_WARPS + warp) * C::sub_elems; /* and its V buffer */
@@ -228,8 +229,8 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
     const int qs = a.q_start[s];
     const int pos0 = a.pos[s];  /* the row's position: keys 0 .. pos0 are visible */
     const int nr = a.G;         /* live rows: the group's heads */
-    const int k0 = split * a.chunk;
-    const int k1 = min(pos0 + 1, k0 + a.chunk);
+    int k0, k1;
+    at_split_keys(a, split, pos0 + 1, &k0, &k1);
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int2 *wt = a.words ? a.words + (size_t)s * a.max_blocks : nullptr;
@@ -394,12 +395,12 @@ __global__ void __launch_bounds__(FD_WARPS * 32, ROT && HD == 128 ? FD_ROT_MIN_B
             A += so[(size_t)(w * 16 + row) * OST + d] * e;
         }
         const size_t orow = (size_t)qs * a.n_heads + (size_t)kvh * a.G + row;
-        if (a.n_splits == 1) {
+        if (at_direct(a)) {
             const float v = A / L;
             a.out[orow * HD + d] = v;
             if (a.outh) a.outh[orow * HD + d] = __float2bfloat16(v);
         } else {
-            float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+            float *pp = a.part + (at_part_row(a, tile, kvh * a.G + row, orow) * a.n_splits + split) * (size_t)(HD + 2);
             pp[d] = A;
             if (d == 0) {
                 pp[HD] = M;

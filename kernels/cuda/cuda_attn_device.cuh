@@ -60,7 +60,45 @@ struct at_args {
     CUtensorMap tm_k, tm_v;
     long long kv_rows;            /* host side: rows of hd elements in each of kc, vc (the maps' extent) */
     int trig;                     /* kvs_cu_pdl_early(): k_attn_fd calls grid_dep_launch after its wait */
+    /* the batch-invariant split plan (at_split_keys below; decode launches only): 0, or the
+     * fewest keys of a split and the most splits of a row; tile0: the first tile of this launch
+     * (that plan launches the decode tiles in groups that fit the workspace) */
+    int bi_keys, bi_splits, tile0;
 };
+
+/* Batch-invariant split plan (kvs_cu_attn.batch_invariant): a row whose keys end at `end` (its
+ * context) is cut from key 0 into splits of at_bi_chunk(end) keys, at most max_splits of them, so
+ * where its splits start, the order in which each walks its keys and the merge of its partials
+ * (k_attn_merge_bi, in split order, also for a single split) depend on its own context alone:
+ * not on the other rows of the launch, the graph bucket's capacity (what a recorded launch is
+ * planned for), the workspace or the SM count, which is what the automatic plan reads. Computed
+ * on the device from the row's position, so a recorded graph replays it as the context grows. */
+__host__ __device__ __forceinline__ int at_bi_chunk(int end, int keys, int max_splits)
+{
+    const int units = (end + keys - 1) / keys;
+    return (units + max_splits - 1) / max_splits * keys;
+}
+
+/* keys [k0, k1) of split `split` of a tile whose visible keys end at `end`: the launch's chunk,
+ * or the batch-invariant plan's */
+static __device__ __forceinline__ void at_split_keys(const at_args &a, int split, int end, int *k0, int *k1)
+{
+    const int chunk = a.bi_keys > 0 ? at_bi_chunk(end, a.bi_keys, a.bi_splits) : a.chunk;
+    *k0 = split * chunk;
+    *k1 = min(end, *k0 + chunk);
+}
+
+/* whether a block writes its rows' final output (one split, automatic plan) rather than a
+ * partial that a merge kernel combines */
+static __device__ __forceinline__ bool at_direct(const at_args &a) { return a.n_splits == 1 && a.bi_keys == 0; }
+
+/* the partial's row for output row orow (head `head` of decode tile `tile`): orow itself, or
+ * under the batch-invariant plan the row within this launch's group of tiles (one row a decode
+ * tile), so the workspace holds a group, not the step */
+static __device__ __forceinline__ size_t at_part_row(const at_args &a, int tile, int head, size_t orow)
+{
+    return a.bi_keys > 0 ? (size_t)(tile - a.tile0) * a.n_heads + head : orow;
+}
 
 static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, int src_bytes)
 {

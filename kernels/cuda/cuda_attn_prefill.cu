@@ -34,14 +34,15 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
     int *soff = (int *)(rtab + (ROT ? HD : 0)); /* [ST][AT_TILE] per key: rotation offset or KEY_PAD */
 
     int s, r0;
-    if (!find_tile(a, blockIdx.x, &s, &r0)) return;
+    const int tile = a.tile0 + blockIdx.x;
+    if (!find_tile(a, tile, &s, &r0)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int kvh = blockIdx.y, split = blockIdx.z;
     const int qs = a.q_start[s], ntok = min(a.qt, a.q_start[s + 1] - qs - r0);
     const int pos0 = a.pos[s] + r0;
     const int nr = ntok * a.G;
-    const int k0 = split * a.chunk;
-    const int k1 = min(pos0 + ntok, k0 + a.chunk);
+    int k0, k1;
+    at_split_keys(a, split, pos0 + ntok, &k0, &k1);
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
             if (row >= nr) continue;
             const size_t tq = (size_t)qs + r0 + row / a.G;
             const size_t orow = tq * a.n_heads + (size_t)kvh * a.G + row % a.G;
-            if (a.n_splits == 1) {
+            if (at_direct(a)) {
                 float *op = a.out + orow * HD + 2 * t;
                 bf16 *oh = a.outh ? a.outh + orow * HD + 2 * t : nullptr;
 #pragma unroll
@@ -166,7 +167,8 @@ __global__ void __launch_bounds__(NW * 32) k_attn_tc(at_args a)
                     if (oh) *(__nv_bfloat162 *)(oh + nd * 8) = __floats2bfloat162_rn(v0, v1);
                 }
             } else {
-                float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+                float *pp = a.part + (at_part_row(a, tile, kvh * a.G + row % a.G, orow) * a.n_splits + split) *
+                                         (size_t)(HD + 2);
 #pragma unroll
                 for (int nd = 0; nd < HD / 8; nd++) {
                     pp[nd * 8 + 2 * t] = o[mt][nd][2 * h];

@@ -134,6 +134,9 @@ static struct kvs_backend *cu_create_device(int device, int n_threads, char *err
         const char *e = getenv("KVS_CUDA_ATTN_SPLITS");
         b->attn_splits = e && atoi(e) > 0 ? atoi(e) : 0;
         b->dec_attn = -1; /* KVS_CUDA_DEC_ATTN is read by cuda_attn_decode.cu itself */
+        e = getenv("KVS_CUDA_BATCH_INVARIANT");
+        b->bi_env = e != NULL;
+        b->batch_invariant = e && atoi(e) > 0;
         e = getenv("KVS_CUDA_SKINNY_MAX");
         b->skinny_max = b->skinny_default = e ? atoi(e) : SKINNY_MAX_DEFAULT;
         b->gemm_default = KVS_CUDA_GEMM_TUNED;
@@ -515,6 +518,7 @@ extern "C" const struct kvs_backend_ops kvs_cuda_backend = {
     kvs_cu_op_ids_to_tokens,
     cu_fetch_begin,
     cu_fetch_end,
+    kvs_cuda_set_batch_invariant,
 };
 
 /* ---- extras (cuda_backend.h) -------------------------------------------------------------- */
@@ -610,6 +614,13 @@ extern "C" void kvs_cuda_device_desc(struct kvs_backend *b, char *out, size_t ou
 extern "C" void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits)
 {
     b->attn_splits = n_splits > 0 ? n_splits : 0;
+}
+
+extern "C" void kvs_cuda_set_batch_invariant(struct kvs_backend *b, int on)
+{
+    if (b->bi_env) return; /* KVS_CUDA_BATCH_INVARIANT wins (the GEMM bit already follows it) */
+    b->batch_invariant = on > 0;
+    kvs_cu_skinny_set_invariant(on > 0 ? 1 : -1);
 }
 
 extern "C" void kvs_cuda_set_dec_attn(struct kvs_backend *b, int kind)

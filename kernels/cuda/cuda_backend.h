@@ -47,6 +47,15 @@ double kvs_cuda_copy_bandwidth(struct kvs_backend *b, size_t bytes);
  * the automatic choice. */
 void kvs_cuda_set_attn_splits(struct kvs_backend *b, int n_splits);
 
+/* Batch-invariant numerics (config key batch_invariant; the backend op set_batch_invariant):
+ * on > 0: the decode attention plans its splits from each row's own context
+ * (cuda_attn_device.cuh at_split_keys) and the decode GEMM takes variant bit 512 (process-wide,
+ * cuda_skinny.h), so a decode row's bits do not depend on the batch, the other rows' contexts or
+ * a recorded graph's capacity; 0: back to the default plan (and the GEMM variant without the bit).
+ * Ignored where KVS_CUDA_BATCH_INVARIANT is set (the environment overrides the config). Later
+ * launches and graph recordings take it. */
+void kvs_cuda_set_batch_invariant(struct kvs_backend *b, int on);
+
 /* Forces the decode attention kernel (tests, benchmark comparisons): 0 CUDA cores, 2 / 3 tensor
  * cores with one warp a block and 2 / 3 K/V tiles in flight, 4 the FlashAttention-2-style 4-warp
  * kernel, its KV staged by the copy engine (TMA) where it can (blocks of a multiple of 16

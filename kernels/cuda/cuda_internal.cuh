@@ -184,6 +184,9 @@ struct kvs_backend {
                                    * compute 9.x devices; dg.ws NULL elsewhere: that kernel is not used) */
     int attn_splits;              /* context splits forced on the attention (benchmark comparisons,
                                    * KVS_CUDA_ATTN_SPLITS); 0 = automatic (cuda_attention.cu) */
+    int batch_invariant;          /* the decode attention's batch-invariant split plan (and, process-
+                                   * wide, the decode GEMM's bit 512): kvs_cuda_set_batch_invariant */
+    int bi_env;                   /* KVS_CUDA_BATCH_INVARIANT was set: it overrides the config */
     int dec_attn;                 /* decode attention kernel forced (kvs_cuda_set_dec_attn); -1 =
                                    * KVS_CUDA_DEC_ATTN or automatic (cuda_attn_decode.cu) */
     struct kvs_dbuf *bufs;        /* live buffers and weights, released by cu_free */

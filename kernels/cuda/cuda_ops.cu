@@ -513,6 +513,7 @@ void kvs_cu_op_attention(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     a.bs = block_size;
     a.plan_ctx = m->plan_ctx;
     a.skip_lead = m->skip_lead;
+    a.batch_invariant = b->batch_invariant;
     a.scale = scale;
     a.out = (float *)out->d;
     /* the o projection reads the bf16 copy, which the attention writes as it goes */

@@ -355,21 +355,33 @@ void kvs_cu_set_pdl_early(int on)
 {
     pdl_early = on < 0 ? -1 : on & 7;
 }
-static int sk_variant = -1;
+static int sk_variant = -1; /* kvs_cu_skinny_set_variant's, taken as it is; -1: none */
+static int sk_base = -1;    /* KVS_CUDA_SKINNY_VARIANT or the default */
+static int sk_bi = -1;      /* kvs_cu_skinny_set_invariant's bit 512; -1: KVS_CUDA_BATCH_INVARIANT's */
 
 static int kvs_cu_skinny_variant()
 {
-    if (sk_variant < 0) {
-        const char *e = getenv("KVS_CUDA_SKINNY_VARIANT"), *bi = getenv("KVS_CUDA_BATCH_INVARIANT");
-        sk_variant = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
-        if (bi && atoi(bi) > 0) sk_variant |= 512;
+    if (sk_variant >= 0) return sk_variant;
+    if (sk_base < 0) {
+        const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
+        sk_base = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
     }
-    return sk_variant;
+    int bi = sk_bi;
+    if (bi < 0) {
+        const char *e = getenv("KVS_CUDA_BATCH_INVARIANT");
+        bi = e && atoi(e) > 0;
+    }
+    return sk_base | (bi ? 512 : 0);
 }
 
 void kvs_cu_skinny_set_variant(int v)
 {
     sk_variant = v < 0 ? -1 : v & 16383;
+}
+
+void kvs_cu_skinny_set_invariant(int on)
+{
+    sk_bi = on < 0 ? -1 : on > 0;
 }
 
 template <int NT, bool DB>

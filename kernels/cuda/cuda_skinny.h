@@ -80,6 +80,10 @@ int kvs_cu_skinny_takes(int n, int in, const int *out, int n_parts, int swiglu, 
  * KVS_CUDA_BATCH_INVARIANT=1) or the default. Not thread-safe: set it while
  * no other thread launches. */
 void kvs_cu_skinny_set_variant(int v);
+/* Bit 512 on (1) or off (0) for the variant that kvs_cu_skinny_set_variant did not force
+ * (kvs_cuda_set_batch_invariant: the config key batch_invariant); -1: back to
+ * KVS_CUDA_BATCH_INVARIANT. Not thread-safe, as kvs_cu_skinny_set_variant. */
+void kvs_cu_skinny_set_invariant(int on);
 
 /* Enqueues y = x W^T (+ bias) for every part, or the SwiGLU pair, on `stream`; only launches
  * kvs_cu_skinny_takes accepts (others: cudaErrorInvalidValue). */

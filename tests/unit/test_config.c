@@ -57,6 +57,21 @@ int main(void)
           "scheduler.async from a string: %s", err);
     expect_error("{\"scheduler\":{\"async\":1}}", "scheduler.async");
     expect_error("{\"scheduler\":{\"overlap\":\"auto\"}}", "scheduler.overlap");
+    /* batch_invariant: auto (on for kv.decode=retro only), true / false from a JSON bool or --set */
+    CHECK(!strcmp(c.batch_invariant, "auto") && kvs_config_batch_invariant(&c) == 0,
+          "default batch_invariant %s is off for kv.decode=%s", c.batch_invariant, c.kv_decode);
+    CHECK(kvs_config_set(&c, "kv.decode=retro", err, sizeof err) == 0 && kvs_config_batch_invariant(&c) == 1,
+          "batch_invariant auto is on for retro: %s", err);
+    CHECK(kvs_config_load_json(&c, "{\"batch_invariant\":false}", "t", err, sizeof err) == 0 &&
+              kvs_config_batch_invariant(&c) == 0,
+          "batch_invariant false from a JSON bool turns it off for retro: %s", err);
+    CHECK(kvs_config_set(&c, "kv.decode=quest", err, sizeof err) == 0 &&
+              kvs_config_set(&c, "batch_invariant=true", err, sizeof err) == 0 && kvs_config_batch_invariant(&c) == 1,
+          "--set batch_invariant=true: %s", err);
+    CHECK(kvs_config_set(&c, "batch_invariant=auto", err, sizeof err) == 0 &&
+              kvs_config_set(&c, "kv.decode=full", err, sizeof err) == 0 && kvs_config_batch_invariant(&c) == 0,
+          "batch_invariant back to auto: %s", err);
+    expect_error("{\"batch_invariant\":1}", "batch_invariant");
 
     /* --set */
     CHECK(kvs_config_set(&c, "kv.block_size=32", err, sizeof err) == 0, "set: %s", err);

@@ -108,14 +108,15 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
     int *soff = (int *)(rtab + (ROT ? HD : 0));        /* [AT_STAGES][AT_TILE] per key: rotation offset or KEY_PAD */
 
     int s, r0;
-    if (!find_tile(a, blockIdx.x, &s, &r0)) return;
+    const int tile = a.tile0 + blockIdx.x;
+    if (!find_tile(a, tile, &s, &r0)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = blockIdx.y, split = blockIdx.z;
     const int qs = a.q_start[s], ntok = min(a.qt, a.q_start[s + 1] - qs - r0);
     const int pos0 = a.pos[s] + r0;               /* position of the tile's first token */
     const int nr = ntok * a.G;                    /* live rows: row = token * G + head */
-    const int k0 = split * a.chunk;
-    const int k1 = min(pos0 + ntok, k0 + a.chunk); /* keys [k0, k1) are visible to some row */
+    int k0, k1; /* keys [k0, k1) are visible to some row */
+    at_split_keys(a, split, pos0 + ntok, &k0, &k1);
     const int32_t *bt = a.bt + (size_t)s * a.max_blocks;
     const int32_t *vt = a.valid ? a.valid + (size_t)s * a.max_blocks : nullptr;
     const int32_t *rt = ROT ? a.rot + (size_t)s * a.max_blocks : nullptr;
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
         const size_t orow = t * a.n_heads + (size_t)g * a.G + row % a.G;
         const int d0 = lane * DPL;
         if (d0 >= HD) continue;
-        if (a.n_splits == 1) {
+        if (at_direct(a)) {
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
                 const float v = acc[r][i] / lsum;
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(AT_THREADS) k_attn(at_args a)
                 if (a.outh) a.outh[orow * HD + d0 + i] = __float2bfloat16(v);
             }
         } else {
-            float *pp = a.part + (orow * a.n_splits + split) * (size_t)(HD + 2);
+            float *pp = a.part + (at_part_row(a, tile, g * a.G + row % a.G, orow) * a.n_splits + split) * (size_t)(HD + 2);
 #pragma unroll
             for (int i = 0; i < DPL; i++) pp[d0 + i] = acc[r][i];
             if (lane == 0) {
