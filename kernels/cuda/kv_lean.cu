@@ -630,8 +630,11 @@ static long long lean_host_tiles(const int32_t *sp, int ns, int last)
     return (k + AT_TILE - 1) / AT_TILE;
 }
 
-/* a mixed step in two launches (KVS_LEAN_MIXED=0 or kvs_cuda_set_lean_mixed(0): one, as before
- * part 14): read once, then as set */
+/* a mixed step in two launches (KVS_LEAN_MIXED=1 or kvs_cuda_set_lean_mixed(1)); off by default:
+ * on the H100 the 1,000-prompt workload's mixed steps (a 4K prompt beside 1-255 decode rows, K8V4)
+ * took as long or longer in two launches ("part 14": +5.5 ms at 1-63 decode rows, equal within
+ * 1 ms at 64-255), the decode launch's merge walking a grid of every row-head of the step (the
+ * chunk's too, to skip them) for a few decode rows' worth of attention. Read once, then as set */
 static int lean_mixed = -1;
 
 extern "C" void kvs_cuda_set_lean_mixed(int on)
@@ -643,7 +646,7 @@ static bool mixed_on(void)
 {
     if (lean_mixed < 0) {
         const char *e = getenv("KVS_LEAN_MIXED");
-        lean_mixed = !(e && *e && atoi(e) == 0);
+        lean_mixed = e && *e && atoi(e) != 0;
     }
     return lean_mixed != 0;
 }
@@ -751,11 +754,11 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
         if (rows > max_rows) max_rows = rows;
         if (rows > 0 && rows < min_rows) min_rows = rows;
     }
-    /* a mixed step (decode rows beside prompt chunks, in the engine's scheduling order): two
-     * launches over the same metadata, each taking its own sequences (lean_fd_args.sel), so the
-     * decode rows keep the keys-on-M kernels (k_lean_dec) instead of riding in the chunks'
-     * 16-row tiles of the one-warp kernel, one useful row in 16 ("part 12"). Decode-only steps
-     * (the ones the engine captures in graphs) take the single launch as before */
+    /* a mixed step (decode rows beside prompt chunks, in the engine's scheduling order), where
+     * mixed_on(): two launches over the same metadata, each taking its own sequences
+     * (lean_fd_args.sel), so the decode rows keep the keys-on-M kernels (k_lean_dec) instead of
+     * riding in the chunks' tiles of the one-warp kernel (16 / G tokens a tile, "part 12").
+     * Decode-only steps (the ones the engine captures in graphs) take the single launch */
     const int kt_rows = 8 / G;
     if (!sp && G <= 8 && lean_layout == 0 && max_rows > kt_rows && min_rows <= kt_rows &&
         mixed_on()) {
