@@ -403,13 +403,36 @@ __global__ void __launch_bounds__(32, KT ? lean_kt_min_blocks<HD, KB, VB>() : LE
     }
 }
 
+/* the rows a merge takes (a mixed step's launches, run_attn): sel 0 every row; else only the rows
+ * of the sequences that the attention launch of the same selection computed (lean_sel_rows), so
+ * the other launch's rows, whose partials this launch did not write, are left alone */
+struct lean_merge_sel {
+    const int32_t *q_start;
+    int n_seqs, n_heads, sel, sel_rows;
+};
+
+/* whether row-head rh is the merge's (block-uniform: every thread searches the same starts) */
+__device__ __forceinline__ bool lean_merge_mine(const lean_merge_sel &ms, long long rh)
+{
+    if (!ms.sel) return true;
+    const int tok = (int)(rh / ms.n_heads);
+    int lo = 0, hi = ms.n_seqs - 1; /* the last sequence starting at or before tok: it holds tok */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (ms.q_start[mid] <= tok) lo = mid;
+        else hi = mid - 1;
+    }
+    return lean_sel_rows(ms.sel, ms.sel_rows, ms.q_start[lo + 1] - ms.q_start[lo]) > 0;
+}
+
 /* the splits' partials of each (row, head) (block) into out and lse (may be NULL), in split order:
  * the serial form (kvs_cuda_set_lean_merge / KVS_LEAN_MERGE=0): each thread walks the splits three
  * times, one dependent load a step */
-__global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out, float *lse)
+__global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out, float *lse, lean_merge_sel ms)
 {
     grid_dep_wait(); /* cuda_launch.h: launched behind the attention kernel, its partials ready */
     const long long rh = blockIdx.x;
+    if (!lean_merge_mine(ms, rh)) return;
     const float *pp = part + rh * n_splits * (long long)(hd + 2);
     float M = -INFINITY;
     for (int s = 0; s < n_splits; s++) M = fmaxf(M, pp[(long long)s * (hd + 2) + hd]);
@@ -440,12 +463,13 @@ __global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out
  * (ncu), the whole K8V8 attention 83 -> 77 us (bench/RESULTS.md, "part 12"). Shared memory: 2
  * n_splits floats. */
 #define MERGE_ILP 8
-__global__ void k_lean_merge_staged(const float *part, int n_splits, int hd, float *out, float *lse)
+__global__ void k_lean_merge_staged(const float *part, int n_splits, int hd, float *out, float *lse, lean_merge_sel ms)
 {
     extern __shared__ float mg_sh[]; /* [n_splits] maxima, then weights; [n_splits] sums */
     float *mw = mg_sh, *ml = mg_sh + n_splits;
     grid_dep_wait();
     const long long rh = blockIdx.x;
+    if (!lean_merge_mine(ms, rh)) return; /* block-uniform: before the first barrier */
     const long long st = hd + 2;
     const float *pp = part + rh * n_splits * st;
     for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
@@ -606,49 +630,38 @@ static long long lean_host_tiles(const int32_t *sp, int ns, int last)
     return (k + AT_TILE - 1) / AT_TILE;
 }
 
-static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q, const struct kvs_dbuf *pool,
-                     const struct kvs_attn_meta *m, const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads,
-                     int head_dim, int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse)
+/* a mixed step in two launches (KVS_LEAN_MIXED=1 or kvs_cuda_set_lean_mixed(1)); off by default:
+ * on the H100 the 1,000-prompt workload's mixed steps (a 4K prompt beside 1-255 decode rows, K8V4)
+ * took as long or longer in two launches ("part 14": +5.5 ms at 1-63 decode rows, equal within
+ * 1 ms at 64-255), the decode launch's merge walking a grid of every row-head of the step (the
+ * chunk's too, to skip them) for a few decode rows' worth of attention. Read once, then as set */
+static int lean_mixed = -1;
+
+extern "C" void kvs_cuda_set_lean_mixed(int on)
 {
-    if (n <= 0) return;
-    const int G = n_heads / n_kv_heads;
-    if (G < 1 || G > LEAN_MAXG || n_heads % n_kv_heads || (head_dim != 64 && head_dim != 128) || !lean_fmt_built(f))
-        kvs_panic(__FILE__, __LINE__, "lean attention: K%dV%d, group %d x head_dim %d not supported", f.kbits, f.vbits, G,
-                  head_dim);
-    if (m->rot_offsets && !m->inv_freq) kvs_panic(__FILE__, __LINE__, "lean attention: rotation offsets without inv_freq");
-    lean_fd_args a;
-    memset(&a, 0, sizeof a);
-    a.g = make_geom(f, head_dim, block_size, n_kv_heads);
-    if (a.g.page % 16) kvs_panic(__FILE__, __LINE__, "lean attention: block size %d gives pages of %lld bytes, not a multiple of 16",
-                                 block_size, a.g.page);
-    a.q = (const float *)q->d;
-    a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : NULL;
-    a.pool = (const uint8_t *)pool->d;
-    a.out = (float *)out->d;
-    a.lse = lse ? (float *)lse->d : NULL;
-    a.part = b->attn_ws;
-    a.q_start = (const int32_t *)m->q_start->d;
-    a.pos = (const int32_t *)m->pos->d;
-    a.bt = (const int32_t *)m->block_tables->d;
-    a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : NULL;
-    a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : NULL;
-    a.n_spans = sp ? (const int32_t *)sp->n_spans->d : NULL;
-    a.spans = sp ? (const int32_t *)sp->spans->d : NULL;
-    a.n_seqs = m->n_seqs, a.max_blocks = m->max_blocks, a.max_spans = sp ? sp->max_spans : 0;
-    a.n_heads = n_heads, a.G = G, a.scale = scale;
-    /* the layout: keys on M (KT) where every tile fits 8 rows (decode rows and spans of G <= 8),
-     * rows on M where a sequence has more (a prefill chunk shares each K/V tile among 16 rows);
-     * kvs_cuda_set_lean_layout forces either (KT only where G <= 8; layout 3 as 2, then k_lean_dec) */
-    int max_rows = 0;
-    for (int s = 0; s < m->n_seqs; s++)
-        if (m->h_q_start[s + 1] - m->h_q_start[s] > max_rows) max_rows = m->h_q_start[s + 1] - m->h_q_start[s];
-    const bool kt = G <= 8 && (lean_layout >= 2 || (lean_layout == 0 && (sp || max_rows * G <= 8)));
+    lean_mixed = on >= 0 ? on != 0 : -1;
+}
+
+static bool mixed_on(void)
+{
+    if (lean_mixed < 0) {
+        const char *e = getenv("KVS_LEAN_MIXED");
+        lean_mixed = e && *e && atoi(e) != 0;
+    }
+    return lean_mixed != 0;
+}
+
+/* one attention launch (and its merge) over the sequences of selection a.sel (lean_fd_args), in
+ * layout kt (keys on M) or rows on M */
+static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_args a, const struct kvs_attn_meta *m,
+                        const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim, bool kt)
+{
     /* spans: one row a tile; else 16 / G (KT: 8 / G) tokens of a sequence */
-    a.qt = sp ? 1 : (kt ? 8 : 16) / G;
+    a.qt = sp ? 1 : (kt ? 8 : 16) / a.G;
     /* the plan from the host copies: tiles, and the longest walk in key tiles */
     long long n_tiles = 0, w_max = 0;
     for (int s = 0; s < m->n_seqs; s++) {
-        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+        const int rows = lean_sel_rows(a.sel, a.sel_rows, m->h_q_start[s + 1] - m->h_q_start[s]);
         if (rows <= 0) continue;
         if (!sp) {
             n_tiles += (rows + a.qt - 1) / a.qt;
@@ -685,17 +698,79 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
         else lean_launch_hd<128, false>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
     }
     if (dec || a.n_splits > 1) {
+        /* the grid covers every row-head; a selection's merge skips the other launch's rows. Both
+         * launches of a step use the workspace from row 0 with their own split counts: in stream
+         * order, so the second attention kernel starts after the first merge has read it */
+        const lean_merge_sel ms = {a.q_start, a.n_seqs, n_heads, a.sel, a.sel_rows};
         int staged, early;
         merge_cfg(&staged, &early);
         if (staged)
             CUDA_CHECK(kvs_cu_launch(k_lean_merge_staged, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim),
                                      2 * (size_t)a.n_splits * sizeof(float), b->stream, (const float *)a.part, a.n_splits,
-                                     head_dim, a.out, a.lse));
+                                     head_dim, a.out, a.lse, ms));
         else
             CUDA_CHECK(kvs_cu_launch(k_lean_merge, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim), 0, b->stream,
-                                     (const float *)a.part, a.n_splits, head_dim, a.out, a.lse));
+                                     (const float *)a.part, a.n_splits, head_dim, a.out, a.lse, ms));
         CUDA_CHECK(cudaGetLastError());
     }
+}
+
+static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q, const struct kvs_dbuf *pool,
+                     const struct kvs_attn_meta *m, const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads,
+                     int head_dim, int block_size, float scale, struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    if (n <= 0) return;
+    const int G = n_heads / n_kv_heads;
+    if (G < 1 || G > LEAN_MAXG || n_heads % n_kv_heads || (head_dim != 64 && head_dim != 128) || !lean_fmt_built(f))
+        kvs_panic(__FILE__, __LINE__, "lean attention: K%dV%d, group %d x head_dim %d not supported", f.kbits, f.vbits, G,
+                  head_dim);
+    if (m->rot_offsets && !m->inv_freq) kvs_panic(__FILE__, __LINE__, "lean attention: rotation offsets without inv_freq");
+    lean_fd_args a;
+    memset(&a, 0, sizeof a);
+    a.g = make_geom(f, head_dim, block_size, n_kv_heads);
+    if (a.g.page % 16) kvs_panic(__FILE__, __LINE__, "lean attention: block size %d gives pages of %lld bytes, not a multiple of 16",
+                                 block_size, a.g.page);
+    a.q = (const float *)q->d;
+    a.inv_freq = m->inv_freq ? (const float *)m->inv_freq->d : NULL;
+    a.pool = (const uint8_t *)pool->d;
+    a.out = (float *)out->d;
+    a.lse = lse ? (float *)lse->d : NULL;
+    a.part = b->attn_ws;
+    a.q_start = (const int32_t *)m->q_start->d;
+    a.pos = (const int32_t *)m->pos->d;
+    a.bt = (const int32_t *)m->block_tables->d;
+    a.rot = m->rot_offsets ? (const int32_t *)m->rot_offsets->d : NULL;
+    a.valid = m->block_valid ? (const int32_t *)m->block_valid->d : NULL;
+    a.n_spans = sp ? (const int32_t *)sp->n_spans->d : NULL;
+    a.spans = sp ? (const int32_t *)sp->spans->d : NULL;
+    a.n_seqs = m->n_seqs, a.max_blocks = m->max_blocks, a.max_spans = sp ? sp->max_spans : 0;
+    a.n_heads = n_heads, a.G = G, a.scale = scale;
+    /* the layout: keys on M (KT) where every tile fits 8 rows (decode rows and spans of G <= 8),
+     * rows on M where a sequence has more (a prefill chunk shares each K/V tile among 16 rows);
+     * kvs_cuda_set_lean_layout forces either (KT only where G <= 8; layout 3 as 2, then k_lean_dec) */
+    int max_rows = 0, min_rows = INT_MAX;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+        if (rows > max_rows) max_rows = rows;
+        if (rows > 0 && rows < min_rows) min_rows = rows;
+    }
+    /* a mixed step (decode rows beside prompt chunks, in the engine's scheduling order), where
+     * mixed_on(): two launches over the same metadata, each taking its own sequences
+     * (lean_fd_args.sel), so the decode rows keep the keys-on-M kernels (k_lean_dec) instead of
+     * riding in the chunks' tiles of the one-warp kernel (16 / G tokens a tile, "part 12").
+     * Decode-only steps (the ones the engine captures in graphs) take the single launch */
+    const int kt_rows = 8 / G;
+    if (!sp && G <= 8 && lean_layout == 0 && max_rows > kt_rows && min_rows <= kt_rows &&
+        mixed_on()) {
+        a.sel_rows = kt_rows;
+        a.sel = 2;
+        attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, false);
+        a.sel = 1;
+        attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, true);
+        return;
+    }
+    const bool kt = G <= 8 && (lean_layout >= 2 || (lean_layout == 0 && (sp || max_rows * G <= 8)));
+    attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, kt);
 }
 
 static void cu_lean_attention_spans(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q,

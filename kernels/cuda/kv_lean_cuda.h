@@ -23,6 +23,12 @@ void kvs_cuda_set_lean_dec(int compute_warps, int stages, int splits, int combin
  * kernel lets the merge's blocks start while its last blocks run (programmatic launch). A negative
  * value: back to the environment (KVS_LEAN_MERGE=STAGED[,EARLY]) or the default. */
 void kvs_cuda_set_lean_merge(int staged, int early);
+/* A mixed step (decode rows beside prompt chunks, no spans, G <= 8, layout 0), process-wide:
+ * 1 two launches, the decode rows on the keys-on-M kernels and the chunks' rows on rows on M;
+ * 0 (the default: no faster on the H100, kv_lean.cu says why) one launch of the chunks' layout
+ * for every row. A negative value: back to the environment (KVS_LEAN_MIXED=1 turns it on) or
+ * the default. */
+void kvs_cuda_set_lean_mixed(int on);
 #ifdef __cplusplus
 }
 #endif

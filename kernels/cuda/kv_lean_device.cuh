@@ -95,7 +95,17 @@ struct lean_fd_args {
     int qt;                       /* tokens of a sequence per tile (spans: 1) */
     int chunk, n_splits;          /* tiles per split, splits */
     float scale;
+    /* a mixed step's launches (kv_lean.cu run_attn): sel 0 every sequence; 1 only the sequences
+     * of at most sel_rows rows (the decode rows), 2 only those of more (the prompt chunks); the
+     * others have no tiles in the launch (their rows are left to the other launch) */
+    int sel, sel_rows;
 };
+
+/* the rows of sequence s that the launch computes (0: another launch's) */
+__host__ __device__ __forceinline__ int lean_sel_rows(int sel, int sel_rows, int rows)
+{
+    return sel == 0 || (sel == 1) == (rows <= sel_rows) ? rows : 0;
+}
 
 /* the sequence s of query tile `tile` and its first row r0 in it (a tile: qt consecutive rows of
  * one sequence; qt 1: the rows themselves, by a warp-wide search of q_start; else a warp-wide prefix
@@ -104,7 +114,7 @@ struct lean_fd_args {
 __device__ __forceinline__ bool lean_tile_seq(const lean_fd_args &a, int tile, int lane, int *s_out, int *r0_out)
 {
     int s = 0, r0 = 0;
-    if (a.qt == 1) {
+    if (a.qt == 1 && !a.sel) { /* a selection skips sequences: the prefix sum below */
         /* the last sequence starting at or before the tile, 32 starts a load (a binary search
          * would be a chain of dependent loads at every block's start) */
         for (int c = 0; c < a.n_seqs; c += 32) {
@@ -119,7 +129,8 @@ __device__ __forceinline__ bool lean_tile_seq(const lean_fd_args &a, int tile, i
         bool found = false;
         for (int c = 0; c < a.n_seqs && !found; c += 32) {
             const int sc = c + lane;
-            const int cnt = sc < a.n_seqs ? (a.q_start[sc + 1] - a.q_start[sc] + a.qt - 1) / a.qt : 0;
+            const int cnt =
+                sc < a.n_seqs ? (lean_sel_rows(a.sel, a.sel_rows, a.q_start[sc + 1] - a.q_start[sc]) + a.qt - 1) / a.qt : 0;
             int inc = cnt;
             for (int o = 1; o < 32; o <<= 1) {
                 const int v = __shfl_up_sync(FULL, inc, o);
