@@ -120,6 +120,8 @@ static struct kvs_backend *cu_create_device(int device, int n_threads, char *err
         CUDA_CHECK(cudaMalloc((void **)&b->dg.ws, b->dg.floats * sizeof(float)));
         CUDA_CHECK(cudaMalloc((void **)&b->dg.sem, (size_t)b->dg.n_sems * sizeof(unsigned)));
         CUDA_CHECK(cudaMemset(b->dg.sem, 0, (size_t)b->dg.n_sems * sizeof(unsigned)));
+        /* the memset runs on the legacy stream, which b->stream (non-blocking) does not wait for */
+        CUDA_CHECK(cudaDeviceSynchronize());
     }
     CUDA_CHECK(cudaEventCreate(&b->ev0));
     CUDA_CHECK(cudaEventCreate(&b->ev1));

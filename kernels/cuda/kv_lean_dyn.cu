@@ -854,6 +854,10 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     CUDA_CHECK(cudaMemset(D.nlp, 0, S * sizeof(int32_t)));
     CUDA_CHECK(cudaMemset(D.wacc, 0, S * W1 * sizeof(float)));
     CUDA_CHECK(cudaMemset(D.done, 0, sizeof(int)));
+    /* these copies and memsets run on the legacy default stream, which the backend's non-blocking
+     * stream does not wait for (and a pageable cudaMemcpy may return before its DMA lands): without
+     * this wait the first step's page round can read the pool's fresh memory before its state */
+    CUDA_CHECK(cudaDeviceSynchronize());
     free(ring), free(hs);
     *out = x;
     return 0;
@@ -1029,6 +1033,7 @@ extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
     const int e = pm.err;
     pm.err = 0;
     CUDA_CHECK(cudaMemcpy(x->d.pm, &pm, sizeof pm, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize()); /* landed before the stream's next kernel (see create) */
     return e == 1 ? -ENOSPC : -E2BIG;
 }
 
@@ -1089,4 +1094,5 @@ extern "C" void kvs_lean_dyn_cuda_set(struct kvs_lean_dyn_cuda *x, int st, const
                           cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(D.nhp + st, &n_high_pages, sizeof(int32_t), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(D.nlp + st, &n_low_pages, sizeof(int32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize()); /* landed before the stream's next kernel (see create) */
 }
