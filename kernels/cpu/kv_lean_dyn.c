@@ -192,6 +192,44 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
     kvs_lean_dyn_head_step_ext(c, h, pg, q, k, v, pos, scale, NULL, out, scratch, ev);
 }
 
+/* The online softmax of one stored token i for the group's G query heads: logits lg[g * n + i],
+ * value row vp, running maxima mx, sums l and unnormalised outputs acc (the decode step's and the
+ * prefill's rows share it, so both round alike). */
+static void online_add(int G, int hd, const float *lg, int n, int i, const float *vp, float *mx, float *l,
+                       float (*acc)[MAX_HEAD_DIM])
+{
+    for (int g = 0; g < G; g++) {
+        const float s = lg[(size_t)g * n + i];
+        if (s > mx[g]) {
+            const float corr = expf(mx[g] - s);
+            l[g] *= corr;
+            for (int d = 0; d < hd; d++) acc[g][d] *= corr;
+            mx[g] = s;
+        }
+        const float wt = expf(s - mx[g]);
+        l[g] += wt;
+        for (int d = 0; d < hd; d++) acc[g][d] += wt * vp[d];
+    }
+}
+
+/* The row's outputs from online_add's state; with ext (the other part's lse, -inf or NULL for none,
+ * its output already in out) the two are merged with weights exp(. - M) of both sums. */
+static void online_finish(int G, int hd, const float *mx, const float *l, float (*acc)[MAX_HEAD_DIM],
+                          const float *ext, float *out)
+{
+    for (int g = 0; g < G; g++) {
+        const float e = ext ? ext[g] : -INFINITY;
+        if (e > -INFINITY) {
+            const float M = mx[g] > e ? mx[g] : e, a = expf(mx[g] - M), b = expf(e - M), inv = 1.0f / (l[g] * a + b);
+            for (int d = 0; d < hd; d++)
+                out[(size_t)g * hd + d] = (acc[g][d] * a + out[(size_t)g * hd + d] * b) * inv;
+            continue;
+        }
+        const float inv = 1.0f / l[g];
+        for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
+    }
+}
+
 void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dyn_head *h,
                                 const struct kvs_lean_dyn_pages *pg, const float *q, const float *k, const float *v,
                                 int32_t pos, float scale, const float *ext_lse, float *out, float *scratch,
@@ -248,31 +286,9 @@ void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lea
             vp = h->wv + (size_t)ws * hd;
             h->wacc[ws] += sc;
         }
-        for (int g = 0; g < G; g++) {
-            const float s = lg[(size_t)g * n + i];
-            if (s > mx[g]) {
-                const float corr = expf(mx[g] - s);
-                l[g] *= corr;
-                for (int d = 0; d < hd; d++) acc[g][d] *= corr;
-                mx[g] = s;
-            }
-            const float wt = expf(s - mx[g]);
-            l[g] += wt;
-            for (int d = 0; d < hd; d++) acc[g][d] += wt * vp[d];
-        }
+        online_add(G, hd, lg, n, i, vp, mx, l, acc);
     }
-    for (int g = 0; g < G; g++) {
-        const float e = ext_lse ? ext_lse[g] : -INFINITY;
-        if (e > -INFINITY) {
-            /* merge with the other part's (o, lse): weights exp(. - M) of both sums */
-            const float M = mx[g] > e ? mx[g] : e, a = expf(mx[g] - M), b = expf(e - M), inv = 1.0f / (l[g] * a + b);
-            for (int d = 0; d < hd; d++)
-                out[(size_t)g * hd + d] = (acc[g][d] * a + out[(size_t)g * hd + d] * b) * inv;
-            continue;
-        }
-        const float inv = 1.0f / l[g];
-        for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
-    }
+    online_finish(G, hd, mx, l, acc, ext_lse, out);
     kvs_lean_dyn_head_exit(c, h, pg, ev);
 }
 
@@ -384,30 +400,9 @@ void kvs_lean_dyn_head_prefill(const struct kvs_lean_dyn_cfg *c, struct kvs_lean
                                             i < h->n_high ? i : i - h->n_high), hd, NULL, vx);
             else if (i < nprev) vp = h->wv + (size_t)wslot(c, h, i - nhl) * hd;
             else vp = in->v + (size_t)(i - nprev) * in->kv_stride;
-            for (int g = 0; g < G; g++) {
-                const float s = lg[(size_t)g * n + i];
-                if (s > mx[g]) {
-                    const float corr = expf(mx[g] - s);
-                    l[g] *= corr;
-                    for (int d = 0; d < hd; d++) acc[g][d] *= corr;
-                    mx[g] = s;
-                }
-                const float wt = expf(s - mx[g]);
-                l[g] += wt;
-                for (int d = 0; d < hd; d++) acc[g][d] += wt * vp[d];
-            }
+            online_add(G, hd, lg, n, i, vp, mx, l, acc);
         }
-        for (int g = 0; g < G; g++) {
-            const float e = ext ? ext[g] : -INFINITY;
-            if (e > -INFINITY) {
-                const float M = mx[g] > e ? mx[g] : e, a = expf(mx[g] - M), b = expf(e - M), inv = 1.0f / (l[g] * a + b);
-                for (int d = 0; d < hd; d++)
-                    out[(size_t)g * hd + d] = (acc[g][d] * a + out[(size_t)g * hd + d] * b) * inv;
-                continue;
-            }
-            const float inv = 1.0f / l[g];
-            for (int d = 0; d < hd; d++) out[(size_t)g * hd + d] = acc[g][d] * inv;
-        }
+        online_finish(G, hd, mx, l, acc, ext, out);
     }
     /* 2. the scores: each stored token's sum gets the chunk's, once (in row order above) */
     for (int i = 0; i < nhl; i++) {
