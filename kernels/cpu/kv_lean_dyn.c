@@ -192,6 +192,27 @@ void kvs_lean_dyn_head_step(const struct kvs_lean_dyn_cfg *c, struct kvs_lean_dy
     kvs_lean_dyn_head_step_ext(c, h, pg, q, k, v, pos, scale, NULL, out, scratch, ev);
 }
 
+/* The normalized probabilities pr[g * n + i] of a row's logits lg (the scores need them), with the
+ * other part's mass (ext: its lse, -inf or NULL for none) in the normalization, and a fresh
+ * online_add state (mx, l, acc). */
+static void probs_init(int G, int hd, int n, const float *lg, const float *ext, float *pr, float *mx, float *l,
+                       float (*acc)[MAX_HEAD_DIM])
+{
+    for (int g = 0; g < G; g++) {
+        const float *lgg = lg + (size_t)g * n;
+        float *p = pr + (size_t)g * n, m = -INFINITY, sum = 0;
+        for (int i = 0; i < n; i++)
+            if (lgg[i] > m) m = lgg[i];
+        const float e = ext ? ext[g] : -INFINITY;
+        if (e > m) m = e;
+        for (int i = 0; i < n; i++) sum += p[i] = expf(lgg[i] - m);
+        if (e > -INFINITY) sum += expf(e - m);
+        for (int i = 0; i < n; i++) p[i] /= sum;
+        mx[g] = -INFINITY, l[g] = 0.0f;
+        for (int d = 0; d < hd; d++) acc[g][d] = 0.0f;
+    }
+}
+
 /* The online softmax of one stored token i for the group's G query heads: logits lg[g * n + i],
  * value row vp, running maxima mx, sums l and unnormalised outputs acc (the decode step's and the
  * prefill's rows share it, so both round alike). */
@@ -258,20 +279,7 @@ void kvs_lean_dyn_head_step_ext(const struct kvs_lean_dyn_cfg *c, struct kvs_lea
         else kp = h->wk + (size_t)wslot(c, h, i - nhl) * hd;
         for (int g = 0; g < G; g++) lg[(size_t)g * n + i] = dot_f32(q + (size_t)g * hd, kp, hd) * scale;
     }
-    for (int g = 0; g < G; g++) {
-        const float *lgg = lg + (size_t)g * n;
-        float *p = pr + (size_t)g * n, m = -INFINITY, sum = 0;
-        for (int i = 0; i < n; i++)
-            if (lgg[i] > m) m = lgg[i];
-        /* the other part's mass joins the normalization (its -inf changes nothing) */
-        const float e = ext_lse ? ext_lse[g] : -INFINITY;
-        if (e > m) m = e;
-        for (int i = 0; i < n; i++) sum += p[i] = expf(lgg[i] - m);
-        if (e > -INFINITY) sum += expf(e - m);
-        for (int i = 0; i < n; i++) p[i] /= sum;
-        mx[g] = -INFINITY, l[g] = 0.0f;
-        for (int d = 0; d < hd; d++) acc[g][d] = 0.0f;
-    }
+    probs_init(G, hd, n, lg, ext_lse, pr, mx, l, acc);
     for (int i = 0; i < n; i++) {
         const float *vp = vx;
         float sc = pr[i];
@@ -378,19 +386,7 @@ void kvs_lean_dyn_head_prefill(const struct kvs_lean_dyn_cfg *c, struct kvs_lean
             else kp = in->k + (size_t)(i - nprev) * in->kv_stride;
             for (int g = 0; g < G; g++) lg[(size_t)g * n + i] = dot_f32(q + (size_t)g * hd, kp, hd) * scale;
         }
-        for (int g = 0; g < G; g++) {
-            const float *lgg = lg + (size_t)g * n;
-            float *p = pr + (size_t)g * n, m = -INFINITY, sum = 0;
-            for (int i = 0; i < n; i++)
-                if (lgg[i] > m) m = lgg[i];
-            const float e = ext ? ext[g] : -INFINITY;
-            if (e > m) m = e;
-            for (int i = 0; i < n; i++) sum += p[i] = expf(lgg[i] - m);
-            if (e > -INFINITY) sum += expf(e - m);
-            for (int i = 0; i < n; i++) p[i] /= sum;
-            mx[g] = -INFINITY, l[g] = 0.0f;
-            for (int d = 0; d < hd; d++) acc[g][d] = 0.0f;
-        }
+        probs_init(G, hd, n, lg, ext, pr, mx, l, acc);
         for (int i = 0; i < n; i++) {
             const float *vp = vx;
             float sc = pr[i];
