@@ -5,7 +5,13 @@
  * jobs[i] gives a prompt (and optionally one document, cited as a segment when the reuse
  * strategy caches documents); got[] receives up to gen greedy tokens (ignore_eos, so exactly gen
  * unless the request fails), finish how it ended. Returns 0, or the engine's create error
- * (message in err); a request that cannot be submitted, or one silent for 60 s, fails the test. */
+ * (message in err); a request that cannot be submitted, or one silent for 60 s, fails the test.
+ *
+ * kvs_test_engine_run submits every job at once: which requests share a step (and so how a
+ * prompt is cut into chunks) then depends on when the engine thread wakes. A strategy whose
+ * result depends on the chunking (LeanKV's dynamic prefill places the tokens leaving the window
+ * at each chunk's end, docs/STRATEGIES.md section 5) needs kvs_test_engine_run_serial, which
+ * submits job i + 1 only when job i has ended: every prompt is then cut the same way in every run. */
 #ifndef KVS_TEST_KV_ENGINE_RUN_H
 #define KVS_TEST_KV_ENGINE_RUN_H
 
@@ -28,8 +34,26 @@ struct kvs_test_job {
 
 #define KVS_TEST_MAX_JOBS 16
 
-static int kvs_test_engine_run(const struct kvs_config *cfg, const struct kvs_model *model, struct kvs_test_job *jobs,
-                               int n, int gen, struct kvs_engine_stats *st, char *err, size_t errlen)
+/* waits for job i's events until it ends, then drops the reference */
+static void kvs_test_engine_collect(struct kvs_request *r, struct kvs_test_job *job, int gen)
+{
+    struct kvs_event ev[16];
+    while (job->finish == KVS_FINISH_NONE) {
+        int k = kvs_request_wait(r, ev, 16, 60.0);
+        REQUIRE(k > 0, "no event for 60 s");
+        for (int q = 0; q < k; q++) {
+            if (ev[q].type == KVS_EV_TOKEN && job->n_got < gen) job->got[job->n_got++] = ev[q].token;
+            if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
+            if (ev[q].type != KVS_EV_TOKEN) job->finish = ev[q].finish ? ev[q].finish : KVS_FINISH_ERROR;
+            kvs_event_clear(&ev[q]);
+        }
+    }
+    kvs_request_unref(r);
+}
+
+static int kvs_test_engine_run_mode(const struct kvs_config *cfg, const struct kvs_model *model,
+                                    struct kvs_test_job *jobs, int n, int gen, int serial,
+                                    struct kvs_engine_stats *st, char *err, size_t errlen)
 {
     struct kvs_engine *e;
     int rc = kvs_engine_create(cfg, model, NULL, &e, err, errlen);
@@ -50,27 +74,28 @@ static int kvs_test_engine_run(const struct kvs_config *cfg, const struct kvs_mo
         p.ignore_eos = 1;
         r[i] = kvs_request_new(&p, NULL, NULL);
         REQUIRE(r[i], "request_new");
-        REQUIRE(kvs_engine_submit(e, r[i], err, errlen) == 0, "submit: %s", err);
         jobs[i].n_got = 0;
         jobs[i].finish = KVS_FINISH_NONE;
+        REQUIRE(kvs_engine_submit(e, r[i], err, errlen) == 0, "submit: %s", err);
+        if (serial) kvs_test_engine_collect(r[i], &jobs[i], gen);
     }
-    for (int i = 0; i < n; i++) {
-        struct kvs_event ev[16];
-        while (jobs[i].finish == KVS_FINISH_NONE) {
-            int k = kvs_request_wait(r[i], ev, 16, 60.0);
-            REQUIRE(k > 0, "no event for 60 s");
-            for (int q = 0; q < k; q++) {
-                if (ev[q].type == KVS_EV_TOKEN && jobs[i].n_got < gen) jobs[i].got[jobs[i].n_got++] = ev[q].token;
-                if (ev[q].type == KVS_EV_ERROR) fprintf(stderr, "error: %s\n", ev[q].error);
-                if (ev[q].type != KVS_EV_TOKEN) jobs[i].finish = ev[q].finish ? ev[q].finish : KVS_FINISH_ERROR;
-                kvs_event_clear(&ev[q]);
-            }
-        }
-        kvs_request_unref(r[i]);
-    }
+    for (int i = 0; !serial && i < n; i++) kvs_test_engine_collect(r[i], &jobs[i], gen);
     kvs_engine_stats(e, st);
     kvs_engine_free(e);
     return 0;
+}
+
+static int kvs_test_engine_run(const struct kvs_config *cfg, const struct kvs_model *model, struct kvs_test_job *jobs,
+                               int n, int gen, struct kvs_engine_stats *st, char *err, size_t errlen)
+{
+    return kvs_test_engine_run_mode(cfg, model, jobs, n, gen, 0, st, err, errlen);
+}
+
+static inline int kvs_test_engine_run_serial(const struct kvs_config *cfg, const struct kvs_model *model,
+                                             struct kvs_test_job *jobs, int n, int gen,
+                                             struct kvs_engine_stats *st, char *err, size_t errlen)
+{
+    return kvs_test_engine_run_mode(cfg, model, jobs, n, gen, 1, st, err, errlen);
 }
 
 /* The strategies' cancellation stress: n greedy requests of gen tokens on an engine the caller
