@@ -161,10 +161,13 @@ static const struct key_def KEYS[] = {
     {"kv.lean.low", T_ENUM, F(lean_low), 0, 0, "K4V2", "K16V16|K8V8|K8V4|K4V4|K4V2", NULL, "LeanKV dynamic: the low tier's format"},
     {"kv.lean.window", T_INT, F(lean_window), 1, 1048576, "64", NULL, NULL,
      "LeanKV dynamic: recent tokens kept at full precision before their tier is chosen"},
-    {"kv.lean.alpha_h", T_DOUBLE, F(lean_alpha_h), 0, 100, "1", NULL, NULL,
-     "LeanKV dynamic: a token is high when its score >= alpha_h / N"},
-    {"kv.lean.alpha_l", T_DOUBLE, F(lean_alpha_l), 0, 100, "0.02", NULL, NULL,
-     "LeanKV dynamic: a token is low when its score >= alpha_l / N, else pruned"},
+    /* the defaults: calibrated on the models kvserve ships and tests (SmolLM2, the demo and the
+     * long-context fidelity models: docs/STRATEGIES.md section 5 Defaults); the paper's Llama-3 8B
+     * setting is 1 / 0.02 */
+    {"kv.lean.alpha_h", T_DOUBLE, F(lean_alpha_h), 0, 100, "5", NULL, NULL,
+     "LeanKV dynamic: a token is high when its score >= alpha_h / N (N: the context; a prompt token's own position at prefill)"},
+    {"kv.lean.alpha_l", T_DOUBLE, F(lean_alpha_l), 0, 100, "0", NULL, NULL,
+     "LeanKV dynamic: a token is low when its score >= alpha_l / N, else pruned (0: nothing pruned)"},
 
     {"documents.dir", T_STRING, F(documents_dir), 0, 0, "", NULL, NULL,
      "directory where posted documents persist across restarts (empty: memory only)"},
