@@ -364,7 +364,7 @@ static int kvs_cu_skinny_variant()
     if (sk_variant >= 0) return sk_variant;
     if (sk_base < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_base = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_base = e ? atoi(e) & 65535 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     int bi = sk_bi;
     if (bi < 0) {
@@ -376,7 +376,7 @@ static int kvs_cu_skinny_variant()
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 16383;
+    sk_variant = v < 0 ? -1 : v & 65535;
 }
 
 void kvs_cu_skinny_set_invariant(int on)
@@ -525,9 +525,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         return cudaSuccess;
     }
     case SK_DGEMM_N2: {
-        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X) */
+        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X); bits
+         * 16384 / 32768: x shared by clusters of 4 / 2 blocks (k_dgemm_n3; 16384 / 8192 in rows) */
         const int rows = kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0);
-        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0), stream);
+        const int cl = (v & 16384) ? 16384 : (v & 32768) ? 8192 : 0;
+        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0) | cl, stream);
     }
     case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     case SK_SKINNY: break;
