@@ -1,5 +1,7 @@
 /* cuda_dgemm128.cu: k_dgemm_n2, the decode GEMM's Hopper kernel for 65 to 128 token rows
- * (cuda_skinny.h, kvs_cu_dgemm_n2; variant bits 1024 / 2048 / 4096 of cuda_skinny.cu).
+ * (cuda_skinny.h, kvs_cu_dgemm_n2; variant bits 1024 / 2048 / 4096 of cuda_skinny.cu), and
+ * k_dgemm_n3 (below: the same with x shared by a thread-block cluster; bits 16384 / 32768).
+ * Neither is in the default variant (measurements: bench/RESULTS.md, dec9 and dec10).
  *
  * Why: at 65-128 rows the decode GEMMs went to cuBLAS (k_dgemm_n takes at most 64 tokens, the
  * wgmma's M; two launches of 64 read every weight twice), and cuBLAS reads q/k/v there at ~1,725
