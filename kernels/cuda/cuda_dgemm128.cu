@@ -1,5 +1,7 @@
 /* cuda_dgemm128.cu: k_dgemm_n2, the decode GEMM's Hopper kernel for 65 to 128 token rows
- * (cuda_skinny.h, kvs_cu_dgemm_n2; variant bits 1024 / 2048 / 4096 of cuda_skinny.cu).
+ * (cuda_skinny.h, kvs_cu_dgemm_n2; variant bits 1024 / 2048 / 4096 of cuda_skinny.cu), and
+ * k_dgemm_n3 (below: the same with x shared by a thread-block cluster; bits 16384 / 32768).
+ * Neither is in the default variant (measurements: bench/RESULTS.md, dec9 and dec10).
  *
  * Why: at 65-128 rows the decode GEMMs went to cuBLAS (k_dgemm_n takes at most 64 tokens, the
  * wgmma's M; two launches of 64 read every weight twice), and cuBLAS reads q/k/v there at ~1,725
@@ -27,6 +29,8 @@
  * here (cuda_skinny.cu). Built for sm_90a only; other devices never take it
  * (kvs_cu_dgemm_n2_rows needs the wgmma kernels' SM count, which the backend gives only there).
  */
+#include <cuda.h> /* CUtensorMap (types only: the encoder is reached through the runtime) */
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -43,8 +47,11 @@ typedef __nv_bfloat16 bf16;
 #define D2_TOK 128        /* token rows a block: two warpgroups of the wgmma's M = 64 */
 #define D2_THREADS 256
 #define D2_SMEM_BUDGET (210 * 1024)
-/* a flag in kvs_cu_dgemm_n2's rows (cuda_skinny.h): the deeper x ring (d2_cfg's DX) */
+/* flags in kvs_cu_dgemm_n2's rows (cuda_skinny.h): the deeper x ring (d2_cfg's DX); x shared by
+ * clusters of 2 / 4 blocks (k_dgemm_n3, below) */
 #define KVS_DGEMM_N2_DEEP_X 4096
+#define KVS_DGEMM_N2_CL2 8192
+#define KVS_DGEMM_N2_CL4 16384
 
 struct d2_params {
     const bf16 *x;
@@ -275,6 +282,424 @@ static cudaError_t d2_launch(const d2_params &p, int tiles, cudaStream_t stream)
                          stream, p);
 }
 
+/* ---- k_dgemm_n3: k_dgemm_n2 with x shared by a cluster (variant bits 16384 / 32768) ----------
+ *
+ * Why: k_dgemm_n2 waits on x (ncu, bench/RESULTS.md dec9): with 32-48 weight rows a block, every
+ * block reads all 128 tokens' x from L2, 2.7-4 times its weight bytes. Here C = 2 or 4 blocks with
+ * neighbouring weight tiles form a cluster and share x: each block fetches 128 / C rows of every x
+ * atom with the copy engine (cp.async.bulk.tensor, 128-byte swizzle: the layout the wgmma reads)
+ * and multicasts them into the same slot of every block of the cluster, so x's L2 reads drop by C.
+ * The weights come by the copy engine too (a box of the tile's N rows a K atom; SwiGLU: N / 2 gate
+ * rows and the same up rows), with an evict-first L2 hint (x should stay in L2; the weights are
+ * read once). Rows past n (x) and past a part's end (weights) are filled with zeros by the copy
+ * engine, and never stored.
+ *
+ * Block: warps 0-7 are two consumer warpgroups (warpgroup w multiplies tokens 64 w .. 64 w + 63 by
+ * the tile, as k_dgemm_n2), warp 8's lane 0 the producer. Rings: PX atoms of x, PW of weights,
+ * each slot with a "full" mbarrier (the producer's expected bytes, then the copies' completion)
+ * and an "empty" one. A weight slot is free when the block's 8 consumer warps have arrived; an x
+ * slot only when the 8 warps of every block of the cluster have (each warp arrives on that slot's
+ * barrier in every block: a peer's multicast writes into this block's slot too). Consumers keep one
+ * atom's wgmma in flight (wait_group 1) and free atom at - 1's slots once it has completed.
+ * The cluster's barrier follows the mbarriers' initialisation (a peer's copy or arrival may come
+ * first otherwise) and precedes the exit (a peer may still arrive on this block's barriers).
+ *
+ * A row's sum runs over the K atoms in order, k16 steps within each: k_dgemm_n2's order, and for
+ * the same N the same bits. N (and C) is a function of the launch's shapes, not of n: a row's bits
+ * do not depend on n. Batch-invariant mode (bit 512) never routes here. */
+#define D3_THREADS 288 /* two consumer warpgroups + the producer warp */
+#define D3_SMEM_BUDGET (220 * 1024)
+
+struct d3_params {
+    CUtensorMap tx;                        /* x [n][in]: boxes of 64 columns x 128 / C rows */
+    CUtensorMap tw[KVS_SKINNY_MAX_PARTS];  /* weights [out][in]: boxes of 64 x N (SwiGLU: gate, up, 64 x N / 2) */
+    int n, atoms, n_parts;
+    int tiles[KVS_SKINNY_MAX_PARTS];
+    const float *bias[KVS_SKINNY_MAX_PARTS];
+    int out[KVS_SKINNY_MAX_PARTS];
+    float *y[KVS_SKINNY_MAX_PARTS];
+    bf16 *yh;
+    int trig;
+};
+
+template <int N> struct d3_cfg {
+    static constexpr int X_BYTES = D2_TOK * D2_KA * 2;
+    static constexpr int W_BYTES = N * D2_KA * 2;
+    static constexpr int PX = N >= 128 ? 4 : 6;
+    static constexpr int PW0 = (D3_SMEM_BUDGET - PX * X_BYTES) / W_BYTES;
+    static constexpr int PW = PW0 > 32 ? 32 : PW0;
+    static constexpr int BAR_BYTES = 16 * (PX + PW);
+    static constexpr int SMEM = PX * X_BYTES + PW * W_BYTES + BAR_BYTES + 1024;
+    static_assert(PW >= 2, "two weight atoms in flight at least");
+    static_assert(SMEM <= 232448, "227 KB of shared memory a block (sm_90)");
+    static_assert(W_BYTES % 1024 == 0 && (N / 2 * 128) % 1024 == 0, "slots on the swizzle's 1024-byte period");
+};
+
+__device__ __forceinline__ void d3_mbar_init(uint32_t mb, unsigned count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(mb), "r"(count) : "memory");
+}
+__device__ __forceinline__ void d3_mbar_wait(uint32_t mb, unsigned parity)
+{
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(mb), "r"(parity)
+                     : "memory");
+}
+__device__ __forceinline__ void d3_expect(uint32_t mb, unsigned bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(mb), "r"(bytes) : "memory");
+}
+/* arrival on the barrier at this block's shared address mb in cluster block `rank` (itself too).
+ * The default semantics (release at CTA scope), not .release.cluster: what it orders is the
+ * wgmma's reads of the slot, complete once wgmma.wait_group has returned; the cluster-scope
+ * release made every arrival a fence, and the first build with it ran ~2.4 us an atom whatever
+ * the tile (bench/RESULTS.md, dec10) */
+__device__ __forceinline__ void d3_arrive_at(uint32_t mb, unsigned rank)
+{
+    uint32_t ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(ra) : "r"(mb), "r"(rank));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(ra) : "memory");
+}
+__device__ __forceinline__ void d3_cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ unsigned d3_rank()
+{
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+template <int N, bool SW, int C>
+__global__ void __launch_bounds__(D3_THREADS, 1) k_dgemm_n3(const __grid_constant__ d3_params p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using G = d3_cfg<N>;
+    constexpr int XR = D2_TOK / C; /* x rows this block fetches for the cluster */
+    extern __shared__ uint8_t d3_smem_raw[];
+    /* the same offset in every block (one kernel, one layout): multicast and remote arrivals
+     * address a peer's slots and barriers by this block's offsets */
+    const uint32_t smem0 = ((uint32_t)__cvta_generic_to_shared(d3_smem_raw) + 1023u) & ~1023u;
+    const uint32_t xring = smem0, wring = smem0 + (uint32_t)(G::PX * G::X_BYTES);
+    const uint32_t bars = wring + (uint32_t)(G::PW * G::W_BYTES);
+    const uint32_t xfull = bars, xempty = bars + 8 * G::PX, wfull = bars + 16 * G::PX, wempty = wfull + 8 * G::PW;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned rank = d3_rank();
+    const int na = p.atoms;
+
+    int tile = blockIdx.x, part = 0;
+    if (!SW)
+        while (part + 1 < p.n_parts && tile >= p.tiles[part]) tile -= p.tiles[part++];
+    const int r0 = tile * (SW ? N / 2 : N), out = p.out[part];
+
+    if (tid == 0) {
+        for (int i = 0; i < G::PX; i++) {
+            d3_mbar_init(xfull + 8 * i, 1);
+            d3_mbar_init(xempty + 8 * i, 8 * C);
+        }
+        for (int i = 0; i < G::PW; i++) {
+            d3_mbar_init(wfull + 8 * i, 1);
+            d3_mbar_init(wempty + 8 * i, 8);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    d3_cluster_sync();
+
+    if (warp == 8) {
+        /* the producer: weights PW atoms ahead (the first ones before the grid dependency wait:
+         * they never depend on the previous kernel), x PX atoms ahead */
+        if (lane == 0) {
+            uint64_t pol;
+            asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+            auto issue_w = [&](int at) {
+                const uint32_t dst = wring + (uint32_t)((at % G::PW) * G::W_BYTES), mb = wfull + 8 * (at % G::PW);
+                d3_expect(mb, G::W_BYTES);
+#pragma unroll
+                for (int h = 0; h < (SW ? 2 : 1); h++)
+                    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+                                 " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst + (uint32_t)(h * (N / 2) * 128)),
+                                 "l"((uint64_t)&p.tw[SW ? h : part]), "r"(at * D2_KA), "r"(r0), "r"(mb), "l"(pol)
+                                 : "memory");
+            };
+            auto issue_x = [&](int at) {
+                const uint32_t slot = xring + (uint32_t)((at % G::PX) * G::X_BYTES), mb = xfull + 8 * (at % G::PX);
+                d3_expect(mb, G::X_BYTES); /* every block's slices land on this barrier */
+                asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                             " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(slot + rank * (uint32_t)(XR * 128)),
+                             "l"((uint64_t)&p.tx), "r"(at * D2_KA), "r"((int)rank * XR), "r"(mb),
+                             "h"((unsigned short)((1u << C) - 1))
+                             : "memory");
+            };
+            for (int at = 0; at < G::PW && at < na; at++) issue_w(at);
+            grid_dep_wait(); /* cuda_launch.h: x is ready */
+            grid_dep_launch(p.trig);
+            for (int at = 0; at < G::PX && at < na; at++) issue_x(at);
+            for (int c = 0; c < na; c++) {
+                /* atom c consumed (x: by the whole cluster): its slots take atoms c + PX / c + PW */
+                if (c + G::PX < na) {
+                    d3_mbar_wait(xempty + 8 * (c % G::PX), (unsigned)(c / G::PX) & 1u);
+                    issue_x(c + G::PX);
+                }
+                if (c + G::PW < na) {
+                    d3_mbar_wait(wempty + 8 * (c % G::PW), (unsigned)(c / G::PW) & 1u);
+                    issue_w(c + G::PW);
+                }
+            }
+        } else {
+            grid_dep_wait();
+            grid_dep_launch(p.trig);
+        }
+        __syncwarp();
+    } else {
+        const int wg = warp >> 2, wq = warp & 3, g = lane >> 2, q = lane & 3;
+        grid_dep_wait(); /* the outputs are free */
+        grid_dep_launch(p.trig);
+        float acc[N / 2];
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
+        for (int at = 0; at < na; at++) {
+            d3_mbar_wait(xfull + 8 * (at % G::PX), (unsigned)(at / G::PX) & 1u);
+            d3_mbar_wait(wfull + 8 * (at % G::PW), (unsigned)(at / G::PW) & 1u);
+            const uint64_t da = dg_desc(xring + (uint32_t)((at % G::PX) * G::X_BYTES + wg * 64 * 128));
+            const uint64_t db = dg_desc(wring + (uint32_t)((at % G::PW) * G::W_BYTES));
+            dg_fence();
+#pragma unroll
+            for (int k = 0; k < D2_KA / 16; k++) d2_mma<N>(acc, da + 2 * k, db + 2 * k);
+            dg_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* atom at - 1's products are done */
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
+            if (at > 0) {
+                __syncwarp();
+                if (lane == 0) {
+                    const int pa = at - 1;
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(wempty + 8 * (pa % G::PW)) : "memory");
+#pragma unroll
+                    for (int r = 0; r < C; r++) d3_arrive_at(xempty + 8 * (pa % G::PX), (unsigned)r);
+                }
+            }
+        }
+        dg_wait0();
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
+
+        /* acc[4 b + 2 h + j]: token t = 64 wg + 16 wq + g + 8 h, tile row 8 b + 2 q + j (as k_dgemm_n2) */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = 64 * wg + 16 * wq + g + 8 * h;
+            if (t >= p.n) continue;
+            if (SW) {
+#pragma unroll
+                for (int b = 0; b < N / 16; b++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int f = r0 + 8 * b + 2 * q + j;
+                        if (f >= out) continue;
+                        const float a = acc[4 * b + 2 * h + j], u = acc[4 * (b + N / 16) + 2 * h + j];
+                        const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
+                        p.y[0][(size_t)t * out + f] = v;
+                        if (p.yh) p.yh[(size_t)t * out + f] = __float2bfloat16(v);
+                    }
+            } else {
+                const float *bias = p.bias[part];
+                float *y = p.y[part] + (size_t)t * out;
+#pragma unroll
+                for (int b = 0; b < N / 8; b++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const int r = r0 + 8 * b + 2 * q + j;
+                        if (r >= out) continue;
+                        const float a = acc[4 * b + 2 * h + j];
+                        y[r] = bias ? a + bias[r] : a;
+                    }
+            }
+        }
+    }
+    d3_cluster_sync(); /* no block leaves while a peer may still arrive on its barriers */
+#else
+    __trap();
+#endif
+}
+
+/* cuTensorMapEncodeTiled, reached through the runtime (no link against the driver library); NULL
+ * where the driver has none (k_dgemm_n2 then runs instead) */
+static PFN_cuTensorMapEncodeTiled_v12000 d3_encoder(void)
+{
+    static int done = 0;
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    if (!done) {
+        done = 1;
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+        else
+            (void)cudaGetLastError();
+    }
+    return fn;
+}
+
+/* the map of a bf16 matrix [rows][cols] (row-major) in boxes of 64 columns x box_rows rows,
+ * 128-byte swizzle, out-of-bounds elements read as zero. Encoded maps are remembered per thread by
+ * (address, shape, box): a map holds nothing else, so an entry stays right even after its buffer
+ * is freed and another takes the address. Encoding costs ~1 us of host time, 2-4 a launch:
+ * recorded graphs pay it at capture only, eager launches (benchmarks) hit the cache. */
+#define D3_MAP_CACHE 256
+static bool d3_map(const bf16 *base, int rows, int cols, int box_rows, CUtensorMap *out)
+{
+    struct ent {
+        const void *base;
+        int rows, cols, box;
+        CUtensorMap map;
+    };
+    static thread_local ent cache[D3_MAP_CACHE];
+    static thread_local int n_cached, next;
+    for (int i = 0; i < n_cached; i++)
+        if (cache[i].base == base && cache[i].rows == rows && cache[i].cols == cols && cache[i].box == box_rows) {
+            *out = cache[i].map;
+            return true;
+        }
+    PFN_cuTensorMapEncodeTiled_v12000 enc = d3_encoder();
+    if (!enc) return false;
+    const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+    const cuuint64_t strides[1] = {(cuuint64_t)cols * sizeof(bf16)};
+    const cuuint32_t box[2] = {D2_KA, (cuuint32_t)box_rows}, es[2] = {1, 1};
+    if (enc(out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return false;
+    ent *e = &cache[next];
+    next = (next + 1) % D3_MAP_CACHE;
+    if (n_cached < D3_MAP_CACHE) n_cached++;
+    e->base = base;
+    e->rows = rows;
+    e->cols = cols;
+    e->box = box_rows;
+    e->map = *out;
+    return true;
+}
+
+/* the launch's shared-memory limit raised (once per device) and how many clusters of C blocks can
+ * run at once (0 on failure: the caller falls back to k_dgemm_n2) */
+template <int N, bool SW, int C> static int d3_prepare()
+{
+    static unsigned attr_set = 0;
+    static int max_cl[32];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev >= 32) return 0;
+    if (!(attr_set >> dev & 1u)) {
+        if (cudaFuncSetAttribute(k_dgemm_n3<N, SW, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, d3_cfg<N>::SMEM) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            return 0;
+        }
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(C);
+        cfg.blockDim = dim3(D3_THREADS);
+        cfg.dynamicSmemBytes = (size_t)d3_cfg<N>::SMEM;
+        cudaLaunchAttribute at[1];
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = C;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+        int n = 0;
+        if (cudaOccupancyMaxActiveClusters(&n, k_dgemm_n3<N, SW, C>, &cfg) != cudaSuccess) {
+            (void)cudaGetLastError();
+            n = 0;
+        }
+        max_cl[dev] = n;
+        attr_set |= 1u << dev;
+    }
+    return max_cl[dev];
+}
+
+template <int N, bool SW, int C> static cudaError_t d3_launch(const d3_params &p, int blocks, cudaStream_t stream)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3(D3_THREADS);
+    cfg.dynamicSmemBytes = (size_t)d3_cfg<N>::SMEM;
+    cfg.stream = stream;
+    cudaLaunchAttribute at[2];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = C;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = kvs_cu_pdl_enabled() ? 2 : 1;
+    return cudaLaunchKernelEx(&cfg, k_dgemm_n3<N, SW, C>, p);
+}
+
+/* the tiles of N rows of a launch (SwiGLU: N / 2 gate rows a tile) */
+static int d3_tiles(const struct kvs_cu_skinny *a, int N)
+{
+    if (a->swiglu) return (a->out[0] + N / 2 - 1) / (N / 2);
+    int t = 0;
+    for (int i = 0; i < a->n_parts; i++) t += (a->out[i] + N - 1) / N;
+    return t;
+}
+
+/* the launch's clusters fit one wave at tile rows N and cluster size C */
+template <int N, bool SW, int C> static bool d3_fits(const struct kvs_cu_skinny *a)
+{
+    const int mc = d3_prepare<N, SW, C>();
+    return mc > 0 && (d3_tiles(a, N) + C - 1) / C <= mc;
+}
+
+static unsigned long d3_launches;
+extern "C" unsigned long kvs_cu_dgemm_n3_launches(void)
+{
+    return d3_launches;
+}
+
+/* k_dgemm_n3 at cluster size C for this launch: tile rows by kvs_cu_dgemm_n2_rows's rule (the least
+ * of 32 / 48 / 64 / 96; SwiGLU 128 or 224) with clusters instead of blocks within one wave (the
+ * wide tiles of bit 4096 paid only for x's traffic, which the cluster divides). Returns
+ * cudaErrorNotSupported where no tile size fits (or no tensor maps): the caller runs k_dgemm_n2.
+ * A function of the shapes and the device, not of n. */
+template <int C> static cudaError_t d3_run(const struct kvs_cu_skinny *a, cudaStream_t stream)
+{
+    int N = 0;
+    if (a->swiglu) N = d3_fits<128, true, C>(a) ? 128 : d3_fits<224, true, C>(a) ? 224 : 0;
+    else if (d3_fits<32, false, C>(a)) N = 32;
+    else if (d3_fits<48, false, C>(a)) N = 48;
+    else if (d3_fits<64, false, C>(a)) N = 64;
+    else if (d3_fits<96, false, C>(a)) N = 96;
+    if (!N) return cudaErrorNotSupported;
+    d3_params p = {};
+    p.n = a->n;
+    p.atoms = a->in / D2_KA;
+    p.n_parts = a->n_parts;
+    p.yh = a->yh;
+    p.trig = kvs_cu_pdl_early() & 1;
+    if (!d3_map(a->x, a->n, a->in, D2_TOK / C, &p.tx)) return cudaErrorNotSupported;
+    for (int i = 0; i < a->n_parts; i++) {
+        p.bias[i] = a->bias[i];
+        p.out[i] = a->out[i];
+        p.y[i] = a->y[i];
+        p.tiles[i] = (a->out[i] + N - 1) / N;
+        if (!d3_map(a->w[i], a->out[i], a->in, a->swiglu ? N / 2 : N, &p.tw[i])) return cudaErrorNotSupported;
+    }
+    const int blocks = (d3_tiles(a, N) + C - 1) / C * C; /* blocks past the last tile store nothing */
+    d3_launches++;
+    if (a->swiglu) return N == 128 ? d3_launch<128, true, C>(p, blocks, stream) : d3_launch<224, true, C>(p, blocks, stream);
+    switch (N) {
+    case 32: return d3_launch<32, false, C>(p, blocks, stream);
+    case 48: return d3_launch<48, false, C>(p, blocks, stream);
+    case 64: return d3_launch<64, false, C>(p, blocks, stream);
+    default: return d3_launch<96, false, C>(p, blocks, stream);
+    }
+}
+
 /* launches so far (host side), for tests/gpu/test_cuda_dgemm128.c: a test of this kernel must
  * know the routing sent its launches here, not to cuBLAS, whose results are as close to the CPU's */
 static unsigned long d2_launches;
@@ -285,11 +710,18 @@ extern "C" unsigned long kvs_cu_dgemm_n2_launches(void)
 
 cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream)
 {
-    /* KVS_DGEMM_N2_DEEP_X in rows: the deeper x ring (plain tiles only) */
+    /* KVS_DGEMM_N2_DEEP_X in rows: the deeper x ring (plain tiles only); _CL4 / _CL2: k_dgemm_n3,
+     * x shared by clusters of 4 (else 2, where 4 does not fit one wave) / of 2 blocks */
     const bool dx = (rows & KVS_DGEMM_N2_DEEP_X) != 0;
-    rows &= ~KVS_DGEMM_N2_DEEP_X;
+    const int cl = rows & KVS_DGEMM_N2_CL4 ? 4 : rows & KVS_DGEMM_N2_CL2 ? 2 : 0;
+    rows &= ~(KVS_DGEMM_N2_DEEP_X | KVS_DGEMM_N2_CL2 | KVS_DGEMM_N2_CL4);
     if (a->n <= 64 || a->n > D2_TOK || a->in % D2_KA != 0) return cudaErrorInvalidValue;
     d2_launches++;
+    if (cl) {
+        cudaError_t e = cl == 4 ? d3_run<4>(a, stream) : cudaErrorNotSupported;
+        if (e == cudaErrorNotSupported) e = d3_run<2>(a, stream);
+        if (e != cudaErrorNotSupported) return e;
+    }
     d2_params p = {};
     p.x = a->x;
     p.n = a->n;

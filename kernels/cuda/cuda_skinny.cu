@@ -329,7 +329,14 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv1(sk_params p)
  * 1,720, gate/up + down 1,870-2,170 vs 2,430) and the batch-128 step took 6.7-15% longer (branch
  * dec9, bench/RESULTS.md): with 32-64 weight rows a block, every block re-reads all 128 tokens'
  * x from L2 (2-4 times the weight bytes) and neither DRAM nor L2 was busy (38-70% / 44-79%: ncu),
- * the x ring's latency bound. */
+ * the x ring's latency bound.
+ * Bits 16384 / 32768 (with 1024 / 2048) run k_dgemm_n3 instead of k_dgemm_n2 (cuda_dgemm128.cu:
+ * x shared by clusters of 4 / 2 blocks through the copy engine's multicast, so its L2 reads drop
+ * by the cluster size). Not in the default either: on the H100 it read q/k/v faster than cuBLAS at
+ * 128 rows (1,910 GB/s vs 1,724, clusters of 2) but o (1,375 vs 2,200) and gate/up + down (2,074
+ * vs 2,438) slower, about as k_dgemm_n2 did: dividing x's L2 traffic did not move o and down
+ * (ncu: 30 / 78 us, DRAM 36-47% busy, as k_dgemm_n2's 29 / 76), and the batch-128 step took 10%
+ * longer (branch dec10, bench/RESULTS.md). */
 #define KVS_SKINNY_VARIANT_DEFAULT 238
 
 /* cuda_launch.h's early launch (grid_dep_launch) of the decode-step kernels, a mask by kernel
@@ -364,7 +371,7 @@ static int kvs_cu_skinny_variant()
     if (sk_variant >= 0) return sk_variant;
     if (sk_base < 0) {
         const char *e = getenv("KVS_CUDA_SKINNY_VARIANT");
-        sk_base = e ? atoi(e) & 16383 : KVS_SKINNY_VARIANT_DEFAULT;
+        sk_base = e ? atoi(e) & 65535 : KVS_SKINNY_VARIANT_DEFAULT;
     }
     int bi = sk_bi;
     if (bi < 0) {
@@ -376,7 +383,7 @@ static int kvs_cu_skinny_variant()
 
 void kvs_cu_skinny_set_variant(int v)
 {
-    sk_variant = v < 0 ? -1 : v & 16383;
+    sk_variant = v < 0 ? -1 : v & 65535;
 }
 
 void kvs_cu_skinny_set_invariant(int on)
@@ -525,9 +532,11 @@ cudaError_t kvs_cu_skinny(const struct kvs_cu_skinny *a, cudaStream_t stream)
         return cudaSuccess;
     }
     case SK_DGEMM_N2: {
-        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X) */
+        /* bit 8192: the deeper x ring (4096 in rows: cuda_dgemm128.cu's KVS_DGEMM_N2_DEEP_X); bits
+         * 16384 / 32768: x shared by clusters of 4 / 2 blocks (k_dgemm_n3; 16384 / 8192 in rows) */
         const int rows = kvs_cu_dgemm_n2_rows(a->n, a->in, a->out, a->n_parts, a->swiglu, dg_sms, (v & 4096) != 0);
-        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0), stream);
+        const int cl = (v & 16384) ? 16384 : (v & 32768) ? 8192 : 0;
+        return kvs_cu_dgemm_n2(a, rows | ((v & 8192) && !a->swiglu ? 4096 : 0) | cl, stream);
     }
     case SK_DGEMM: return kvs_cu_dgemm(a, a->ws, (v & 1) ? 1 : 2, (v & 16) != 0, (v & 64) != 0, stream);
     case SK_SKINNY: break;

@@ -127,10 +127,14 @@ cudaError_t kvs_cu_dgemm_n(const struct kvs_cu_skinny *a, int rows, int x_fit, c
  * shapes kvs_cu_dgemm_supported rejects, n_sms 0). A function of the shapes, not of n. */
 int kvs_cu_dgemm_n2_rows(int n, int in, const int *out, int n_parts, int swiglu, int n_sms, int wide);
 /* rows: what kvs_cu_dgemm_n2_rows returned for the launch (others: cudaErrorInvalidValue), plain
- * launches | 4096 for a deeper x ring (variant bit 8192) */
+ * launches | 4096 for a deeper x ring (variant bit 8192); | 16384 / 8192: k_dgemm_n3 instead, x
+ * shared by clusters of 4 / 2 blocks (variant bits 16384 / 32768; it picks its own tile rows, and
+ * runs k_dgemm_n2 where no cluster plan fits one wave) */
 cudaError_t kvs_cu_dgemm_n2(const struct kvs_cu_skinny *a, int rows, cudaStream_t stream);
 /* kvs_cu_dgemm_n2's calls so far in this process (not thread-safe; tests only: C linkage, so the C
  * test declares it itself) */
 extern "C" unsigned long kvs_cu_dgemm_n2_launches(void);
+/* k_dgemm_n3's launches so far (the same terms) */
+extern "C" unsigned long kvs_cu_dgemm_n3_launches(void);
 
 #endif

@@ -15,6 +15,11 @@
  * end inside a tile (1040, and ff 1000 / 9000); a launch of more tiles than SMs (out 16384). Rows
  * are independent of n (tokens 0..69 at n = 70 give the n = 128 launch's bits), and at 64 rows
  * the new bits change nothing (k_dgemm_n2 does not run).
+ * k_dgemm_n3 (x shared by a cluster, variants 19694 = 3310 | 16384 and 36078 = 3310 | 32768): the
+ * same shapes and checks, that it ran (its own launch counter) except where no cluster plan fits
+ * one wave (out 16384: k_dgemm_n2 must run instead), and a sweep of every row count 65..128 (q/k/v-
+ * like three parts and SwiGLU ff 1000, partial tiles): n = 128 against the CPU, each smaller n's
+ * rows bitwise equal to the n = 128 launch's.
  * Needs a GPU with the wgmma kernels (sm_90a): exits 1 with a message when there is no GPU.
  */
 #include <math.h>
@@ -33,13 +38,24 @@
 
 #include "tests/gpu/cuda_pair.h"
 
-/* kernels/cuda/cuda_dgemm128.cu (cuda_skinny.h, which C cannot include): k_dgemm_n2's launches */
+/* kernels/cuda/cuda_dgemm128.cu (cuda_skinny.h, which C cannot include): k_dgemm_n2's launches
+ * (k_dgemm_n3's included) and k_dgemm_n3's */
 unsigned long kvs_cu_dgemm_n2_launches(void);
+unsigned long kvs_cu_dgemm_n3_launches(void);
 
 #define V_BASE 238            /* the default without the new bits */
 #define V_INV 750             /* 238 | 512: k_dgemm_n in launches of 64 rows (the existing n-row kernels) */
-/* 3310; 7406 = 3310 | 4096 (wider plain tiles); 11502 = 3310 | 8192 (the deeper x ring) */
-static const int v_new[3] = {238 | 1024 | 2048, 238 | 1024 | 2048 | 4096, 238 | 1024 | 2048 | 8192};
+/* 3310; 7406 = 3310 | 4096 (wider plain tiles); 11502 = 3310 | 8192 (the deeper x ring); 19694 =
+ * 3310 | 16384 and 36078 = 3310 | 32768: k_dgemm_n3, x shared by clusters of 4 / 2 blocks */
+#define NV 5
+static const int v_new[NV] = {238 | 1024 | 2048, 238 | 1024 | 2048 | 4096, 238 | 1024 | 2048 | 8192,
+                              238 | 1024 | 2048 | 16384, 238 | 1024 | 2048 | 32768};
+/* k_dgemm_n3 is expected at the cluster variants (v_new[3], [4]) where the case says so: a launch
+ * whose clusters cannot fit one wave at any tile size runs k_dgemm_n2 */
+static int cl_variant(int v)
+{
+    return (v & (16384 | 32768)) != 0;
+}
 
 static float *rand_vec(size_t n, float scale)
 {
@@ -117,7 +133,7 @@ static void expect_true(const char *what, int cond, const char *why)
 
 /* q/k/v-like (1 or 3 parts, matmul_multi for 3) at n rows: the CPU's result, then each new variant
  * and the existing kernels (V_INV) on the GPU */
-static void plain_case(const char *name, int n, int in, int n_parts, const int *outs, int bias)
+static void plain_case(const char *name, int n, int in, int n_parts, const int *outs, int bias, int want_n3)
 {
     char what[200];
     float *xv = rand_vec((size_t)n * in, 1.0f);
@@ -148,13 +164,16 @@ static void plain_case(const char *name, int n, int in, int n_parts, const int *
     kvs_cuda_set_skinny_variant(bg, V_INV);
     RUN_OP();
     for (int p = 0; p < n_parts; p++) inv[p] = dl_g(&y[p]);
-    for (int vi = 0; vi < 3; vi++) {
+    for (int vi = 0; vi < NV; vi++) {
         kvs_cuda_set_skinny_variant(bg, v_new[vi]);
-        const unsigned long l0 = kvs_cu_dgemm_n2_launches();
+        const unsigned long l0 = kvs_cu_dgemm_n2_launches(), m0 = kvs_cu_dgemm_n3_launches();
         RUN_OP();
-        const unsigned long dl = kvs_cu_dgemm_n2_launches() - l0;
+        const unsigned long dl = kvs_cu_dgemm_n2_launches() - l0, dm = kvs_cu_dgemm_n3_launches() - m0;
         snprintf(what, sizeof what, "%s n=%d in=%d variant %d: one k_dgemm_n2 launch", name, n, in, v_new[vi]);
         expect_true(what, dl == 1, n > 64 ? "the routing did not take k_dgemm_n2" : "k_dgemm_n2 ran at <= 64 rows");
+        snprintf(what, sizeof what, "%s n=%d variant %d: k_dgemm_n3 %s", name, n, v_new[vi],
+                 cl_variant(v_new[vi]) && want_n3 ? "ran" : "did not run");
+        expect_true(what, dm == (unsigned long)(cl_variant(v_new[vi]) && want_n3), "the cluster routing differs");
         for (int p = 0; p < n_parts; p++) {
             float *got = dl_g(&y[p]);
             snprintf(what, sizeof what, "%s part %d n=%d in=%d out=%d bias=%d variant %d vs CPU", name, p, n, in,
@@ -168,8 +187,8 @@ static void plain_case(const char *name, int n, int in, int n_parts, const int *
     }
     /* rows do not depend on n: the first 70 tokens alone give the same bits (the tile size N is a
      * function of the shapes; a row of the wgmma's D depends on its row of x alone) */
-    if (n > 70) {
-        kvs_cuda_set_skinny_variant(bg, v_new[0]);
+    for (int vi = 0; n > 70 && vi < NV; vi += vi ? 1 : 3) {
+        kvs_cuda_set_skinny_variant(bg, v_new[vi]);
         RUN_OP();
         float *all = dl_g(&y[0]);
         const int n0 = n;
@@ -177,7 +196,7 @@ static void plain_case(const char *name, int n, int in, int n_parts, const int *
         RUN_OP();
         n = n0;
         float *part = dl_g(&y[0]);
-        snprintf(what, sizeof what, "%s n=70 rows equal the n=%d launch's (bitwise)", name, n);
+        snprintf(what, sizeof what, "%s n=70 rows equal the n=%d launch's (bitwise), variant %d", name, n, v_new[vi]);
         expect_true(what, memcmp(all, part, (size_t)70 * outs[0] * 4) == 0, "bits differ");
         free(all);
         free(part);
@@ -227,13 +246,17 @@ static void swiglu_case(const char *name, int n, int in, int ff, int down)
     poison(&gt);
     G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
     float *inv = dl_g(&gt);
-    for (int vi = 0; vi < 3; vi++) {
+    for (int vi = 0; vi < NV; vi++) {
         kvs_cuda_set_skinny_variant(bg, v_new[vi]);
         poison(&gt);
-        const unsigned long l0 = kvs_cu_dgemm_n2_launches();
+        const unsigned long l0 = kvs_cu_dgemm_n2_launches(), m0 = kvs_cu_dgemm_n3_launches();
         G->matmul_swiglu(bg, x.g, gw.g, uw.g, n, in, ff, gt.g, up.g);
         snprintf(what, sizeof what, "%s n=%d in=%d ff=%d variant %d: one k_dgemm_n2 launch", name, n, in, ff, v_new[vi]);
         expect_true(what, kvs_cu_dgemm_n2_launches() - l0 == 1, "the routing did not take k_dgemm_n2");
+        snprintf(what, sizeof what, "%s n=%d variant %d: k_dgemm_n3 %s", name, n, v_new[vi],
+                 cl_variant(v_new[vi]) ? "ran" : "did not run");
+        expect_true(what, kvs_cu_dgemm_n3_launches() - m0 == (unsigned long)cl_variant(v_new[vi]),
+                    "the cluster routing differs");
         float *got = dl_g(&gt);
         snprintf(what, sizeof what, "%s n=%d in=%d ff=%d variant %d vs CPU", name, n, in, ff, v_new[vi]);
         expect_rel(what, got, ref, (size_t)n * ff, 1e-2);
@@ -268,6 +291,98 @@ static void swiglu_case(const char *name, int n, int in, int ff, int down)
     free(xv);
     free(ref);
     free(inv);
+}
+
+/* every row count 65..128 at the cluster variants: the n = 128 launch against the CPU, and each
+ * smaller n's rows bitwise equal to the n = 128 launch's first n rows (its tile rows and cluster
+ * size are the shapes', so a row's sum is the same), with k_dgemm_n3 run at each n. Plain: three
+ * parts with a partial tile (q/k/v-like, bias); SwiGLU: ff 1000 (a partial tile). */
+static void rows_sweep(int swiglu)
+{
+    const int nmax = 128, in = 512, ff = 1000;
+    static const int outs[3] = {1040, 256, 256};
+    const int n_parts = swiglu ? 1 : 3;
+    char what[200];
+    float *xv = rand_vec((size_t)nmax * in, 1.0f);
+    struct pair x = mk(KVS_BUF_ACT, (size_t)nmax * in, xv);
+    struct wpair w[3], b[3];
+    struct pair y[3], up = {0};
+    float *ref[3];
+    for (int p = 0; p < 3; p++) {
+        const int rows = swiglu ? ff : outs[p];
+        if (swiglu && p == 2) break;
+        float *wv = rand_vec((size_t)rows * in, 0.05f), *bv = rand_vec((size_t)rows, 0.5f);
+        w[p] = mkw(wv, rows, in, 0);
+        b[p] = mkw(bv, 1, rows, 1);
+        free(wv);
+        free(bv);
+    }
+    for (int p = 0; p < n_parts; p++) y[p] = mk(KVS_BUF_ACT, (size_t)nmax * (swiglu ? ff : outs[p]), NULL);
+    if (swiglu) {
+        up = mk(KVS_BUF_ACT, (size_t)nmax * ff, NULL);
+        C->matmul(bc, x.c, w[0].c, NULL, nmax, in, ff, y[0].c);
+        C->matmul(bc, x.c, w[1].c, NULL, nmax, in, ff, up.c);
+        C->swiglu(bc, y[0].c, up.c, nmax, ff, y[0].c);
+        ref[0] = dl_c(&y[0]);
+    } else {
+        for (int p = 0; p < 3; p++) {
+            C->matmul(bc, x.c, w[p].c, b[p].c, nmax, in, outs[p], y[p].c);
+            ref[p] = dl_c(&y[p]);
+        }
+    }
+    const struct kvs_dweight *wg[3] = {w[0].g, w[1].g, swiglu ? NULL : w[2].g};
+    const struct kvs_dweight *bg3[3] = {b[0].g, b[1].g, swiglu ? NULL : b[2].g};
+    struct kvs_dbuf *yg[3] = {y[0].g, swiglu ? NULL : y[1].g, swiglu ? NULL : y[2].g};
+    kvs_cuda_set_skinny_max(bg, 128);
+    for (int vi = 3; vi < NV; vi++) {
+        kvs_cuda_set_skinny_variant(bg, v_new[vi]);
+        float *full[3] = {0};
+        int bad_n = 0, bad_l = 0;
+        for (int n = nmax; n >= 65; n--) {
+            for (int p = 0; p < n_parts; p++) poison(&y[p]);
+            const unsigned long m0 = kvs_cu_dgemm_n3_launches();
+            if (swiglu) G->matmul_swiglu(bg, x.g, w[0].g, w[1].g, n, in, ff, y[0].g, up.g);
+            else G->matmul_multi(bg, x.g, 3, wg, bg3, n, in, outs, yg);
+            if (kvs_cu_dgemm_n3_launches() - m0 != 1 && !bad_l) bad_l = n;
+            for (int p = 0; p < n_parts; p++) {
+                const int o = swiglu ? ff : outs[p];
+                float *got = dl_g(&y[p]);
+                if (n == nmax) {
+                    snprintf(what, sizeof what, "%s part %d n=128 in=%d variant %d vs CPU",
+                             swiglu ? "row sweep gate/up + SwiGLU ff 1000" : "row sweep q/k/v 1040+256+256", p, in,
+                             v_new[vi]);
+                    expect_rel(what, got, ref[p], (size_t)nmax * o, 1e-2);
+                    full[p] = got;
+                    continue;
+                }
+                if (memcmp(got, full[p], (size_t)n * o * 4) != 0 && !bad_n) bad_n = n;
+                free(got);
+            }
+        }
+        char why[64];
+        snprintf(why, sizeof why, "first differing n = %d", bad_n);
+        snprintf(what, sizeof what, "%s variant %d: n = 65..127 rows bitwise equal the n = 128 launch's",
+                 swiglu ? "row sweep SwiGLU" : "row sweep q/k/v", v_new[vi]);
+        expect_true(what, bad_n == 0, why);
+        snprintf(why, sizeof why, "no k_dgemm_n3 launch at n = %d", bad_l);
+        snprintf(what, sizeof what, "%s variant %d: k_dgemm_n3 ran at every n", swiglu ? "row sweep SwiGLU" : "row sweep q/k/v",
+                 v_new[vi]);
+        expect_true(what, bad_l == 0, why);
+        for (int p = 0; p < n_parts; p++) free(full[p]);
+    }
+    kvs_cuda_set_skinny_variant(bg, -1);
+    kvs_cuda_set_skinny_max(bg, -1);
+    for (int p = 0; p < (swiglu ? 2 : 3); p++) {
+        dropw(&w[p]);
+        dropw(&b[p]);
+    }
+    for (int p = 0; p < n_parts; p++) {
+        drop(&y[p]);
+        free(ref[p]);
+    }
+    if (swiglu) drop(&up);
+    drop(&x);
+    free(xv);
 }
 
 /* at 64 rows (k_dgemm_n's) the new bits must not route anything to k_dgemm_n2, and the result stays
@@ -309,16 +424,19 @@ int main(void)
     if (cuda_pair_open(8)) return 1;
     static const int qkv[3] = {4096, 1024, 1024}, smol[3] = {576, 192, 192}, o[1] = {4096}, odd[1] = {1040},
                      wide[1] = {16384};
-    plain_case("q/k/v (Llama-3.1-8B)", 128, 4096, 3, qkv, 1);
-    plain_case("o (Llama-3.1-8B)", 100, 4096, 1, o, 0);
-    plain_case("down (Llama-3.1-8B)", 65, 14336, 1, o, 0);
-    plain_case("q/k/v (K 576)", 97, 576, 3, smol, 1);
-    plain_case("rows ending inside a tile", 72, 1024, 1, odd, 1);
-    plain_case("more tiles than SMs", 80, 256, 1, wide, 0);
+    plain_case("q/k/v (Llama-3.1-8B)", 128, 4096, 3, qkv, 1, 1);
+    plain_case("o (Llama-3.1-8B)", 100, 4096, 1, o, 0, 1);
+    plain_case("down (Llama-3.1-8B)", 65, 14336, 1, o, 0, 1);
+    plain_case("q/k/v (K 576)", 97, 576, 3, smol, 1, 1);
+    plain_case("rows ending inside a tile", 72, 1024, 1, odd, 1, 1);
+    /* 16384 rows: no cluster plan fits one wave (171 tiles of 96 rows > 132 SMs): k_dgemm_n2 runs */
+    plain_case("more tiles than SMs", 80, 256, 1, wide, 0, 0);
     swiglu_case("gate/up + SwiGLU (Llama-3.1-8B)", 128, 4096, 14336, 1);
     swiglu_case("gate/up + SwiGLU (K 576)", 97, 576, 1536, 0);
     swiglu_case("gate/up + SwiGLU, ff 9000", 66, 256, 9000, 0);
     swiglu_case("gate/up + SwiGLU, ff 1000", 100, 1024, 1000, 0);
+    rows_sweep(0);
+    rows_sweep(1);
     at_64();
     G->free(bg);
     C->free(bc);
