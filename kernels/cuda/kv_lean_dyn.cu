@@ -175,6 +175,8 @@ __device__ __forceinline__ bool sc_less(float s2, int j2, float s1, int j1)
     return j2 >= 0 && (j1 < 0 || s2 < s1 || (s2 == s1 && j2 < j1));
 }
 
+__device__ int argmin_reduce(float bs, int bj, float *best, float *rs, int *ri);
+
 /* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin): a
  * thread per entry, then the warps' shuffles and one pass over the warps' winners */
 __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
@@ -186,6 +188,13 @@ __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t
         const float s = dyn_score(e_acc(e), e_pos(e), last);
         if (bj < 0 || s < bs) bs = s, bj = j;
     }
+    return argmin_reduce(bs, bj, best, rs, ri);
+}
+
+/* the block's (score, index) minimum of the threads' candidates (bj < 0: none), lower index on
+ * ties; every thread gets it. Every thread calls it. */
+__device__ int argmin_reduce(float bs, int bj, float *best, float *rs, int *ri)
+{
     for (int o = 16; o > 0; o >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
         const int j2 = __shfl_xor_sync(0xffffffffu, bj, o);
@@ -236,8 +245,15 @@ __device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes, int t0
  * section's argmin is a block reduction, a demoted victim is dequantized by all threads, then
  * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it. */
 __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
-                         int *ri, int *sh)
+                         int *ri, int *sh, bool pre = false, float ps_hi = 0.0f, int pj_hi = -1, float ps_lo = 0.0f,
+                         int pj_lo = -1)
 {
+    /* pre (the split step's merge): (ps_hi, pj_hi) / (ps_lo, pj_lo) are the thread's candidates
+     * for the high / low section's minimum over the entries there before this exit (index -1: none),
+     * from the scores as they are now (dyn_merge_body's score pass); the exit then adds the
+     * leaving token's entry (the newest index: it wins only if strictly lower) instead of
+     * reading every entry's header again (section_argmin) */
+    __shared__ float s_new;
     const int hd = D.hd, W = D.W;
     /* sh: [0] tier, [1] window slot, [2] the new entry's index in its section; [3] the victim's
      * action (0 kept, 1 pruned, 2 demoted), [4] victim index, [5] last index, [6] new low index */
@@ -249,6 +265,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
             const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
             const float tacc = D.wacc[(long long)st * (W + 1) + cw];
             const float s = dyn_score(tacc, tpos, h->last_pos);
+            s_new = s;
             h->w_start = (h->w_start + 1) % (W + 1);
             h->w_n--;
             const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
@@ -281,7 +298,13 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     }
     /* the argmin reads the entries' headers only (thread 0 set the new one's above) */
     float sv;
-    const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
+    int j;
+    if (pre) {
+        j = argmin_reduce(hi ? ps_hi : ps_lo, hi ? pj_hi : pj_lo, &sv, rs, ri);
+        if (sc_less(s_new, sh[2], sv, j)) sv = s_new, j = sh[2];
+    } else {
+        j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
+    }
     if (threadIdx.x == 0) {
         const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
         const uint8_t *ve = entry_at(D, st, hi, j);
@@ -667,7 +690,9 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     }
 }
 
-template <int GM>
+#define DYN_MB 4   /* the merge's score pass: entries a thread has in flight */
+
+template <int GM, bool PRE>
 __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens)
 {
     extern __shared__ float sm[];
@@ -719,7 +744,7 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     }
     /* scores: every token's probability (max over the group) */
     const float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
-    for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
+    auto prob = [&](int t) {
         float sc = 0.0f;
 #pragma unroll
         for (int g = 0; g < GM; g++)
@@ -727,27 +752,75 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
                 const float p = expf(lg[(long long)g * n + t] - M[g]) / L[g];
                 sc = g ? fmaxf(sc, p) : p;
             }
-        if (t < nhl) {
-            const int hi = t < h.n_high;
-            uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
-            e_set(en, e_pos(en), e_acc(en) + sc);
-        } else {
-            D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+        return sc;
+    };
+    if (!PRE) {
+        for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
+            const float sc = prob(t);
+            if (t < nhl) {
+                const int hi = t < h.n_high;
+                uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
+                e_set(en, e_pos(en), e_acc(en) + sc);
+            } else {
+                D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+            }
+        }
+        __syncthreads();
+        dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+        __syncthreads();
+        if (threadIdx.x == 0) D.heads[st] = h;
+        return;
+    }
+    /* the sections' entries DYN_MB a thread at a time: their lookups and probabilities, then
+     * their headers, then the new sums, so a thread's loads are in flight together (one entry
+     * after another, each store could alias the next entry's load: a round trip each); the same
+     * pass keeps the thread's minimum score per section (section_argmin's, so the exit need not
+     * read the headers again; the same floats: acc + sc is what it would read back) */
+    float ps_hi = 0.0f, ps_lo = 0.0f;
+    int pj_hi = -1, pj_lo = -1;
+    const int32_t last = h.last_pos, nh = h.n_high;
+    for (int t0 = threadIdx.x; t0 < nhl; t0 += DYN_THREADS * DYN_MB) {
+        uint8_t *en[DYN_MB];
+        float sc[DYN_MB], acc[DYN_MB];
+        int32_t pos[DYN_MB];
+#pragma unroll
+        for (int b = 0; b < DYN_MB; b++) {
+            const int t = t0 + b * DYN_THREADS;
+            en[b] = NULL, sc[b] = 0.0f;
+            if (t < nhl) en[b] = entry_at(D, st, t < nh, t < nh ? t : t - nh), sc[b] = prob(t);
+        }
+#pragma unroll
+        for (int b = 0; b < DYN_MB; b++)
+            if (en[b]) pos[b] = e_pos(en[b]), acc[b] = e_acc(en[b]) + sc[b];
+#pragma unroll
+        for (int b = 0; b < DYN_MB; b++) {
+            const int t = t0 + b * DYN_THREADS;
+            if (!en[b]) continue;
+            e_set(en[b], pos[b], acc[b]);
+            const float sv = dyn_score(acc[b], pos[b], last);
+            /* ascending index within a section: the first on ties */
+            if (t < nh) {
+                if (pj_hi < 0 || sv < ps_hi) ps_hi = sv, pj_hi = t;
+            } else if (pj_lo < 0 || sv < ps_lo) {
+                ps_lo = sv, pj_lo = t - nh;
+            }
         }
     }
+    for (int t = nhl + threadIdx.x; t < n; t += DYN_THREADS)
+        D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += prob(t);
     __syncthreads();
-    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, true, ps_hi, pj_hi, ps_lo, pj_lo);
     __syncthreads();
     if (threadIdx.x == 0) D.heads[st] = h;
 }
 
 /* the merge of every job, then (round) the trim in the last block to finish: one launch instead
  * of two (the blocks' writes made visible before the count, as CUDA's threadfence reduction) */
-template <int GM>
+template <int GM, bool PRE>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const float *ext, float *out, int layer,
                                                           int splits, int min_tokens, int round)
 {
-    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens);
+    dyn_merge_body<GM, PRE>(D, ext, out, layer, splits, min_tokens);
     if (!round) return;
     __shared__ int last;
     __threadfence();
@@ -769,6 +842,11 @@ extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
                   x->d.part, x->d.part_o, x->d.done, x->d.pf_ml, x->d.pf_tsum};
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
+    if (x->snap_d) cudaFree(x->snap_d);
+    for (int i = 0; i < 2; i++) {
+        if (x->snap_h[i]) cudaFreeHost(x->snap_h[i]);
+        if (x->snap_ev[i]) cudaEventDestroy(x->snap_ev[i]);
+    }
     free(x);
 }
 
@@ -825,6 +903,10 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     if (x->splits < 0) x->splits = 0;
     if (x->splits > DYN_MAXSPLIT) x->splits = DYN_MAXSPLIT;
     if (x->min_tokens < 1) x->min_tokens = 1;
+    /* KVS_LEAN_DYN_MERGE_PRE=0: the merge's exit reads the section's headers again for its
+     * argmin (the path before branch lean16; measurements and tests) */
+    const char *ep = getenv("KVS_LEAN_DYN_MERGE_PRE");
+    x->merge_pre = !(ep && *ep == '0');
     x->max_parts = max_jobs > x->target ? max_jobs : x->target;
     DALLOC(D.part, (size_t)x->max_parts * c->group * 2 * sizeof(float));
     DALLOC(D.part_o, (size_t)x->max_parts * c->group * c->head_dim * sizeof(float));
@@ -916,9 +998,11 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         DYN_SPLIT(8, 2); DYN_SPLIT(8, 4); DYN_SPLIT(8, 8);
 #undef DYN_SPLIT
         LAUNCH_CHECK();
-        if (GM == 2) k_dyn_merge<2><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
-        if (GM == 4) k_dyn_merge<4><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
-        if (GM == 8) k_dyn_merge<8><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+#define DYN_MERGE(gm, pre)                                                                                          \
+    if (GM == gm && x->merge_pre == pre) k_dyn_merge<gm, pre><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round)
+        DYN_MERGE(2, true); DYN_MERGE(4, true); DYN_MERGE(8, true);
+        DYN_MERGE(2, false); DYN_MERGE(4, false); DYN_MERGE(8, false);
+#undef DYN_MERGE
         LAUNCH_CHECK();
         return;
     }
@@ -1015,6 +1099,115 @@ extern "C" void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *x, int 
     }
     *free_pages = (int)(pm.tail - pm.head);
     free(hs), free(np);
+}
+
+/* ---- the counters' snapshots ---------------------------------------------------------------
+ * The counters (kv_storage_lean_dyn.c) once read the heads with a stream wait and four copies
+ * each time a step had changed them: under scheduler.async that wait held the host until the
+ * step it had just queued was done, so the host's preparation of the next step no longer
+ * overlapped the device's work (every step paid host + device time). A snapshot is summed on the
+ * device and copied to pinned memory behind the stream's work instead; the host reads the newest
+ * one that has landed (an event query), and waits only when asked to (an idle stream). */
+#define SNAP_F 6   /* per group: pages, high, low, window, pruned, first head's seen */
+
+__global__ void __launch_bounds__(128) k_dyn_usage(dyn_dev D, int group_len, long long *out)
+{
+    __shared__ unsigned long long sum[SNAP_F - 1];
+    if (threadIdx.x < SNAP_F - 1) sum[threadIdx.x] = 0;
+    __syncthreads();
+    unsigned long long a[SNAP_F - 1] = {0, 0, 0, 0, 0};
+    for (int i = threadIdx.x; i < group_len; i += blockDim.x) {
+        const int st = blockIdx.x * group_len + i;
+        const dyn_head h = D.heads[st];
+        a[0] += (unsigned long long)(D.nhp[st] + D.nlp[st]), a[1] += (unsigned long long)h.n_high;
+        a[2] += (unsigned long long)h.n_low, a[3] += (unsigned long long)h.w_n, a[4] += (unsigned long long)h.pruned;
+    }
+    for (int f = 0; f < SNAP_F - 1; f++)
+        if (a[f]) atomicAdd(&sum[f], a[f]);   /* integers: any order gives the same sums */
+    __syncthreads();
+    long long *o = out + (long long)blockIdx.x * SNAP_F;
+    if (threadIdx.x < SNAP_F - 1) o[threadIdx.x] = (long long)sum[threadIdx.x];
+    if (threadIdx.x == 0) o[SNAP_F - 1] = D.heads[(long long)blockIdx.x * group_len].seen;
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[(long long)gridDim.x * SNAP_F] = D.pm->tail - D.pm->head;
+}
+
+extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group_len, int n_groups, int wait)
+{
+    if (group_len <= 0 || n_groups <= 0 || (long long)group_len * n_groups > x->n_states) return -EINVAL;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(x->b->stream, &cs));
+    if (cs != cudaStreamCaptureStatusNone) return -EBUSY;   /* never inside a recording */
+    const int cap = n_groups * SNAP_F + 1;
+    if (cap > x->snap_cap) {   /* first use (or a larger grouping): allocated outside the hot path's recordings */
+        CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+        if (x->snap_d) CUDA_CHECK(cudaFree(x->snap_d));
+        CUDA_CHECK(cudaMalloc((void **)&x->snap_d, (size_t)cap * sizeof(long long)));
+        for (int i = 0; i < 2; i++) {
+            if (x->snap_h[i]) CUDA_CHECK(cudaFreeHost(x->snap_h[i]));
+            CUDA_CHECK(cudaMallocHost((void **)&x->snap_h[i], (size_t)cap * sizeof(long long)));
+            if (!x->snap_ev[i]) CUDA_CHECK(cudaEventCreateWithFlags(&x->snap_ev[i], cudaEventDisableTiming));
+            x->snap_seq[i] = 0;
+        }
+        x->snap_cap = cap;
+    }
+    /* the buffer after the newest; one whose copy is still queued is not overwritten */
+    const int b = x->snap_seq[0] > x->snap_seq[1] ? 1 : 0;
+    if (x->snap_seq[b]) {
+        const cudaError_t q = wait ? cudaEventSynchronize(x->snap_ev[b]) : cudaEventQuery(x->snap_ev[b]);
+        if (q == cudaErrorNotReady) return -EBUSY;
+        CUDA_CHECK(q);
+    }
+    k_dyn_usage<<<n_groups, 128, 0, x->b->stream>>>(x->d, group_len, x->snap_d);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpyAsync(x->snap_h[b], x->snap_d, (size_t)cap * sizeof(long long), cudaMemcpyDeviceToHost,
+                               x->b->stream));
+    CUDA_CHECK(cudaEventRecord(x->snap_ev[b], x->b->stream));
+    x->snap_seq[b] = ++x->snap_count;
+    x->snap_groups = n_groups, x->snap_len = group_len;
+    return 0;
+}
+
+extern "C" int kvs_lean_dyn_cuda_snapshot_read(struct kvs_lean_dyn_cuda *x, int wait, int group_len, int n_groups,
+                                               const unsigned char *live, double *pages, double *high, double *low,
+                                               double *window, double *pruned, double *seen_sum, int *free_pages)
+{
+    /* the newest snapshot of this grouping that has landed (wait: the newest, waited for) */
+    int best = -1;
+    for (int i = 0; i < 2; i++) {
+        if (!x->snap_seq[i] || (best >= 0 && x->snap_seq[i] < x->snap_seq[best])) continue;
+        best = i;
+    }
+    if (best >= 0 && wait) CUDA_CHECK(cudaEventSynchronize(x->snap_ev[best]));
+    if (best >= 0 && !wait) {
+        cudaError_t q = cudaEventQuery(x->snap_ev[best]);
+        if (q == cudaErrorNotReady) {   /* the older one, if it has landed */
+            best = 1 - best;
+            q = x->snap_seq[best] ? cudaEventQuery(x->snap_ev[best]) : cudaErrorNotReady;
+            if (q == cudaErrorNotReady) best = -1;
+            else CUDA_CHECK(q);
+        } else {
+            CUDA_CHECK(q);
+        }
+    }
+    if (best < 0 || x->snap_groups != n_groups || x->snap_len != group_len) return 0;
+    const long long *h = x->snap_h[best];
+    *pages = *high = *low = *window = *pruned = *seen_sum = 0;
+    for (int g = 0; g < n_groups; g++) {
+        if (!live[g]) continue;
+        const long long *o = h + (long long)g * SNAP_F;
+        *pages += (double)o[0], *high += (double)o[1], *low += (double)o[2], *window += (double)o[3];
+        *pruned += (double)o[4], *seen_sum += (double)o[5];
+    }
+    *free_pages = (int)h[(long long)n_groups * SNAP_F];
+    return 1;
+}
+
+extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
+{
+    const cudaError_t q = cudaStreamQuery(x->b->stream);
+    if (q == cudaErrorNotReady) return 0;
+    CUDA_CHECK(q);
+    return 1;
 }
 
 extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)
