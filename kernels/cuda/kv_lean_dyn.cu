@@ -692,7 +692,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
 
 #define DYN_MB 4   /* the merge's score pass: entries a thread has in flight */
 
-template <int GM, bool PRE>
+template <int GM, bool PRE, bool EXIT>
 __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens)
 {
     extern __shared__ float sm[];
@@ -809,6 +809,10 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     for (int t = nhl + threadIdx.x; t < n; t += DYN_THREADS)
         D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += prob(t);
     __syncthreads();
+    if (!EXIT) {   /* the exit runs on the side stream (k_dyn_exit_side) */
+        if (threadIdx.x == 0) D.heads[st] = h;
+        return;
+    }
     dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, true, ps_hi, pj_hi, ps_lo, pj_lo);
     __syncthreads();
     if (threadIdx.x == 0) D.heads[st] = h;
@@ -816,12 +820,12 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
 
 /* the merge of every job, then (round) the trim in the last block to finish: one launch instead
  * of two (the blocks' writes made visible before the count, as CUDA's threadfence reduction) */
-template <int GM, bool PRE>
+template <int GM, bool PRE, bool EXIT>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const float *ext, float *out, int layer,
                                                           int splits, int min_tokens, int round)
 {
-    dyn_merge_body<GM, PRE>(D, ext, out, layer, splits, min_tokens);
-    if (!round) return;
+    dyn_merge_body<GM, PRE, EXIT>(D, ext, out, layer, splits, min_tokens);
+    if (!round || !EXIT) return;
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -831,6 +835,40 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const floa
     __threadfence();
     dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
     if (threadIdx.x == 0) *D.done = 0;   /* for the next launch (a recorded step replays it) */
+}
+
+/* The side stream's part of a split decode step (kvs_lean_dyn_cuda_set_side): Algorithm 1's exit
+ * of every job (section_argmin: the merge's minima are gone with its block), then (round) the
+ * trim in the last block. The merge before it (EXIT false) wrote the output, the scores and the
+ * head's join; nothing of the layer's output depends on what this changes, so it runs beside
+ * the layer's projections and MLP, and the next layer's launch waits for it (the page round of
+ * that layer then follows this trim, as on the CPU). */
+__global__ void __launch_bounds__(DYN_THREADS) k_dyn_exit_side(dyn_dev D, int layer, int round)
+{
+    extern __shared__ float sm[];
+    float *kx = sm, *vx = kx + D.hd, *rs = vx + D.hd;
+    int *ri = (int *)(rs + DYN_WARPS);
+    __shared__ dyn_head h;
+    __shared__ int sh[8];
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    if (!D.pm->err && J.head >= 0 && J.rows == 1) {   /* block-uniform */
+        const int st = J.head + layer * D.layer_stride;
+        if (threadIdx.x == 0) h = D.heads[st];
+        __syncthreads();
+        dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+        __syncthreads();
+        if (threadIdx.x == 0) D.heads[st] = h;
+    }
+    if (!round) return;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(D.done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
+    if (threadIdx.x == 0) *D.done = 0;
 }
 
 /* ---- host ----------------------------------------------------------------------------------- */
@@ -843,6 +881,9 @@ extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
     if (x->snap_d) cudaFree(x->snap_d);
+    if (x->side) cudaStreamSynchronize(x->side), cudaStreamDestroy(x->side);
+    if (x->ev_fork) cudaEventDestroy(x->ev_fork);
+    if (x->ev_join) cudaEventDestroy(x->ev_join);
     for (int i = 0; i < 2; i++) {
         if (x->snap_h[i]) cudaFreeHost(x->snap_h[i]);
         if (x->snap_ev[i]) cudaEventDestroy(x->snap_ev[i]);
@@ -951,10 +992,38 @@ extern "C" void kvs_lean_dyn_cuda_set_split(struct kvs_lean_dyn_cuda *x, int max
     x->min_tokens = min_tokens < 1 ? 1 : min_tokens;
 }
 
+extern "C" void kvs_lean_dyn_cuda_join(struct kvs_lean_dyn_cuda *x)
+{
+    if (!x->side_pending) return;
+    CUDA_CHECK(cudaStreamWaitEvent(x->b->stream, x->ev_join, 0));
+    x->side_pending = 0;
+}
+
+extern "C" int kvs_lean_dyn_cuda_set_side(struct kvs_lean_dyn_cuda *x, int on)
+{
+    kvs_lean_dyn_cuda_join(x);
+    if (!on == !x->side) return 0;
+    if (!on) {
+        CUDA_CHECK(cudaStreamSynchronize(x->side));
+        CUDA_CHECK(cudaStreamDestroy(x->side));
+        x->side = NULL;
+        return 0;
+    }
+    if (!x->ev_fork && cudaEventCreateWithFlags(&x->ev_fork, cudaEventDisableTiming) != cudaSuccess) return -ENOMEM;
+    if (!x->ev_join && cudaEventCreateWithFlags(&x->ev_join, cudaEventDisableTiming) != cudaSuccess) return -ENOMEM;
+    if (cudaStreamCreateWithFlags(&x->side, cudaStreamNonBlocking) != cudaSuccess) {
+        cudaGetLastError();
+        x->side = NULL;
+        return -ENOMEM;
+    }
+    return 0;
+}
+
 extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const struct kvs_lean_dyn_cuda_job *jobs,
                                           int n_jobs)
 {
     if (n_jobs > x->max_jobs) return -E2BIG;
+    kvs_lean_dyn_cuda_join(x);   /* a side exit still reads the jobs before these */
     x->all_single = 1, x->max_rows_job = 0, x->rows_total = 0;
     for (int i = 0; i < n_jobs; i++) {
         x->all_single &= jobs[i].head < 0 || jobs[i].rows == 1;
@@ -972,6 +1041,7 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
                                        const struct kvs_dbuf *ext_lse, float scale, struct kvs_dbuf *out, int phases)
 {
     if (n_jobs <= 0) return;
+    kvs_lean_dyn_cuda_join(x);   /* the previous layer's exit (side stream) first */
     cudaStream_t s = x->b->stream;
     const dyn_dev &D = x->d;
     const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
@@ -998,12 +1068,24 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         DYN_SPLIT(8, 2); DYN_SPLIT(8, 4); DYN_SPLIT(8, 8);
 #undef DYN_SPLIT
         LAUNCH_CHECK();
-#define DYN_MERGE(gm, pre)                                                                                          \
-    if (GM == gm && x->merge_pre == pre) k_dyn_merge<gm, pre><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round)
-        DYN_MERGE(2, true); DYN_MERGE(4, true); DYN_MERGE(8, true);
-        DYN_MERGE(2, false); DYN_MERGE(4, false); DYN_MERGE(8, false);
+        const bool side = x->side != NULL;
+#define DYN_MERGE(gm, pre, ex)                                                                                      \
+    if (GM == gm && x->merge_pre == pre && !side == ex)                                                            \
+        k_dyn_merge<gm, pre, ex><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round)
+        DYN_MERGE(2, true, true); DYN_MERGE(4, true, true); DYN_MERGE(8, true, true);
+        DYN_MERGE(2, false, true); DYN_MERGE(4, false, true); DYN_MERGE(8, false, true);
+        DYN_MERGE(2, true, false); DYN_MERGE(4, true, false); DYN_MERGE(8, true, false);
+        DYN_MERGE(2, false, false); DYN_MERGE(4, false, false); DYN_MERGE(8, false, false);
 #undef DYN_MERGE
         LAUNCH_CHECK();
+        if (side) {   /* the exit and trim beside the rest of the layer; the next launch waits for them */
+            CUDA_CHECK(cudaEventRecord(x->ev_fork, s));
+            CUDA_CHECK(cudaStreamWaitEvent(x->side, x->ev_fork, 0));
+            k_dyn_exit_side<<<n_jobs, DYN_THREADS, msm, x->side>>>(D, layer, round);
+            LAUNCH_CHECK();
+            CUDA_CHECK(cudaEventRecord(x->ev_join, x->side));
+            x->side_pending = 1;
+        }
         return;
     }
     /* prompt chunks (jobs of more than one row) take the paper's prefill once its buffers are
@@ -1050,6 +1132,7 @@ static void usage_copy(struct kvs_lean_dyn_cuda *x, int first, int n, dyn_head *
     *hs = (dyn_head *)malloc((size_t)n * sizeof **hs);
     *np = (int32_t *)malloc(2 * (size_t)n * sizeof **np);
     if (!*hs || !*np) kvs_panic(__FILE__, __LINE__, "out of memory");
+    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(*hs, x->d.heads + first, (size_t)n * sizeof **hs, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(*np, x->d.nhp + first, (size_t)n * sizeof **np, cudaMemcpyDeviceToHost));
@@ -1139,6 +1222,7 @@ extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group
     if (cs != cudaStreamCaptureStatusNone) return -EBUSY;   /* never inside a recording */
     const int cap = n_groups * SNAP_F + 1;
     if (cap > x->snap_cap) {   /* first use (or a larger grouping): allocated outside the hot path's recordings */
+        kvs_lean_dyn_cuda_join(x);
         CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
         if (x->snap_d) CUDA_CHECK(cudaFree(x->snap_d));
         CUDA_CHECK(cudaMalloc((void **)&x->snap_d, (size_t)cap * sizeof(long long)));
@@ -1157,6 +1241,7 @@ extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group
         if (q == cudaErrorNotReady) return -EBUSY;
         CUDA_CHECK(q);
     }
+    kvs_lean_dyn_cuda_join(x);
     k_dyn_usage<<<n_groups, 128, 0, x->b->stream>>>(x->d, group_len, x->snap_d);
     LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpyAsync(x->snap_h[b], x->snap_d, (size_t)cap * sizeof(long long), cudaMemcpyDeviceToHost,
@@ -1204,6 +1289,7 @@ extern "C" int kvs_lean_dyn_cuda_snapshot_read(struct kvs_lean_dyn_cuda *x, int 
 
 extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
 {
+    kvs_lean_dyn_cuda_join(x);
     const cudaError_t q = cudaStreamQuery(x->b->stream);
     if (q == cudaErrorNotReady) return 0;
     CUDA_CHECK(q);
@@ -1213,6 +1299,7 @@ extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
 extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)
 {
     if (first < 0 || n <= 0 || first + n > x->n_states) return;
+    kvs_lean_dyn_cuda_join(x);
     k_dyn_release<<<1, 1, 0, x->b->stream>>>(x->d, first, n);
     LAUNCH_CHECK();
 }
@@ -1220,6 +1307,7 @@ extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first
 extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
 {
     dyn_pm pm;
+    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
     if (!pm.err) return 0;
@@ -1233,6 +1321,7 @@ extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
 extern "C" int kvs_lean_dyn_cuda_n_free(struct kvs_lean_dyn_cuda *x)
 {
     dyn_pm pm;
+    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
     return (int)(pm.tail - pm.head);
@@ -1243,6 +1332,7 @@ extern "C" void kvs_lean_dyn_cuda_get(struct kvs_lean_dyn_cuda *x, int st, struc
 {
     const dyn_dev &D = x->d;
     const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
+    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     dyn_head dh;
     CUDA_CHECK(cudaMemcpy(&dh, D.heads + st, sizeof dh, cudaMemcpyDeviceToHost));
@@ -1270,6 +1360,7 @@ extern "C" void kvs_lean_dyn_cuda_set(struct kvs_lean_dyn_cuda *x, int st, const
 {
     const dyn_dev &D = x->d;
     const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
+    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     const dyn_head dh = {h->n_high, h->n_low, h->max_high, h->max_low, h->w_start, h->w_n, h->pruned, h->last_pos,
                          (long long)h->seen};
