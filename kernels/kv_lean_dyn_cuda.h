@@ -78,15 +78,6 @@ int kvs_lean_dyn_cuda_reserve_rows(struct kvs_lean_dyn_cuda *d, int max_rows, ch
  * recorded with). */
 void kvs_lean_dyn_cuda_set_split(struct kvs_lean_dyn_cuda *d, int max_splits, int min_tokens);
 
-/* The split decode step's exit and trim on a stream of their own (on != 0), forked after the
- * layer's merge (output and scores) and joined by the next kvs_lean_dyn_cuda_step, by
- * kvs_lean_dyn_cuda_join, or by any call here that reads or changes the state: the exit then runs
- * beside the caller's work between two layers' attention. The caller joins before its recording
- * ends (a graph must join every stream it forked). 0, or -ENOMEM (a stream or event could not be
- * made; the step stays on one stream). Default off (KVS_LEAN_DYN_SIDE=1 in the engine). */
-int kvs_lean_dyn_cuda_set_side(struct kvs_lean_dyn_cuda *d, int on);
-void kvs_lean_dyn_cuda_join(struct kvs_lean_dyn_cuda *d);
-
 /* The step's jobs (uploaded once per step, outside any recorded graph: the launches of
  * kvs_lean_dyn_cuda_step read them from device memory). -E2BIG when n_jobs > max_jobs. */
 int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *d, const struct kvs_lean_dyn_cuda_job *jobs, int n_jobs);

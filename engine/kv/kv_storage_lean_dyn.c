@@ -255,13 +255,6 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
 #endif
         const char *cw = getenv("KVS_LEAN_DYN_COUNTERS_WAIT");
         d->counters_wait = cw && *cw == '1';
-#if DYN_CUDA
-        /* KVS_LEAN_DYN_SIDE=1: a decode step's exits beside the layers' other work (joined by the
-         * next layer's attention, and after the last layer's here) */
-        const char *sd = getenv("KVS_LEAN_DYN_SIDE");
-        if (sd && *sd == '1' && kvs_lean_dyn_cuda_set_side(d->gpu, 1) < 0)
-            kvs_log(KVS_LOG_WARN, "kv storage lean (dynamic, cuda): KVS_LEAN_DYN_SIDE: no side stream; one stream");
-#endif
         if (rc) {
             kvs_lean_dyn_destroy(d);
             return rc;
@@ -487,7 +480,6 @@ void kvs_lean_dyn_attention(struct kvs_lean_dyn_store *d, int layer, const struc
     if (d->gpu) {   /* the page round, the rows' steps and the trim: three launches, no host round trip */
         kvs_lean_dyn_cuda_step(d->gpu, d->n_jobs, layer, q, d->gk, d->gv, d->docs ? d->d_lse : NULL, scale, out,
                                KVS_LEAN_DYN_ALL);
-        if (layer == d->n_layers - 1) kvs_lean_dyn_cuda_join(d->gpu);   /* the step (or its recording) ends joined */
         return;
     }
 #endif

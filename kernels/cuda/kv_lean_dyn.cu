@@ -175,8 +175,6 @@ __device__ __forceinline__ bool sc_less(float s2, int j2, float s1, int j1)
     return j2 >= 0 && (j1 < 0 || s2 < s1 || (s2 == s1 && j2 < j1));
 }
 
-__device__ int argmin_reduce(float bs, int bj, float *best, float *rs, int *ri);
-
 /* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin): a
  * thread per entry, then the warps' shuffles and one pass over the warps' winners */
 __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
@@ -188,13 +186,6 @@ __device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t
         const float s = dyn_score(e_acc(e), e_pos(e), last);
         if (bj < 0 || s < bs) bs = s, bj = j;
     }
-    return argmin_reduce(bs, bj, best, rs, ri);
-}
-
-/* the block's (score, index) minimum of the threads' candidates (bj < 0: none), lower index on
- * ties; every thread gets it. Every thread calls it. */
-__device__ int argmin_reduce(float bs, int bj, float *best, float *rs, int *ri)
-{
     for (int o = 16; o > 0; o >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
         const int j2 = __shfl_xor_sync(0xffffffffu, bj, o);
@@ -245,15 +236,8 @@ __device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes, int t0
  * section's argmin is a block reduction, a demoted victim is dequantized by all threads, then
  * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it. */
 __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
-                         int *ri, int *sh, bool pre = false, float ps_hi = 0.0f, int pj_hi = -1, float ps_lo = 0.0f,
-                         int pj_lo = -1)
+                         int *ri, int *sh)
 {
-    /* pre (the split step's merge): (ps_hi, pj_hi) / (ps_lo, pj_lo) are the thread's candidates
-     * for the high / low section's minimum over the entries there before this exit (index -1: none),
-     * from the scores as they are now (dyn_merge_body's score pass); the exit then adds the
-     * leaving token's entry (the newest index: it wins only if strictly lower) instead of
-     * reading every entry's header again (section_argmin) */
-    __shared__ float s_new;
     const int hd = D.hd, W = D.W;
     /* sh: [0] tier, [1] window slot, [2] the new entry's index in its section; [3] the victim's
      * action (0 kept, 1 pruned, 2 demoted), [4] victim index, [5] last index, [6] new low index */
@@ -265,7 +249,6 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
             const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
             const float tacc = D.wacc[(long long)st * (W + 1) + cw];
             const float s = dyn_score(tacc, tpos, h->last_pos);
-            s_new = s;
             h->w_start = (h->w_start + 1) % (W + 1);
             h->w_n--;
             const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
@@ -298,13 +281,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     }
     /* the argmin reads the entries' headers only (thread 0 set the new one's above) */
     float sv;
-    int j;
-    if (pre) {
-        j = argmin_reduce(hi ? ps_hi : ps_lo, hi ? pj_hi : pj_lo, &sv, rs, ri);
-        if (sc_less(s_new, sh[2], sv, j)) sv = s_new, j = sh[2];
-    } else {
-        j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
-    }
+    const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
     if (threadIdx.x == 0) {
         const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
         const uint8_t *ve = entry_at(D, st, hi, j);
@@ -690,9 +667,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     }
 }
 
-#define DYN_MB 4   /* the merge's score pass: entries a thread has in flight */
-
-template <int GM, bool PRE, bool EXIT>
+template <int GM>
 __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens)
 {
     extern __shared__ float sm[];
@@ -744,7 +719,7 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     }
     /* scores: every token's probability (max over the group) */
     const float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
-    auto prob = [&](int t) {
+    for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
         float sc = 0.0f;
 #pragma unroll
         for (int g = 0; g < GM; g++)
@@ -752,113 +727,27 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
                 const float p = expf(lg[(long long)g * n + t] - M[g]) / L[g];
                 sc = g ? fmaxf(sc, p) : p;
             }
-        return sc;
-    };
-    if (!PRE) {
-        for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
-            const float sc = prob(t);
-            if (t < nhl) {
-                const int hi = t < h.n_high;
-                uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
-                e_set(en, e_pos(en), e_acc(en) + sc);
-            } else {
-                D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
-            }
-        }
-        __syncthreads();
-        dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
-        __syncthreads();
-        if (threadIdx.x == 0) D.heads[st] = h;
-        return;
-    }
-    /* the sections' entries DYN_MB a thread at a time: their lookups and probabilities, then
-     * their headers, then the new sums, so a thread's loads are in flight together (one entry
-     * after another, each store could alias the next entry's load: a round trip each); the same
-     * pass keeps the thread's minimum score per section (section_argmin's, so the exit need not
-     * read the headers again; the same floats: acc + sc is what it would read back) */
-    float ps_hi = 0.0f, ps_lo = 0.0f;
-    int pj_hi = -1, pj_lo = -1;
-    const int32_t last = h.last_pos, nh = h.n_high;
-    for (int t0 = threadIdx.x; t0 < nhl; t0 += DYN_THREADS * DYN_MB) {
-        uint8_t *en[DYN_MB];
-        float sc[DYN_MB], acc[DYN_MB];
-        int32_t pos[DYN_MB];
-#pragma unroll
-        for (int b = 0; b < DYN_MB; b++) {
-            const int t = t0 + b * DYN_THREADS;
-            en[b] = NULL, sc[b] = 0.0f;
-            if (t < nhl) en[b] = entry_at(D, st, t < nh, t < nh ? t : t - nh), sc[b] = prob(t);
-        }
-#pragma unroll
-        for (int b = 0; b < DYN_MB; b++)
-            if (en[b]) pos[b] = e_pos(en[b]), acc[b] = e_acc(en[b]) + sc[b];
-#pragma unroll
-        for (int b = 0; b < DYN_MB; b++) {
-            const int t = t0 + b * DYN_THREADS;
-            if (!en[b]) continue;
-            e_set(en[b], pos[b], acc[b]);
-            const float sv = dyn_score(acc[b], pos[b], last);
-            /* ascending index within a section: the first on ties */
-            if (t < nh) {
-                if (pj_hi < 0 || sv < ps_hi) ps_hi = sv, pj_hi = t;
-            } else if (pj_lo < 0 || sv < ps_lo) {
-                ps_lo = sv, pj_lo = t - nh;
-            }
+        if (t < nhl) {
+            const int hi = t < h.n_high;
+            uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
+            e_set(en, e_pos(en), e_acc(en) + sc);
+        } else {
+            D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
         }
     }
-    for (int t = nhl + threadIdx.x; t < n; t += DYN_THREADS)
-        D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += prob(t);
     __syncthreads();
-    if (!EXIT) {   /* the exit runs on the side stream (k_dyn_exit_side) */
-        if (threadIdx.x == 0) D.heads[st] = h;
-        return;
-    }
-    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, true, ps_hi, pj_hi, ps_lo, pj_lo);
+    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
     __syncthreads();
     if (threadIdx.x == 0) D.heads[st] = h;
 }
 
 /* the merge of every job, then (round) the trim in the last block to finish: one launch instead
  * of two (the blocks' writes made visible before the count, as CUDA's threadfence reduction) */
-template <int GM, bool PRE, bool EXIT>
+template <int GM>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const float *ext, float *out, int layer,
                                                           int splits, int min_tokens, int round)
 {
-    dyn_merge_body<GM, PRE, EXIT>(D, ext, out, layer, splits, min_tokens);
-    if (!round || !EXIT) return;
-    __shared__ int last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(D.done, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
-    if (threadIdx.x == 0) *D.done = 0;   /* for the next launch (a recorded step replays it) */
-}
-
-/* The side stream's part of a split decode step (kvs_lean_dyn_cuda_set_side): Algorithm 1's exit
- * of every job (section_argmin: the merge's minima are gone with its block), then (round) the
- * trim in the last block. The merge before it (EXIT false) wrote the output, the scores and the
- * head's join; nothing of the layer's output depends on what this changes, so it runs beside
- * the layer's projections and MLP, and the next layer's launch waits for it (the page round of
- * that layer then follows this trim, as on the CPU). */
-__global__ void __launch_bounds__(DYN_THREADS) k_dyn_exit_side(dyn_dev D, int layer, int round)
-{
-    extern __shared__ float sm[];
-    float *kx = sm, *vx = kx + D.hd, *rs = vx + D.hd;
-    int *ri = (int *)(rs + DYN_WARPS);
-    __shared__ dyn_head h;
-    __shared__ int sh[8];
-    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
-    if (!D.pm->err && J.head >= 0 && J.rows == 1) {   /* block-uniform */
-        const int st = J.head + layer * D.layer_stride;
-        if (threadIdx.x == 0) h = D.heads[st];
-        __syncthreads();
-        dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
-        __syncthreads();
-        if (threadIdx.x == 0) D.heads[st] = h;
-    }
+    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens);
     if (!round) return;
     __shared__ int last;
     __threadfence();
@@ -868,7 +757,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_exit_side(dyn_dev D, int la
     if (!last) return;
     __threadfence();
     dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
-    if (threadIdx.x == 0) *D.done = 0;
+    if (threadIdx.x == 0) *D.done = 0;   /* for the next launch (a recorded step replays it) */
 }
 
 /* ---- host ----------------------------------------------------------------------------------- */
@@ -881,9 +770,6 @@ extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
     if (x->snap_d) cudaFree(x->snap_d);
-    if (x->side) cudaStreamSynchronize(x->side), cudaStreamDestroy(x->side);
-    if (x->ev_fork) cudaEventDestroy(x->ev_fork);
-    if (x->ev_join) cudaEventDestroy(x->ev_join);
     for (int i = 0; i < 2; i++) {
         if (x->snap_h[i]) cudaFreeHost(x->snap_h[i]);
         if (x->snap_ev[i]) cudaEventDestroy(x->snap_ev[i]);
@@ -944,10 +830,6 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     if (x->splits < 0) x->splits = 0;
     if (x->splits > DYN_MAXSPLIT) x->splits = DYN_MAXSPLIT;
     if (x->min_tokens < 1) x->min_tokens = 1;
-    /* KVS_LEAN_DYN_MERGE_PRE=0: the merge's exit reads the section's headers again for its
-     * argmin (the path before branch lean16; measurements and tests) */
-    const char *ep = getenv("KVS_LEAN_DYN_MERGE_PRE");
-    x->merge_pre = !(ep && *ep == '0');
     x->max_parts = max_jobs > x->target ? max_jobs : x->target;
     DALLOC(D.part, (size_t)x->max_parts * c->group * 2 * sizeof(float));
     DALLOC(D.part_o, (size_t)x->max_parts * c->group * c->head_dim * sizeof(float));
@@ -992,38 +874,10 @@ extern "C" void kvs_lean_dyn_cuda_set_split(struct kvs_lean_dyn_cuda *x, int max
     x->min_tokens = min_tokens < 1 ? 1 : min_tokens;
 }
 
-extern "C" void kvs_lean_dyn_cuda_join(struct kvs_lean_dyn_cuda *x)
-{
-    if (!x->side_pending) return;
-    CUDA_CHECK(cudaStreamWaitEvent(x->b->stream, x->ev_join, 0));
-    x->side_pending = 0;
-}
-
-extern "C" int kvs_lean_dyn_cuda_set_side(struct kvs_lean_dyn_cuda *x, int on)
-{
-    kvs_lean_dyn_cuda_join(x);
-    if (!on == !x->side) return 0;
-    if (!on) {
-        CUDA_CHECK(cudaStreamSynchronize(x->side));
-        CUDA_CHECK(cudaStreamDestroy(x->side));
-        x->side = NULL;
-        return 0;
-    }
-    if (!x->ev_fork && cudaEventCreateWithFlags(&x->ev_fork, cudaEventDisableTiming) != cudaSuccess) return -ENOMEM;
-    if (!x->ev_join && cudaEventCreateWithFlags(&x->ev_join, cudaEventDisableTiming) != cudaSuccess) return -ENOMEM;
-    if (cudaStreamCreateWithFlags(&x->side, cudaStreamNonBlocking) != cudaSuccess) {
-        cudaGetLastError();
-        x->side = NULL;
-        return -ENOMEM;
-    }
-    return 0;
-}
-
 extern "C" int kvs_lean_dyn_cuda_set_jobs(struct kvs_lean_dyn_cuda *x, const struct kvs_lean_dyn_cuda_job *jobs,
                                           int n_jobs)
 {
     if (n_jobs > x->max_jobs) return -E2BIG;
-    kvs_lean_dyn_cuda_join(x);   /* a side exit still reads the jobs before these */
     x->all_single = 1, x->max_rows_job = 0, x->rows_total = 0;
     for (int i = 0; i < n_jobs; i++) {
         x->all_single &= jobs[i].head < 0 || jobs[i].rows == 1;
@@ -1041,7 +895,6 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
                                        const struct kvs_dbuf *ext_lse, float scale, struct kvs_dbuf *out, int phases)
 {
     if (n_jobs <= 0) return;
-    kvs_lean_dyn_cuda_join(x);   /* the previous layer's exit (side stream) first */
     cudaStream_t s = x->b->stream;
     const dyn_dev &D = x->d;
     const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
@@ -1068,24 +921,10 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         DYN_SPLIT(8, 2); DYN_SPLIT(8, 4); DYN_SPLIT(8, 8);
 #undef DYN_SPLIT
         LAUNCH_CHECK();
-        const bool side = x->side != NULL;
-#define DYN_MERGE(gm, pre, ex)                                                                                      \
-    if (GM == gm && x->merge_pre == pre && !side == ex)                                                            \
-        k_dyn_merge<gm, pre, ex><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round)
-        DYN_MERGE(2, true, true); DYN_MERGE(4, true, true); DYN_MERGE(8, true, true);
-        DYN_MERGE(2, false, true); DYN_MERGE(4, false, true); DYN_MERGE(8, false, true);
-        DYN_MERGE(2, true, false); DYN_MERGE(4, true, false); DYN_MERGE(8, true, false);
-        DYN_MERGE(2, false, false); DYN_MERGE(4, false, false); DYN_MERGE(8, false, false);
-#undef DYN_MERGE
+        if (GM == 2) k_dyn_merge<2><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+        if (GM == 4) k_dyn_merge<4><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
+        if (GM == 8) k_dyn_merge<8><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
         LAUNCH_CHECK();
-        if (side) {   /* the exit and trim beside the rest of the layer; the next launch waits for them */
-            CUDA_CHECK(cudaEventRecord(x->ev_fork, s));
-            CUDA_CHECK(cudaStreamWaitEvent(x->side, x->ev_fork, 0));
-            k_dyn_exit_side<<<n_jobs, DYN_THREADS, msm, x->side>>>(D, layer, round);
-            LAUNCH_CHECK();
-            CUDA_CHECK(cudaEventRecord(x->ev_join, x->side));
-            x->side_pending = 1;
-        }
         return;
     }
     /* prompt chunks (jobs of more than one row) take the paper's prefill once its buffers are
@@ -1132,7 +971,6 @@ static void usage_copy(struct kvs_lean_dyn_cuda *x, int first, int n, dyn_head *
     *hs = (dyn_head *)malloc((size_t)n * sizeof **hs);
     *np = (int32_t *)malloc(2 * (size_t)n * sizeof **np);
     if (!*hs || !*np) kvs_panic(__FILE__, __LINE__, "out of memory");
-    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(*hs, x->d.heads + first, (size_t)n * sizeof **hs, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(*np, x->d.nhp + first, (size_t)n * sizeof **np, cudaMemcpyDeviceToHost));
@@ -1222,7 +1060,6 @@ extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group
     if (cs != cudaStreamCaptureStatusNone) return -EBUSY;   /* never inside a recording */
     const int cap = n_groups * SNAP_F + 1;
     if (cap > x->snap_cap) {   /* first use (or a larger grouping): allocated outside the hot path's recordings */
-        kvs_lean_dyn_cuda_join(x);
         CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
         if (x->snap_d) CUDA_CHECK(cudaFree(x->snap_d));
         CUDA_CHECK(cudaMalloc((void **)&x->snap_d, (size_t)cap * sizeof(long long)));
@@ -1241,7 +1078,6 @@ extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group
         if (q == cudaErrorNotReady) return -EBUSY;
         CUDA_CHECK(q);
     }
-    kvs_lean_dyn_cuda_join(x);
     k_dyn_usage<<<n_groups, 128, 0, x->b->stream>>>(x->d, group_len, x->snap_d);
     LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpyAsync(x->snap_h[b], x->snap_d, (size_t)cap * sizeof(long long), cudaMemcpyDeviceToHost,
@@ -1289,7 +1125,6 @@ extern "C" int kvs_lean_dyn_cuda_snapshot_read(struct kvs_lean_dyn_cuda *x, int 
 
 extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
 {
-    kvs_lean_dyn_cuda_join(x);
     const cudaError_t q = cudaStreamQuery(x->b->stream);
     if (q == cudaErrorNotReady) return 0;
     CUDA_CHECK(q);
@@ -1299,7 +1134,6 @@ extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
 extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)
 {
     if (first < 0 || n <= 0 || first + n > x->n_states) return;
-    kvs_lean_dyn_cuda_join(x);
     k_dyn_release<<<1, 1, 0, x->b->stream>>>(x->d, first, n);
     LAUNCH_CHECK();
 }
@@ -1307,7 +1141,6 @@ extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first
 extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
 {
     dyn_pm pm;
-    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
     if (!pm.err) return 0;
@@ -1321,7 +1154,6 @@ extern "C" int kvs_lean_dyn_cuda_error(struct kvs_lean_dyn_cuda *x)
 extern "C" int kvs_lean_dyn_cuda_n_free(struct kvs_lean_dyn_cuda *x)
 {
     dyn_pm pm;
-    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     CUDA_CHECK(cudaMemcpy(&pm, x->d.pm, sizeof pm, cudaMemcpyDeviceToHost));
     return (int)(pm.tail - pm.head);
@@ -1332,7 +1164,6 @@ extern "C" void kvs_lean_dyn_cuda_get(struct kvs_lean_dyn_cuda *x, int st, struc
 {
     const dyn_dev &D = x->d;
     const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
-    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     dyn_head dh;
     CUDA_CHECK(cudaMemcpy(&dh, D.heads + st, sizeof dh, cudaMemcpyDeviceToHost));
@@ -1360,7 +1191,6 @@ extern "C" void kvs_lean_dyn_cuda_set(struct kvs_lean_dyn_cuda *x, int st, const
 {
     const dyn_dev &D = x->d;
     const size_t W1 = (size_t)D.W + 1, hd = (size_t)D.hd;
-    kvs_lean_dyn_cuda_join(x);   /* the side stream's last exit too */
     CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
     const dyn_head dh = {h->n_high, h->n_low, h->max_high, h->max_low, h->w_start, h->w_n, h->pruned, h->last_pos,
                          (long long)h->seen};

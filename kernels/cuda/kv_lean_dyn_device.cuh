@@ -75,12 +75,6 @@ struct kvs_lean_dyn_cuda {
     int splits, min_tokens;       /* a decode step's splits per head at most (0: the sequential path), and
                                    * the fewest tokens a split takes */
     int target;                   /* blocks a split launch aims at (2 per SM) */
-    bool merge_pre;               /* the split step's merge keeps the sections' minima in its score pass */
-    /* kvs_lean_dyn_cuda_set_side: the split step's exit and trim on a stream of their own (NULL:
-     * none), forked after the merge and joined by the next step launch or kvs_lean_dyn_cuda_join */
-    cudaStream_t side;
-    cudaEvent_t ev_fork, ev_join;
-    int side_pending;
     int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
     int max_rows_job, rows_total; /* set_jobs: a job's most rows, and the rows of every job of one KV head */
     /* the counters' snapshots (kvs_lean_dyn_cuda_snapshot): per group [pages, high, low, window,

@@ -59,7 +59,6 @@ struct ccase {
     int ext;                      /* rows carry an outside part (cached documents' lse and output) */
     int split;                    /* decode steps: 0 the default split path, > 0 splits of at least
                                    * this many tokens (up to 16 a head), -1 the sequential kernel */
-    int side;                     /* decode steps' exits on the side stream (kvs_lean_dyn_cuda_set_side) */
 };
 
 /* the CPU side: heads over one host page manager and page buffer */
@@ -306,7 +305,6 @@ static void test_steps(const struct ccase *k)
     REQUIRE(kvs_lean_dyn_cuda_create(bg, &s.c, s.n_states, nq, nkv, s.n_pages, s.table_len, s.n_states + 1, 0, &g, err,
                                      sizeof err) == 0, "%s", err);
     if (k->split) kvs_lean_dyn_cuda_set_split(g, k->split < 0 ? 0 : 16, k->split < 0 ? 1 : k->split);
-    if (k->side) REQUIRE(kvs_lean_dyn_cuda_set_side(g, 1) == 0, "side stream");
     const int max_rows = k->pre * k->seqs * (k->seqs + 1) / 2 + k->seqs;
     REQUIRE(kvs_lean_dyn_cuda_reserve_rows(g, max_rows, err, sizeof err) == 0, "%s", err);
     float *q = kvs_xmalloc((size_t)max_rows * nq * hd * 4), *kk = kvs_xmalloc((size_t)max_rows * nkv * hd * 4),
@@ -753,36 +751,31 @@ int main(void)
 {
     if (cuda_pair_open(1)) return 1;
     /* name, high, low, head_dim, G, KV heads, window, entries per high page, requests, prefill,
-     * steps, alpha_h, alpha_l, documents outside, split (decode steps), side stream */
+     * steps, alpha_h, alpha_l, documents outside, split (decode steps) */
     const struct ccase cases[] = {
-        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 0, 0},
-        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02, 0, 0, 0},
-        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05, 0, 0, 0},
-        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 0, 0},
-        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0, 0, 0},
-        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0, 0, 0, 0},
+        {"K8V4+K4V2 hd64 G4", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 0},
+        {"K8V4+K4V2 hd128 G4 a3", {8, 4}, {4, 2}, 128, 4, 2, 16, 8, 2, 24, 160, 3.0, 0.02, 0, 0},
+        {"K8V8+K4V4 hd64 G8", {8, 8}, {4, 4}, 64, 8, 1, 8, 4, 3, 16, 120, 2.0, 0.05, 0, 0},
+        {"K16V16+K8V4 hd32 G2", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 0},
+        {"K8V4+K4V2 all pruned", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0, 0},
+        {"K8V4+K4V2 all low", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1e6, 0.0, 0, 0},
         /* the kernel's shapes: 300 / 600-token heads (several 256-token output chunks), a group
          * of 3 and hd 96 (partial register tiles); hd 36 (codes not in whole 32-bit words,
          * entries not 4-byte aligned: the element-wise reads and byte moves) */
-        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 0, 0},
-        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02, 0, 0, 0},
+        {"K8V4+K4V2 hd96 G3 long", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 0},
+        {"K8V4+K4V2 hd36 G3", {8, 4}, {4, 2}, 36, 3, 1, 8, 4, 2, 8, 100, 1.0, 0.02, 0, 0},
         /* with cached documents outside the heads (kv.reuse = lazy): their lse joins the
          * probabilities and their output the rows', N starts after them */
-        {"K8V4+K4V2 hd64 G4 documents", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.05, 1, 0, 0},
-        {"K8V4+K4V2 hd128 G8 documents a3", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 0, 0},
+        {"K8V4+K4V2 hd64 G4 documents", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.05, 1, 0},
+        {"K8V4+K4V2 hd128 G8 documents a3", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 0},
         /* decode steps split over blocks (every case above takes the default split path for its
          * one-row steps: 64 tokens a split at least, so 1-10 splits): many short splits, a long
          * head over 16 splits, documents with splits of 4 tokens, and the sequential kernel */
-        {"K8V4+K4V2 hd64 G4 split 8", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 8, 0},
-        {"K8V4+K4V2 hd96 G3 long split 16", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 16, 0},
-        {"K8V4+K4V2 hd128 G8 documents a3 split 4", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 4, 0},
-        {"K16V16+K8V4 hd32 G2 split 3", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 3, 0},
-        {"K8V4+K4V2 hd64 G4 sequential", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, -1, 0},
-        /* the exits and trims on the side stream (joined by the next step, or by any read of the
-         * state): the same bits, page ids and free list as one stream */
-        {"K8V4+K4V2 hd64 G4 side", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 0, 1},
-        {"K8V4+K4V2 hd128 G8 documents a3 split 4 side", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 4, 1},
-        {"K8V4+K4V2 all pruned side", {8, 4}, {4, 2}, 64, 4, 1, 8, 4, 2, 8, 80, 1.0, 1e6, 0, 0, 1},
+        {"K8V4+K4V2 hd64 G4 split 8", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, 8},
+        {"K8V4+K4V2 hd96 G3 long split 16", {8, 4}, {4, 2}, 96, 3, 2, 16, 8, 2, 300, 40, 1.0, 0.02, 0, 16},
+        {"K8V4+K4V2 hd128 G8 documents a3 split 4", {8, 4}, {4, 2}, 128, 8, 1, 16, 8, 2, 24, 120, 3.0, 0.02, 1, 4},
+        {"K16V16+K8V4 hd32 G2 split 3", {16, 16}, {8, 4}, 32, 2, 2, 4, 2, 2, 8, 120, 1.0, 0.1, 0, 3},
+        {"K8V4+K4V2 hd64 G4 sequential", {8, 4}, {4, 2}, 64, 4, 2, 8, 4, 3, 8, 160, 1.0, 0.02, 0, -1},
     };
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
