@@ -110,6 +110,19 @@ void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *d, int group_len, 
                                     const unsigned char *live, double *pages, double *high, double *low,
                                     double *window, double *pruned, double *seen_sum, int *free_pages);
 
+/* The same sums without a wait on the host's hot path (the counters under scheduler.async):
+ * snapshot queues a sum of n_groups groups of group_len heads on the stream, behind its work,
+ * and a copy of it to pinned host memory (-EBUSY, nothing queued: the stream is being recorded
+ * into a graph, or the two snapshots before are both still queued and wait is 0; wait != 0 waits
+ * for the older one instead; -EINVAL: more heads than states). snapshot_read gives the newest snapshot of that grouping that has landed (wait != 0:
+ * the newest queued, waited for) as usage_groups gives it for the state it saw: 1, or 0 (none
+ * landed; the outputs untouched). idle: 1 when the stream has nothing queued. */
+int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *d, int group_len, int n_groups, int wait);
+int kvs_lean_dyn_cuda_snapshot_read(struct kvs_lean_dyn_cuda *d, int wait, int group_len, int n_groups,
+                                    const unsigned char *live, double *pages, double *high, double *low,
+                                    double *window, double *pruned, double *seen_sum, int *free_pages);
+int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *d);
+
 /* Request end (or preemption, cancellation): heads [first, first + n) give their pages back
  * (as kvs_lean_pm_release) and start empty. */
 void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *d, int first, int n);

@@ -53,10 +53,15 @@ struct kvs_lean_dyn_store {
     const struct kvs_dbuf *gk, *gv;    /* the step's K/V rows (write) for attention */
     /* requests that ended: their bytes and tokens at the end, tier counts */
     double end_bytes, end_tokens, end_high, end_low, end_pruned;
-    /* cuda: the live requests' sums as the counters last read them (one stream wait and four
-     * copies), kept until the next step, request start or end (gen) changes them: the scheduler
-     * reads the counters several times a step, and a wait per live request per read stalled
-     * the engine (RESULTS, LeanKV part 5) */
+    /* cuda: the live requests' sums as the counters last read them, kept until the next step,
+     * request start or end (gen) changes them: the scheduler reads the counters several times a
+     * step, and a wait per live request per read stalled the engine (RESULTS, LeanKV part 5).
+     * While the stream is busy they come from the newest snapshot that has landed (queued by
+     * each step, kvs_lean_dyn_cuda_snapshot: at most a step or two old), not from a wait: under
+     * scheduler.async a wait there held the host until the step it had just queued was done
+     * (RESULTS, LeanKV dynamic mode part 16); with the stream idle, from a snapshot waited for
+     * (exact). KVS_LEAN_DYN_COUNTERS_WAIT=1 brings the old wait back (measurements). */
+    int counters_wait;
     unsigned long gen, counted_gen;
     double c_bytes, c_tokens, c_high, c_low, c_pruned;
     int c_free_pages;
@@ -248,6 +253,8 @@ int kvs_lean_dyn_create(const struct kvs_kv_shape *sh, const struct kvs_backend_
         /* prompt chunks by the paper's prefill (a step's rows at most) */
         if (!rc) rc = kvs_lean_dyn_cuda_reserve_rows(d->gpu, sh->max_rows, err, errlen);
 #endif
+        const char *cw = getenv("KVS_LEAN_DYN_COUNTERS_WAIT");
+        d->counters_wait = cw && *cw == '1';
         if (rc) {
             kvs_lean_dyn_destroy(d);
             return rc;
@@ -420,6 +427,9 @@ int kvs_lean_dyn_step(struct kvs_lean_dyn_store *d, const struct kvs_kv_step *st
 #if DYN_CUDA
     if (d->gpu) {
         d->n_jobs = st->n_seqs * d->n_kv_heads;
+        /* the counters' snapshot of the state the steps before left (-EBUSY: two still queued,
+         * the counters keep the newest landed one; never an error of the step) */
+        if (!d->counters_wait) (void)kvs_lean_dyn_cuda_snapshot(d->gpu, d->n_layers * d->n_kv_heads, d->max_slots, 0);
         return kvs_lean_dyn_cuda_set_jobs(d->gpu, d->jobs, d->n_jobs);
     }
 #endif
@@ -524,12 +534,27 @@ int kvs_lean_dyn_counters(struct kvs_lean_dyn_store *d, struct kvs_kv_counter *o
     if (d->gpu) {
         if (d->counted_gen != d->gen || d->gen == 0) {
             double pages, window;
-            for (int s = 0; s < d->max_slots; s++) d->live_tmp[s] = (unsigned char)d->slots[s].live;
-            kvs_lean_dyn_cuda_usage_groups(d->gpu, d->n_layers * d->n_kv_heads, d->max_slots, d->live_tmp, &pages,
-                                           &d->c_high, &d->c_low, &window, &d->c_pruned, &d->c_tokens,
-                                           &d->c_free_pages);
-            d->c_bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
-            d->counted_gen = d->gen;
+            const int gl = d->n_layers * d->n_kv_heads;
+            int any_live = 0;
+            for (int s = 0; s < d->max_slots; s++) any_live |= d->live_tmp[s] = (unsigned char)d->slots[s].live;
+            if (d->counters_wait) {
+                kvs_lean_dyn_cuda_usage_groups(d->gpu, gl, d->max_slots, d->live_tmp, &pages, &d->c_high, &d->c_low,
+                                               &window, &d->c_pruned, &d->c_tokens, &d->c_free_pages);
+                d->c_bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
+                d->counted_gen = d->gen;
+            } else {
+                /* no request live (only releases can be queued: nothing to overlap) or the stream
+                 * idle: a fresh snapshot, waited for (exact; gen is then counted); busy: the newest
+                 * landed, if any (not counted: the next read looks again) */
+                const int idle = !any_live || kvs_lean_dyn_cuda_idle(d->gpu);
+                const int fresh = idle && kvs_lean_dyn_cuda_snapshot(d->gpu, gl, d->max_slots, 1) == 0;
+                if (kvs_lean_dyn_cuda_snapshot_read(d->gpu, fresh, gl, d->max_slots, d->live_tmp, &pages, &d->c_high,
+                                                    &d->c_low, &window, &d->c_pruned, &d->c_tokens,
+                                                    &d->c_free_pages)) {
+                    d->c_bytes = pages * (double)d->c.page_bytes + window * 4.0 * d->c.head_dim;
+                    if (fresh) d->counted_gen = d->gen;
+                }
+            }
         }
         bytes = d->c_bytes, tokens = d->c_tokens, high = d->c_high, low = d->c_low, pruned = d->c_pruned;
         free_pages = d->c_free_pages;

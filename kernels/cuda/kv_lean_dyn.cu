@@ -769,6 +769,11 @@ extern "C" void kvs_lean_dyn_cuda_free(struct kvs_lean_dyn_cuda *x)
                   x->d.part, x->d.part_o, x->d.done, x->d.pf_ml, x->d.pf_tsum};
     for (size_t i = 0; i < sizeof ps / sizeof *ps; i++)
         if (ps[i]) cudaFree(ps[i]);
+    if (x->snap_d) cudaFree(x->snap_d);
+    for (int i = 0; i < 2; i++) {
+        if (x->snap_h[i]) cudaFreeHost(x->snap_h[i]);
+        if (x->snap_ev[i]) cudaEventDestroy(x->snap_ev[i]);
+    }
     free(x);
 }
 
@@ -1015,6 +1020,115 @@ extern "C" void kvs_lean_dyn_cuda_usage_groups(struct kvs_lean_dyn_cuda *x, int 
     }
     *free_pages = (int)(pm.tail - pm.head);
     free(hs), free(np);
+}
+
+/* ---- the counters' snapshots ---------------------------------------------------------------
+ * The counters (kv_storage_lean_dyn.c) once read the heads with a stream wait and four copies
+ * each time a step had changed them: under scheduler.async that wait held the host until the
+ * step it had just queued was done, so the host's preparation of the next step no longer
+ * overlapped the device's work (every step paid host + device time). A snapshot is summed on the
+ * device and copied to pinned memory behind the stream's work instead; the host reads the newest
+ * one that has landed (an event query), and waits only when asked to (an idle stream). */
+#define SNAP_F 6   /* per group: pages, high, low, window, pruned, first head's seen */
+
+__global__ void __launch_bounds__(128) k_dyn_usage(dyn_dev D, int group_len, long long *out)
+{
+    __shared__ unsigned long long sum[SNAP_F - 1];
+    if (threadIdx.x < SNAP_F - 1) sum[threadIdx.x] = 0;
+    __syncthreads();
+    unsigned long long a[SNAP_F - 1] = {0, 0, 0, 0, 0};
+    for (int i = threadIdx.x; i < group_len; i += blockDim.x) {
+        const int st = blockIdx.x * group_len + i;
+        const dyn_head h = D.heads[st];
+        a[0] += (unsigned long long)(D.nhp[st] + D.nlp[st]), a[1] += (unsigned long long)h.n_high;
+        a[2] += (unsigned long long)h.n_low, a[3] += (unsigned long long)h.w_n, a[4] += (unsigned long long)h.pruned;
+    }
+    for (int f = 0; f < SNAP_F - 1; f++)
+        if (a[f]) atomicAdd(&sum[f], a[f]);   /* integers: any order gives the same sums */
+    __syncthreads();
+    long long *o = out + (long long)blockIdx.x * SNAP_F;
+    if (threadIdx.x < SNAP_F - 1) o[threadIdx.x] = (long long)sum[threadIdx.x];
+    if (threadIdx.x == 0) o[SNAP_F - 1] = D.heads[(long long)blockIdx.x * group_len].seen;
+    if (blockIdx.x == 0 && threadIdx.x == 0) out[(long long)gridDim.x * SNAP_F] = D.pm->tail - D.pm->head;
+}
+
+extern "C" int kvs_lean_dyn_cuda_snapshot(struct kvs_lean_dyn_cuda *x, int group_len, int n_groups, int wait)
+{
+    if (group_len <= 0 || n_groups <= 0 || (long long)group_len * n_groups > x->n_states) return -EINVAL;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(x->b->stream, &cs));
+    if (cs != cudaStreamCaptureStatusNone) return -EBUSY;   /* never inside a recording */
+    const int cap = n_groups * SNAP_F + 1;
+    if (cap > x->snap_cap) {   /* first use (or a larger grouping): allocated outside the hot path's recordings */
+        CUDA_CHECK(cudaStreamSynchronize(x->b->stream));
+        if (x->snap_d) CUDA_CHECK(cudaFree(x->snap_d));
+        CUDA_CHECK(cudaMalloc((void **)&x->snap_d, (size_t)cap * sizeof(long long)));
+        for (int i = 0; i < 2; i++) {
+            if (x->snap_h[i]) CUDA_CHECK(cudaFreeHost(x->snap_h[i]));
+            CUDA_CHECK(cudaMallocHost((void **)&x->snap_h[i], (size_t)cap * sizeof(long long)));
+            if (!x->snap_ev[i]) CUDA_CHECK(cudaEventCreateWithFlags(&x->snap_ev[i], cudaEventDisableTiming));
+            x->snap_seq[i] = 0;
+        }
+        x->snap_cap = cap;
+    }
+    /* the buffer after the newest; one whose copy is still queued is not overwritten */
+    const int b = x->snap_seq[0] > x->snap_seq[1] ? 1 : 0;
+    if (x->snap_seq[b]) {
+        const cudaError_t q = wait ? cudaEventSynchronize(x->snap_ev[b]) : cudaEventQuery(x->snap_ev[b]);
+        if (q == cudaErrorNotReady) return -EBUSY;
+        CUDA_CHECK(q);
+    }
+    k_dyn_usage<<<n_groups, 128, 0, x->b->stream>>>(x->d, group_len, x->snap_d);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpyAsync(x->snap_h[b], x->snap_d, (size_t)cap * sizeof(long long), cudaMemcpyDeviceToHost,
+                               x->b->stream));
+    CUDA_CHECK(cudaEventRecord(x->snap_ev[b], x->b->stream));
+    x->snap_seq[b] = ++x->snap_count;
+    x->snap_groups = n_groups, x->snap_len = group_len;
+    return 0;
+}
+
+extern "C" int kvs_lean_dyn_cuda_snapshot_read(struct kvs_lean_dyn_cuda *x, int wait, int group_len, int n_groups,
+                                               const unsigned char *live, double *pages, double *high, double *low,
+                                               double *window, double *pruned, double *seen_sum, int *free_pages)
+{
+    /* the newest snapshot of this grouping that has landed (wait: the newest, waited for) */
+    int best = -1;
+    for (int i = 0; i < 2; i++) {
+        if (!x->snap_seq[i] || (best >= 0 && x->snap_seq[i] < x->snap_seq[best])) continue;
+        best = i;
+    }
+    if (best >= 0 && wait) CUDA_CHECK(cudaEventSynchronize(x->snap_ev[best]));
+    if (best >= 0 && !wait) {
+        cudaError_t q = cudaEventQuery(x->snap_ev[best]);
+        if (q == cudaErrorNotReady) {   /* the older one, if it has landed */
+            best = 1 - best;
+            q = x->snap_seq[best] ? cudaEventQuery(x->snap_ev[best]) : cudaErrorNotReady;
+            if (q == cudaErrorNotReady) best = -1;
+            else CUDA_CHECK(q);
+        } else {
+            CUDA_CHECK(q);
+        }
+    }
+    if (best < 0 || x->snap_groups != n_groups || x->snap_len != group_len) return 0;
+    const long long *h = x->snap_h[best];
+    *pages = *high = *low = *window = *pruned = *seen_sum = 0;
+    for (int g = 0; g < n_groups; g++) {
+        if (!live[g]) continue;
+        const long long *o = h + (long long)g * SNAP_F;
+        *pages += (double)o[0], *high += (double)o[1], *low += (double)o[2], *window += (double)o[3];
+        *pruned += (double)o[4], *seen_sum += (double)o[5];
+    }
+    *free_pages = (int)h[(long long)n_groups * SNAP_F];
+    return 1;
+}
+
+extern "C" int kvs_lean_dyn_cuda_idle(struct kvs_lean_dyn_cuda *x)
+{
+    const cudaError_t q = cudaStreamQuery(x->b->stream);
+    if (q == cudaErrorNotReady) return 0;
+    CUDA_CHECK(q);
+    return 1;
 }
 
 extern "C" void kvs_lean_dyn_cuda_release(struct kvs_lean_dyn_cuda *x, int first, int n)

@@ -77,6 +77,14 @@ struct kvs_lean_dyn_cuda {
     int target;                   /* blocks a split launch aims at (2 per SM) */
     int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
     int max_rows_job, rows_total; /* set_jobs: a job's most rows, and the rows of every job of one KV head */
+    /* the counters' snapshots (kvs_lean_dyn_cuda_snapshot): per group [pages, high, low, window,
+     * pruned, first head's seen], then the free pages, summed on the device (snap_d) and copied
+     * to one of two pinned host buffers behind the stream's work; snap_seq[i]: the snapshot
+     * buffer i holds (0: none), snap_ev[i] records its copy */
+    long long *snap_d, *snap_h[2];
+    cudaEvent_t snap_ev[2];
+    unsigned long long snap_seq[2], snap_count;
+    int snap_groups, snap_len, snap_cap;
     dyn_dev d;
 };
 

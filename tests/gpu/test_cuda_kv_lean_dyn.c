@@ -512,6 +512,39 @@ static void test_steps(const struct ccase *k)
               want[0], want[1], want[2], want[3], want[4], want[5], kvs_lean_dyn_cuda_n_free(g));
         if (same) printf("ok usage %s: one-copy sums over %d live heads equal the per-head sums\n", k->name,
                          (s.n_states + 1) / 2);
+        /* the counters' snapshots (summed on the device, copied behind the stream): the same sums,
+         * waited for and then read again without a wait; then groups of two heads, all live */
+        double sn[6] = {0}, sn2[6] = {0};
+        int sfree = -1, sfree2 = -1;
+        REQUIRE(kvs_lean_dyn_cuda_snapshot(g, 1, s.n_states, 1) == 0, "snapshot");
+        int got1 = kvs_lean_dyn_cuda_snapshot_read(g, 1, 1, s.n_states, live, &sn[0], &sn[1], &sn[2], &sn[3], &sn[4],
+                                                   &sn[5], &sfree);
+        int got2 = kvs_lean_dyn_cuda_snapshot_read(g, 0, 1, s.n_states, live, &sn2[0], &sn2[1], &sn2[2], &sn2[3],
+                                                   &sn2[4], &sn2[5], &sfree2);
+        int snap_same = got1 == 1 && got2 == 1 && sfree == free_pages && sfree2 == free_pages;
+        for (int j = 0; j < 6; j++) snap_same = snap_same && sn[j] == want[j] && sn2[j] == want[j];
+        CHECK(snap_same, "%s: snapshot (%d / %d: pages %g high %g low %g window %g pruned %g seen %g, free %d) != "
+              "per-head sums (%g %g %g %g %g %g, free %d)", k->name, got1, got2, sn[0], sn[1], sn[2], sn[3], sn[4],
+              sn[5], sfree, want[0], want[1], want[2], want[3], want[4], want[5], free_pages);
+        const int ng = s.n_states / 2;
+        if (ng > 0) {
+            double w2[6] = {0}, u[6];
+            for (int i = 0; i < ng; i++) {
+                live[i] = 1;
+                kvs_lean_dyn_cuda_usage(g, 2 * i, 2, &u[0], &u[1], &u[2], &u[3], &u[4], &u[5]);
+                for (int j = 0; j < 6; j++) w2[j] += u[j];
+            }
+            REQUIRE(kvs_lean_dyn_cuda_snapshot(g, 2, ng, 1) == 0, "snapshot (pairs)");
+            got1 = kvs_lean_dyn_cuda_snapshot_read(g, 1, 2, ng, live, &sn[0], &sn[1], &sn[2], &sn[3], &sn[4], &sn[5],
+                                                   &sfree);
+            int pair_same = got1 == 1 && sfree == free_pages;
+            for (int j = 0; j < 6; j++) pair_same = pair_same && sn[j] == w2[j];
+            CHECK(pair_same, "%s: snapshot of %d pairs (pages %g high %g low %g window %g pruned %g seen %g) != "
+                  "the pairs' sums (%g %g %g %g %g %g)", k->name, ng, sn[0], sn[1], sn[2], sn[3], sn[4], sn[5], w2[0],
+                  w2[1], w2[2], w2[3], w2[4], w2[5]);
+            snap_same = snap_same && pair_same;
+        }
+        if (snap_same) printf("ok snapshot %s: the counters' device sums equal the per-head sums\n", k->name);
         free(live);
     }
     char msg[256];
