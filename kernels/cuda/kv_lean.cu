@@ -620,6 +620,12 @@ extern "C" void kvs_cuda_set_lean_layout(int layout)
     lean_layout = layout >= 1 && layout <= 3 ? layout : 0;
 }
 
+/* kv_lean_prefill.cu: launches k_lean_pf for the rows-on-M launch x (sets x.qt, x.chunk and
+ * x.n_splits; the partials, where n_splits > 1, for the merge below); false, with nothing
+ * launched, where it does not apply (spans, rotation offsets, formats it is not built for,
+ * kvs_cuda_set_lean_prefill(0)) */
+bool lean_pf_launch(lean_fd_args &x, const int *h_q_start, const int *h_pos, long long by_ws, int n_sms, cudaStream_t st);
+
 static long long lean_host_tiles(const int32_t *sp, int ns, int last)
 {
     long long k = 0;
@@ -688,7 +694,12 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
      * (1-2% slower at batch 8 x 32K; bench/RESULTS.md, "part 12"); K2V2 was not timed */
     const bool dec = kt && (lean_layout == 3 || (lean_layout == 0 && f.kbits + f.vbits >= 6)) &&
                      lean_dec_launch(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
-    if (dec) {
+    /* rows on M at the automatic layout (a prompt chunk in the launch): the multi-warp prompt
+     * kernel k_lean_pf (kv_lean_prefill.cu: K8V8 / K8V4 / K4V4 / K4V2 without spans or rotation
+     * offsets; else k_lean_fd), which stages each key tile once for 64 query rows */
+    const bool pf = !kt && !dec && !sp && lean_layout == 0 &&
+                    lean_pf_launch(a, m->h_q_start, m->h_pos, by_ws, b->n_sms, b->stream);
+    if (dec || pf) {
         /* launched: its partials (one a compute warp and split) are merged below, even a single one */
     } else if (head_dim == 64) {
         if (kt) lean_launch_hd<64, true>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
