@@ -620,6 +620,14 @@ extern "C" void kvs_cuda_set_lean_layout(int layout)
     lean_layout = layout >= 1 && layout <= 3 ? layout : 0;
 }
 
+/* kv_lean_prefill.cu: launches k_lean_pf for the rows-on-M launch x (sets x.qt, x.chunk and
+ * x.n_splits; the partials, where n_splits > 1, for the merge below); false, with nothing
+ * launched, where it does not apply (spans, rotation offsets, formats it is not built for,
+ * kvs_cuda_set_lean_prefill(0)) */
+bool lean_pf_launch(lean_fd_args &x, const int *h_q_start, const int *h_pos, long long by_ws, int n_sms, cudaStream_t st);
+/* kv_lean_prefill.cu: whether lean_pf_launch would take x's rows-on-M launch */
+bool lean_pf_takes(const lean_fd_args &x);
+
 static long long lean_host_tiles(const int32_t *sp, int ns, int last)
 {
     long long k = 0;
@@ -630,25 +638,34 @@ static long long lean_host_tiles(const int32_t *sp, int ns, int last)
     return (k + AT_TILE - 1) / AT_TILE;
 }
 
-/* a mixed step in two launches (KVS_LEAN_MIXED=1 or kvs_cuda_set_lean_mixed(1)); off by default:
- * on the H100 the 1,000-prompt workload's mixed steps (a 4K prompt beside 1-255 decode rows, K8V4)
- * took as long or longer in two launches ("part 14": +5.5 ms at 1-63 decode rows, equal within
- * 1 ms at 64-255), the decode launch's merge walking a grid of every row-head of the step (the
- * chunk's too, to skip them) for a few decode rows' worth of attention. Read once, then as set */
-static int lean_mixed = -1;
+/* a mixed step in two launches: KVS_LEAN_MIXED=1 or kvs_cuda_set_lean_mixed(1) always, 0 never;
+ * unset (the default), two launches only where the chunks go to k_lean_pf (kv_lean_prefill.cu) and
+ * the step holds at least LEAN_MIXED_ROWS decode rows. On the H100 with k_lean_fd for the chunks,
+ * two launches took as long or longer ("part 14": +5.5 ms at 1-63 decode rows, equal within 1 ms
+ * at 64-255: the decode launch's merge walks every row-head of the step); with k_lean_pf taking
+ * a one-launch step's decode rows too (measured at 4 warps a block: a row-tile a decode sequence,
+ * one warp of it computing, 2 blocks an SM),
+ * the 1,000-prompt workload's K8V4 mixed steps took 149.5 / 163.4 / 179.4 / 194.9 ms at 1-63 /
+ * 64-127 / 128-191 / 192-255 decode rows against k_lean_fd's one launch 152.8 / 159.7 / 163.2 /
+ * 168.2 ("part 15"): from 64 decode rows up the decode rows go back to k_lean_dec on their own
+ * launch (part 14's two-launch form, the chunks now on k_lean_pf; its time with k_lean_pf not
+ * measured: no device call was left). Read once, then as set. */
+#define LEAN_MIXED_ROWS 64
+static int lean_mixed = -2; /* -2 unread, -1 automatic, 0 / 1 forced */
 
 extern "C" void kvs_cuda_set_lean_mixed(int on)
 {
-    lean_mixed = on >= 0 ? on != 0 : -1;
+    lean_mixed = on >= 0 ? on != 0 : -2;
 }
 
-static bool mixed_on(void)
+/* whether a mixed step of dec_rows decode rows takes two launches; pf: its chunks go to k_lean_pf */
+static bool mixed_two(int dec_rows, bool pf)
 {
-    if (lean_mixed < 0) {
+    if (lean_mixed == -2) {
         const char *e = getenv("KVS_LEAN_MIXED");
-        lean_mixed = e && *e && atoi(e) != 0;
+        lean_mixed = e && *e ? atoi(e) != 0 : -1;
     }
-    return lean_mixed != 0;
+    return lean_mixed == 1 || (lean_mixed == -1 && pf && dec_rows >= LEAN_MIXED_ROWS);
 }
 
 /* one attention launch (and its merge) over the sequences of selection a.sel (lean_fd_args), in
@@ -688,7 +705,12 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
      * (1-2% slower at batch 8 x 32K; bench/RESULTS.md, "part 12"); K2V2 was not timed */
     const bool dec = kt && (lean_layout == 3 || (lean_layout == 0 && f.kbits + f.vbits >= 6)) &&
                      lean_dec_launch(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
-    if (dec) {
+    /* rows on M at the automatic layout (a prompt chunk in the launch): the multi-warp prompt
+     * kernel k_lean_pf (kv_lean_prefill.cu: K8V8 / K8V4 / K4V4 / K4V2 without spans or rotation
+     * offsets; else k_lean_fd), which stages and dequantizes each key tile once for 128 query rows */
+    const bool pf = !kt && !dec && !sp && lean_layout == 0 &&
+                    lean_pf_launch(a, m->h_q_start, m->h_pos, by_ws, b->n_sms, b->stream);
+    if (dec || pf) {
         /* launched: its partials (one a compute warp and split) are merged below, even a single one */
     } else if (head_dim == 64) {
         if (kt) lean_launch_hd<64, true>(a, n_tiles, w_max, by_ws, b->n_sms, b->stream);
@@ -755,13 +777,18 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
         if (rows > 0 && rows < min_rows) min_rows = rows;
     }
     /* a mixed step (decode rows beside prompt chunks, in the engine's scheduling order), where
-     * mixed_on(): two launches over the same metadata, each taking its own sequences
+     * mixed_two(): two launches over the same metadata, each taking its own sequences
      * (lean_fd_args.sel), so the decode rows keep the keys-on-M kernels (k_lean_dec) instead of
      * riding in the chunks' tiles of the one-warp kernel (16 / G tokens a tile, "part 12").
      * Decode-only steps (the ones the engine captures in graphs) take the single launch */
     const int kt_rows = 8 / G;
+    int dec_rows = 0;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+        if (rows <= kt_rows) dec_rows += rows;
+    }
     if (!sp && G <= 8 && lean_layout == 0 && max_rows > kt_rows && min_rows <= kt_rows &&
-        mixed_on()) {
+        mixed_two(dec_rows, lean_pf_takes(a))) {
         a.sel_rows = kt_rows;
         a.sel = 2;
         attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, false);
