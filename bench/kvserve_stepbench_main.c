@@ -33,7 +33,8 @@
  * eager); the other Quest / Retro columns use 16, or --base-bits (8: the policies' default).
  * --windows 0: no Retro columns.
  * --step-ab adds, per window, Retro with KVS_RETRO_STEP=0 (spans, attend and merge as separate
- * launches, before the table's step) in the same process, right after the default column.
+ * launches, before the table's step) and with KVS_CUDA_RETRO_MASK=kernel (the table's step with
+ * its mask kernel, not the mask step in the attend's walk) in the same process, after the default.
  *
  * Usage: kvserve-stepbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8]
  *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16]
@@ -326,14 +327,14 @@ int main(int argc, char **argv)
         hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest eager | w=%d eff. budget |", windows[i],
                        windows[i], windows[i]);
         if (step_ab)
-            hl += snprintf(head + hl, sizeof head - hl, " w=%d STEP=0 ms | w=%d STEP=0 / Quest eager |", windows[i],
-                           windows[i]);
+            hl += snprintf(head + hl, sizeof head - hl, " w=%d STEP=0 ms | w=%d STEP=0 / Quest eager | w=%d MASK=kernel "
+                           "ms | w=%d MASK=kernel / Quest eager |", windows[i], windows[i], windows[i], windows[i]);
     }
     printf("%s\n", head);
     if (mf) {
         fprintf(mf, "%s\n|---|---|---|---|---|---|---|---|", head);
         for (int i = 0; i < n_w + n_d; i++) fprintf(mf, "---|---|---|");
-        for (int i = 0; i < (step_ab ? n_w : 0); i++) fprintf(mf, "---|---|");
+        for (int i = 0; i < (step_ab ? n_w : 0); i++) fprintf(mf, "---|---|---|---|");
         fprintf(mf, "\n");
     }
     uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -382,7 +383,11 @@ int main(int argc, char **argv)
                     setenv("KVS_RETRO_STEP", "0", 1);
                     const struct result r0 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
                     unsetenv("KVS_RETRO_STEP");
-                    ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f |", r0.ms, r0.ms / quest.ms);
+                    setenv("KVS_CUDA_RETRO_MASK", "kernel", 1);   /* read at every step */
+                    const struct result r1 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
+                    unsetenv("KVS_CUDA_RETRO_MASK");
+                    ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.2f | %.3f |", r0.ms, r0.ms / quest.ms,
+                                   r1.ms, r1.ms / quest.ms);
                 }
             }
             printf("%s\n", line);

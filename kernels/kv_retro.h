@@ -88,8 +88,9 @@ struct kvs_retro_kernels {
      * then runs spans, attend and merge): a selecting layer's whole device step in fewer launches,
      * with the results of spans (A, m_out, keys; n_spans / spans are not written: attend reads the
      * selection and m_out), then attend (its arguments), then merge (cidx .. l_next) into out /
-     * lse. Where attend splits the keys, the splits' merge and the cache merge are one kernel;
-     * the mask step skips the supplement lists' scans and barriers. m_out is required. */
+     * lse. On CUDA the mask step rides the attend's walk where one block reads each selected page
+     * (else a mask kernel without the lists' scans runs first), and where attend splits the keys
+     * the splits' merge and the cache merge are one kernel. m_out is required. */
     int (*step)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
                 const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel, int max_spans,
                 const struct kvs_dbuf *req, struct kvs_dbuf *A, int a_layers, int a_layer, struct kvs_dbuf *m_out,

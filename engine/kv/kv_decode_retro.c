@@ -43,14 +43,17 @@
  * supplements are made on the host (kvs_retro_mask_step / kvs_retro_supplement) and uploaded, the
  * merged lse is downloaded into a host cache. Device path (a backend with a Retro kernel table,
  * kernels/kv_retro.h: CUDA; the CPU with kv_decode_retro.h's hook): the masks live on the device
- * (A [slots][sparse layers][n_kv_heads][max pages]), one kernel makes the mask step and every lead
- * row's spans and M (the page's last load before this step) from the device selection; the
- * table's fused attend (the paper's kernel) reads each selected page once for every row of the
- * request, a past row seeing only the keys of its supplement (a shape it does not take, or
+ * (A [slots][sparse layers][n_kv_heads][max pages]). Where the table has a step (CUDA; not in a
+ * kept step, KVS_RETRO_STEP=0 turns it off) a selecting layer after Quest's selection is two
+ * launches: the fused attend (the paper's kernel: each selected page read once for every row of
+ * the request, a past row seeing only the keys of its supplement) with the mask step in its walk,
+ * and one kernel for the splits' merge, the merge of the past rows with the cached (o, lse) and
+ * the next cache. Otherwise: one kernel makes the mask step and every lead row's spans and M (the
+ * page's last load before this step), then the fused attend (a shape it does not take, or
  * KVS_RETRO_FUSED=0: attention_spans over every lead row's spans, planned from the host bound of
- * plan()); one kernel merges the past rows with the cached (o, lse) and writes the next cache
- * (two caches per layer, alternating by step): a selecting layer issues device work only. Its
- * keys counters accumulate on the device and are read by counters() (one download).
+ * plan()), then the merge (two caches per layer, alternating by step). Either way a selecting
+ * layer issues device work only. Its keys counters accumulate on the device and are read by
+ * counters() (one download).
  *
  * kvserve:kv_decode_bytes_read_total counts the supplements as a second read where they are one
  * (the host path, the unfused device path: as of its last layer), not under the fused kernel. Steps whose blocks carry

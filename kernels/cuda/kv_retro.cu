@@ -16,6 +16,11 @@
  * merge   one block per (row, head): attn_merge's arithmetic (kv_span.cu k_attn_merge2) with the
  *         cached row cidx[t] of the previous step's cache, then the row is copied to the next
  *         cache (the caches alternate by step: the gather is never overwritten while read).
+ * step    the table's step (kernels/kv_retro.h): the fused attend with the mask step in its walk
+ *         (fused_args fold) where one block reads each selected page, else k_retro_mask (the
+ *         spans kernel's A / M / keys without the lists) before it; then k_retro_merge_sp (the
+ *         splits' merge and the cache merge in one launch) or k_retro_merge (one split): fewer
+ *         launches in the layer's dependent chain (their cost: bench/RESULTS.md, retro12).
  *
  * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
  * grid dependency before it reads what earlier kernels (Quest's select, attention_spans) wrote.
@@ -372,6 +377,14 @@ struct fused_args {
     const int32_t *sel_n, *sel;    /* the newest rows' selections [n_req][n_kv](x max_spans x 2) */
     const int32_t *req, *msel;     /* kvs_retro_kernels: req [n_req][5]; M [n_req][n_kv][max_pages] */
     int max_spans, max_pages, ps;
+    /* fold != 0 (the table's step, where one block reads each selected page: grid z of 1): the
+     * mask step rides the walk. A key's m is read from the masks A (slot, layer a_layer) instead
+     * of msel, the page's first key's lane writes A = t and msel (M) once every lane of the warp
+     * has used its m, the block's own and supplement keys go to keys, and split 0 sets an
+     * unselected current page to t - 1: what k_retro_mask does, without its launch. */
+    int fold, a_layers, a_layer;
+    int32_t *A, *m_out;
+    unsigned long long *keys;
     int chunk, n_splits;
     int halves;                    /* span_lookup's two-pointer copies for tiles of two 16-key halves (kvs_cu_span_halves) */
     float *out, *lse;
@@ -399,6 +412,15 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
     const int ns = fa.sel_n[pair];
     const int32_t *sp = fa.sel + pair * (size_t)fa.max_spans * 2;
     const int32_t *mq = fa.msel + pair * (size_t)fa.max_pages;
+    const int cpage = last / fa.ps, past = rows - 1;
+    int32_t *ga = nullptr, *mo = nullptr;
+    if (fa.fold) {
+        ga = fa.A + (((size_t)fa.req[5 * q + 4] * fa.a_layers + fa.a_layer) * a.n_kv + kvh) * fa.max_pages;
+        mo = fa.m_out + pair * (size_t)fa.max_pages;
+        /* the current page, when not selected (no lane below writes it), was still loaded by the
+         * previous step's query (kvs_retro_mask_step) */
+        if (split == 0 && lane == 0 && !in_spans(sp, ns, cpage * fa.ps)) ga[cpage] = t - 1;
+    }
     const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
     const long long w0 = (long long)split * fa.chunk;
     const long long w1 = split == fa.n_splits - 1 ? n_tiles_all : min(n_tiles_all, w0 + fa.chunk);
@@ -409,17 +431,30 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
     cur.o = 0;
     if (ntiles > 0) cur = cursor_seek(sp, ns, last, w0 * AT_TILE);
     bool nxt_contig = false;
-    int nxt_b = 0;
+    int nxt_p = -1, nxt_m = 0;
+    long long own = 0, sup = 0;   /* fold: this block's keys */
+    /* the key's M is loaded here and first used at the tile's issue, one tile of compute later,
+     * so its latency is not a stall before the current tile's compute */
     auto lookup = [&]() {
         const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, nullptr, nullptr, &nxt_contig, fa.halves != 0);
         const int p = key_after(sp, ns, last, cur, lane);
-        nxt_b = p >= 0 ? min(t - mq[p / fa.ps] - 1, last - p) : -1;
+        const int pg = p / fa.ps;
+        nxt_p = p;
+        nxt_m = p < 0 ? 0 : fa.fold ? (pg == cpage ? t - 1 : ga[pg]) : mq[pg];
         cursor_advance(sp, ns, last, cur, AT_TILE);
         return tm;
     };
-    auto issue = [&](const tile_meta &tm, bool contig, int b, int it) {
+    auto issue = [&](const tile_meta &tm, bool contig, int p, int m, int it) {
         const int st = it % ST;
         bf16 *dk = sk + (size_t)st * AT_TILE * KST, *dv = sv + (size_t)st * AT_TILE * KST;
+        m = min(m, t - 1);   /* M is A before this step: never t (the newest row sees every selected key) */
+        const int b = p >= 0 ? min(t - m - 1, last - p) : -1;
+        if (fa.fold) {
+            own += p >= 0;
+            sup += p >= 0 ? max(0, min(b, past)) : 0;   /* the past rows that see the key */
+            __syncwarp();   /* every lane has used its A before the page's first lane rewrites it */
+            if (p >= 0 && p % fa.ps == 0) ga[p / fa.ps] = t, mo[p / fa.ps] = m;
+        }
         sb[st * AT_TILE + lane] = b;
         if (contig) tile_issue<HD, 32>(a, tm, dk, dv, KST, soff + st * AT_TILE);
         else gather_issue<HD>(a, tm, dk, dv, KST, soff + st * AT_TILE);
@@ -429,7 +464,7 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
         if (st < ntiles) {
-            issue(nxt, nxt_contig, nxt_b, st);
+            issue(nxt, nxt_contig, nxt_p, nxt_m, st);
             nxt = lookup();
         }
         cp_async_commit();
@@ -457,7 +492,7 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
 
     for (int it = 0; it < ntiles; it++) {
         if (it + ST - 1 < ntiles) {
-            issue(nxt, nxt_contig, nxt_b, it + ST - 1);
+            issue(nxt, nxt_contig, nxt_p, nxt_m, it + ST - 1);
             nxt = lookup();
         }
         cp_async_commit();
@@ -487,6 +522,15 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
         __syncwarp();
     }
     cp_async_wait<0>();
+    if (fa.fold) {
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+            own += __shfl_xor_sync(FULL, own, d);
+            sup += __shfl_xor_sync(FULL, sup, d);
+        }
+        if (lane == 0 && own) atomicAdd(&fa.keys[0], (unsigned long long)own);
+        if (lane == 0 && sup) atomicAdd(&fa.keys[1], (unsigned long long)sup);
+    }
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -542,11 +586,15 @@ static void launch_fused_hd(fused_args &x, int n_req, int rows_max, cudaStream_t
     else launch_fused<HD, 2>(x, n_req, (nr + 31) / 32, st, n_sms, w_max, by_ws);
 }
 
-/* Retro's cache merge after the fused attend (kvs_retro_kernels step); NULL: attend alone */
+/* Retro's cache merge after the fused attend (kvs_retro_kernels step); NULL: attend alone. fold:
+ * the mask step in the attend's walk (fused_args fold; A .. keys its arguments), else M is read
+ * from msel as spans or k_retro_mask wrote it. */
 struct cache_merge {
     const struct kvs_dbuf *cidx, *o_prev, *l_prev;
     int prev_rows;
     struct kvs_dbuf *o_next, *l_next;
+    int fold, a_layers, a_layer;
+    struct kvs_dbuf *A, *keys;
 };
 
 /* -ENOSYS for a shape the fused kernel does not take (checked before any launch) */
@@ -585,6 +633,11 @@ static void retro_attend_launch(struct kvs_backend *b, const struct kvs_dbuf *q,
     x.halves = kvs_cu_span_halves();
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
+    if (cm && cm->fold) {
+        KVS_ASSERT(rows_max * (n_heads / n_kv_heads) <= 32);   /* one block a selected page (grid z of 1) */
+        x.fold = 1, x.a_layers = cm->a_layers, x.a_layer = cm->a_layer;
+        x.A = (int32_t *)cm->A->d, x.m_out = (int32_t *)m_sel->d, x.keys = (unsigned long long *)cm->keys->d;
+    }
     const long long w_max = (max_keys + AT_TILE - 1) / AT_TILE;
     const long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
     switch (head_dim) {
@@ -630,9 +683,9 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     return 0;
 }
 
-/* kvs_retro_kernels step: k_retro_mask, the fused attend, and one merge launch (k_retro_merge_sp
- * where the attend split its keys, else k_retro_merge): three launches where spans + attend +
- * merge take four, and the mask step without the lists' scans */
+/* kvs_retro_kernels step: the fused attend with the mask step in its walk (or k_retro_mask before
+ * it, where several blocks read a page), and one merge launch (k_retro_merge_sp where the attend
+ * split its keys, else k_retro_merge): two launches where spans + attend + merge take four */
 static int cu_retro_step(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
                          const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
                          const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req, struct kvs_dbuf *A,
@@ -646,11 +699,20 @@ static int cu_retro_step(struct kvs_backend *b, const struct kvs_dbuf *q, const 
     const int rc = fused_takes(m, n_heads, n_kv_heads, head_dim);
     if (rc) return rc;
     KVS_ASSERT(m_out && keys->n >= 4);
-    CUDA_CHECK(kvs_cu_launch(k_retro_mask, (unsigned)(n_req * n_kv_heads), RM_THREADS, 0, b->stream,
-                             (const int32_t *)sel_n->d, (const int32_t *)sel->d, (const int32_t *)req->d, n_kv_heads,
-                             max_spans, page_size, (int32_t *)A->d, a_layers, a_layer, max_pages,
-                             (unsigned long long *)keys->d, (int32_t *)m_out->d));
-    const struct cache_merge cm = {cidx, o_prev, l_prev, prev_rows, o_next, l_next};
+    int rows_max = 0;
+    for (int s = 0; s < n_req; s++)
+        rows_max = m->h_q_start[s + 1] - m->h_q_start[s] > rows_max ? m->h_q_start[s + 1] - m->h_q_start[s] : rows_max;
+    /* the mask step in the walk where one block reads each page (at most 32 window rows x heads of
+     * a group: grid z of 1); KVS_CUDA_RETRO_MASK=kernel keeps k_retro_mask (the benches' A/B; read
+     * every call, so a bench can switch it between runs) */
+    const char *e = getenv("KVS_CUDA_RETRO_MASK");
+    const int fold = rows_max * (n_heads / n_kv_heads) <= 32 && !(e && !strcmp(e, "kernel"));
+    if (!fold)
+        CUDA_CHECK(kvs_cu_launch(k_retro_mask, (unsigned)(n_req * n_kv_heads), RM_THREADS, 0, b->stream,
+                                 (const int32_t *)sel_n->d, (const int32_t *)sel->d, (const int32_t *)req->d,
+                                 n_kv_heads, max_spans, page_size, (int32_t *)A->d, a_layers, a_layer, max_pages,
+                                 (unsigned long long *)keys->d, (int32_t *)m_out->d));
+    const struct cache_merge cm = {cidx, o_prev, l_prev, prev_rows, o_next, l_next, fold, a_layers, a_layer, A, keys};
     retro_attend_launch(b, q, kc, vc, m, sel_n, sel, max_spans, req, m_out, max_pages, page_size, n_req, n_heads,
                         n_kv_heads, head_dim, block_size, scale, max_keys, out, lse, &cm);
     return 0;

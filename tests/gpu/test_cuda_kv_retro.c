@@ -358,8 +358,11 @@ static void test_table(void)
 /* The fused attention (the table's attend) against the CPU: the CPU table's spans (selection for
  * the newest row, supplements for the past rows, after a few earlier random steps built the
  * masks) through the CPU attention_spans, vs the CUDA table's spans (its M) and attend. */
-static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
+static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max, int mask_kernel)
 {
+    /* the step's mask: in the attend's walk where it fits (the default), or k_retro_mask */
+    if (mask_kernel) setenv("KVS_CUDA_RETRO_MASK", "kernel", 1);
+    else unsetenv("KVS_CUDA_RETRO_MASK");
     enum { NR = 5, STEPS = 6 };
     const int bs = 16, mb = maxctx / bs, mp = mb, ms = mp, qd = nh * hd;
     const struct kvs_retro_kernels *kc = kvs_retro_kernels_for(C), *kg = kvs_retro_kernels_for(G);
@@ -526,8 +529,11 @@ static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
         CHECK(we < 1e-2 && wl < 1e-2 && !bad_inf && !next_diff, "retro step %d/%d hd %d ctx %d: merged out rel-L2 %.3g, "
               "lse %.3g, %d -inf mismatches, next cache %s the outputs", nh, nkv, hd, maxctx, we, wl, bad_inf,
               next_diff ? "differs from" : "equals");
-        printf("ok retro step on cuda (mask + attend + merge), %d q / %d kv heads, head_dim %d, contexts < %d: masks, M "
-               "and keys equal spans', merged out rel-L2 %.2e, lse %.2e vs cpu\n", nh, nkv, hd, maxctx, we, wl);
+        int rmax = 0;
+        for (int r = 0; r < NR; r++) rmax = qs[r + 1] - qs[r] > rmax ? qs[r + 1] - qs[r] : rmax;
+        printf("ok retro step on cuda (mask %s + attend + merge), %d q / %d kv heads, head_dim %d, contexts < %d: "
+               "masks, M and keys equal spans', merged out rel-L2 %.2e, lse %.2e vs cpu\n",
+               mask_kernel || rmax * (nh / nkv) > 32 ? "kernel" : "in the walk", nh, nkv, hd, maxctx, we, wl);
         free(a1), free(a2), free(m1), free(m2);
     }
     free(op), free(lp), free(cix), free(ocm), free(ogm), free(lcm), free(lgm), free(ogn), free(lgn);
@@ -719,9 +725,11 @@ int main(void)
     test_table();
     static const int SH[][3] = {{8, 8, 64}, {8, 2, 128}, {32, 4, 128}, {16, 2, 64}, {8, 1, 128}, {32, 8, 128}, {4, 2, 16}};
     for (size_t i = 0; i < sizeof SH / sizeof SH[0]; i++) {
-        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8);   /* splits */
-        test_fused(SH[i][0], SH[i][1], SH[i][2], 256, 3);    /* short: one split */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 0);   /* splits */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 256, 3, 0);    /* short: one split */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 1);   /* the step's mask kernel */
     }
+    unsetenv("KVS_CUDA_RETRO_MASK");
     C->free(bc);
     G->free(bg);
     test_engine();
