@@ -32,6 +32,9 @@
  * --digest-bits 8,4 adds, per value, Quest with kv.quest.digest_bits = that value (graphed and
  * eager); the other Quest / Retro columns use 16, or --base-bits (8: the policies' default).
  * --windows 0: no Retro columns.
+ * --step-ab adds, per window, Retro with KVS_RETRO_STEP=0 (spans, attend and merge as separate
+ * launches, before the table's step) and with KVS_CUDA_RETRO_MASK=kernel (the table's step with
+ * its mask kernel, not the mask step in the attend's walk) in the same process, after the default.
  *
  * Usage: kvserve-stepbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8]
  *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16]
@@ -233,7 +236,7 @@ int main(int argc, char **argv)
 {
     int batches[8] = {1, 8, 32}, n_b = 3, contexts[8] = {8192, 32768, 131072}, n_c = 3, windows[8] = {2, 4, 8}, n_w = 3;
     int dbits[4] = {0}, n_d = 0;
-    int steps = 6, n_layers = 32;
+    int steps = 6, n_layers = 32, step_ab = 0;
     double ratio = 0.15;
     const char *md = NULL;
     for (int i = 1; i < argc; i++) {
@@ -245,11 +248,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--ratio") && i + 1 < argc) ratio = atof(argv[++i]);
         else if (!strcmp(argv[i], "--steps") && i + 1 < argc) steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--markdown") && i + 1 < argc) md = argv[++i];
+        else if (!strcmp(argv[i], "--step-ab")) step_ab = 1;
         else if (!strcmp(argv[i], "--digest-bits") && i + 1 < argc) n_d = bench_parse_list(argv[++i], dbits, 4);
         else if (!strcmp(argv[i], "--base-bits") && i + 1 < argc) base_bits = digest_bits = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8] "
-                    "[--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16] [--markdown FILE]\n", argv[0]);
+                    "[--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16] [--step-ab] [--markdown FILE]\n", argv[0]);
             return 2;
         }
     }
@@ -319,13 +323,18 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_d; i++)
         hl += snprintf(head + hl, sizeof head - hl, " Quest %d-bit graph ms | Quest %d-bit ms | full / Quest %d-bit, "
                        "graphs |", dbits[i], dbits[i], dbits[i]);
-    for (int i = 0; i < n_w; i++)
+    for (int i = 0; i < n_w; i++) {
         hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest eager | w=%d eff. budget |", windows[i],
                        windows[i], windows[i]);
+        if (step_ab)
+            hl += snprintf(head + hl, sizeof head - hl, " w=%d STEP=0 ms | w=%d STEP=0 / Quest eager | w=%d MASK=kernel "
+                           "ms | w=%d MASK=kernel / Quest eager |", windows[i], windows[i], windows[i], windows[i]);
+    }
     printf("%s\n", head);
     if (mf) {
         fprintf(mf, "%s\n|---|---|---|---|---|---|---|---|", head);
         for (int i = 0; i < n_w + n_d; i++) fprintf(mf, "---|---|---|");
+        for (int i = 0; i < (step_ab ? n_w : 0); i++) fprintf(mf, "---|---|---|---|");
         fprintf(mf, "\n");
     }
     uint64_t rng = 0x9e3779b97f4a7c15ull;
@@ -370,6 +379,16 @@ int main(int argc, char **argv)
             for (int i = 0; i < n_w; i++) {
                 const struct result r = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
                 ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.3f |", r.ms, r.ms / quest.ms, r.eff);
+                if (step_ab) {   /* the policy reads KVS_RETRO_STEP at create */
+                    setenv("KVS_RETRO_STEP", "0", 1);
+                    const struct result r0 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
+                    unsetenv("KVS_RETRO_STEP");
+                    setenv("KVS_CUDA_RETRO_MASK", "kernel", 1);   /* read at every step */
+                    const struct result r1 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
+                    unsetenv("KVS_CUDA_RETRO_MASK");
+                    ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.2f | %.3f |", r0.ms, r0.ms / quest.ms,
+                                   r1.ms, r1.ms / quest.ms);
+                }
             }
             printf("%s\n", line);
             fflush(stdout);

@@ -317,6 +317,7 @@ static int merge_kind(const struct kvs_kv_counter *c)
         "kvserve:kv_mac_lookups_total",          "kvserve:kv_mac_hits_total",
         "kvserve:kv_mac_skip_sum",               "kvserve:kv_mac_skip_count",
         "kvserve:kv_retro_keys_own_total",       "kvserve:kv_retro_keys_supplement_total",
+        "kvserve:kv_retro_keys_skipped_total",
         "kvserve:kv_paris_recall_total",         "kvserve:kv_paris_recall_hits_total",
         "kvserve:kv_paris_recall_coarse_hits_total", "kvserve:kv_quest_stale_digests_total",
         "kvserve:kv_storage_pages_used",         "kvserve:kv_storage_pages_total",

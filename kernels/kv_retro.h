@@ -84,6 +84,20 @@ struct kvs_retro_kernels {
     void (*merge)(struct kvs_backend *b, struct kvs_dbuf *out, struct kvs_dbuf *lse, const struct kvs_dbuf *cidx,
                   int n, int n_heads, int head_dim, const struct kvs_dbuf *o_prev, const struct kvs_dbuf *l_prev,
                   int prev_rows, struct kvs_dbuf *o_next, struct kvs_dbuf *l_next);
+    /* Optional (NULL; or -ENOSYS, before any work, for a shape attend does not take: the caller
+     * then runs spans, attend and merge): a selecting layer's whole device step in fewer launches,
+     * with the results of spans (A, m_out, keys; n_spans / spans are not written: attend reads the
+     * selection and m_out), then attend (its arguments), then merge (cidx .. l_next) into out /
+     * lse. On CUDA the mask step rides the attend's walk where one block reads each selected page
+     * (else a mask kernel without the lists' scans runs first), and where attend splits the keys
+     * the splits' merge and the cache merge are one kernel. m_out is required. */
+    int (*step)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc, const struct kvs_dbuf *vc,
+                const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n, const struct kvs_dbuf *sel, int max_spans,
+                const struct kvs_dbuf *req, struct kvs_dbuf *A, int a_layers, int a_layer, struct kvs_dbuf *m_out,
+                struct kvs_dbuf *keys, int max_pages, int page_size, int n_req, int n_heads, int n_kv_heads,
+                int head_dim, int block_size, float scale, long long max_keys, const struct kvs_dbuf *cidx,
+                const struct kvs_dbuf *o_prev, const struct kvs_dbuf *l_prev, int prev_rows, struct kvs_dbuf *o_next,
+                struct kvs_dbuf *l_next, struct kvs_dbuf *out, struct kvs_dbuf *lse);
 };
 
 extern const struct kvs_retro_kernels kvs_retro_kernels_cpu;

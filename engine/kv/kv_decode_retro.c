@@ -43,14 +43,17 @@
  * supplements are made on the host (kvs_retro_mask_step / kvs_retro_supplement) and uploaded, the
  * merged lse is downloaded into a host cache. Device path (a backend with a Retro kernel table,
  * kernels/kv_retro.h: CUDA; the CPU with kv_decode_retro.h's hook): the masks live on the device
- * (A [slots][sparse layers][n_kv_heads][max pages]), one kernel makes the mask step and every lead
- * row's spans and M (the page's last load before this step) from the device selection; the
- * table's fused attend (the paper's kernel) reads each selected page once for every row of the
- * request, a past row seeing only the keys of its supplement (a shape it does not take, or
+ * (A [slots][sparse layers][n_kv_heads][max pages]). Where the table has a step (CUDA; not in a
+ * kept step, KVS_RETRO_STEP=0 turns it off) a selecting layer after Quest's selection is two
+ * launches: the fused attend (the paper's kernel: each selected page read once for every row of
+ * the request, a past row seeing only the keys of its supplement) with the mask step in its walk,
+ * and one kernel for the splits' merge, the merge of the past rows with the cached (o, lse) and
+ * the next cache. Otherwise: one kernel makes the mask step and every lead row's spans and M (the
+ * page's last load before this step), then the fused attend (a shape it does not take, or
  * KVS_RETRO_FUSED=0: attention_spans over every lead row's spans, planned from the host bound of
- * plan()); one kernel merges the past rows with the cached (o, lse) and writes the next cache
- * (two caches per layer, alternating by step): a selecting layer issues device work only. Its
- * keys counters accumulate on the device and are read by counters() (one download).
+ * plan()), then the merge (two caches per layer, alternating by step). Either way a selecting
+ * layer issues device work only. Its keys counters accumulate on the device and are read by
+ * counters() (one download).
  *
  * kvserve:kv_decode_bytes_read_total counts the supplements as a second read where they are one
  * (the host path, the unfused device path: as of its last layer), not under the fused kernel. Steps whose blocks carry
@@ -123,6 +126,8 @@ struct retro {
     /* device path */
     struct kvs_dbuf *d_A, *d_req, *d_keys, *d_M;
     int fused;                          /* the table's attend (KVS_RETRO_FUSED=0: attention_spans) */
+    int one_step;                       /* the table's step where it has one (KVS_RETRO_STEP=0: spans, attend
+                                         * and merge apart, the benches' A/B) */
     long long bound_max;                /* this step: the most keys a newest row selects */
     int unfused;                        /* the last device-path layer ran attention_spans */
     struct kvs_dbuf **oc[2], **lc[2];   /* [n_layers] caches of o ACT [lrows][qd] and lse F32 [lrows][nh] */
@@ -141,6 +146,7 @@ struct retro {
     double cache_bytes;
     double bytes_read, sparse_rows, dense_rows, past_rows, keys_own, keys_sup, windows_reset;
     double skipped_rows;   /* lead rows (x layers) the dense pass of a mixed step was told to skip (w = 1) */
+    double keys_skipped;   /* keys past rows did not see in their own step (sparse layers, per KV head) */
 };
 
 static int sparse_layers(const struct retro *s)
@@ -312,6 +318,8 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->d_keys = o->alloc(env->be, KVS_BUF_I32, 4);
         const char *fe = getenv("KVS_RETRO_FUSED");
         s->fused = s->rk->attend && !(fe && !strcmp(fe, "0"));
+        fe = getenv("KVS_RETRO_STEP");
+        s->one_step = !(fe && !strcmp(fe, "0"));
         fe = getenv("KVS_RETRO_FOLD");   /* "0": the refresh its own launch in every step (the benches' A/B) */
         s->no_fold = fe && !strcmp(fe, "0");
         if (s->fused) s->d_M = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_pages);
@@ -439,6 +447,13 @@ static int retro_plan(void *state, const struct kvs_kv_step *st)
          * read (counted in attend) */
         s->past_rows += past;
         s->any_past |= past > 0;
+        if (past > 0) {
+            /* the keys the window's newest past row (re-run for the first time) skipped in its own
+             * step, for the supplement's share (keys_supplement / keys_skipped) */
+            const int pctx = ctx - 1, pcur = (pctx - 1) / s->ps, pkeep = keep_pages(s, pctx);
+            const int pown = pkeep > pcur ? pctx : (pkeep - 1) * s->ps + (pctx - pcur * s->ps);
+            s->keys_skipped += (double)(pctx - pown) * s->env.n_kv_heads * sparse_layers(s);
+        }
         if (keep > cur || dense_l == L) {
             s->bytes_read += (double)ctx * per_layer * L;
         } else {
@@ -694,6 +709,18 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     sub.max_ctx = nm.max_ctx;
     if (s->rk) {
         /* device path: mask and spans, every lead row's attention, merge and next cache */
+        const int cur = (int)(s->steps & 1);
+        if (!s->kept && s->fused && s->one_step && s->rk->step) {   /* the three in fewer launches */
+            const int rc = s->rk->step(be, a->q, a->kv.k, a->kv.v, &sub, s->d_sel_n, s->d_sel, ms, s->d_req, s->d_A,
+                                       sparse_layers(s), sl, s->d_M, s->d_keys, s->max_pages, s->ps, nl, nh, nkv,
+                                       a->head_dim, a->block_size, a->scale, s->bound_max, s->d_cidx,
+                                       s->oc[cur ^ 1][layer], s->lc[cur ^ 1][layer], s->lrows, s->oc[cur][layer],
+                                       s->lc[cur][layer], a->out, a->lse);
+            if (!rc) {
+                s->unfused = 0;
+                return;
+            }
+        }
         s->rk->spans(be, s->d_sel_n, s->d_sel, s->d_req, nl, nkv, ms, s->ps, s->d_A, sparse_layers(s), sl,
                      s->max_pages, s->d_n_spans, s->d_spans, s->d_keys, s->fused ? s->d_M : NULL);
         if (s->kept) {   /* every window row keeps its whole context (the mask step is done) */
@@ -710,7 +737,6 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
             o->attention_spans(be, a->q, a->kv.k, a->kv.v, &sub, &sp, nr, nh, nkv, a->head_dim, a->block_size,
                                a->scale, a->out, a->lse);
         }
-        const int cur = (int)(s->steps & 1);
         s->rk->merge(be, a->out, a->lse, s->d_cidx, nr, nh, a->head_dim, s->oc[cur ^ 1][layer], s->lc[cur ^ 1][layer],
                      s->lrows, s->oc[cur][layer], s->lc[cur][layer]);
         return;
@@ -801,6 +827,10 @@ static int retro_counters(void *state, struct kvs_kv_counter *out, int cap)
          "KV head).", 1, own, NULL, NULL},
         {"kvserve:kv_retro_keys_supplement_total", "Keys added to past queries by retrospective supplements (sparse "
          "layers, per KV head).", 1, sup, NULL, NULL},
+        {"kvserve:kv_retro_keys_skipped_total", "Keys the re-run past queries did not see in their own step (their "
+         "context minus Quest's keep; sparse layers, per KV head; each past query counted once): "
+         "keys_supplement / keys_skipped is the share of what past queries skipped that later steps supplied.", 1,
+         s->keys_skipped, NULL, NULL},
         {"kvserve:kv_retro_effective_budget", "Union of keys seen per query over keys of its own step: (own + "
          "supplement) / own (1 = Quest).", 0, own > 0 ? (own + sup) / own : 1.0, NULL,
          NULL},

@@ -138,5 +138,6 @@ static void cpu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct 
     }
 }
 
+/* no fused attend, so no step: the policy runs spans, attention_spans and merge on the CPU */
 const struct kvs_retro_kernels kvs_retro_kernels_cpu = {"cpu", cpu_retro_reset, cpu_retro_spans, NULL,
-                                                          cpu_retro_merge};
+                                                          cpu_retro_merge, NULL};

@@ -16,6 +16,11 @@
  * merge   one block per (row, head): attn_merge's arithmetic (kv_span.cu k_attn_merge2) with the
  *         cached row cidx[t] of the previous step's cache, then the row is copied to the next
  *         cache (the caches alternate by step: the gather is never overwritten while read).
+ * step    the table's step (kernels/kv_retro.h): the fused attend with the mask step in its walk
+ *         (fused_args fold) where one block reads each selected page, else k_retro_mask (the
+ *         spans kernel's A / M / keys without the lists) before it; then k_retro_merge_sp (the
+ *         splits' merge and the cache merge in one launch) or k_retro_merge (one split): fewer
+ *         launches in the layer's dependent chain (their cost: bench/RESULTS.md, retro12).
  *
  * Every kernel is launched with kvs_cu_launch (programmatic dependent launch) and waits on the
  * grid dependency before it reads what earlier kernels (Quest's select, attention_spans) wrote.
@@ -176,6 +181,57 @@ static void cu_retro_spans(struct kvs_backend *b, const struct kvs_dbuf *sel_n, 
                              m_out ? (int32_t *)m_out->d : nullptr));
 }
 
+/* The mask step of the fused path (kvs_retro_kernels step): what k_retro_spans does to A, M and the
+ * keys counters, without the past rows' span lists (the fused attend reads the selection and M,
+ * not the lists). One block per (request, KV head), a thread per selected span, its pages in
+ * ascending order (each page lies in one span, so one thread: no hazard on A); the supplement's
+ * keys are counted per page with the clip k_retro_spans applies, then one reduction a block. No
+ * scan, one barrier pair, against k_retro_spans' scan and three barriers per chunk of pages and
+ * past row. */
+#define RM_THREADS 128
+
+__global__ void __launch_bounds__(RM_THREADS)
+k_retro_mask(const int32_t *__restrict__ sel_n, const int32_t *__restrict__ sel, const int32_t *__restrict__ req,
+             int n_kv, int ms, int ps, int32_t *__restrict__ A, int a_layers, int a_layer, int max_pages,
+             unsigned long long *__restrict__ keys, int32_t *__restrict__ m_out)
+{
+    typedef cub::BlockReduce<long long, RM_THREADS> red_t;
+    __shared__ typename red_t::TempStorage tmp;
+    grid_dep_wait();
+    const int q = blockIdx.x / n_kv, g = blockIdx.x % n_kv, tid = threadIdx.x;
+    const int rows = req[5 * q + 1], pos = req[5 * q + 2], t = req[5 * q + 3], slot = req[5 * q + 4];
+    const int32_t *sp = sel + ((size_t)q * n_kv + g) * (size_t)ms * 2;
+    const int nsel = sel_n[q * n_kv + g];
+    int32_t *a = A + (((size_t)slot * a_layers + a_layer) * n_kv + g) * max_pages;
+    int32_t *mo = m_out + ((size_t)q * n_kv + g) * max_pages;
+    const int cur = pos / ps, past = rows - 1;
+    long long own = 0, sup = 0;
+    for (int i = tid; i < nsel; i += RM_THREADS) {
+        own += sp[2 * i + 1] - sp[2 * i];
+        const int lo = max(sp[2 * i], 0), hi = min(sp[2 * i + 1], pos + 1);
+        for (int p = (lo + ps - 1) / ps; p * ps < hi; p++) {
+            /* the current page was loaded by the previous step's query (kvs_retro_mask_step) */
+            const int m = p == cur ? t - 1 : a[p];
+            a[p] = t;
+            mo[p] = m;
+            for (int j = 0; j < past; j++) {
+                const int back = past - j, posp = pos - back;
+                if (m < t - back && p * ps <= posp) sup += min((p + 1) * ps, posp + 1) - p * ps;
+            }
+        }
+    }
+    /* the current page, when not selected (no thread above wrote it), was still loaded by the
+     * previous step's query */
+    if (tid == 0 && !in_spans(sp, nsel, cur * ps)) a[cur] = t - 1;
+    own = red_t(tmp).Sum(own);
+    __syncthreads();   /* tmp is reused */
+    sup = red_t(tmp).Sum(sup);
+    if (tid == 0) {
+        atomicAdd(&keys[0], (unsigned long long)own);
+        if (past > 0) atomicAdd(&keys[1], (unsigned long long)sup);
+    }
+}
+
 __global__ void k_retro_merge(float *__restrict__ out, float *__restrict__ lse, const int32_t *__restrict__ cidx,
                               int n_heads, int hd, const float *__restrict__ o_prev, const float *__restrict__ l_prev,
                               int prev_rows, float *__restrict__ o_next, float *__restrict__ l_next)
@@ -211,6 +267,75 @@ __global__ void k_retro_merge(float *__restrict__ out, float *__restrict__ lse, 
     }
     __syncthreads();   /* every thread has read lse[rh] */
     if (threadIdx.x == 0) lse[rh] = l, l_next[rh] = l;
+}
+
+/* The fused path's splits' merge and Retro's cache merge in one kernel (kvs_retro_kernels step):
+ * one block per (row, head), k_spans_merge's staged arithmetic (kv_span.cu: the same operations in
+ * the same split order) into registers, then k_retro_merge's with the cached row cidx[t], so the
+ * results are bitwise those of the two launches (a float stored and read back is unchanged). */
+#define RMS_MAX 512
+
+__global__ void k_retro_merge_sp(const float *__restrict__ part, int n_splits, int hd, float *__restrict__ out,
+                                 float *__restrict__ lse, const int32_t *__restrict__ cidx, int n_heads,
+                                 const float *__restrict__ o_prev, const float *__restrict__ l_prev, int prev_rows,
+                                 float *__restrict__ o_next, float *__restrict__ l_next)
+{
+    __shared__ float sm[RMS_MAX], sl[RMS_MAX], se[RMS_MAX];
+    grid_dep_wait();   /* the partials are the fused attend's */
+    const size_t rh = blockIdx.x;
+    const int t = (int)(rh / n_heads), h = (int)(rh % n_heads);
+    const float *pp = part + rh * n_splits * (size_t)(hd + 2);
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        sm[s] = pp[(size_t)s * (hd + 2) + hd];
+        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
+    __syncthreads();
+    float L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = 0; s < n_splits; s++)
+            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+    const float a = M == -INFINITY ? -INFINITY : M + logf(L);
+    /* the cached side (k_retro_merge) */
+    const int c = cidx[t];
+    const bool merge = c >= 0 && c < prev_rows;
+    const size_t crh = merge ? (size_t)c * n_heads + h : 0;
+    const float bl = merge ? l_prev[crh] : -INFINITY;
+    const float mx = fmaxf(a, bl);
+    float wa = 0.0f, wb = 0.0f, l = -INFINITY;
+    if (merge && mx != -INFINITY) {
+        const float ea = a == -INFINITY ? 0.0f : expf(a - mx), eb = bl == -INFINITY ? 0.0f : expf(bl - mx);
+        const float sum = ea + eb;
+        wa = ea / sum;
+        wb = eb / sum;
+        l = mx + logf(sum);
+    }
+    const float *ob = o_prev + crh * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float A = 0.0f;
+        if (M != -INFINITY)
+            for (int s0 = 0; s0 < n_splits; s0 += 8) {
+                float v[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
+            }
+        float v = M == -INFINITY ? 0.0f : A / L;
+        if (merge) v = (wa != 0.0f ? wa * v : 0.0f) + (wb != 0.0f ? wb * ob[d] : 0.0f);
+        out[rh * hd + d] = v;
+        o_next[rh * hd + d] = v;
+    }
+    if (threadIdx.x == 0) {
+        const float lo = merge ? l : a;
+        lse[rh] = lo;
+        l_next[rh] = lo;
+    }
 }
 
 static void cu_retro_merge(struct kvs_backend *b, struct kvs_dbuf *out, struct kvs_dbuf *lse,
@@ -252,6 +377,14 @@ struct fused_args {
     const int32_t *sel_n, *sel;    /* the newest rows' selections [n_req][n_kv](x max_spans x 2) */
     const int32_t *req, *msel;     /* kvs_retro_kernels: req [n_req][5]; M [n_req][n_kv][max_pages] */
     int max_spans, max_pages, ps;
+    /* fold != 0 (the table's step, where one block reads each selected page: grid z of 1): the
+     * mask step rides the walk. A key's m is read from the masks A (slot, layer a_layer) instead
+     * of msel, the page's first key's lane writes A = t and msel (M) once every lane of the warp
+     * has used its m, the block's own and supplement keys go to keys, and split 0 sets an
+     * unselected current page to t - 1: what k_retro_mask does, without its launch. */
+    int fold, a_layers, a_layer;
+    int32_t *A, *m_out;
+    unsigned long long *keys;
     int chunk, n_splits;
     int halves;                    /* span_lookup's two-pointer copies for tiles of two 16-key halves (kvs_cu_span_halves) */
     float *out, *lse;
@@ -279,6 +412,15 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
     const int ns = fa.sel_n[pair];
     const int32_t *sp = fa.sel + pair * (size_t)fa.max_spans * 2;
     const int32_t *mq = fa.msel + pair * (size_t)fa.max_pages;
+    const int cpage = last / fa.ps, past = rows - 1;
+    int32_t *ga = nullptr, *mo = nullptr;
+    if (fa.fold) {
+        ga = fa.A + (((size_t)fa.req[5 * q + 4] * fa.a_layers + fa.a_layer) * a.n_kv + kvh) * fa.max_pages;
+        mo = fa.m_out + pair * (size_t)fa.max_pages;
+        /* the current page, when not selected (no lane below writes it), was still loaded by the
+         * previous step's query (kvs_retro_mask_step) */
+        if (split == 0 && lane == 0 && !in_spans(sp, ns, cpage * fa.ps)) ga[cpage] = t - 1;
+    }
     const long long n_tiles_all = (total_keys(sp, ns, last) + AT_TILE - 1) / AT_TILE;
     const long long w0 = (long long)split * fa.chunk;
     const long long w1 = split == fa.n_splits - 1 ? n_tiles_all : min(n_tiles_all, w0 + fa.chunk);
@@ -289,17 +431,30 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
     cur.o = 0;
     if (ntiles > 0) cur = cursor_seek(sp, ns, last, w0 * AT_TILE);
     bool nxt_contig = false;
-    int nxt_b = 0;
+    int nxt_p = -1, nxt_m = 0;
+    long long own = 0, sup = 0;   /* fold: this block's keys */
+    /* the key's M is loaded here and first used at the tile's issue, one tile of compute later,
+     * so its latency is not a stall before the current tile's compute */
     auto lookup = [&]() {
         const tile_meta tm = span_lookup<HD>(a, sp, ns, last, cur, kvh, bt, nullptr, nullptr, &nxt_contig, fa.halves != 0);
         const int p = key_after(sp, ns, last, cur, lane);
-        nxt_b = p >= 0 ? min(t - mq[p / fa.ps] - 1, last - p) : -1;
+        const int pg = p / fa.ps;
+        nxt_p = p;
+        nxt_m = p < 0 ? 0 : fa.fold ? (pg == cpage ? t - 1 : ga[pg]) : mq[pg];
         cursor_advance(sp, ns, last, cur, AT_TILE);
         return tm;
     };
-    auto issue = [&](const tile_meta &tm, bool contig, int b, int it) {
+    auto issue = [&](const tile_meta &tm, bool contig, int p, int m, int it) {
         const int st = it % ST;
         bf16 *dk = sk + (size_t)st * AT_TILE * KST, *dv = sv + (size_t)st * AT_TILE * KST;
+        m = min(m, t - 1);   /* M is A before this step: never t (the newest row sees every selected key) */
+        const int b = p >= 0 ? min(t - m - 1, last - p) : -1;
+        if (fa.fold) {
+            own += p >= 0;
+            sup += p >= 0 ? max(0, min(b, past)) : 0;   /* the past rows that see the key */
+            __syncwarp();   /* every lane has used its A before the page's first lane rewrites it */
+            if (p >= 0 && p % fa.ps == 0) ga[p / fa.ps] = t, mo[p / fa.ps] = m;
+        }
         sb[st * AT_TILE + lane] = b;
         if (contig) tile_issue<HD, 32>(a, tm, dk, dv, KST, soff + st * AT_TILE);
         else gather_issue<HD>(a, tm, dk, dv, KST, soff + st * AT_TILE);
@@ -309,7 +464,7 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
 #pragma unroll
     for (int st = 0; st < ST - 1; st++) {
         if (st < ntiles) {
-            issue(nxt, nxt_contig, nxt_b, st);
+            issue(nxt, nxt_contig, nxt_p, nxt_m, st);
             nxt = lookup();
         }
         cp_async_commit();
@@ -337,7 +492,7 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
 
     for (int it = 0; it < ntiles; it++) {
         if (it + ST - 1 < ntiles) {
-            issue(nxt, nxt_contig, nxt_b, it + ST - 1);
+            issue(nxt, nxt_contig, nxt_p, nxt_m, it + ST - 1);
             nxt = lookup();
         }
         cp_async_commit();
@@ -367,6 +522,15 @@ __global__ void __launch_bounds__(32) k_retro_fused(const __grid_constant__ fuse
         __syncwarp();
     }
     cp_async_wait<0>();
+    if (fa.fold) {
+#pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+            own += __shfl_xor_sync(FULL, own, d);
+            sup += __shfl_xor_sync(FULL, sup, d);
+        }
+        if (lane == 0 && own) atomicAdd(&fa.keys[0], (unsigned long long)own);
+        if (lane == 0 && sup) atomicAdd(&fa.keys[1], (unsigned long long)sup);
+    }
 
 #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -422,16 +586,32 @@ static void launch_fused_hd(fused_args &x, int n_req, int rows_max, cudaStream_t
     else launch_fused<HD, 2>(x, n_req, (nr + 31) / 32, st, n_sms, w_max, by_ws);
 }
 
-static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
-                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
-                           const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req,
-                           const struct kvs_dbuf *m_sel, int max_pages, int page_size, int n_req, int n_heads,
-                           int n_kv_heads, int head_dim, int block_size, float scale, long long max_keys,
-                           struct kvs_dbuf *out, struct kvs_dbuf *lse)
+/* Retro's cache merge after the fused attend (kvs_retro_kernels step); NULL: attend alone. fold:
+ * the mask step in the attend's walk (fused_args fold; A .. keys its arguments), else M is read
+ * from msel as spans or k_retro_mask wrote it. */
+struct cache_merge {
+    const struct kvs_dbuf *cidx, *o_prev, *l_prev;
+    int prev_rows;
+    struct kvs_dbuf *o_next, *l_next;
+    int fold, a_layers, a_layer;
+    struct kvs_dbuf *A, *keys;
+};
+
+/* -ENOSYS for a shape the fused kernel does not take (checked before any launch) */
+static int fused_takes(const struct kvs_attn_meta *m, int n_heads, int n_kv_heads, int head_dim)
 {
-    if (n_req <= 0) return 0;
     if (head_dim != 16 && head_dim != 64 && head_dim != 128) return -ENOSYS;
     if (!kvs_cu_attention_supported(n_heads, n_kv_heads, head_dim) || m->rot_offsets || m->block_valid) return -ENOSYS;
+    return 0;
+}
+
+static void retro_attend_launch(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                                const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
+                                const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req,
+                                const struct kvs_dbuf *m_sel, int max_pages, int page_size, int n_req, int n_heads,
+                                int n_kv_heads, int head_dim, int block_size, float scale, long long max_keys,
+                                struct kvs_dbuf *out, struct kvs_dbuf *lse, const struct cache_merge *cm)
+{
     int rows_max = 0;
     for (int s = 0; s < n_req; s++)
         rows_max = m->h_q_start[s + 1] - m->h_q_start[s] > rows_max ? m->h_q_start[s + 1] - m->h_q_start[s] : rows_max;
@@ -442,7 +622,7 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     fused_args x;
     memset(&x, 0, sizeof x);
     at_args &a = x.a;
-    span_at_args(a, q, kc, vc, m, n_req, n_heads, n_kv_heads, block_size, scale, b->attn_ws);   /* no rotation: refused above */
+    span_at_args(a, q, kc, vc, m, n_req, n_heads, n_kv_heads, block_size, scale, b->attn_ws);   /* no rotation: refused */
     x.sel_n = (const int32_t *)sel_n->d;
     x.sel = (const int32_t *)sel->d;
     x.req = (const int32_t *)req->d;
@@ -453,6 +633,11 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     x.halves = kvs_cu_span_halves();
     x.out = (float *)out->d;
     x.lse = (float *)lse->d;
+    if (cm && cm->fold) {
+        KVS_ASSERT(rows_max * (n_heads / n_kv_heads) <= 32);   /* one block a selected page (grid z of 1) */
+        x.fold = 1, x.a_layers = cm->a_layers, x.a_layer = cm->a_layer;
+        x.A = (int32_t *)cm->A->d, x.m_out = (int32_t *)m_sel->d, x.keys = (unsigned long long *)cm->keys->d;
+    }
     const long long w_max = (max_keys + AT_TILE - 1) / AT_TILE;
     const long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
     switch (head_dim) {
@@ -460,12 +645,78 @@ static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, cons
     case 64: launch_fused_hd<64>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
     default: launch_fused_hd<128>(x, n_req, rows_max, b->stream, b->n_sms, w_max, by_ws); break;
     }
+    const unsigned mthreads = head_dim < 128 ? head_dim : 128;
+    if (cm && x.n_splits > 1 && x.n_splits <= RMS_MAX) {   /* the two merges in one launch */
+        const size_t qd = (size_t)n_heads * head_dim;
+        KVS_ASSERT((size_t)n * qd <= cm->o_next->n && (size_t)n * n_heads <= cm->l_next->n);
+        KVS_ASSERT((size_t)cm->prev_rows * qd <= cm->o_prev->n && (size_t)cm->prev_rows * n_heads <= cm->l_prev->n);
+        xh_forget(b, cm->o_next->d);
+        xh_forget(b, cm->l_next->d);
+        CUDA_CHECK(kvs_cu_launch(k_retro_merge_sp, (unsigned)((size_t)n * n_heads), mthreads, 0, b->stream,
+                                 (const float *)a.part, x.n_splits, head_dim, x.out, x.lse,
+                                 (const int32_t *)cm->cidx->d, n_heads, (const float *)cm->o_prev->d,
+                                 (const float *)cm->l_prev->d, cm->prev_rows, (float *)cm->o_next->d,
+                                 (float *)cm->l_next->d));
+        return;
+    }
     kvs_cu_span_merge_env();
     if (x.n_splits > 1)
-        CUDA_CHECK(kvs_cu_launch(k_spans_merge, (unsigned)((size_t)n * n_heads), head_dim < 128 ? head_dim : 128, 0,
-                                 b->stream, (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));
+        CUDA_CHECK(kvs_cu_launch(k_spans_merge, (unsigned)((size_t)n * n_heads), mthreads, 0, b->stream,
+                                 (const float *)a.part, x.n_splits, head_dim, x.out, x.lse));
+    if (cm)
+        cu_retro_merge(b, out, lse, cm->cidx, n, n_heads, head_dim, cm->o_prev, cm->l_prev, cm->prev_rows, cm->o_next,
+                       cm->l_next);
+}
+
+static int cu_retro_attend(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                           const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
+                           const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req,
+                           const struct kvs_dbuf *m_sel, int max_pages, int page_size, int n_req, int n_heads,
+                           int n_kv_heads, int head_dim, int block_size, float scale, long long max_keys,
+                           struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    if (n_req <= 0) return 0;
+    const int rc = fused_takes(m, n_heads, n_kv_heads, head_dim);
+    if (rc) return rc;
+    retro_attend_launch(b, q, kc, vc, m, sel_n, sel, max_spans, req, m_sel, max_pages, page_size, n_req, n_heads,
+                        n_kv_heads, head_dim, block_size, scale, max_keys, out, lse, NULL);
+    return 0;
+}
+
+/* kvs_retro_kernels step: the fused attend with the mask step in its walk (or k_retro_mask before
+ * it, where several blocks read a page), and one merge launch (k_retro_merge_sp where the attend
+ * split its keys, else k_retro_merge): two launches where spans + attend + merge take four */
+static int cu_retro_step(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *kc,
+                         const struct kvs_dbuf *vc, const struct kvs_attn_meta *m, const struct kvs_dbuf *sel_n,
+                         const struct kvs_dbuf *sel, int max_spans, const struct kvs_dbuf *req, struct kvs_dbuf *A,
+                         int a_layers, int a_layer, struct kvs_dbuf *m_out, struct kvs_dbuf *keys, int max_pages,
+                         int page_size, int n_req, int n_heads, int n_kv_heads, int head_dim, int block_size,
+                         float scale, long long max_keys, const struct kvs_dbuf *cidx, const struct kvs_dbuf *o_prev,
+                         const struct kvs_dbuf *l_prev, int prev_rows, struct kvs_dbuf *o_next, struct kvs_dbuf *l_next,
+                         struct kvs_dbuf *out, struct kvs_dbuf *lse)
+{
+    if (n_req <= 0) return 0;
+    const int rc = fused_takes(m, n_heads, n_kv_heads, head_dim);
+    if (rc) return rc;
+    KVS_ASSERT(m_out && keys->n >= 4);
+    int rows_max = 0;
+    for (int s = 0; s < n_req; s++)
+        rows_max = m->h_q_start[s + 1] - m->h_q_start[s] > rows_max ? m->h_q_start[s + 1] - m->h_q_start[s] : rows_max;
+    /* the mask step in the walk where one block reads each page (at most 32 window rows x heads of
+     * a group: grid z of 1); KVS_CUDA_RETRO_MASK=kernel keeps k_retro_mask (the benches' A/B; read
+     * every call, so a bench can switch it between runs) */
+    const char *e = getenv("KVS_CUDA_RETRO_MASK");
+    const int fold = rows_max * (n_heads / n_kv_heads) <= 32 && !(e && !strcmp(e, "kernel"));
+    if (!fold)
+        CUDA_CHECK(kvs_cu_launch(k_retro_mask, (unsigned)(n_req * n_kv_heads), RM_THREADS, 0, b->stream,
+                                 (const int32_t *)sel_n->d, (const int32_t *)sel->d, (const int32_t *)req->d,
+                                 n_kv_heads, max_spans, page_size, (int32_t *)A->d, a_layers, a_layer, max_pages,
+                                 (unsigned long long *)keys->d, (int32_t *)m_out->d));
+    const struct cache_merge cm = {cidx, o_prev, l_prev, prev_rows, o_next, l_next, fold, a_layers, a_layer, A, keys};
+    retro_attend_launch(b, q, kc, vc, m, sel_n, sel, max_spans, req, m_out, max_pages, page_size, n_req, n_heads,
+                        n_kv_heads, head_dim, block_size, scale, max_keys, out, lse, &cm);
     return 0;
 }
 
 extern "C" const struct kvs_retro_kernels kvs_retro_kernels_cuda = {"cuda", cu_retro_reset, cu_retro_spans,
-                                                                    cu_retro_attend, cu_retro_merge};
+                                                                    cu_retro_attend, cu_retro_merge, cu_retro_step};

@@ -358,8 +358,11 @@ static void test_table(void)
 /* The fused attention (the table's attend) against the CPU: the CPU table's spans (selection for
  * the newest row, supplements for the past rows, after a few earlier random steps built the
  * masks) through the CPU attention_spans, vs the CUDA table's spans (its M) and attend. */
-static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
+static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max, int mask_kernel)
 {
+    /* the step's mask: in the attend's walk where it fits (the default), or k_retro_mask */
+    if (mask_kernel) setenv("KVS_CUDA_RETRO_MASK", "kernel", 1);
+    else unsetenv("KVS_CUDA_RETRO_MASK");
     enum { NR = 5, STEPS = 6 };
     const int bs = 16, mb = maxctx / bs, mp = mb, ms = mp, qd = nh * hd;
     const struct kvs_retro_kernels *kc = kvs_retro_kernels_for(C), *kg = kvs_retro_kernels_for(G);
@@ -392,9 +395,15 @@ static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
     struct kvs_dbuf *gs = G->alloc(bg, KVS_BUF_I32, (size_t)n * nkv * ms * 2);
     struct kvs_dbuf *ck = C->alloc(bc, KVS_BUF_I32, 4), *gk = G->alloc(bg, KVS_BUF_I32, 4);
     struct kvs_dbuf *gm = G->alloc(bg, KVS_BUF_I32, a_n);
+    /* the table's step (mask + attend + merge) runs on its own masks, keys and M, which see the
+     * same earlier steps through spans */
+    struct kvs_dbuf *gA2 = G->alloc(bg, KVS_BUF_I32, a_n), *gk2 = G->alloc(bg, KVS_BUF_I32, 4);
+    struct kvs_dbuf *gm2 = G->alloc(bg, KVS_BUF_I32, a_n);
     REQUIRE(cA && gA && csn && gsn && csel && gsel && creq && greq && cn && gn && cs && gs && ck && gk && gm, "alloc");
-    kc->reset(bc, cA, 0, a_n), kg->reset(bg, gA, 0, a_n);
-    C->zero(bc, ck, 0, 4), G->zero(bg, gk, 0, 4);
+    REQUIRE(gA2 && gk2 && gm2, "alloc");
+    kc->reset(bc, cA, 0, a_n), kg->reset(bg, gA, 0, a_n), kg->reset(bg, gA2, 0, a_n);
+    C->zero(bc, ck, 0, 4), G->zero(bg, gk, 0, 4), G->zero(bg, gk2, 0, 4);
+    G->zero(bg, gm, 0, a_n), G->zero(bg, gm2, 0, a_n);
     int32_t *hsn = kvs_xcalloc((size_t)NR * nkv, 4), *hsel = kvs_xcalloc(nsel, 4);
     long long max_keys = 0;
     /* earlier one-row steps build the masks (t = 0 .. STEPS - 1; the window's rows are the last) */
@@ -428,8 +437,20 @@ static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
         C->upload(bc, creq, 0, req, NR * 5), G->upload(bg, greq, 0, req, NR * 5);
         kc->spans(bc, csn, csel, creq, NR, nkv, ms, bs, cA, 1, 0, mp, cn, cs, ck, NULL);
         kg->spans(bg, gsn, gsel, greq, NR, nkv, ms, bs, gA, 1, 0, mp, gn, gs, gk, gm);
+        if (step < STEPS) kg->spans(bg, gsn, gsel, greq, NR, nkv, ms, bs, gA2, 1, 0, mp, gn, gs, gk2, gm2);
     }
     for (int r = 0; r < NR; r++) pos[r] = newest[r] - (qs[r + 1] - qs[r] - 1);
+    /* the output cache the step merges with: prev rows (some lse -inf), each row's cached index
+     * (some past prev: no merge) */
+    const int prev = n + 3;
+    float *op = kvs_xmalloc((size_t)prev * qd * 4), *lp = kvs_xmalloc((size_t)prev * nh * 4);
+    int32_t *cix = kvs_xmalloc((size_t)n * 4);
+    for (int i = 0; i < prev * qd; i++) op[i] = frand();
+    for (int i = 0; i < prev * nh; i++) lp[i] = kvs_test_xorshift(&rng) % 7 ? 4 * frand() : -INFINITY;
+    for (int i = 0; i < n; i++) cix[i] = (int32_t)(kvs_test_xorshift(&rng) % (uint32_t)(prev + 4));
+    float *ocm = kvs_xmalloc((size_t)n * qd * 4), *ogm = kvs_xmalloc((size_t)n * qd * 4);
+    float *lcm = kvs_xmalloc((size_t)n * nh * 4), *lgm = kvs_xmalloc((size_t)n * nh * 4);
+    float *ogn = kvs_xmalloc((size_t)n * qd * 4), *lgn = kvs_xmalloc((size_t)n * nh * 4);
     float *q = kvs_xmalloc((size_t)n * qd * 4);
     for (int i = 0; i < n * qd; i++) q[i] = 2 * frand();
     float *oc = kvs_xmalloc((size_t)n * qd * 4), *og = kvs_xmalloc((size_t)n * qd * 4);
@@ -458,9 +479,65 @@ static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max)
             REQUIRE(rc == 0, "cuda retro attend: %d", rc);
         }
         B->download(bb, k2 ? og : oc, d_o, 0, (size_t)n * qd), B->download(bb, k2 ? lg : lc, d_l, 0, (size_t)n * nh);
-        struct kvs_dbuf *bs2[] = {d_q, d_k, d_v, d_o, d_l, d_qs, d_pos, d_bt};
+        /* the merged outputs: CPU attention_spans + the CPU table's merge, vs the CUDA table's step */
+        struct kvs_dbuf *d_op = B->alloc(bb, KVS_BUF_ACT, (size_t)prev * qd), *d_lp = B->alloc(bb, KVS_BUF_F32, (size_t)prev * nh);
+        struct kvs_dbuf *d_ci = B->alloc(bb, KVS_BUF_I32, (size_t)n), *d_on = B->alloc(bb, KVS_BUF_ACT, (size_t)n * qd);
+        struct kvs_dbuf *d_ln = B->alloc(bb, KVS_BUF_F32, (size_t)n * nh);
+        REQUIRE(d_op && d_lp && d_ci && d_on && d_ln, "alloc");
+        B->upload(bb, d_op, 0, op, (size_t)prev * qd), B->upload(bb, d_lp, 0, lp, (size_t)prev * nh);
+        B->upload(bb, d_ci, 0, cix, (size_t)n);
+        if (!k2) {
+            kc->merge(bc, d_o, d_l, d_ci, n, nh, hd, d_op, d_lp, prev, d_on, d_ln);
+        } else {
+            REQUIRE(kg->step, "the CUDA table has no step");
+            const int rc = kg->step(bg, d_q, d_k, d_v, &m, gsn, gsel, ms, greq, gA2, 1, 0, gm2, gk2, mp, bs, NR, nh, nkv,
+                                    hd, bs, scale, max_keys, d_ci, d_op, d_lp, prev, d_on, d_ln, d_o, d_l);
+            REQUIRE(rc == 0, "cuda retro step: %d", rc);
+            B->download(bb, ogn, d_on, 0, (size_t)n * qd), B->download(bb, lgn, d_ln, 0, (size_t)n * nh);
+        }
+        B->download(bb, k2 ? ogm : ocm, d_o, 0, (size_t)n * qd), B->download(bb, k2 ? lgm : lcm, d_l, 0, (size_t)n * nh);
+        struct kvs_dbuf *bs2[] = {d_q, d_k, d_v, d_o, d_l, d_qs, d_pos, d_bt, d_op, d_lp, d_ci, d_on, d_ln};
         for (size_t i = 0; i < sizeof bs2 / sizeof bs2[0]; i++) B->free_buf(bb, bs2[i]);
     }
+    {
+        /* the step's masks, M and key counts equal spans' (exactly); its outputs the CPU's merge */
+        int32_t *a1 = kvs_xmalloc(a_n * 4), *a2 = kvs_xmalloc(a_n * 4), *m1 = kvs_xmalloc(a_n * 4), *m2 = kvs_xmalloc(a_n * 4);
+        uint64_t k1[2], k2v[2];
+        G->download(bg, a1, gA, 0, a_n), G->download(bg, a2, gA2, 0, a_n);
+        G->download(bg, m1, gm, 0, a_n), G->download(bg, m2, gm2, 0, a_n);
+        G->download(bg, k1, gk, 0, 4), G->download(bg, k2v, gk2, 0, 4);
+        CHECK(!memcmp(a1, a2, a_n * 4) && !memcmp(m1, m2, a_n * 4) && k1[0] == k2v[0] && k1[1] == k2v[1],
+              "retro step %d/%d hd %d ctx %d: masks / M / keys differ from spans' (keys %llu / %llu vs %llu / %llu)",
+              nh, nkv, hd, maxctx, (unsigned long long)k2v[0], (unsigned long long)k2v[1],
+              (unsigned long long)k1[0], (unsigned long long)k1[1]);
+        double we = 0, wl = 0;
+        int bad_inf = 0, next_diff = 0;
+        for (int r = 0; r < n; r++) {
+            const double e = rel_l2(ogm + (size_t)r * qd, ocm + (size_t)r * qd, qd);
+            we = e > we || e != e ? e : we;
+            for (int h = 0; h < nh; h++) {
+                const double a = lcm[r * nh + h], b = lgm[r * nh + h];
+                if (isinf(a) || isinf(b)) {
+                    bad_inf += a != b;
+                    continue;
+                }
+                const double d = fabs(a - b) / (fabs(a) > 1 ? fabs(a) : 1);
+                wl = d > wl || d != d ? d : wl;
+            }
+        }
+        next_diff = memcmp(ogn, ogm, (size_t)n * qd * 4) != 0 || memcmp(lgn, lgm, (size_t)n * nh * 4) != 0;
+        CHECK(we < 1e-2 && wl < 1e-2 && !bad_inf && !next_diff, "retro step %d/%d hd %d ctx %d: merged out rel-L2 %.3g, "
+              "lse %.3g, %d -inf mismatches, next cache %s the outputs", nh, nkv, hd, maxctx, we, wl, bad_inf,
+              next_diff ? "differs from" : "equals");
+        int rmax = 0;
+        for (int r = 0; r < NR; r++) rmax = qs[r + 1] - qs[r] > rmax ? qs[r + 1] - qs[r] : rmax;
+        printf("ok retro step on cuda (mask %s + attend + merge), %d q / %d kv heads, head_dim %d, contexts < %d: "
+               "masks, M and keys equal spans', merged out rel-L2 %.2e, lse %.2e vs cpu\n",
+               mask_kernel || rmax * (nh / nkv) > 32 ? "kernel" : "in the walk", nh, nkv, hd, maxctx, we, wl);
+        free(a1), free(a2), free(m1), free(m2);
+    }
+    free(op), free(lp), free(cix), free(ocm), free(ogm), free(lcm), free(lgm), free(ogn), free(lgn);
+    G->free_buf(bg, gA2), G->free_buf(bg, gk2), G->free_buf(bg, gm2);
     double worst = 0, worst_lse = 0;
     int empty = 0, inf_bad = 0;
     for (int r = 0; r < n; r++) {
@@ -648,9 +725,11 @@ int main(void)
     test_table();
     static const int SH[][3] = {{8, 8, 64}, {8, 2, 128}, {32, 4, 128}, {16, 2, 64}, {8, 1, 128}, {32, 8, 128}, {4, 2, 16}};
     for (size_t i = 0; i < sizeof SH / sizeof SH[0]; i++) {
-        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8);   /* splits */
-        test_fused(SH[i][0], SH[i][1], SH[i][2], 256, 3);    /* short: one split */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 0);   /* splits */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 256, 3, 0);    /* short: one split */
+        test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 1);   /* the step's mask kernel */
     }
+    unsetenv("KVS_CUDA_RETRO_MASK");
     C->free(bc);
     G->free(bg);
     test_engine();

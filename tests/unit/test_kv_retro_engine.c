@@ -94,7 +94,7 @@ static void base_cfg(struct kvs_config *c, const char *decode)
 
 struct out {
     float lg[NS][GEN][V];
-    double eff, past, sup;
+    double eff, past, sup, skip;
 };
 
 static double find(const struct kvs_kv_counter *c, int n, const char *name)
@@ -151,6 +151,7 @@ static void run_seqs(const struct kvs_config *c, struct out *o)
     o->eff = find(ct, nc, "kvserve:kv_retro_effective_budget");
     o->past = find(ct, nc, "kvserve:kv_retro_past_rows_total");
     o->sup = find(ct, nc, "kvserve:kv_retro_keys_supplement_total");
+    o->skip = find(ct, nc, "kvserve:kv_retro_keys_skipped_total");
     kvs_runner_free(r);
 }
 
@@ -252,8 +253,12 @@ static void test_runner(void)
         kvs_config_free(&c);
         CHECK(retro.sup > 0 && retro.eff > 1.0 && max_diff(&quest, &retro) > 0,
               "retro w=%d at min budget 32: %g supplement keys, effective budget %g", W[i], retro.sup, retro.eff);
-        printf("ok retro w=%d at min budget 32: effective budget %.3fx Quest's, mean KL vs full %.3g (quest %.3g)\n",
-               W[i], retro.eff, mean_kl(&full, &retro), kq);
+        /* a past query is supplemented only with keys it skipped in its own step, each once */
+        CHECK(retro.skip > 0 && retro.sup <= retro.skip, "retro w=%d at min budget 32: %g supplement keys over %g "
+              "skipped", W[i], retro.sup, retro.skip);
+        printf("ok retro w=%d at min budget 32: effective budget %.3fx Quest's, %.1f%% of the skipped keys supplied, "
+               "mean KL vs full %.3g (quest %.3g)\n", W[i], retro.eff, 100.0 * retro.sup / retro.skip,
+               mean_kl(&full, &retro), kq);
     }
 
     /* 5. the device path (kernels/kv_retro.h's table: masks, spans, merge and output cache as
@@ -271,7 +276,7 @@ static void test_runner(void)
         kvs_retro_set_table_on_cpu(0);
         kvs_config_free(&c);
         CHECK(max_diff(&retro, &dev) == 0 && dev.sup > 0 && dev.sup == retro.sup && dev.eff == retro.eff &&
-              dev.past == retro.past, "retro w=%d dense layers %d device path: logits differ from the host path by "
+              dev.past == retro.past && dev.skip == retro.skip, "retro w=%d dense layers %d device path: logits differ from the host path by "
               "%g, supplement keys %g vs %g", W[i % 3], i / 3, max_diff(&retro, &dev), dev.sup, retro.sup);
         printf("ok retro w=%d, dense layers %d: device path (CPU table) = host path bitwise (%g supplement keys)\n",
                W[i % 3], i / 3, dev.sup);
