@@ -420,6 +420,13 @@ static void qf_super_run(const struct kvs_backend_ops *o, struct kvs_backend *be
     o->upload(be, rslot, 0, hrs, (size_t)S);
     o->upload(be, refn, 0, hrn, (size_t)S);
     o->upload(be, refs, 0, hrefs, (size_t)S * r->max_super * w);
+    {   /* NaN everywhere: the pages a backend scored are the ones it wrote */
+        const size_t nsc = (size_t)S * nkv * r->max_pages;
+        float *nan = kvs_xmalloc(nsc * sizeof *nan);
+        for (size_t i = 0; i < nsc; i++) nan[i] = NAN;
+        o->upload(be, sc, 0, nan, nsc);
+        free(nan);
+    }
     struct kvs_quest_super_args a = {
         .q = q, .dig = dig, .sdig = sdig, .m = &qm.m, .keep = keep, .skeep = skeep, .rslot = rslot, .refs = refs,
         .ref_n = refn, .n = S, .n_heads = c->nh, .n_kv_heads = nkv, .head_dim = hd, .block_size = c->bs,
