@@ -154,11 +154,11 @@ static const struct key_def KEYS[] = {
      "head_dim x bits a multiple of 32)"},
     {"kv.quest.super_pages", T_INT, F(quest_super_pages), 0, 4096, "0", NULL, NULL,
      "Quest: two-level selection (an approximation of Quest's own): pages per super-page, whose min/max digests "
-     "(the union of their pages') are scored first; only the pages of the top super-pages are scored and ranked "
-     "(0: off, every page scored, Quest exactly; Retro ignores it)"},
+     "(the union of their pages') are scored first; only the pages of the top super-pages and of the last one (the "
+     "pages just before the current page) are scored and ranked (0: off, every page scored, Quest exactly; Retro ignores it)"},
     {"kv.quest.super_keep", T_DOUBLE, F(quest_super_keep), 1, 1e9, "2", NULL, NULL,
      "Quest with kv.quest.super_pages > 0: super-pages kept = min(all, ceil(super_keep x (kept pages - 1) / "
-     "super_pages) + 1), so their pages are at least super_keep times the pages to choose (>= 1; a value that "
+     "super_pages) + 1), the last one included, so their pages are at least super_keep times the pages to choose (>= 1; a value that "
      "keeps every super-page gives Quest's selection exactly)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
 

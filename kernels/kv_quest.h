@@ -82,9 +82,12 @@ extern "C" {
  * their kmax as the page digests hold them (bits 16: the stored values; 8 / 4: the decoded
  * values value(code)), so it bounds every page's bound: score(super) >= score(page) in exact
  * arithmetic. A super-page with an unbounded page (KVS_QD_UNBOUNDED) holds -inf / +inf
- * everywhere and scores +inf. Rows: skeep[s] = how many super-pages row s keeps; the top
- * skeep[s] super-page scores (same formula, same order key, ties to the lower index) are kept,
- * the candidates become the pages of the kept super-pages, each scored as score / qscore would
+ * everywhere and scores +inf. Rows: skeep[s] = how many super-pages row s keeps: the last
+ * one (the pages just before the current page, always kept as Quest keeps the current page: a
+ * partial super-page has a narrow box, so its bound ranks low, while the recent keys are the ones
+ * attention weighs most; without it the long-context model's KL grew 100-400x, bench/RESULTS.md
+ * quest11) and the skeep[s] - 1 highest super-page scores among the others (same formula, same
+ * order key, ties to the lower index); the candidates become the pages of the kept super-pages, each scored as score / qscore would
  * (the same formula in the same order), and the top keep[s] - 1 of them (ties to the lower page)
  * plus page c are kept. Pages outside the kept super-pages take order key 0 (below every score),
  * so keep[s] - 1 > the candidates (the caller sizes skeep to avoid it) fills with the lowest such

@@ -50,7 +50,8 @@
  * request; its digest (F32, per layer, request slot and KV head: a row's pages are its own
  * sequence's blocks, so it cannot belong to a block as a page digest does) is the union of its
  * full pages' digests. Each step scores the super-pages, keeps skeep = min(all, ceil(super_keep x
- * (keep - 1) / N) + 1) of them and ranks only their pages: reading n/N super digests and about
+ * (keep - 1) / N) + 1) of them (the last one, holding the pages just before the current page,
+ * always: kernels/kv_quest.h says why) and ranks only their pages: reading n/N super digests and about
  * super_keep x the kept pages' digests instead of every page's. Maintenance, on the host in plan:
  * a slot's tag of each super-page (the physical pages it was made from, their count) is compared
  * with the row's block table; a super-page whose pages differ (a page filled since, a prefix

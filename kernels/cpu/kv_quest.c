@@ -337,8 +337,10 @@ static void super_task(void *c, int task)
         const float sc = d[0] == -INFINITY && d[hd] == INFINITY ? INFINITY : bound_score(qr, g, G, hd, d, d + hd);
         cd[j] = (struct cand){kvs_quest_order_key(sc), j};
     }
-    qsort(cd, (size_t)nsup, sizeof *cd, cand_cmp);
-    for (int i = 0; i < S; i++) kept[cd[i].page] = 1;
+    /* the last super-page (the pages just before the current one) always, the top S - 1 of the rest */
+    qsort(cd, (size_t)nsup - 1, sizeof *cd, cand_cmp);
+    for (int i = 0; i < S - 1; i++) kept[cd[i].page] = 1;
+    if (S > 0) kept[nsup - 1] = 1;
     float *mn = kvs_xmalloc(2 * (size_t)hd * sizeof *mn), *mx = mn + hd;
     float *out = a->scores ? F(a->scores) + (size_t)task * a->max_pages : NULL;
     const int32_t *bt = I(a->m->block_tables) + (size_t)s * a->m->max_blocks;

@@ -1034,8 +1034,9 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
  * as stored, codes decoded with the shared kvs_qd_value: the CPU's bits), -inf / +inf for a
  * super-page with an unbounded page; (2) every super-page scored by the warps, HD / 8 lanes a
  * super-page over 8 dimensions each (F32 digests, the lanes' sums reduced as q_score_range's:
- * equal to the CPU's up to rounding); (3) the top skeep super-pages by rank (each thread counts
- * the keys ahead of its super-pages: deterministic, no atomics decide an order); (4) the pages of
+ * equal to the CPU's up to rounding); (3) the last super-page and the top skeep - 1 of the others
+ * by rank (each thread counts the keys ahead of its super-pages: deterministic, no atomics decide
+ * an order); (4) the pages of
  * the kept super-pages scored by q_score_range / q_qscore_range through q_smap, so each page gets
  * the bits that the exact path's score kernels give it, their order keys in shared memory (the
  * other pages' keys 0); (5) sel_run over all cur keys. */
@@ -1140,17 +1141,19 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
         }
     }
     __syncthreads();
-    /* (3) the top S super-pages: rank = the keys ahead (higher, or equal at a lower index) */
+    /* (3) the last super-page, then the top S - 1 of the others: rank = the keys ahead (higher, or
+     * equal at a lower index) */
     const int S = min(max(skeep[row], 0), nsup);
-    for (int j = tid; j < nsup; j += T) {
+    for (int j = tid; j < nsup - 1; j += T) {
         const uint32_t kj = skey[j];
         int ahead = 0;
-        for (int x = 0; x < nsup; x++) {
+        for (int x = 0; x < nsup - 1; x++) {
             const uint32_t kx = skey[x];
             ahead += kx > kj || (kx == kj && x < j);
         }
-        if (ahead < S) slist[ahead] = j;
+        if (ahead < S - 1) slist[ahead] = j;
     }
+    if (tid == 0 && S > 0) slist[S - 1] = nsup - 1;
     __syncthreads();
     /* (4) the kept super-pages' pages, with the exact path's bits */
     float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;

@@ -21,8 +21,8 @@
  *             lowest pages);
  *   super     the two-level selection (super_select): every super-page kept gives the exact CUDA
  *             path's spans bitwise; otherwise super digests bitwise the CPU's, candidates whole
- *             super-pages scored with the exact path's bits, the kept super-pages ranked first up to
- *             rounding, the kept pages a brute-force ranking of the candidates, and the CPU's
+ *             super-pages scored with the exact path's bits, the last super-page kept and the other
+ *             kept ones ranked first up to rounding, the kept pages a brute-force ranking of the candidates, and the CPU's
  *             selection for at least 90% of the pairs (the rest: near-ties in another fp32 order);
  *             through the engine: every super-page kept gives Quest's tokens, super_keep 1 serves
  *             every request with graphs = eager and no stale digest under the eager check;
@@ -327,7 +327,12 @@ static void test_super(uint64_t seed)
                     int w = 0, n = 0;
                     for (int pg = j * N; pg < (j + 1) * N && pg < cur; pg++) w += !isnan(gs[pg]), n++;
                     whole &= w == 0 || w == n;
-                    if (w) nk++, kmin = sup[2 * j] < kmin ? sup[2 * j] : kmin;
+                    nk += w > 0;
+                    if (j == nsup - 1) {   /* the last super-page: always kept, not ranked */
+                        whole &= w > 0;
+                        continue;
+                    }
+                    if (w) kmin = sup[2 * j] < kmin ? sup[2 * j] : kmin;
                     else omax = sup[2 * j] > omax ? sup[2 * j] : omax;
                     tol = 1e-5 * sup[2 * j + 1] > tol ? 1e-5 * sup[2 * j + 1] : tol;
                 }

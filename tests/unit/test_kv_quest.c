@@ -227,8 +227,8 @@ static int okey_before(uint32_t ka, int ia, uint32_t kb, int ib) { return ka > k
 
 /* Every super-page kept: the spans equal select's bitwise. Super_keep 1: the super digests equal
  * the union of the page digests bitwise; the kept pages equal a brute-force two-level ranking
- * (super scores in the contract's order from those digests, top skeep with ties to the lower
- * index, then the top keep - 1 candidate pages by the exact path's own page scores, which the
+ * (super scores in the contract's order from those digests, the last super-page and the top
+ * skeep - 1 of the others with ties to the lower index, then the top keep - 1 candidate pages by the exact path's own page scores, which the
  * super path's candidate scores equal bitwise); fewer page digests are read. */
 static void test_super(void)
 {
@@ -296,11 +296,12 @@ static void test_super(void)
                 }
                 /* the top skeep super-pages, then the top candidates */
                 unsigned char *ks = kvs_xcalloc((size_t)nsup, 1);
-                for (int j = 0; j < nsup; j++) {
+                for (int j = 0; j < nsup - 1; j++) {   /* the last one always, the top skeep - 1 of the rest */
                     int ahead = 0;
-                    for (int x = 0; x < nsup; x++) ahead += okey_before(key[x], x, key[j], j);
-                    ks[j] = ahead < ap.skeep[s];
+                    for (int x = 0; x < nsup - 1; x++) ahead += okey_before(key[x], x, key[j], j);
+                    ks[j] = ahead < ap.skeep[s] - 1;
                 }
+                ks[nsup - 1] = ap.skeep[s] > 0;
                 const float *rs = r.scores + ((size_t)s * nkv + g) * r.max_pages;
                 const float *as = ap.scores + ((size_t)s * nkv + g) * ap.max_pages;
                 int nc = 0;
