@@ -33,6 +33,13 @@
  * loads), for their A/B in one run; tN (dt256, dst1024) runs it with N-thread select blocks
  * (kvs_quest_cuda_select_threads).
  *
+ * --super NxF[,NxF...] adds, per shape and digest width, Quest's phase with the two-level selection
+ * (kernels/kv_quest.h super_select; kv.quest.super_pages N, kv.quest.super_keep F) in the same run as
+ * the one-level path 0 (the default): one row each (column "super"), the selection being the digest
+ * refresh plus super_select with each row's last super-page refreshed (as at a page boundary, the
+ * steady state's most), "recall" the share of the one-level selection's kept pages that the
+ * two-level one keeps too (random keys: a worst case, nothing clusters).
+ *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
  *                           [--paths 0,1,2,3] [--span-kinds 0,104,204] [--markdown FILE]
@@ -63,7 +70,8 @@ static const struct kvs_quest_kernels *K;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
 struct shape {
-    int B, ctx, max_pages, max_spans, bits, fold;
+    int B, ctx, max_pages, max_spans, bits, fold, sup;   /* sup: use super_select with sa */
+    struct kvs_quest_super_args sa;
     size_t n_pages;
     struct kvs_dbuf *kc, *vc, *dig, *qdig8, *qdig4, *q, *out, *lse, *keep, *scores, *nsp, *sp;
     struct kvs_attn_meta m;
@@ -79,7 +87,15 @@ static void run_op(struct kvs_backend *b, struct shape *S, int op)
         O->attention(b, S->q, S->kc, S->vc, &S->m, S->B, NH, NKV, HD, BS, scale, S->out);
         return;
     }
-    if (op != OP_SPANS) {
+    if (op != OP_SPANS && S->sup) {   /* the two-level selection (--super) */
+        struct kvs_dbuf *qd = S->bits == 8 ? S->qdig8 : S->bits == 4 ? S->qdig4 : S->dig;
+        if (S->bits < 16) K->qdigest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->bits, S->n_pages, qd);
+        else K->digest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->dig);
+        S->sa.dig = qd;
+        S->sa.bits = S->bits;
+        K->super_select(b, &S->sa);
+        if (op == OP_SCORE) return;
+    } else if (op != OP_SPANS) {
         if (S->bits < 16) {
             struct kvs_dbuf *qd = S->bits == 8 ? S->qdig8 : S->qdig4;
             if (!S->fold || op == OP_SCORE) K->qdigest_update(b, S->kc, &S->m, NKV, HD, BS, BS, S->bits, S->n_pages, qd);
@@ -122,12 +138,105 @@ static float time_op(struct kvs_backend *b, struct shape *S, int op, int reps, s
     return med;
 }
 
+/* --super: the one-level path 0 and each two-level setting, same shape, same run */
+static void run_super(struct kvs_backend *b, struct shape *S, int keep, int nblk, float full, int reps,
+                      struct kvs_dbuf *flush, const int *dbits, int nd, const int *supN, const double *supF, int nsup,
+                      FILE *mf)
+{
+    const int B = S->B, ctx = S->ctx, cur = (ctx - 1) / BS;
+    const size_t nsp_n = (size_t)B * NKV, sp_n = nsp_n * S->max_spans * 2;
+    int32_t *rn = kvs_xmalloc(nsp_n * 4), *rsp = kvs_xmalloc(sp_n * 4), *gn = kvs_xmalloc(nsp_n * 4), *gsp = kvs_xmalloc(sp_n * 4);
+    unsigned char *kr = kvs_xmalloc((size_t)nblk + 1), *kg = kvs_xmalloc((size_t)nblk + 1);
+    for (int si = 0; si < nsup; si++) {
+        const int N = supN[si], max_super = (nblk + N - 1) / N, nsupr = (cur + N - 1) / N;
+        const double kk = ceil(supF[si] * (double)(keep - 1) / N) + 1;
+        const int skeep = kk >= nsupr ? nsupr : (int)kk;
+        struct kvs_dbuf *sdig = bench_dalloc(b, KVS_BUF_F32, (size_t)B * max_super * NKV * 2 * HD);
+        struct kvs_dbuf *d_sk = bench_dalloc(b, KVS_BUF_I32, (size_t)B), *d_rs = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+        struct kvs_dbuf *d_rn = bench_dalloc(b, KVS_BUF_I32, (size_t)B);
+        struct kvs_dbuf *d_refs = bench_dalloc(b, KVS_BUF_I32, (size_t)B * max_super * (2 + N));
+        int32_t *h = kvs_xcalloc((size_t)B * max_super * (2 + N), 4), *hv = kvs_xmalloc((size_t)B * 4);
+        int32_t *bt = kvs_xmalloc((size_t)B * nblk * 4);
+        O->download(b, bt, S->m.block_tables, 0, (size_t)B * nblk);
+        for (int s = 0; s < B; s++)
+            for (int j = 0; j < nsupr; j++) {
+                int32_t *e = h + ((size_t)s * max_super + j) * (2 + N);
+                e[0] = j, e[1] = cur - j * N < N ? cur - j * N : N;
+                for (int t = 0; t < e[1]; t++) e[2 + t] = bt[(size_t)s * nblk + j * N + t];
+            }
+        O->upload(b, d_refs, 0, h, (size_t)B * max_super * (2 + N));
+        for (int s = 0; s < B; s++) hv[s] = skeep;
+        O->upload(b, d_sk, 0, hv, (size_t)B);
+        for (int s = 0; s < B; s++) hv[s] = s;
+        O->upload(b, d_rs, 0, hv, (size_t)B);
+        S->sa = (struct kvs_quest_super_args){
+            .q = S->q, .sdig = sdig, .m = &S->m, .keep = S->keep, .skeep = d_sk, .rslot = d_rs, .refs = d_refs,
+            .ref_n = d_rn, .n = B, .n_heads = NH, .n_kv_heads = NKV, .head_dim = HD, .block_size = BS, .page_size = BS,
+            .n_pages = S->n_pages, .max_pages = S->max_pages, .max_spans = S->max_spans, .super_pages = N,
+            .max_super = max_super, .max_ref = max_super, .n_spans = S->nsp, .spans = S->sp};
+        for (int di = 0; di < nd; di++) {
+            S->bits = dbits[di];
+            /* the one-level path's spans and times (path 0, the default) */
+            S->sup = 0, S->fold = 0;
+            kvs_quest_cuda_select_path(0);
+            run_op(b, S, OP_SELECT);
+            O->download(b, rn, S->nsp, 0, nsp_n);
+            O->download(b, rsp, S->sp, 0, sp_n);
+            const float q1 = time_op(b, S, OP_QUEST, reps, flush), s1 = time_op(b, S, OP_SELECT, reps, flush);
+            /* two-level: every super-page built once, then the steady state's one ref a row */
+            S->sup = 1;
+            for (int s = 0; s < B; s++) hv[s] = nsupr;
+            O->upload(b, d_rn, 0, hv, (size_t)B);
+            run_op(b, S, OP_SELECT);
+            for (int s = 0; s < B; s++) {
+                hv[s] = 1;
+                int32_t *e = h + (size_t)s * max_super * (2 + N), *last = h + ((size_t)s * max_super + nsupr - 1) * (2 + N);
+                memcpy(e, last, (size_t)(2 + N) * 4);   /* slot 0 of the row's refs: its last super-page */
+            }
+            O->upload(b, d_refs, 0, h, (size_t)B * max_super * (2 + N));
+            O->upload(b, d_rn, 0, hv, (size_t)B);
+            const float q2 = time_op(b, S, OP_QUEST, reps, flush), s2 = time_op(b, S, OP_SELECT, reps, flush);
+            run_op(b, S, OP_SELECT);
+            O->download(b, gn, S->nsp, 0, nsp_n);
+            O->download(b, gsp, S->sp, 0, sp_n);
+            /* restore the refs of every super-page for the next width */
+            for (int s = 0; s < B; s++)
+                for (int t = 0; t < 2 + N; t++) h[(size_t)s * max_super * (2 + N) + t] = t == 0 ? 0 : t == 1 ? (cur < N ? cur : N) : bt[(size_t)s * nblk + t - 2];
+            O->upload(b, d_refs, 0, h, (size_t)B * max_super * (2 + N));
+            double both = 0, ref = 0;
+            for (size_t p = 0; p < nsp_n; p++) {
+                memset(kr, 0, (size_t)nblk + 1), memset(kg, 0, (size_t)nblk + 1);
+                for (int i = 0; i < rn[p]; i++)
+                    for (int x = rsp[p * S->max_spans * 2 + 2 * i] / BS; x * BS < rsp[p * S->max_spans * 2 + 2 * i + 1]; x++) kr[x] = 1;
+                for (int i = 0; i < gn[p]; i++)
+                    for (int x = gsp[p * S->max_spans * 2 + 2 * i] / BS; x * BS < gsp[p * S->max_spans * 2 + 2 * i + 1]; x++) kg[x] = 1;
+                for (int x = 0; x < cur; x++) ref += kr[x], both += kr[x] && kg[x];
+            }
+            printf("super %6d %8d %4d N=%-3d F=%-4.2g keep %d/%d supers, %d candidates: full %.3f ms; one-level Quest %.3f "
+                   "(selection %.3f, %.1f%%, full/Quest %.2f); two-level Quest %.3f (selection %.3f, %.1f%%, full/Quest "
+                   "%.2f); recall %.3f\n", B, ctx, S->bits, N, supF[si], skeep, nsupr, skeep * N < cur ? skeep * N : cur,
+                   full, q1, s1, 100.0 * s1 / q1, full / q1, q2, s2, 100.0 * s2 / q2, full / q2, ref > 0 ? both / ref : 1.0);
+            fflush(stdout);
+            if (mf)
+                fprintf(mf, "| %d | %d | %d | super %dx%g | %d / %d | %.3f | %.3f | %.3f | %.1f%% | %.2f | %.3f | %.3f | %.1f%% | %.2f | %.3f |\n",
+                        B, ctx, S->bits, N, supF[si], skeep, nsupr, full, q1, s1, 100.0 * s1 / q1, full / q1, q2, s2,
+                        100.0 * s2 / q2, full / q2, ref > 0 ? both / ref : 1.0);
+        }
+        S->sup = 0;
+        O->free_buf(b, sdig), O->free_buf(b, d_sk), O->free_buf(b, d_rs), O->free_buf(b, d_rn), O->free_buf(b, d_refs);
+        free(h), free(hv), free(bt);
+    }
+    free(rn), free(rsp), free(gn), free(gsp), free(kr), free(kg);
+}
+
 int main(int argc, char **argv)
 {
     int batches[8] = {1, 8, 32}, nb = 3, contexts[8] = {8192, 32768, 131072}, nc = 3, reps = 20;
     double ratio = 0.15;
     int dbits[4] = {16, 8, 4}, nd = 3, paths[8] = {0}, np = 1, spk[8] = {0}, nsk = 1;
     const char *md = NULL;
+    int supN[8], nsup = 0;
+    double supF[8];
     char shapes[16][8] = {"d"};
     int nshape = 1;
     for (int i = 1; i < argc; i++) {
@@ -140,6 +249,19 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--digest-bits") && v) nd = bench_parse_list(argv[++i], dbits, 4);
         else if (!strcmp(argv[i], "--paths") && v) np = bench_parse_list(argv[++i], paths, 8);
         else if (!strcmp(argv[i], "--span-kinds") && v) nsk = bench_parse_list(argv[++i], spk, 8);
+        else if (!strcmp(argv[i], "--super") && v) {
+            for (const char *t = argv[++i]; *t && nsup < 8;) {
+                char *e;
+                supN[nsup] = (int)strtol(t, &e, 10);
+                supF[nsup] = *e == 'x' ? strtod(e + 1, &e) : 0;
+                if (supN[nsup] <= 0 || !(supF[nsup] >= 1) || (*e && *e != ',')) {
+                    nsup = -1;
+                    break;
+                }
+                nsup++;
+                t = *e ? e + 1 : e;
+            }
+        }
         else if (!strcmp(argv[i], "--score-shapes") && v) {
             nshape = 0;
             for (const char *t = argv[++i]; *t && nshape < 16;) {
@@ -165,7 +287,8 @@ int main(int argc, char **argv)
         if (paths[i] < 0 || paths[i] > 7) np = -1;
     for (int i = 0; i < nsk; i++)
         if (spk[i] < 0 || spk[i] > 1399 || (spk[i] % 1000 && (spk[i] % 1000 / 100 < 1 || spk[i] % 100 < 1))) nsk = -1;
-    if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nsk <= 0 || nshape <= 0 || reps <= 0 || !(ratio > 0 && ratio <= 1)) {
+    if (nb <= 0 || nc <= 0 || nd <= 0 || np <= 0 || nsk <= 0 || nshape <= 0 || nsup < 0 || reps <= 0 ||
+        !(ratio > 0 && ratio <= 1)) {
         fprintf(stderr, "%s: bad list, --ratio, --reps, --digest-bits (16, 8, 4), --paths (0-7), --span-kinds (0, 1NN, 2NN, 3NN) or --score-shapes (d, bN, pN)\n",
                 argv[0]);
         return 2;
@@ -313,6 +436,7 @@ int main(int argc, char **argv)
             }
             kvs_cuda_set_span_kernel(0, 0);
             kvs_quest_cuda_score_shape(0, 0);
+            if (nsup > 0) run_super(b, &S, keep, nblk, full, reps, flush, dbits, nd, supN, supF, nsup, mf);
             struct kvs_dbuf *bufs[] = {S.kc, S.vc, S.dig, S.qdig8, S.qdig4, S.q, S.out, S.lse, S.keep, S.scores, S.nsp, S.sp, qs, pos, bt};
             for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(b, bufs[i]);
             free(perm);

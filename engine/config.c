@@ -152,6 +152,14 @@ static const struct key_def KEYS[] = {
      "Quest/Retro: bits per page-digest element: 16 (the keys' min/max as stored), 8 or 4 (codes on a per-page fp16 "
      "grid, rounded outward so the score stays an upper bound; 2x / 4x fewer digest bytes read per step; 8 and 4 need "
      "head_dim x bits a multiple of 32)"},
+    {"kv.quest.super_pages", T_INT, F(quest_super_pages), 0, 4096, "0", NULL, NULL,
+     "Quest: two-level selection (an approximation of Quest's own): pages per super-page, whose min/max digests "
+     "(the union of their pages') are scored first; only the pages of the top super-pages and of the last one (the "
+     "pages just before the current page) are scored and ranked (0: off, every page scored, Quest exactly; Retro ignores it)"},
+    {"kv.quest.super_keep", T_DOUBLE, F(quest_super_keep), 1, 1e9, "2", NULL, NULL,
+     "Quest with kv.quest.super_pages > 0: super-pages kept = min(all, ceil(super_keep x (kept pages - 1) / "
+     "super_pages) + 1), the last one included, so their pages are at least super_keep times the pages to choose (>= 1; a value that "
+     "keeps every super-page gives Quest's selection exactly)"},
     {"kv.retro.window", T_INT, F(retro_window), 1, 64, "2", NULL, NULL, "Retro: window w (1 = plain Quest)"},
 
     {"kv.lean.mode", T_ENUM, F(lean_mode), 0, 0, "K8V4", "dynamic|adaptive|K16V16|K8V8|K8V4|K4V4", NULL,

@@ -93,6 +93,8 @@ struct kvs_config {
     int quest_dense_layers;
     int quest_page_size;         /* 0: kv.block_size */
     int quest_digest_bits;       /* 16 (bf16 min/max), 8 or 4 (codes on a per-page grid) */
+    int quest_super_pages;       /* two-level selection: pages per super-page (0: off) */
+    double quest_super_keep;     /* super-pages kept, as a factor over the pages to choose (>= 1) */
 
     /* kv.retro (RetroAttention on Quest) */
     int retro_window;

@@ -74,6 +74,43 @@
 extern "C" {
 #endif
 
+/* Two-level (super-page) selection: an approximation of the selection above, behind
+ * kv.quest.super_pages = N > 0 (engine/kv/kv_decode_quest.c). Super-page j of a row is its
+ * candidate pages j N .. min(j N + N, c) - 1. Its digest (F32 [n_kv_heads][2][head_dim] per
+ * super-page, kept per request slot: a row's pages are its own sequence's, so unlike a page
+ * digest it cannot belong to a block) is the element-wise min of its pages' kmin and max of
+ * their kmax as the page digests hold them (bits 16: the stored values; 8 / 4: the decoded
+ * values value(code)), so it bounds every page's bound: score(super) >= score(page) in exact
+ * arithmetic. A super-page with an unbounded page (KVS_QD_UNBOUNDED) holds -inf / +inf
+ * everywhere and scores +inf. Rows: skeep[s] = how many super-pages row s keeps: the last
+ * one (the pages just before the current page, always kept as Quest keeps the current page: a
+ * partial super-page has a narrow box, so its bound ranks low, while the recent keys are the ones
+ * attention weighs most; without it the long-context model's KL grew 100-400x, bench/RESULTS.md
+ * quest11) and the skeep[s] - 1 highest super-page scores among the others (same formula, same
+ * order key, ties to the lower index); the candidates become the pages of the kept super-pages, each scored as score / qscore would
+ * (the same formula in the same order), and the top keep[s] - 1 of them (ties to the lower page)
+ * plus page c are kept. Pages outside the kept super-pages take order key 0 (below every score),
+ * so keep[s] - 1 > the candidates (the caller sizes skeep to avoid it) fills with the lowest such
+ * pages. skeep[s] >= the row's super-page count gives exactly select's selection.
+ * Both backends compute every score in the CPU reference's order (fp32, no fused multiply-add),
+ * so the selected pages are bitwise the same on CPU and CUDA.
+ * Refs (maintenance, before any score): row s lists ref_n[s] entries at refs + s * max_ref *
+ * (2 + N): {super-page index j, page count cnt, the cnt physical pages} (N slots); each
+ * recomputes super-page j of slot rslot[s] (sdig + ((rslot * max_super + j) * n_kv_heads + g) *
+ * 2 * head_dim) from those pages' digests. Rows that keep every page (keep[s] > c) read and
+ * refresh nothing (one span [0, ctx)). scores (may be NULL): receives the candidates' page
+ * scores (the tests compare them; other entries undefined). */
+struct kvs_quest_super_args {
+    const struct kvs_dbuf *q, *dig;          /* as score / qscore (bits 16: bf16 digests, else codes) */
+    struct kvs_dbuf *sdig;                   /* F32 [slots][max_super][n_kv_heads][2][head_dim] */
+    const struct kvs_attn_meta *m;
+    const struct kvs_dbuf *keep, *skeep, *rslot, *refs, *ref_n;   /* I32 [n], [n], [n], above, [n] */
+    int n, n_heads, n_kv_heads, head_dim, block_size, page_size, bits;
+    size_t n_pages;
+    int max_pages, max_spans, super_pages, max_super, max_ref;
+    struct kvs_dbuf *scores, *n_spans, *spans;
+};
+
 struct kvs_quest_kernels {
     const char *name;
     /* Refreshes the digests of every page that the step's rows wrote: for each sequence s of m,
@@ -117,6 +154,11 @@ struct kvs_quest_kernels {
                          int max_pages, int max_spans, struct kvs_dbuf *scores, int want_scores,
                          struct kvs_dbuf *n_spans, struct kvs_dbuf *spans, const struct kvs_dbuf *kc,
                          const struct kvs_attn_meta *wm);
+    /* Two-level selection (kv.quest.super_pages; kvs_quest_super_args below): first the super-page
+     * digests the step's refs name are recomputed from the page digests, then, for rows 0 .. n-1,
+     * the super-pages are scored, the top ones kept, their pages scored and the top keep - 1 of
+     * those plus the current page become spans, as select does. */
+    void (*super_select)(struct kvs_backend *b, const struct kvs_quest_super_args *a);
 };
 
 /* ---- quantized digests: sizes and the coding shared by both backends ---- */

@@ -45,7 +45,25 @@
  * Quest, no step has a slot-less sequence of its own: those are cached-document jobs, which
  * the composition matrix refuses). The digest check (kv_decode_quest.h) runs in eager steps only.
  *
- * No per-request state. Errors: create()
+ * Super-pages (kv.quest.super_pages = N > 0, kernels/kv_quest.h's two-level selection; an
+ * approximation of the selection above, off by default). A super-page is N consecutive pages of a
+ * request; its digest (F32, per layer, request slot and KV head: a row's pages are its own
+ * sequence's blocks, so it cannot belong to a block as a page digest does) is the union of its
+ * full pages' digests. Each step scores the super-pages, keeps skeep = min(all, ceil(super_keep x
+ * (keep - 1) / N) + 1) of them (the last one, holding the pages just before the current page,
+ * always: kernels/kv_quest.h says why) and ranks only their pages: reading n/N super digests and about
+ * super_keep x the kept pages' digests instead of every page's. Maintenance, on the host in plan:
+ * a slot's tag of each super-page (the physical pages it was made from, their count) is compared
+ * with the row's block table; a super-page whose pages differ (a page filled since, a prefix
+ * block shared in, a copied-on-write block, a fresh request in the slot: seq_init clears the
+ * slot's tags) is listed as a ref and recomputed by the selection launch of every selecting layer
+ * from the page digests before it scores. Full pages do not change while a request holds them
+ * (Quest never rewrites a written position; preemption recomputes into a fresh slot), so a
+ * matching tag means a current digest. The digest check (kv_decode_quest.h) also recomputes every
+ * super-page the selection read from the page digests and counts the ones that differ.
+ *
+ * Per-request state: only the super-pages' (their tags on the host, digests on the backend).
+ * Errors: create()
  * returns -EINVAL (bad page size), -ENOSYS (no Quest kernels or no attention_spans on the
  * backend), -ENOMEM, with a message.
  */
@@ -85,6 +103,14 @@ struct quest {
     /* counters */
     double stale_pages, bytes_read, dense_rows, sparse_rows, pages_kept, pages_total;
     double skipped_rows;   /* lead rows (x layers) the dense pass of a mixed step was told to skip */
+    /* super-pages (module comment); sup = 0: off */
+    int sup, max_super, slots;
+    double sup_keep;
+    struct kvs_dbuf **sdig;           /* [n_layers] F32 [slots][max_super][nkv][2][hd] (selecting layers) */
+    struct kvs_dbuf *d_skeep, *d_rslot, *d_refs, *d_refn;
+    int32_t *h_skeep, *h_rslot, *h_refs, *h_refn;   /* [rows], [rows], [rows][max_super][2 + sup], [rows] */
+    int32_t *tags;                    /* [slots][max_super][1 + sup]: page count (-1: none), the pages */
+    double sup_refs, sup_read;        /* super-pages refreshed (x layers); super-pages scored */
 };
 
 static void quest_destroy(void *state)
@@ -100,6 +126,18 @@ static void quest_destroy(void *state)
     o->free_buf(s->env.be, s->d_n_spans);
     o->free_buf(s->env.be, s->d_spans);
     o->free_buf(s->env.be, s->d_wqs);
+    if (s->sdig)
+        for (int l = 0; l < s->env.n_layers; l++) o->free_buf(s->env.be, s->sdig[l]);
+    free(s->sdig);
+    o->free_buf(s->env.be, s->d_skeep);
+    o->free_buf(s->env.be, s->d_rslot);
+    o->free_buf(s->env.be, s->d_refs);
+    o->free_buf(s->env.be, s->d_refn);
+    free(s->h_skeep);
+    free(s->h_rslot);
+    free(s->h_refs);
+    free(s->h_refn);
+    free(s->tags);
     free(s->h_wqs);
     free(s->h_cap_pos);
     free(s->h_keep);
@@ -136,6 +174,14 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     if (!k) return -ENOSYS;
     if (bits < 16 && (!k->qdigest_update || !k->qscore))
         return kvs_err(err, errlen, -ENOSYS, "kv.quest.digest_bits %d: backend %s has no quantized digest kernels", bits,
+                       env->o->name);
+    const int sup = c ? c->quest_super_pages : 0;
+    const double sup_keep = c ? c->quest_super_keep : 2.0;
+    if (sup < 0 || (sup > 0 && !(sup_keep >= 1.0)))
+        return kvs_err(err, errlen, -EINVAL, "config keys 'kv.quest.super_pages' %d / 'kv.quest.super_keep' %g: pages "
+                       "per super-page >= 0 (0: off), super_keep >= 1", sup, sup_keep);
+    if (sup > 0 && !k->super_select)
+        return kvs_err(err, errlen, -ENOSYS, "kv.quest.super_pages %d: backend %s has no two-level selection", sup,
                        env->o->name);
     if (ratio <= 0 || min_budget < 0 || dense < 0)
         return kvs_err(err, errlen, -EINVAL, "kv.quest: budget_ratio %g, min_budget %d, dense_layers %d out of range",
@@ -179,7 +225,115 @@ static int quest_create(const struct kvs_kv_decode_env *env, void **state, char 
     s->h_spans = kvs_xcalloc(rows * nkv * (size_t)s->max_spans * 2, sizeof *s->h_spans);
     s->h_wqs = kvs_xcalloc((size_t)env->max_rows + 1, sizeof *s->h_wqs);
     s->h_cap_pos = kvs_xcalloc(rows, sizeof *s->h_cap_pos);
+    if (sup > 0) {
+        s->sup = sup, s->sup_keep = sup_keep;
+        s->max_super = (s->max_pages + sup - 1) / sup;
+        s->slots = env->max_slots > 0 ? env->max_slots : 1;
+        const size_t per_slot = (size_t)s->max_super * nkv * 2 * (size_t)env->head_dim, refw = (size_t)(2 + sup);
+        s->sdig = kvs_xcalloc((size_t)env->n_layers, sizeof *s->sdig);
+        for (int l = dense; l < env->n_layers && !failed; l++)
+            failed = !(s->sdig[l] = o->alloc(env->be, KVS_BUF_F32, (size_t)s->slots * per_slot));
+        if (!failed) {
+            s->d_skeep = o->alloc(env->be, KVS_BUF_I32, rows);
+            s->d_rslot = o->alloc(env->be, KVS_BUF_I32, rows);
+            s->d_refn = o->alloc(env->be, KVS_BUF_I32, rows);
+            s->d_refs = o->alloc(env->be, KVS_BUF_I32, rows * (size_t)s->max_super * refw);
+            failed = !s->d_skeep || !s->d_rslot || !s->d_refn || !s->d_refs;
+        }
+        if (failed) {
+            quest_destroy(s);
+            return kvs_err(err, errlen, -ENOMEM, "kv.quest.super_pages %d: no backend memory for the super-page digests "
+                           "(%d slots x %d super-pages x %d layers)", sup, env->max_slots, (s->max_pages + sup - 1) / sup,
+                           env->n_layers);
+        }
+        s->h_skeep = kvs_xcalloc(rows, sizeof *s->h_skeep);
+        s->h_rslot = kvs_xcalloc(rows, sizeof *s->h_rslot);
+        s->h_refn = kvs_xcalloc(rows, sizeof *s->h_refn);
+        s->h_refs = kvs_xcalloc(rows * (size_t)s->max_super * refw, sizeof *s->h_refs);
+        s->tags = kvs_xmalloc((size_t)s->slots * s->max_super * (1 + sup) * sizeof *s->tags);
+        for (size_t i = 0; i < (size_t)s->slots * s->max_super; i++) s->tags[i * (1 + sup)] = -1;
+    }
     *state = s;
+    return 0;
+}
+
+/* a fresh request in the slot (or the end of one): none of its super-page digests is current */
+static void clear_tags(struct quest *s, int slot)
+{
+    if (!s->sup || slot < 0 || slot >= s->slots) return;
+    for (int j = 0; j < s->max_super; j++) s->tags[((size_t)slot * s->max_super + j) * (1 + s->sup)] = -1;
+}
+
+static int quest_seq_init(void *state, int slot, void *mem)
+{
+    (void)mem;
+    clear_tags(state, slot);
+    return 0;
+}
+
+static void quest_seq_free(void *state, int slot) { clear_tags(state, slot); }
+
+/* super-pages a row with `keep` pages (the current one included) and cur candidates keeps */
+static int super_keep(const struct quest *s, int keep, int cur)
+{
+    const int nsup = (cur + s->sup - 1) / s->sup;
+    const double k = ceil(s->sup_keep * (double)(keep - 1) / s->sup) + 1;
+    return k >= nsup ? nsup : (int)k;
+}
+
+/* plan: the super-page refs of the sparse lead rows (module comment); -EINVAL without the host
+ * block tables */
+static int plan_super(struct quest *s, const struct kvs_kv_step *st)
+{
+    const int N = s->sup, bs = s->env.block_size, ps = s->ps, ppb = bs / ps, w = 2 + N;
+    if (!st->h_block_tables) {
+        kvs_log(KVS_LOG_ERROR, "kv.quest.super_pages: the step has no host block tables");
+        return -EINVAL;
+    }
+    for (int q = 0; q < s->n_lead; q++) {
+        const int cur = st->h_pos[q] / ps, slot = st->h_slot[q];
+        s->h_refn[q] = 0;
+        s->h_rslot[q] = slot < 0 ? 0 : slot;
+        s->h_skeep[q] = 0;
+        if (s->h_keep[q] > cur) continue;
+        if (slot < 0 || slot >= s->slots) {   /* no request state (no current scheduler makes one): dense */
+            s->h_keep[q] = cur + 1;
+            continue;
+        }
+        const int32_t *bt = st->h_block_tables + (size_t)q * st->m->max_blocks;
+        const int nsup = (cur + N - 1) / N;
+        s->h_skeep[q] = super_keep(s, s->h_keep[q], cur);
+        s->sup_read += nsup;
+        int32_t *refs = s->h_refs + (size_t)q * s->max_super * w;
+        for (int j = 0; j < nsup; j++) {
+            const int cnt = cur - j * N < N ? cur - j * N : N;
+            int32_t *tag = s->tags + ((size_t)slot * s->max_super + j) * (1 + N);
+            int same = tag[0] == cnt;
+            for (int t = 0; t < cnt && same; t++) {
+                const int pg = j * N + t;
+                same = tag[1 + t] == bt[pg / ppb] * ppb + pg % ppb;
+            }
+            if (same) continue;
+            tag[0] = cnt;
+            for (int t = 0; t < cnt; t++) {
+                const int pg = j * N + t;
+                tag[1 + t] = bt[pg / ppb] * ppb + pg % ppb;
+            }
+            if (check_mode == 3 && s->steps % 2 == 0) continue;   /* the check's negative control */
+            int32_t *e = refs + (size_t)s->h_refn[q]++ * w;
+            e[0] = j, e[1] = cnt;
+            memcpy(e + 2, tag + 1, (size_t)cnt * sizeof *e);
+        }
+        s->sup_refs += s->h_refn[q];
+    }
+    const struct kvs_backend_ops *o = s->env.o;
+    o->upload(s->env.be, s->d_skeep, 0, s->h_skeep, (size_t)s->n_lead);
+    o->upload(s->env.be, s->d_rslot, 0, s->h_rslot, (size_t)s->n_lead);
+    o->upload(s->env.be, s->d_refn, 0, s->h_refn, (size_t)s->n_lead);
+    for (int q = 0; q < s->n_lead; q++)
+        if (s->h_refn[q])
+            o->upload(s->env.be, s->d_refs, (size_t)q * s->max_super * w, s->h_refs + (size_t)q * s->max_super * w,
+                      (size_t)s->h_refn[q] * w);
     return 0;
 }
 
@@ -214,7 +368,12 @@ static int quest_plan(void *state, const struct kvs_kv_step *st)
         s->pages_total += cur + 1;
         /* a bf16 digest (min and max rows of K) costs what one position's K and V cost; a
          * quantized one bits / 16 of it (the params word left out) */
-        s->bytes_read += per_layer * ((double)ctx * dense_l + ((double)kept + cur * s->bits / 16.0) * (L - dense_l));
+        double dig = cur * s->bits / 16.0;
+        if (s->sup) {   /* F32 super digests (twice a bf16 digest), then the kept super-pages' pages */
+            const int ns = super_keep(s, keep, cur), cand = ns * s->sup < cur ? ns * s->sup : cur;
+            dig = 2.0 * ((cur + s->sup - 1) / s->sup) + cand * s->bits / 16.0;
+        }
+        s->bytes_read += per_layer * ((double)ctx * dense_l + ((double)kept + dig) * (L - dense_l));
     }
     for (int q = 0; q < s->n_lead; q++) {
         const int ctx = st->h_pos[q] + 1, cur = st->h_pos[q] / s->ps;
@@ -244,6 +403,10 @@ static int quest_plan(void *state, const struct kvs_kv_step *st)
         for (int q = 0; q < st->n_seqs; q++)
             s->h_wqs[q + 1] = s->h_wqs[q] + (st->h_slot[q] < 0 ? 0 : st->h_q_start[q + 1] - st->h_q_start[q]);
         s->env.o->upload(s->env.be, s->d_wqs, 0, s->h_wqs, (size_t)st->n_seqs + 1);
+    }
+    if (s->sup && s->any_sparse) {
+        const int rc = plan_super(s, st);
+        if (rc < 0) return rc;
     }
     if (s->any_sparse) s->env.o->upload(s->env.be, s->d_keep, 0, s->h_keep, (size_t)s->n_lead);
     return 0;
@@ -302,6 +465,61 @@ static void check_digests(struct quest *s, int layer, const struct kvs_kv_attend
     free(bt);
 }
 
+/* kv_decode_quest.h, after a two-level selection: every super-page digest that the sparse lead
+ * rows' selection read, recomputed from the layer's page digests (as kernels/kv_quest.h defines
+ * it); the ones that differ bitwise count as stale */
+static void check_super(struct quest *s, int layer, const struct kvs_attn_meta *m)
+{
+    const struct kvs_backend_ops *o = s->env.o;
+    const int nkv = s->env.n_kv_heads, hd = s->env.head_dim, N = s->sup, ps = s->ps, ppb = s->env.block_size / ps;
+    const size_t nd = s->bits < 16 ? kvs_quest_qdig_words(s->n_pages, nkv, hd, s->bits) : s->n_pages * nkv * 2 * hd;
+    const size_t ns = (size_t)s->slots * s->max_super * nkv * 2 * hd, vw = kvs_quest_qdig_vec_words(hd, s->bits);
+    void *d = kvs_xmalloc(nd * 4);
+    float *sd = kvs_xmalloc(ns * sizeof *sd), *want = kvs_xmalloc(4 * (size_t)hd * sizeof *want), *v = want + 2 * hd;
+    int32_t *bt = kvs_xmalloc((size_t)m->n_seqs * m->max_blocks * sizeof *bt);
+    if (s->bits < 16) o->download(s->env.be, (int32_t *)d, s->dig[layer], 0, nd);
+    else o->download(s->env.be, (float *)d, s->dig[layer], 0, nd);
+    o->download(s->env.be, sd, s->sdig[layer], 0, ns);
+    o->download(s->env.be, bt, m->block_tables, 0, (size_t)m->n_seqs * m->max_blocks);
+    const uint32_t *codes = d;
+    for (int q = 0; q < s->n_lead; q++) {
+        const int cur = m->h_pos[q] / ps;
+        if (s->h_keep[q] > cur) continue;
+        for (int j = 0; j < (cur + N - 1) / N; j++)
+            for (int g = 0; g < nkv; g++) {
+                int unb = 0;
+                for (int t = 0; t < N && j * N + t < cur && !unb; t++) {
+                    const int pg = j * N + t;
+                    const size_t pp = (size_t)bt[(size_t)q * m->max_blocks + pg / ppb] * ppb + pg % ppb;
+                    if (s->bits < 16) {
+                        const uint32_t par = codes[s->n_pages * nkv * 2 * vw + pp * nkv + g], per = 32 / s->bits;
+                        const uint32_t *cm = codes + (pp * nkv + g) * 2 * vw, mask = (1u << s->bits) - 1;
+                        unb = par == KVS_QD_UNBOUNDED;
+                        const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+                        for (int i = 0; i < hd && !unb; i++) {
+                            v[i] = kvs_qd_value(cm[i / per] >> (i % per * s->bits) & mask, l, sc);
+                            v[hd + i] = kvs_qd_value(cm[vw + i / per] >> (i % per * s->bits) & mask, l, sc);
+                        }
+                    } else {
+                        memcpy(v, (const float *)d + (pp * nkv + g) * 2 * hd, 2 * (size_t)hd * sizeof *v);
+                    }
+                    for (int i = 0; i < hd && !unb; i++) {
+                        if (t == 0 || v[i] < want[i]) want[i] = v[i];
+                        if (t == 0 || v[hd + i] > want[hd + i]) want[hd + i] = v[hd + i];
+                    }
+                }
+                if (unb)
+                    for (int i = 0; i < hd; i++) want[i] = -INFINITY, want[hd + i] = INFINITY;
+                const float *got = sd + (((size_t)s->h_rslot[q] * s->max_super + j) * nkv + g) * 2 * hd;
+                s->stale_pages += memcmp(got, want, 2 * (size_t)hd * sizeof *want) != 0;
+            }
+    }
+    free(d);
+    free(sd);
+    free(want);
+    free(bt);
+}
+
 /* refreshes one layer's digests (either kind) for the pages m's rows wrote */
 static void refresh(struct quest *s, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m, struct kvs_dbuf *dig)
 {
@@ -328,7 +546,7 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
     if (s->graph) wm.q_start = s->d_wqs, wm.h_q_start = s->h_wqs;
     /* a step of lead rows only (one row each) selecting in this layer: the refresh of the pages
      * they wrote (their current pages, which no selection reads) goes into score_select's launch */
-    const int fold = s->k->score_select && layer >= s->dense_layers && !s->skip && s->any_sparse && !check_mode &&
+    const int fold = !s->sup && s->k->score_select && layer >= s->dense_layers && !s->skip && s->any_sparse && !check_mode &&
                      s->n_lead == st->n_seqs;
     if (layer >= s->dense_layers && !s->skip && !fold && !(check_mode == 2 && s->steps % 2 == 0))
         refresh(s, a->kv.k, &wm, s->dig[layer]);
@@ -356,7 +574,17 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
         if (st->h_pos[q] + 1 > sub.max_ctx) sub.max_ctx = st->h_pos[q] + 1;
     if (check_mode && !s->graph) check_digests(s, layer, a, &sub);
     if (s->graph) sub.h_pos = s->h_cap_pos, sub.max_ctx = st->m->plan_ctx;   /* launch shapes (module comment) */
-    if (s->k->score_select)   /* one kernel where the backend fuses them (CUDA) */
+    if (s->sup) {   /* two-level selection (module comment) */
+        const struct kvs_quest_super_args sa = {
+            .q = a->q, .dig = s->dig[layer], .sdig = s->sdig[layer], .m = &sub, .keep = s->d_keep, .skeep = s->d_skeep,
+            .rslot = s->d_rslot, .refs = s->d_refs, .ref_n = s->d_refn, .n = s->n_lead, .n_heads = a->n_heads,
+            .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim, .block_size = a->block_size, .page_size = s->ps,
+            .bits = s->bits, .n_pages = s->n_pages, .max_pages = s->max_pages, .max_spans = s->max_spans,
+            .super_pages = s->sup, .max_super = s->max_super, .max_ref = s->max_super, .scores = NULL,
+            .n_spans = s->d_n_spans, .spans = s->d_spans};
+        s->k->super_select(be, &sa);
+        if (check_mode && !s->graph) check_super(s, layer, &sub);
+    } else if (s->k->score_select)   /* one kernel where the backend fuses them (CUDA) */
         s->k->score_select(be, a->q, s->dig[layer], &sub, s->d_keep, s->n_lead, a->n_heads, a->n_kv_heads,
                            a->head_dim, a->block_size, s->ps, s->bits, s->n_pages, s->max_pages, s->max_spans,
                            s->d_scores, 0, s->d_n_spans, s->d_spans, fold ? a->kv.k : NULL, fold ? &wm : NULL);
@@ -391,7 +619,11 @@ static int quest_counters(void *state, struct kvs_kv_counter *out, int cap)
         {"kvserve:kv_quest_dense_skipped_rows_total", "Lead decode rows (x layers) of mixed steps that the dense "
          "attention pass skipped (attention meta skip_lead): the sparse pass writes them.", 1, s->skipped_rows, NULL,
          NULL},
-        {"kvserve:kv_quest_stale_digests_total", "Candidate pages whose digest differed from their keys (counted only "
+        {"kvserve:kv_quest_super_refreshed_total", "Super-page digests recomputed (x selecting layers: once per "
+         "layer), kv.quest.super_pages > 0.", 1, s->sup_refs * (s->env.n_layers - s->dense_layers), NULL, NULL},
+        {"kvserve:kv_quest_super_scored_total", "Super-pages the sparse decode rows scored (per layer and KV head).", 1,
+         s->sup_read, NULL, NULL},
+        {"kvserve:kv_quest_stale_digests_total", "Candidate pages (and super-pages) whose digest differed from their keys (counted only "
          "under the test check, kv_decode_quest.h).", 1, s->stale_pages, NULL, NULL},
     };
     int n = 0;
@@ -406,6 +638,8 @@ const struct kvs_kv_decode_ops kvs_kv_decode_quest = {
     .rows_per_seq = 1,
     .create = quest_create,
     .destroy = quest_destroy,
+    .seq_init = quest_seq_init,
+    .seq_free = quest_seq_free,
     .plan = quest_plan,
     .attend = quest_attend,
     .counters = quest_counters,

@@ -8,7 +8,8 @@
 #ifndef KVS_KV_DECODE_QUEST_H
 #define KVS_KV_DECODE_QUEST_H
 
-/* 0 off (default), 1 check, 2 check and skip every other step's refresh */
+/* 0 off (default), 1 check, 2 check and skip every other step's refresh, 3 check and skip every
+ * other step's super-page refreshes (kv.quest.super_pages > 0: their negative control) */
 void kvs_quest_set_check(int mode);
 /* Tests: 0 turns off the dense pass's skip_lead hint in mixed steps (default 1), so that a test
  * can compare the outputs with and without it. Process-wide. */

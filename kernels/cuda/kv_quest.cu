@@ -203,14 +203,30 @@ static int score_pages_per_block(const struct kvs_backend *b, int pairs, int mos
 /* The physical pages of pages first + u P (u < U) that are below end (0 for the others): the
  * block-table reads of the next loop iteration, issued before this iteration's sums so that each
  * iteration waits on one memory round trip (the digests), not two (the table, then the digests). */
-template <int U, int P>
+/* Index maps of the score loops: index v of [pg0, pg1) scores page map(v), none where map(v) < 0.
+ * q_ident: v itself (every page); q_smap: the pages of the kept super-pages (the two-level
+ * selection: v / N is a slot of the kept list, v % N a page of that super-page, below cur). */
+struct q_ident {
+    __device__ __forceinline__ int operator()(int v) const { return v; }
+};
+struct q_smap {
+    const int *list;   /* kept super-page indices (shared memory) */
+    int N, cur;
+    __device__ __forceinline__ int operator()(int v) const
+    {
+        const int pg = list[v / N] * N + v % N;
+        return pg < cur ? pg : -1;
+    }
+};
+
+template <int U, int P, class M>
 __device__ __forceinline__ void q_phys_ahead(size_t *ph, const int32_t *__restrict__ bt, int first, int end, int bs,
-                                             int ps)
+                                             int ps, M map)
 {
 #pragma unroll
     for (int u = 0; u < U; u++) {
-        const int pg = first + u * P;
-        ph[u] = pg < end ? q_phys_page(bt, pg * ps, bs, ps) : 0;
+        const int v = first + u * P, pg = v < end ? map(v) : -1;
+        ph[u] = pg >= 0 ? q_phys_page(bt, pg * ps, bs, ps) : 0;
     }
 }
 
@@ -252,31 +268,32 @@ __device__ __forceinline__ void q_stage_group(const float *__restrict__ qg, int 
  * group's queries sq [G][HD] staged in shared memory: each page's score to out[pg] (when out) and
  * its order key to okeys[pg] (when okeys). One body for the score kernel and the fused
  * score + select, so both give the same bits per page. */
-template <int HD>
+template <int HD, class M = q_ident>
 __device__ __forceinline__ void q_score_range(const float *sq, int G, const bf16 *__restrict__ dig,
                                               const int32_t *__restrict__ bt, int g, int n_kv, int bs, int ps,
-                                              int pg0, int pg1, int warp, int nwarps, float *out, uint32_t *okeys)
+                                              int pg0, int pg1, int warp, int nwarps, float *out, uint32_t *okeys,
+                                              M map = M())
 {
     constexpr int L = HD / 8, P = 32 / L;   /* lanes per page, pages per warp step */
     const int lane = threadIdx.x & 31, sub = lane / L, l = lane % L;
     const int step = nwarps * P * QS_UNROLL;
     size_t ph[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
-    q_phys_ahead<QS_UNROLL, P>(ph, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
+    q_phys_ahead<QS_UNROLL, P>(ph, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps, map);
     for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += step) {
         uint4 mn[QS_UNROLL] = {}, mx[QS_UNROLL] = {};
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
-            const int pg = base + u * P + sub;
-            if (pg < pg1) {
+            const int v = base + u * P + sub, pg = v < pg1 ? map(v) : -1;
+            if (pg >= 0) {
                 const uint4 *d = (const uint4 *)(dig + (ph[u] * n_kv + g) * 2 * HD);
                 mn[u] = __ldcg(d + l);   /* L2 loads: read once, and coherent with a refresh earlier in the kernel */
                 mx[u] = __ldcg(d + L + l);
             }
         }
-        q_phys_ahead<QS_UNROLL, P>(ph, bt, base + step + sub, pg1, bs, ps);
+        q_phys_ahead<QS_UNROLL, P>(ph, bt, base + step + sub, pg1, bs, ps, map);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
-            const int pg = base + u * P + sub;
+            const int v = base + u * P + sub, pg = v < pg1 ? map(v) : -1;
             float a[8], c[8], acc = 0.0f;
             bf16x8(mn[u], a);
             bf16x8(mx[u], c);
@@ -287,7 +304,7 @@ __device__ __forceinline__ void q_score_range(const float *sq, int G, const bf16
             }
 #pragma unroll
             for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (l == 0 && pg < pg1) {
+            if (l == 0 && pg >= 0) {
                 if (out) out[pg] = acc;
                 if (okeys) okeys[pg] = q_okey(acc);
             }
@@ -506,11 +523,11 @@ __device__ __forceinline__ void q_fold_group(const float *__restrict__ q, int ro
 
 /* Quantized scores of pages pg0 .. pg1-1 of one (row, KV head) by the block's warps, the folded
  * queries in shared memory; outputs as q_score_range (one body for both kernels). */
-template <int HD, int BITS>
+template <int HD, int BITS, class M = q_ident>
 __device__ __forceinline__ void q_qscore_range(const float *sqp, const float *sqn, const uint32_t *__restrict__ qdig,
                                                size_t n_pages, const int32_t *__restrict__ bt, int g, int n_kv,
                                                int bs, int ps, int pg0, int pg1, int warp, int nwarps, float *out,
-                                               uint32_t *okeys)
+                                               uint32_t *okeys, M map = M())
 {
     constexpr int NW = HD * BITS / 32;            /* words per code vector */
     constexpr int V = NW >= 4 ? 4 : NW;           /* words per lane load */
@@ -528,15 +545,15 @@ __device__ __forceinline__ void q_qscore_range(const float *sqp, const float *sq
     const uint32_t *params = qdig + n_pages * (size_t)n_kv * 2 * NW;
     const int step = nwarps * P * QS_UNROLL;
     size_t php[QS_UNROLL];   /* this iteration's physical pages, looked up one iteration ahead */
-    q_phys_ahead<QS_UNROLL, P>(php, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps);
+    q_phys_ahead<QS_UNROLL, P>(php, bt, pg0 + warp * P * QS_UNROLL + sub, pg1, bs, ps, map);
     for (int base = pg0 + warp * P * QS_UNROLL; base < pg1; base += step) {
         vec mn[QS_UNROLL], mx[QS_UNROLL];
         uint32_t par[QS_UNROLL];
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
-            const int pg = base + u * P + sub;
+            const int v = base + u * P + sub, pg = v < pg1 ? map(v) : -1;
             par[u] = KVS_QD_UNBOUNDED;
-            if (pg < pg1) {
+            if (pg >= 0) {
                 const size_t ph = php[u] * n_kv + g;
                 const vec *d = (const vec *)(qdig + ph * 2 * NW);
                 mn[u] = __ldcg(d + l);   /* as q_score_range */
@@ -544,13 +561,13 @@ __device__ __forceinline__ void q_qscore_range(const float *sqp, const float *sq
                 par[u] = __ldcg(params + ph);
             }
         }
-        q_phys_ahead<QS_UNROLL, P>(php, bt, base + step + sub, pg1, bs, ps);
+        q_phys_ahead<QS_UNROLL, P>(php, bt, base + step + sub, pg1, bs, ps, map);
 #pragma unroll
         for (int u = 0; u < QS_UNROLL; u++) {
-            const int pg = base + u * P + sub;
+            const int v = base + u * P + sub, pg = v < pg1 ? map(v) : -1;
             const uint32_t *wn = (const uint32_t *)&mn[u], *wx = (const uint32_t *)&mx[u];
             float acc = 0.0f;
-            if (pg < pg1 && par[u] != KVS_QD_UNBOUNDED) {
+            if (pg >= 0 && par[u] != KVS_QD_UNBOUNDED) {
 #pragma unroll
                 for (int w = 0; w < V; w++)
 #pragma unroll
@@ -562,7 +579,7 @@ __device__ __forceinline__ void q_qscore_range(const float *sqp, const float *sq
             }
 #pragma unroll
             for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (l == 0 && pg < pg1) {
+            if (l == 0 && pg >= 0) {
                 const float lo = kvs_qd_f16_to_f32(par[u] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[u] >> 16);
                 const float v = par[u] == KVS_QD_UNBOUNDED ? INFINITY : fmaf(lo, qsum, sc * (float)(1 << BITS) * acc);
                 if (out) out[pg] = v;
@@ -1010,6 +1027,210 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
 #undef FS_CALL
 }
 
+/* ---- two-level (super-page) selection (kernels/kv_quest.h super_select) ------------------------ */
+
+/* One block of T threads per (row, KV head), as k_quest_fsel: (1) the row's refs for head g, a
+ * thread per (ref, dimension): min / max over the ref's pages of the page digests' values (bf16
+ * as stored, codes decoded with the shared kvs_qd_value: the CPU's bits), -inf / +inf for a
+ * super-page with an unbounded page; (2) every super-page scored by the warps, HD / 8 lanes a
+ * super-page over 8 dimensions each (F32 digests, the lanes' sums reduced as q_score_range's:
+ * equal to the CPU's up to rounding); (3) the last super-page and the top skeep - 1 of the others
+ * by rank (each thread counts the keys ahead of its super-pages: deterministic, no atomics decide
+ * an order); (4) the pages of
+ * the kept super-pages scored by q_score_range / q_qscore_range through q_smap, so each page gets
+ * the bits that the exact path's score kernels give it, their order keys in shared memory (the
+ * other pages' keys 0); (5) sel_run over all cur keys. */
+template <int HD, int BITS, int T>
+__global__ void __launch_bounds__(T, 1)
+k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages, float *__restrict__ sdig,
+             const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
+             const int32_t *__restrict__ skeep, const int32_t *__restrict__ rslot, const int32_t *__restrict__ refs,
+             const int32_t *__restrict__ ref_n, int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages,
+             int max_spans, int N, int max_super, int max_ref, float *__restrict__ scores_out,
+             int32_t *__restrict__ n_spans, int32_t *__restrict__ spans)
+{
+    extern __shared__ uint32_t ss_smem[];   /* bits, keys [max_pages], super keys / list [max_super], queries */
+    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, G = n_heads / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
+    int32_t *sp = spans + (size_t)pair * max_spans * 2;
+    if (top >= cur) {
+        if (tid == 0) {
+            sp[0] = 0, sp[1] = ctx;
+            n_spans[pair] = 1;
+        }
+        return;
+    }
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    uint32_t *bits = ss_smem, *sk = bits + (max_pages + 1 + 31) / 32, *skey = sk + max_pages;
+    int *slist = (int *)(skey + max_super);
+    float *sq = (float *)(slist + max_super);   /* bf16: [G][HD]; quantized: Qp [HD], Qn [HD] */
+    float *sd = sdig + ((size_t)rslot[row] * max_super * n_kv + g) * 2 * HD;
+    const size_t sstride = (size_t)n_kv * 2 * HD;   /* one super-page to the next */
+    /* (1) the refs */
+    const int nref = ref_n[row];
+    constexpr int NW = HD * BITS / 32, PER = 32 / BITS;
+    for (int x = tid; x < nref * HD; x += T) {
+        const int e = x / HD, i = x % HD;
+        const int32_t *ent = refs + ((size_t)row * max_ref + e) * (2 + N);
+        float mn = 0.0f, mx = 0.0f;
+        bool unb = false;
+        for (int t = 0; t < ent[1]; t++) {
+            const size_t ph = (size_t)ent[2 + t] * n_kv + g;
+            float a, c;
+            if constexpr (BITS == 16) {
+                const bf16 *d = (const bf16 *)dig + ph * 2 * HD;
+                a = __bfloat162float(d[i]), c = __bfloat162float(d[HD + i]);
+            } else {
+                const uint32_t *cw = (const uint32_t *)dig + ph * 2 * NW;
+                const uint32_t par = ((const uint32_t *)dig)[n_pages * (size_t)n_kv * 2 * NW + ph];
+                if (par == KVS_QD_UNBOUNDED) {
+                    unb = true;
+                    break;
+                }
+                const float lo = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+                const uint32_t mask = (1u << BITS) - 1;
+                a = kvs_qd_value(cw[i / PER] >> (i % PER * BITS) & mask, lo, sc);
+                c = kvs_qd_value(cw[NW + i / PER] >> (i % PER * BITS) & mask, lo, sc);
+            }
+            mn = t == 0 || a < mn ? a : mn;
+            mx = t == 0 || c > mx ? c : mx;
+        }
+        float *o = sd + (size_t)ent[0] * sstride;
+        o[i] = unb ? -INFINITY : mn;
+        o[HD + i] = unb ? INFINITY : mx;
+    }
+    if (BITS == 16)
+        q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
+    else
+        q_fold_group<HD>(q, row, g, G, n_heads, sq, sq + HD);
+    for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
+    for (int j = tid; j < cur; j += T) sk[j] = 0;   /* pages outside the kept super-pages: below every score */
+    __syncthreads();   /* the refs' digests (global, this block's own writes) and the queries */
+    /* (2) super-page scores: L lanes a super-page, 8 dimensions each, over the group's heads
+     * (quantized digests: the folded queries, max(q a, q c) = max(q, 0) c + min(q, 0) a for a <= c) */
+    const int nsup = (cur + N - 1) / N;
+    {
+        constexpr int L = HD / 8, P = 32 / L;
+        const int lane = tid & 31, sub = lane / L, l = lane % L, warp = tid >> 5;
+        for (int j0 = warp * P; j0 < nsup; j0 += (T / 32) * P) {
+            const int j = j0 + sub;
+            float acc = 0.0f;
+            bool unb = false;
+            if (j < nsup) {
+                const float4 *d = (const float4 *)(sd + (size_t)j * sstride);
+                const float4 a0 = __ldcg(d + 2 * l), a1 = __ldcg(d + 2 * l + 1);
+                const float4 c0 = __ldcg(d + HD / 4 + 2 * l), c1 = __ldcg(d + HD / 4 + 2 * l + 1);
+                const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                unb = __ldcg(sd + (size_t)j * sstride) == -INFINITY && __ldcg(sd + (size_t)j * sstride + HD) == INFINITY;
+                if constexpr (BITS == 16) {
+                    for (int h = 0; h < G; h++) {
+                        const float *qh = sq + h * HD + 8 * l;
+#pragma unroll
+                        for (int k = 0; k < 8; k++) acc += fmaxf(qh[k] * a[k], qh[k] * c[k]);
+                    }
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; k++) acc += sq[8 * l + k] * c[k] + sq[HD + 8 * l + k] * a[k];
+                }
+            }
+#pragma unroll
+            for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (l == 0 && j < nsup) skey[j] = q_okey(unb ? INFINITY : acc);
+        }
+    }
+    __syncthreads();
+    /* (3) the last super-page, then the top S - 1 of the others: rank = the keys ahead (higher, or
+     * equal at a lower index) */
+    const int S = min(max(skeep[row], 0), nsup);
+    for (int j = tid; j < nsup - 1; j += T) {
+        const uint32_t kj = skey[j];
+        int ahead = 0;
+        for (int x = 0; x < nsup - 1; x++) {
+            const uint32_t kx = skey[x];
+            ahead += kx > kj || (kx == kj && x < j);
+        }
+        if (ahead < S - 1) slist[ahead] = j;
+    }
+    if (tid == 0 && S > 0) slist[S - 1] = nsup - 1;
+    __syncthreads();
+    /* (4) the kept super-pages' pages, with the exact path's bits */
+    float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;
+    const q_smap map = {slist, N, cur};
+    if constexpr (BITS == 16)
+        q_score_range<HD, q_smap>(sq, G, (const bf16 *)dig, bt, g, n_kv, bs, ps, 0, S * N, tid >> 5, T / 32, out, sk,
+                                  map);
+    else
+        q_qscore_range<HD, BITS, q_smap>(sq, sq + HD, (const uint32_t *)dig, n_pages, bt, g, n_kv, bs, ps, 0, S * N,
+                                         tid >> 5, T / 32, out, sk, map);
+    __syncthreads();
+    /* (5) */
+    sel_run<T, true>(nullptr, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
+}
+
+template <int HD, int BITS>
+static void ssel_launch(struct kvs_backend *b, int T, size_t smem, const struct kvs_quest_super_args *a, float *so)
+{
+    static bool attr_set[2];
+    constexpr bool big = HD >= 64;   /* 1024-thread blocks only there (cu_super_select) */
+    const void *fn = big && T == 1024 ? (const void *)k_quest_ssel<HD, BITS, big ? 1024 : 512>
+                                      : (const void *)k_quest_ssel<HD, BITS, 512>;
+    if (!attr_set[T == 1024]) {
+        CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, FS_SMEM_MAX));
+        attr_set[T == 1024] = true;
+    }
+    const struct kvs_attn_meta *m = a->m;
+#define SS_ARGS                                                                                                  \
+    (unsigned)(a->n * a->n_kv_heads), T, smem, b->stream, (const float *)a->q->d, (const void *)a->dig->d,        \
+        a->n_pages, (float *)a->sdig->d, (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d,           \
+        (const int32_t *)a->keep->d, (const int32_t *)a->skeep->d, (const int32_t *)a->rslot->d,                    \
+        (const int32_t *)a->refs->d, (const int32_t *)a->ref_n->d, m->max_blocks, a->n_heads, a->n_kv_heads,        \
+        a->block_size, a->page_size, a->max_pages, a->max_spans, a->super_pages, a->max_super, a->max_ref, so,      \
+        (int32_t *)a->n_spans->d, (int32_t *)a->spans->d
+    if (big && T == 1024)
+        CUDA_CHECK(kvs_cu_launch(k_quest_ssel<HD, BITS, big ? 1024 : 512>, SS_ARGS));
+    else
+        CUDA_CHECK(kvs_cu_launch(k_quest_ssel<HD, BITS, 512>, SS_ARGS));
+#undef SS_ARGS
+}
+
+static void cu_super_select(struct kvs_backend *b, const struct kvs_quest_super_args *a)
+{
+    qs_serial_env();
+    if (a->n <= 0) return;
+    const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
+    const size_t qbytes = (size_t)(a->bits == 16 ? G : 2) * hd * sizeof(float);
+    const size_t smem = (size_t)(a->max_pages + 1 + 31) / 32 * sizeof(uint32_t) + (size_t)a->max_pages * sizeof(uint32_t) +
+                        2 * (size_t)a->max_super * sizeof(uint32_t) + qbytes;
+    if (smem > FS_SMEM_MAX)   /* as the score launch's head_dim: the shape is the model's, a panic, not an error */
+        kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection: %zu shared bytes (max %d: at most ~%d candidate "
+                  "pages a row)", smem, FS_SMEM_MAX, FS_SMEM_MAX / 8);
+    xh_forget(b, a->n_spans->d);
+    xh_forget(b, a->spans->d);
+    xh_forget(b, a->sdig->d);
+    float *so = NULL;
+    if (a->scores) {
+        xh_forget(b, a->scores->d);
+        so = (float *)a->scores->d;
+    }
+    /* fewer pairs than SMs: each block alone on its SM takes its every warp (as the fused select);
+     * head_dim 16 / 32 (test models) only at 512 */
+    const int pairs = a->n * a->n_kv_heads, sms = b->n_sms > 0 ? b->n_sms : 1;
+    const int T = pairs <= sms && hd >= 64 ? 1024 : 512;
+#define SS_CALL(H, B)                                     \
+    if (hd == H && a->bits == B) {                        \
+        ssel_launch<H, B>(b, T, smem, a, so);             \
+        return;                                           \
+    }
+    SS_CALL(16, 16); SS_CALL(32, 16); SS_CALL(64, 16); SS_CALL(128, 16); SS_CALL(256, 16);
+    SS_CALL(16, 8); SS_CALL(32, 8); SS_CALL(64, 8); SS_CALL(128, 8); SS_CALL(256, 8);
+    SS_CALL(16, 4); SS_CALL(32, 4); SS_CALL(64, 4); SS_CALL(128, 4); SS_CALL(256, 4);
+#undef SS_CALL
+    kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection: head_dim %d, bits %d (16, 32, 64, 128 or 256; 16, 8 "
+              "or 4)", hd, a->bits);
+}
+
 extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
     "cuda",
     cu_digest_update,
@@ -1018,4 +1239,5 @@ extern "C" const struct kvs_quest_kernels kvs_quest_kernels_cuda = {
     cu_qdigest_update,
     cu_qscore,
     cu_score_select,
+    cu_super_select,
 };

@@ -19,6 +19,13 @@
  *   sizes     one 128K-token row (8192 candidate pages), 1024 (row, KV head) pairs (one score
  *             block per pair: its pages in several loop iterations), and equal scores (the
  *             lowest pages);
+ *   super     the two-level selection (super_select): every super-page kept gives the exact CUDA
+ *             path's spans bitwise; otherwise super digests bitwise the CPU's, candidates whole
+ *             super-pages scored with the exact path's bits, the last super-page kept and the other
+ *             kept ones ranked first up to rounding, the kept pages a brute-force ranking of the candidates, and the CPU's
+ *             selection for at least 90% of the pairs (the rest: near-ties in another fp32 order);
+ *             through the engine: every super-page kept gives Quest's tokens, super_keep 1 serves
+ *             every request with graphs = eager and no stale digest under the eager check;
  *   engine    the tiny Llama on device cuda with kv.decode=quest at budget >= context gives the
  *             same greedy tokens as full attention on cuda for most requests (bf16 rounding may
  *             flip a near-tie), and at a small budget serves every request and reads less; the
@@ -34,6 +41,7 @@
 
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "engine/kv/kv_decode_quest.h"
 #include "tests/unit/kv_quest_fixture.h"
 #include "tests/unit/test_util.h"
 
@@ -246,7 +254,136 @@ static void test_kernels(uint64_t seed)
 #define NJ 6
 #define GEN 16
 
+/* ---- two-level (super-page) selection --------------------------------------------------------- */
+
+/* fresh cases at 16, 8 and 4 bits: every super-page kept gives the exact CUDA path's spans
+ * bitwise; at super_keep 1 (and 2) the super digests equal the CPU's bitwise, the CUDA candidates
+ * are whole super-pages, skeep of them, scored with the exact path's bits, the kept super-pages
+ * rank first up to rounding (double scores from the digests), the kept pages equal a brute-force
+ * ranking of the CUDA candidates' scores, and the selection equals the CPU's for most pairs */
+static void test_super(uint64_t seed)
+{
+    char err[256];
+    const struct kvs_quest_kernels *kc = kvs_quest_kernels_for(C, err, sizeof err), *kg = kvs_quest_kernels_for(G, err, sizeof err);
+    REQUIRE(kc && kg && kg->super_select, "quest kernels: %s", err);
+    static const struct {
+        int S, nh, nkv, hd, bs, ps, lo, hi;
+        double ratio;
+        int min_budget, N, bits;
+        double factor;
+    } CASES[] = {
+        {6, 32, 8, 128, 16, 16, 3000, 9000, 0.15, 256, 16, 8, 1.0},
+        {6, 32, 8, 128, 16, 16, 3000, 9000, 0.15, 256, 16, 16, 2.0},
+        {5, 16, 4, 128, 16, 16, 1000, 5000, 0.15, 256, 8, 4, 2.0},
+        {4, 8, 2, 64, 32, 16, 300, 3000, 0.1, 64, 4, 8, 1.0},
+        {4, 16, 2, 256, 16, 8, 500, 2000, 0.2, 64, 5, 16, 1.5},
+    };
+    int bad_all = 0, bad_sd = 0, bad_cand = 0, bad_sc = 0, bad_rank = 0, bad_sel = 0, pairs = 0, sparse = 0, same_cpu = 0;
+    for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++) {
+        struct qf_case c;
+        struct qf_out rg;
+        struct qf_sout ag, eg, ac;
+        qf_make(&c, seed + 1000 + ci, CASES[ci].S, CASES[ci].nh, CASES[ci].nkv, CASES[ci].hd, CASES[ci].bs, CASES[ci].ps,
+                CASES[ci].lo, CASES[ci].hi, CASES[ci].ratio, CASES[ci].min_budget, 1);
+        c.bits = CASES[ci].bits;
+        const int N = CASES[ci].N, nkv = c.nkv, hd = c.hd, Gq = c.nh / nkv;
+        qf_run(G, bg, kg, &c, &rg);
+        qf_super_run(G, bg, kg, &c, N, 1e9, &eg);
+        qf_super_run(G, bg, kg, &c, N, CASES[ci].factor, &ag);
+        qf_super_run(C, bc, kc, &c, N, CASES[ci].factor, &ac);
+        struct qf_out vg = rg, vc = rg;
+        vg.n_spans = ag.n_spans, vg.spans = ag.spans, vg.max_spans = ag.max_spans;
+        vc.n_spans = ac.n_spans, vc.spans = ac.spans, vc.max_spans = ac.max_spans;
+        unsigned char *kg_ = kvs_xmalloc((size_t)rg.max_pages), *kc_ = kvs_xmalloc((size_t)rg.max_pages);
+        unsigned char *want = kvs_xmalloc((size_t)rg.max_pages + 1);
+        double *sup = kvs_xmalloc((size_t)ag.max_super * 2 * sizeof *sup);
+        for (int s = 0; s < c.n_seqs; s++) {
+            const int cur = (c.ctx[s] - 1) / c.ps, nsup = (cur + N - 1) / N, top = c.keep[s] - 1;
+            for (int g = 0; g < nkv; g++) {
+                pairs++;
+                bad_all += !qf_same_spans(&c, eg.n_spans, eg.spans, eg.max_spans, rg.n_spans, rg.spans, rg.max_spans, s, g);
+                if (top >= cur) continue;
+                sparse++;
+                const size_t so = ((size_t)(c.n_seqs - 1 - s) * ag.max_super * nkv + g) * 2 * hd;
+                const float *sq = c.q + (size_t)s * c.nh * hd;
+                for (int j = 0; j < nsup; j++) {
+                    const float *dg = ag.sdig + so + (size_t)j * nkv * 2 * hd, *dc = ac.sdig + so + (size_t)j * nkv * 2 * hd;
+                    bad_sd += memcmp(dg, dc, 2 * (size_t)hd * sizeof *dg) != 0;
+                    double sc = 0, mag = 0;
+                    for (int h = g * Gq; h < (g + 1) * Gq; h++)
+                        for (int i = 0; i < hd; i++) {
+                            const double a = (double)sq[(size_t)h * hd + i] * dg[i], b = (double)sq[(size_t)h * hd + i] * dg[hd + i];
+                            sc += a > b ? a : b;
+                            mag += fabs(a) + fabs(b);
+                        }
+                    sup[2 * j] = dg[0] == -INFINITY && dg[hd] == INFINITY ? INFINITY : sc, sup[2 * j + 1] = mag;
+                }
+                /* the candidates: pages the kernel scored (the rest keep the NaN) */
+                const float *gs = ag.scores + ((size_t)s * nkv + g) * ag.max_pages;
+                const float *es = rg.scores + ((size_t)s * nkv + g) * rg.max_pages;
+                int nk = 0, whole = 1;
+                double kmin = INFINITY, omax = -INFINITY, tol = 0;
+                for (int j = 0; j < nsup; j++) {
+                    int w = 0, n = 0;
+                    for (int pg = j * N; pg < (j + 1) * N && pg < cur; pg++) w += !isnan(gs[pg]), n++;
+                    whole &= w == 0 || w == n;
+                    nk += w > 0;
+                    if (j == nsup - 1) {   /* the last super-page: always kept, not ranked */
+                        whole &= w > 0;
+                        continue;
+                    }
+                    if (w) kmin = sup[2 * j] < kmin ? sup[2 * j] : kmin;
+                    else omax = sup[2 * j] > omax ? sup[2 * j] : omax;
+                    tol = 1e-5 * sup[2 * j + 1] > tol ? 1e-5 * sup[2 * j + 1] : tol;
+                }
+                bad_cand += !whole || nk != (ag.skeep[s] < nsup ? ag.skeep[s] : nsup);
+                bad_rank += !(kmin >= omax - tol);
+                int nc = 0;
+                for (int pg = 0; pg < cur; pg++)
+                    if (!isnan(gs[pg])) nc++, bad_sc += memcmp(&gs[pg], &es[pg], sizeof *gs) != 0;
+                /* brute force over the CUDA candidates */
+                memset(want, 0, (size_t)cur + 1);
+                for (int a = 0; a < cur; a++) {
+                    if (isnan(gs[a])) continue;
+                    const uint32_t ka = kvs_quest_order_key(gs[a]);
+                    int ahead = 0;
+                    for (int b = 0; b < cur; b++) {
+                        if (isnan(gs[b])) continue;
+                        const uint32_t kb = kvs_quest_order_key(gs[b]);
+                        ahead += kb > ka || (kb == ka && b < a);
+                    }
+                    want[a] = ahead < top;
+                }
+                want[cur] = 1;
+                const int ng = qf_kept_pages(&c, &vg, s, g, kg_), nc_ = qf_kept_pages(&c, &vc, s, g, kc_);
+                bad_sel += ng < 0 || nc < top || memcmp(kg_, want, (size_t)cur + 1) != 0;
+                same_cpu += nc_ >= 0 && ng >= 0 && !memcmp(kg_, kc_, (size_t)cur + 1);
+            }
+        }
+        free(kg_);
+        free(kc_);
+        free(want);
+        free(sup);
+        qf_sout_free(&ag);
+        qf_sout_free(&eg);
+        qf_sout_free(&ac);
+        qf_out_free(&rg);
+        qf_free(&c);
+    }
+    CHECK(bad_all == 0, "cuda super-pages, every one kept: %d of %d pairs differ from the exact CUDA path", bad_all, pairs);
+    CHECK(bad_sd == 0 && bad_cand == 0 && bad_sc == 0 && bad_rank == 0 && bad_sel == 0 && sparse > 0,
+          "cuda super-pages: %d super digests differ from the CPU's, %d pairs' candidates not skeep whole super-pages, "
+          "%d candidate scores differ from the exact path's, %d pairs rank a dropped super-page above a kept one, %d "
+          "selections differ from the brute force (%d sparse pairs)", bad_sd, bad_cand, bad_sc, bad_rank, bad_sel, sparse);
+    CHECK(same_cpu >= sparse * 9 / 10, "cuda super-pages: only %d of %d sparse selections equal the CPU's", same_cpu, sparse);
+    printf("ok cuda two-level selection: every super-page kept = the exact path (%d pairs); %d sparse pairs: digests = "
+           "CPU's, candidates whole super-pages with the exact path's bits, brute-force ranking; %d/%d equal to the "
+           "CPU's selection\n", pairs, sparse, same_cpu, sparse);
+}
+
 static int eng_bits = 16;   /* kv.quest.digest_bits of the next run_engine */
+static int eng_sup = 0;     /* kv.quest.super_pages / super_keep of the next run_engine */
+static double eng_sup_keep = 2;
 
 static void run_engine(struct kvs_model *model, const char *decode, double ratio, int min_budget, int32_t out[NJ][GEN],
                        struct kvs_engine_stats *st)
@@ -265,6 +402,8 @@ static void run_engine(struct kvs_model *model, const char *decode, double ratio
     c.quest_budget_ratio = ratio;
     c.quest_min_budget = min_budget;
     c.quest_digest_bits = eng_bits;
+    c.quest_super_pages = eng_sup;
+    c.quest_super_keep = eng_sup_keep;
     char err[256];
     struct kvs_engine *e;
     REQUIRE(kvs_engine_create(&c, model, NULL, &e, err, sizeof err) == 0, "%s", err);
@@ -365,6 +504,34 @@ static void test_engine(void)
     printf("ok engine on cuda: quest with 4-bit digests: budget >= context equals full for %d/%d; at 15%% %g sparse "
            "rows, graphs = eager for %d/%d, same tokens as bf16 digests for %d/%d\n",
            same4, NJ, rows4, same4e, NJ, same416, NJ);
+    /* super-pages: every one kept gives the 15% run's tokens; at super_keep 1 every request is
+     * served with sparse rows, graphed = eager, and the eager run's check sees no stale digest */
+    static int32_t supall[NJ][GEN], sup1[NJ][GEN], sup1e[NJ][GEN];
+    struct kvs_engine_stats ss, sse;
+    eng_sup = 2, eng_sup_keep = 1e9;
+    run_engine(model, "quest", 0.15, 32, supall, &ss);
+    int samesa = 0;
+    for (int i = 0; i < NJ; i++) samesa += !memcmp(supall[i], sparse[i], sizeof sparse[i]);
+    CHECK(samesa >= NJ - 1, "super-pages, every one kept, on cuda: %d of %d requests equal to quest's", samesa, NJ);
+    eng_sup_keep = 1;
+    run_engine(model, "quest", 0.15, 32, sup1, &ss);
+    setenv("KVS_GRAPHS", "0", 1);
+    kvs_quest_set_check(1);
+    run_engine(model, "quest", 0.15, 32, sup1e, &sse);
+    kvs_quest_set_check(0);
+    unsetenv("KVS_GRAPHS");
+    eng_sup = 0, eng_sup_keep = 2;
+    const double srows = kvs_engine_kv_counter(&ss, "kvserve:kv_quest_sparse_rows_total");
+    const double sstale = kvs_engine_kv_counter(&sse, "kvserve:kv_quest_stale_digests_total");
+    int same1e = 0, same1q = 0;
+    for (int i = 0; i < NJ; i++)
+        same1e += !memcmp(sup1[i], sup1e[i], sizeof sup1[i]), same1q += !memcmp(sup1[i], sparse[i], sizeof sup1[i]);
+    CHECK(srows > 0 && sstale == 0 && same1e >= NJ - 1 &&
+          kvs_engine_kv_counter(&ss, "kvserve:kv_quest_super_scored_total") > 0,
+          "super-pages at super_keep 1 on cuda: %g sparse rows, %g stale (eager check), graphs vs eager %d of %d", srows,
+          sstale, same1e, NJ);
+    printf("ok engine on cuda: super-pages, every one kept = quest's tokens for %d/%d; at super_keep 1 %g sparse rows, "
+           "0 stale, graphs = eager for %d/%d, quest's tokens for %d/%d\n", samesa, NJ, srows, same1e, NJ, same1q, NJ);
     kvs_model_free(model);
 }
 
@@ -383,6 +550,7 @@ int main(void)
     if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
     REQUIRE(G->attention_spans, "the CUDA backend has no attention_spans");
     test_kernels(seed);
+    test_super(seed);
     C->free(bc);
     G->free(bg);
     test_engine();

@@ -333,4 +333,138 @@ static int qf_kept_pages(const struct qf_case *c, const struct qf_out *r, int s,
     return count;
 }
 
+/* ---- two-level (super-page) selection (kernels/kv_quest.h super_select) ---- */
+
+/* super-pages a row with keep pages (the current one included) and cur candidates keeps, as the
+ * policy sizes it (engine/kv/kv_decode_quest.c) */
+static int qf_super_keep(int keep, int cur, int N, double factor)
+{
+    const int nsup = (cur + N - 1) / N;
+    const double k = ceil(factor * (double)(keep - 1) / N) + 1;
+    return k >= nsup ? nsup : (int)k;
+}
+
+struct qf_sout {
+    float *sdig;                  /* [n_seqs (slot = row)][max_super][nkv][2][hd] */
+    float *scores;                /* [n_seqs][nkv][max_pages]: the candidates' page scores */
+    int32_t *n_spans, *spans;
+    int max_pages, max_spans, max_super, skeep[QF_MAX_SEQS];
+};
+
+/* The case's digests as qf_run makes them (bits of c; one refresh of every written position),
+ * then super_select with every super-page of every selecting row listed as a ref (row s in slot
+ * n_seqs - 1 - s: reversed, so a slot mix-up shows), run twice: the second time with no refs,
+ * reading the digests that the first made (what a later step does). */
+static void qf_super_run(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct kvs_quest_kernels *k,
+                         const struct qf_case *c, int N, double factor, struct qf_sout *r)
+{
+    const int S = c->n_seqs, nkv = c->nkv, hd = c->hd, ppb = c->bs / c->ps, w = 2 + N;
+    memset(r, 0, sizeof *r);
+    const int n_pages = c->n_blocks * ppb;
+    r->max_pages = c->max_blocks * ppb;
+    r->max_super = (r->max_pages + N - 1) / N;
+    r->max_spans = 1;
+    for (int s = 0; s < S; s++) {
+        int kp = c->keep[s] < r->max_pages ? c->keep[s] : r->max_pages;
+        if (kp > r->max_spans) r->max_spans = kp;
+    }
+    const size_t nk = (size_t)c->n_blocks * nkv * c->bs * hd;
+    const int quant = c->bits == 8 || c->bits == 4;
+    const size_t nd = quant ? kvs_quest_qdig_words((size_t)n_pages, nkv, hd, c->bits) : (size_t)n_pages * nkv * 2 * hd;
+    const size_t nsd = (size_t)S * r->max_super * nkv * 2 * hd;
+    struct kvs_dbuf *kc = o->alloc(be, KVS_BUF_KV, nk), *dig = o->alloc(be, quant ? KVS_BUF_I32 : KVS_BUF_KV, nd);
+    struct kvs_dbuf *sdig = o->alloc(be, KVS_BUF_F32, nsd);
+    KVS_ASSERT(kc && dig && sdig);
+    o->upload(be, kc, 0, c->k, nk);
+    float *junk = kvs_xmalloc(nsd * sizeof *junk);
+    for (size_t i = 0; i < nsd; i++) junk[i] = (i & 1) ? -4096.0f : 4096.0f;   /* only refs may fill it */
+    o->upload(be, sdig, 0, junk, nsd);
+    free(junk);
+    int rows[QF_MAX_SEQS], end[QF_MAX_SEQS];
+    struct qf_meta qm;
+    for (int s = 0; s < S; s++) rows[s] = end[s] = c->ctx[s];
+    qf_meta_make(o, be, c, rows, end, &qm);
+    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)n_pages, dig);
+    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
+    qf_meta_free(o, be, &qm);
+    for (int s = 0; s < S; s++) rows[s] = 1;
+    qf_meta_make(o, be, c, rows, end, &qm);
+    int32_t hk[QF_MAX_SEQS], hrs[QF_MAX_SEQS], hrn[QF_MAX_SEQS];
+    int32_t *hrefs = kvs_xcalloc((size_t)S * r->max_super * w, sizeof *hrefs);
+    for (int s = 0; s < S; s++) {
+        const int cur = (c->ctx[s] - 1) / c->ps, nsup = (cur + N - 1) / N;
+        hk[s] = c->keep[s] > cur + 1 ? cur + 1 : c->keep[s];
+        hrs[s] = S - 1 - s;
+        r->skeep[s] = hk[s] > cur ? 0 : qf_super_keep(hk[s], cur, N, factor);
+        hrn[s] = hk[s] > cur ? 0 : nsup;
+        for (int j = 0; j < hrn[s]; j++) {
+            int32_t *e = hrefs + ((size_t)s * r->max_super + j) * w;
+            e[0] = j, e[1] = cur - j * N < N ? cur - j * N : N;
+            for (int t = 0; t < e[1]; t++) {
+                const int pg = j * N + t;
+                e[2 + t] = c->bt[(size_t)s * c->max_blocks + pg / ppb] * ppb + pg % ppb;
+            }
+        }
+    }
+    struct kvs_dbuf *q = o->alloc(be, KVS_BUF_ACT, (size_t)S * c->nh * hd);
+    struct kvs_dbuf *keep = o->alloc(be, KVS_BUF_I32, (size_t)S), *skeep = o->alloc(be, KVS_BUF_I32, (size_t)S);
+    struct kvs_dbuf *rslot = o->alloc(be, KVS_BUF_I32, (size_t)S), *refn = o->alloc(be, KVS_BUF_I32, (size_t)S);
+    struct kvs_dbuf *refs = o->alloc(be, KVS_BUF_I32, (size_t)S * r->max_super * w);
+    struct kvs_dbuf *sc = o->alloc(be, KVS_BUF_F32, (size_t)S * nkv * r->max_pages);
+    struct kvs_dbuf *ns = o->alloc(be, KVS_BUF_I32, (size_t)S * nkv);
+    struct kvs_dbuf *sp = o->alloc(be, KVS_BUF_I32, (size_t)S * nkv * r->max_spans * 2);
+    KVS_ASSERT(q && keep && skeep && rslot && refn && refs && sc && ns && sp);
+    o->upload(be, q, 0, c->q, (size_t)S * c->nh * hd);
+    o->upload(be, keep, 0, hk, (size_t)S);
+    o->upload(be, skeep, 0, r->skeep, (size_t)S);
+    o->upload(be, rslot, 0, hrs, (size_t)S);
+    o->upload(be, refn, 0, hrn, (size_t)S);
+    o->upload(be, refs, 0, hrefs, (size_t)S * r->max_super * w);
+    {   /* NaN everywhere: the pages a backend scored are the ones it wrote */
+        const size_t nsc = (size_t)S * nkv * r->max_pages;
+        float *nan = kvs_xmalloc(nsc * sizeof *nan);
+        for (size_t i = 0; i < nsc; i++) nan[i] = NAN;
+        o->upload(be, sc, 0, nan, nsc);
+        free(nan);
+    }
+    struct kvs_quest_super_args a = {
+        .q = q, .dig = dig, .sdig = sdig, .m = &qm.m, .keep = keep, .skeep = skeep, .rslot = rslot, .refs = refs,
+        .ref_n = refn, .n = S, .n_heads = c->nh, .n_kv_heads = nkv, .head_dim = hd, .block_size = c->bs,
+        .page_size = c->ps, .bits = quant ? c->bits : 16, .n_pages = (size_t)n_pages, .max_pages = r->max_pages,
+        .max_spans = r->max_spans, .super_pages = N, .max_super = r->max_super, .max_ref = r->max_super,
+        .scores = sc, .n_spans = ns, .spans = sp};
+    k->super_select(be, &a);
+    memset(hrn, 0, sizeof hrn);
+    o->upload(be, refn, 0, hrn, (size_t)S);
+    k->super_select(be, &a);
+    r->sdig = kvs_xmalloc(nsd * sizeof *r->sdig);
+    o->download(be, r->sdig, sdig, 0, nsd);
+    r->scores = kvs_xmalloc((size_t)S * nkv * r->max_pages * sizeof *r->scores);
+    o->download(be, r->scores, sc, 0, (size_t)S * nkv * r->max_pages);
+    r->n_spans = kvs_xmalloc((size_t)S * nkv * sizeof *r->n_spans);
+    o->download(be, r->n_spans, ns, 0, (size_t)S * nkv);
+    r->spans = kvs_xmalloc((size_t)S * nkv * r->max_spans * 2 * sizeof *r->spans);
+    o->download(be, r->spans, sp, 0, (size_t)S * nkv * r->max_spans * 2);
+    free(hrefs);
+    qf_meta_free(o, be, &qm);
+    struct kvs_dbuf *bufs[] = {kc, dig, sdig, q, keep, skeep, rslot, refn, refs, sc, ns, sp};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) o->free_buf(be, bufs[i]);
+}
+
+static void qf_sout_free(struct qf_sout *r)
+{
+    free(r->sdig);
+    free(r->scores);
+    free(r->n_spans);
+    free(r->spans);
+}
+
+/* 1 when (s, g)'s spans of a and b are the same (n_spans, then the spans) */
+static int qf_same_spans(const struct qf_case *c, const int32_t *an, const int32_t *asp, int amax, const int32_t *bn,
+                         const int32_t *bsp, int bmax, int s, int g)
+{
+    const int i = s * c->nkv + g;
+    return an[i] == bn[i] && !memcmp(asp + (size_t)i * amax * 2, bsp + (size_t)i * bmax * 2, (size_t)an[i] * 2 * 4);
+}
+
 #endif

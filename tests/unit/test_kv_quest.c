@@ -184,6 +184,166 @@ static void test_kernels(void)
     o->free(be);
 }
 
+/* ---- 1c. two-level (super-page) selection (kernels/kv_quest.h super_select) ------------------ */
+
+static float super_bound(const float *qr, int g, int G, int hd, const float *mn, const float *mx)
+{
+    if (mn[0] == -INFINITY && mx[0] == INFINITY) return INFINITY;
+    float sc = 0.0f;   /* the contract's order: heads, then dimensions, fp32 */
+    for (int h = g * G; h < (g + 1) * G; h++) {
+        float hs = 0.0f;
+        for (int i = 0; i < hd; i++) {
+            const float a = qr[(size_t)h * hd + i] * mn[i], b = qr[(size_t)h * hd + i] * mx[i];
+            hs += a > b ? a : b;
+        }
+        sc += hs;
+    }
+    return sc;
+}
+
+/* a page digest of r (bf16 floats or decoded codes) as values; 0 when unbounded */
+static int page_values(const struct qf_case *c, const struct qf_out *r, size_t pp, int g, float *mn, float *mx)
+{
+    const int nkv = c->nkv, hd = c->hd;
+    if (!r->qdig) {
+        memcpy(mn, r->dig + (pp * nkv + g) * 2 * hd, (size_t)hd * 4);
+        memcpy(mx, r->dig + (pp * nkv + g) * 2 * hd + hd, (size_t)hd * 4);
+        return 1;
+    }
+    const size_t vw = kvs_quest_qdig_vec_words(hd, c->bits);
+    const uint32_t par = r->qdig[(size_t)r->n_pages * nkv * 2 * vw + pp * nkv + g], mask = (1u << c->bits) - 1;
+    if (par == KVS_QD_UNBOUNDED) return 0;
+    const float l = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+    const uint32_t *cm = r->qdig + (pp * nkv + g) * 2 * vw;
+    const int per = 32 / c->bits;
+    for (int i = 0; i < hd; i++) {
+        mn[i] = kvs_qd_value(cm[i / per] >> (i % per * c->bits) & mask, l, sc);
+        mx[i] = kvs_qd_value(cm[vw + i / per] >> (i % per * c->bits) & mask, l, sc);
+    }
+    return 1;
+}
+
+static int okey_before(uint32_t ka, int ia, uint32_t kb, int ib) { return ka > kb || (ka == kb && ia < ib); }
+
+/* Every super-page kept: the spans equal select's bitwise. Super_keep 1: the super digests equal
+ * the union of the page digests bitwise; the kept pages equal a brute-force two-level ranking
+ * (super scores in the contract's order from those digests, the last super-page and the top
+ * skeep - 1 of the others with ties to the lower index, then the top keep - 1 candidate pages by the exact path's own page scores, which the
+ * super path's candidate scores equal bitwise); fewer page digests are read. */
+static void test_super(void)
+{
+    const struct kvs_backend_ops *o = &kvs_cpu_backend;
+    char err[256];
+    struct kvs_backend *be = o->create(2, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, sizeof err);
+    REQUIRE(k, "%s", err);
+    static const struct {
+        int S, nh, nkv, hd, bs, ps, lo, hi;
+        double ratio;
+        int min_budget, needles, N, bits;
+    } CASES[] = {
+        {6, 8, 2, 32, 16, 16, 340, 700, 0.15, 32, 1, 4, 16}, {6, 8, 2, 32, 16, 16, 340, 700, 0.15, 32, 1, 4, 8},
+        {5, 4, 4, 16, 16, 8, 20, 400, 0.2, 16, 1, 3, 8},     {4, 16, 2, 64, 32, 16, 300, 1200, 0.1, 64, 1, 8, 8},
+        {7, 8, 2, 32, 16, 16, 1, 90, 0.15, 48, 0, 2, 16},    {4, 16, 2, 64, 32, 16, 300, 1200, 0.1, 64, 1, 5, 4},
+    };
+    int bad_exact = 0, bad_sd = 0, bad_sel = 0, bad_sc = 0, rows = 0, sparse = 0;
+    double read = 0, all = 0;
+    for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++) {
+        struct qf_case c;
+        struct qf_out r;
+        struct qf_sout ex, ap;
+        qf_make(&c, 377 + ci, CASES[ci].S, CASES[ci].nh, CASES[ci].nkv, CASES[ci].hd, CASES[ci].bs, CASES[ci].ps,
+                CASES[ci].lo, CASES[ci].hi, CASES[ci].ratio, CASES[ci].min_budget, CASES[ci].needles);
+        c.bits = CASES[ci].bits;
+        const int N = CASES[ci].N, nkv = c.nkv, hd = c.hd, G = c.nh / nkv, ppb = c.bs / c.ps;
+        qf_run(o, be, k, &c, &r);
+        qf_super_run(o, be, k, &c, N, 1e9, &ex);
+        qf_super_run(o, be, k, &c, N, 1.0, &ap);
+        struct qf_out av = r;
+        av.n_spans = ap.n_spans, av.spans = ap.spans, av.max_spans = ap.max_spans;
+        unsigned char *got = kvs_xmalloc((size_t)r.max_pages), *want = kvs_xcalloc((size_t)r.max_pages + 1, 1);
+        float *mn = kvs_xmalloc(4 * (size_t)hd * sizeof *mn), *mx = mn + hd, *umn = mx + hd, *umx = umn + hd;
+        uint32_t *key = kvs_xmalloc((size_t)r.max_pages * sizeof *key);
+        int *idx = kvs_xmalloc((size_t)r.max_pages * sizeof *idx);
+        for (int s = 0; s < c.n_seqs; s++) {
+            const int cur = (c.ctx[s] - 1) / c.ps, nsup = (cur + N - 1) / N, top = c.keep[s] - 1;
+            const int32_t *bt = c.bt + (size_t)s * c.max_blocks;
+            for (int g = 0; g < nkv; g++) {
+                rows++;
+                bad_exact += !qf_same_spans(&c, ex.n_spans, ex.spans, ex.max_spans, r.n_spans, r.spans, r.max_spans, s, g);
+                if (top >= cur) {
+                    bad_sel += !qf_same_spans(&c, ap.n_spans, ap.spans, ap.max_spans, r.n_spans, r.spans, r.max_spans, s, g);
+                    continue;
+                }
+                sparse++;
+                /* super digests: the union of the page digests, slot n_seqs - 1 - s */
+                for (int j = 0; j < nsup; j++) {
+                    int unb = 0;
+                    for (int t = 0; t < N && j * N + t < cur; t++) {
+                        const int pg = j * N + t;
+                        unb |= !page_values(&c, &r, (size_t)bt[pg / ppb] * ppb + pg % ppb, g, mn, mx);
+                        for (int i = 0; i < hd; i++) {
+                            umn[i] = t == 0 || mn[i] < umn[i] ? mn[i] : umn[i];
+                            umx[i] = t == 0 || mx[i] > umx[i] ? mx[i] : umx[i];
+                        }
+                    }
+                    if (unb)
+                        for (int i = 0; i < hd; i++) umn[i] = -INFINITY, umx[i] = INFINITY;
+                    const float *sd = ap.sdig + ((((size_t)(c.n_seqs - 1 - s)) * ap.max_super + j) * nkv + g) * 2 * hd;
+                    bad_sd += memcmp(sd, umn, (size_t)hd * 4) || memcmp(sd + hd, umx, (size_t)hd * 4);
+                    key[j] = kvs_quest_order_key(super_bound(c.q + (size_t)s * c.nh * hd, g, G, hd, sd, sd + hd));
+                }
+                /* the top skeep super-pages, then the top candidates */
+                unsigned char *ks = kvs_xcalloc((size_t)nsup, 1);
+                for (int j = 0; j < nsup - 1; j++) {   /* the last one always, the top skeep - 1 of the rest */
+                    int ahead = 0;
+                    for (int x = 0; x < nsup - 1; x++) ahead += okey_before(key[x], x, key[j], j);
+                    ks[j] = ahead < ap.skeep[s] - 1;
+                }
+                ks[nsup - 1] = ap.skeep[s] > 0;
+                const float *rs = r.scores + ((size_t)s * nkv + g) * r.max_pages;
+                const float *as = ap.scores + ((size_t)s * nkv + g) * ap.max_pages;
+                int nc = 0;
+                for (int pg = 0; pg < cur; pg++)
+                    if (ks[pg / N]) {
+                        bad_sc += memcmp(&rs[pg], &as[pg], 4) != 0;
+                        key[nc] = kvs_quest_order_key(rs[pg]), idx[nc++] = pg;
+                    }
+                read += nsup + nc, all += cur;
+                memset(want, 0, (size_t)r.max_pages + 1);
+                for (int a = 0; a < nc; a++) {
+                    int ahead = 0;
+                    for (int b = 0; b < nc; b++) ahead += okey_before(key[b], idx[b], key[a], idx[a]);
+                    want[idx[a]] = ahead < top;
+                }
+                want[cur] = 1;
+                const int n = qf_kept_pages(&c, &av, s, g, got);
+                bad_sel += n < 0 || memcmp(got, want, (size_t)cur + 1) != 0 || nc < top;
+                free(ks);
+            }
+        }
+        free(got);
+        free(want);
+        free(mn);
+        free(key);
+        free(idx);
+        qf_sout_free(&ex);
+        qf_sout_free(&ap);
+        qf_out_free(&r);
+        qf_free(&c);
+    }
+    CHECK(bad_exact == 0, "super-pages, every one kept: %d of %d (row, KV head) selections differ from select's",
+          bad_exact, rows);
+    CHECK(bad_sd == 0 && bad_sc == 0 && bad_sel == 0 && sparse > 0 && read < 0.9 * all,
+          "super-pages at super_keep 1: %d super digests differ from the union, %d candidate scores differ, %d of %d "
+          "selections differ from the brute-force two-level ranking; %g of %g digests read",
+          bad_sd, bad_sc, bad_sel, sparse, read, all);
+    printf("ok two-level selection: every super-page kept = select's spans (%d rows); at super_keep 1 the brute-force "
+           "ranking (%d sparse rows), %.0f%% of the page digests read\n", rows, sparse, 100.0 * read / all);
+    o->free(be);
+}
+
 /* ---- 1b. quantized digests (kv.quest.digest_bits 8 / 4) -------------------------------------- */
 
 /* the shared coding functions: fp16 rounding toward -inf / +inf against double, and the grid's
@@ -571,6 +731,63 @@ static void test_engine(void)
            (unsigned long long)st.cache_hits);
     kvs_config_free(&c);
 
+    /* super-pages (kv.quest.super_pages): every super-page kept gives Quest's tokens bitwise;
+     * super_keep 1 under prefix sharing and a pool that preempts keeps every super digest current
+     * (the check recomputes each one the selection read) */
+    base_cfg(&c, "none", "quest");
+    c.quest_min_budget = 32;
+    c.quest_super_pages = 2;
+    c.quest_super_keep = 1e9;
+    static struct job sup[NJ];
+    memcpy(sup, ref, sizeof sup);
+    REQUIRE(run(&c, sup, &st, err, sizeof err) == 0, "%s", err);
+    CHECK(same_tokens(got, sup) && kvs_engine_kv_counter(&st, "kvserve:kv_quest_super_scored_total") > 0,
+          "super-pages, every one kept: tokens differ from Quest's (or no super-page scored)");
+    kvs_config_free(&c);
+    base_cfg(&c, "prefix", "quest");
+    c.quest_min_budget = 32;
+    c.quest_super_pages = 2;
+    c.quest_super_keep = 1;
+    c.kv_memory_bytes = 18 * 8192;
+    kvs_quest_set_check(1);
+    REQUIRE(run(&c, sup, &st, err, sizeof err) == 0, "%s", err);
+    kvs_quest_set_check(0);
+    {
+        const double sst = kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total");
+        const double srows = kvs_engine_kv_counter(&st, "kvserve:kv_quest_sparse_rows_total");
+        const double sref = kvs_engine_kv_counter(&st, "kvserve:kv_quest_super_refreshed_total");
+        const double sread = kvs_engine_kv_counter(&st, "kvserve:kv_quest_super_scored_total");
+        CHECK(sst == 0 && srows > 0 && sref > 0 && st.num_preemptions > 0 && st.cache_hits > 0,
+              "super-pages at super_keep 1: %g stale digests, %g sparse rows, %g super-pages refreshed, %llu "
+              "preemptions, %llu cache hits", sst, srows, sref, (unsigned long long)st.num_preemptions,
+              (unsigned long long)st.cache_hits);
+        printf("ok super-pages: every one kept = Quest's tokens; at super_keep 1 under sharing and preemption %g sparse "
+               "rows, %g super-pages scored, %g refreshed (x layers), 0 stale\n", srows, sread, sref);
+    }
+    kvs_config_free(&c);
+    base_cfg(&c, "none", "quest");
+    c.quest_min_budget = 32;
+    c.quest_super_pages = 2;
+    c.quest_super_keep = 1;
+    kvs_quest_set_check(3);
+    REQUIRE(run(&c, sup, &st, err, sizeof err) == 0, "%s", err);
+    kvs_quest_set_check(0);
+    CHECK(kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total") > 0,
+          "the check saw no stale super-page when their refreshes were skipped");
+    printf("ok the check catches skipped super-page refreshes (%g stale)\n",
+           kvs_engine_kv_counter(&st, "kvserve:kv_quest_stale_digests_total"));
+    kvs_config_free(&c);
+    base_cfg(&c, "none", "quest");
+    c.quest_super_pages = 4;
+    c.quest_super_keep = 0.5;
+    {
+        struct kvs_engine *es = NULL;
+        const int rcs = kvs_engine_create(&c, model, NULL, &es, err, sizeof err);
+        CHECK(rcs == -EINVAL && strstr(err, "kv.quest.super_keep"), "super_keep 0.5: rc %d (%s)", rcs, err);
+        if (es) kvs_engine_free(es);
+    }
+    kvs_config_free(&c);
+
     /* a page size that does not divide the block is refused, naming the key */
     base_cfg(&c, "none", "quest");
     c.quest_page_size = 12;
@@ -620,6 +837,7 @@ int main(void)
     test_kernels();
     test_qd_coding();
     test_quantized_kernels();
+    test_super();
     char dir[1024], err[256];
     snprintf(dir, sizeof dir, "%s/tests/data/models/llama", kvs_test_root());
     REQUIRE(kvs_model_load(dir, &model, err, sizeof err) == 0, "%s", err);
