@@ -313,12 +313,14 @@ __global__ void __launch_bounds__(32, KT ? lean_kt_min_blocks<HD, KB, VB>() : LE
             lean_pv_kt<HD, KB, VB>(stg, pb, o, lane);
         } else {
             uint32_t pa[2][4];
-            lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, lane);
+            float off[2];
+            lean_softmax<HD, KB, VB>(stg, sc, ko, kb, lim, m, l, corr, o, pa, off, lane);
             if (LEAN_KVSPLIT && !LEAN_EARLY) {
                 cp_async_wait<LEAN_GPT * LEAN_ST - 2>();
                 __syncwarp();
             }
             lean_pv<HD, KB, VB>(stg, pa, o, lane);
+            lean_pv_off<HD, VB>(off, o);
         }
         __syncwarp(); /* the stage is reloaded */
 #if LEAN_EARLY

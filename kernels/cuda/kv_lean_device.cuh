@@ -480,12 +480,17 @@ __device__ __forceinline__ void lean_pv(const uint8_t *stg, const uint32_t (*pa)
 }
 
 /* softmax_stats (cuda_attn_device.cuh, the dense kernels' online softmax) on fp32 scores, then the
- * A fragments of P' = p s_v (fp16) and the rows' correction corr += 1024 p' + p z_v (the V side
- * of lean_raw's identity), rescaled with o */
+ * A fragments of P' = p s_v (fp16), the rows' correction corr += p z_v (rescaled with o) and
+ * off[h] = 1024 sum p' over the lane's keys of this tile: the V side of lean_raw's identity.
+ * The caller takes the tile's 1024 sum p' (off summed over the quad) out of o right after the
+ * tile's PV (lean_pv_off), so o never holds the ~1024 l it would sum to over a long walk: with
+ * that term kept to the end (in corr), o - corr cancelled two fp32 sums ~1024x the result, and
+ * the tensor cores' accumulation lost the difference over thousands of keys (rel-L2 up to 0.2
+ * against the CPU at 3-7K keys in one split: bench/RESULTS.md, LeanKV part 15). */
 template <int HD, int KB, int VB>
 __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4], const int *ko, int kb, const int *lim,
                                              float *m, float *l, float *corr, float (*o)[4], uint32_t (*pa)[4],
-                                             int lane)
+                                             float *off, int lane)
 {
     using S = lean_stage<HD, KB, VB>;
     const int t = lane & 3;
@@ -493,6 +498,7 @@ __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4],
     softmax_stats<HD, true>(sc, ko, kb, lim, m, l, o, alpha, lane);
     corr[0] *= alpha[0];
     corr[1] *= alpha[1];
+    off[0] = off[1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         float2 sz0 = make_float2(1.0f, 0.0f), sz1 = sz0;
@@ -507,7 +513,28 @@ __device__ __forceinline__ void lean_softmax(const uint8_t *stg, float (*sc)[4],
             pa[j / 2][(j & 1) * 2 + h] = lean_h2u(ph);
             if constexpr (VB < 16) {
                 const float2 pf = __half22float2(ph);
-                corr[h] += 1024.0f * (pf.x + pf.y) + p0 * sz0.y + p1 * sz1.y;
+                off[h] += 1024.0f * (pf.x + pf.y);
+                corr[h] += p0 * sz0.y + p1 * sz1.y;
+            }
+        }
+    }
+}
+
+/* o -= the tile's 1024 sum p' per row (lean_softmax's off, summed over the quad that shares a
+ * row); no-op at 16-bit V (codes taken as they are: off is 0) */
+template <int HD, int VB>
+__device__ __forceinline__ void lean_pv_off(const float *off, float (*o)[4])
+{
+    if constexpr (VB < 16) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float x = off[h];
+            x += __shfl_xor_sync(LEAN_FULL, x, 1);
+            x += __shfl_xor_sync(LEAN_FULL, x, 2);
+#pragma unroll
+            for (int nd = 0; nd < HD / 8; nd++) {
+                o[nd][2 * h] -= x;
+                o[nd][2 * h + 1] -= x;
             }
         }
     }

@@ -22,11 +22,11 @@
  * slots masked (block_valid). Why not k_lean_fd's arithmetic (the codes fed raw as fp16 1024 + c,
  * s and z applied per key outside the products): each warp would decode every tile again (4-8x
  * the permutes of one conversion a block; a first build of this kernel that did so ran only
- * 1.2-1.3x faster than k_lean_fd), and the identity sum_k p'_k (1024 + c_k) - corr cancels two
- * fp32 sums ~1024 l against a result ~|v| l: over one split of thousands of keys the rounding of
- * the large sums dominates (rel-L2 0.06-0.27 against the CPU at 3-7K keys in
- * test_cuda_kv_lean_prefill's first run, k_lean_fd rows on M giving the same bits; its own
- * cases, decode rows up to 5,000 keys in splits, stay within 1e-2: not studied further here).
+ * 1.2-1.3x faster than k_lean_fd), and the identity sum_k p'_k (1024 + c_k) - corr, with the
+ * 1024 term kept to the end, cancelled two fp32 sums ~1024 l against a result ~|v| l (rel-L2
+ * 0.06-0.27 against the CPU at 3-7K keys in one split; k_lean_fd rows on M now takes each
+ * tile's 1024 sum p' out of its accumulators right after the tile's PV: kv_lean_device.cuh
+ * lean_softmax).
  * What it does not take (run_attn keeps k_lean_fd there): spans, deferred-RoPE offsets (cached
  * documents: the backward rotation of q per tile stays with k_lean_fd), K2V2 and K16V16, and the
  * layouts forced by kvs_cuda_set_lean_layout (1 forces k_lean_fd rows on M).

@@ -16,9 +16,9 @@
  *     attention of a 4,096-row chunk over 7K keys would take minutes; the window's rows see the
  *     same keys as in the chunk, so the reference is exact for them);
  *   - 8 warps against 4 over every row: rel-L2 < 1e-3 (the same arithmetic a row);
- *   - against k_lean_fd over every row: rel-L2 < 1e-2 where every context is at most 1,100 keys
- *     (k_lean_fd's rows on M lose accuracy over long single splits: kv_lean_prefill.cu's header;
- *     its error against the CPU is printed for every case, and checked where short).
+ *   - k_lean_fd (rows on M) against the CPU as k_lean_pf, and k_lean_pf against it over every
+ *     row: rel-L2 < 1e-2 (before each tile's 1024 sum p' was taken out of its accumulators,
+ *     lean_softmax in kv_lean_device.cuh, it was 0.06-0.27 off over 3-7K keys in one split).
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
 #include <stdint.h>
@@ -186,9 +186,6 @@ static void run_case(const struct pcase *c)
     C->download(bc, wref, cout, 0, wn);
 
     double e_cpu[3], e_fd[2], e_48 = rel_l2(o8, o4, qn);
-    /* k_lean_fd rows on M cancels fp32 sums ~1024x the result over long single splits (kv_lean_prefill.cu's
-     * header), so it is a check only where every context is short; else printed */
-    const int fd_check = mg.max_ctx <= 1100;
     float *wg = kvs_xmalloc(wn * 4);
     for (int v = 0; v < 3; v++) {
         int bad_row = -1;
@@ -199,8 +196,7 @@ static void run_case(const struct pcase *c)
                    (size_t)(wq[w + 1] - wq[w]) * nh * hd * 4);
         e_cpu[v] = rel_l2(wg, wref, wn);
         if (v < 2) e_fd[v] = rel_l2(outs[v], ofd, qn);
-        if (v == 2 && !fd_check) continue;
-        CHECK(bad_row < 0 && e_cpu[v] < 1e-2 && (v == 2 || !fd_check || e_fd[v] < 1e-2),
+        CHECK(bad_row < 0 && e_cpu[v] < 1e-2 && (v == 2 || e_fd[v] < 1e-2),
               "K%dV%d G %d nkv %d hd %d bs %d chunk %d after %d (%d seqs, valid %d) %s: rel-L2 %g vs cpu, %g vs "
               "k_lean_fd, first unwritten row %d",
               c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, use_valid,
@@ -211,9 +207,9 @@ static void run_case(const struct pcase *c)
     CHECK(e_48 < 1e-3, "K%dV%d G %d hd %d chunk %d after %d: k_lean_pf 8 warps vs 4 warps rel-L2 %g", c->f.kbits,
           c->f.vbits, c->grp, hd, c->chunk, c->hist, e_48);
     printf("ok K%dV%d G %d nkv %d hd %d bs %d chunk %4d after %4d (%d seqs, %d rows, valid %d): rel-L2 vs cpu "
-           "pf4 %.1e pf8 %.1e fd %.1e%s; pf4 / pf8 vs fd %.1e / %.1e; pf8 vs pf4 %.1e\n",
+           "pf4 %.1e pf8 %.1e fd %.1e; pf4 / pf8 vs fd %.1e / %.1e; pf8 vs pf4 %.1e\n",
            c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, n_rows, use_valid, e_cpu[0], e_cpu[1],
-           e_cpu[2], fd_check ? "" : " (not checked)", e_fd[0], e_fd[1], e_48);
+           e_cpu[2], e_fd[0], e_fd[1], e_48);
 
     struct kvs_dbuf *cb[] = {cq, cout, cqs, cpos, cbt, cval, pc};
     for (size_t i = 0; i < sizeof cb / sizeof cb[0]; i++) C->free_buf(bc, cb[i]);
