@@ -6,6 +6,8 @@
  *                     replays a run); frand is uniform in [-1, 1).
  *   bf16_round        rounds to bf16 (nearest even), so both backends hold the same values where
  *                     CUDA stores bf16 (weights, KV).
+ *   rel_l2            |a - ref| / |ref| over n floats (|a - ref| where ref is all zero; INFINITY
+ *                     when a holds a NaN or an infinity, so an unwritten output fails any bound).
  *   batch_layout      rows, positions and a scattered block order for a test batch.
  *   struct pair       one buffer on each backend with the same elements (mk, drop); poison fills
  *                     the CUDA side with NaN so an output the kernel failed to write shows;
@@ -14,6 +16,7 @@
 #ifndef KVS_TEST_CUDA_PAIR_H
 #define KVS_TEST_CUDA_PAIR_H
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +42,18 @@ static inline float bf16_round(float x)
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&x, &u, 4);
     return x;
+}
+
+static inline double rel_l2(const float *a, const float *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        const double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 struct pair {

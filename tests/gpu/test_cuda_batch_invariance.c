@@ -140,17 +140,6 @@ static float *run_batch(struct world *w, const struct batch *b)
     return res;
 }
 
-static double rel_l2(const float *a, const float *r, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(a[i])) return INFINITY;
-        num += ((double)a[i] - r[i]) * ((double)a[i] - r[i]);
-        den += (double)r[i] * r[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 /* rows of res (batch rows rows[]) that differ bitwise from their alone output (ctx as in w) */
 static int n_differ(struct world *w, const float *res, const int *rows, int n_rows)
 {

@@ -102,19 +102,6 @@ static void dropw(struct wpair *w)
     G->free_weight(bg, w->g);
 }
 
-/* relative L2 error of a against r over n values (NaN / inf in a: +inf) */
-static double rel_l2(const float *a, const float *r, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(a[i])) return INFINITY;
-        const double d = (double)a[i] - r[i];
-        num += d * d;
-        den += (double)r[i] * r[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 static void expect_rel(const char *what, const float *a, const float *r, size_t n, double tol)
 {
     const double e = rel_l2(a, r, n);

@@ -37,16 +37,6 @@
 #include "tests/gpu/cuda_pair.h"
 #include "kernels/cuda/kv_lean_cuda.h"
 
-static double rel_l2(const float *a, const float *ref, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        const double d = (double)a[i] - ref[i];
-        num += d * d, den += (double)ref[i] * ref[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 struct cfg {
     struct kvs_lean_fmt f;
     int nkv, grp, hd, bs;

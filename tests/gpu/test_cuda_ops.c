@@ -665,18 +665,6 @@ static void test_batch_invariance(void)
     }
 }
 
-/* relative L2 difference of two host vectors */
-static double rel_l2(const float *a, const float *r, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - r[i];
-        num += d * d;
-        den += (double)r[i] * r[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 static void expect_close(const char *what, const float *a, const float *r, size_t n, double tol)
 {
     double e = rel_l2(a, r, n);
