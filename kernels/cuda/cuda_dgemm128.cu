@@ -125,6 +125,46 @@ __device__ __forceinline__ uint32_t d2_swz(uint32_t base, int r, int c)
     return base + (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
 }
 
+/* The epilogue of k_dgemm_n2 and k_dgemm_n3 (P: d2_params or d3_params): acc[4 b + 2 h + j] is
+ * token t0 + g + 8 h (t0: the warp's first token), tile row 8 b + 2 q + j; SW: gate rows in the
+ * first half of the tile, up rows in the second, stored as SwiGLU (as k_swiglu) in p.y[0] (and
+ * bf16 in p.yh); else rows r0 + 8 b + 2 q + j of part `part` (+ its bias) */
+template <int N, bool SW, class P>
+__device__ __forceinline__ void d2_store(const P &p, const float (&acc)[N / 2], int t0, int g, int q, int r0, int part,
+                                         int out)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int t = t0 + g + 8 * h;
+        if (t >= p.n) continue;
+        if (SW) {
+#pragma unroll
+            for (int b = 0; b < N / 16; b++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int f = r0 + 8 * b + 2 * q + j;
+                    if (f >= out) continue;
+                    const float a = acc[4 * b + 2 * h + j], u = acc[4 * (b + N / 16) + 2 * h + j];
+                    const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
+                    p.y[0][(size_t)t * out + f] = v;
+                    if (p.yh) p.yh[(size_t)t * out + f] = __float2bfloat16(v);
+                }
+        } else {
+            const float *bias = p.bias[part];
+            float *y = p.y[part] + (size_t)t * out;
+#pragma unroll
+            for (int b = 0; b < N / 8; b++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const int r = r0 + 8 * b + 2 * q + j;
+                    if (r >= out) continue;
+                    const float a = acc[4 * b + 2 * h + j];
+                    y[r] = bias ? a + bias[r] : a;
+                }
+        }
+    }
+}
+
 template <int N, bool SW, bool DX> __global__ void __launch_bounds__(D2_THREADS, 1) k_dgemm_n2(d2_params p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -211,37 +251,7 @@ template <int N, bool SW, bool DX> __global__ void __launch_bounds__(D2_THREADS,
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
     }
 
-    /* acc[4 b + 2 h + j]: token t = 64 wg + 16 warp + g + 8 h, tile row 8 b + 2 q + j */
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int t = 64 * wg + 16 * warp + g + 8 * h;
-        if (t >= p.n) continue;
-        if (SW) {
-#pragma unroll
-            for (int b = 0; b < N / 16; b++)
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const int f = r0 + 8 * b + 2 * q + j;
-                    if (f >= out) continue;
-                    const float a = acc[4 * b + 2 * h + j], u = acc[4 * (b + N / 16) + 2 * h + j];
-                    const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
-                    p.y[0][(size_t)t * out + f] = v;
-                    if (p.yh) p.yh[(size_t)t * out + f] = __float2bfloat16(v);
-                }
-        } else {
-            const float *bias = p.bias[part];
-            float *y = p.y[part] + (size_t)t * out;
-#pragma unroll
-            for (int b = 0; b < N / 8; b++)
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    const int r = r0 + 8 * b + 2 * q + j;
-                    if (r >= out) continue;
-                    const float a = acc[4 * b + 2 * h + j];
-                    y[r] = bias ? a + bias[r] : a;
-                }
-        }
-    }
+    d2_store<N, SW>(p, acc, 64 * wg + 16 * warp, g, q, r0, part, out);
 #else
     /* built only for sm_90a; kvs_cu_dgemm_n2_rows keeps other devices away */
     __trap();
@@ -488,37 +498,7 @@ __global__ void __launch_bounds__(D3_THREADS, 1) k_dgemm_n3(const __grid_constan
 #pragma unroll
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
 
-        /* acc[4 b + 2 h + j]: token t = 64 wg + 16 wq + g + 8 h, tile row 8 b + 2 q + j (as k_dgemm_n2) */
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int t = 64 * wg + 16 * wq + g + 8 * h;
-            if (t >= p.n) continue;
-            if (SW) {
-#pragma unroll
-                for (int b = 0; b < N / 16; b++)
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const int f = r0 + 8 * b + 2 * q + j;
-                        if (f >= out) continue;
-                        const float a = acc[4 * b + 2 * h + j], u = acc[4 * (b + N / 16) + 2 * h + j];
-                        const float v = a / (1.0f + expf(-a)) * u; /* as k_swiglu */
-                        p.y[0][(size_t)t * out + f] = v;
-                        if (p.yh) p.yh[(size_t)t * out + f] = __float2bfloat16(v);
-                    }
-            } else {
-                const float *bias = p.bias[part];
-                float *y = p.y[part] + (size_t)t * out;
-#pragma unroll
-                for (int b = 0; b < N / 8; b++)
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const int r = r0 + 8 * b + 2 * q + j;
-                        if (r >= out) continue;
-                        const float a = acc[4 * b + 2 * h + j];
-                        y[r] = bias ? a + bias[r] : a;
-                    }
-            }
-        }
+        d2_store<N, SW>(p, acc, 64 * wg + 16 * wq, g, q, r0, part, out);   /* as k_dgemm_n2 */
     }
     d3_cluster_sync(); /* no block leaves while a peer may still arrive on its barriers */
 #else
