@@ -132,14 +132,23 @@ static void check_case(const struct qf_case *c, const struct qf_out *r, const ch
            what, sparse, found, needles, score_err, out_err);
 }
 
+/* The kernel tests' fixture: the CPU backend (2 threads) and its Quest kernels (freed with
+ * kvs_cpu_backend.free) */
+static struct kvs_backend *cpu_quest(const struct kvs_quest_kernels **k)
+{
+    char err[256];
+    struct kvs_backend *be = kvs_cpu_backend.create(2, err, sizeof err);
+    REQUIRE(be, "%s", err);
+    *k = kvs_quest_kernels_for(&kvs_cpu_backend, err, sizeof err);
+    REQUIRE(*k, "%s", err);
+    return be;
+}
+
 static void test_kernels(void)
 {
     const struct kvs_backend_ops *o = &kvs_cpu_backend;
-    char err[256];
-    struct kvs_backend *be = o->create(2, err, sizeof err);
-    REQUIRE(be, "%s", err);
-    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, sizeof err);
-    REQUIRE(k, "%s", err);
+    const struct kvs_quest_kernels *k;
+    struct kvs_backend *be = cpu_quest(&k);
     static const struct {
         int S, nh, nkv, hd, bs, ps, lo, hi;
         double ratio;
@@ -233,11 +242,8 @@ static int okey_before(uint32_t ka, int ia, uint32_t kb, int ib) { return ka > k
 static void test_super(void)
 {
     const struct kvs_backend_ops *o = &kvs_cpu_backend;
-    char err[256];
-    struct kvs_backend *be = o->create(2, err, sizeof err);
-    REQUIRE(be, "%s", err);
-    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, sizeof err);
-    REQUIRE(k, "%s", err);
+    const struct kvs_quest_kernels *k;
+    struct kvs_backend *be = cpu_quest(&k);
     static const struct {
         int S, nh, nkv, hd, bs, ps, lo, hi;
         double ratio;
@@ -407,11 +413,8 @@ static void test_qd_coding(void)
 static void test_quantized_kernels(void)
 {
     const struct kvs_backend_ops *o = &kvs_cpu_backend;
-    char err[256];
-    struct kvs_backend *be = o->create(2, err, sizeof err);
-    REQUIRE(be, "%s", err);
-    const struct kvs_quest_kernels *k = kvs_quest_kernels_for(o, err, sizeof err);
-    REQUIRE(k, "%s", err);
+    const struct kvs_quest_kernels *k;
+    struct kvs_backend *be = cpu_quest(&k);
     static const struct {
         int S, nh, nkv, hd, bs, ps, lo, hi;
         double ratio;
