@@ -159,6 +159,43 @@ static void qf_meta_free(const struct kvs_backend_ops *o, struct kvs_backend *be
     o->free_buf(be, qm->m.block_tables);
 }
 
+/* the spans a (row, KV head) may need: the largest keep of the case's rows, at most max_pages */
+static int qf_max_spans(const struct qf_case *c, int max_pages)
+{
+    int m = 1;
+    for (int s = 0; s < c->n_seqs; s++) {
+        const int kp = c->keep[s] < max_pages ? c->keep[s] : max_pages;
+        m = kp > m ? kp : m;
+    }
+    return m;
+}
+
+/* digest_update (bits 16) or qdigest_update (quant) of the writes of rows[s] rows ending at end[s] */
+static void qf_refresh(const struct kvs_backend_ops *o, struct kvs_backend *be, const struct kvs_quest_kernels *k,
+                       const struct qf_case *c, const int *rows, const int *end, const struct kvs_dbuf *kc, int quant,
+                       int n_pages, struct kvs_dbuf *dig)
+{
+    struct qf_meta qm;
+    qf_meta_make(o, be, c, rows, end, &qm);
+    if (quant) k->qdigest_update(be, kc, &qm.m, c->nkv, c->hd, c->bs, c->ps, c->bits, (size_t)n_pages, dig);
+    else k->digest_update(be, kc, &qm.m, c->nkv, c->hd, c->bs, c->ps, dig);
+    qf_meta_free(o, be, &qm);
+}
+
+/* the selection's results to the host: scores [S][nkv][max_pages], n_spans [S][nkv], spans
+ * [S][nkv][max_spans][2] (the caller frees them) */
+static void qf_fetch_sel(const struct kvs_backend_ops *o, struct kvs_backend *be, int S, int nkv, int max_pages,
+                         int max_spans, const struct kvs_dbuf *sc, const struct kvs_dbuf *ns, const struct kvs_dbuf *sp,
+                         float **scores, int32_t **n_spans, int32_t **spans)
+{
+    *scores = kvs_xmalloc((size_t)S * nkv * max_pages * sizeof **scores);
+    o->download(be, *scores, sc, 0, (size_t)S * nkv * max_pages);
+    *n_spans = kvs_xmalloc((size_t)S * nkv * sizeof **n_spans);
+    o->download(be, *n_spans, ns, 0, (size_t)S * nkv);
+    *spans = kvs_xmalloc((size_t)S * nkv * max_spans * 2 * sizeof **spans);
+    o->download(be, *spans, sp, 0, (size_t)S * nkv * max_spans * 2);
+}
+
 /* qf_run's selection: 0 score (or qscore) then select; 1 the table's score_select where it has
  * one (asking for the scores too), else as 0; 2 as 1 with the step's digest refresh passed to
  * score_select (the step then writes one row per sequence: the earlier prefill ends at ctx - 2);
@@ -182,11 +219,7 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
     memset(r, 0, sizeof *r);
     r->n_pages = c->n_blocks * (c->bs / c->ps);
     r->max_pages = c->max_blocks * (c->bs / c->ps);
-    r->max_spans = 1;
-    for (int s = 0; s < S; s++) {
-        int kp = c->keep[s] < r->max_pages ? c->keep[s] : r->max_pages;
-        if (kp > r->max_spans) r->max_spans = kp;
-    }
+    r->max_spans = qf_max_spans(c, r->max_pages);
     const size_t nk = (size_t)c->n_blocks * nkv * c->bs * hd, nd = (size_t)r->n_pages * nkv * 2 * hd;
     const int quant = c->bits == 8 || c->bits == 4;
     const size_t nq = quant ? kvs_quest_qdig_words((size_t)r->n_pages, nkv, hd, c->bits) : 0;
@@ -215,17 +248,9 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
         const int step = !fold ? c->step_rows[s] : qf_fused == 3 ? qf_win_rows(c, s) : 1;
         rows[s] = c->ctx[s] - step, end[s] = c->ctx[s] - step;
     }
-    qf_meta_make(o, be, c, rows, end, &qm);
-    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
-    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
-    qf_meta_free(o, be, &qm);
+    qf_refresh(o, be, k, c, rows, end, kc, quant, r->n_pages, dig);
     for (int s = 0; s < S; s++) rows[s] = c->step_rows[s], end[s] = c->ctx[s];
-    if (!fold) {
-        qf_meta_make(o, be, c, rows, end, &qm);
-        if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)r->n_pages, dig);
-        else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
-        qf_meta_free(o, be, &qm);
-    }
+    if (!fold) qf_refresh(o, be, k, c, rows, end, kc, quant, r->n_pages, dig);
 
     /* the decode query of each sequence */
     for (int s = 0; s < S; s++) rows[s] = 1;
@@ -285,12 +310,7 @@ static void qf_run(const struct kvs_backend_ops *o, struct kvs_backend *be, cons
         r->dig = kvs_xmalloc(nd * sizeof *r->dig);
         o->download(be, r->dig, dig, 0, nd);
     }
-    r->scores = kvs_xmalloc((size_t)S * nkv * r->max_pages * sizeof *r->scores);
-    o->download(be, r->scores, sc, 0, (size_t)S * nkv * r->max_pages);
-    r->n_spans = kvs_xmalloc((size_t)S * nkv * sizeof *r->n_spans);
-    o->download(be, r->n_spans, ns, 0, (size_t)S * nkv);
-    r->spans = kvs_xmalloc((size_t)S * nkv * r->max_spans * 2 * sizeof *r->spans);
-    o->download(be, r->spans, sp, 0, (size_t)S * nkv * r->max_spans * 2);
+    qf_fetch_sel(o, be, S, nkv, r->max_pages, r->max_spans, sc, ns, sp, &r->scores, &r->n_spans, &r->spans);
     r->out = kvs_xmalloc((size_t)S * c->nh * hd * sizeof *r->out);
     o->download(be, r->out, out, 0, (size_t)S * c->nh * hd);
     r->lse = kvs_xmalloc((size_t)S * c->nh * sizeof *r->lse);
@@ -363,11 +383,7 @@ static void qf_super_run(const struct kvs_backend_ops *o, struct kvs_backend *be
     const int n_pages = c->n_blocks * ppb;
     r->max_pages = c->max_blocks * ppb;
     r->max_super = (r->max_pages + N - 1) / N;
-    r->max_spans = 1;
-    for (int s = 0; s < S; s++) {
-        int kp = c->keep[s] < r->max_pages ? c->keep[s] : r->max_pages;
-        if (kp > r->max_spans) r->max_spans = kp;
-    }
+    r->max_spans = qf_max_spans(c, r->max_pages);
     const size_t nk = (size_t)c->n_blocks * nkv * c->bs * hd;
     const int quant = c->bits == 8 || c->bits == 4;
     const size_t nd = quant ? kvs_quest_qdig_words((size_t)n_pages, nkv, hd, c->bits) : (size_t)n_pages * nkv * 2 * hd;
@@ -380,13 +396,10 @@ static void qf_super_run(const struct kvs_backend_ops *o, struct kvs_backend *be
     for (size_t i = 0; i < nsd; i++) junk[i] = (i & 1) ? -4096.0f : 4096.0f;   /* only refs may fill it */
     o->upload(be, sdig, 0, junk, nsd);
     free(junk);
-    int rows[QF_MAX_SEQS], end[QF_MAX_SEQS];
+    int rows[QF_MAX_SEQS] = {0}, end[QF_MAX_SEQS] = {0};
     struct qf_meta qm;
     for (int s = 0; s < S; s++) rows[s] = end[s] = c->ctx[s];
-    qf_meta_make(o, be, c, rows, end, &qm);
-    if (quant) k->qdigest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, c->bits, (size_t)n_pages, dig);
-    else k->digest_update(be, kc, &qm.m, nkv, hd, c->bs, c->ps, dig);
-    qf_meta_free(o, be, &qm);
+    qf_refresh(o, be, k, c, rows, end, kc, quant, n_pages, dig);
     for (int s = 0; s < S; s++) rows[s] = 1;
     qf_meta_make(o, be, c, rows, end, &qm);
     int32_t hk[QF_MAX_SEQS], hrs[QF_MAX_SEQS], hrn[QF_MAX_SEQS];
@@ -439,12 +452,7 @@ static void qf_super_run(const struct kvs_backend_ops *o, struct kvs_backend *be
     k->super_select(be, &a);
     r->sdig = kvs_xmalloc(nsd * sizeof *r->sdig);
     o->download(be, r->sdig, sdig, 0, nsd);
-    r->scores = kvs_xmalloc((size_t)S * nkv * r->max_pages * sizeof *r->scores);
-    o->download(be, r->scores, sc, 0, (size_t)S * nkv * r->max_pages);
-    r->n_spans = kvs_xmalloc((size_t)S * nkv * sizeof *r->n_spans);
-    o->download(be, r->n_spans, ns, 0, (size_t)S * nkv);
-    r->spans = kvs_xmalloc((size_t)S * nkv * r->max_spans * 2 * sizeof *r->spans);
-    o->download(be, r->spans, sp, 0, (size_t)S * nkv * r->max_spans * 2);
+    qf_fetch_sel(o, be, S, nkv, r->max_pages, r->max_spans, sc, ns, sp, &r->scores, &r->n_spans, &r->spans);
     free(hrefs);
     qf_meta_free(o, be, &qm);
     struct kvs_dbuf *bufs[] = {kc, dig, sdig, q, keep, skeep, rslot, refn, refs, sc, ns, sp};
