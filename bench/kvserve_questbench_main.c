@@ -35,10 +35,13 @@
  *
  * --super NxF[,NxF...] adds, per shape and digest width, Quest's phase with the two-level selection
  * (kernels/kv_quest.h super_select; kv.quest.super_pages N, kv.quest.super_keep F) in the same run as
- * the one-level path 0 (the default): one row each (column "super"), the selection being the digest
+ * the one-level path 0 (the default) and path 4 (the refresh folded into the score launch, as the
+ * policy's decode-only steps run it): one row each (column "super"), the selection being the digest
  * refresh plus super_select with each row's last super-page refreshed (as at a page boundary, the
- * steady state's most), "recall" the share of the one-level selection's kept pages that the
- * two-level one keeps too (random keys: a worst case, nothing clusters).
+ * steady state's most), in both forms (kvs_quest_cuda_super_path 1: one block a row and KV head; 2:
+ * split over three launches, checked to give form 1's spans bitwise: "same spans"), "recall" the
+ * share of the one-level selection's kept pages that the two-level one keeps too (random keys: a
+ * worst case, nothing clusters).
  *
  * Usage: kvserve-questbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--ratio 0.15]
  *                           [--reps 20] [--digest-bits 16,8,4] [--score-shapes d,b8,p128]
@@ -173,7 +176,7 @@ static void run_super(struct kvs_backend *b, struct shape *S, int keep, int nblk
             .q = S->q, .sdig = sdig, .m = &S->m, .keep = S->keep, .skeep = d_sk, .rslot = d_rs, .refs = d_refs,
             .ref_n = d_rn, .n = B, .n_heads = NH, .n_kv_heads = NKV, .head_dim = HD, .block_size = BS, .page_size = BS,
             .n_pages = S->n_pages, .max_pages = S->max_pages, .max_spans = S->max_spans, .super_pages = N,
-            .max_super = max_super, .max_ref = max_super, .n_spans = S->nsp, .spans = S->sp};
+            .max_super = max_super, .max_ref = max_super, .scores = S->scores, .n_spans = S->nsp, .spans = S->sp};
         for (int di = 0; di < nd; di++) {
             S->bits = dbits[di];
             /* the one-level path's spans and times (path 0, the default) */
@@ -183,6 +186,9 @@ static void run_super(struct kvs_backend *b, struct shape *S, int keep, int nblk
             O->download(b, rn, S->nsp, 0, nsp_n);
             O->download(b, rsp, S->sp, 0, sp_n);
             const float q1 = time_op(b, S, OP_QUEST, reps, flush), s1 = time_op(b, S, OP_SELECT, reps, flush);
+            S->fold = 1;   /* the policy's decode-only step: the refresh in the score launch (path 4) */
+            const float q1f = time_op(b, S, OP_QUEST, reps, flush), s1f = time_op(b, S, OP_SELECT, reps, flush);
+            S->fold = 0;
             /* two-level: every super-page built once, then the steady state's one ref a row */
             S->sup = 1;
             for (int s = 0; s < B; s++) hv[s] = nsupr;
@@ -195,10 +201,22 @@ static void run_super(struct kvs_backend *b, struct shape *S, int keep, int nblk
             }
             O->upload(b, d_refs, 0, h, (size_t)B * max_super * (2 + N));
             O->upload(b, d_rn, 0, hv, (size_t)B);
+            kvs_quest_cuda_super_path(1);   /* the one-block kernel (quest11) */
             const float q2 = time_op(b, S, OP_QUEST, reps, flush), s2 = time_op(b, S, OP_SELECT, reps, flush);
             run_op(b, S, OP_SELECT);
             O->download(b, gn, S->nsp, 0, nsp_n);
             O->download(b, gsp, S->sp, 0, sp_n);
+            kvs_quest_cuda_super_path(2);   /* split over three launches (quest12, the default) */
+            const float q3 = time_op(b, S, OP_QUEST, reps, flush), s3 = time_op(b, S, OP_SELECT, reps, flush);
+            run_op(b, S, OP_SELECT);
+            kvs_quest_cuda_super_path(0);
+            int32_t *xn = kvs_xmalloc(nsp_n * 4), *xsp = kvs_xmalloc(sp_n * 4);
+            O->download(b, xn, S->nsp, 0, nsp_n);
+            O->download(b, xsp, S->sp, 0, sp_n);
+            int same = !memcmp(xn, gn, nsp_n * 4);
+            for (size_t p = 0; same && p < nsp_n; p++)
+                same = !memcmp(xsp + p * S->max_spans * 2, gsp + p * S->max_spans * 2, (size_t)gn[p] * 2 * 4);
+            free(xn), free(xsp);
             /* restore the refs of every super-page for the next width */
             for (int s = 0; s < B; s++)
                 for (int t = 0; t < 2 + N; t++) h[(size_t)s * max_super * (2 + N) + t] = t == 0 ? 0 : t == 1 ? (cur < N ? cur : N) : bt[(size_t)s * nblk + t - 2];
@@ -213,14 +231,19 @@ static void run_super(struct kvs_backend *b, struct shape *S, int keep, int nblk
                 for (int x = 0; x < cur; x++) ref += kr[x], both += kr[x] && kg[x];
             }
             printf("super %6d %8d %4d N=%-3d F=%-4.2g keep %d/%d supers, %d candidates: full %.3f ms; one-level Quest %.3f "
-                   "(selection %.3f, %.1f%%, full/Quest %.2f); two-level Quest %.3f (selection %.3f, %.1f%%, full/Quest "
-                   "%.2f); recall %.3f\n", B, ctx, S->bits, N, supF[si], skeep, nsupr, skeep * N < cur ? skeep * N : cur,
-                   full, q1, s1, 100.0 * s1 / q1, full / q1, q2, s2, 100.0 * s2 / q2, full / q2, ref > 0 ? both / ref : 1.0);
+                   "(selection %.3f, %.1f%%, full/Quest %.2f); one-level folded %.3f (selection %.3f, %.1f%%, full/Quest "
+                   "%.2f); two-level one-block Quest %.3f (selection %.3f, %.1f%%, full/Quest %.2f); two-level split %.3f "
+                   "(selection %.3f, %.1f%%, full/Quest %.2f, same spans %s); recall %.3f\n", B, ctx, S->bits, N, supF[si],
+                   skeep, nsupr, skeep * N < cur ? skeep * N : cur, full, q1, s1, 100.0 * s1 / q1, full / q1, q1f, s1f,
+                   100.0 * s1f / q1f, full / q1f, q2, s2, 100.0 * s2 / q2, full / q2, q3, s3, 100.0 * s3 / q3, full / q3,
+                   same ? "yes" : "NO", ref > 0 ? both / ref : 1.0);
             fflush(stdout);
             if (mf)
-                fprintf(mf, "| %d | %d | %d | super %dx%g | %d / %d | %.3f | %.3f | %.3f | %.1f%% | %.2f | %.3f | %.3f | %.1f%% | %.2f | %.3f |\n",
-                        B, ctx, S->bits, N, supF[si], skeep, nsupr, full, q1, s1, 100.0 * s1 / q1, full / q1, q2, s2,
-                        100.0 * s2 / q2, full / q2, ref > 0 ? both / ref : 1.0);
+                fprintf(mf, "| %d | %d | %d | super %dx%g | %d / %d | %.3f | %.3f | %.3f | %.1f%% | %.2f | %.3f | %.3f | %.1f%% | %.2f | "
+                        "%.3f | %.3f | %.1f%% | %.2f | %.3f | %.3f | %.1f%% | %.2f | %s | %.3f |\n",
+                        B, ctx, S->bits, N, supF[si], skeep, nsupr, full, q1, s1, 100.0 * s1 / q1, full / q1, q1f, s1f,
+                        100.0 * s1f / q1f, full / q1f, q2, s2, 100.0 * s2 / q2, full / q2, q3, s3, 100.0 * s3 / q3, full / q3,
+                        same ? "yes" : "NO", ref > 0 ? both / ref : 1.0);
         }
         S->sup = 0;
         O->free_buf(b, sdig), O->free_buf(b, d_sk), O->free_buf(b, d_rs), O->free_buf(b, d_rn), O->free_buf(b, d_refs);

@@ -98,8 +98,10 @@ extern "C" {
  * (2 + N): {super-page index j, page count cnt, the cnt physical pages} (N slots); each
  * recomputes super-page j of slot rslot[s] (sdig + ((rslot * max_super + j) * n_kv_heads + g) *
  * 2 * head_dim) from those pages' digests. Rows that keep every page (keep[s] > c) read and
- * refresh nothing (one span [0, ctx)). scores (may be NULL): receives the candidates' page
- * scores (the tests compare them; other entries undefined). */
+ * refresh nothing (one span [0, ctx)). scores (F32 [n][n_kv_heads][max_pages], may be NULL):
+ * scratch the backend may use (CUDA's split form needs it: kvs_quest_cuda_super_path); after the
+ * call each candidate page's entry holds its score and every other entry below c a NaN (the tests
+ * compare them; entries from c on undefined). */
 struct kvs_quest_super_args {
     const struct kvs_dbuf *q, *dig;          /* as score / qscore (bits 16: bf16 digests, else codes) */
     struct kvs_dbuf *sdig;                   /* F32 [slots][max_super][n_kv_heads][2][head_dim] */
@@ -314,6 +316,14 @@ void kvs_quest_cuda_serial_loads(int on);
 /* CUDA builds only: the select kernel's threads a (row, KV head): 256 or 1024 at every shape, 0
  * (the default) by shape. For the benches' A/B and the tests; process-wide. */
 void kvs_quest_cuda_select_threads(int threads);
+
+/* CUDA builds only: the two-level selection's form. 1: one block a (row, KV head) does every
+ * phase (k_quest_ssel); 2: split into three launches, the super-pages by one block a (row, KV
+ * head), the candidates' page scores over the score kernels' grid, then select's launch (needs
+ * the caller's scores scratch; without it, form 1); 0, the default: 2. Both give the same spans
+ * bitwise. Also set, once, by KVS_QUEST_SUPER_PATH=1 / 2 in the environment. For the benches' A/B
+ * and the tests; process-wide. */
+void kvs_quest_cuda_super_path(int mode);
 
 /* The table for backend o, or NULL with a message (-ENOSYS). */
 const struct kvs_quest_kernels *kvs_quest_kernels_for(const struct kvs_backend_ops *o, char *err, size_t errlen);

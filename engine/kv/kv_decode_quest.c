@@ -580,7 +580,7 @@ static void quest_attend(void *state, int layer, const struct kvs_kv_attend *a)
             .rslot = s->d_rslot, .refs = s->d_refs, .ref_n = s->d_refn, .n = s->n_lead, .n_heads = a->n_heads,
             .n_kv_heads = a->n_kv_heads, .head_dim = a->head_dim, .block_size = a->block_size, .page_size = s->ps,
             .bits = s->bits, .n_pages = s->n_pages, .max_pages = s->max_pages, .max_spans = s->max_spans,
-            .super_pages = s->sup, .max_super = s->max_super, .max_ref = s->max_super, .scores = NULL,
+            .super_pages = s->sup, .max_super = s->max_super, .max_ref = s->max_super, .scores = s->d_scores,
             .n_spans = s->d_n_spans, .spans = s->d_spans};
         s->k->super_select(be, &sa);
         if (check_mode && !s->graph) check_super(s, layer, &sub);

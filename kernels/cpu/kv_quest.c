@@ -345,7 +345,8 @@ static void super_task(void *c, int task)
     float *out = a->scores ? F(a->scores) + (size_t)task * a->max_pages : NULL;
     const int32_t *bt = I(a->m->block_tables) + (size_t)s * a->m->max_blocks;
     for (int pg = 0; pg < cur; pg++) {
-        uint32_t key = 0;   /* outside the kept super-pages: below every score */
+        uint32_t key = 0;   /* outside the kept super-pages: below every score (a NaN in out) */
+        if (out) out[pg] = NAN;
         if (kept[pg / N]) {
             const size_t pp = phys_page(bt, pg * ps, bs, ps);
             const float sc = page_vals(a, pp, g, mn, mx) ? bound_score(qr, g, G, hd, mn, mx) : INFINITY;

@@ -771,6 +771,19 @@ __device__ __forceinline__ void sel_run(const float *__restrict__ sc, const uint
 #undef SEL_KEY
 }
 
+/* The select kernels' whole-context exit: a row that keeps every page (top >= cur) gets the
+ * single span [0, ctx), as attention() computes it; true for such a row (block-uniform: the
+ * caller returns) */
+__device__ __forceinline__ bool sel_whole(int top, int cur, int ctx, int32_t *sp, int32_t *n_spans_pair)
+{
+    if (top < cur) return false;
+    if (threadIdx.x == 0) {
+        sp[0] = 0, sp[1] = ctx;
+        *n_spans_pair = 1;
+    }
+    return true;
+}
+
 /* STAGED: the row's order keys are made once into shared memory (after the kept-page bits,
  * max_pages words), so the radix passes and the tie ranking read shared memory instead of
  * converting the scores from L2 on every pass; the unstaged form serves rows too long for it */
@@ -785,13 +798,7 @@ k_quest_select(const float *__restrict__ scores, const int32_t *__restrict__ pos
     grid_dep_wait();
     const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
     int32_t *sp = spans + (size_t)pair * max_spans * 2;
-    if (top >= cur) {
-        if (tid == 0) {
-            sp[0] = 0, sp[1] = ctx;
-            n_spans[pair] = 1;
-        }
-        return;
-    }
+    if (sel_whole(top, cur, ctx, sp, n_spans + pair)) return;
     const float *sc = scores + (size_t)pair * max_pages;
     const int words = (cur + 1 + 31) / 32;
     for (int w = tid; w < words; w += T) bits[w] = 0;
@@ -894,13 +901,7 @@ k_quest_fsel(const float *__restrict__ q, void *__restrict__ dig, size_t n_pages
             qd_page(kc, bt, cur * ps, ctx, g, n_kv, HD, bs, ps, BITS, n_pages, (uint32_t *)dig, red, &s_par,
                     (uint8_t *)(sq + 2 * HD));
     }
-    if (top >= cur) {
-        if (tid == 0) {
-            sp[0] = 0, sp[1] = ctx;
-            n_spans[pair] = 1;
-        }
-        return;
-    }
+    if (sel_whole(top, cur, ctx, sp, n_spans + pair)) return;
     if (BITS == 16)
         q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
     else
@@ -1029,42 +1030,26 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
 
 /* ---- two-level (super-page) selection (kernels/kv_quest.h super_select) ------------------------ */
 
-/* One block of T threads per (row, KV head), as k_quest_fsel: (1) the row's refs for head g, a
- * thread per (ref, dimension): min / max over the ref's pages of the page digests' values (bf16
- * as stored, codes decoded with the shared kvs_qd_value: the CPU's bits), -inf / +inf for a
- * super-page with an unbounded page; (2) every super-page scored by the warps, HD / 8 lanes a
- * super-page over 8 dimensions each (F32 digests, the lanes' sums reduced as q_score_range's:
- * equal to the CPU's up to rounding); (3) the last super-page and the top skeep - 1 of the others
- * by rank (each thread counts the keys ahead of its super-pages: deterministic, no atomics decide
- * an order); (4) the pages of
- * the kept super-pages scored by q_score_range / q_qscore_range through q_smap, so each page gets
- * the bits that the exact path's score kernels give it, their order keys in shared memory (the
- * other pages' keys 0); (5) sel_run over all cur keys. */
-template <int HD, int BITS, int T>
-__global__ void __launch_bounds__(T, 1)
-k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages, float *__restrict__ sdig,
-             const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
-             const int32_t *__restrict__ skeep, const int32_t *__restrict__ rslot, const int32_t *__restrict__ refs,
-             const int32_t *__restrict__ ref_n, int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages,
-             int max_spans, int N, int max_super, int max_ref, float *__restrict__ scores_out,
-             int32_t *__restrict__ n_spans, int32_t *__restrict__ spans)
+/* Steps (1)-(3) of the two-level selection for one (row, KV head) by the whole block (every
+ * thread calls it; it ends on a barrier): (1) the row's refs for head g, a thread per (ref,
+ * dimension): min / max over the ref's pages of the page digests' values (bf16 as stored, codes
+ * decoded with the shared kvs_qd_value: the CPU's bits), -inf / +inf for a super-page with an
+ * unbounded page; the group's queries into sq (bf16: [G][HD]; quantized: Qp [HD], Qn [HD]);
+ * (2) every super-page scored by the warps, HD / 8 lanes a super-page over 8 dimensions each
+ * (F32 digests, the lanes' sums reduced as q_score_range's: equal to the CPU's up to rounding),
+ * keys to skey; (3) the last super-page and the top skeep - 1 of the others by rank (each thread
+ * counts the keys ahead of its super-pages: deterministic, no atomics decide an order) into
+ * slist. Returns S, the kept super-pages. One body for the one-block kernel and the split path's
+ * first launch, so both keep the same super-pages. */
+template <int HD, int BITS>
+__device__ __forceinline__ int ss_supers(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages,
+                                         float *__restrict__ sdig, const int32_t *__restrict__ skeep,
+                                         const int32_t *__restrict__ rslot, const int32_t *__restrict__ refs,
+                                         const int32_t *__restrict__ ref_n, int row, int g, int n_heads, int n_kv,
+                                         int cur, int N, int max_super, int max_ref, uint32_t *skey, int *slist,
+                                         float *sq)
 {
-    extern __shared__ uint32_t ss_smem[];   /* bits, keys [max_pages], super keys / list [max_super], queries */
-    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, G = n_heads / n_kv, tid = threadIdx.x;
-    grid_dep_wait();
-    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
-    int32_t *sp = spans + (size_t)pair * max_spans * 2;
-    if (top >= cur) {
-        if (tid == 0) {
-            sp[0] = 0, sp[1] = ctx;
-            n_spans[pair] = 1;
-        }
-        return;
-    }
-    const int32_t *bt = bts + (size_t)row * max_blocks;
-    uint32_t *bits = ss_smem, *sk = bits + (max_pages + 1 + 31) / 32, *skey = sk + max_pages;
-    int *slist = (int *)(skey + max_super);
-    float *sq = (float *)(slist + max_super);   /* bf16: [G][HD]; quantized: Qp [HD], Qn [HD] */
+    const int tid = threadIdx.x, T = (int)blockDim.x, G = n_heads / n_kv;
     float *sd = sdig + ((size_t)rslot[row] * max_super * n_kv + g) * 2 * HD;
     const size_t sstride = (size_t)n_kv * 2 * HD;   /* one super-page to the next */
     /* (1) the refs */
@@ -1104,11 +1089,9 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
         q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
     else
         q_fold_group<HD>(q, row, g, G, n_heads, sq, sq + HD);
-    for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
-    for (int j = tid; j < cur; j += T) sk[j] = 0;   /* pages outside the kept super-pages: below every score */
     __syncthreads();   /* the refs' digests (global, this block's own writes) and the queries */
-    /* (2) super-page scores: L lanes a super-page, 8 dimensions each, over the group's heads
-     * (quantized digests: the folded queries, max(q a, q c) = max(q, 0) c + min(q, 0) a for a <= c) */
+    /* (2) super-page scores (quantized digests: the folded queries, max(q a, q c) = max(q, 0) c +
+     * min(q, 0) a for a <= c) */
     const int nsup = (cur + N - 1) / N;
     {
         constexpr int L = HD / 8, P = 32 / L;
@@ -1155,6 +1138,36 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
     }
     if (tid == 0 && S > 0) slist[S - 1] = nsup - 1;
     __syncthreads();
+    return S;
+}
+
+/* The one-block form: one block of T threads per (row, KV head), as k_quest_fsel: ss_supers, then
+ * (4) the pages of the kept super-pages scored by q_score_range / q_qscore_range through q_smap,
+ * so each page gets the bits that the exact path's score kernels give it, their order keys in
+ * shared memory (the other pages' keys 0); (5) sel_run over all cur keys. */
+template <int HD, int BITS, int T>
+__global__ void __launch_bounds__(T, 1)
+k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages, float *__restrict__ sdig,
+             const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
+             const int32_t *__restrict__ skeep, const int32_t *__restrict__ rslot, const int32_t *__restrict__ refs,
+             const int32_t *__restrict__ ref_n, int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages,
+             int max_spans, int N, int max_super, int max_ref, float *__restrict__ scores_out,
+             int32_t *__restrict__ n_spans, int32_t *__restrict__ spans)
+{
+    extern __shared__ uint32_t ss_smem[];   /* bits, keys [max_pages], super keys / list [max_super], queries */
+    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, G = n_heads / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int ctx = pos[row] + 1, cur = pos[row] / ps, top = keep[row] - 1;
+    int32_t *sp = spans + (size_t)pair * max_spans * 2;
+    if (sel_whole(top, cur, ctx, sp, n_spans + pair)) return;
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    uint32_t *bits = ss_smem, *sk = bits + (max_pages + 1 + 31) / 32, *skey = sk + max_pages;
+    int *slist = (int *)(skey + max_super);
+    float *sq = (float *)(slist + max_super);
+    for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
+    for (int j = tid; j < cur; j += T) sk[j] = 0;   /* pages outside the kept super-pages: below every score */
+    const int S = ss_supers<HD, BITS>(q, dig, n_pages, sdig, skeep, rslot, refs, ref_n, row, g, n_heads, n_kv, cur, N,
+                                      max_super, max_ref, skey, slist, sq);
     /* (4) the kept super-pages' pages, with the exact path's bits */
     float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;
     const q_smap map = {slist, N, cur};
@@ -1167,6 +1180,134 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
     __syncthreads();
     /* (5) */
     sel_run<T, true>(nullptr, sk, bits, ctx, cur, top, ps, max_spans, sp, n_spans + pair);
+}
+
+/* The split form, three launches (kvs_quest_cuda_super_path): the one-block kernel runs a row's
+ * phases one after the other in one block a (row, KV head), which at batch 1-8 leaves most SMs
+ * idle while one block reads every candidate page's digest (bench/RESULTS.md, quest11). Here:
+ * k_quest_ssup (one block a pair: ss_supers, then the row's scores row marked: SS_TODO for the
+ * pages of the kept super-pages, SS_OUT for the rest), k_quest_scand (the score kernels' grid:
+ * a block a (pair, slice of pages) scores its slice's SS_TODO pages with the exact path's code),
+ * then the one-level select launch over the scores. SS_OUT is a NaN whose order key is 0, the
+ * key the one-block kernel gives a page outside the kept super-pages, and every candidate's key
+ * comes from the same score code: the same keys, so the same selection, bitwise. */
+#define SS_OUT 0xFFFFFFFFu    /* q_okey(this NaN) == 0 */
+#define SS_TODO 0x7FFFFFFFu   /* a candidate not scored yet (scores are never NaN) */
+
+template <int HD, int BITS>
+__global__ void __launch_bounds__(1024, 1)
+k_quest_ssup(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages, float *__restrict__ sdig,
+             const int32_t *__restrict__ pos, const int32_t *__restrict__ keep, const int32_t *__restrict__ skeep,
+             const int32_t *__restrict__ rslot, const int32_t *__restrict__ refs, const int32_t *__restrict__ ref_n,
+             int n_heads, int n_kv, int ps, int max_pages, int N, int max_super, int max_ref, float *__restrict__ scores)
+{
+    extern __shared__ uint32_t su_smem[];   /* super keys / list [max_super], queries */
+    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, tid = threadIdx.x, T = (int)blockDim.x;
+    grid_dep_wait();
+    const int cur = pos[row] / ps;
+    if (keep[row] - 1 >= cur) return;   /* the select writes its one span */
+    uint32_t *skey = su_smem;
+    int *slist = (int *)(skey + max_super);
+    uint32_t *sc = (uint32_t *)(scores + (size_t)pair * max_pages);
+    for (int j = tid; j < cur; j += T) sc[j] = SS_OUT;
+    const int S = ss_supers<HD, BITS>(q, dig, n_pages, sdig, skeep, rslot, refs, ref_n, row, g, n_heads, n_kv, cur, N,
+                                      max_super, max_ref, skey, slist, (float *)(slist + max_super));
+    for (int x = tid; x < S * N; x += T) {   /* after ss_supers' barriers: after every SS_OUT store */
+        const int pg = slist[x / N] * N + x % N;
+        if (pg < cur) sc[pg] = SS_TODO;
+    }
+}
+
+/* index map of k_quest_scand: page v where its mark (staged in shared memory from pg0) says TODO */
+struct q_fmap {
+    const uint8_t *todo;
+    int pg0;
+    __device__ __forceinline__ int operator()(int v) const { return todo[v - pg0] ? v : -1; }
+};
+
+template <int HD, int BITS>
+__global__ void __launch_bounds__(32 * QS_WARPS)
+k_quest_scand(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages,
+              const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
+              int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, int ppb, float *__restrict__ scores)
+{
+    extern __shared__ float sc_smem[];   /* queries (bf16: [G][HD]; quantized: Qp, Qn [HD]), then ppb marks */
+    const int pair = blockIdx.x, row = pair / n_kv, g = pair % n_kv, G = n_heads / n_kv, tid = threadIdx.x;
+    grid_dep_wait();
+    const int cur = pos[row] / ps, pg0 = (int)blockIdx.y * ppb;
+    if (keep[row] - 1 >= cur || pg0 >= cur) return;
+    const int pg1 = min(pg0 + ppb, cur);
+    float *sc = scores + (size_t)pair * max_pages;
+    uint8_t *todo = (uint8_t *)(sc_smem + (BITS == 16 ? G : 2) * HD);
+    int any = 0;
+    for (int v = pg0 + tid; v < pg1; v += 32 * QS_WARPS) {
+        const bool t = __float_as_uint(__ldcg(sc + v)) == SS_TODO;
+        todo[v - pg0] = t;
+        any |= t;
+    }
+    if (!__syncthreads_or(any)) return;   /* block-uniform */
+    if (BITS == 16)
+        q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sc_smem);
+    else
+        q_fold_group<HD>(q, row, g, G, n_heads, sc_smem, sc_smem + HD);
+    __syncthreads();
+    const int32_t *bt = bts + (size_t)row * max_blocks;
+    const q_fmap map = {todo, pg0};
+    if constexpr (BITS == 16)
+        q_score_range<HD, q_fmap>(sc_smem, G, (const bf16 *)dig, bt, g, n_kv, bs, ps, pg0, pg1, tid >> 5, QS_WARPS, sc,
+                                  nullptr, map);
+    else
+        q_qscore_range<HD, BITS, q_fmap>(sc_smem, sc_smem + HD, (const uint32_t *)dig, n_pages, bt, g, n_kv, bs, ps, pg0,
+                                         pg1, tid >> 5, QS_WARPS, sc, nullptr, map);
+}
+
+/* kvs_quest_cuda_super_path: 0 by default (split where the caller passes scores scratch), 1 the
+ * one-block kernel, 2 split; KVS_QUEST_SUPER_PATH in the environment sets it once */
+static int ss_path = -1;
+
+extern "C" void kvs_quest_cuda_super_path(int mode) { ss_path = mode >= 0 && mode <= 2 ? mode : 0; }
+
+static void ss_split(struct kvs_backend *b, const struct kvs_quest_super_args *a, int T)
+{
+    const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads, pairs = a->n * a->n_kv_heads;
+    const struct kvs_attn_meta *m = a->m;
+    int most = 0;
+    for (int s = 0; s < a->n; s++) most = m->h_pos[s] / a->page_size > most ? m->h_pos[s] / a->page_size : most;
+    const size_t qbytes = (size_t)(a->bits == 16 ? G : 2) * hd * sizeof(float);
+    const size_t smem1 = 2 * (size_t)a->max_super * sizeof(uint32_t) + qbytes;
+    int ppb = score_pages_per_block(b, pairs, most > 0 ? most : 1);
+    ppb = ppb < 16384 ? ppb : 16384;   /* its marks in shared memory: a byte a page */
+    const dim3 grid2((unsigned)pairs, (unsigned)((most + ppb - 1) / ppb > 0 ? (most + ppb - 1) / ppb : 1));
+    const size_t smem2 = qbytes + (size_t)ppb;
+    if (smem1 > FS_SMEM_MAX || smem2 > 48 * 1024)
+        kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection (split): %zu / %zu shared bytes", smem1, smem2);
+    float *sc = (float *)a->scores->d;
+#define SU_CASE(H, B)                                                                                                 \
+    if (hd == H && a->bits == B) {                                                                                    \
+        static bool attr;                                                                                             \
+        if (!attr) {                                                                                                  \
+            CUDA_CHECK(cudaFuncSetAttribute(k_quest_ssup<H, B>, cudaFuncAttributeMaxDynamicSharedMemorySize, FS_SMEM_MAX)); \
+            attr = true;                                                                                              \
+        }                                                                                                             \
+        CUDA_CHECK(kvs_cu_launch(k_quest_ssup<H, B>, (unsigned)pairs, T, smem1, b->stream, (const float *)a->q->d,     \
+                                 (const void *)a->dig->d, a->n_pages, (float *)a->sdig->d, (const int32_t *)m->pos->d, \
+                                 (const int32_t *)a->keep->d, (const int32_t *)a->skeep->d,                           \
+                                 (const int32_t *)a->rslot->d, (const int32_t *)a->refs->d, (const int32_t *)a->ref_n->d, \
+                                 a->n_heads, a->n_kv_heads, a->page_size, a->max_pages, a->super_pages, a->max_super,  \
+                                 a->max_ref, sc));                                                                    \
+        CUDA_CHECK(kvs_cu_launch(k_quest_scand<H, B>, grid2, 32 * QS_WARPS, smem2, b->stream, (const float *)a->q->d,  \
+                                 (const void *)a->dig->d, a->n_pages, (const int32_t *)m->pos->d,                     \
+                                 (const int32_t *)m->block_tables->d, (const int32_t *)a->keep->d, m->max_blocks,     \
+                                 a->n_heads, a->n_kv_heads, a->block_size, a->page_size, a->max_pages, ppb, sc));      \
+        cu_select(b, a->scores, m, a->keep, a->n, a->n_kv_heads, a->page_size, a->max_pages, a->max_spans, a->n_spans, \
+                  a->spans);                                                                                          \
+        return;                                                                                                       \
+    }
+    SU_CASE(16, 16); SU_CASE(32, 16); SU_CASE(64, 16); SU_CASE(128, 16); SU_CASE(256, 16);
+    SU_CASE(16, 8); SU_CASE(32, 8); SU_CASE(64, 8); SU_CASE(128, 8); SU_CASE(256, 8);
+    SU_CASE(16, 4); SU_CASE(32, 4); SU_CASE(64, 4); SU_CASE(128, 4); SU_CASE(256, 4);
+#undef SU_CASE
+    kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection: head_dim %d, bits %d", hd, a->bits);
 }
 
 template <int HD, int BITS>
@@ -1198,12 +1339,17 @@ static void ssel_launch(struct kvs_backend *b, int T, size_t smem, const struct 
 static void cu_super_select(struct kvs_backend *b, const struct kvs_quest_super_args *a)
 {
     qs_serial_env();
+    if (ss_path < 0) {
+        const char *e = getenv("KVS_QUEST_SUPER_PATH");
+        kvs_quest_cuda_super_path(e ? atoi(e) : 0);
+    }
     if (a->n <= 0) return;
     const int hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
     const size_t qbytes = (size_t)(a->bits == 16 ? G : 2) * hd * sizeof(float);
     const size_t smem = (size_t)(a->max_pages + 1 + 31) / 32 * sizeof(uint32_t) + (size_t)a->max_pages * sizeof(uint32_t) +
                         2 * (size_t)a->max_super * sizeof(uint32_t) + qbytes;
-    if (smem > FS_SMEM_MAX)   /* as the score launch's head_dim: the shape is the model's, a panic, not an error */
+    const bool split = a->scores && ss_path != 1;
+    if (!split && smem > FS_SMEM_MAX)   /* as the score launch's head_dim: the shape is the model's, a panic, not an error */
         kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection: %zu shared bytes (max %d: at most ~%d candidate "
                   "pages a row)", smem, FS_SMEM_MAX, FS_SMEM_MAX / 8);
     xh_forget(b, a->n_spans->d);
@@ -1218,6 +1364,10 @@ static void cu_super_select(struct kvs_backend *b, const struct kvs_quest_super_
      * head_dim 16 / 32 (test models) only at 512 */
     const int pairs = a->n * a->n_kv_heads, sms = b->n_sms > 0 ? b->n_sms : 1;
     const int T = pairs <= sms && hd >= 64 ? 1024 : 512;
+    if (split) {
+        ss_split(b, a, T);
+        return;
+    }
 #define SS_CALL(H, B)                                     \
     if (hd == H && a->bits == B) {                        \
         ssel_launch<H, B>(b, T, smem, a, so);             \

@@ -19,8 +19,9 @@
  *   sizes     one 128K-token row (8192 candidate pages), 1024 (row, KV head) pairs (one score
  *             block per pair: its pages in several loop iterations), and equal scores (the
  *             lowest pages);
- *   super     the two-level selection (super_select): every super-page kept gives the exact CUDA
- *             path's spans bitwise; otherwise super digests bitwise the CPU's, candidates whole
+ *   super     the two-level selection (super_select): the split form (kvs_quest_cuda_super_path 2)
+ *             gives the one-block kernel's spans, super digests and candidate scores bitwise; every
+ *             super-page kept gives the exact CUDA path's spans bitwise; otherwise super digests bitwise the CPU's, candidates whole
  *             super-pages scored with the exact path's bits, the last super-page kept and the other
  *             kept ones ranked first up to rounding, the kept pages a brute-force ranking of the candidates, and the CPU's
  *             selection for at least 90% of the pairs (the rest: near-ties in another fp32 order);
@@ -278,18 +279,23 @@ static void test_super(uint64_t seed)
         {4, 8, 2, 64, 32, 16, 300, 3000, 0.1, 64, 4, 8, 1.0},
         {4, 16, 2, 256, 16, 8, 500, 2000, 0.2, 64, 5, 16, 1.5},
     };
-    int bad_all = 0, bad_sd = 0, bad_cand = 0, bad_sc = 0, bad_rank = 0, bad_sel = 0, pairs = 0, sparse = 0, same_cpu = 0;
+    int bad_split = 0, bad_split_sd = 0, bad_all = 0, bad_sd = 0, bad_cand = 0, bad_sc = 0, bad_rank = 0, bad_sel = 0, pairs = 0, sparse = 0, same_cpu = 0;
     for (size_t ci = 0; ci < sizeof CASES / sizeof CASES[0]; ci++) {
         struct qf_case c;
         struct qf_out rg;
-        struct qf_sout ag, eg, ac;
+        struct qf_sout ag, eg, ac, a1, e1;
         qf_make(&c, seed + 1000 + ci, CASES[ci].S, CASES[ci].nh, CASES[ci].nkv, CASES[ci].hd, CASES[ci].bs, CASES[ci].ps,
                 CASES[ci].lo, CASES[ci].hi, CASES[ci].ratio, CASES[ci].min_budget, 1);
         c.bits = CASES[ci].bits;
         const int N = CASES[ci].N, nkv = c.nkv, hd = c.hd, Gq = c.nh / nkv;
         qf_run(G, bg, kg, &c, &rg);
+        kvs_quest_cuda_super_path(2);   /* the split form (the default with scores scratch) */
         qf_super_run(G, bg, kg, &c, N, 1e9, &eg);
         qf_super_run(G, bg, kg, &c, N, CASES[ci].factor, &ag);
+        kvs_quest_cuda_super_path(1);   /* the one-block kernel: the same bits */
+        qf_super_run(G, bg, kg, &c, N, 1e9, &e1);
+        qf_super_run(G, bg, kg, &c, N, CASES[ci].factor, &a1);
+        kvs_quest_cuda_super_path(0);
         qf_super_run(C, bc, kc, &c, N, CASES[ci].factor, &ac);
         struct qf_out vg = rg, vc = rg;
         vg.n_spans = ag.n_spans, vg.spans = ag.spans, vg.max_spans = ag.max_spans;
@@ -302,6 +308,16 @@ static void test_super(uint64_t seed)
             for (int g = 0; g < nkv; g++) {
                 pairs++;
                 bad_all += !qf_same_spans(&c, eg.n_spans, eg.spans, eg.max_spans, rg.n_spans, rg.spans, rg.max_spans, s, g);
+                /* split = one-block: spans (both settings), and the scores' candidates and bits */
+                int diff = !qf_same_spans(&c, eg.n_spans, eg.spans, eg.max_spans, e1.n_spans, e1.spans, e1.max_spans, s, g) ||
+                           !qf_same_spans(&c, ag.n_spans, ag.spans, ag.max_spans, a1.n_spans, a1.spans, a1.max_spans, s, g);
+                if (top < cur)
+                    for (int pg = 0; pg < cur; pg++) {
+                        const float x = ag.scores[((size_t)s * nkv + g) * ag.max_pages + pg];
+                        const float y = a1.scores[((size_t)s * nkv + g) * a1.max_pages + pg];
+                        diff |= isnan(x) != isnan(y) || (!isnan(x) && memcmp(&x, &y, sizeof x) != 0);
+                    }
+                bad_split += diff;
                 if (top >= cur) continue;
                 sparse++;
                 const size_t so = ((size_t)(c.n_seqs - 1 - s) * ag.max_super * nkv + g) * 2 * hd;
@@ -364,21 +380,28 @@ static void test_super(uint64_t seed)
         free(kc_);
         free(want);
         free(sup);
+        const size_t nsd = (size_t)c.n_seqs * ag.max_super * nkv * 2 * hd;
+        bad_split_sd += memcmp(ag.sdig, a1.sdig, nsd * sizeof *ag.sdig) != 0;
         qf_sout_free(&ag);
         qf_sout_free(&eg);
+        qf_sout_free(&a1);
+        qf_sout_free(&e1);
         qf_sout_free(&ac);
         qf_out_free(&rg);
         qf_free(&c);
     }
+    CHECK(bad_split == 0 && bad_split_sd == 0,
+          "cuda super-pages, split form vs one-block kernel: %d of %d pairs' spans or candidate scores differ, %d cases' "
+          "super digests", bad_split, pairs, bad_split_sd);
     CHECK(bad_all == 0, "cuda super-pages, every one kept: %d of %d pairs differ from the exact CUDA path", bad_all, pairs);
     CHECK(bad_sd == 0 && bad_cand == 0 && bad_sc == 0 && bad_rank == 0 && bad_sel == 0 && sparse > 0,
           "cuda super-pages: %d super digests differ from the CPU's, %d pairs' candidates not skeep whole super-pages, "
           "%d candidate scores differ from the exact path's, %d pairs rank a dropped super-page above a kept one, %d "
           "selections differ from the brute force (%d sparse pairs)", bad_sd, bad_cand, bad_sc, bad_rank, bad_sel, sparse);
     CHECK(same_cpu >= sparse * 9 / 10, "cuda super-pages: only %d of %d sparse selections equal the CPU's", same_cpu, sparse);
-    printf("ok cuda two-level selection: every super-page kept = the exact path (%d pairs); %d sparse pairs: digests = "
+    printf("ok cuda two-level selection: split form = one-block kernel bitwise (%d pairs); every super-page kept = the exact path (%d pairs); %d sparse pairs: digests = "
            "CPU's, candidates whole super-pages with the exact path's bits, brute-force ranking; %d/%d equal to the "
-           "CPU's selection\n", pairs, sparse, same_cpu, sparse);
+           "CPU's selection\n", pairs, pairs, sparse, same_cpu, sparse);
 }
 
 static int eng_bits = 16;   /* kv.quest.digest_bits of the next run_engine */
