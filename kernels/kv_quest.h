@@ -320,7 +320,8 @@ void kvs_quest_cuda_select_threads(int threads);
 /* CUDA builds only: the two-level selection's form. 1: one block a (row, KV head) does every
  * phase (k_quest_ssel); 2: split into three launches, the super-pages by one block a (row, KV
  * head), the candidates' page scores over the score kernels' grid, then select's launch (needs
- * the caller's scores scratch; without it, form 1); 0, the default: 2. Both give the same spans
+ * the caller's scores scratch; without it, form 1); 0, the default: 2 where the (row, KV head)
+ * pairs are at most an eighth of the SMs and scores are given, else 1. Both give the same spans
  * bitwise. Also set, once, by KVS_QUEST_SUPER_PATH=1 / 2 in the environment. For the benches' A/B
  * and the tests; process-wide. */
 void kvs_quest_cuda_super_path(int mode);

@@ -1030,6 +1030,9 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
 
 /* ---- two-level (super-page) selection (kernels/kv_quest.h super_select) ------------------------ */
 
+#define SS_OUT 0xFFFFFFFFu    /* a page outside the kept super-pages: a NaN whose q_okey is 0 */
+#define SS_TODO 0x7FFFFFFFu   /* the split form's candidate not scored yet (scores are never NaN) */
+
 /* Steps (1)-(3) of the two-level selection for one (row, KV head) by the whole block (every
  * thread calls it; it ends on a barrier): (1) the row's refs for head g, a thread per (ref,
  * dimension): min / max over the ref's pages of the page digests' values (bf16 as stored, codes
@@ -1052,34 +1055,56 @@ __device__ __forceinline__ int ss_supers(const float *__restrict__ q, const void
     const int tid = threadIdx.x, T = (int)blockDim.x, G = n_heads / n_kv;
     float *sd = sdig + ((size_t)rslot[row] * max_super * n_kv + g) * 2 * HD;
     const size_t sstride = (size_t)n_kv * 2 * HD;   /* one super-page to the next */
-    /* (1) the refs */
+    /* (1) the refs. A ref's pages are taken QS_SLOTS at a time: their table entries, then their
+     * digests (bf16) or params and code words (quantized), each batch's loads issued before any
+     * is used; the loop of one page at a time waited on two or three dependent round trips a page
+     * (entry -> params -> codes), N pages in a row. The min / max run over the pages in the same
+     * order as before: the same bits. */
     const int nref = ref_n[row];
     constexpr int NW = HD * BITS / 32, PER = 32 / BITS;
     for (int x = tid; x < nref * HD; x += T) {
         const int e = x / HD, i = x % HD;
         const int32_t *ent = refs + ((size_t)row * max_ref + e) * (2 + N);
+        const int cnt = ent[1];
         float mn = 0.0f, mx = 0.0f;
         bool unb = false;
-        for (int t = 0; t < ent[1]; t++) {
-            const size_t ph = (size_t)ent[2 + t] * n_kv + g;
-            float a, c;
+        for (int t0 = 0; t0 < cnt; t0 += QS_SLOTS) {
+            size_t ph[QS_SLOTS];
+            float a[QS_SLOTS], c[QS_SLOTS];
+#pragma unroll
+            for (int k = 0; k < QS_SLOTS; k++) ph[k] = t0 + k < cnt ? (size_t)ent[2 + t0 + k] * n_kv + g : 0;
             if constexpr (BITS == 16) {
-                const bf16 *d = (const bf16 *)dig + ph * 2 * HD;
-                a = __bfloat162float(d[i]), c = __bfloat162float(d[HD + i]);
-            } else {
-                const uint32_t *cw = (const uint32_t *)dig + ph * 2 * NW;
-                const uint32_t par = ((const uint32_t *)dig)[n_pages * (size_t)n_kv * 2 * NW + ph];
-                if (par == KVS_QD_UNBOUNDED) {
-                    unb = true;
-                    break;
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++) {
+                    const bf16 *d = (const bf16 *)dig + ph[k] * 2 * HD;
+                    a[k] = t0 + k < cnt ? __bfloat162float(d[i]) : 0.0f;
+                    c[k] = t0 + k < cnt ? __bfloat162float(d[HD + i]) : 0.0f;
                 }
-                const float lo = kvs_qd_f16_to_f32(par & 0xFFFFu), sc = kvs_qd_f16_to_f32(par >> 16);
+            } else {
+                uint32_t par[QS_SLOTS], wn[QS_SLOTS], wx[QS_SLOTS];
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++) {
+                    const uint32_t *cw = (const uint32_t *)dig + ph[k] * 2 * NW;
+                    const bool in = t0 + k < cnt;
+                    par[k] = in ? ((const uint32_t *)dig)[n_pages * (size_t)n_kv * 2 * NW + ph[k]] : 0u;
+                    wn[k] = in ? cw[i / PER] : 0u;
+                    wx[k] = in ? cw[NW + i / PER] : 0u;
+                }
                 const uint32_t mask = (1u << BITS) - 1;
-                a = kvs_qd_value(cw[i / PER] >> (i % PER * BITS) & mask, lo, sc);
-                c = kvs_qd_value(cw[NW + i / PER] >> (i % PER * BITS) & mask, lo, sc);
+#pragma unroll
+                for (int k = 0; k < QS_SLOTS; k++) {
+                    unb |= t0 + k < cnt && par[k] == KVS_QD_UNBOUNDED;   /* the super-page is unbounded: its pages' values no matter */
+                    const float lo = kvs_qd_f16_to_f32(par[k] & 0xFFFFu), sc = kvs_qd_f16_to_f32(par[k] >> 16);
+                    a[k] = kvs_qd_value(wn[k] >> (i % PER * BITS) & mask, lo, sc);
+                    c[k] = kvs_qd_value(wx[k] >> (i % PER * BITS) & mask, lo, sc);
+                }
             }
-            mn = t == 0 || a < mn ? a : mn;
-            mx = t == 0 || c > mx ? c : mx;
+#pragma unroll
+            for (int k = 0; k < QS_SLOTS; k++)
+                if (t0 + k < cnt) {
+                    mn = t0 + k == 0 || a[k] < mn ? a[k] : mn;
+                    mx = t0 + k == 0 || c[k] > mx ? c[k] : mx;
+                }
         }
         float *o = sd + (size_t)ent[0] * sstride;
         o[i] = unb ? -INFINITY : mn;
@@ -1096,31 +1121,51 @@ __device__ __forceinline__ int ss_supers(const float *__restrict__ q, const void
     {
         constexpr int L = HD / 8, P = 32 / L;
         const int lane = tid & 31, sub = lane / L, l = lane % L, warp = tid >> 5;
-        for (int j0 = warp * P; j0 < nsup; j0 += (T / 32) * P) {
-            const int j = j0 + sub;
-            float acc = 0.0f;
-            bool unb = false;
-            if (j < nsup) {
-                const float4 *d = (const float4 *)(sd + (size_t)j * sstride);
-                const float4 a0 = __ldcg(d + 2 * l), a1 = __ldcg(d + 2 * l + 1);
-                const float4 c0 = __ldcg(d + HD / 4 + 2 * l), c1 = __ldcg(d + HD / 4 + 2 * l + 1);
-                const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-                unb = __ldcg(sd + (size_t)j * sstride) == -INFINITY && __ldcg(sd + (size_t)j * sstride + HD) == INFINITY;
-                if constexpr (BITS == 16) {
-                    for (int h = 0; h < G; h++) {
-                        const float *qh = sq + h * HD + 8 * l;
+        /* SU super-pages a lane group in flight: their loads first, then the sums (at 128K a row has
+         * 512 super-pages, eight steps of a 1024-thread block that each waited on one round trip) */
+        constexpr int SU = 4;
+        const int step = (T / 32) * P;
+        for (int j0 = warp * P; j0 < nsup; j0 += SU * step) {
+            float4 d4[SU][4];
+            float e0[SU], e1[SU];
 #pragma unroll
-                        for (int k = 0; k < 8; k++) acc += fmaxf(qh[k] * a[k], qh[k] * c[k]);
-                    }
+            for (int u = 0; u < SU; u++) {
+                const int j = j0 + u * step + sub;
+                if (j < nsup) {
+                    const float4 *d = (const float4 *)(sd + (size_t)j * sstride);
+                    d4[u][0] = __ldcg(d + 2 * l), d4[u][1] = __ldcg(d + 2 * l + 1);
+                    d4[u][2] = __ldcg(d + HD / 4 + 2 * l), d4[u][3] = __ldcg(d + HD / 4 + 2 * l + 1);
+                    e0[u] = __ldcg(sd + (size_t)j * sstride), e1[u] = __ldcg(sd + (size_t)j * sstride + HD);
                 } else {
-#pragma unroll
-                    for (int k = 0; k < 8; k++) acc += sq[8 * l + k] * c[k] + sq[HD + 8 * l + k] * a[k];
+                    d4[u][0] = d4[u][1] = d4[u][2] = d4[u][3] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    e0[u] = e1[u] = 0.0f;
                 }
             }
 #pragma unroll
-            for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-            if (l == 0 && j < nsup) skey[j] = q_okey(unb ? INFINITY : acc);
+            for (int u = 0; u < SU; u++) {
+                const int j = j0 + u * step + sub;
+                float acc = 0.0f;
+                const float a[8] = {d4[u][0].x, d4[u][0].y, d4[u][0].z, d4[u][0].w,
+                                    d4[u][1].x, d4[u][1].y, d4[u][1].z, d4[u][1].w};
+                const float c[8] = {d4[u][2].x, d4[u][2].y, d4[u][2].z, d4[u][2].w,
+                                    d4[u][3].x, d4[u][3].y, d4[u][3].z, d4[u][3].w};
+                const bool unb = e0[u] == -INFINITY && e1[u] == INFINITY;
+                if (j < nsup) {
+                    if constexpr (BITS == 16) {
+                        for (int h = 0; h < G; h++) {
+                            const float *qh = sq + h * HD + 8 * l;
+#pragma unroll
+                            for (int k = 0; k < 8; k++) acc += fmaxf(qh[k] * a[k], qh[k] * c[k]);
+                        }
+                    } else {
+#pragma unroll
+                        for (int k = 0; k < 8; k++) acc += sq[8 * l + k] * c[k] + sq[HD + 8 * l + k] * a[k];
+                    }
+                }
+#pragma unroll
+                for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (l == 0 && j < nsup) skey[j] = q_okey(unb ? INFINITY : acc);
+            }
         }
     }
     __syncthreads();
@@ -1165,11 +1210,14 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
     int *slist = (int *)(skey + max_super);
     float *sq = (float *)(slist + max_super);
     for (int w = tid; w < (cur + 1 + 31) / 32; w += T) bits[w] = 0;
-    for (int j = tid; j < cur; j += T) sk[j] = 0;   /* pages outside the kept super-pages: below every score */
+    float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;
+    for (int j = tid; j < cur; j += T) {   /* pages outside the kept super-pages: below every score */
+        sk[j] = 0;
+        if (out) out[j] = __uint_as_float(SS_OUT);   /* overwritten by (4) for the candidates, after its barriers */
+    }
     const int S = ss_supers<HD, BITS>(q, dig, n_pages, sdig, skeep, rslot, refs, ref_n, row, g, n_heads, n_kv, cur, N,
                                       max_super, max_ref, skey, slist, sq);
     /* (4) the kept super-pages' pages, with the exact path's bits */
-    float *out = scores_out ? scores_out + (size_t)pair * max_pages : nullptr;
     const q_smap map = {slist, N, cur};
     if constexpr (BITS == 16)
         q_score_range<HD, q_smap>(sq, G, (const bf16 *)dig, bt, g, n_kv, bs, ps, 0, S * N, tid >> 5, T / 32, out, sk,
@@ -1191,9 +1239,6 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
  * then the one-level select launch over the scores. SS_OUT is a NaN whose order key is 0, the
  * key the one-block kernel gives a page outside the kept super-pages, and every candidate's key
  * comes from the same score code: the same keys, so the same selection, bitwise. */
-#define SS_OUT 0xFFFFFFFFu    /* q_okey(this NaN) == 0 */
-#define SS_TODO 0x7FFFFFFFu   /* a candidate not scored yet (scores are never NaN) */
-
 template <int HD, int BITS>
 __global__ void __launch_bounds__(1024, 1)
 k_quest_ssup(const float *__restrict__ q, const void *__restrict__ dig, size_t n_pages, float *__restrict__ sdig,
@@ -1261,8 +1306,10 @@ k_quest_scand(const float *__restrict__ q, const void *__restrict__ dig, size_t 
                                          pg1, tid >> 5, QS_WARPS, sc, nullptr, map);
 }
 
-/* kvs_quest_cuda_super_path: 0 by default (split where the caller passes scores scratch), 1 the
- * one-block kernel, 2 split; KVS_QUEST_SUPER_PATH in the environment sets it once */
+/* kvs_quest_cuda_super_path: 0 by shape (split where the caller passes scores scratch and the
+ * (row, KV head) pairs are at most an eighth of the SMs: the A/B in bench/RESULTS.md, quest12,
+ * where the split form won only at batch 1), 1 the one-block kernel, 2 split (with scores);
+ * KVS_QUEST_SUPER_PATH in the environment sets it once */
 static int ss_path = -1;
 
 extern "C" void kvs_quest_cuda_super_path(int mode) { ss_path = mode >= 0 && mode <= 2 ? mode : 0; }
@@ -1348,7 +1395,8 @@ static void cu_super_select(struct kvs_backend *b, const struct kvs_quest_super_
     const size_t qbytes = (size_t)(a->bits == 16 ? G : 2) * hd * sizeof(float);
     const size_t smem = (size_t)(a->max_pages + 1 + 31) / 32 * sizeof(uint32_t) + (size_t)a->max_pages * sizeof(uint32_t) +
                         2 * (size_t)a->max_super * sizeof(uint32_t) + qbytes;
-    const bool split = a->scores && ss_path != 1;
+    const int pairs = a->n * a->n_kv_heads, sms = b->n_sms > 0 ? b->n_sms : 1;
+    const bool split = a->scores && (ss_path == 2 || (ss_path == 0 && 8 * pairs <= sms));
     if (!split && smem > FS_SMEM_MAX)   /* as the score launch's head_dim: the shape is the model's, a panic, not an error */
         kvs_panic(__FILE__, __LINE__, "cuda Quest two-level selection: %zu shared bytes (max %d: at most ~%d candidate "
                   "pages a row)", smem, FS_SMEM_MAX, FS_SMEM_MAX / 8);
@@ -1362,7 +1410,6 @@ static void cu_super_select(struct kvs_backend *b, const struct kvs_quest_super_
     }
     /* fewer pairs than SMs: each block alone on its SM takes its every warp (as the fused select);
      * head_dim 16 / 32 (test models) only at 512 */
-    const int pairs = a->n * a->n_kv_heads, sms = b->n_sms > 0 ? b->n_sms : 1;
     const int T = pairs <= sms && hd >= 64 ? 1024 : 512;
     if (split) {
         ss_split(b, a, T);
