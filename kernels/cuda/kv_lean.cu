@@ -597,6 +597,7 @@ static void lean_launch(lean_fd_args &x, long long n_tiles, long long w_max, lon
         resident = lean_resident((const void *)k_lean_fd<HD, KB, VB, KT>, 32, smem, cv && *cv ? atoi(cv) : -1, label);
     }
     lean_plan(x, n_tiles * x.g.n_kv, resident, n_sms, w_max, by_ws);
+    x.part -= x.prow0 * x.n_splits * (long long)(HD + 2); /* lean_fd_args.prow0 */
     const dim3 grid((unsigned)(n_tiles * x.g.n_kv), (unsigned)x.n_splits);
     k_lean_fd<HD, KB, VB, KT><<<grid, 32, smem, st>>>(x);
     LAUNCH_CHECK();
@@ -723,7 +724,13 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
         }
     }
     if (n_tiles == 0) return;
-    long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
+    /* the workspace holds the partials of this launch's rows only (lean_fd_args.prow0): a mixed
+     * step's decode rows after a 4K-row chunk would otherwise find it full (by_ws 0: one split, and
+     * k_lean_dec refused) */
+    (void)n;
+    const size_t rows_l = (size_t)(m.q_start[a.n_seqs] - m.q_start[0]);
+    a.prow0 = (long long)m.q_start[0] * n_heads;
+    long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / (rows_l * n_heads * (head_dim + 2)));
     /* keys on M without spans: k_lean_dec (kv_lean_decode.cu) for formats of 6 bits a key and
      * value or more (K4V2 up), k_lean_fd for K2V2 (layout 3 forces k_lean_dec, 2 k_lean_fd): on the
      * H100 k_lean_dec was the faster at K8V8 and K8V4 at every shape timed ("LeanKV kernels, part

@@ -379,6 +379,7 @@ static void pf_launch(lean_fd_args &x, long long n_tiles, long long w_max, long 
     x.n_splits = (int)((w_max + x.chunk - 1) / x.chunk);
     if (x.n_splits < 1) x.n_splits = 1;
     const dim3 grid((unsigned)pairs, (unsigned)x.n_splits);
+    x.part -= x.prow0 * x.n_splits * (long long)(HD + 2); /* lean_fd_args.prow0 */
     k_lean_pf<HD, KB, VB, NW><<<grid, NW * 32, smem, st>>>(x);
     LAUNCH_CHECK();
 }
