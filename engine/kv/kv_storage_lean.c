@@ -32,6 +32,9 @@
 #include "engine/kv/kv_storage_lean.h"
 #include "engine/kv/kv_storage_lean_dyn.h"
 #include "kernels/kv_lean.h"
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+#include "kernels/cuda/kv_lean_cuda.h"
+#endif
 
 extern const struct kvs_kv_storage_ops kvs_kv_storage_lean;
 
@@ -44,7 +47,27 @@ struct lean {
     size_t layer_block_bytes;     /* one block of one layer: n_kv_heads pages */
     struct kvs_dbuf **pages;      /* [n_layers] */
     struct kvs_lean_dyn_store *dyn; /* kv.lean.mode = dynamic (then none of the above but sh) */
+    size_t scratch_bytes;         /* the CUDA prompt-chunk path's bf16 scratch reserved at create (0: none) */
 };
+
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+/* The CUDA backend's prompt chunks read their context through a bf16 scratch (kv_lean_cuda.h
+ * kvs_cuda_lean_dq_reserve; one layer at a time, so one layer's worth): reserved here at create,
+ * after the pool, from the memory the KV budget leaves (as the attention workspace is), never
+ * grown, and shown in the log line and in /metrics (kvserve:kv_storage_scratch_bytes). Sized for a
+ * step whose chunk sequences' contexts add up to max_ctx + max_rows tokens (one sequence's whole
+ * context plus the step's other rows), in whole blocks, up to 64 sequences; a step that needs more
+ * (several long chunks at once) takes the quantized prefill kernel for that step. At Llama-3.1-8B's
+ * shape (8 KV heads x 128) and 16-token blocks: 8K + 4K tokens ~ 51 MB, 32K + 4K ~ 152 MB. */
+static size_t dq_scratch_bytes(const struct kvs_kv_shape *sh)
+{
+    if (sh->max_ctx <= 0 || sh->max_rows <= 0 || sh->max_slots <= 0) return 0; /* tools: grown on demand */
+    const size_t bs = (size_t)sh->block_size, seqs = sh->max_slots < 64 ? (size_t)sh->max_slots : 64;
+    const size_t blocks = ((size_t)sh->max_ctx + (size_t)sh->max_rows + bs - 1) / bs + seqs;
+    const size_t side = (blocks * sh->n_kv_heads * bs * sh->head_dim * 2 + 15) / 16 * 16;
+    return 2 * side + seqs * (((size_t)sh->max_ctx + bs - 1) / bs) * sizeof(int32_t);
+}
+#endif
 
 static const char *mode_of(const struct kvs_kv_shape *sh)
 {
@@ -127,6 +150,18 @@ static int lean_create(const struct kvs_kv_shape *sh, const struct kvs_backend_o
         return kvs_err(err, errlen, -ENOMEM, "kv storage lean: cannot allocate the pages (%d blocks, %zu bytes)",
                        n_blocks, s->layer_block_bytes * (size_t)n_blocks * (size_t)sh->n_layers);
     }
+#if defined(KVS_HAVE_CUDA) && KVS_HAVE_CUDA
+    if (kn == &kvs_lean_kernels_cuda && f.kbits < 16 && f.vbits < 16) {
+        const size_t want = dq_scratch_bytes(sh);
+        if (want && kvs_cuda_lean_dq_reserve(want) < 0)
+            kvs_log(KVS_LOG_WARN, "kv storage lean: no %zu bytes for the prompt chunks' bf16 scratch; prompt chunks "
+                    "take the quantized prefill kernel", want);
+        else s->scratch_bytes = want;
+        if (s->scratch_bytes)
+            kvs_log(KVS_LOG_INFO, "kv storage lean: %.1f MiB bf16 scratch for prompt chunks' attention, beside the pool",
+                    (double)s->scratch_bytes / (1024.0 * 1024.0));
+    }
+#endif
     *state = s;
     return 0;
 }
@@ -184,7 +219,7 @@ static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
 {
     struct lean *s = state;
     if (s->dyn) return kvs_lean_dyn_counters(s->dyn, out, cap);
-    if (cap < 3) return 0;
+    if (cap < 4) return 0;
     const double heads = (double)s->sh.n_layers * s->sh.n_kv_heads;
     const double bytes = heads * (double)kvs_lean_token_bytes(s->fmt, s->sh.head_dim);
     const double bf16 = heads * 4.0 * s->sh.head_dim;
@@ -195,7 +230,11 @@ static int lean_counters(void *state, struct kvs_kv_counter *out, int cap)
                                      "KV bytes one token would take in bf16 (all layers, K and V).", 0, bf16, NULL, NULL};
     out[2] = (struct kvs_kv_counter){"kvserve:kv_storage_compression_ratio",
                                      "bf16 KV bytes per token over the storage format's.", 0, bf16 / bytes, NULL, NULL};
-    return 3;
+    out[3] = (struct kvs_kv_counter){"kvserve:kv_storage_scratch_bytes",
+                                     "Device bytes reserved beside the KV pool for prompt chunks' attention (the CUDA "
+                                     "backend's bf16 scratch of one layer's chunk context; 0: none).",
+                                     0, (double)s->scratch_bytes, NULL, NULL};
+    return 4;
 }
 
 struct kvs_lean_dyn_store *kvs_kv_storage_lean_dyn_of(void *state) { return ((struct lean *)state)->dyn; }

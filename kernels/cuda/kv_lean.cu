@@ -411,6 +411,7 @@ __global__ void __launch_bounds__(32, KT ? lean_kt_min_blocks<HD, KB, VB>() : LE
 struct lean_merge_sel {
     const int32_t *q_start;
     int n_seqs, n_heads, sel, sel_rows;
+    long long rh0; /* the first row-head of the launch's sequences (block x is row-head rh0 + x) */
 };
 
 /* whether row-head rh is the merge's (block-uniform: every thread searches the same starts) */
@@ -433,7 +434,7 @@ __device__ __forceinline__ bool lean_merge_mine(const lean_merge_sel &ms, long l
 __global__ void k_lean_merge(const float *part, int n_splits, int hd, float *out, float *lse, lean_merge_sel ms)
 {
     grid_dep_wait(); /* cuda_launch.h: launched behind the attention kernel, its partials ready */
-    const long long rh = blockIdx.x;
+    const long long rh = ms.rh0 + blockIdx.x;
     if (!lean_merge_mine(ms, rh)) return;
     const float *pp = part + rh * n_splits * (long long)(hd + 2);
     float M = -INFINITY;
@@ -470,7 +471,7 @@ __global__ void k_lean_merge_staged(const float *part, int n_splits, int hd, flo
     extern __shared__ float mg_sh[]; /* [n_splits] maxima, then weights; [n_splits] sums */
     float *mw = mg_sh, *ml = mg_sh + n_splits;
     grid_dep_wait();
-    const long long rh = blockIdx.x;
+    const long long rh = ms.rh0 + blockIdx.x;
     if (!lean_merge_mine(ms, rh)) return; /* block-uniform: before the first barrier */
     const long long st = hd + 2;
     const float *pp = part + rh * n_splits * st;
@@ -544,6 +545,27 @@ int lean_merge_early(void)
     return e;
 }
 
+/* kv_lean_prefill.cu too: the first launch of a kernel on a device raises its dynamic shared memory
+ * to smem (and, carve >= 0, sets its carveout hint in percent), measures its resident blocks an SM
+ * at `threads` a block (a kernel that fits none aborts: a build error, not a client's) and, with
+ * KVS_LEAN_PLAN set (benchmarks: what the occupancy rests on), prints label, its shared memory,
+ * registers, local memory and that count */
+int lean_resident(const void *fn, int threads, size_t smem, int carve, const char *label)
+{
+    CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (carve >= 0) CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, carve));
+    int nb = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, threads, smem));
+    if (nb < 1) kvs_panic(__FILE__, __LINE__, "%s: kernel does not fit an SM (%zu bytes)", label, smem);
+    if (getenv("KVS_LEAN_PLAN")) {
+        cudaFuncAttributes fa;
+        CUDA_CHECK(cudaFuncGetAttributes(&fa, fn));
+        fprintf(stderr, "%s, %zu B shared, %d registers, %zu B local, %d blocks an SM\n", label, smem, fa.numRegs,
+                (size_t)fa.localSizeBytes, nb);
+    }
+    return nb;
+}
+
 /* splits: the longest walk (w_max tiles) cut so the grid fills every SM with resident blocks
  * (one warp each), at least LEAN_MIN_TILES tiles a split, the partials within the workspace */
 static void lean_plan(lean_fd_args &x, long long pairs, int resident, int n_sms, long long w_max, long long by_ws)
@@ -567,26 +589,15 @@ static void lean_launch(lean_fd_args &x, long long n_tiles, long long w_max, lon
     int &resident = *kvs_cu_resident_here(resident_all);
     const size_t smem = (size_t)LEAN_ST * lean_stage<HD, KB, VB>::BYTES + HD * sizeof(float);
     if (!resident) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)smem));
         /* KVS_LEAN_CARVE=P (0-100): the shared-memory carveout hint in percent (benchmarks: does
          * the driver's own choice hold the one-warp blocks below the occupancy computed here?) */
         const char *cv = getenv("KVS_LEAN_CARVE");
-        if (cv && *cv)
-            CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_fd<HD, KB, VB, KT>,
-                                            cudaFuncAttributePreferredSharedMemoryCarveout, atoi(cv)));
-        int nb = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_fd<HD, KB, VB, KT>, 32, smem));
-        if (nb < 1) kvs_panic(__FILE__, __LINE__, "lean attention: kernel does not fit an SM (%zu bytes)", smem);
-        resident = nb;
-        if (getenv("KVS_LEAN_PLAN")) { /* benchmarks: what the occupancy rests on */
-            cudaFuncAttributes fa;
-            CUDA_CHECK(cudaFuncGetAttributes(&fa, (const void *)k_lean_fd<HD, KB, VB, KT>));
-            fprintf(stderr, "lean plan: HD %d K%dV%d %s, %zu B shared, %d registers, %zu B local, %d blocks an SM\n", HD,
-                    KB, VB, KT ? "keys on M" : "rows on M", smem, fa.numRegs, (size_t)fa.localSizeBytes, nb);
-        }
+        char label[96];
+        snprintf(label, sizeof label, "lean plan: HD %d K%dV%d %s", HD, KB, VB, KT ? "keys on M" : "rows on M");
+        resident = lean_resident((const void *)k_lean_fd<HD, KB, VB, KT>, 32, smem, cv && *cv ? atoi(cv) : -1, label);
     }
     lean_plan(x, n_tiles * x.g.n_kv, resident, n_sms, w_max, by_ws);
+    x.part -= x.prow0 * x.n_splits * (long long)(HD + 2); /* lean_fd_args.prow0 */
     const dim3 grid((unsigned)(n_tiles * x.g.n_kv), (unsigned)x.n_splits);
     k_lean_fd<HD, KB, VB, KT><<<grid, 32, smem, st>>>(x);
     LAUNCH_CHECK();
@@ -629,6 +640,14 @@ extern "C" void kvs_cuda_set_lean_layout(int layout)
 bool lean_pf_launch(lean_fd_args &x, const int *h_q_start, const int *h_pos, long long by_ws, int n_sms, cudaStream_t st);
 /* kv_lean_prefill.cu: whether lean_pf_launch would take x's rows-on-M launch */
 bool lean_pf_takes(const lean_fd_args &x);
+/* kv_lean_prefill.cu: the bf16 road's switch (0 off, 1 every chunk, 2 chunks of lean_dq_min_rows()
+ * rows or more), and the road itself: the step's sequences [s0, s1) of launch a dequantized into the
+ * bf16 scratch and attended by the dense attention; false, with nothing launched, where the scratch
+ * cannot hold them */
+int lean_dq_cfg(void);
+int lean_dq_min_rows(void);
+bool lean_dq_attention(struct kvs_backend *b, const lean_fd_args &a, const int *h_q_start, const int *h_pos, int s0,
+                       int s1, float scale);
 
 static long long lean_host_tiles(const int32_t *sp, int ns, int last)
 {
@@ -670,27 +689,33 @@ static bool mixed_two(int dec_rows, bool pf)
     return lean_mixed == 1 || (lean_mixed == -1 && pf && dec_rows >= LEAN_MIXED_ROWS);
 }
 
+/* the host side of a launch's sequences: a's n_seqs sequences, whose device arrays a holds (an
+ * engine step's, or a range of them: run_range) */
+struct lean_hseqs {
+    const int32_t *q_start, *pos; /* [n_seqs + 1], [n_seqs]: row indices are the step's */
+};
+
 /* one attention launch (and its merge) over the sequences of selection a.sel (lean_fd_args), in
  * layout kt (keys on M) or rows on M */
-static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_args a, const struct kvs_attn_meta *m,
+static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_args a, lean_hseqs m,
                         const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim, bool kt)
 {
     /* spans: one row a tile; else 16 / G (KT: 8 / G) tokens of a sequence */
     a.qt = sp ? 1 : (kt ? 8 : 16) / a.G;
     /* the plan from the host copies: tiles, and the longest walk in key tiles */
     long long n_tiles = 0, w_max = 0;
-    for (int s = 0; s < m->n_seqs; s++) {
-        const int rows = lean_sel_rows(a.sel, a.sel_rows, m->h_q_start[s + 1] - m->h_q_start[s]);
+    for (int s = 0; s < a.n_seqs; s++) {
+        const int rows = lean_sel_rows(a.sel, a.sel_rows, m.q_start[s + 1] - m.q_start[s]);
         if (rows <= 0) continue;
         if (!sp) {
             n_tiles += (rows + a.qt - 1) / a.qt;
-            const long long w = ((long long)m->h_pos[s] + rows + AT_TILE - 1) / AT_TILE;
+            const long long w = ((long long)m.pos[s] + rows + AT_TILE - 1) / AT_TILE;
             if (w > w_max) w_max = w;
             continue;
         }
         n_tiles += rows;
-        for (int t = m->h_q_start[s]; t < m->h_q_start[s + 1]; t++) {
-            const int last = m->h_pos[s] + t - m->h_q_start[s];
+        for (int t = m.q_start[s]; t < m.q_start[s + 1]; t++) {
+            const int last = m.pos[s] + t - m.q_start[s];
             for (int g = 0; g < n_kv_heads; g++) {
                 const size_t pair = (size_t)t * n_kv_heads + g;
                 const long long w = lean_host_tiles(sp->h_spans + pair * (size_t)sp->max_spans * 2, sp->h_n_spans[pair], last);
@@ -699,7 +724,13 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
         }
     }
     if (n_tiles == 0) return;
-    long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / ((size_t)n * n_heads * (head_dim + 2)));
+    /* the workspace holds the partials of this launch's rows only (lean_fd_args.prow0): a mixed
+     * step's decode rows after a 4K-row chunk would otherwise find it full (by_ws 0: one split, and
+     * k_lean_dec refused) */
+    (void)n;
+    const size_t rows_l = (size_t)(m.q_start[a.n_seqs] - m.q_start[0]);
+    a.prow0 = (long long)m.q_start[0] * n_heads;
+    long long by_ws = (long long)(ATTN_WS_BYTES / sizeof(float) / (rows_l * n_heads * (head_dim + 2)));
     /* keys on M without spans: k_lean_dec (kv_lean_decode.cu) for formats of 6 bits a key and
      * value or more (K4V2 up), k_lean_fd for K2V2 (layout 3 forces k_lean_dec, 2 k_lean_fd): on the
      * H100 k_lean_dec was the faster at K8V8 and K8V4 at every shape timed ("LeanKV kernels, part
@@ -711,7 +742,7 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
      * kernel k_lean_pf (kv_lean_prefill.cu: K8V8 / K8V4 / K4V4 / K4V2 without spans or rotation
      * offsets; else k_lean_fd), which stages and dequantizes each key tile once for 128 query rows */
     const bool pf = !kt && !dec && !sp && lean_layout == 0 &&
-                    lean_pf_launch(a, m->h_q_start, m->h_pos, by_ws, b->n_sms, b->stream);
+                    lean_pf_launch(a, m.q_start, m.pos, by_ws, b->n_sms, b->stream);
     if (dec || pf) {
         /* launched: its partials (one a compute warp and split) are merged below, even a single one */
     } else if (head_dim == 64) {
@@ -725,19 +756,23 @@ static void attn_launch(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_ar
         /* the grid covers every row-head; a selection's merge skips the other launch's rows. Both
          * launches of a step use the workspace from row 0 with their own split counts: in stream
          * order, so the second attention kernel starts after the first merge has read it */
-        const lean_merge_sel ms = {a.q_start, a.n_seqs, n_heads, a.sel, a.sel_rows};
+        const lean_merge_sel ms = {a.q_start, a.n_seqs, n_heads, a.sel, a.sel_rows, (long long)m.q_start[0] * n_heads};
+        const size_t rhs = (size_t)(m.q_start[a.n_seqs] - m.q_start[0]) * n_heads; /* the launch's row-heads */
         int staged, early;
         merge_cfg(&staged, &early);
         if (staged)
-            CUDA_CHECK(kvs_cu_launch(k_lean_merge_staged, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim),
+            CUDA_CHECK(kvs_cu_launch(k_lean_merge_staged, dim3((unsigned)rhs), dim3(head_dim),
                                      2 * (size_t)a.n_splits * sizeof(float), b->stream, (const float *)a.part, a.n_splits,
                                      head_dim, a.out, a.lse, ms));
         else
-            CUDA_CHECK(kvs_cu_launch(k_lean_merge, dim3((unsigned)((size_t)n * n_heads)), dim3(head_dim), 0, b->stream,
+            CUDA_CHECK(kvs_cu_launch(k_lean_merge, dim3((unsigned)rhs), dim3(head_dim), 0, b->stream,
                                      (const float *)a.part, a.n_splits, head_dim, a.out, a.lse, ms));
         CUDA_CHECK(cudaGetLastError());
     }
 }
+
+static void run_range(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_args a, lean_hseqs hs, int s0, int s1,
+                      const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim);
 
 static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q, const struct kvs_dbuf *pool,
                      const struct kvs_attn_meta *m, const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads,
@@ -769,12 +804,60 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
     a.spans = sp ? (const int32_t *)sp->spans->d : NULL;
     a.n_seqs = m->n_seqs, a.max_blocks = m->max_blocks, a.max_spans = sp ? sp->max_spans : 0;
     a.n_heads = n_heads, a.G = G, a.scale = scale;
+    const lean_hseqs hs = {m->h_q_start, m->h_pos};
+    /* the bf16 road (kv_lean_prefill.cu lean_dq_attention): the prompt chunks' context dequantized
+     * into a bf16 scratch and the dense prefill attention run over it. A chunk: a sequence of more
+     * rows than a keys-on-M tile takes (8 / G, at least 1). The range from the first chunk to the
+     * last goes there (one-row sequences inside it too, on the dense decode kernel); the sequences
+     * before and after it, after it, on the lean kernels (decode rows on k_lean_dec). Not taken
+     * (k_lean_pf / k_lean_fd as before): spans and the lse output (the span list's callers),
+     * deferred-RoPE offsets (cached documents), K16V16, layouts forced by kvs_cuda_set_lean_layout,
+     * ranges of more than 64 sequences, and steps the scratch cannot hold */
+    const int dq = lean_dq_cfg();
+    if (dq && !sp && !a.lse && !a.rot && lean_layout == 0 && f.kbits < 16 && f.vbits < 16) {
+        const int thr = G <= 8 && 8 / G > 1 ? 8 / G : 1;
+        int s0 = -1, s1 = -1, longest = 0;
+        for (int s = 0; s < m->n_seqs; s++) {
+            const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+            if (rows <= thr) continue;
+            if (s0 < 0) s0 = s;
+            s1 = s + 1;
+            if (rows > longest) longest = rows;
+        }
+        if (s0 >= 0 && (dq == 1 || longest >= lean_dq_min_rows()) &&
+            lean_dq_attention(b, a, m->h_q_start, m->h_pos, s0, s1, scale)) {
+            /* after it: its merge may write rows before s0 (lean_dq_attention) */
+            if (s0 > 0) run_range(b, f, a, hs, 0, s0, NULL, n, n_heads, n_kv_heads, head_dim);
+            if (s1 < m->n_seqs) run_range(b, f, a, hs, s1, m->n_seqs, NULL, n, n_heads, n_kv_heads, head_dim);
+            return;
+        }
+    }
+    run_range(b, f, a, hs, 0, m->n_seqs, sp, n, n_heads, n_kv_heads, head_dim);
+}
+
+/* the lean kernels over the step's sequences [s0, s1) (sp: only all of them): a's device arrays
+ * and the host copies hs offset to the range (rows keep the step's indices) */
+static void run_range(struct kvs_backend *b, struct kvs_lean_fmt f, lean_fd_args a, lean_hseqs hs, int s0, int s1,
+                      const struct kvs_span_list *sp, int n, int n_heads, int n_kv_heads, int head_dim)
+{
+    if (s1 <= s0) return;
+    KVS_ASSERT(!sp || (s0 == 0 && s1 == a.n_seqs));
+    const long long so = (long long)s0 * a.max_blocks;
+    a.q_start += s0, a.pos += s0, a.bt += so;
+    if (a.rot) a.rot += so;
+    if (a.valid) a.valid += so;
+    a.n_seqs = s1 - s0;
+    hs.q_start += s0, hs.pos += s0;
+    /* lean_tile_seq's one-row fast path reads a tile as the step's row: a range not starting at row
+     * 0 takes the prefix sum of a selection of every sequence instead */
+    if (hs.q_start[0] != 0) a.sel = 1, a.sel_rows = INT_MAX;
+    const int G = a.G;
     /* the layout: keys on M (KT) where every tile fits 8 rows (decode rows and spans of G <= 8),
      * rows on M where a sequence has more (a prefill chunk shares each K/V tile among 16 rows);
      * kvs_cuda_set_lean_layout forces either (KT only where G <= 8; layout 3 as 2, then k_lean_dec) */
     int max_rows = 0, min_rows = INT_MAX;
-    for (int s = 0; s < m->n_seqs; s++) {
-        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+    for (int s = 0; s < a.n_seqs; s++) {
+        const int rows = hs.q_start[s + 1] - hs.q_start[s];
         if (rows > max_rows) max_rows = rows;
         if (rows > 0 && rows < min_rows) min_rows = rows;
     }
@@ -785,21 +868,21 @@ static void run_attn(struct kvs_backend *b, struct kvs_lean_fmt f, const struct 
      * Decode-only steps (the ones the engine captures in graphs) take the single launch */
     const int kt_rows = 8 / G;
     int dec_rows = 0;
-    for (int s = 0; s < m->n_seqs; s++) {
-        const int rows = m->h_q_start[s + 1] - m->h_q_start[s];
+    for (int s = 0; s < a.n_seqs; s++) {
+        const int rows = hs.q_start[s + 1] - hs.q_start[s];
         if (rows <= kt_rows) dec_rows += rows;
     }
     if (!sp && G <= 8 && lean_layout == 0 && max_rows > kt_rows && min_rows <= kt_rows &&
         mixed_two(dec_rows, lean_pf_takes(a))) {
         a.sel_rows = kt_rows;
         a.sel = 2;
-        attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, false);
+        attn_launch(b, f, a, hs, sp, n, n_heads, n_kv_heads, head_dim, false);
         a.sel = 1;
-        attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, true);
+        attn_launch(b, f, a, hs, sp, n, n_heads, n_kv_heads, head_dim, true);
         return;
     }
     const bool kt = G <= 8 && (lean_layout >= 2 || (lean_layout == 0 && (sp || max_rows * G <= 8)));
-    attn_launch(b, f, a, m, sp, n, n_heads, n_kv_heads, head_dim, kt);
+    attn_launch(b, f, a, hs, sp, n, n_heads, n_kv_heads, head_dim, kt);
 }
 
 static void cu_lean_attention_spans(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *q,

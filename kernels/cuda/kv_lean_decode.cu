@@ -397,6 +397,7 @@ static void dec_launch(lean_fd_args &x, long long n_tiles, long long w_max, long
     const int splits = (int)((w_max + x.chunk - 1) / x.chunk);
     if ((long long)splits * ppb > by_ws) kvs_panic(__FILE__, __LINE__, "lean decode attention: partials past the workspace");
     x.n_splits = splits * ppb; /* the partials k_lean_merge takes */
+    x.part -= x.prow0 * x.n_splits * (long long)(HD + 2); /* lean_fd_args.prow0 */
     const dim3 grid((unsigned)pairs, (unsigned)splits);
     CUDA_CHECK(kvs_cu_launch(k_lean_dec<HD, KB, VB>, grid, dim3(threads), lean_dec_smem<HD, KB, VB>(nc, c.nst), st, x,
                              c.nst, lean_merge_early(), combine));

@@ -99,6 +99,11 @@ struct lean_fd_args {
      * of at most sel_rows rows (the decode rows), 2 only those of more (the prompt chunks); the
      * others have no tiles in the launch (their rows are left to the other launch) */
     int sel, sel_rows;
+    /* the first row-head of the launch's sequences (a range of the step's: kv_lean.cu run_range):
+     * the partials hold the launch's row-heads only, so the launchers point part prow0 row-heads'
+     * partials before the workspace (host arithmetic; every address the kernels form is inside it),
+     * and the split plan counts the workspace for the launch's rows, not the step's */
+    long long prow0;
 };
 
 /* the rows of sequence s that the launch computes (0: another launch's) */

@@ -34,6 +34,7 @@
  * Grid: (query tile x KV head, split); tiles in reverse order, so that a chunk's last tiles (the
  * longest causal walks) start first. Splits only where the tiles do not fill the resident blocks.
  * Ownership: the caller's buffers. Errors: CUDA failures abort (CUDA_CHECK / LAUNCH_CHECK). */
+#include "kernels/cuda/cuda_attention.h"
 #include "kernels/cuda/kv_lean_cuda.h"
 #include "kernels/cuda/kv_lean_device.cuh"
 
@@ -46,6 +47,9 @@
 
 /* the formats the kernel is built for (LEAN_FMTS less K2V2 and K16V16) */
 #define LEAN_PF_FMTS(X) X(8, 8) X(8, 4) X(4, 4) X(4, 2)
+
+/* kv_lean.cu: a kernel's shared memory raised, its resident blocks an SM (KVS_LEAN_PLAN: printed) */
+int lean_resident(const void *fn, int threads, size_t smem, int carve, const char *label);
 
 /* the block's share of a tile's copies: key l of the tile is what lane l's k describes (every warp
  * holds the same keys); 16-byte chunks dealt over the NW warps, whole warps per pass (the tile's
@@ -356,18 +360,9 @@ static void pf_launch(lean_fd_args &x, long long n_tiles, long long w_max, long 
     int &resident = *kvs_cu_resident_here(resident_all);
     const size_t smem = (size_t)PF_ST * lean_stage<HD, KB, VB>::BYTES + pf_tile<HD>::BYTES * 2;
     if (!resident) {
-        CUDA_CHECK(cudaFuncSetAttribute((const void *)k_lean_pf<HD, KB, VB, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)smem));
-        int nb = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, k_lean_pf<HD, KB, VB, NW>, NW * 32, smem));
-        if (nb < 1) kvs_panic(__FILE__, __LINE__, "lean prefill attention: kernel does not fit an SM (%zu bytes)", smem);
-        resident = nb;
-        if (getenv("KVS_LEAN_PLAN")) {
-            cudaFuncAttributes fa;
-            CUDA_CHECK(cudaFuncGetAttributes(&fa, (const void *)k_lean_pf<HD, KB, VB, NW>));
-            fprintf(stderr, "lean prefill plan: HD %d K%dV%d, %d warps, %zu B shared, %d registers, %zu B local, %d blocks an SM\n",
-                    HD, KB, VB, NW, smem, fa.numRegs, (size_t)fa.localSizeBytes, nb);
-        }
+        char label[96];
+        snprintf(label, sizeof label, "lean prefill plan: HD %d K%dV%d, %d warps", HD, KB, VB, NW);
+        resident = lean_resident((const void *)k_lean_pf<HD, KB, VB, NW>, NW * 32, smem, -1, label);
     }
     /* splits only where the blocks do not fill every SM's resident slots once: the fewest that do,
      * at least LEAN_MIN_TILES tiles a split, the partials within the workspace (a launch of more
@@ -384,6 +379,7 @@ static void pf_launch(lean_fd_args &x, long long n_tiles, long long w_max, long 
     x.n_splits = (int)((w_max + x.chunk - 1) / x.chunk);
     if (x.n_splits < 1) x.n_splits = 1;
     const dim3 grid((unsigned)pairs, (unsigned)x.n_splits);
+    x.part -= x.prow0 * x.n_splits * (long long)(HD + 2); /* lean_fd_args.prow0 */
     k_lean_pf<HD, KB, VB, NW><<<grid, NW * 32, smem, st>>>(x);
     LAUNCH_CHECK();
 }
@@ -432,4 +428,273 @@ bool lean_pf_launch(lean_fd_args &x, const int *h_q_start, const int *h_pos, lon
         return true;
     }
     return nw == 8 ? pf_go<8>(x, n_tiles, w_max, by_ws, n_sms, st) : pf_go<4>(x, n_tiles, w_max, by_ws, n_sms, st);
+}
+
+/* ---- the bf16 road: dequantize the chunks' context, then the dense prefill kernel --------------
+ *
+ * Why: k_lean_pf still ran at 0.19-0.29x the bf16 FA3-style prefill (k_attn_fa3, cuda_attn_prefill_fa3.cu)
+ * after two sessions of tuning ("part 15"), and a prompt chunk's attention is FLOP-bound while
+ * dequantizing its context is bandwidth-cheap (an 8K context of Llama-3.1-8B's shape writes 32 MB
+ * of bf16 K and V a layer). So lean_dq_attention dequantizes, per layer, the quantized context of a
+ * range of the step's sequences (earlier pages and the chunk's own, as stored) into a bf16 scratch in
+ * the dense cache layout ([block][KV head][slot][dim], the lean blocks' own size, with a block table
+ * of its own: sequence s's blocks contiguous from base[s]; valid counts the same as the pages'), and
+ * hands the range to the dense attention (kvs_cu_attention: k_attn_fa3 for its chunks at blocks of a
+ * multiple of 16 slots, else the dense plan's other kernels; its decode pass for any one-row
+ * sequence inside the range). The result is attention over the dequantized tensors rounded to bf16
+ * (x^ in fp32 as the host computes it, lean_dequant, then round-to-nearest-even to bf16: the CPU
+ * reference's x^ within bf16 rounding; k_lean_pf's fp16 keeps 3 more bits).
+ *
+ * k_lean_dq: block (lean block j of the range's sequence si, KV head); each thread turns one packed
+ * 32-bit word of a slot's codes into 32 / B bf16 values. The block (0, si, 0) also writes row si of
+ * the scratch block table (0 past the sequence's blocks). Whole blocks are converted: slots past
+ * the context or a block's valid count hold whatever the page holds and are never read (the dense
+ * kernels mask them and zero-fill their copies). */
+
+/* the most sequences a range may hold (the kernel argument carries their block bases) */
+#define LEAN_DQ_MAXS 64
+
+struct lean_dq_args {
+    lean_geom g;
+    const uint8_t *pool;
+    const int32_t *bt;      /* the range's lean block tables [n][max_blocks] */
+    int max_blocks;
+    bf16 *kd, *vd;          /* [blocks][n_kv][bs][hd] */
+    int32_t *bt_out;        /* [n][max_blocks] */
+    int base[LEAN_DQ_MAXS + 1]; /* sequence si's scratch blocks: base[si] .. base[si + 1] - 1 */
+};
+
+/* one side (K or V) of a page's bs slots: hd codes of B bits a slot (code i at bits B i of the
+ * little-endian packing, kv_lean_format.c), (s, z) as two fp16 a slot */
+template <int B>
+__device__ __forceinline__ void dq_side(const uint8_t *codes, const uint8_t *szp, int bs, int hd, bf16 *dst)
+{
+    constexpr int E = 32 / B; /* codes a word */
+    const int W = hd / E;     /* words a slot */
+    for (int idx = threadIdx.x; idx < bs * W; idx += blockDim.x) {
+        const int t = idx / W, w = idx % W;
+        const uint32_t word = *reinterpret_cast<const uint32_t *>(codes + (long long)t * W * 4 + w * 4);
+        const uint32_t sz = *reinterpret_cast<const uint32_t *>(szp + t * 4);
+        const float s = lean_h2f((uint16_t)(sz & 0xffff)), z = lean_h2f((uint16_t)(sz >> 16));
+        uint32_t h[E / 2];
+#pragma unroll
+        for (int i = 0; i < E / 2; i++) {
+            const bf16 lo = __float2bfloat16_rn(lean_dequant(s, z, (int)((word >> (B * 2 * i)) & ((1u << B) - 1))));
+            const bf16 hi = __float2bfloat16_rn(lean_dequant(s, z, (int)((word >> (B * (2 * i + 1))) & ((1u << B) - 1))));
+            h[i] = (uint32_t)__bfloat16_as_ushort(lo) | (uint32_t)__bfloat16_as_ushort(hi) << 16;
+        }
+        uint32_t *out = reinterpret_cast<uint32_t *>(dst + (long long)t * hd + w * E);
+        if constexpr (E == 4) {
+            *reinterpret_cast<uint2 *>(out) = make_uint2(h[0], h[1]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < E / 2; i += 4) *reinterpret_cast<uint4 *>(out + i) = make_uint4(h[i], h[i + 1], h[i + 2], h[i + 3]);
+        }
+    }
+}
+
+template <int B>
+__device__ __forceinline__ void dq_pick(int bits, const uint8_t *codes, const uint8_t *szp, int bs, int hd, bf16 *dst)
+{
+    if (bits == B) dq_side<B>(codes, szp, bs, hd, dst);
+}
+
+#define LEAN_DQ_THREADS 128
+__global__ void __launch_bounds__(LEAN_DQ_THREADS) k_lean_dq(const __grid_constant__ lean_dq_args a)
+{
+    const int j = blockIdx.x, si = blockIdx.y, kvh = blockIdx.z;
+    const int b0 = a.base[si], nb = a.base[si + 1] - b0;
+    if (j == 0 && kvh == 0)
+        for (int i = threadIdx.x; i < a.max_blocks; i += blockDim.x)
+            a.bt_out[(long long)si * a.max_blocks + i] = i < nb ? b0 + i : 0;
+    if (j >= nb) return;
+    const lean_geom &g = a.g;
+    uint8_t *kc, *vc, *ksz, *vsz;
+    lean_token(g, const_cast<uint8_t *>(a.pool), a.bt[(long long)si * a.max_blocks + j], kvh, 0, &kc, &vc, &ksz, &vsz);
+    const long long o = ((long long)(b0 + j) * g.n_kv + kvh) * g.bs * g.hd;
+    dq_pick<8>(g.kbits, kc, ksz, g.bs, g.hd, a.kd + o);
+    dq_pick<4>(g.kbits, kc, ksz, g.bs, g.hd, a.kd + o);
+    dq_pick<2>(g.kbits, kc, ksz, g.bs, g.hd, a.kd + o);
+    dq_pick<8>(g.vbits, vc, vsz, g.bs, g.hd, a.vd + o);
+    dq_pick<4>(g.vbits, vc, vsz, g.bs, g.hd, a.vd + o);
+    dq_pick<2>(g.vbits, vc, vsz, g.bs, g.hd, a.vd + o);
+}
+
+/* The scratch, one a device (a tensor-parallel rank's thread launches on its own): grown on demand
+ * (a whole-device cudaFree then cudaMalloc, steps with prompt chunks only: rare, monotone) unless a
+ * reservation (kvs_cuda_lean_dq_reserve: the lean storage's, at create) fixed it; a step that needs
+ * more than a fixed scratch, or whose growth fails, takes k_lean_pf (lean_dq_attention false). */
+struct dq_scratch {
+    void *p;
+    size_t bytes;
+    int fixed, warned;
+    long long taken, fallbacks;
+};
+static dq_scratch dq_sc[KVS_CU_MAX_DEVICES];
+
+static dq_scratch &dq_here(void)
+{
+    int dev = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    KVS_ASSERT(dev >= 0 && dev < KVS_CU_MAX_DEVICES);
+    return dq_sc[dev];
+}
+
+extern "C" int kvs_cuda_lean_dq_reserve(size_t bytes)
+{
+    dq_scratch &sc = dq_here();
+    if (sc.p) CUDA_CHECK(cudaFree(sc.p));
+    sc.p = NULL, sc.bytes = 0, sc.fixed = 0;
+    if (bytes == 0) return 0;
+    if (cudaMalloc(&sc.p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError(); /* the failed allocation's error, not a sticky one */
+        sc.p = NULL;
+        return -1;
+    }
+    sc.bytes = bytes, sc.fixed = 1;
+    return 0;
+}
+
+extern "C" void kvs_cuda_lean_dq_counts(long long *taken, long long *fallbacks)
+{
+    const dq_scratch &sc = dq_here();
+    *taken = sc.taken, *fallbacks = sc.fallbacks;
+}
+
+/* the path's switch (kvs_cuda_set_lean_dq / KVS_LEAN_DQ): 0 off (k_lean_pf / k_lean_fd), 1 every
+ * prompt chunk it can take, 2 (the default) ranges whose longest chunk has LEAN_DQ_MIN_ROWS rows or
+ * more; -1: not yet read */
+#define LEAN_DQ_MIN_ROWS 64
+static int dq_mode = -1;
+
+extern "C" void kvs_cuda_set_lean_dq(int mode)
+{
+    dq_mode = mode < 0 ? -1 : mode > 2 ? 2 : mode;
+}
+
+/* kv_lean.cu */
+int lean_dq_cfg(void)
+{
+    if (dq_mode < 0) {
+        const char *e = getenv("KVS_LEAN_DQ");
+        const int v = e && *e ? atoi(e) : 2;
+        dq_mode = v <= 0 ? 0 : v == 1 ? 1 : 2;
+    }
+    return dq_mode;
+}
+
+/* kv_lean.cu */
+int lean_dq_min_rows(void) { return LEAN_DQ_MIN_ROWS; }
+
+/* scratch bytes for blocks scratch blocks and n sequences' tables (16-byte aligned parts) */
+static size_t dq_bytes(const lean_geom &g, long long blocks, int n, int max_blocks, size_t *v_off, size_t *bt_off)
+{
+    const size_t side = ((size_t)blocks * g.n_kv * g.bs * g.hd * sizeof(bf16) + 15) / 16 * 16;
+    *v_off = side, *bt_off = 2 * side;
+    return 2 * side + (size_t)n * max_blocks * sizeof(int32_t);
+}
+
+/* kv_lean.cu: the step's sequences [s0, s1) of launch a (a's device pointers index every
+ * sequence; h_q_start / h_pos are the host copies) through the scratch and the dense attention,
+ * rows written to a.out; false with nothing launched where the scratch cannot hold them (then the
+ * caller takes k_lean_pf / k_lean_fd). The dense attention's merge may also write rows of sequences
+ * before s0 (it walks rows from 0): the caller computes those after this. */
+bool lean_dq_attention(struct kvs_backend *b, const lean_fd_args &a, const int *h_q_start, const int *h_pos, int s0,
+                       int s1, float scale)
+{
+    const int n = s1 - s0;
+    if (n < 1 || n > LEAN_DQ_MAXS) return false;
+    lean_dq_args d;
+    memset(&d, 0, sizeof d);
+    d.g = a.g;
+    long long blocks = 0, max_nb = 0;
+    for (int i = 0; i < n; i++) {
+        const int s = s0 + i;
+        const long long ctx = (long long)h_pos[s] + h_q_start[s + 1] - h_q_start[s];
+        const long long nb = (ctx + a.g.bs - 1) / a.g.bs;
+        d.base[i] = (int)blocks;
+        blocks += nb;
+        if (nb > max_nb) max_nb = nb;
+        if (nb > a.max_blocks || blocks > INT_MAX / 2) return false; /* cannot happen for an engine's tables */
+    }
+    d.base[n] = (int)blocks;
+    if (blocks == 0) return false;
+    size_t v_off, bt_off;
+    const size_t need = dq_bytes(a.g, blocks, n, a.max_blocks, &v_off, &bt_off);
+    dq_scratch &sc = dq_here();
+    if (need > sc.bytes) {
+        if (sc.fixed) {
+            sc.fallbacks++;
+            return false;
+        }
+        if (sc.p) CUDA_CHECK(cudaFree(sc.p));
+        sc.p = NULL, sc.bytes = 0;
+        const size_t want = need + need / 4;
+        if (cudaMalloc(&sc.p, want) != cudaSuccess) {
+            (void)cudaGetLastError();
+            sc.p = NULL;
+            sc.fallbacks++;
+            if (!sc.warned)
+                kvs_log(KVS_LOG_WARN, "lean attention: no %zu bytes for the bf16 scratch of a prompt chunk's context; "
+                        "such steps take the quantized prefill kernel", want);
+            sc.warned = 1;
+            return false;
+        }
+        sc.bytes = want;
+    }
+    uint8_t *base = (uint8_t *)sc.p;
+    d.pool = a.pool;
+    d.bt = a.bt + (long long)s0 * a.max_blocks;
+    d.max_blocks = a.max_blocks;
+    d.kd = (bf16 *)base, d.vd = (bf16 *)(base + v_off);
+    d.bt_out = (int32_t *)(base + bt_off);
+    k_lean_dq<<<dim3((unsigned)max_nb, (unsigned)n, (unsigned)a.g.n_kv), LEAN_DQ_THREADS, 0, b->stream>>>(d);
+    LAUNCH_CHECK();
+
+    struct kvs_cu_attn x;
+    memset(&x, 0, sizeof x);
+    x.q = a.q;
+    x.kc = d.kd, x.vc = d.vd;
+    x.kv_elems = (size_t)blocks * a.g.n_kv * a.g.bs * a.g.hd;
+    x.q_start = a.q_start + s0, x.pos = a.pos + s0, x.bt = d.bt_out;
+    x.rot = NULL, x.valid = a.valid ? a.valid + (long long)s0 * a.max_blocks : NULL;
+    x.inv_freq = NULL, x.words = NULL;
+    x.h_q_start = h_q_start + s0, x.h_pos = h_pos + s0;
+    x.n_seqs = n, x.max_blocks = a.max_blocks;
+    x.n = h_q_start[s1]; /* the rows up to the range's end: the merge walks rows from 0 */
+    x.n_heads = a.n_heads, x.n_kv = a.g.n_kv, x.hd = a.g.hd, x.bs = a.g.bs;
+    x.scale = scale;
+    x.out = a.out, x.outh = NULL;
+    kvs_cu_attention(&x, b->stream, b->n_sms, b->attn_ws, ATTN_WS_BYTES, 0, -1);
+    sc.taken++;
+    return true;
+}
+
+/* test entry (kv_lean_cuda.h): every sequence of m through k_lean_dq into k / v / bt */
+extern "C" void kvs_cuda_lean_dequant(struct kvs_backend *b, struct kvs_lean_fmt f, const struct kvs_dbuf *pool,
+                                      const struct kvs_attn_meta *m, int n_kv_heads, int head_dim, int block_size,
+                                      struct kvs_dbuf *k, struct kvs_dbuf *v, struct kvs_dbuf *bt)
+{
+    KVS_ASSERT(m->n_seqs >= 1 && m->n_seqs <= LEAN_DQ_MAXS);
+    KVS_ASSERT(f.kbits < 16 && f.vbits < 16);
+    lean_dq_args d;
+    memset(&d, 0, sizeof d);
+    d.g = make_geom(f, head_dim, block_size, n_kv_heads);
+    long long blocks = 0, max_nb = 0;
+    for (int s = 0; s < m->n_seqs; s++) {
+        const long long nb = ((long long)m->h_pos[s] + m->h_q_start[s + 1] - m->h_q_start[s] + block_size - 1) / block_size;
+        d.base[s] = (int)blocks;
+        blocks += nb;
+        if (nb > max_nb) max_nb = nb;
+    }
+    d.base[m->n_seqs] = (int)blocks;
+    const size_t elems = (size_t)blocks * n_kv_heads * block_size * head_dim;
+    KVS_ASSERT(k->n >= elems && v->n >= elems && bt->n >= (size_t)m->n_seqs * m->max_blocks);
+    d.pool = (const uint8_t *)pool->d;
+    d.bt = (const int32_t *)m->block_tables->d;
+    d.max_blocks = m->max_blocks;
+    d.kd = (bf16 *)k->d, d.vd = (bf16 *)v->d, d.bt_out = (int32_t *)bt->d;
+    if (max_nb == 0) return;
+    k_lean_dq<<<dim3((unsigned)max_nb, (unsigned)m->n_seqs, (unsigned)n_kv_heads), LEAN_DQ_THREADS, 0, b->stream>>>(d);
+    LAUNCH_CHECK();
 }

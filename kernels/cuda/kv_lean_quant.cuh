@@ -4,7 +4,8 @@
  *
  * Every operation is the host's, in the host's order, with explicit rounding (__f*_rn) so nvcc
  * cannot contract a multiply-add into an fma: the same vector gives the same codes and the same
- * fp16 scale / zero on both sides. Header-only (device inline functions); no state, no errors. */
+ * fp16 scale / zero on both sides. The inverse (lean_dequant) is the host's kvs_lean_dequantize
+ * likewise, for the bf16 scratch of the prompt-chunk path (kv_lean_prefill.cu k_lean_dq). Header-only (device inline functions); no state, no errors. */
 #ifndef KVS_KV_LEAN_QUANT_CUH
 #define KVS_KV_LEAN_QUANT_CUH
 
@@ -63,6 +64,13 @@ __device__ __forceinline__ int lean_code(float x, const lean_sz &q, int top)
 __device__ __forceinline__ void lean_put_sz(uint8_t *sz, const lean_sz &q)
 {
     sz[0] = (uint8_t)(q.sh & 0xff), sz[1] = (uint8_t)(q.sh >> 8), sz[2] = (uint8_t)(q.zh & 0xff), sz[3] = (uint8_t)(q.zh >> 8);
+}
+
+/* x^ = s c - z as the host's kvs_lean_dequantize computes it: fp32, the product rounded, then the
+ * difference (no fma), so the same code and (s, z) give the same float on both sides */
+__device__ __forceinline__ float lean_dequant(float s, float z, int c)
+{
+    return __fsub_rn(__fmul_rn(s, (float)c), z);
 }
 
 #endif

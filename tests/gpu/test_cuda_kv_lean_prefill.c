@@ -1,7 +1,9 @@
-/* test_cuda_kv_lean_prefill.c: LeanKV's prompt-chunk attention on tensor cores (k_lean_pf,
- * kernels/cuda/kv_lean_prefill.cu) against the CPU reference (kernels/cpu/kv_lean.c) and against
- * the one-warp kernel it replaces for prompt chunks (k_lean_fd rows on M, forced by
- * kvs_cuda_set_lean_layout(1)), on fresh random inputs each run (seed printed; KVS_SEED replays).
+/* test_cuda_kv_lean_prefill.c: LeanKV's prompt-chunk attention: the bf16 road (the chunks' context
+ * dequantized by k_lean_dq into a bf16 scratch, then the dense prefill attention; kv_lean_prefill.cu
+ * lean_dq_attention) and the tensor-core kernel over quantized tiles (k_lean_pf, same file), against
+ * the CPU reference (kernels/cpu/kv_lean.c) and against the one-warp kernel (k_lean_fd rows on M,
+ * forced by kvs_cuda_set_lean_layout(1)), on fresh random inputs each run (seed printed; KVS_SEED
+ * replays).
  *
  * Each case: a format (K8V8, K8V4, K4V4, K4V2), a GQA group (1-8, and 16), head_dim 64 or 128, a
  * block size of 8, 16 or 32 slots, and a batch of one prompt chunk of 1-4,096 rows (tile
@@ -18,7 +20,14 @@
  *   - 8 warps against 4 over every row: rel-L2 < 1e-3 (the same arithmetic a row);
  *   - k_lean_fd (rows on M) against the CPU as k_lean_pf, and k_lean_pf against it over every
  *     row: rel-L2 < 1e-2 (before each tile's 1024 sum p' was taken out of its accumulators,
- *     lean_softmax in kv_lean_device.cuh, it was 0.06-0.27 off over 3-7K keys in one split).
+ *     lean_softmax in kv_lean_device.cuh, it was 0.06-0.27 off over 3-7K keys in one split);
+ *   - the bf16 road (kvs_cuda_set_lean_dq(1)) against the CPU and k_lean_fd as k_lean_pf (rel-L2 <
+ *     1e-2: bf16 K / V / P against the reference's fp32), taken exactly where some sequence has more
+ *     rows than a keys-on-M tile (its counter), with the main chunk first or last among the
+ *     sequences (the range it takes then starts at row 0 or after the others' rows); the other
+ *     variants run with it off;
+ *   - k_lean_dq bitwise against kvs_lean_dequantize rounded to bf16, every slot of every block of
+ *     every sequence and KV head, and its scratch block table.
  * Needs a GPU: exits 1 with a message when none. */
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +65,14 @@ static void run_case(const struct pcase *c)
     if (c->grp <= 8 && c->chunk * c->grp <= 8) {
         if (ns < 2) ns = 2, pos[1] = irand(1200);
         rows[1] = 8 / c->grp + 1 + irand(32);
+    }
+    /* half the cases put the main chunk last: the bf16 road's range of chunk sequences then starts
+     * after row 0, with the other sequences before it (and, with a chunk among them, decode rows
+     * inside it) */
+    if (ns > 1 && irand(2)) {
+        const int p0 = pos[0], r0 = rows[0];
+        for (int s = 0; s + 1 < ns; s++) pos[s] = pos[s + 1], rows[s] = rows[s + 1];
+        pos[ns - 1] = p0, rows[ns - 1] = r0;
     }
     int max_blocks = 0, n_rows = 0, n_tok = 0, q_start[MAXS + 1];
     for (int s = 0; s < ns; s++) {
@@ -110,18 +127,78 @@ static void run_case(const struct pcase *c)
         if (pos[s] + rows[s] > mg.max_ctx) mg.max_ctx = pos[s] + rows[s];
     struct pair out = mk(KVS_BUF_ACT, qn, NULL);
     const float scale = 1.0f / sqrtf((float)hd);
-    float *o4 = kvs_xmalloc(qn * 4), *o8 = kvs_xmalloc(qn * 4), *ofd = kvs_xmalloc(qn * 4);
-    float *outs[3] = {o4, o8, ofd};
-    for (int v = 0; v < 3; v++) {
-        /* 0: k_lean_pf, 4 warps; 1: 8 warps; 2: k_lean_fd rows on M */
+    float *o4 = kvs_xmalloc(qn * 4), *o8 = kvs_xmalloc(qn * 4), *ofd = kvs_xmalloc(qn * 4), *odq = kvs_xmalloc(qn * 4);
+    float *outs[4] = {o4, o8, ofd, odq};
+    /* the bf16 road takes the launch where some sequence has more rows than a keys-on-M tile */
+    const int thr = c->grp <= 8 && 8 / c->grp > 1 ? 8 / c->grp : 1;
+    int dq_expect = 0;
+    for (int s = 0; s < ns; s++) dq_expect |= rows[s] > thr;
+    long long taken0, fb0, taken1, fb1;
+    for (int v = 0; v < 4; v++) {
+        /* 0: k_lean_pf, 4 warps; 1: 8 warps; 2: k_lean_fd rows on M; 3: the bf16 road (every chunk) */
         kvs_cuda_set_lean_layout(v == 2 ? 1 : 0);
         kvs_cuda_set_lean_prefill(v == 1 ? 8 : 4);
+        kvs_cuda_set_lean_dq(v == 3 ? 1 : 0);
         poison(&out);
+        kvs_cuda_lean_dq_counts(&taken0, &fb0);
         kg->attention(bg, c->f, dq.g, pg, &mg, n_rows, nh, nkv, hd, bs, scale, out.g);
         G->download(bg, outs[v], out.g, 0, qn);
+        kvs_cuda_lean_dq_counts(&taken1, &fb1);
+        CHECK(taken1 - taken0 == (v == 3 ? dq_expect : 0) && fb1 == fb0,
+              "variant %d: the bf16 road taken %lld times (expected %d), %lld fallbacks", v, taken1 - taken0,
+              v == 3 ? dq_expect : 0, fb1 - fb0);
     }
     kvs_cuda_set_lean_layout(0);
     kvs_cuda_set_lean_prefill(-1);
+    kvs_cuda_set_lean_dq(-1);
+
+    /* k_lean_dq bitwise against the host: each sequence's blocks (pos + rows tokens, whole blocks)
+     * dequantized by kvs_lean_dequantize (the CPU reference's x^) and rounded to bf16 */
+    {
+        int base[MAXS + 1];
+        base[0] = 0;
+        for (int s = 0; s < ns; s++) base[s + 1] = base[s] + (pos[s] + rows[s] + bs - 1) / bs;
+        const size_t per = (size_t)nkv * bs * hd, de = (size_t)base[ns] * per;
+        struct pair sk = mk(KVS_BUF_KV, de, NULL), sv = mk(KVS_BUF_KV, de, NULL);
+        struct pair sbt = mk(KVS_BUF_I32, (size_t)ns * max_blocks, NULL);
+        kvs_cuda_lean_dequant(bg, c->f, pg, &mg, nkv, hd, bs, sk.g, sv.g, sbt.g);
+        float *gk = kvs_xmalloc(de * 4), *gv = kvs_xmalloc(de * 4), *x = kvs_xmalloc((size_t)hd * 4);
+        int32_t *gbt = kvs_xmalloc((size_t)ns * max_blocks * 4);
+        G->download(bg, gk, sk.g, 0, de);
+        G->download(bg, gv, sv.g, 0, de);
+        G->download(bg, gbt, sbt.g, 0, (size_t)ns * max_blocks);
+        const uint8_t *bytes = (const uint8_t *)zero;
+        const size_t pageb = kvs_lean_page_bytes(c->f, hd, bs), kcb = (size_t)hd * c->f.kbits / 8,
+                     vcb = (size_t)hd * c->f.vbits / 8;
+        long long bad = 0, bad_bt = 0;
+        for (int s = 0; s < ns; s++)
+            for (int j = 0; j < max_blocks; j++) {
+                const int nb = base[s + 1] - base[s];
+                if (gbt[s * max_blocks + j] != (j < nb ? base[s] + j : 0)) bad_bt++;
+                if (j >= nb) continue;
+                for (int h = 0; h < nkv; h++) {
+                    const uint8_t *page = bytes + ((size_t)bt[s * max_blocks + j] * nkv + h) * pageb;
+                    const uint8_t *meta = page + (size_t)bs * (kcb + vcb);
+                    for (int t = 0; t < bs; t++)
+                        for (int side = 0; side < 2; side++) {
+                            uint16_t sz[2];
+                            memcpy(sz, meta + (size_t)side * bs * 4 + (size_t)t * 4, 4);
+                            const uint8_t *codes = side ? page + (size_t)bs * kcb + t * vcb : page + t * kcb;
+                            kvs_lean_dequantize(codes, sz, hd, side ? c->f.vbits : c->f.kbits, x);
+                            const float *got = (side ? gv : gk) + ((size_t)(base[s] + j) * nkv + h) * bs * hd + (size_t)t * hd;
+                            for (int d = 0; d < hd; d++) {
+                                const float want = bf16_round(x[d]);
+                                if (memcmp(&want, &got[d], 4) != 0) bad++;
+                            }
+                        }
+                }
+            }
+        CHECK(bad == 0 && bad_bt == 0, "K%dV%d hd %d bs %d: k_lean_dq: %lld values not bitwise the host's, %lld table "
+              "entries wrong", c->f.kbits, c->f.vbits, hd, bs, bad, bad_bt);
+        struct pair dd[] = {sk, sv, sbt};
+        for (size_t i = 0; i < 3; i++) drop(&dd[i]);
+        free(gk), free(gv), free(x), free(gbt);
+    }
 
     /* the CPU reference over windows of each sequence's rows: one CPU sequence a window, with
      * its sequence's block table and the window's first position */
@@ -175,9 +252,9 @@ static void run_case(const struct pcase *c)
     kc->attention(bc, c->f, cq, pc, &mc, wrows, nh, nkv, hd, bs, scale, cout);
     C->download(bc, wref, cout, 0, wn);
 
-    double e_cpu[3], e_fd[2], e_48 = rel_l2(o8, o4, qn);
+    double e_cpu[4], e_fd[4], e_48 = rel_l2(o8, o4, qn);
     float *wg = kvs_xmalloc(wn * 4);
-    for (int v = 0; v < 3; v++) {
+    for (int v = 0; v < 4; v++) {
         int bad_row = -1;
         for (size_t i = 0; i < qn && bad_row < 0; i++)
             if (!isfinite(outs[v][i])) bad_row = (int)(i / ((size_t)nh * hd));
@@ -185,28 +262,29 @@ static void run_case(const struct pcase *c)
             memcpy(wg + (size_t)wq[w] * nh * hd, outs[v] + (size_t)wsrc[w] * nh * hd,
                    (size_t)(wq[w + 1] - wq[w]) * nh * hd * 4);
         e_cpu[v] = rel_l2(wg, wref, wn);
-        if (v < 2) e_fd[v] = rel_l2(outs[v], ofd, qn);
+        e_fd[v] = rel_l2(outs[v], ofd, qn);
         CHECK(bad_row < 0 && e_cpu[v] < 1e-2 && (v == 2 || e_fd[v] < 1e-2),
               "K%dV%d G %d nkv %d hd %d bs %d chunk %d after %d (%d seqs, valid %d) %s: rel-L2 %g vs cpu, %g vs "
               "k_lean_fd, first unwritten row %d",
               c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, use_valid,
-              v == 0 ? "k_lean_pf 4 warps" : v == 1 ? "k_lean_pf 8 warps" : "k_lean_fd", e_cpu[v], v < 2 ? e_fd[v] : 0.0,
+              v == 0 ? "k_lean_pf 4 warps" : v == 1 ? "k_lean_pf 8 warps" : v == 2 ? "k_lean_fd" : "bf16 road",
+              e_cpu[v], v != 2 ? e_fd[v] : 0.0,
               bad_row);
     }
     /* 4 and 8 warps: the same arithmetic per row; only the split plans can differ */
     CHECK(e_48 < 1e-3, "K%dV%d G %d hd %d chunk %d after %d: k_lean_pf 8 warps vs 4 warps rel-L2 %g", c->f.kbits,
           c->f.vbits, c->grp, hd, c->chunk, c->hist, e_48);
     printf("ok K%dV%d G %d nkv %d hd %d bs %d chunk %4d after %4d (%d seqs, %d rows, valid %d): rel-L2 vs cpu "
-           "pf4 %.1e pf8 %.1e fd %.1e; pf4 / pf8 vs fd %.1e / %.1e; pf8 vs pf4 %.1e\n",
+           "pf4 %.1e pf8 %.1e fd %.1e bf16-road%s %.1e; pf4 / pf8 / road vs fd %.1e / %.1e / %.1e; pf8 vs pf4 %.1e\n",
            c->f.kbits, c->f.vbits, c->grp, nkv, hd, bs, c->chunk, c->hist, ns, n_rows, use_valid, e_cpu[0], e_cpu[1],
-           e_cpu[2], e_fd[0], e_fd[1], e_48);
+           e_cpu[2], dq_expect ? "" : "(not taken)", e_cpu[3], e_fd[0], e_fd[1], e_fd[3], e_48);
 
     struct kvs_dbuf *cb[] = {cq, cout, cqs, cpos, cbt, cval, pc};
     for (size_t i = 0; i < sizeof cb / sizeof cb[0]; i++) C->free_buf(bc, cb[i]);
     G->free_buf(bg, pg);
     struct pair all[] = {dk, dv, ds, dq, dqs, dpos, dbt, dval, out};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) drop(&all[i]);
-    free(bt), free(valid), free(slots), free(hk), free(hv), free(hq), free(zero), free(o4), free(o8), free(ofd);
+    free(bt), free(valid), free(slots), free(hk), free(hv), free(hq), free(zero), free(o4), free(o8), free(ofd), free(odq);
     free(wqh), free(wref), free(wbt), free(wval), free(wg);
 }
 
