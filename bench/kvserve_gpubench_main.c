@@ -834,7 +834,7 @@ int main(int argc, char **argv)
                                                 "19 fa3, kind 14, persistent", "20 fa3, kind 14, rescale skip",
                                                 "21 fa3, kind 19, rescale skip", "22 fa3, 14 + Q reads, softmax",
                                                 "23 fa3, kind 22, ping-pong", "24 fa3, kind 14 + Q reads",
-                                                "25 fa3, kind 22, persistent, snake", "26 cuDNN fused SDPA, paged"};
+                                                "25 fa3, kind 22, persistent, snake", "26 cuDNN fused SDPA"};
             const int n_names = (int)(sizeof names / sizeof names[0]);
             const int nk = n_pre_kinds > 0 ? n_pre_kinds : n_names - 1;
             for (int ki = 0; ki < nk; ki++) {

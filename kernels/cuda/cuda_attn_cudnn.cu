@@ -4,17 +4,17 @@
  * with dlopen("libcudnn.so.9"), so nothing links against cuDNN. Compiled only with `make CUDA=1
  * CUDNN=/dir` (the Makefile: KVS_HAVE_CUDNN=1, cuDNN's and the frontend's headers).
  *
- * Why a library: four sessions of hand-tuning k_attn_fa3 stopped at 466-477 TFLOP/s at 8K while
- * cuDNN's SDPA measured 593-602 in the same calls (bench/RESULTS.md, "Hopper prefill attention").
+ * Why a library: hand-tuning k_attn_fa3 stopped well short of cuDNN's SDPA measured in the same
+ * calls (bench/RESULTS.md, "Hopper prefill attention", parts 3-5).
  *
  * One launch = one cuDNN graph over the launch's prefill sequences (more than one query row):
  *   Q    [B, H, Sq, hd] bf16, ragged (rows packed, offsets per sequence): a copy of the launch's q
  *        (fp32) converted to bf16, the prefill rows only, packed (k_cdn_q);
  *   K, V [B, n_kv, Skv, hd] bf16, padded: the launch's keys gathered from the paged pool into
- *        a scratch of this file (k_cdn_kv; at 8K ~1 ms over 32 layers). cuDNN can also read the
- *        pool in place through page tables (KVS_CUDA_CUDNN_PAGED=1: containers [n_blocks, n_kv,
- *        bs, hd], a page table [B, 1, pages, 1] per sequence), but on cuDNN 9.19 that engine is
- *        slower than kind 14 (bench/RESULTS.md, "Hopper prefill attention, part 5"), and it reads
+ *        a scratch of this file (k_cdn_kv). cuDNN can also read the pool in place through page
+ *        tables (KVS_CUDA_CUDNN_PAGED=1: containers [n_blocks, n_kv, bs, hd], a page table
+ *        [B, 1, pages, 1] per sequence), but that engine measured slower than the gathered copy
+ *        (bench/RESULTS.md, "Hopper prefill attention, part 5"), and it reads
  *        whole pages: slots past a sequence's keys must hold finite values (a NaN there leaks
  *        through the zero probability; the gather copies only the keys and zero-fills the rest);
  *   mask causal, bottom-right aligned, with per-sequence lengths (padding mask): query i of a
@@ -25,7 +25,7 @@
  * GQA is the SDPA's own (H a multiple of n_kv). The graph's dimensions are bucketed (Sq and the
  * key length to powers of two, at least 64) so prompts of similar lengths share a built graph;
  * the per-sequence lengths give the exact masks. Built graphs are cached per device by shape
- * (building one takes tens of ms). The small metadata (lengths, offsets, page tables) is made on
+ * (building one runs cuDNN's heuristics and compiles a plan). The small metadata (lengths, offsets, page tables) is made on
  * the device by k_cdn_prep from the launch's device arrays, so a launch uploads nothing.
  * Launches it does not take (rotation offsets of cached documents, block_valid, other head dims)
  * are never given to it (the plan in cuda_attention.cu).
