@@ -42,7 +42,14 @@ LIB_SRCS := $(filter-out %_main.c,$(wildcard base/*.c engine/*.c engine/kv/*.c e
   kernels/cpu/*.c server/*.c))
 TOOL_SRCS := $(filter-out %_main.c,$(wildcard tools/*.c bench/*.c))
 MAIN_SRCS := $(wildcard */*_main.c */*/*_main.c)
-CU_SRCS := $(if $(filter 1,$(CUDA)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu),)
+# cuDNN (prefill-attention kind 26, kernels/cuda/cuda_attn_cudnn.cu), optional and off by default:
+# `make CUDA=1 CUDNN=/dir` with cuDNN 9's headers in /dir/include (the PyPI wheel nvidia-cudnn-cu12
+# unpacked: nvidia/cudnn) and the cuDNN frontend's headers in CUDNN_FE (default /dir/include; the
+# wheel nvidia-cudnn-frontend: include/). libcudnn.so.9 is opened at run time (LD_LIBRARY_PATH).
+CUDNN ?=
+CUDNN_FE ?= $(CUDNN)/include
+CUDNN_CU := kernels/cuda/cuda_attn_cudnn.cu
+CU_SRCS := $(if $(filter 1,$(CUDA)),$(filter-out $(if $(CUDNN),,$(CUDNN_CU)),$(wildcard kernels/cuda/*.cu kernels/cuda/dev/*.cu)),)
 TEST_SRCS := $(wildcard tests/unit/test_*.c)
 GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 
@@ -51,6 +58,7 @@ GPU_TEST_SRCS := $(wildcard tests/gpu/test_*.c tests/gpu/test_*.cu)
 NCCL_H := $(firstword $(wildcard $(CUDA_HOME)/include/nccl.h /usr/include/nccl.h))
 ifeq ($(CUDA),1)
 NVCCFLAGS += $(if $(NCCL_H),-DKVS_HAVE_NCCL=1 -I$(dir $(NCCL_H)),)
+NVCCFLAGS += $(if $(CUDNN),-DKVS_HAVE_CUDNN=1,)
 CFLAGS += -DKVS_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 LDLIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -lstdc++
 else
@@ -88,6 +96,10 @@ $(BUILD)/obj/%.o: %.c | setup
 $(BUILD)/obj/%.o: %.cu | setup
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+
+# the cuDNN headers only for the file that uses them (-isystem: the frontend's own warnings are not ours)
+# (first: a CUDA toolkit may carry cuDNN headers of its own, which CUDNN= must win over)
+$(BUILD)/obj/$(CUDNN_CU:.cu=.o): NVCCFLAGS := -I$(CUDNN)/include -isystem $(CUDNN_FE) $(NVCCFLAGS)
 
 # one rule per main: build/<name> from <dir>/<name>_main.c
 define MAIN_RULE

@@ -38,7 +38,8 @@
  * FlashAttention-3's issue order; 14 the default on sm_90; 19 kind 14 persistent, 20 / 21 kinds 14 / 19
  * skipping O's rescale where no row's max grew, 22 to 25 kind 14 with the Q reads in flight at once,
  * 22, 23 and 25 also with the softmax in shorter chains ahead of the P . V wait, 23 with ping-pong,
- * 25 with persistent blocks taking their items in snake order);
+ * 25 with persistent blocks taking their items in snake order; 26 cuDNN's fused SDPA where built in
+ * and loadable (make CUDNN=...), its line then saying how many of the launches cuDNN took);
  * --pre-attn-kinds 14,22 times only those kinds (in that order), --pre-attn-reps N the median of N
  * timed runs (default 3, after a warm-up).
  * A shape whose KV does not fit the pool (sized from free memory) is skipped with a note.
@@ -833,7 +834,7 @@ int main(int argc, char **argv)
                                                 "19 fa3, kind 14, persistent", "20 fa3, kind 14, rescale skip",
                                                 "21 fa3, kind 19, rescale skip", "22 fa3, 14 + Q reads, softmax",
                                                 "23 fa3, kind 22, ping-pong", "24 fa3, kind 14 + Q reads",
-                                                "25 fa3, kind 22, persistent, snake"};
+                                                "25 fa3, kind 22, persistent, snake", "26 cuDNN fused SDPA"};
             const int n_names = (int)(sizeof names / sizeof names[0]);
             const int nk = n_pre_kinds > 0 ? n_pre_kinds : n_names - 1;
             for (int ki = 0; ki < nk; ki++) {
@@ -841,6 +842,7 @@ int main(int argc, char **argv)
                 if (kind < 1 || kind >= n_names) continue;
                 kvs_cuda_set_pre_attn(kind);
                 float tv[16];
+                const long long cdn0 = kvs_cuda_cudnn_prefill_launches();
                 for (int it = 0; it <= pre_reps; it++) { /* a warm-up, then pre_reps timed */
                     kvs_cuda_timer_start(b);
                     enqueue_step(B, P, &m, OPS_ATTN, 1);
@@ -850,6 +852,9 @@ int main(int argc, char **argv)
                 const float med = tv[1 + pre_reps / 2];
                 printf("%8d   prefill attention, kind %-28s (took %d): %8.2f ms %8.1f TFLOP/s\n", P, names[kind],
                        kvs_cuda_pre_attn_kind(HD, 0), med, aflops / (med * 1e-3) / 1e12);
+                if (kind == 26) /* a launch cuDNN gives back runs kind 14 (one log line): say how many it took */
+                    printf("%8d   (cuDNN took %lld of %d launches)\n", P, kvs_cuda_cudnn_prefill_launches() - cdn0,
+                           (pre_reps + 1) * n_layers);
                 if (mf) fprintf(mf, "| %d | attention only, kind %s (took %d) | | | %.2f | %.1f |\n", P, names[kind],
                                 kvs_cuda_pre_attn_kind(HD, 0), med, aflops / (med * 1e-3) / 1e12);
             }

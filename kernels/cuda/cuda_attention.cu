@@ -13,6 +13,9 @@
  *                          default on sm_90, kind 14), rotation offsets included (blocks of a
  *                          multiple of 16 slots; other rotated launches stay on k_attn_tc);
  *                          KVS_CUDA_PRE_ATTN / kvs_cuda_set_pre_attn pick the kernel;
+ *   cuda_attn_cudnn.cu     kind 26: the prefill rows through cuDNN's fused SDPA (built with
+ *                          `make CUDNN=...`; launches it cannot take, or where cuDNN cannot be
+ *                          opened, run kind 14);
  *   cuda_attn_decode.cu    k_attn_fd for decode rows (one query row per sequence): 4 warps a block
  *                          that owns one sequence, one KV head and one split, 128-key tiles (a
  *                          32-key sub-tile per warp), K and V staged separately (by the copy
@@ -49,6 +52,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_attention.h"
+#include "kernels/cuda/cuda_attn_cudnn.h"
 #include "kernels/cuda/cuda_attn_device.cuh"
 #include "kernels/cuda/cuda_attn_wgmma.cuh"
 
@@ -252,6 +256,9 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
     int n_dec = 0, n_pre_tiles = 0, ctx_dec = 1, ctx_pre = 1;
     /* prefill tokens per tile: the rows of the kernel the launch takes (k_attn_tc or k_attn_wg) */
     int pre_kind = kvs_cu_attn_prefill_kind(a->hd, a->rot != NULL);
+    /* kind 26 (cuDNN) takes the prefill pass below where it can; kind 14 is planned as its fallback */
+    const bool cudnn_pre = pre_kind == KVS_PRE_ATTN_CUDNN && !a->valid && !a->rot;
+    if (pre_kind == KVS_PRE_ATTN_CUDNN) pre_kind = 14; /* kvs_cu_attn_prefill_kind gives 26 on sm_90 only */
     /* k_attn_fa3's 192-row forms (kinds 16, 18) have no fallback with tiles of their size: blocks of
      * other than a multiple of 16 slots, which they cannot stage, take kind 6 from the plan on */
     if ((pre_kind == 16 || pre_kind == 18) && a->bs % 16 != 0) pre_kind = 6;
@@ -319,6 +326,11 @@ void kvs_cu_attention(const struct kvs_cu_attn *a, cudaStream_t stream, int n_sm
         x.valid = a->valid ? a->valid + so : nullptr;
         x.words = a->words ? (const int2 *)a->words + so : nullptr;
         x.n_seqs = a->n_seqs - sk;
+#if defined(KVS_HAVE_CUDNN) && KVS_HAVE_CUDNN
+        if (pre && cudnn_pre && kvs_cu_attn_cudnn(a, stream)) continue;
+#else
+        (void)cudnn_pre;
+#endif
         if (pre && pre_kind >= 2)
             kvs_cu_attn_prefill_wg(x, kvs_cu_attn_prefill_kind_for(pre_kind, (long long)tiles * a->n_kv, n_sms),
                                    a->hd, tiles, max_ctx, stream, n_sms, ws_floats, a->n, n_splits_force);

@@ -26,6 +26,7 @@
  */
 #include <stdlib.h>
 
+#include "kernels/cuda/cuda_attn_cudnn.h"
 #include "kernels/cuda/cuda_attn_wgmma.cuh"
 
 #define WG_THREADS 256
@@ -35,6 +36,9 @@
  * 16 slots, no tensor maps) kind 6 does, whose tiles have the same 128 rows */
 #define KVS_PRE_ATTN_DEFAULT 14
 #define KVS_PRE_ATTN_KINDS 25 /* kinds 1 .. 25 (7 .. 25: k_attn_fa3, cuda_attn_prefill_fa3.cu) */
+/* kind 26 (KVS_PRE_ATTN_CUDNN, cuda_attn_cudnn.cu) is not a kernel of this file: the plan
+ * (cuda_attention.cu) hands its launches to cuDNN, or to kind 14 where cuDNN cannot take them */
+#define KVS_PRE_ATTN_MAX KVS_PRE_ATTN_CUDNN
 
 template <int HD, int KN, int ST>
 struct wg_cfg {
@@ -316,7 +320,41 @@ void kvs_cu_attn_prefill_wg(at_args &x, int kind, int hd, int n_tiles, int max_c
 /* the kind forced by kvs_cuda_set_pre_attn (-1: none) */
 static int g_pre_kind = -1;
 
-extern "C" void kvs_cuda_set_pre_attn(int kind) { g_pre_kind = kind >= 1 && kind <= KVS_PRE_ATTN_KINDS ? kind : -1; }
+extern "C" void kvs_cuda_set_pre_attn(int kind) { g_pre_kind = kind >= 1 && kind <= KVS_PRE_ATTN_MAX ? kind : -1; }
+
+/* 1 where kind 26 can run: cuDNN built in (make CUDNN=...) and libcudnn.so.9 (9.6+) opened */
+static bool cudnn_usable()
+{
+#if defined(KVS_HAVE_CUDNN) && KVS_HAVE_CUDNN
+    return kvs_cu_attn_cudnn_available() != 0;
+#else
+    static int said; /* one line a process: the request cannot be met in this build */
+    if (!said) {
+        said = 1;
+        kvs_log(KVS_LOG_WARN, "cuda: prefill attention kind 26 (cuDNN) asked for, but this build has no cuDNN (make CUDNN=...); "
+                              "kind 14 runs instead");
+    }
+    return false;
+#endif
+}
+
+extern "C" int kvs_cuda_cudnn_prefill_available(void)
+{
+#if defined(KVS_HAVE_CUDNN) && KVS_HAVE_CUDNN
+    return kvs_cu_attn_cudnn_available();
+#else
+    return 0;
+#endif
+}
+
+extern "C" long long kvs_cuda_cudnn_prefill_launches(void)
+{
+#if defined(KVS_HAVE_CUDNN) && KVS_HAVE_CUDNN
+    return kvs_cu_attn_cudnn_count();
+#else
+    return 0;
+#endif
+}
 
 /* 1 where the current device runs sm_90a code (the wgmma kernel's only SASS) */
 static bool device_is_sm90()
@@ -341,7 +379,7 @@ static int forced_pre_kind()
     if (env_kind == -2) {
         const char *e = getenv("KVS_CUDA_PRE_ATTN");
         const int v = e && *e ? atoi(e) : -1;
-        env_kind = v >= 1 && v <= KVS_PRE_ATTN_KINDS ? v : -1;
+        env_kind = v >= 1 && v <= KVS_PRE_ATTN_MAX ? v : -1;
     }
     return g_pre_kind >= 1 ? g_pre_kind : env_kind;
 }
@@ -350,6 +388,13 @@ int kvs_cu_attn_prefill_kind(int hd, int rot)
 {
     const int forced = forced_pre_kind();
     int kind = forced >= 1 ? forced : KVS_PRE_ATTN_DEFAULT;
+    /* kind 26, cuDNN's SDPA: launches without rotation offsets at head_dim 64 / 128 (what its test
+     * covers) on sm_90 (where it was measured, and kind 14 is its fallback), where cuDNN can be
+     * had; the others take kind 14's path */
+    if (kind == KVS_PRE_ATTN_CUDNN) {
+        if (!rot && (hd == 64 || hd == 128) && device_is_sm90() && cudnn_usable()) return kind;
+        kind = KVS_PRE_ATTN_DEFAULT;
+    }
     /* the wgmma kernels: head_dim 64 / 128, Hopper; the deferred rotation only in k_attn_fa3's
      * rotating kinds (14, 19 to 25), the others' rotated launches stay on k_attn_tc (and blocks of
      * other than a multiple of 16 slots too: the plan, cuda_attention.cu) */
@@ -373,7 +418,7 @@ int kvs_cu_attn_prefill_kind_for(int kind, long long items, int n_sms)
         env_waves = e && *e ? atoi(e) : 8;
         if (env_waves < 0) env_waves = 0;
     }
-    if (kind != KVS_PRE_ATTN_DEFAULT || forced_pre_kind() >= 1) return kind;
+    if (kind != 14 || forced_pre_kind() >= 1) return kind;
     return items <= (long long)env_waves * n_sms ? 25 : kind;
 }
 

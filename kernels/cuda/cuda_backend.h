@@ -81,12 +81,22 @@ void kvs_cuda_set_lean_layout(int layout);
  * reads in flight at once and the softmax in shorter chains ahead of the P . V wait; 23: 22 with
  * ping-pong; 24: 14 with the Q reads only; 25: 22 with persistent blocks in snake order) (2 to
  * 25: head_dim 64 / 128 on an sm_90 GPU; with rotation offsets only 14 and 19 to 25, with blocks of a multiple of 16 slots; other launches
- * take 1; fa3 launches it cannot stage take 6); -1 (or any other value)
+ * take 1; fa3 launches it cannot stage take 6); 26 cuDNN's fused SDPA (cuda_attn_cudnn.cu: built
+ * only with `make CUDNN=...`, libcudnn.so.9 9.6+ opened at run time; head_dim 64 / 128 on sm_90,
+ * without rotation offsets or block_valid; every other launch, a build without cuDNN, a cuDNN
+ * that cannot be opened or a graph it cannot build or run takes kind 14, with one log line a
+ * process); -1 (or any other value)
  * restores the default: KVS_CUDA_PRE_ATTN if set, else kind 14 where the wgmma kernels apply. */
 void kvs_cuda_set_pre_attn(int kind);
+/* 1 when prefill-attention kind 26 can run: cuDNN built in and libcudnn.so.9 (9.6 or later)
+ * opened (the first call opens it); 0 otherwise. */
+int kvs_cuda_cudnn_prefill_available(void);
+/* Launches whose prefill rows kind 26 has computed so far, process-wide (tests: a launch kind 26
+ * gave back to kind 14 does not count); 0 in a build without cuDNN. */
+long long kvs_cuda_cudnn_prefill_launches(void);
 /* The prefill kernel a launch of this head_dim (rot: with rotation offsets) takes now, on the
- * current device: 1 to 25 as above (with rotation offsets and blocks of other than a multiple of
- * 16 slots, 1 where this says 14 or 19 to 25). */
+ * current device: 1 to 26 as above (with rotation offsets and blocks of other than a multiple of
+ * 16 slots, 1 where this says 14 or 19 to 25; 26 only where cuDNN can be had). */
 int kvs_cuda_pre_attn_kind(int head_dim, int rot);
 
 /* Matmuls of at most max_n rows may use the decode GEMM (cuda_skinny.h, at most KVS_SKINNY_MAX_N;
