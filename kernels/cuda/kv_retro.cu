@@ -285,19 +285,8 @@ __global__ void k_retro_merge_sp(const float *__restrict__ part, int n_splits, i
     const size_t rh = blockIdx.x;
     const int t = (int)(rh / n_heads), h = (int)(rh % n_heads);
     const float *pp = part + rh * n_splits * (size_t)(hd + 2);
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-        sm[s] = pp[(size_t)s * (hd + 2) + hd];
-        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
-    }
-    __syncthreads();
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
-    __syncthreads();
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = 0; s < n_splits; s++)
-            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+    float M, L;
+    span_merge_stats(pp, n_splits, hd, sm, sl, se, M, L);
     const float a = M == -INFINITY ? -INFINITY : M + logf(L);
     /* the cached side (k_retro_merge) */
     const int c = cidx[t];
@@ -315,17 +304,7 @@ __global__ void k_retro_merge_sp(const float *__restrict__ part, int n_splits, i
     }
     const float *ob = o_prev + crh * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float A = 0.0f;
-        if (M != -INFINITY)
-            for (int s0 = 0; s0 < n_splits; s0 += 8) {
-                float v[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
-            }
+        const float A = span_merge_acc(pp, n_splits, hd, d, sm, se, M);
         float v = M == -INFINITY ? 0.0f : A / L;
         if (merge) v = (wa != 0.0f ? wa * v : 0.0f) + (wb != 0.0f ? wb * ob[d] : 0.0f);
         out[rh * hd + d] = v;
