@@ -540,9 +540,13 @@ static void launch_fused(fused_args &x, int n_req, int zgroups, cudaStream_t st,
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda retro attend: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
     }
-    /* splits as attention_spans plans them (kv_span.cu plan_splits) */
+    /* splits as attention_spans plans them (kv_span.cu plan_splits): as many as fit in one wave,
+     * rounded down. Rounded up (main's plan until retro13; KVS_CUDA_RETRO_SPLITS=up keeps it for
+     * the benches' A/B, read every call) the grid overran the resident blocks by up to a split per
+     * pair, a short second wave the walk waited on (bench/RESULTS.md, retro13). */
     const long long pairs = (long long)n_req * x.a.n_kv * zgroups;
-    long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
+    const char *e = getenv("KVS_CUDA_RETRO_SPLITS");
+    long long ns = ((long long)resident * n_sms + (e && !strcmp(e, "up") ? pairs - 1 : 0)) / pairs;
     const long long by_len = (w_max + RF_MIN_TILES - 1) / RF_MIN_TILES;
     if (ns > by_len) ns = by_len;
     if (ns > by_ws) ns = by_ws;
