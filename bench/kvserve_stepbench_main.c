@@ -32,9 +32,10 @@
  * --digest-bits 8,4 adds, per value, Quest with kv.quest.digest_bits = that value (graphed and
  * eager); the other Quest / Retro columns use 16, or --base-bits (8: the policies' default).
  * --windows 0: no Retro columns.
- * --step-ab adds, per window, Retro with KVS_RETRO_STEP=0 (spans, attend and merge as separate
- * launches, before the table's step) and with KVS_CUDA_RETRO_MASK=kernel (the table's step with
- * its mask kernel, not the mask step in the attend's walk) in the same process, after the default.
+ * --step-ab adds, per window, Retro on main's path before retro13 (KVS_RETRO_GATHER=1: the newest
+ * rows' q gathered in a launch of its own before the scores; KVS_CUDA_RETRO_SPLITS=up: the fused
+ * attend's splits rounded up) and with the gather alone (KVS_RETRO_GATHER=1) in the same process,
+ * after the default.
  *
  * Usage: kvserve-stepbench [--batches 1,8,32] [--contexts 8192,32768,131072] [--windows 2,4,8]
  *                          [--layers 32] [--ratio 0.15] [--steps 6] [--digest-bits 8,4] [--base-bits 16]
@@ -327,8 +328,8 @@ int main(int argc, char **argv)
         hl += snprintf(head + hl, sizeof head - hl, " w=%d ms | w=%d / Quest eager | w=%d eff. budget |", windows[i],
                        windows[i], windows[i]);
         if (step_ab)
-            hl += snprintf(head + hl, sizeof head - hl, " w=%d STEP=0 ms | w=%d STEP=0 / Quest eager | w=%d MASK=kernel "
-                           "ms | w=%d MASK=kernel / Quest eager |", windows[i], windows[i], windows[i], windows[i]);
+            hl += snprintf(head + hl, sizeof head - hl, " w=%d main ms | w=%d main / Quest eager | w=%d GATHER=1 "
+                           "ms | w=%d GATHER=1 / Quest eager |", windows[i], windows[i], windows[i], windows[i]);
     }
     printf("%s\n", head);
     if (mf) {
@@ -379,13 +380,13 @@ int main(int argc, char **argv)
             for (int i = 0; i < n_w; i++) {
                 const struct result r = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
                 ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.3f |", r.ms, r.ms / quest.ms, r.eff);
-                if (step_ab) {   /* the policy reads KVS_RETRO_STEP at create */
-                    setenv("KVS_RETRO_STEP", "0", 1);
+                if (step_ab) {   /* the policy reads KVS_RETRO_GATHER at create, the kernels the other at every step */
+                    setenv("KVS_RETRO_GATHER", "1", 1);
+                    setenv("KVS_CUDA_RETRO_SPLITS", "up", 1);
                     const struct result r0 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
-                    unsetenv("KVS_RETRO_STEP");
-                    setenv("KVS_CUDA_RETRO_MASK", "kernel", 1);   /* read at every step */
+                    unsetenv("KVS_CUDA_RETRO_SPLITS");
                     const struct result r1 = run_policy(M, "retro", windows[i], ratio, nb, ctx, mb, steps);
-                    unsetenv("KVS_CUDA_RETRO_MASK");
+                    unsetenv("KVS_RETRO_GATHER");
                     ll += snprintf(line + ll, sizeof line - ll, " %.2f | %.3f | %.2f | %.3f |", r0.ms, r0.ms / quest.ms,
                                    r1.ms, r1.ms / quest.ms);
                 }

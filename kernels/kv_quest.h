@@ -120,8 +120,10 @@ struct kvs_quest_kernels {
      * 0 .. (the last position written in it) of kc. dig: one layer's digests. */
     void (*digest_update)(struct kvs_backend *b, const struct kvs_dbuf *kc, const struct kvs_attn_meta *m,
                           int n_kv_heads, int head_dim, int block_size, int page_size, struct kvs_dbuf *dig);
-    /* Scores of the candidate pages of rows 0 .. n-1 (m's first n sequences, one row each); rows
-     * that keep every page (keep[s] > c) are skipped. */
+    /* Scores of the candidate pages of rows 0 .. n-1 (m's first n sequences); rows that keep
+     * every page (keep[s] > c) are skipped. Sequence s is scored with the query of q's row
+     * q_start[s + 1] - 1 (its last row: row s where each has one row; a Retro window's newest
+     * row, read in place of a gather) at position pos[s]; the same for qscore and score_select. */
     void (*score)(struct kvs_backend *b, const struct kvs_dbuf *q, const struct kvs_dbuf *dig,
                   const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads, int head_dim, int block_size,
                   int page_size, int max_pages, struct kvs_dbuf *scores);

@@ -139,6 +139,8 @@ struct retro {
     int kept;                           /* sparse layers take attend_kept: no newest row selects, and no
                                          * window row selected in its own step (so none has a supplement) */
     int no_fold;                        /* KVS_RETRO_FOLD=0: never fold (below) */
+    int gather_q;                       /* KVS_RETRO_GATHER=1: the newest rows' q gathered into d_qn before
+                                         * the selection (main's launch until retro13, the benches' A/B) */
     int fold;                           /* the step's only sequences are the lead ones, each window in its
                                          * newest row's page: the selecting layers' digest refresh rides
                                          * score_select's launch (as Quest's one-row steps) */
@@ -322,6 +324,8 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
         s->one_step = !(fe && !strcmp(fe, "0"));
         fe = getenv("KVS_RETRO_FOLD");   /* "0": the refresh its own launch in every step (the benches' A/B) */
         s->no_fold = fe && !strcmp(fe, "0");
+        fe = getenv("KVS_RETRO_GATHER");
+        s->gather_q = fe && !strcmp(fe, "1");
         if (s->fused) s->d_M = o->alloc(env->be, KVS_BUF_I32, rows * nkv * (size_t)s->max_pages);
         failed = !s->d_A || !s->d_req || !s->d_keys || (s->fused && !s->d_M);
         if (!failed) o->zero(env->be, s->d_keys, 0, 4);
@@ -699,11 +703,19 @@ static void retro_attend(void *state, int layer, const struct kvs_kv_attend *a)
     if (st->n_rows > nr)   /* rows past the lead (prefill chunks) */
         o->attention(be, a->q, a->kv.k, a->kv.v, st->m, st->n_rows, nh, nkv, a->head_dim, a->block_size, a->scale,
                      a->out);
-    /* 1. Quest's selection for the newest rows, as a step of one-row sequences */
-    o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
+    /* 1. Quest's selection for the newest rows, as a step of one-row sequences at the newest
+     * positions; the scores read each window's newest row of q in place (kv_quest.h score: the
+     * last row of q_start's sequence), so no gather launch */
     struct kvs_attn_meta nm;
     newest_meta(s, st, &nm);
-    retro_select(s, s->d_qn, layer, &nm, nl, nh, fold ? a->kv.k : NULL, fold ? st->m : NULL);
+    if (s->gather_q) {
+        o->gather_rows(be, a->q, s->d_nrows, nl, qd, s->d_qn);
+        retro_select(s, s->d_qn, layer, &nm, nl, nh, fold ? a->kv.k : NULL, fold ? st->m : NULL);
+    } else {
+        struct kvs_attn_meta sm = nm;
+        sm.q_start = st->m->q_start, sm.h_q_start = st->m->h_q_start;
+        retro_select(s, a->q, layer, &sm, nl, nh, fold ? a->kv.k : NULL, fold ? st->m : NULL);
+    }
     struct kvs_attn_meta sub = *st->m;
     sub.n_seqs = nl;
     sub.max_ctx = nm.max_ctx;

@@ -69,7 +69,7 @@ static void cpu_digest_update(struct kvs_backend *b, const struct kvs_dbuf *kc, 
 struct score_job {
     const float *q, *dig;
     float *scores;
-    const int32_t *pos, *bts, *keep;
+    const int32_t *pos, *bts, *keep, *qs;
     int max_blocks, n_heads, n_kv_heads, hd, bs, ps, max_pages;
 };
 
@@ -84,7 +84,7 @@ static void score_task(void *c, int task)
     for (int pg = 0; pg < cur; pg++) {
         const size_t pp = phys_page(bt, pg * j->ps, j->bs, j->ps);
         const float *mn = j->dig + (pp * j->n_kv_heads + g) * 2 * hd;
-        out[pg] = bound_score(j->q + (size_t)s * j->n_heads * hd, g, G, hd, mn, mn + hd);
+        out[pg] = bound_score(j->q + (size_t)(j->qs[s + 1] - 1) * j->n_heads * hd, g, G, hd, mn, mn + hd);
     }
 }
 
@@ -92,8 +92,8 @@ static void cpu_score(struct kvs_backend *b, const struct kvs_dbuf *q, const str
                       const struct kvs_attn_meta *m, const struct kvs_dbuf *keep, int n, int n_heads, int n_kv_heads, int head_dim, int block_size,
                       int page_size, int max_pages, struct kvs_dbuf *scores)
 {
-    struct score_job j = {F(q), F(dig), F(scores), I(m->pos), I(m->block_tables), I(keep), m->max_blocks, n_heads, n_kv_heads,
-                          head_dim, block_size, page_size, max_pages};
+    struct score_job j = {F(q), F(dig), F(scores), I(m->pos), I(m->block_tables), I(keep), I(m->q_start), m->max_blocks,
+                          n_heads, n_kv_heads, head_dim, block_size, page_size, max_pages};
     kvs_cpu_pool_run(b->pool, n * n_kv_heads, score_task, &j);
 }
 
@@ -211,7 +211,7 @@ struct qscore_job {
     const float *q;
     const uint32_t *codes, *params;
     float *scores;
-    const int32_t *pos, *bts, *keep;
+    const int32_t *pos, *bts, *keep, *qs;
     int max_blocks, n_heads, n_kv_heads, hd, bs, ps, max_pages, bits;
     size_t vw;
 };
@@ -241,7 +241,7 @@ static void qscore_task(void *c, int task)
             mn[i] = kvs_qd_value(cmin[i / per] >> (i % per * j->bits) & mask, l, sc);
             mx[i] = kvs_qd_value(cmax[i / per] >> (i % per * j->bits) & mask, l, sc);
         }
-        out[pg] = bound_score(j->q + (size_t)s * j->n_heads * hd, g, G, hd, mn, mx);
+        out[pg] = bound_score(j->q + (size_t)(j->qs[s + 1] - 1) * j->n_heads * hd, g, G, hd, mn, mx);
     }
     free(mn);
 }
@@ -254,8 +254,8 @@ static void cpu_qscore(struct kvs_backend *b, const struct kvs_dbuf *q, const st
     const size_t vw = kvs_quest_qdig_vec_words(head_dim, bits);
     const uint32_t *codes = (const uint32_t *)I(qdig);
     struct qscore_job j = {F(q), codes, codes + n_pages * (size_t)n_kv_heads * 2 * vw, F(scores), I(m->pos),
-                           I(m->block_tables), I(keep), m->max_blocks, n_heads, n_kv_heads, head_dim, block_size,
-                           page_size, max_pages, bits, vw};
+                           I(m->block_tables), I(keep), I(m->q_start), m->max_blocks, n_heads, n_kv_heads, head_dim,
+                           block_size, page_size, max_pages, bits, vw};
     kvs_cpu_pool_run(b->pool, n * n_kv_heads, qscore_task, &j);
 }
 

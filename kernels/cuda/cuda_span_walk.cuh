@@ -1,7 +1,8 @@
 /* cuda_span_walk.cuh: the walk over a (row, KV head)'s selected keys that the span attention
  * kernels share (internal; included by kv_span.cu's attention_spans and kv_retro.cu's fused
  * attend, which take the same keys in the same order, 32 a tile): the cursor over the spans, the
- * lookup of a tile's keys and its gathered cp.async copies. Device code only; nothing owned, no
+ * lookup of a tile's keys and its gathered cp.async copies, and the merge of the splits' partials.
+ * Device code only; nothing owned, no
  * errors (a span list is [n][2] int32 positions, backend.h kvs_span_list).
  */
 #ifndef KVS_CUDA_SPAN_WALK_CUH
@@ -271,6 +272,47 @@ __device__ __forceinline__ void span_store_row(const float (&o)[HD / 8][4], int 
     }
 }
 
+/* The staged merge of a (row, head)'s split partials (pp: n_splits x [hd values, m, l]), shared
+ * by kv_span.cu's k_spans_merge and kv_retro.cu's k_retro_merge_sp so that the two give the same
+ * bits: the whole block loads each split's (m, l) once into sm / sl and its weight exp(m - M)
+ * into se (shared, n_splits <= their size), then every thread has the exact max M and
+ * L = sum l exp(m - M) in increasing split order. Every thread of the block calls it (barriers). */
+__device__ __forceinline__ void span_merge_stats(const float *__restrict__ pp, int n_splits, int hd, float *sm,
+                                                 float *sl, float *se, float &M, float &L)
+{
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
+        sm[s] = pp[(size_t)s * (hd + 2) + hd];
+        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
+    }
+    __syncthreads();
+    M = -INFINITY;
+    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
+    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
+    __syncthreads();
+    L = 0.0f;
+    if (M != -INFINITY)
+        for (int s = 0; s < n_splits; s++)
+            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+}
+
+/* Dimension d of the same merge's weighted sum (sum over splits of value * se, 8 loads at a
+ * time, increasing split order; 0 where M is -inf): the caller divides by L. */
+__device__ __forceinline__ float span_merge_acc(const float *__restrict__ pp, int n_splits, int hd, int d,
+                                                const float *sm, const float *se, float M)
+{
+    float A = 0.0f;
+    if (M != -INFINITY)
+        for (int s0 = 0; s0 < n_splits; s0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
+        }
+    return A;
+}
 }  // namespace
 
 /* The splits' partials of each (row, head) (one block each) into out and lse, in split order;

@@ -31,6 +31,9 @@
  *                pages, as a bitmask in shared memory, become merged spans in page order
  *                through a second scan. Deterministic: no atomics decide any order.
  *
+ * Each sequence s is scored with its last row's query (q row q_start[s + 1] - 1, read in the score
+ * kernels: a Retro window's newest row without a gather launch; row s for one-row sequences).
+ *
  * score_select  score (or qscore) then select; a digest refresh the policy hands it (a decode-only
  *                step) runs as one more slice of blocks of the score launch (cu_score_r): the
  *                page it rewrites is each row's current page, never a candidate. The fused
@@ -317,7 +320,8 @@ __global__ void __launch_bounds__(32 * QS_WARPS)
 k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const int32_t *__restrict__ pos,
               const int32_t *__restrict__ bts, const int32_t *__restrict__ keep, int max_blocks, int n_heads,
               int n_kv, int bs, int ps, int max_pages, int ppb, float *__restrict__ scores,
-              const bf16 *__restrict__ kc, const int32_t *__restrict__ wqs, bf16 *__restrict__ digw)
+              const bf16 *__restrict__ kc, const int32_t *__restrict__ wqs, bf16 *__restrict__ digw,
+              const int32_t *__restrict__ qs)
 {
     extern __shared__ float sq[];           /* [G][HD] */
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
@@ -330,7 +334,7 @@ k_quest_score(const float *__restrict__ q, const bf16 *__restrict__ dig, const i
     }
     const int pg0 = (int)blockIdx.y * ppb;
     if (keep[row] > cur || pg0 >= cur) return;
-    q_stage_group(q + ((size_t)row * n_heads + g * G) * HD, G * HD, sq);
+    q_stage_group(q + ((size_t)(qs[row + 1] - 1) * n_heads + g * G) * HD, G * HD, sq);
     __syncthreads();
     q_score_range<HD>(sq, G, dig, bts + (size_t)row * max_blocks, g, n_kv, bs, ps, pg0, min(pg0 + ppb, cur),
                       threadIdx.x >> 5, QS_WARPS, scores + ((size_t)row * n_kv + g) * max_pages, nullptr);
@@ -361,7 +365,7 @@ static void cu_score_r(struct kvs_backend *b, const struct kvs_dbuf *q, const st
     grid, 32 * QS_WARPS, smem, b->stream, (const float *)q->d, (const bf16 *)dig->d, (const int32_t *)m->pos->d, \
         (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, n_heads, n_kv_heads,       \
         block_size, page_size, max_pages, ppb, (float *)scores->d, wqs ? (const bf16 *)kc->d : nullptr, wqs,      \
-        (bf16 *)dig->d
+        (bf16 *)dig->d, (const int32_t *)m->q_start->d
     switch (head_dim) {
     case 16: CUDA_CHECK(kvs_cu_launch(k_quest_score<16>, QS_ARGS)); break;
     case 32: CUDA_CHECK(kvs_cu_launch(k_quest_score<32>, QS_ARGS)); break;
@@ -599,7 +603,7 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
                const int32_t *__restrict__ pos, const int32_t *__restrict__ bts, const int32_t *__restrict__ keep,
                int max_blocks, int n_heads, int n_kv, int bs, int ps, int max_pages, int ppb,
                float *__restrict__ scores, const bf16 *__restrict__ kc, const int32_t *__restrict__ wqs,
-               uint32_t *__restrict__ qdigw)
+               uint32_t *__restrict__ qdigw, const int32_t *__restrict__ qs)
 {
     __shared__ float sqp[HD], sqn[HD];
     const int row = blockIdx.x / n_kv, g = blockIdx.x % n_kv, G = n_heads / n_kv;
@@ -618,7 +622,7 @@ k_quest_qscore(const float *__restrict__ q, const uint32_t *__restrict__ qdig, s
     }
     const int pg0 = (int)blockIdx.y * ppb;
     if (keep[row] > cur || pg0 >= cur) return;
-    q_fold_group<HD>(q, row, g, G, n_heads, sqp, sqn);
+    q_fold_group<HD>(q, qs[row + 1] - 1, g, G, n_heads, sqp, sqn);
     __syncthreads();
     q_qscore_range<HD, BITS>(sqp, sqn, qdig, n_pages, bts + (size_t)row * max_blocks, g, n_kv, bs, ps, pg0,
                              min(pg0 + ppb, cur), threadIdx.x >> 5, QS_WARPS,
@@ -644,7 +648,7 @@ static void cu_qscore_r(struct kvs_backend *b, const struct kvs_dbuf *q, const s
     grid, 32 * QS_WARPS, 0, b->stream, (const float *)q->d, (const uint32_t *)qdig->d, n_pages,                \
         (const int32_t *)m->pos->d, (const int32_t *)m->block_tables->d, (const int32_t *)keep->d, m->max_blocks, \
         n_heads, n_kv_heads, block_size, page_size, max_pages, ppb, (float *)scores->d,                        \
-        wqs ? (const bf16 *)kc->d : nullptr, wqs, (uint32_t *)qdig->d
+        wqs ? (const bf16 *)kc->d : nullptr, wqs, (uint32_t *)qdig->d, (const int32_t *)m->q_start->d
 #define QQ_CASE(H, B)                                                        \
     if (head_dim == H && bits == B) {                                         \
         CUDA_CHECK(kvs_cu_launch(k_quest_qscore<H, B>, QQ_ARGS));                  \
@@ -988,7 +992,11 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
                         qbytes;
     const int pairs = n * n_kv_heads;
     const bool hd_ok = head_dim == 64 || head_dim == 128 || head_dim == 256;
-    if (!hd_ok || (bits != 16 && bits != 8 && bits != 4) || smem > FS_SMEM_MAX || !fsel_wanted(pairs, most)) {
+    /* the fused kernel reads sequence s's query at row s: a step whose sequences have more rows
+     * (a Retro window, its newest row scored) takes the score kernels, which read q_start */
+    const bool one_row = m->h_q_start[n] - m->h_q_start[0] == n;
+    if (!hd_ok || (bits != 16 && bits != 8 && bits != 4) || smem > FS_SMEM_MAX || !one_row ||
+        !fsel_wanted(pairs, most)) {
         /* the refresh as a slice of the score launch where it can be (a candidate page exists and a
          * score block has a thread per dimension), else its own launch first */
         const bool in_score = wm && most > 0 && head_dim <= 32 * QS_WARPS;

@@ -285,19 +285,8 @@ __global__ void k_retro_merge_sp(const float *__restrict__ part, int n_splits, i
     const size_t rh = blockIdx.x;
     const int t = (int)(rh / n_heads), h = (int)(rh % n_heads);
     const float *pp = part + rh * n_splits * (size_t)(hd + 2);
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-        sm[s] = pp[(size_t)s * (hd + 2) + hd];
-        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
-    }
-    __syncthreads();
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
-    __syncthreads();
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = 0; s < n_splits; s++)
-            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+    float M, L;
+    span_merge_stats(pp, n_splits, hd, sm, sl, se, M, L);
     const float a = M == -INFINITY ? -INFINITY : M + logf(L);
     /* the cached side (k_retro_merge) */
     const int c = cidx[t];
@@ -315,17 +304,7 @@ __global__ void k_retro_merge_sp(const float *__restrict__ part, int n_splits, i
     }
     const float *ob = o_prev + crh * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float A = 0.0f;
-        if (M != -INFINITY)
-            for (int s0 = 0; s0 < n_splits; s0 += 8) {
-                float v[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
-            }
+        const float A = span_merge_acc(pp, n_splits, hd, d, sm, se, M);
         float v = M == -INFINITY ? 0.0f : A / L;
         if (merge) v = (wa != 0.0f ? wa * v : 0.0f) + (wb != 0.0f ? wb * ob[d] : 0.0f);
         out[rh * hd + d] = v;
@@ -561,9 +540,13 @@ static void launch_fused(fused_args &x, int n_req, int zgroups, cudaStream_t st,
         if (nb < 1) kvs_panic(__FILE__, __LINE__, "cuda retro attend: kernel does not fit an SM (%zu bytes)", smem);
         resident = nb;
     }
-    /* splits as attention_spans plans them (kv_span.cu plan_splits) */
+    /* splits as attention_spans plans them (kv_span.cu plan_splits): as many as fit in one wave,
+     * rounded down. Rounded up (main's plan until retro13; KVS_CUDA_RETRO_SPLITS=up keeps it for
+     * the benches' A/B, read every call) the grid overran the resident blocks by up to a split per
+     * pair, a short second wave the walk waited on (bench/RESULTS.md, retro13). */
     const long long pairs = (long long)n_req * x.a.n_kv * zgroups;
-    long long ns = ((long long)resident * n_sms + pairs - 1) / pairs;
+    const char *e = getenv("KVS_CUDA_RETRO_SPLITS");
+    long long ns = ((long long)resident * n_sms + (e && !strcmp(e, "up") ? pairs - 1 : 0)) / pairs;
     const long long by_len = (w_max + RF_MIN_TILES - 1) / RF_MIN_TILES;
     if (ns > by_len) ns = by_len;
     if (ns > by_ws) ns = by_ws;

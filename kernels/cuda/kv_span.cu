@@ -301,31 +301,10 @@ __global__ void k_spans_merge(const float *part, int n_splits, int hd, float *ou
         if (threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);
         return;
     }
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) {
-        sm[s] = pp[(size_t)s * (hd + 2) + hd];
-        sl[s] = pp[(size_t)s * (hd + 2) + hd + 1];
-    }
-    __syncthreads();
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; s++) M = fmaxf(M, sm[s]);
-    for (int s = threadIdx.x; s < n_splits; s += blockDim.x) se[s] = sm[s] != -INFINITY ? __expf(sm[s] - M) : 0.0f;
-    __syncthreads();
-    float L = 0.0f;
-    if (M != -INFINITY)
-        for (int s = 0; s < n_splits; s++)
-            if (sm[s] != -INFINITY) L += sl[s] * se[s];
+    float M, L;
+    span_merge_stats(pp, n_splits, hd, sm, sl, se, M, L);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float A = 0.0f;
-        if (M != -INFINITY)
-            for (int s0 = 0; s0 < n_splits; s0 += 8) {
-                float v[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    v[k] = s0 + k < n_splits && sm[s0 + k] != -INFINITY ? pp[(size_t)(s0 + k) * (hd + 2) + d] : 0.0f;
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    if (s0 + k < n_splits && sm[s0 + k] != -INFINITY) A += v[k] * se[s0 + k];
-            }
+        const float A = span_merge_acc(pp, n_splits, hd, d, sm, se, M);
         out[rh * hd + d] = M == -INFINITY ? 0.0f : A / L;
     }
     if (threadIdx.x == 0) lse[rh] = M == -INFINITY ? -INFINITY : M + logf(L);

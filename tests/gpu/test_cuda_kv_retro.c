@@ -9,6 +9,9 @@
  *             as the policy runs it: CUDA out / lse against the CPU's (relative L2 < 1e-2, lse
  *             within 1e-2: bf16 K/V and q); rows with an empty supplement keep their cached
  *             output (within bf16 rounding);
+ *   score     Quest's scores of the windows' newest rows read in place (q_start's last row of each
+ *             sequence) equal those of the rows gathered (CUDA and CPU, bitwise; 16 and 8 bits;
+ *             the fused select asked for too), CUDA within 1e-5 of the CPU;
  *   engine    the tiny Llama on device cuda: retro w = 1 gives quest's greedy tokens; retro at
  *             budget >= context (w = 2, 4) gives full attention's for most requests (bf16
  *             rounding of the re-run rows may flip a near-tie); at a small budget (w = 2) every
@@ -26,6 +29,7 @@
 
 #include "base/util.h"
 #include "kernels/backend.h"
+#include "kernels/kv_quest.h"
 #include "kernels/kv_retro.h"
 #include "tests/unit/test_util.h"
 
@@ -358,6 +362,155 @@ static void test_table(void)
 /* The fused attention (the table's attend) against the CPU: the CPU table's spans (selection for
  * the newest row, supplements for the past rows, after a few earlier random steps built the
  * masks) through the CPU attention_spans, vs the CUDA table's spans (its M) and attend. */
+/* Quest's scores of Retro's windows (kv_quest.h score: sequence s is scored with q's row
+ * q_start[s + 1] - 1, so the policy needs no gather of the newest rows): with the windows' meta
+ * (several rows a sequence, pos = the newest row's position) CUDA's score_select gives bitwise
+ * the scores and spans that it gives on the newest rows gathered into one-row sequences, on the
+ * default path and with the fused kernel asked for (which a window meta must route to the score
+ * kernels), and the CPU's scores on the window meta are bitwise its own on the gathered rows and
+ * within 1e-5 (of the bound's magnitude) of CUDA's. bits: 16 (bf16 digests) or 8. */
+/* f32 -> bf16 -> f32 (round to nearest even): keys and queries that both backends hold exactly */
+static float bf16_exact(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    u &= 0xFFFF0000u;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+static void test_score_rows(int bits)
+{
+    const int n_pages = NS * MB, qd = NH * HD;
+    const size_t n_kv = (size_t)NS * MB * NKV * BS * HD;
+    const size_t ndig = bits < 16 ? kvs_quest_qdig_words((size_t)n_pages, NKV, HD, bits) : (size_t)n_pages * NKV * 2 * HD;
+    const enum kvs_buf_kind dk = bits < 16 ? KVS_BUF_I32 : KVS_BUF_KV;
+    const struct kvs_quest_kernels *K[2] = {&kvs_quest_kernels_cpu, &kvs_quest_kernels_cuda};
+    const struct kvs_backend_ops *O[2] = {C, G};
+    struct kvs_backend *B[2] = {bc, bg};
+    int32_t qs[NS + 1], newest[NS], keep[NS], one[NS + 1], bt[NS * MB];
+    qs[0] = 0, one[0] = 0;
+    for (int s = 0; s < NS; s++) {
+        const int w = 1 + (int)(kvs_test_xorshift(&rng) % MAXW);
+        newest[s] = 64 + (int)(kvs_test_xorshift(&rng) % (MAXCTX - 65));
+        qs[s + 1] = qs[s] + w;
+        one[s + 1] = s + 1;
+        const int cur = newest[s] / BS, kp = (int)ceil(fmax(48.0, ceil(0.15 * (newest[s] + 1))) / BS);
+        keep[s] = s == 2 ? cur + 1 : kp > cur + 1 ? cur + 1 : kp;   /* one row keeps every page */
+    }
+    for (int i = 0; i < NS * MB; i++) bt[i] = i;
+    for (int i = NS * MB - 1; i > 0; i--) {
+        const int j = (int)(kvs_test_xorshift(&rng) % (uint32_t)(i + 1)), x = bt[i];
+        bt[i] = bt[j], bt[j] = x;
+    }
+    const int n = qs[NS];
+    float *k = kvs_xmalloc(n_kv * 4), *q = kvs_xmalloc((size_t)n * qd * 4), *qn = kvs_xmalloc((size_t)NS * qd * 4);
+    for (size_t i = 0; i < n_kv; i++) k[i] = bf16_exact(frand());
+    for (int i = 0; i < n * qd; i++) q[i] = bf16_exact(2 * frand());
+    for (int s = 0; s < NS; s++) memcpy(qn + (size_t)s * qd, q + (size_t)(qs[s + 1] - 1) * qd, (size_t)qd * 4);
+    /* every position written: one prefill of each sequence's context */
+    int32_t wq[NS + 1], wpos[NS];
+    wq[0] = 0;
+    for (int s = 0; s < NS; s++) wq[s + 1] = wq[s] + newest[s] + 1, wpos[s] = 0;
+    const size_t nsc = (size_t)NS * NKV * MB, nsp = (size_t)NS * NKV * MS * 2;
+    float *sc[2][3];
+    int32_t *sn[3], *sp[3];
+    for (int bi = 0; bi < 2; bi++) {
+        const struct kvs_backend_ops *o = O[bi];
+        struct kvs_backend *b = B[bi];
+        struct kvs_dbuf *d_k = o->alloc(b, KVS_BUF_KV, n_kv), *d_dig = o->alloc(b, dk, ndig);
+        struct kvs_dbuf *d_q = o->alloc(b, KVS_BUF_ACT, (size_t)n * qd), *d_qn = o->alloc(b, KVS_BUF_ACT, (size_t)NS * qd);
+        struct kvs_dbuf *d_bt = o->alloc(b, KVS_BUF_I32, NS * MB), *d_wq = o->alloc(b, KVS_BUF_I32, NS + 1);
+        struct kvs_dbuf *d_wpos = o->alloc(b, KVS_BUF_I32, NS), *d_qs = o->alloc(b, KVS_BUF_I32, NS + 1);
+        struct kvs_dbuf *d_one = o->alloc(b, KVS_BUF_I32, NS + 1), *d_pos = o->alloc(b, KVS_BUF_I32, NS);
+        struct kvs_dbuf *d_keep = o->alloc(b, KVS_BUF_I32, NS), *d_sc = o->alloc(b, KVS_BUF_F32, nsc);
+        struct kvs_dbuf *d_sn = o->alloc(b, KVS_BUF_I32, NS * NKV), *d_sp = o->alloc(b, KVS_BUF_I32, nsp);
+        REQUIRE(d_k && d_dig && d_q && d_qn && d_bt && d_wq && d_wpos && d_qs && d_one && d_pos && d_keep && d_sc &&
+                d_sn && d_sp, "alloc");
+        o->upload(b, d_k, 0, k, n_kv);
+        o->upload(b, d_q, 0, q, (size_t)n * qd);
+        o->upload(b, d_qn, 0, qn, (size_t)NS * qd);
+        o->upload(b, d_bt, 0, bt, NS * MB);
+        o->upload(b, d_wq, 0, wq, NS + 1);
+        o->upload(b, d_wpos, 0, wpos, NS);
+        o->upload(b, d_qs, 0, qs, NS + 1);
+        o->upload(b, d_one, 0, one, NS + 1);
+        o->upload(b, d_pos, 0, newest, NS);
+        o->upload(b, d_keep, 0, keep, NS);
+        const struct kvs_attn_meta wm = {.n_seqs = NS, .max_blocks = MB, .q_start = d_wq, .pos = d_wpos,
+                                         .block_tables = d_bt, .h_q_start = wq, .h_pos = wpos, .max_ctx = MAXCTX};
+        if (bits < 16) K[bi]->qdigest_update(b, d_k, &wm, NKV, HD, BS, BS, bits, (size_t)n_pages, d_dig);
+        else K[bi]->digest_update(b, d_k, &wm, NKV, HD, BS, BS, d_dig);
+        /* 0: the windows' meta on q; 1: the gathered rows, one a sequence; 2 (CUDA): 0 with the fused kernel asked for */
+        for (int v = 0; v < (bi ? 3 : 2); v++) {
+            const struct kvs_attn_meta m = {.n_seqs = NS, .max_blocks = MB, .q_start = v == 1 ? d_one : d_qs,
+                                            .pos = d_pos, .block_tables = d_bt, .h_q_start = v == 1 ? one : qs,
+                                            .h_pos = newest, .max_ctx = MAXCTX};
+            const struct kvs_dbuf *qq = v == 1 ? d_qn : d_q;
+            o->zero(b, d_sc, 0, nsc);
+            if (bi) {
+                kvs_quest_cuda_select_path(v == 2 ? 2 : 0);
+                K[bi]->score_select(b, qq, d_dig, &m, d_keep, NS, NH, NKV, HD, BS, BS, bits, (size_t)n_pages, MB, MS,
+                                    d_sc, 1, d_sn, d_sp, NULL, NULL);
+                kvs_quest_cuda_select_path(0);
+                sn[v] = kvs_xmalloc(NS * NKV * 4), sp[v] = kvs_xmalloc(nsp * 4);
+                o->download(b, sn[v], d_sn, 0, NS * NKV);
+                o->download(b, sp[v], d_sp, 0, nsp);
+            } else if (bits < 16)
+                K[bi]->qscore(b, qq, d_dig, &m, d_keep, NS, NH, NKV, HD, BS, BS, bits, (size_t)n_pages, MB, d_sc);
+            else
+                K[bi]->score(b, qq, d_dig, &m, d_keep, NS, NH, NKV, HD, BS, BS, MB, d_sc);
+            sc[bi][v] = kvs_xmalloc(nsc * 4);
+            o->download(b, sc[bi][v], d_sc, 0, nsc);
+        }
+        struct kvs_dbuf *all[] = {d_k, d_dig, d_q, d_qn, d_bt, d_wq, d_wpos, d_qs, d_one, d_pos, d_keep, d_sc, d_sn, d_sp};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) o->free_buf(b, all[i]);
+    }
+    int cpu_same = 1, cuda_same = 1, fused_same = 1, scored = 0;
+    double err = 0;
+    for (int s = 0; s < NS; s++) {
+        const int cur = newest[s] / BS;
+        if (keep[s] > cur) continue;   /* keeps every page: no scores */
+        for (int g = 0; g < NKV; g++) {
+            const float *c0 = sc[0][0] + ((size_t)s * NKV + g) * MB;
+            double mag = 0;   /* relative to the row's largest score (test_cuda_kv_quest's measure) */
+            for (int p = 0; p < cur; p++)
+                if (isfinite(c0[p]) && fabs(c0[p]) > mag) mag = fabs(c0[p]);
+            for (int p = 0; p < cur; p++) {
+                const size_t i = ((size_t)s * NKV + g) * MB + p;
+                cpu_same &= !memcmp(&sc[0][0][i], &sc[0][1][i], 4);
+                cuda_same &= !memcmp(&sc[1][0][i], &sc[1][1][i], 4);
+                fused_same &= !memcmp(&sc[1][2][i], &sc[1][1][i], 4);
+                if (isfinite(c0[p])) {
+                    const double e = fabs((double)sc[1][0][i] - c0[p]) / (mag > 0 ? mag : 1);
+                    err = e > err ? e : err;
+                }
+                scored++;
+            }
+        }
+    }
+    int spans_same = 1, spans_fused = 1;
+    for (int t = 0; t < NS * NKV; t++) {
+        spans_same &= sn[0][t] == sn[1][t] && !memcmp(sp[0] + (size_t)t * MS * 2, sp[1] + (size_t)t * MS * 2, (size_t)sn[1][t] * 8);
+        spans_fused &= sn[2][t] == sn[1][t] && !memcmp(sp[2] + (size_t)t * MS * 2, sp[1] + (size_t)t * MS * 2, (size_t)sn[1][t] * 8);
+    }
+    CHECK(scored > 0, "no page scored");
+    CHECK(cpu_same, "bits %d: CPU scores of the windows' meta differ from the gathered rows'", bits);
+    CHECK(cuda_same && spans_same, "bits %d: CUDA scores %d / spans %d of the windows' meta differ from the gathered rows'",
+          bits, cuda_same, spans_same);
+    CHECK(fused_same && spans_fused, "bits %d: with the fused kernel asked for: scores %d spans %d", bits, fused_same,
+          spans_fused);
+    CHECK(err < 1e-5, "bits %d: CUDA scores vs CPU: %.3g", bits, err);
+    printf("score rows (bits %d): %d pages scored, %d window rows of %d sequences, CUDA vs CPU %.2g\n", bits, scored,
+           n, NS, err);
+    for (int v = 0; v < 3; v++) {
+        if (v < 2) free(sc[0][v]);
+        free(sc[1][v]), free(sn[v]), free(sp[v]);
+    }
+    free(k), free(q), free(qn);
+}
+
 static void test_fused(int nh, int nkv, int hd, int maxctx, int dens_max, int mask_kernel)
 {
     /* the step's mask: in the attend's walk where it fits (the default), or k_retro_mask */
@@ -722,6 +875,8 @@ int main(void)
     if (!bg) { fprintf(stderr, "cuda backend unavailable: %s\n", err); return 1; }
     REQUIRE(G->attention_spans && G->attn_merge && G->gather_rows, "the CUDA backend lacks a Retro primitive");
     for (int i = 0; i < 4; i++) test_step(i);
+    test_score_rows(16);
+    test_score_rows(8);
     test_table();
     static const int SH[][3] = {{8, 8, 64}, {8, 2, 128}, {32, 4, 128}, {16, 2, 64}, {8, 1, 128}, {32, 8, 128}, {4, 2, 16}};
     for (size_t i = 0; i < sizeof SH / sizeof SH[0]; i++) {
@@ -730,6 +885,9 @@ int main(void)
         test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 1);   /* the step's mask kernel */
     }
     unsetenv("KVS_CUDA_RETRO_MASK");
+    setenv("KVS_CUDA_RETRO_SPLITS", "up", 1);   /* main's split plan (the benches' A/B) */
+    for (size_t i = 0; i < 3; i++) test_fused(SH[i][0], SH[i][1], SH[i][2], 4096, 8, 0);
+    unsetenv("KVS_CUDA_RETRO_SPLITS");
     C->free(bc);
     G->free(bg);
     test_engine();

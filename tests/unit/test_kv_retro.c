@@ -239,9 +239,9 @@ static void run_policy(int w, int bits)
     struct kvs_dbuf *d_keep = O->alloc(be, KVS_BUF_I32, PS2), *d_sc = O->alloc(be, KVS_BUF_F32, PS2 * NKV * PMB);
     struct kvs_dbuf *d_nsel = O->alloc(be, KVS_BUF_I32, PS2 * NKV), *d_sel = O->alloc(be, KVS_BUF_I32, PS2 * NKV * PMB * 2);
     struct kvs_dbuf *d_nq = O->alloc(be, KVS_BUF_I32, PS2 + 1), *d_np = O->alloc(be, KVS_BUF_I32, PS2);
-    struct kvs_dbuf *qn = O->alloc(be, KVS_BUF_ACT, PS2 * NH * HD);
+    struct kvs_dbuf *qn = O->alloc(be, KVS_BUF_ACT, PS2 * NH * HD), *d_sc2 = O->alloc(be, KVS_BUF_F32, PS2 * NKV * PMB);
     REQUIRE(k2 && v2 && q && out && lse && d_qs && d_pos && d_bt && dig && d_keep && d_sc && d_nsel && d_sel && d_nq &&
-            d_np && qn, "alloc");
+            d_np && qn && d_sc2, "alloc");
     float *h = kvs_xmalloc(nkv_el * sizeof *h);
     for (size_t i = 0; i < nkv_el; i++) h[i] = frand();
     O->upload(be, k2, 0, h, nkv_el);
@@ -312,6 +312,26 @@ static void run_policy(int w, int bits)
         else
             K->score(be, qn, dig, &nm, d_keep, PS2, NH, NKV, HD, PS, PS, PMB, d_sc);
         K->select(be, d_sc, &nm, d_keep, PS2, NKV, PS, PMB, PMB, d_nsel, d_sel);
+        /* the same scores from the step's rows in place (kv_quest.h score: the last row of each
+         * sequence of q_start), as the policy asks for them: bitwise the gathered rows' */
+        struct kvs_attn_meta wm = nm;
+        wm.q_start = d_qs, wm.h_q_start = qs;
+        if (bits < 16)
+            K->qscore(be, q, dig, &wm, d_keep, PS2, NH, NKV, HD, PS, PS, bits, (size_t)nb, PMB, d_sc2);
+        else
+            K->score(be, q, dig, &wm, d_keep, PS2, NH, NKV, HD, PS, PS, PMB, d_sc2);
+        {
+            static float s1[PS2 * NKV * PMB], s2[PS2 * NKV * PMB];
+            O->download(be, s1, d_sc, 0, PS2 * NKV * PMB);
+            O->download(be, s2, d_sc2, 0, PS2 * NKV * PMB);
+            int same = 1;
+            for (int s = 0; s < PS2; s++)
+                if (keep[s] <= np[s] / PS)
+                    for (int g = 0; g < NKV; g++)
+                        same &= !memcmp(s1 + ((size_t)s * NKV + g) * PMB, s2 + ((size_t)s * NKV + g) * PMB,
+                                        (size_t)(np[s] / PS) * sizeof(float));
+            CHECK(same, "step %d: the scores of the rows in place differ from the gathered rows'", step);
+        }
         int32_t nsel[PS2 * NKV], sel[PS2 * NKV * PMB * 2];
         O->download(be, nsel, d_nsel, 0, PS2 * NKV);
         O->download(be, sel, d_sel, 0, PS2 * NKV * PMB * 2);
@@ -383,7 +403,7 @@ static void run_policy(int w, int bits)
     for (int s = 0; s < PS2; s++) dp->seq_free(st, s);
     dp->destroy(st);
     free(arena);
-    struct kvs_dbuf *bufs[] = {k2, v2, q, out, lse, d_qs, d_pos, d_bt, dig, d_keep, d_sc, d_nsel, d_sel, d_nq, d_np, qn};
+    struct kvs_dbuf *bufs[] = {k2, v2, q, out, lse, d_qs, d_pos, d_bt, dig, d_keep, d_sc, d_nsel, d_sel, d_nq, d_np, qn, d_sc2};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) O->free_buf(be, bufs[i]);
     kvs_config_free(&cfg);
 }
