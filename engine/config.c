@@ -155,7 +155,7 @@ static const struct key_def KEYS[] = {
     {"kv.quest.super_pages", T_INT, F(quest_super_pages), 0, 4096, "0", NULL, NULL,
      "Quest: two-level selection (an approximation of Quest's own): pages per super-page, whose min/max digests "
      "(the union of their pages') are scored first; only the pages of the top super-pages and of the last one (the "
-     "pages just before the current page) are scored and ranked (0: off, every page scored, Quest exactly; Retro ignores it)"},
+     "pages just before the current page) are scored and ranked (0: off, every page scored, Quest exactly; Retro refuses it)"},
     {"kv.quest.super_keep", T_DOUBLE, F(quest_super_keep), 1, 1e9, "2", NULL, NULL,
      "Quest with kv.quest.super_pages > 0: super-pages kept = min(all, ceil(super_keep x (kept pages - 1) / "
      "super_pages) + 1), the last one included, so their pages are at least super_keep times the pages to choose (>= 1; a value that "

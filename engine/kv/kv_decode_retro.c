@@ -226,6 +226,11 @@ static int retro_create(const struct kvs_kv_decode_env *env, void **state, char 
     if ((bits != 16 && bits != 8 && bits != 4) || (bits < 16 && env->head_dim * bits % 32))
         return kvs_err(err, errlen, -EINVAL, "config key 'kv.quest.digest_bits': %d (16, 8 or 4; 8 and 4 need "
                        "head_dim x bits a multiple of 32, head_dim is %d)", bits, env->head_dim);
+    /* Retro selects with Quest's one-level kernels; the two-level selection is Quest's alone */
+    if (c && c->quest_super_pages > 0)
+        return kvs_err(err, errlen, -ENOSYS, "config key 'kv.quest.super_pages' %d: the two-level selection is not "
+                       "implemented for kv.decode \"retro\" (set it to 0, or use kv.decode \"quest\")",
+                       c->quest_super_pages);
     if (!o->attention_spans || !o->attn_merge || !o->gather_rows)
         return kvs_err(err, errlen, -ENOSYS, "kv.decode \"retro\": backend %s lacks attention_spans, attn_merge or "
                        "gather_rows", o->name);

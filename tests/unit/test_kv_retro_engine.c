@@ -9,7 +9,8 @@
  *      differ from Quest's; the KL of both against full attention is printed;
  *   5. through the engine: greedy tokens of Retro w = 1 equal Quest's; 500 requests with
  *      shared prefixes, preemption and random cancellations leak no block and no request state,
- *      for kv.decode quest, retro (w = 4) and full in turn. */
+ *      for kv.decode quest, retro (w = 4) and full in turn;
+ *   6. Retro refuses kv.quest.super_pages (Quest's two-level selection) with a clear error. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -348,6 +349,21 @@ static void stress(const char *decode)
     kvs_config_free(&c);
 }
 
+/* 6. the two-level selection is Quest's alone: Retro refuses the key instead of ignoring it */
+static void test_refuses_super_pages(void)
+{
+    struct kvs_config c;
+    char err[256] = "";
+    struct kvs_runner *r = NULL;
+    base_cfg(&c, "retro");
+    REQUIRE(kvs_config_set(&c, "kv.quest.super_pages=16", err, sizeof err) == 0, "%s", err);
+    const int rc = kvs_runner_create(&c, model, &r, err, sizeof err);
+    CHECK(rc == -ENOSYS && r == NULL && strstr(err, "kv.quest.super_pages"),
+          "retro with kv.quest.super_pages 16: rc %d, \"%s\"", rc, err);
+    if (r) kvs_runner_free(r);
+    kvs_config_free(&c);
+}
+
 int main(void)
 {
     kvs_log_set_level(KVS_LOG_WARN);
@@ -357,6 +373,7 @@ int main(void)
     REQUIRE(kvs_kv_register_decode(&test_recompute) == 0, "register");
     test_runner();
     test_engine_tokens();
+    test_refuses_super_pages();
     stress("retro");
     kvs_retro_set_table_on_cpu(1);   /* the device path's slots, resets and caches under churn */
     stress("retro");
