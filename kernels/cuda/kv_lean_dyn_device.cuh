@@ -58,7 +58,8 @@ struct dyn_dev {
     int32_t *need_hi, *need_lo;   /* [max_jobs] */
     long long *off;               /* [max_jobs] */
     float *scratch;               /* [max_jobs][G][max_ctx + 1] */
-    int *done;                    /* split decode steps: merge blocks finished (0 between launches) */
+    int *done;                    /* split decode steps: [0] merges finished, [1] the page round's flag,
+                                   * [2 + job] the job's splits finished (all 0 between launches) */
     float *part, *part_o;         /* split decode steps: [max_parts][G] (m, l) pairs, [max_parts][G][hd] */
     /* the prefill (kvs_lean_dyn_cuda_reserve_rows): each row's (M, L) per q head [pf_rows][nq][2]
      * (its max logit and sum, the documents' part included) and the chunk tokens' score sums
@@ -75,6 +76,8 @@ struct kvs_lean_dyn_cuda {
     int splits, min_tokens;       /* a decode step's splits per head at most (0: the sequential path), and
                                    * the fewest tokens a split takes */
     int target;                   /* blocks a split launch aims at (2 per SM) */
+    int one;                      /* a decode step's layer in one launch (k_dyn_decode's DYN_ONE; 0: the
+                                   * split and merge launches before it, KVS_LEAN_DYN_ONE=0) */
     int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
     int max_rows_job, rows_total; /* set_jobs: a job's most rows, and the rows of every job of one KV head */
     /* the counters' snapshots (kvs_lean_dyn_cuda_snapshot): per group [pages, high, low, window,
@@ -117,6 +120,16 @@ __device__ __forceinline__ uint8_t *entry_at(const dyn_dev &D, int st, int high,
     const int32_t *t = D.tables + (long long)st * D.table_len;
     if (high) return D.pages + (long long)t[j / D.tp_hi] * D.page_bytes + (long long)(j % D.tp_hi) * D.entry_hi;
     return D.pages + (long long)t[D.table_len - 1 - j / D.tp_lo] * D.page_bytes + (long long)(j % D.tp_lo) * D.entry_lo;
+}
+
+/* entry_at with the page table read from L2: Algorithm 1's exit in the one-launch decode step
+ * runs right after the page round's block appended pages to the table in the same launch (this
+ * SM's L1 may hold the table's line from the split's reads, before the append) */
+__device__ __forceinline__ uint8_t *entry_at_cg(const dyn_dev &D, int st, int high, int j)
+{
+    const int32_t *t = D.tables + (long long)st * D.table_len;
+    if (high) return D.pages + (long long)__ldcg(&t[j / D.tp_hi]) * D.page_bytes + (long long)(j % D.tp_hi) * D.entry_hi;
+    return D.pages + (long long)__ldcg(&t[D.table_len - 1 - j / D.tp_lo]) * D.page_bytes + (long long)(j % D.tp_lo) * D.entry_lo;
 }
 
 __device__ __forceinline__ int32_t e_pos(const uint8_t *e) { int32_t p; memcpy(&p, e, 4); return p; }
