@@ -181,27 +181,38 @@ __device__ __forceinline__ bool sc_less(float s2, int j2, float s1, int j1)
 }
 
 /* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin): a
- * thread per entry, then the warps' shuffles and one pass over the warps' winners */
-__device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
+ * thread per entry, then the warps' shuffles and one pass over the warps' winners; the winner's
+ * header (position, score sum) comes along (*bpos, *bacc: the exit needs no second read of it).
+ * rs, ri, rp, ra: [warps] each */
+__device__ int section_argmin(const dyn_dev &D, const dyn_tab &T, int high, int n, int32_t last, float *best,
+                              int32_t *bpos, float *bacc, float *rs, int *ri, int32_t *rp, float *ra)
 {
-    float bs = 0;
+    float bs = 0, ba = 0;
     int bj = -1;
+    int32_t bp = 0;
     for (int j = threadIdx.x; j < n; j += DYN_THREADS) {
-        const uint8_t *e = entry_at_cg(D, st, high, j);
-        const float s = dyn_score(e_acc(e), e_pos(e), last);
-        if (bj < 0 || s < bs) bs = s, bj = j;
+        const uint8_t *e = entry_tab(D, T, high, j);
+        const float a = e_acc(e);
+        const int32_t p = e_pos(e);
+        const float s = dyn_score(a, p, last);
+        if (bj < 0 || s < bs) bs = s, bj = j, bp = p, ba = a;
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
         const int j2 = __shfl_xor_sync(0xffffffffu, bj, o);
-        if (sc_less(s2, j2, bs, bj)) bs = s2, bj = j2;
+        const int32_t p2 = __shfl_xor_sync(0xffffffffu, bp, o);
+        const float a2 = __shfl_xor_sync(0xffffffffu, ba, o);
+        if (sc_less(s2, j2, bs, bj)) bs = s2, bj = j2, bp = p2, ba = a2;
     }
-    if ((threadIdx.x & 31) == 0) rs[threadIdx.x >> 5] = bs, ri[threadIdx.x >> 5] = bj;
+    if ((threadIdx.x & 31) == 0) {
+        const int w = threadIdx.x >> 5;
+        rs[w] = bs, ri[w] = bj, rp[w] = bp, ra[w] = ba;
+    }
     __syncthreads();
-    bs = rs[0], bj = ri[0];
+    bs = rs[0], bj = ri[0], bp = rp[0], ba = ra[0];
     for (int w = 1; w < DYN_WARPS; w++)
-        if (sc_less(rs[w], ri[w], bs, bj)) bs = rs[w], bj = ri[w];
-    *best = bs;
+        if (sc_less(rs[w], ri[w], bs, bj)) bs = rs[w], bj = ri[w], bp = rp[w], ba = ra[w];
+    *best = bs, *bpos = bp, *bacc = ba;
     __syncthreads();
     return bj;
 }
@@ -239,9 +250,12 @@ __device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes, int t0
  * counts (serial by nature: a few comparisons); the vectors are the block's: the leaving
  * token's K and V are read by all threads and quantized by warps 0 and 1 at once, the
  * section's argmin is a block reduction, a demoted victim is dequantized by all threads, then
- * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it. */
+ * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it.
+ * T: the head's page table (dyn_tab). pre: the caller read the oldest window token ahead (its K
+ * and V in kx / vx, its position and score sum in ppos / pacc: the split decode step's merge
+ * reads them beside its other loads, not after them); rs: 4 x [warps] words of scratch, ri = rs + warps. */
 __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
-                         int *ri, int *sh)
+                         int *ri, int *sh, const dyn_tab &T, int pre, int32_t ppos, float pacc)
 {
     const int hd = D.hd, W = D.W;
     /* sh: [0] tier, [1] window slot, [2] the new entry's index in its section; [3] the victim's
@@ -251,8 +265,8 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
         sh[0] = 0;
         if (h->w_n > W) {
             const int cw = h->w_start;
-            const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
-            const float tacc = D.wacc[(long long)st * (W + 1) + cw];
+            const int32_t tpos = pre ? ppos : D.wpos[(long long)st * (W + 1) + cw];
+            const float tacc = pre ? pacc : D.wacc[(long long)st * (W + 1) + cw];
             const float s = dyn_score(tacc, tpos, h->last_pos);
             h->w_start = (h->w_start + 1) % (W + 1);
             h->w_n--;
@@ -267,7 +281,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
                 int *n_sec = hi ? &h->n_high : &h->n_low, *max_sec = hi ? &h->max_high : &h->max_low;
                 sh[2] = (*n_sec)++;
                 if (*n_sec > *max_sec) *max_sec = *n_sec;
-                e_set(entry_at_cg(D, st, hi, sh[2]), tpos, tacc);
+                e_set(entry_tab(D, T, hi, sh[2]), tpos, tacc);
             }
             sh[0] = tier, sh[1] = cw;
         }
@@ -278,20 +292,21 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     if (!tier) return;
     const int hi = tier == KVS_LEAN_HIGH;
     {
-        const long long wo = ((long long)st * (W + 1) + sh[1]) * hd;
-        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
-            kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
-        __syncthreads();
-        e_quant(entry_at_cg(D, st, hi, sh[2]), fmt_of(D, hi), hd, kx, vx);
+        if (!pre) {
+            const long long wo = ((long long)st * (W + 1) + sh[1]) * hd;
+            for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+                kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
+            __syncthreads();
+        }
+        e_quant(entry_tab(D, T, hi, sh[2]), fmt_of(D, hi), hd, kx, vx);
     }
     /* the argmin reads the entries' headers only (thread 0 set the new one's above) */
-    float sv;
-    const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
+    float sv, vacc;
+    int32_t vpos;
+    const int j = section_argmin(D, T, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, &vpos, &vacc, rs, ri,
+                                 ri + DYN_WARPS, rs + 3 * DYN_WARPS);
     if (threadIdx.x == 0) {
         const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
-        const uint8_t *ve = entry_at_cg(D, st, hi, j);
-        const int32_t vpos = e_pos(ve);
-        const float vacc = e_acc(ve);
         int *n_sec = hi ? &h->n_high : &h->n_low;
         ev->victim_pos = vpos, ev->victim_score = sv, ev->victim_action = KVS_LEAN_KEPT;
         sh[3] = 0, sh[4] = j;
@@ -304,7 +319,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
             sh[5] = --*n_sec;
             sh[6] = h->n_low++;
             if (h->n_low > h->max_low) h->max_low = h->n_low;
-            e_set(entry_at_cg(D, st, 0, sh[6]), vpos, vacc);
+            e_set(entry_tab(D, T, 0, sh[6]), vpos, vacc);
             ev->victim_action = KVS_LEAN_DEMOTED;
             sh[3] = 2;
         }
@@ -313,14 +328,14 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     const int act = sh[3];
     if (act) {
         const dyn_fmt f = fmt_of(D, hi);
-        uint8_t *ve = entry_at_cg(D, st, hi, sh[4]);
-        const uint8_t *last = entry_at_cg(D, st, hi, sh[5]);
+        uint8_t *ve = entry_tab(D, T, hi, sh[4]);
+        const uint8_t *last = entry_tab(D, T, hi, sh[5]);
         if (act == 2) {
             /* the victim's vectors first (it is overwritten next), then the low entry (warps 0
              * and 1) and the hole (the other warps) at once: three distinct entries */
             e_dequant(ve, f, hd, kx, vx);
             __syncthreads();
-            e_quant(entry_at_cg(D, st, 0, sh[6]), fmt_of(D, 0), hd, kx, vx);
+            e_quant(entry_tab(D, T, 0, sh[6]), fmt_of(D, 0), hd, kx, vx);
             e_move(ve, last, f.bytes, 64);
         } else {
             e_move(ve, last, f.bytes, 0);
@@ -331,7 +346,34 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
 
 /* f(i, x) for every element of r's vector in order, x = tv_elem(r, i) to the bit, read a 32-bit
  * word at a time (a word holds 32 / bits codes, or two 16-bit values) where the codes are
- * 4-byte aligned and fill whole words; else one element at a time */
+ * 4-byte aligned and fill whole words; else one element at a time. The words come in groups of
+ * TV_BURST, all loads of a group issued before any use: a loop of load-then-use exposed one L2
+ * round trip per word (16 for a 64-dim K8 key), the split decode step's longest chain
+ * (bench/RESULTS.md, part 18); f still sees the elements in order, so the sums are the same. */
+#define TV_BURST 8
+template <int BITS, typename F> __device__ __forceinline__ void tv_words(const dyn_tv &r, const uint32_t *w, int nw, F f)
+{
+    for (int c0 = 0; c0 < nw; c0 += TV_BURST) {
+        uint32_t u[TV_BURST];
+#pragma unroll
+        for (int e = 0; e < TV_BURST; e++) u[e] = c0 + e < nw ? w[c0 + e] : 0u;
+#pragma unroll
+        for (int e = 0; e < TV_BURST; e++) {
+            if (c0 + e >= nw) break;
+            const int c = c0 + e;
+            if (BITS == 0) {
+                f(2 * c, __uint_as_float(u[e] << 16)), f(2 * c + 1, __uint_as_float(u[e] & 0xffff0000u));
+            } else if (BITS == 16) {
+                f(2 * c, lean_h2f((uint16_t)(u[e] & 0xffffu))), f(2 * c + 1, lean_h2f((uint16_t)(u[e] >> 16)));
+            } else {
+                constexpr int per = BITS ? 32 / BITS : 1, mask = (1 << BITS) - 1;
+#pragma unroll
+                for (int k = 0; k < per; k++) f(per * c + k, tv_code(r, u[e] >> (BITS * k) & mask));
+            }
+        }
+    }
+}
+
 template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, int hd, F f)
 {
     const int bits = r.bits ? r.bits : 16;
@@ -341,35 +383,11 @@ template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, i
     }
     const uint32_t *w = reinterpret_cast<const uint32_t *>(r.p);
     const int nw = hd * bits / 32;
-    if (r.bits == 0) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-            f(2 * c, __uint_as_float(u << 16)), f(2 * c + 1, __uint_as_float(u & 0xffff0000u));
-        }
-    } else if (r.bits == 16) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-            f(2 * c, lean_h2f((uint16_t)(u & 0xffffu))), f(2 * c + 1, lean_h2f((uint16_t)(u >> 16)));
-        }
-    } else if (r.bits == 8) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 4; e++) f(4 * c + e, tv_code(r, u >> (8 * e) & 0xffu));
-        }
-    } else if (r.bits == 4) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 8; e++) f(8 * c + e, tv_code(r, u >> (4 * e) & 0xfu));
-        }
-    } else {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 16; e++) f(16 * c + e, tv_code(r, u >> (2 * e) & 0x3u));
-        }
-    }
+    if (r.bits == 0) tv_words<0>(r, w, nw, f);
+    else if (r.bits == 16) tv_words<16>(r, w, nw, f);
+    else if (r.bits == 8) tv_words<8>(r, w, nw, f);
+    else if (r.bits == 4) tv_words<4>(r, w, nw, f);
+    else tv_words<2>(r, w, nw, f);
 }
 
 /* The logits of tokens [t0, t1) of a head for the G q heads of its group (queries qs, [G][hd]): a
@@ -420,7 +438,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
     float *kx = ps + GM * DYN_THREADS, *vx = kx + hd;  /* [hd] x 2: the exit's vectors */
     float *red = vx + hd;                              /* [GM][warps] */
     float *rs = red + GM * DYN_WARPS;                  /* [warps] */
-    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
+    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] (+ 2 x [warps]: the exit's argmin) */
     __shared__ dyn_head h;
     __shared__ int sh[8];
     __shared__ dyn_tv tv[DYN_THREADS];
@@ -547,7 +565,8 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
             __syncthreads();
         }
         /* 3. the oldest window token leaves */
-        if (phases & KVS_LEAN_DYN_EXIT) dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+        if (phases & KVS_LEAN_DYN_EXIT)
+            dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, dyn_tab{D.tables + (long long)st * D.table_len, 1}, 0, 0, 0.0f);
         __syncthreads();
     }
     if (threadIdx.x == 0) D.heads[st] = h;
@@ -636,7 +655,7 @@ __device__ void dyn_split_body(const dyn_dev &D, const float *q, const float *k,
                 }
         }
         __syncthreads();
-#pragma unroll 2
+#pragma unroll 4   /* four tokens' codes in flight per warp (was 2: a round trip per two tokens) */
         for (int j = warp; j < tn; j += DYN_WARPS) {
             const dyn_tv rv = tv[j];
             float x[KM];
@@ -671,17 +690,23 @@ __device__ void dyn_split_body(const dyn_dev &D, const float *q, const float *k,
     }
 }
 
+/* the merge of job `job` (every thread of the block). tab: the head's page table is copied to
+ * shared memory first (after rs / ri: table_len words), so the scores' and the exit's lookups
+ * cost no global round trip (0: read from L2 where used, KVS_LEAN_DYN_TAB=0: A/B) */
 template <int GM>
 __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens,
-                               int job)
+                               int job, int tab)
 {
     extern __shared__ float sm[];
     const int hd = D.hd, G = D.G, W = D.W;
     float *kx = sm, *vx = kx + hd;                     /* [hd] x 2: the exit's vectors */
-    float *rs = vx + hd;                               /* [warps] */
-    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
+    float *rs = vx + hd;                               /* [warps] x 4: the argmin's */
+    int *ri = (int *)(rs + DYN_WARPS);
+    int32_t *ts = (int32_t *)(rs + 4 * DYN_WARPS);     /* [table_len] (tab) */
     __shared__ dyn_head h;
     __shared__ int sh[8];
+    __shared__ int32_t ex_pos;
+    __shared__ float ex_acc;
     if (__ldcg(&D.pm->err)) return;   /* L2: in one launch a layer the round ran beside this block */
     const struct kvs_lean_dyn_cuda_job J = D.jobs[job];
     if (J.head < 0 || J.rows != 1) return;
@@ -695,6 +720,20 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     }
     __syncthreads();
     const int nhl = h.n_high + h.n_low, n = nhl + h.w_n;
+    /* issued together, ahead of the merge (none depends on another): the head's page table, and
+     * when a token leaves the window (W > 0: not the slot just joined) its K, V and position; L2
+     * reads (the round's block appended to the table in this launch) */
+    const int32_t *trow = D.tables + (long long)st * D.table_len;
+    if (tab)
+        for (int i = threadIdx.x; i < D.table_len; i += DYN_THREADS) ts[i] = __ldcg(trow + i);
+    const int pre = W > 0 && h.w_n > W;
+    if (pre) {
+        const long long wo = ((long long)st * (W + 1) + h.w_start) * hd;
+        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+            kx[i] = __bfloat162float(__ldcg(D.wk + wo + i)), vx[i] = __bfloat162float(__ldcg(D.wv + wo + i));
+        if (threadIdx.x == 0) ex_pos = __ldcg(D.wpos + (long long)st * (W + 1) + h.w_start);
+    }
+    const dyn_tab T = tab ? dyn_tab{ts, 0} : dyn_tab{trow, 1};
     const int c = max((n + splits - 1) / splits, min_tokens), ns = (n + c - 1) / c;
     const dyn_part *part = reinterpret_cast<const dyn_part *>(D.part) + (long long)job * splits * G;
     const float *po = D.part_o + (long long)job * splits * G * hd;
@@ -724,6 +763,7 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     }
     /* scores: every token's probability (max over the group) */
     const float *lg = D.scratch + (long long)job * G * (D.max_ctx + 1);
+    __syncthreads();   /* the table's copy */
     for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
         float sc = 0.0f;
 #pragma unroll
@@ -734,14 +774,17 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
             }
         if (t < nhl) {
             const int hi = t < h.n_high;
-            uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
+            uint8_t *en = entry_tab(D, T, hi, hi ? t : t - h.n_high);
             e_set(en, e_pos(en), e_acc(en) + sc);
         } else {
-            D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+            float *wa = D.wacc + (long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1);
+            const float a = *wa + sc;
+            *wa = a;
+            if (t == nhl) ex_acc = a;   /* the oldest window token's: the exit's */
         }
     }
     __syncthreads();
-    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, T, pre, ex_pos, ex_acc);
     __syncthreads();
     if (threadIdx.x == 0) D.heads[st] = h;
 }
@@ -765,7 +808,7 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
 template <int GM, int KM>
 __global__ void __launch_bounds__(DYN_THREADS) k_dyn_decode(dyn_dev D, const float *q, const float *k, const float *v,
                                                            const float *ext, float *out, float scale, int layer,
-                                                           int splits, int min_tokens, int round, int form)
+                                                           int splits, int min_tokens, int round, int form, int tab)
 {
     __shared__ int last;
     const int n_jobs = (int)gridDim.x - 1, job = (int)blockIdx.x - 1;
@@ -795,7 +838,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_decode(dyn_dev D, const flo
         if (!last) return;
         __threadfence();
     }
-    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens, job);
+    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens, job, tab);
     if (!round) return;
     __threadfence();
     __syncthreads();
@@ -879,6 +922,8 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     if (x->min_tokens < 1) x->min_tokens = 1;
     const char *eo = getenv("KVS_LEAN_DYN_ONE");   /* 0: the two launches a layer (A/B) */
     x->one = !(eo && *eo && atoi(eo) == 0);
+    const char *et = getenv("KVS_LEAN_DYN_TAB");   /* 0: the merge reads the page table from L2 (A/B) */
+    x->tab = !(et && *et && atoi(et) == 0);
     x->max_parts = max_jobs > x->target ? max_jobs : x->target;
     DALLOC(D.part, (size_t)x->max_parts * c->group * 2 * sizeof(float));
     DALLOC(D.part_o, (size_t)x->max_parts * c->group * c->head_dim * sizeof(float));
@@ -948,7 +993,7 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     const dyn_dev &D = x->d;
     const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
     const size_t smem = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + 2 * D.hd + GM * DYN_WARPS + DYN_WARPS) *
-                            sizeof(float) + DYN_WARPS * sizeof(int);
+                            sizeof(float) + 3 * DYN_WARPS * sizeof(int);
     const float *qd = q ? (const float *)q->d : NULL, *kd = k ? (const float *)k->d : NULL;
     const float *vd = v ? (const float *)v->d : NULL;
     float *od = out ? (float *)out->d : NULL;
@@ -961,7 +1006,11 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         if (S > x->max_parts / n_jobs) S = x->max_parts / n_jobs;
         if (S < 1) S = 1;
         const size_t ssm = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + GM * DYN_WARPS) * sizeof(float);
-        const size_t msm = (size_t)(2 * D.hd + DYN_WARPS) * sizeof(float) + DYN_WARPS * sizeof(int);
+        size_t msm = (size_t)(2 * D.hd + 4 * DYN_WARPS) * sizeof(float);
+        /* the merge's copy of the page table where it fits the default 48 KiB */
+        const int tab = x->tab && msm + (size_t)D.table_len * sizeof(int32_t) <= 48 * 1024 &&
+                        ssm <= 48 * 1024;
+        if (tab) msm += (size_t)D.table_len * sizeof(int32_t);
         const size_t dsm = ssm > msm ? ssm : msm;
         /* + the page round's block, first (x = 0): one launch a layer waits for it */
         const dim3 grid((unsigned)n_jobs + 1, (unsigned)S), mgrid((unsigned)n_jobs + 1, 1);
@@ -971,7 +1020,7 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
             const dim3 gr = form == DYN_TWO_MERGE ? mgrid : grid;
 #define DYN_DECODE(gm, km)                                                                                          \
     if (GM == gm && KM == km)                                                                                       \
-        k_dyn_decode<gm, km><<<gr, DYN_THREADS, dsm, s>>>(D, qd, kd, vd, ed, od, scale, layer, S, x->min_tokens, round, form)
+        k_dyn_decode<gm, km><<<gr, DYN_THREADS, dsm, s>>>(D, qd, kd, vd, ed, od, scale, layer, S, x->min_tokens, round, form, tab)
             DYN_DECODE(2, 2); DYN_DECODE(2, 4); DYN_DECODE(2, 8);
             DYN_DECODE(4, 2); DYN_DECODE(4, 4); DYN_DECODE(4, 8);
             DYN_DECODE(8, 2); DYN_DECODE(8, 4); DYN_DECODE(8, 8);

@@ -823,6 +823,8 @@ int main(void)
     /* the decode steps' two-launch form (KVS_LEAN_DYN_ONE=0, read at create; the default is one
      * launch a layer): the split cases and a default-split one again */
     static char names[sizeof cases / sizeof cases[0]][96];
+    const char *one_env = getenv("KVS_LEAN_DYN_ONE");   /* the caller's choice, back after these */
+    char *one_saved = one_env ? kvs_xstrdup(one_env) : NULL;
     setenv("KVS_LEAN_DYN_ONE", "0", 1);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         if (cases[i].split <= 0 && i != 0) continue;
@@ -834,6 +836,8 @@ int main(void)
     test_enospc_decode("two launches");
     unsetenv("KVS_LEAN_DYN_ONE");
     test_enospc_decode("one launch");
+    if (one_saved) setenv("KVS_LEAN_DYN_ONE", one_saved, 1);
+    free(one_saved);
     test_enospc();
     test_engine();
     test_engine_docs();
