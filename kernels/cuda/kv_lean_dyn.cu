@@ -90,7 +90,7 @@ template <int NT> __device__ void dyn_trim_body(const dyn_dev &D, int n_jobs, in
     __shared__ long long carry;
     if (threadIdx.x == 0) carry = 0;
     __syncthreads();
-    if (D.pm->err) return;
+    if (__ldcg(&D.pm->err)) return;
     const long long tail = D.pm->tail;
     for (int base = 0; base < n_jobs; base += NT) {
         const int i = base + threadIdx.x;
@@ -99,9 +99,10 @@ template <int NT> __device__ void dyn_trim_body(const dyn_dev &D, int n_jobs, in
         if (i < n_jobs && D.jobs[i].head >= 0) {
             st = D.jobs[i].head + layer * D.layer_stride;
             /* L2 reads: in a split step the trim runs in the merge's last block, right after the other
-             * blocks wrote these (an SM's L1 could hold an older copy of the line) */
+             * blocks wrote these, the round's block the page counts and tables in the one-launch
+             * form (an SM's L1 could hold an older copy of the line) */
             kh = pages_for(__ldcg(&D.heads[st].max_high), D.tp_hi), kl = pages_for(__ldcg(&D.heads[st].max_low), D.tp_lo);
-            rel = max(D.nhp[st] - kh, 0) + max(D.nlp[st] - kl, 0);
+            rel = max(__ldcg(&D.nhp[st]) - kh, 0) + max(__ldcg(&D.nlp[st]) - kl, 0);
         }
         long long excl, tot;
         dyn_scan(tmp).ExclusiveSum(rel, excl, tot);
@@ -109,8 +110,12 @@ template <int NT> __device__ void dyn_trim_body(const dyn_dev &D, int n_jobs, in
             /* as kvs_lean_pm_trim: high pages last first, then low pages innermost first */
             const int32_t *t = D.tables + (long long)st * D.table_len;
             long long at = tail + carry + excl;
-            while (D.nhp[st] > kh && D.nhp[st] > 0) D.ring[at++ % D.n_pages] = t[--D.nhp[st]];
-            while (D.nlp[st] > kl && D.nlp[st] > 0) D.ring[at++ % D.n_pages] = t[D.table_len - D.nlp[st]--];
+            const int nh0 = __ldcg(&D.nhp[st]), nl0 = __ldcg(&D.nlp[st]);
+            int nh = nh0, nl = nl0;
+            while (nh > kh && nh > 0) D.ring[at++ % D.n_pages] = __ldcg(&t[--nh]);
+            while (nl > kl && nl > 0) D.ring[at++ % D.n_pages] = __ldcg(&t[D.table_len - nl--]);
+            if (nh != nh0) D.nhp[st] = nh;
+            if (nl != nl0) D.nlp[st] = nl;
         }
         __syncthreads();
         if (threadIdx.x == 0) carry += tot;
@@ -176,27 +181,38 @@ __device__ __forceinline__ bool sc_less(float s2, int j2, float s1, int j1)
 }
 
 /* argmin of the section's scores, first index on ties (kv_lean_dyn.c's section_argmin): a
- * thread per entry, then the warps' shuffles and one pass over the warps' winners */
-__device__ int section_argmin(const dyn_dev &D, int st, int high, int n, int32_t last, float *best, float *rs, int *ri)
+ * thread per entry, then the warps' shuffles and one pass over the warps' winners; the winner's
+ * header (position, score sum) comes along (*bpos, *bacc: the exit needs no second read of it).
+ * rs, ri, rp, ra: [warps] each */
+__device__ int section_argmin(const dyn_dev &D, const dyn_tab &T, int high, int n, int32_t last, float *best,
+                              int32_t *bpos, float *bacc, float *rs, int *ri, int32_t *rp, float *ra)
 {
-    float bs = 0;
+    float bs = 0, ba = 0;
     int bj = -1;
+    int32_t bp = 0;
     for (int j = threadIdx.x; j < n; j += DYN_THREADS) {
-        const uint8_t *e = entry_at(D, st, high, j);
-        const float s = dyn_score(e_acc(e), e_pos(e), last);
-        if (bj < 0 || s < bs) bs = s, bj = j;
+        const uint8_t *e = entry_tab(D, T, high, j);
+        const float a = e_acc(e);
+        const int32_t p = e_pos(e);
+        const float s = dyn_score(a, p, last);
+        if (bj < 0 || s < bs) bs = s, bj = j, bp = p, ba = a;
     }
     for (int o = 16; o > 0; o >>= 1) {
         const float s2 = __shfl_xor_sync(0xffffffffu, bs, o);
         const int j2 = __shfl_xor_sync(0xffffffffu, bj, o);
-        if (sc_less(s2, j2, bs, bj)) bs = s2, bj = j2;
+        const int32_t p2 = __shfl_xor_sync(0xffffffffu, bp, o);
+        const float a2 = __shfl_xor_sync(0xffffffffu, ba, o);
+        if (sc_less(s2, j2, bs, bj)) bs = s2, bj = j2, bp = p2, ba = a2;
     }
-    if ((threadIdx.x & 31) == 0) rs[threadIdx.x >> 5] = bs, ri[threadIdx.x >> 5] = bj;
+    if ((threadIdx.x & 31) == 0) {
+        const int w = threadIdx.x >> 5;
+        rs[w] = bs, ri[w] = bj, rp[w] = bp, ra[w] = ba;
+    }
     __syncthreads();
-    bs = rs[0], bj = ri[0];
+    bs = rs[0], bj = ri[0], bp = rp[0], ba = ra[0];
     for (int w = 1; w < DYN_WARPS; w++)
-        if (sc_less(rs[w], ri[w], bs, bj)) bs = rs[w], bj = ri[w];
-    *best = bs;
+        if (sc_less(rs[w], ri[w], bs, bj)) bs = rs[w], bj = ri[w], bp = rp[w], ba = ra[w];
+    *best = bs, *bpos = bp, *bacc = ba;
     __syncthreads();
     return bj;
 }
@@ -234,9 +250,12 @@ __device__ void e_move(uint8_t *to, const uint8_t *from, long long bytes, int t0
  * counts (serial by nature: a few comparisons); the vectors are the block's: the leaving
  * token's K and V are read by all threads and quantized by warps 0 and 1 at once, the
  * section's argmin is a block reduction, a demoted victim is dequantized by all threads, then
- * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it. */
+ * re-quantized by warps 0 / 1 while the other warps fill its hole. Every thread calls it.
+ * T: the head's page table (dyn_tab). pre: the caller read the oldest window token ahead (its K
+ * and V in kx / vx, its position and score sum in ppos / pacc: the split decode step's merge
+ * reads them beside its other loads, not after them); rs: 4 x [warps] words of scratch, ri = rs + warps. */
 __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_event *ev, float *kx, float *vx, float *rs,
-                         int *ri, int *sh)
+                         int *ri, int *sh, const dyn_tab &T, int pre, int32_t ppos, float pacc)
 {
     const int hd = D.hd, W = D.W;
     /* sh: [0] tier, [1] window slot, [2] the new entry's index in its section; [3] the victim's
@@ -246,8 +265,8 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
         sh[0] = 0;
         if (h->w_n > W) {
             const int cw = h->w_start;
-            const int32_t tpos = D.wpos[(long long)st * (W + 1) + cw];
-            const float tacc = D.wacc[(long long)st * (W + 1) + cw];
+            const int32_t tpos = pre ? ppos : D.wpos[(long long)st * (W + 1) + cw];
+            const float tacc = pre ? pacc : D.wacc[(long long)st * (W + 1) + cw];
             const float s = dyn_score(tacc, tpos, h->last_pos);
             h->w_start = (h->w_start + 1) % (W + 1);
             h->w_n--;
@@ -262,7 +281,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
                 int *n_sec = hi ? &h->n_high : &h->n_low, *max_sec = hi ? &h->max_high : &h->max_low;
                 sh[2] = (*n_sec)++;
                 if (*n_sec > *max_sec) *max_sec = *n_sec;
-                e_set(entry_at(D, st, hi, sh[2]), tpos, tacc);
+                e_set(entry_tab(D, T, hi, sh[2]), tpos, tacc);
             }
             sh[0] = tier, sh[1] = cw;
         }
@@ -273,20 +292,21 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     if (!tier) return;
     const int hi = tier == KVS_LEAN_HIGH;
     {
-        const long long wo = ((long long)st * (W + 1) + sh[1]) * hd;
-        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
-            kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
-        __syncthreads();
-        e_quant(entry_at(D, st, hi, sh[2]), fmt_of(D, hi), hd, kx, vx);
+        if (!pre) {
+            const long long wo = ((long long)st * (W + 1) + sh[1]) * hd;
+            for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+                kx[i] = __bfloat162float(D.wk[wo + i]), vx[i] = __bfloat162float(D.wv[wo + i]);
+            __syncthreads();
+        }
+        e_quant(entry_tab(D, T, hi, sh[2]), fmt_of(D, hi), hd, kx, vx);
     }
     /* the argmin reads the entries' headers only (thread 0 set the new one's above) */
-    float sv;
-    const int j = section_argmin(D, st, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, rs, ri);
+    float sv, vacc;
+    int32_t vpos;
+    const int j = section_argmin(D, T, hi, hi ? h->n_high : h->n_low, h->last_pos, &sv, &vpos, &vacc, rs, ri,
+                                 ri + DYN_WARPS, rs + 3 * DYN_WARPS);
     if (threadIdx.x == 0) {
         const double N = (double)h->seen, th = D.alpha_h / N, tl = D.alpha_l / N;
-        const uint8_t *ve = entry_at(D, st, hi, j);
-        const int32_t vpos = e_pos(ve);
-        const float vacc = e_acc(ve);
         int *n_sec = hi ? &h->n_high : &h->n_low;
         ev->victim_pos = vpos, ev->victim_score = sv, ev->victim_action = KVS_LEAN_KEPT;
         sh[3] = 0, sh[4] = j;
@@ -299,7 +319,7 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
             sh[5] = --*n_sec;
             sh[6] = h->n_low++;
             if (h->n_low > h->max_low) h->max_low = h->n_low;
-            e_set(entry_at(D, st, 0, sh[6]), vpos, vacc);
+            e_set(entry_tab(D, T, 0, sh[6]), vpos, vacc);
             ev->victim_action = KVS_LEAN_DEMOTED;
             sh[3] = 2;
         }
@@ -308,14 +328,14 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
     const int act = sh[3];
     if (act) {
         const dyn_fmt f = fmt_of(D, hi);
-        uint8_t *ve = entry_at(D, st, hi, sh[4]);
-        const uint8_t *last = entry_at(D, st, hi, sh[5]);
+        uint8_t *ve = entry_tab(D, T, hi, sh[4]);
+        const uint8_t *last = entry_tab(D, T, hi, sh[5]);
         if (act == 2) {
             /* the victim's vectors first (it is overwritten next), then the low entry (warps 0
              * and 1) and the hole (the other warps) at once: three distinct entries */
             e_dequant(ve, f, hd, kx, vx);
             __syncthreads();
-            e_quant(entry_at(D, st, 0, sh[6]), fmt_of(D, 0), hd, kx, vx);
+            e_quant(entry_tab(D, T, 0, sh[6]), fmt_of(D, 0), hd, kx, vx);
             e_move(ve, last, f.bytes, 64);
         } else {
             e_move(ve, last, f.bytes, 0);
@@ -326,7 +346,34 @@ __device__ void dyn_exit(const dyn_dev &D, int st, dyn_head *h, struct kvs_lean_
 
 /* f(i, x) for every element of r's vector in order, x = tv_elem(r, i) to the bit, read a 32-bit
  * word at a time (a word holds 32 / bits codes, or two 16-bit values) where the codes are
- * 4-byte aligned and fill whole words; else one element at a time */
+ * 4-byte aligned and fill whole words; else one element at a time. The words come in groups of
+ * TV_BURST, all loads of a group issued before any use: a loop of load-then-use exposed one L2
+ * round trip per word (16 for a 64-dim K8 key), the split decode step's longest chain
+ * (bench/RESULTS.md, part 18); f still sees the elements in order, so the sums are the same. */
+#define TV_BURST 8
+template <int BITS, typename F> __device__ __forceinline__ void tv_words(const dyn_tv &r, const uint32_t *w, int nw, F f)
+{
+    for (int c0 = 0; c0 < nw; c0 += TV_BURST) {
+        uint32_t u[TV_BURST];
+#pragma unroll
+        for (int e = 0; e < TV_BURST; e++) u[e] = c0 + e < nw ? w[c0 + e] : 0u;
+#pragma unroll
+        for (int e = 0; e < TV_BURST; e++) {
+            if (c0 + e >= nw) break;
+            const int c = c0 + e;
+            if (BITS == 0) {
+                f(2 * c, __uint_as_float(u[e] << 16)), f(2 * c + 1, __uint_as_float(u[e] & 0xffff0000u));
+            } else if (BITS == 16) {
+                f(2 * c, lean_h2f((uint16_t)(u[e] & 0xffffu))), f(2 * c + 1, lean_h2f((uint16_t)(u[e] >> 16)));
+            } else {
+                constexpr int per = BITS ? 32 / BITS : 1, mask = (1 << BITS) - 1;
+#pragma unroll
+                for (int k = 0; k < per; k++) f(per * c + k, tv_code(r, u[e] >> (BITS * k) & mask));
+            }
+        }
+    }
+}
+
 template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, int hd, F f)
 {
     const int bits = r.bits ? r.bits : 16;
@@ -336,35 +383,11 @@ template <typename F> __device__ __forceinline__ void tv_each(const dyn_tv &r, i
     }
     const uint32_t *w = reinterpret_cast<const uint32_t *>(r.p);
     const int nw = hd * bits / 32;
-    if (r.bits == 0) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-            f(2 * c, __uint_as_float(u << 16)), f(2 * c + 1, __uint_as_float(u & 0xffff0000u));
-        }
-    } else if (r.bits == 16) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-            f(2 * c, lean_h2f((uint16_t)(u & 0xffffu))), f(2 * c + 1, lean_h2f((uint16_t)(u >> 16)));
-        }
-    } else if (r.bits == 8) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 4; e++) f(4 * c + e, tv_code(r, u >> (8 * e) & 0xffu));
-        }
-    } else if (r.bits == 4) {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 8; e++) f(8 * c + e, tv_code(r, u >> (4 * e) & 0xfu));
-        }
-    } else {
-        for (int c = 0; c < nw; c++) {
-            const uint32_t u = w[c];
-#pragma unroll
-            for (int e = 0; e < 16; e++) f(16 * c + e, tv_code(r, u >> (2 * e) & 0x3u));
-        }
-    }
+    if (r.bits == 0) tv_words<0>(r, w, nw, f);
+    else if (r.bits == 16) tv_words<16>(r, w, nw, f);
+    else if (r.bits == 8) tv_words<8>(r, w, nw, f);
+    else if (r.bits == 4) tv_words<4>(r, w, nw, f);
+    else tv_words<2>(r, w, nw, f);
 }
 
 /* The logits of tokens [t0, t1) of a head for the G q heads of its group (queries qs, [G][hd]): a
@@ -415,7 +438,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
     float *kx = ps + GM * DYN_THREADS, *vx = kx + hd;  /* [hd] x 2: the exit's vectors */
     float *red = vx + hd;                              /* [GM][warps] */
     float *rs = red + GM * DYN_WARPS;                  /* [warps] */
-    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
+    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] (+ 2 x [warps]: the exit's argmin) */
     __shared__ dyn_head h;
     __shared__ int sh[8];
     __shared__ dyn_tv tv[DYN_THREADS];
@@ -542,7 +565,8 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
             __syncthreads();
         }
         /* 3. the oldest window token leaves */
-        if (phases & KVS_LEAN_DYN_EXIT) dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+        if (phases & KVS_LEAN_DYN_EXIT)
+            dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, dyn_tab{D.tables + (long long)st * D.table_len, 1}, 0, 0, 0.0f);
         __syncthreads();
     }
     if (threadIdx.x == 0) D.heads[st] = h;
@@ -550,10 +574,10 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
 
 /* ---- decode steps split over blocks (flash-decoding) ------------------------------------------
  * A step where every job runs one row (decode; a recorded step's padding jobs too) splits each
- * head's tokens over up to `splits` blocks: k_dyn_split's block y takes tokens [y c, (y + 1) c)
+ * head's tokens over up to `splits` blocks: split y (dyn_split_body) takes tokens [y c, (y + 1) c)
  * (c = max(ceil(n / splits), min_tokens)) and writes its logits to the job's scratch (as
  * k_dyn_step does), its max m_y, sum l_y = sum exp(logit - m_y) and unnormalized output
- * o_y = sum exp(logit - m_y) v per q head; then k_dyn_merge (one block per job) joins them with
+ * o_y = sum exp(logit - m_y) v per q head; then the merge (dyn_merge_body, once per job) joins them with
  * the documents' part: M = max(m_y, ext), L = sum_y l_y exp(m_y - M) (+ exp(ext - M)), the
  * output sum_y exp(m_y - M) o_y / L; each token's probability exp(logit - M) / L feeds its score
  * (max over the group, as before), and Algorithm 1's exit runs as in k_dyn_step (sequential by
@@ -561,15 +585,18 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_step(dyn_dev D, const float
  * newest token (no other block reads that slot); the head's counts move in the merge, after
  * every split has read them. The probabilities equal k_dyn_step's up to fp32 rounding of the
  * split sums (the tests hold both to the CPU at the same tolerances). The page round runs in
- * one more block of the split's launch (the splits read only entries that exist already; the
- * round appends pages) and the trim in the merge's last block: two launches a layer, not four. */
+ * one more block of the launch (the splits read only entries that exist already; the round
+ * appends pages) and the trim in the last merge's block; k_dyn_decode runs it all in one launch
+ * a layer (before: two, and four before that). */
 struct dyn_part {
     float m, l;                   /* per q head: the split's max and sum */
 };
 
+/* split y of job `job` (every thread of the block; returns with nothing written where the split
+ * holds no token, the job is padding or the pool is in error) */
 template <int GM, int KM>
-__global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const float *q, const float *k, const float *v,
-                                                          float scale, int layer, int splits, int min_tokens, int round)
+__device__ void dyn_split_body(const dyn_dev &D, const float *q, const float *k, const float *v, float scale, int layer,
+                               int splits, int min_tokens, int job, int y)
 {
     extern __shared__ float sm[];
     const int hd = D.hd, G = D.G, W = D.W;
@@ -580,12 +607,8 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     float *red = ps + GM * DYN_THREADS;                /* [GM][warps] */
     __shared__ dyn_head h;
     __shared__ dyn_tv tv[DYN_THREADS];
-    if (blockIdx.x == gridDim.x - 1) {   /* the page round (the split reads existing entries only) */
-        if (round && blockIdx.y == 0) dyn_alloc_body<DYN_THREADS>(D, gridDim.x - 1, layer);
-        return;
-    }
     if (D.pm->err) return;
-    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[job];
     if (J.head < 0 || J.rows != 1) return;
     const int st = J.head + layer * D.layer_stride, row = J.row0;
     if (threadIdx.x == 0) {
@@ -594,10 +617,10 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     }
     __syncthreads();
     const int nhl = h.n_high + h.n_low, n = nhl + h.w_n;
-    const int c = max((n + splits - 1) / splits, min_tokens), t0 = blockIdx.y * c, t1 = min(n, t0 + c);
+    const int c = max((n + splits - 1) / splits, min_tokens), t0 = y * c, t1 = min(n, t0 + c);
     if (t0 >= n) return;
-    dyn_part *part = reinterpret_cast<dyn_part *>(D.part) + ((long long)blockIdx.x * splits + blockIdx.y) * G;
-    float *po = D.part_o + ((long long)blockIdx.x * splits + blockIdx.y) * G * hd;
+    dyn_part *part = reinterpret_cast<dyn_part *>(D.part) + ((long long)job * splits + y) * G;
+    float *po = D.part_o + ((long long)job * splits + y) * G * hd;
     if (t1 == n) {   /* the newest token's split writes it into its window slot (bf16) */
         const int w = (h.w_start + h.w_n - 1) % (W + 1);
         const long long wo = ((long long)st * (W + 1) + w) * hd, ko = ((long long)row * D.nkv + J.g) * hd;
@@ -607,7 +630,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     const long long qo = ((long long)row * D.nq + (long long)J.g * G) * hd;
     for (int i = threadIdx.x; i < G * hd; i += DYN_THREADS) qs[i] = q[qo + i];
     __syncthreads();
-    float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
+    float *lg = D.scratch + (long long)job * G * (D.max_ctx + 1);
     float m[GM], sum[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) m[g] = -INFINITY, sum[g] = 0.0f;
@@ -632,7 +655,7 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
                 }
         }
         __syncthreads();
-#pragma unroll 2
+#pragma unroll 4   /* four tokens' codes in flight per warp (was 2: a round trip per two tokens) */
         for (int j = warp; j < tn; j += DYN_WARPS) {
             const dyn_tv rv = tv[j];
             float x[KM];
@@ -667,18 +690,25 @@ __global__ void __launch_bounds__(DYN_THREADS) k_dyn_split(dyn_dev D, const floa
     }
 }
 
+/* the merge of job `job` (every thread of the block). tab: the head's page table is copied to
+ * shared memory first (after rs / ri: table_len words), so the scores' and the exit's lookups
+ * cost no global round trip (0: read from L2 where used, KVS_LEAN_DYN_TAB=0: A/B) */
 template <int GM>
-__device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens)
+__device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, int layer, int splits, int min_tokens,
+                               int job, int tab)
 {
     extern __shared__ float sm[];
     const int hd = D.hd, G = D.G, W = D.W;
     float *kx = sm, *vx = kx + hd;                     /* [hd] x 2: the exit's vectors */
-    float *rs = vx + hd;                               /* [warps] */
-    int *ri = (int *)(rs + DYN_WARPS);                 /* [warps] */
+    float *rs = vx + hd;                               /* [warps] x 4: the argmin's */
+    int *ri = (int *)(rs + DYN_WARPS);
+    int32_t *ts = (int32_t *)(rs + 4 * DYN_WARPS);     /* [table_len] (tab) */
     __shared__ dyn_head h;
     __shared__ int sh[8];
-    if (D.pm->err) return;
-    const struct kvs_lean_dyn_cuda_job J = D.jobs[blockIdx.x];
+    __shared__ int32_t ex_pos;
+    __shared__ float ex_acc;
+    if (__ldcg(&D.pm->err)) return;   /* L2: in one launch a layer the round ran beside this block */
+    const struct kvs_lean_dyn_cuda_job J = D.jobs[job];
     if (J.head < 0 || J.rows != 1) return;
     const int st = J.head + layer * D.layer_stride, row = J.row0;
     if (threadIdx.x == 0) {
@@ -690,18 +720,32 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
     }
     __syncthreads();
     const int nhl = h.n_high + h.n_low, n = nhl + h.w_n;
+    /* issued together, ahead of the merge (none depends on another): the head's page table, and
+     * when a token leaves the window (W > 0: not the slot just joined) its K, V and position; L2
+     * reads (the round's block appended to the table in this launch) */
+    const int32_t *trow = D.tables + (long long)st * D.table_len;
+    if (tab)
+        for (int i = threadIdx.x; i < D.table_len; i += DYN_THREADS) ts[i] = __ldcg(trow + i);
+    const int pre = W > 0 && h.w_n > W;
+    if (pre) {
+        const long long wo = ((long long)st * (W + 1) + h.w_start) * hd;
+        for (int i = threadIdx.x; i < hd; i += DYN_THREADS)
+            kx[i] = __bfloat162float(__ldcg(D.wk + wo + i)), vx[i] = __bfloat162float(__ldcg(D.wv + wo + i));
+        if (threadIdx.x == 0) ex_pos = __ldcg(D.wpos + (long long)st * (W + 1) + h.w_start);
+    }
+    const dyn_tab T = tab ? dyn_tab{ts, 0} : dyn_tab{trow, 1};
     const int c = max((n + splits - 1) / splits, min_tokens), ns = (n + c - 1) / c;
-    const dyn_part *part = reinterpret_cast<const dyn_part *>(D.part) + (long long)blockIdx.x * splits * G;
-    const float *po = D.part_o + (long long)blockIdx.x * splits * G * hd;
+    const dyn_part *part = reinterpret_cast<const dyn_part *>(D.part) + (long long)job * splits * G;
+    const float *po = D.part_o + (long long)job * splits * G * hd;
     float M[GM], L[GM], e[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         M[g] = -INFINITY, L[g] = 0.0f;
         e[g] = ext && g < G ? ext[(long long)row * D.nq + (long long)J.g * G + g] : -INFINITY;
         if (g >= G) continue;
-        for (int y = 0; y < ns; y++) M[g] = fmaxf(M[g], part[y * G + g].m);
+        for (int y = 0; y < ns; y++) M[g] = fmaxf(M[g], __ldcg(&part[y * G + g].m));
         M[g] = fmaxf(M[g], e[g]);
-        for (int y = 0; y < ns; y++) L[g] += part[y * G + g].l * expf(part[y * G + g].m - M[g]);
+        for (int y = 0; y < ns; y++) L[g] += __ldcg(&part[y * G + g].l) * expf(__ldcg(&part[y * G + g].m) - M[g]);
         if (e[g] > -INFINITY) L[g] += expf(e[g] - M[g]);
     }
     /* the output: the splits' sums at their weights, in split order, + the documents' part */
@@ -712,52 +756,98 @@ __device__ void dyn_merge_body(const dyn_dev &D, const float *ext, float *out, i
 #pragma unroll
         for (int g = 0; g < GM; g++)
             if (g == gi) mg = M[g], lgs = L[g], eg = e[g];
-        for (int y = 0; y < ns; y++) x = fmaf(expf(part[y * G + gi].m - mg), po[(long long)y * G * hd + i], x);
+        for (int y = 0; y < ns; y++) x = fmaf(expf(__ldcg(&part[y * G + gi].m) - mg), __ldcg(&po[(long long)y * G * hd + i]), x);
         x /= lgs;
         if (eg > -INFINITY) x = fmaf(expf(eg - mg) / lgs, out[oo + i], x);
         out[oo + i] = x;
     }
     /* scores: every token's probability (max over the group) */
-    const float *lg = D.scratch + (long long)blockIdx.x * G * (D.max_ctx + 1);
+    const float *lg = D.scratch + (long long)job * G * (D.max_ctx + 1);
+    __syncthreads();   /* the table's copy */
     for (int t = threadIdx.x; t < n; t += DYN_THREADS) {
         float sc = 0.0f;
 #pragma unroll
         for (int g = 0; g < GM; g++)
             if (g < G) {
-                const float p = expf(lg[(long long)g * n + t] - M[g]) / L[g];
+                const float p = expf(__ldcg(&lg[(long long)g * n + t]) - M[g]) / L[g];
                 sc = g ? fmaxf(sc, p) : p;
             }
         if (t < nhl) {
             const int hi = t < h.n_high;
-            uint8_t *en = entry_at(D, st, hi, hi ? t : t - h.n_high);
+            uint8_t *en = entry_tab(D, T, hi, hi ? t : t - h.n_high);
             e_set(en, e_pos(en), e_acc(en) + sc);
         } else {
-            D.wacc[(long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1)] += sc;
+            float *wa = D.wacc + (long long)st * (W + 1) + (h.w_start + t - nhl) % (W + 1);
+            const float a = *wa + sc;
+            *wa = a;
+            if (t == nhl) ex_acc = a;   /* the oldest window token's: the exit's */
         }
     }
     __syncthreads();
-    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh);
+    dyn_exit(D, st, &h, &D.ev[st], kx, vx, rs, ri, sh, T, pre, ex_pos, ex_acc);
     __syncthreads();
     if (threadIdx.x == 0) D.heads[st] = h;
 }
 
-/* the merge of every job, then (round) the trim in the last block to finish: one launch instead
- * of two (the blocks' writes made visible before the count, as CUDA's threadfence reduction) */
-template <int GM>
-__global__ void __launch_bounds__(DYN_THREADS) k_dyn_merge(dyn_dev D, const float *ext, float *out, int layer,
-                                                          int splits, int min_tokens, int round)
+/* The decode step's launch(es). Block (0, 0) runs the page round (blocks (0, y > 0) nothing);
+ * block (1 + j, y) takes split y of job j. form DYN_ONE (one launch a layer): each block, its
+ * split done, counts itself on its job's counter (its writes made visible first: CUDA's
+ * threadfence reduction), and the job's last block to finish runs the job's merge, scores and
+ * exit at once (no second launch, no block waiting for the slowest head of the whole step); a
+ * merge waits for the round's flag first (its exit may write into a page the round appends; the
+ * round, block 0, is dispatched first and waits for nothing, so the wait ends), and the last
+ * merge to finish runs the trim and clears the counters for the next launch (a recorded step
+ * replays it). DYN_TWO_SPLIT / DYN_TWO_MERGE: the form before (bench/RESULTS.md, part 16): the
+ * splits and the round in one launch, then a block per job (y = 0) for the merges, the last one
+ * to finish running the trim; kept for A/B (KVS_LEAN_DYN_ONE=0). done: [0] the merges finished,
+ * [1] the round's flag, [2 + j] job j's splits finished. */
+#define DYN_ONE 0
+#define DYN_TWO_SPLIT 1
+#define DYN_TWO_MERGE 2
+
+template <int GM, int KM>
+__global__ void __launch_bounds__(DYN_THREADS) k_dyn_decode(dyn_dev D, const float *q, const float *k, const float *v,
+                                                           const float *ext, float *out, float scale, int layer,
+                                                           int splits, int min_tokens, int round, int form, int tab)
 {
-    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens);
-    if (!round) return;
     __shared__ int last;
+    const int n_jobs = (int)gridDim.x - 1, job = (int)blockIdx.x - 1;
+    if (job < 0) {
+        if (form == DYN_TWO_MERGE || blockIdx.y != 0 || !round) return;
+        dyn_alloc_body<DYN_THREADS>(D, n_jobs, layer);
+        if (form == DYN_TWO_SPLIT) return;
+        __threadfence();   /* the tables, page counts and error before the flag */
+        __syncthreads();
+        if (threadIdx.x == 0) atomicExch(D.done + 1, 1);
+        return;
+    }
+    if (form != DYN_TWO_MERGE) dyn_split_body<GM, KM>(D, q, k, v, scale, layer, splits, min_tokens, job, blockIdx.y);
+    if (form == DYN_TWO_SPLIT) return;
+    if (form == DYN_ONE) {
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            last = atomicAdd(D.done + 2 + job, 1) == (int)gridDim.y - 1;
+            if (last) {
+                D.done[2 + job] = 0;
+                if (round)
+                    while (atomicAdd(D.done + 1, 0) == 0) __nanosleep(64);
+            }
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+    }
+    dyn_merge_body<GM>(D, ext, out, layer, splits, min_tokens, job, tab);
+    if (!round) return;
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(D.done, 1) == (int)gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(D.done, 1) == n_jobs - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    dyn_trim_body<DYN_THREADS>(D, gridDim.x, layer);
-    if (threadIdx.x == 0) *D.done = 0;   /* for the next launch (a recorded step replays it) */
+    dyn_trim_body<DYN_THREADS>(D, n_jobs, layer);
+    if (threadIdx.x == 0) D.done[0] = 0, D.done[1] = 0;
 }
 
 /* ---- host ----------------------------------------------------------------------------------- */
@@ -830,10 +920,14 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     if (x->splits < 0) x->splits = 0;
     if (x->splits > DYN_MAXSPLIT) x->splits = DYN_MAXSPLIT;
     if (x->min_tokens < 1) x->min_tokens = 1;
+    const char *eo = getenv("KVS_LEAN_DYN_ONE");   /* 0: the two launches a layer (A/B) */
+    x->one = !(eo && *eo && atoi(eo) == 0);
+    const char *et = getenv("KVS_LEAN_DYN_TAB");   /* 0: the merge reads the page table from L2 (A/B) */
+    x->tab = !(et && *et && atoi(et) == 0);
     x->max_parts = max_jobs > x->target ? max_jobs : x->target;
     DALLOC(D.part, (size_t)x->max_parts * c->group * 2 * sizeof(float));
     DALLOC(D.part_o, (size_t)x->max_parts * c->group * c->head_dim * sizeof(float));
-    DALLOC(D.done, sizeof(int));
+    DALLOC(D.done, ((size_t)max_jobs + 2) * sizeof(int));
 #undef DALLOC
     if (bad) {
         cudaGetLastError();
@@ -858,7 +952,7 @@ extern "C" int kvs_lean_dyn_cuda_create(struct kvs_backend *b, const struct kvs_
     CUDA_CHECK(cudaMemset(D.nhp, 0, S * sizeof(int32_t)));
     CUDA_CHECK(cudaMemset(D.nlp, 0, S * sizeof(int32_t)));
     CUDA_CHECK(cudaMemset(D.wacc, 0, S * W1 * sizeof(float)));
-    CUDA_CHECK(cudaMemset(D.done, 0, sizeof(int)));
+    CUDA_CHECK(cudaMemset(D.done, 0, ((size_t)max_jobs + 2) * sizeof(int)));
     /* these copies and memsets run on the legacy default stream, which the backend's non-blocking
      * stream does not wait for (and a pageable cudaMemcpy may return before its DMA lands): without
      * this wait the first step's page round can read the pool's fresh memory before its state */
@@ -899,7 +993,7 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
     const dyn_dev &D = x->d;
     const int GM = D.G <= 2 ? 2 : D.G <= 4 ? 4 : 8, KM = D.hd <= 64 ? 2 : D.hd <= 128 ? 4 : 8;
     const size_t smem = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + 2 * D.hd + GM * DYN_WARPS + DYN_WARPS) *
-                            sizeof(float) + DYN_WARPS * sizeof(int);
+                            sizeof(float) + 3 * DYN_WARPS * sizeof(int);
     const float *qd = q ? (const float *)q->d : NULL, *kd = k ? (const float *)k->d : NULL;
     const float *vd = v ? (const float *)v->d : NULL;
     float *od = out ? (float *)out->d : NULL;
@@ -912,19 +1006,27 @@ extern "C" void kvs_lean_dyn_cuda_step(struct kvs_lean_dyn_cuda *x, int n_jobs, 
         if (S > x->max_parts / n_jobs) S = x->max_parts / n_jobs;
         if (S < 1) S = 1;
         const size_t ssm = (size_t)(2 * D.G * D.hd + GM * DYN_THREADS + GM * DYN_WARPS) * sizeof(float);
-        const size_t msm = (size_t)(2 * D.hd + DYN_WARPS) * sizeof(float) + DYN_WARPS * sizeof(int);
-        const dim3 grid((unsigned)n_jobs + 1, (unsigned)S);   /* + the page round's block */
-#define DYN_SPLIT(gm, km)                                                                                           \
-    if (GM == gm && KM == km) k_dyn_split<gm, km><<<grid, DYN_THREADS, ssm, s>>>(D, qd, kd, vd, scale, layer, S, x->min_tokens, round)
-        DYN_SPLIT(2, 2); DYN_SPLIT(2, 4); DYN_SPLIT(2, 8);
-        DYN_SPLIT(4, 2); DYN_SPLIT(4, 4); DYN_SPLIT(4, 8);
-        DYN_SPLIT(8, 2); DYN_SPLIT(8, 4); DYN_SPLIT(8, 8);
-#undef DYN_SPLIT
-        LAUNCH_CHECK();
-        if (GM == 2) k_dyn_merge<2><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
-        if (GM == 4) k_dyn_merge<4><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
-        if (GM == 8) k_dyn_merge<8><<<n_jobs, DYN_THREADS, msm, s>>>(D, ed, od, layer, S, x->min_tokens, round);
-        LAUNCH_CHECK();
+        size_t msm = (size_t)(2 * D.hd + 4 * DYN_WARPS) * sizeof(float);
+        /* the merge's copy of the page table where it fits the default 48 KiB */
+        const int tab = x->tab && msm + (size_t)D.table_len * sizeof(int32_t) <= 48 * 1024 &&
+                        ssm <= 48 * 1024;
+        if (tab) msm += (size_t)D.table_len * sizeof(int32_t);
+        const size_t dsm = ssm > msm ? ssm : msm;
+        /* + the page round's block, first (x = 0): one launch a layer waits for it */
+        const dim3 grid((unsigned)n_jobs + 1, (unsigned)S), mgrid((unsigned)n_jobs + 1, 1);
+        const int n_launch = x->one ? 1 : 2;
+        for (int li = 0; li < n_launch; li++) {
+            const int form = x->one ? DYN_ONE : li == 0 ? DYN_TWO_SPLIT : DYN_TWO_MERGE;
+            const dim3 gr = form == DYN_TWO_MERGE ? mgrid : grid;
+#define DYN_DECODE(gm, km)                                                                                          \
+    if (GM == gm && KM == km)                                                                                       \
+        k_dyn_decode<gm, km><<<gr, DYN_THREADS, dsm, s>>>(D, qd, kd, vd, ed, od, scale, layer, S, x->min_tokens, round, form, tab)
+            DYN_DECODE(2, 2); DYN_DECODE(2, 4); DYN_DECODE(2, 8);
+            DYN_DECODE(4, 2); DYN_DECODE(4, 4); DYN_DECODE(4, 8);
+            DYN_DECODE(8, 2); DYN_DECODE(8, 4); DYN_DECODE(8, 8);
+#undef DYN_DECODE
+            LAUNCH_CHECK();
+        }
         return;
     }
     /* prompt chunks (jobs of more than one row) take the paper's prefill once its buffers are

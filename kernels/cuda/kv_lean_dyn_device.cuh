@@ -58,7 +58,8 @@ struct dyn_dev {
     int32_t *need_hi, *need_lo;   /* [max_jobs] */
     long long *off;               /* [max_jobs] */
     float *scratch;               /* [max_jobs][G][max_ctx + 1] */
-    int *done;                    /* split decode steps: merge blocks finished (0 between launches) */
+    int *done;                    /* split decode steps: [0] merges finished, [1] the page round's flag,
+                                   * [2 + job] the job's splits finished (all 0 between launches) */
     float *part, *part_o;         /* split decode steps: [max_parts][G] (m, l) pairs, [max_parts][G][hd] */
     /* the prefill (kvs_lean_dyn_cuda_reserve_rows): each row's (M, L) per q head [pf_rows][nq][2]
      * (its max logit and sum, the documents' part included) and the chunk tokens' score sums
@@ -75,6 +76,10 @@ struct kvs_lean_dyn_cuda {
     int splits, min_tokens;       /* a decode step's splits per head at most (0: the sequential path), and
                                    * the fewest tokens a split takes */
     int target;                   /* blocks a split launch aims at (2 per SM) */
+    int one;                      /* a decode step's layer in one launch (k_dyn_decode's DYN_ONE; 0: the
+                                   * split and merge launches before it, KVS_LEAN_DYN_ONE=0) */
+    int tab;                      /* the merge copies the head's page table to shared memory (0:
+                                   * KVS_LEAN_DYN_TAB=0, the lookups read it from L2) */
     int all_single;               /* the jobs of set_jobs each run one row (or none: padding) */
     int max_rows_job, rows_total; /* set_jobs: a job's most rows, and the rows of every job of one KV head */
     /* the counters' snapshots (kvs_lean_dyn_cuda_snapshot): per group [pages, high, low, window,
@@ -117,6 +122,22 @@ __device__ __forceinline__ uint8_t *entry_at(const dyn_dev &D, int st, int high,
     const int32_t *t = D.tables + (long long)st * D.table_len;
     if (high) return D.pages + (long long)t[j / D.tp_hi] * D.page_bytes + (long long)(j % D.tp_hi) * D.entry_hi;
     return D.pages + (long long)t[D.table_len - 1 - j / D.tp_lo] * D.page_bytes + (long long)(j % D.tp_lo) * D.entry_lo;
+}
+
+/* a head's page table row for Algorithm 1's exit: a copy in shared memory (the merge of a split
+ * decode step: one coalesced read, then the exit's lookups cost no global round trip), or the
+ * row in global memory read from L2 (cg: in the one-launch decode step the page round's block
+ * appends to the table in the same launch, and this SM's L1 may hold the line from before) */
+struct dyn_tab {
+    const int32_t *t;
+    int cg;
+};
+
+__device__ __forceinline__ uint8_t *entry_tab(const dyn_dev &D, const dyn_tab &T, int high, int j)
+{
+    const int i = high ? j / D.tp_hi : D.table_len - 1 - j / D.tp_lo;
+    const long long pg = T.cg ? __ldcg(T.t + i) : T.t[i];
+    return D.pages + pg * D.page_bytes + (long long)(high ? j % D.tp_hi : j % D.tp_lo) * (high ? D.entry_hi : D.entry_lo);
 }
 
 __device__ __forceinline__ int32_t e_pos(const uint8_t *e) { int32_t p; memcpy(&p, e, 4); return p; }

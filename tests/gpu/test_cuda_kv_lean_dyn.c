@@ -584,6 +584,47 @@ static void test_enospc(void)
     kvs_lean_dyn_cuda_free(g);
 }
 
+/* The same in decode steps (one row a job: the split path, in one launch a layer by default, form
+ * names it): two fresh heads ask for 2 pages each (a high and a low one), the ring has 3: -ENOSPC,
+ * nothing taken; then the first head alone: the step runs whole (its token joins the window, the
+ * trim gives both pages back), twice, so the launch's counters and the round's flag were left at
+ * 0 by the failed step and by each step after it (a stale count would skip the merge or the trim) */
+static void test_enospc_decode(const char *form)
+{
+    struct kvs_lean_dyn_cfg c;
+    REQUIRE(kvs_lean_dyn_cfg_init(&c, (struct kvs_lean_fmt){8, 4}, (struct kvs_lean_fmt){4, 2}, 64, 2, 4, 1.0, 0.02, 4,
+                                  64) == 0, "cfg");
+    char err[256];
+    struct kvs_lean_dyn_cuda *g;
+    REQUIRE(kvs_lean_dyn_cuda_create(bg, &c, 2, 2, 1, 3, 40, 2, 0, &g, err, sizeof err) == 0, "%s", err);
+    struct pair pq = mk(KVS_BUF_ACT, 2 * 2 * 64, NULL), pk = mk(KVS_BUF_ACT, 2 * 64, NULL), po = mk(KVS_BUF_ACT, 2 * 2 * 64, NULL);
+    const struct kvs_lean_dyn_cuda_job jobs[2] = {{0, 0, 0, 1, 0}, {1, 0, 1, 1, 0}};
+    REQUIRE(kvs_lean_dyn_cuda_set_jobs(g, jobs, 2) == 0, "jobs");
+    kvs_lean_dyn_cuda_step(g, 2, 0, pq.g, pk.g, pk.g, NULL, 1.0f, po.g, KVS_LEAN_DYN_ALL);
+    int e = kvs_lean_dyn_cuda_error(g);
+    CHECK(e == -ENOSPC, "%s: decode round on a short ring: %d, want -ENOSPC", form, e);
+    CHECK(kvs_lean_dyn_cuda_n_free(g) == 3, "%s: short ring took pages: %d free", form, kvs_lean_dyn_cuda_n_free(g));
+    int ok = e == -ENOSPC;
+    for (int t = 0; t < 2; t++) {
+        struct kvs_lean_dyn_cuda_job j = jobs[0];
+        j.pos0 = t;
+        REQUIRE(kvs_lean_dyn_cuda_set_jobs(g, &j, 1) == 0, "jobs");
+        kvs_lean_dyn_cuda_step(g, 1, 0, pq.g, pk.g, pk.g, NULL, 1.0f, po.g, KVS_LEAN_DYN_ALL);
+        e = kvs_lean_dyn_cuda_error(g);
+        double pages, high, low, window, pruned, seen, w1;
+        kvs_lean_dyn_cuda_usage(g, 0, 1, &pages, &high, &low, &window, &pruned, &seen);
+        CHECK(e == 0 && window == t + 1 && pages == 0 && kvs_lean_dyn_cuda_n_free(g) == 3,
+              "%s: decode step %d after -ENOSPC: error %d, window %g (want %d), %g pages held, %d free (want 3)", form,
+              t, e, window, t + 1, pages, kvs_lean_dyn_cuda_n_free(g));
+        kvs_lean_dyn_cuda_usage(g, 1, 1, &pages, &high, &low, &w1, &pruned, &seen);
+        CHECK(w1 == 0, "%s: the idle head's window %g", form, w1);
+        ok &= e == 0 && window == t + 1 && pages == 0 && w1 == 0;
+    }
+    if (ok) printf("ok %s: a decode round the ring cannot serve: -ENOSPC, nothing taken, the next steps whole\n", form);
+    drop(&pq), drop(&pk), drop(&po);
+    kvs_lean_dyn_cuda_free(g);
+}
+
 /* ---- 4. the storage in the engine ---------------------------------------------------------- */
 /* kv.storage = lean, mode dynamic, on cuda through the whole engine (the scheduler reads the
  * storage's counters several times a step: kvs_lean_dyn_counters on the cuda store), on the demo
@@ -779,6 +820,24 @@ int main(void)
     };
     for (size_t i = 0; i < 4; i++) test_policy(&cases[i]);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) test_steps(&cases[i]);
+    /* the decode steps' two-launch form (KVS_LEAN_DYN_ONE=0, read at create; the default is one
+     * launch a layer): the split cases and a default-split one again */
+    static char names[sizeof cases / sizeof cases[0]][96];
+    const char *one_env = getenv("KVS_LEAN_DYN_ONE");   /* the caller's choice, back after these */
+    char *one_saved = one_env ? kvs_xstrdup(one_env) : NULL;
+    setenv("KVS_LEAN_DYN_ONE", "0", 1);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (cases[i].split <= 0 && i != 0) continue;
+        struct ccase k2 = cases[i];
+        snprintf(names[i], sizeof names[i], "%s, two launches", cases[i].name);
+        k2.name = names[i];
+        test_steps(&k2);
+    }
+    test_enospc_decode("two launches");
+    unsetenv("KVS_LEAN_DYN_ONE");
+    test_enospc_decode("one launch");
+    if (one_saved) setenv("KVS_LEAN_DYN_ONE", one_saved, 1);
+    free(one_saved);
     test_enospc();
     test_engine();
     test_engine_docs();
