@@ -674,8 +674,11 @@ static void test_engine(void)
  * request's own tokens dynamic, on cuda through the whole engine (recorded decode steps replay
  * the documents' attention with other requests' spans); each document is cited by two requests; the CPU
  * engine runs the same requests: every request completes on both, both count the cache hits,
- * no page is held at the end, and the greedy tokens agree with the CPU's for most of them
- * (bf16 K/V and activations against fp32: near ties may go either way) */
+ * no page is held at the end, and at least a third of the greedy tokens (each request's run up to
+ * its first difference) are the CPU's (bf16 K/V and activations against fp32: near ties may go
+ * either way, and a difference ends the run; seen: 119-181 of 240 on the H100,
+ * lean18's replay of a 119 gave 119 on both CUDA forms; the engine-state bug that a side stream
+ * caused in lean16 gave 59) */
 static void test_engine_docs(void)
 {
     char dir[1024], err[256];
@@ -722,7 +725,7 @@ static void test_engine_docs(void)
                  used = kvs_engine_kv_counter(&st[0], "kvserve:kv_storage_pages_used"),
                  ratio = kvs_engine_kv_counter(&st[0], "kvserve:kv_storage_compression_ratio");
     const int ok = rc[0] == 0 && rc[1] == 0 && done[0] == NJOBS && done[1] == NJOBS && hits >= 3 && hits_c >= 3 &&
-                   used == 0 && ratio > 1 && same >= NJOBS * GENT / 2;
+                   used == 0 && ratio > 1 && same >= NJOBS * GENT / 3;
     CHECK(ok, "engine, lean dynamic + lazy: cuda %d / cpu %d of %d complete, hits %g / %g, %g pages held, ratio %g, "
           "%d of %d greedy tokens as the cpu's", done[0], done[1], NJOBS, hits, hits_c, used, ratio, same, NJOBS * GENT);
     if (ok)
