@@ -1,6 +1,6 @@
 /* half.h: IEEE binary16 (fp16) and bfloat16 conversions on the host, bit-exact and portable (no
- * compiler half type: clang on x86 without F16C has none). f32 -> f16 rounds to nearest even,
- * overflows to infinity and keeps NaNs quiet. Header-only; no errors. */
+ * compiler half type: clang on x86 without F16C has none). f32 -> f16 and f32 -> bf16 round to
+ * nearest even, overflow to infinity and keep NaNs quiet. Header-only; no errors. */
 #ifndef KVS_BASE_HALF_H
 #define KVS_BASE_HALF_H
 
@@ -14,6 +14,18 @@ static inline float kvs_bf16_to_f32(uint16_t h)
     memcpy(&f, &u, 4);
     return f;
 }
+
+/* f32 -> bf16, rounded to nearest even; a NaN stays a quiet NaN */
+static inline uint16_t kvs_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f32 -> the nearest bf16 value (ties to even), as f32: a value both an f32 and a bf16 store hold exactly */
+static inline float kvs_bf16_round(float f) { return kvs_bf16_to_f32(kvs_f32_to_bf16(f)); }
 
 static inline float kvs_f16_to_f32(uint16_t h)
 {

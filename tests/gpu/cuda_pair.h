@@ -4,14 +4,16 @@
  *                     creates bc and bg with cuda_pair_open and frees them.
  *   rng, frand, irand fresh random inputs from a seed printed at start (cuda_pair_open: KVS_SEED
  *                     replays a run); frand is uniform in [-1, 1).
- *   bf16_round        rounds to bf16 (nearest even), so both backends hold the same values where
- *                     CUDA stores bf16 (weights, KV).
+ *   (bf16 rounding: base/half.h kvs_bf16_round, so both backends hold the same values where CUDA
+ *                     stores bf16: weights, KV)
  *   rel_l2            |a - ref| / |ref| over n floats (|a - ref| where ref is all zero; INFINITY
  *                     when a holds a NaN or an infinity, so an unwritten output fails any bound).
  *   batch_layout      rows, positions and a scattered block order for a test batch.
  *   struct pair       one buffer on each backend with the same elements (mk, drop); poison fills
  *                     the CUDA side with NaN so an output the kernel failed to write shows;
  *                     dl_c / dl_g download a side (the caller frees).
+ *   kv_pools_make, rand_queries, rope_inv_freq   a paged attention case's pools, queries and
+ *                     RoPE frequencies (test_cuda_attn_prefill, test_cuda_attn_cudnn).
  * Allocation failures panic (a test has nothing to recover). */
 #ifndef KVS_TEST_CUDA_PAIR_H
 #define KVS_TEST_CUDA_PAIR_H
@@ -24,6 +26,7 @@
 #include <time.h>
 
 #include "base/util.h"
+#include "base/half.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "tests/unit/test_util.h"
@@ -34,15 +37,6 @@ static uint64_t rng;
 
 static inline float frand(void) { return (float)(kvs_test_xorshift(&rng) >> 8) * (1.0f / 8388608.0f) - 1.0f; }
 static inline int irand(int n) { return (int)(kvs_test_xorshift(&rng) % (uint32_t)n); }
-
-static inline float bf16_round(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
 
 static inline double rel_l2(const float *a, const float *ref, size_t n)
 {
@@ -137,6 +131,35 @@ static inline void batch_layout_make(int S, int bs, const int *pos, const int *n
         b->perm[i] = b->perm[j];
         b->perm[j] = t;
     }
+}
+
+/* A paged case's K and V pools (cache_n elements each) on both backends: the CPU's uploaded from
+ * kv / vv (every slot); the GPU's allocated only, for the caller to upload its own copy (whose
+ * slots no query reads it fills its own way: NaN, large finite values). */
+static inline void kv_pools_make(size_t cache_n, const float *kv, const float *vv, struct pair *kc, struct pair *vc)
+{
+    *kc = (struct pair){C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
+    *vc = (struct pair){C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
+    REQUIRE(kc->c && kc->g && vc->c && vc->g, ": KV allocation");
+    C->upload(bc, kc->c, 0, kv, cache_n);
+    C->upload(bc, vc->c, 0, vv, cache_n);
+}
+
+/* n random values of 3 x frand(): queries whose scores are peaked, so a wrong mask shows (the
+ * caller frees) */
+static inline float *rand_queries(size_t n)
+{
+    float *q = kvs_xmalloc(n * 4);
+    for (size_t i = 0; i < n; i++) q[i] = 3.0f * frand();
+    return q;
+}
+
+/* RoPE's hd / 2 inverse frequencies, base 10000 (the caller frees) */
+static inline float *rope_inv_freq(int hd)
+{
+    float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
+    for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd);
+    return inv;
 }
 
 /* Seeds rng (KVS_SEED, else the clock; printed), then creates bc with cpu_threads threads and

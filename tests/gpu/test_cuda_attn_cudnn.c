@@ -55,16 +55,16 @@ static void run_case(const struct ccase *pc)
     const size_t per_block = (size_t)nkv * bs * hd, cache_n = (size_t)n_blocks * per_block;
     float *kv = kvs_xmalloc(cache_n * 4), *vv = kvs_xmalloc(cache_n * 4);
     for (size_t i = 0; i < cache_n; i++) {
-        kv[i] = bf16_round(frand());
-        vv[i] = bf16_round(frand());
+        kv[i] = kvs_bf16_round(frand());
+        vv[i] = kvs_bf16_round(frand());
     }
     /* the GPU pools: readable slots as the CPU's, the rest (the last page's tail, spare blocks)
      * finite garbage (or NaN, second run) */
     float *kg = kvs_xmalloc(cache_n * 4), *vg = kvs_xmalloc(cache_n * 4), *kn = kvs_xmalloc(cache_n * 4),
           *vn = kvs_xmalloc(cache_n * 4);
     for (size_t i = 0; i < cache_n; i++) {
-        kg[i] = bf16_round(300.0f * frand());
-        vg[i] = bf16_round(3000.0f * frand());
+        kg[i] = kvs_bf16_round(300.0f * frand());
+        vg[i] = kvs_bf16_round(3000.0f * frand());
         kn[i] = vn[i] = NAN;
     }
     int used = 0;
@@ -87,17 +87,11 @@ static void run_case(const struct ccase *pc)
             }
         }
     }
-    struct pair kc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
-    struct pair vc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
-    REQUIRE(kc.c && kc.g && vc.c && vc.g, ": KV allocation");
-    C->upload(bc, kc.c, 0, kv, cache_n);
-    C->upload(bc, vc.c, 0, vv, cache_n);
+    struct pair kc, vc;
+    kv_pools_make(cache_n, kv, vv, &kc, &vc);
 
     const size_t qn = (size_t)n * nh * hd;
-    float *qv = kvs_xmalloc(qn * 4);
-    for (size_t i = 0; i < qn; i++) qv[i] = 3.0f * frand();
-    float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
-    for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd);
+    float *qv = rand_queries(qn), *inv = rope_inv_freq(hd);
     struct pair q = mk(KVS_BUF_ACT, qn, qv), out = mk(KVS_BUF_ACT, qn, NULL);
     struct pair qs = mk(KVS_BUF_I32, S + 1, q_start), ps = mk(KVS_BUF_I32, S, pos);
     struct pair bts = mk(KVS_BUF_I32, (size_t)S * mb, bt), vts = mk(KVS_BUF_I32, (size_t)S * mb, valid);

@@ -79,8 +79,8 @@ static void run_case(const struct pcase *pc)
     const size_t per_block = (size_t)nkv * bs * hd, cache_n = (size_t)n_blocks * per_block;
     float *kv = kvs_xmalloc(cache_n * 4), *vv = kvs_xmalloc(cache_n * 4);
     for (size_t i = 0; i < cache_n; i++) {
-        kv[i] = bf16_round(frand());
-        vv[i] = bf16_round(frand());
+        kv[i] = kvs_bf16_round(frand());
+        vv[i] = kvs_bf16_round(frand());
     }
     /* the GPU copies: every slot no query reads is NaN (a kernel that read one, or multiplied its V
      * by a zero probability, would give NaN) */
@@ -113,19 +113,13 @@ static void run_case(const struct pcase *pc)
             }
         }
     }
-    struct pair kc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
-    struct pair vc = {C->alloc(bc, KVS_BUF_KV, cache_n), G->alloc(bg, KVS_BUF_KV, cache_n), KVS_BUF_KV, cache_n};
-    REQUIRE(kc.c && kc.g && vc.c && vc.g, ": KV allocation");
-    C->upload(bc, kc.c, 0, kv, cache_n);
-    C->upload(bc, vc.c, 0, vv, cache_n);
+    struct pair kc, vc;
+    kv_pools_make(cache_n, kv, vv, &kc, &vc);
     G->upload(bg, kc.g, 0, kg, cache_n);
     G->upload(bg, vc.g, 0, vg, cache_n);
 
     const size_t qn = (size_t)n * nh * hd;
-    float *qv = kvs_xmalloc(qn * 4);
-    for (size_t i = 0; i < qn; i++) qv[i] = 3.0f * frand();
-    float *inv = kvs_xmalloc((size_t)hd / 2 * 4);
-    for (int i = 0; i < hd / 2; i++) inv[i] = (float)pow(10000.0, -2.0 * i / hd); /* the rot cases' RoPE */
+    float *qv = rand_queries(qn), *inv = rope_inv_freq(hd); /* inv: the rot cases' RoPE */
     int32_t *words = kvs_xmalloc((size_t)S * mb * 2 * 4);
     REQUIRE(kvs_pack_block_words(bt, pc->rot ? rot : NULL, valid, (size_t)S * mb, bs, words) == 0,
             ": pack block words");

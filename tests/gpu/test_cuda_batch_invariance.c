@@ -48,7 +48,7 @@ struct world {
 static float *rand_vec(size_t n, float scale, int round_bf16)
 {
     float *v = kvs_xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? bf16_round(frand() * scale) : frand() * scale;
+    for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? kvs_bf16_round(frand() * scale) : frand() * scale;
     return v;
 }
 

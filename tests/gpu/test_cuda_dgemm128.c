@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
@@ -77,9 +78,7 @@ static struct wpair mkw(const float *v, int rows, int cols, int is_vec)
         if (is_vec) {
             ((float *)raw)[i] = v[i];
         } else {
-            uint32_t u;
-            memcpy(&u, &v[i], 4);
-            ((uint16_t *)raw)[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+            ((uint16_t *)raw)[i] = kvs_f32_to_bf16(v[i]);
         }
     }
     struct kvs_tensor_view t = {.dtype = is_vec ? KVS_DTYPE_F32 : KVS_DTYPE_BF16, .ndim = is_vec ? 1 : 2,

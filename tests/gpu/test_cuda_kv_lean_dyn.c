@@ -199,7 +199,7 @@ static double near_prefill(const struct cpu_side *s, int st, const struct gpu_vi
 
 static void fill_stream(float *x, size_t n, int round)
 {
-    for (size_t i = 0; i < n; i++) x[i] = round ? bf16_round(frand()) : frand();
+    for (size_t i = 0; i < n; i++) x[i] = round ? kvs_bf16_round(frand()) : frand();
 }
 
 /* ---- 1. the policy alone, bitwise ----------------------------------------------------------- */
@@ -345,7 +345,7 @@ static void test_steps(const struct ccase *k)
         /* a liked direction now and then, so that scores spread */
         for (int r = 0; r < row; r++)
             if (irand(7) == 0)
-                for (int e = 0; e < hd; e++) kk[(size_t)r * nkv * hd + e] = bf16_round(kk[(size_t)r * nkv * hd + e] * 4);
+                for (int e = 0; e < hd; e++) kk[(size_t)r * nkv * hd + e] = kvs_bf16_round(kk[(size_t)r * nkv * hd + e] * 4);
         G->upload(bg, pq.g, 0, q, (size_t)row * nq * hd);
         G->upload(bg, pk.g, 0, kk, (size_t)row * nkv * hd);
         G->upload(bg, pv.g, 0, vv, (size_t)row * nkv * hd);
@@ -766,7 +766,7 @@ static void test_docs_write(void)
     for (int r = 0; r < DOC; r++) slots[r] = r;
     for (int r = 0; r < OWN; r++) slots[DOC + r] = 4 * BSZ + r;
     float *kv = kvs_xmalloc((size_t)ROWS * NKV * HD * 4);
-    for (size_t i = 0; i < (size_t)ROWS * NKV * HD; i++) kv[i] = bf16_round(frand());
+    for (size_t i = 0; i < (size_t)ROWS * NKV * HD; i++) kv[i] = kvs_bf16_round(frand());
     struct pair pk = mk(KVS_BUF_ACT, (size_t)ROWS * NKV * HD, kv), psl = mk(KVS_BUF_I32, ROWS, slots);
     REQUIRE(st->seq_init(state, 0) == 0, "seq_init");
     struct kvs_attn_meta m = {.n_seqs = 2, .max_blocks = 8, .h_q_start = qs, .h_pos = pos, .max_ctx = 37};

@@ -187,7 +187,7 @@ static void run_case(const struct pcase *c)
                             kvs_lean_dequantize(codes, sz, hd, side ? c->f.vbits : c->f.kbits, x);
                             const float *got = (side ? gv : gk) + ((size_t)(base[s] + j) * nkv + h) * bs * hd + (size_t)t * hd;
                             for (int d = 0; d < hd; d++) {
-                                const float want = bf16_round(x[d]);
+                                const float want = kvs_bf16_round(x[d]);
                                 if (memcmp(&want, &got[d], 4) != 0) bad++;
                             }
                         }

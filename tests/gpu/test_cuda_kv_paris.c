@@ -260,7 +260,7 @@ static void test_gather(void)
     pool_make(&c, 3, 1500, 0, 32, 8, 128, 1);
     const size_t n = (size_t)c.n_blocks * c.nkv * c.bs * c.d;
     float *v = kvs_xmalloc(n * sizeof *v);
-    for (size_t i = 0; i < n; i++) v[i] = pf_bf16_round((float)gauss());
+    for (size_t i = 0; i < n; i++) v[i] = kvs_bf16_round((float)gauss());
     const int stage_blocks = c.ctx[c.S - 1] / c.bs + 1;
     const size_t st = (size_t)c.S * stage_blocks * c.nkv * c.bs * c.d;
     float *sk = kvs_xmalloc(st * sizeof *sk), *sv = kvs_xmalloc(st * sizeof *sv);

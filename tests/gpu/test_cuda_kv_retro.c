@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/half.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_quest.h"
@@ -369,17 +370,6 @@ static void test_table(void)
  * default path and with the fused kernel asked for (which a window meta must route to the score
  * kernels), and the CPU's scores on the window meta are bitwise its own on the gathered rows and
  * within 1e-5 (of the bound's magnitude) of CUDA's. bits: 16 (bf16 digests) or 8. */
-/* f32 -> bf16 -> f32 (round to nearest even): keys and queries that both backends hold exactly */
-static float bf16_exact(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    u &= 0xFFFF0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
 static void test_score_rows(int bits)
 {
     const int n_pages = NS * MB, qd = NH * HD;
@@ -406,8 +396,8 @@ static void test_score_rows(int bits)
     }
     const int n = qs[NS];
     float *k = kvs_xmalloc(n_kv * 4), *q = kvs_xmalloc((size_t)n * qd * 4), *qn = kvs_xmalloc((size_t)NS * qd * 4);
-    for (size_t i = 0; i < n_kv; i++) k[i] = bf16_exact(frand());
-    for (int i = 0; i < n * qd; i++) q[i] = bf16_exact(2 * frand());
+    for (size_t i = 0; i < n_kv; i++) k[i] = kvs_bf16_round(frand());
+    for (int i = 0; i < n * qd; i++) q[i] = kvs_bf16_round(2 * frand());
     for (int s = 0; s < NS; s++) memcpy(qn + (size_t)s * qd, q + (size_t)(qs[s + 1] - 1) * qd, (size_t)qd * 4);
     /* every position written: one prefill of each sequence's context */
     int32_t wq[NS + 1], wpos[NS];

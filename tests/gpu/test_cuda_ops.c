@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/half.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "models/model.h"
@@ -34,7 +35,7 @@
 static float *rand_vec(size_t n, float scale, int round_bf16)
 {
     float *v = kvs_xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? bf16_round(frand() * scale) : frand() * scale;
+    for (size_t i = 0; i < n; i++) v[i] = round_bf16 ? kvs_bf16_round(frand() * scale) : frand() * scale;
     return v;
 }
 
@@ -74,27 +75,9 @@ static struct wpair mkw(const float *v, int64_t rows, int64_t cols, int is_vec, 
     size_t es = dt == KVS_DTYPE_F32 ? 4 : 2;
     void *raw = kvs_xmalloc(n * es);
     for (size_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, &v[i], 4);
         if (dt == KVS_DTYPE_F32) ((float *)raw)[i] = v[i];
-        else if (dt == KVS_DTYPE_BF16) ((uint16_t *)raw)[i] = (uint16_t)(((u + 0x7fffu + ((u >> 16) & 1u))) >> 16);
-        else {
-            /* fp16 through _Float16-free rounding: use the compiler's conversion via float -> half bits */
-            float x = v[i];
-            uint32_t sign = (u >> 16) & 0x8000u;
-            float ax = fabsf(x);
-            uint16_t h;
-            if (ax < 6.1035156e-05f) h = (uint16_t)(sign | (uint32_t)lrintf(ax / 5.9604645e-08f));
-            else {
-                int ex;
-                float m = frexpf(ax, &ex); /* ax = m * 2^ex, m in [0.5, 1) */
-                uint32_t mant = (uint32_t)lrintf((m * 2.0f - 1.0f) * 1024.0f);
-                int e = ex - 1 + 15;
-                if (mant == 1024) { mant = 0; e++; }
-                h = (uint16_t)(sign | ((uint32_t)e << 10) | mant);
-            }
-            ((uint16_t *)raw)[i] = h;
-        }
+        else if (dt == KVS_DTYPE_BF16) ((uint16_t *)raw)[i] = kvs_f32_to_bf16(v[i]);
+        else ((uint16_t *)raw)[i] = kvs_f32_to_f16(v[i]);
     }
     struct kvs_tensor_view t = {.dtype = dt, .ndim = is_vec ? 1 : 2, .data = raw, .nbytes = n * es, .file = "test"};
     if (is_vec) t.shape[0] = cols;
@@ -606,7 +589,7 @@ static void test_batch_invariance(void)
             const size_t ne = (size_t)s->out[p] * in;
             uint16_t *raw = kvs_xmalloc(ne * 2);
             for (size_t i = 0; i < ne; i++) {
-                const float v = bf16_round(frand() * 0.05f);
+                const float v = kvs_bf16_round(frand() * 0.05f);
                 uint32_t u;
                 memcpy(&u, &v, 4);
                 raw[i] = (uint16_t)(u >> 16);

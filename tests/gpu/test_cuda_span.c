@@ -205,8 +205,8 @@ static void test_case(const struct span_case *sc)
                 const size_t base = (((size_t)blk * nkv + g) * bs + o) * per_slot;
                 const int ok = readable[(size_t)blk * bs + o];
                 for (int d = 0; d < hd; d++) {
-                    kv[base + d] = ok ? bf16_round(frand()) : NAN;
-                    vv[base + d] = ok ? bf16_round(frand()) : NAN;
+                    kv[base + d] = ok ? kvs_bf16_round(frand()) : NAN;
+                    vv[base + d] = ok ? kvs_bf16_round(frand()) : NAN;
                 }
             }
     struct pair kc = mk(KVS_BUF_KV, cache_n, kv), vc = mk(KVS_BUF_KV, cache_n, vv);

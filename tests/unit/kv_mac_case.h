@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "kernels/backend.h"
 #include "kernels/kv_lean.h"
 #include "kernels/kv_mac.h"
@@ -49,16 +50,6 @@ static inline float mc_frand(void)
     return (float)((double)(mc_rng >> 11) / (double)(1ull << 53)) * 2.0f - 1.0f;
 }
 
-/* x rounded to the nearest bf16 (ties to even): pool values both backends store exactly */
-static inline float mc_bf16(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
 /* Random pool, shuffled block tables; use_rot: random rotation offsets on some blocks and a
  * short valid count on others (their padding holds garbage that must never be read). */
 static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct kvs_backend *be, int S, int nh, int nkv,
@@ -72,7 +63,7 @@ static inline void mc_init(struct mc *c, const struct kvs_backend_ops *o, struct
     const size_t pool = (size_t)c->n_blocks * nkv * bs * hd, tab = (size_t)S * max_blocks;
     c->h_k = malloc(pool * 4), c->h_v = malloc(pool * 4), c->inv_freq = malloc((size_t)hd / 2 * 4);
     c->h_bt = malloc(tab * 4), c->h_rot = calloc(tab, 4), c->h_valid = malloc(tab * 4);
-    for (size_t i = 0; i < pool; i++) c->h_k[i] = mc_bf16(mc_frand()), c->h_v[i] = mc_bf16(mc_frand());
+    for (size_t i = 0; i < pool; i++) c->h_k[i] = kvs_bf16_round(mc_frand()), c->h_v[i] = kvs_bf16_round(mc_frand());
     for (int i = 0; i < hd / 2; i++) c->inv_freq[i] = powf(10000.0f, -2.0f * (float)i / (float)hd);
     int32_t *perm = malloc((size_t)c->n_blocks * 4);
     for (int i = 0; i < c->n_blocks; i++) perm[i] = i;

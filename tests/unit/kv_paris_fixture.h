@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_paris.h"
@@ -28,17 +29,6 @@ static double gauss(void)
 
 /* ---- 1. one vector -------------------------------------------------------------------------- */
 
-
-/* f32 -> bf16 -> f32, round to nearest even (finite inputs) */
-static inline float pf_bf16_round(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    u &= 0xFFFF0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
 
 
 struct pool_case {
@@ -100,7 +90,7 @@ static void pool_make(struct pool_case *c, int S, int ctx, int needles, int nh, 
             }
         }
     if (bf16)
-        for (size_t i = 0; i < kn; i++) c->k[i] = pf_bf16_round(c->k[i]);
+        for (size_t i = 0; i < kn; i++) c->k[i] = kvs_bf16_round(c->k[i]);
 }
 
 static void pool_free(struct pool_case *c)

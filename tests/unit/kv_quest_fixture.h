@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "base/util.h"
 #include "kernels/backend.h"
 #include "kernels/kv_quest.h"
@@ -32,15 +33,6 @@ struct qf_case {
     float *k, *v;                 /* [n_blocks][nkv][bs][hd] */
     float *q;                     /* [n_seqs][nh][hd]: the decode query of each sequence */
 };
-
-static float qf_bf16(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &u, 4);
-    return x;
-}
 
 static float qf_rand(uint64_t *r) { return (float)((double)kvs_test_xorshift(r) / 4294967296.0 * 2.0 - 1.0); }
 
@@ -76,9 +68,9 @@ static void qf_make(struct qf_case *c, uint64_t seed, int n_seqs, int nh, int nk
     const size_t nk = (size_t)c->n_blocks * nkv * bs * hd;
     c->k = kvs_xmalloc(nk * sizeof *c->k);
     c->v = kvs_xmalloc(nk * sizeof *c->v);
-    for (size_t i = 0; i < nk; i++) c->k[i] = qf_bf16(qf_rand(&r)), c->v[i] = qf_bf16(qf_rand(&r));
+    for (size_t i = 0; i < nk; i++) c->k[i] = kvs_bf16_round(qf_rand(&r)), c->v[i] = kvs_bf16_round(qf_rand(&r));
     c->q = kvs_xmalloc((size_t)n_seqs * nh * hd * sizeof *c->q);
-    for (size_t i = 0; i < (size_t)n_seqs * nh * hd; i++) c->q[i] = qf_bf16(qf_rand(&r));
+    for (size_t i = 0; i < (size_t)n_seqs * nh * hd; i++) c->q[i] = kvs_bf16_round(qf_rand(&r));
     memset(c->needle, 0xff, sizeof c->needle);
     const int G = nh / nkv;
     for (int s = 0; needles && s < n_seqs; s++) {
@@ -95,7 +87,7 @@ static void qf_make(struct qf_case *c, uint64_t seed, int n_seqs, int nh, int nk
                 for (int i = 0; i < hd; i++) {
                     double m = 0;
                     for (int h = g * G; h < (g + 1) * G; h++) m += c->q[((size_t)s * nh + h) * hd + i];
-                    kr[i] = qf_bf16((float)(6.0 * m / G));
+                    kr[i] = kvs_bf16_round((float)(6.0 * m / G));
                 }
             }
     }
