@@ -1039,7 +1039,7 @@ static void cu_score_select(struct kvs_backend *b, const struct kvs_dbuf *q, con
 /* ---- two-level (super-page) selection (kernels/kv_quest.h super_select) ------------------------ */
 
 #define SS_OUT 0xFFFFFFFFu    /* a page outside the kept super-pages: a NaN whose q_okey is 0 */
-#define SS_TODO 0x7FFFFFFFu   /* the split form's candidate not scored yet (scores are never NaN) */
+#define SS_CANDIDATE 0x7FFFFFFFu   /* a candidate page of the split form, scored by the next launch (a NaN no score takes) */
 
 /* Steps (1)-(3) of the two-level selection for one (row, KV head) by the whole block (every
  * thread calls it; it ends on a barrier): (1) the row's refs for head g, a thread per (ref,
@@ -1241,9 +1241,9 @@ k_quest_ssel(const float *__restrict__ q, const void *__restrict__ dig, size_t n
 /* The split form, three launches (kvs_quest_cuda_super_path): the one-block kernel runs a row's
  * phases one after the other in one block a (row, KV head), which at batch 1-8 leaves most SMs
  * idle while one block reads every candidate page's digest (bench/RESULTS.md, quest11). Here:
- * k_quest_ssup (one block a pair: ss_supers, then the row's scores row marked: SS_TODO for the
+ * k_quest_ssup (one block a pair: ss_supers, then the row's scores row marked: SS_CANDIDATE for the
  * pages of the kept super-pages, SS_OUT for the rest), k_quest_scand (the score kernels' grid:
- * a block a (pair, slice of pages) scores its slice's SS_TODO pages with the exact path's code),
+ * a block a (pair, slice of pages) scores its slice's SS_CANDIDATE pages with the exact path's code),
  * then the one-level select launch over the scores. SS_OUT is a NaN whose order key is 0, the
  * key the one-block kernel gives a page outside the kept super-pages, and every candidate's key
  * comes from the same score code: the same keys, so the same selection, bitwise. */
@@ -1267,11 +1267,11 @@ k_quest_ssup(const float *__restrict__ q, const void *__restrict__ dig, size_t n
                                       max_super, max_ref, skey, slist, (float *)(slist + max_super));
     for (int x = tid; x < S * N; x += T) {   /* after ss_supers' barriers: after every SS_OUT store */
         const int pg = slist[x / N] * N + x % N;
-        if (pg < cur) sc[pg] = SS_TODO;
+        if (pg < cur) sc[pg] = SS_CANDIDATE;
     }
 }
 
-/* index map of k_quest_scand: page v where its mark (staged in shared memory from pg0) says TODO */
+/* index map of k_quest_scand: page v where its mark (staged in shared memory from pg0) is SS_CANDIDATE */
 struct q_fmap {
     const uint8_t *todo;
     int pg0;
@@ -1294,7 +1294,7 @@ k_quest_scand(const float *__restrict__ q, const void *__restrict__ dig, size_t 
     uint8_t *todo = (uint8_t *)(sc_smem + (BITS == 16 ? G : 2) * HD);
     int any = 0;
     for (int v = pg0 + tid; v < pg1; v += 32 * QS_WARPS) {
-        const bool t = __float_as_uint(__ldcg(sc + v)) == SS_TODO;
+        const bool t = __float_as_uint(__ldcg(sc + v)) == SS_CANDIDATE;
         todo[v - pg0] = t;
         any |= t;
     }
